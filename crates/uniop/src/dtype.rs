@@ -1,0 +1,378 @@
+//! Element types.
+//!
+//! `DType` is the runtime tag carried by tensor metadata; [`Element`] ties a Rust type to its tag so
+//! kernels can be written once, generically, and dispatched by tag. Half-precision types compute in
+//! f32 ([`FloatElement`] converts whole slices at a time, which is where SIMD conversion pays).
+
+use crate::error::{Error, ErrorCode, Result};
+use half::{bf16, f16};
+use std::fmt;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    F64,
+    I8,
+    I32,
+    I64,
+    U8,
+    Bool,
+}
+
+/// DLPack type codes (`DLDataTypeCode`).
+pub const DLPACK_INT: u8 = 0;
+pub const DLPACK_UINT: u8 = 1;
+pub const DLPACK_FLOAT: u8 = 2;
+pub const DLPACK_BFLOAT: u8 = 4;
+pub const DLPACK_BOOL: u8 = 6;
+
+impl DType {
+    pub const ALL: [DType; 9] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::F64,
+        DType::I8,
+        DType::I32,
+        DType::I64,
+        DType::U8,
+        DType::Bool,
+    ];
+
+    /// Size of one element in bytes.
+    pub fn size(self) -> usize {
+        match self {
+            DType::I8 | DType::U8 | DType::Bool => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::F32 | DType::I32 => 4,
+            DType::F64 | DType::I64 => 8,
+        }
+    }
+
+    /// The name used in schemas, the CLI and messages (torch's spelling).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "float32",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::F64 => "float64",
+            DType::I8 => "int8",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::U8 => "uint8",
+            DType::Bool => "bool",
+        }
+    }
+
+    /// Parses `float32`/`f32`, `bfloat16`/`bf16`, `half`, `int64`/`i64`, … (case-insensitive).
+    pub fn parse(s: &str) -> Result<DType> {
+        let lower = s.to_ascii_lowercase();
+        let dtype = match lower.as_str() {
+            "float32" | "f32" | "float" => DType::F32,
+            "float16" | "f16" | "half" => DType::F16,
+            "bfloat16" | "bf16" => DType::BF16,
+            "float64" | "f64" | "double" => DType::F64,
+            "int8" | "i8" => DType::I8,
+            "int32" | "i32" | "int" => DType::I32,
+            "int64" | "i64" | "long" => DType::I64,
+            "uint8" | "u8" => DType::U8,
+            "bool" => DType::Bool,
+            _ => {
+                return Err(Error::new(
+                    ErrorCode::DType,
+                    format!("unknown dtype '{s}': expected one of float32, float16, bfloat16, float64, int8, int32, int64, uint8, bool"),
+                ))
+            }
+        };
+        Ok(dtype)
+    }
+
+    /// DLPack `(code, bits)`; bf16 is `kDLBfloat`, f16 is `kDLFloat` with 16 bits.
+    pub fn dlpack(self) -> (u8, u8) {
+        let bits = (self.size() * 8) as u8;
+        let code = match self {
+            DType::F32 | DType::F16 | DType::F64 => DLPACK_FLOAT,
+            DType::BF16 => DLPACK_BFLOAT,
+            DType::I8 | DType::I32 | DType::I64 => DLPACK_INT,
+            DType::U8 => DLPACK_UINT,
+            DType::Bool => DLPACK_BOOL,
+        };
+        (code, bits)
+    }
+
+    pub fn from_dlpack(code: u8, bits: u8) -> Result<DType> {
+        DType::ALL.into_iter().find(|d| d.dlpack() == (code, bits)).ok_or_else(|| {
+            Error::new(ErrorCode::DType, format!("unsupported DLPack dtype (code {code}, bits {bits})"))
+        })
+    }
+
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F16 | DType::BF16 | DType::F64)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A Rust type that can live in a uniop tensor.
+pub trait Element: Copy + Default + PartialEq + fmt::Debug + Send + Sync + 'static {
+    const DTYPE: DType;
+    fn to_f64(self) -> f64;
+    /// Converts with the type's usual rounding (round-to-nearest-even for floats, saturating
+    /// truncation for integers).
+    fn from_f64(v: f64) -> Self;
+}
+
+macro_rules! int_element {
+    ($($t:ty => $d:ident),*) => {$(
+        impl Element for $t {
+            const DTYPE: DType = DType::$d;
+            fn to_f64(self) -> f64 { self as f64 }
+            fn from_f64(v: f64) -> Self { v as $t }
+        }
+    )*};
+}
+int_element!(i8 => I8, i32 => I32, i64 => I64, u8 => U8);
+
+impl Element for bool {
+    const DTYPE: DType = DType::Bool;
+    fn to_f64(self) -> f64 {
+        self as u8 as f64
+    }
+    fn from_f64(v: f64) -> Self {
+        v != 0.0
+    }
+}
+
+impl Element for f64 {
+    const DTYPE: DType = DType::F64;
+    fn to_f64(self) -> f64 {
+        self
+    }
+    fn from_f64(v: f64) -> Self {
+        v
+    }
+}
+
+/// Floating-point elements that kernels compute in f32 (f64 computes in f64 via the reference path).
+pub trait FloatElement: Element {
+    fn to_f32(self) -> f32;
+    fn from_f32(v: f32) -> Self;
+    /// Widens a whole slice (`src.len() == dst.len()`); the bulk form lets conversions vectorize.
+    fn widen(src: &[Self], dst: &mut [f32]);
+    /// Narrows a whole slice with round-to-nearest-even.
+    fn narrow(src: &[f32], dst: &mut [Self]);
+    /// `Some` when the element *is* f32, so kernels can skip the staging copy.
+    fn as_f32_slice(s: &[Self]) -> Option<&[f32]>;
+    fn as_f32_slice_mut(s: &mut [Self]) -> Option<&mut [f32]>;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+}
+
+impl FloatElement for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    #[inline(always)]
+    fn widen(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src)
+    }
+    #[inline(always)]
+    fn narrow(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src)
+    }
+    #[inline(always)]
+    fn as_f32_slice(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
+    }
+    #[inline(always)]
+    fn as_f32_slice_mut(s: &mut [f32]) -> Option<&mut [f32]> {
+        Some(s)
+    }
+}
+
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+    fn to_f64(self) -> f64 {
+        self.to_f64()
+    }
+    fn from_f64(v: f64) -> Self {
+        f16::from_f64(v)
+    }
+}
+
+impl FloatElement for f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+    #[inline(always)]
+    fn widen(src: &[f16], dst: &mut [f32]) {
+        // `half` detects F16C once per slice and converts 8 lanes at a time.
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(dst)
+    }
+    #[inline(always)]
+    fn narrow(src: &[f32], dst: &mut [f16]) {
+        use half::slice::HalfFloatSliceExt;
+        dst.convert_from_f32_slice(src)
+    }
+    fn as_f32_slice(_: &[f16]) -> Option<&[f32]> {
+        None
+    }
+    fn as_f32_slice_mut(_: &mut [f16]) -> Option<&mut [f32]> {
+        None
+    }
+}
+
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+    fn to_f64(self) -> f64 {
+        self.to_f64()
+    }
+    fn from_f64(v: f64) -> Self {
+        bf16::from_f64(v)
+    }
+}
+
+/// bf16 → f32 is a shift; written on bits so the loop vectorizes.
+#[inline(always)]
+fn bf16_bits_to_f32(b: u16) -> f32 {
+    f32::from_bits((b as u32) << 16)
+}
+
+/// f32 → bf16 with round-to-nearest-even; NaN stays a (quiet) NaN. Branch-free so it vectorizes.
+#[inline(always)]
+fn f32_to_bf16_bits(v: f32) -> u16 {
+    let bits = v.to_bits();
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16;
+    let nan = (bits >> 16) | 0x40;
+    if v.is_nan() {
+        nan as u16
+    } else {
+        rounded as u16
+    }
+}
+
+impl FloatElement for bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16_bits_to_f32(self.to_bits())
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        bf16::from_bits(f32_to_bf16_bits(v))
+    }
+    #[inline(always)]
+    fn widen(src: &[bf16], dst: &mut [f32]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = bf16_bits_to_f32(s.to_bits());
+        }
+    }
+    #[inline(always)]
+    fn narrow(src: &[f32], dst: &mut [bf16]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = bf16::from_bits(f32_to_bf16_bits(*s));
+        }
+    }
+    fn as_f32_slice(_: &[bf16]) -> Option<&[f32]> {
+        None
+    }
+    fn as_f32_slice_mut(_: &mut [bf16]) -> Option<&mut [f32]> {
+        None
+    }
+}
+
+/// Runs `$body` with `$T` bound to the Rust type of a float dtype (f32, f16, bf16), or returns a
+/// dtype error naming `$op`/`$arg`. f64 is deliberately absent: it is the reference dtype.
+#[macro_export]
+macro_rules! with_float_dtype {
+    ($dtype:expr, $op:expr, $arg:expr, |$T:ident| $body:expr) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $T = $crate::half::f16;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $T = $crate::half::bf16;
+                $body
+            }
+            other => {
+                return Err($crate::Error::arg(
+                    $crate::ErrorCode::DType,
+                    $op,
+                    $arg,
+                    "one of float32, float16, bfloat16",
+                    other,
+                ))
+            }
+        }
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_dlpack_codes() {
+        assert_eq!(DType::BF16.size(), 2);
+        assert_eq!(DType::BF16.dlpack(), (DLPACK_BFLOAT, 16));
+        assert_eq!(DType::F16.dlpack(), (DLPACK_FLOAT, 16));
+        for d in DType::ALL {
+            let (c, b) = d.dlpack();
+            assert_eq!(DType::from_dlpack(c, b).unwrap(), d);
+            assert_eq!(DType::parse(d.name()).unwrap(), d);
+        }
+        assert_eq!(DType::parse("float8").unwrap_err().code(), ErrorCode::DType);
+    }
+
+    #[test]
+    fn bf16_conversion_matches_half_crate() {
+        // Walk a spread of bit patterns, including ties, subnormals, infinities and NaN.
+        let mut bits = 0u32;
+        while bits < u32::MAX - 0x0001_2345 {
+            let v = f32::from_bits(bits);
+            let ours = bf16::from_f32(v);
+            let theirs = <bf16 as FloatElement>::from_f32(v);
+            if v.is_nan() {
+                assert!(theirs.is_nan());
+            } else {
+                assert_eq!(ours.to_bits(), theirs.to_bits(), "{v:e}");
+            }
+            bits += 0x0001_2345;
+        }
+        let src = [1.0f32, 1.00390625, -2.5, f32::INFINITY];
+        let mut mid = [bf16::ZERO; 4];
+        let mut back = [0f32; 4];
+        bf16::narrow(&src, &mut mid);
+        bf16::widen(&mid, &mut back);
+        assert_eq!(back, [1.0, 1.0, -2.5, f32::INFINITY]);
+    }
+}

@@ -1,0 +1,317 @@
+//! The two-phase executor (aclnn's `GetWorkspaceSize` + launch).
+//!
+//! Phase 1 ([`Executor::new`]) binds tensors and attributes to an op, runs `infer`, checks the
+//! caller's outputs against it, lets the op `plan`, and adds staging copies for tensors whose
+//! layout the kernel does not accept. The result knows its workspace size. Phase 2 runs the plan
+//! on a stream with a caller-provided workspace.
+//!
+//! Executors are single-use by default; [`Executor::set_repeatable`] allows relaunching, and the
+//! `rebind_*` calls swap tensor addresses (same dtype/shape/strides) without planning again.
+
+use crate::error::{Error, ErrorCode, Result};
+use crate::layout::{StridedRuns, TensorMeta};
+use crate::op::{block_dim_for, Bound, KernelArgs, LayoutNeed, OpCx, Step};
+use crate::registry::{OpEntry, Registry};
+use crate::runtime::{BlockCtx, Stream};
+use crate::schema::AttrValue;
+use crate::tensor::{TensorMut, TensorRef};
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+const WS_ALIGN: usize = 64;
+
+/// A tensor whose layout the kernel cannot take: it lives in the workspace for the launch.
+#[derive(Clone, Debug)]
+struct Staging {
+    is_output: bool,
+    index: usize,
+    /// Byte offset in the (aligned) workspace.
+    at: usize,
+    meta: TensorMeta,
+}
+
+pub struct Executor<'a> {
+    entry: Arc<OpEntry>,
+    steps: Vec<Step>,
+    inputs: Vec<Option<Bound>>,
+    outputs: Vec<Bound>,
+    staging: Vec<Staging>,
+    op_workspace: usize,
+    workspace_size: usize,
+    repeatable: bool,
+    launched: bool,
+    _life: PhantomData<&'a mut ()>,
+}
+
+fn align_up(n: usize) -> usize {
+    n.next_multiple_of(WS_ALIGN)
+}
+
+impl<'a> Executor<'a> {
+    /// Phase 1 by op name through the global registry.
+    pub fn by_name(
+        op: &str,
+        inputs: &[Option<TensorRef<'a>>],
+        attrs: &[(&str, AttrValue)],
+        outputs: Vec<TensorMut<'a>>,
+    ) -> Result<Executor<'a>> {
+        Self::new(Registry::global().get(op)?, inputs, attrs, outputs)
+    }
+
+    /// Phase 1: validate, infer, plan. `inputs` has one entry per tensor of the schema (flattened
+    /// for `Tensor[]`; `None` for an absent `Tensor?`).
+    pub fn new(
+        entry: Arc<OpEntry>,
+        inputs: &[Option<TensorRef<'a>>],
+        attrs: &[(&str, AttrValue)],
+        outputs: Vec<TensorMut<'a>>,
+    ) -> Result<Executor<'a>> {
+        let groups = group_inputs(&entry, inputs)?;
+        let cx = OpCx::bind(&entry.schema, groups, attrs)?;
+        let expected = entry.op.infer(&cx)?;
+        let op = entry.name().to_string();
+        if outputs.len() != expected.len() {
+            return Err(Error::new(ErrorCode::ParamInvalid, format!("{op}: expected {} outputs, got {}", expected.len(), outputs.len())));
+        }
+        for (i, (out, want)) in outputs.iter().zip(&expected).enumerate() {
+            let name = entry.schema.output_name(i);
+            if out.dtype() != want.dtype {
+                return Err(Error::arg(ErrorCode::DType, &op, &name, format!("dtype {}", want.dtype), out.dtype()));
+            }
+            if out.shape() != want.shape() {
+                return Err(Error::arg(ErrorCode::Shape, &op, &name, format!("shape {}", want.layout), format!("shape {}", out.meta().layout)));
+            }
+        }
+        let plan = entry.op.plan(&cx)?;
+        drop(cx);
+
+        let mut staging = Vec::new();
+        let mut at = align_up(plan.workspace);
+        let mut stage = |is_output: bool, index: usize, meta: &TensorMeta, need: LayoutNeed| -> Result<()> {
+            if need.satisfied_by(&meta.layout) {
+                return Ok(());
+            }
+            let packed = TensorMeta::contiguous(meta.dtype, meta.shape())?;
+            staging.push(Staging { is_output, index, at, meta: packed.clone() });
+            at = at
+                .checked_add(align_up(packed.contiguous_bytes()?))
+                .ok_or_else(|| Error::new(ErrorCode::Shape, format!("{op}: workspace size overflows")))?;
+            Ok(())
+        };
+        let bound_inputs: Vec<Option<Bound>> = inputs
+            .iter()
+            .map(|t| t.as_ref().map(|t| Bound { ptr: t.as_ptr() as *mut u8, len: t.byte_len(), meta: t.meta().clone() }))
+            .collect();
+        for (i, b) in bound_inputs.iter().enumerate() {
+            if let Some(b) = b {
+                stage(false, i, &b.meta, plan.input_needs.get(i).copied().unwrap_or_default())?;
+            }
+        }
+        let bound_outputs: Vec<Bound> = outputs
+            .into_iter()
+            .map(|mut t| Bound { ptr: t.as_mut_ptr(), len: t.byte_len(), meta: t.meta().clone() })
+            .collect();
+        for (i, b) in bound_outputs.iter().enumerate() {
+            stage(true, i, &b.meta, plan.output_needs.get(i).copied().unwrap_or_default())?;
+        }
+        let workspace_size = if at == 0 { 0 } else { at + WS_ALIGN };
+        Ok(Executor {
+            entry,
+            steps: plan.steps,
+            inputs: bound_inputs,
+            outputs: bound_outputs,
+            staging,
+            op_workspace: plan.workspace,
+            workspace_size,
+            repeatable: false,
+            launched: false,
+            _life: PhantomData,
+        })
+    }
+
+    pub fn op(&self) -> &str {
+        self.entry.name()
+    }
+
+    /// Bytes of workspace phase 2 needs (0 when none).
+    pub fn workspace_size(&self) -> usize {
+        self.workspace_size
+    }
+
+    /// Allows launching more than once (aclnn's `aclSetAclOpExecutorRepeatable`).
+    pub fn set_repeatable(&mut self) {
+        self.repeatable = true;
+    }
+
+    pub fn is_repeatable(&self) -> bool {
+        self.repeatable
+    }
+
+    /// Points input `i` at new data with the same dtype, shape and strides.
+    pub fn rebind_input(&mut self, i: usize, t: TensorRef<'a>) -> Result<()> {
+        let op = self.op().to_string();
+        let slot = self.inputs.get_mut(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_input: no input {i}")))?;
+        let old = slot.as_ref().ok_or_else(|| Error::invalid(format!("{op}: rebind_input: input {i} was bound as None")))?;
+        check_same_layout(&op, &format!("input {i}"), &old.meta, t.meta())?;
+        *slot = Some(Bound { ptr: t.as_ptr() as *mut u8, len: t.byte_len(), meta: t.meta().clone() });
+        Ok(())
+    }
+
+    pub fn rebind_output(&mut self, i: usize, mut t: TensorMut<'a>) -> Result<()> {
+        let op = self.op().to_string();
+        let slot = self.outputs.get_mut(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_output: no output {i}")))?;
+        check_same_layout(&op, &format!("output {i}"), &slot.meta, t.meta())?;
+        *slot = Bound { ptr: t.as_mut_ptr(), len: t.byte_len(), meta: t.meta().clone() };
+        Ok(())
+    }
+
+    /// Phase 2, blocking: launches on `stream` and waits for the stream, so the borrowed tensors
+    /// are never touched after this returns.
+    pub fn run(&mut self, workspace: &mut [u8], stream: &Stream) -> Result<()> {
+        // SAFETY: we synchronize before returning, so all borrows outlive the work.
+        unsafe { self.launch(workspace.as_mut_ptr(), workspace.len(), stream)? };
+        stream.synchronize().map_err(|e| e.context(self.op()))
+    }
+
+    /// Phase 2, asynchronous: enqueues the plan on `stream` and returns.
+    ///
+    /// # Safety
+    /// Every bound tensor and the workspace must stay valid (and not be accessed elsewhere) until
+    /// `stream` has finished this work — the same contract as an aclnn or CUDA launch.
+    pub unsafe fn launch(&mut self, workspace: *mut u8, workspace_len: usize, stream: &Stream) -> Result<()> {
+        let op = self.op();
+        if self.launched && !self.repeatable {
+            return Err(Error::new(
+                ErrorCode::ParamInvalid,
+                format!("{op}: this executor was already launched and is single-use (call set_repeatable before the first launch to reuse it)"),
+            ));
+        }
+        if workspace_len < self.workspace_size {
+            return Err(Error::new(
+                ErrorCode::WorkspaceTooSmall,
+                format!("{op}: workspace of {workspace_len} bytes is smaller than the {} bytes phase 1 asked for", self.workspace_size),
+            ));
+        }
+        if self.workspace_size > 0 && workspace.is_null() {
+            return Err(Error::arg(ErrorCode::ParamNullptr, op, "workspace", format!("{} bytes", self.workspace_size), "a null pointer"));
+        }
+        self.launched = true;
+        let base = if self.workspace_size == 0 { std::ptr::null_mut() } else { workspace.add(workspace.align_offset(WS_ALIGN)) };
+
+        // Kernel-facing bindings: staged tensors point into the workspace, contiguous.
+        let mut kernel_args = KernelArgs {
+            inputs: self.inputs.clone(),
+            outputs: self.outputs.clone(),
+            workspace: base,
+            workspace_len: self.op_workspace,
+        };
+        let mut copies_in = Vec::new();
+        let mut copies_out = Vec::new();
+        for s in &self.staging {
+            let staged = Bound { ptr: base.add(s.at), len: s.meta.contiguous_bytes().unwrap_or(0), meta: s.meta.clone() };
+            if s.is_output {
+                let user = std::mem::replace(&mut kernel_args.outputs[s.index], staged.clone());
+                copies_out.push((staged, user));
+            } else {
+                let user = kernel_args.inputs[s.index].replace(staged.clone()).expect("staged inputs are bound");
+                copies_in.push((user, staged));
+            }
+        }
+        for (src, dst) in copies_in {
+            launch_copy(stream, src, dst);
+        }
+        let args = Arc::new(kernel_args);
+        for step in &self.steps {
+            let (args, kernel) = (args.clone(), step.kernel.clone());
+            stream.launch(step.block_dim, move |ctx| kernel(&args, ctx));
+        }
+        for (src, dst) in copies_out {
+            launch_copy(stream, src, dst);
+        }
+        Ok(())
+    }
+}
+
+fn check_same_layout(op: &str, what: &str, old: &TensorMeta, new: &TensorMeta) -> Result<()> {
+    if old.dtype != new.dtype || old.shape() != new.shape() || old.layout.strides() != new.layout.strides() {
+        return Err(Error::new(
+            ErrorCode::ParamInvalid,
+            format!("{op}: rebinding {what}: expected a tensor like the planned one ({old}), got {new}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Splits flattened inputs into per-argument groups as `OpCx::bind` wants them. A `Tensor[]`
+/// argument takes all tensors not claimed by the other arguments.
+fn group_inputs(entry: &OpEntry, inputs: &[Option<TensorRef<'_>>]) -> Result<Vec<Vec<TensorMeta>>> {
+    let args: Vec<_> = entry.schema.inputs().collect();
+    let list_len = inputs.len().checked_sub(args.len() - 1).unwrap_or(0);
+    let mut groups = Vec::new();
+    let mut it = inputs.iter();
+    for arg in &args {
+        let take = if arg.ty.base == crate::schema::BaseType::TensorList { list_len } else { 1 };
+        let mut group = Vec::new();
+        for _ in 0..take {
+            match it.next() {
+                Some(Some(t)) => group.push(t.meta().clone()),
+                Some(None) => {
+                    if !arg.ty.optional {
+                        return Err(Error::arg(ErrorCode::ParamNullptr, entry.name(), &arg.name, "a tensor", "none"));
+                    }
+                }
+                None => {
+                    return Err(Error::new(
+                        ErrorCode::ParamInvalid,
+                        format!("{}: expected {} tensor inputs, got {}", entry.name(), args.len(), inputs.len()),
+                    ))
+                }
+            }
+        }
+        groups.push(group);
+    }
+    if it.next().is_some() {
+        return Err(Error::new(ErrorCode::ParamInvalid, format!("{}: expected {} tensor inputs, got {}", entry.name(), args.len(), inputs.len())));
+    }
+    Ok(groups)
+}
+
+/// Strided copy `src → dst` (same shape and dtype) as an SPMD launch over element ranges.
+fn launch_copy(stream: &Stream, src: Bound, dst: Bound) {
+    let n = src.meta.numel();
+    let size = src.meta.dtype.size();
+    let block_dim = block_dim_for(n, size);
+    let runs = StridedRuns::<2>::new([&dst.meta.layout, &src.meta.layout]);
+    let (src_ptr, dst_ptr) = (SendPtr(src.ptr), SendPtr(dst.ptr));
+    stream.launch(block_dim, move |ctx: BlockCtx| {
+        let range = ctx.split(n);
+        let [ds, ss] = runs.inner_strides();
+        runs.for_each_run(range.start, range.end, |[d, s], len| {
+            // SAFETY: offsets come from layouts checked against their buffers; blocks write
+            // disjoint element ranges of `dst`.
+            unsafe {
+                if ds == 1 && ss == 1 {
+                    std::ptr::copy_nonoverlapping(src_ptr.at(s * size), dst_ptr.at(d * size), len * size);
+                } else {
+                    for j in 0..len {
+                        std::ptr::copy_nonoverlapping(src_ptr.at((s + j * ss) * size), dst_ptr.at((d + j * ds) * size), size);
+                    }
+                }
+            }
+        });
+    });
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut u8);
+
+impl SendPtr {
+    /// # Safety
+    /// `bytes` must stay inside the allocation.
+    unsafe fn at(self, bytes: usize) -> *mut u8 {
+        self.0.add(bytes)
+    }
+}
+// SAFETY: used only inside launches whose executor guarantees the memory outlives them.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}

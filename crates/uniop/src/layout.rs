@@ -1,0 +1,451 @@
+//! Tensor layouts: shape, strides (in elements) and offset.
+//!
+//! A stride of 0 is a broadcast; a 0-size dimension makes an empty tensor that every op accepts.
+//! All size arithmetic is overflow-checked because shapes arrive from C callers and files, and a
+//! wrapped multiplication would turn into an out-of-bounds write.
+
+use crate::dtype::DType;
+use crate::error::{Error, ErrorCode, Result};
+use std::fmt;
+
+#[derive(Clone, PartialEq, Eq, Hash, Default)]
+pub struct Layout {
+    shape: Vec<usize>,
+    strides: Vec<usize>,
+    offset: usize,
+}
+
+/// Formats a shape as `[4, 4096]`.
+pub struct ShapeDisplay<'a>(pub &'a [usize]);
+
+impl fmt::Display for ShapeDisplay<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "[")?;
+        for (i, d) in self.0.iter().enumerate() {
+            if i > 0 {
+                write!(f, ", ")?;
+            }
+            write!(f, "{d}")?;
+        }
+        write!(f, "]")
+    }
+}
+
+fn overflow(what: &str, shape: &[usize]) -> Error {
+    Error::new(ErrorCode::Shape, format!("{what} of shape {} overflows usize", ShapeDisplay(shape)))
+}
+
+/// Number of elements, or a shape error on overflow.
+pub fn checked_numel(shape: &[usize]) -> Result<usize> {
+    shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| overflow("element count", shape))
+}
+
+/// Row-major strides for `shape`, overflow-checked.
+pub fn contiguous_strides(shape: &[usize]) -> Result<Vec<usize>> {
+    let mut strides = vec![0; shape.len()];
+    let mut acc = 1usize;
+    for i in (0..shape.len()).rev() {
+        strides[i] = acc;
+        acc = acc.checked_mul(shape[i].max(1)).ok_or_else(|| overflow("strides", shape))?;
+    }
+    Ok(strides)
+}
+
+/// NumPy/torch broadcasting of two shapes (aligned at the trailing dimension).
+pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let rank = a.len().max(b.len());
+    let mut out = vec![0; rank];
+    for i in 0..rank {
+        let da = if i < rank - a.len() { 1 } else { a[i - (rank - a.len())] };
+        let db = if i < rank - b.len() { 1 } else { b[i - (rank - b.len())] };
+        out[i] = match (da, db) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => return None,
+        };
+    }
+    Some(out)
+}
+
+impl Layout {
+    /// A contiguous row-major layout.
+    pub fn contiguous(shape: &[usize]) -> Result<Layout> {
+        checked_numel(shape)?;
+        Ok(Layout { shape: shape.to_vec(), strides: contiguous_strides(shape)?, offset: 0 })
+    }
+
+    /// A strided layout; checks only that ranks agree and that the extent does not overflow.
+    /// Whether it fits a particular buffer is [`Layout::check_fits`]'s job.
+    pub fn strided(shape: &[usize], strides: &[usize], offset: usize) -> Result<Layout> {
+        if shape.len() != strides.len() {
+            return Err(Error::new(
+                ErrorCode::Shape,
+                format!("shape {} has rank {} but strides {} have rank {}", ShapeDisplay(shape), shape.len(), ShapeDisplay(strides), strides.len()),
+            ));
+        }
+        let layout = Layout { shape: shape.to_vec(), strides: strides.to_vec(), offset };
+        layout.storage_extent()?;
+        Ok(layout)
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+    /// Element count (cannot overflow: checked at construction).
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.shape.contains(&0)
+    }
+
+    /// Number of storage elements needed to hold every element of this view:
+    /// `offset + Σ (dim-1)·stride + 1`, or 0 for an empty view.
+    pub fn storage_extent(&self) -> Result<usize> {
+        if self.is_empty() {
+            return Ok(0);
+        }
+        let mut last = self.offset;
+        for (&d, &s) in self.shape.iter().zip(&self.strides) {
+            last = (d - 1).checked_mul(s).and_then(|x| x.checked_add(last)).ok_or_else(|| overflow("storage extent", &self.shape))?;
+        }
+        last.checked_add(1).ok_or_else(|| overflow("storage extent", &self.shape))
+    }
+
+    /// Checks that the view stays inside a buffer of `len_bytes` holding `dtype` elements.
+    pub fn check_fits(&self, dtype: DType, len_bytes: usize) -> Result<()> {
+        let need = self.storage_extent()?.checked_mul(dtype.size()).ok_or_else(|| overflow("byte size", &self.shape))?;
+        if need > len_bytes {
+            return Err(Error::new(
+                ErrorCode::Shape,
+                format!(
+                    "view {self} of {dtype} needs {need} bytes of storage but the buffer holds {len_bytes}"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Row-major contiguous (size-1 dims may have any stride).
+    pub fn is_contiguous(&self) -> bool {
+        let mut expected = 1;
+        for (&d, &s) in self.shape.iter().zip(&self.strides).rev() {
+            if d != 1 && s != expected {
+                return false;
+            }
+            expected *= d;
+        }
+        true
+    }
+
+    /// The last dimension is dense (stride 1, or size ≤ 1), so each row is a plain slice.
+    pub fn is_inner_contiguous(&self) -> bool {
+        match (self.shape.last(), self.strides.last()) {
+            (Some(&d), Some(&s)) => d <= 1 || s == 1,
+            _ => true,
+        }
+    }
+
+    /// Broadcasts this layout to `shape` by giving new and size-1 dims stride 0.
+    pub fn broadcast_to(&self, shape: &[usize]) -> Result<Layout> {
+        let fail = || {
+            Error::new(ErrorCode::Shape, format!("cannot broadcast shape {} to {}", ShapeDisplay(&self.shape), ShapeDisplay(shape)))
+        };
+        if shape.len() < self.rank() {
+            return Err(fail());
+        }
+        let lead = shape.len() - self.rank();
+        let mut strides = vec![0; shape.len()];
+        for i in 0..self.rank() {
+            let (d, s) = (self.shape[i], self.strides[i]);
+            strides[lead + i] = if d == shape[lead + i] {
+                s
+            } else if d == 1 {
+                0
+            } else {
+                return Err(fail());
+            };
+        }
+        Ok(Layout { shape: shape.to_vec(), strides, offset: self.offset })
+    }
+
+    /// Storage offset (in elements) of the element at linear row-major index `i`.
+    pub fn offset_of_linear(&self, mut i: usize) -> usize {
+        let mut off = self.offset;
+        for (&d, &s) in self.shape.iter().zip(&self.strides).rev() {
+            if d == 0 {
+                return off;
+            }
+            off += (i % d) * s;
+            i /= d;
+        }
+        off
+    }
+
+    /// Views the tensor as `[rows, cols]` over the last dim; returns `(rows, cols)`.
+    pub fn rows_cols(&self) -> (usize, usize) {
+        let cols = self.shape.last().copied().unwrap_or(1);
+        let rows = self.shape[..self.rank().saturating_sub(1)].iter().product();
+        (rows, cols)
+    }
+
+    /// Storage offset of the first element of row `r` in the `[rows, cols]` view.
+    pub fn row_offset(&self, r: usize) -> usize {
+        let lead = self.rank().saturating_sub(1);
+        let mut off = self.offset;
+        let mut rem = r;
+        for k in (0..lead).rev() {
+            let d = self.shape[k];
+            off += (rem % d) * self.strides[k];
+            rem /= d;
+        }
+        off
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", ShapeDisplay(&self.shape))?;
+        if !self.is_contiguous() || self.offset != 0 {
+            write!(f, " strides {} offset {}", ShapeDisplay(&self.strides), self.offset)?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Layout(shape {}, strides {}, offset {})", ShapeDisplay(&self.shape), ShapeDisplay(&self.strides), self.offset)
+    }
+}
+
+/// What every frontend and `infer` talks about: dtype plus layout, no data.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TensorMeta {
+    pub dtype: DType,
+    pub layout: Layout,
+}
+
+impl TensorMeta {
+    pub fn contiguous(dtype: DType, shape: &[usize]) -> Result<TensorMeta> {
+        Ok(TensorMeta { dtype, layout: Layout::contiguous(shape)? })
+    }
+    pub fn shape(&self) -> &[usize] {
+        self.layout.shape()
+    }
+    pub fn rank(&self) -> usize {
+        self.layout.rank()
+    }
+    pub fn numel(&self) -> usize {
+        self.layout.numel()
+    }
+    /// Bytes of a contiguous tensor with this shape and dtype (overflow-checked).
+    pub fn contiguous_bytes(&self) -> Result<usize> {
+        self.numel().checked_mul(self.dtype.size()).ok_or_else(|| overflow("byte size", self.shape()))
+    }
+}
+
+impl fmt::Display for TensorMeta {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.dtype, self.layout)
+    }
+}
+
+/// Walks `N` same-shaped layouts (already broadcast) in row-major order as runs along the
+/// innermost dimension — the building block of every elementwise kernel.
+///
+/// Dimensions that are contiguous with their neighbour in *all* operands are merged first, so a
+/// dense tensor becomes a single run however many dims it has.
+#[derive(Clone, Debug)]
+pub struct StridedRuns<const N: usize> {
+    shape: Vec<usize>,
+    strides: [Vec<usize>; N],
+    offsets: [usize; N],
+}
+
+impl<const N: usize> StridedRuns<N> {
+    pub fn new(layouts: [&Layout; N]) -> Self {
+        let shape0 = layouts[0].shape();
+        debug_assert!(layouts.iter().all(|l| l.shape() == shape0));
+        let mut shape: Vec<usize> = Vec::new();
+        let mut strides: [Vec<usize>; N] = std::array::from_fn(|_| Vec::new());
+        for d in 0..shape0.len() {
+            let size = shape0[d];
+            if size == 1 {
+                continue;
+            }
+            let mergeable = !shape.is_empty()
+                && (0..N).all(|k| strides[k].last().copied() == Some(layouts[k].strides()[d] * size));
+            if mergeable {
+                *shape.last_mut().unwrap() *= size;
+                for k in 0..N {
+                    *strides[k].last_mut().unwrap() = layouts[k].strides()[d];
+                }
+            } else {
+                shape.push(size);
+                for k in 0..N {
+                    strides[k].push(layouts[k].strides()[d]);
+                }
+            }
+        }
+        if shape0.contains(&0) {
+            shape = vec![0];
+            strides = std::array::from_fn(|_| vec![1]);
+        }
+        if shape.is_empty() {
+            shape.push(1);
+            for s in strides.iter_mut() {
+                s.push(1);
+            }
+        }
+        StridedRuns { shape, strides, offsets: std::array::from_fn(|k| layouts[k].offset()) }
+    }
+
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Innermost strides of the merged view (one per operand).
+    pub fn inner_strides(&self) -> [usize; N] {
+        std::array::from_fn(|k| *self.strides[k].last().unwrap())
+    }
+
+    /// Calls `f(offsets, len)` for each run covering linear elements `[start, end)`.
+    pub fn for_each_run(&self, start: usize, end: usize, mut f: impl FnMut([usize; N], usize)) {
+        let inner = *self.shape.last().unwrap();
+        let mut i = start;
+        while i < end {
+            let col = i % inner;
+            let len = (inner - col).min(end - i);
+            let mut rem = i;
+            let mut offsets = self.offsets;
+            for d in (0..self.shape.len()).rev() {
+                let idx = rem % self.shape[d];
+                rem /= self.shape[d];
+                for k in 0..N {
+                    offsets[k] += idx * self.strides[k][d];
+                }
+            }
+            f(offsets, len);
+            i += len;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn contiguous_and_extent() {
+        let l = Layout::contiguous(&[2, 3, 4]).unwrap();
+        assert_eq!(l.strides(), &[12, 4, 1]);
+        assert!(l.is_contiguous());
+        assert_eq!(l.storage_extent().unwrap(), 24);
+        let empty = Layout::contiguous(&[2, 0, 4]).unwrap();
+        assert_eq!(empty.storage_extent().unwrap(), 0);
+        assert_eq!(empty.numel(), 0);
+    }
+
+    #[test]
+    fn overflow_is_a_shape_error() {
+        let e = Layout::contiguous(&[usize::MAX / 2, 3]).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Shape);
+        assert!(e.message().contains("overflows"), "{e}");
+        let e = Layout::strided(&[2, 2], &[usize::MAX, 1], 0).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Shape);
+    }
+
+    #[test]
+    fn fits_checks_buffer() {
+        let l = Layout::strided(&[2, 2], &[4, 1], 1).unwrap();
+        assert!(l.check_fits(DType::F32, 4 * 7).is_ok());
+        let e = l.check_fits(DType::F32, 4 * 6).unwrap_err();
+        assert!(e.message().contains("needs 28 bytes"), "{e}");
+    }
+
+    #[test]
+    fn broadcast_rules() {
+        assert_eq!(broadcast_shapes(&[4, 1, 3], &[5, 1]), Some(vec![4, 5, 3]));
+        assert_eq!(broadcast_shapes(&[2, 3], &[4]), None);
+        assert_eq!(broadcast_shapes(&[0, 3], &[1, 3]), Some(vec![0, 3]));
+        let l = Layout::contiguous(&[3, 1]).unwrap().broadcast_to(&[2, 3, 4]).unwrap();
+        assert_eq!(l.strides(), &[0, 1, 0]);
+        assert!(Layout::contiguous(&[3]).unwrap().broadcast_to(&[4]).is_err());
+    }
+
+    fn linear_offsets(l: &Layout) -> Vec<usize> {
+        (0..l.numel()).map(|i| l.offset_of_linear(i)).collect()
+    }
+
+    fn runs_offsets(l: &Layout, start: usize, end: usize) -> Vec<usize> {
+        let runs = StridedRuns::<1>::new([l]);
+        let inner = runs.inner_strides()[0];
+        let mut out = Vec::new();
+        runs.for_each_run(start, end, |[o], len| out.extend((0..len).map(|j| o + j * inner)));
+        out
+    }
+
+    fn arb_layout() -> impl Strategy<Value = Layout> {
+        prop::collection::vec((0usize..4, 0usize..7), 0..5).prop_flat_map(|dims| {
+            let shape: Vec<usize> = dims.iter().map(|d| d.0).collect();
+            let strides: Vec<usize> = dims.iter().map(|d| d.1).collect();
+            (Just(shape), Just(strides), 0usize..5)
+                .prop_map(|(shape, strides, off)| Layout::strided(&shape, &strides, off).unwrap())
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn runs_visit_every_element_in_order(l in arb_layout(), cut in 0usize..1000) {
+            let all = linear_offsets(&l);
+            let n = all.len();
+            let cut = if n == 0 { 0 } else { cut % (n + 1) };
+            let mut got = runs_offsets(&l, 0, cut);
+            got.extend(runs_offsets(&l, cut, n));
+            prop_assert_eq!(got, all);
+        }
+
+        #[test]
+        fn extent_bounds_every_offset(l in arb_layout()) {
+            let extent = l.storage_extent().unwrap();
+            for off in linear_offsets(&l) {
+                prop_assert!(off < extent);
+            }
+        }
+
+        #[test]
+        fn broadcast_is_symmetric_and_consistent(a in prop::collection::vec(0usize..4, 0..4), b in prop::collection::vec(0usize..4, 0..4)) {
+            let ab = broadcast_shapes(&a, &b);
+            prop_assert_eq!(&ab, &broadcast_shapes(&b, &a));
+            if let Some(shape) = ab {
+                let la = Layout::contiguous(&a).unwrap().broadcast_to(&shape).unwrap();
+                let lb = Layout::contiguous(&b).unwrap().broadcast_to(&shape).unwrap();
+                // Every broadcast offset points inside the original storage.
+                for off in linear_offsets(&la) { prop_assert!(off < a.iter().product::<usize>().max(1)); }
+                for off in linear_offsets(&lb) { prop_assert!(off < b.iter().product::<usize>().max(1)); }
+            }
+        }
+
+        #[test]
+        fn row_offsets_match_linear(l in arb_layout()) {
+            let (rows, cols) = l.rows_cols();
+            if cols > 0 {
+                for r in 0..rows {
+                    prop_assert_eq!(l.row_offset(r), l.offset_of_linear(r * cols));
+                }
+            }
+        }
+    }
+}

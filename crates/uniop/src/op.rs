@@ -1,0 +1,418 @@
+//! The op model: what an op author writes once.
+//!
+//! An op is a value implementing [`Op`]: its schema line, `infer` (metas in → metas out, or an error
+//! naming the argument), `plan` (phase 1: pick the kernel, size the workspace, say which layouts the
+//! kernel accepts) and an f64 `reference`. Frontends never see more than this trait and the
+//! registry, which is what lets one definition serve every runtime.
+
+use crate::dtype::DType;
+use crate::error::{Error, ErrorCode, Result};
+use crate::layout::{Layout, ShapeDisplay, TensorMeta};
+use crate::runtime::BlockCtx;
+use crate::schema::{AttrValue, BaseType, OpSchema};
+use crate::tensor::TensorRef;
+use std::ops::Range;
+use std::sync::Arc;
+
+pub trait Op: Send + Sync + 'static {
+    /// One line of PyTorch schema language; the registry parses it once.
+    fn schema(&self) -> &'static str;
+    /// What the op computes, its semantics choices and references (shown by `uniop describe`).
+    fn doc(&self) -> &'static str;
+    /// Dtypes the kernels accept (for the main tensor input).
+    fn dtypes(&self) -> &'static [DType];
+    /// Name of the op computing this op's input gradients, if it is differentiable.
+    fn backward(&self) -> Option<&'static str> {
+        None
+    }
+    /// Output metas (contiguous) from input metas and attributes.
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>>;
+    /// Phase 1: kernel choice, workspace and layout needs. `cx` has passed `infer`.
+    fn plan(&self, cx: &OpCx) -> Result<Plan>;
+    /// The obviously-correct f64 computation used by tests and `uniop run`. Inputs arrive
+    /// contiguous (logical order) as [`RefTensor`]s, `None` for absent optional tensors.
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>>;
+    /// Representative inputs: from one user-given shape (the op decides what it means — usually
+    /// the main input's shape) or the op's default LLM-sized shape.
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example>;
+}
+
+/// A contiguous f64 tensor for references.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RefTensor {
+    pub shape: Vec<usize>,
+    pub data: Vec<f64>,
+}
+
+impl RefTensor {
+    pub fn new(shape: &[usize], data: Vec<f64>) -> RefTensor {
+        debug_assert_eq!(shape.iter().product::<usize>(), data.len());
+        RefTensor { shape: shape.to_vec(), data }
+    }
+
+    pub fn from_view(view: &TensorRef<'_>) -> RefTensor {
+        RefTensor { shape: view.shape().to_vec(), data: view.to_f64_vec() }
+    }
+
+    /// Value at logical index `i` of a tensor broadcast to `shape` (trailing-aligned).
+    pub fn broadcast_get(&self, shape: &[usize], mut i: usize) -> f64 {
+        let lead = shape.len() - self.shape.len();
+        let mut off = 0;
+        let mut stride = 1;
+        for d in (0..shape.len()).rev() {
+            let idx = i % shape[d];
+            i /= shape[d];
+            if d >= lead {
+                let own = self.shape[d - lead];
+                if own != 1 {
+                    off += idx * stride;
+                }
+                stride *= own;
+            }
+        }
+        self.data[off]
+    }
+}
+
+/// Inputs and attributes for `uniop run`, tests and benchmarks.
+#[derive(Clone, Debug)]
+pub struct Example {
+    pub inputs: Vec<Option<TensorMeta>>,
+    pub attrs: Vec<(String, AttrValue)>,
+}
+
+/// What the op gets to look at: its schema, input metas and resolved attributes.
+pub struct OpCx<'s> {
+    pub schema: &'s OpSchema,
+    /// One entry per tensor (a `Tensor[]` argument contributes several).
+    inputs: Vec<Option<TensorMeta>>,
+    /// For each tensor argument of the schema, its range in `inputs`.
+    groups: Vec<Range<usize>>,
+    /// One value per non-tensor argument, defaults filled in.
+    attrs: Vec<AttrValue>,
+}
+
+impl<'s> OpCx<'s> {
+    /// Binds input metas and attributes (by name; defaults applied; types checked) to `schema`.
+    /// `inputs` holds one group per tensor argument: one meta for `Tensor`, zero or one for
+    /// `Tensor?`, any number for `Tensor[]`.
+    pub fn bind(schema: &'s OpSchema, inputs: Vec<Vec<TensorMeta>>, attrs: &[(&str, AttrValue)]) -> Result<OpCx<'s>> {
+        let op = schema.name.as_str();
+        let tensor_args: Vec<_> = schema.inputs().collect();
+        if inputs.len() != tensor_args.len() {
+            return Err(Error::new(
+                ErrorCode::ParamInvalid,
+                format!("{op}: expected {} tensor inputs ({}), got {}", tensor_args.len(), names(&tensor_args), inputs.len()),
+            ));
+        }
+        let mut flat = Vec::new();
+        let mut groups = Vec::new();
+        for (arg, group) in tensor_args.iter().zip(inputs) {
+            let start = flat.len();
+            match (arg.ty.base, group.len()) {
+                (BaseType::TensorList, _) => flat.extend(group.into_iter().map(Some)),
+                (_, 1) => flat.extend(group.into_iter().map(Some)),
+                (_, 0) if arg.ty.optional => flat.push(None),
+                (_, 0) => return Err(Error::arg(ErrorCode::ParamNullptr, op, &arg.name, "a tensor", "none")),
+                (_, n) => return Err(Error::arg(ErrorCode::ParamInvalid, op, &arg.name, "one tensor", format!("{n} tensors"))),
+            }
+            groups.push(start..flat.len());
+        }
+        for (name, _) in attrs {
+            if !schema.attrs().any(|a| a.name == *name) {
+                let known: Vec<_> = schema.attrs().map(|a| a.name.as_str()).collect();
+                return Err(Error::new(
+                    ErrorCode::ParamInvalid,
+                    format!("{op}: unknown attribute '{name}' (attributes: {})", if known.is_empty() { "none".to_string() } else { known.join(", ") }),
+                ));
+            }
+        }
+        let mut values = Vec::new();
+        for arg in schema.attrs() {
+            let given = attrs.iter().rev().find(|(n, _)| *n == arg.name).map(|(_, v)| v.clone());
+            let value = match (given, &arg.default) {
+                (Some(v), _) => v,
+                (None, Some(d)) => d.clone(),
+                (None, None) => return Err(Error::arg(ErrorCode::ParamNullptr, op, &arg.name, format!("a value of type {}", arg.ty), "none")),
+            };
+            if !value.fits(arg.ty) {
+                return Err(Error::arg(ErrorCode::ParamInvalid, op, &arg.name, format!("a value of type {}", arg.ty), &value));
+            }
+            values.push(match (value, arg.ty.base) {
+                (AttrValue::Int(v), BaseType::Float) => AttrValue::Float(v as f64),
+                (v, _) => v,
+            });
+        }
+        Ok(OpCx { schema, inputs: flat, groups, attrs: values })
+    }
+
+    pub fn op(&self) -> &str {
+        &self.schema.name
+    }
+
+    fn tensor_arg(&self, name: &str) -> usize {
+        self.schema.inputs().position(|a| a.name == name).unwrap_or_else(|| panic!("{}: no tensor argument '{name}' in the schema", self.op()))
+    }
+
+    /// Meta of a required tensor argument. Panics if `name` is not in the schema (an op bug).
+    pub fn input(&self, name: &str) -> &TensorMeta {
+        let g = &self.groups[self.tensor_arg(name)];
+        self.inputs[g.start].as_ref().expect("required inputs are bound")
+    }
+
+    pub fn optional_input(&self, name: &str) -> Option<&TensorMeta> {
+        let g = &self.groups[self.tensor_arg(name)];
+        self.inputs[g.start].as_ref()
+    }
+
+    pub fn input_list(&self, name: &str) -> Vec<&TensorMeta> {
+        let g = self.groups[self.tensor_arg(name)].clone();
+        self.inputs[g].iter().flatten().collect()
+    }
+
+    /// Index of a tensor argument's first tensor in the flattened input order (as the kernel
+    /// sees it through [`KernelArgs::input`]).
+    pub fn input_index(&self, name: &str) -> usize {
+        self.groups[self.tensor_arg(name)].start
+    }
+
+    pub fn flat_inputs(&self) -> &[Option<TensorMeta>] {
+        &self.inputs
+    }
+
+    pub fn attr(&self, name: &str) -> &AttrValue {
+        let i = self.schema.attrs().position(|a| a.name == name).unwrap_or_else(|| panic!("{}: no attribute '{name}' in the schema", self.op()));
+        &self.attrs[i]
+    }
+
+    pub fn attr_values(&self) -> &[AttrValue] {
+        &self.attrs
+    }
+
+    pub fn float(&self, name: &str) -> f64 {
+        match self.attr(name) {
+            AttrValue::Float(v) => *v,
+            AttrValue::Int(v) => *v as f64,
+            other => panic!("{}: attribute '{name}' is {other}, not a float", self.op()),
+        }
+    }
+
+    pub fn int(&self, name: &str) -> i64 {
+        match self.attr(name) {
+            AttrValue::Int(v) => *v,
+            other => panic!("{}: attribute '{name}' is {other}, not an int", self.op()),
+        }
+    }
+
+    // ---- helpers for infer: each returns the error message users will read ----
+
+    pub fn err(&self, code: ErrorCode, arg: &str, expected: impl std::fmt::Display, given: impl std::fmt::Display) -> Error {
+        Error::arg(code, self.op(), arg, expected, given)
+    }
+
+    /// Checks `arg`'s dtype is one of `allowed`.
+    pub fn expect_dtype_in(&self, arg: &str, allowed: &[DType]) -> Result<DType> {
+        let d = self.input(arg).dtype;
+        if allowed.contains(&d) {
+            return Ok(d);
+        }
+        let names: Vec<_> = allowed.iter().map(|d| d.name()).collect();
+        Err(self.err(ErrorCode::DType, arg, format!("dtype in {{{}}}", names.join(", ")), d))
+    }
+
+    /// Checks `arg` has dtype `want` (because another argument has it).
+    pub fn expect_same_dtype(&self, arg: &str, want: DType, because: &str) -> Result<()> {
+        let d = self.input(arg).dtype;
+        if d != want {
+            return Err(self.err(ErrorCode::DType, arg, format!("dtype {want} (same as '{because}')"), d));
+        }
+        Ok(())
+    }
+
+    pub fn expect_shape(&self, arg: &str, want: &[usize]) -> Result<()> {
+        let got = self.input(arg).shape();
+        if got != want {
+            return Err(self.err(ErrorCode::Shape, arg, format!("shape {}", ShapeDisplay(want)), format!("shape {}", ShapeDisplay(got))));
+        }
+        Ok(())
+    }
+
+    pub fn expect_min_rank(&self, arg: &str, rank: usize) -> Result<()> {
+        let got = self.input(arg).rank();
+        if got < rank {
+            return Err(self.err(ErrorCode::Shape, arg, format!("rank ≥ {rank}"), format!("rank {got} (shape {})", ShapeDisplay(self.input(arg).shape()))));
+        }
+        Ok(())
+    }
+}
+
+fn names(args: &[&crate::schema::Arg]) -> String {
+    args.iter().map(|a| a.name.as_str()).collect::<Vec<_>>().join(", ")
+}
+
+/// The layout a kernel needs for a tensor; the executor stages a copy through the workspace when
+/// the caller's tensor does not have it, so kernels stay simple and callers stay free.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum LayoutNeed {
+    /// Any strides (the kernel walks them).
+    #[default]
+    Any,
+    /// Last dim dense; leading dims any strides (row kernels).
+    InnerContiguous,
+    /// Fully row-major contiguous.
+    Contiguous,
+}
+
+impl LayoutNeed {
+    pub fn satisfied_by(self, layout: &Layout) -> bool {
+        match self {
+            LayoutNeed::Any => true,
+            LayoutNeed::InnerContiguous => layout.is_inner_contiguous(),
+            LayoutNeed::Contiguous => layout.is_contiguous(),
+        }
+    }
+}
+
+/// A kernel body as the executor runs it: one call per block.
+pub type StepFn = Arc<dyn Fn(&KernelArgs, BlockCtx) + Send + Sync>;
+
+/// One SPMD launch of a plan.
+#[derive(Clone)]
+pub struct Step {
+    pub name: &'static str,
+    pub block_dim: u32,
+    pub kernel: StepFn,
+}
+
+impl Step {
+    pub fn new(name: &'static str, block_dim: u32, kernel: impl Fn(&KernelArgs, BlockCtx) + Send + Sync + 'static) -> Step {
+        Step { name, block_dim, kernel: Arc::new(kernel) }
+    }
+}
+
+/// Phase-1 result of an op: the launches to run in order, the scratch they need and the layouts
+/// they accept.
+#[derive(Clone, Default)]
+pub struct Plan {
+    pub steps: Vec<Step>,
+    /// Scratch bytes the kernels use through [`KernelArgs::workspace`].
+    pub workspace: usize,
+    /// Per flattened input; missing entries mean [`LayoutNeed::Any`].
+    pub input_needs: Vec<LayoutNeed>,
+    /// Per output; missing entries mean [`LayoutNeed::Any`].
+    pub output_needs: Vec<LayoutNeed>,
+}
+
+impl Plan {
+    pub fn new(steps: Vec<Step>) -> Plan {
+        Plan { steps, ..Plan::default() }
+    }
+    pub fn workspace(mut self, bytes: usize) -> Plan {
+        self.workspace = bytes;
+        self
+    }
+    pub fn inputs_need(mut self, needs: Vec<LayoutNeed>) -> Plan {
+        self.input_needs = needs;
+        self
+    }
+    pub fn outputs_need(mut self, needs: Vec<LayoutNeed>) -> Plan {
+        self.output_needs = needs;
+        self
+    }
+}
+
+/// A tensor as bound for one launch: where its storage starts and how to read it.
+#[derive(Clone, Debug)]
+pub(crate) struct Bound {
+    pub(crate) ptr: *mut u8,
+    pub(crate) len: usize,
+    pub(crate) meta: TensorMeta,
+}
+
+/// What a kernel sees at launch time. Layouts here are the ones actually bound (after any staging
+/// copy), so kernels read them from here rather than from plan time.
+pub struct KernelArgs {
+    pub(crate) inputs: Vec<Option<Bound>>,
+    pub(crate) outputs: Vec<Bound>,
+    pub(crate) workspace: *mut u8,
+    pub(crate) workspace_len: usize,
+}
+
+// SAFETY: the executor guarantees the bound memory stays valid for the launch; kernels write
+// outputs/workspace only through the `unsafe` accessors whose contract is disjointness.
+unsafe impl Send for KernelArgs {}
+unsafe impl Sync for KernelArgs {}
+
+impl KernelArgs {
+    /// Required input `i` (flattened order).
+    pub fn input(&self, i: usize) -> TensorRef<'_> {
+        self.optional_input(i).expect("required input is bound")
+    }
+
+    pub fn optional_input(&self, i: usize) -> Option<TensorRef<'_>> {
+        self.inputs[i].as_ref().map(|b| {
+            // SAFETY: bound memory is valid and read-only for the duration of the launch.
+            unsafe { TensorRef::from_raw(b.ptr, b.len, b.meta.clone()) }.expect("bound views were checked when bound")
+        })
+    }
+
+    pub fn output(&self, i: usize) -> OutputView<'_> {
+        let b = &self.outputs[i];
+        OutputView { bound: b, _life: std::marker::PhantomData }
+    }
+
+    /// The op's scratch: `workspace` bytes, 64-byte aligned.
+    ///
+    /// # Safety
+    /// Blocks running concurrently must not access overlapping parts mutably.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn workspace<T: crate::Element>(&self) -> &mut [T] {
+        std::slice::from_raw_parts_mut(self.workspace as *mut T, self.workspace_len / std::mem::size_of::<T>())
+    }
+}
+
+/// An output as kernels see it: shared between blocks, written through disjoint pieces.
+pub struct OutputView<'a> {
+    bound: &'a Bound,
+    _life: std::marker::PhantomData<&'a ()>,
+}
+
+impl OutputView<'_> {
+    pub fn meta(&self) -> &TensorMeta {
+        &self.bound.meta
+    }
+    pub fn layout(&self) -> &Layout {
+        &self.bound.meta.layout
+    }
+
+    /// Storage elements `[start, start+len)` (offsets as the layout computes them).
+    ///
+    /// # Safety
+    /// No other block may access these elements during the launch.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slice_mut<T: crate::Element>(&self, start: usize, len: usize) -> &mut [T] {
+        debug_assert_eq!(self.bound.meta.dtype, T::DTYPE);
+        assert!((start + len) * std::mem::size_of::<T>() <= self.bound.len, "output slice out of bounds");
+        std::slice::from_raw_parts_mut((self.bound.ptr as *mut T).add(start), len)
+    }
+
+    /// Row `r` of the `[rows, cols]` view; the last dim must be dense.
+    ///
+    /// # Safety
+    /// No other block may access row `r` during the launch.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn row_mut<T: crate::Element>(&self, r: usize) -> &mut [T] {
+        let layout = &self.bound.meta.layout;
+        debug_assert!(layout.is_inner_contiguous());
+        self.slice_mut(layout.row_offset(r), layout.rows_cols().1)
+    }
+}
+
+/// A block count for `work` units of roughly `unit_bytes` each: enough blocks to balance the
+/// pool (4 per thread) but none smaller than ~32 KiB, where launch overhead would dominate.
+pub fn block_dim_for(work: usize, unit_bytes: usize) -> u32 {
+    let threads = crate::runtime::Pool::global().threads();
+    let min_units = (32 * 1024 / unit_bytes.max(1)).max(1);
+    let by_size = work.div_ceil(min_units);
+    by_size.clamp(1, threads * 4).min(work.max(1)) as u32
+}

@@ -1,0 +1,403 @@
+//! Streams and events: ordered asynchronous queues, as in CUDA and AscendCL.
+//!
+//! Each stream owns one worker thread that executes its tasks in order; kernel launches fan out
+//! to the shared [`Pool`]. Every task gets a sequence number when it is enqueued, so "has this
+//! stream reached task n" is one atomic load, and an event is just "(stream, n)".
+//!
+//! A cross-stream wait binds to the event's most recent record at the time of the call (CUDA
+//! semantics), so waits always point to work that was enqueued earlier and queue-to-queue waits
+//! can never form a cycle. The one way to build a wait that can never finish is a *blocking* wait
+//! from inside a stream — a host function that synchronizes on its own stream's future, or on a
+//! stream that waits for it. Those are detected by walking the wait graph before blocking and
+//! reported as a runtime error instead of hanging.
+
+use super::pool::{panic_message, BlockCtx, KernelFn, Pool};
+use crate::error::{Error, Result};
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+const SPIN: Duration = Duration::from_micros(50);
+
+enum Task {
+    Launch { kernel: KernelFn, block_num: u32 },
+    HostFn(Box<dyn FnOnce() -> Result<()> + Send>),
+    Record(Arc<RecordPoint>),
+    Wait { on: Arc<StreamInner>, seq: u64 },
+}
+
+struct Queue {
+    tasks: VecDeque<(u64, Task)>,
+    worker_sleeping: bool,
+    shutdown: bool,
+}
+
+struct WaitEdge {
+    at: u64,
+    on: Arc<StreamInner>,
+    seq: u64,
+}
+
+struct StreamInner {
+    id: u64,
+    queue: Mutex<Queue>,
+    work: Condvar,
+    /// Sequence number of the last task enqueued / completed.
+    enqueued: AtomicU64,
+    completed: AtomicU64,
+    done_lock: Mutex<()>,
+    done: Condvar,
+    done_waiters: AtomicUsize,
+    /// First asynchronous failure since the last synchronize (sticky until reported).
+    error: Mutex<Option<Error>>,
+    /// Pending cross-stream waits of this stream, for deadlock detection.
+    waits: Mutex<Vec<WaitEdge>>,
+    /// While a host function of this stream blocks: the task it runs in, and what it waits for.
+    blocked_on: Mutex<Option<(u64, Arc<StreamInner>, u64)>>,
+}
+
+thread_local! {
+    /// Set on stream worker threads: the stream and the task being executed.
+    static CURRENT: RefCell<Option<(Arc<StreamInner>, u64)>> = const { RefCell::new(None) };
+}
+
+/// An ordered asynchronous queue of work. Cloning shares the stream; the worker thread stops
+/// (after draining) when the last handle is dropped.
+#[derive(Clone)]
+pub struct Stream {
+    owner: Arc<Owner>,
+}
+
+struct Owner {
+    inner: Arc<StreamInner>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        {
+            let mut q = self.inner.queue.lock().unwrap();
+            q.shutdown = true;
+            self.inner.work.notify_one();
+        }
+        if let Some(t) = self.thread.lock().unwrap().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Stream {
+    pub fn new() -> Stream {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+        let inner = Arc::new(StreamInner {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            queue: Mutex::new(Queue { tasks: VecDeque::new(), worker_sleeping: false, shutdown: false }),
+            work: Condvar::new(),
+            enqueued: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
+            done_lock: Mutex::new(()),
+            done: Condvar::new(),
+            done_waiters: AtomicUsize::new(0),
+            error: Mutex::new(None),
+            waits: Mutex::new(Vec::new()),
+            blocked_on: Mutex::new(None),
+        });
+        let worker = inner.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("uniop-stream-{}", inner.id))
+            .spawn(move || stream_loop(worker))
+            .expect("spawning a stream worker");
+        Stream { owner: Arc::new(Owner { inner, thread: Mutex::new(Some(thread)) }) }
+    }
+
+    /// The default stream: created on first use, lives for the whole process.
+    pub fn default_stream() -> &'static Stream {
+        static DEFAULT: OnceLock<Stream> = OnceLock::new();
+        DEFAULT.get_or_init(Stream::new)
+    }
+
+    fn inner(&self) -> &Arc<StreamInner> {
+        &self.owner.inner
+    }
+
+    /// A process-unique id (for messages and profiles).
+    pub fn id(&self) -> u64 {
+        self.inner().id
+    }
+
+    fn enqueue(&self, make: impl FnOnce(u64) -> Task) -> u64 {
+        let inner = self.inner();
+        let mut q = inner.queue.lock().unwrap();
+        let seq = inner.enqueued.load(Ordering::Relaxed) + 1;
+        q.tasks.push_back((seq, make(seq)));
+        inner.enqueued.store(seq, Ordering::Release);
+        if q.worker_sleeping {
+            inner.work.notify_one();
+        }
+        seq
+    }
+
+    /// Kernel direct call: enqueue `block_num` instances of `kernel`, each seeing its
+    /// [`BlockCtx`]. Returns at once; the kernel runs when the stream reaches it. A panic inside
+    /// the kernel is caught and reported by the next `synchronize`.
+    pub fn launch(&self, block_num: u32, kernel: impl Fn(BlockCtx) + Send + Sync + 'static) {
+        self.launch_shared(block_num, Arc::new(kernel));
+    }
+
+    pub(crate) fn launch_shared(&self, block_num: u32, kernel: KernelFn) {
+        self.enqueue(|_| Task::Launch { kernel, block_num });
+    }
+
+    /// Enqueues a host function (like `aclrtLaunchCallback` / `cudaLaunchHostFunc`). An error it
+    /// returns is reported by the next `synchronize`.
+    pub fn launch_host_fn(&self, f: impl FnOnce() -> Result<()> + Send + 'static) {
+        self.enqueue(|_| Task::HostFn(Box::new(f)));
+    }
+
+    /// Makes all work enqueued later on this stream wait until `event`'s latest record completes.
+    /// Errors when the event was never recorded.
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        let point = event.latest("Stream::wait_event")?;
+        let on = point.stream.clone();
+        let seq = point.seq;
+        let at = self.enqueue(|_| Task::Wait { on: on.clone(), seq });
+        self.inner().waits.lock().unwrap().push(WaitEdge { at, on, seq });
+        Ok(())
+    }
+
+    /// Blocks until every task enqueued so far has run, then reports (and clears) the first
+    /// asynchronous error since the last synchronize.
+    pub fn synchronize(&self) -> Result<()> {
+        let inner = self.inner();
+        block_until(inner, inner.enqueued.load(Ordering::Acquire))?;
+        match inner.error.lock().unwrap().take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether all enqueued work has finished (never blocks).
+    pub fn query(&self) -> bool {
+        let inner = self.inner();
+        inner.completed.load(Ordering::Acquire) >= inner.enqueued.load(Ordering::Acquire)
+    }
+}
+
+impl Default for Stream {
+    fn default() -> Self {
+        Stream::new()
+    }
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stream({})", self.id())
+    }
+}
+
+fn stream_loop(inner: Arc<StreamInner>) {
+    let pool = Pool::global();
+    let mut taken = 0u64;
+    loop {
+        // Spin briefly for new work before parking: back-to-back launches are the common case.
+        let idle_since = Instant::now();
+        let mut spins = 0u32;
+        while inner.enqueued.load(Ordering::Acquire) == taken {
+            spins = spins.wrapping_add(1);
+            if spins % 64 == 0 && idle_since.elapsed() > SPIN {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        let (seq, task) = {
+            let mut q = inner.queue.lock().unwrap();
+            loop {
+                if let Some(t) = q.tasks.pop_front() {
+                    break t;
+                }
+                if q.shutdown {
+                    return;
+                }
+                q.worker_sleeping = true;
+                q = inner.work.wait(q).unwrap();
+                q.worker_sleeping = false;
+            }
+        };
+        taken = seq;
+        CURRENT.with(|c| *c.borrow_mut() = Some((inner.clone(), seq)));
+        let result = match task {
+            Task::Launch { kernel, block_num } => {
+                pool.run(&kernel, block_num).map_err(|m| Error::runtime(format!("kernel panicked on stream {}: {m}", inner.id)))
+            }
+            Task::HostFn(f) => catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
+                Err(Error::runtime(format!("host function panicked on stream {}: {}", inner.id, panic_message(&*p))))
+            }),
+            Task::Record(point) => {
+                let _ = point.time.set(Instant::now());
+                Ok(())
+            }
+            Task::Wait { on, seq: target } => {
+                let r = block_until(&on, target);
+                inner.waits.lock().unwrap().retain(|w| w.at != seq);
+                r
+            }
+        };
+        CURRENT.with(|c| *c.borrow_mut() = None);
+        if let Err(e) = result {
+            inner.error.lock().unwrap().get_or_insert(e);
+        }
+        inner.completed.store(seq, Ordering::SeqCst);
+        if inner.done_waiters.load(Ordering::SeqCst) > 0 {
+            let _g = inner.done_lock.lock().unwrap();
+            inner.done.notify_all();
+        }
+    }
+}
+
+/// Blocks the calling thread until `target` has completed task `seq`.
+fn block_until(target: &Arc<StreamInner>, seq: u64) -> Result<()> {
+    if target.completed.load(Ordering::Acquire) >= seq {
+        return Ok(());
+    }
+    let current = CURRENT.with(|c| c.borrow().clone());
+    if let Some((me, my_seq)) = &current {
+        if let Some(why) = find_deadlock(me, *my_seq, target, seq) {
+            return Err(Error::runtime(why));
+        }
+        *me.blocked_on.lock().unwrap() = Some((*my_seq, target.clone(), seq));
+    }
+    let idle_since = Instant::now();
+    let mut spins = 0u32;
+    while target.completed.load(Ordering::Acquire) < seq {
+        spins = spins.wrapping_add(1);
+        if spins % 64 != 0 || idle_since.elapsed() < SPIN {
+            std::hint::spin_loop();
+            continue;
+        }
+        let mut g = target.done_lock.lock().unwrap();
+        target.done_waiters.fetch_add(1, Ordering::SeqCst);
+        while target.completed.load(Ordering::SeqCst) < seq {
+            g = target.done.wait(g).unwrap();
+        }
+        target.done_waiters.fetch_sub(1, Ordering::SeqCst);
+    }
+    if let Some((me, _)) = current {
+        me.blocked_on.lock().unwrap().take();
+    }
+    Ok(())
+}
+
+/// Walks "task (stream, n) cannot finish before task (stream', n')" edges from the task being
+/// waited for. Reaching the waiting task itself (or anything after it on its stream) means the
+/// wait can never complete.
+fn find_deadlock(me: &Arc<StreamInner>, my_seq: u64, target: &Arc<StreamInner>, seq: u64) -> Option<String> {
+    let mut stack = vec![(target.clone(), seq)];
+    let mut visited: HashMap<u64, u64> = HashMap::new();
+    while let Some((s, n)) = stack.pop() {
+        if s.completed.load(Ordering::Acquire) >= n {
+            continue;
+        }
+        if s.id == me.id {
+            if n >= my_seq {
+                return Some(format!(
+                    "deadlock: task {my_seq} on stream {} blocks waiting for task {seq} on stream {}, which can only run after task {my_seq} itself finishes",
+                    me.id, target.id
+                ));
+            }
+            continue;
+        }
+        if visited.get(&s.id).is_some_and(|&v| v >= n) {
+            continue;
+        }
+        visited.insert(s.id, n);
+        for w in s.waits.lock().unwrap().iter().filter(|w| w.at <= n) {
+            stack.push((w.on.clone(), w.seq));
+        }
+        if let Some((at, on, on_seq)) = s.blocked_on.lock().unwrap().as_ref() {
+            if *at <= n {
+                stack.push((on.clone(), *on_seq));
+            }
+        }
+    }
+    None
+}
+
+struct RecordPoint {
+    stream: Arc<StreamInner>,
+    seq: u64,
+    time: OnceLock<Instant>,
+}
+
+impl RecordPoint {
+    fn is_complete(&self) -> bool {
+        self.stream.completed.load(Ordering::Acquire) >= self.seq
+    }
+}
+
+/// A marker in a stream's task order: record it, then query, wait for it from the host, make
+/// another stream wait for it, or time the distance between two events.
+#[derive(Clone, Default)]
+pub struct Event {
+    latest: Arc<Mutex<Option<Arc<RecordPoint>>>>,
+}
+
+impl Event {
+    pub fn new() -> Event {
+        Event::default()
+    }
+
+    /// Records the event at the current end of `stream`'s queue (replacing any earlier record).
+    pub fn record(&self, stream: &Stream) {
+        let mut slot = self.latest.lock().unwrap();
+        let mut point = None;
+        stream.enqueue(|seq| {
+            let p = Arc::new(RecordPoint { stream: stream.inner().clone(), seq, time: OnceLock::new() });
+            point = Some(p.clone());
+            Task::Record(p)
+        });
+        *slot = point;
+    }
+
+    fn latest(&self, what: &str) -> Result<Arc<RecordPoint>> {
+        self.latest
+            .lock()
+            .unwrap()
+            .clone()
+            .ok_or_else(|| Error::invalid(format!("{what}: the event was never recorded (call Event::record on a stream first)")))
+    }
+
+    /// Whether the latest record has been reached. Errors when the event was never recorded.
+    pub fn query(&self) -> Result<bool> {
+        Ok(self.latest("Event::query")?.is_complete())
+    }
+
+    /// Blocks until the latest record has been reached.
+    pub fn synchronize(&self) -> Result<()> {
+        let p = self.latest("Event::synchronize")?;
+        block_until(&p.stream, p.seq)
+    }
+
+    /// Milliseconds from `start`'s record to `end`'s record. Both must be recorded and complete.
+    pub fn elapsed_ms(start: &Event, end: &Event) -> Result<f64> {
+        let (a, b) = (start.latest("Event::elapsed_ms (start)")?, end.latest("Event::elapsed_ms (end)")?);
+        match (a.time.get(), b.time.get()) {
+            (Some(ta), Some(tb)) => {
+                let ms = if tb >= ta { tb.duration_since(*ta).as_secs_f64() } else { -ta.duration_since(*tb).as_secs_f64() };
+                Ok(ms * 1e3)
+            }
+            _ => Err(Error::invalid("Event::elapsed_ms: an event has not completed yet (synchronize it first)")),
+        }
+    }
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.latest.lock().unwrap().as_ref() {
+            Some(p) => write!(f, "Event(stream {}, task {})", p.stream.id, p.seq),
+            None => write!(f, "Event(never recorded)"),
+        }
+    }
+}

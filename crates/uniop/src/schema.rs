@@ -1,0 +1,511 @@
+//! Op schemas in PyTorch's schema language.
+//!
+//! One line such as `rms_norm(Tensor x, Tensor weight, float eps=1e-06) -> (Tensor y, Tensor rstd)`
+//! is the single source of truth for an op's signature: torch accepts the same string in
+//! `torch.library`, and every uniop frontend (C header generator, ORT/MindSpore/TF adapters, the CLI)
+//! derives its inputs, attributes and outputs from the parsed [`OpSchema`]. Parse errors point at
+//! the column, because schema typos are the first thing an op author hits.
+
+use crate::dtype::DType;
+use crate::error::{Error, ErrorCode, Result};
+use std::fmt;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BaseType {
+    Tensor,
+    TensorList,
+    Int,
+    Float,
+    Bool,
+    Str,
+    IntList,
+    ScalarType,
+}
+
+impl BaseType {
+    fn spelling(self) -> &'static str {
+        match self {
+            BaseType::Tensor => "Tensor",
+            BaseType::TensorList => "Tensor[]",
+            BaseType::Int => "int",
+            BaseType::Float => "float",
+            BaseType::Bool => "bool",
+            BaseType::Str => "str",
+            BaseType::IntList => "int[]",
+            BaseType::ScalarType => "ScalarType",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ArgType {
+    pub base: BaseType,
+    pub optional: bool,
+}
+
+impl ArgType {
+    /// Tensor-valued arguments are op inputs; everything else is an attribute.
+    pub fn is_tensor(self) -> bool {
+        matches!(self.base, BaseType::Tensor | BaseType::TensorList)
+    }
+}
+
+impl fmt::Display for ArgType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{}", self.base.spelling(), if self.optional { "?" } else { "" })
+    }
+}
+
+/// A non-tensor argument value (attribute).
+#[derive(Clone, Debug, PartialEq)]
+pub enum AttrValue {
+    None,
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+    Str(String),
+    Ints(Vec<i64>),
+    DType(DType),
+}
+
+impl AttrValue {
+    /// Whether this value may be passed for an argument of type `ty` (ints widen to float).
+    pub fn fits(&self, ty: ArgType) -> bool {
+        match (self, ty.base) {
+            (AttrValue::None, _) => ty.optional,
+            (AttrValue::Int(_), BaseType::Int | BaseType::Float)
+            | (AttrValue::Float(_), BaseType::Float)
+            | (AttrValue::Bool(_), BaseType::Bool)
+            | (AttrValue::Str(_), BaseType::Str)
+            | (AttrValue::Ints(_), BaseType::IntList)
+            | (AttrValue::DType(_), BaseType::ScalarType) => true,
+            _ => false,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            AttrValue::None => "None",
+            AttrValue::Int(_) => "int",
+            AttrValue::Float(_) => "float",
+            AttrValue::Bool(_) => "bool",
+            AttrValue::Str(_) => "str",
+            AttrValue::Ints(_) => "int[]",
+            AttrValue::DType(_) => "ScalarType",
+        }
+    }
+}
+
+impl fmt::Display for AttrValue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AttrValue::None => write!(f, "None"),
+            AttrValue::Int(v) => write!(f, "{v}"),
+            AttrValue::Float(v) => write!(f, "{v:?}"),
+            AttrValue::Bool(v) => write!(f, "{}", if *v { "True" } else { "False" }),
+            AttrValue::Str(v) => write!(f, "'{v}'"),
+            AttrValue::Ints(v) => {
+                let parts: Vec<String> = v.iter().map(|x| x.to_string()).collect();
+                write!(f, "[{}]", parts.join(", "))
+            }
+            AttrValue::DType(d) => write!(f, "{d}"),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Arg {
+    pub name: String,
+    pub ty: ArgType,
+    pub default: Option<AttrValue>,
+    /// Declared after a bare `*`: keyword-only in Python frontends.
+    pub kwarg_only: bool,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Return {
+    pub name: Option<String>,
+    pub ty: ArgType,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpSchema {
+    pub name: String,
+    pub overload: Option<String>,
+    pub args: Vec<Arg>,
+    pub returns: Vec<Return>,
+}
+
+impl OpSchema {
+    pub fn parse(text: &str) -> Result<OpSchema> {
+        Parser { text, pos: 0 }.schema()
+    }
+
+    /// Tensor arguments (op inputs), in declaration order.
+    pub fn inputs(&self) -> impl Iterator<Item = &Arg> {
+        self.args.iter().filter(|a| a.ty.is_tensor())
+    }
+
+    /// Non-tensor arguments (attributes), in declaration order.
+    pub fn attrs(&self) -> impl Iterator<Item = &Arg> {
+        self.args.iter().filter(|a| !a.ty.is_tensor())
+    }
+
+    /// Name of output `i`: the declared name, or `out`/`out{i}`.
+    pub fn output_name(&self, i: usize) -> String {
+        match &self.returns[i].name {
+            Some(n) => n.clone(),
+            None if self.returns.len() == 1 => "out".to_string(),
+            None => format!("out{i}"),
+        }
+    }
+}
+
+impl fmt::Display for OpSchema {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.name)?;
+        if let Some(o) = &self.overload {
+            write!(f, ".{o}")?;
+        }
+        write!(f, "(")?;
+        let mut star_written = false;
+        for (i, a) in self.args.iter().enumerate() {
+            if i > 0 {
+                write!(f, ", ")?;
+            }
+            if a.kwarg_only && !star_written {
+                write!(f, "*, ")?;
+                star_written = true;
+            }
+            write!(f, "{} {}", a.ty, a.name)?;
+            if let Some(d) = &a.default {
+                write!(f, "={d}")?;
+            }
+        }
+        write!(f, ") -> ")?;
+        let single_unnamed = self.returns.len() == 1 && self.returns[0].name.is_none();
+        if !single_unnamed {
+            write!(f, "(")?;
+        }
+        for (i, r) in self.returns.iter().enumerate() {
+            if i > 0 {
+                write!(f, ", ")?;
+            }
+            write!(f, "{}", r.ty)?;
+            if let Some(n) = &r.name {
+                write!(f, " {n}")?;
+            }
+        }
+        if !single_unnamed {
+            write!(f, ")")?;
+        }
+        Ok(())
+    }
+}
+
+struct Parser<'a> {
+    text: &'a str,
+    pos: usize,
+}
+
+impl<'a> Parser<'a> {
+    fn error(&self, at: usize, msg: impl fmt::Display) -> Error {
+        let col = self.text[..at.min(self.text.len())].chars().count() + 1;
+        let caret = " ".repeat(col - 1) + "^";
+        Error::new(ErrorCode::ParamInvalid, format!("schema error at column {col}: {msg}\n  {}\n  {caret}", self.text))
+    }
+
+    fn rest(&self) -> &'a str {
+        &self.text[self.pos..]
+    }
+
+    fn skip_ws(&mut self) {
+        let trimmed = self.rest().trim_start();
+        self.pos = self.text.len() - trimmed.len();
+    }
+
+    fn peek(&mut self) -> Option<char> {
+        self.skip_ws();
+        self.rest().chars().next()
+    }
+
+    fn eat(&mut self, token: &str) -> bool {
+        self.skip_ws();
+        if self.rest().starts_with(token) {
+            self.pos += token.len();
+            true
+        } else {
+            false
+        }
+    }
+
+    fn expect(&mut self, token: &str) -> Result<()> {
+        if self.eat(token) {
+            Ok(())
+        } else {
+            Err(self.error(self.pos, format!("expected `{token}`, found {}", self.found())))
+        }
+    }
+
+    fn found(&self) -> String {
+        match self.rest().chars().next() {
+            None => "end of schema".to_string(),
+            Some(_) => {
+                let word: String = self.rest().chars().take_while(|c| !c.is_whitespace()).take(12).collect();
+                format!("`{word}`")
+            }
+        }
+    }
+
+    fn ident(&mut self, what: &str) -> Result<&'a str> {
+        self.skip_ws();
+        let start = self.pos;
+        let len: usize = self
+            .rest()
+            .char_indices()
+            .take_while(|&(i, c)| c == '_' || c.is_ascii_alphabetic() || (i > 0 && c.is_ascii_digit()))
+            .map(|(_, c)| c.len_utf8())
+            .sum();
+        if len == 0 {
+            return Err(self.error(start, format!("expected {what}, found {}", self.found())));
+        }
+        self.pos += len;
+        Ok(&self.text[start..self.pos])
+    }
+
+    fn schema(mut self) -> Result<OpSchema> {
+        let name = self.ident("an op name")?.to_string();
+        let overload = if self.eat(".") { Some(self.ident("an overload name")?.to_string()) } else { None };
+        self.expect("(")?;
+        let mut args: Vec<Arg> = Vec::new();
+        let mut kwarg_only = false;
+        if !self.eat(")") {
+            loop {
+                if self.eat("*") {
+                    if kwarg_only {
+                        return Err(self.error(self.pos - 1, "`*` may appear only once"));
+                    }
+                    kwarg_only = true;
+                } else {
+                    let start = self.pos;
+                    let arg = self.arg(kwarg_only)?;
+                    if args.iter().any(|a| a.name == arg.name) {
+                        return Err(self.error(start, format!("duplicate argument name '{}'", arg.name)));
+                    }
+                    if arg.default.is_none() && !arg.kwarg_only && args.iter().any(|a| a.default.is_some() && !a.kwarg_only) {
+                        return Err(self.error(start, format!("argument '{}' without a default follows one with a default", arg.name)));
+                    }
+                    args.push(arg);
+                }
+                if self.eat(")") {
+                    break;
+                }
+                self.expect(",")?;
+            }
+        }
+        self.expect("->")?;
+        let returns = if self.eat("(") {
+            let mut rets = Vec::new();
+            if !self.eat(")") {
+                loop {
+                    rets.push(self.ret()?);
+                    if self.eat(")") {
+                        break;
+                    }
+                    self.expect(",")?;
+                }
+            }
+            rets
+        } else {
+            vec![self.ret()?]
+        };
+        self.skip_ws();
+        if self.pos != self.text.len() {
+            return Err(self.error(self.pos, format!("unexpected {} after the returns", self.found())));
+        }
+        Ok(OpSchema { name, overload, args, returns })
+    }
+
+    fn ty(&mut self) -> Result<ArgType> {
+        let start = self.pos;
+        let word = self.ident("a type")?;
+        let mut base = match word {
+            "Tensor" => BaseType::Tensor,
+            "int" | "SymInt" => BaseType::Int,
+            "float" => BaseType::Float,
+            "bool" => BaseType::Bool,
+            "str" => BaseType::Str,
+            "ScalarType" => BaseType::ScalarType,
+            other => {
+                return Err(self.error(
+                    start,
+                    format!("unknown type `{other}` (expected Tensor, Tensor?, Tensor[], int, float, bool, str, int[] or ScalarType)"),
+                ))
+            }
+        };
+        if self.rest().starts_with('[') {
+            let bracket = self.pos;
+            self.pos += 1;
+            // `int[2]`: a fixed length is accepted and treated as a list.
+            while self.rest().starts_with(|c: char| c.is_ascii_digit()) {
+                self.pos += 1;
+            }
+            self.expect("]")?;
+            base = match base {
+                BaseType::Tensor => BaseType::TensorList,
+                BaseType::Int => BaseType::IntList,
+                _ => return Err(self.error(bracket, format!("lists of `{word}` are not supported"))),
+            };
+        }
+        let optional = self.rest().starts_with('?');
+        if optional {
+            self.pos += 1;
+        }
+        Ok(ArgType { base, optional })
+    }
+
+    fn arg(&mut self, kwarg_only: bool) -> Result<Arg> {
+        let ty = self.ty()?;
+        let name = self.ident("an argument name")?.to_string();
+        let default = if self.eat("=") {
+            let at = self.pos;
+            let value = self.value()?;
+            if ty.is_tensor() && value != AttrValue::None {
+                return Err(self.error(at, format!("a tensor argument ('{name}') can only default to None")));
+            }
+            if !ty.is_tensor() && !value.fits(ty) {
+                return Err(self.error(at, format!("default {value} ({}) does not fit type {ty} of '{name}'", value.kind())));
+            }
+            // Store int defaults of float args as floats so consumers see one representation.
+            Some(match (value, ty.base) {
+                (AttrValue::Int(v), BaseType::Float) => AttrValue::Float(v as f64),
+                (v, _) => v,
+            })
+        } else {
+            None
+        };
+        Ok(Arg { name, ty, default, kwarg_only })
+    }
+
+    fn ret(&mut self) -> Result<Return> {
+        let start = self.pos;
+        let ty = self.ty()?;
+        if ty.base != BaseType::Tensor || ty.optional {
+            return Err(self.error(start, format!("only `Tensor` returns are supported, found `{ty}`")));
+        }
+        let name = match self.peek() {
+            Some(c) if c.is_ascii_alphabetic() || c == '_' => Some(self.ident("a return name")?.to_string()),
+            _ => None,
+        };
+        Ok(Return { name, ty })
+    }
+
+    fn value(&mut self) -> Result<AttrValue> {
+        self.skip_ws();
+        let start = self.pos;
+        if self.eat("[") {
+            let mut items = Vec::new();
+            if !self.eat("]") {
+                loop {
+                    match self.value()? {
+                        AttrValue::Int(v) => items.push(v),
+                        other => return Err(self.error(start, format!("list defaults must hold ints, found {other}"))),
+                    }
+                    if self.eat("]") {
+                        break;
+                    }
+                    self.expect(",")?;
+                }
+            }
+            return Ok(AttrValue::Ints(items));
+        }
+        if let Some(q) = self.rest().chars().next().filter(|c| *c == '\'' || *c == '"') {
+            let body = &self.rest()[1..];
+            let end = body.find(q).ok_or_else(|| self.error(start, "unterminated string default"))?;
+            let s = body[..end].to_string();
+            self.pos += end + 2;
+            return Ok(AttrValue::Str(s));
+        }
+        let len = self
+            .rest()
+            .find(|c: char| c == ',' || c == ')' || c == ']' || c.is_whitespace())
+            .unwrap_or(self.rest().len());
+        let word = &self.rest()[..len];
+        let value = match word {
+            "True" => AttrValue::Bool(true),
+            "False" => AttrValue::Bool(false),
+            "None" => AttrValue::None,
+            _ => {
+                if let Ok(v) = word.parse::<i64>() {
+                    AttrValue::Int(v)
+                } else if let Ok(v) = word.parse::<f64>() {
+                    AttrValue::Float(v)
+                } else if let Some(d) = word.strip_prefix("torch.").and_then(|d| DType::parse(d).ok()) {
+                    AttrValue::DType(d)
+                } else {
+                    return Err(self.error(start, format!("cannot parse default value `{word}`")));
+                }
+            }
+        };
+        self.pos += len;
+        Ok(value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_rms_norm() {
+        let s = OpSchema::parse("rms_norm(Tensor x, Tensor weight, float eps=1e-06) -> (Tensor y, Tensor rstd)").unwrap();
+        assert_eq!(s.name, "rms_norm");
+        assert_eq!(s.inputs().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["x", "weight"]);
+        let eps = s.attrs().next().unwrap();
+        assert_eq!(eps.default, Some(AttrValue::Float(1e-6)));
+        assert_eq!(s.returns.len(), 2);
+        assert_eq!(s.output_name(1), "rstd");
+    }
+
+    #[test]
+    fn parses_every_type_and_default() {
+        let text = "f.ov(Tensor a, Tensor? b, Tensor[] c, int n, int[] dims=[1, -2], *, float alpha=1, bool flag=True, str mode='half', ScalarType? dtype=None, int k=-3) -> Tensor";
+        let s = OpSchema::parse(text).unwrap();
+        assert_eq!(s.overload.as_deref(), Some("ov"));
+        assert_eq!(s.args[1].ty, ArgType { base: BaseType::Tensor, optional: true });
+        assert_eq!(s.args[2].ty.base, BaseType::TensorList);
+        assert_eq!(s.args[4].default, Some(AttrValue::Ints(vec![1, -2])));
+        assert!(s.args[5].kwarg_only && !s.args[4].kwarg_only);
+        assert_eq!(s.args[5].default, Some(AttrValue::Float(1.0)), "int default of a float arg becomes float");
+        assert_eq!(s.args[7].default, Some(AttrValue::Str("half".into())));
+        assert_eq!(s.args[9].default, Some(AttrValue::Int(-3)));
+        assert_eq!(s.output_name(0), "out");
+        // Display round-trips through the parser.
+        let again = OpSchema::parse(&s.to_string()).unwrap();
+        assert_eq!(again, s);
+    }
+
+    #[test]
+    fn errors_point_at_the_column() {
+        let e = OpSchema::parse("add(Tensor a, Tnsor b) -> Tensor").unwrap_err();
+        assert_eq!(e.code(), ErrorCode::ParamInvalid);
+        assert!(e.message().starts_with("schema error at column 15: unknown type `Tnsor`"), "{e}");
+        assert!(e.message().ends_with(&format!("\n  {}^", " ".repeat(14))), "{e}");
+
+        let cases = [
+            ("add(Tensor a, Tensor b -> Tensor", "expected `,`"),
+            ("add(Tensor a) -> int", "only `Tensor` returns"),
+            ("add(Tensor a, float x='s') -> Tensor", "does not fit type float"),
+            ("add(Tensor a, Tensor a) -> Tensor", "duplicate argument name 'a'"),
+            ("add(Tensor a, float x=1.0, float y) -> Tensor", "without a default"),
+            ("add(Tensor a) -> Tensor y z", "unexpected `z`"),
+            ("add(Tensor a=1) -> Tensor", "can only default to None"),
+            ("(Tensor a) -> Tensor", "expected an op name"),
+            ("add(bool[] a) -> Tensor", "lists of `bool`"),
+        ];
+        for (text, want) in cases {
+            let e = OpSchema::parse(text).unwrap_err();
+            assert!(e.message().contains(want), "{text}: {e}");
+        }
+    }
+}

@@ -1,0 +1,225 @@
+//! Checking ops against their f64 references — shared by `uniop run` and the test suites so both
+//! judge an op by the same rule.
+
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::executor::Executor;
+use crate::layout::TensorMeta;
+use crate::op::{Example, OpCx, RefTensor};
+use crate::registry::OpEntry;
+use crate::runtime::{Allocator, MemPolicy, Stream};
+use crate::schema::AttrValue;
+use crate::tensor::{Tensor, TensorMut, TensorRef};
+use std::time::{Duration, Instant};
+
+/// Elementwise tolerance `|got - want| ≤ atol + rtol·|want|`, by output dtype. Half types get
+/// about one unit in the last place of slack for rounding the f32 result.
+pub fn tolerance(dtype: DType) -> (f64, f64) {
+    match dtype {
+        DType::F64 => (1e-10, 1e-10),
+        DType::F32 => (1e-5, 1e-4),
+        DType::F16 => (1e-3, 2e-3),
+        DType::BF16 => (1e-2, 1.6e-2),
+        _ => (0.0, 0.0),
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct OutputCheck {
+    pub name: String,
+    pub dtype: DType,
+    pub max_abs: f64,
+    pub max_rel: f64,
+    /// Linear index of the worst element (relative to its tolerance).
+    pub worst: Option<usize>,
+    pub pass: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct CheckReport {
+    pub op: String,
+    pub outputs: Vec<OutputCheck>,
+}
+
+impl CheckReport {
+    pub fn pass(&self) -> bool {
+        self.outputs.iter().all(|o| o.pass)
+    }
+}
+
+impl std::fmt::Display for CheckReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for o in &self.outputs {
+            writeln!(
+                f,
+                "  {:<10} {:<9} max abs err {:.3e}  max rel err {:.3e}  {}",
+                o.name,
+                o.dtype.name(),
+                o.max_abs,
+                o.max_rel,
+                if o.pass { "PASS" } else { "FAIL" }
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Compares `outputs` with the op's f64 reference computed from the same (already rounded)
+/// inputs, so only the kernel's own error is measured.
+pub fn check_outputs(
+    entry: &OpEntry,
+    inputs: &[Option<TensorRef<'_>>],
+    attrs: &[(&str, AttrValue)],
+    outputs: &[TensorRef<'_>],
+) -> Result<CheckReport> {
+    let metas = inputs.iter().map(|t| t.as_ref().map(|t| vec![t.meta().clone()]).unwrap_or_default()).collect();
+    let cx = OpCx::bind(&entry.schema, metas, attrs)?;
+    let refs: Vec<Option<RefTensor>> = inputs.iter().map(|t| t.as_ref().map(RefTensor::from_view)).collect();
+    let want = entry.op.reference(&cx, &refs)?;
+    let mut checks = Vec::new();
+    for (i, (got, want)) in outputs.iter().zip(&want).enumerate() {
+        let (atol, rtol) = tolerance(got.dtype());
+        let got_values = got.to_f64_vec();
+        let mut check =
+            OutputCheck { name: entry.schema.output_name(i), dtype: got.dtype(), max_abs: 0.0, max_rel: 0.0, worst: None, pass: true };
+        let mut worst_ratio = 0.0f64;
+        assert_eq!(got_values.len(), want.data.len(), "reference and output sizes differ");
+        for (j, (&g, &w)) in got_values.iter().zip(&want.data).enumerate() {
+            let abs = (g - w).abs();
+            let same_nonfinite = !w.is_finite() && g.to_bits() == w.to_bits() || (w.is_nan() && g.is_nan());
+            let abs = if same_nonfinite { 0.0 } else if abs.is_nan() { f64::INFINITY } else { abs };
+            check.max_abs = check.max_abs.max(abs);
+            check.max_rel = check.max_rel.max(abs / w.abs().max(f64::MIN_POSITIVE));
+            let ratio = abs / (atol + rtol * w.abs());
+            if ratio > worst_ratio || (ratio.is_nan() && check.worst.is_none()) {
+                worst_ratio = ratio;
+                check.worst = Some(j);
+            }
+        }
+        check.pass = worst_ratio <= 1.0;
+        checks.push(check);
+    }
+    Ok(CheckReport { op: entry.name().to_string(), outputs: checks })
+}
+
+/// SplitMix64: tiny, seedable, good enough for test data (not for sampling).
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in `[-1, 1)`.
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 52) as f64 - 1.0
+    }
+}
+
+/// Fills every addressable element of `t` with uniform values in [-1, 1) (small integers for
+/// integer dtypes, alternating for bool).
+pub fn fill_random(t: &mut TensorMut<'_>, rng: &mut Rng) {
+    let dtype = t.dtype();
+    crate::dispatch_element!(dtype, |T| {
+        let data = t.storage_mut::<T>().expect("dtype matches");
+        for x in data.iter_mut() {
+            let u = rng.uniform();
+            *x = <T as crate::Element>::from_f64(if dtype.is_float() { u } else { (u * 8.0).round() });
+        }
+    })
+}
+
+/// Allocated inputs and outputs for one example of an op, ready to run, check and time.
+pub struct OpHarness {
+    pub entry: std::sync::Arc<OpEntry>,
+    pub inputs: Vec<Option<Tensor>>,
+    pub outputs: Vec<Tensor>,
+    pub attrs: Vec<(String, AttrValue)>,
+}
+
+impl OpHarness {
+    pub fn new(entry: std::sync::Arc<OpEntry>, example: Example, seed: u64) -> Result<OpHarness> {
+        let mut rng = Rng::new(seed);
+        let mut inputs = Vec::new();
+        for meta in &example.inputs {
+            inputs.push(match meta {
+                Some(m) => {
+                    let mut t = Tensor::with_meta(m.clone())?;
+                    fill_random(&mut t.view_mut(), &mut rng);
+                    Some(t)
+                }
+                None => None,
+            });
+        }
+        let attrs = example.attrs;
+        let out_metas = {
+            let views: Vec<Option<TensorRef<'_>>> = inputs.iter().map(|t| t.as_ref().map(Tensor::view)).collect();
+            infer(&entry, &views, &attr_refs(&attrs))?
+        };
+        let outputs = out_metas.into_iter().map(Tensor::with_meta).collect::<Result<Vec<_>>>()?;
+        Ok(OpHarness { entry, inputs, outputs, attrs })
+    }
+
+    fn executor(&mut self) -> Result<Executor<'_>> {
+        let views: Vec<Option<TensorRef<'_>>> = self.inputs.iter().map(|t| t.as_ref().map(Tensor::view)).collect();
+        let outs: Vec<TensorMut<'_>> = self.outputs.iter_mut().map(Tensor::view_mut).collect();
+        Executor::new(self.entry.clone(), &views, &attr_refs(&self.attrs), outs)
+    }
+
+    /// Plans and runs once on `stream` (both phases), returning the wall time of the pair.
+    pub fn run(&mut self, stream: &Stream) -> Result<Duration> {
+        let t0 = Instant::now();
+        let mut exec = self.executor()?;
+        let ws = Allocator::global().allocate(exec.workspace_size(), MemPolicy::HugeFirst)?;
+        // SAFETY: the workspace buffer is exclusively ours until `run` returns.
+        exec.run(unsafe { ws.as_mut_slice() }, stream)?;
+        Ok(t0.elapsed())
+    }
+
+    /// Best-of-`iters` time of phase 2 with a repeatable executor (after one warm-up launch).
+    pub fn bench(&mut self, stream: &Stream, iters: usize) -> Result<Duration> {
+        let mut exec = self.executor()?;
+        exec.set_repeatable();
+        let ws = Allocator::global().allocate(exec.workspace_size(), MemPolicy::HugeFirst)?;
+        // SAFETY: as in `run`.
+        let ws = unsafe { ws.as_mut_slice() };
+        exec.run(ws, stream)?;
+        let mut best = Duration::MAX;
+        for _ in 0..iters {
+            let t0 = Instant::now();
+            exec.run(ws, stream)?;
+            best = best.min(t0.elapsed());
+        }
+        Ok(best)
+    }
+
+    pub fn check(&self) -> Result<CheckReport> {
+        let views: Vec<Option<TensorRef<'_>>> = self.inputs.iter().map(|t| t.as_ref().map(Tensor::view)).collect();
+        let outs: Vec<TensorRef<'_>> = self.outputs.iter().map(Tensor::view).collect();
+        check_outputs(&self.entry, &views, &attr_refs(&self.attrs), &outs)
+    }
+
+    /// Bytes read and written by one launch, counting each tensor element once.
+    pub fn bytes_moved(&self) -> usize {
+        let size = |m: &TensorMeta| m.numel() * m.dtype.size();
+        self.inputs.iter().flatten().map(|t| size(t.meta())).sum::<usize>() + self.outputs.iter().map(|t| size(t.meta())).sum::<usize>()
+    }
+}
+
+/// Borrowed `(name, value)` pairs from owned ones.
+pub fn attr_refs(attrs: &[(String, AttrValue)]) -> Vec<(&str, AttrValue)> {
+    attrs.iter().map(|(k, v)| (k.as_str(), v.clone())).collect()
+}
+
+/// Output metas for these inputs and attributes (what a framework's fake/meta kernel needs).
+pub fn infer(entry: &OpEntry, inputs: &[Option<TensorRef<'_>>], attrs: &[(&str, AttrValue)]) -> Result<Vec<TensorMeta>> {
+    let metas = inputs.iter().map(|t| t.as_ref().map(|t| vec![t.meta().clone()]).unwrap_or_default()).collect();
+    let cx = OpCx::bind(&entry.schema, metas, attrs)?;
+    entry.op.infer(&cx)
+}
