@@ -1,1 +1,205 @@
-fn main() {}
+//! `uniop`: the command-line face of the registry and the runtime.
+//!
+//! Like every frontend it never names an op: `list`, `describe`, `run` and `bench` work from the
+//! registry's schemas and each op's `example` and `reference`.
+
+mod bench;
+mod demo;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+use uniop::verify::OpHarness;
+use uniop::{AttrValue, DType, Error, Registry, Result, Stream};
+
+#[derive(Parser)]
+#[command(name = "uniop", version, about = "Write an operator once, call it from everywhere — CPU runtime and op library")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List registered ops with their dtypes and schemas.
+    List,
+    /// Show an op's schema, arguments, dtypes, backward and documentation.
+    Describe { op: String },
+    /// Run ops on random inputs, check them against their f64 reference and time them.
+    Run(RunArgs),
+    /// Benchmark ops against a STREAM bandwidth probe, plus SPMD launch overhead.
+    Bench(bench::BenchArgs),
+    /// Show a raw SPMD kernel launch on two streams with an event dependency and event timing.
+    Demo,
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// Op name, or `all` for every registered op.
+    op: String,
+    /// Main input shape, e.g. 4x4096 (default: the op's representative shape).
+    #[arg(long)]
+    shape: Option<String>,
+    /// Element type: f32, f16, bf16, ... (default: every dtype the op supports when `all`, else f32).
+    #[arg(long)]
+    dtype: Option<String>,
+    /// Attribute override, e.g. --attr eps=1e-5 (repeatable).
+    #[arg(long = "attr", value_name = "NAME=VALUE")]
+    attrs: Vec<String>,
+    /// Timed repetitions (best-of) after one warm-up.
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// Seed for the random inputs.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+pub(crate) fn parse_shape(s: &str) -> Result<Vec<usize>> {
+    if s.is_empty() || s == "scalar" {
+        return Ok(vec![]);
+    }
+    s.split(['x', 'X', ','])
+        .map(|d| d.trim().parse::<usize>().map_err(|_| Error::invalid(format!("bad --shape '{s}': expected dims like 4x4096"))))
+        .collect()
+}
+
+fn parse_attr(s: &str) -> Result<(String, AttrValue)> {
+    let (k, v) = s.split_once('=').ok_or_else(|| Error::invalid(format!("bad --attr '{s}': expected NAME=VALUE")))?;
+    let value = match v {
+        "True" | "true" => AttrValue::Bool(true),
+        "False" | "false" => AttrValue::Bool(false),
+        _ => v
+            .parse::<i64>()
+            .map(AttrValue::Int)
+            .or_else(|_| v.parse::<f64>().map(AttrValue::Float))
+            .unwrap_or_else(|_| AttrValue::Str(v.to_string())),
+    };
+    Ok((k.to_string(), value))
+}
+
+fn list() {
+    println!("{:<20} {:<28} {:<20} schema", "op", "dtypes", "backward");
+    for entry in Registry::global().list() {
+        let dtypes: Vec<_> = entry.op.dtypes().iter().map(|d| short(*d)).collect();
+        println!("{:<20} {:<28} {:<20} {}", entry.name(), dtypes.join(","), entry.op.backward().unwrap_or("-"), entry.schema);
+    }
+}
+
+fn short(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F64 => "f64",
+        DType::I8 => "i8",
+        DType::I32 => "i32",
+        DType::I64 => "i64",
+        DType::U8 => "u8",
+        DType::Bool => "bool",
+    }
+}
+
+fn describe(op: &str) -> Result<()> {
+    let entry = Registry::global().get(op)?;
+    let s = &entry.schema;
+    println!("{}\n", s);
+    println!("inputs:");
+    for a in s.inputs() {
+        println!("  {:<12} {}", a.name, a.ty);
+    }
+    if s.attrs().next().is_some() {
+        println!("attributes:");
+        for a in s.attrs() {
+            let default = a.default.as_ref().map(|d| format!(" = {d}")).unwrap_or_default();
+            println!("  {:<12} {}{}{}", a.name, a.ty, default, if a.kwarg_only { "  (keyword-only)" } else { "" });
+        }
+    }
+    println!("outputs:");
+    for i in 0..s.returns.len() {
+        println!("  {:<12} {}", s.output_name(i), s.returns[i].ty);
+    }
+    let dtypes: Vec<_> = entry.op.dtypes().iter().map(|d| d.name()).collect();
+    println!("dtypes:   {}", dtypes.join(", "));
+    println!("backward: {}", entry.op.backward().unwrap_or("none"));
+    println!("\n{}", entry.op.doc());
+    Ok(())
+}
+
+/// Runs one op at one dtype; returns whether it passed.
+fn run_one(op: &str, dtype: DType, args: &RunArgs) -> Result<bool> {
+    let entry = Registry::global().get(op)?;
+    let shape = args.shape.as_deref().map(parse_shape).transpose()?;
+    let mut example = entry.op.example(shape.as_deref(), dtype)?;
+    for a in &args.attrs {
+        example.attrs.push(parse_attr(a)?);
+    }
+    let describe_inputs: Vec<String> = example
+        .inputs
+        .iter()
+        .map(|m| m.as_ref().map_or("None".to_string(), |m| format!("{}{}", short(m.dtype), uniop::layout::ShapeDisplay(m.shape()))))
+        .collect();
+    let mut h = OpHarness::new(entry, example, args.seed)?;
+    let stream = Stream::default_stream();
+    let first = h.run(stream)?;
+    let report = h.check()?;
+    let best = h.bench(stream, args.iters)?;
+    let gbs = h.bytes_moved() as f64 / best.as_secs_f64() / 1e9;
+    println!(
+        "{op} {} inputs ({}): {} | first call {:.3} ms, best of {} {:.3} ms, {:.1} GB/s",
+        dtype.name(),
+        describe_inputs.join(", "),
+        if report.pass() { "PASS" } else { "FAIL" },
+        first.as_secs_f64() * 1e3,
+        args.iters,
+        best.as_secs_f64() * 1e3,
+        gbs
+    );
+    print!("{report}");
+    Ok(report.pass())
+}
+
+fn run(args: &RunArgs) -> Result<bool> {
+    let ops: Vec<String> = if args.op == "all" {
+        Registry::global().list().iter().map(|e| e.name().to_string()).collect()
+    } else {
+        vec![args.op.clone()]
+    };
+    let mut all_pass = true;
+    for op in &ops {
+        let entry = Registry::global().get(op)?;
+        let dtypes: Vec<DType> = match &args.dtype {
+            Some(d) => vec![DType::parse(d)?],
+            None if args.op == "all" => entry.op.dtypes().to_vec(),
+            None => vec![DType::F32],
+        };
+        for dtype in dtypes {
+            all_pass &= run_one(op, dtype, args)?;
+        }
+    }
+    Ok(all_pass)
+}
+
+fn main() -> ExitCode {
+    uniop_ops::init();
+    let cli = Cli::parse();
+    let result = match &cli.command {
+        Command::List => {
+            list();
+            Ok(true)
+        }
+        Command::Describe { op } => describe(op).map(|_| true),
+        Command::Run(args) => run(args),
+        Command::Bench(args) => bench::run(args).map(|_| true),
+        Command::Demo => demo::run().map(|_| true),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => {
+            eprintln!("uniop: FAILED: an output differs from its reference beyond tolerance");
+            ExitCode::from(1)
+        }
+        Err(e) => {
+            eprintln!("uniop: error {e}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,1 +1,47 @@
-pub fn init() {}
+//! # uniop-ops — the op library
+//!
+//! One file per op, each written only against `uniop`'s traits: schema, infer, plan (kernels per
+//! dtype on the SPMD engine), f64 reference, example inputs. Adding an op means adding its file
+//! and one line in [`builtin_ops`]; no frontend changes.
+
+/// Compiles a kernel function once per x86-64 level (AVX-512 "v4", AVX2 "v3", baseline) and
+/// dispatches on the CPU at runtime. Everything the body inlines — `#[inline(always)]` helpers,
+/// [`elementwise::Map1`]/[`elementwise::Map2`] methods, closures defined in the body — is
+/// vectorized for that level.
+#[macro_export]
+macro_rules! simd_kernel {
+    ($item:item) => {
+        #[multiversion::multiversion(targets(
+            "x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma+f16c",
+            "x86_64+avx2+fma+f16c",
+        ))]
+        $item
+    };
+}
+
+mod elementwise;
+pub mod math;
+
+pub mod add;
+pub mod rms_norm;
+pub mod rms_norm_backward;
+pub mod silu;
+
+use std::sync::Once;
+use uniop::{Op, Registry};
+
+/// Every built-in op, in registration order.
+pub fn builtin_ops() -> Vec<Box<dyn Op>> {
+    vec![Box::new(add::Add), Box::new(silu::Silu), Box::new(rms_norm::RmsNorm), Box::new(rms_norm_backward::RmsNormBackward)]
+}
+
+/// Registers the built-in ops in the global registry (idempotent, thread-safe).
+pub fn init() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let registry = Registry::global();
+        for op in builtin_ops() {
+            registry.register(op).expect("built-in op schemas are valid and unique");
+        }
+    });
+}

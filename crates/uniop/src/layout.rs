@@ -201,7 +201,13 @@ impl Layout {
 
     /// Storage offset of the first element of row `r` in the `[rows, cols]` view.
     pub fn row_offset(&self, r: usize) -> usize {
-        let lead = self.rank().saturating_sub(1);
+        self.outer_offset(r, 1)
+    }
+
+    /// Storage offset of element 0 of the `r`-th slice over the last `inner_dims` dims (the
+    /// leading dims may have any strides).
+    pub fn outer_offset(&self, r: usize, inner_dims: usize) -> usize {
+        let lead = self.rank().saturating_sub(inner_dims);
         let mut off = self.offset;
         let mut rem = r;
         for k in (0..lead).rev() {
@@ -321,6 +327,9 @@ impl<const N: usize> StridedRuns<N> {
     }
 
     /// Calls `f(offsets, len)` for each run covering linear elements `[start, end)`.
+    /// Always inlined so that a kernel compiled for a wider instruction set (multiversioned)
+    /// vectorizes the run bodies too.
+    #[inline(always)]
     pub fn for_each_run(&self, start: usize, end: usize, mut f: impl FnMut([usize; N], usize)) {
         let inner = *self.shape.last().unwrap();
         let mut i = start;

@@ -20,7 +20,6 @@ pub mod op;
 pub mod registry;
 pub mod runtime;
 pub mod schema;
-pub mod simd;
 pub mod tensor;
 pub mod verify;
 

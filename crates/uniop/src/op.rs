@@ -361,13 +361,15 @@ impl KernelArgs {
         OutputView { bound: b, _life: std::marker::PhantomData }
     }
 
-    /// The op's scratch: `workspace` bytes, 64-byte aligned.
+    /// Elements `[start, start+len)` of the op's scratch (the plan's `workspace` bytes, 64-byte
+    /// aligned), viewed as `T`. Panics when the range exceeds what the plan asked for.
     ///
     /// # Safety
-    /// Blocks running concurrently must not access overlapping parts mutably.
+    /// Blocks running concurrently must not access overlapping ranges when one of them writes.
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn workspace<T: crate::Element>(&self) -> &mut [T] {
-        std::slice::from_raw_parts_mut(self.workspace as *mut T, self.workspace_len / std::mem::size_of::<T>())
+    pub unsafe fn workspace<T: crate::Element>(&self, start: usize, len: usize) -> &mut [T] {
+        assert!((start + len) * std::mem::size_of::<T>() <= self.workspace_len, "workspace range out of bounds");
+        std::slice::from_raw_parts_mut((self.workspace as *mut T).add(start), len)
     }
 }
 
@@ -394,6 +396,15 @@ impl OutputView<'_> {
         debug_assert_eq!(self.bound.meta.dtype, T::DTYPE);
         assert!((start + len) * std::mem::size_of::<T>() <= self.bound.len, "output slice out of bounds");
         std::slice::from_raw_parts_mut((self.bound.ptr as *mut T).add(start), len)
+    }
+
+    /// Raw pointer to storage element 0, for scattered writes.
+    ///
+    /// # Safety
+    /// Writes must stay inside the layout's extent and not touch elements other blocks access.
+    pub unsafe fn as_mut_ptr<T: crate::Element>(&self) -> *mut T {
+        debug_assert_eq!(self.bound.meta.dtype, T::DTYPE);
+        self.bound.ptr as *mut T
     }
 
     /// Row `r` of the `[rows, cols]` view; the last dim must be dense.

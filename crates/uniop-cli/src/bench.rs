@@ -1,0 +1,166 @@
+//! `uniop bench`: op throughput against the machine's own limits, measured in the same run.
+//!
+//! The limit for memory-bound ops is a STREAM-style probe (copy and triad over 64 MiB arrays, run
+//! through the same SPMD engine, on warm memory). Op bytes count each input and output element once,
+//! as STREAM counts its arrays. Times are best-of-N on preallocated tensors with a repeatable
+//! executor, so they measure kernels rather than allocation.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use uniop::runtime::{Allocator, DeviceBuffer, MemPolicy, Pool};
+use uniop::verify::OpHarness;
+use uniop::{BlockCtx, DType, Registry, Result, Stream};
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Comma-separated ops to time (default: rms_norm).
+    #[arg(long, default_value = "rms_norm")]
+    ops: String,
+    /// Comma-separated dtypes (default: f32,bf16).
+    #[arg(long, default_value = "f32,bf16")]
+    dtypes: String,
+    /// Main input shape (default: each op's representative shape, e.g. 4096x4096 for rms_norm).
+    #[arg(long)]
+    shape: Option<String>,
+    /// Best-of repetitions.
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// Also write the results as JSON to this path (read by benches/torch_peer.py).
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+}
+
+struct Probe {
+    copy_gbs: f64,
+    triad_gbs: f64,
+}
+
+fn best_of(iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<Duration> {
+    f()?;
+    let mut best = Duration::MAX;
+    for _ in 0..iters {
+        let t0 = Instant::now();
+        f()?;
+        best = best.min(t0.elapsed());
+    }
+    Ok(best)
+}
+
+fn stream_probe(iters: usize) -> Result<Probe> {
+    const N: usize = 16 << 20; // f32 elements: 64 MiB per array
+    let alloc = Allocator::global();
+    let bufs: Vec<Arc<DeviceBuffer>> =
+        (0..3).map(|_| alloc.allocate(N * 4, MemPolicy::HugeFirst).map(Arc::new)).collect::<Result<_>>()?;
+    let stream = Stream::default_stream();
+    let blocks = (Pool::global().threads() * 4) as u32;
+    let ptrs = Arc::new(bufs);
+    // Fault the pages in (first touch is slow and not what we measure).
+    for b in ptrs.iter() {
+        // SAFETY: no kernel uses the buffers yet.
+        unsafe { b.as_mut_slice() }.fill(1);
+    }
+    let launch = |triad: bool| {
+        let ptrs = ptrs.clone();
+        stream.launch(blocks, move |ctx: BlockCtx| {
+            let r = ctx.split(N);
+            // SAFETY: each block touches only its own element range of each buffer.
+            let (a, b, c) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut((ptrs[0].as_ptr() as *mut f32).add(r.start), r.len()),
+                    std::slice::from_raw_parts((ptrs[1].as_ptr() as *const f32).add(r.start), r.len()),
+                    std::slice::from_raw_parts((ptrs[2].as_ptr() as *const f32).add(r.start), r.len()),
+                )
+            };
+            if triad {
+                for ((x, &y), &z) in a.iter_mut().zip(b).zip(c) {
+                    *x = y + 3.0 * z;
+                }
+            } else {
+                a.copy_from_slice(b);
+            }
+        });
+        stream.synchronize()
+    };
+    let copy = best_of(iters, || launch(false))?;
+    let triad = best_of(iters, || launch(true))?;
+    let bytes = (N * 4) as f64;
+    Ok(Probe { copy_gbs: 2.0 * bytes / copy.as_secs_f64() / 1e9, triad_gbs: 3.0 * bytes / triad.as_secs_f64() / 1e9 })
+}
+
+/// Launch overhead on the default stream: amortised cost per launch of an empty kernel, and the
+/// latency from enqueue to the first block starting (stream worker warm, and after it parked).
+fn launch_overhead() -> Result<()> {
+    let stream = Stream::default_stream();
+    let threads = Pool::global().threads() as u32;
+    for block_dim in [1, threads] {
+        let n = 100_000;
+        let per = best_of(3, || {
+            for _ in 0..n {
+                stream.launch(block_dim, |_| {});
+            }
+            stream.synchronize()
+        })?;
+        println!("empty-kernel launch, block_dim {block_dim}: {:.3} µs per launch (amortised over {n})", per.as_secs_f64() * 1e6 / n as f64);
+    }
+    for (label, pause) in [("warm worker", Duration::ZERO), ("parked worker", Duration::from_millis(2))] {
+        let mut lat = Vec::new();
+        for _ in 0..200 {
+            std::thread::sleep(pause);
+            let started = Arc::new(std::sync::OnceLock::new());
+            let s = started.clone();
+            let t0 = Instant::now();
+            stream.launch(1, move |_| {
+                let _ = s.set(Instant::now());
+            });
+            stream.synchronize()?;
+            lat.push(started.get().expect("kernel ran").duration_since(t0));
+        }
+        lat.sort();
+        println!(
+            "enqueue-to-start latency, {label}: median {:.2} µs, p90 {:.2} µs",
+            lat[lat.len() / 2].as_secs_f64() * 1e6,
+            lat[lat.len() * 9 / 10].as_secs_f64() * 1e6
+        );
+    }
+    Ok(())
+}
+
+pub fn run(args: &BenchArgs) -> Result<()> {
+    println!("uniop bench — {} compute threads", Pool::global().threads());
+    let probe = stream_probe(args.iters)?;
+    let limit = probe.copy_gbs.max(probe.triad_gbs);
+    println!("STREAM probe: copy {:.1} GB/s, triad {:.1} GB/s (limit used below: {:.1} GB/s)", probe.copy_gbs, probe.triad_gbs, limit);
+    launch_overhead()?;
+    let shape = args.shape.as_deref().map(crate::parse_shape).transpose()?;
+    println!("\n| op | dtype | shape | best ms | GB/s | % of STREAM |\n|---|---|---|---|---|---|");
+    let mut rows = Vec::new();
+    for op in args.ops.split(',').filter(|s| !s.is_empty()) {
+        let entry = Registry::global().get(op)?;
+        for d in args.dtypes.split(',').filter(|s| !s.is_empty()) {
+            let dtype = DType::parse(d)?;
+            let example = entry.op.example(shape.as_deref(), dtype)?;
+            let main_shape = example.inputs[0].as_ref().map(|m| m.shape().to_vec()).unwrap_or_default();
+            let mut h = OpHarness::new(entry.clone(), example, 1)?;
+            let best = h.bench(Stream::default_stream(), args.iters)?;
+            let gbs = h.bytes_moved() as f64 / best.as_secs_f64() / 1e9;
+            let ms = best.as_secs_f64() * 1e3;
+            let shape_s = main_shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x");
+            println!("| {op} | {} | {shape_s} | {ms:.3} | {gbs:.1} | {:.0}% |", dtype.name(), 100.0 * gbs / limit);
+            rows.push(format!(
+                "{{\"op\":\"{op}\",\"dtype\":\"{}\",\"shape\":{:?},\"ms\":{ms},\"gbs\":{gbs}}}",
+                dtype.name(),
+                main_shape
+            ));
+        }
+    }
+    if let Some(path) = &args.json {
+        let json = format!(
+            "{{\"stream_copy_gbs\":{},\"stream_triad_gbs\":{},\"results\":[{}]}}\n",
+            probe.copy_gbs,
+            probe.triad_gbs,
+            rows.join(",")
+        );
+        std::fs::write(path, json).map_err(|e| uniop::Error::runtime(format!("writing {}: {e}", path.display())))?;
+    }
+    Ok(())
+}

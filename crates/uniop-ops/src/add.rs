@@ -1,0 +1,134 @@
+//! `add(a, b, alpha=1) = a + alpha·b` with NumPy/torch broadcasting.
+//!
+//! Float dtypes compute in f32 (f16/bf16 widened); integer dtypes compute natively with wrapping
+//! arithmetic and need an integral `alpha`, as torch requires.
+
+use crate::elementwise::{self, broadcast, Map2};
+use uniop::{
+    block_dim_for, broadcast_shapes, with_float_dtype, BlockCtx, DType, Element, Error, ErrorCode, Example, KernelArgs,
+    Op, OpCx, Plan, RefTensor, Result, Step, StridedRuns, TensorMeta,
+};
+
+pub struct Add;
+
+/// `a + alpha·b` on one f32 chunk.
+struct AxpyMap(f32);
+
+impl Map2 for AxpyMap {
+    #[inline(always)]
+    fn apply(&self, a: &mut [f32], b: &[f32]) {
+        for (x, y) in a.iter_mut().zip(b) {
+            *x += self.0 * *y;
+        }
+    }
+}
+
+const DTYPES: &[DType] = &[DType::F32, DType::F16, DType::BF16, DType::I32, DType::I64];
+
+impl Op for Add {
+    fn schema(&self) -> &'static str {
+        "add(Tensor a, Tensor b, *, float alpha=1) -> Tensor out"
+    }
+
+    fn doc(&self) -> &'static str {
+        "Elementwise a + alpha * b. `a` and `b` broadcast against each other (trailing dims aligned, \
+         size-1 or missing dims stretch) and must share a dtype. Integer dtypes need an integral alpha \
+         and wrap on overflow."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let dtype = cx.expect_dtype_in("a", DTYPES)?;
+        cx.expect_same_dtype("b", dtype, "a")?;
+        let (a, b) = (cx.input("a").shape(), cx.input("b").shape());
+        let shape = broadcast_shapes(a, b).ok_or_else(|| {
+            cx.err(
+                ErrorCode::Shape,
+                "b",
+                format!("a shape broadcastable with a's {}", uniop::layout::ShapeDisplay(a)),
+                uniop::layout::ShapeDisplay(b),
+            )
+        })?;
+        let alpha = cx.float("alpha");
+        if !dtype.is_float() && alpha.fract() != 0.0 {
+            return Err(cx.err(ErrorCode::ParamInvalid, "alpha", format!("an integral value for {dtype} inputs"), alpha));
+        }
+        Ok(vec![TensorMeta::contiguous(dtype, &shape)?])
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        let out = &self.infer(cx)?[0];
+        let block_dim = block_dim_for(out.numel(), 3 * out.dtype.size());
+        let alpha = cx.float("alpha");
+        let step = match out.dtype {
+            DType::I32 => Step::new("add_i32", block_dim, move |args, ctx| add_int::<i32>(args, ctx, alpha as i32)),
+            DType::I64 => Step::new("add_i64", block_dim, move |args, ctx| add_int::<i64>(args, ctx, alpha as i64)),
+            dtype => with_float_dtype!(dtype, cx.op(), "a", |T| {
+                let map = AxpyMap(alpha as f32);
+                Step::new("add", block_dim, move |args, ctx| elementwise::binary::<T, _>(args, ctx, &map))
+            }),
+        };
+        Ok(Plan::new(vec![step]))
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let (a, b) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
+        let shape = broadcast_shapes(&a.shape, &b.shape).ok_or_else(|| Error::internal("reference: shapes do not broadcast"))?;
+        let alpha = cx.float("alpha");
+        let n = shape.iter().product();
+        let data = (0..n).map(|i| a.broadcast_get(&shape, i) + alpha * b.broadcast_get(&shape, i)).collect();
+        Ok(vec![RefTensor::new(&shape, data)])
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        let shape = shape.unwrap_or(&[4096, 4096]);
+        let meta = TensorMeta::contiguous(dtype, shape)?;
+        Ok(Example { inputs: vec![Some(meta.clone()), Some(meta)], attrs: vec![] })
+    }
+}
+
+trait WrappingInt: Element {
+    fn mul_add(self, alpha: Self, b: Self) -> Self;
+}
+impl WrappingInt for i32 {
+    #[inline(always)]
+    fn mul_add(self, alpha: i32, b: i32) -> i32 {
+        self.wrapping_add(alpha.wrapping_mul(b))
+    }
+}
+impl WrappingInt for i64 {
+    #[inline(always)]
+    fn mul_add(self, alpha: i64, b: i64) -> i64 {
+        self.wrapping_add(alpha.wrapping_mul(b))
+    }
+}
+
+crate::simd_kernel! {
+fn add_int<T: WrappingInt>(args: &KernelArgs, ctx: BlockCtx, alpha: T) {
+    let (a, b, out) = (args.input(0), args.input(1), args.output(0));
+    let shape = out.layout().shape();
+    let (la, lb) = (broadcast(a.layout(), shape), broadcast(b.layout(), shape));
+    let runs = StridedRuns::<3>::new([out.layout(), &la, &lb]);
+    let range = ctx.split(runs.numel());
+    let (da, db) = (a.storage::<T>().expect("dtype dispatched"), b.storage::<T>().expect("dtype dispatched"));
+    let [so, sa, sb] = runs.inner_strides();
+    runs.for_each_run(range.start, range.end, |[o, ao, bo], len| {
+        if so == 1 && sa == 1 && sb == 1 {
+            // SAFETY: blocks own disjoint output ranges.
+            let dst = unsafe { out.slice_mut::<T>(o, len) };
+            for ((d, &x), &y) in dst.iter_mut().zip(&da[ao..ao + len]).zip(&db[bo..bo + len]) {
+                *d = x.mul_add(alpha, y);
+            }
+        } else {
+            // SAFETY: as above; scattered writes stay within this block's elements.
+            let base = unsafe { out.as_mut_ptr::<T>() };
+            for j in 0..len {
+                unsafe { *base.add(o + j * so) = da[ao + j * sa].mul_add(alpha, db[bo + j * sb]) };
+            }
+        }
+    });
+}
+}

@@ -1,0 +1,188 @@
+//! `rms_norm_backward(dy, x, weight, rstd) -> (dx, dweight)`, the gradient of [`rms_norm`].
+//!
+//! With g = dy·w and n normalized elements per row:
+//! dx = rstd·g − x·rstd³·(Σ g·x)/n, and dweight = Σ_rows dy·x·rstd.
+//!
+//! Two launches: each block computes dx for its rows and accumulates a private f32 partial of
+//! dweight in the workspace (no atomics, deterministic); a second launch sums the partials column
+//! by column. The order of summation is fixed by the plan, so results are reproducible run to run.
+//!
+//! [`rms_norm`]: crate::rms_norm
+
+use crate::elementwise::CHUNK;
+use crate::rms_norm::{norm_shape, KernelShape, DTYPES};
+use uniop::{
+    block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
+    Plan, RefTensor, Result, Step, TensorMeta,
+};
+
+pub struct RmsNormBackward;
+
+/// Widens chunk `i` (of `CHUNK` elements) of a row, or borrows it when it is already f32.
+#[inline(always)]
+fn chunk_f32<'a, T: FloatElement>(row: &'a [T], buf: &'a mut [f32; CHUNK]) -> &'a [f32] {
+    match T::as_f32_slice(row) {
+        Some(f) => f,
+        None => {
+            T::widen(row, &mut buf[..row.len()]);
+            &buf[..row.len()]
+        }
+    }
+}
+
+#[inline(always)]
+fn backward_row<T: FloatElement, W: FloatElement>(dy: &[T], x: &[T], w: &[W], rstd: f32, dx: &mut [T], dw: &mut [f32]) {
+    let n = x.len();
+    let (mut bdy, mut bx, mut bw, mut out) = ([0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK]);
+    let mut dot = [0f32; CHUNK];
+    for start in (0..n).step_by(CHUNK) {
+        let end = (start + CHUNK).min(n);
+        let (d, xv, wv) =
+            (chunk_f32(&dy[start..end], &mut bdy), chunk_f32(&x[start..end], &mut bx), chunk_f32(&w[start..end], &mut bw));
+        for i in 0..end - start {
+            dot[i] += d[i] * wv[i] * xv[i];
+        }
+    }
+    let coeff = rstd * rstd * rstd * dot.iter().sum::<f32>() / n as f32;
+    for start in (0..n).step_by(CHUNK) {
+        let end = (start + CHUNK).min(n);
+        let len = end - start;
+        let (d, xv, wv) =
+            (chunk_f32(&dy[start..end], &mut bdy), chunk_f32(&x[start..end], &mut bx), chunk_f32(&w[start..end], &mut bw));
+        let dwc = &mut dw[start..end];
+        for i in 0..len {
+            out[i] = rstd * d[i] * wv[i] - xv[i] * coeff;
+            dwc[i] += d[i] * xv[i] * rstd;
+        }
+        T::narrow(&out[..len], &mut dx[start..end]);
+    }
+}
+
+crate::simd_kernel! {
+fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape) {
+    let (dy, x, w, rstd) = (args.input(0), args.input(1), args.input(2), args.input(3));
+    let dx = args.output(0);
+    let w = &w.storage::<W>().expect("dtype dispatched")[w.layout().offset()..][..s.cols];
+    let (dys, xs, rs) = (dy.storage::<T>().unwrap(), x.storage::<T>().unwrap(), rstd.storage::<f32>().unwrap());
+    // SAFETY: block b owns partial row b of the workspace.
+    let partial = unsafe { args.workspace::<f32>(ctx.block_idx as usize * s.cols, s.cols) };
+    partial.fill(0.0);
+    for r in ctx.split(s.rows) {
+        let (dyo, xo) = (dy.layout().outer_offset(r, s.inner_dims), x.layout().outer_offset(r, s.inner_dims));
+        let r_std = rs[rstd.layout().offset_of_linear(r)];
+        // SAFETY: this block owns row r of dx.
+        let dxrow = unsafe { dx.slice_mut::<T>(dx.layout().outer_offset(r, s.inner_dims), s.cols) };
+        backward_row(&dys[dyo..dyo + s.cols], &xs[xo..xo + s.cols], w, r_std, dxrow, partial);
+    }
+}
+}
+
+crate::simd_kernel! {
+fn dweight_kernel<W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, cols: usize, partials: usize) {
+    let dw = args.output(1);
+    let range = ctx.split(cols);
+    let mut sum = [0f32; CHUNK];
+    for start in range.clone().step_by(CHUNK) {
+        let len = CHUNK.min(range.end - start);
+        sum[..len].fill(0.0);
+        for p in 0..partials {
+            // SAFETY: the first launch has finished; every block of this one only reads.
+            let part: &[f32] = unsafe { args.workspace::<f32>(p * cols + start, len) };
+            for (acc, v) in sum.iter_mut().zip(part) {
+                *acc += v;
+            }
+        }
+        // SAFETY: blocks own disjoint column ranges of the (contiguous) dweight.
+        let out = unsafe { dw.slice_mut::<W>(dw.layout().offset() + start, len) };
+        W::narrow(&sum[..len], out);
+    }
+}
+}
+
+impl Op for RmsNormBackward {
+    fn schema(&self) -> &'static str {
+        "rms_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Tensor dx, Tensor dweight)"
+    }
+
+    fn doc(&self) -> &'static str {
+        "Gradients of rms_norm: dx (dtype of x) and dweight (dtype of weight), from the upstream gradient dy \
+         and the rstd saved by the forward. Deterministic: dweight partials are per block, summed in a fixed order."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let s = norm_shape(cx, "x", "weight")?;
+        cx.expect_same_dtype("dy", s.dtype, "x")?;
+        cx.expect_shape("dy", cx.input("x").shape())?;
+        let rstd = cx.input("rstd");
+        if rstd.dtype != DType::F32 {
+            return Err(cx.err(ErrorCode::DType, "rstd", "dtype float32 (as rms_norm returns it)", rstd.dtype));
+        }
+        cx.expect_shape("rstd", &s.rstd_shape)?;
+        let w = cx.input("weight");
+        Ok(vec![TensorMeta::contiguous(s.dtype, cx.input("x").shape())?, TensorMeta::contiguous(w.dtype, w.shape())?])
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        let s = norm_shape(cx, "x", "weight")?;
+        let ks = KernelShape { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims, eps: 0.0 };
+        let blocks = block_dim_for(s.rows, 3 * s.cols * s.dtype.size());
+        let reduce_blocks = block_dim_for(s.cols, 4 * blocks as usize);
+        let partials = blocks as usize;
+        let workspace = partials
+            .checked_mul(s.cols)
+            .and_then(|n| n.checked_mul(4))
+            .ok_or_else(|| cx.err(ErrorCode::Shape, "x", "a size whose workspace fits in memory", s.cols))?;
+        let weight_f32 = cx.input("weight").dtype == DType::F32;
+        let cols = s.cols;
+        let steps = with_float_dtype!(s.dtype, cx.op(), "x", |T| {
+            if weight_f32 {
+                vec![
+                    Step::new("rms_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, f32>(a, c, &ks)),
+                    Step::new("rms_norm_backward.dweight", reduce_blocks, move |a, c| dweight_kernel::<f32>(a, c, cols, partials)),
+                ]
+            } else {
+                vec![
+                    Step::new("rms_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, T>(a, c, &ks)),
+                    Step::new("rms_norm_backward.dweight", reduce_blocks, move |a, c| dweight_kernel::<T>(a, c, cols, partials)),
+                ]
+            }
+        });
+        let row = s.row_need();
+        Ok(Plan::new(steps)
+            .workspace(workspace)
+            .inputs_need(vec![row, row, LayoutNeed::Contiguous, LayoutNeed::Any])
+            .outputs_need(vec![row, LayoutNeed::Contiguous]))
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let s = norm_shape(cx, "x", "weight")?;
+        let [dy, x, w, rstd] = [0, 1, 2, 3].map(|i| inputs[i].as_ref().unwrap());
+        let n = s.cols;
+        let mut dx = vec![0.0; x.data.len()];
+        let mut dw = vec![0.0; n];
+        for r in 0..s.rows {
+            let (dyr, xr, rs) = (&dy.data[r * n..(r + 1) * n], &x.data[r * n..(r + 1) * n], rstd.data[r]);
+            let dot: f64 = (0..n).map(|i| dyr[i] * w.data[i] * xr[i]).sum();
+            for i in 0..n {
+                dx[r * n + i] = rs * dyr[i] * w.data[i] - xr[i] * rs.powi(3) * dot / n as f64;
+                dw[i] += dyr[i] * xr[i] * rs;
+            }
+        }
+        Ok(vec![RefTensor::new(&x.shape, dx), RefTensor::new(&w.shape, dw)])
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        let shape = shape.unwrap_or(&[4096, 4096]);
+        let split = shape.len().saturating_sub(1);
+        let x = TensorMeta::contiguous(dtype, shape)?;
+        let w = TensorMeta::contiguous(dtype, &shape[split..])?;
+        let mut rstd_shape = shape[..split].to_vec();
+        rstd_shape.push(1);
+        let rstd = TensorMeta::contiguous(DType::F32, &rstd_shape)?;
+        Ok(Example { inputs: vec![Some(x.clone()), Some(x), Some(w), Some(rstd)], attrs: vec![] })
+    }
+}
