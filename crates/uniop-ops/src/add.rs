@@ -63,12 +63,13 @@ impl Op for Add {
         let out = &self.infer(cx)?[0];
         let block_dim = block_dim_for(out.numel(), 3 * out.dtype.size());
         let alpha = cx.float("alpha");
+        let streaming = out.numel() * out.dtype.size() >= elementwise::STREAMING_BYTES;
         let step = match out.dtype {
             DType::I32 => Step::new("add_i32", block_dim, move |args, ctx| add_int::<i32>(args, ctx, alpha as i32)),
             DType::I64 => Step::new("add_i64", block_dim, move |args, ctx| add_int::<i64>(args, ctx, alpha as i64)),
             dtype => with_float_dtype!(dtype, cx.op(), "a", |T| {
                 let map = AxpyMap(alpha as f32);
-                Step::new("add", block_dim, move |args, ctx| elementwise::binary::<T, _>(args, ctx, &map))
+                Step::new("add", block_dim, move |args, ctx| elementwise::binary::<T, _>(args, ctx, &map, streaming))
             }),
         };
         Ok(Plan::new(vec![step]))

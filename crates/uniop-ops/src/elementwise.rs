@@ -6,9 +6,65 @@
 //! ([`simd_kernel!`](crate::simd_kernel)), and only code *inlined* into those copies gets wide
 //! vectors. A trait method marked `#[inline(always)]` is guaranteed to be; a closure is not.
 
-use uniop::{BlockCtx, FloatElement, KernelArgs, Layout, OutputView, StridedRuns};
+use uniop::{BlockCtx, Element, FloatElement, KernelArgs, Layout, OutputView, StridedRuns};
 
 pub const CHUNK: usize = 64;
+
+/// Outputs at least this large are written with non-temporal stores: they cannot stay in cache
+/// anyway, and skipping the read-for-ownership of each destination line removes a third of the
+/// memory traffic of a read-one-write-one kernel.
+pub const STREAMING_BYTES: usize = 8 << 20;
+
+/// Copies `src` to `dst` (same length) with non-temporal stores for the 16-byte-aligned middle.
+/// Callers must [`fence`] before the block ends so later launches see the data.
+#[inline(always)]
+pub fn copy_streaming<T: Element>(dst: &mut [T], src: &[T]) {
+    assert_eq!(dst.len(), src.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        let bytes = std::mem::size_of_val(src);
+        let (d, s) = (dst.as_mut_ptr() as *mut u8, src.as_ptr() as *const u8);
+        let head = d.align_offset(16).min(bytes);
+        // SAFETY: all offsets stay below `bytes`, the common length of both slices; SSE2 is
+        // part of the x86-64 baseline.
+        unsafe {
+            std::ptr::copy_nonoverlapping(s, d, head);
+            let mut i = head;
+            while i + 16 <= bytes {
+                _mm_stream_si128(d.add(i) as *mut __m128i, _mm_loadu_si128(s.add(i) as *const __m128i));
+                i += 16;
+            }
+            std::ptr::copy_nonoverlapping(s.add(i), d.add(i), bytes - i);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    dst.copy_from_slice(src);
+}
+
+/// Orders this thread's non-temporal stores before whatever it does next (completing a block).
+#[inline(always)]
+pub fn fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE is part of the x86-64 baseline.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    }
+}
+
+/// Narrows f32 results into `dst`, streaming past the cache when `streaming`.
+#[inline(always)]
+pub fn narrow_into<T: FloatElement>(src: &[f32], dst: &mut [T], streaming: bool) {
+    if !streaming {
+        T::narrow(src, dst);
+        return;
+    }
+    let mut tmp = [T::default(); CHUNK];
+    for (s, d) in src.chunks(CHUNK).zip(dst.chunks_mut(CHUNK)) {
+        T::narrow(s, &mut tmp[..s.len()]);
+        copy_streaming(d, &tmp[..s.len()]);
+    }
+}
 
 /// `v[i] = f(v[i])` over one chunk.
 pub trait Map1: Send + Sync + 'static {
@@ -39,9 +95,9 @@ pub fn load<T: FloatElement>(data: &[T], off: usize, stride: usize, dst: &mut [f
 /// # Safety
 /// The elements written must belong to the calling block alone.
 #[inline(always)]
-pub unsafe fn store<T: FloatElement>(out: &OutputView<'_>, off: usize, stride: usize, src: &[f32]) {
+pub unsafe fn store<T: FloatElement>(out: &OutputView<'_>, off: usize, stride: usize, src: &[f32], streaming: bool) {
     if stride == 1 {
-        T::narrow(src, out.slice_mut::<T>(off, src.len()));
+        narrow_into(src, out.slice_mut::<T>(off, src.len()), streaming);
     } else {
         let base = out.as_mut_ptr::<T>();
         for (j, &v) in src.iter().enumerate() {
@@ -52,7 +108,7 @@ pub unsafe fn store<T: FloatElement>(out: &OutputView<'_>, off: usize, stride: u
 
 crate::simd_kernel! {
 /// `out = f(x)` elementwise over this block's share of the output.
-pub fn unary<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, f: &F) {
+pub fn unary<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, f: &F, streaming: bool) {
     let (x, out) = (args.input(0), args.output(0));
     let runs = StridedRuns::<2>::new([out.layout(), x.layout()]);
     let range = ctx.split(runs.numel());
@@ -66,16 +122,17 @@ pub fn unary<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, f: &F) 
             load(data, xo + j * sx, sx, &mut buf[..n]);
             f.apply(&mut buf[..n]);
             // SAFETY: blocks own disjoint ranges of output elements.
-            unsafe { store::<T>(&out, o + j * so, so, &buf[..n]) };
+            unsafe { store::<T>(&out, o + j * so, so, &buf[..n], streaming) };
             j += n;
         }
     });
+    fence();
 }
 }
 
 crate::simd_kernel! {
 /// `out = f(a, b)` elementwise, `a` and `b` broadcast to the output's shape.
-pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F) {
+pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F, streaming: bool) {
     let (a, b, out) = (args.input(0), args.input(1), args.output(0));
     let shape = out.layout().shape();
     let la = broadcast(a.layout(), shape);
@@ -94,10 +151,11 @@ pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F)
             load(db, bo + j * sb, sb, &mut bufb[..n]);
             f.apply(&mut bufa[..n], &bufb[..n]);
             // SAFETY: blocks own disjoint ranges of output elements.
-            unsafe { store::<T>(&out, o + j * so, so, &bufa[..n]) };
+            unsafe { store::<T>(&out, o + j * so, so, &bufa[..n], streaming) };
             j += n;
         }
     });
+    fence();
 }
 }
 

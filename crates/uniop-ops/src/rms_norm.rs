@@ -9,7 +9,7 @@
 //! (sum of squares, then scale), but the second read hits L1/L2, so the op moves each byte of DRAM
 //! once — it is bandwidth-bound by design.
 
-use crate::elementwise::CHUNK;
+use crate::elementwise::{fence, narrow_into, CHUNK, STREAMING_BYTES};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
     Plan, RefTensor, Result, Step, TensorMeta,
@@ -89,59 +89,53 @@ pub(crate) fn sum_squares_f32(x: &[f32]) -> f32 {
     acc.iter().sum()
 }
 
+/// `src` as f32: borrowed when it already is, else widened into `scratch`.
 #[inline(always)]
-pub(crate) fn sum_squares<T: FloatElement>(x: &[T]) -> f32 {
-    if let Some(xf) = T::as_f32_slice(x) {
-        return sum_squares_f32(xf);
-    }
-    let mut buf = [0f32; CHUNK];
-    let mut total = 0.0;
-    for c in x.chunks(CHUNK) {
-        T::widen(c, &mut buf[..c.len()]);
-        total += sum_squares_f32(&buf[..c.len()]);
-    }
-    total
-}
-
-#[inline(always)]
-fn normalize_row<T: FloatElement, W: FloatElement>(x: &[T], w: &[W], y: &mut [T], rstd: f32) {
-    if let (Some(xf), Some(wf), Some(yf)) = (T::as_f32_slice(x), W::as_f32_slice(w), T::as_f32_slice_mut(y)) {
-        for ((o, &a), &g) in yf.iter_mut().zip(xf).zip(wf) {
-            *o = a * rstd * g;
+pub(crate) fn as_f32<'a, T: FloatElement>(src: &'a [T], scratch: &'a mut [f32]) -> &'a [f32] {
+    match T::as_f32_slice(src) {
+        Some(f) => f,
+        None => {
+            T::widen(src, &mut scratch[..src.len()]);
+            &scratch[..src.len()]
         }
-        return;
-    }
-    let (mut bx, mut bw) = ([0f32; CHUNK], [0f32; CHUNK]);
-    for ((xc, wc), yc) in x.chunks(CHUNK).zip(w.chunks(CHUNK)).zip(y.chunks_mut(CHUNK)) {
-        let n = xc.len();
-        T::widen(xc, &mut bx[..n]);
-        W::widen(wc, &mut bw[..n]);
-        for (a, &g) in bx[..n].iter_mut().zip(&bw[..n]) {
-            *a = *a * rstd * g;
-        }
-        T::narrow(&bx[..n], yc);
     }
 }
 
 crate::simd_kernel! {
+/// Rows `split(rows)`: widen the row once (f16/bf16) into the block's scratch, reduce, then scale
+/// chunk by chunk into y.
 fn forward_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape) {
     let (x, w) = (args.input(0), args.input(1));
     let (y, rstd_out) = (args.output(0), args.output(1));
-    let w = &w.storage::<W>().expect("dtype dispatched")[w.layout().offset()..][..s.cols];
+    let cols = s.cols;
+    let w = &w.storage::<W>().expect("dtype dispatched")[w.layout().offset()..][..cols];
     let xs = x.storage::<T>().expect("dtype dispatched");
+    // SAFETY: block b owns scratch rows 2b and 2b+1 (sized by the plan when a widen is needed).
+    let (row_scratch, w_scratch): (&mut [f32], &mut [f32]) = if s.scratch {
+        unsafe { args.workspace::<f32>(2 * ctx.block_idx as usize * cols, 2 * cols).split_at_mut(cols) }
+    } else {
+        (&mut [], &mut [])
+    };
+    let wf = as_f32(w, w_scratch);
     // SAFETY: each block writes only the rstd entries of its own rows (below).
     let rstd_ptr = unsafe { rstd_out.as_mut_ptr::<f32>() };
+    let mut out = [0f32; CHUNK];
     for r in ctx.split(s.rows) {
         let xo = x.layout().outer_offset(r, s.inner_dims);
-        let row = &xs[xo..xo + s.cols];
-        let rstd = 1.0 / (sum_squares(row) / s.cols as f32 + s.eps).sqrt();
+        let xf = as_f32(&xs[xo..xo + cols], row_scratch);
+        let rstd = 1.0 / (sum_squares_f32(xf) / cols as f32 + s.eps).sqrt();
         // SAFETY: this block owns rows `split(rows)` of y and rstd.
-        unsafe {
-            let yrow = y.slice_mut::<T>(y.layout().outer_offset(r, s.inner_dims), s.cols);
-            normalize_row(row, w, yrow, rstd);
-            *rstd_ptr.add(rstd_out.layout().offset_of_linear(r)) = rstd;
+        let yrow = unsafe { y.slice_mut::<T>(y.layout().outer_offset(r, s.inner_dims), cols) };
+        unsafe { *rstd_ptr.add(rstd_out.layout().offset_of_linear(r)) = rstd };
+        for ((xc, wc), yc) in xf.chunks(CHUNK).zip(wf.chunks(CHUNK)).zip(yrow.chunks_mut(CHUNK)) {
+            let n = xc.len();
+            for ((o, &a), &g) in out[..n].iter_mut().zip(xc).zip(wc) {
+                *o = a * rstd * g;
+            }
+            narrow_into(&out[..n], yc, s.streaming);
         }
     }
+    fence();
 }
 }
 
@@ -152,6 +146,10 @@ pub(crate) struct KernelShape {
     pub cols: usize,
     pub inner_dims: usize,
     pub eps: f32,
+    /// Whether blocks have f32 scratch rows in the workspace (f16/bf16 data or weight).
+    pub scratch: bool,
+    /// Whether outputs are written with non-temporal stores.
+    pub streaming: bool,
 }
 
 impl Op for RmsNorm {
@@ -181,9 +179,19 @@ impl Op for RmsNorm {
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let s = norm_shape(cx, "x", "weight")?;
-        let ks = KernelShape { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims, eps: check_eps(cx)? };
-        let block_dim = block_dim_for(s.rows, 2 * s.cols * s.dtype.size());
         let weight_f32 = cx.input("weight").dtype == DType::F32;
+        let scratch = s.dtype != DType::F32 || !weight_f32;
+        let bytes = s.rows * s.cols * s.dtype.size();
+        let ks = KernelShape {
+            rows: s.rows,
+            cols: s.cols,
+            inner_dims: s.inner_dims,
+            eps: check_eps(cx)?,
+            scratch,
+            streaming: bytes >= STREAMING_BYTES,
+        };
+        let block_dim = block_dim_for(s.rows, 2 * s.cols * s.dtype.size());
+        let workspace = if scratch { block_dim as usize * 2 * s.cols * 4 } else { 0 };
         let step = with_float_dtype!(s.dtype, cx.op(), "x", |T| {
             if weight_f32 {
                 Step::new("rms_norm", block_dim, move |a, c| forward_kernel::<T, f32>(a, c, &ks))
@@ -192,6 +200,7 @@ impl Op for RmsNorm {
             }
         });
         Ok(Plan::new(vec![step])
+            .workspace(workspace)
             .inputs_need(vec![s.row_need(), LayoutNeed::Contiguous])
             .outputs_need(vec![s.row_need(), LayoutNeed::Any]))
     }

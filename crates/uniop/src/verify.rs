@@ -90,7 +90,7 @@ pub fn check_outputs(
             let abs = if same_nonfinite { 0.0 } else if abs.is_nan() { f64::INFINITY } else { abs };
             check.max_abs = check.max_abs.max(abs);
             check.max_rel = check.max_rel.max(abs / w.abs().max(f64::MIN_POSITIVE));
-            let ratio = abs / (atol + rtol * w.abs());
+            let ratio = if abs == 0.0 { 0.0 } else { abs / (atol + rtol * w.abs()) };
             if ratio > worst_ratio || (ratio.is_nan() && check.worst.is_none()) {
                 worst_ratio = ratio;
                 check.worst = Some(j);
