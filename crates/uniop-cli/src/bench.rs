@@ -100,7 +100,10 @@ fn launch_overhead() -> Result<()> {
             }
             stream.synchronize()
         })?;
-        println!("empty-kernel launch, block_dim {block_dim}: {:.3} µs per launch (amortised over {n})", per.as_secs_f64() * 1e6 / n as f64);
+        println!(
+            "empty-kernel launch, block_dim {block_dim}: {:.3} µs per launch (amortised over {n})",
+            per.as_secs_f64() * 1e6 / n as f64
+        );
     }
     for (label, pause) in [("warm worker", Duration::ZERO), ("parked worker", Duration::from_millis(2))] {
         let mut lat = Vec::new();
@@ -129,7 +132,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     println!("uniop bench — {} compute threads", Pool::global().threads());
     let probe = stream_probe(args.iters)?;
     let limit = probe.copy_gbs.max(probe.triad_gbs);
-    println!("STREAM probe: copy {:.1} GB/s, triad {:.1} GB/s (limit used below: {:.1} GB/s)", probe.copy_gbs, probe.triad_gbs, limit);
+    println!(
+        "STREAM probe: copy {:.1} GB/s, triad {:.1} GB/s (limit used below: {:.1} GB/s)",
+        probe.copy_gbs, probe.triad_gbs, limit
+    );
     launch_overhead()?;
     let shape = args.shape.as_deref().map(crate::parse_shape).transpose()?;
     println!("\n| op | dtype | shape | best ms | GB/s | % of STREAM |\n|---|---|---|---|---|---|");

@@ -49,7 +49,11 @@ pub fn run() -> Result<()> {
     b.wait_event(&produced)?;
     launch(&b, 4, consume, Consumer { buf: buf.clone(), partial: partial.clone() });
     end.record(&b);
-    println!("enqueued: stream {} produce<<<8>>> → event → stream {} consume<<<4>>> (host not blocked)", a.id(), b.id());
+    println!(
+        "enqueued: stream {} produce<<<8>>> → event → stream {} consume<<<4>>> (host not blocked)",
+        a.id(),
+        b.id()
+    );
 
     end.synchronize()?;
     a.synchronize()?;

@@ -12,7 +12,11 @@ use uniop::verify::OpHarness;
 use uniop::{AttrValue, DType, Error, Registry, Result, Stream};
 
 #[derive(Parser)]
-#[command(name = "uniop", version, about = "Write an operator once, call it from everywhere — CPU runtime and op library")]
+#[command(
+    name = "uniop",
+    version,
+    about = "Write an operator once, call it from everywhere — CPU runtime and op library"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -58,7 +62,11 @@ pub(crate) fn parse_shape(s: &str) -> Result<Vec<usize>> {
         return Ok(vec![]);
     }
     s.split(['x', 'X', ','])
-        .map(|d| d.trim().parse::<usize>().map_err(|_| Error::invalid(format!("bad --shape '{s}': expected dims like 4x4096"))))
+        .map(|d| {
+            d.trim()
+                .parse::<usize>()
+                .map_err(|_| Error::invalid(format!("bad --shape '{s}': expected dims like 4x4096")))
+        })
         .collect()
 }
 
@@ -80,7 +88,13 @@ fn list() {
     println!("{:<20} {:<28} {:<20} schema", "op", "dtypes", "backward");
     for entry in Registry::global().list() {
         let dtypes: Vec<_> = entry.op.dtypes().iter().map(|d| short(*d)).collect();
-        println!("{:<20} {:<28} {:<20} {}", entry.name(), dtypes.join(","), entry.op.backward().unwrap_or("-"), entry.schema);
+        println!(
+            "{:<20} {:<28} {:<20} {}",
+            entry.name(),
+            dtypes.join(","),
+            entry.op.backward().unwrap_or("-"),
+            entry.schema
+        );
     }
 }
 
@@ -135,7 +149,10 @@ fn run_one(op: &str, dtype: DType, args: &RunArgs) -> Result<bool> {
     let describe_inputs: Vec<String> = example
         .inputs
         .iter()
-        .map(|m| m.as_ref().map_or("None".to_string(), |m| format!("{}{}", short(m.dtype), uniop::layout::ShapeDisplay(m.shape()))))
+        .map(|m| {
+            m.as_ref()
+                .map_or("None".to_string(), |m| format!("{}{}", short(m.dtype), uniop::layout::ShapeDisplay(m.shape())))
+        })
         .collect();
     let mut h = OpHarness::new(entry, example, args.seed)?;
     let stream = Stream::default_stream();

@@ -54,7 +54,12 @@ impl Op for Add {
         })?;
         let alpha = cx.float("alpha");
         if !dtype.is_float() && alpha.fract() != 0.0 {
-            return Err(cx.err(ErrorCode::ParamInvalid, "alpha", format!("an integral value for {dtype} inputs"), alpha));
+            return Err(cx.err(
+                ErrorCode::ParamInvalid,
+                "alpha",
+                format!("an integral value for {dtype} inputs"),
+                alpha,
+            ));
         }
         Ok(vec![TensorMeta::contiguous(dtype, &shape)?])
     }
@@ -77,10 +82,16 @@ impl Op for Add {
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let (a, b) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
-        let shape = broadcast_shapes(&a.shape, &b.shape).ok_or_else(|| Error::internal("reference: shapes do not broadcast"))?;
+        let shape = broadcast_shapes(&a.shape, &b.shape)
+            .ok_or_else(|| Error::internal("reference: shapes do not broadcast"))?;
         let alpha = cx.float("alpha");
+        // Integer results wrap at the dtype's width, as the kernel's do.
+        let wrap: fn(f64) -> f64 = match cx.input("a").dtype {
+            DType::I32 => |v| v as i64 as i32 as f64,
+            _ => |v| v,
+        };
         let n = shape.iter().product();
-        let data = (0..n).map(|i| a.broadcast_get(&shape, i) + alpha * b.broadcast_get(&shape, i)).collect();
+        let data = (0..n).map(|i| wrap(a.broadcast_get(&shape, i) + alpha * b.broadcast_get(&shape, i))).collect();
         Ok(vec![RefTensor::new(&shape, data)])
     }
 

@@ -15,30 +15,25 @@ pub const CHUNK: usize = 64;
 /// memory traffic of a read-one-write-one kernel.
 pub const STREAMING_BYTES: usize = 8 << 20;
 
-/// Copies `src` to `dst` (same length) with non-temporal stores for the 16-byte-aligned middle.
-/// Callers must [`fence`] before the block ends so later launches see the data.
+/// Copies `src` to `dst` (same length) with non-temporal stores when `dst` is 16-byte aligned
+/// and a whole number of 16-byte units (the case for every full chunk of a row kernel on an
+/// aligned buffer); otherwise with ordinary stores. Callers must [`fence`] before the block ends
+/// so later launches see the data.
 #[inline(always)]
 pub fn copy_streaming<T: Element>(dst: &mut [T], src: &[T]) {
     assert_eq!(dst.len(), src.len());
+    let bytes = std::mem::size_of_val(src);
     #[cfg(target_arch = "x86_64")]
-    {
+    if (dst.as_ptr() as usize) % 16 == 0 && bytes % 16 == 0 {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-        let bytes = std::mem::size_of_val(src);
-        let (d, s) = (dst.as_mut_ptr() as *mut u8, src.as_ptr() as *const u8);
-        let head = d.align_offset(16).min(bytes);
-        // SAFETY: all offsets stay below `bytes`, the common length of both slices; SSE2 is
-        // part of the x86-64 baseline.
-        unsafe {
-            std::ptr::copy_nonoverlapping(s, d, head);
-            let mut i = head;
-            while i + 16 <= bytes {
-                _mm_stream_si128(d.add(i) as *mut __m128i, _mm_loadu_si128(s.add(i) as *const __m128i));
-                i += 16;
-            }
-            std::ptr::copy_nonoverlapping(s.add(i), d.add(i), bytes - i);
+        let (d, s) = (dst.as_mut_ptr() as *mut __m128i, src.as_ptr() as *const __m128i);
+        for i in 0..bytes / 16 {
+            // SAFETY: `i < bytes/16` keeps both pointers inside their slices; `d` is 16-byte
+            // aligned as `_mm_stream_si128` requires; SSE2 is part of the x86-64 baseline.
+            unsafe { _mm_stream_si128(d.add(i), _mm_loadu_si128(s.add(i))) };
         }
+        return;
     }
-    #[cfg(not(target_arch = "x86_64"))]
     dst.copy_from_slice(src);
 }
 

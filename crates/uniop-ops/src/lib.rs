@@ -32,7 +32,12 @@ use uniop::{Op, Registry};
 
 /// Every built-in op, in registration order.
 pub fn builtin_ops() -> Vec<Box<dyn Op>> {
-    vec![Box::new(add::Add), Box::new(silu::Silu), Box::new(rms_norm::RmsNorm), Box::new(rms_norm_backward::RmsNormBackward)]
+    vec![
+        Box::new(add::Add),
+        Box::new(silu::Silu),
+        Box::new(rms_norm::RmsNorm),
+        Box::new(rms_norm_backward::RmsNormBackward),
+    ]
 }
 
 /// Registers the built-in ops in the global registry (idempotent, thread-safe).

@@ -16,7 +16,7 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
     // 2^k built from bits. `k as i32` would be a saturating (scalar) conversion; adding 1.5·2^23
     // instead puts k in the low mantissa bits, which stays a vector integer op.

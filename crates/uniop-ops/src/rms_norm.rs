@@ -9,10 +9,10 @@
 //! (sum of squares, then scale), but the second read hits L1/L2, so the op moves each byte of DRAM
 //! once — it is bandwidth-bound by design.
 
-use crate::elementwise::{fence, narrow_into, CHUNK, STREAMING_BYTES};
+use crate::elementwise::{copy_streaming, fence, STREAMING_BYTES};
 use uniop::{
-    block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
-    Plan, RefTensor, Result, Step, TensorMeta,
+    block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
+    OpCx, Plan, RefTensor, Result, Step, TensorMeta,
 };
 
 pub struct RmsNorm;
@@ -89,50 +89,80 @@ pub(crate) fn sum_squares_f32(x: &[f32]) -> f32 {
     acc.iter().sum()
 }
 
-/// `src` as f32: borrowed when it already is, else widened into `scratch`.
+/// One vector register of f32.
+const LANES: usize = 16;
+
+/// Σ x² in f32. Half types are widened one register at a time, so the row never round-trips
+/// through memory as f32.
 #[inline(always)]
-pub(crate) fn as_f32<'a, T: FloatElement>(src: &'a [T], scratch: &'a mut [f32]) -> &'a [f32] {
-    match T::as_f32_slice(src) {
-        Some(f) => f,
-        None => {
-            T::widen(src, &mut scratch[..src.len()]);
-            &scratch[..src.len()]
+pub(crate) fn sum_squares<T: FloatElement>(x: &[T]) -> f32 {
+    if let Some(f) = T::as_f32_slice(x) {
+        return sum_squares_f32(f);
+    }
+    let (mut acc, mut buf) = ([0f32; LANES], [0f32; LANES]);
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        T::widen(c, &mut buf);
+        for i in 0..LANES {
+            acc[i] += buf[i] * buf[i];
         }
+    }
+    tail.iter().map(|v| v.to_f32() * v.to_f32()).sum::<f32>() + acc.iter().sum::<f32>()
+}
+
+/// `y = x · rstd · w`, one register at a time; `streaming` writes y past the cache.
+#[inline(always)]
+fn scale_row<T: FloatElement>(x: &[T], w: &[f32], y: &mut [T], rstd: f32, streaming: bool) {
+    let (mut buf, mut out) = ([0f32; LANES], [T::default(); LANES]);
+    let xs = x.chunks_exact(LANES);
+    let tail = xs.len() * LANES;
+    for ((xc, wc), yc) in xs.zip(w.chunks_exact(LANES)).zip(y.chunks_exact_mut(LANES)) {
+        T::widen(xc, &mut buf);
+        for i in 0..LANES {
+            buf[i] = buf[i] * rstd * wc[i];
+        }
+        if streaming {
+            T::narrow(&buf, &mut out);
+            copy_streaming(yc, &out);
+        } else {
+            T::narrow(&buf, yc);
+        }
+    }
+    for i in tail..x.len() {
+        y[i] = T::from_f32(x[i].to_f32() * rstd * w[i]);
     }
 }
 
 crate::simd_kernel! {
-/// Rows `split(rows)`: widen the row once (f16/bf16) into the block's scratch, reduce, then scale
-/// chunk by chunk into y.
+/// Rows `split(rows)`: reduce the row, then scale it into y. The weight is widened to f32 once
+/// per block (into the workspace) when it is not f32 already.
 fn forward_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape) {
     let (x, w) = (args.input(0), args.input(1));
     let (y, rstd_out) = (args.output(0), args.output(1));
     let cols = s.cols;
     let w = &w.storage::<W>().expect("dtype dispatched")[w.layout().offset()..][..cols];
     let xs = x.storage::<T>().expect("dtype dispatched");
-    // SAFETY: block b owns scratch rows 2b and 2b+1 (sized by the plan when a widen is needed).
-    let (row_scratch, w_scratch): (&mut [f32], &mut [f32]) = if s.scratch {
-        unsafe { args.workspace::<f32>(2 * ctx.block_idx as usize * cols, 2 * cols).split_at_mut(cols) }
-    } else {
-        (&mut [], &mut [])
+    let wf: &[f32] = match W::as_f32_slice(w) {
+        Some(wf) => wf,
+        None => {
+            // SAFETY: block b owns workspace row b (the plan sized it for a non-f32 weight).
+            let scratch = unsafe { args.workspace::<f32>(ctx.block_idx as usize * cols, cols) };
+            W::widen(w, scratch);
+            scratch
+        }
     };
-    let wf = as_f32(w, w_scratch);
     // SAFETY: each block writes only the rstd entries of its own rows (below).
     let rstd_ptr = unsafe { rstd_out.as_mut_ptr::<f32>() };
-    let mut out = [0f32; CHUNK];
     for r in ctx.split(s.rows) {
         let xo = x.layout().outer_offset(r, s.inner_dims);
-        let xf = as_f32(&xs[xo..xo + cols], row_scratch);
-        let rstd = 1.0 / (sum_squares_f32(xf) / cols as f32 + s.eps).sqrt();
+        let row = &xs[xo..xo + cols];
+        let rstd = 1.0 / (sum_squares(row) / cols as f32 + s.eps).sqrt();
         // SAFETY: this block owns rows `split(rows)` of y and rstd.
-        let yrow = unsafe { y.slice_mut::<T>(y.layout().outer_offset(r, s.inner_dims), cols) };
-        unsafe { *rstd_ptr.add(rstd_out.layout().offset_of_linear(r)) = rstd };
-        for ((xc, wc), yc) in xf.chunks(CHUNK).zip(wf.chunks(CHUNK)).zip(yrow.chunks_mut(CHUNK)) {
-            let n = xc.len();
-            for ((o, &a), &g) in out[..n].iter_mut().zip(xc).zip(wc) {
-                *o = a * rstd * g;
-            }
-            narrow_into(&out[..n], yc, s.streaming);
+        unsafe {
+            *rstd_ptr.add(rstd_out.layout().offset_of_linear(r)) = rstd;
+            let yrow = y.slice_mut::<T>(y.layout().outer_offset(r, s.inner_dims), cols);
+            scale_row(row, wf, yrow, rstd, s.streaming);
         }
     }
     fence();
@@ -146,8 +176,6 @@ pub(crate) struct KernelShape {
     pub cols: usize,
     pub inner_dims: usize,
     pub eps: f32,
-    /// Whether blocks have f32 scratch rows in the workspace (f16/bf16 data or weight).
-    pub scratch: bool,
     /// Whether outputs are written with non-temporal stores.
     pub streaming: bool,
 }
@@ -174,24 +202,25 @@ impl Op for RmsNorm {
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let s = norm_shape(cx, "x", "weight")?;
         check_eps(cx)?;
-        Ok(vec![TensorMeta::contiguous(s.dtype, cx.input("x").shape())?, TensorMeta::contiguous(DType::F32, &s.rstd_shape)?])
+        Ok(vec![
+            TensorMeta::contiguous(s.dtype, cx.input("x").shape())?,
+            TensorMeta::contiguous(DType::F32, &s.rstd_shape)?,
+        ])
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let s = norm_shape(cx, "x", "weight")?;
         let weight_f32 = cx.input("weight").dtype == DType::F32;
-        let scratch = s.dtype != DType::F32 || !weight_f32;
         let bytes = s.rows * s.cols * s.dtype.size();
         let ks = KernelShape {
             rows: s.rows,
             cols: s.cols,
             inner_dims: s.inner_dims,
             eps: check_eps(cx)?,
-            scratch,
             streaming: bytes >= STREAMING_BYTES,
         };
         let block_dim = block_dim_for(s.rows, 2 * s.cols * s.dtype.size());
-        let workspace = if scratch { block_dim as usize * 2 * s.cols * 4 } else { 0 };
+        let workspace = if weight_f32 { 0 } else { block_dim as usize * s.cols * 4 };
         let step = with_float_dtype!(s.dtype, cx.op(), "x", |T| {
             if weight_f32 {
                 Step::new("rms_norm", block_dim, move |a, c| forward_kernel::<T, f32>(a, c, &ks))

@@ -12,8 +12,8 @@
 use crate::elementwise::CHUNK;
 use crate::rms_norm::{norm_shape, KernelShape, DTYPES};
 use uniop::{
-    block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
-    Plan, RefTensor, Result, Step, TensorMeta,
+    block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
+    OpCx, Plan, RefTensor, Result, Step, TensorMeta,
 };
 
 pub struct RmsNormBackward;
@@ -37,8 +37,11 @@ fn backward_row<T: FloatElement, W: FloatElement>(dy: &[T], x: &[T], w: &[W], rs
     let mut dot = [0f32; CHUNK];
     for start in (0..n).step_by(CHUNK) {
         let end = (start + CHUNK).min(n);
-        let (d, xv, wv) =
-            (chunk_f32(&dy[start..end], &mut bdy), chunk_f32(&x[start..end], &mut bx), chunk_f32(&w[start..end], &mut bw));
+        let (d, xv, wv) = (
+            chunk_f32(&dy[start..end], &mut bdy),
+            chunk_f32(&x[start..end], &mut bx),
+            chunk_f32(&w[start..end], &mut bw),
+        );
         for i in 0..end - start {
             dot[i] += d[i] * wv[i] * xv[i];
         }
@@ -47,8 +50,11 @@ fn backward_row<T: FloatElement, W: FloatElement>(dy: &[T], x: &[T], w: &[W], rs
     for start in (0..n).step_by(CHUNK) {
         let end = (start + CHUNK).min(n);
         let len = end - start;
-        let (d, xv, wv) =
-            (chunk_f32(&dy[start..end], &mut bdy), chunk_f32(&x[start..end], &mut bx), chunk_f32(&w[start..end], &mut bw));
+        let (d, xv, wv) = (
+            chunk_f32(&dy[start..end], &mut bdy),
+            chunk_f32(&x[start..end], &mut bx),
+            chunk_f32(&w[start..end], &mut bw),
+        );
         let dwc = &mut dw[start..end];
         for i in 0..len {
             out[i] = rstd * d[i] * wv[i] - xv[i] * coeff;
@@ -128,7 +134,13 @@ impl Op for RmsNormBackward {
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let s = norm_shape(cx, "x", "weight")?;
-        let ks = KernelShape { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims, eps: 0.0, scratch: false, streaming: false };
+        let ks = KernelShape {
+            rows: s.rows,
+            cols: s.cols,
+            inner_dims: s.inner_dims,
+            eps: 0.0,
+            streaming: false,
+        };
         let blocks = block_dim_for(s.rows, 3 * s.cols * s.dtype.size());
         let reduce_blocks = block_dim_for(s.cols, 4 * blocks as usize);
         let partials = blocks as usize;
@@ -142,12 +154,16 @@ impl Op for RmsNormBackward {
             if weight_f32 {
                 vec![
                     Step::new("rms_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, f32>(a, c, &ks)),
-                    Step::new("rms_norm_backward.dweight", reduce_blocks, move |a, c| dweight_kernel::<f32>(a, c, cols, partials)),
+                    Step::new("rms_norm_backward.dweight", reduce_blocks, move |a, c| {
+                        dweight_kernel::<f32>(a, c, cols, partials)
+                    }),
                 ]
             } else {
                 vec![
                     Step::new("rms_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, T>(a, c, &ks)),
-                    Step::new("rms_norm_backward.dweight", reduce_blocks, move |a, c| dweight_kernel::<T>(a, c, cols, partials)),
+                    Step::new("rms_norm_backward.dweight", reduce_blocks, move |a, c| {
+                        dweight_kernel::<T>(a, c, cols, partials)
+                    }),
                 ]
             }
         });

@@ -29,17 +29,8 @@ pub const DLPACK_BFLOAT: u8 = 4;
 pub const DLPACK_BOOL: u8 = 6;
 
 impl DType {
-    pub const ALL: [DType; 9] = [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::F64,
-        DType::I8,
-        DType::I32,
-        DType::I64,
-        DType::U8,
-        DType::Bool,
-    ];
+    pub const ALL: [DType; 9] =
+        [DType::F32, DType::F16, DType::BF16, DType::F64, DType::I8, DType::I32, DType::I64, DType::U8, DType::Bool];
 
     /// Size of one element in bytes.
     pub fn size(self) -> usize {
@@ -103,9 +94,10 @@ impl DType {
     }
 
     pub fn from_dlpack(code: u8, bits: u8) -> Result<DType> {
-        DType::ALL.into_iter().find(|d| d.dlpack() == (code, bits)).ok_or_else(|| {
-            Error::new(ErrorCode::DType, format!("unsupported DLPack dtype (code {code}, bits {bits})"))
-        })
+        DType::ALL
+            .into_iter()
+            .find(|d| d.dlpack() == (code, bits))
+            .ok_or_else(|| Error::new(ErrorCode::DType, format!("unsupported DLPack dtype (code {code}, bits {bits})")))
     }
 
     pub fn is_float(self) -> bool {
@@ -276,6 +268,46 @@ fn f32_to_bf16_bits(v: f32) -> u16 {
     }
 }
 
+/// f32 → bf16 for AVX-512, 16 lanes at a time, same rounding as [`f32_to_bf16_bits`].
+///
+/// Written with intrinsics because the auto-vectorized form stores through `vpmovdw` with a memory
+/// operand, which is microcoded on AMD Zen 4/5 and made bf16 kernels 3× slower than f32 ones.
+/// Here the 16 results are gathered into one 256-bit register with `vpermw` and stored plainly.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [bf16]) {
+    use std::arch::x86_64::{
+        __m256i, _mm256_storeu_si256, _mm512_add_epi32, _mm512_and_si512, _mm512_castps_si512, _mm512_castsi512_si256,
+        _mm512_cmp_ps_mask, _mm512_loadu_ps, _mm512_mask_mov_epi32, _mm512_or_si512, _mm512_permutexvar_epi16,
+        _mm512_set1_epi32, _mm512_set_epi16, _mm512_srli_epi32, _CMP_UNORD_Q,
+    };
+    let n = src.len().min(dst.len());
+    let ones = _mm512_set1_epi32(1);
+    let bias = _mm512_set1_epi32(0x7fff);
+    let quiet = _mm512_set1_epi32(0x0040_0000);
+    // Word indices of the high halves of the 16 dwords, packed into the low 256 bits.
+    let high_halves = _mm512_set_epi16(
+        31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5,
+        3, 1,
+    );
+    let mut i = 0;
+    while i + 16 <= n {
+        let v = _mm512_loadu_ps(src.as_ptr().add(i));
+        let bits = _mm512_castps_si512(v);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), ones);
+        let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(bias, lsb));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+        let out = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, quiet));
+        let packed = _mm512_permutexvar_epi16(high_halves, out);
+        _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, _mm512_castsi512_si256(packed));
+        i += 16;
+    }
+    for j in i..n {
+        dst[j] = bf16::from_bits(f32_to_bf16_bits(src[j]));
+    }
+}
+
 impl FloatElement for bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
@@ -293,6 +325,12 @@ impl FloatElement for bf16 {
     }
     #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [bf16]) {
+        #[cfg(target_arch = "x86_64")]
+        if src.len() >= 16 && std::arch::is_x86_feature_detected!("avx512bw") {
+            // SAFETY: the CPU has AVX-512 F+BW (checked just above; the check is cached by std).
+            unsafe { narrow_bf16_avx512(src, dst) };
+            return;
+        }
         for (d, s) in dst.iter_mut().zip(src) {
             *d = bf16::from_bits(f32_to_bf16_bits(*s));
         }
@@ -368,11 +406,25 @@ mod tests {
             }
             bits += 0x0001_2345;
         }
-        let src = [1.0f32, 1.00390625, -2.5, f32::INFINITY];
+        let src = [1.0f32, 1.0 + 1.0 / 256.0, -2.5, f32::INFINITY];
         let mut mid = [bf16::ZERO; 4];
         let mut back = [0f32; 4];
         bf16::narrow(&src, &mut mid);
         bf16::widen(&mid, &mut back);
         assert_eq!(back, [1.0, 1.0, -2.5, f32::INFINITY]);
+
+        // The bulk (SIMD) narrow agrees bit for bit with the scalar one, NaNs included.
+        let many: Vec<f32> = (0..4099u32)
+            .map(|i| match i % 7 {
+                0 => f32::NAN,
+                1 => -f32::from_bits(i.wrapping_mul(0x9e37_79b9) >> 1),
+                _ => f32::from_bits(i.wrapping_mul(0x9e37_79b9) >> 1),
+            })
+            .collect();
+        let mut bulk = vec![bf16::ZERO; many.len()];
+        bf16::narrow(&many, &mut bulk);
+        for (v, b) in many.iter().zip(&bulk) {
+            assert_eq!(b.to_bits(), f32_to_bf16_bits(*v), "{v:e}");
+        }
     }
 }

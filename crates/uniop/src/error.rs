@@ -70,13 +70,7 @@ impl Error {
 
     /// An error about one argument of one op:
     /// `rms_norm: argument 'weight': expected shape [4096], got [4095]`.
-    pub fn arg(
-        code: ErrorCode,
-        op: &str,
-        arg: &str,
-        expected: impl fmt::Display,
-        given: impl fmt::Display,
-    ) -> Self {
+    pub fn arg(code: ErrorCode, op: &str, arg: &str, expected: impl fmt::Display, given: impl fmt::Display) -> Self {
         Error::new(code, format!("{op}: argument '{arg}': expected {expected}, got {given}"))
     }
 

@@ -71,7 +71,10 @@ impl<'a> Executor<'a> {
         let expected = entry.op.infer(&cx)?;
         let op = entry.name().to_string();
         if outputs.len() != expected.len() {
-            return Err(Error::new(ErrorCode::ParamInvalid, format!("{op}: expected {} outputs, got {}", expected.len(), outputs.len())));
+            return Err(Error::new(
+                ErrorCode::ParamInvalid,
+                format!("{op}: expected {} outputs, got {}", expected.len(), outputs.len()),
+            ));
         }
         for (i, (out, want)) in outputs.iter().zip(&expected).enumerate() {
             let name = entry.schema.output_name(i);
@@ -79,7 +82,13 @@ impl<'a> Executor<'a> {
                 return Err(Error::arg(ErrorCode::DType, &op, &name, format!("dtype {}", want.dtype), out.dtype()));
             }
             if out.shape() != want.shape() {
-                return Err(Error::arg(ErrorCode::Shape, &op, &name, format!("shape {}", want.layout), format!("shape {}", out.meta().layout)));
+                return Err(Error::arg(
+                    ErrorCode::Shape,
+                    &op,
+                    &name,
+                    format!("shape {}", want.layout),
+                    format!("shape {}", out.meta().layout),
+                ));
             }
         }
         let plan = entry.op.plan(&cx)?;
@@ -100,7 +109,9 @@ impl<'a> Executor<'a> {
         };
         let bound_inputs: Vec<Option<Bound>> = inputs
             .iter()
-            .map(|t| t.as_ref().map(|t| Bound { ptr: t.as_ptr() as *mut u8, len: t.byte_len(), meta: t.meta().clone() }))
+            .map(|t| {
+                t.as_ref().map(|t| Bound { ptr: t.as_ptr() as *mut u8, len: t.byte_len(), meta: t.meta().clone() })
+            })
             .collect();
         for (i, b) in bound_inputs.iter().enumerate() {
             if let Some(b) = b {
@@ -151,7 +162,8 @@ impl<'a> Executor<'a> {
     pub fn rebind_input(&mut self, i: usize, t: TensorRef<'a>) -> Result<()> {
         let op = self.op().to_string();
         let slot = self.inputs.get_mut(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_input: no input {i}")))?;
-        let old = slot.as_ref().ok_or_else(|| Error::invalid(format!("{op}: rebind_input: input {i} was bound as None")))?;
+        let old =
+            slot.as_ref().ok_or_else(|| Error::invalid(format!("{op}: rebind_input: input {i} was bound as None")))?;
         check_same_layout(&op, &format!("input {i}"), &old.meta, t.meta())?;
         *slot = Some(Bound { ptr: t.as_ptr() as *mut u8, len: t.byte_len(), meta: t.meta().clone() });
         Ok(())
@@ -159,7 +171,8 @@ impl<'a> Executor<'a> {
 
     pub fn rebind_output(&mut self, i: usize, mut t: TensorMut<'a>) -> Result<()> {
         let op = self.op().to_string();
-        let slot = self.outputs.get_mut(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_output: no output {i}")))?;
+        let slot =
+            self.outputs.get_mut(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_output: no output {i}")))?;
         check_same_layout(&op, &format!("output {i}"), &slot.meta, t.meta())?;
         *slot = Bound { ptr: t.as_mut_ptr(), len: t.byte_len(), meta: t.meta().clone() };
         Ok(())
@@ -189,14 +202,27 @@ impl<'a> Executor<'a> {
         if workspace_len < self.workspace_size {
             return Err(Error::new(
                 ErrorCode::WorkspaceTooSmall,
-                format!("{op}: workspace of {workspace_len} bytes is smaller than the {} bytes phase 1 asked for", self.workspace_size),
+                format!(
+                    "{op}: workspace of {workspace_len} bytes is smaller than the {} bytes phase 1 asked for",
+                    self.workspace_size
+                ),
             ));
         }
         if self.workspace_size > 0 && workspace.is_null() {
-            return Err(Error::arg(ErrorCode::ParamNullptr, op, "workspace", format!("{} bytes", self.workspace_size), "a null pointer"));
+            return Err(Error::arg(
+                ErrorCode::ParamNullptr,
+                op,
+                "workspace",
+                format!("{} bytes", self.workspace_size),
+                "a null pointer",
+            ));
         }
         self.launched = true;
-        let base = if self.workspace_size == 0 { std::ptr::null_mut() } else { workspace.add(workspace.align_offset(WS_ALIGN)) };
+        let base = if self.workspace_size == 0 {
+            std::ptr::null_mut()
+        } else {
+            workspace.add(workspace.align_offset(WS_ALIGN))
+        };
 
         // Kernel-facing bindings: staged tensors point into the workspace, contiguous.
         let mut kernel_args = KernelArgs {
@@ -208,7 +234,8 @@ impl<'a> Executor<'a> {
         let mut copies_in = Vec::new();
         let mut copies_out = Vec::new();
         for s in &self.staging {
-            let staged = Bound { ptr: base.add(s.at), len: s.meta.contiguous_bytes().unwrap_or(0), meta: s.meta.clone() };
+            let staged =
+                Bound { ptr: base.add(s.at), len: s.meta.contiguous_bytes().unwrap_or(0), meta: s.meta.clone() };
             if s.is_output {
                 let user = std::mem::replace(&mut kernel_args.outputs[s.index], staged.clone());
                 copies_out.push((staged, user));
@@ -246,7 +273,7 @@ fn check_same_layout(op: &str, what: &str, old: &TensorMeta, new: &TensorMeta) -
 /// argument takes all tensors not claimed by the other arguments.
 fn group_inputs(entry: &OpEntry, inputs: &[Option<TensorRef<'_>>]) -> Result<Vec<Vec<TensorMeta>>> {
     let args: Vec<_> = entry.schema.inputs().collect();
-    let list_len = inputs.len().checked_sub(args.len() - 1).unwrap_or(0);
+    let list_len = inputs.len().saturating_sub(args.len() - 1);
     let mut groups = Vec::new();
     let mut it = inputs.iter();
     for arg in &args {
@@ -271,7 +298,10 @@ fn group_inputs(entry: &OpEntry, inputs: &[Option<TensorRef<'_>>]) -> Result<Vec
         groups.push(group);
     }
     if it.next().is_some() {
-        return Err(Error::new(ErrorCode::ParamInvalid, format!("{}: expected {} tensor inputs, got {}", entry.name(), args.len(), inputs.len())));
+        return Err(Error::new(
+            ErrorCode::ParamInvalid,
+            format!("{}: expected {} tensor inputs, got {}", entry.name(), args.len(), inputs.len()),
+        ));
     }
     Ok(groups)
 }
@@ -294,7 +324,11 @@ fn launch_copy(stream: &Stream, src: Bound, dst: Bound) {
                     std::ptr::copy_nonoverlapping(src_ptr.at(s * size), dst_ptr.at(d * size), len * size);
                 } else {
                     for j in 0..len {
-                        std::ptr::copy_nonoverlapping(src_ptr.at((s + j * ss) * size), dst_ptr.at((d + j * ds) * size), size);
+                        std::ptr::copy_nonoverlapping(
+                            src_ptr.at((s + j * ss) * size),
+                            dst_ptr.at((d + j * ds) * size),
+                            size,
+                        );
                     }
                 }
             }

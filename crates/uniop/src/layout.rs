@@ -81,7 +81,13 @@ impl Layout {
         if shape.len() != strides.len() {
             return Err(Error::new(
                 ErrorCode::Shape,
-                format!("shape {} has rank {} but strides {} have rank {}", ShapeDisplay(shape), shape.len(), ShapeDisplay(strides), strides.len()),
+                format!(
+                    "shape {} has rank {} but strides {} have rank {}",
+                    ShapeDisplay(shape),
+                    shape.len(),
+                    ShapeDisplay(strides),
+                    strides.len()
+                ),
             ));
         }
         let layout = Layout { shape: shape.to_vec(), strides: strides.to_vec(), offset };
@@ -117,20 +123,22 @@ impl Layout {
         }
         let mut last = self.offset;
         for (&d, &s) in self.shape.iter().zip(&self.strides) {
-            last = (d - 1).checked_mul(s).and_then(|x| x.checked_add(last)).ok_or_else(|| overflow("storage extent", &self.shape))?;
+            last = (d - 1)
+                .checked_mul(s)
+                .and_then(|x| x.checked_add(last))
+                .ok_or_else(|| overflow("storage extent", &self.shape))?;
         }
         last.checked_add(1).ok_or_else(|| overflow("storage extent", &self.shape))
     }
 
     /// Checks that the view stays inside a buffer of `len_bytes` holding `dtype` elements.
     pub fn check_fits(&self, dtype: DType, len_bytes: usize) -> Result<()> {
-        let need = self.storage_extent()?.checked_mul(dtype.size()).ok_or_else(|| overflow("byte size", &self.shape))?;
+        let need =
+            self.storage_extent()?.checked_mul(dtype.size()).ok_or_else(|| overflow("byte size", &self.shape))?;
         if need > len_bytes {
             return Err(Error::new(
                 ErrorCode::Shape,
-                format!(
-                    "view {self} of {dtype} needs {need} bytes of storage but the buffer holds {len_bytes}"
-                ),
+                format!("view {self} of {dtype} needs {need} bytes of storage but the buffer holds {len_bytes}"),
             ));
         }
         Ok(())
@@ -159,7 +167,10 @@ impl Layout {
     /// Broadcasts this layout to `shape` by giving new and size-1 dims stride 0.
     pub fn broadcast_to(&self, shape: &[usize]) -> Result<Layout> {
         let fail = || {
-            Error::new(ErrorCode::Shape, format!("cannot broadcast shape {} to {}", ShapeDisplay(&self.shape), ShapeDisplay(shape)))
+            Error::new(
+                ErrorCode::Shape,
+                format!("cannot broadcast shape {} to {}", ShapeDisplay(&self.shape), ShapeDisplay(shape)),
+            )
         };
         if shape.len() < self.rank() {
             return Err(fail());
@@ -231,7 +242,13 @@ impl fmt::Display for Layout {
 
 impl fmt::Debug for Layout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Layout(shape {}, strides {}, offset {})", ShapeDisplay(&self.shape), ShapeDisplay(&self.strides), self.offset)
+        write!(
+            f,
+            "Layout(shape {}, strides {}, offset {})",
+            ShapeDisplay(&self.shape),
+            ShapeDisplay(&self.strides),
+            self.offset
+        )
     }
 }
 
@@ -290,8 +307,8 @@ impl<const N: usize> StridedRuns<N> {
             if size == 1 {
                 continue;
             }
-            let mergeable = !shape.is_empty()
-                && (0..N).all(|k| strides[k].last().copied() == Some(layouts[k].strides()[d] * size));
+            let mergeable =
+                !shape.is_empty() && (0..N).all(|k| strides[k].last().copied() == Some(layouts[k].strides()[d] * size));
             if mergeable {
                 *shape.last_mut().unwrap() *= size;
                 for k in 0..N {

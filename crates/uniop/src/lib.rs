@@ -36,7 +36,12 @@ pub use tensor::{Tensor, TensorMut, TensorRef};
 
 /// Runs `op` synchronously on the default stream: phase 1, a workspace from the caching
 /// allocator, phase 2, wait. The convenient Rust entry point; frontends use [`Executor`] directly.
-pub fn call(op: &str, inputs: &[Option<TensorRef<'_>>], attrs: &[(&str, AttrValue)], outputs: Vec<TensorMut<'_>>) -> Result<()> {
+pub fn call(
+    op: &str,
+    inputs: &[Option<TensorRef<'_>>],
+    attrs: &[(&str, AttrValue)],
+    outputs: Vec<TensorMut<'_>>,
+) -> Result<()> {
     let mut exec = Executor::by_name(op, inputs, attrs, outputs)?;
     let ws = runtime::Allocator::global().allocate(exec.workspace_size(), runtime::MemPolicy::HugeFirst)?;
     // SAFETY: the workspace is exclusively ours until `run` returns (it synchronizes).

@@ -102,7 +102,12 @@ impl<'s> OpCx<'s> {
         if inputs.len() != tensor_args.len() {
             return Err(Error::new(
                 ErrorCode::ParamInvalid,
-                format!("{op}: expected {} tensor inputs ({}), got {}", tensor_args.len(), names(&tensor_args), inputs.len()),
+                format!(
+                    "{op}: expected {} tensor inputs ({}), got {}",
+                    tensor_args.len(),
+                    names(&tensor_args),
+                    inputs.len()
+                ),
             ));
         }
         let mut flat = Vec::new();
@@ -114,7 +119,15 @@ impl<'s> OpCx<'s> {
                 (_, 1) => flat.extend(group.into_iter().map(Some)),
                 (_, 0) if arg.ty.optional => flat.push(None),
                 (_, 0) => return Err(Error::arg(ErrorCode::ParamNullptr, op, &arg.name, "a tensor", "none")),
-                (_, n) => return Err(Error::arg(ErrorCode::ParamInvalid, op, &arg.name, "one tensor", format!("{n} tensors"))),
+                (_, n) => {
+                    return Err(Error::arg(
+                        ErrorCode::ParamInvalid,
+                        op,
+                        &arg.name,
+                        "one tensor",
+                        format!("{n} tensors"),
+                    ))
+                }
             }
             groups.push(start..flat.len());
         }
@@ -123,7 +136,10 @@ impl<'s> OpCx<'s> {
                 let known: Vec<_> = schema.attrs().map(|a| a.name.as_str()).collect();
                 return Err(Error::new(
                     ErrorCode::ParamInvalid,
-                    format!("{op}: unknown attribute '{name}' (attributes: {})", if known.is_empty() { "none".to_string() } else { known.join(", ") }),
+                    format!(
+                        "{op}: unknown attribute '{name}' (attributes: {})",
+                        if known.is_empty() { "none".to_string() } else { known.join(", ") }
+                    ),
                 ));
             }
         }
@@ -133,10 +149,24 @@ impl<'s> OpCx<'s> {
             let value = match (given, &arg.default) {
                 (Some(v), _) => v,
                 (None, Some(d)) => d.clone(),
-                (None, None) => return Err(Error::arg(ErrorCode::ParamNullptr, op, &arg.name, format!("a value of type {}", arg.ty), "none")),
+                (None, None) => {
+                    return Err(Error::arg(
+                        ErrorCode::ParamNullptr,
+                        op,
+                        &arg.name,
+                        format!("a value of type {}", arg.ty),
+                        "none",
+                    ))
+                }
             };
             if !value.fits(arg.ty) {
-                return Err(Error::arg(ErrorCode::ParamInvalid, op, &arg.name, format!("a value of type {}", arg.ty), &value));
+                return Err(Error::arg(
+                    ErrorCode::ParamInvalid,
+                    op,
+                    &arg.name,
+                    format!("a value of type {}", arg.ty),
+                    &value,
+                ));
             }
             values.push(match (value, arg.ty.base) {
                 (AttrValue::Int(v), BaseType::Float) => AttrValue::Float(v as f64),
@@ -151,7 +181,10 @@ impl<'s> OpCx<'s> {
     }
 
     fn tensor_arg(&self, name: &str) -> usize {
-        self.schema.inputs().position(|a| a.name == name).unwrap_or_else(|| panic!("{}: no tensor argument '{name}' in the schema", self.op()))
+        self.schema
+            .inputs()
+            .position(|a| a.name == name)
+            .unwrap_or_else(|| panic!("{}: no tensor argument '{name}' in the schema", self.op()))
     }
 
     /// Meta of a required tensor argument. Panics if `name` is not in the schema (an op bug).
@@ -181,7 +214,11 @@ impl<'s> OpCx<'s> {
     }
 
     pub fn attr(&self, name: &str) -> &AttrValue {
-        let i = self.schema.attrs().position(|a| a.name == name).unwrap_or_else(|| panic!("{}: no attribute '{name}' in the schema", self.op()));
+        let i = self
+            .schema
+            .attrs()
+            .position(|a| a.name == name)
+            .unwrap_or_else(|| panic!("{}: no attribute '{name}' in the schema", self.op()));
         &self.attrs[i]
     }
 
@@ -206,7 +243,13 @@ impl<'s> OpCx<'s> {
 
     // ---- helpers for infer: each returns the error message users will read ----
 
-    pub fn err(&self, code: ErrorCode, arg: &str, expected: impl std::fmt::Display, given: impl std::fmt::Display) -> Error {
+    pub fn err(
+        &self,
+        code: ErrorCode,
+        arg: &str,
+        expected: impl std::fmt::Display,
+        given: impl std::fmt::Display,
+    ) -> Error {
         Error::arg(code, self.op(), arg, expected, given)
     }
 
@@ -232,7 +275,12 @@ impl<'s> OpCx<'s> {
     pub fn expect_shape(&self, arg: &str, want: &[usize]) -> Result<()> {
         let got = self.input(arg).shape();
         if got != want {
-            return Err(self.err(ErrorCode::Shape, arg, format!("shape {}", ShapeDisplay(want)), format!("shape {}", ShapeDisplay(got))));
+            return Err(self.err(
+                ErrorCode::Shape,
+                arg,
+                format!("shape {}", ShapeDisplay(want)),
+                format!("shape {}", ShapeDisplay(got)),
+            ));
         }
         Ok(())
     }
@@ -240,7 +288,12 @@ impl<'s> OpCx<'s> {
     pub fn expect_min_rank(&self, arg: &str, rank: usize) -> Result<()> {
         let got = self.input(arg).rank();
         if got < rank {
-            return Err(self.err(ErrorCode::Shape, arg, format!("rank ≥ {rank}"), format!("rank {got} (shape {})", ShapeDisplay(self.input(arg).shape()))));
+            return Err(self.err(
+                ErrorCode::Shape,
+                arg,
+                format!("rank ≥ {rank}"),
+                format!("rank {got} (shape {})", ShapeDisplay(self.input(arg).shape())),
+            ));
         }
         Ok(())
     }
@@ -285,7 +338,11 @@ pub struct Step {
 }
 
 impl Step {
-    pub fn new(name: &'static str, block_dim: u32, kernel: impl Fn(&KernelArgs, BlockCtx) + Send + Sync + 'static) -> Step {
+    pub fn new(
+        name: &'static str,
+        block_dim: u32,
+        kernel: impl Fn(&KernelArgs, BlockCtx) + Send + Sync + 'static,
+    ) -> Step {
         Step { name, block_dim, kernel: Arc::new(kernel) }
     }
 }

@@ -51,7 +51,8 @@ impl Registry {
     pub fn get(&self, name: &str) -> Result<Arc<OpEntry>> {
         let ops = self.ops.read().unwrap();
         ops.get(name).cloned().ok_or_else(|| {
-            let mut near: Vec<&str> = ops.keys().map(String::as_str).filter(|k| k.contains(name) || name.contains(*k)).collect();
+            let mut near: Vec<&str> =
+                ops.keys().map(String::as_str).filter(|k| k.contains(name) || name.contains(*k)).collect();
             if near.is_empty() {
                 near = ops.keys().map(String::as_str).collect();
             }

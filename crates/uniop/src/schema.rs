@@ -292,8 +292,14 @@ impl<'a> Parser<'a> {
                     if args.iter().any(|a| a.name == arg.name) {
                         return Err(self.error(start, format!("duplicate argument name '{}'", arg.name)));
                     }
-                    if arg.default.is_none() && !arg.kwarg_only && args.iter().any(|a| a.default.is_some() && !a.kwarg_only) {
-                        return Err(self.error(start, format!("argument '{}' without a default follows one with a default", arg.name)));
+                    if arg.default.is_none()
+                        && !arg.kwarg_only
+                        && args.iter().any(|a| a.default.is_some() && !a.kwarg_only)
+                    {
+                        return Err(self.error(
+                            start,
+                            format!("argument '{}' without a default follows one with a default", arg.name),
+                        ));
                     }
                     args.push(arg);
                 }
@@ -374,7 +380,9 @@ impl<'a> Parser<'a> {
                 return Err(self.error(at, format!("a tensor argument ('{name}') can only default to None")));
             }
             if !ty.is_tensor() && !value.fits(ty) {
-                return Err(self.error(at, format!("default {value} ({}) does not fit type {ty} of '{name}'", value.kind())));
+                return Err(
+                    self.error(at, format!("default {value} ({}) does not fit type {ty} of '{name}'", value.kind()))
+                );
             }
             // Store int defaults of float args as floats so consumers see one representation.
             Some(match (value, ty.base) {
@@ -458,7 +466,8 @@ mod tests {
 
     #[test]
     fn parses_rms_norm() {
-        let s = OpSchema::parse("rms_norm(Tensor x, Tensor weight, float eps=1e-06) -> (Tensor y, Tensor rstd)").unwrap();
+        let s =
+            OpSchema::parse("rms_norm(Tensor x, Tensor weight, float eps=1e-06) -> (Tensor y, Tensor rstd)").unwrap();
         assert_eq!(s.name, "rms_norm");
         assert_eq!(s.inputs().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["x", "weight"]);
         let eps = s.attrs().next().unwrap();

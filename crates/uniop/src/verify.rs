@@ -80,14 +80,26 @@ pub fn check_outputs(
     for (i, (got, want)) in outputs.iter().zip(&want).enumerate() {
         let (atol, rtol) = tolerance(got.dtype());
         let got_values = got.to_f64_vec();
-        let mut check =
-            OutputCheck { name: entry.schema.output_name(i), dtype: got.dtype(), max_abs: 0.0, max_rel: 0.0, worst: None, pass: true };
+        let mut check = OutputCheck {
+            name: entry.schema.output_name(i),
+            dtype: got.dtype(),
+            max_abs: 0.0,
+            max_rel: 0.0,
+            worst: None,
+            pass: true,
+        };
         let mut worst_ratio = 0.0f64;
         assert_eq!(got_values.len(), want.data.len(), "reference and output sizes differ");
         for (j, (&g, &w)) in got_values.iter().zip(&want.data).enumerate() {
             let abs = (g - w).abs();
             let same_nonfinite = !w.is_finite() && g.to_bits() == w.to_bits() || (w.is_nan() && g.is_nan());
-            let abs = if same_nonfinite { 0.0 } else if abs.is_nan() { f64::INFINITY } else { abs };
+            let abs = if same_nonfinite {
+                0.0
+            } else if abs.is_nan() {
+                f64::INFINITY
+            } else {
+                abs
+            };
             check.max_abs = check.max_abs.max(abs);
             check.max_rel = check.max_rel.max(abs / w.abs().max(f64::MIN_POSITIVE));
             let ratio = if abs == 0.0 { 0.0 } else { abs / (atol + rtol * w.abs()) };
@@ -208,7 +220,8 @@ impl OpHarness {
     /// Bytes read and written by one launch, counting each tensor element once.
     pub fn bytes_moved(&self) -> usize {
         let size = |m: &TensorMeta| m.numel() * m.dtype.size();
-        self.inputs.iter().flatten().map(|t| size(t.meta())).sum::<usize>() + self.outputs.iter().map(|t| size(t.meta())).sum::<usize>()
+        self.inputs.iter().flatten().map(|t| size(t.meta())).sum::<usize>()
+            + self.outputs.iter().map(|t| size(t.meta())).sum::<usize>()
     }
 }
 
@@ -218,7 +231,11 @@ pub fn attr_refs(attrs: &[(String, AttrValue)]) -> Vec<(&str, AttrValue)> {
 }
 
 /// Output metas for these inputs and attributes (what a framework's fake/meta kernel needs).
-pub fn infer(entry: &OpEntry, inputs: &[Option<TensorRef<'_>>], attrs: &[(&str, AttrValue)]) -> Result<Vec<TensorMeta>> {
+pub fn infer(
+    entry: &OpEntry,
+    inputs: &[Option<TensorRef<'_>>],
+    attrs: &[(&str, AttrValue)],
+) -> Result<Vec<TensorMeta>> {
     let metas = inputs.iter().map(|t| t.as_ref().map(|t| vec![t.meta().clone()]).unwrap_or_default()).collect();
     let cx = OpCx::bind(&entry.schema, metas, attrs)?;
     entry.op.infer(&cx)

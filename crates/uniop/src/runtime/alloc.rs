@@ -38,7 +38,9 @@ impl MemPolicy {
             "HUGE_FIRST" => Ok(MemPolicy::HugeFirst),
             "HUGE_ONLY" => Ok(MemPolicy::HugeOnly),
             "NORMAL_ONLY" => Ok(MemPolicy::NormalOnly),
-            _ => Err(Error::invalid(format!("unknown memory policy '{s}': expected HUGE_FIRST, HUGE_ONLY or NORMAL_ONLY"))),
+            _ => Err(Error::invalid(format!(
+                "unknown memory policy '{s}': expected HUGE_FIRST, HUGE_ONLY or NORMAL_ONLY"
+            ))),
         }
     }
 }
@@ -165,7 +167,9 @@ fn small_class(size: usize) -> usize {
 }
 
 fn huge_pages_enabled() -> bool {
-    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").map(|s| !s.contains("[never]")).unwrap_or(false)
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        .map(|s| !s.contains("[never]"))
+        .unwrap_or(false)
 }
 
 fn oom(size: usize, why: impl std::fmt::Display) -> Error {
@@ -236,16 +240,25 @@ impl Allocator {
     fn os_alloc(class: Class, requested: usize) -> Result<Block> {
         let ptr = match class.source {
             Source::Heap => {
-                let layout = std::alloc::Layout::from_size_align(class.size, ALIGNMENT).map_err(|e| oom(requested, e))?;
+                let layout =
+                    std::alloc::Layout::from_size_align(class.size, ALIGNMENT).map_err(|e| oom(requested, e))?;
                 // SAFETY: layout has non-zero size.
-                NonNull::new(unsafe { std::alloc::alloc(layout) }).ok_or_else(|| oom(requested, "the system heap refused"))?
+                NonNull::new(unsafe { std::alloc::alloc(layout) })
+                    .ok_or_else(|| oom(requested, "the system heap refused"))?
             }
             Source::Mmap { huge } => {
                 // Over-map by one huge page and trim so the block starts on a 2 MiB boundary.
                 let map_len = class.size + HUGE_PAGE;
                 // SAFETY: anonymous private mapping; arguments are valid.
                 let raw = unsafe {
-                    libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+                    libc::mmap(
+                        std::ptr::null_mut(),
+                        map_len,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                        -1,
+                        0,
+                    )
                 };
                 if raw == libc::MAP_FAILED {
                     return Err(oom(requested, std::io::Error::last_os_error()));
@@ -353,7 +366,7 @@ impl Allocator {
             return None;
         }
         let mut sizes: Vec<(usize, usize)> = st.live_by_size.iter().map(|(&s, &n)| (s, n)).collect();
-        sizes.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        sizes.sort_unstable_by_key(|&(size, _)| std::cmp::Reverse(size));
         let mut out = format!(
             "uniop: {} device buffer(s) still allocated ({} bytes requested, {} bytes in blocks):\n",
             st.stats.live_buffers, st.stats.requested, st.stats.allocated

@@ -229,9 +229,9 @@ fn stream_loop(inner: Arc<StreamInner>) {
         taken = seq;
         CURRENT.with(|c| *c.borrow_mut() = Some((inner.clone(), seq)));
         let result = match task {
-            Task::Launch { kernel, block_num } => {
-                pool.run(&kernel, block_num).map_err(|m| Error::runtime(format!("kernel panicked on stream {}: {m}", inner.id)))
-            }
+            Task::Launch { kernel, block_num } => pool
+                .run(&kernel, block_num)
+                .map_err(|m| Error::runtime(format!("kernel panicked on stream {}: {m}", inner.id))),
             Task::HostFn(f) => catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
                 Err(Error::runtime(format!("host function panicked on stream {}: {}", inner.id, panic_message(&*p))))
             }),
@@ -362,11 +362,9 @@ impl Event {
     }
 
     fn latest(&self, what: &str) -> Result<Arc<RecordPoint>> {
-        self.latest
-            .lock()
-            .unwrap()
-            .clone()
-            .ok_or_else(|| Error::invalid(format!("{what}: the event was never recorded (call Event::record on a stream first)")))
+        self.latest.lock().unwrap().clone().ok_or_else(|| {
+            Error::invalid(format!("{what}: the event was never recorded (call Event::record on a stream first)"))
+        })
     }
 
     /// Whether the latest record has been reached. Errors when the event was never recorded.
@@ -385,7 +383,8 @@ impl Event {
         let (a, b) = (start.latest("Event::elapsed_ms (start)")?, end.latest("Event::elapsed_ms (end)")?);
         match (a.time.get(), b.time.get()) {
             (Some(ta), Some(tb)) => {
-                let ms = if tb >= ta { tb.duration_since(*ta).as_secs_f64() } else { -ta.duration_since(*tb).as_secs_f64() };
+                let ms =
+                    if tb >= ta { tb.duration_since(*ta).as_secs_f64() } else { -ta.duration_since(*tb).as_secs_f64() };
                 Ok(ms * 1e3)
             }
             _ => Err(Error::invalid("Event::elapsed_ms: an event has not completed yet (synchronize it first)")),

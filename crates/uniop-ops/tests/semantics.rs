@@ -1,0 +1,348 @@
+//! Op semantics that the generic registry tests cannot know (broadcasting patterns, integer
+//! arithmetic, mixed-precision weights, multi-dim normalization, gradients against finite
+//! differences) and the bad-input contract: each misuse returns its code and a message naming the
+//! op, the argument, what was expected and what was given.
+
+use uniop::half::bf16;
+use uniop::verify::{attr_refs, check_outputs, infer, Rng};
+use uniop::{AttrValue, DType, ErrorCode, Executor, Registry, Stream, Tensor, TensorMeta, TensorMut, TensorRef};
+
+fn setup() {
+    uniop_ops::init();
+}
+
+fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = Rng::new(seed);
+    (0..n).map(|_| rng.uniform() as f32).collect()
+}
+
+/// Runs `op` on views and returns the outputs as f64 vectors, after checking against the reference.
+fn run_checked(op: &str, inputs: &[Option<TensorRef>], attrs: &[(&str, AttrValue)]) -> Vec<Vec<f64>> {
+    let entry = Registry::global().get(op).unwrap();
+    let metas = infer(&entry, inputs, attrs).unwrap();
+    let mut outs: Vec<Tensor> = metas.into_iter().map(|m| Tensor::with_meta(m).unwrap()).collect();
+    uniop::call(op, inputs, attrs, outs.iter_mut().map(Tensor::view_mut).collect()).unwrap();
+    let views: Vec<TensorRef> = outs.iter().map(Tensor::view).collect();
+    let report = check_outputs(&entry, inputs, attrs, &views).unwrap();
+    assert!(report.pass(), "{op}:\n{report}");
+    views.iter().map(|v| v.to_f64_vec()).collect()
+}
+
+#[test]
+fn add_broadcasts_like_numpy() {
+    setup();
+    let a = rand_vec(6 * 5, 1);
+    let ta = TensorRef::new(&a, &[6, 5]).unwrap();
+    let row = rand_vec(5, 2);
+    let col = rand_vec(6, 3);
+    let scalar = [0.25f32];
+    for (b, shape) in [(&row[..], &[5][..]), (&col[..], &[6, 1][..]), (&scalar[..], &[][..]), (&col[..], &[1, 6, 1])] {
+        let tb = TensorRef::new(b, shape).unwrap();
+        run_checked("add", &[Some(ta.clone()), Some(tb.clone())], &[("alpha", 2.0.into())]);
+        // Broadcasting is symmetric.
+        run_checked("add", &[Some(tb), Some(ta.clone())], &[]);
+    }
+}
+
+#[test]
+fn integer_add_is_exact_and_wraps() {
+    setup();
+    let a = [1i32, -5, i32::MAX, 7];
+    let b = [10i32, 3, 1, -2];
+    let out = run_checked(
+        "add",
+        &[Some(TensorRef::new(&a, &[4]).unwrap()), Some(TensorRef::new(&b, &[4]).unwrap())],
+        &[("alpha", AttrValue::Int(3))],
+    );
+    assert_eq!(out[0], vec![31.0, 4.0, (i32::MAX.wrapping_add(3)) as f64, 1.0]);
+    let a64 = [1i64 << 40, 2];
+    let b64 = [1i64, 1];
+    let out = run_checked(
+        "add",
+        &[Some(TensorRef::new(&a64, &[2]).unwrap()), Some(TensorRef::new(&b64, &[1, 2]).unwrap())],
+        &[],
+    );
+    assert_eq!(out[0], vec![(1i64 << 40) as f64 + 1.0, 3.0]);
+}
+
+#[test]
+fn rms_norm_matches_hand_computed_values() {
+    setup();
+    let x = [3.0f32, 4.0];
+    let w = [1.0f32, 2.0];
+    let out = run_checked(
+        "rms_norm",
+        &[Some(TensorRef::new(&x, &[1, 2]).unwrap()), Some(TensorRef::new(&w, &[2]).unwrap())],
+        &[("eps", 0.0.into())],
+    );
+    // mean(x²) = 12.5, rstd = 1/sqrt(12.5)
+    let r = 1.0 / 12.5f64.sqrt();
+    assert!((out[0][0] - 3.0 * r).abs() < 1e-6 && (out[0][1] - 8.0 * r).abs() < 1e-6);
+    assert!((out[1][0] - r).abs() < 1e-6);
+}
+
+#[test]
+fn rms_norm_accepts_f32_weight_with_bf16_input_and_multi_dim_weight() {
+    setup();
+    let x: Vec<bf16> = rand_vec(4 * 3 * 8, 4).into_iter().map(bf16::from_f32).collect();
+    let w32 = rand_vec(8, 5);
+    let tx = TensorRef::new(&x, &[4, 3, 8]).unwrap();
+    run_checked("rms_norm", &[Some(tx.clone()), Some(TensorRef::new(&w32, &[8]).unwrap())], &[]);
+    // Normalize over the last two dims: rstd has shape [4, 1, 1].
+    let w2: Vec<bf16> = rand_vec(24, 6).into_iter().map(bf16::from_f32).collect();
+    let inputs = [Some(tx), Some(TensorRef::new(&w2, &[3, 8]).unwrap())];
+    let entry = Registry::global().get("rms_norm").unwrap();
+    let metas = infer(&entry, &inputs, &[]).unwrap();
+    assert_eq!(metas[1].shape(), &[4, 1, 1]);
+    assert_eq!(metas[1].dtype, DType::F32);
+    run_checked("rms_norm", &inputs, &[]);
+}
+
+/// rms_norm_backward against central finite differences of the f64 forward reference — an
+/// independent check of the gradient formula, not of the kernel alone.
+#[test]
+fn rms_norm_backward_matches_finite_differences() {
+    setup();
+    let (rows, cols) = (3, 7);
+    let x = rand_vec(rows * cols, 7);
+    let w = rand_vec(cols, 8);
+    let dy = rand_vec(rows * cols, 9);
+    let eps = 1e-5;
+    let forward = |x: &[f64], w: &[f64]| -> f64 {
+        // loss = Σ y·dy
+        let mut loss = 0.0;
+        for r in 0..rows {
+            let row = &x[r * cols..(r + 1) * cols];
+            let rstd = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / cols as f64 + eps).sqrt();
+            for c in 0..cols {
+                loss += row[c] * rstd * w[c] * dy[r * cols + c] as f64;
+            }
+        }
+        loss
+    };
+    let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    let w64: Vec<f64> = w.iter().map(|&v| v as f64).collect();
+    let h = 1e-6;
+    let num_dx: Vec<f64> = (0..x64.len())
+        .map(|i| {
+            let (mut p, mut m) = (x64.clone(), x64.clone());
+            p[i] += h;
+            m[i] -= h;
+            (forward(&p, &w64) - forward(&m, &w64)) / (2.0 * h)
+        })
+        .collect();
+    let num_dw: Vec<f64> = (0..cols)
+        .map(|i| {
+            let (mut p, mut m) = (w64.clone(), w64.clone());
+            p[i] += h;
+            m[i] -= h;
+            (forward(&x64, &p) - forward(&x64, &m)) / (2.0 * h)
+        })
+        .collect();
+
+    let tx = TensorRef::new(&x, &[rows, cols]).unwrap();
+    let tw = TensorRef::new(&w, &[cols]).unwrap();
+    let fwd = run_checked("rms_norm", &[Some(tx.clone()), Some(tw.clone())], &[("eps", eps.into())]);
+    let rstd: Vec<f32> = fwd[1].iter().map(|&v| v as f32).collect();
+    let grads = run_checked(
+        "rms_norm_backward",
+        &[
+            Some(TensorRef::new(&dy, &[rows, cols]).unwrap()),
+            Some(tx),
+            Some(tw),
+            Some(TensorRef::new(&rstd, &[rows, 1]).unwrap()),
+        ],
+        &[],
+    );
+    for (got, want) in grads[0].iter().zip(&num_dx).chain(grads[1].iter().zip(&num_dw)) {
+        assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "got {got}, finite difference {want}");
+    }
+}
+
+#[test]
+fn rms_norm_backward_is_deterministic() {
+    setup();
+    let (rows, cols) = (301, 515);
+    let x = rand_vec(rows * cols, 1);
+    let dy = rand_vec(rows * cols, 2);
+    let w = rand_vec(cols, 3);
+    let rstd = vec![0.7f32; rows];
+    let inputs = [
+        Some(TensorRef::new(&dy, &[rows, cols]).unwrap()),
+        Some(TensorRef::new(&x, &[rows, cols]).unwrap()),
+        Some(TensorRef::new(&w, &[cols]).unwrap()),
+        Some(TensorRef::new(&rstd, &[rows, 1]).unwrap()),
+    ];
+    let a = run_checked("rms_norm_backward", &inputs, &[]);
+    let b = run_checked("rms_norm_backward", &inputs, &[]);
+    assert_eq!(a, b);
+}
+
+// ---------------------------------------------------------------- bad input
+
+fn plan_err(op: &str, inputs: &[Option<TensorRef>], attrs: &[(&str, AttrValue)], outs: Vec<TensorMut>) -> uniop::Error {
+    match Executor::by_name(op, inputs, attrs, outs) {
+        Ok(_) => panic!("{op}: expected an error"),
+        Err(e) => e,
+    }
+}
+
+#[test]
+fn bad_inputs_give_codes_and_messages() {
+    setup();
+    let x = [0f32; 8];
+    let xi = [0i32; 8];
+    let w3 = [0f32; 3];
+    let w4 = [0f32; 4];
+    let mut y = [0f32; 8];
+    let mut r = [0f32; 2];
+    let tx = || Some(TensorRef::new(&x, &[2, 4]).unwrap());
+    let cases: Vec<(uniop::Error, ErrorCode, &str)> = vec![
+        (
+            plan_err("rms_norm", &[Some(TensorRef::new(&xi, &[2, 4]).unwrap()), tx()], &[], vec![]),
+            ErrorCode::DType,
+            "rms_norm: argument 'x': expected dtype in {float32, float16, bfloat16}, got int32",
+        ),
+        (
+            plan_err("rms_norm", &[tx(), Some(TensorRef::new(&w3, &[3]).unwrap())], &[], vec![]),
+            ErrorCode::Shape,
+            "rms_norm: argument 'weight': expected a non-empty shape equal to trailing dims of x [2, 4], got [3]",
+        ),
+        (
+            plan_err("rms_norm", &[tx(), Some(TensorRef::new(&w4, &[4]).unwrap())], &[("eps", (-1.0).into())], vec![]),
+            ErrorCode::ParamInvalid,
+            "rms_norm: argument 'eps': expected a finite value ≥ 0, got -1",
+        ),
+        (
+            plan_err("rms_norm", &[tx(), None], &[], vec![]),
+            ErrorCode::ParamNullptr,
+            "rms_norm: argument 'weight': expected a tensor, got none",
+        ),
+        (
+            plan_err("rms_norm", &[tx(), Some(TensorRef::new(&w4, &[4]).unwrap())], &[("epsilon", 1.0.into())], vec![]),
+            ErrorCode::ParamInvalid,
+            "rms_norm: unknown attribute 'epsilon' (attributes: eps)",
+        ),
+        (
+            plan_err("rms_norm", &[tx(), Some(TensorRef::new(&w4, &[4]).unwrap())], &[("eps", "small".into())], vec![]),
+            ErrorCode::ParamInvalid,
+            "rms_norm: argument 'eps': expected a value of type float, got 'small'",
+        ),
+        (
+            plan_err(
+                "rms_norm",
+                &[tx(), Some(TensorRef::new(&w4, &[4]).unwrap())],
+                &[],
+                vec![TensorMut::new(&mut y, &[4, 2]).unwrap(), TensorMut::new(&mut r, &[2, 1]).unwrap()],
+            ),
+            ErrorCode::Shape,
+            "rms_norm: argument 'y': expected shape [2, 4], got shape [4, 2]",
+        ),
+        (
+            plan_err("add", &[tx(), Some(TensorRef::new(&w3, &[3]).unwrap())], &[], vec![]),
+            ErrorCode::Shape,
+            "add: argument 'b': expected a shape broadcastable with a's [2, 4], got [3]",
+        ),
+        (
+            plan_err("add", &[tx(), Some(TensorRef::new(&xi, &[2, 4]).unwrap())], &[], vec![]),
+            ErrorCode::DType,
+            "add: argument 'b': expected dtype float32 (same as 'a'), got int32",
+        ),
+        (
+            plan_err(
+                "add",
+                &[Some(TensorRef::new(&xi, &[8]).unwrap()), Some(TensorRef::new(&xi, &[8]).unwrap())],
+                &[("alpha", 0.5.into())],
+                vec![],
+            ),
+            ErrorCode::ParamInvalid,
+            "add: argument 'alpha': expected an integral value for int32 inputs, got 0.5",
+        ),
+        (plan_err("add", &[tx()], &[], vec![]), ErrorCode::ParamInvalid, "add: expected 2 tensor inputs, got 1"),
+        (plan_err("ad", &[], &[], vec![]), ErrorCode::ParamInvalid, "unknown op 'ad' (registered: add)"),
+    ];
+    for (err, code, message) in cases {
+        assert_eq!(err.code(), code, "{err}");
+        assert_eq!(err.message(), message);
+    }
+}
+
+#[test]
+fn backward_rejects_rstd_of_the_wrong_dtype() {
+    setup();
+    let x = [0f32; 8];
+    let w = [0f32; 4];
+    let rstd = [0f64; 2];
+    let t = || Some(TensorRef::new(&x, &[2, 4]).unwrap());
+    let err = plan_err(
+        "rms_norm_backward",
+        &[t(), t(), Some(TensorRef::new(&w, &[4]).unwrap()), Some(TensorRef::new(&rstd, &[2, 1]).unwrap())],
+        &[],
+        vec![],
+    );
+    assert_eq!(err.code(), ErrorCode::DType);
+    assert_eq!(
+        err.message(),
+        "rms_norm_backward: argument 'rstd': expected dtype float32 (as rms_norm returns it), got float64"
+    );
+}
+
+#[test]
+fn size_overflow_is_a_shape_error() {
+    setup();
+    let e = Tensor::empty(DType::F32, &[1 << 40, 1 << 40]).unwrap_err();
+    assert_eq!(e.code(), ErrorCode::Shape);
+    let meta = TensorMeta::contiguous(DType::F32, &[usize::MAX / 4, 2]).unwrap();
+    assert_eq!(meta.contiguous_bytes().unwrap_err().code(), ErrorCode::Shape);
+}
+
+/// Executors: workspace too small, single-use reuse, repeatable relaunch with rebinding.
+#[test]
+fn executor_lifecycle_rules() {
+    setup();
+    let (rows, cols) = (4, 16);
+    let x: Vec<bf16> = rand_vec(rows * cols, 1).into_iter().map(bf16::from_f32).collect();
+    let x2: Vec<bf16> = rand_vec(rows * cols, 2).into_iter().map(bf16::from_f32).collect();
+    let w: Vec<bf16> = rand_vec(cols, 3).into_iter().map(bf16::from_f32).collect();
+    let mut y = vec![bf16::ZERO; rows * cols];
+    let mut rstd = vec![0f32; rows];
+    let stream = Stream::default_stream();
+    let inputs = [Some(TensorRef::new(&x, &[rows, cols]).unwrap()), Some(TensorRef::new(&w, &[cols]).unwrap())];
+    {
+        let outs = vec![TensorMut::new(&mut y, &[rows, cols]).unwrap(), TensorMut::new(&mut rstd, &[rows, 1]).unwrap()];
+        let mut exec = Executor::by_name("rms_norm", &inputs, &[], outs).unwrap();
+        let need = exec.workspace_size();
+        assert!(need > 0, "bf16 rms_norm stages rows in f32 scratch");
+        let mut small = vec![0u8; need - 1];
+        let err = exec.run(&mut small, stream).unwrap_err();
+        assert_eq!(err.code(), ErrorCode::WorkspaceTooSmall);
+        assert_eq!(
+            err.message(),
+            format!("rms_norm: workspace of {} bytes is smaller than the {need} bytes phase 1 asked for", need - 1)
+        );
+        let mut ws = vec![0u8; need];
+        exec.run(&mut ws, stream).unwrap();
+        let err = exec.run(&mut ws, stream).unwrap_err();
+        assert_eq!(err.code(), ErrorCode::ParamInvalid);
+        assert!(err.message().contains("already launched and is single-use"), "{err}");
+    }
+    let first = y.clone();
+    {
+        let outs = vec![TensorMut::new(&mut y, &[rows, cols]).unwrap(), TensorMut::new(&mut rstd, &[rows, 1]).unwrap()];
+        let mut exec = Executor::by_name("rms_norm", &inputs, &[], outs).unwrap();
+        exec.set_repeatable();
+        let mut ws = vec![0u8; exec.workspace_size()];
+        exec.run(&mut ws, stream).unwrap();
+        exec.run(&mut ws, stream).unwrap();
+        exec.rebind_input(0, TensorRef::new(&x2, &[rows, cols]).unwrap()).unwrap();
+        let err = exec.rebind_input(0, TensorRef::new(&x2, &[cols, rows]).unwrap()).unwrap_err();
+        assert!(err.message().contains("rebinding input 0"), "{err}");
+        exec.run(&mut ws, stream).unwrap();
+    }
+    assert_ne!(first, y, "rebinding changed the input");
+    // The rebound result is the reference result for x2.
+    let entry = Registry::global().get("rms_norm").unwrap();
+    let inputs2 = [Some(TensorRef::new(&x2, &[rows, cols]).unwrap()), Some(TensorRef::new(&w, &[cols]).unwrap())];
+    let outs = [TensorRef::new(&y, &[rows, cols]).unwrap(), TensorRef::new(&rstd, &[rows, 1]).unwrap()];
+    assert!(check_outputs(&entry, &inputs2, &attr_refs(&[]), &outs).unwrap().pass());
+}
