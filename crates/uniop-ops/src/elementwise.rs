@@ -101,6 +101,37 @@ pub unsafe fn store<T: FloatElement>(out: &OutputView<'_>, off: usize, stride: u
     }
 }
 
+/// One vector register of f32.
+pub const LANES: usize = 16;
+
+/// Loads `LANES` elements at `off`: dense (stride 1) or one broadcast value (stride 0).
+#[inline(always)]
+fn load_lanes<T: FloatElement>(data: &[T], off: usize, stride: usize, dst: &mut [f32; LANES]) {
+    if stride == 1 {
+        T::widen(&data[off..off + LANES], dst);
+    } else {
+        *dst = [data[off].to_f32(); LANES];
+    }
+}
+
+/// Stores `LANES` results into a dense output run, streaming past the cache when asked.
+#[inline(always)]
+fn store_lanes<T: FloatElement>(src: &[f32; LANES], dst: &mut [T], streaming: bool) {
+    if streaming {
+        let mut tmp = [T::default(); LANES];
+        T::narrow(src, &mut tmp);
+        copy_streaming(dst, &tmp);
+    } else {
+        T::narrow(src, dst);
+    }
+}
+
+/// Whether a run can take the register-at-a-time path: dense output, inputs dense or broadcast.
+#[inline(always)]
+fn dense_run<const N: usize>(strides: [usize; N]) -> bool {
+    strides[0] == 1 && strides[1..].iter().all(|&s| s <= 1)
+}
+
 crate::simd_kernel! {
 /// `out = f(x)` elementwise over this block's share of the output.
 pub fn unary<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, f: &F, streaming: bool) {
@@ -108,10 +139,22 @@ pub fn unary<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, f: &F, 
     let runs = StridedRuns::<2>::new([out.layout(), x.layout()]);
     let range = ctx.split(runs.numel());
     let data = x.storage::<T>().expect("dtype dispatched at plan time");
-    let [so, sx] = runs.inner_strides();
+    let strides = runs.inner_strides();
+    let [so, sx] = strides;
     let mut buf = [0f32; CHUNK];
     runs.for_each_run(range.start, range.end, |[o, xo], len| {
         let mut j = 0;
+        if dense_run(strides) {
+            let mut lanes = [0f32; LANES];
+            // SAFETY: blocks own disjoint ranges of output elements.
+            let dst = unsafe { out.slice_mut::<T>(o, len) };
+            while j + LANES <= len {
+                load_lanes(data, xo + j * sx, sx, &mut lanes);
+                f.apply(&mut lanes);
+                store_lanes(&lanes, &mut dst[j..j + LANES], streaming);
+                j += LANES;
+            }
+        }
         while j < len {
             let n = CHUNK.min(len - j);
             load(data, xo + j * sx, sx, &mut buf[..n]);
@@ -135,11 +178,24 @@ pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F,
     let runs = StridedRuns::<3>::new([out.layout(), &la, &lb]);
     let range = ctx.split(runs.numel());
     let (da, db) = (a.storage::<T>().expect("dtype dispatched"), b.storage::<T>().expect("dtype dispatched"));
-    let [so, sa, sb] = runs.inner_strides();
+    let strides = runs.inner_strides();
+    let [so, sa, sb] = strides;
     let mut bufa = [0f32; CHUNK];
     let mut bufb = [0f32; CHUNK];
     runs.for_each_run(range.start, range.end, |[o, ao, bo], len| {
         let mut j = 0;
+        if dense_run(strides) {
+            let (mut la, mut lb) = ([0f32; LANES], [0f32; LANES]);
+            // SAFETY: blocks own disjoint ranges of output elements.
+            let dst = unsafe { out.slice_mut::<T>(o, len) };
+            while j + LANES <= len {
+                load_lanes(da, ao + j * sa, sa, &mut la);
+                load_lanes(db, bo + j * sb, sb, &mut lb);
+                f.apply(&mut la, &lb);
+                store_lanes(&la, &mut dst[j..j + LANES], streaming);
+                j += LANES;
+            }
+        }
         while j < len {
             let n = CHUNK.min(len - j);
             load(da, ao + j * sa, sa, &mut bufa[..n]);

@@ -134,13 +134,7 @@ impl Op for RmsNormBackward {
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let s = norm_shape(cx, "x", "weight")?;
-        let ks = KernelShape {
-            rows: s.rows,
-            cols: s.cols,
-            inner_dims: s.inner_dims,
-            eps: 0.0,
-            streaming: false,
-        };
+        let ks = KernelShape { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims, eps: 0.0, streaming: false };
         let blocks = block_dim_for(s.rows, 3 * s.cols * s.dtype.size());
         let reduce_blocks = block_dim_for(s.cols, 4 * blocks as usize);
         let partials = blocks as usize;
