@@ -24,7 +24,7 @@ pub fn copy_streaming<T: Element>(dst: &mut [T], src: &[T]) {
     assert_eq!(dst.len(), src.len());
     let bytes = std::mem::size_of_val(src);
     #[cfg(target_arch = "x86_64")]
-    if (dst.as_ptr() as usize) % 16 == 0 && bytes % 16 == 0 {
+    if (dst.as_ptr() as usize).is_multiple_of(16) && bytes.is_multiple_of(16) {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
         let (d, s) = (dst.as_mut_ptr() as *mut __m128i, src.as_ptr() as *const __m128i);
         for i in 0..bytes / 16 {

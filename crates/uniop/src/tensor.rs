@@ -13,7 +13,7 @@ use std::marker::PhantomData;
 
 fn check_view(meta: &TensorMeta, ptr: *const u8, len_bytes: usize) -> Result<()> {
     meta.layout.check_fits(meta.dtype, len_bytes)?;
-    if (ptr as usize) % meta.dtype.size() != 0 {
+    if !(ptr as usize).is_multiple_of(meta.dtype.size()) {
         return Err(Error::new(
             ErrorCode::ParamInvalid,
             format!("data at {ptr:p} is not aligned to {} bytes as {} requires", meta.dtype.size(), meta.dtype),
@@ -340,7 +340,7 @@ mod tests {
         assert_eq!(t.storage::<i32>().unwrap_err().code(), ErrorCode::DType);
         let bytes = [0u8; 9];
         let meta = TensorMeta::contiguous(DType::F32, &[2]).unwrap();
-        let misaligned = if bytes.as_ptr() as usize % 4 == 0 { &bytes[1..] } else { &bytes[..] };
+        let misaligned = if (bytes.as_ptr() as usize).is_multiple_of(4) { &bytes[1..] } else { &bytes[..] };
         let e = TensorRef::from_bytes(misaligned, meta).unwrap_err();
         assert!(e.message().contains("not aligned"), "{e}");
     }

@@ -398,7 +398,7 @@ mod tests {
     fn small_classes_waste_at_most_a_quarter() {
         for size in (1..5000).chain([SMALL_LIMIT - 1, SMALL_LIMIT]) {
             let c = small_class(size);
-            assert!(c >= size && c % ALIGNMENT == 0, "{size} -> {c}");
+            assert!(c >= size && c.is_multiple_of(ALIGNMENT), "{size} -> {c}");
             assert!(c <= (size + size / 4).max(size + ALIGNMENT), "{size} -> {c}");
         }
     }

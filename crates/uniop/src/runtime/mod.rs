@@ -2,6 +2,7 @@
 
 pub mod alloc;
 pub mod pool;
+mod spin;
 pub mod stream;
 
 pub use alloc::{Allocator, DeviceBuffer, MemPolicy, MemStats};

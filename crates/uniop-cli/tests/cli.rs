@@ -1,0 +1,62 @@
+//! The `uniop` binary end to end, as a user runs it.
+
+use std::process::{Command, Output};
+
+fn uniop(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_uniop")).args(args).output().expect("running uniop")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn list_and_describe_come_from_the_registry() {
+    let out = uniop(&["list"]);
+    assert!(out.status.success());
+    for op in ["add", "silu", "rms_norm", "rms_norm_backward"] {
+        assert!(stdout(&out).lines().any(|l| l.starts_with(op)), "{op} missing:\n{}", stdout(&out));
+    }
+    let out = uniop(&["describe", "rms_norm"]);
+    assert!(out.status.success());
+    let text = stdout(&out);
+    assert!(text.starts_with("rms_norm(Tensor x, Tensor weight, float eps=1e-6) -> (Tensor y, Tensor rstd)"), "{text}");
+    assert!(text.contains("backward: rms_norm_backward"), "{text}");
+}
+
+#[test]
+fn run_checks_every_op_against_its_reference() {
+    let out = uniop(&["run", "all", "--shape", "6x130", "--iters", "2"]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    // Every op at every dtype it declares.
+    assert_eq!(text.matches(": PASS |").count(), 5 + 3 + 3 + 3, "{text}");
+    let out = uniop(&["run", "rms_norm", "--shape", "4x4096", "--dtype", "bf16", "--attr", "eps=1e-5"]);
+    assert!(out.status.success());
+    assert!(stdout(&out).contains("rms_norm bfloat16 inputs (bf16[4, 4096], bf16[4096]): PASS"), "{}", stdout(&out));
+}
+
+#[test]
+fn bad_requests_exit_2_with_the_error() {
+    for (args, message) in [
+        (&["run", "rms_norm", "--dtype", "int32"][..], "rms_norm: argument 'x': expected dtype in"),
+        (&["run", "no_such_op"][..], "unknown op 'no_such_op'"),
+        (&["run", "rms_norm", "--shape", "4xq"][..], "bad --shape '4xq'"),
+        (&["run", "rms_norm", "--attr", "eps=-1"][..], "argument 'eps': expected a finite value"),
+        (&["describe", "nope"][..], "unknown op 'nope'"),
+    ] {
+        let out = uniop(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(message), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn demo_runs_two_streams_with_an_event_dependency() {
+    let out = uniop(&["demo"]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("(expected 50331645): OK"), "{text}");
+    assert!(text.contains("event timing: produce"), "{text}");
+}

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The whole test suite: formatting, lints (warnings are errors), and every crate's tests
+# (unit, property, runtime integration, per-op reference checks, bad-input contract, CLI).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v cargo >/dev/null; then
+  echo "scripts/test.sh: cargo not found; install Rust 1.89+ (https://rustup.rs)" >&2
+  exit 1
+fi
+export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+cargo test --workspace --locked 2>&1 | tee "$log"
+# One closing line for the whole run (cargo prints one per test binary, the last often empty).
+awk '/^test result:/ { p += $4; f += $6 } END { printf "tests: %d passed, %d failed\n", p, f }' "$log"
