@@ -2,7 +2,6 @@
 
 pub mod alloc;
 pub mod pool;
-mod spin;
 pub mod stream;
 
 pub use alloc::{Allocator, DeviceBuffer, MemPolicy, MemStats};

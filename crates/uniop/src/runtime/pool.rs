@@ -12,8 +12,7 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
-
-use super::spin::spin_until;
+use std::time::{Duration, Instant};
 
 /// What a kernel instance knows about itself (Ascend C `GetBlockIdx`/`GetBlockNum`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,6 +35,9 @@ impl BlockCtx {
 
 /// A kernel as the engine stores it: shareable, so late-waking workers can hold it safely.
 pub type KernelFn = Arc<dyn Fn(BlockCtx) + Send + Sync>;
+
+/// How long an idle worker spins before parking.
+const SPIN: Duration = Duration::from_micros(50);
 
 struct Job {
     kernel: KernelFn,
@@ -169,7 +171,19 @@ impl Pool {
 fn worker_loop(shared: &Shared) {
     let mut seen = shared.epoch.load(Ordering::SeqCst);
     loop {
-        if !spin_until(|| shared.epoch.load(Ordering::SeqCst) != seen) {
+        let idle_since = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let epoch = shared.epoch.load(Ordering::SeqCst);
+            if epoch != seen {
+                seen = epoch;
+                break;
+            }
+            spins = spins.wrapping_add(1);
+            if !spins.is_multiple_of(64) || idle_since.elapsed() < SPIN {
+                std::hint::spin_loop();
+                continue;
+            }
             let mut guard = shared.sleep_lock.lock().unwrap();
             shared.sleepers.fetch_add(1, Ordering::SeqCst);
             while shared.epoch.load(Ordering::SeqCst) == seen {
@@ -177,7 +191,6 @@ fn worker_loop(shared: &Shared) {
             }
             shared.sleepers.fetch_sub(1, Ordering::SeqCst);
         }
-        seen = shared.epoch.load(Ordering::SeqCst);
         let job = shared.job.lock().unwrap().clone();
         if let Some(job) = job {
             job.run_blocks();

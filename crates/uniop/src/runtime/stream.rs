@@ -12,14 +12,15 @@
 //! reported as a runtime error instead of hanging.
 
 use super::pool::{panic_message, BlockCtx, KernelFn, Pool};
-use super::spin::spin_until;
 use crate::error::{Error, Result};
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+const SPIN: Duration = Duration::from_micros(50);
 
 enum Task {
     Launch { kernel: KernelFn, block_num: u32 },
@@ -201,8 +202,16 @@ fn stream_loop(inner: Arc<StreamInner>) {
     let pool = Pool::global();
     let mut taken = 0u64;
     loop {
-        // Back-to-back launches are the common case: look for new work briefly before parking.
-        spin_until(|| inner.enqueued.load(Ordering::Acquire) != taken);
+        // Spin briefly for new work before parking: back-to-back launches are the common case.
+        let idle_since = Instant::now();
+        let mut spins = 0u32;
+        while inner.enqueued.load(Ordering::Acquire) == taken {
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(64) && idle_since.elapsed() > SPIN {
+                break;
+            }
+            std::hint::spin_loop();
+        }
         let (seq, task) = {
             let mut q = inner.queue.lock().unwrap();
             loop {
@@ -260,7 +269,14 @@ fn block_until(target: &Arc<StreamInner>, seq: u64) -> Result<()> {
         }
         *me.blocked_on.lock().unwrap() = Some((*my_seq, target.clone(), seq));
     }
-    if !spin_until(|| target.completed.load(Ordering::Acquire) >= seq) {
+    let idle_since = Instant::now();
+    let mut spins = 0u32;
+    while target.completed.load(Ordering::Acquire) < seq {
+        spins = spins.wrapping_add(1);
+        if !spins.is_multiple_of(64) || idle_since.elapsed() < SPIN {
+            std::hint::spin_loop();
+            continue;
+        }
         let mut g = target.done_lock.lock().unwrap();
         target.done_waiters.fetch_add(1, Ordering::SeqCst);
         while target.completed.load(Ordering::SeqCst) < seq {
