@@ -343,6 +343,51 @@ impl FloatElement for bf16 {
     }
 }
 
+/// Runs `$body` with `$T` bound to the Rust element type of any dtype.
+#[macro_export]
+macro_rules! dispatch_element {
+    ($dtype:expr, |$T:ident| $body:expr) => {
+        match $dtype {
+            $crate::DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            $crate::DType::F16 => {
+                type $T = $crate::half::f16;
+                $body
+            }
+            $crate::DType::BF16 => {
+                type $T = $crate::half::bf16;
+                $body
+            }
+            $crate::DType::F64 => {
+                type $T = f64;
+                $body
+            }
+            $crate::DType::I8 => {
+                type $T = i8;
+                $body
+            }
+            $crate::DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            $crate::DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            $crate::DType::U8 => {
+                type $T = u8;
+                $body
+            }
+            $crate::DType::Bool => {
+                type $T = bool;
+                $body
+            }
+        }
+    };
+}
+
 /// Runs `$body` with `$T` bound to the Rust type of a float dtype (f32, f16, bf16), or returns a
 /// dtype error naming `$op`/`$arg`. f64 is deliberately absent: it is the reference dtype.
 #[macro_export]
