@@ -196,6 +196,10 @@ fn run(args: &RunArgs) -> Result<bool> {
 }
 
 fn main() -> ExitCode {
+    // Like other Unix tools, end quietly when the reader of our output goes away (`| head`)
+    // instead of panicking on a failed print.
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     uniop_ops::init();
     let cli = Cli::parse();
     let result = match &cli.command {
