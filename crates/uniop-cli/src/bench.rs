@@ -30,9 +30,22 @@ pub struct BenchArgs {
     json: Option<std::path::PathBuf>,
 }
 
+/// STREAM-style bandwidths in GB/s, each counting every array once as STREAM does.
 struct Probe {
-    copy_gbs: f64,
+    /// `a = 3·b` with ordinary stores (a copy-shaped kernel the compiler cannot turn into memcpy,
+    /// whose store strategy varies with size).
+    scale_gbs: f64,
+    /// The same with non-temporal stores: the ceiling for kernels that stream their outputs.
+    scale_nt_gbs: f64,
+    /// `a = b + 3·c` with ordinary stores.
     triad_gbs: f64,
+}
+
+#[derive(Clone, Copy)]
+enum ProbeKind {
+    Scale,
+    ScaleStreaming,
+    Triad,
 }
 
 fn best_of(iters: usize, mut f: impl FnMut() -> Result<()>) -> Result<Duration> {
@@ -59,7 +72,7 @@ fn stream_probe(iters: usize) -> Result<Probe> {
         // SAFETY: no kernel uses the buffers yet.
         unsafe { b.as_mut_slice() }.fill(1);
     }
-    let launch = |triad: bool| {
+    let launch = |kind: ProbeKind| {
         let ptrs = ptrs.clone();
         stream.launch(blocks, move |ctx: BlockCtx| {
             let r = ctx.split(N);
@@ -71,20 +84,44 @@ fn stream_probe(iters: usize) -> Result<Probe> {
                     std::slice::from_raw_parts((ptrs[2].as_ptr() as *const f32).add(r.start), r.len()),
                 )
             };
-            if triad {
-                for ((x, &y), &z) in a.iter_mut().zip(b).zip(c) {
-                    *x = y + 3.0 * z;
-                }
-            } else {
-                a.copy_from_slice(b);
+            match kind {
+                ProbeKind::Scale => a.iter_mut().zip(b).for_each(|(x, &y)| *x = 3.0 * y),
+                ProbeKind::ScaleStreaming => scale_streaming(a, b),
+                ProbeKind::Triad => a.iter_mut().zip(b).zip(c).for_each(|((x, &y), &z)| *x = y + 3.0 * z),
             }
         });
         stream.synchronize()
     };
-    let copy = best_of(iters, || launch(false))?;
-    let triad = best_of(iters, || launch(true))?;
+    let seconds = |kind| best_of(iters, || launch(kind)).map(|d| d.as_secs_f64());
     let bytes = (N * 4) as f64;
-    Ok(Probe { copy_gbs: 2.0 * bytes / copy.as_secs_f64() / 1e9, triad_gbs: 3.0 * bytes / triad.as_secs_f64() / 1e9 })
+    Ok(Probe {
+        scale_gbs: 2.0 * bytes / seconds(ProbeKind::Scale)? / 1e9,
+        scale_nt_gbs: 2.0 * bytes / seconds(ProbeKind::ScaleStreaming)? / 1e9,
+        triad_gbs: 3.0 * bytes / seconds(ProbeKind::Triad)? / 1e9,
+    })
+}
+
+/// `a = 3·b` with 16-byte non-temporal stores (SSE2, part of the x86-64 baseline).
+fn scale_streaming(a: &mut [f32], b: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_loadu_ps, _mm_mul_ps, _mm_set1_ps, _mm_sfence, _mm_stream_ps};
+        let head = a.as_ptr().align_offset(16).min(a.len());
+        a[..head].iter_mut().zip(b).for_each(|(x, &y)| *x = 3.0 * y);
+        let body = (a.len() - head) / 4 * 4;
+        // SAFETY: indices stay below `head + body <= a.len() == b.len()`; the stream target is
+        // 16-byte aligned (after `head`).
+        unsafe {
+            let three = _mm_set1_ps(3.0);
+            for i in (head..head + body).step_by(4) {
+                _mm_stream_ps(a.as_mut_ptr().add(i), _mm_mul_ps(three, _mm_loadu_ps(b.as_ptr().add(i))));
+            }
+            _mm_sfence();
+        }
+        a[head + body..].iter_mut().zip(&b[head + body..]).for_each(|(x, &y)| *x = 3.0 * y);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    a.iter_mut().zip(b).for_each(|(x, &y)| *x = 3.0 * y);
 }
 
 /// Launch overhead on the default stream: amortised cost per launch of an empty kernel, and the
@@ -131,10 +168,13 @@ fn launch_overhead() -> Result<()> {
 pub fn run(args: &BenchArgs) -> Result<()> {
     println!("uniop bench — {} compute threads", Pool::global().threads());
     let probe = stream_probe(args.iters)?;
-    println!("STREAM probe (ordinary stores): copy {:.1} GB/s, triad {:.1} GB/s", probe.copy_gbs, probe.triad_gbs);
+    println!(
+        "STREAM probe: scale {:.1} GB/s, scale with non-temporal stores {:.1} GB/s, triad {:.1} GB/s",
+        probe.scale_gbs, probe.scale_nt_gbs, probe.triad_gbs
+    );
     launch_overhead()?;
     let shape = args.shape.as_deref().map(crate::parse_shape).transpose()?;
-    println!("\n| op | dtype | shape | best ms | GB/s | % of STREAM copy | % of STREAM triad |\n|---|---|---|---|---|---|---|");
+    println!("\n| op | dtype | shape | best ms | GB/s | % of STREAM scale | % of scale (non-temporal) |\n|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
     for op in args.ops.split(',').filter(|s| !s.is_empty()) {
         let entry = Registry::global().get(op)?;
@@ -150,8 +190,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             println!(
                 "| {op} | {} | {shape_s} | {ms:.3} | {gbs:.1} | {:.0}% | {:.0}% |",
                 dtype.name(),
-                100.0 * gbs / probe.copy_gbs,
-                100.0 * gbs / probe.triad_gbs
+                100.0 * gbs / probe.scale_gbs,
+                100.0 * gbs / probe.scale_nt_gbs
             );
             rows.push(format!(
                 "{{\"op\":\"{op}\",\"dtype\":\"{}\",\"shape\":{:?},\"ms\":{ms},\"gbs\":{gbs}}}",
@@ -162,8 +202,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     if let Some(path) = &args.json {
         let json = format!(
-            "{{\"stream_copy_gbs\":{},\"stream_triad_gbs\":{},\"results\":[{}]}}\n",
-            probe.copy_gbs,
+            "{{\"stream_scale_gbs\":{},\"stream_scale_nt_gbs\":{},\"stream_triad_gbs\":{},\"results\":[{}]}}\n",
+            probe.scale_gbs,
+            probe.scale_nt_gbs,
             probe.triad_gbs,
             rows.join(",")
         );
