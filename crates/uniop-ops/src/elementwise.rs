@@ -128,6 +128,59 @@ fn store_lanes<T: FloatElement>(src: &[f32; LANES], dst: &mut [T], streaming: bo
     }
 }
 
+/// `f` over dense, equally long runs: `I` inputs widened to f32 `LANES` at a time, `O` outputs
+/// narrowed back. `f` computes whole steps; in the last, partial step the lanes past the end hold
+/// stale values whose results are discarded. Used by ops whose operands the executor has made
+/// contiguous (several inputs and outputs, e.g. fused backward kernels).
+#[inline(always)]
+pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
+    ins: [&[T]; I],
+    outs: [&mut [T]; O],
+    streaming: bool,
+    f: impl Fn(&[[f32; LANES]; I], &mut [[f32; LANES]; O]),
+) {
+    let n = outs[0].len();
+    let (mut bi, mut bo) = ([[0f32; LANES]; I], [[0f32; LANES]; O]);
+    let full = n / LANES * LANES;
+    for j in (0..full).step_by(LANES) {
+        for k in 0..I {
+            T::widen(&ins[k][j..j + LANES], &mut bi[k]);
+        }
+        f(&bi, &mut bo);
+        for k in 0..O {
+            narrow_into(&bo[k], &mut outs[k][j..j + LANES], streaming);
+        }
+    }
+    if full < n {
+        let len = n - full;
+        for k in 0..I {
+            T::widen(&ins[k][full..], &mut bi[k][..len]);
+        }
+        f(&bi, &mut bo);
+        for k in 0..O {
+            T::narrow(&bo[k][..len], &mut outs[k][full..]);
+        }
+    }
+}
+
+/// Elements `range` of contiguous input `i` (the plan asked for [`LayoutNeed::Contiguous`]).
+///
+/// [`LayoutNeed::Contiguous`]: uniop::LayoutNeed::Contiguous
+pub fn dense_input<T: FloatElement>(args: &KernelArgs, i: usize, range: std::ops::Range<usize>) -> &[T] {
+    let t = args.input(i);
+    &t.storage::<T>().expect("dtype dispatched at plan time")[t.layout().offset() + range.start..][..range.len()]
+}
+
+/// Elements `range` of contiguous output `o`.
+///
+/// # Safety
+/// No other block may access these elements during the launch.
+#[allow(clippy::mut_from_ref)]
+pub unsafe fn dense_output<T: FloatElement>(args: &KernelArgs, o: usize, range: std::ops::Range<usize>) -> &mut [T] {
+    let out = args.output(o);
+    out.slice_mut::<T>(out.layout().offset() + range.start, range.len())
+}
+
 /// Whether a run can take the register-at-a-time path: dense output, inputs dense or broadcast.
 #[inline(always)]
 fn dense_run<const N: usize>(strides: [usize; N]) -> bool {

@@ -26,6 +26,10 @@ pub mod add;
 pub mod rms_norm;
 pub mod rms_norm_backward;
 pub mod silu;
+pub mod silu_mul;
+pub mod silu_mul_backward;
+pub mod swiglu;
+pub mod swiglu_backward;
 
 use std::sync::Once;
 use uniop::{Op, Registry};
@@ -37,6 +41,10 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(silu::Silu),
         Box::new(rms_norm::RmsNorm),
         Box::new(rms_norm_backward::RmsNormBackward),
+        Box::new(silu_mul::SiluMul),
+        Box::new(silu_mul_backward::SiluMulBackward),
+        Box::new(swiglu::Swiglu),
+        Box::new(swiglu_backward::SwigluBackward),
     ]
 }
 

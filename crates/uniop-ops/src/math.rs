@@ -33,6 +33,34 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + exp(-x))
 }
 
+/// sigmoid(x) = 1 / (1 + e^-x).
+#[inline(always)]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + exp(-x))
+}
+
+/// Gradients of `silu(g) · u` for upstream `d`: returns `(d_g, d_u)`.
+/// d silu(g)/dg = s · (1 + g · (1 − s)) with s = sigmoid(g).
+#[inline(always)]
+pub fn silu_mul_grad(d: f32, g: f32, u: f32) -> (f32, f32) {
+    let s = sigmoid(g);
+    (d * u * s * (1.0 + g * (1.0 - s)), d * g * s)
+}
+
+/// f64 versions for references.
+pub mod exact {
+    pub fn sigmoid(x: f64) -> f64 {
+        1.0 / (1.0 + (-x).exp())
+    }
+    pub fn silu(x: f64) -> f64 {
+        x * sigmoid(x)
+    }
+    pub fn silu_mul_grad(d: f64, g: f64, u: f64) -> (f64, f64) {
+        let s = sigmoid(g);
+        (d * u * s * (1.0 + g * (1.0 - s)), d * g * s)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -346,3 +346,106 @@ fn executor_lifecycle_rules() {
     let outs = [TensorRef::new(&y, &[rows, cols]).unwrap(), TensorRef::new(&rstd, &[rows, 1]).unwrap()];
     assert!(check_outputs(&entry, &inputs2, &attr_refs(&[]), &outs).unwrap().pass());
 }
+
+// ---------------------------------------------------------------- gradients vs finite differences
+
+/// Central finite differences of `Σ forward(inputs)[0] · dout` with respect to input `wrt`,
+/// evaluated with the forward op's f64 reference (independent of every kernel).
+fn finite_difference(
+    op: &str,
+    inputs: &[(Vec<f64>, Vec<usize>)],
+    attrs: &[(&str, AttrValue)],
+    dout: &[f64],
+    wrt: usize,
+) -> Vec<f64> {
+    let entry = Registry::global().get(op).unwrap();
+    let metas = inputs.iter().map(|(_, s)| vec![TensorMeta::contiguous(DType::F32, s).unwrap()]).collect();
+    let cx = uniop::OpCx::bind(&entry.schema, metas, attrs).unwrap();
+    let loss = |values: &[(Vec<f64>, Vec<usize>)]| -> f64 {
+        let refs: Vec<Option<uniop::RefTensor>> =
+            values.iter().map(|(v, s)| Some(uniop::RefTensor::new(s, v.clone()))).collect();
+        let out = entry.op.reference(&cx, &refs).unwrap().remove(0);
+        out.data.iter().zip(dout).map(|(o, d)| o * d).sum()
+    };
+    let h = 1e-6;
+    (0..inputs[wrt].0.len())
+        .map(|i| {
+            let (mut p, mut m) = (inputs.to_vec(), inputs.to_vec());
+            p[wrt].0[i] += h;
+            m[wrt].0[i] -= h;
+            (loss(&p) - loss(&m)) / (2.0 * h)
+        })
+        .collect()
+}
+
+fn assert_close(got: &[f64], want: &[f64], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (g, w) in got.iter().zip(want) {
+        assert!((g - w).abs() < 1e-4 * (1.0 + w.abs()), "{what}: got {g}, finite difference {w}");
+    }
+}
+
+#[test]
+fn silu_mul_backward_matches_finite_differences() {
+    setup();
+    let shape = vec![3, 9];
+    let (g, u, d) = (rand_vec(27, 21), rand_vec(27, 22), rand_vec(27, 23));
+    let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let inputs = [(f64s(&g), shape.clone()), (f64s(&u), shape.clone())];
+    let grads = run_checked(
+        "silu_mul_backward",
+        &[
+            Some(TensorRef::new(&d, &shape).unwrap()),
+            Some(TensorRef::new(&g, &shape).unwrap()),
+            Some(TensorRef::new(&u, &shape).unwrap()),
+        ],
+        &[],
+    );
+    assert_close(&grads[0], &finite_difference("silu_mul", &inputs, &[], &f64s(&d), 0), "dgate");
+    assert_close(&grads[1], &finite_difference("silu_mul", &inputs, &[], &f64s(&d), 1), "dup");
+}
+
+#[test]
+fn swiglu_splits_along_any_dim_and_its_gradient_matches_finite_differences() {
+    setup();
+    let shape = vec![2, 6, 3];
+    let x = rand_vec(36, 31);
+    let tx = TensorRef::new(&x, &shape).unwrap();
+    // dim -3 (first, negative) and 1 (middle); the last dim has odd size 3 (an error, below).
+    for (dim, expect) in [(-3i64, vec![1, 6, 3]), (1, vec![2, 3, 3])] {
+        let entry = Registry::global().get("swiglu").unwrap();
+        let inputs = [Some(tx.clone())];
+        let attrs = [("dim", AttrValue::Int(dim))];
+        let out_shape = infer(&entry, &inputs, &attrs).unwrap()[0].shape().to_vec();
+        assert_eq!(out_shape, expect);
+        run_checked("swiglu", &inputs, &attrs);
+        let n: usize = out_shape.iter().product();
+        let d = rand_vec(n, 32);
+        let dx =
+            run_checked("swiglu_backward", &[Some(TensorRef::new(&d, &out_shape).unwrap()), Some(tx.clone())], &attrs);
+        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+        let d64: Vec<f64> = d.iter().map(|&v| v as f64).collect();
+        assert_close(&dx[0], &finite_difference("swiglu", &[(x64, shape.clone())], &attrs, &d64, 0), "dx");
+    }
+    let err = plan_err("swiglu", &[Some(tx.clone())], &[("dim", AttrValue::Int(-1))], vec![]);
+    assert_eq!(err.code(), ErrorCode::Shape);
+    assert_eq!(err.message(), "swiglu: argument 'x': expected an even size along dim -1, got 3");
+    let err = plan_err("swiglu", &[Some(tx)], &[("dim", AttrValue::Int(3))], vec![]);
+    assert_eq!(err.code(), ErrorCode::ParamInvalid);
+    assert_eq!(err.message(), "swiglu: argument 'dim': expected a dim in [-3, 3) for x, got 3");
+}
+
+#[test]
+fn silu_mul_requires_matching_gate_and_up() {
+    setup();
+    let a = [0f32; 6];
+    let b = [0f32; 3];
+    let err = plan_err(
+        "silu_mul",
+        &[Some(TensorRef::new(&a, &[2, 3]).unwrap()), Some(TensorRef::new(&b, &[3]).unwrap())],
+        &[],
+        vec![],
+    );
+    assert_eq!(err.code(), ErrorCode::Shape);
+    assert_eq!(err.message(), "silu_mul: argument 'up': expected shape [2, 3], got shape [3]");
+}

@@ -218,8 +218,9 @@ impl<'a> Executor<'a> {
             ));
         }
         self.launched = true;
+        // With no workspace, staged views are all empty: give them an aligned dangling pointer.
         let base = if self.workspace_size == 0 {
-            std::ptr::null_mut()
+            std::ptr::without_provenance_mut(WS_ALIGN)
         } else {
             workspace.add(workspace.align_offset(WS_ALIGN))
         };

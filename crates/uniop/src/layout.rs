@@ -144,8 +144,11 @@ impl Layout {
         Ok(())
     }
 
-    /// Row-major contiguous (size-1 dims may have any stride).
+    /// Row-major contiguous (size-1 dims may have any stride; an empty view always is).
     pub fn is_contiguous(&self) -> bool {
+        if self.is_empty() {
+            return true;
+        }
         let mut expected = 1;
         for (&d, &s) in self.shape.iter().zip(&self.strides).rev() {
             if d != 1 && s != expected {
@@ -382,6 +385,7 @@ mod tests {
         let empty = Layout::contiguous(&[2, 0, 4]).unwrap();
         assert_eq!(empty.storage_extent().unwrap(), 0);
         assert_eq!(empty.numel(), 0);
+        assert!(empty.is_contiguous(), "empty views need no staging copy");
     }
 
     #[test]

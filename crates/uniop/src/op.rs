@@ -436,7 +436,7 @@ pub struct OutputView<'a> {
     _life: std::marker::PhantomData<&'a ()>,
 }
 
-impl OutputView<'_> {
+impl<'a> OutputView<'a> {
     pub fn meta(&self) -> &TensorMeta {
         &self.bound.meta
     }
@@ -449,7 +449,7 @@ impl OutputView<'_> {
     /// # Safety
     /// No other block may access these elements during the launch.
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn slice_mut<T: crate::Element>(&self, start: usize, len: usize) -> &mut [T] {
+    pub unsafe fn slice_mut<T: crate::Element>(&self, start: usize, len: usize) -> &'a mut [T] {
         debug_assert_eq!(self.bound.meta.dtype, T::DTYPE);
         assert!((start + len) * std::mem::size_of::<T>() <= self.bound.len, "output slice out of bounds");
         std::slice::from_raw_parts_mut((self.bound.ptr as *mut T).add(start), len)
@@ -469,7 +469,7 @@ impl OutputView<'_> {
     /// # Safety
     /// No other block may access row `r` during the launch.
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn row_mut<T: crate::Element>(&self, r: usize) -> &mut [T] {
+    pub unsafe fn row_mut<T: crate::Element>(&self, r: usize) -> &'a mut [T] {
         let layout = &self.bound.meta.layout;
         debug_assert!(layout.is_inner_contiguous());
         self.slice_mut(layout.row_offset(r), layout.rows_cols().1)
