@@ -28,6 +28,8 @@ pub mod rms_norm_backward;
 pub mod silu;
 pub mod silu_mul;
 pub mod silu_mul_backward;
+pub mod softmax;
+pub mod softmax_backward;
 pub mod swiglu;
 pub mod swiglu_backward;
 
@@ -45,6 +47,10 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(silu_mul_backward::SiluMulBackward),
         Box::new(swiglu::Swiglu),
         Box::new(swiglu_backward::SwigluBackward),
+        Box::new(softmax::Softmax),
+        Box::new(softmax::LogSoftmax),
+        Box::new(softmax_backward::SoftmaxBackward),
+        Box::new(softmax_backward::LogSoftmaxBackward),
     ]
 }
 

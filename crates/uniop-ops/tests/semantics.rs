@@ -449,3 +449,40 @@ fn silu_mul_requires_matching_gate_and_up() {
     assert_eq!(err.code(), ErrorCode::Shape);
     assert_eq!(err.message(), "silu_mul: argument 'up': expected shape [2, 3], got shape [3]");
 }
+
+#[test]
+fn softmax_family_along_every_dim_with_gradients_matching_finite_differences() {
+    setup();
+    let shape = vec![3, 5, 20];
+    let n = 300;
+    let x: Vec<f32> = rand_vec(n, 41).iter().map(|v| 4.0 * v).collect();
+    let tx = TensorRef::new(&x, &shape).unwrap();
+    let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    for op in ["softmax", "log_softmax"] {
+        for dim in [0i64, 1, -1] {
+            let attrs = [("dim", AttrValue::Int(dim))];
+            let y = run_checked(op, &[Some(tx.clone())], &attrs).remove(0);
+            if op == "softmax" {
+                // Each slice along `dim` sums to one.
+                let total: f64 = y.iter().sum();
+                let slices = n / shape[dim.rem_euclid(3) as usize];
+                assert!((total - slices as f64).abs() < 1e-3, "{op} dim {dim}: {total}");
+            }
+            let y32: Vec<f32> = y.iter().map(|&v| v as f32).collect();
+            let dy = rand_vec(n, 42);
+            let dx = run_checked(
+                &format!("{op}_backward"),
+                &[Some(TensorRef::new(&dy, &shape).unwrap()), Some(TensorRef::new(&y32, &shape).unwrap())],
+                &attrs,
+            );
+            let dy64: Vec<f64> = dy.iter().map(|&v| v as f64).collect();
+            let want = finite_difference(op, &[(x64.clone(), shape.clone())], &attrs, &dy64, 0);
+            // y was rounded to f32 before the backward, so allow f32-level differences.
+            for (g, w) in dx[0].iter().zip(&want) {
+                assert!((g - w).abs() < 2e-4 * (1.0 + w.abs()), "{op} dim {dim}: got {g}, finite difference {w}");
+            }
+        }
+    }
+    let err = plan_err("softmax", &[Some(tx)], &[("dim", AttrValue::Int(-4))], vec![]);
+    assert_eq!(err.message(), "softmax: argument 'dim': expected a dim in [-3, 3) for x, got -4");
+}

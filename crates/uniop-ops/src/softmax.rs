@@ -1,0 +1,245 @@
+//! `softmax(x, dim=-1)` and `log_softmax(x, dim=-1)`: one kernel family, two ops.
+//!
+//! The tensor is viewed as `[outer, n, inner]` around `dim` (the executor makes it contiguous).
+//! The usual case, `dim = -1` (`inner = 1`), reduces along dense rows; other dims reduce across
+//! rows with `LANES` columns of `inner` at a time, so both vectorize. Each slice is read three
+//! times (max, sum of exp, write) but only the first read misses cache for LLM-sized rows.
+//! Numerically stable: `exp(x − max)`. A slice that is all `-inf` gives NaN, as in torch.
+
+use crate::elementwise::{fence, LANES};
+use crate::math;
+use uniop::{
+    block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
+    OpCx, Plan, RefTensor, Result, Step, TensorMeta,
+};
+
+pub(crate) const DTYPES: &[DType] = &[DType::F32, DType::F16, DType::BF16];
+
+/// `x` viewed as `[outer, n, inner]` around the reduced dim.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Axis {
+    pub outer: usize,
+    pub n: usize,
+    pub inner: usize,
+}
+
+impl Axis {
+    pub fn of(cx: &OpCx, x: &str) -> Result<Axis> {
+        let shape = cx.input(x).shape();
+        let rank = shape.len().max(1) as i64;
+        let dim = cx.int("dim");
+        if !(-rank..rank).contains(&dim) {
+            return Err(cx.err(ErrorCode::ParamInvalid, "dim", format!("a dim in [-{rank}, {rank}) for {x}"), dim));
+        }
+        if shape.is_empty() {
+            return Ok(Axis { outer: 1, n: 1, inner: 1 });
+        }
+        let d = dim.rem_euclid(rank) as usize;
+        Ok(Axis { outer: shape[..d].iter().product(), n: shape[d], inner: shape[d + 1..].iter().product() })
+    }
+
+    /// Independent slices: one per (outer, inner) position.
+    pub fn slices(&self) -> usize {
+        self.outer * self.inner
+    }
+
+    /// Storage index of element `k` of slice `s` (contiguous layout).
+    pub fn index(&self, s: usize, k: usize) -> usize {
+        let (o, i) = (s / self.inner, s % self.inner);
+        (o * self.n + k) * self.inner + i
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Softmax,
+    LogSoftmax,
+}
+
+/// Row maximum and Σ exp(x − max) of a dense f32 row, `LANES` partial results at a time.
+#[inline(always)]
+fn max_and_sum<T: FloatElement>(row: &[T]) -> (f32, f32) {
+    let mut buf = [0f32; LANES];
+    let mut mx = [f32::NEG_INFINITY; LANES];
+    for c in row.chunks(LANES) {
+        T::widen(c, &mut buf[..c.len()]);
+        for (m, &v) in mx.iter_mut().zip(&buf[..c.len()]) {
+            *m = m.max(v);
+        }
+    }
+    let m = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let mut acc = [0f32; LANES];
+    for c in row.chunks(LANES) {
+        T::widen(c, &mut buf[..c.len()]);
+        for (a, &v) in acc.iter_mut().zip(&buf[..c.len()]) {
+            *a += math::exp(v - m);
+        }
+    }
+    (m, acc.iter().sum())
+}
+
+crate::simd_kernel! {
+fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: Kind) {
+    let x = args.input(0);
+    let xs = &x.storage::<T>().expect("dtype dispatched")[x.layout().offset()..];
+    let y = args.output(0);
+    let base = y.layout().offset();
+    let mut buf = [0f32; LANES];
+    if axis.inner == 1 {
+        for r in ctx.split(axis.outer) {
+            let row = &xs[r * axis.n..(r + 1) * axis.n];
+            let (m, s) = max_and_sum(row);
+            let (scale, shift) = (1.0 / s, m + s.ln());
+            // SAFETY: this block owns rows `split(outer)` of y.
+            let out = unsafe { y.slice_mut::<T>(base + r * axis.n, axis.n) };
+            for (xc, yc) in row.chunks(LANES).zip(out.chunks_mut(LANES)) {
+                let b = &mut buf[..xc.len()];
+                T::widen(xc, b);
+                for v in b.iter_mut() {
+                    *v = match kind {
+                        Kind::Softmax => math::exp(*v - m) * scale,
+                        Kind::LogSoftmax => *v - shift,
+                    };
+                }
+                T::narrow(b, yc);
+            }
+        }
+    } else {
+        // Reduce across rows: LANES neighbouring slices (same outer, consecutive inner) at once.
+        let groups = axis.outer * axis.inner.div_ceil(LANES);
+        let per_outer = axis.inner.div_ceil(LANES);
+        let (mut mx, mut acc) = ([0f32; LANES], [0f32; LANES]);
+        for g in ctx.split(groups) {
+            let (o, i0) = (g / per_outer, (g % per_outer) * LANES);
+            let w = LANES.min(axis.inner - i0);
+            let at = |k: usize| (o * axis.n + k) * axis.inner + i0;
+            mx[..w].fill(f32::NEG_INFINITY);
+            acc[..w].fill(0.0);
+            for k in 0..axis.n {
+                T::widen(&xs[at(k)..at(k) + w], &mut buf[..w]);
+                for j in 0..w {
+                    mx[j] = mx[j].max(buf[j]);
+                }
+            }
+            for k in 0..axis.n {
+                T::widen(&xs[at(k)..at(k) + w], &mut buf[..w]);
+                for j in 0..w {
+                    acc[j] += math::exp(buf[j] - mx[j]);
+                }
+            }
+            for k in 0..axis.n {
+                T::widen(&xs[at(k)..at(k) + w], &mut buf[..w]);
+                for j in 0..w {
+                    buf[j] = match kind {
+                        Kind::Softmax => math::exp(buf[j] - mx[j]) / acc[j],
+                        Kind::LogSoftmax => buf[j] - mx[j] - acc[j].ln(),
+                    };
+                }
+                // SAFETY: the group's columns i0..i0+w of every row k of slice `o` are this block's.
+                T::narrow(&buf[..w], unsafe { y.slice_mut::<T>(base + at(k), w) });
+            }
+        }
+    }
+    fence();
+}
+}
+
+/// Plan shared by both ops (and their block split).
+fn plan(cx: &OpCx, kind: Kind) -> Result<Plan> {
+    let x = cx.input("x");
+    let axis = Axis::of(cx, "x")?;
+    let units = if axis.inner == 1 { axis.outer } else { axis.outer * axis.inner.div_ceil(LANES) };
+    let unit_bytes = (x.numel() / units.max(1)).max(1) * 2 * x.dtype.size();
+    let block_dim = block_dim_for(units, unit_bytes);
+    let step = with_float_dtype!(x.dtype, cx.op(), "x", |T| {
+        Step::new("softmax", block_dim, move |args, ctx| kernel::<T>(args, ctx, axis, kind))
+    });
+    Ok(Plan::new(vec![step]).inputs_need(vec![LayoutNeed::Contiguous]).outputs_need(vec![LayoutNeed::Contiguous]))
+}
+
+fn infer(cx: &OpCx) -> Result<Vec<TensorMeta>> {
+    let dtype = cx.expect_dtype_in("x", DTYPES)?;
+    Axis::of(cx, "x")?;
+    Ok(vec![TensorMeta::contiguous(dtype, cx.input("x").shape())?])
+}
+
+fn reference(cx: &OpCx, inputs: &[Option<RefTensor>], kind: Kind) -> Result<Vec<RefTensor>> {
+    let x = inputs[0].as_ref().unwrap();
+    let axis = Axis::of(cx, "x")?;
+    let mut y = vec![0.0; x.data.len()];
+    for s in 0..axis.slices() {
+        let m = (0..axis.n).map(|k| x.data[axis.index(s, k)]).fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = (0..axis.n).map(|k| (x.data[axis.index(s, k)] - m).exp()).sum();
+        for k in 0..axis.n {
+            let v = x.data[axis.index(s, k)] - m;
+            y[axis.index(s, k)] = match kind {
+                Kind::Softmax => v.exp() / sum,
+                Kind::LogSoftmax => v - sum.ln(),
+            };
+        }
+    }
+    Ok(vec![RefTensor::new(&x.shape, y)])
+}
+
+fn example(shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+    let meta = TensorMeta::contiguous(dtype, shape.unwrap_or(&[4096, 4096]))?;
+    Ok(Example { inputs: vec![Some(meta)], attrs: vec![] })
+}
+
+pub struct Softmax;
+
+impl Op for Softmax {
+    fn schema(&self) -> &'static str {
+        "softmax(Tensor x, int dim=-1) -> Tensor y"
+    }
+    fn doc(&self) -> &'static str {
+        "exp(x - max) / sum(exp(x - max)) along dim, as torch.softmax. Any dim; f16/bf16 compute in float32."
+    }
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+    fn backward(&self) -> Option<&'static str> {
+        Some("softmax_backward")
+    }
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        infer(cx)
+    }
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        plan(cx, Kind::Softmax)
+    }
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        reference(cx, inputs, Kind::Softmax)
+    }
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        example(shape, dtype)
+    }
+}
+
+pub struct LogSoftmax;
+
+impl Op for LogSoftmax {
+    fn schema(&self) -> &'static str {
+        "log_softmax(Tensor x, int dim=-1) -> Tensor y"
+    }
+    fn doc(&self) -> &'static str {
+        "x - max - log(sum(exp(x - max))) along dim, as torch.log_softmax. Any dim; f16/bf16 compute in float32."
+    }
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+    fn backward(&self) -> Option<&'static str> {
+        Some("log_softmax_backward")
+    }
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        infer(cx)
+    }
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        plan(cx, Kind::LogSoftmax)
+    }
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        reference(cx, inputs, Kind::LogSoftmax)
+    }
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        example(shape, dtype)
+    }
+}

@@ -1,0 +1,179 @@
+//! `softmax_backward(dy, y, dim)` and `log_softmax_backward(dy, y, dim)`: gradients from the
+//! forward *output* `y` (what frameworks save), along the same `[outer, n, inner]` view as
+//! [`softmax`](crate::softmax):
+//! softmax: `dx = y · (dy − Σ dy·y)`; log_softmax: `dx = dy − exp(y) · Σ dy`.
+
+use crate::elementwise::{fence, LANES};
+use crate::math;
+use crate::softmax::{Axis, Kind, DTYPES};
+use uniop::{
+    block_dim_for, with_float_dtype, BlockCtx, DType, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,
+    RefTensor, Result, Step, TensorMeta,
+};
+
+crate::simd_kernel! {
+/// `LANES` neighbouring slices at once (or, with `inner == 1`, one slice `LANES` elements at a
+/// time): the reduction `Σ dy·y` / `Σ dy`, then `dx`.
+fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: Kind) {
+    let (dy, y) = (args.input(0), args.input(1));
+    let dys = &dy.storage::<T>().expect("dtype dispatched")[dy.layout().offset()..];
+    let ys = &y.storage::<T>().expect("dtype dispatched")[y.layout().offset()..];
+    let dx = args.output(0);
+    let base = dx.layout().offset();
+    let (mut bd, mut by, mut acc) = ([0f32; LANES], [0f32; LANES], [0f32; LANES]);
+    // Each unit is `w` slices side by side (w = 1 for inner == 1), stepping `step` elements per k.
+    let per_outer = axis.inner.div_ceil(LANES);
+    let units = if axis.inner == 1 { axis.outer } else { axis.outer * per_outer };
+    for u in ctx.split(units) {
+        if axis.inner == 1 {
+            let row = u * axis.n..(u + 1) * axis.n;
+            acc.fill(0.0);
+            for (dc, yc) in dys[row.clone()].chunks(LANES).zip(ys[row.clone()].chunks(LANES)) {
+                let l = dc.len();
+                T::widen(dc, &mut bd[..l]);
+                T::widen(yc, &mut by[..l]);
+                for j in 0..l {
+                    acc[j] += if kind == Kind::Softmax { bd[j] * by[j] } else { bd[j] };
+                }
+            }
+            let dot: f32 = acc.iter().sum();
+            // SAFETY: this block owns row `u` of dx.
+            let out = unsafe { dx.slice_mut::<T>(base + row.start, axis.n) };
+            for ((dc, yc), oc) in dys[row.clone()].chunks(LANES).zip(ys[row].chunks(LANES)).zip(out.chunks_mut(LANES)) {
+                let l = dc.len();
+                T::widen(dc, &mut bd[..l]);
+                T::widen(yc, &mut by[..l]);
+                for j in 0..l {
+                    bd[j] = match kind {
+                        Kind::Softmax => by[j] * (bd[j] - dot),
+                        Kind::LogSoftmax => bd[j] - math::exp(by[j]) * dot,
+                    };
+                }
+                T::narrow(&bd[..l], oc);
+            }
+        } else {
+            let (o, i0) = (u / per_outer, (u % per_outer) * LANES);
+            let w = LANES.min(axis.inner - i0);
+            let at = |k: usize| (o * axis.n + k) * axis.inner + i0;
+            acc[..w].fill(0.0);
+            for k in 0..axis.n {
+                T::widen(&dys[at(k)..at(k) + w], &mut bd[..w]);
+                T::widen(&ys[at(k)..at(k) + w], &mut by[..w]);
+                for j in 0..w {
+                    acc[j] += if kind == Kind::Softmax { bd[j] * by[j] } else { bd[j] };
+                }
+            }
+            for k in 0..axis.n {
+                T::widen(&dys[at(k)..at(k) + w], &mut bd[..w]);
+                T::widen(&ys[at(k)..at(k) + w], &mut by[..w]);
+                for j in 0..w {
+                    bd[j] = match kind {
+                        Kind::Softmax => by[j] * (bd[j] - acc[j]),
+                        Kind::LogSoftmax => bd[j] - math::exp(by[j]) * acc[j],
+                    };
+                }
+                // SAFETY: columns i0..i0+w of every row k of slice `o` belong to this unit alone.
+                T::narrow(&bd[..w], unsafe { dx.slice_mut::<T>(base + at(k), w) });
+            }
+        }
+    }
+    fence();
+}
+}
+
+fn infer(cx: &OpCx) -> Result<Vec<TensorMeta>> {
+    let dtype = cx.expect_dtype_in("y", DTYPES)?;
+    cx.expect_same_dtype("dy", dtype, "y")?;
+    cx.expect_shape("dy", cx.input("y").shape())?;
+    Axis::of(cx, "y")?;
+    Ok(vec![TensorMeta::contiguous(dtype, cx.input("y").shape())?])
+}
+
+fn plan(cx: &OpCx, kind: Kind) -> Result<Plan> {
+    let y = cx.input("y");
+    let axis = Axis::of(cx, "y")?;
+    let units = if axis.inner == 1 { axis.outer } else { axis.outer * axis.inner.div_ceil(LANES) };
+    let unit_bytes = (y.numel() / units.max(1)).max(1) * 3 * y.dtype.size();
+    let block_dim = block_dim_for(units, unit_bytes);
+    let step = with_float_dtype!(y.dtype, cx.op(), "y", |T| {
+        Step::new("softmax_backward", block_dim, move |args, ctx| kernel::<T>(args, ctx, axis, kind))
+    });
+    Ok(Plan::new(vec![step]).inputs_need(vec![LayoutNeed::Contiguous; 2]).outputs_need(vec![LayoutNeed::Contiguous]))
+}
+
+fn reference(cx: &OpCx, inputs: &[Option<RefTensor>], kind: Kind) -> Result<Vec<RefTensor>> {
+    let (dy, y) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
+    let axis = Axis::of(cx, "y")?;
+    let mut dx = vec![0.0; y.data.len()];
+    for s in 0..axis.slices() {
+        let idx = |k| axis.index(s, k);
+        let dot: f64 = (0..axis.n)
+            .map(|k| if kind == Kind::Softmax { dy.data[idx(k)] * y.data[idx(k)] } else { dy.data[idx(k)] })
+            .sum();
+        for k in 0..axis.n {
+            let (d, v) = (dy.data[idx(k)], y.data[idx(k)]);
+            dx[idx(k)] = match kind {
+                Kind::Softmax => v * (d - dot),
+                Kind::LogSoftmax => d - v.exp() * dot,
+            };
+        }
+    }
+    Ok(vec![RefTensor::new(&y.shape, dx)])
+}
+
+fn example(shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+    let meta = TensorMeta::contiguous(dtype, shape.unwrap_or(&[4096, 4096]))?;
+    Ok(Example { inputs: vec![Some(meta.clone()), Some(meta)], attrs: vec![] })
+}
+
+pub struct SoftmaxBackward;
+
+impl Op for SoftmaxBackward {
+    fn schema(&self) -> &'static str {
+        "softmax_backward(Tensor dy, Tensor y, int dim=-1) -> Tensor dx"
+    }
+    fn doc(&self) -> &'static str {
+        "Gradient of softmax from its output y: dx = y * (dy - sum(dy * y)) along dim."
+    }
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        infer(cx)
+    }
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        plan(cx, Kind::Softmax)
+    }
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        reference(cx, inputs, Kind::Softmax)
+    }
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        example(shape, dtype)
+    }
+}
+
+pub struct LogSoftmaxBackward;
+
+impl Op for LogSoftmaxBackward {
+    fn schema(&self) -> &'static str {
+        "log_softmax_backward(Tensor dy, Tensor y, int dim=-1) -> Tensor dx"
+    }
+    fn doc(&self) -> &'static str {
+        "Gradient of log_softmax from its output y: dx = dy - exp(y) * sum(dy) along dim."
+    }
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        infer(cx)
+    }
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        plan(cx, Kind::LogSoftmax)
+    }
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        reference(cx, inputs, Kind::LogSoftmax)
+    }
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        example(shape, dtype)
+    }
+}
