@@ -163,6 +163,48 @@ pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
     }
 }
 
+/// Calls `f(values, len)` on equally long `rows` widened to f32, `LANES` elements at a time:
+/// `len` is `LANES` except in the last, shorter step. Full steps have a constant length once
+/// inlined into a kernel, so they vectorize without bounds checks or memcpy calls.
+#[inline(always)]
+pub fn for_lanes<T: FloatElement, const N: usize>(rows: [&[T]; N], mut f: impl FnMut(&[[f32; LANES]; N], usize)) {
+    let mut buf = [[0f32; LANES]; N];
+    let n = rows[0].len();
+    let full = n / LANES * LANES;
+    for j in (0..full).step_by(LANES) {
+        for k in 0..N {
+            T::widen(&rows[k][j..j + LANES], &mut buf[k]);
+        }
+        f(&buf, LANES);
+    }
+    if full < n {
+        for k in 0..N {
+            T::widen(&rows[k][full..], &mut buf[k][..n - full]);
+        }
+        f(&buf, n - full);
+    }
+}
+
+/// `out = f(row)` elementwise in f32, `LANES` at a time; `f` works in place on the widened values.
+#[inline(always)]
+pub fn map_lanes<T: FloatElement>(row: &[T], out: &mut [T], mut f: impl FnMut(&mut [f32])) {
+    let mut buf = [0f32; LANES];
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    let full = row.len() - tail.len();
+    for (c, o) in chunks.zip(out.chunks_exact_mut(LANES)) {
+        T::widen(c, &mut buf);
+        f(&mut buf);
+        T::narrow(&buf, o);
+    }
+    if !tail.is_empty() {
+        let b = &mut buf[..tail.len()];
+        T::widen(tail, b);
+        f(b);
+        T::narrow(b, &mut out[full..]);
+    }
+}
+
 /// Elements `range` of contiguous input `i` (the plan asked for [`LayoutNeed::Contiguous`]).
 ///
 /// [`LayoutNeed::Contiguous`]: uniop::LayoutNeed::Contiguous

@@ -6,7 +6,7 @@
 //! times (max, sum of exp, write) but only the first read misses cache for LLM-sized rows.
 //! Numerically stable: `exp(x − max)`. A slice that is all `-inf` gives NaN, as in torch.
 
-use crate::elementwise::{fence, LANES};
+use crate::elementwise::{fence, for_lanes, map_lanes, LANES};
 use crate::math;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
@@ -56,25 +56,22 @@ pub(crate) enum Kind {
     LogSoftmax,
 }
 
-/// Row maximum and Σ exp(x − max) of a dense f32 row, `LANES` partial results at a time.
+/// Row maximum and Σ exp(x − max), `LANES` partial results at a time.
 #[inline(always)]
 fn max_and_sum<T: FloatElement>(row: &[T]) -> (f32, f32) {
-    let mut buf = [0f32; LANES];
     let mut mx = [f32::NEG_INFINITY; LANES];
-    for c in row.chunks(LANES) {
-        T::widen(c, &mut buf[..c.len()]);
-        for (m, &v) in mx.iter_mut().zip(&buf[..c.len()]) {
+    for_lanes([row], |[b], len| {
+        for (m, &v) in mx.iter_mut().zip(&b[..len]) {
             *m = m.max(v);
         }
-    }
+    });
     let m = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
     let mut acc = [0f32; LANES];
-    for c in row.chunks(LANES) {
-        T::widen(c, &mut buf[..c.len()]);
-        for (a, &v) in acc.iter_mut().zip(&buf[..c.len()]) {
+    for_lanes([row], |[b], len| {
+        for (a, &v) in acc.iter_mut().zip(&b[..len]) {
             *a += math::exp(v - m);
         }
-    }
+    });
     (m, acc.iter().sum())
 }
 
@@ -92,16 +89,9 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
             let (scale, shift) = (1.0 / s, m + s.ln());
             // SAFETY: this block owns rows `split(outer)` of y.
             let out = unsafe { y.slice_mut::<T>(base + r * axis.n, axis.n) };
-            for (xc, yc) in row.chunks(LANES).zip(out.chunks_mut(LANES)) {
-                let b = &mut buf[..xc.len()];
-                T::widen(xc, b);
-                for v in b.iter_mut() {
-                    *v = match kind {
-                        Kind::Softmax => math::exp(*v - m) * scale,
-                        Kind::LogSoftmax => *v - shift,
-                    };
-                }
-                T::narrow(b, yc);
+            match kind {
+                Kind::Softmax => map_lanes(row, out, |b| b.iter_mut().for_each(|v| *v = math::exp(*v - m) * scale)),
+                Kind::LogSoftmax => map_lanes(row, out, |b| b.iter_mut().for_each(|v| *v -= shift)),
             }
         }
     } else {

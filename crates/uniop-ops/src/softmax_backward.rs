@@ -3,7 +3,7 @@
 //! [`softmax`](crate::softmax):
 //! softmax: `dx = y · (dy − Σ dy·y)`; log_softmax: `dx = dy − exp(y) · Σ dy`.
 
-use crate::elementwise::{fence, LANES};
+use crate::elementwise::{dense_map, fence, for_lanes, LANES};
 use crate::math;
 use crate::softmax::{Axis, Kind, DTYPES};
 use uniop::{
@@ -27,30 +27,24 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
     for u in ctx.split(units) {
         if axis.inner == 1 {
             let row = u * axis.n..(u + 1) * axis.n;
-            acc.fill(0.0);
-            for (dc, yc) in dys[row.clone()].chunks(LANES).zip(ys[row.clone()].chunks(LANES)) {
-                let l = dc.len();
-                T::widen(dc, &mut bd[..l]);
-                T::widen(yc, &mut by[..l]);
-                for j in 0..l {
-                    acc[j] += if kind == Kind::Softmax { bd[j] * by[j] } else { bd[j] };
-                }
-            }
-            let dot: f32 = acc.iter().sum();
+            let (dyr, yr) = (&dys[row.clone()], &ys[row.clone()]);
             // SAFETY: this block owns row `u` of dx.
             let out = unsafe { dx.slice_mut::<T>(base + row.start, axis.n) };
-            for ((dc, yc), oc) in dys[row.clone()].chunks(LANES).zip(ys[row].chunks(LANES)).zip(out.chunks_mut(LANES)) {
-                let l = dc.len();
-                T::widen(dc, &mut bd[..l]);
-                T::widen(yc, &mut by[..l]);
-                for j in 0..l {
-                    bd[j] = match kind {
-                        Kind::Softmax => by[j] * (bd[j] - dot),
-                        Kind::LogSoftmax => bd[j] - math::exp(by[j]) * dot,
+            acc.fill(0.0);
+            for_lanes([dyr, yr], |[d, y], len| {
+                for j in 0..len {
+                    acc[j] += if kind == Kind::Softmax { d[j] * y[j] } else { d[j] };
+                }
+            });
+            let dot: f32 = acc.iter().sum();
+            dense_map([dyr, yr], [out], false, |[d, y], [g]| {
+                for j in 0..LANES {
+                    g[j] = match kind {
+                        Kind::Softmax => y[j] * (d[j] - dot),
+                        Kind::LogSoftmax => d[j] - math::exp(y[j]) * dot,
                     };
                 }
-                T::narrow(&bd[..l], oc);
-            }
+            });
         } else {
             let (o, i0) = (u / per_outer, (u % per_outer) * LANES);
             let w = LANES.min(axis.inner - i0);
