@@ -32,10 +32,20 @@ def rms_norm(x, w, eps=1e-6):
     return w * h.to(x.dtype)
 
 
+def swiglu(x):
+    a, b = x.chunk(2, dim=-1)
+    return F.silu(a) * b
+
+
 PEERS = {
     "rms_norm": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape[-1:], dtype=dt)), rms_norm),
     "silu": (lambda shape, dt: (torch.randn(shape, dtype=dt),), F.silu),
     "add": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt)), lambda a, b: a + b),
+    "silu_mul": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt)),
+                 lambda g, u: F.silu(g) * u),
+    "swiglu": (lambda shape, dt: (torch.randn(shape, dtype=dt),), swiglu),
+    "softmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), lambda x: torch.softmax(x, -1)),
+    "log_softmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), lambda x: torch.log_softmax(x, -1)),
 }
 
 

@@ -56,23 +56,51 @@ pub(crate) enum Kind {
     LogSoftmax,
 }
 
-/// Row maximum and Σ exp(x − max), `LANES` partial results at a time.
+/// Row maximum, `LANES` partial maxima at a time.
 #[inline(always)]
-fn max_and_sum<T: FloatElement>(row: &[T]) -> (f32, f32) {
+fn row_max<T: FloatElement>(row: &[T]) -> f32 {
     let mut mx = [f32::NEG_INFINITY; LANES];
     for_lanes([row], |[b], len| {
         for (m, &v) in mx.iter_mut().zip(&b[..len]) {
             *m = m.max(v);
         }
     });
-    let m = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let mut acc = [0f32; LANES];
-    for_lanes([row], |[b], len| {
-        for (a, &v) in acc.iter_mut().zip(&b[..len]) {
-            *a += math::exp(v - m);
+    mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
+
+/// `out = src · scale`, narrowed to `T`, `LANES` at a time.
+#[inline(always)]
+fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32) {
+    let mut buf = [0f32; LANES];
+    let chunks = src.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    let full = src.len() - tail.len();
+    for (c, o) in chunks.zip(out.chunks_exact_mut(LANES)) {
+        for (b, &v) in buf.iter_mut().zip(c) {
+            *b = v * scale;
         }
-    });
-    (m, acc.iter().sum())
+        T::narrow(&buf, o);
+    }
+    for (o, &v) in out[full..].iter_mut().zip(tail) {
+        *o = T::from_f32(v * scale);
+    }
+}
+
+/// Widens `row` into the f32 `out`, applying `f` to each step of `LANES` in place.
+#[inline(always)]
+fn map_lanes_into<T: FloatElement>(row: &[T], out: &mut [f32], mut f: impl FnMut(&mut [f32])) {
+    let chunks = row.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    let full = row.len() - tail.len();
+    for (c, o) in chunks.zip(out.chunks_exact_mut(LANES)) {
+        T::widen(c, o);
+        f(o);
+    }
+    if !tail.is_empty() {
+        let o = &mut out[full..row.len()];
+        T::widen(tail, o);
+        f(o);
+    }
 }
 
 crate::simd_kernel! {
@@ -83,15 +111,31 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
     let base = y.layout().offset();
     let mut buf = [0f32; LANES];
     if axis.inner == 1 {
+        // SAFETY: block b owns scratch row b (sized by the plan for `inner == 1`).
+        let scratch = unsafe { args.workspace::<f32>(ctx.block_idx as usize * axis.n, axis.n) };
         for r in ctx.split(axis.outer) {
             let row = &xs[r * axis.n..(r + 1) * axis.n];
-            let (m, s) = max_and_sum(row);
-            let (scale, shift) = (1.0 / s, m + s.ln());
+            let m = row_max(row);
+            // exp(x − max) once, kept in f32 scratch (in cache) for the normalizing pass.
+            let mut acc = [0f32; LANES];
+            map_lanes_into(row, scratch, |b| {
+                for (a, v) in acc.iter_mut().zip(b.iter_mut()) {
+                    *v = math::exp(*v - m);
+                    *a += *v;
+                }
+            });
+            let s: f32 = acc.iter().sum();
             // SAFETY: this block owns rows `split(outer)` of y.
             let out = unsafe { y.slice_mut::<T>(base + r * axis.n, axis.n) };
             match kind {
-                Kind::Softmax => map_lanes(row, out, |b| b.iter_mut().for_each(|v| *v = math::exp(*v - m) * scale)),
-                Kind::LogSoftmax => map_lanes(row, out, |b| b.iter_mut().for_each(|v| *v -= shift)),
+                Kind::Softmax => {
+                    let scale = 1.0 / s;
+                    scale_into(scratch, out, scale)
+                }
+                Kind::LogSoftmax => {
+                    let shift = m + s.ln();
+                    map_lanes(row, out, |b| b.iter_mut().for_each(|v| *v -= shift))
+                }
             }
         }
     } else {
@@ -144,7 +188,12 @@ fn plan(cx: &OpCx, kind: Kind) -> Result<Plan> {
     let step = with_float_dtype!(x.dtype, cx.op(), "x", |T| {
         Step::new("softmax", block_dim, move |args, ctx| kernel::<T>(args, ctx, axis, kind))
     });
-    Ok(Plan::new(vec![step]).inputs_need(vec![LayoutNeed::Contiguous]).outputs_need(vec![LayoutNeed::Contiguous]))
+    // Rows reduce through one f32 scratch row per block.
+    let workspace = if axis.inner == 1 { block_dim as usize * axis.n * 4 } else { 0 };
+    Ok(Plan::new(vec![step])
+        .workspace(workspace)
+        .inputs_need(vec![LayoutNeed::Contiguous])
+        .outputs_need(vec![LayoutNeed::Contiguous]))
 }
 
 fn infer(cx: &OpCx) -> Result<Vec<TensorMeta>> {
