@@ -5,8 +5,8 @@
 
 use crate::elementwise::{self, broadcast, Map2};
 use uniop::{
-    block_dim_for, broadcast_shapes, with_float_dtype, BlockCtx, DType, Element, Error, ErrorCode, Example, KernelArgs,
-    Op, OpCx, Plan, RefTensor, Result, Step, StridedRuns, TensorMeta,
+    block_dim_for, with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, KernelArgs, Op, OpCx, Plan,
+    RefTensor, Result, Step, StridedRuns, TensorMeta,
 };
 
 pub struct Add;
@@ -43,15 +43,7 @@ impl Op for Add {
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let dtype = cx.expect_dtype_in("a", DTYPES)?;
         cx.expect_same_dtype("b", dtype, "a")?;
-        let (a, b) = (cx.input("a").shape(), cx.input("b").shape());
-        let shape = broadcast_shapes(a, b).ok_or_else(|| {
-            cx.err(
-                ErrorCode::Shape,
-                "b",
-                format!("a shape broadcastable with a's {}", uniop::layout::ShapeDisplay(a)),
-                uniop::layout::ShapeDisplay(b),
-            )
-        })?;
+        let shape = elementwise::broadcast_inputs(cx, "a", "b")?;
         let alpha = cx.float("alpha");
         if !dtype.is_float() && alpha.fract() != 0.0 {
             return Err(cx.err(
@@ -82,17 +74,13 @@ impl Op for Add {
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let (a, b) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
-        let shape = broadcast_shapes(&a.shape, &b.shape)
-            .ok_or_else(|| Error::internal("reference: shapes do not broadcast"))?;
         let alpha = cx.float("alpha");
         // Integer results wrap at the dtype's width, as the kernel's do.
         let wrap: fn(f64) -> f64 = match cx.input("a").dtype {
             DType::I32 => |v| v as i64 as i32 as f64,
             _ => |v| v,
         };
-        let n = shape.iter().product();
-        let data = (0..n).map(|i| wrap(a.broadcast_get(&shape, i) + alpha * b.broadcast_get(&shape, i))).collect();
-        Ok(vec![RefTensor::new(&shape, data)])
+        Ok(vec![elementwise::reference_binary(a, b, |x, y| wrap(x + alpha * y))?])
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {

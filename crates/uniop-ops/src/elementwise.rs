@@ -6,7 +6,11 @@
 //! ([`simd_kernel!`](crate::simd_kernel)), and only code *inlined* into those copies gets wide
 //! vectors. A trait method marked `#[inline(always)]` is guaranteed to be; a closure is not.
 
-use uniop::{BlockCtx, Element, FloatElement, KernelArgs, Layout, OutputView, StridedRuns};
+use uniop::layout::ShapeDisplay;
+use uniop::{
+    broadcast_shapes, BlockCtx, Element, Error, ErrorCode, FloatElement, KernelArgs, Layout, OpCx, OutputView,
+    RefTensor, Result, StridedRuns,
+};
 
 pub const CHUNK: usize = 64;
 
@@ -305,6 +309,22 @@ pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F,
     });
     fence();
 }
+}
+
+/// The broadcast shape of inputs `a` and `b`, or the error naming `b`.
+pub fn broadcast_inputs(cx: &OpCx, a: &str, b: &str) -> Result<Vec<usize>> {
+    let (sa, sb) = (cx.input(a).shape(), cx.input(b).shape());
+    broadcast_shapes(sa, sb).ok_or_else(|| {
+        cx.err(ErrorCode::Shape, b, format!("a shape broadcastable with {a}'s {}", ShapeDisplay(sa)), ShapeDisplay(sb))
+    })
+}
+
+/// f64 reference of a broadcasting binary op.
+pub fn reference_binary(a: &RefTensor, b: &RefTensor, f: impl Fn(f64, f64) -> f64) -> Result<RefTensor> {
+    let shape =
+        broadcast_shapes(&a.shape, &b.shape).ok_or_else(|| Error::internal("reference: shapes do not broadcast"))?;
+    let n = shape.iter().product();
+    Ok(RefTensor::new(&shape, (0..n).map(|i| f(a.broadcast_get(&shape, i), b.broadcast_get(&shape, i))).collect()))
 }
 
 /// Broadcast of an input layout that `infer` already checked.

@@ -21,8 +21,10 @@ macro_rules! simd_kernel {
 
 mod elementwise;
 pub mod math;
+pub mod mul;
 
 pub mod add;
+pub mod add_rms_norm;
 pub mod rms_norm;
 pub mod rms_norm_backward;
 pub mod silu;
@@ -41,8 +43,10 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
     vec![
         Box::new(add::Add),
         Box::new(silu::Silu),
+        Box::new(mul::Mul),
         Box::new(rms_norm::RmsNorm),
         Box::new(rms_norm_backward::RmsNormBackward),
+        Box::new(add_rms_norm::AddRmsNorm),
         Box::new(silu_mul::SiluMul),
         Box::new(silu_mul_backward::SiluMulBackward),
         Box::new(swiglu::Swiglu),

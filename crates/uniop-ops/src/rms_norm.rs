@@ -128,7 +128,7 @@ fn prefetch<T>(data: &[T]) {
 
 /// `y = x · rstd · w`, one register at a time; `streaming` writes y past the cache.
 #[inline(always)]
-fn scale_row<T: FloatElement>(x: &[T], next: &[T], w: &[f32], y: &mut [T], rstd: f32, streaming: bool) {
+pub(crate) fn scale_row<T: FloatElement>(x: &[T], next: &[T], w: &[f32], y: &mut [T], rstd: f32, streaming: bool) {
     let (mut buf, mut out) = ([0f32; LANES], [T::default(); LANES]);
     let xs = x.chunks_exact(LANES);
     let tail = xs.len() * LANES;
@@ -153,24 +153,46 @@ fn scale_row<T: FloatElement>(x: &[T], next: &[T], w: &[f32], y: &mut [T], rstd:
     }
 }
 
-crate::simd_kernel! {
-/// Rows `split(rows)`: reduce the row, then scale it into y. The weight is widened to f32 once
-/// per block (into the workspace) when it is not f32 already.
-fn forward_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape) {
-    let (x, w) = (args.input(0), args.input(1));
-    let (y, rstd_out) = (args.output(0), args.output(1));
-    let cols = s.cols;
+/// Input `i` (the weight, contiguous) as f32: borrowed when it is f32, else widened once per
+/// block into workspace row `block_idx` (plans with a non-f32 weight reserve `blocks · cols` f32).
+#[inline(always)]
+pub(crate) fn weight_f32<W: FloatElement>(args: &KernelArgs, i: usize, ctx: BlockCtx, cols: usize) -> &[f32] {
+    let w = args.input(i);
     let w = &w.storage::<W>().expect("dtype dispatched")[w.layout().offset()..][..cols];
-    let xs = x.storage::<T>().expect("dtype dispatched");
-    let wf: &[f32] = match W::as_f32_slice(w) {
+    match W::as_f32_slice(w) {
         Some(wf) => wf,
         None => {
-            // SAFETY: block b owns workspace row b (the plan sized it for a non-f32 weight).
+            // SAFETY: block b owns workspace row b.
             let scratch = unsafe { args.workspace::<f32>(ctx.block_idx as usize * cols, cols) };
             W::widen(w, scratch);
             scratch
         }
-    };
+    }
+}
+
+/// f64 RMSNorm of `rows × cols` values: `(y, rstd)`.
+pub(crate) fn reference_rows(x: &[f64], w: &[f64], rows: usize, cols: usize, eps: f64) -> (Vec<f64>, Vec<f64>) {
+    let mut y = vec![0.0; x.len()];
+    let mut rstd = vec![0.0; rows];
+    for r in 0..rows {
+        let row = &x[r * cols..(r + 1) * cols];
+        rstd[r] = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / cols as f64 + eps).sqrt();
+        for c in 0..cols {
+            y[r * cols + c] = row[c] * rstd[r] * w[c];
+        }
+    }
+    (y, rstd)
+}
+
+crate::simd_kernel! {
+/// Rows `split(rows)`: reduce the row, then scale it into y. The weight is widened to f32 once
+/// per block (into the workspace) when it is not f32 already.
+fn forward_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape) {
+    let x = args.input(0);
+    let (y, rstd_out) = (args.output(0), args.output(1));
+    let cols = s.cols;
+    let xs = x.storage::<T>().expect("dtype dispatched");
+    let wf = weight_f32::<W>(args, 1, ctx, cols);
     // SAFETY: each block writes only the rstd entries of its own rows (below).
     let rstd_ptr = unsafe { rstd_out.as_mut_ptr::<f32>() };
     let rows = ctx.split(s.rows);
@@ -266,17 +288,7 @@ impl Op for RmsNorm {
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let s = norm_shape(cx, "x", "weight")?;
         let (x, w) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
-        let eps = cx.float("eps");
-        let mut y = vec![0.0; x.data.len()];
-        let mut rstd = vec![0.0; s.rows];
-        for r in 0..s.rows {
-            let row = &x.data[r * s.cols..(r + 1) * s.cols];
-            let ms = row.iter().map(|v| v * v).sum::<f64>() / s.cols as f64;
-            rstd[r] = 1.0 / (ms + eps).sqrt();
-            for c in 0..s.cols {
-                y[r * s.cols + c] = row[c] * rstd[r] * w.data[c];
-            }
-        }
+        let (y, rstd) = reference_rows(&x.data, &w.data, s.rows, s.cols, cx.float("eps"));
         Ok(vec![RefTensor::new(&x.shape, y), RefTensor::new(&s.rstd_shape, rstd)])
     }
 

@@ -259,7 +259,11 @@ fn bad_inputs_give_codes_and_messages() {
             "add: argument 'alpha': expected an integral value for int32 inputs, got 0.5",
         ),
         (plan_err("add", &[tx()], &[], vec![]), ErrorCode::ParamInvalid, "add: expected 2 tensor inputs, got 1"),
-        (plan_err("ad", &[], &[], vec![]), ErrorCode::ParamInvalid, "unknown op 'ad' (registered: add)"),
+        (
+            plan_err("rms_norm_bwd", &[], &[], vec![]),
+            ErrorCode::ParamInvalid,
+            "unknown op 'rms_norm_bwd' (did you mean: rms_norm)",
+        ),
     ];
     for (err, code, message) in cases {
         assert_eq!(err.code(), code, "{err}");
@@ -485,4 +489,35 @@ fn softmax_family_along_every_dim_with_gradients_matching_finite_differences() {
     }
     let err = plan_err("softmax", &[Some(tx)], &[("dim", AttrValue::Int(-4))], vec![]);
     assert_eq!(err.message(), "softmax: argument 'dim': expected a dim in [-3, 3) for x, got -4");
+}
+
+#[test]
+fn add_rms_norm_equals_add_then_rms_norm() {
+    setup();
+    let (rows, cols) = (6, 200);
+    let x: Vec<bf16> = rand_vec(rows * cols, 51).into_iter().map(bf16::from_f32).collect();
+    let r: Vec<bf16> = rand_vec(rows * cols, 52).into_iter().map(bf16::from_f32).collect();
+    let w: Vec<bf16> = rand_vec(cols, 53).into_iter().map(bf16::from_f32).collect();
+    let (tx, tr, tw) = (
+        TensorRef::new(&x, &[rows, cols]).unwrap(),
+        TensorRef::new(&r, &[rows, cols]).unwrap(),
+        TensorRef::new(&w, &[cols]).unwrap(),
+    );
+    let fused = run_checked("add_rms_norm", &[Some(tx.clone()), Some(tr.clone()), Some(tw.clone())], &[]);
+    let sum = run_checked("add", &[Some(tx.clone()), Some(tr.clone())], &[]).remove(0);
+    assert_eq!(fused[2], sum, "the fused sum is the add op's output, bit for bit");
+    let sum16: Vec<bf16> = sum.iter().map(|&v| bf16::from_f64(v)).collect();
+    let unfused =
+        run_checked("rms_norm", &[Some(TensorRef::new(&sum16, &[rows, cols]).unwrap()), Some(tw.clone())], &[]);
+    for (a, b) in fused[0].iter().zip(&unfused[0]) {
+        assert!((a - b).abs() <= 1e-2 * (1.0 + b.abs()), "y: fused {a}, unfused {b}");
+    }
+    for (a, b) in fused[1].iter().zip(&unfused[1]) {
+        assert!((a - b).abs() <= 1e-5 * b.abs(), "rstd: fused {a}, unfused {b}");
+    }
+    let short = [bf16::ZERO; 200];
+    let err =
+        plan_err("add_rms_norm", &[Some(tx), Some(TensorRef::new(&short, &[1, cols]).unwrap()), Some(tw)], &[], vec![]);
+    assert_eq!(err.code(), ErrorCode::Shape);
+    assert_eq!(err.message(), "add_rms_norm: argument 'residual': expected shape [6, 200], got shape [1, 200]");
 }

@@ -51,12 +51,14 @@ impl Registry {
     pub fn get(&self, name: &str) -> Result<Arc<OpEntry>> {
         let ops = self.ops.read().unwrap();
         ops.get(name).cloned().ok_or_else(|| {
-            let mut near: Vec<&str> =
+            let near: Vec<&str> =
                 ops.keys().map(String::as_str).filter(|k| k.contains(name) || name.contains(*k)).collect();
-            if near.is_empty() {
-                near = ops.keys().map(String::as_str).collect();
-            }
-            Error::new(ErrorCode::ParamInvalid, format!("unknown op '{name}' (registered: {})", near.join(", ")))
+            let hint = if near.is_empty() {
+                format!("registered: {}", ops.keys().map(String::as_str).collect::<Vec<_>>().join(", "))
+            } else {
+                format!("did you mean: {}", near.join(", "))
+            };
+            Error::new(ErrorCode::ParamInvalid, format!("unknown op '{name}' ({hint})"))
         })
     }
 

@@ -1,0 +1,139 @@
+//! `add_rms_norm(x, residual, weight, eps) -> (y, rstd, sum)`: the residual add of a transformer
+//! block fused with the next RMSNorm (aclnn AddRmsNorm). `sum = x + residual` is rounded to the
+//! input dtype — exactly what the unfused `add` then `rms_norm` would see — and normalized into
+//! `y`; `sum` is returned because it is the next residual.
+//!
+//! Each row: add and store `sum` while reducing its squares (one read of both inputs), then
+//! scale the row back from cache. `sum` is written with ordinary stores since it is re-read.
+
+use crate::elementwise::{fence, LANES, STREAMING_BYTES};
+use crate::rms_norm::{check_eps, norm_shape, reference_rows, scale_row, weight_f32, KernelShape, DTYPES};
+use uniop::{
+    block_dim_for, dispatch_element, with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs,
+    LayoutNeed, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
+};
+
+pub struct AddRmsNorm;
+
+/// `out = a + b` (rounded to `T`) and Σ out², `LANES` at a time.
+#[inline(always)]
+fn add_row<T: FloatElement>(a: &[T], b: &[T], out: &mut [T]) -> f32 {
+    let (mut ba, mut bb, mut acc) = ([0f32; LANES], [0f32; LANES], [0f32; LANES]);
+    let mut rounded = [T::default(); LANES];
+    let n = a.len();
+    let full = n / LANES * LANES;
+    for j in (0..full).step_by(LANES) {
+        T::widen(&a[j..j + LANES], &mut ba);
+        T::widen(&b[j..j + LANES], &mut bb);
+        for i in 0..LANES {
+            ba[i] += bb[i];
+        }
+        T::narrow(&ba, &mut rounded);
+        T::widen(&rounded, &mut ba);
+        for i in 0..LANES {
+            acc[i] += ba[i] * ba[i];
+        }
+        out[j..j + LANES].copy_from_slice(&rounded);
+    }
+    let mut tail = 0.0;
+    for j in full..n {
+        out[j] = T::from_f32(a[j].to_f32() + b[j].to_f32());
+        tail += out[j].to_f32() * out[j].to_f32();
+    }
+    tail + acc.iter().sum::<f32>()
+}
+
+crate::simd_kernel! {
+fn kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape) {
+    let (x, r) = (args.input(0), args.input(1));
+    let (xs, rs) = (x.storage::<T>().expect("dtype dispatched"), r.storage::<T>().expect("dtype dispatched"));
+    let (y, rstd_out, sum) = (args.output(0), args.output(1), args.output(2));
+    let cols = s.cols;
+    let wf = weight_f32::<W>(args, 2, ctx, cols);
+    // SAFETY: each block writes only the rstd entries of its own rows (below).
+    let rstd_ptr = unsafe { rstd_out.as_mut_ptr::<f32>() };
+    for row in ctx.split(s.rows) {
+        let (xo, ro) = (x.layout().outer_offset(row, s.inner_dims), r.layout().outer_offset(row, s.inner_dims));
+        // SAFETY: this block owns rows `split(rows)` of every output.
+        unsafe {
+            let h = sum.slice_mut::<T>(sum.layout().outer_offset(row, s.inner_dims), cols);
+            let squares = add_row(&xs[xo..xo + cols], &rs[ro..ro + cols], h);
+            let rstd = 1.0 / (squares / cols as f32 + s.eps).sqrt();
+            *rstd_ptr.add(rstd_out.layout().offset_of_linear(row)) = rstd;
+            let yrow = y.slice_mut::<T>(y.layout().outer_offset(row, s.inner_dims), cols);
+            scale_row(&*h, &[], wf, yrow, rstd, s.streaming);
+        }
+    }
+    fence();
+}
+}
+
+impl Op for AddRmsNorm {
+    fn schema(&self) -> &'static str {
+        "add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps=1e-06) -> (Tensor y, Tensor rstd, Tensor sum)"
+    }
+
+    fn doc(&self) -> &'static str {
+        "Fused residual add + RMSNorm (aclnn AddRmsNorm): sum = x + residual (rounded to the input dtype), \
+         y = rms_norm(sum, weight, eps), rstd as rms_norm returns it. x and residual share shape and dtype; \
+         weight as for rms_norm. The backward is rms_norm_backward on sum (and dsum flows to both inputs)."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let s = norm_shape(cx, "x", "weight")?;
+        cx.expect_same_dtype("residual", s.dtype, "x")?;
+        cx.expect_shape("residual", cx.input("x").shape())?;
+        check_eps(cx)?;
+        let x = TensorMeta::contiguous(s.dtype, cx.input("x").shape())?;
+        Ok(vec![x.clone(), TensorMeta::contiguous(DType::F32, &s.rstd_shape)?, x])
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        self.infer(cx)?;
+        let s = norm_shape(cx, "x", "weight")?;
+        let weight_is_f32 = cx.input("weight").dtype == DType::F32;
+        let ks = KernelShape {
+            rows: s.rows,
+            cols: s.cols,
+            inner_dims: s.inner_dims,
+            eps: check_eps(cx)?,
+            streaming: s.rows * s.cols * s.dtype.size() >= STREAMING_BYTES,
+        };
+        let block_dim = block_dim_for(s.rows, 4 * s.cols * s.dtype.size());
+        let workspace = if weight_is_f32 { 0 } else { block_dim as usize * s.cols * 4 };
+        let step = with_float_dtype!(s.dtype, cx.op(), "x", |T| {
+            if weight_is_f32 {
+                Step::new("add_rms_norm", block_dim, move |a, c| kernel::<T, f32>(a, c, &ks))
+            } else {
+                Step::new("add_rms_norm", block_dim, move |a, c| kernel::<T, T>(a, c, &ks))
+            }
+        });
+        let row = s.row_need();
+        Ok(Plan::new(vec![step])
+            .workspace(workspace)
+            .inputs_need(vec![row, row, LayoutNeed::Contiguous])
+            .outputs_need(vec![row, LayoutNeed::Any, row]))
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let s = norm_shape(cx, "x", "weight")?;
+        let [x, r, w] = [0, 1, 2].map(|i| inputs[i].as_ref().unwrap());
+        // Round the sum to the input dtype, as the unfused ops would store it.
+        let sum: Vec<f64> = dispatch_element!(s.dtype, |E| {
+            x.data.iter().zip(&r.data).map(|(a, b)| <E as Element>::from_f64(a + b).to_f64()).collect()
+        });
+        let (y, rstd) = reference_rows(&sum, &w.data, s.rows, s.cols, cx.float("eps"));
+        Ok(vec![RefTensor::new(&x.shape, y), RefTensor::new(&s.rstd_shape, rstd), RefTensor::new(&x.shape, sum)])
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        let shape = shape.unwrap_or(&[4096, 4096]);
+        let x = TensorMeta::contiguous(dtype, shape)?;
+        let w = TensorMeta::contiguous(dtype, &shape[shape.len().saturating_sub(1)..])?;
+        Ok(Example { inputs: vec![Some(x.clone()), Some(x), Some(w)], attrs: vec![] })
+    }
+}
