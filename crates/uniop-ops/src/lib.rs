@@ -27,6 +27,8 @@ pub mod add;
 pub mod add_rms_norm;
 pub mod rms_norm;
 pub mod rms_norm_backward;
+pub mod rope;
+pub mod rope_backward;
 pub mod silu;
 pub mod silu_mul;
 pub mod silu_mul_backward;
@@ -47,6 +49,8 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(rms_norm::RmsNorm),
         Box::new(rms_norm_backward::RmsNormBackward),
         Box::new(add_rms_norm::AddRmsNorm),
+        Box::new(rope::Rope),
+        Box::new(rope_backward::RopeBackward),
         Box::new(silu_mul::SiluMul),
         Box::new(silu_mul_backward::SiluMulBackward),
         Box::new(swiglu::Swiglu),

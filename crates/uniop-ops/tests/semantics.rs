@@ -521,3 +521,128 @@ fn add_rms_norm_equals_add_then_rms_norm() {
     assert_eq!(err.code(), ErrorCode::Shape);
     assert_eq!(err.message(), "add_rms_norm: argument 'residual': expected shape [6, 200], got shape [1, 200]");
 }
+
+/// HF tables for positions 0..s: `cat(freqs, freqs)` (half) or `repeat_interleave` (interleave).
+fn rope_tables(s: usize, r: usize, interleave: bool) -> (Vec<f32>, Vec<f32>) {
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for p in 0..s {
+        for k in 0..r {
+            let j = if interleave { k / 2 } else { k % (r / 2) };
+            let angle = p as f64 * 10000f64.powf(-2.0 * j as f64 / r as f64);
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (cos, sin)
+}
+
+#[test]
+fn rope_matches_hf_rotate_half_on_bsnd_and_bnsd_layouts_and_inverts() {
+    setup();
+    let (b, s, n, d, r) = (2, 5, 3, 8, 6); // partial rotary: 6 of 8 dims
+    let x = rand_vec(b * s * n * d, 61);
+    let (cos, sin) = rope_tables(s, r, false);
+    // [B, S, N, D] with tables [S, 1, R].
+    let tx = TensorRef::new(&x, &[b, s, n, d]).unwrap();
+    let (tc, ts) = (TensorRef::new(&cos, &[s, 1, r]).unwrap(), TensorRef::new(&sin, &[s, 1, r]).unwrap());
+    let out = run_checked("rope", &[Some(tx.clone()), Some(tc.clone()), Some(ts.clone())], &[]).remove(0);
+    // HF: x * cos + rotate_half(x) * sin on the first r dims, the rest unchanged.
+    for bi in 0..b {
+        for si in 0..s {
+            for ni in 0..n {
+                let base = ((bi * s + si) * n + ni) * d;
+                for k in 0..d {
+                    let want = if k < r {
+                        let rot = if k < r / 2 { -x[base + k + r / 2] } else { x[base + k - r / 2] };
+                        x[base + k] * cos[si * r + k] + rot * sin[si * r + k]
+                    } else {
+                        x[base + k]
+                    };
+                    assert!((out[base + k] - want as f64).abs() < 1e-5, "[{bi},{si},{ni},{k}]");
+                }
+            }
+        }
+    }
+    // The same data viewed as [B, N, S, D] through strides, with [S, R] tables.
+    let strided = TensorRef::strided(&x, &[b, n, s, d], &[s * n * d, d, n * d, 1], 0).unwrap();
+    let (tc2, ts2) = (TensorRef::new(&cos, &[s, r]).unwrap(), TensorRef::new(&sin, &[s, r]).unwrap());
+    let out2 = run_checked("rope", &[Some(strided), Some(tc2), Some(ts2)], &[]).remove(0);
+    for bi in 0..b {
+        for ni in 0..n {
+            for si in 0..s {
+                for k in 0..d {
+                    let a = out2[((bi * n + ni) * s + si) * d + k];
+                    let e = out[((bi * s + si) * n + ni) * d + k];
+                    assert!((a - e).abs() < 1e-6);
+                }
+            }
+        }
+    }
+    // rope_backward of rope is the identity for a true rotation table.
+    let out32: Vec<f32> = out.iter().map(|&v| v as f32).collect();
+    let back =
+        run_checked("rope_backward", &[Some(TensorRef::new(&out32, &[b, s, n, d]).unwrap()), Some(tc), Some(ts)], &[])
+            .remove(0);
+    for (got, want) in back.iter().zip(&x) {
+        assert!((got - *want as f64).abs() < 1e-5);
+    }
+}
+
+#[test]
+fn rope_interleave_backward_matches_finite_differences() {
+    setup();
+    let (s, d) = (4, 6);
+    let x = rand_vec(s * d, 71);
+    let (cos, sin) = rope_tables(s, d, true);
+    let attrs = [("mode", AttrValue::from("interleave"))];
+    let (tc, ts) = (TensorRef::new(&cos, &[s, d]).unwrap(), TensorRef::new(&sin, &[s, d]).unwrap());
+    let out =
+        run_checked("rope", &[Some(TensorRef::new(&x, &[s, d]).unwrap()), Some(tc.clone()), Some(ts.clone())], &attrs)
+            .remove(0);
+    // GPT-J pairs (2i, 2i+1).
+    assert!((out[0] - (x[0] * cos[0] - x[1] * sin[0]) as f64).abs() < 1e-6);
+    let dout = rand_vec(s * d, 72);
+    let dx = run_checked("rope_backward", &[Some(TensorRef::new(&dout, &[s, d]).unwrap()), Some(tc), Some(ts)], &attrs);
+    let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let want = finite_difference(
+        "rope",
+        &[(f64s(&x), vec![s, d]), (f64s(&cos), vec![s, d]), (f64s(&sin), vec![s, d])],
+        &attrs,
+        &f64s(&dout),
+        0,
+    );
+    assert_close(&dx[0], &want, "rope dx");
+}
+
+#[test]
+fn rope_rejects_bad_tables_and_modes() {
+    setup();
+    let x = [0f32; 2 * 8 * 6];
+    let tx = || Some(TensorRef::new(&x, &[2, 8, 6]).unwrap());
+    let short = [0f32; 4 * 6];
+    let odd = [0f32; 8 * 5];
+    fn t<'a>(v: &'a [f32], shape: &[usize]) -> Option<TensorRef<'a>> {
+        Some(TensorRef::new(v, shape).unwrap())
+    }
+    let cases = [
+        (
+            plan_err("rope", &[tx(), t(&short, &[4, 6]), t(&short, &[4, 6])], &[], vec![]),
+            ErrorCode::Shape,
+            "rope: argument 'cos': expected a shape that broadcasts to [2, 8, 6] (x with the rotary dim last), got [4, 6]",
+        ),
+        (
+            plan_err("rope", &[tx(), t(&odd, &[8, 5]), t(&odd, &[8, 5])], &[], vec![]),
+            ErrorCode::Shape,
+            "rope: argument 'cos': expected an even rotary dim (last dim) ≤ 6, the head dim of x [2, 8, 6], got 5",
+        ),
+        (
+            plan_err("rope", &[tx(), t(&short, &[4, 6]), t(&short, &[4, 6])], &[("mode", "neox".into())], vec![]),
+            ErrorCode::ParamInvalid,
+            "rope: argument 'mode': expected 'half' or 'interleave', got 'neox'",
+        ),
+    ];
+    for (err, code, message) in cases {
+        assert_eq!(err.code(), code, "{err}");
+        assert_eq!(err.message(), message);
+    }
+}

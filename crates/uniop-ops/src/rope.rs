@@ -1,0 +1,265 @@
+//! `rope(x, cos, sin, mode='half')`: rotary position embedding.
+//!
+//! `cos` and `sin` have shape `[..., R]` and broadcast (NumPy rules) against `x` with its last dim
+//! replaced by `R`, the rotary dim (even, at most `x`'s last dim `D`); elements `R..D` of each row
+//! pass through unchanged (partial rotary). So `x` `[B, S, N, D]` takes `cos` `[S, 1, R]` and
+//! `[B, N, S, D]` takes `[S, R]` — any layout, through strides.
+//!
+//! Modes (the two conventions in use): `half` pairs element `i` with `i + R/2` (HF/NeoX
+//! `rotate_half`): `out = x·cos + rotate_half(x)·sin`, `rotate_half(x) = cat(−x₂, x₁)`;
+//! `interleave` pairs `2i` with `2i+1` (GPT-J). `cos`/`sin` are given at full length `R` in the
+//! same layout as the rotated part of `x` (HF's `cat(freqs, freqs)` for `half`,
+//! `repeat_interleave` for `interleave`) — `rope_cos_sin` builds them.
+
+use crate::elementwise::LANES;
+use uniop::layout::ShapeDisplay;
+use uniop::{
+    block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, Layout, LayoutNeed,
+    Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
+};
+
+pub struct Rope;
+
+pub(crate) const DTYPES: &[DType] = &[DType::F32, DType::F16, DType::BF16];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Half,
+    Interleave,
+}
+
+/// Checked geometry shared by `rope` and `rope_backward` (`x` names the rotated tensor).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Geometry {
+    pub dtype: DType,
+    pub mode: Mode,
+    pub rows: usize,
+    pub d: usize,
+    pub r: usize,
+}
+
+pub(crate) fn geometry(cx: &OpCx, x: &str) -> Result<Geometry> {
+    let dtype = cx.expect_dtype_in(x, DTYPES)?;
+    let mode = match cx.attr("mode") {
+        uniop::AttrValue::Str(s) if s == "half" => Mode::Half,
+        uniop::AttrValue::Str(s) if s == "interleave" => Mode::Interleave,
+        other => return Err(cx.err(ErrorCode::ParamInvalid, "mode", "'half' or 'interleave'", other)),
+    };
+    cx.expect_min_rank(x, 1)?;
+    let shape = cx.input(x).shape();
+    let d = *shape.last().unwrap();
+    let cos = cx.input("cos");
+    for name in ["cos", "sin"] {
+        let t = cx.input(name);
+        if t.dtype != dtype && t.dtype != DType::F32 {
+            return Err(cx.err(ErrorCode::DType, name, format!("dtype {dtype} (same as '{x}') or float32"), t.dtype));
+        }
+        if t.rank() == 0 {
+            return Err(cx.err(ErrorCode::Shape, name, "rank ≥ 1 ([..., rotary_dim])", "a scalar"));
+        }
+    }
+    if cx.input("sin").shape() != cos.shape() || cx.input("sin").dtype != cos.dtype {
+        return Err(cx.err(ErrorCode::Shape, "sin", format!("the shape and dtype of cos ({cos})"), cx.input("sin")));
+    }
+    let r = *cos.shape().last().unwrap();
+    if !r.is_multiple_of(2) || r > d {
+        return Err(cx.err(
+            ErrorCode::Shape,
+            "cos",
+            format!("an even rotary dim (last dim) ≤ {d}, the head dim of {x} {}", ShapeDisplay(shape)),
+            r,
+        ));
+    }
+    let mut rotated = shape.to_vec();
+    *rotated.last_mut().unwrap() = r;
+    if uniop::broadcast_shapes(cos.shape(), &rotated).as_deref() != Some(&rotated[..]) {
+        return Err(cx.err(
+            ErrorCode::Shape,
+            "cos",
+            format!("a shape that broadcasts to {} ({x} with the rotary dim last)", ShapeDisplay(&rotated)),
+            ShapeDisplay(cos.shape()),
+        ));
+    }
+    Ok(Geometry { dtype, mode, rows: shape[..shape.len() - 1].iter().product(), d, r })
+}
+
+/// The rotation of one pair `(a, b)` by `(cos_a, sin_a)`, `(cos_b, sin_b)`; `inverse` applies
+/// its transpose (the gradient).
+#[inline(always)]
+fn rotate(a: f32, b: f32, ca: f32, sa: f32, cb: f32, sb: f32, inverse: bool) -> (f32, f32) {
+    if inverse {
+        (a * ca + b * sb, b * cb - a * sa)
+    } else {
+        (a * ca - b * sa, b * cb + a * sb)
+    }
+}
+
+/// Rotates one row of `d` elements (`r` of them rotated).
+#[inline(always)]
+fn rotate_row<T: FloatElement, C: FloatElement>(
+    x: &[T],
+    cos: &[C],
+    sin: &[C],
+    out: &mut [T],
+    mode: Mode,
+    inverse: bool,
+) {
+    let r = cos.len();
+    let (mut bx, mut bc, mut bs, mut bo) = ([0f32; LANES], [0f32; LANES], [0f32; LANES], [0f32; LANES]);
+    match mode {
+        Mode::Half => {
+            let h = r / 2;
+            let (mut by, mut bc2, mut bs2, mut bo2) = ([0f32; LANES], [0f32; LANES], [0f32; LANES], [0f32; LANES]);
+            for i in (0..h).step_by(LANES) {
+                let n = LANES.min(h - i);
+                T::widen(&x[i..i + n], &mut bx[..n]);
+                T::widen(&x[h + i..h + i + n], &mut by[..n]);
+                C::widen(&cos[i..i + n], &mut bc[..n]);
+                C::widen(&sin[i..i + n], &mut bs[..n]);
+                C::widen(&cos[h + i..h + i + n], &mut bc2[..n]);
+                C::widen(&sin[h + i..h + i + n], &mut bs2[..n]);
+                for k in 0..n {
+                    (bo[k], bo2[k]) = rotate(bx[k], by[k], bc[k], bs[k], bc2[k], bs2[k], inverse);
+                }
+                T::narrow(&bo[..n], &mut out[i..i + n]);
+                T::narrow(&bo2[..n], &mut out[h + i..h + i + n]);
+            }
+        }
+        Mode::Interleave => {
+            for i in (0..r).step_by(LANES) {
+                let n = LANES.min(r - i);
+                T::widen(&x[i..i + n], &mut bx[..n]);
+                C::widen(&cos[i..i + n], &mut bc[..n]);
+                C::widen(&sin[i..i + n], &mut bs[..n]);
+                for k in (0..n).step_by(2) {
+                    (bo[k], bo[k + 1]) = rotate(bx[k], bx[k + 1], bc[k], bs[k], bc[k + 1], bs[k + 1], inverse);
+                }
+                T::narrow(&bo[..n], &mut out[i..i + n]);
+            }
+        }
+    }
+    out[r..].copy_from_slice(&x[r..]);
+}
+
+crate::simd_kernel! {
+/// Input 0 is rotated into output 0 with inputs 1 (cos) and 2 (sin), row by row.
+pub(crate) fn kernel<T: FloatElement, C: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, inverse: bool) {
+    let (x, cos, sin) = (args.input(0), args.input(1), args.input(2));
+    let out = args.output(0);
+    let mut rotated = x.shape().to_vec();
+    *rotated.last_mut().unwrap() = g.r;
+    let (lc, ls) = (broadcast(cos.layout(), &rotated), broadcast(sin.layout(), &rotated));
+    let (xs, cs, ss) = (x.storage::<T>().unwrap(), cos.storage::<C>().unwrap(), sin.storage::<C>().unwrap());
+    for row in ctx.split(g.rows) {
+        let xo = x.layout().row_offset(row);
+        let (co, so) = (lc.row_offset(row), ls.row_offset(row));
+        // SAFETY: this block owns rows `split(rows)` of out.
+        let dst = unsafe { out.slice_mut::<T>(out.layout().row_offset(row), g.d) };
+        rotate_row(&xs[xo..xo + g.d], &cs[co..co + g.r], &ss[so..so + g.r], dst, g.mode, inverse);
+    }
+}
+}
+
+fn broadcast(l: &Layout, shape: &[usize]) -> Layout {
+    l.broadcast_to(shape).expect("checked by geometry()")
+}
+
+/// The plan shared with `rope_backward`: one row kernel; every tensor's last dim dense.
+pub(crate) fn plan(cx: &OpCx, x: &str, inverse: bool) -> Result<Plan> {
+    let g = geometry(cx, x)?;
+    let block_dim = block_dim_for(g.rows, 2 * g.d * g.dtype.size());
+    let cos_f32 = cx.input("cos").dtype == DType::F32;
+    let step = with_float_dtype!(g.dtype, cx.op(), x, |T| {
+        if cos_f32 {
+            Step::new("rope", block_dim, move |a, c| kernel::<T, f32>(a, c, g, inverse))
+        } else {
+            Step::new("rope", block_dim, move |a, c| kernel::<T, T>(a, c, g, inverse))
+        }
+    });
+    Ok(Plan::new(vec![step])
+        .inputs_need(vec![LayoutNeed::InnerContiguous; 3])
+        .outputs_need(vec![LayoutNeed::InnerContiguous]))
+}
+
+/// f64 rotation of every row (`inverse` for the gradient).
+pub(crate) fn reference(
+    cx: &OpCx,
+    x_name: &str,
+    inputs: &[Option<RefTensor>],
+    inverse: bool,
+) -> Result<Vec<RefTensor>> {
+    let g = geometry(cx, x_name)?;
+    let [x, cos, sin] = [0, 1, 2].map(|i| inputs[i].as_ref().unwrap());
+    let mut rotated = x.shape.clone();
+    *rotated.last_mut().unwrap() = g.r;
+    let mut out = x.data.clone();
+    for row in 0..g.rows {
+        let c = |k: usize| cos.broadcast_get(&rotated, row * g.r + k);
+        let s = |k: usize| sin.broadcast_get(&rotated, row * g.r + k);
+        let pairs: Vec<(usize, usize)> = match g.mode {
+            Mode::Half => (0..g.r / 2).map(|i| (i, i + g.r / 2)).collect(),
+            Mode::Interleave => (0..g.r / 2).map(|i| (2 * i, 2 * i + 1)).collect(),
+        };
+        for (i, j) in pairs {
+            let (a, b) = (x.data[row * g.d + i], x.data[row * g.d + j]);
+            let (oa, ob) = if inverse {
+                (a * c(i) + b * s(j), b * c(j) - a * s(i))
+            } else {
+                (a * c(i) - b * s(i), b * c(j) + a * s(j))
+            };
+            out[row * g.d + i] = oa;
+            out[row * g.d + j] = ob;
+        }
+    }
+    Ok(vec![RefTensor::new(&x.shape, out)])
+}
+
+/// `[B, N, S, D]` activations with `[S, D]` tables (HF's layout after the head transpose).
+pub(crate) fn example(shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+    let shape = shape.unwrap_or(&[1, 32, 2048, 128]);
+    let x = TensorMeta::contiguous(dtype, shape)?;
+    // Rotate the largest even part of the head dim (all of it for even head dims).
+    let mut table = shape[shape.len().saturating_sub(2)..].to_vec();
+    if let Some(d) = table.last_mut() {
+        *d -= *d % 2;
+    }
+    let cos = TensorMeta::contiguous(dtype, &table)?;
+    Ok(Example { inputs: vec![Some(x), Some(cos.clone()), Some(cos)], attrs: vec![] })
+}
+
+impl Op for Rope {
+    fn schema(&self) -> &'static str {
+        "rope(Tensor x, Tensor cos, Tensor sin, str mode='half') -> Tensor out"
+    }
+
+    fn doc(&self) -> &'static str {
+        "Rotary position embedding. cos/sin: [..., R], broadcasting against x with its last dim replaced by the \
+         rotary dim R (even, <= head dim; the rest passes through). mode 'half' pairs i with i+R/2 (HF/NeoX \
+         rotate_half), 'interleave' pairs 2i with 2i+1 (GPT-J). cos/sin in x's dtype or float32."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+
+    fn backward(&self) -> Option<&'static str> {
+        Some("rope_backward")
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let g = geometry(cx, "x")?;
+        Ok(vec![TensorMeta::contiguous(g.dtype, cx.input("x").shape())?])
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        plan(cx, "x", false)
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        reference(cx, "x", inputs, false)
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        example(shape, dtype)
+    }
+}
