@@ -29,6 +29,7 @@ pub mod rms_norm;
 pub mod rms_norm_backward;
 pub mod rope;
 pub mod rope_backward;
+pub mod rope_cos_sin;
 pub mod silu;
 pub mod silu_mul;
 pub mod silu_mul_backward;
@@ -51,6 +52,7 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(add_rms_norm::AddRmsNorm),
         Box::new(rope::Rope),
         Box::new(rope_backward::RopeBackward),
+        Box::new(rope_cos_sin::RopeCosSin),
         Box::new(silu_mul::SiluMul),
         Box::new(silu_mul_backward::SiluMulBackward),
         Box::new(swiglu::Swiglu),

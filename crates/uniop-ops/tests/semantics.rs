@@ -646,3 +646,29 @@ fn rope_rejects_bad_tables_and_modes() {
         assert_eq!(err.message(), message);
     }
 }
+
+#[test]
+fn rope_cos_sin_builds_hf_tables() {
+    setup();
+    let positions: Vec<i64> = (0..6).collect();
+    let tp = TensorRef::new(&positions, &[6]).unwrap();
+    for (mode, interleave) in [("half", false), ("interleave", true)] {
+        let attrs = [("dim", AttrValue::Int(8)), ("mode", AttrValue::from(mode))];
+        let tables = run_checked("rope_cos_sin", &[Some(tp.clone())], &attrs);
+        let (cos, sin) = rope_tables(6, 8, interleave);
+        for (got, want) in tables[0].iter().zip(&cos).chain(tables[1].iter().zip(&sin)) {
+            assert!((got - *want as f64).abs() < 1e-6, "{mode}: {got} vs {want}");
+        }
+    }
+    let entry = Registry::global().get("rope_cos_sin").unwrap();
+    let bf =
+        infer(&entry, &[Some(tp.clone())], &[("dim", AttrValue::Int(4)), ("dtype", AttrValue::DType(DType::BF16))])
+            .unwrap();
+    assert_eq!((bf[0].dtype, bf[0].shape()), (DType::BF16, &[6usize, 4][..]));
+    let err = plan_err("rope_cos_sin", &[Some(tp)], &[("dim", AttrValue::Int(7))], vec![]);
+    assert_eq!(err.message(), "rope_cos_sin: argument 'dim': expected a positive even rotary dim, got 7");
+    let fpos = [0f32; 3];
+    let err =
+        plan_err("rope_cos_sin", &[Some(TensorRef::new(&fpos, &[3]).unwrap())], &[("dim", AttrValue::Int(4))], vec![]);
+    assert_eq!(err.code(), ErrorCode::DType);
+}

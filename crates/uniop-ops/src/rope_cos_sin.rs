@@ -1,0 +1,151 @@
+//! `rope_cos_sin(positions, dim, theta=10000, mode='half', dtype=None) -> (cos, sin)`: the tables
+//! `rope` takes, built the way HF's default rotary embedding builds them, so callers need no
+//! Python math.
+//!
+//! `inv_freq[j] = 1 / theta^(2j/dim)` (rounded to f32), `angle = f32(position) · inv_freq[j]` in
+//! f32 — the same rounding steps as HF, which matter at long positions — then cos/sin of that
+//! angle. Layout of the last dim: `half` repeats the `dim/2` frequencies twice (`cat(freqs,
+//! freqs)`), `interleave` repeats each one in place (`repeat_interleave(2)`).
+
+use crate::rope::Mode;
+use uniop::{
+    block_dim_for, with_float_dtype, AttrValue, BlockCtx, DType, Element, ErrorCode, Example, FloatElement, KernelArgs,
+    LayoutNeed, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
+};
+
+pub struct RopeCosSin;
+
+struct Table {
+    dim: usize,
+    mode: Mode,
+    inv_freq: Vec<f32>,
+    dtype: DType,
+}
+
+fn table(cx: &OpCx) -> Result<Table> {
+    let pos = cx.input("positions");
+    if !matches!(pos.dtype, DType::I32 | DType::I64) {
+        return Err(cx.err(ErrorCode::DType, "positions", "dtype int32 or int64", pos.dtype));
+    }
+    let dim = cx.int("dim");
+    if dim <= 0 || dim % 2 != 0 {
+        return Err(cx.err(ErrorCode::ParamInvalid, "dim", "a positive even rotary dim", dim));
+    }
+    let theta = cx.float("theta");
+    if !(theta.is_finite() && theta > 1.0) {
+        return Err(cx.err(ErrorCode::ParamInvalid, "theta", "a finite base > 1", theta));
+    }
+    let mode = match cx.attr("mode") {
+        AttrValue::Str(s) if s == "half" => Mode::Half,
+        AttrValue::Str(s) if s == "interleave" => Mode::Interleave,
+        other => return Err(cx.err(ErrorCode::ParamInvalid, "mode", "'half' or 'interleave'", other)),
+    };
+    let dtype = match cx.attr("dtype") {
+        AttrValue::DType(d) => *d,
+        _ => DType::F32,
+    };
+    if !crate::rope::DTYPES.contains(&dtype) {
+        return Err(cx.err(ErrorCode::DType, "dtype", "float32, float16 or bfloat16", dtype));
+    }
+    let dim = dim as usize;
+    let inv_freq = (0..dim / 2).map(|j| (1.0 / theta.powf(2.0 * j as f64 / dim as f64)) as f32).collect();
+    Ok(Table { dim, mode, inv_freq, dtype })
+}
+
+impl Table {
+    /// Frequency index of column `k`.
+    fn freq(&self, k: usize) -> usize {
+        match self.mode {
+            Mode::Half => k % (self.dim / 2),
+            Mode::Interleave => k / 2,
+        }
+    }
+
+    /// The f32 angle HF computes for `position` and column `k`.
+    fn angle(&self, position: f64, k: usize) -> f32 {
+        position as f32 * self.inv_freq[self.freq(k)]
+    }
+}
+
+fn kernel<P: Element, T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, t: &Table) {
+    let pos = args.input(0);
+    let ps = pos.storage::<P>().expect("dtype dispatched");
+    let (cos, sin) = (args.output(0), args.output(1));
+    for row in ctx.split(pos.layout().numel()) {
+        let p = ps[pos.layout().offset_of_linear(row)].to_f64();
+        // SAFETY: this block owns rows `split(positions)` of both tables.
+        let (c, s) = unsafe {
+            (
+                cos.slice_mut::<T>(cos.layout().offset() + row * t.dim, t.dim),
+                sin.slice_mut::<T>(sin.layout().offset() + row * t.dim, t.dim),
+            )
+        };
+        for k in 0..t.dim {
+            let a = t.angle(p, k) as f64;
+            c[k] = T::from_f32(a.cos() as f32);
+            s[k] = T::from_f32(a.sin() as f32);
+        }
+    }
+}
+
+fn step<P: Element>(cx: &OpCx, t: std::sync::Arc<Table>, block_dim: u32) -> Result<Step> {
+    Ok(with_float_dtype!(t.dtype, cx.op(), "dtype", |T| {
+        Step::new("rope_cos_sin", block_dim, move |args, ctx| kernel::<P, T>(args, ctx, &t))
+    }))
+}
+
+impl Op for RopeCosSin {
+    fn schema(&self) -> &'static str {
+        "rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None) -> (Tensor cos, Tensor sin)"
+    }
+
+    fn doc(&self) -> &'static str {
+        "cos/sin tables for rope from integer positions (any shape; output [..., dim]), HF's default rotary \
+         embedding: inv_freq = 1/theta^(2j/dim), angle = position * inv_freq in float32. mode 'half' lays the \
+         dim/2 frequencies out twice (cat), 'interleave' repeats each in place. dtype: float32 (default), float16, bfloat16."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        &[DType::I64, DType::I32]
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let t = table(cx)?;
+        let mut shape = cx.input("positions").shape().to_vec();
+        shape.push(t.dim);
+        let meta = TensorMeta::contiguous(t.dtype, &shape)?;
+        Ok(vec![meta.clone(), meta])
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        let t = std::sync::Arc::new(table(cx)?);
+        let n = cx.input("positions").numel();
+        let block_dim = block_dim_for(n, t.dim * 2 * t.dtype.size());
+        let step = match cx.input("positions").dtype {
+            DType::I32 => step::<i32>(cx, t, block_dim)?,
+            _ => step::<i64>(cx, t, block_dim)?,
+        };
+        Ok(Plan::new(vec![step]).outputs_need(vec![LayoutNeed::Contiguous; 2]))
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let t = table(cx)?;
+        let pos = inputs[0].as_ref().unwrap();
+        let mut shape = pos.shape.clone();
+        shape.push(t.dim);
+        let (mut c, mut s) = (Vec::new(), Vec::new());
+        for &p in &pos.data {
+            for k in 0..t.dim {
+                let a = t.angle(p, k) as f64;
+                c.push(a.cos());
+                s.push(a.sin());
+            }
+        }
+        Ok(vec![RefTensor::new(&shape, c), RefTensor::new(&shape, s)])
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        let positions = TensorMeta::contiguous(dtype, shape.unwrap_or(&[1, 2048]))?;
+        Ok(Example { inputs: vec![Some(positions)], attrs: vec![("dim".to_string(), AttrValue::Int(128))] })
+    }
+}
