@@ -32,6 +32,21 @@ def rms_norm(x, w, eps=1e-6):
     return w * h.to(x.dtype)
 
 
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(x, cos, sin):
+    # HF apply_rotary_pos_emb on [B, N, S, D] with [S, D] tables.
+    return x * cos + rotate_half(x) * sin
+
+
+def add_rms_norm(x, r, w):
+    h = x + r
+    return rms_norm(h, w), h
+
+
 def swiglu(x):
     a, b = x.chunk(2, dim=-1)
     return F.silu(a) * b
@@ -46,6 +61,10 @@ PEERS = {
     "swiglu": (lambda shape, dt: (torch.randn(shape, dtype=dt),), swiglu),
     "softmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), lambda x: torch.softmax(x, -1)),
     "log_softmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), lambda x: torch.log_softmax(x, -1)),
+    "rope": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape[-2:], dtype=dt),
+                                torch.randn(shape[-2:], dtype=dt)), rope),
+    "add_rms_norm": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt),
+                                        torch.randn(shape[-1:], dtype=dt)), add_rms_norm),
 }
 
 

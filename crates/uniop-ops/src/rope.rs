@@ -15,7 +15,7 @@ use crate::elementwise::LANES;
 use uniop::layout::ShapeDisplay;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, Layout, LayoutNeed,
-    Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
+    Op, OpCx, Plan, RefTensor, Result, Step, StridedRuns, TensorMeta,
 };
 
 pub struct Rope;
@@ -150,13 +150,18 @@ pub(crate) fn kernel<T: FloatElement, C: FloatElement>(args: &KernelArgs, ctx: B
     *rotated.last_mut().unwrap() = g.r;
     let (lc, ls) = (broadcast(cos.layout(), &rotated), broadcast(sin.layout(), &rotated));
     let (xs, cs, ss) = (x.storage::<T>().unwrap(), cos.storage::<C>().unwrap(), sin.storage::<C>().unwrap());
-    for row in ctx.split(g.rows) {
-        let xo = x.layout().row_offset(row);
-        let (co, so) = (lc.row_offset(row), ls.row_offset(row));
-        // SAFETY: this block owns rows `split(rows)` of out.
-        let dst = unsafe { out.slice_mut::<T>(out.layout().row_offset(row), g.d) };
-        rotate_row(&xs[xo..xo + g.d], &cs[co..co + g.r], &ss[so..so + g.r], dst, g.mode, inverse);
-    }
+    let rows = [x.layout(), out.layout(), &lc, &ls].map(Layout::rows_layout);
+    let walk = StridedRuns::<4>::new([&rows[0], &rows[1], &rows[2], &rows[3]]);
+    let steps = walk.inner_strides();
+    let range = ctx.split(g.rows);
+    walk.for_each_run(range.start, range.end, |starts, len| {
+        for j in 0..len {
+            let [xo, oo, co, so] = std::array::from_fn(|k| starts[k] + j * steps[k]);
+            // SAFETY: this block owns rows `split(rows)` of out.
+            let dst = unsafe { out.slice_mut::<T>(oo, g.d) };
+            rotate_row(&xs[xo..xo + g.d], &cs[co..co + g.r], &ss[so..so + g.r], dst, g.mode, inverse);
+        }
+    });
 }
 }
 

@@ -213,6 +213,14 @@ impl Layout {
         (rows, cols)
     }
 
+    /// The layout of the rows: this layout without its last dim, each element standing for the
+    /// start of one row. Walking it with [`StridedRuns`] yields row offsets without a division
+    /// per row.
+    pub fn rows_layout(&self) -> Layout {
+        let lead = self.rank().saturating_sub(1);
+        Layout { shape: self.shape[..lead].to_vec(), strides: self.strides[..lead].to_vec(), offset: self.offset }
+    }
+
     /// Storage offset of the first element of row `r` in the `[rows, cols]` view.
     pub fn row_offset(&self, r: usize) -> usize {
         self.outer_offset(r, 1)
