@@ -86,7 +86,7 @@ impl Op for Add {
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
         let shape = shape.unwrap_or(&[4096, 4096]);
         let meta = TensorMeta::contiguous(dtype, shape)?;
-        Ok(Example { inputs: vec![Some(meta.clone()), Some(meta)], attrs: vec![] })
+        Ok(Example { inputs: vec![Some(meta.clone()), Some(meta)], attrs: vec![], ..Default::default() })
     }
 }
 

@@ -20,6 +20,8 @@ macro_rules! simd_kernel {
 }
 
 mod elementwise;
+pub mod embedding;
+pub mod embedding_backward;
 pub mod math;
 pub mod mul;
 
@@ -47,6 +49,8 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(add::Add),
         Box::new(silu::Silu),
         Box::new(mul::Mul),
+        Box::new(embedding::Embedding),
+        Box::new(embedding_backward::EmbeddingBackward),
         Box::new(rms_norm::RmsNorm),
         Box::new(rms_norm_backward::RmsNormBackward),
         Box::new(add_rms_norm::AddRmsNorm),

@@ -58,6 +58,6 @@ impl Op for Mul {
         let a = TensorMeta::contiguous(dtype, shape)?;
         // The second operand broadcasts along the leading dims, as a per-channel scale does.
         let b = TensorMeta::contiguous(dtype, &shape[shape.len().saturating_sub(1)..])?;
-        Ok(Example { inputs: vec![Some(a), Some(b)], attrs: vec![] })
+        Ok(Example { inputs: vec![Some(a), Some(b)], attrs: vec![], ..Default::default() })
     }
 }

@@ -296,6 +296,6 @@ impl Op for RmsNorm {
         let shape = shape.unwrap_or(&[4096, 4096]);
         let x = TensorMeta::contiguous(dtype, shape)?;
         let w = TensorMeta::contiguous(dtype, &shape[shape.len().saturating_sub(1)..])?;
-        Ok(Example { inputs: vec![Some(x), Some(w)], attrs: vec![] })
+        Ok(Example { inputs: vec![Some(x), Some(w)], attrs: vec![], ..Default::default() })
     }
 }

@@ -193,6 +193,6 @@ impl Op for RmsNormBackward {
         let mut rstd_shape = shape[..split].to_vec();
         rstd_shape.push(1);
         let rstd = TensorMeta::contiguous(DType::F32, &rstd_shape)?;
-        Ok(Example { inputs: vec![Some(x.clone()), Some(x), Some(w), Some(rstd)], attrs: vec![] })
+        Ok(Example { inputs: vec![Some(x.clone()), Some(x), Some(w), Some(rstd)], attrs: vec![], ..Default::default() })
     }
 }

@@ -229,7 +229,7 @@ pub(crate) fn example(shape: Option<&[usize]>, dtype: DType) -> Result<Example> 
         *d -= *d % 2;
     }
     let cos = TensorMeta::contiguous(dtype, &table)?;
-    Ok(Example { inputs: vec![Some(x), Some(cos.clone()), Some(cos)], attrs: vec![] })
+    Ok(Example { inputs: vec![Some(x), Some(cos.clone()), Some(cos)], attrs: vec![], ..Default::default() })
 }
 
 impl Op for Rope {

@@ -146,6 +146,10 @@ impl Op for RopeCosSin {
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
         let positions = TensorMeta::contiguous(dtype, shape.unwrap_or(&[1, 2048]))?;
-        Ok(Example { inputs: vec![Some(positions)], attrs: vec![("dim".to_string(), AttrValue::Int(128))] })
+        Ok(Example {
+            inputs: vec![Some(positions)],
+            attrs: vec![("dim".to_string(), AttrValue::Int(128))],
+            ..Default::default()
+        })
     }
 }

@@ -55,6 +55,6 @@ impl Op for Silu {
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
         let meta = TensorMeta::contiguous(dtype, shape.unwrap_or(&[4096, 11008]))?;
-        Ok(Example { inputs: vec![Some(meta)], attrs: vec![] })
+        Ok(Example { inputs: vec![Some(meta)], attrs: vec![], ..Default::default() })
     }
 }

@@ -73,6 +73,6 @@ impl Op for SiluMul {
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
         let meta = TensorMeta::contiguous(dtype, shape.unwrap_or(&[4096, 11008]))?;
-        Ok(Example { inputs: vec![Some(meta.clone()), Some(meta)], attrs: vec![] })
+        Ok(Example { inputs: vec![Some(meta.clone()), Some(meta)], attrs: vec![], ..Default::default() })
     }
 }

@@ -222,7 +222,7 @@ fn reference(cx: &OpCx, inputs: &[Option<RefTensor>], kind: Kind) -> Result<Vec<
 
 fn example(shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
     let meta = TensorMeta::contiguous(dtype, shape.unwrap_or(&[4096, 4096]))?;
-    Ok(Example { inputs: vec![Some(meta)], attrs: vec![] })
+    Ok(Example { inputs: vec![Some(meta)], attrs: vec![], ..Default::default() })
 }
 
 pub struct Softmax;

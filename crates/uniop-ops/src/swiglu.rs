@@ -128,6 +128,6 @@ impl Op for Swiglu {
         if let Some(last) = shape.last_mut() {
             *last = last.next_multiple_of(2);
         }
-        Ok(Example { inputs: vec![Some(TensorMeta::contiguous(dtype, &shape)?)], attrs: vec![] })
+        Ok(Example { inputs: vec![Some(TensorMeta::contiguous(dtype, &shape)?)], attrs: vec![], ..Default::default() })
     }
 }

@@ -99,6 +99,10 @@ impl Op for SwigluBackward {
             *last /= 2;
         }
         let x = TensorMeta::contiguous(dtype, &shape)?;
-        Ok(Example { inputs: vec![Some(TensorMeta::contiguous(dtype, &out)?), Some(x)], attrs: vec![] })
+        Ok(Example {
+            inputs: vec![Some(TensorMeta::contiguous(dtype, &out)?), Some(x)],
+            attrs: vec![],
+            ..Default::default()
+        })
     }
 }

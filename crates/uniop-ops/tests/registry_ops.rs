@@ -2,7 +2,7 @@
 //! 0-size cases, each checked against the op's f64 reference. Generic over the registry — a new
 //! op is covered the moment it is registered.
 
-use uniop::verify::{attr_refs, check_outputs, fill_random, infer, OpHarness, Rng};
+use uniop::verify::{attr_refs, check_outputs, fill_random_in, infer, OpHarness, Rng};
 use uniop::{DType, Executor, Layout, Registry, Stream, Tensor, TensorMeta, TensorMut, TensorRef};
 
 fn ops() -> Vec<std::sync::Arc<uniop::OpEntry>> {
@@ -69,9 +69,10 @@ fn strided_inputs_and_outputs_match_reference() {
                 let inputs: Vec<Option<Tensor>> = example
                     .inputs
                     .iter()
-                    .map(|m| {
+                    .enumerate()
+                    .map(|(i, m)| {
                         let mut t = Tensor::with_meta(strided(m.as_ref().unwrap(), pad)).unwrap();
-                        fill_random(&mut t.view_mut(), &mut rng);
+                        fill_random_in(&mut t.view_mut(), &mut rng, example.ranges.get(i).copied().flatten());
                         Some(t)
                     })
                     .collect();

@@ -672,3 +672,43 @@ fn rope_cos_sin_builds_hf_tables() {
         plan_err("rope_cos_sin", &[Some(TensorRef::new(&fpos, &[3]).unwrap())], &[("dim", AttrValue::Int(4))], vec![]);
     assert_eq!(err.code(), ErrorCode::DType);
 }
+
+#[test]
+fn embedding_gathers_rows_and_its_backward_scatters_with_padding() {
+    setup();
+    let (v, h) = (4, 3);
+    let w = rand_vec(v * h, 81);
+    let idx = [2i64, 0, 2, 3, 1, 2];
+    let tw = TensorRef::new(&w, &[v, h]).unwrap();
+    let ti = TensorRef::new(&idx, &[2, 3]).unwrap();
+    let out = run_checked("embedding", &[Some(tw.clone()), Some(ti.clone())], &[]).remove(0);
+    assert_eq!(out.len(), 6 * h);
+    assert_eq!(out[3 * h..4 * h], w[3 * h..4 * h].iter().map(|&x| x as f64).collect::<Vec<_>>()[..]);
+
+    let dout = rand_vec(6 * h, 82);
+    let attrs = [("num_weights", AttrValue::Int(v as i64)), ("padding_idx", AttrValue::Int(2))];
+    let dw = run_checked(
+        "embedding_backward",
+        &[Some(TensorRef::new(&dout, &[2, 3, h]).unwrap()), Some(ti.clone())],
+        &attrs,
+    )
+    .remove(0);
+    assert!(dw[2 * h..3 * h].iter().all(|&g| g == 0.0), "padding row gets no gradient");
+    for k in 0..h {
+        // Row 0 is used once (position 1), row 3 once (position 3).
+        assert_eq!(dw[k], dout[h + k] as f64);
+        assert_eq!(dw[3 * h + k], dout[3 * h + k] as f64);
+    }
+
+    // An out-of-range index fails the launch with a clear runtime error instead of reading past
+    // the table.
+    let bad = [1i64, 0, 7];
+    let inputs = [Some(tw), Some(TensorRef::new(&bad, &[3]).unwrap())];
+    let mut y = vec![0f32; 3 * h];
+    let err = uniop::call("embedding", &inputs, &[], vec![TensorMut::new(&mut y, &[3, h]).unwrap()]).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Runtime);
+    assert!(
+        err.message().contains("embedding: argument 'indices': expected values in [0, 4), got 7 at position 2"),
+        "{err}"
+    );
+}

@@ -75,10 +75,13 @@ impl RefTensor {
 }
 
 /// Inputs and attributes for `uniop run`, tests and benchmarks.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Example {
     pub inputs: Vec<Option<TensorMeta>>,
     pub attrs: Vec<(String, AttrValue)>,
+    /// Per input, the half-open range random values are drawn from when the op needs one (e.g.
+    /// valid indices); `None` or missing: [-1, 1) for floats, [-8, 8] for integers.
+    pub ranges: Vec<Option<(f64, f64)>>,
 }
 
 /// What the op gets to look at: its schema, input metas and resolved attributes.

@@ -137,12 +137,29 @@ impl Rng {
 /// Fills every addressable element of `t` with uniform values in [-1, 1) (small integers for
 /// integer dtypes, alternating for bool).
 pub fn fill_random(t: &mut TensorMut<'_>, rng: &mut Rng) {
+    fill_random_in(t, rng, None)
+}
+
+/// Like [`fill_random`], drawing from `[lo, hi)` when a range is given (integers: `floor`).
+pub fn fill_random_in(t: &mut TensorMut<'_>, rng: &mut Rng, range: Option<(f64, f64)>) {
     let dtype = t.dtype();
     crate::dispatch_element!(dtype, |T| {
         let data = t.storage_mut::<T>().expect("dtype matches");
         for x in data.iter_mut() {
             let u = rng.uniform();
-            *x = <T as crate::Element>::from_f64(if dtype.is_float() { u } else { (u * 8.0).round() });
+            let v = match range {
+                Some((lo, hi)) => {
+                    let v = lo + (u + 1.0) / 2.0 * (hi - lo);
+                    if dtype.is_float() {
+                        v
+                    } else {
+                        v.floor()
+                    }
+                }
+                None if dtype.is_float() => u,
+                None => (u * 8.0).round(),
+            };
+            *x = <T as crate::Element>::from_f64(v);
         }
     })
 }
@@ -159,11 +176,11 @@ impl OpHarness {
     pub fn new(entry: std::sync::Arc<OpEntry>, example: Example, seed: u64) -> Result<OpHarness> {
         let mut rng = Rng::new(seed);
         let mut inputs = Vec::new();
-        for meta in &example.inputs {
+        for (i, meta) in example.inputs.iter().enumerate() {
             inputs.push(match meta {
                 Some(m) => {
                     let mut t = Tensor::with_meta(m.clone())?;
-                    fill_random(&mut t.view_mut(), &mut rng);
+                    fill_random_in(&mut t.view_mut(), &mut rng, example.ranges.get(i).copied().flatten());
                     Some(t)
                 }
                 None => None,

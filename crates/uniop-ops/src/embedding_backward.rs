@@ -1,0 +1,159 @@
+//! `embedding_backward(dout, indices, num_weights, padding_idx=-1) -> dweight`: the gradient of
+//! [`embedding`](crate::embedding), a scatter-add of `dout` rows into `[num_weights, H]`.
+//!
+//! Deterministic and race-free without atomics: each block owns a range of weight rows, collects
+//! the `(row, position)` pairs that land in it, sorts them, and sums each row's contributions in
+//! position order in f32 before writing it once (rows nobody indexes, and `padding_idx`, get 0).
+
+use crate::embedding::{check_indices, check_padding, checked_row, index_at, DTYPES};
+use uniop::{
+    block_dim_for, with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, FloatElement, KernelArgs,
+    LayoutNeed, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
+};
+
+pub struct EmbeddingBackward;
+
+#[derive(Clone, Copy)]
+struct Shape {
+    vocab: usize,
+    hidden: usize,
+    tokens: usize,
+    padding: i64,
+    /// Where the per-block `(row << 32 | position)` lists start in the workspace, in i64 units.
+    pairs_at: usize,
+}
+
+fn kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, s: Shape) {
+    let (dout, indices) = (args.input(0), args.input(1));
+    let ds = &dout.storage::<T>().expect("dtype dispatched")[dout.layout().offset()..];
+    let ids = indices.storage::<I>().expect("dtype dispatched");
+    let dw = args.output(0);
+    let b = ctx.block_idx as usize;
+    // SAFETY: block b owns accumulator row b and pair list b of the workspace.
+    let (acc, pairs) = unsafe {
+        (args.workspace::<f32>(b * s.hidden, s.hidden), args.workspace::<i64>(s.pairs_at + b * s.tokens, s.tokens))
+    };
+    let rows = ctx.split(s.vocab);
+    let mut count = 0;
+    for pos in 0..s.tokens {
+        let row = checked_row("embedding_backward", index_at(&indices, ids, pos), pos, s.vocab);
+        if rows.contains(&row) && row as i64 != s.padding {
+            pairs[count] = (row as i64) << 32 | pos as i64;
+            count += 1;
+        }
+    }
+    let pairs = &mut pairs[..count];
+    pairs.sort_unstable();
+    let mut next = pairs.iter().peekable();
+    let mut row_buf = [0f32; 64];
+    for row in rows {
+        acc.fill(0.0);
+        while let Some(&&p) = next.peek() {
+            if (p >> 32) as usize != row {
+                break;
+            }
+            let pos = (p & 0xffff_ffff) as usize;
+            for (a, c) in acc.chunks_mut(64).zip(ds[pos * s.hidden..(pos + 1) * s.hidden].chunks(64)) {
+                T::widen(c, &mut row_buf[..c.len()]);
+                for (x, y) in a.iter_mut().zip(&row_buf) {
+                    *x += y;
+                }
+            }
+            next.next();
+        }
+        // SAFETY: this block owns weight rows `split(vocab)`.
+        T::narrow(acc, unsafe { dw.slice_mut::<T>(dw.layout().offset() + row * s.hidden, s.hidden) });
+    }
+}
+
+impl Op for EmbeddingBackward {
+    fn schema(&self) -> &'static str {
+        "embedding_backward(Tensor dout, Tensor indices, int num_weights, int padding_idx=-1) -> Tensor dweight"
+    }
+
+    fn doc(&self) -> &'static str {
+        "Gradient of embedding: dweight[v] = sum of dout rows whose index is v (0 for padding_idx and unused rows). \
+         dout has shape [*indices.shape, H]. Deterministic: contributions are summed in token order in float32."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let dtype = cx.expect_dtype_in("dout", DTYPES)?;
+        check_indices(cx)?;
+        let (dout, idx) = (cx.input("dout"), cx.input("indices"));
+        if dout.rank() != idx.rank() + 1 || dout.shape()[..idx.rank()] != *idx.shape() {
+            return Err(cx.err(
+                ErrorCode::Shape,
+                "dout",
+                format!("shape [*indices.shape, H] with indices.shape = {}", uniop::layout::ShapeDisplay(idx.shape())),
+                uniop::layout::ShapeDisplay(dout.shape()),
+            ));
+        }
+        let n = cx.int("num_weights");
+        if !(0..1i64 << 31).contains(&n) {
+            return Err(cx.err(ErrorCode::ParamInvalid, "num_weights", "a row count in [0, 2^31)", n));
+        }
+        check_padding(cx, n as usize)?;
+        if idx.numel() >= (1usize << 32) {
+            return Err(cx.err(ErrorCode::Shape, "indices", "fewer than 2^32 indices", idx.numel()));
+        }
+        Ok(vec![TensorMeta::contiguous(dtype, &[n as usize, *dout.shape().last().unwrap()])?])
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        let out = self.infer(cx)?.remove(0);
+        let (vocab, hidden) = (out.shape()[0], out.shape()[1]);
+        let tokens = cx.input("indices").numel();
+        let block_dim = block_dim_for(vocab, hidden * out.dtype.size());
+        let blocks = block_dim as usize;
+        let pairs_at = (blocks * hidden * 4).div_ceil(8);
+        let s = Shape { vocab, hidden, tokens, padding: cx.int("padding_idx"), pairs_at };
+        let workspace = (pairs_at + blocks * tokens) * 8;
+        let idx = cx.input("indices").dtype;
+        let step = with_float_dtype!(out.dtype, cx.op(), "dout", |T| match idx {
+            DType::I32 => Step::new("embedding_backward", block_dim, move |a, c| kernel::<T, i32>(a, c, s)),
+            _ => Step::new("embedding_backward", block_dim, move |a, c| kernel::<T, i64>(a, c, s)),
+        });
+        Ok(Plan::new(vec![step])
+            .workspace(workspace)
+            .inputs_need(vec![LayoutNeed::Contiguous, LayoutNeed::Any])
+            .outputs_need(vec![LayoutNeed::Contiguous]))
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let (d, idx) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
+        let (n, padding) = (cx.int("num_weights") as usize, cx.int("padding_idx"));
+        let h = *d.shape.last().unwrap();
+        let mut dw = vec![0.0; n * h];
+        for (pos, &i) in idx.data.iter().enumerate() {
+            if i as i64 != padding {
+                for k in 0..h {
+                    dw[i as usize * h + k] += d.data[pos * h + k];
+                }
+            }
+        }
+        Ok(vec![RefTensor::new(&[n, h], dw)])
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        // `shape` is the table's [V, H] (trailing dims), as for embedding.
+        let shape = shape.unwrap_or(&[32000, 4096]);
+        let (v, h) = match shape {
+            [.., v, h] => (*v, *h),
+            [h] => (1, *h),
+            [] => (1, 1),
+        };
+        let tokens = if v == 0 { 0 } else { 2048 };
+        Ok(Example {
+            inputs: vec![
+                Some(TensorMeta::contiguous(dtype, &[tokens, h])?),
+                Some(TensorMeta::contiguous(DType::I64, &[tokens])?),
+            ],
+            attrs: vec![("num_weights".into(), uniop::AttrValue::Int(v as i64))],
+            ranges: vec![None, Some((0.0, v as f64))],
+        })
+    }
+}
