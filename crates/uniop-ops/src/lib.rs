@@ -23,6 +23,7 @@ mod elementwise;
 pub mod embedding;
 pub mod embedding_backward;
 pub mod math;
+pub mod matmul;
 pub mod mul;
 
 pub mod add;
@@ -49,6 +50,7 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(add::Add),
         Box::new(silu::Silu),
         Box::new(mul::Mul),
+        Box::new(matmul::Matmul),
         Box::new(embedding::Embedding),
         Box::new(embedding_backward::EmbeddingBackward),
         Box::new(rms_norm::RmsNorm),

@@ -712,3 +712,87 @@ fn embedding_gathers_rows_and_its_backward_scatters_with_padding() {
         "{err}"
     );
 }
+
+#[test]
+fn matmul_broadcasts_batches_and_takes_transposed_operands() {
+    setup();
+    let (m, k, n) = (5, 7, 3);
+    let a = rand_vec(2 * m * k, 91);
+    let b = rand_vec(k * n, 92);
+    // b stored as [N, K] and viewed transposed: strides (1, K).
+    let bt: Vec<f32> = (0..n * k).map(|i| b[(i % k) * n + i / k]).collect();
+    let ta = TensorRef::new(&a, &[2, 1, m, k]).unwrap();
+    let b3: Vec<f32> = b.iter().copied().cycle().take(3 * k * n).collect();
+    let bt3: Vec<f32> = bt.iter().copied().cycle().take(3 * n * k).collect();
+    // Batch dims [2, 1] x [3] broadcast to [2, 3].
+    let r1 = run_checked("matmul", &[Some(ta.clone()), Some(TensorRef::new(&b3, &[3, k, n]).unwrap())], &[]).remove(0);
+    assert_eq!(r1.len(), 2 * 3 * m * n);
+    let r2 = run_checked(
+        "matmul",
+        &[Some(ta.clone()), Some(TensorRef::strided(&bt3, &[3, k, n], &[n * k, 1, k], 0).unwrap())],
+        &[],
+    )
+    .remove(0);
+    let r3 = run_checked("matmul", &[Some(ta), Some(TensorRef::new(&b, &[k, n]).unwrap())], &[]).remove(0);
+    for i in 0..2 {
+        for j in 0..3 {
+            for e in 0..m * n {
+                let x = r1[(i * 3 + j) * m * n + e];
+                assert!((x - r2[(i * 3 + j) * m * n + e]).abs() < 1e-5 && (x - r3[i * m * n + e]).abs() < 1e-5);
+            }
+        }
+    }
+    let err = plan_err(
+        "matmul",
+        &[Some(TensorRef::new(&a, &[2, m, k]).unwrap()), Some(TensorRef::new(&b[..n * (k - 1)], &[k - 1, n]).unwrap())],
+        &[],
+        vec![],
+    );
+    assert_eq!(err.code(), ErrorCode::Shape);
+    assert_eq!(
+        err.message(),
+        "matmul: argument 'b': expected 7 rows (a is [2, 5, 7], so b must be [..., 7, N]), got shape [6, 3]"
+    );
+    let a16: Vec<bf16> = a.iter().map(|&v| bf16::from_f32(v)).collect();
+    let err = plan_err(
+        "matmul",
+        &[Some(TensorRef::new(&a16, &[2, m, k]).unwrap()), Some(TensorRef::new(&a16[..k * m], &[k, m]).unwrap())],
+        &[],
+        vec![],
+    );
+    assert_eq!(err.code(), ErrorCode::DType);
+}
+
+/// A failure stays with the launch that caused it: another executor's `run` on the same stream
+/// succeeds, and the stream's `synchronize` still reports the failure once.
+#[test]
+fn launch_errors_belong_to_their_launch() {
+    setup();
+    let stream = uniop::Stream::new();
+    let w = rand_vec(8, 101);
+    let bad = [5i64];
+    let mut y = vec![0f32; 2];
+    let mut failing = Executor::by_name(
+        "embedding",
+        &[Some(TensorRef::new(&w, &[4, 2]).unwrap()), Some(TensorRef::new(&bad, &[1]).unwrap())],
+        &[],
+        vec![TensorMut::new(&mut y, &[1, 2]).unwrap()],
+    )
+    .unwrap();
+    // SAFETY: every tensor outlives the stream work (we synchronize below).
+    unsafe { failing.launch(std::ptr::null_mut(), 0, &stream).unwrap() };
+
+    let x = rand_vec(8, 102);
+    let (mut out, mut rstd) = (vec![0f32; 8], vec![0f32; 2]);
+    let mut fine = Executor::by_name(
+        "rms_norm",
+        &[Some(TensorRef::new(&x, &[2, 4]).unwrap()), Some(TensorRef::new(&w[..4], &[4]).unwrap())],
+        &[],
+        vec![TensorMut::new(&mut out, &[2, 4]).unwrap(), TensorMut::new(&mut rstd, &[2, 1]).unwrap()],
+    )
+    .unwrap();
+    fine.run(&mut [], &stream).unwrap();
+    let err = stream.synchronize().unwrap_err();
+    assert!(err.message().contains("expected values in [0, 4), got 5"), "{err}");
+    stream.synchronize().unwrap();
+}

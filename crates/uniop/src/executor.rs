@@ -40,6 +40,8 @@ pub struct Executor<'a> {
     workspace_size: usize,
     repeatable: bool,
     launched: bool,
+    /// Stream task numbers of the most recent launch (for `run` to wait for exactly those).
+    last_tasks: Option<(u64, u64)>,
     _life: PhantomData<&'a mut ()>,
 }
 
@@ -136,6 +138,7 @@ impl<'a> Executor<'a> {
             workspace_size,
             repeatable: false,
             launched: false,
+            last_tasks: None,
             _life: PhantomData,
         })
     }
@@ -181,9 +184,12 @@ impl<'a> Executor<'a> {
     /// Phase 2, blocking: launches on `stream` and waits for the stream, so the borrowed tensors
     /// are never touched after this returns.
     pub fn run(&mut self, workspace: &mut [u8], stream: &Stream) -> Result<()> {
-        // SAFETY: we synchronize before returning, so all borrows outlive the work.
+        // SAFETY: we wait for the launched tasks before returning, so all borrows outlive the work.
         unsafe { self.launch(workspace.as_mut_ptr(), workspace.len(), stream)? };
-        stream.synchronize().map_err(|e| e.context(self.op()))
+        match self.last_tasks {
+            Some((first, last)) => stream.wait_through(first, last).map_err(|e| e.context(self.op())),
+            None => Ok(()),
+        }
     }
 
     /// Phase 2, asynchronous: enqueues the plan on `stream` and returns.
@@ -245,17 +251,19 @@ impl<'a> Executor<'a> {
                 copies_in.push((user, staged));
             }
         }
+        let mut tasks = Vec::new();
         for (src, dst) in copies_in {
-            launch_copy(stream, src, dst);
+            tasks.push(launch_copy(stream, src, dst));
         }
         let args = Arc::new(kernel_args);
         for step in &self.steps {
             let (args, kernel) = (args.clone(), step.kernel.clone());
-            stream.launch(step.block_dim, move |ctx| kernel(&args, ctx));
+            tasks.push(stream.launch_shared(step.block_dim, Arc::new(move |ctx| kernel(&args, ctx))));
         }
         for (src, dst) in copies_out {
-            launch_copy(stream, src, dst);
+            tasks.push(launch_copy(stream, src, dst));
         }
+        self.last_tasks = tasks.first().zip(tasks.last()).map(|(&f, &l)| (f, l));
         Ok(())
     }
 }
@@ -308,33 +316,36 @@ fn group_inputs(entry: &OpEntry, inputs: &[Option<TensorRef<'_>>]) -> Result<Vec
 }
 
 /// Strided copy `src → dst` (same shape and dtype) as an SPMD launch over element ranges.
-fn launch_copy(stream: &Stream, src: Bound, dst: Bound) {
+fn launch_copy(stream: &Stream, src: Bound, dst: Bound) -> u64 {
     let n = src.meta.numel();
     let size = src.meta.dtype.size();
     let block_dim = block_dim_for(n, size);
     let runs = StridedRuns::<2>::new([&dst.meta.layout, &src.meta.layout]);
     let (src_ptr, dst_ptr) = (SendPtr(src.ptr), SendPtr(dst.ptr));
-    stream.launch(block_dim, move |ctx: BlockCtx| {
-        let range = ctx.split(n);
-        let [ds, ss] = runs.inner_strides();
-        runs.for_each_run(range.start, range.end, |[d, s], len| {
-            // SAFETY: offsets come from layouts checked against their buffers; blocks write
-            // disjoint element ranges of `dst`.
-            unsafe {
-                if ds == 1 && ss == 1 {
-                    std::ptr::copy_nonoverlapping(src_ptr.at(s * size), dst_ptr.at(d * size), len * size);
-                } else {
-                    for j in 0..len {
-                        std::ptr::copy_nonoverlapping(
-                            src_ptr.at((s + j * ss) * size),
-                            dst_ptr.at((d + j * ds) * size),
-                            size,
-                        );
+    stream.launch_shared(
+        block_dim,
+        Arc::new(move |ctx: BlockCtx| {
+            let range = ctx.split(n);
+            let [ds, ss] = runs.inner_strides();
+            runs.for_each_run(range.start, range.end, |[d, s], len| {
+                // SAFETY: offsets come from layouts checked against their buffers; blocks write
+                // disjoint element ranges of `dst`.
+                unsafe {
+                    if ds == 1 && ss == 1 {
+                        std::ptr::copy_nonoverlapping(src_ptr.at(s * size), dst_ptr.at(d * size), len * size);
+                    } else {
+                        for j in 0..len {
+                            std::ptr::copy_nonoverlapping(
+                                src_ptr.at((s + j * ss) * size),
+                                dst_ptr.at((d + j * ds) * size),
+                                size,
+                            );
+                        }
                     }
                 }
-            }
-        });
-    });
+            });
+        }),
+    )
 }
 
 #[derive(Clone, Copy)]

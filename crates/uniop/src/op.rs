@@ -32,6 +32,12 @@ pub trait Op: Send + Sync + 'static {
     /// The obviously-correct f64 computation used by tests and `uniop run`. Inputs arrive
     /// contiguous (logical order) as [`RefTensor`]s, `None` for absent optional tensors.
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>>;
+    /// How much larger than one rounding of the output the kernel's error may legitimately be,
+    /// for reference checks: long reductions (a K-term dot product) grow it like √K. Scales
+    /// the absolute tolerance.
+    fn error_scale(&self, _cx: &OpCx) -> f64 {
+        1.0
+    }
     /// Representative inputs: from one user-given shape (the op decides what it means — usually
     /// the main input's shape) or the op's default LLM-sized shape.
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example>;

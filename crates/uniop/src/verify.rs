@@ -76,9 +76,11 @@ pub fn check_outputs(
     let cx = OpCx::bind(&entry.schema, metas, attrs)?;
     let refs: Vec<Option<RefTensor>> = inputs.iter().map(|t| t.as_ref().map(RefTensor::from_view)).collect();
     let want = entry.op.reference(&cx, &refs)?;
+    let scale = entry.op.error_scale(&cx);
     let mut checks = Vec::new();
     for (i, (got, want)) in outputs.iter().zip(&want).enumerate() {
         let (atol, rtol) = tolerance(got.dtype());
+        let atol = atol * scale;
         let got_values = got.to_f64_vec();
         let mut check = OutputCheck {
             name: entry.schema.output_name(i),

@@ -51,8 +51,10 @@ struct StreamInner {
     done_lock: Mutex<()>,
     done: Condvar,
     done_waiters: AtomicUsize,
-    /// First asynchronous failure since the last synchronize (sticky until reported).
-    error: Mutex<Option<Error>>,
+    /// Asynchronous failures not reported yet, with the task that failed: `synchronize` reports
+    /// them all (the first), a wait for a range of tasks only its own — so one user of a shared
+    /// stream never receives another's error.
+    errors: Mutex<Vec<(u64, Error)>>,
     /// Pending cross-stream waits of this stream, for deadlock detection.
     waits: Mutex<Vec<WaitEdge>>,
     /// While a host function of this stream blocks: the task it runs in, and what it waits for.
@@ -101,7 +103,7 @@ impl Stream {
             done_lock: Mutex::new(()),
             done: Condvar::new(),
             done_waiters: AtomicUsize::new(0),
-            error: Mutex::new(None),
+            errors: Mutex::new(Vec::new()),
             waits: Mutex::new(Vec::new()),
             blocked_on: Mutex::new(None),
         });
@@ -147,8 +149,26 @@ impl Stream {
         self.launch_shared(block_num, Arc::new(kernel));
     }
 
-    pub(crate) fn launch_shared(&self, block_num: u32, kernel: KernelFn) {
-        self.enqueue(|_| Task::Launch { kernel, block_num });
+    /// Enqueues a launch and returns its task number (for [`Stream::wait_through`]).
+    pub(crate) fn launch_shared(&self, block_num: u32, kernel: KernelFn) -> u64 {
+        self.enqueue(|_| Task::Launch { kernel, block_num })
+    }
+
+    /// Blocks until task `last` has run and reports the first error of tasks `first..=last`
+    /// (errors of other tasks stay for their owners or the next `synchronize`).
+    pub(crate) fn wait_through(&self, first: u64, last: u64) -> Result<()> {
+        let inner = self.inner();
+        block_until(inner, last)?;
+        let mut errors = inner.errors.lock().unwrap();
+        let mine = errors.iter().position(|(seq, _)| (first..=last).contains(seq));
+        match mine {
+            Some(i) => {
+                let (_, e) = errors.remove(i);
+                errors.retain(|(seq, _)| !(first..=last).contains(seq));
+                Err(e)
+            }
+            None => Ok(()),
+        }
     }
 
     /// Enqueues a host function (like `aclrtLaunchCallback` / `cudaLaunchHostFunc`). An error it
@@ -173,10 +193,11 @@ impl Stream {
     pub fn synchronize(&self) -> Result<()> {
         let inner = self.inner();
         block_until(inner, inner.enqueued.load(Ordering::Acquire))?;
-        match inner.error.lock().unwrap().take() {
-            Some(e) => Err(e),
-            None => Ok(()),
+        let mut errors = inner.errors.lock().unwrap();
+        if errors.is_empty() {
+            return Ok(());
         }
+        Err(errors.drain(..).min_by_key(|(seq, _)| *seq).map(|(_, e)| e).expect("non-empty"))
     }
 
     /// Whether all enqueued work has finished (never blocks).
@@ -247,7 +268,7 @@ fn stream_loop(inner: Arc<StreamInner>) {
         };
         CURRENT.with(|c| *c.borrow_mut() = None);
         if let Err(e) = result {
-            inner.error.lock().unwrap().get_or_insert(e);
+            inner.errors.lock().unwrap().push((seq, e));
         }
         inner.completed.store(seq, Ordering::SeqCst);
         if inner.done_waiters.load(Ordering::SeqCst) > 0 {

@@ -1,0 +1,206 @@
+//! `matmul(a, b)`: batched matrix product with torch.matmul's broadcasting of batch dims
+//! (`a` `[..., M, K]`, `b` `[..., K, N]`, both rank ≥ 2) and any strides — a transposed operand
+//! is just swapped strides, so no copies are made.
+//!
+//! Kernels: the `gemm` crate (f32, f16 with f32 accumulation) called single-threaded inside
+//! uniop's SPMD blocks, each block owning a band of rows of one batch — the pool stays the only
+//! source of parallelism (no second thread pool spinning on the same cores). bf16 needs its own
+//! AVX512-BF16 kernel (the `gemm` crate panics on it) and is not offered yet.
+
+use uniop::layout::ShapeDisplay;
+use uniop::{
+    broadcast_shapes, with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, KernelArgs, Layout, Op, OpCx,
+    Plan, RefTensor, Result, Step, TensorMeta,
+};
+
+pub struct Matmul;
+
+pub(crate) const DTYPES: &[DType] = &[DType::F32, DType::F16];
+
+/// `[..., M, K] × [..., K, N]` with broadcast batch dims.
+#[derive(Clone, Debug)]
+pub(crate) struct Dims {
+    pub batch: Vec<usize>,
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+}
+
+impl Dims {
+    pub fn batches(&self) -> usize {
+        self.batch.iter().product()
+    }
+    pub fn out_shape(&self) -> Vec<usize> {
+        let mut s = self.batch.clone();
+        s.extend([self.m, self.n]);
+        s
+    }
+}
+
+pub(crate) fn dims(cx: &OpCx) -> Result<Dims> {
+    let dtype = cx.expect_dtype_in("a", DTYPES)?;
+    cx.expect_same_dtype("b", dtype, "a")?;
+    cx.expect_min_rank("a", 2)?;
+    cx.expect_min_rank("b", 2)?;
+    let (a, b) = (cx.input("a").shape(), cx.input("b").shape());
+    let (m, k) = (a[a.len() - 2], a[a.len() - 1]);
+    let (kb, n) = (b[b.len() - 2], b[b.len() - 1]);
+    if kb != k {
+        return Err(cx.err(
+            ErrorCode::Shape,
+            "b",
+            format!("{k} rows (a is {}, so b must be [..., {k}, N])", ShapeDisplay(a)),
+            format!("shape {}", ShapeDisplay(b)),
+        ));
+    }
+    let batch = broadcast_shapes(&a[..a.len() - 2], &b[..b.len() - 2]).ok_or_else(|| {
+        cx.err(
+            ErrorCode::Shape,
+            "b",
+            format!("batch dims broadcastable with a's {}", ShapeDisplay(&a[..a.len() - 2])),
+            ShapeDisplay(&b[..b.len() - 2]),
+        )
+    })?;
+    Ok(Dims { batch, m, k, n })
+}
+
+/// One operand's batch layout (its matrix dims dropped), broadcast to `batch`.
+fn batch_layout(l: &Layout, batch: &[usize]) -> Layout {
+    let r = l.rank();
+    Layout::strided(&l.shape()[..r - 2], &l.strides()[..r - 2], l.offset())
+        .and_then(|b| b.broadcast_to(batch))
+        .expect("checked by dims()")
+}
+
+/// Row and column strides of an operand's matrix dims.
+fn matrix_strides(l: &Layout) -> (isize, isize) {
+    let s = l.strides();
+    (s[s.len() - 2] as isize, s[s.len() - 1] as isize)
+}
+
+/// Work split: `tiles` bands of rows per batch matrix.
+#[derive(Clone, Copy)]
+struct Split {
+    m: usize,
+    k: usize,
+    n: usize,
+    tiles: usize,
+}
+
+fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, batch: &[usize], s: Split) {
+    let (a, b, out) = (args.input(0), args.input(1), args.output(0));
+    let (la, lb, lo) =
+        (batch_layout(a.layout(), batch), batch_layout(b.layout(), batch), batch_layout(out.layout(), batch));
+    let ((a_rs, a_cs), (b_rs, b_cs), (o_rs, o_cs)) =
+        (matrix_strides(a.layout()), matrix_strides(b.layout()), matrix_strides(out.layout()));
+    let (ap, bp) = (a.storage::<T>().unwrap().as_ptr(), b.storage::<T>().unwrap().as_ptr());
+    // SAFETY: blocks write disjoint row bands of the output (below).
+    let op = unsafe { out.as_mut_ptr::<T>() };
+    for unit in ctx.split(lo.numel() * s.tiles) {
+        let (bi, tile) = (unit / s.tiles, unit % s.tiles);
+        let rows = BlockCtx { block_idx: tile as u32, block_num: s.tiles as u32 }.split(s.m);
+        if rows.is_empty() {
+            continue;
+        }
+        let (ao, bo, oo) = (la.offset_of_linear(bi), lb.offset_of_linear(bi), lo.offset_of_linear(bi));
+        // SAFETY: every offset stays inside the views the executor checked; this block's output
+        // rows `rows` of batch `bi` are written by no one else; `gemm` reads `k` columns of `a`'s
+        // rows and all of `b`. With read_dst false the output is overwritten (alpha unused).
+        unsafe {
+            gemm::gemm(
+                rows.len(),
+                s.n,
+                s.k,
+                op.add(oo).offset(rows.start as isize * o_rs),
+                o_cs,
+                o_rs,
+                false,
+                ap.add(ao).offset(rows.start as isize * a_rs),
+                a_cs,
+                a_rs,
+                bp.add(bo),
+                b_cs,
+                b_rs,
+                T::from_f64(0.0),
+                T::from_f64(1.0),
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+    }
+}
+
+impl Op for Matmul {
+    fn schema(&self) -> &'static str {
+        "matmul(Tensor a, Tensor b) -> Tensor out"
+    }
+
+    fn doc(&self) -> &'static str {
+        "Batched matrix product a [..., M, K] x b [..., K, N] -> [..., M, N]; batch dims broadcast (torch.matmul \
+         for rank >= 2); any strides, so transposed operands cost nothing. float32 and float16 (float32 \
+         accumulation) via the gemm crate inside uniop's SPMD blocks."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let d = dims(cx)?;
+        Ok(vec![TensorMeta::contiguous(cx.input("a").dtype, &d.out_shape())?])
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        let d = dims(cx)?;
+        let threads = uniop::runtime::Pool::global().threads();
+        // Enough row bands to give every thread work, but no band thinner than 16 rows.
+        let tiles = threads.div_ceil(d.batches().max(1)).min(d.m.div_ceil(16)).max(1);
+        let units = d.batches() * tiles;
+        let block_dim = units.clamp(1, 4 * threads) as u32;
+        let s = Split { m: d.m, k: d.k, n: d.n, tiles };
+        let batch = std::sync::Arc::new(d.batch);
+        let step = with_float_dtype!(cx.input("a").dtype, cx.op(), "a", |T| {
+            Step::new("matmul", block_dim, move |args, ctx| kernel::<T>(args, ctx, &batch, s))
+        });
+        Ok(Plan::new(vec![step]))
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let d = dims(cx)?;
+        let (a, b) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
+        let mut out = vec![0.0; d.batches() * d.m * d.n];
+        // Each operand's own batch index, looked up through broadcasting.
+        let batch_index = |shape: &[usize]| {
+            let batch = &shape[..shape.len() - 2];
+            RefTensor::new(batch, (0..batch.iter().product::<usize>()).map(|i| i as f64).collect())
+        };
+        let (a_batch, b_batch) = (batch_index(&a.shape), batch_index(&b.shape));
+        for bi in 0..d.batches() {
+            let (ab, bb) = (a_batch.broadcast_get(&d.batch, bi) as usize, b_batch.broadcast_get(&d.batch, bi) as usize);
+            for i in 0..d.m {
+                for j in 0..d.n {
+                    out[(bi * d.m + i) * d.n + j] =
+                        (0..d.k).map(|p| a.data[(ab * d.m + i) * d.k + p] * b.data[(bb * d.k + p) * d.n + j]).sum();
+                }
+            }
+        }
+        Ok(vec![RefTensor::new(&d.out_shape(), out)])
+    }
+
+    fn error_scale(&self, cx: &OpCx) -> f64 {
+        dims(cx).map_or(1.0, |d| (d.k.max(1) as f64).sqrt())
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        // `shape` is a's; b is a square [K, K] shared by every batch.
+        let shape = shape.unwrap_or(&[2048, 2048]);
+        let k = shape.last().copied().unwrap_or(1);
+        let a = if shape.len() < 2 { vec![1, k] } else { shape.to_vec() };
+        Ok(Example {
+            inputs: vec![Some(TensorMeta::contiguous(dtype, &a)?), Some(TensorMeta::contiguous(dtype, &[k, k])?)],
+            ..Default::default()
+        })
+    }
+}
