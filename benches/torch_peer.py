@@ -61,6 +61,8 @@ PEERS = {
     "swiglu": (lambda shape, dt: (torch.randn(shape, dtype=dt),), swiglu),
     "softmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), lambda x: torch.softmax(x, -1)),
     "log_softmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), lambda x: torch.log_softmax(x, -1)),
+    "matmul": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn((shape[-1], shape[-1]), dtype=dt)),
+               torch.matmul),
     "rope": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape[-2:], dtype=dt),
                                 torch.randn(shape[-2:], dtype=dt)), rope),
     "add_rms_norm": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt),
