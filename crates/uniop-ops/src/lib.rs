@@ -22,6 +22,7 @@ macro_rules! simd_kernel {
 mod elementwise;
 pub mod embedding;
 pub mod embedding_backward;
+pub mod linear;
 pub mod math;
 pub mod matmul;
 pub mod mul;
@@ -51,6 +52,7 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(silu::Silu),
         Box::new(mul::Mul),
         Box::new(matmul::Matmul),
+        Box::new(linear::Linear),
         Box::new(embedding::Embedding),
         Box::new(embedding_backward::EmbeddingBackward),
         Box::new(rms_norm::RmsNorm),

@@ -87,6 +87,65 @@ struct Split {
     tiles: usize,
 }
 
+/// A strided matrix operand: element 0 and the row and column strides, in elements.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat<T> {
+    pub ptr: *const T,
+    pub rs: isize,
+    pub cs: isize,
+}
+
+/// The output matrix, like [`Mat`].
+#[derive(Clone, Copy)]
+pub(crate) struct Dst<T> {
+    pub ptr: *mut T,
+    pub rs: isize,
+    pub cs: isize,
+}
+
+/// `dst[rows] = lhs[rows] · rhs` (`+=` with `accumulate`) for `k`-deep products and `n` columns,
+/// single-threaded: the SPMD block is the unit of parallelism.
+///
+/// # Safety
+/// All three matrices must be valid for the given extents and strides, and no one else may
+/// access rows `rows` of `dst` meanwhile.
+pub(crate) unsafe fn gemm_rows<T: Element>(
+    rows: std::ops::Range<usize>,
+    n: usize,
+    k: usize,
+    dst: Dst<T>,
+    lhs: Mat<T>,
+    rhs: Mat<T>,
+    accumulate: bool,
+) {
+    if rows.is_empty() || n == 0 {
+        return;
+    }
+    let start = rows.start as isize;
+    // gemm computes dst := alpha·dst + beta·lhs·rhs, reading dst only when asked to.
+    gemm::gemm(
+        rows.len(),
+        n,
+        k,
+        dst.ptr.offset(start * dst.rs),
+        dst.cs,
+        dst.rs,
+        accumulate,
+        lhs.ptr.offset(start * lhs.rs),
+        lhs.cs,
+        lhs.rs,
+        rhs.ptr,
+        rhs.cs,
+        rhs.rs,
+        T::from_f64(1.0),
+        T::from_f64(1.0),
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    );
+}
+
 fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, batch: &[usize], s: Split) {
     let (a, b, out) = (args.input(0), args.input(1), args.output(0));
     let (la, lb, lo) =
@@ -99,34 +158,18 @@ fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, batch: &[usize], s: Spli
     for unit in ctx.split(lo.numel() * s.tiles) {
         let (bi, tile) = (unit / s.tiles, unit % s.tiles);
         let rows = BlockCtx { block_idx: tile as u32, block_num: s.tiles as u32 }.split(s.m);
-        if rows.is_empty() {
-            continue;
-        }
         let (ao, bo, oo) = (la.offset_of_linear(bi), lb.offset_of_linear(bi), lo.offset_of_linear(bi));
         // SAFETY: every offset stays inside the views the executor checked; this block's output
-        // rows `rows` of batch `bi` are written by no one else; `gemm` reads `k` columns of `a`'s
-        // rows and all of `b`. With read_dst false the output is overwritten (alpha unused).
+        // rows `rows` of batch `bi` are written by no one else.
         unsafe {
-            gemm::gemm(
-                rows.len(),
+            gemm_rows(
+                rows,
                 s.n,
                 s.k,
-                op.add(oo).offset(rows.start as isize * o_rs),
-                o_cs,
-                o_rs,
+                Dst { ptr: op.add(oo), rs: o_rs, cs: o_cs },
+                Mat { ptr: ap.add(ao), rs: a_rs, cs: a_cs },
+                Mat { ptr: bp.add(bo), rs: b_rs, cs: b_cs },
                 false,
-                ap.add(ao).offset(rows.start as isize * a_rs),
-                a_cs,
-                a_rs,
-                bp.add(bo),
-                b_cs,
-                b_rs,
-                T::from_f64(0.0),
-                T::from_f64(1.0),
-                false,
-                false,
-                false,
-                gemm::Parallelism::None,
             );
         }
     }

@@ -796,3 +796,28 @@ fn launch_errors_belong_to_their_launch() {
     assert!(err.message().contains("expected values in [0, 4), got 5"), "{err}");
     stream.synchronize().unwrap();
 }
+
+#[test]
+fn linear_is_matmul_with_the_transposed_weight_plus_bias() {
+    setup();
+    let (rows, k, n) = (6, 9, 4);
+    let x = rand_vec(rows * k, 111);
+    let w = rand_vec(n * k, 112);
+    let b = rand_vec(n, 113);
+    let tx = TensorRef::new(&x, &[2, 3, k]).unwrap();
+    let tw = TensorRef::new(&w, &[n, k]).unwrap();
+    let no_bias = run_checked("linear", &[Some(tx.clone()), Some(tw.clone()), None], &[]).remove(0);
+    let wt = TensorRef::strided(&w, &[k, n], &[1, k], 0).unwrap();
+    let mm = run_checked("matmul", &[Some(TensorRef::new(&x, &[rows, k]).unwrap()), Some(wt)], &[]).remove(0);
+    for (a, c) in no_bias.iter().zip(&mm) {
+        assert!((a - c).abs() < 1e-5);
+    }
+    let with_bias =
+        run_checked("linear", &[Some(tx.clone()), Some(tw.clone()), Some(TensorRef::new(&b, &[n]).unwrap())], &[])
+            .remove(0);
+    for (i, (a, c)) in with_bias.iter().zip(&no_bias).enumerate() {
+        assert!((a - c - b[i % n] as f64).abs() < 1e-5);
+    }
+    let err = plan_err("linear", &[Some(tx), Some(tw), Some(TensorRef::new(&b[..3], &[3]).unwrap())], &[], vec![]);
+    assert_eq!(err.message(), "linear: argument 'bias': expected shape [4], got shape [3]");
+}

@@ -1,0 +1,147 @@
+//! `linear(x, weight, bias=None) = x · weightᵀ + bias` with HF/torch's weight layout
+//! `[out_features, in_features]`. The transpose is free (swapped strides into the GEMM); the bias
+//! is written first and the product accumulated onto it, so the output is touched once.
+
+use crate::matmul::{gemm_rows, Dst, Mat, DTYPES};
+use uniop::layout::ShapeDisplay;
+use uniop::{
+    with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, KernelArgs, LayoutNeed, Op, OpCx, Plan, RefTensor,
+    Result, Step, TensorMeta,
+};
+
+pub struct Linear;
+
+/// `x` as `[rows, k]`, `weight` `[n, k]`.
+#[derive(Clone, Copy)]
+struct Dims {
+    rows: usize,
+    k: usize,
+    n: usize,
+}
+
+fn dims(cx: &OpCx) -> Result<Dims> {
+    let dtype = cx.expect_dtype_in("x", DTYPES)?;
+    cx.expect_same_dtype("weight", dtype, "x")?;
+    cx.expect_min_rank("x", 1)?;
+    let (x, w) = (cx.input("x").shape(), cx.input("weight").shape());
+    let k = *x.last().unwrap();
+    if w.len() != 2 || w[1] != k {
+        return Err(cx.err(
+            ErrorCode::Shape,
+            "weight",
+            format!("shape [out_features, {k}] (x is {})", ShapeDisplay(x)),
+            format!("shape {}", ShapeDisplay(w)),
+        ));
+    }
+    if let Some(b) = cx.optional_input("bias") {
+        if b.dtype != dtype {
+            return Err(cx.err(ErrorCode::DType, "bias", format!("dtype {dtype} (same as 'x')"), b.dtype));
+        }
+        if b.shape() != [w[0]] {
+            return Err(cx.err(
+                ErrorCode::Shape,
+                "bias",
+                format!("shape [{}]", w[0]),
+                format!("shape {}", ShapeDisplay(b.shape())),
+            ));
+        }
+    }
+    Ok(Dims { rows: x[..x.len() - 1].iter().product(), k, n: w[0] })
+}
+
+fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims) {
+    let (x, w, out) = (args.input(0), args.input(1), args.output(0));
+    let bias = args.optional_input(2);
+    let ws = w.layout().strides();
+    let (xp, wp) = (x.storage::<T>().unwrap().as_ptr(), w.storage::<T>().unwrap().as_ptr());
+    let rows = ctx.split(d.rows);
+    if let Some(b) = &bias {
+        let bs = &b.storage::<T>().unwrap()[b.layout().offset()..][..d.n];
+        for r in rows.clone() {
+            // SAFETY: this block owns rows `rows` of the (contiguous) output.
+            unsafe { out.slice_mut::<T>(out.layout().offset() + r * d.n, d.n) }.copy_from_slice(bs);
+        }
+    }
+    // SAFETY: x and out are contiguous [rows, k] / [rows, n] (the plan asked for it); weight is any
+    // strided [n, k], read transposed; this block owns output rows `rows`.
+    unsafe {
+        gemm_rows(
+            rows,
+            d.n,
+            d.k,
+            Dst { ptr: out.as_mut_ptr::<T>().add(out.layout().offset()), rs: d.n as isize, cs: 1 },
+            Mat { ptr: xp.add(x.layout().offset()), rs: d.k as isize, cs: 1 },
+            Mat { ptr: wp.add(w.layout().offset()), rs: ws[1] as isize, cs: ws[0] as isize },
+            bias.is_some(),
+        );
+    }
+}
+
+impl Op for Linear {
+    fn schema(&self) -> &'static str {
+        "linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor y"
+    }
+
+    fn doc(&self) -> &'static str {
+        "y = x @ weight^T + bias, weight [out_features, in_features] (torch.nn.functional.linear / HF layout); x \
+         [..., in_features]; bias optional [out_features]. float32 and float16 via the gemm crate."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+
+    fn error_scale(&self, cx: &OpCx) -> f64 {
+        dims(cx).map_or(1.0, |d| (d.k.max(1) as f64).sqrt())
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let d = dims(cx)?;
+        let mut shape = cx.input("x").shape().to_vec();
+        *shape.last_mut().unwrap() = d.n;
+        Ok(vec![TensorMeta::contiguous(cx.input("x").dtype, &shape)?])
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        let d = dims(cx)?;
+        let threads = uniop::runtime::Pool::global().threads();
+        let block_dim = d.rows.div_ceil(16).clamp(1, threads) as u32;
+        let step = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
+            Step::new("linear", block_dim, move |args, ctx| kernel::<T>(args, ctx, d))
+        });
+        Ok(Plan::new(vec![step])
+            .inputs_need(vec![LayoutNeed::Contiguous, LayoutNeed::Any, LayoutNeed::Contiguous])
+            .outputs_need(vec![LayoutNeed::Contiguous]))
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let d = dims(cx)?;
+        let (x, w) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
+        let bias = inputs[2].as_ref();
+        let mut y = vec![0.0; d.rows * d.n];
+        for r in 0..d.rows {
+            for j in 0..d.n {
+                let dot: f64 = (0..d.k).map(|p| x.data[r * d.k + p] * w.data[j * d.k + p]).sum();
+                y[r * d.n + j] = dot + bias.map_or(0.0, |b| b.data[j]);
+            }
+        }
+        let mut shape = x.shape.clone();
+        *shape.last_mut().unwrap() = d.n;
+        Ok(vec![RefTensor::new(&shape, y)])
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        // `shape` is x's; weight maps in_features to 2·in_features (an MLP up projection), with bias.
+        let shape = shape.unwrap_or(&[2048, 4096]);
+        let k = shape.last().copied().unwrap_or(1);
+        let x = if shape.is_empty() { vec![1] } else { shape.to_vec() };
+        Ok(Example {
+            inputs: vec![
+                Some(TensorMeta::contiguous(dtype, &x)?),
+                Some(TensorMeta::contiguous(dtype, &[2 * k, k])?),
+                Some(TensorMeta::contiguous(dtype, &[2 * k])?),
+            ],
+            ..Default::default()
+        })
+    }
+}
