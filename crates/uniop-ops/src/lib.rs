@@ -23,6 +23,7 @@ mod elementwise;
 pub mod embedding;
 pub mod embedding_backward;
 pub mod linear;
+pub mod linear_backward;
 pub mod math;
 pub mod matmul;
 pub mod mul;
@@ -53,6 +54,7 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(mul::Mul),
         Box::new(matmul::Matmul),
         Box::new(linear::Linear),
+        Box::new(linear_backward::LinearBackward),
         Box::new(embedding::Embedding),
         Box::new(embedding_backward::EmbeddingBackward),
         Box::new(rms_norm::RmsNorm),

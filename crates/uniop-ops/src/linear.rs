@@ -91,6 +91,10 @@ impl Op for Linear {
         DTYPES
     }
 
+    fn backward(&self) -> Option<&'static str> {
+        Some("linear_backward")
+    }
+
     fn error_scale(&self, cx: &OpCx) -> f64 {
         dims(cx).map_or(1.0, |d| (d.k.max(1) as f64).sqrt())
     }

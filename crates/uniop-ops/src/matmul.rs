@@ -121,6 +121,17 @@ pub(crate) unsafe fn gemm_rows<T: Element>(
     if rows.is_empty() || n == 0 {
         return;
     }
+    if k == 0 {
+        // An empty product is zero; don't rely on the GEMM to write it.
+        if !accumulate {
+            for r in rows {
+                for c in 0..n {
+                    *dst.ptr.offset(r as isize * dst.rs + c as isize * dst.cs) = T::from_f64(0.0);
+                }
+            }
+        }
+        return;
+    }
     let start = rows.start as isize;
     // gemm computes dst := alpha·dst + beta·lhs·rhs, reading dst only when asked to.
     gemm::gemm(

@@ -821,3 +821,27 @@ fn linear_is_matmul_with_the_transposed_weight_plus_bias() {
     let err = plan_err("linear", &[Some(tx), Some(tw), Some(TensorRef::new(&b[..3], &[3]).unwrap())], &[], vec![]);
     assert_eq!(err.message(), "linear: argument 'bias': expected shape [4], got shape [3]");
 }
+
+#[test]
+fn linear_backward_matches_finite_differences() {
+    setup();
+    let (rows, k, n) = (4, 5, 3);
+    let x = rand_vec(rows * k, 121);
+    let w = rand_vec(n * k, 122);
+    let b = rand_vec(n, 123);
+    let dy = rand_vec(rows * n, 124);
+    let grads = run_checked(
+        "linear_backward",
+        &[
+            Some(TensorRef::new(&dy, &[2, 2, n]).unwrap()),
+            Some(TensorRef::new(&x, &[2, 2, k]).unwrap()),
+            Some(TensorRef::new(&w, &[n, k]).unwrap()),
+        ],
+        &[],
+    );
+    let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let inputs = [(f64s(&x), vec![2, 2, k]), (f64s(&w), vec![n, k]), (f64s(&b), vec![n])];
+    for (wrt, name) in [(0, "dx"), (1, "dweight"), (2, "dbias")] {
+        assert_close(&grads[wrt], &finite_difference("linear", &inputs, &[], &f64s(&dy), wrt), name);
+    }
+}

@@ -1,0 +1,161 @@
+//! `linear_backward(dy, x, weight) -> (dx, dweight, dbias)`, the gradient of
+//! [`linear`](crate::linear): `dx = dy · weight`, `dweight = dyᵀ · x`, `dbias = Σ_rows dy`.
+//!
+//! Two launches, each block owning whole output rows (no atomics, deterministic): rows of `dx`,
+//! then rows of `dweight` together with the matching entries of `dbias`. Transposes are strides.
+
+use crate::matmul::{gemm_rows, Dst, Mat, DTYPES};
+use uniop::layout::ShapeDisplay;
+use uniop::{
+    with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
+    Plan, RefTensor, Result, Step, TensorMeta,
+};
+
+pub struct LinearBackward;
+
+#[derive(Clone, Copy)]
+struct Dims {
+    rows: usize,
+    k: usize,
+    n: usize,
+}
+
+fn dims(cx: &OpCx) -> Result<Dims> {
+    let dtype = cx.expect_dtype_in("x", DTYPES)?;
+    cx.expect_same_dtype("weight", dtype, "x")?;
+    cx.expect_same_dtype("dy", dtype, "x")?;
+    cx.expect_min_rank("x", 1)?;
+    let (x, w) = (cx.input("x").shape(), cx.input("weight").shape());
+    let k = *x.last().unwrap();
+    if w.len() != 2 || w[1] != k {
+        return Err(cx.err(
+            ErrorCode::Shape,
+            "weight",
+            format!("shape [out_features, {k}] (x is {})", ShapeDisplay(x)),
+            format!("shape {}", ShapeDisplay(w)),
+        ));
+    }
+    let mut y = x.to_vec();
+    *y.last_mut().unwrap() = w[0];
+    cx.expect_shape("dy", &y)?;
+    Ok(Dims { rows: x[..x.len() - 1].iter().product(), k, n: w[0] })
+}
+
+/// Step 1: rows of `dx = dy · weight` (`[rows, n] · [n, k]`).
+fn dx_kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims) {
+    let (dy, w, dx) = (args.input(0), args.input(2), args.output(0));
+    // SAFETY: all operands contiguous (plan); this block owns dx rows `split(rows)`.
+    unsafe {
+        gemm_rows(
+            ctx.split(d.rows),
+            d.k,
+            d.n,
+            Dst { ptr: dx.as_mut_ptr::<T>().add(dx.layout().offset()), rs: d.k as isize, cs: 1 },
+            Mat { ptr: dy.storage::<T>().unwrap().as_ptr().add(dy.layout().offset()), rs: d.n as isize, cs: 1 },
+            Mat { ptr: w.storage::<T>().unwrap().as_ptr().add(w.layout().offset()), rs: d.k as isize, cs: 1 },
+            false,
+        );
+    }
+}
+
+/// Step 2: rows of `dweight = dyᵀ · x` (`[n, rows] · [rows, k]`) and the same entries of `dbias`.
+fn dw_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims) {
+    let (dy, x) = (args.input(0), args.input(1));
+    let (dw, db) = (args.output(1), args.output(2));
+    let dys = &dy.storage::<T>().unwrap()[dy.layout().offset()..];
+    let owned = ctx.split(d.n);
+    // SAFETY: as above; this block owns dweight rows and dbias entries `owned`.
+    unsafe {
+        gemm_rows(
+            owned.clone(),
+            d.k,
+            d.rows,
+            Dst { ptr: dw.as_mut_ptr::<T>().add(dw.layout().offset()), rs: d.k as isize, cs: 1 },
+            Mat { ptr: dys.as_ptr(), rs: 1, cs: d.n as isize },
+            Mat { ptr: x.storage::<T>().unwrap().as_ptr().add(x.layout().offset()), rs: d.k as isize, cs: 1 },
+            false,
+        );
+        let bias = db.slice_mut::<T>(db.layout().offset() + owned.start, owned.len());
+        for (j, out) in owned.zip(bias.iter_mut()) {
+            let sum: f32 = (0..d.rows).map(|r| dys[r * d.n + j].to_f32()).sum();
+            *out = T::from_f32(sum);
+        }
+    }
+}
+
+impl Op for LinearBackward {
+    fn schema(&self) -> &'static str {
+        "linear_backward(Tensor dy, Tensor x, Tensor weight) -> (Tensor dx, Tensor dweight, Tensor dbias)"
+    }
+
+    fn doc(&self) -> &'static str {
+        "Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x), \
+         dbias = dy summed over rows (ignore it when the layer has no bias)."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+
+    fn error_scale(&self, cx: &OpCx) -> f64 {
+        dims(cx).map_or(1.0, |d| (d.rows.max(d.n).max(1) as f64).sqrt())
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let d = dims(cx)?;
+        let dtype = cx.input("x").dtype;
+        Ok(vec![
+            TensorMeta::contiguous(dtype, cx.input("x").shape())?,
+            TensorMeta::contiguous(dtype, &[d.n, d.k])?,
+            TensorMeta::contiguous(dtype, &[d.n])?,
+        ])
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        let d = dims(cx)?;
+        let threads = uniop::runtime::Pool::global().threads();
+        let (dx_blocks, dw_blocks) =
+            (d.rows.div_ceil(16).clamp(1, threads) as u32, d.n.div_ceil(16).clamp(1, threads) as u32);
+        let steps = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| vec![
+            Step::new("linear_backward.dx", dx_blocks, move |a, c| dx_kernel::<T>(a, c, d)),
+            Step::new("linear_backward.dweight", dw_blocks, move |a, c| dw_kernel::<T>(a, c, d)),
+        ]);
+        Ok(Plan::new(steps).inputs_need(vec![LayoutNeed::Contiguous; 3]).outputs_need(vec![LayoutNeed::Contiguous; 3]))
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let d = dims(cx)?;
+        let [dy, x, w] = [0, 1, 2].map(|i| inputs[i].as_ref().unwrap());
+        let mut dx = vec![0.0; d.rows * d.k];
+        let mut dw = vec![0.0; d.n * d.k];
+        let mut db = vec![0.0; d.n];
+        for r in 0..d.rows {
+            for j in 0..d.n {
+                let g = dy.data[r * d.n + j];
+                db[j] += g;
+                for p in 0..d.k {
+                    dx[r * d.k + p] += g * w.data[j * d.k + p];
+                    dw[j * d.k + p] += g * x.data[r * d.k + p];
+                }
+            }
+        }
+        Ok(vec![RefTensor::new(&x.shape, dx), RefTensor::new(&[d.n, d.k], dw), RefTensor::new(&[d.n], db)])
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        // `shape` is x's, as for linear (weight [2k, k]).
+        let shape = shape.unwrap_or(&[2048, 4096]);
+        let k = shape.last().copied().unwrap_or(1);
+        let x = if shape.is_empty() { vec![1] } else { shape.to_vec() };
+        let mut y = x.clone();
+        *y.last_mut().unwrap() = 2 * k;
+        Ok(Example {
+            inputs: vec![
+                Some(TensorMeta::contiguous(dtype, &y)?),
+                Some(TensorMeta::contiguous(dtype, &x)?),
+                Some(TensorMeta::contiguous(dtype, &[2 * k, k])?),
+            ],
+            ..Default::default()
+        })
+    }
+}
