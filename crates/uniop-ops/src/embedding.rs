@@ -16,6 +16,15 @@ pub struct Embedding;
 pub(crate) const DTYPES: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 pub(crate) const INDEX_DTYPES: &[DType] = &[DType::I64, DType::I32];
 
+/// `(V, H)` of an example's table from a user shape (its trailing dims) or LLaMA's default.
+pub(crate) fn table_shape(shape: Option<&[usize]>) -> (usize, usize) {
+    match shape.unwrap_or(&[32000, 4096]) {
+        [.., v, h] => (*v, *h),
+        [h] => (1, *h),
+        [] => (1, 1),
+    }
+}
+
 /// Reads index `i` of `indices` as i64.
 #[inline(always)]
 pub(crate) fn index_at<I: Element>(indices: &uniop::TensorRef<'_>, data: &[I], i: usize) -> i64 {
@@ -121,12 +130,7 @@ impl Op for Embedding {
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
         // `shape` is the table's [V, H] (trailing dims); 2048 token indices drawn from [0, V).
-        let shape = shape.unwrap_or(&[32000, 4096]);
-        let (v, h) = match shape {
-            [.., v, h] => (*v, *h),
-            [h] => (1, *h),
-            [] => (1, 1),
-        };
+        let (v, h) = table_shape(shape);
         let weight = TensorMeta::contiguous(dtype, &[v, h])?;
         Ok(Example {
             inputs: vec![Some(weight), Some(TensorMeta::contiguous(DType::I64, &[if v == 0 { 0 } else { 2048 }])?)],

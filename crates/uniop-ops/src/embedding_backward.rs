@@ -5,7 +5,7 @@
 //! the `(row, position)` pairs that land in it, sorts them, and sums each row's contributions in
 //! position order in f32 before writing it once (rows nobody indexes, and `padding_idx`, get 0).
 
-use crate::embedding::{check_indices, check_padding, checked_row, index_at, DTYPES};
+use crate::embedding::{check_indices, check_padding, checked_row, index_at, table_shape, DTYPES};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, FloatElement, KernelArgs,
     LayoutNeed, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -140,12 +140,7 @@ impl Op for EmbeddingBackward {
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
         // `shape` is the table's [V, H] (trailing dims), as for embedding.
-        let shape = shape.unwrap_or(&[32000, 4096]);
-        let (v, h) = match shape {
-            [.., v, h] => (*v, *h),
-            [h] => (1, *h),
-            [] => (1, 1),
-        };
+        let (v, h) = table_shape(shape);
         let tokens = if v == 0 { 0 } else { 2048 };
         Ok(Example {
             inputs: vec![

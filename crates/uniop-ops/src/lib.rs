@@ -67,10 +67,10 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(silu_mul_backward::SiluMulBackward),
         Box::new(swiglu::Swiglu),
         Box::new(swiglu_backward::SwigluBackward),
-        Box::new(softmax::Softmax),
-        Box::new(softmax::LogSoftmax),
-        Box::new(softmax_backward::SoftmaxBackward),
-        Box::new(softmax_backward::LogSoftmaxBackward),
+        Box::new(softmax::Softmax::SOFTMAX),
+        Box::new(softmax::Softmax::LOG_SOFTMAX),
+        Box::new(softmax_backward::SoftmaxBackward::SOFTMAX),
+        Box::new(softmax_backward::SoftmaxBackward::LOG_SOFTMAX),
     ]
 }
 

@@ -13,13 +13,14 @@ pub struct Linear;
 
 /// `x` as `[rows, k]`, `weight` `[n, k]`.
 #[derive(Clone, Copy)]
-struct Dims {
-    rows: usize,
-    k: usize,
-    n: usize,
+pub(crate) struct Dims {
+    pub rows: usize,
+    pub k: usize,
+    pub n: usize,
 }
 
-fn dims(cx: &OpCx) -> Result<Dims> {
+/// Checks `x` `[..., k]` against `weight` `[n, k]` (shared with `linear_backward`).
+pub(crate) fn x_and_weight(cx: &OpCx) -> Result<Dims> {
     let dtype = cx.expect_dtype_in("x", DTYPES)?;
     cx.expect_same_dtype("weight", dtype, "x")?;
     cx.expect_min_rank("x", 1)?;
@@ -33,6 +34,13 @@ fn dims(cx: &OpCx) -> Result<Dims> {
             format!("shape {}", ShapeDisplay(w)),
         ));
     }
+    Ok(Dims { rows: x[..x.len() - 1].iter().product(), k, n: w[0] })
+}
+
+fn dims(cx: &OpCx) -> Result<Dims> {
+    let d = x_and_weight(cx)?;
+    let dtype = cx.input("x").dtype;
+    let w = cx.input("weight").shape();
     if let Some(b) = cx.optional_input("bias") {
         if b.dtype != dtype {
             return Err(cx.err(ErrorCode::DType, "bias", format!("dtype {dtype} (same as 'x')"), b.dtype));
@@ -46,7 +54,7 @@ fn dims(cx: &OpCx) -> Result<Dims> {
             ));
         }
     }
-    Ok(Dims { rows: x[..x.len() - 1].iter().product(), k, n: w[0] })
+    Ok(d)
 }
 
 fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims) {

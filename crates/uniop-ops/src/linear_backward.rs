@@ -4,41 +4,22 @@
 //! Two launches, each block owning whole output rows (no atomics, deterministic): rows of `dx`,
 //! then rows of `dweight` together with the matching entries of `dbias`. Transposes are strides.
 
+use crate::linear::{x_and_weight, Dims};
 use crate::matmul::{gemm_rows, Dst, Mat, DTYPES};
-use uniop::layout::ShapeDisplay;
 use uniop::{
-    with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
-    Plan, RefTensor, Result, Step, TensorMeta,
+    with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,
+    RefTensor, Result, Step, TensorMeta,
 };
 
 pub struct LinearBackward;
 
-#[derive(Clone, Copy)]
-struct Dims {
-    rows: usize,
-    k: usize,
-    n: usize,
-}
-
 fn dims(cx: &OpCx) -> Result<Dims> {
-    let dtype = cx.expect_dtype_in("x", DTYPES)?;
-    cx.expect_same_dtype("weight", dtype, "x")?;
-    cx.expect_same_dtype("dy", dtype, "x")?;
-    cx.expect_min_rank("x", 1)?;
-    let (x, w) = (cx.input("x").shape(), cx.input("weight").shape());
-    let k = *x.last().unwrap();
-    if w.len() != 2 || w[1] != k {
-        return Err(cx.err(
-            ErrorCode::Shape,
-            "weight",
-            format!("shape [out_features, {k}] (x is {})", ShapeDisplay(x)),
-            format!("shape {}", ShapeDisplay(w)),
-        ));
-    }
-    let mut y = x.to_vec();
-    *y.last_mut().unwrap() = w[0];
+    let d = x_and_weight(cx)?;
+    cx.expect_same_dtype("dy", cx.input("x").dtype, "x")?;
+    let mut y = cx.input("x").shape().to_vec();
+    *y.last_mut().unwrap() = d.n;
     cx.expect_shape("dy", &y)?;
-    Ok(Dims { rows: x[..x.len() - 1].iter().product(), k, n: w[0] })
+    Ok(d)
 }
 
 /// Step 1: rows of `dx = dy · weight` (`[rows, n] · [n, k]`).

@@ -196,12 +196,6 @@ fn plan(cx: &OpCx, kind: Kind) -> Result<Plan> {
         .outputs_need(vec![LayoutNeed::Contiguous]))
 }
 
-fn infer(cx: &OpCx) -> Result<Vec<TensorMeta>> {
-    let dtype = cx.expect_dtype_in("x", DTYPES)?;
-    Axis::of(cx, "x")?;
-    Ok(vec![TensorMeta::contiguous(dtype, cx.input("x").shape())?])
-}
-
 fn reference(cx: &OpCx, inputs: &[Option<RefTensor>], kind: Kind) -> Result<Vec<RefTensor>> {
     let x = inputs[0].as_ref().unwrap();
     let axis = Axis::of(cx, "x")?;
@@ -220,65 +214,53 @@ fn reference(cx: &OpCx, inputs: &[Option<RefTensor>], kind: Kind) -> Result<Vec<
     Ok(vec![RefTensor::new(&x.shape, y)])
 }
 
-fn example(shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-    let meta = TensorMeta::contiguous(dtype, shape.unwrap_or(&[4096, 4096]))?;
-    Ok(Example { inputs: vec![Some(meta)], attrs: vec![], ..Default::default() })
-}
+/// `softmax` or `log_softmax`: one op type, registered once per kind.
+pub struct Softmax(pub(crate) Kind);
 
-pub struct Softmax;
+impl Softmax {
+    pub const SOFTMAX: Softmax = Softmax(Kind::Softmax);
+    pub const LOG_SOFTMAX: Softmax = Softmax(Kind::LogSoftmax);
+}
 
 impl Op for Softmax {
     fn schema(&self) -> &'static str {
-        "softmax(Tensor x, int dim=-1) -> Tensor y"
+        match self.0 {
+            Kind::Softmax => "softmax(Tensor x, int dim=-1) -> Tensor y",
+            Kind::LogSoftmax => "log_softmax(Tensor x, int dim=-1) -> Tensor y",
+        }
     }
     fn doc(&self) -> &'static str {
-        "exp(x - max) / sum(exp(x - max)) along dim, as torch.softmax. Any dim; f16/bf16 compute in float32."
+        match self.0 {
+            Kind::Softmax => {
+                "exp(x - max) / sum(exp(x - max)) along dim, as torch.softmax. Any dim; f16/bf16 compute in float32."
+            }
+            Kind::LogSoftmax => {
+                "x - max - log(sum(exp(x - max))) along dim, as torch.log_softmax. Any dim; f16/bf16 compute in float32."
+            }
+        }
     }
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }
     fn backward(&self) -> Option<&'static str> {
-        Some("softmax_backward")
+        Some(match self.0 {
+            Kind::Softmax => "softmax_backward",
+            Kind::LogSoftmax => "log_softmax_backward",
+        })
     }
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
-        infer(cx)
+        let dtype = cx.expect_dtype_in("x", DTYPES)?;
+        Axis::of(cx, "x")?;
+        Ok(vec![TensorMeta::contiguous(dtype, cx.input("x").shape())?])
     }
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
-        plan(cx, Kind::Softmax)
+        plan(cx, self.0)
     }
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
-        reference(cx, inputs, Kind::Softmax)
+        reference(cx, inputs, self.0)
     }
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        example(shape, dtype)
-    }
-}
-
-pub struct LogSoftmax;
-
-impl Op for LogSoftmax {
-    fn schema(&self) -> &'static str {
-        "log_softmax(Tensor x, int dim=-1) -> Tensor y"
-    }
-    fn doc(&self) -> &'static str {
-        "x - max - log(sum(exp(x - max))) along dim, as torch.log_softmax. Any dim; f16/bf16 compute in float32."
-    }
-    fn dtypes(&self) -> &'static [DType] {
-        DTYPES
-    }
-    fn backward(&self) -> Option<&'static str> {
-        Some("log_softmax_backward")
-    }
-    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
-        infer(cx)
-    }
-    fn plan(&self, cx: &OpCx) -> Result<Plan> {
-        plan(cx, Kind::LogSoftmax)
-    }
-    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
-        reference(cx, inputs, Kind::LogSoftmax)
-    }
-    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        example(shape, dtype)
+        let meta = TensorMeta::contiguous(dtype, shape.unwrap_or(&[4096, 4096]))?;
+        Ok(Example { inputs: vec![Some(meta)], ..Default::default() })
     }
 }

@@ -75,14 +75,6 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
 }
 }
 
-fn infer(cx: &OpCx) -> Result<Vec<TensorMeta>> {
-    let dtype = cx.expect_dtype_in("y", DTYPES)?;
-    cx.expect_same_dtype("dy", dtype, "y")?;
-    cx.expect_shape("dy", cx.input("y").shape())?;
-    Axis::of(cx, "y")?;
-    Ok(vec![TensorMeta::contiguous(dtype, cx.input("y").shape())?])
-}
-
 fn plan(cx: &OpCx, kind: Kind) -> Result<Plan> {
     let y = cx.input("y");
     let axis = Axis::of(cx, "y")?;
@@ -115,59 +107,45 @@ fn reference(cx: &OpCx, inputs: &[Option<RefTensor>], kind: Kind) -> Result<Vec<
     Ok(vec![RefTensor::new(&y.shape, dx)])
 }
 
-fn example(shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-    let meta = TensorMeta::contiguous(dtype, shape.unwrap_or(&[4096, 4096]))?;
-    Ok(Example { inputs: vec![Some(meta.clone()), Some(meta)], attrs: vec![], ..Default::default() })
-}
+/// `softmax_backward` or `log_softmax_backward`, registered once per kind.
+pub struct SoftmaxBackward(Kind);
 
-pub struct SoftmaxBackward;
+impl SoftmaxBackward {
+    pub const SOFTMAX: SoftmaxBackward = SoftmaxBackward(Kind::Softmax);
+    pub const LOG_SOFTMAX: SoftmaxBackward = SoftmaxBackward(Kind::LogSoftmax);
+}
 
 impl Op for SoftmaxBackward {
     fn schema(&self) -> &'static str {
-        "softmax_backward(Tensor dy, Tensor y, int dim=-1) -> Tensor dx"
+        match self.0 {
+            Kind::Softmax => "softmax_backward(Tensor dy, Tensor y, int dim=-1) -> Tensor dx",
+            Kind::LogSoftmax => "log_softmax_backward(Tensor dy, Tensor y, int dim=-1) -> Tensor dx",
+        }
     }
     fn doc(&self) -> &'static str {
-        "Gradient of softmax from its output y: dx = y * (dy - sum(dy * y)) along dim."
+        match self.0 {
+            Kind::Softmax => "Gradient of softmax from its output y: dx = y * (dy - sum(dy * y)) along dim.",
+            Kind::LogSoftmax => "Gradient of log_softmax from its output y: dx = dy - exp(y) * sum(dy) along dim.",
+        }
     }
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
-        infer(cx)
+        let dtype = cx.expect_dtype_in("y", DTYPES)?;
+        cx.expect_same_dtype("dy", dtype, "y")?;
+        cx.expect_shape("dy", cx.input("y").shape())?;
+        Axis::of(cx, "y")?;
+        Ok(vec![TensorMeta::contiguous(dtype, cx.input("y").shape())?])
     }
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
-        plan(cx, Kind::Softmax)
+        plan(cx, self.0)
     }
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
-        reference(cx, inputs, Kind::Softmax)
+        reference(cx, inputs, self.0)
     }
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        example(shape, dtype)
-    }
-}
-
-pub struct LogSoftmaxBackward;
-
-impl Op for LogSoftmaxBackward {
-    fn schema(&self) -> &'static str {
-        "log_softmax_backward(Tensor dy, Tensor y, int dim=-1) -> Tensor dx"
-    }
-    fn doc(&self) -> &'static str {
-        "Gradient of log_softmax from its output y: dx = dy - exp(y) * sum(dy) along dim."
-    }
-    fn dtypes(&self) -> &'static [DType] {
-        DTYPES
-    }
-    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
-        infer(cx)
-    }
-    fn plan(&self, cx: &OpCx) -> Result<Plan> {
-        plan(cx, Kind::LogSoftmax)
-    }
-    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
-        reference(cx, inputs, Kind::LogSoftmax)
-    }
-    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        example(shape, dtype)
+        let meta = TensorMeta::contiguous(dtype, shape.unwrap_or(&[4096, 4096]))?;
+        Ok(Example { inputs: vec![Some(meta.clone()), Some(meta)], ..Default::default() })
     }
 }
