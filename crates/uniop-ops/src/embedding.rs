@@ -33,9 +33,9 @@ pub(crate) fn index_at<I: Element>(indices: &uniop::TensorRef<'_>, data: &[I], i
 
 /// Panics (caught by the runtime and reported as a launch error) on an out-of-range index.
 #[inline(always)]
-pub(crate) fn checked_row(op: &str, index: i64, position: usize, rows: usize) -> usize {
+pub(crate) fn checked_row(op: &str, arg: &str, index: i64, position: usize, rows: usize) -> usize {
     if index < 0 || index as usize >= rows {
-        panic!("{op}: argument 'indices': expected values in [0, {rows}), got {index} at position {position}");
+        panic!("{op}: argument '{arg}': expected values in [0, {rows}), got {index} at position {position}");
     }
     index as usize
 }
@@ -45,7 +45,7 @@ fn kernel<E: Element, I: Element>(args: &KernelArgs, ctx: BlockCtx, vocab: usize
     let ws = &weight.storage::<E>().expect("dtype dispatched")[weight.layout().offset()..];
     let ids = indices.storage::<I>().expect("dtype dispatched");
     for pos in ctx.split(indices.layout().numel()) {
-        let row = checked_row("embedding", index_at(&indices, ids, pos), pos, vocab);
+        let row = checked_row("embedding", "indices", index_at(&indices, ids, pos), pos, vocab);
         // SAFETY: this block owns output rows `split(n)`.
         let dst = unsafe { out.slice_mut::<E>(out.layout().offset() + pos * hidden, hidden) };
         dst.copy_from_slice(&ws[row * hidden..(row + 1) * hidden]);

@@ -36,7 +36,7 @@ fn kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, s: Shap
     let rows = ctx.split(s.vocab);
     let mut count = 0;
     for pos in 0..s.tokens {
-        let row = checked_row("embedding_backward", index_at(&indices, ids, pos), pos, s.vocab);
+        let row = checked_row("embedding_backward", "indices", index_at(&indices, ids, pos), pos, s.vocab);
         if rows.contains(&row) && row as i64 != s.padding {
             pairs[count] = (row as i64) << 32 | pos as i64;
             count += 1;

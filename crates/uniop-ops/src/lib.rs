@@ -30,6 +30,8 @@ pub mod mul;
 
 pub mod add;
 pub mod add_rms_norm;
+pub mod cross_entropy;
+pub mod cross_entropy_backward;
 pub mod rms_norm;
 pub mod rms_norm_backward;
 pub mod rope;
@@ -57,6 +59,8 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(linear_backward::LinearBackward),
         Box::new(embedding::Embedding),
         Box::new(embedding_backward::EmbeddingBackward),
+        Box::new(cross_entropy::CrossEntropy),
+        Box::new(cross_entropy_backward::CrossEntropyBackward),
         Box::new(rms_norm::RmsNorm),
         Box::new(rms_norm_backward::RmsNormBackward),
         Box::new(add_rms_norm::AddRmsNorm),

@@ -58,7 +58,7 @@ pub(crate) enum Kind {
 
 /// Row maximum, `LANES` partial maxima at a time.
 #[inline(always)]
-fn row_max<T: FloatElement>(row: &[T]) -> f32 {
+pub(crate) fn row_max<T: FloatElement>(row: &[T]) -> f32 {
     let mut mx = [f32::NEG_INFINITY; LANES];
     for_lanes([row], |[b], len| {
         for (m, &v) in mx.iter_mut().zip(&b[..len]) {

@@ -362,8 +362,20 @@ fn finite_difference(
     dout: &[f64],
     wrt: usize,
 ) -> Vec<f64> {
+    finite_difference_typed(op, inputs, &vec![DType::F32; inputs.len()], attrs, dout, wrt)
+}
+
+/// [`finite_difference`] for ops with non-float inputs (their values are passed as f64 anyway).
+fn finite_difference_typed(
+    op: &str,
+    inputs: &[(Vec<f64>, Vec<usize>)],
+    dtypes: &[DType],
+    attrs: &[(&str, AttrValue)],
+    dout: &[f64],
+    wrt: usize,
+) -> Vec<f64> {
     let entry = Registry::global().get(op).unwrap();
-    let metas = inputs.iter().map(|(_, s)| vec![TensorMeta::contiguous(DType::F32, s).unwrap()]).collect();
+    let metas = inputs.iter().zip(dtypes).map(|((_, s), &d)| vec![TensorMeta::contiguous(d, s).unwrap()]).collect();
     let cx = uniop::OpCx::bind(&entry.schema, metas, attrs).unwrap();
     let loss = |values: &[(Vec<f64>, Vec<usize>)]| -> f64 {
         let refs: Vec<Option<uniop::RefTensor>> =
@@ -844,4 +856,60 @@ fn linear_backward_matches_finite_differences() {
     for (wrt, name) in [(0, "dx"), (1, "dweight"), (2, "dbias")] {
         assert_close(&grads[wrt], &finite_difference("linear", &inputs, &[], &f64s(&dy), wrt), name);
     }
+}
+
+#[test]
+fn cross_entropy_with_ignored_rows_and_its_gradient() {
+    setup();
+    let (rows, classes) = (4, 6);
+    let x: Vec<f32> = rand_vec(rows * classes, 131).iter().map(|v| 3.0 * v).collect();
+    let t = [2i64, -100, 5, 0];
+    let attrs = [("ignore_index", AttrValue::Int(-100))];
+    let (tx, tt) = (TensorRef::new(&x, &[rows, classes]).unwrap(), TensorRef::new(&t, &[rows]).unwrap());
+    let out = run_checked("cross_entropy", &[Some(tx.clone()), Some(tt.clone())], &attrs);
+    // torch semantics: mean over the three counted rows.
+    let manual: f64 = [0usize, 2, 3]
+        .iter()
+        .map(|&r| {
+            let row: Vec<f64> = x[r * classes..(r + 1) * classes].iter().map(|&v| v as f64).collect();
+            let lse = row.iter().map(|v| v.exp()).sum::<f64>().ln();
+            lse - row[t[r] as usize]
+        })
+        .sum::<f64>()
+        / 3.0;
+    assert!((out[0][0] - manual).abs() < 1e-5, "{} vs {manual}", out[0][0]);
+    let lse: Vec<f32> = out[1].iter().map(|&v| v as f32).collect();
+    let dloss = [1.5f32];
+    let dx = run_checked(
+        "cross_entropy_backward",
+        &[Some(TensorRef::new(&dloss, &[]).unwrap()), Some(tx), Some(tt), Some(TensorRef::new(&lse, &[rows]).unwrap())],
+        &attrs,
+    );
+    let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+    let t64: Vec<f64> = t.iter().map(|&v| v as f64).collect();
+    let want = finite_difference_typed(
+        "cross_entropy",
+        &[(x64, vec![rows, classes]), (t64, vec![rows])],
+        &[DType::F32, DType::I64],
+        &attrs,
+        &[1.5],
+        0,
+    );
+    assert_close(&dx[0], &want, "dlogits");
+    assert!(dx[0][classes..2 * classes].iter().all(|&g| g == 0.0), "ignored row has no gradient");
+
+    let bad = [7i64, 0, 0, 0];
+    let mut loss = [0f32];
+    let mut lse_out = [0f32; 4];
+    let err = uniop::call(
+        "cross_entropy",
+        &[Some(TensorRef::new(&x, &[rows, classes]).unwrap()), Some(TensorRef::new(&bad, &[rows]).unwrap())],
+        &[],
+        vec![TensorMut::new(&mut loss, &[]).unwrap(), TensorMut::new(&mut lse_out, &[rows]).unwrap()],
+    )
+    .unwrap_err();
+    assert!(
+        err.message().contains("cross_entropy: argument 'target': expected values in [0, 6), got 7 at position 0"),
+        "{err}"
+    );
 }
