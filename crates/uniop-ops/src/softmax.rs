@@ -43,6 +43,24 @@ impl Axis {
         self.outer * self.inner
     }
 
+    /// Units of work: whole rows when `inner == 1`, else groups of `LANES` neighbouring slices
+    /// (same outer index, consecutive inner indices) reduced side by side.
+    pub fn units(&self) -> usize {
+        if self.inner == 1 {
+            self.outer
+        } else {
+            self.outer * self.inner.div_ceil(LANES)
+        }
+    }
+
+    /// For group `g` (when `inner > 1`): its width `w` and the storage index of element `k` of
+    /// its first slice (the group's slices are the `w` consecutive indices from there).
+    pub fn group(&self, g: usize) -> (usize, impl Fn(usize) -> usize + '_) {
+        let per_outer = self.inner.div_ceil(LANES);
+        let (o, i0) = (g / per_outer, (g % per_outer) * LANES);
+        (LANES.min(self.inner - i0), move |k| (o * self.n + k) * self.inner + i0)
+    }
+
     /// Storage index of element `k` of slice `s` (contiguous layout).
     pub fn index(&self, s: usize, k: usize) -> usize {
         let (o, i) = (s / self.inner, s % self.inner);
@@ -139,14 +157,10 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
             }
         }
     } else {
-        // Reduce across rows: LANES neighbouring slices (same outer, consecutive inner) at once.
-        let groups = axis.outer * axis.inner.div_ceil(LANES);
-        let per_outer = axis.inner.div_ceil(LANES);
+        // Reduce across rows: LANES neighbouring slices at once.
         let (mut mx, mut acc) = ([0f32; LANES], [0f32; LANES]);
-        for g in ctx.split(groups) {
-            let (o, i0) = (g / per_outer, (g % per_outer) * LANES);
-            let w = LANES.min(axis.inner - i0);
-            let at = |k: usize| (o * axis.n + k) * axis.inner + i0;
+        for g in ctx.split(axis.units()) {
+            let (w, at) = axis.group(g);
             mx[..w].fill(f32::NEG_INFINITY);
             acc[..w].fill(0.0);
             for k in 0..axis.n {
@@ -182,7 +196,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
 fn plan(cx: &OpCx, kind: Kind) -> Result<Plan> {
     let x = cx.input("x");
     let axis = Axis::of(cx, "x")?;
-    let units = if axis.inner == 1 { axis.outer } else { axis.outer * axis.inner.div_ceil(LANES) };
+    let units = axis.units();
     let unit_bytes = (x.numel() / units.max(1)).max(1) * 2 * x.dtype.size();
     let block_dim = block_dim_for(units, unit_bytes);
     let step = with_float_dtype!(x.dtype, cx.op(), "x", |T| {

@@ -21,10 +21,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
     let dx = args.output(0);
     let base = dx.layout().offset();
     let (mut bd, mut by, mut acc) = ([0f32; LANES], [0f32; LANES], [0f32; LANES]);
-    // Each unit is `w` slices side by side (w = 1 for inner == 1), stepping `step` elements per k.
-    let per_outer = axis.inner.div_ceil(LANES);
-    let units = if axis.inner == 1 { axis.outer } else { axis.outer * per_outer };
-    for u in ctx.split(units) {
+    for u in ctx.split(axis.units()) {
         if axis.inner == 1 {
             let row = u * axis.n..(u + 1) * axis.n;
             let (dyr, yr) = (&dys[row.clone()], &ys[row.clone()]);
@@ -46,9 +43,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
                 }
             });
         } else {
-            let (o, i0) = (u / per_outer, (u % per_outer) * LANES);
-            let w = LANES.min(axis.inner - i0);
-            let at = |k: usize| (o * axis.n + k) * axis.inner + i0;
+            let (w, at) = axis.group(u);
             acc[..w].fill(0.0);
             for k in 0..axis.n {
                 T::widen(&dys[at(k)..at(k) + w], &mut bd[..w]);
@@ -78,7 +73,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
 fn plan(cx: &OpCx, kind: Kind) -> Result<Plan> {
     let y = cx.input("y");
     let axis = Axis::of(cx, "y")?;
-    let units = if axis.inner == 1 { axis.outer } else { axis.outer * axis.inner.div_ceil(LANES) };
+    let units = axis.units();
     let unit_bytes = (y.numel() / units.max(1)).max(1) * 3 * y.dtype.size();
     let block_dim = block_dim_for(units, unit_bytes);
     let step = with_float_dtype!(y.dtype, cx.op(), "y", |T| {

@@ -251,19 +251,21 @@ impl<'a> Executor<'a> {
                 copies_in.push((user, staged));
             }
         }
-        let mut tasks = Vec::new();
+        // Tasks are numbered in order on the stream: the first and the last bound this launch.
+        let mut tasks: Option<(u64, u64)> = None;
+        let mut note = |seq: u64| tasks = Some((tasks.map_or(seq, |(first, _)| first), seq));
         for (src, dst) in copies_in {
-            tasks.push(launch_copy(stream, src, dst));
+            note(launch_copy(stream, src, dst));
         }
         let args = Arc::new(kernel_args);
         for step in &self.steps {
             let (args, kernel) = (args.clone(), step.kernel.clone());
-            tasks.push(stream.launch_shared(step.block_dim, Arc::new(move |ctx| kernel(&args, ctx))));
+            note(stream.launch_shared(step.block_dim, Arc::new(move |ctx| kernel(&args, ctx))));
         }
         for (src, dst) in copies_out {
-            tasks.push(launch_copy(stream, src, dst));
+            note(launch_copy(stream, src, dst));
         }
-        self.last_tasks = tasks.first().zip(tasks.last()).map(|(&f, &l)| (f, l));
+        self.last_tasks = tasks;
         Ok(())
     }
 }
