@@ -65,6 +65,9 @@ PEERS = {
                torch.matmul),
     "rope": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape[-2:], dtype=dt),
                                 torch.randn(shape[-2:], dtype=dt)), rope),
+    # Causal prefill, as uniop's example (MHA at the default shape).
+    "attention": (lambda shape, dt: tuple(torch.randn(shape, dtype=dt) for _ in range(3)),
+                  lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
     "add_rms_norm": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt),
                                         torch.randn(shape[-1:], dtype=dt)), add_rms_norm),
 }

@@ -19,6 +19,7 @@ macro_rules! simd_kernel {
     };
 }
 
+pub mod attention;
 mod elementwise;
 pub mod embedding;
 pub mod embedding_backward;
@@ -71,6 +72,7 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(silu_mul_backward::SiluMulBackward),
         Box::new(swiglu::Swiglu),
         Box::new(swiglu_backward::SwigluBackward),
+        Box::new(attention::Attention),
         Box::new(softmax::Softmax::SOFTMAX),
         Box::new(softmax::Softmax::LOG_SOFTMAX),
         Box::new(softmax_backward::SoftmaxBackward::SOFTMAX),

@@ -1,0 +1,500 @@
+//! `attention(q, k, v, kv_lens=None, causal=False, scale=None) -> (out, lse)`: scaled dot-product
+//! attention, flash-style.
+//!
+//! Layout is torch SDPA's: `q` `[B, Hq, Sq, D]`, `k` `[B, Hkv, Sk, D]`, `v` `[B, Hkv, Sk, Dv]`,
+//! any strides with a dense last dim — so HF's `[B, S, H, D]` tensors transposed to
+//! `[B, H, S, D]` are read in place. `Hkv` must divide `Hq` (grouped-query attention: q head `h`
+//! reads kv head `h / (Hq / Hkv)`).
+//!
+//! Why flash-style: the `Sq × Sk` score matrix is never stored. Each unit of work is one
+//! (batch, kv head, tile of query positions) with the tile holding that position range for every
+//! q head of the group, so each K/V tile is loaded once per group (this is what makes GQA decode
+//! cheap: it is bandwidth-bound on K/V). Scores for `TILE_KEYS` keys at a time go through the
+//! `gemm` crate (single-threaded inside our SPMD blocks, like matmul) and an online softmax
+//! (running max and sum per row, output rescaled when the max grows). Extra memory is
+//! O(tile) per block, independent of `Sk`. f16/bf16 tiles are widened to f32; all math is f32.
+//!
+//! Masking. `kv_lens` (int `[B]`, optional) limits batch row `b` to its first `kv_lens[b]` keys
+//! (decode against a preallocated KV cache). `causal` aligns the mask **bottom-right**: query `i`
+//! sees key `j` iff `j <= i + (len - Sq)`, where `len` is the row's key count. With `Sq == Sk`
+//! this is torch's `is_causal=True` (top-left); with `Sq < len` it is what decode and chunked
+//! prefill need (the new queries are the last `Sq` positions). A query that sees no key
+//! (possible only when `len < Sq`) gets output 0 and `lse = -inf`.
+//!
+//! `lse` (`[B, Hq, Sq]`, f32) is the log-sum-exp of each query's scaled scores, saved for
+//! [`attention_backward`](crate::attention_backward).
+
+use crate::math;
+use crate::matmul::{gemm_rows, Dst, Mat};
+use uniop::layout::ShapeDisplay;
+use uniop::{
+    with_float_dtype, AttrValue, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
+    Plan, RefTensor, Result, Step, TensorMeta, TensorRef,
+};
+
+pub struct Attention;
+
+pub(crate) const DTYPES: &[DType] = &[DType::F32, DType::F16, DType::BF16];
+const LEN_DTYPES: &[DType] = &[DType::I32, DType::I64];
+
+/// Query rows per tile (all heads of a group together) and keys per score tile: 128 × 256 f32
+/// tiles keep Q, S, O and a K/V tile inside a Zen core's 1 MiB L2.
+pub(crate) const TILE_ROWS: usize = 128;
+pub(crate) const TILE_KEYS: usize = 256;
+
+/// Shapes and attributes shared by the forward and backward ops.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Geometry {
+    pub batch: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub q_len: usize,
+    pub kv_len: usize,
+    pub head_dim: usize,
+    pub v_dim: usize,
+    pub causal: bool,
+    pub scale: f32,
+    pub dtype: DType,
+}
+
+impl Geometry {
+    pub fn group(&self) -> usize {
+        self.q_heads / self.kv_heads.max(1)
+    }
+
+    /// Query positions per tile, so that a tile holds about `TILE_ROWS` rows over the group.
+    pub fn tile_q(&self) -> usize {
+        (TILE_ROWS / self.group().max(1)).clamp(1, self.q_len.max(1))
+    }
+
+    pub fn q_tiles(&self) -> usize {
+        self.q_len.div_ceil(self.tile_q())
+    }
+
+    /// Units of work `(batch, kv head, query tile)`.
+    pub fn units(&self) -> usize {
+        self.batch * self.kv_heads * self.q_tiles()
+    }
+
+    /// Unit `u`, ordered latest query tile first: under a causal mask those are the heaviest,
+    /// and handing them out first balances the dynamically claimed blocks.
+    pub fn unit(&self, u: usize) -> (usize, usize, usize) {
+        let per_tile = self.batch * self.kv_heads;
+        let tile = self.q_tiles() - 1 - u / per_tile;
+        let bh = u % per_tile;
+        (bh / self.kv_heads, bh % self.kv_heads, tile)
+    }
+
+    /// Keys visible to query `i` of a batch row with `len` keys: a prefix `[0, visible)`.
+    pub fn visible(&self, len: usize, i: usize) -> usize {
+        if self.causal {
+            (i + 1 + len).saturating_sub(self.q_len).min(len)
+        } else {
+            len
+        }
+    }
+
+    /// f32 scratch per block for a tile of `rows` queries: Q, S, O, and K/V tiles when they must be widened.
+    fn forward_scratch(&self, rows: usize) -> usize {
+        let kv = if self.dtype == DType::F32 { 0 } else { TILE_KEYS * (self.head_dim + self.v_dim) };
+        rows * (self.head_dim + TILE_KEYS + self.v_dim + 2) + kv
+    }
+}
+
+fn expect_rank4(cx: &OpCx, arg: &str) -> Result<[usize; 4]> {
+    let shape = cx.input(arg).shape();
+    <[usize; 4]>::try_from(shape).map_err(|_| {
+        cx.err(
+            ErrorCode::Shape,
+            arg,
+            "rank 4 ([batch, heads, seq, head_dim])",
+            format!("shape {}", ShapeDisplay(shape)),
+        )
+    })
+}
+
+/// Checks `q`, `k`, `v`, `kv_lens` and the attributes.
+pub(crate) fn geometry(cx: &OpCx) -> Result<Geometry> {
+    let dtype = cx.expect_dtype_in("q", DTYPES)?;
+    cx.expect_same_dtype("k", dtype, "q")?;
+    cx.expect_same_dtype("v", dtype, "q")?;
+    let [batch, q_heads, q_len, head_dim] = expect_rank4(cx, "q")?;
+    let [_, kv_heads, kv_len, _] = expect_rank4(cx, "k")?;
+    cx.expect_shape("k", &[batch, kv_heads, kv_len, head_dim])?;
+    let [.., v_dim] = expect_rank4(cx, "v")?;
+    cx.expect_shape("v", &[batch, kv_heads, kv_len, v_dim])?;
+    if kv_heads == 0 || q_heads % kv_heads != 0 {
+        return Err(cx.err(
+            ErrorCode::Shape,
+            "k",
+            format!("a kv head count dividing q's {q_heads} heads"),
+            format!("{kv_heads} heads (shape {})", ShapeDisplay(cx.input("k").shape())),
+        ));
+    }
+    if let Some(lens) = cx.optional_input("kv_lens") {
+        cx.expect_dtype_in("kv_lens", LEN_DTYPES)?;
+        cx.expect_shape("kv_lens", &[batch])?;
+        debug_assert_eq!(lens.numel(), batch);
+    }
+    let scale = match cx.attr("scale") {
+        AttrValue::None => 1.0 / (head_dim.max(1) as f64).sqrt(),
+        _ => cx.float("scale"),
+    };
+    if !scale.is_finite() {
+        return Err(cx.err(ErrorCode::ParamInvalid, "scale", "a finite float or None (1/sqrt(head_dim))", scale));
+    }
+    let causal = matches!(cx.attr("causal"), AttrValue::Bool(true));
+    Ok(Geometry { batch, q_heads, kv_heads, q_len, kv_len, head_dim, v_dim, causal, scale: scale as f32, dtype })
+}
+
+/// Row addressing of a `[B, H, S, D]` view with a dense last dim.
+#[derive(Clone, Copy)]
+pub(crate) struct Rows4 {
+    base: usize,
+    strides: [usize; 3],
+}
+
+impl Rows4 {
+    pub fn of(t: &uniop::Layout) -> Rows4 {
+        let s = t.strides();
+        Rows4 { base: t.offset(), strides: [s[0], s[1], s[2]] }
+    }
+    /// Storage offset of row `(b, h, i)`.
+    #[inline(always)]
+    pub fn at(&self, b: usize, h: usize, i: usize) -> usize {
+        self.base + b * self.strides[0] + h * self.strides[1] + i * self.strides[2]
+    }
+    /// Distance between consecutive positions of one head.
+    pub fn seq_stride(&self) -> usize {
+        self.strides[2]
+    }
+}
+
+/// Key count of batch row `b`: `kv_lens[b]` when given, else all `kv_len` keys.
+/// Panics (a launch error naming the argument) on a length outside `[0, kv_len]`.
+pub(crate) fn row_len(lens: Option<&TensorRef<'_>>, b: usize, kv_len: usize, op: &str) -> usize {
+    let Some(lens) = lens else { return kv_len };
+    let at = lens.layout().offset_of_linear(b);
+    let len = match lens.dtype() {
+        DType::I32 => lens.storage::<i32>().expect("dtype checked")[at] as i64,
+        _ => lens.storage::<i64>().expect("dtype checked")[at],
+    };
+    if len < 0 || len as usize > kv_len {
+        panic!("{op}: argument 'kv_lens': expected values in [0, {kv_len}] (the cache length of k), got {len} at position {b}");
+    }
+    len as usize
+}
+
+/// Keys `[j0, j0 + n)` of head `h` of `t` (K or V) as an f32 matrix with dense rows: the tensor
+/// itself when it is f32, else the rows widened into `scratch`. Returns pointer and row stride.
+#[inline(always)]
+pub(crate) fn f32_rows<T: FloatElement>(
+    t: &TensorRef<'_>,
+    rows: Rows4,
+    (b, h, j0): (usize, usize, usize),
+    n: usize,
+    width: usize,
+    scratch: &mut [f32],
+) -> (*const f32, usize) {
+    let data = t.storage::<T>().expect("dtype dispatched");
+    if T::DTYPE == DType::F32 {
+        // SAFETY: T is f32 (checked above), so the cast reinterprets nothing.
+        return (unsafe { data.as_ptr().add(rows.at(b, h, j0)) as *const f32 }, rows.seq_stride());
+    }
+    for j in 0..n {
+        let at = rows.at(b, h, j0 + j);
+        T::widen(&data[at..at + width], &mut scratch[j * width..(j + 1) * width]);
+    }
+    (scratch.as_ptr(), width)
+}
+
+/// Widens row `at` of `data` into `dst`, multiplied by `scale`.
+#[inline(always)]
+pub(crate) fn load_scaled<T: FloatElement>(data: &[T], at: usize, dst: &mut [f32], scale: f32) {
+    T::widen(&data[at..at + dst.len()], dst);
+    dst.iter_mut().for_each(|v| *v *= scale);
+}
+
+/// `s[rows, :n] = q[rows, :d] · k[:n, :d]ᵀ` (row strides `sw`, `d`, `ks`).
+///
+/// # Safety
+/// `k` must be valid for `n` rows of `d` elements at stride `ks`.
+#[inline(always)]
+pub(crate) unsafe fn scores(
+    s: &mut [f32],
+    sw: usize,
+    q: &[f32],
+    d: usize,
+    rows: usize,
+    k: (*const f32, usize),
+    n: usize,
+) {
+    gemm_rows(
+        0..rows,
+        n,
+        d,
+        Dst { ptr: s.as_mut_ptr(), rs: sw as isize, cs: 1 },
+        Mat { ptr: q.as_ptr(), rs: d as isize, cs: 1 },
+        Mat { ptr: k.0, rs: 1, cs: k.1 as isize },
+        false,
+    );
+}
+
+crate::simd_kernel! {
+/// One online-softmax step for a row of scores `s` (the first `visible` of which are unmasked):
+/// updates the running max `m` and sum `l`, rescales the output row `o`, and leaves `s` holding
+/// the probabilities (0 where masked) for the `P·V` product.
+fn online_softmax_row(s: &mut [f32], visible: usize, m: &mut f32, l: &mut f32, o: &mut [f32]) {
+    // Float reductions only vectorize with explicit lanes (LLVM keeps the sequential order).
+    const W: usize = 16;
+    let (live, masked) = s.split_at_mut(visible.min(s.len()));
+    masked.fill(0.0);
+    let mut lanes = [f32::NEG_INFINITY; W];
+    let chunks = live.chunks_exact(W);
+    let tail = chunks.remainder().iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    for c in chunks {
+        for (a, &v) in lanes.iter_mut().zip(c) {
+            *a = a.max(v);
+        }
+    }
+    let new_m = lanes.iter().fold(f32::max(*m, tail), |a, &b| a.max(b));
+    if new_m == f32::NEG_INFINITY {
+        return; // nothing visible yet: `s` is all zeros, m and l stay empty
+    }
+    let mut sums = [0f32; W];
+    let mut chunks = live.chunks_exact_mut(W);
+    for c in &mut chunks {
+        for (a, v) in sums.iter_mut().zip(c) {
+            *v = math::exp(*v - new_m);
+            *a += *v;
+        }
+    }
+    let mut sum: f32 = sums.iter().sum();
+    for v in chunks.into_remainder() {
+        *v = math::exp(*v - new_m);
+        sum += *v;
+    }
+    if new_m > *m {
+        let alpha = math::exp(*m - new_m);
+        o.iter_mut().for_each(|v| *v *= alpha);
+        *l *= alpha;
+        *m = new_m;
+    }
+    *l += sum;
+}
+}
+
+/// Scratch pieces carved from one block's f32 workspace.
+pub(crate) fn carve<'a, const N: usize>(mut ws: &'a mut [f32], sizes: [usize; N]) -> [&'a mut [f32]; N] {
+    sizes.map(|n| {
+        let (head, tail) = std::mem::take(&mut ws).split_at_mut(n);
+        ws = tail;
+        head
+    })
+}
+
+fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
+    let (q, k, v) = (args.input(0), args.input(1), args.input(2));
+    let lens = args.optional_input(3);
+    let (out, lse) = (args.output(0), args.output(1));
+    let (qr, kr, vr, or) =
+        (Rows4::of(q.layout()), Rows4::of(k.layout()), Rows4::of(v.layout()), Rows4::of(out.layout()));
+    let qs = q.storage::<T>().expect("dtype dispatched");
+    let (d, dv, group, tq) = (g.head_dim, g.v_dim, g.group(), g.tile_q());
+    let per_block = g.forward_scratch(group * tq);
+    // SAFETY: block b owns scratch range b.
+    let ws = unsafe { args.workspace::<f32>(ctx.block_idx as usize * per_block, per_block) };
+    let rows_max = group * tq;
+    let widen = if T::DTYPE == DType::F32 { 0 } else { TILE_KEYS };
+    let [qt, st, ot, mt, lt, kt, vt] =
+        carve(ws, [rows_max * d, rows_max * TILE_KEYS, rows_max * dv, rows_max, rows_max, widen * d, widen * dv]);
+    for u in ctx.split(g.units()) {
+        let (b, hkv, tile) = g.unit(u);
+        let len = row_len(lens.as_ref(), b, g.kv_len, "attention");
+        let q0 = tile * tq;
+        let n_pos = tq.min(g.q_len - q0);
+        let rows = group * n_pos;
+        // Row r is query position q0 + r % n_pos of q head hkv·group + r / n_pos.
+        let head_pos = |r: usize| (hkv * group + r / n_pos, q0 + r % n_pos);
+        for r in 0..rows {
+            let (h, i) = head_pos(r);
+            load_scaled(qs, qr.at(b, h, i), &mut qt[r * d..(r + 1) * d], g.scale);
+        }
+        mt[..rows].fill(f32::NEG_INFINITY);
+        lt[..rows].fill(0.0);
+        ot[..rows * dv].fill(0.0);
+        let kv_end = g.visible(len, q0 + n_pos - 1);
+        for j0 in (0..kv_end).step_by(TILE_KEYS) {
+            let n = TILE_KEYS.min(kv_end - j0);
+            let kp = f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt);
+            // SAFETY: kp covers n rows of d elements (the views were checked when bound).
+            unsafe { scores(st, TILE_KEYS, qt, d, rows, kp, n) };
+            for r in 0..rows {
+                let visible = g.visible(len, head_pos(r).1).saturating_sub(j0);
+                let s = &mut st[r * TILE_KEYS..r * TILE_KEYS + n];
+                online_softmax_row(s, visible, &mut mt[r], &mut lt[r], &mut ot[r * dv..(r + 1) * dv]);
+            }
+            let vp = f32_rows::<T>(&v, vr, (b, hkv, j0), n, dv, vt);
+            // SAFETY: as above; `ot` is this block's scratch.
+            unsafe {
+                gemm_rows(
+                    0..rows,
+                    dv,
+                    n,
+                    Dst { ptr: ot.as_mut_ptr(), rs: dv as isize, cs: 1 },
+                    Mat { ptr: st.as_ptr(), rs: TILE_KEYS as isize, cs: 1 },
+                    Mat { ptr: vp.0, rs: vp.1 as isize, cs: 1 },
+                    true,
+                );
+            }
+        }
+        for r in 0..rows {
+            let (h, i) = head_pos(r);
+            let o = &mut ot[r * dv..(r + 1) * dv];
+            let (inv, lse_r) = if lt[r] > 0.0 { (1.0 / lt[r], mt[r] + lt[r].ln()) } else { (0.0, f32::NEG_INFINITY) };
+            o.iter_mut().for_each(|x| *x *= inv);
+            // SAFETY: this unit owns rows (b, h, q0..q0+n_pos) of out and lse.
+            unsafe {
+                T::narrow(o, out.slice_mut::<T>(or.at(b, h, i), dv));
+                out_lse(&lse, g, b, h, i)[0] = lse_r;
+            }
+        }
+    }
+}
+
+/// Element `(b, h, i)` of the contiguous `[B, Hq, Sq]` lse tensor.
+///
+/// # Safety
+/// The caller must own that element for the launch.
+#[allow(clippy::mut_from_ref)]
+unsafe fn out_lse<'a>(lse: &uniop::OutputView<'a>, g: Geometry, b: usize, h: usize, i: usize) -> &'a mut [f32] {
+    lse.slice_mut::<f32>(lse.layout().offset() + (b * g.q_heads + h) * g.q_len + i, 1)
+}
+
+/// f64 reference of the forward: per query, softmax over its visible keys. Also used by the
+/// backward's reference (it needs the probabilities).
+pub(crate) fn reference_probs(g: &Geometry, q: &RefTensor, k: &RefTensor, lens: Option<&RefTensor>) -> Vec<Vec<f64>> {
+    let (d, group) = (g.head_dim, g.group());
+    let mut probs = Vec::with_capacity(g.batch * g.q_heads * g.q_len);
+    for b in 0..g.batch {
+        let len = lens.map_or(g.kv_len, |l| l.data[b] as usize);
+        for h in 0..g.q_heads {
+            for i in 0..g.q_len {
+                let qi = &q.data[((b * g.q_heads + h) * g.q_len + i) * d..][..d];
+                let visible = g.visible(len, i);
+                let s: Vec<f64> = (0..visible)
+                    .map(|j| {
+                        let kj = &k.data[((b * g.kv_heads + h / group) * g.kv_len + j) * d..][..d];
+                        qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() * g.scale as f64
+                    })
+                    .collect();
+                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                probs.push(e.iter().map(|v| v / sum).chain([m + sum.ln()]).collect());
+            }
+        }
+    }
+    probs
+}
+
+impl Op for Attention {
+    fn schema(&self) -> &'static str {
+        "attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None) -> \
+         (Tensor out, Tensor lse)"
+    }
+
+    fn doc(&self) -> &'static str {
+        "Scaled dot-product attention, flash-style (O(tile) memory, never the Sq x Sk scores). q [B, Hq, Sq, D], \
+         k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, dense last dim); Hkv divides Hq (GQA). kv_lens (int [B]) \
+         limits each batch row to its first keys (KV-cache decode). causal aligns bottom-right: query i sees key j \
+         iff j <= i + len - Sq (torch is_causal when Sq == Sk). scale defaults to 1/sqrt(D). lse: float32 \
+         log-sum-exp of the scaled scores per query (-inf, with out = 0, for a query that sees no key)."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+
+    fn backward(&self) -> Option<&'static str> {
+        Some("attention_backward")
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let g = geometry(cx)?;
+        Ok(vec![
+            TensorMeta::contiguous(g.dtype, &[g.batch, g.q_heads, g.q_len, g.v_dim])?,
+            TensorMeta::contiguous(DType::F32, &[g.batch, g.q_heads, g.q_len])?,
+        ])
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        let g = geometry(cx)?;
+        let threads = uniop::runtime::Pool::global().threads();
+        let block_dim = g.units().clamp(1, 4 * threads) as u32;
+        let step = with_float_dtype!(g.dtype, cx.op(), "q", |T| {
+            Step::new("attention", block_dim, move |args, ctx| forward::<T>(args, ctx, g))
+        });
+        let per_block = g.forward_scratch(g.group() * g.tile_q());
+        Ok(Plan::new(vec![step])
+            .workspace(block_dim as usize * per_block * 4)
+            .inputs_need(vec![LayoutNeed::InnerContiguous; 3])
+            .outputs_need(vec![LayoutNeed::Contiguous; 2]))
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let g = geometry(cx)?;
+        let [q, k, v] = [0, 1, 2].map(|i| inputs[i].as_ref().unwrap());
+        let probs = reference_probs(&g, q, k, inputs[3].as_ref());
+        let dv = g.v_dim;
+        let mut out = vec![0.0; g.batch * g.q_heads * g.q_len * dv];
+        let mut lse = vec![0.0; probs.len()];
+        for (row, p) in probs.iter().enumerate() {
+            let (b, h) = (row / (g.q_heads * g.q_len), row / g.q_len % g.q_heads);
+            let (weights, l) = p.split_at(p.len() - 1);
+            lse[row] = l[0];
+            for (j, w) in weights.iter().enumerate() {
+                let vj = &v.data[((b * g.kv_heads + h / g.group()) * g.kv_len + j) * dv..][..dv];
+                for (o, x) in out[row * dv..(row + 1) * dv].iter_mut().zip(vj) {
+                    *o += w * x;
+                }
+            }
+        }
+        Ok(vec![
+            RefTensor::new(&[g.batch, g.q_heads, g.q_len, dv], out),
+            RefTensor::new(&[g.batch, g.q_heads, g.q_len], lse),
+        ])
+    }
+
+    fn error_scale(&self, cx: &OpCx) -> f64 {
+        geometry(cx).map_or(1.0, |g| (g.head_dim.max(1) as f64).sqrt())
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        let (q, kv) = example_shapes(shape);
+        Ok(Example {
+            inputs: vec![
+                Some(TensorMeta::contiguous(dtype, &q)?),
+                Some(TensorMeta::contiguous(dtype, &kv)?),
+                Some(TensorMeta::contiguous(dtype, &kv)?),
+                None,
+            ],
+            attrs: vec![("causal".into(), AttrValue::Bool(true))],
+            ..Default::default()
+        })
+    }
+}
+
+/// `q` and `k`/`v` shapes for an example. By default LLaMA-7B prefill, `[1, 32, 2048, 128]` for
+/// all three (the benchmark shape, comparable with torch SDPA). A given `shape` is q's, padded to
+/// rank 4 with leading 1s, and k/v get half its heads when that divides — so the generic
+/// registry tests exercise grouped-query attention.
+pub(crate) fn example_shapes(shape: Option<&[usize]>) -> ([usize; 4], [usize; 4]) {
+    let Some(shape) = shape else { return ([1, 32, 2048, 128], [1, 32, 2048, 128]) };
+    let mut q = [1; 4];
+    for (dst, &s) in q.iter_mut().rev().zip(shape.iter().rev()) {
+        *dst = s;
+    }
+    let kv_heads = if q[1] % 2 == 0 { q[1] / 2 } else { q[1] };
+    (q, [q[0], kv_heads, q[2], q[3]])
+}
