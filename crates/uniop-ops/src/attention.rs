@@ -285,7 +285,7 @@ fn online_softmax_row(s: &mut [f32], visible: usize, m: &mut f32, l: &mut f32, o
 }
 
 /// Scratch pieces carved from one block's f32 workspace.
-pub(crate) fn carve<'a, const N: usize>(mut ws: &'a mut [f32], sizes: [usize; N]) -> [&'a mut [f32]; N] {
+pub(crate) fn carve<const N: usize>(mut ws: &mut [f32], sizes: [usize; N]) -> [&mut [f32]; N] {
     sizes.map(|n| {
         let (head, tail) = std::mem::take(&mut ws).split_at_mut(n);
         ws = tail;
