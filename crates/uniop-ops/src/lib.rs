@@ -20,6 +20,7 @@ macro_rules! simd_kernel {
 }
 
 pub mod attention;
+pub mod attention_backward;
 mod elementwise;
 pub mod embedding;
 pub mod embedding_backward;
@@ -73,6 +74,7 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(swiglu::Swiglu),
         Box::new(swiglu_backward::SwigluBackward),
         Box::new(attention::Attention),
+        Box::new(attention_backward::AttentionBackward),
         Box::new(softmax::Softmax::SOFTMAX),
         Box::new(softmax::Softmax::LOG_SOFTMAX),
         Box::new(softmax_backward::SoftmaxBackward::SOFTMAX),

@@ -1,0 +1,370 @@
+//! `attention_backward(dout, q, k, v, out, lse, kv_lens, causal, scale) -> (dq, dk, dv)`: the
+//! gradient of [`attention`](crate::attention), flash-style: probabilities are recomputed tile
+//! by tile from the saved `lse`, never stored whole.
+//!
+//! With `P = exp(S − lse)`, `δ_i = Σ dout_i · out_i` and `dS = P ∘ (dout·Vᵀ − δ)`:
+//! `dV = Pᵀ·dout`, `dK = scale · dSᵀ·Q`, `dQ = scale · dS·K`.
+//!
+//! Three launches, each block owning what it writes (deterministic, no atomics): δ per query
+//! row (into the workspace); then per (batch, kv head, key tile) `dK`/`dV` summed over the
+//! group's q heads and every query tile that sees those keys; then per (batch, kv head, query
+//! tile) `dQ`, like the forward. Scores are recomputed in the last two (7 tile products instead
+//! of the 5 a shared-accumulator version needs) — the price of determinism without atomics.
+
+use crate::attention::{
+    carve, f32_rows, geometry, load_scaled, row_len, scores, Geometry, Rows4, DTYPES, TILE_KEYS, TILE_ROWS,
+};
+use crate::math;
+use crate::matmul::{gemm_rows, Dst, Mat};
+use uniop::{
+    with_float_dtype, AttrValue, BlockCtx, DType, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, OutputView,
+    Plan, RefTensor, Result, Step, TensorMeta,
+};
+
+pub struct AttentionBackward;
+
+/// Flattened input positions (kv_lens is optional, last).
+const DOUT: usize = 0;
+const Q: usize = 1;
+const K: usize = 2;
+const V: usize = 3;
+const OUT: usize = 4;
+const LSE: usize = 5;
+const KV_LENS: usize = 6;
+
+fn checked_geometry(cx: &OpCx) -> Result<Geometry> {
+    let g = geometry(cx)?;
+    let out_shape = [g.batch, g.q_heads, g.q_len, g.v_dim];
+    cx.expect_same_dtype("out", g.dtype, "q")?;
+    cx.expect_shape("out", &out_shape)?;
+    cx.expect_same_dtype("dout", g.dtype, "q")?;
+    cx.expect_shape("dout", &out_shape)?;
+    cx.expect_dtype_in("lse", &[DType::F32])?;
+    cx.expect_shape("lse", &[g.batch, g.q_heads, g.q_len])?;
+    Ok(g)
+}
+
+/// Per-block scratch (f32 elements): the larger of the dK/dV and the dQ launches.
+fn block_scratch(g: &Geometry) -> usize {
+    let (d, dv) = (g.head_dim, g.v_dim);
+    let widen = if g.dtype == DType::F32 { 0 } else { TILE_KEYS * (d + dv) };
+    let dkv_rows = TILE_ROWS.min(g.q_len.max(1));
+    let dq_rows = g.group() * g.tile_q();
+    let dkv = dkv_rows * (d + dv + 2 * TILE_KEYS) + TILE_KEYS * (d + dv);
+    let dq = dq_rows * (d + dv + 2 * TILE_KEYS + d);
+    dkv.max(dq) + widen
+}
+
+/// `lse` and `δ` of query `(b, h, i)`: index into the `[B, Hq, Sq]` row arrays.
+fn row_index(g: &Geometry, b: usize, h: usize, i: usize) -> usize {
+    (b * g.q_heads + h) * g.q_len + i
+}
+
+crate::simd_kernel! {
+/// `s ← exp(s − lse)` on the first `visible` entries, 0 after (masked keys).
+fn probs_row(s: &mut [f32], visible: usize, lse: f32) {
+    let (live, masked) = s.split_at_mut(visible.min(s.len()));
+    masked.fill(0.0);
+    live.iter_mut().for_each(|v| *v = math::exp(*v - lse));
+}
+}
+
+crate::simd_kernel! {
+/// `dp ← p ∘ (dp − δ)`: the score gradient of one row.
+fn dscores_row(p: &[f32], dp: &mut [f32], delta: f32) {
+    for (d, &p) in dp.iter_mut().zip(p) {
+        *d = p * (*d - delta);
+    }
+}
+}
+
+/// Step 1: `δ` for every query row, into the workspace's first `B·Hq·Sq` floats.
+fn delta_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
+    let (dout, out) = (args.input(DOUT), args.input(OUT));
+    let (dr, or) = (Rows4::of(dout.layout()), Rows4::of(out.layout()));
+    let (ds, os) = (dout.storage::<T>().unwrap(), out.storage::<T>().unwrap());
+    let rows = g.batch * g.q_heads * g.q_len;
+    let range = ctx.split(rows);
+    // SAFETY: block b writes only its rows of the δ region.
+    let delta = unsafe { args.workspace::<f32>(range.start, range.len()) };
+    let mut buf = vec![0f32; 2 * g.v_dim];
+    let (a, c) = buf.split_at_mut(g.v_dim);
+    for (row, dst) in range.zip(delta) {
+        let (b, h, i) = (row / (g.q_heads * g.q_len), row / g.q_len % g.q_heads, row % g.q_len);
+        T::widen(&ds[dr.at(b, h, i)..][..g.v_dim], a);
+        T::widen(&os[or.at(b, h, i)..][..g.v_dim], c);
+        *dst = a.iter().zip(c.iter()).map(|(x, y)| x * y).sum();
+    }
+}
+
+/// Writes `src · scale` into row `at` of `dst` (this block's row).
+///
+/// # Safety
+/// The block must own that row.
+unsafe fn store_row<T: FloatElement>(dst: &OutputView<'_>, at: usize, src: &mut [f32], scale: f32) {
+    if scale != 1.0 {
+        src.iter_mut().for_each(|v| *v *= scale);
+    }
+    T::narrow(src, dst.slice_mut::<T>(at, src.len()));
+}
+
+/// Step 2: `dK`, `dV` for one key tile of one kv head per unit.
+fn dkv_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, per_block: usize) {
+    let (dout, q, k, v, lse) = (args.input(DOUT), args.input(Q), args.input(K), args.input(V), args.input(LSE));
+    let lens = args.optional_input(KV_LENS);
+    let (dk, dv_out) = (args.output(1), args.output(2));
+    let (dr, qr, kr, vr) =
+        (Rows4::of(dout.layout()), Rows4::of(q.layout()), Rows4::of(k.layout()), Rows4::of(v.layout()));
+    let (dkr, dvr) = (Rows4::of(dk.layout()), Rows4::of(dv_out.layout()));
+    let (qs, ds) = (q.storage::<T>().unwrap(), dout.storage::<T>().unwrap());
+    let lse_s = &lse.storage::<f32>().unwrap()[lse.layout().offset()..];
+    let (d, dv, group) = (g.head_dim, g.v_dim, g.group());
+    let n_rows = g.q_len * g.q_heads * g.batch;
+    // SAFETY: δ was written by step 1 and is only read now; block b owns scratch range b.
+    let delta = unsafe { &*(args.workspace::<f32>(0, n_rows) as *const [f32]) };
+    let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
+    let tr = TILE_ROWS.min(g.q_len.max(1));
+    let widen = if T::DTYPE == DType::F32 { 0 } else { TILE_KEYS };
+    let [qt, dot, st, dpt, dk_acc, dv_acc, kt, vt] = carve(
+        ws,
+        [tr * d, tr * dv, tr * TILE_KEYS, tr * TILE_KEYS, TILE_KEYS * d, TILE_KEYS * dv, widen * d, widen * dv],
+    );
+    let k_tiles = g.kv_len.div_ceil(TILE_KEYS);
+    for u in ctx.split(g.batch * g.kv_heads * k_tiles) {
+        let (b, hkv, j0) = (u / (g.kv_heads * k_tiles), u / k_tiles % g.kv_heads, u % k_tiles * TILE_KEYS);
+        let n = TILE_KEYS.min(g.kv_len - j0);
+        let len = row_len(lens.as_ref(), b, g.kv_len, "attention_backward");
+        dk_acc[..n * d].fill(0.0);
+        dv_acc[..n * dv].fill(0.0);
+        let kp = f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt);
+        let vp = f32_rows::<T>(&v, vr, (b, hkv, j0), n, dv, vt);
+        for h in hkv * group..(hkv + 1) * group {
+            // Query tiles whose last row sees key j0 at all (the mask is a prefix per row).
+            for i0 in (0..g.q_len).step_by(tr) {
+                let rows = tr.min(g.q_len - i0);
+                if g.visible(len, i0 + rows - 1) <= j0 {
+                    continue;
+                }
+                for r in 0..rows {
+                    load_scaled(qs, qr.at(b, h, i0 + r), &mut qt[r * d..(r + 1) * d], g.scale);
+                    load_scaled(ds, dr.at(b, h, i0 + r), &mut dot[r * dv..(r + 1) * dv], 1.0);
+                }
+                // SAFETY: kp/vp cover n rows; all other operands are this block's scratch.
+                unsafe {
+                    scores(st, TILE_KEYS, qt, d, rows, kp, n);
+                    scores(dpt, TILE_KEYS, dot, dv, rows, vp, n);
+                }
+                for r in 0..rows {
+                    let at = row_index(&g, b, h, i0 + r);
+                    let visible = g.visible(len, i0 + r).saturating_sub(j0);
+                    let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
+                    probs_row(s, visible, lse_s[at]);
+                    dscores_row(s, dp, delta[at]);
+                }
+                // dV += Pᵀ·dout, dK += dSᵀ·(scale·Q): transposes are strides.
+                unsafe {
+                    gemm_rows(
+                        0..n,
+                        dv,
+                        rows,
+                        Dst { ptr: dv_acc.as_mut_ptr(), rs: dv as isize, cs: 1 },
+                        Mat { ptr: st.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
+                        Mat { ptr: dot.as_ptr(), rs: dv as isize, cs: 1 },
+                        true,
+                    );
+                    gemm_rows(
+                        0..n,
+                        d,
+                        rows,
+                        Dst { ptr: dk_acc.as_mut_ptr(), rs: d as isize, cs: 1 },
+                        Mat { ptr: dpt.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
+                        Mat { ptr: qt.as_ptr(), rs: d as isize, cs: 1 },
+                        true,
+                    );
+                }
+            }
+        }
+        for j in 0..n {
+            // SAFETY: this unit owns keys j0..j0+n of (b, hkv) in dk and dv.
+            unsafe {
+                store_row::<T>(&dk, dkr.at(b, hkv, j0 + j), &mut dk_acc[j * d..(j + 1) * d], 1.0);
+                store_row::<T>(&dv_out, dvr.at(b, hkv, j0 + j), &mut dv_acc[j * dv..(j + 1) * dv], 1.0);
+            }
+        }
+    }
+}
+
+/// Step 3: `dQ` for one (batch, kv head, query tile) per unit, all heads of the group together.
+fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, per_block: usize) {
+    let (dout, q, k, v, lse) = (args.input(DOUT), args.input(Q), args.input(K), args.input(V), args.input(LSE));
+    let lens = args.optional_input(KV_LENS);
+    let dq = args.output(0);
+    let (dr, qr, kr, vr) =
+        (Rows4::of(dout.layout()), Rows4::of(q.layout()), Rows4::of(k.layout()), Rows4::of(v.layout()));
+    let dqr = Rows4::of(dq.layout());
+    let (qs, ds) = (q.storage::<T>().unwrap(), dout.storage::<T>().unwrap());
+    let lse_s = &lse.storage::<f32>().unwrap()[lse.layout().offset()..];
+    let (d, dv, group, tq) = (g.head_dim, g.v_dim, g.group(), g.tile_q());
+    let n_rows = g.q_len * g.q_heads * g.batch;
+    // SAFETY: as in dkv_kernel.
+    let delta = unsafe { &*(args.workspace::<f32>(0, n_rows) as *const [f32]) };
+    let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
+    let rows_max = group * tq;
+    let widen = if T::DTYPE == DType::F32 { 0 } else { TILE_KEYS };
+    let [qt, dot, st, dpt, dq_acc, kt, vt] = carve(
+        ws,
+        [rows_max * d, rows_max * dv, rows_max * TILE_KEYS, rows_max * TILE_KEYS, rows_max * d, widen * d, widen * dv],
+    );
+    for u in ctx.split(g.units()) {
+        let (b, hkv, tile) = g.unit(u);
+        let len = row_len(lens.as_ref(), b, g.kv_len, "attention_backward");
+        let q0 = tile * tq;
+        let n_pos = tq.min(g.q_len - q0);
+        let rows = group * n_pos;
+        let head_pos = |r: usize| (hkv * group + r / n_pos, q0 + r % n_pos);
+        for r in 0..rows {
+            let (h, i) = head_pos(r);
+            load_scaled(qs, qr.at(b, h, i), &mut qt[r * d..(r + 1) * d], g.scale);
+            load_scaled(ds, dr.at(b, h, i), &mut dot[r * dv..(r + 1) * dv], 1.0);
+        }
+        dq_acc[..rows * d].fill(0.0);
+        let kv_end = g.visible(len, q0 + n_pos - 1);
+        for j0 in (0..kv_end).step_by(TILE_KEYS) {
+            let n = TILE_KEYS.min(kv_end - j0);
+            let kp = f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt);
+            let vp = f32_rows::<T>(&v, vr, (b, hkv, j0), n, dv, vt);
+            // SAFETY: as in dkv_kernel.
+            unsafe {
+                scores(st, TILE_KEYS, qt, d, rows, kp, n);
+                scores(dpt, TILE_KEYS, dot, dv, rows, vp, n);
+            }
+            for r in 0..rows {
+                let (h, i) = head_pos(r);
+                let at = row_index(&g, b, h, i);
+                let visible = g.visible(len, i).saturating_sub(j0);
+                let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
+                probs_row(s, visible, lse_s[at]);
+                dscores_row(s, dp, delta[at]);
+            }
+            // dQ += dS·K (the scale is applied once at the end).
+            unsafe {
+                gemm_rows(
+                    0..rows,
+                    d,
+                    n,
+                    Dst { ptr: dq_acc.as_mut_ptr(), rs: d as isize, cs: 1 },
+                    Mat { ptr: dpt.as_ptr(), rs: TILE_KEYS as isize, cs: 1 },
+                    Mat { ptr: kp.0, rs: kp.1 as isize, cs: 1 },
+                    true,
+                );
+            }
+        }
+        for r in 0..rows {
+            let (h, i) = head_pos(r);
+            // SAFETY: this unit owns rows (b, group heads, q0..q0+n_pos) of dq.
+            unsafe { store_row::<T>(&dq, dqr.at(b, h, i), &mut dq_acc[r * d..(r + 1) * d], g.scale) };
+        }
+    }
+}
+
+impl Op for AttentionBackward {
+    fn schema(&self) -> &'static str {
+        "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, \
+         bool causal=False, float? scale=None) -> (Tensor dq, Tensor dk, Tensor dv)"
+    }
+
+    fn doc(&self) -> &'static str {
+        "Gradients of attention from its saved out and lse (same mask and scale rules). dk/dv sum over the q heads \
+         of each kv-head group; keys past kv_lens get zero gradient. Deterministic (no atomics)."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        checked_geometry(cx)?;
+        ["q", "k", "v"].iter().map(|a| TensorMeta::contiguous(cx.input(a).dtype, cx.input(a).shape())).collect()
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        let g = checked_geometry(cx)?;
+        let threads = uniop::runtime::Pool::global().threads();
+        let blocks = |units: usize| units.clamp(1, 4 * threads) as u32;
+        let dkv_units = g.batch * g.kv_heads * g.kv_len.div_ceil(TILE_KEYS);
+        let per_block = block_scratch(&g);
+        let rows = g.batch * g.q_heads * g.q_len;
+        let steps = with_float_dtype!(g.dtype, cx.op(), "q", |T| vec![
+            Step::new("attention_backward.delta", blocks(rows.div_ceil(64)), move |a, c| delta_kernel::<T>(a, c, g)),
+            Step::new("attention_backward.dkv", blocks(dkv_units), move |a, c| dkv_kernel::<T>(a, c, g, per_block)),
+            Step::new("attention_backward.dq", blocks(g.units()), move |a, c| dq_kernel::<T>(a, c, g, per_block)),
+        ]);
+        let max_blocks = blocks(dkv_units.max(g.units())) as usize;
+        let mut needs = vec![LayoutNeed::InnerContiguous; 5];
+        needs.push(LayoutNeed::Contiguous);
+        Ok(Plan::new(steps)
+            .workspace((rows + max_blocks * per_block) * 4)
+            .inputs_need(needs)
+            .outputs_need(vec![LayoutNeed::Contiguous; 3]))
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let g = checked_geometry(cx)?;
+        let [dout, q, k, v, out, lse] = [DOUT, Q, K, V, OUT, LSE].map(|i| inputs[i].as_ref().unwrap());
+        let lens = inputs[KV_LENS].as_ref();
+        let (d, dv, group) = (g.head_dim, g.v_dim, g.group());
+        let mut dq = vec![0.0; q.data.len()];
+        let mut dk = vec![0.0; k.data.len()];
+        let mut dvv = vec![0.0; v.data.len()];
+        let scale = g.scale as f64;
+        for b in 0..g.batch {
+            let len = lens.map_or(g.kv_len, |l| l.data[b] as usize);
+            for h in 0..g.q_heads {
+                let kv = (b * g.kv_heads + h / group) * g.kv_len;
+                for i in 0..g.q_len {
+                    let row = row_index(&g, b, h, i);
+                    let (qi, doi, oi) =
+                        (&q.data[row * d..][..d], &dout.data[row * dv..][..dv], &out.data[row * dv..][..dv]);
+                    let delta: f64 = doi.iter().zip(oi).map(|(a, b)| a * b).sum();
+                    for j in 0..g.visible(len, i) {
+                        let (kj, vj) = (&k.data[(kv + j) * d..][..d], &v.data[(kv + j) * dv..][..dv]);
+                        let s = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>();
+                        let p = (s - lse.data[row]).exp();
+                        let dp: f64 = doi.iter().zip(vj).map(|(a, b)| a * b).sum();
+                        let ds = p * (dp - delta);
+                        for c in 0..d {
+                            dq[row * d + c] += scale * ds * kj[c];
+                            dk[(kv + j) * d + c] += scale * ds * qi[c];
+                        }
+                        for c in 0..dv {
+                            dvv[(kv + j) * dv + c] += p * doi[c];
+                        }
+                    }
+                }
+            }
+        }
+        Ok(vec![RefTensor::new(&q.shape, dq), RefTensor::new(&k.shape, dk), RefTensor::new(&v.shape, dvv)])
+    }
+
+    fn error_scale(&self, cx: &OpCx) -> f64 {
+        checked_geometry(cx).map_or(1.0, |g| (g.head_dim.max(g.q_len * g.group()).max(1) as f64).sqrt())
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        let (q, kv) = crate::attention::example_shapes(shape);
+        let t = |s: &[usize]| TensorMeta::contiguous(dtype, s).map(Some);
+        Ok(Example {
+            inputs: vec![
+                t(&q)?,
+                t(&q)?,
+                t(&kv)?,
+                t(&kv)?,
+                t(&q)?,
+                Some(TensorMeta::contiguous(DType::F32, &q[..3])?),
+                None,
+            ],
+            attrs: vec![("causal".into(), AttrValue::Bool(true))],
+            ..Default::default()
+        })
+    }
+}

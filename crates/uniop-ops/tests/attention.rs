@@ -1,0 +1,296 @@
+//! attention / attention_backward semantics the generic registry tests cannot know: tiling
+//! across many tiles, GQA as repeated kv heads, the bottom-right causal alignment, decode with
+//! per-sequence cache lengths, HF's transposed layout read in place, gradients against finite
+//! differences, and the bad-input contract.
+
+mod common;
+
+use common::*;
+use uniop::{AttrValue, DType, ErrorCode, Tensor, TensorRef};
+
+fn causal(on: bool) -> [(&'static str, AttrValue); 1] {
+    [("causal", AttrValue::Bool(on))]
+}
+
+fn view<'a>(data: &'a [f32], shape: &[usize]) -> Option<TensorRef<'a>> {
+    Some(TensorRef::new(data, shape).unwrap())
+}
+
+fn assert_near(got: &[f64], want: &[f64], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol * (1.0 + w.abs()), "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
+/// Many query and key tiles (300 > 256 keys per tile, > 64 query rows per GQA tile): the online
+/// softmax's rescaling across tiles is checked against the f64 reference, masked and not, in
+/// f32 and bf16.
+#[test]
+fn attention_spans_many_tiles_and_matches_reference() {
+    setup();
+    let (q_shape, kv_shape) = ([1, 4, 300, 32], [1, 2, 300, 32]);
+    let q = rand_vec(4 * 300 * 32, 1);
+    let k = rand_vec(2 * 300 * 32, 2);
+    let v: Vec<f32> = rand_vec(2 * 300 * 32, 3).iter().map(|x| 4.0 * x).collect();
+    for c in [false, true] {
+        run_checked("attention", &[view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), None], &causal(c));
+    }
+    let bf16 = |x: &[f32], shape: &[usize]| {
+        let values: Vec<_> = x.iter().map(|&v| uniop::half::bf16::from_f32(v)).collect();
+        Tensor::from_slice(&values, shape).unwrap()
+    };
+    let (qb, kb, vb) = (bf16(&q, &q_shape), bf16(&k, &kv_shape), bf16(&v, &kv_shape));
+    run_checked("attention", &[Some(qb.view()), Some(kb.view()), Some(vb.view()), None], &causal(true));
+}
+
+#[test]
+fn grouped_query_attention_equals_repeated_kv_heads() {
+    setup();
+    let (s, d) = (20, 8);
+    let q = rand_vec(4 * s * d, 11);
+    let k = rand_vec(2 * s * d, 12);
+    let v = rand_vec(2 * s * d, 13);
+    // kv head h serves q heads 2h and 2h+1: repeat each head twice for the MHA version.
+    let repeat = |x: &[f32]| x.chunks(s * d).flat_map(|h| h.iter().chain(h).copied()).collect::<Vec<f32>>();
+    let (k4, v4) = (repeat(&k), repeat(&v));
+    let gqa = run_checked(
+        "attention",
+        &[view(&q, &[1, 4, s, d]), view(&k, &[1, 2, s, d]), view(&v, &[1, 2, s, d]), None],
+        &causal(true),
+    );
+    let mha = run_checked(
+        "attention",
+        &[view(&q, &[1, 4, s, d]), view(&k4, &[1, 4, s, d]), view(&v4, &[1, 4, s, d]), None],
+        &causal(true),
+    );
+    assert_near(&gqa[0], &mha[0], 1e-6, "out");
+}
+
+/// With `Sq == Sk`, query 0 sees only key 0 (torch's `is_causal`); a decode step (one query
+/// against a cache with per-row lengths) equals attention over the cache truncated to each
+/// length; a chunk of queries appended after a prefix sees everything up to its own position.
+#[test]
+fn causal_mask_is_bottom_right_and_decode_reads_kv_lens() {
+    setup();
+    let d = 8;
+    let (q, k, v) = (rand_vec(4 * d, 21), rand_vec(2 * 10 * d, 22), rand_vec(2 * 10 * d, 23));
+    let out = run_checked(
+        "attention",
+        &[view(&q, &[1, 1, 4, d]), view(&k[..4 * d], &[1, 1, 4, d]), view(&v[..4 * d], &[1, 1, 4, d]), None],
+        &causal(true),
+    );
+    assert_near(&out[0][..d], &v[..d].iter().map(|&x| x as f64).collect::<Vec<_>>(), 1e-6, "query 0 = v[0]");
+
+    // Decode: 2 sequences, 2 q heads sharing 1 kv head, cache of 10 with lengths 3 and 7.
+    let lens = [3i64, 7];
+    let decode = run_checked(
+        "attention",
+        &[
+            view(&q, &[2, 2, 1, d]),
+            view(&k, &[2, 1, 10, d]),
+            view(&v, &[2, 1, 10, d]),
+            Some(TensorRef::new(&lens, &[2]).unwrap()),
+        ],
+        &causal(true),
+    );
+    for (b, &len) in lens.iter().enumerate() {
+        let len = len as usize;
+        let cache = |x: &[f32]| x[b * 10 * d..(b * 10 + len) * d].to_vec();
+        let (kb, vb) = (cache(&k), cache(&v));
+        let alone = run_checked(
+            "attention",
+            &[
+                view(&q[b * 2 * d..(b + 1) * 2 * d], &[1, 2, 1, d]),
+                view(&kb, &[1, 1, len, d]),
+                view(&vb, &[1, 1, len, d]),
+                None,
+            ],
+            &causal(false),
+        );
+        assert_near(&decode[0][b * 2 * d..(b + 1) * 2 * d], &alone[0], 1e-6, "decode row");
+    }
+
+    // Chunked prefill: 3 new queries after 4 cached keys; query i sees keys 0..=4+i.
+    let chunk = run_checked(
+        "attention",
+        &[view(&q[..3 * d], &[1, 1, 3, d]), view(&k[..7 * d], &[1, 1, 7, d]), view(&v[..7 * d], &[1, 1, 7, d]), None],
+        &causal(true),
+    );
+    for i in 0..3 {
+        let seen = 5 + i;
+        let one = run_checked(
+            "attention",
+            &[
+                view(&q[i * d..(i + 1) * d], &[1, 1, 1, d]),
+                view(&k[..seen * d], &[1, 1, seen, d]),
+                view(&v[..seen * d], &[1, 1, seen, d]),
+                None,
+            ],
+            &causal(false),
+        );
+        assert_near(&chunk[0][i * d..(i + 1) * d], &one[0], 1e-6, "chunk row");
+    }
+}
+
+/// HF keeps q/k/v as `[B, S, H, D]` and transposes to `[B, H, S, D]`: a strided view, read in place.
+#[test]
+fn transposed_bshd_views_match_contiguous() {
+    setup();
+    let (b, s, h, d) = (2, 9, 2, 8);
+    let bshd = rand_vec(b * s * h * d, 31);
+    let strides = [s * h * d, d, h * d, 1];
+    let t = || Some(TensorRef::strided(&bshd, &[b, h, s, d], &strides, 0).unwrap());
+    let got = run_checked("attention", &[t(), t(), t(), None], &causal(true));
+    let mut dense = vec![0f32; bshd.len()];
+    for (bi, si, hi, di) in (0..b)
+        .flat_map(|bi| (0..s).flat_map(move |si| (0..h).flat_map(move |hi| (0..d).map(move |di| (bi, si, hi, di)))))
+    {
+        dense[((bi * h + hi) * s + si) * d + di] = bshd[((bi * s + si) * h + hi) * d + di];
+    }
+    let want = run_checked(
+        "attention",
+        &[view(&dense, &[b, h, s, d]), view(&dense, &[b, h, s, d]), view(&dense, &[b, h, s, d]), None],
+        &causal(true),
+    );
+    assert_eq!(got[0], want[0]);
+}
+
+/// attention_backward, fed the forward's own out and lse, against central finite differences of
+/// the f64 forward — GQA, a causal chunk and a cache length that hides the last key.
+#[test]
+fn attention_backward_matches_finite_differences() {
+    setup();
+    let (q_shape, kv_shape) = ([1, 2, 3, 4], [1, 1, 5, 4]);
+    let q = rand_vec(24, 41);
+    let k = rand_vec(20, 42);
+    let v = rand_vec(20, 43);
+    let dout = rand_vec(24, 44);
+    let lens = [4i64];
+    let len_view = || Some(TensorRef::new(&lens, &[1]).unwrap());
+    let attrs = causal(true);
+    let fwd =
+        run_checked("attention", &[view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), len_view()], &attrs);
+    let (out, lse): (Vec<f32>, Vec<f32>) =
+        (fwd[0].iter().map(|&x| x as f32).collect(), fwd[1].iter().map(|&x| x as f32).collect());
+    let grads = run_checked(
+        "attention_backward",
+        &[
+            view(&dout, &q_shape),
+            view(&q, &q_shape),
+            view(&k, &kv_shape),
+            view(&v, &kv_shape),
+            view(&out, &q_shape),
+            view(&lse, &q_shape[..3]),
+            len_view(),
+        ],
+        &attrs,
+    );
+    let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let inputs = [
+        (f64s(&q), q_shape.to_vec()),
+        (f64s(&k), kv_shape.to_vec()),
+        (f64s(&v), kv_shape.to_vec()),
+        (vec![4.0], vec![1]),
+    ];
+    let dtypes = [DType::F32, DType::F32, DType::F32, DType::I64];
+    for (wrt, name) in [(0, "dq"), (1, "dk"), (2, "dv")] {
+        let fd = finite_difference_typed("attention", &inputs, &dtypes, &attrs, &f64s(&dout), wrt);
+        assert_close(&grads[wrt], &fd, name);
+    }
+    // The hidden fifth key gets no gradient.
+    assert!(grads[1][16..].iter().chain(&grads[2][16..]).all(|&g| g == 0.0));
+}
+
+#[test]
+fn attention_backward_spans_many_tiles() {
+    setup();
+    let (q_shape, kv_shape) = ([1, 4, 300, 16], [1, 2, 300, 16]);
+    let n = 4 * 300 * 16;
+    let (q, k, v, dout) = (rand_vec(n, 51), rand_vec(n / 2, 52), rand_vec(n / 2, 53), rand_vec(n, 54));
+    let fwd =
+        run_checked("attention", &[view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), None], &causal(true));
+    let (out, lse): (Vec<f32>, Vec<f32>) =
+        (fwd[0].iter().map(|&x| x as f32).collect(), fwd[1].iter().map(|&x| x as f32).collect());
+    run_checked(
+        "attention_backward",
+        &[
+            view(&dout, &q_shape),
+            view(&q, &q_shape),
+            view(&k, &kv_shape),
+            view(&v, &kv_shape),
+            view(&out, &q_shape),
+            view(&lse, &q_shape[..3]),
+            None,
+        ],
+        &causal(true),
+    );
+}
+
+#[test]
+fn attention_rejects_bad_inputs() {
+    setup();
+    let x = [0f32; 3 * 8 * 4];
+    let lse = [0i32; 6];
+    let t = |shape: &[usize]| view(&x[..shape.iter().product::<usize>()], shape);
+    let q = || t(&[1, 3, 2, 4]);
+    let cases = [
+        (
+            plan_err("attention", &[q(), t(&[1, 2, 2, 4]), t(&[1, 2, 2, 4]), None], &[], vec![]),
+            ErrorCode::Shape,
+            "attention: argument 'k': expected a kv head count dividing q's 3 heads, got 2 heads (shape [1, 2, 2, 4])",
+        ),
+        (
+            plan_err("attention", &[q(), t(&[1, 3, 2, 8]), t(&[1, 3, 2, 4]), None], &[], vec![]),
+            ErrorCode::Shape,
+            "attention: argument 'k': expected shape [1, 3, 2, 4], got shape [1, 3, 2, 8]",
+        ),
+        (
+            plan_err("attention", &[t(&[3, 2, 4]), q(), q(), None], &[], vec![]),
+            ErrorCode::Shape,
+            "attention: argument 'q': expected rank 4 ([batch, heads, seq, head_dim]), got shape [3, 2, 4]",
+        ),
+        (
+            plan_err("attention", &[q(), q(), q(), t(&[2])], &[], vec![]),
+            ErrorCode::DType,
+            "attention: argument 'kv_lens': expected dtype in {int32, int64}, got float32",
+        ),
+        (
+            plan_err("attention", &[q(), q(), q(), None], &[("scale", f64::NAN.into())], vec![]),
+            ErrorCode::ParamInvalid,
+            "attention: argument 'scale': expected a finite float or None (1/sqrt(head_dim)), got NaN",
+        ),
+        (
+            plan_err(
+                "attention_backward",
+                &[q(), q(), q(), q(), q(), Some(TensorRef::new(&lse, &[1, 3, 2]).unwrap()), None],
+                &[],
+                vec![],
+            ),
+            ErrorCode::DType,
+            "attention_backward: argument 'lse': expected dtype in {float32}, got int32",
+        ),
+    ];
+    for (err, code, msg) in cases {
+        assert_eq!((err.code(), err.message()), (code, msg));
+    }
+
+    // A cache length beyond the cache is data, caught at launch time (cache overflow).
+    let lens = [3i32];
+    let mut out = Tensor::zeros(DType::F32, &[1, 3, 2, 4]).unwrap();
+    let mut l = Tensor::zeros(DType::F32, &[1, 3, 2]).unwrap();
+    let err = uniop::call(
+        "attention",
+        &[q(), q(), q(), Some(TensorRef::new(&lens, &[1]).unwrap())],
+        &[],
+        vec![out.view_mut(), l.view_mut()],
+    )
+    .unwrap_err();
+    assert_eq!(err.code(), ErrorCode::Runtime);
+    assert!(
+        err.message().contains(
+            "attention: argument 'kv_lens': expected values in [0, 2] (the cache length of k), got 3 at position 0"
+        ),
+        "{err}"
+    );
+}
