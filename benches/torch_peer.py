@@ -73,6 +73,42 @@ PEERS = {
 }
 
 
+# Backward ops: torch autograd of the forward peer (backward pass only; the forward runs once
+# outside the timing). Entry: forward op, forward's main shape from the gradient's, inputs that
+# get gradients (what uniop's backward op returns).
+BACKWARD = {
+    "rms_norm_backward": ("rms_norm", lambda s: s, (0, 1)),
+    "silu_mul_backward": ("silu_mul", lambda s: s, (0, 1)),
+    "swiglu_backward": ("swiglu", lambda s: s[:-1] + (2 * s[-1],), (0,)),
+    "softmax_backward": ("softmax", lambda s: s, (0,)),
+    "log_softmax_backward": ("log_softmax", lambda s: s, (0,)),
+    "rope_backward": ("rope", lambda s: s, (0,)),
+    "attention_backward": ("attention", lambda s: s, (0, 1, 2)),
+}
+
+
+def autograd_peer(name):
+    """(make, fn) timing only the backward of the forward peer; `fn` may be torch.compile'd."""
+    fwd_name, fwd_shape, wrt = BACKWARD[name]
+    make_fwd, fwd = PEERS[fwd_name]
+
+    def make(shape, dt):
+        inputs = make_fwd(fwd_shape(shape), dt)
+        for i in wrt:
+            inputs[i].requires_grad_(True)
+        return inputs
+
+    def run(forward):
+        def backward(*inputs):
+            if not hasattr(backward, "out"):
+                backward.out = forward(*inputs)
+                backward.dout = torch.randn_like(backward.out)
+            return torch.autograd.grad(backward.out, [inputs[i] for i in wrt], backward.dout, retain_graph=True)
+        return backward
+
+    return make, fwd, run
+
+
 def best_ms(fn, args, iters):
     fn(*args)
     fn(*args)
@@ -104,11 +140,13 @@ def main():
           "| % of scale | % of scale NT |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in ours["results"]:
-        make, fn = PEERS[r["op"]]
+        if r["op"] in BACKWARD:
+            make, fn, wrap = autograd_peer(r["op"])
+        else:
+            (make, fn), wrap = PEERS[r["op"]], lambda f: f
         inputs = make(tuple(r["shape"]), DTYPES[r["dtype"]])
-        eager = best_ms(fn, inputs, args.iters)
-        compiled = torch.compile(fn, dynamic=False)
-        comp = best_ms(compiled, inputs, args.iters)
+        eager = best_ms(wrap(fn), inputs, args.iters)
+        comp = best_ms(wrap(torch.compile(fn, dynamic=False)), inputs, args.iters)
         shape = "x".join(map(str, r["shape"]))
         print(f"| {r['op']} | {r['dtype']} | {shape} | {r['ms']:.3f} | {eager:.3f} | {comp:.3f} | "
               f"{eager / r['ms']:.2f}x | {comp / r['ms']:.2f}x | {r['gbs']:.1f} | "
