@@ -55,6 +55,7 @@ def swiglu(x):
 PEERS = {
     "rms_norm": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape[-1:], dtype=dt)), rms_norm),
     "silu": (lambda shape, dt: (torch.randn(shape, dtype=dt),), F.silu),
+    "gelu": (lambda shape, dt: (torch.randn(shape, dtype=dt),), F.gelu),
     "add": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt)), lambda a, b: a + b),
     "silu_mul": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt)),
                  lambda g, u: F.silu(g) * u),
@@ -81,6 +82,7 @@ BACKWARD = {
     "silu_mul_backward": ("silu_mul", lambda s: s, (0, 1)),
     "swiglu_backward": ("swiglu", lambda s: s[:-1] + (2 * s[-1],), (0,)),
     "softmax_backward": ("softmax", lambda s: s, (0,)),
+    "gelu_backward": ("gelu", lambda s: s, (0,)),
     "log_softmax_backward": ("log_softmax", lambda s: s, (0,)),
     "rope_backward": ("rope", lambda s: s, (0,)),
     "attention_backward": ("attention", lambda s: s, (0, 1, 2)),

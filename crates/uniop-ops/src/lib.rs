@@ -24,6 +24,8 @@ pub mod attention_backward;
 mod elementwise;
 pub mod embedding;
 pub mod embedding_backward;
+pub mod gelu;
+pub mod gelu_backward;
 pub mod linear;
 pub mod linear_backward;
 pub mod math;
@@ -56,6 +58,8 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(add::Add),
         Box::new(silu::Silu),
         Box::new(mul::Mul),
+        Box::new(gelu::Gelu),
+        Box::new(gelu_backward::GeluBackward),
         Box::new(matmul::Matmul),
         Box::new(linear::Linear),
         Box::new(linear_backward::LinearBackward),

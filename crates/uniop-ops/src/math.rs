@@ -47,8 +47,76 @@ pub fn silu_mul_grad(d: f32, g: f32, u: f32) -> (f32, f32) {
     (d * u * s * (1.0 + g * (1.0 - s)), d * g * s)
 }
 
+/// erf(x) (Abramowitz & Stegun 7.1.26, absolute error ≤ 1.5e-7), branch-free.
+#[inline(always)]
+pub fn erf(x: f32) -> f32 {
+    let a = x.abs();
+    let t = 1.0 / 0.327_591_1f32.mul_add(a, 1.0);
+    let mut p = 1.061_405_4f32;
+    p = p.mul_add(t, -1.453_152_1);
+    p = p.mul_add(t, 1.421_413_8);
+    p = p.mul_add(t, -0.284_496_74);
+    p = p.mul_add(t, 0.254_829_6);
+    (1.0 - p * t * exp(-a * a)).copysign(x)
+}
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_CUBIC: f32 = 0.044_715;
+
+/// gelu(x): `x·Φ(x)` exactly (`tanh_approx = false`) or with the tanh approximation, written
+/// as `x·sigmoid(2u)` (= `0.5x(1 + tanh u)` without the cancellation of `1 + tanh u` at large −x).
+#[inline(always)]
+pub fn gelu(x: f32, tanh_approx: bool) -> f32 {
+    if tanh_approx {
+        x * sigmoid(2.0 * SQRT_2_OVER_PI * GELU_CUBIC.mul_add(x * x * x, x))
+    } else {
+        0.5 * x * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2))
+    }
+}
+
+/// d gelu(x) / dx for the same two forms.
+#[inline(always)]
+pub fn gelu_grad(x: f32, tanh_approx: bool) -> f32 {
+    if tanh_approx {
+        // With s = sigmoid(2u): 0.5(1 + tanh u) = s and 1 − tanh²u = 4s(1 − s).
+        let s = sigmoid(2.0 * SQRT_2_OVER_PI * GELU_CUBIC.mul_add(x * x * x, x));
+        s + 2.0 * x * s * (1.0 - s) * SQRT_2_OVER_PI * (3.0 * GELU_CUBIC).mul_add(x * x, 1.0)
+    } else {
+        // Φ(x) + x·φ(x)
+        let pdf = exp(-0.5 * x * x) * 0.398_942_3;
+        0.5 * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2)) + x * pdf
+    }
+}
+
 /// f64 versions for references.
 pub mod exact {
+    unsafe extern "C" {
+        /// C99 `erf` from the system libm (std links it on every platform we build for).
+        safe fn erf(x: f64) -> f64;
+    }
+
+    /// The error function, from libm (an implementation independent of [`super::erf`]).
+    pub fn erf_f64(x: f64) -> f64 {
+        erf(x)
+    }
+
+    pub fn gelu(x: f64, tanh_approx: bool) -> f64 {
+        if tanh_approx {
+            0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+        } else {
+            0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2))
+        }
+    }
+    pub fn gelu_grad(x: f64, tanh_approx: bool) -> f64 {
+        if tanh_approx {
+            let c = (2.0 / std::f64::consts::PI).sqrt();
+            let t = (c * (x + 0.044715 * x.powi(3))).tanh();
+            0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x)
+        } else {
+            let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            0.5 * (1.0 + erf(x / std::f64::consts::SQRT_2)) + x * pdf
+        }
+    }
     pub fn sigmoid(x: f64) -> f64 {
         1.0 / (1.0 + (-x).exp())
     }
@@ -76,5 +144,20 @@ mod tests {
         assert!(worst < 4.0 * f32::EPSILON as f64, "worst relative error {worst:e}");
         assert_eq!(super::exp(-1000.0), super::exp(-87.0));
         assert!(super::silu(-200.0).abs() < 1e-30 && super::silu(200.0) == 200.0);
+    }
+
+    #[test]
+    fn erf_and_gelu_match_f64() {
+        for i in -800..=800 {
+            let x = i as f32 * 0.01;
+            let want = super::exact::erf_f64(x as f64);
+            assert!((super::erf(x) as f64 - want).abs() < 3e-7, "erf({x})");
+            for tanh in [false, true] {
+                let (g, w) = (super::gelu(x, tanh) as f64, super::exact::gelu(x as f64, tanh));
+                assert!((g - w).abs() < 1e-6 * (1.0 + w.abs()), "gelu({x}, {tanh}): {g} vs {w}");
+                let (g, w) = (super::gelu_grad(x, tanh) as f64, super::exact::gelu_grad(x as f64, tanh));
+                assert!((g - w).abs() < 1e-6 * (1.0 + w.abs()), "gelu'({x}, {tanh}): {g} vs {w}");
+            }
+        }
     }
 }

@@ -1,0 +1,69 @@
+//! `gelu_backward(dy, x, approximate='none')`: `dx = dy · gelu'(x)` for either form of
+//! [`gelu`](crate::gelu). One fused elementwise pass over two inputs.
+
+use crate::elementwise::{self, Map2};
+use crate::gelu::{tanh_approx, DTYPES};
+use crate::math;
+use uniop::{block_dim_for, with_float_dtype, DType, Example, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta};
+
+pub struct GeluBackward;
+
+struct GeluGrad(bool);
+
+impl Map2 for GeluGrad {
+    #[inline(always)]
+    fn apply(&self, dy: &mut [f32], x: &[f32]) {
+        for (d, &x) in dy.iter_mut().zip(x) {
+            *d *= math::gelu_grad(x, self.0);
+        }
+    }
+}
+
+impl Op for GeluBackward {
+    fn schema(&self) -> &'static str {
+        "gelu_backward(Tensor dy, Tensor x, str approximate='none') -> Tensor dx"
+    }
+
+    fn doc(&self) -> &'static str {
+        "Gradient of gelu: dx = dy * gelu'(x) for the same approximate form. dy and x share shape and dtype."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let dtype = cx.expect_dtype_in("x", DTYPES)?;
+        cx.expect_same_dtype("dy", dtype, "x")?;
+        cx.expect_shape("dy", cx.input("x").shape())?;
+        tanh_approx(cx)?;
+        Ok(vec![TensorMeta::contiguous(dtype, cx.input("x").shape())?])
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        let out = self.infer(cx)?.remove(0);
+        let tanh = tanh_approx(cx)?;
+        let block_dim = block_dim_for(out.numel(), 3 * out.dtype.size());
+        let streaming = out.numel() * out.dtype.size() >= elementwise::STREAMING_BYTES;
+        with_float_dtype!(out.dtype, cx.op(), "x", |T| {
+            Ok(Plan::new(vec![Step::new("gelu_backward", block_dim, move |args, ctx| {
+                elementwise::binary::<T, _>(args, ctx, &GeluGrad(tanh), streaming)
+            })]))
+        })
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let (dy, x, tanh) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap(), tanh_approx(cx)?);
+        let dx = dy.data.iter().zip(&x.data).map(|(&d, &v)| d * math::exact::gelu_grad(v, tanh)).collect();
+        Ok(vec![RefTensor::new(&x.shape, dx)])
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        let meta = TensorMeta::contiguous(dtype, shape.unwrap_or(&[4096, 11008]))?;
+        Ok(Example {
+            inputs: vec![Some(meta.clone()), Some(meta)],
+            ranges: vec![None, Some((-4.0, 4.0))],
+            ..Default::default()
+        })
+    }
+}
