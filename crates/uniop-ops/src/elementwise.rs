@@ -212,7 +212,7 @@ pub fn map_lanes<T: FloatElement>(row: &[T], out: &mut [T], mut f: impl FnMut(&m
 /// Elements `range` of contiguous input `i` (the plan asked for [`LayoutNeed::Contiguous`]).
 ///
 /// [`LayoutNeed::Contiguous`]: uniop::LayoutNeed::Contiguous
-pub fn dense_input<T: FloatElement>(args: &KernelArgs, i: usize, range: std::ops::Range<usize>) -> &[T] {
+pub fn dense_input<T: Element>(args: &KernelArgs, i: usize, range: std::ops::Range<usize>) -> &[T] {
     let t = args.input(i);
     &t.storage::<T>().expect("dtype dispatched at plan time")[t.layout().offset() + range.start..][..range.len()]
 }
@@ -222,7 +222,7 @@ pub fn dense_input<T: FloatElement>(args: &KernelArgs, i: usize, range: std::ops
 /// # Safety
 /// No other block may access these elements during the launch.
 #[allow(clippy::mut_from_ref)]
-pub unsafe fn dense_output<T: FloatElement>(args: &KernelArgs, o: usize, range: std::ops::Range<usize>) -> &mut [T] {
+pub unsafe fn dense_output<T: Element>(args: &KernelArgs, o: usize, range: std::ops::Range<usize>) -> &mut [T] {
     let out = args.output(o);
     out.slice_mut::<T>(out.layout().offset() + range.start, range.len())
 }

@@ -21,6 +21,7 @@ macro_rules! simd_kernel {
 
 pub mod attention;
 pub mod attention_backward;
+pub mod cast;
 mod elementwise;
 pub mod embedding;
 pub mod embedding_backward;
@@ -58,6 +59,7 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(add::Add),
         Box::new(silu::Silu),
         Box::new(mul::Mul),
+        Box::new(cast::Cast),
         Box::new(gelu::Gelu),
         Box::new(gelu_backward::GeluBackward),
         Box::new(matmul::Matmul),

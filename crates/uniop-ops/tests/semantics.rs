@@ -840,3 +840,30 @@ fn cross_entropy_with_ignored_rows_and_its_gradient() {
         "{err}"
     );
 }
+
+#[test]
+fn cast_follows_c_and_torch_conversion_rules() {
+    setup();
+    let cast = |input: TensorRef, to: DType| -> Tensor {
+        let mut out = Tensor::zeros(to, input.shape()).unwrap();
+        uniop::call("cast", &[Some(input)], &[("dtype", AttrValue::DType(to))], vec![out.view_mut()]).unwrap();
+        out
+    };
+    let big = [(1i64 << 60) + 1, -1, 1 << 40 | 7];
+    // i64 → i64 keeps all 64 bits; → i32 wraps to the low 32 bits; → u8 wraps.
+    assert_eq!(cast(TensorRef::new(&big, &[3]).unwrap(), DType::I64).view().to_vec::<i64>().unwrap(), big);
+    assert_eq!(cast(TensorRef::new(&big, &[3]).unwrap(), DType::I32).view().to_vec::<i32>().unwrap(), [1, -1, 7]);
+    assert_eq!(cast(TensorRef::new(&big, &[3]).unwrap(), DType::U8).view().to_vec::<u8>().unwrap(), [1, 255, 7]);
+    // Floats to integers truncate toward zero and saturate; NaN → 0; to bool is != 0.
+    let f = [3.7f32, -3.7, f32::NAN, 300.0, -0.0];
+    assert_eq!(cast(TensorRef::new(&f, &[5]).unwrap(), DType::I32).view().to_vec::<i32>().unwrap(), [3, -3, 0, 300, 0]);
+    assert_eq!(cast(TensorRef::new(&f, &[5]).unwrap(), DType::U8).view().to_vec::<u8>().unwrap(), [3, 0, 0, 255, 0]);
+    assert_eq!(
+        cast(TensorRef::new(&f, &[5]).unwrap(), DType::Bool).view().to_vec::<bool>().unwrap(),
+        [true, true, true, true, false]
+    );
+    // f32 → bf16 rounds to nearest even, bit-identical to `half`.
+    let x = rand_vec(1000, 140);
+    let got = cast(TensorRef::new(&x, &[1000]).unwrap(), DType::BF16).view().to_vec::<bf16>().unwrap();
+    assert!(got.iter().zip(&x).all(|(g, &v)| g.to_bits() == bf16::from_f32(v).to_bits()));
+}

@@ -118,6 +118,12 @@ pub trait Element: Copy + Default + PartialEq + fmt::Debug + Send + Sync + 'stat
     /// Converts with the type's usual rounding (round-to-nearest-even for floats, saturating
     /// truncation for integers).
     fn from_f64(v: f64) -> Self;
+    /// Integer value: exact for integers (so i64 keeps all 64 bits), truncated toward zero and
+    /// saturated for floats (NaN → 0), 0/1 for bool.
+    fn to_i64(self) -> i64;
+    /// From an integer: two's-complement wrapping into narrower integers (C and torch casts),
+    /// nearest value for floats, `!= 0` for bool.
+    fn from_i64(v: i64) -> Self;
 }
 
 macro_rules! int_element {
@@ -126,6 +132,8 @@ macro_rules! int_element {
             const DTYPE: DType = DType::$d;
             fn to_f64(self) -> f64 { self as f64 }
             fn from_f64(v: f64) -> Self { v as $t }
+            fn to_i64(self) -> i64 { self as i64 }
+            fn from_i64(v: i64) -> Self { v as $t }
         }
     )*};
 }
@@ -139,6 +147,12 @@ impl Element for bool {
     fn from_f64(v: f64) -> Self {
         v != 0.0
     }
+    fn to_i64(self) -> i64 {
+        self as i64
+    }
+    fn from_i64(v: i64) -> Self {
+        v != 0
+    }
 }
 
 impl Element for f64 {
@@ -148,6 +162,12 @@ impl Element for f64 {
     }
     fn from_f64(v: f64) -> Self {
         v
+    }
+    fn to_i64(self) -> i64 {
+        self as i64
+    }
+    fn from_i64(v: i64) -> Self {
+        v as f64
     }
 }
 
@@ -171,6 +191,12 @@ impl Element for f32 {
     }
     fn from_f64(v: f64) -> Self {
         v as f32
+    }
+    fn to_i64(self) -> i64 {
+        self.to_f64() as i64
+    }
+    fn from_i64(v: i64) -> Self {
+        Self::from_f64(v as f64)
     }
 }
 
@@ -209,6 +235,12 @@ impl Element for f16 {
     fn from_f64(v: f64) -> Self {
         f16::from_f64(v)
     }
+    fn to_i64(self) -> i64 {
+        self.to_f64() as i64
+    }
+    fn from_i64(v: i64) -> Self {
+        Self::from_f64(v as f64)
+    }
 }
 
 impl FloatElement for f16 {
@@ -246,6 +278,12 @@ impl Element for bf16 {
     }
     fn from_f64(v: f64) -> Self {
         bf16::from_f64(v)
+    }
+    fn to_i64(self) -> i64 {
+        self.to_f64() as i64
+    }
+    fn from_i64(v: i64) -> Self {
+        Self::from_f64(v as f64)
     }
 }
 
