@@ -35,6 +35,7 @@ pub mod mul;
 
 pub mod add;
 pub mod add_rms_norm;
+pub mod argmax;
 pub mod cross_entropy;
 pub mod cross_entropy_backward;
 pub mod rms_norm;
@@ -42,6 +43,7 @@ pub mod rms_norm_backward;
 pub mod rope;
 pub mod rope_backward;
 pub mod rope_cos_sin;
+pub mod sample;
 pub mod silu;
 pub mod silu_mul;
 pub mod silu_mul_backward;
@@ -60,6 +62,8 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(silu::Silu),
         Box::new(mul::Mul),
         Box::new(cast::Cast),
+        Box::new(argmax::Argmax),
+        Box::new(sample::Sample),
         Box::new(gelu::Gelu),
         Box::new(gelu_backward::GeluBackward),
         Box::new(matmul::Matmul),

@@ -867,3 +867,98 @@ fn cast_follows_c_and_torch_conversion_rules() {
     let got = cast(TensorRef::new(&x, &[1000]).unwrap(), DType::BF16).view().to_vec::<bf16>().unwrap();
     assert!(got.iter().zip(&x).all(|(g, &v)| g.to_bits() == bf16::from_f32(v).to_bits()));
 }
+
+#[test]
+fn argmax_takes_the_first_maximum_and_nan_along_any_dim() {
+    setup();
+    let x = [1.0f32, 3.0, 3.0, -1.0, f32::NAN, 2.0];
+    let argmax = |shape: &[usize], attrs: &[(&str, AttrValue)]| -> Vec<i64> {
+        let t = TensorRef::new(&x, shape).unwrap();
+        let entry = Registry::global().get("argmax").unwrap();
+        let meta = infer(&entry, &[Some(t.clone())], attrs).unwrap().remove(0);
+        let mut out = Tensor::with_meta(meta).unwrap();
+        uniop::call("argmax", &[Some(t)], attrs, vec![out.view_mut()]).unwrap();
+        out.view().to_vec::<i64>().unwrap()
+    };
+    assert_eq!(argmax(&[2, 3], &[]), [1, 1]); // tie → first; NaN wins
+    assert_eq!(argmax(&[2, 3], &[("dim", AttrValue::Int(0))]), [0, 1, 0]);
+    assert_eq!(argmax(&[6], &[("keepdim", AttrValue::Bool(true))]), [4]);
+}
+
+#[test]
+fn sample_is_greedy_at_zero_temperature_reproducible_and_matches_the_distribution() {
+    setup();
+    let vocab = 6;
+    let row = [0.5f32, 2.0, -1.0, 1.0, 0.0, 1.9];
+    let rows = 20000;
+    let logits: Vec<f32> = row.iter().copied().cycle().take(rows * vocab).collect();
+    let draw = |attrs: &[(&str, AttrValue)]| -> Vec<i64> {
+        let mut out = Tensor::zeros(DType::I64, &[rows]).unwrap();
+        let x = TensorRef::new(&logits, &[rows, vocab]).unwrap();
+        uniop::call("sample", &[Some(x)], attrs, vec![out.view_mut()]).unwrap();
+        out.view().to_vec::<i64>().unwrap()
+    };
+    assert!(draw(&[("temperature", 0.0.into())]).iter().all(|&t| t == 1));
+    assert!(draw(&[("top_k", 1i64.into())]).iter().all(|&t| t == 1));
+    let plain = draw(&[("seed", 3i64.into())]);
+    assert_eq!(plain, draw(&[("seed", 3i64.into())]), "same seed, same tokens");
+    assert_ne!(plain, draw(&[("seed", 4i64.into())]), "another seed, other tokens");
+    // Frequencies within 5 standard deviations of softmax(logits / T).
+    let check = |tokens: &[i64], probs: &[f64]| {
+        for (t, &p) in probs.iter().enumerate() {
+            let freq = tokens.iter().filter(|&&x| x == t as i64).count() as f64 / rows as f64;
+            let sigma = (p * (1.0 - p) / rows as f64).sqrt();
+            assert!((freq - p).abs() <= 5.0 * sigma + 1e-12, "token {t}: frequency {freq}, probability {p}");
+        }
+    };
+    let softmax = |t: f64, keep: &[usize]| -> Vec<f64> {
+        let e: Vec<f64> = (0..vocab).map(|i| if keep.contains(&i) { (row[i] as f64 / t).exp() } else { 0.0 }).collect();
+        let s: f64 = e.iter().sum();
+        e.iter().map(|v| v / s).collect()
+    };
+    check(&plain, &softmax(1.0, &[0, 1, 2, 3, 4, 5]));
+    check(&draw(&[("temperature", 0.5.into())]), &softmax(0.5, &[0, 1, 2, 3, 4, 5]));
+    check(&draw(&[("top_k", 3i64.into())]), &softmax(1.0, &[1, 5, 3]));
+    // Probabilities (T = 1): token 1 .373, 5 .338, 3 .137, 0 .083, ...: the 0.6 nucleus is {1, 5}.
+    check(&draw(&[("top_p", 0.6.into())]), &softmax(1.0, &[1, 5]));
+    // top_k first, then top_p renormalized over the k kept: {1, 5, 3} → .440, .398 → {1, 5} reach 0.8.
+    check(&draw(&[("top_k", 3i64.into()), ("top_p", 0.8.into())]), &softmax(1.0, &[1, 5]));
+    check(&draw(&[("top_k", 3i64.into()), ("top_p", 0.9.into())]), &softmax(1.0, &[1, 5, 3]));
+}
+
+#[test]
+fn sample_rejects_bad_parameters() {
+    setup();
+    let x = [0f32; 4];
+    let t = || Some(TensorRef::new(&x, &[1, 4]).unwrap());
+    for (attrs, code, msg) in [
+        (
+            vec![("top_p", AttrValue::Float(0.0))],
+            ErrorCode::ParamInvalid,
+            "sample: argument 'top_p': expected a value in (0, 1] (1 = no nucleus filter), got 0",
+        ),
+        (
+            vec![("top_p", AttrValue::Float(1.5))],
+            ErrorCode::ParamInvalid,
+            "sample: argument 'top_p': expected a value in (0, 1] (1 = no nucleus filter), got 1.5",
+        ),
+        (
+            vec![("temperature", AttrValue::Float(-1.0))],
+            ErrorCode::ParamInvalid,
+            "sample: argument 'temperature': expected a finite value ≥ 0 (0 = greedy), got -1",
+        ),
+        (
+            vec![("top_k", AttrValue::Int(-2))],
+            ErrorCode::ParamInvalid,
+            "sample: argument 'top_k': expected a value ≥ 0 (0 = no top-k filter), got -2",
+        ),
+    ] {
+        let err = plan_err(
+            "sample",
+            &[t()],
+            &attr_refs(&attrs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect::<Vec<_>>()),
+            vec![],
+        );
+        assert_eq!((err.code(), err.message()), (code, msg));
+    }
+}
