@@ -22,6 +22,7 @@ macro_rules! simd_kernel {
 pub mod attention;
 pub mod attention_backward;
 pub mod cast;
+pub mod causal_softmax;
 mod elementwise;
 pub mod embedding;
 pub mod embedding_backward;
@@ -86,6 +87,7 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(attention::Attention),
         Box::new(attention_backward::AttentionBackward),
         Box::new(softmax::Softmax::SOFTMAX),
+        Box::new(causal_softmax::CausalSoftmax),
         Box::new(softmax::Softmax::LOG_SOFTMAX),
         Box::new(softmax_backward::SoftmaxBackward::SOFTMAX),
         Box::new(softmax_backward::SoftmaxBackward::LOG_SOFTMAX),

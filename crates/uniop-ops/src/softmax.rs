@@ -88,7 +88,7 @@ pub(crate) fn row_max<T: FloatElement>(row: &[T]) -> f32 {
 
 /// `out = src · scale`, narrowed to `T`, `LANES` at a time.
 #[inline(always)]
-fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32) {
+pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32) {
     let mut buf = [0f32; LANES];
     let chunks = src.chunks_exact(LANES);
     let tail = chunks.remainder();
@@ -106,7 +106,7 @@ fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32) {
 
 /// Widens `row` into the f32 `out`, applying `f` to each step of `LANES` in place.
 #[inline(always)]
-fn map_lanes_into<T: FloatElement>(row: &[T], out: &mut [f32], mut f: impl FnMut(&mut [f32])) {
+pub(crate) fn map_lanes_into<T: FloatElement>(row: &[T], out: &mut [f32], mut f: impl FnMut(&mut [f32])) {
     let chunks = row.chunks_exact(LANES);
     let tail = chunks.remainder();
     let full = row.len() - tail.len();

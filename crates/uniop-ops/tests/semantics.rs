@@ -962,3 +962,29 @@ fn sample_rejects_bad_parameters() {
         assert_eq!((err.code(), err.message()), (code, msg));
     }
 }
+
+/// causal_softmax = softmax of x with −inf above the bottom-right-aligned diagonal, and its
+/// gradient is softmax_backward of its output (checked against finite differences).
+#[test]
+fn causal_softmax_masks_bottom_right_and_softmax_backward_is_its_gradient() {
+    setup();
+    let (sq, sk) = (3, 5);
+    let x = rand_vec(2 * sq * sk, 150);
+    let y = run_checked("causal_softmax", &[Some(TensorRef::new(&x, &[2, sq, sk]).unwrap())], &[]);
+    let mut masked = x.clone();
+    for (r, row) in masked.chunks_mut(sk).enumerate() {
+        row[r % sq + 1 + sk - sq..].fill(f32::NEG_INFINITY); // row i sees i + 2 + 1 columns
+    }
+    let want = run_checked("softmax", &[Some(TensorRef::new(&masked, &[2, sq, sk]).unwrap())], &[]);
+    assert_close(&y[0], &want[0], "causal_softmax vs masked softmax");
+    let y32: Vec<f32> = y[0].iter().map(|&v| v as f32).collect();
+    let dy = rand_vec(2 * sq * sk, 151);
+    let dx = run_checked(
+        "softmax_backward",
+        &[Some(TensorRef::new(&dy, &[2, sq, sk]).unwrap()), Some(TensorRef::new(&y32, &[2, sq, sk]).unwrap())],
+        &[],
+    );
+    let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let fd = finite_difference("causal_softmax", &[(f64s(&x), vec![2, sq, sk])], &[], &f64s(&dy), 0);
+    assert_close(&dx[0], &fd, "dx");
+}
