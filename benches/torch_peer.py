@@ -6,11 +6,14 @@ torch.compile (Inductor) on the same ops, shapes and dtypes with preallocated-fr
 best-of-N, and prints one markdown table of times and ratios. The peer implementations below are
 what a PyTorch user writes today (HF LlamaRMSNorm semantics, F.silu, a + alpha*b).
 
-Usage: python benches/torch_peer.py [--ops rms_norm,silu,add] [--dtypes f32,bf16] [--iters 20]
+Usage: python benches/torch_peer.py [--ops rms_norm,silu,add | --all] [--dtypes f32,bf16] [--iters 20]
+                                   [--markdown bench.md] [--png bench.png]
+`--markdown` also writes the table to a file, `--png` plots the speedups (matplotlib).
 Needs torch (see scripts/bench-venv.sh); not part of the test suite.
 """
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -42,6 +45,23 @@ def rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
+def causal_softmax(x):
+    sq, sk = x.shape[-2:]
+    mask = torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1)
+    return x.masked_fill(mask, float("-inf")).softmax(-1)
+
+
+def sample(logits, top_k=50, top_p=0.9):
+    # HF TopK + TopP warpers, then multinomial (uniop's example uses the same settings).
+    kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    sorted_logits, idx = torch.sort(logits, descending=False, dim=-1)
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    remove = (cum <= 1 - top_p).scatter(-1, idx, cum <= 1 - top_p)
+    probs = logits.masked_fill(remove, float("-inf")).softmax(-1)
+    return torch.multinomial(probs.float(), 1)
+
+
 def add_rms_norm(x, r, w):
     h = x + r
     return rms_norm(h, w), h
@@ -66,6 +86,12 @@ PEERS = {
                torch.matmul),
     "rope": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape[-2:], dtype=dt),
                                 torch.randn(shape[-2:], dtype=dt)), rope),
+    "causal_softmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), causal_softmax),
+    "argmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), lambda x: torch.argmax(x, -1)),
+    "sample": (lambda shape, dt: (torch.randn(shape, dtype=dt),), sample),
+    # uniop's example casts f32 to bf16 and everything else to f32.
+    "cast": (lambda shape, dt: (torch.randn(shape, dtype=dt),),
+             lambda x: x.to(torch.bfloat16 if x.dtype == torch.float32 else torch.float32)),
     # Causal prefill, as uniop's example (MHA at the default shape).
     "attention": (lambda shape, dt: tuple(torch.randn(shape, dtype=dt) for _ in range(3)),
                   lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
@@ -122,13 +148,50 @@ def best_ms(fn, args, iters):
     return best * 1e3
 
 
+def gflop(op, shape):
+    """Work of the compute-bound ops (for % of the FMA probe), else None."""
+    if op == "matmul":
+        m, k = shape[-2:]
+        return 2 * m * k * k * (math.prod(shape[:-2]) or 1) / 1e9
+    if op in ("attention", "attention_backward"):
+        b, h, s, d = shape
+        matmuls = 2 if op == "attention" else 7  # forward QK, PV; backward recomputes (see attention_backward.rs)
+        return matmuls * 2 * b * h * s * s * d / 2 / 1e9  # causal: half the tiles
+    return None
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [f"{r['op']} {r['dtype']}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(rows)), 5))
+    ax.bar([i - 0.2 for i in x], [r["vs_eager"] for r in rows], 0.4, label="vs torch eager")
+    ax.bar([i + 0.2 for i in x], [r["vs_compile"] for r in rows], 0.4, label="vs torch.compile")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_ylabel("speedup (higher is better)")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(labels, rotation=70, ha="right", fontsize=8)
+    ax.legend()
+    ax.set_title("uniop vs PyTorch, same run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ops", default="rms_norm")
+    p.add_argument("--all", action="store_true", help="every op that has a torch peer")
+    p.add_argument("--markdown")
+    p.add_argument("--png")
     p.add_argument("--dtypes", default="f32,bf16")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--uniop", default=os.path.join(ROOT, "target", "release", "uniop"))
     args = p.parse_args()
+    if args.all:
+        args.ops = ",".join(list(PEERS) + list(BACKWARD))
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([args.uniop, "bench", "--ops", args.ops, "--dtypes", args.dtypes, "--iters", str(args.iters),
@@ -136,11 +199,15 @@ def main():
         ours = json.load(open(f.name))
 
     torch.set_num_threads(os.cpu_count())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"STREAM scale {ours['stream_scale_gbs']:.1f} GB/s, scale non-temporal {ours['stream_scale_nt_gbs']:.1f} GB/s, triad {ours['stream_triad_gbs']:.1f} GB/s\n")
-    print("| op | dtype | shape | uniop ms | torch eager ms | torch.compile ms | vs eager | vs compile | uniop GB/s "
-          "| % of scale | % of scale NT |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+             f"STREAM scale {ours['stream_scale_gbs']:.1f} GB/s, scale non-temporal {ours['stream_scale_nt_gbs']:.1f} GB/s, "
+             f"triad {ours['stream_triad_gbs']:.1f} GB/s; FMA probe {ours['fma_gflops']:.0f} GFLOP/s\n",
+             "| op | dtype | shape | uniop ms | torch eager ms | torch.compile ms | vs eager | vs compile | uniop GB/s "
+             "| % of scale | % of scale NT | GFLOP/s | % of FMA probe |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for line in lines:
+        print(line, flush=True)
+    plotted = []
     for r in ours["results"]:
         if r["op"] in BACKWARD:
             make, fn, wrap = autograd_peer(r["op"])
@@ -150,9 +217,20 @@ def main():
         eager = best_ms(wrap(fn), inputs, args.iters)
         comp = best_ms(wrap(torch.compile(fn, dynamic=False)), inputs, args.iters)
         shape = "x".join(map(str, r["shape"]))
-        print(f"| {r['op']} | {r['dtype']} | {shape} | {r['ms']:.3f} | {eager:.3f} | {comp:.3f} | "
-              f"{eager / r['ms']:.2f}x | {comp / r['ms']:.2f}x | {r['gbs']:.1f} | "
-              f"{100 * r['gbs'] / ours['stream_scale_gbs']:.0f}% | {100 * r['gbs'] / ours['stream_scale_nt_gbs']:.0f}% |")
+        work = gflop(r["op"], r["shape"])
+        flops = f"{work / r['ms'] * 1e3:.0f} | {100 * work / r['ms'] * 1e3 / ours['fma_gflops']:.0f}%" if work else "— | —"
+        line = (f"| {r['op']} | {r['dtype']} | {shape} | {r['ms']:.3f} | {eager:.3f} | {comp:.3f} | "
+                f"{eager / r['ms']:.2f}x | {comp / r['ms']:.2f}x | {r['gbs']:.1f} | "
+                f"{100 * r['gbs'] / ours['stream_scale_gbs']:.0f}% | {100 * r['gbs'] / ours['stream_scale_nt_gbs']:.0f}% | "
+                f"{flops} |")
+        print(line, flush=True)
+        lines.append(line)
+        plotted.append({"op": r["op"], "dtype": r["dtype"], "vs_eager": eager / r["ms"], "vs_compile": comp / r["ms"]})
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    if args.png:
+        plot(plotted, args.png)
 
 
 if __name__ == "__main__":

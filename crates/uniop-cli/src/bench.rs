@@ -124,6 +124,76 @@ fn scale_streaming(a: &mut [f32], b: &[f32]) {
     a.iter_mut().zip(b).for_each(|(x, &y)| *x = 3.0 * y);
 }
 
+/// Peak f32 FMA throughput in GFLOP/s over the pool: every block runs independent FMA chains in
+/// registers (12 chains hide the 4-cycle latency of two FMA pipes), no memory traffic.
+fn fma_probe(iters: usize) -> Result<f64> {
+    const STEPS: usize = 1 << 20;
+    let stream = Stream::default_stream();
+    let blocks = Pool::global().threads() as u32;
+    let flops_per_block = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counter = flops_per_block.clone();
+    let seconds = best_of(iters.min(5), || {
+        let counter = counter.clone();
+        stream.launch(blocks, move |_ctx: BlockCtx| {
+            let (flops, sink) = fma_chains(STEPS);
+            counter.store(flops, std::sync::atomic::Ordering::Relaxed);
+            std::hint::black_box(sink);
+        });
+        stream.synchronize()
+    })?
+    .as_secs_f64();
+    let flops = flops_per_block.load(std::sync::atomic::Ordering::Relaxed) as f64 * blocks as f64;
+    Ok(flops / seconds / 1e9)
+}
+
+/// Runs `steps` rounds of 12 independent vector FMAs at the widest width the CPU has; returns
+/// the flops done and a value the optimizer must keep.
+fn fma_chains(steps: usize) -> (u64, f32) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") {
+            // SAFETY: the feature was detected just above.
+            return (steps as u64 * 12 * 16 * 2, unsafe { fma_chains_avx512(steps) });
+        }
+        if is_x86_feature_detected!("fma") && is_x86_feature_detected!("avx2") {
+            // SAFETY: as above.
+            return (steps as u64 * 12 * 8 * 2, unsafe { fma_chains_avx2(steps) });
+        }
+    }
+    let mut acc = [1.0f32; 12];
+    for _ in 0..steps {
+        acc.iter_mut().for_each(|a| *a = a.mul_add(0.999_999, 1e-7));
+    }
+    (steps as u64 * 12 * 2, acc.iter().sum())
+}
+
+macro_rules! fma_chains_x86 {
+    ($name:ident, $feature:literal, $set1:ident, $fmadd:ident, $store:ident, $lanes:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feature)]
+        unsafe fn $name(steps: usize) -> f32 {
+            use std::arch::x86_64::*;
+            let (m, c) = ($set1(0.999_999), $set1(1e-7));
+            let mut acc = [$set1(1.0); 12];
+            for _ in 0..steps {
+                for a in acc.iter_mut() {
+                    *a = $fmadd(*a, m, c);
+                }
+            }
+            let mut out = [0f32; $lanes];
+            let mut sum = 0.0;
+            for a in acc {
+                // SAFETY: `out` holds one full vector.
+                unsafe { $store(out.as_mut_ptr(), a) };
+                sum += out.iter().sum::<f32>();
+            }
+            sum
+        }
+    };
+}
+fma_chains_x86!(fma_chains_avx512, "avx512f", _mm512_set1_ps, _mm512_fmadd_ps, _mm512_storeu_ps, 16);
+fma_chains_x86!(fma_chains_avx2, "avx2,fma", _mm256_set1_ps, _mm256_fmadd_ps, _mm256_storeu_ps, 8);
+
 /// Launch overhead on the default stream: amortised cost per launch of an empty kernel, and the
 /// latency from enqueue to the first block starting (stream worker warm, and after it parked).
 fn launch_overhead() -> Result<()> {
@@ -172,6 +242,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         "STREAM probe: scale {:.1} GB/s, scale with non-temporal stores {:.1} GB/s, triad {:.1} GB/s",
         probe.scale_gbs, probe.scale_nt_gbs, probe.triad_gbs
     );
+    let fma_gflops = fma_probe(args.iters)?;
+    println!("FMA probe: {fma_gflops:.0} GFLOP/s f32 peak over the pool");
     launch_overhead()?;
     let shape = args.shape.as_deref().map(crate::parse_shape).transpose()?;
     println!("\n| op | dtype | shape | best ms | GB/s | % of STREAM scale | % of scale (non-temporal) |\n|---|---|---|---|---|---|---|");
@@ -202,10 +274,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     if let Some(path) = &args.json {
         let json = format!(
-            "{{\"stream_scale_gbs\":{},\"stream_scale_nt_gbs\":{},\"stream_triad_gbs\":{},\"results\":[{}]}}\n",
+            "{{\"stream_scale_gbs\":{},\"stream_scale_nt_gbs\":{},\"stream_triad_gbs\":{},\"fma_gflops\":{},\
+             \"results\":[{}]}}\n",
             probe.scale_gbs,
             probe.scale_nt_gbs,
             probe.triad_gbs,
+            fma_gflops,
             rows.join(",")
         );
         std::fs::write(path, json).map_err(|e| uniop::Error::runtime(format!("writing {}: {e}", path.display())))?;
