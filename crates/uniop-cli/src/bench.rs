@@ -252,6 +252,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let entry = Registry::global().get(op)?;
         for d in args.dtypes.split(',').filter(|s| !s.is_empty()) {
             let dtype = DType::parse(d)?;
+            if !entry.op.dtypes().contains(&dtype) {
+                eprintln!("(skipping {op} {}: not one of its dtypes)", dtype.name());
+                continue;
+            }
             let example = entry.op.example(shape.as_deref(), dtype)?;
             let main_shape = example.inputs[0].as_ref().map(|m| m.shape().to_vec()).unwrap_or_default();
             let mut h = OpHarness::new(entry.clone(), example, 1)?;
