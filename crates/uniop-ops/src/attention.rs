@@ -88,9 +88,24 @@ impl Geometry {
     /// Keys visible to query `i` of a batch row with `len` keys: a prefix `[0, visible)`.
     pub fn visible(&self, len: usize, i: usize) -> usize {
         if self.causal {
-            (i + 1 + len).saturating_sub(self.q_len).min(len)
+            causal_prefix(i, self.q_len, len)
         } else {
             len
+        }
+    }
+
+    /// Unit `u` as a [`QueryTile`], reading its batch row's key count from `kv_lens`.
+    pub fn query_tile(&self, u: usize, lens: Option<&TensorRef<'_>>, op: &str) -> QueryTile {
+        let (b, hkv, tile) = self.unit(u);
+        let tq = self.tile_q();
+        let q0 = tile * tq;
+        QueryTile {
+            b,
+            hkv,
+            q0,
+            n_pos: tq.min(self.q_len - q0),
+            group: self.group(),
+            len: row_len(lens, b, self.kv_len, op),
         }
     }
 
@@ -98,6 +113,49 @@ impl Geometry {
     fn forward_scratch(&self, rows: usize) -> usize {
         let kv = if self.dtype == DType::F32 { 0 } else { TILE_KEYS * (self.head_dim + self.v_dim) };
         rows * (self.head_dim + TILE_KEYS + self.v_dim + 2) + kv
+    }
+}
+
+/// Columns visible to query `i` of `q_len` queries over `len` keys under the bottom-right causal
+/// mask: `j <= i + len − q_len`. Shared with [`causal_softmax`](crate::causal_softmax).
+pub(crate) fn causal_prefix(i: usize, q_len: usize, len: usize) -> usize {
+    (i + 1 + len).saturating_sub(q_len).min(len)
+}
+
+/// One unit of the forward and dQ kernels: query positions `q0..q0 + n_pos` of every q head
+/// of kv head `hkv`'s group in batch row `b` (which has `len` keys). Tile row `r` is position
+/// `q0 + r % n_pos` of q head `hkv·group + r / n_pos`.
+pub(crate) struct QueryTile {
+    pub b: usize,
+    pub hkv: usize,
+    pub q0: usize,
+    pub n_pos: usize,
+    pub group: usize,
+    pub len: usize,
+}
+
+impl QueryTile {
+    pub fn rows(&self) -> usize {
+        self.group * self.n_pos
+    }
+
+    /// `(q head, position)` of tile row `r`.
+    #[inline(always)]
+    pub fn head_pos(&self, r: usize) -> (usize, usize) {
+        (self.hkv * self.group + r / self.n_pos, self.q0 + r % self.n_pos)
+    }
+
+    /// Keys any row of the tile sees (the last row sees the most).
+    pub fn kv_end(&self, g: &Geometry) -> usize {
+        g.visible(self.len, self.q0 + self.n_pos - 1)
+    }
+
+    /// Widens the tile's rows of a `[B, Hq, Sq, width]` tensor into `dst` (`rows × width`), scaled.
+    pub fn load<T: FloatElement>(&self, data: &[T], rows: Rows4, dst: &mut [f32], width: usize, scale: f32) {
+        for r in 0..self.rows() {
+            let (h, i) = self.head_pos(r);
+            load_scaled(data, rows.at(self.b, h, i), &mut dst[r * width..(r + 1) * width], scale);
+        }
     }
 }
 
@@ -131,10 +189,9 @@ pub(crate) fn geometry(cx: &OpCx) -> Result<Geometry> {
             format!("{kv_heads} heads (shape {})", ShapeDisplay(cx.input("k").shape())),
         ));
     }
-    if let Some(lens) = cx.optional_input("kv_lens") {
+    if cx.optional_input("kv_lens").is_some() {
         cx.expect_dtype_in("kv_lens", LEN_DTYPES)?;
         cx.expect_shape("kv_lens", &[batch])?;
-        debug_assert_eq!(lens.numel(), batch);
     }
     let scale = match cx.attr("scale") {
         AttrValue::None => 1.0 / (head_dim.max(1) as f64).sqrt(),
@@ -309,28 +366,20 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
     let [qt, st, ot, mt, lt, kt, vt] =
         carve(ws, [rows_max * d, rows_max * TILE_KEYS, rows_max * dv, rows_max, rows_max, widen * d, widen * dv]);
     for u in ctx.split(g.units()) {
-        let (b, hkv, tile) = g.unit(u);
-        let len = row_len(lens.as_ref(), b, g.kv_len, "attention");
-        let q0 = tile * tq;
-        let n_pos = tq.min(g.q_len - q0);
-        let rows = group * n_pos;
-        // Row r is query position q0 + r % n_pos of q head hkv·group + r / n_pos.
-        let head_pos = |r: usize| (hkv * group + r / n_pos, q0 + r % n_pos);
-        for r in 0..rows {
-            let (h, i) = head_pos(r);
-            load_scaled(qs, qr.at(b, h, i), &mut qt[r * d..(r + 1) * d], g.scale);
-        }
+        let t = g.query_tile(u, lens.as_ref(), "attention");
+        let (b, hkv, rows) = (t.b, t.hkv, t.rows());
+        t.load(qs, qr, qt, d, g.scale);
         mt[..rows].fill(f32::NEG_INFINITY);
         lt[..rows].fill(0.0);
         ot[..rows * dv].fill(0.0);
-        let kv_end = g.visible(len, q0 + n_pos - 1);
+        let kv_end = t.kv_end(&g);
         for j0 in (0..kv_end).step_by(TILE_KEYS) {
             let n = TILE_KEYS.min(kv_end - j0);
             let kp = f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt);
             // SAFETY: kp covers n rows of d elements (the views were checked when bound).
             unsafe { scores(st, TILE_KEYS, qt, d, rows, kp, n) };
             for r in 0..rows {
-                let visible = g.visible(len, head_pos(r).1).saturating_sub(j0);
+                let visible = g.visible(t.len, t.head_pos(r).1).saturating_sub(j0);
                 let s = &mut st[r * TILE_KEYS..r * TILE_KEYS + n];
                 online_softmax_row(s, visible, &mut mt[r], &mut lt[r], &mut ot[r * dv..(r + 1) * dv]);
             }
@@ -349,7 +398,7 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
             }
         }
         for r in 0..rows {
-            let (h, i) = head_pos(r);
+            let (h, i) = t.head_pos(r);
             let o = &mut ot[r * dv..(r + 1) * dv];
             let (inv, lse_r) = if lt[r] > 0.0 { (1.0 / lt[r], mt[r] + lt[r].ln()) } else { (0.0, f32::NEG_INFINITY) };
             o.iter_mut().for_each(|x| *x *= inv);

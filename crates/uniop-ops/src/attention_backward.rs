@@ -87,13 +87,17 @@ fn delta_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) 
     let range = ctx.split(rows);
     // SAFETY: block b writes only its rows of the δ region.
     let delta = unsafe { args.workspace::<f32>(range.start, range.len()) };
-    let mut buf = vec![0f32; 2 * g.v_dim];
-    let (a, c) = buf.split_at_mut(g.v_dim);
+    const CHUNK: usize = 64;
+    let (mut a, mut c) = ([0f32; CHUNK], [0f32; CHUNK]);
     for (row, dst) in range.zip(delta) {
         let (b, h, i) = (row / (g.q_heads * g.q_len), row / g.q_len % g.q_heads, row % g.q_len);
-        T::widen(&ds[dr.at(b, h, i)..][..g.v_dim], a);
-        T::widen(&os[or.at(b, h, i)..][..g.v_dim], c);
-        *dst = a.iter().zip(c.iter()).map(|(x, y)| x * y).sum();
+        let (dout_row, out_row) = (&ds[dr.at(b, h, i)..][..g.v_dim], &os[or.at(b, h, i)..][..g.v_dim]);
+        *dst = 0.0;
+        for (x, y) in dout_row.chunks(CHUNK).zip(out_row.chunks(CHUNK)) {
+            T::widen(x, &mut a[..x.len()]);
+            T::widen(y, &mut c[..y.len()]);
+            *dst += a[..x.len()].iter().zip(&c[..y.len()]).map(|(x, y)| x * y).sum::<f32>();
+        }
     }
 }
 
@@ -216,19 +220,12 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, per
         [rows_max * d, rows_max * dv, rows_max * TILE_KEYS, rows_max * TILE_KEYS, rows_max * d, widen * d, widen * dv],
     );
     for u in ctx.split(g.units()) {
-        let (b, hkv, tile) = g.unit(u);
-        let len = row_len(lens.as_ref(), b, g.kv_len, "attention_backward");
-        let q0 = tile * tq;
-        let n_pos = tq.min(g.q_len - q0);
-        let rows = group * n_pos;
-        let head_pos = |r: usize| (hkv * group + r / n_pos, q0 + r % n_pos);
-        for r in 0..rows {
-            let (h, i) = head_pos(r);
-            load_scaled(qs, qr.at(b, h, i), &mut qt[r * d..(r + 1) * d], g.scale);
-            load_scaled(ds, dr.at(b, h, i), &mut dot[r * dv..(r + 1) * dv], 1.0);
-        }
+        let t = g.query_tile(u, lens.as_ref(), "attention_backward");
+        let (b, hkv, rows) = (t.b, t.hkv, t.rows());
+        t.load(qs, qr, qt, d, g.scale);
+        t.load(ds, dr, dot, dv, 1.0);
         dq_acc[..rows * d].fill(0.0);
-        let kv_end = g.visible(len, q0 + n_pos - 1);
+        let kv_end = t.kv_end(&g);
         for j0 in (0..kv_end).step_by(TILE_KEYS) {
             let n = TILE_KEYS.min(kv_end - j0);
             let kp = f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt);
@@ -239,9 +236,9 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, per
                 scores(dpt, TILE_KEYS, dot, dv, rows, vp, n);
             }
             for r in 0..rows {
-                let (h, i) = head_pos(r);
+                let (h, i) = t.head_pos(r);
                 let at = row_index(&g, b, h, i);
-                let visible = g.visible(len, i).saturating_sub(j0);
+                let visible = g.visible(t.len, i).saturating_sub(j0);
                 let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
                 probs_row(s, visible, lse_s[at]);
                 dscores_row(s, dp, delta[at]);
@@ -260,7 +257,7 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, per
             }
         }
         for r in 0..rows {
-            let (h, i) = head_pos(r);
+            let (h, i) = t.head_pos(r);
             // SAFETY: this unit owns rows (b, group heads, q0..q0+n_pos) of dq.
             unsafe { store_row::<T>(&dq, dqr.at(b, h, i), &mut dq_acc[r * d..(r + 1) * d], g.scale) };
         }

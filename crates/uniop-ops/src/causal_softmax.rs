@@ -4,6 +4,7 @@
 //! and a row that sees nothing (only when `Sk < Sq`) is all zeros. The gradient is plain
 //! `softmax_backward`: masked outputs are 0, so their gradients are too.
 
+use crate::attention::causal_prefix;
 use crate::elementwise::fence;
 use crate::math;
 use crate::softmax::{map_lanes_into, row_max, scale_into, DTYPES};
@@ -23,10 +24,10 @@ fn dims(cx: &OpCx) -> Result<(usize, usize, usize)> {
     Ok((s[..s.len() - 1].iter().product(), sq, sk))
 }
 
-/// Columns row `r` sees.
+/// Columns row `r` sees (the attention mask rule).
 #[inline(always)]
 fn visible(r: usize, sq: usize, sk: usize) -> usize {
-    (r % sq + 1 + sk).saturating_sub(sq).min(sk)
+    causal_prefix(r % sq, sq, sk)
 }
 
 crate::simd_kernel! {

@@ -58,13 +58,12 @@ impl Op for Gelu {
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let x = cx.input("x");
-        let map = GeluMap(tanh_approx(cx)?);
+        let tanh = tanh_approx(cx)?;
         let block_dim = block_dim_for(x.numel(), 2 * x.dtype.size());
         let streaming = x.numel() * x.dtype.size() >= elementwise::STREAMING_BYTES;
         with_float_dtype!(x.dtype, cx.op(), "x", |T| {
-            let map = GeluMap(map.0);
             Ok(Plan::new(vec![Step::new("gelu", block_dim, move |args, ctx| {
-                elementwise::unary::<T, _>(args, ctx, &map, streaming)
+                elementwise::unary::<T, _>(args, ctx, &GeluMap(tanh), streaming)
             })]))
         })
     }

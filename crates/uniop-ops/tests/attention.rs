@@ -156,6 +156,33 @@ fn transposed_bshd_views_match_contiguous() {
     assert_eq!(got[0], want[0]);
 }
 
+/// Runs `attention`, then `attention_backward` on the forward's own `out` and `lse` (both
+/// checked against their references); returns `[dq, dk, dv]`.
+fn backward_after_forward(
+    (q, k, v, dout): (&[f32], &[f32], &[f32], &[f32]),
+    (q_shape, kv_shape): ([usize; 4], [usize; 4]),
+    lens: Option<TensorRef>,
+    attrs: &[(&str, AttrValue)],
+) -> Vec<Vec<f64>> {
+    let fwd =
+        run_checked("attention", &[view(q, &q_shape), view(k, &kv_shape), view(v, &kv_shape), lens.clone()], attrs);
+    let (out, lse): (Vec<f32>, Vec<f32>) =
+        (fwd[0].iter().map(|&x| x as f32).collect(), fwd[1].iter().map(|&x| x as f32).collect());
+    run_checked(
+        "attention_backward",
+        &[
+            view(dout, &q_shape),
+            view(q, &q_shape),
+            view(k, &kv_shape),
+            view(v, &kv_shape),
+            view(&out, &q_shape),
+            view(&lse, &q_shape[..3]),
+            lens,
+        ],
+        attrs,
+    )
+}
+
 /// attention_backward, fed the forward's own out and lse, against central finite differences of
 /// the f64 forward — GQA, a causal chunk and a cache length that hides the last key.
 #[test]
@@ -167,23 +194,11 @@ fn attention_backward_matches_finite_differences() {
     let v = rand_vec(20, 43);
     let dout = rand_vec(24, 44);
     let lens = [4i64];
-    let len_view = || Some(TensorRef::new(&lens, &[1]).unwrap());
     let attrs = causal(true);
-    let fwd =
-        run_checked("attention", &[view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), len_view()], &attrs);
-    let (out, lse): (Vec<f32>, Vec<f32>) =
-        (fwd[0].iter().map(|&x| x as f32).collect(), fwd[1].iter().map(|&x| x as f32).collect());
-    let grads = run_checked(
-        "attention_backward",
-        &[
-            view(&dout, &q_shape),
-            view(&q, &q_shape),
-            view(&k, &kv_shape),
-            view(&v, &kv_shape),
-            view(&out, &q_shape),
-            view(&lse, &q_shape[..3]),
-            len_view(),
-        ],
+    let grads = backward_after_forward(
+        (&q, &k, &v, &dout),
+        (q_shape, kv_shape),
+        Some(TensorRef::new(&lens, &[1]).unwrap()),
         &attrs,
     );
     let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
@@ -208,23 +223,7 @@ fn attention_backward_spans_many_tiles() {
     let (q_shape, kv_shape) = ([1, 4, 300, 16], [1, 2, 300, 16]);
     let n = 4 * 300 * 16;
     let (q, k, v, dout) = (rand_vec(n, 51), rand_vec(n / 2, 52), rand_vec(n / 2, 53), rand_vec(n, 54));
-    let fwd =
-        run_checked("attention", &[view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), None], &causal(true));
-    let (out, lse): (Vec<f32>, Vec<f32>) =
-        (fwd[0].iter().map(|&x| x as f32).collect(), fwd[1].iter().map(|&x| x as f32).collect());
-    run_checked(
-        "attention_backward",
-        &[
-            view(&dout, &q_shape),
-            view(&q, &q_shape),
-            view(&k, &kv_shape),
-            view(&v, &kv_shape),
-            view(&out, &q_shape),
-            view(&lse, &q_shape[..3]),
-            None,
-        ],
-        &causal(true),
-    );
+    backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), None, &causal(true));
 }
 
 #[test]
