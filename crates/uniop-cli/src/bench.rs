@@ -260,7 +260,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             let main_shape = example.inputs[0].as_ref().map(|m| m.shape().to_vec()).unwrap_or_default();
             let mut h = OpHarness::new(entry.clone(), example, 1)?;
             let best = h.bench(Stream::default_stream(), args.iters)?;
-            let gbs = h.bytes_moved() as f64 / best.as_secs_f64() / 1e9;
+            let gbs = h.bytes_moved()? as f64 / best.as_secs_f64() / 1e9;
             let ms = best.as_secs_f64() * 1e3;
             let shape_s = main_shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x");
             println!(

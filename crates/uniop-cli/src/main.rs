@@ -159,7 +159,7 @@ fn run_one(op: &str, dtype: DType, args: &RunArgs) -> Result<bool> {
     let first = h.run(stream)?;
     let report = h.check()?;
     let best = h.bench(stream, args.iters)?;
-    let gbs = h.bytes_moved() as f64 / best.as_secs_f64() / 1e9;
+    let gbs = h.bytes_moved()? as f64 / best.as_secs_f64() / 1e9;
     println!(
         "{op} {} inputs ({}): {} | first call {:.3} ms, best of {} {:.3} ms, {:.1} GB/s",
         dtype.name(),

@@ -28,6 +28,7 @@ pub mod embedding;
 pub mod embedding_backward;
 pub mod gelu;
 pub mod gelu_backward;
+pub mod kv_cache_append;
 pub mod linear;
 pub mod linear_backward;
 pub mod math;
@@ -84,6 +85,7 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(silu_mul_backward::SiluMulBackward),
         Box::new(swiglu::Swiglu),
         Box::new(swiglu_backward::SwigluBackward),
+        Box::new(kv_cache_append::KvCacheAppend),
         Box::new(attention::Attention),
         Box::new(attention_backward::AttentionBackward),
         Box::new(softmax::Softmax::SOFTMAX),

@@ -293,3 +293,140 @@ fn attention_rejects_bad_inputs() {
         "{err}"
     );
 }
+
+fn strided_view<'a>(x: &'a [f32], shape: &[usize], strides: &[usize], offset: usize) -> TensorRef<'a> {
+    TensorRef::strided(x, shape, strides, offset).unwrap()
+}
+
+/// Appends `k`/`v` (`[B, H, S_new, D]` views) at `positions` into the caches, in place.
+fn append(
+    k_cache: &mut [f32],
+    v_cache: &mut [f32],
+    cache_shape: &[usize],
+    k: TensorRef,
+    v: TensorRef,
+    positions: &[i32],
+) -> uniop::Result<()> {
+    let pos = TensorRef::new(positions, &[positions.len()]).unwrap();
+    let caches = vec![
+        uniop::TensorMut::new(k_cache, cache_shape).unwrap(),
+        uniop::TensorMut::new(v_cache, cache_shape).unwrap(),
+    ];
+    uniop::call("kv_cache_append", &[Some(k), Some(v), Some(pos)], &[], caches)
+}
+
+/// New rows given as HF's `[B, S, H, D]` transposed views land at each sequence's position; every
+/// other cache row keeps its value.
+#[test]
+fn kv_cache_append_writes_rows_at_positions() {
+    setup();
+    let (b, h, s_max, s_new, d) = (2, 3, 8, 3, 4);
+    let cache_shape = [b, h, s_max, d];
+    let mut k_cache = rand_vec(b * h * s_max * d, 41);
+    let mut v_cache = rand_vec(b * h * s_max * d, 42);
+    let (k0, v0) = (k_cache.clone(), v_cache.clone());
+    // Stored [B, S_new, H, D]; viewed as [B, H, S_new, D].
+    let k_bshd = rand_vec(b * s_new * h * d, 43);
+    let v_bshd = rand_vec(b * s_new * h * d, 44);
+    let strides = [s_new * h * d, d, h * d, 1];
+    let positions = [5, 0];
+    append(
+        &mut k_cache,
+        &mut v_cache,
+        &cache_shape,
+        strided_view(&k_bshd, &[b, h, s_new, d], &strides, 0),
+        strided_view(&v_bshd, &[b, h, s_new, d], &strides, 0),
+        &positions,
+    )
+    .unwrap();
+    for (cache, before, new) in [(&k_cache, &k0, &k_bshd), (&v_cache, &v0, &v_bshd)] {
+        for (bi, &p) in positions.iter().enumerate() {
+            for hi in 0..h {
+                for s in 0..s_max {
+                    let row = &cache[((bi * h + hi) * s_max + s) * d..][..d];
+                    let want: &[f32] = if (p as usize..p as usize + s_new).contains(&s) {
+                        &new[((bi * s_new + s - p as usize) * h + hi) * d..][..d]
+                    } else {
+                        &before[((bi * h + hi) * s_max + s) * d..][..d]
+                    };
+                    assert_eq!(row, want, "b {bi} h {hi} s {s}");
+                }
+            }
+        }
+    }
+}
+
+/// Prefill a chunk, append one decode step, then attend with `kv_lens`: the same as attention over
+/// the whole sequence held contiguously.
+#[test]
+fn kv_cache_append_then_decode_equals_full_attention() {
+    setup();
+    let (h, s_max, d, total) = (2, 16, 8, 6);
+    let k_all = rand_vec(h * total * d, 51);
+    let v_all = rand_vec(h * total * d, 52);
+    let q = rand_vec(2 * h * d, 53);
+    let (mut k_cache, mut v_cache) = (vec![f32::NAN; h * s_max * d], vec![f32::NAN; h * s_max * d]);
+    let cache_shape = [1, h, s_max, d];
+    // Tokens [0, 5) as a prefill chunk, token 5 as a decode step: views into the [1, H, total, D] tensors.
+    for (start, len) in [(0, total - 1), (total - 1, 1)] {
+        let (shape, strides) = ([1, h, len, d], [h * total * d, total * d, d, 1]);
+        let (k, v) =
+            (strided_view(&k_all, &shape, &strides, start * d), strided_view(&v_all, &shape, &strides, start * d));
+        append(&mut k_cache, &mut v_cache, &cache_shape, k, v, &[start as i32]).unwrap();
+    }
+    let q_view = || view(&q, &[1, 2 * h, 1, d]);
+    let kv_lens = [total as i64];
+    let decode = run_checked(
+        "attention",
+        &[
+            q_view(),
+            view(&k_cache, &cache_shape),
+            view(&v_cache, &cache_shape),
+            Some(TensorRef::new(&kv_lens, &[1]).unwrap()),
+        ],
+        &causal(true),
+    );
+    let full = run_checked(
+        "attention",
+        &[q_view(), view(&k_all, &[1, h, total, d]), view(&v_all, &[1, h, total, d]), None],
+        &causal(true),
+    );
+    assert_near(&decode[0], &full[0], 1e-6, "decode after append");
+}
+
+/// A position that does not leave room for the new rows fails the launch, naming the sequence,
+/// and neither cache changes; shape errors are caught in phase 1.
+#[test]
+fn kv_cache_append_rejects_overflow_and_bad_shapes() {
+    setup();
+    let cache_shape = [2, 1, 8, 4];
+    let mut k_cache = rand_vec(64, 61);
+    let mut v_cache = rand_vec(64, 62);
+    let (k0, v0) = (k_cache.clone(), v_cache.clone());
+    let new = rand_vec(2 * 3 * 4, 63);
+    let new_view = || TensorRef::new(&new, &[2, 1, 3, 4]).unwrap();
+    let e = append(&mut k_cache, &mut v_cache, &cache_shape, new_view(), new_view(), &[1, 6]).unwrap_err();
+    assert_eq!(e.code(), ErrorCode::Runtime);
+    assert!(
+        e.message().contains("'positions': expected values in [0, 5]") && e.message().contains("got 6 at position 1"),
+        "{e}"
+    );
+    assert_eq!((k_cache.clone(), v_cache.clone()), (k0, v0), "caches untouched");
+    let e = append(&mut k_cache, &mut v_cache, &cache_shape, new_view(), new_view(), &[-1, 0]).unwrap_err();
+    assert!(e.message().contains("got -1 at position 0"), "{e}");
+
+    let long = rand_vec(2 * 9 * 4, 64);
+    let e = append(
+        &mut k_cache,
+        &mut v_cache,
+        &cache_shape,
+        TensorRef::new(&long, &[2, 1, 9, 4]).unwrap(),
+        TensorRef::new(&long, &[2, 1, 9, 4]).unwrap(),
+        &[0, 0],
+    )
+    .unwrap_err();
+    assert_eq!(e.code(), ErrorCode::Shape);
+    assert!(e.message().contains("argument 'k'") && e.message().contains("S_new ≤ 8"), "{e}");
+    let e = append(&mut k_cache, &mut v_cache, &cache_shape, new_view(), new_view(), &[0]).unwrap_err();
+    assert!(e.message().contains("argument 'positions'") && e.message().contains("[2]"), "{e}");
+}

@@ -1,9 +1,9 @@
-//! Every registered op, every dtype it declares: contiguous, strided (inputs and outputs) and
-//! 0-size cases, each checked against the op's f64 reference. Generic over the registry — a new
+//! Every registered op, every dtype it declares: contiguous, strided (inputs, outputs and in-place
+//! tensors) and 0-size cases, each checked against the op's f64 reference. Generic over the registry — a new
 //! op is covered the moment it is registered.
 
-use uniop::verify::{attr_refs, check_outputs, fill_random_in, infer, OpHarness, Rng};
-use uniop::{DType, Executor, Layout, Registry, Stream, Tensor, TensorMeta, TensorMut, TensorRef};
+use uniop::verify::{random_inputs, OpHarness};
+use uniop::{DType, Layout, Registry, Stream, TensorMeta};
 
 fn ops() -> Vec<std::sync::Arc<uniop::OpEntry>> {
     uniop_ops::init();
@@ -65,29 +65,10 @@ fn strided_inputs_and_outputs_match_reference() {
         for &dtype in entry.op.dtypes() {
             for pad in [0, 5] {
                 let example = entry.op.example(Some(&[4, 3, 67]), dtype).unwrap();
-                let mut rng = Rng::new(11);
-                let inputs: Vec<Option<Tensor>> = example
-                    .inputs
-                    .iter()
-                    .enumerate()
-                    .map(|(i, m)| {
-                        // Optional inputs the example leaves out stay out.
-                        let mut t = Tensor::with_meta(strided(m.as_ref()?, pad)).unwrap();
-                        fill_random_in(&mut t.view_mut(), &mut rng, example.ranges.get(i).copied().flatten());
-                        Some(t)
-                    })
-                    .collect();
-                let attrs = attr_refs(&example.attrs);
-                let views: Vec<Option<TensorRef>> = inputs.iter().map(|t| t.as_ref().map(Tensor::view)).collect();
-                let out_metas = infer(&entry, &views, &attrs).unwrap();
-                let mut outputs: Vec<Tensor> =
-                    out_metas.iter().map(|m| Tensor::with_meta(strided(m, pad)).unwrap()).collect();
-                let outs: Vec<TensorMut> = outputs.iter_mut().map(Tensor::view_mut).collect();
-                let mut exec = Executor::new(entry.clone(), &views, &attrs, outs).unwrap();
-                let mut ws = vec![0u8; exec.workspace_size()];
-                exec.run(&mut ws, Stream::default_stream()).unwrap();
-                let out_views: Vec<TensorRef> = outputs.iter().map(Tensor::view).collect();
-                let report = check_outputs(&entry, &views, &attrs, &out_views).unwrap();
+                let inputs = random_inputs(&example, 11, |m| strided(m, pad)).unwrap();
+                let mut h = OpHarness::with_inputs(entry.clone(), inputs, example.attrs, |m| strided(m, pad)).unwrap();
+                h.run(Stream::default_stream()).unwrap();
+                let report = h.check().unwrap();
                 assert!(report.pass(), "{} {dtype} pad {pad}:\n{report}", entry.name());
             }
         }

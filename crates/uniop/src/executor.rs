@@ -5,6 +5,11 @@
 //! layout the kernel does not accept. The result knows its workspace size. Phase 2 runs the plan
 //! on a stream with a caller-provided workspace.
 //!
+//! Tensors an op writes in place (`Tensor(a!)` in its schema, e.g. a KV cache) are passed with
+//! the outputs — first, in declaration order, then the returns — because the caller must hand
+//! them over mutably; `inputs` then lists only the tensors the op reads. Kernels reach them
+//! through [`KernelArgs::output`], and `OpCx` still shows them as named inputs for validation.
+//!
 //! Executors are single-use by default; [`Executor::set_repeatable`] allows relaunching, and the
 //! `rebind_*` calls swap tensor addresses (same dtype/shape/strides) without planning again.
 
@@ -24,6 +29,8 @@ const WS_ALIGN: usize = 64;
 #[derive(Clone, Debug)]
 struct Staging {
     is_output: bool,
+    /// In-place outputs carry the caller's values in, as well as the results out.
+    copy_in: bool,
     index: usize,
     /// Byte offset in the (aligned) workspace.
     at: usize,
@@ -60,26 +67,40 @@ impl<'a> Executor<'a> {
         Self::new(Registry::global().get(op)?, inputs, attrs, outputs)
     }
 
-    /// Phase 1: validate, infer, plan. `inputs` has one entry per tensor of the schema (flattened
-    /// for `Tensor[]`; `None` for an absent `Tensor?`).
+    /// Phase 1: validate, infer, plan. `inputs` has one entry per tensor the op reads (flattened
+    /// for `Tensor[]`; `None` for an absent `Tensor?`); `outputs` holds the in-place arguments,
+    /// then one tensor per return.
     pub fn new(
         entry: Arc<OpEntry>,
         inputs: &[Option<TensorRef<'a>>],
         attrs: &[(&str, AttrValue)],
         outputs: Vec<TensorMut<'a>>,
     ) -> Result<Executor<'a>> {
-        let groups = group_inputs(&entry, inputs)?;
-        let cx = OpCx::bind(&entry.schema, groups, attrs)?;
-        let expected = entry.op.infer(&cx)?;
         let op = entry.name().to_string();
-        if outputs.len() != expected.len() {
+        let in_place = entry.schema.mutated().count();
+        if outputs.len() < in_place {
+            let names: Vec<_> = entry.schema.mutated().map(|a| a.name.as_str()).collect();
             return Err(Error::new(
                 ErrorCode::ParamInvalid,
-                format!("{op}: expected {} outputs, got {}", expected.len(), outputs.len()),
+                format!(
+                    "{op}: expected the in-place tensors ({}) first among the outputs, got {} outputs",
+                    names.join(", "),
+                    outputs.len()
+                ),
             ));
         }
-        for (i, (out, want)) in outputs.iter().zip(&expected).enumerate() {
-            let name = entry.schema.output_name(i);
+        let written: Vec<&TensorMeta> = outputs[..in_place].iter().map(TensorMut::meta).collect();
+        let (groups, slots) = group_inputs(&entry, inputs, &written)?;
+        let cx = OpCx::bind(&entry.schema, groups, attrs)?;
+        let expected = entry.op.infer(&cx)?;
+        if outputs.len() != in_place + expected.len() {
+            return Err(Error::new(
+                ErrorCode::ParamInvalid,
+                format!("{op}: expected {} outputs, got {}", in_place + expected.len(), outputs.len()),
+            ));
+        }
+        for (i, (out, want)) in outputs[in_place..].iter().zip(&expected).enumerate() {
+            let name = entry.schema.output_name(in_place + i);
             if out.dtype() != want.dtype {
                 return Err(Error::arg(ErrorCode::DType, &op, &name, format!("dtype {}", want.dtype), out.dtype()));
             }
@@ -103,16 +124,19 @@ impl<'a> Executor<'a> {
                 return Ok(());
             }
             let packed = TensorMeta::contiguous(meta.dtype, meta.shape())?;
-            staging.push(Staging { is_output, index, at, meta: packed.clone() });
+            let copy_in = is_output && index < in_place;
+            staging.push(Staging { is_output, copy_in, index, at, meta: packed.clone() });
             at = at
                 .checked_add(align_up(packed.contiguous_bytes()?))
                 .ok_or_else(|| Error::new(ErrorCode::Shape, format!("{op}: workspace size overflows")))?;
             Ok(())
         };
-        let bound_inputs: Vec<Option<Bound>> = inputs
+        // Kernel input slots follow the schema; in-place arguments are left unbound there.
+        let bound_inputs: Vec<Option<Bound>> = slots
             .iter()
-            .map(|t| {
-                t.as_ref().map(|t| Bound { ptr: t.as_ptr() as *mut u8, len: t.byte_len(), meta: t.meta().clone() })
+            .map(|slot| {
+                let t = inputs[(*slot)?].as_ref()?;
+                Some(Bound { ptr: t.as_ptr() as *mut u8, len: t.byte_len(), meta: t.meta().clone() })
             })
             .collect();
         for (i, b) in bound_inputs.iter().enumerate() {
@@ -245,6 +269,9 @@ impl<'a> Executor<'a> {
                 Bound { ptr: base.add(s.at), len: s.meta.contiguous_bytes().unwrap_or(0), meta: s.meta.clone() };
             if s.is_output {
                 let user = std::mem::replace(&mut kernel_args.outputs[s.index], staged.clone());
+                if s.copy_in {
+                    copies_in.push((user.clone(), staged.clone()));
+                }
                 copies_out.push((staged, user));
             } else {
                 let user = kernel_args.inputs[s.index].replace(staged.clone()).expect("staged inputs are bound");
@@ -280,18 +307,32 @@ fn check_same_layout(op: &str, what: &str, old: &TensorMeta, new: &TensorMeta) -
     Ok(())
 }
 
-/// Splits flattened inputs into per-argument groups as `OpCx::bind` wants them. A `Tensor[]`
-/// argument takes all tensors not claimed by the other arguments.
-fn group_inputs(entry: &OpEntry, inputs: &[Option<TensorRef<'_>>]) -> Result<Vec<Vec<TensorMeta>>> {
-    let args: Vec<_> = entry.schema.inputs().collect();
-    let list_len = inputs.len().saturating_sub(args.len() - 1);
+/// Splits flattened inputs into per-argument groups as `OpCx::bind` wants them, taking in-place
+/// arguments from `written`. A `Tensor[]` argument takes all tensors not claimed by the other
+/// arguments. Also returns, per flattened tensor slot, its index in `inputs` (`None`: in place).
+fn group_inputs(
+    entry: &OpEntry,
+    inputs: &[Option<TensorRef<'_>>],
+    written: &[&TensorMeta],
+) -> Result<(Vec<Vec<TensorMeta>>, Vec<Option<usize>>)> {
+    let args: Vec<_> = entry.schema.inputs().filter(|a| a.ty.mutated.is_none()).collect();
+    let list_len = (inputs.len() + 1).saturating_sub(args.len());
     let mut groups = Vec::new();
-    let mut it = inputs.iter();
-    for arg in &args {
+    let mut slots = Vec::new();
+    let mut it = inputs.iter().enumerate();
+    let mut written = written.iter();
+    for arg in entry.schema.inputs() {
+        if arg.ty.mutated.is_some() {
+            groups.push(vec![(*written.next().expect("one written tensor per in-place argument")).clone()]);
+            slots.push(None);
+            continue;
+        }
         let take = if arg.ty.base == crate::schema::BaseType::TensorList { list_len } else { 1 };
         let mut group = Vec::new();
         for _ in 0..take {
-            match it.next() {
+            let next = it.next();
+            slots.extend(next.map(|(i, _)| Some(i)));
+            match next.map(|(_, t)| t) {
                 Some(Some(t)) => group.push(t.meta().clone()),
                 Some(None) => {
                     if !arg.ty.optional {
@@ -314,7 +355,7 @@ fn group_inputs(entry: &OpEntry, inputs: &[Option<TensorRef<'_>>]) -> Result<Vec
             format!("{}: expected {} tensor inputs, got {}", entry.name(), args.len(), inputs.len()),
         ));
     }
-    Ok(groups)
+    Ok((groups, slots))
 }
 
 /// Strided copy `src → dst` (same shape and dtype) as an SPMD launch over element ranges.

@@ -25,12 +25,14 @@ pub trait Op: Send + Sync + 'static {
     fn backward(&self) -> Option<&'static str> {
         None
     }
-    /// Output metas (contiguous) from input metas and attributes.
+    /// Metas (contiguous) of the returns from input metas and attributes. In-place arguments
+    /// are not returns: validate them here, they keep the caller's layout.
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>>;
     /// Phase 1: kernel choice, workspace and layout needs. `cx` has passed `infer`.
     fn plan(&self, cx: &OpCx) -> Result<Plan>;
     /// The obviously-correct f64 computation used by tests and `uniop run`. Inputs arrive
-    /// contiguous (logical order) as [`RefTensor`]s, `None` for absent optional tensors.
+    /// contiguous (logical order) as [`RefTensor`]s, `None` for absent optional tensors. Returns
+    /// the final values of every tensor the op writes: in-place arguments, then returns.
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>>;
     /// How much larger than one rounding of the output the kernel's error may legitimately be,
     /// for reference checks: long reductions (a K-term dot product) grow it like √K. Scales
@@ -41,6 +43,11 @@ pub trait Op: Send + Sync + 'static {
     /// Representative inputs: from one user-given shape (the op decides what it means — usually
     /// the main input's shape) or the op's default LLM-sized shape.
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example>;
+    /// Bytes one launch reads and writes, for bandwidth figures, when that is not every element
+    /// of every tensor once (an op that updates a slice of an in-place tensor).
+    fn bytes_moved(&self, _cx: &OpCx) -> Option<usize> {
+        None
+    }
 }
 
 /// A contiguous f64 tensor for references.
@@ -412,7 +419,9 @@ unsafe impl Sync for KernelArgs {}
 impl KernelArgs {
     /// Required input `i` (flattened order).
     pub fn input(&self, i: usize) -> TensorRef<'_> {
-        self.optional_input(i).expect("required input is bound")
+        self.optional_input(i).unwrap_or_else(|| {
+            panic!("input {i} is not bound: an absent optional input (use optional_input) or an in-place argument (use output)")
+        })
     }
 
     pub fn optional_input(&self, i: usize) -> Option<TensorRef<'_>> {

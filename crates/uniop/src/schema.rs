@@ -41,6 +41,8 @@ impl BaseType {
 pub struct ArgType {
     pub base: BaseType,
     pub optional: bool,
+    /// The alias set of a tensor the op writes in place, as in torch's `Tensor(a!) cache`.
+    pub mutated: Option<char>,
 }
 
 impl ArgType {
@@ -52,7 +54,11 @@ impl ArgType {
 
 impl fmt::Display for ArgType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}{}", self.base.spelling(), if self.optional { "?" } else { "" })
+        write!(f, "{}", self.base.spelling())?;
+        if let Some(set) = self.mutated {
+            write!(f, "({set}!)")?;
+        }
+        write!(f, "{}", if self.optional { "?" } else { "" })
     }
 }
 
@@ -151,8 +157,24 @@ impl OpSchema {
         self.args.iter().filter(|a| !a.ty.is_tensor())
     }
 
-    /// Name of output `i`: the declared name, or `out`/`out{i}`.
+    /// Tensor arguments the op writes in place (`Tensor(a!)`), in declaration order. Callers
+    /// bind them with the outputs, so these come first among the tensors the op writes.
+    pub fn mutated(&self) -> impl Iterator<Item = &Arg> {
+        self.inputs().filter(|a| a.ty.mutated.is_some())
+    }
+
+    /// Number of tensors the op writes: its in-place arguments, then its returns.
+    pub fn written_count(&self) -> usize {
+        self.mutated().count() + self.returns.len()
+    }
+
+    /// Name of written tensor `i` (in-place arguments first, then returns): the argument's or the
+    /// return's declared name, or `out`/`out{i}` for unnamed returns.
     pub fn output_name(&self, i: usize) -> String {
+        if let Some(arg) = self.mutated().nth(i) {
+            return arg.name.clone();
+        }
+        let i = i - self.mutated().count();
         match &self.returns[i].name {
             Some(n) => n.clone(),
             None if self.returns.len() == 1 => "out".to_string(),
@@ -292,6 +314,9 @@ impl<'a> Parser<'a> {
                     if args.iter().any(|a| a.name == arg.name) {
                         return Err(self.error(start, format!("duplicate argument name '{}'", arg.name)));
                     }
+                    if let Some(set) = arg.ty.mutated.filter(|&c| args.iter().any(|a| a.ty.mutated == Some(c))) {
+                        return Err(self.error(start, format!("alias set `{set}` is used twice")));
+                    }
                     if arg.default.is_none()
                         && !arg.kwarg_only
                         && args.iter().any(|a| a.default.is_some() && !a.kwarg_only)
@@ -363,11 +388,34 @@ impl<'a> Parser<'a> {
                 _ => return Err(self.error(bracket, format!("lists of `{word}` are not supported"))),
             };
         }
+        let mutated = if base == BaseType::Tensor && self.rest().starts_with('(') {
+            let at = self.pos;
+            self.pos += 1;
+            let set = self.ident("an alias set such as `a`")?;
+            let mut chars = set.chars();
+            let (Some(c), None) = (chars.next(), chars.next()) else {
+                return Err(self.error(at + 1, format!("alias sets are one letter, found `{set}`")));
+            };
+            if !self.rest().starts_with('!') {
+                return Err(self.error(
+                    self.pos,
+                    "only in-place annotations `(a!)` are supported (ops never return views of their inputs)",
+                ));
+            }
+            self.pos += 1;
+            self.expect(")")?;
+            Some(c)
+        } else {
+            None
+        };
         let optional = self.rest().starts_with('?');
         if optional {
+            if mutated.is_some() {
+                return Err(self.error(self.pos, "an in-place tensor argument cannot be optional"));
+            }
             self.pos += 1;
         }
-        Ok(ArgType { base, optional })
+        Ok(ArgType { base, optional, mutated })
     }
 
     fn arg(&mut self, kwarg_only: bool) -> Result<Arg> {
@@ -398,7 +446,7 @@ impl<'a> Parser<'a> {
     fn ret(&mut self) -> Result<Return> {
         let start = self.pos;
         let ty = self.ty()?;
-        if ty.base != BaseType::Tensor || ty.optional {
+        if ty.base != BaseType::Tensor || ty.optional || ty.mutated.is_some() {
             return Err(self.error(start, format!("only `Tensor` returns are supported, found `{ty}`")));
         }
         let name = match self.peek() {
@@ -481,7 +529,7 @@ mod tests {
         let text = "f.ov(Tensor a, Tensor? b, Tensor[] c, int n, int[] dims=[1, -2], *, float alpha=1, bool flag=True, str mode='half', ScalarType? dtype=None, int k=-3) -> Tensor";
         let s = OpSchema::parse(text).unwrap();
         assert_eq!(s.overload.as_deref(), Some("ov"));
-        assert_eq!(s.args[1].ty, ArgType { base: BaseType::Tensor, optional: true });
+        assert_eq!(s.args[1].ty, ArgType { base: BaseType::Tensor, optional: true, mutated: None });
         assert_eq!(s.args[2].ty.base, BaseType::TensorList);
         assert_eq!(s.args[4].default, Some(AttrValue::Ints(vec![1, -2])));
         assert!(s.args[5].kwarg_only && !s.args[4].kwarg_only);
@@ -492,6 +540,21 @@ mod tests {
         // Display round-trips through the parser.
         let again = OpSchema::parse(&s.to_string()).unwrap();
         assert_eq!(again, s);
+    }
+
+    #[test]
+    fn parses_in_place_arguments() {
+        let s = OpSchema::parse("append(Tensor(a!) cache, Tensor x, Tensor(b!) other) -> (Tensor n)").unwrap();
+        assert_eq!(s.args[0].ty.mutated, Some('a'));
+        assert_eq!(s.args[1].ty.mutated, None);
+        assert_eq!(s.mutated().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["cache", "other"]);
+        assert_eq!(s.written_count(), 3);
+        assert_eq!(
+            (s.output_name(0), s.output_name(1), s.output_name(2)),
+            ("cache".into(), "other".into(), "n".into())
+        );
+        assert_eq!(s.to_string(), "append(Tensor(a!) cache, Tensor x, Tensor(b!) other) -> (Tensor n)");
+        assert_eq!(OpSchema::parse("f(Tensor(a!) c) -> ()").unwrap().written_count(), 1);
     }
 
     #[test]
@@ -511,6 +574,11 @@ mod tests {
             ("add(Tensor a=1) -> Tensor", "can only default to None"),
             ("(Tensor a) -> Tensor", "expected an op name"),
             ("add(bool[] a) -> Tensor", "lists of `bool`"),
+            ("f(Tensor(a) c) -> ()", "only in-place annotations"),
+            ("f(Tensor(ab!) c) -> ()", "one letter"),
+            ("f(Tensor(a!)? c) -> ()", "cannot be optional"),
+            ("f(Tensor(a!) c, Tensor(a!) d) -> ()", "alias set `a` is used twice"),
+            ("f(Tensor c) -> Tensor(a!)", "only `Tensor` returns"),
         ];
         for (text, want) in cases {
             let e = OpSchema::parse(text).unwrap_err();

@@ -247,6 +247,25 @@ impl Tensor {
         Ok(t)
     }
 
+    /// An owned copy of a view with the same layout (the storage its layout spans is copied).
+    pub fn copy_of(src: &TensorRef<'_>) -> Result<Tensor> {
+        let mut t = Self::with_meta(src.meta.clone())?;
+        t.copy_from(src)?;
+        Ok(t)
+    }
+
+    /// Overwrites this tensor's storage with `src`'s, which must have the same meta.
+    pub fn copy_from(&mut self, src: &TensorRef<'_>) -> Result<()> {
+        if src.meta != self.meta {
+            return Err(Error::invalid(format!("copy_from: expected a view like {}, got {}", self.meta, src.meta)));
+        }
+        let bytes = self.meta.layout.storage_extent()? * self.meta.dtype.size();
+        // SAFETY: both views were checked to span their layout's extent, and `&mut self` owns the
+        // destination exclusively.
+        unsafe { self.buf.as_mut_slice()[..bytes].copy_from_slice(std::slice::from_raw_parts(src.ptr, bytes)) };
+        Ok(())
+    }
+
     pub fn meta(&self) -> &TensorMeta {
         &self.meta
     }

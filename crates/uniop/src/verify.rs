@@ -167,6 +167,10 @@ pub fn fill_random_in(t: &mut TensorMut<'_>, rng: &mut Rng, range: Option<(f64, 
 }
 
 /// Allocated inputs and outputs for one example of an op, ready to run, check and time.
+///
+/// `inputs` holds every tensor argument in schema order with the values the op starts from —
+/// for in-place arguments too, which is what the reference needs. `outputs` holds what the op
+/// writes: copies of the in-place arguments, then the returns.
 pub struct OpHarness {
     pub entry: std::sync::Arc<OpEntry>,
     pub inputs: Vec<Option<Tensor>>,
@@ -175,36 +179,62 @@ pub struct OpHarness {
 }
 
 impl OpHarness {
+    /// The op's example with random inputs (drawn from the example's ranges) and contiguous outputs.
     pub fn new(entry: std::sync::Arc<OpEntry>, example: Example, seed: u64) -> Result<OpHarness> {
-        let mut rng = Rng::new(seed);
-        let mut inputs = Vec::new();
-        for (i, meta) in example.inputs.iter().enumerate() {
-            inputs.push(match meta {
-                Some(m) => {
-                    let mut t = Tensor::with_meta(m.clone())?;
-                    fill_random_in(&mut t.view_mut(), &mut rng, example.ranges.get(i).copied().flatten());
-                    Some(t)
-                }
-                None => None,
-            });
-        }
-        let attrs = example.attrs;
+        let inputs = random_inputs(&example, seed, |m| m.clone())?;
+        Self::with_inputs(entry, inputs, example.attrs, |m| m.clone())
+    }
+
+    /// A harness over given inputs; `out_layout` picks each written tensor's layout from its
+    /// contiguous meta (in-place arguments keep their input's layout).
+    pub fn with_inputs(
+        entry: std::sync::Arc<OpEntry>,
+        inputs: Vec<Option<Tensor>>,
+        attrs: Vec<(String, AttrValue)>,
+        out_layout: impl Fn(&TensorMeta) -> TensorMeta,
+    ) -> Result<OpHarness> {
         let out_metas = {
             let views: Vec<Option<TensorRef<'_>>> = inputs.iter().map(|t| t.as_ref().map(Tensor::view)).collect();
             infer(&entry, &views, &attr_refs(&attrs))?
         };
-        let outputs = out_metas.into_iter().map(Tensor::with_meta).collect::<Result<Vec<_>>>()?;
+        let mut outputs = Vec::new();
+        for i in in_place_positions(&entry, inputs.len()) {
+            let source = inputs[i].as_ref().expect("in-place arguments are required tensors");
+            outputs.push(Tensor::copy_of(&source.view())?);
+        }
+        for m in out_metas {
+            outputs.push(Tensor::with_meta(out_layout(&m))?);
+        }
         Ok(OpHarness { entry, inputs, outputs, attrs })
     }
 
     fn executor(&mut self) -> Result<Executor<'_>> {
-        let views: Vec<Option<TensorRef<'_>>> = self.inputs.iter().map(|t| t.as_ref().map(Tensor::view)).collect();
+        let in_place = in_place_positions(&self.entry, self.inputs.len());
+        let views: Vec<Option<TensorRef<'_>>> = self
+            .inputs
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !in_place.contains(i))
+            .map(|(_, t)| t.as_ref().map(Tensor::view))
+            .collect();
         let outs: Vec<TensorMut<'_>> = self.outputs.iter_mut().map(Tensor::view_mut).collect();
         Executor::new(self.entry.clone(), &views, &attr_refs(&self.attrs), outs)
     }
 
-    /// Plans and runs once on `stream` (both phases), returning the wall time of the pair.
+    /// Resets the in-place outputs to the inputs' starting values, so a check after a run
+    /// compares one application of the op.
+    fn reset_in_place(&mut self) -> Result<()> {
+        for (o, i) in in_place_positions(&self.entry, self.inputs.len()).into_iter().enumerate() {
+            let source = self.inputs[i].as_ref().expect("in-place arguments are required tensors");
+            self.outputs[o].copy_from(&source.view())?;
+        }
+        Ok(())
+    }
+
+    /// Plans and runs once on `stream` (both phases) from the starting values, returning the wall
+    /// time of the pair.
     pub fn run(&mut self, stream: &Stream) -> Result<Duration> {
+        self.reset_in_place()?;
         let t0 = Instant::now();
         let mut exec = self.executor()?;
         let ws = Allocator::global().allocate(exec.workspace_size(), MemPolicy::HugeFirst)?;
@@ -230,18 +260,70 @@ impl OpHarness {
         Ok(best)
     }
 
+    /// Compares the outputs of the latest [`OpHarness::run`] with the reference.
     pub fn check(&self) -> Result<CheckReport> {
         let views: Vec<Option<TensorRef<'_>>> = self.inputs.iter().map(|t| t.as_ref().map(Tensor::view)).collect();
         let outs: Vec<TensorRef<'_>> = self.outputs.iter().map(Tensor::view).collect();
         check_outputs(&self.entry, &views, &attr_refs(&self.attrs), &outs)
     }
 
-    /// Bytes read and written by one launch, counting each tensor element once.
-    pub fn bytes_moved(&self) -> usize {
+    /// Bytes read and written by one launch: the op's own count when it has one (ops that touch
+    /// part of a tensor), else each tensor element once.
+    pub fn bytes_moved(&self) -> Result<usize> {
+        let metas =
+            self.inputs.iter().map(|t| t.as_ref().map(|t| vec![t.meta().clone()]).unwrap_or_default()).collect();
+        let cx = OpCx::bind(&self.entry.schema, metas, &attr_refs(&self.attrs))?;
+        if let Some(bytes) = self.entry.op.bytes_moved(&cx) {
+            return Ok(bytes);
+        }
         let size = |m: &TensorMeta| m.numel() * m.dtype.size();
-        self.inputs.iter().flatten().map(|t| size(t.meta())).sum::<usize>()
-            + self.outputs.iter().map(|t| size(t.meta())).sum::<usize>()
+        let in_place = in_place_positions(&self.entry, self.inputs.len());
+        Ok(self
+            .inputs
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !in_place.contains(i))
+            .flat_map(|(_, t)| t.as_ref())
+            .map(|t| size(t.meta()))
+            .sum::<usize>()
+            + self.outputs.iter().map(|t| size(t.meta())).sum::<usize>())
     }
+}
+
+/// Random tensors for an example's inputs, each laid out by `layout` from its example meta.
+pub fn random_inputs(
+    example: &Example,
+    seed: u64,
+    layout: impl Fn(&TensorMeta) -> TensorMeta,
+) -> Result<Vec<Option<Tensor>>> {
+    let mut rng = Rng::new(seed);
+    let mut inputs = Vec::new();
+    for (i, meta) in example.inputs.iter().enumerate() {
+        inputs.push(match meta {
+            Some(m) => {
+                let mut t = Tensor::with_meta(layout(m))?;
+                fill_random_in(&mut t.view_mut(), &mut rng, example.ranges.get(i).copied().flatten());
+                Some(t)
+            }
+            None => None,
+        });
+    }
+    Ok(inputs)
+}
+
+/// Positions of in-place (`Tensor(a!)`) arguments among `n` flattened tensor arguments.
+fn in_place_positions(entry: &OpEntry, n: usize) -> Vec<usize> {
+    let args: Vec<_> = entry.schema.inputs().collect();
+    let list_len = (n + 1).saturating_sub(args.len());
+    let mut at = 0;
+    let mut positions = Vec::new();
+    for arg in args {
+        if arg.ty.mutated.is_some() {
+            positions.push(at);
+        }
+        at += if arg.ty.base == crate::schema::BaseType::TensorList { list_len } else { 1 };
+    }
+    positions
 }
 
 /// Borrowed `(name, value)` pairs from owned ones.

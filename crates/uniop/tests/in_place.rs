@@ -1,0 +1,102 @@
+//! In-place (`Tensor(a!)`) arguments through the executor: bound with the outputs, visible to
+//! the op as named inputs, staged through the workspace in both directions when the kernel needs
+//! another layout, and rejected clearly when passed where a read-only input goes.
+
+use uniop::{
+    AttrValue, DType, Example, Executor, KernelArgs, LayoutNeed, Op, OpCx, Plan, RefTensor, Registry, Result, Step,
+    Stream, TensorMeta, TensorMut, TensorRef,
+};
+
+/// `x += alpha · y` in place; its kernel insists on a contiguous `x`, so strided callers are staged.
+struct AxpyInPlace;
+
+impl Op for AxpyInPlace {
+    fn schema(&self) -> &'static str {
+        "test_axpy_(Tensor(a!) x, Tensor y, float alpha) -> ()"
+    }
+    fn doc(&self) -> &'static str {
+        "x += alpha * y, in place (test op)"
+    }
+    fn dtypes(&self) -> &'static [DType] {
+        &[DType::F32]
+    }
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        cx.expect_dtype_in("x", &[DType::F32])?;
+        cx.expect_same_dtype("y", DType::F32, "x")?;
+        cx.expect_shape("y", cx.input("x").shape())?;
+        Ok(vec![])
+    }
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        let alpha = cx.float("alpha") as f32;
+        let n = cx.input("x").numel();
+        let step = Step::new("test_axpy_", 2, move |args: &KernelArgs, ctx| {
+            let y = args.input(1).to_vec::<f32>().unwrap();
+            let range = ctx.split(n);
+            // SAFETY: blocks own disjoint ranges of the (contiguous, staged if need be) output.
+            let x = unsafe { args.output(0).slice_mut::<f32>(range.start, range.len()) };
+            for (xi, yi) in x.iter_mut().zip(&y[range]) {
+                *xi += alpha * yi;
+            }
+        });
+        Ok(Plan::new(vec![step]).outputs_need(vec![LayoutNeed::Contiguous]))
+    }
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let (x, y) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
+        let data = x.data.iter().zip(&y.data).map(|(a, b)| a + cx.float("alpha") * b).collect();
+        Ok(vec![RefTensor::new(&x.shape, data)])
+    }
+    fn example(&self, _shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        let m = TensorMeta::contiguous(dtype, &[4, 5])?;
+        Ok(Example {
+            inputs: vec![Some(m.clone()), Some(m)],
+            attrs: vec![("alpha".into(), 2.0.into())],
+            ..Default::default()
+        })
+    }
+}
+
+fn register() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| Registry::global().register(Box::new(AxpyInPlace)).unwrap());
+}
+
+#[test]
+fn strided_in_place_tensor_is_staged_both_ways() {
+    register();
+    // x is the even columns of a [3, 8] buffer; the odd columns must stay untouched.
+    let mut storage: Vec<f32> = (0..24).map(|i| i as f32).collect();
+    let y: Vec<f32> = (0..12).map(|i| 100.0 * i as f32).collect();
+    let expected: Vec<f32> =
+        (0..24).map(|i| if i % 2 == 0 { i as f32 + 0.5 * 100.0 * (i / 2) as f32 } else { i as f32 }).collect();
+    {
+        let x = TensorMut::strided(&mut storage, &[3, 4], &[8, 2], 0).unwrap();
+        let y = TensorRef::new(&y, &[3, 4]).unwrap();
+        let alpha = [("alpha", AttrValue::Float(0.5))];
+        let mut exec = Executor::by_name("test_axpy_", &[Some(y)], &alpha, vec![x]).unwrap();
+        assert!(exec.workspace_size() >= 12 * 4, "a strided in-place tensor is staged");
+        let mut ws = vec![0u8; exec.workspace_size()];
+        exec.run(&mut ws, Stream::default_stream()).unwrap();
+    }
+    assert_eq!(storage, expected);
+}
+
+#[test]
+fn in_place_tensor_passed_as_an_input_is_a_clear_error() {
+    register();
+    let (x, y) = (vec![1.0f32; 4], vec![2.0f32; 4]);
+    let views = [Some(TensorRef::new(&x, &[4]).unwrap()), Some(TensorRef::new(&y, &[4]).unwrap())];
+    let e = Executor::by_name("test_axpy_", &views, &[("alpha", AttrValue::Float(1.0))], vec![]).err().unwrap();
+    assert_eq!(e.code(), uniop::ErrorCode::ParamInvalid);
+    assert!(e.message().contains("in-place tensors (x) first among the outputs"), "{e}");
+}
+
+#[test]
+fn in_place_tensor_is_validated_like_an_input() {
+    register();
+    let (mut x, y) = (vec![1.0f32; 4], vec![2.0f32; 5]);
+    let x = TensorMut::new(&mut x, &[4]).unwrap();
+    let y = TensorRef::new(&y, &[5]).unwrap();
+    let e = Executor::by_name("test_axpy_", &[Some(y)], &[("alpha", AttrValue::Float(1.0))], vec![x]).err().unwrap();
+    assert_eq!(e.code(), uniop::ErrorCode::Shape);
+    assert!(e.message().contains("'y'") && e.message().contains("[4]"), "{e}");
+}
