@@ -307,6 +307,9 @@ fn check_same_layout(op: &str, what: &str, old: &TensorMeta, new: &TensorMeta) -
     Ok(())
 }
 
+/// Per flattened tensor argument, its index among the caller's inputs (`None`: an in-place argument).
+type InputSlots = Vec<Option<usize>>;
+
 /// Splits flattened inputs into per-argument groups as `OpCx::bind` wants them, taking in-place
 /// arguments from `written`. A `Tensor[]` argument takes all tensors not claimed by the other
 /// arguments. Also returns, per flattened tensor slot, its index in `inputs` (`None`: in place).
@@ -314,7 +317,7 @@ fn group_inputs(
     entry: &OpEntry,
     inputs: &[Option<TensorRef<'_>>],
     written: &[&TensorMeta],
-) -> Result<(Vec<Vec<TensorMeta>>, Vec<Option<usize>>)> {
+) -> Result<(Vec<Vec<TensorMeta>>, InputSlots)> {
     let args: Vec<_> = entry.schema.inputs().filter(|a| a.ty.mutated.is_none()).collect();
     let list_len = (inputs.len() + 1).saturating_sub(args.len());
     let mut groups = Vec::new();
