@@ -21,6 +21,7 @@ macro_rules! simd_kernel {
 
 pub mod attention;
 pub mod attention_backward;
+mod bf16_gemm;
 pub mod cast;
 pub mod causal_softmax;
 mod elementwise;

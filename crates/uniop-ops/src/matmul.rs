@@ -4,9 +4,10 @@
 //!
 //! Kernels: the `gemm` crate (f32, f16 with f32 accumulation) called single-threaded inside
 //! uniop's SPMD blocks, each block owning a band of rows of one batch — the pool stays the only
-//! source of parallelism (no second thread pool spinning on the same cores). bf16 needs its own
-//! AVX512-BF16 kernel (the `gemm` crate panics on it) and is not offered yet.
+//! source of parallelism (no second thread pool spinning on the same cores). bf16 runs our own
+//! AVX512-BF16 kernel ([`crate::bf16_gemm`]; the `gemm` crate has none), f32 sums rounded once.
 
+use uniop::half::bf16;
 use uniop::layout::ShapeDisplay;
 use uniop::{
     broadcast_shapes, with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, KernelArgs, Layout, Op, OpCx,
@@ -15,7 +16,7 @@ use uniop::{
 
 pub struct Matmul;
 
-pub(crate) const DTYPES: &[DType] = &[DType::F32, DType::F16];
+pub(crate) const DTYPES: &[DType] = &[DType::F32, DType::F16, DType::BF16];
 
 /// `[..., M, K] × [..., K, N]` with broadcast batch dims.
 #[derive(Clone, Debug)]
@@ -132,6 +133,11 @@ pub(crate) unsafe fn gemm_rows<T: Element>(
         }
         return;
     }
+    if T::DTYPE == DType::BF16 {
+        let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const bf16, rs: m.rs, cs: m.cs };
+        let dst = Dst { ptr: dst.ptr as *mut bf16, rs: dst.rs, cs: dst.cs };
+        return crate::bf16_gemm::gemm_rows_bf16(rows, n, k, dst, cast(lhs), cast(rhs), accumulate);
+    }
     let start = rows.start as isize;
     // gemm computes dst := alpha·dst + beta·lhs·rhs, reading dst only when asked to.
     gemm::gemm(
@@ -194,7 +200,8 @@ impl Op for Matmul {
     fn doc(&self) -> &'static str {
         "Batched matrix product a [..., M, K] x b [..., K, N] -> [..., M, N]; batch dims broadcast (torch.matmul \
          for rank >= 2); any strides, so transposed operands cost nothing. float32 and float16 (float32 \
-         accumulation) via the gemm crate inside uniop's SPMD blocks."
+         accumulation) via the gemm crate, bfloat16 via uniop's AVX512-BF16 kernel (float32 sums), inside uniop's SPMD \
+         blocks."
     }
 
     fn dtypes(&self) -> &'static [DType] {

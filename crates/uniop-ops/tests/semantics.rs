@@ -692,14 +692,15 @@ fn matmul_broadcasts_batches_and_takes_transposed_operands() {
         err.message(),
         "matmul: argument 'b': expected 7 rows (a is [2, 5, 7], so b must be [..., 7, N]), got shape [6, 3]"
     );
-    let a16: Vec<bf16> = a.iter().map(|&v| bf16::from_f32(v)).collect();
+    let ints: Vec<i32> = (0..2 * m * k).map(|i| i as i32).collect();
     let err = plan_err(
         "matmul",
-        &[Some(TensorRef::new(&a16, &[2, m, k]).unwrap()), Some(TensorRef::new(&a16[..k * m], &[k, m]).unwrap())],
+        &[Some(TensorRef::new(&ints, &[2, m, k]).unwrap()), Some(TensorRef::new(&ints[..k * m], &[k, m]).unwrap())],
         &[],
         vec![],
     );
     assert_eq!(err.code(), ErrorCode::DType);
+    assert!(err.message().contains("argument 'a'") && err.message().contains("bfloat16"), "{err}");
 }
 
 /// A failure stays with the launch that caused it: another executor's `run` on the same stream

@@ -1,0 +1,491 @@
+//! bf16 × bf16 → f32-accumulated GEMM, our own because the `gemm` crate has no bf16 path.
+//!
+//! The structure is the usual BLIS one: `KC`-deep slices of B are packed into 32-column panels,
+//! `MC`-row blocks of A into 8-row panels, and an 8 × 32 micro-kernel keeps its tile in 16
+//! registers while it walks a slice. What makes it bf16-specific is the packed format: AVX512-BF16's
+//! `vdpbf16ps` multiplies *pairs* of bf16 and adds both products to an f32 lane, so B panels store
+//! rows `2p` and `2p+1` interleaved per column and A panels store each row's `(2p, 2p+1)` pair as
+//! one 32-bit word to broadcast. Tiles deeper than one slice are carried between slices in an f32
+//! scratch block, so the output (f32 or bf16) is rounded once.
+//!
+//! Machines without AVX512-BF16 run a portable micro-kernel over the same packed panels (the
+//! same f32 sums, without the pair instruction), so packing, blocking and edge handling are one
+//! code path. Scratch lives in per-thread buffers reused across calls, like the `gemm` crate's.
+
+use crate::matmul::{Dst, Mat};
+use std::cell::RefCell;
+use uniop::half::bf16;
+
+/// Rows and columns of the register tile.
+const MR: usize = 8;
+const NR: usize = 32;
+/// Depth of one packed slice (even, so pairs never straddle slices).
+const KC: usize = 512;
+/// Rows of A packed at once, and columns of B.
+const MC: usize = 64;
+const NC: usize = 512;
+
+/// What the micro-kernel does with its finished tile.
+#[derive(Clone, Copy)]
+enum Sink {
+    /// More slices follow: keep the f32 tile in the scratch block.
+    Scratch,
+    /// Last slice: write `rows × cols` to the output, adding to it when accumulating.
+    Output { rows: usize, cols: usize, accumulate: bool },
+}
+
+/// Output element types: f32 for attention scores and f32 GEMMs' callers, bf16 for bf16 ops.
+pub(crate) trait GemmOut: Copy + 'static {
+    /// bf16 (else f32): picks the vector store.
+    const IS_BF16: bool;
+    fn to_f32(self) -> f32;
+    fn from_f32(v: f32) -> Self;
+}
+
+impl GemmOut for f32 {
+    const IS_BF16: bool = false;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+
+impl GemmOut for bf16 {
+    const IS_BF16: bool = true;
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+#[derive(Default)]
+struct Scratch {
+    /// Packed A block: `MC / MR` panels of `[pairs][MR]` words.
+    a: Vec<u32>,
+    /// Packed B slice: `NC / NR` panels of `[pairs][NR]` words.
+    b: Vec<u32>,
+    /// f32 tiles carried between slices: `[row of the row block][NC]`.
+    c: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests run the portable micro-kernel on machines that have the fast one.
+    static FORCE_PORTABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+fn portable_forced() -> bool {
+    #[cfg(test)]
+    return FORCE_PORTABLE.with(|f| f.get());
+    #[cfg(not(test))]
+    false
+}
+
+fn grow<T: Copy + Default>(v: &mut Vec<T>, len: usize) {
+    if v.len() < len {
+        v.resize(len, T::default());
+    }
+}
+
+/// `dst[rows] = lhs[rows] · rhs` (`+=` with `accumulate`), `k`-deep, `n` columns; bf16 operands,
+/// f32 sums, one rounding to `O` at the end.
+///
+/// # Safety
+/// As [`crate::matmul::gemm_rows`]: all three matrices valid for the extents and strides, and
+/// rows `rows` of `dst` untouched by anyone else meanwhile.
+pub(crate) unsafe fn gemm_rows_bf16<O: GemmOut>(
+    rows: std::ops::Range<usize>,
+    n: usize,
+    k: usize,
+    dst: Dst<O>,
+    lhs: Mat<bf16>,
+    rhs: Mat<bf16>,
+    accumulate: bool,
+) {
+    if rows.is_empty() || n == 0 {
+        return;
+    }
+    let fast = has_avx512_bf16() && !portable_forced();
+    // (start, depth) of each K slice; k == 0 still gets one (empty) slice so the output is written.
+    let slices: Vec<(usize, usize)> =
+        if k == 0 { vec![(0, 0)] } else { (0..k).step_by(KC).map(|pc| (pc, KC.min(k - pc))).collect() };
+    SCRATCH.with_borrow_mut(|s| {
+        grow(&mut s.a, MC * KC / 2);
+        grow(&mut s.b, NC * k.div_ceil(2));
+        if slices.len() > 1 {
+            grow(&mut s.c, MC * NC);
+        }
+        for jc in (0..n).step_by(NC) {
+            let nc = NC.min(n - jc);
+            // All of B's slices for these columns, packed once and reused by every row block.
+            let mut b_slices = Vec::with_capacity(slices.len());
+            let mut at = 0;
+            for &(pc, kc) in &slices {
+                pack_b(&mut s.b[at..], rhs, pc, kc, jc, nc);
+                b_slices.push(at);
+                at += nc.next_multiple_of(NR) * kc.div_ceil(2);
+            }
+            for ic in (rows.start..rows.end).step_by(MC) {
+                let mc = MC.min(rows.end - ic);
+                for (si, &(pc, kc)) in slices.iter().enumerate() {
+                    pack_a(&mut s.a, lhs, ic, mc, pc, kc);
+                    let pairs = kc.div_ceil(2);
+                    for jr in (0..nc).step_by(NR) {
+                        let b_panel = s.b.as_ptr().add(b_slices[si] + jr * pairs);
+                        for ir in (0..mc).step_by(MR) {
+                            let a_panel = s.a.as_ptr().add(ir * pairs);
+                            let c_tile = s.c.as_mut_ptr().wrapping_add(ir * NC + jr);
+                            let sink = if si + 1 == slices.len() {
+                                Sink::Output { rows: MR.min(mc - ir), cols: NR.min(nc - jr), accumulate }
+                            } else {
+                                Sink::Scratch
+                            };
+                            let carried = (si > 0).then_some(c_tile as *const f32);
+                            let out = Dst {
+                                ptr: dst.ptr.offset((ic + ir) as isize * dst.rs + (jc + jr) as isize * dst.cs),
+                                ..dst
+                            };
+                            if fast {
+                                micro_avx512_bf16(pairs, a_panel, b_panel, carried, sink, c_tile, out);
+                            } else {
+                                let mut tile = [[0f32; NR]; MR];
+                                micro_portable(pairs, a_panel, b_panel, carried, &mut tile);
+                                finish(&tile, sink, c_tile, out);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+fn has_avx512_bf16() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *DETECTED.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Element `(r, c)` of a strided bf16 matrix as raw bits, or 0 outside `rows × cols` (padding).
+#[inline(always)]
+unsafe fn bits_or_zero(m: Mat<bf16>, r: usize, c: usize, rows: usize, cols: usize) -> u32 {
+    if r < rows && c < cols {
+        (*m.ptr.offset(r as isize * m.rs + c as isize * m.cs)).to_bits() as u32
+    } else {
+        0
+    }
+}
+
+/// Packs `rhs[pc..pc+kc, jc..jc+nc]` as `NR`-column panels of `[pair][column]` words (low half:
+/// the even row), zero-padded to whole pairs and panels.
+unsafe fn pack_b(out: &mut [u32], rhs: Mat<bf16>, pc: usize, kc: usize, jc: usize, nc: usize) {
+    let pairs = kc.div_ceil(2);
+    if pairs == 0 {
+        return;
+    }
+    let block = Mat { ptr: rhs.ptr.offset(pc as isize * rhs.rs + jc as isize * rhs.cs), ..rhs };
+    for (panel, chunk) in out.chunks_exact_mut(pairs * NR).take(nc.div_ceil(NR)).enumerate() {
+        let c0 = panel * NR;
+        if rhs.rs == 1 && kc.is_multiple_of(2) && c0 + NR <= nc {
+            // Columns dense along k (a transposed [N, K] weight): each pair is one 32-bit load.
+            for j in 0..NR {
+                let col = block.ptr.offset((c0 + j) as isize * rhs.cs) as *const u32;
+                for p in 0..pairs {
+                    chunk[p * NR + j] = col.add(p).read_unaligned();
+                }
+            }
+        } else if rhs.cs == 1 && kc.is_multiple_of(2) && c0 + NR <= nc {
+            // Rows dense along n (a row-major [K, N] operand): interleave two rows per pair.
+            for p in 0..pairs {
+                let even = block.ptr.offset(2 * p as isize * rhs.rs).add(c0) as *const u16;
+                let odd = even.offset(rhs.rs);
+                for j in 0..NR {
+                    chunk[p * NR + j] = *even.add(j) as u32 | (*odd.add(j) as u32) << 16;
+                }
+            }
+        } else {
+            for p in 0..pairs {
+                for j in 0..NR {
+                    chunk[p * NR + j] = bits_or_zero(block, 2 * p, c0 + j, kc, nc)
+                        | (bits_or_zero(block, 2 * p + 1, c0 + j, kc, nc) << 16);
+                }
+            }
+        }
+    }
+}
+
+/// Packs `lhs[ic..ic+mc, pc..pc+kc]` as `MR`-row panels of `[pair][row]` words (low half: the
+/// even column), zero-padded.
+unsafe fn pack_a(out: &mut [u32], lhs: Mat<bf16>, ic: usize, mc: usize, pc: usize, kc: usize) {
+    let pairs = kc.div_ceil(2);
+    if pairs == 0 {
+        return;
+    }
+    let block = Mat { ptr: lhs.ptr.offset(ic as isize * lhs.rs + pc as isize * lhs.cs), ..lhs };
+    for (panel, chunk) in out.chunks_exact_mut(pairs * MR).take(mc.div_ceil(MR)).enumerate() {
+        let r0 = panel * MR;
+        if lhs.cs == 1 && kc.is_multiple_of(2) && r0 + MR <= mc {
+            // Rows dense along k: each pair is one 32-bit load.
+            let rows: [*const u32; MR] =
+                std::array::from_fn(|i| block.ptr.offset((r0 + i) as isize * lhs.rs) as *const u32);
+            for (p, words) in chunk.chunks_exact_mut(MR).enumerate() {
+                for (w, row) in words.iter_mut().zip(rows) {
+                    *w = row.add(p).read_unaligned();
+                }
+            }
+        } else {
+            for p in 0..pairs {
+                for i in 0..MR {
+                    chunk[p * MR + i] = bits_or_zero(block, r0 + i, 2 * p, mc, kc)
+                        | (bits_or_zero(block, r0 + i, 2 * p + 1, mc, kc) << 16);
+                }
+            }
+        }
+    }
+}
+
+/// Writes a finished tile: to the scratch block, or rounded to the output.
+unsafe fn finish<O: GemmOut>(tile: &[[f32; NR]; MR], sink: Sink, c_tile: *mut f32, out: Dst<O>) {
+    match sink {
+        Sink::Scratch => {
+            for (i, row) in tile.iter().enumerate() {
+                std::ptr::copy_nonoverlapping(row.as_ptr(), c_tile.add(i * NC), NR);
+            }
+        }
+        Sink::Output { rows, cols, accumulate } => {
+            for (i, row) in tile.iter().enumerate().take(rows) {
+                let base = out.ptr.offset(i as isize * out.rs);
+                for (j, &v) in row.iter().enumerate().take(cols) {
+                    let o = base.offset(j as isize * out.cs);
+                    *o = O::from_f32(if accumulate { (*o).to_f32() + v } else { v });
+                }
+            }
+        }
+    }
+}
+
+/// `carried + Σ_p a[p] ⊗ b[p]` over `pairs` packed pairs with `vdpbf16ps`, then the tile goes to
+/// `sink` — with vector stores for scratch tiles and whole tiles of a row-major output.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn micro_avx512_bf16<O: GemmOut>(
+    pairs: usize,
+    a: *const u32,
+    b: *const u32,
+    carried: Option<*const f32>,
+    sink: Sink,
+    c_tile: *mut f32,
+    out: Dst<O>,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    if let Some(c) = carried {
+        for (i, row) in acc.iter_mut().enumerate() {
+            row[0] = _mm512_loadu_ps(c.add(i * NC));
+            row[1] = _mm512_loadu_ps(c.add(i * NC + 16));
+        }
+    }
+    for p in 0..pairs {
+        let bp = b.add(p * NR);
+        let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp as *const __m512i));
+        let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(16) as *const __m512i));
+        for (i, row) in acc.iter_mut().enumerate() {
+            let ai: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(p * MR + i) as i32));
+            row[0] = _mm512_dpbf16_ps(row[0], ai, b0);
+            row[1] = _mm512_dpbf16_ps(row[1], ai, b1);
+        }
+    }
+    match sink {
+        Sink::Scratch => {
+            for (i, row) in acc.iter().enumerate() {
+                _mm512_storeu_ps(c_tile.add(i * NC), row[0]);
+                _mm512_storeu_ps(c_tile.add(i * NC + 16), row[1]);
+            }
+        }
+        Sink::Output { rows: MR, cols: NR, accumulate } if out.cs == 1 && O::IS_BF16 => {
+            for (i, row) in acc.iter().enumerate() {
+                let o = out.ptr.offset(i as isize * out.rs) as *mut __m256i;
+                for (half, &v) in row.iter().enumerate() {
+                    let v = if accumulate {
+                        let old = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(o.add(half))));
+                        _mm512_add_ps(v, _mm512_castsi512_ps(old))
+                    } else {
+                        v
+                    };
+                    _mm256_storeu_si256(o.add(half), std::mem::transmute::<__m256bh, __m256i>(_mm512_cvtneps_pbh(v)));
+                }
+            }
+        }
+        Sink::Output { rows: MR, cols: NR, accumulate } if out.cs == 1 && !O::IS_BF16 => {
+            for (i, row) in acc.iter().enumerate() {
+                let o = out.ptr.offset(i as isize * out.rs) as *mut f32;
+                for (half, &v) in row.iter().enumerate() {
+                    let v = if accumulate { _mm512_add_ps(v, _mm512_loadu_ps(o.add(16 * half))) } else { v };
+                    _mm512_storeu_ps(o.add(16 * half), v);
+                }
+            }
+        }
+        Sink::Output { .. } => {
+            let mut tile = [[0f32; NR]; MR];
+            for (row, t) in acc.iter().zip(tile.iter_mut()) {
+                _mm512_storeu_ps(t.as_mut_ptr(), row[0]);
+                _mm512_storeu_ps(t.as_mut_ptr().add(16), row[1]);
+            }
+            finish(&tile, sink, c_tile, out);
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn micro_avx512_bf16<O: GemmOut>(
+    _: usize,
+    _: *const u32,
+    _: *const u32,
+    _: Option<*const f32>,
+    _: Sink,
+    _: *mut f32,
+    _: Dst<O>,
+) {
+    unreachable!("only selected when the CPU has AVX512-BF16")
+}
+
+/// The same sums as [`micro_avx512_bf16`] in plain Rust.
+unsafe fn micro_portable(
+    pairs: usize,
+    a: *const u32,
+    b: *const u32,
+    carried: Option<*const f32>,
+    tile: &mut [[f32; NR]; MR],
+) {
+    if let Some(c) = carried {
+        for (i, row) in tile.iter_mut().enumerate() {
+            std::ptr::copy_nonoverlapping(c.add(i * NC), row.as_mut_ptr(), NR);
+        }
+    }
+    let widen = |bits: u32| f32::from_bits(bits << 16);
+    for p in 0..pairs {
+        let bp = std::slice::from_raw_parts(b.add(p * NR), NR);
+        for (i, row) in tile.iter_mut().enumerate() {
+            let ai = *a.add(p * MR + i);
+            let (a0, a1) = (widen(ai & 0xffff), widen(ai >> 16));
+            for (acc, &bj) in row.iter_mut().zip(bp) {
+                *acc += a0 * widen(bj & 0xffff) + a1 * widen(bj >> 16);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bf16s(n: usize, seed: u64) -> Vec<bf16> {
+        let mut rng = uniop::verify::Rng::new(seed);
+        (0..n).map(|_| bf16::from_f64(rng.uniform())).collect()
+    }
+
+    /// Runs the GEMM on `[m, k]` (row-major or column-major) × `[k, n]` (either) and compares every
+    /// element with an f64 sum of the same bf16 values, for both micro-kernels.
+    fn check(m: usize, k: usize, n: usize, a_col_major: bool, b_col_major: bool, accumulate: bool) {
+        let (a, b) = (bf16s(m * k, 1), bf16s(k * n, 2));
+        let strides = |rows: usize, cols: usize, col_major: bool| {
+            if col_major {
+                (1isize, rows as isize)
+            } else {
+                (cols as isize, 1isize)
+            }
+        };
+        let ((ars, acs), (brs, bcs)) = (strides(m, k, a_col_major), strides(k, n, b_col_major));
+        let get = |x: &[bf16], rs: isize, cs: isize, r: usize, c: usize| {
+            x[(r as isize * rs + c as isize * cs) as usize].to_f64()
+        };
+        let start: Vec<f32> = (0..m * n).map(|i| (i % 7) as f32 - 3.0).collect();
+        for fast in [false, true] {
+            if fast && !has_avx512_bf16() {
+                continue;
+            }
+            let mut out = start.clone();
+            let dst = Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 };
+            let (lhs, rhs) = (Mat { ptr: a.as_ptr(), rs: ars, cs: acs }, Mat { ptr: b.as_ptr(), rs: brs, cs: bcs });
+            // Two calls over row bands, as two SPMD blocks would make them.
+            for band in [0..m / 3, m / 3..m] {
+                FORCE_PORTABLE.with(|f| f.set(!fast));
+                unsafe { gemm_rows_bf16(band, n, k, dst, lhs, rhs, accumulate) };
+            }
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k).map(|p| get(&a, ars, acs, i, p) * get(&b, brs, bcs, p, j)).sum::<f64>()
+                        + if accumulate { start[i * n + j] as f64 } else { 0.0 };
+                    let got = out[i * n + j] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-5 * (k as f64).sqrt() * (1.0 + want.abs()),
+                        "fast {fast} {m}x{k}x{n} at ({i}, {j}): got {got}, want {want}"
+                    );
+                }
+            }
+        }
+        FORCE_PORTABLE.with(|f| f.set(false));
+    }
+
+    #[test]
+    fn matches_f64_across_edges_slices_and_layouts() {
+        // Odd k (a half-filled pair), k spanning several slices, ragged row and column panels.
+        check(19, 7, 45, false, false, false);
+        check(70, 600, 37, false, false, true);
+        check(9, 513, 70, true, true, false);
+        check(33, 64, 2100, false, true, false);
+        check(8, 256, 32, true, false, true);
+    }
+
+    #[test]
+    fn empty_product_writes_zero_or_keeps_the_output() {
+        check(5, 0, 9, false, false, false);
+        check(5, 0, 9, false, false, true);
+    }
+
+    #[test]
+    fn bf16_output_is_rounded_once() {
+        // 16 × 64 whole tiles take the vector store, the 4-row and 8-column edges the scalar one.
+        for (m, k, n, accumulate) in [(4, 1000, 40, false), (16, 1000, 64, false), (20, 300, 72, true)] {
+            bf16_output_case(m, k, n, accumulate);
+        }
+    }
+
+    fn bf16_output_case(m: usize, k: usize, n: usize, accumulate: bool) {
+        let (a, b) = (bf16s(m * k, 3), bf16s(k * n, 4));
+        let start: Vec<bf16> = (0..m * n).map(|i| bf16::from_f32((i % 5) as f32 - 2.0)).collect();
+        let mut out = start.clone();
+        let dst = Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 };
+        unsafe {
+            gemm_rows_bf16(
+                0..m,
+                n,
+                k,
+                dst,
+                Mat { ptr: a.as_ptr(), rs: k as isize, cs: 1 },
+                Mat { ptr: b.as_ptr(), rs: n as isize, cs: 1 },
+                accumulate,
+            )
+        };
+        for i in 0..m {
+            for j in 0..n {
+                let want: f64 = (0..k).map(|p| a[i * k + p].to_f64() * b[p * n + j].to_f64()).sum::<f64>()
+                    + if accumulate { start[i * n + j].to_f64() } else { 0.0 };
+                // One rounding of an f32 sum: within a bf16 ulp (plus the f32 sum's own error).
+                assert!((out[i * n + j].to_f64() - want).abs() <= 2f64.powi(-8) * want.abs() + 1e-4, "({i}, {j})");
+            }
+        }
+    }
+}
