@@ -34,6 +34,7 @@ pub mod linear;
 pub mod linear_backward;
 pub mod math;
 pub mod matmul;
+pub mod matmul_backward;
 pub mod mul;
 
 pub mod add;
@@ -70,6 +71,7 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(gelu::Gelu),
         Box::new(gelu_backward::GeluBackward),
         Box::new(matmul::Matmul),
+        Box::new(matmul_backward::MatmulBackward),
         Box::new(linear::Linear),
         Box::new(linear_backward::LinearBackward),
         Box::new(embedding::Embedding),

@@ -208,6 +208,10 @@ impl Op for Matmul {
         DTYPES
     }
 
+    fn backward(&self) -> Option<&'static str> {
+        Some("matmul_backward")
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let d = dims(cx)?;
         Ok(vec![TensorMeta::contiguous(cx.input("a").dtype, &d.out_shape())?])

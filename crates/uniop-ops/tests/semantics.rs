@@ -652,6 +652,27 @@ fn embedding_gathers_rows_and_its_backward_scatters_with_padding() {
     );
 }
 
+/// Both operands broadcast (a over b's batch dim, b over a's), and b read transposed: the
+/// gradients sum over the batches each operand served, matching finite differences of matmul.
+#[test]
+fn matmul_backward_sums_over_broadcast_batches() {
+    setup();
+    let (a_shape, b_shape, out_shape) = (vec![2, 1, 3, 4], vec![3, 4, 5], vec![2, 3, 3, 5]);
+    let (a, d) = (rand_vec(24, 81), rand_vec(90, 83));
+    // b stored as [3, 5, 4] and viewed transposed.
+    let b_t = rand_vec(60, 82);
+    let b_view = TensorRef::strided(&b_t, &b_shape, &[20, 1, 4], 0).unwrap();
+    let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let inputs = [(f64s(&a), a_shape.clone()), (b_view.to_f64_vec(), b_shape.clone())];
+    let grads = run_checked(
+        "matmul_backward",
+        &[Some(TensorRef::new(&d, &out_shape).unwrap()), Some(TensorRef::new(&a, &a_shape).unwrap()), Some(b_view)],
+        &[],
+    );
+    assert_close(&grads[0], &finite_difference("matmul", &inputs, &[], &f64s(&d), 0), "da");
+    assert_close(&grads[1], &finite_difference("matmul", &inputs, &[], &f64s(&d), 1), "db");
+}
+
 #[test]
 fn matmul_broadcasts_batches_and_takes_transposed_operands() {
     setup();
