@@ -72,6 +72,22 @@ def swiglu(x):
     return F.silu(a) * b
 
 
+def kv_cache_inputs(shape, dt):
+    """uniop's example: a quarter of the cache length appended per sequence at random positions."""
+    b, h, s_max, d = shape
+    s_new = -(-s_max // 4)
+    positions = [int(p) for p in torch.randint(0, s_max - s_new + 1, (b,))]
+    return (torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt), torch.randn((b, h, s_new, d), dtype=dt),
+            torch.randn((b, h, s_new, d), dtype=dt), positions)
+
+
+def kv_cache_append(k_cache, v_cache, k, v, positions):
+    s_new = k.shape[2]
+    for b, p in enumerate(positions):
+        k_cache[b, :, p:p + s_new] = k[b]
+        v_cache[b, :, p:p + s_new] = v[b]
+
+
 PEERS = {
     "rms_norm": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape[-1:], dtype=dt)), rms_norm),
     "silu": (lambda shape, dt: (torch.randn(shape, dtype=dt),), F.silu),
@@ -97,6 +113,15 @@ PEERS = {
                   lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
     "add_rms_norm": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt),
                                         torch.randn(shape[-1:], dtype=dt)), add_rms_norm),
+    # uniop's example: weight [2k, k] (an up projection) with bias.
+    "linear": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn((2 * shape[-1], shape[-1]), dtype=dt),
+                                  torch.randn((2 * shape[-1],), dtype=dt)), F.linear),
+    # Main shape is the table [V, H]; 2048 token ids.
+    "embedding": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randint(0, shape[0], (2048,))),
+                  lambda w, ids: F.embedding(ids, w)),
+    "cross_entropy": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randint(0, shape[-1], shape[:-1])),
+                      F.cross_entropy),
+    "kv_cache_append": (kv_cache_inputs, kv_cache_append),
 }
 
 
@@ -112,6 +137,8 @@ BACKWARD = {
     "log_softmax_backward": ("log_softmax", lambda s: s, (0,)),
     "rope_backward": ("rope", lambda s: s, (0,)),
     "attention_backward": ("attention", lambda s: s, (0, 1, 2)),
+    "matmul_backward": ("matmul", lambda s: s, (0, 1)),
+    "linear_backward": ("linear", lambda s: s[:-1] + (s[-1] // 2,), (0, 1, 2)),
 }
 
 
@@ -150,9 +177,13 @@ def best_ms(fn, args, iters):
 
 def gflop(op, shape):
     """Work of the compute-bound ops (for % of the FMA probe), else None."""
-    if op == "matmul":
+    if op in ("matmul", "matmul_backward"):
         m, k = shape[-2:]
-        return 2 * m * k * k * (math.prod(shape[:-2]) or 1) / 1e9
+        return (2 if op == "matmul" else 4) * m * k * k * (math.prod(shape[:-2]) or 1) / 1e9
+    if op in ("linear", "linear_backward"):
+        k = shape[-1] if op == "linear" else shape[-1] // 2
+        rows = math.prod(shape[:-1])
+        return (2 if op == "linear" else 4) * rows * k * 2 * k / 1e9
     if op in ("attention", "attention_backward"):
         b, h, s, d = shape
         matmuls = 2 if op == "attention" else 7  # forward QK, PV; backward recomputes (see attention_backward.rs)

@@ -59,6 +59,7 @@ fn out_shape(cx: &OpCx) -> Vec<usize> {
     out
 }
 
+crate::simd_kernel! {
 fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis) {
     let (x, out) = (args.input(0), args.output(0));
     let xs = &x.storage::<T>().expect("dtype dispatched")[x.layout().offset()..];
@@ -68,6 +69,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis) {
     for (s, o) in range.zip(dst) {
         *o = first_max((0..axis.n).map(|k| xs[axis.index(s, k)].to_f32() as f64)) as i64;
     }
+}
 }
 
 impl Op for Argmax {

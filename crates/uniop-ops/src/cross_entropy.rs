@@ -66,6 +66,7 @@ pub(crate) fn log_sum_exp<T: FloatElement>(row: &[T]) -> f32 {
     m + acc.iter().sum::<f32>().ln()
 }
 
+crate::simd_kernel! {
 fn rows_kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, g: Rows) {
     let (logits, target) = (args.input(0), args.input(1));
     let xs = &logits.storage::<T>().expect("dtype dispatched")[logits.layout().offset()..];
@@ -84,6 +85,7 @@ fn rows_kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, g:
             };
         }
     }
+}
 }
 
 fn mean_kernel(args: &KernelArgs, rows: usize) {

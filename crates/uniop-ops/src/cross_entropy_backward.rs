@@ -14,6 +14,7 @@ use uniop::{
 
 pub struct CrossEntropyBackward;
 
+crate::simd_kernel! {
 fn kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, g: Rows) {
     let (dloss, logits, target, lse) = (args.input(0), args.input(1), args.input(2), args.input(3));
     let xs = &logits.storage::<T>().expect("dtype dispatched")[logits.layout().offset()..];
@@ -38,6 +39,7 @@ fn kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, g: Rows
             }
         }
     }
+}
 }
 
 impl Op for CrossEntropyBackward {

@@ -128,6 +128,12 @@ impl Op for Embedding {
         Ok(vec![RefTensor::new(&shape, data)])
     }
 
+    fn bytes_moved(&self, cx: &OpCx) -> Option<usize> {
+        // The gathered rows are read once and written once; the rest of the table is untouched.
+        let (ids, w) = (cx.input("indices"), cx.input("weight"));
+        Some(ids.numel() * (ids.dtype.size() + 2 * w.shape()[1] * w.dtype.size()))
+    }
+
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
         // `shape` is the table's [V, H] (trailing dims); 2048 token indices drawn from [0, V).
         let (v, h) = table_shape(shape);

@@ -23,6 +23,7 @@ struct Shape {
     pairs_at: usize,
 }
 
+crate::simd_kernel! {
 fn kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, s: Shape) {
     let (dout, indices) = (args.input(0), args.input(1));
     let ds = &dout.storage::<T>().expect("dtype dispatched")[dout.layout().offset()..];
@@ -64,6 +65,7 @@ fn kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, s: Shap
         // SAFETY: this block owns weight rows `split(vocab)`.
         T::narrow(acc, unsafe { dw.slice_mut::<T>(dw.layout().offset() + row * s.hidden, s.hidden) });
     }
+}
 }
 
 impl Op for EmbeddingBackward {

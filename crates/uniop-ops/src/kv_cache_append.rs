@@ -100,6 +100,12 @@ fn kernel<E: Element, P: Element>(args: &KernelArgs, ctx: BlockCtx, dims: Dims) 
         for row in ctx.split(dims.b * dims.h * dims.s_new) {
             let (b, h, t) = (row / (dims.h * dims.s_new), row / dims.s_new % dims.h, row % dims.s_new);
             let (from, to) = (row_offset(&nl, b, h, t), row_offset(&cl, b, h, starts[b] + t));
+            if c_inner == 1 && n_inner == 1 {
+                // SAFETY: as above; a dense row this block owns.
+                unsafe { std::slice::from_raw_parts_mut(dst.add(to), dims.d) }
+                    .copy_from_slice(&src[from..from + dims.d]);
+                continue;
+            }
             for j in 0..dims.d {
                 // SAFETY: as above; element `j` of a row this block owns.
                 unsafe { *dst.add(to + j * c_inner) = src[from + j * n_inner] };
