@@ -245,6 +245,15 @@ unsafe fn pack_a(out: &mut [u32], lhs: Mat<bf16>, ic: usize, mc: usize, pc: usiz
                     *w = row.add(p).read_unaligned();
                 }
             }
+        } else if lhs.rs == 1 && kc.is_multiple_of(2) && r0 + MR <= mc {
+            // Columns dense along m (a transposed operand, as in weight gradients): two columns per pair.
+            for (p, words) in chunk.chunks_exact_mut(MR).enumerate() {
+                let even = block.ptr.offset(2 * p as isize * lhs.cs).add(r0) as *const u16;
+                let odd = even.offset(lhs.cs);
+                for (i, w) in words.iter_mut().enumerate() {
+                    *w = *even.add(i) as u32 | (*odd.add(i) as u32) << 16;
+                }
+            }
         } else {
             for p in 0..pairs {
                 for i in 0..MR {

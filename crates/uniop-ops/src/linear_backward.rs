@@ -56,10 +56,16 @@ fn dw_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims) {
             Mat { ptr: x.storage::<T>().unwrap().as_ptr().add(x.layout().offset()), rs: d.k as isize, cs: 1 },
             false,
         );
+        // Row by row (contiguous reads), each column's sum still in row order.
+        let mut sums = vec![0f32; owned.len()];
+        for r in 0..d.rows {
+            for (s, v) in sums.iter_mut().zip(&dys[r * d.n + owned.start..r * d.n + owned.end]) {
+                *s += v.to_f32();
+            }
+        }
         let bias = db.slice_mut::<T>(db.layout().offset() + owned.start, owned.len());
-        for (j, out) in owned.zip(bias.iter_mut()) {
-            let sum: f32 = (0..d.rows).map(|r| dys[r * d.n + j].to_f32()).sum();
-            *out = T::from_f32(sum);
+        for (out, s) in bias.iter_mut().zip(sums) {
+            *out = T::from_f32(s);
         }
     }
 }
