@@ -72,16 +72,7 @@ pub(crate) fn parse_shape(s: &str) -> Result<Vec<usize>> {
 
 fn parse_attr(s: &str) -> Result<(String, AttrValue)> {
     let (k, v) = s.split_once('=').ok_or_else(|| Error::invalid(format!("bad --attr '{s}': expected NAME=VALUE")))?;
-    let value = match v {
-        "True" | "true" => AttrValue::Bool(true),
-        "False" | "false" => AttrValue::Bool(false),
-        _ => v
-            .parse::<i64>()
-            .map(AttrValue::Int)
-            .or_else(|_| v.parse::<f64>().map(AttrValue::Float))
-            .unwrap_or_else(|_| AttrValue::Str(v.to_string())),
-    };
-    Ok((k.to_string(), value))
+    Ok((k.to_string(), AttrValue::parse_literal(v)))
 }
 
 fn list() {

@@ -175,6 +175,15 @@ impl<'s> OpCx<'s> {
                     ))
                 }
             };
+            // Callers outside a schema (CLI, C) spell dtypes as strings.
+            let value = match (value, arg.ty.base) {
+                (AttrValue::Str(s), BaseType::ScalarType) => {
+                    AttrValue::DType(DType::parse(s.strip_prefix("torch.").unwrap_or(&s)).map_err(|_| {
+                        Error::arg(ErrorCode::DType, op, &arg.name, "a dtype name such as float32 or bfloat16", &s)
+                    })?)
+                }
+                (v, _) => v,
+            };
             if !value.fits(arg.ty) {
                 return Err(Error::arg(
                     ErrorCode::ParamInvalid,

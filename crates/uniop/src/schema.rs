@@ -102,6 +102,62 @@ impl AttrValue {
     }
 }
 
+impl AttrValue {
+    /// A value as a caller writes it outside a schema (`uniop run --attr`, the C API's attribute
+    /// string): `True`/`False`, an int, a float, `[1, -2]`, else a string (binding turns a string
+    /// into a dtype where the schema wants a `ScalarType`: "half" is a dtype or a RoPE mode).
+    pub fn parse_literal(text: &str) -> AttrValue {
+        let t = text.trim();
+        match t {
+            "True" | "true" => return AttrValue::Bool(true),
+            "False" | "false" => return AttrValue::Bool(false),
+            "None" => return AttrValue::None,
+            _ => {}
+        }
+        if let Some(items) = t.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+            let ints: std::result::Result<Vec<i64>, _> =
+                items.split(',').map(str::trim).filter(|i| !i.is_empty()).map(str::parse).collect();
+            if let Ok(ints) = ints {
+                return AttrValue::Ints(ints);
+            }
+        }
+        if let Ok(v) = t.parse::<i64>() {
+            return AttrValue::Int(v);
+        }
+        if let Ok(v) = t.parse::<f64>() {
+            return AttrValue::Float(v);
+        }
+        AttrValue::Str(t.to_string())
+    }
+
+    /// `name=value` pairs separated by commas outside brackets: `"eps=1e-5, dims=[0, 1]"`.
+    pub fn parse_assignments(text: &str) -> Result<Vec<(String, AttrValue)>> {
+        let mut pairs = Vec::new();
+        let (mut depth, mut start) = (0usize, 0usize);
+        let bytes = text.as_bytes();
+        for i in 0..=bytes.len() {
+            match bytes.get(i) {
+                Some(b'[') => depth += 1,
+                Some(b']') => depth = depth.saturating_sub(1),
+                Some(b',') if depth > 0 => {}
+                Some(b',') | None => {
+                    let item = text[start..i].trim();
+                    start = i + 1;
+                    if item.is_empty() {
+                        continue;
+                    }
+                    let (name, value) = item.split_once('=').ok_or_else(|| {
+                        Error::new(ErrorCode::ParamInvalid, format!("attribute `{item}`: expected NAME=VALUE"))
+                    })?;
+                    pairs.push((name.trim().to_string(), AttrValue::parse_literal(value)));
+                }
+                _ => {}
+            }
+        }
+        Ok(pairs)
+    }
+}
+
 impl fmt::Display for AttrValue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -540,6 +596,24 @@ mod tests {
         // Display round-trips through the parser.
         let again = OpSchema::parse(&s.to_string()).unwrap();
         assert_eq!(again, s);
+    }
+
+    #[test]
+    fn parses_caller_attribute_strings() {
+        let got =
+            AttrValue::parse_assignments("eps=1e-5, dims=[0, -1],causal=True,mode=half, dtype=bfloat16,n=3").unwrap();
+        let want = [
+            ("eps", AttrValue::Float(1e-5)),
+            ("dims", AttrValue::Ints(vec![0, -1])),
+            ("causal", AttrValue::Bool(true)),
+            ("mode", AttrValue::Str("half".into())),
+            ("dtype", AttrValue::Str("bfloat16".into())),
+            ("n", AttrValue::Int(3)),
+        ];
+        assert_eq!(got, want.map(|(k, v)| (k.to_string(), v)));
+        assert!(AttrValue::parse_assignments("").unwrap().is_empty());
+        let e = AttrValue::parse_assignments("eps").unwrap_err();
+        assert!(e.message().contains("expected NAME=VALUE"), "{e}");
     }
 
     #[test]

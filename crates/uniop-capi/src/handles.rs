@@ -1,0 +1,61 @@
+//! Live-handle bookkeeping: every object handed to C is registered by address and type, so a
+//! null, foreign, wrongly-typed or already-destroyed handle is reported instead of dereferenced.
+
+use std::any::TypeId;
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+use uniop::{Error, ErrorCode, Result};
+
+fn live() -> &'static Mutex<HashMap<usize, TypeId>> {
+    static LIVE: OnceLock<Mutex<HashMap<usize, TypeId>>> = OnceLock::new();
+    LIVE.get_or_init(Default::default)
+}
+
+/// Moves `value` to the heap and registers it; the pointer is the C handle.
+pub fn register<T: 'static>(value: T) -> *mut T {
+    let ptr = Box::into_raw(Box::new(value));
+    live().lock().unwrap().insert(ptr as usize, TypeId::of::<T>());
+    ptr
+}
+
+fn check<T: 'static>(ptr: *const T, func: &str, arg: &str, kind: &str) -> Result<()> {
+    if ptr.is_null() {
+        return Err(Error::arg(ErrorCode::ParamNullptr, func, arg, format!("a {kind}"), "NULL"));
+    }
+    if live().lock().unwrap().get(&(ptr as usize)) != Some(&TypeId::of::<T>()) {
+        return Err(Error::arg(
+            ErrorCode::ParamInvalid,
+            func,
+            arg,
+            format!("a live {kind}"),
+            format!("{ptr:p}, which is not one (destroyed already, or not created by uniop)"),
+        ));
+    }
+    Ok(())
+}
+
+/// The object behind a live handle.
+///
+/// # Safety
+/// No other thread may destroy the handle while the reference is in use (as with any C handle).
+pub unsafe fn get<'a, T: 'static>(ptr: *const T, func: &str, arg: &str, kind: &str) -> Result<&'a T> {
+    check(ptr, func, arg, kind)?;
+    Ok(&*ptr)
+}
+
+/// Like [`get`], mutably.
+///
+/// # Safety
+/// As [`get`], and the caller must not use the handle from two threads at once.
+pub unsafe fn get_mut<'a, T: 'static>(ptr: *mut T, func: &str, arg: &str, kind: &str) -> Result<&'a mut T> {
+    check(ptr, func, arg, kind)?;
+    Ok(&mut *ptr)
+}
+
+/// Unregisters a live handle and returns the object (to drop it).
+pub fn release<T: 'static>(ptr: *mut T, func: &str, arg: &str, kind: &str) -> Result<Box<T>> {
+    check(ptr, func, arg, kind)?;
+    live().lock().unwrap().remove(&(ptr as usize));
+    // SAFETY: registered by `register` from a Box of this type and removed exactly once.
+    Ok(unsafe { Box::from_raw(ptr) })
+}

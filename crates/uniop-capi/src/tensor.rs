@@ -1,0 +1,326 @@
+//! Tensor descriptors (aclnn's `aclCreateTensor`) and the generic two-phase call by op name, with
+//! its executors. Attributes travel as one `"name=value, ..."` string, parsed against the schema.
+//!
+//! A descriptor only describes memory the caller owns; nothing is copied. The executor keeps the
+//! addresses it was planned with, so tensors and workspace must stay valid until the launch has
+//! run on its stream — the aclnn contract.
+
+use crate::handles;
+use crate::runtime::{stream_of, uniopStream};
+use crate::{guard, non_null, uniopStatus};
+use std::ffi::{c_char, c_void, CStr};
+use uniop::{AttrValue, DType, Error, ErrorCode, Executor, Layout, Registry, Result, TensorMeta, TensorMut, TensorRef};
+
+/// Element types, numbered like `aclDataType`.
+pub type uniopDataType = i32;
+pub const UNIOP_FLOAT: uniopDataType = 0;
+pub const UNIOP_FLOAT16: uniopDataType = 1;
+pub const UNIOP_INT8: uniopDataType = 2;
+pub const UNIOP_INT32: uniopDataType = 3;
+pub const UNIOP_UINT8: uniopDataType = 4;
+pub const UNIOP_INT64: uniopDataType = 9;
+pub const UNIOP_DOUBLE: uniopDataType = 11;
+pub const UNIOP_BOOL: uniopDataType = 12;
+pub const UNIOP_BF16: uniopDataType = 27;
+
+/// Memory formats, numbered like `aclFormat`; uniop tensors are plain strided (`ND`) arrays.
+pub type uniopFormat = i32;
+pub const UNIOP_FORMAT_ND: uniopFormat = 2;
+
+/// A strided view of caller-owned memory (opaque).
+pub struct uniopTensor {
+    meta: TensorMeta,
+    data: *mut u8,
+    /// Bytes of the storage the view lives in.
+    bytes: usize,
+}
+
+/// A planned op call: phase 1's result, launched by phase 2 (opaque).
+pub struct uniopExecutor {
+    exec: Executor<'static>,
+    /// Descriptors of the bound inputs and outputs, for address rebinding.
+    inputs: Vec<Option<TensorMeta>>,
+    outputs: Vec<TensorMeta>,
+}
+
+pub(crate) fn dtype_of(code: uniopDataType, func: &str, arg: &str) -> Result<DType> {
+    Ok(match code {
+        UNIOP_FLOAT => DType::F32,
+        UNIOP_FLOAT16 => DType::F16,
+        UNIOP_BF16 => DType::BF16,
+        UNIOP_DOUBLE => DType::F64,
+        UNIOP_INT8 => DType::I8,
+        UNIOP_INT32 => DType::I32,
+        UNIOP_INT64 => DType::I64,
+        UNIOP_UINT8 => DType::U8,
+        UNIOP_BOOL => DType::Bool,
+        other => {
+            return Err(Error::arg(
+                ErrorCode::DType,
+                func,
+                arg,
+                "a UNIOP_* data type (FLOAT, FLOAT16, BF16, DOUBLE, INT8, INT32, INT64, UINT8, BOOL)",
+                other,
+            ))
+        }
+    })
+}
+
+/// `n` non-negative int64 values at `ptr` as sizes (`arg` names them in errors).
+unsafe fn sizes(ptr: *const i64, n: u64, func: &str, arg: &str) -> Result<Vec<usize>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    non_null(ptr, func, arg)?;
+    let values = std::slice::from_raw_parts(ptr, n as usize);
+    values
+        .iter()
+        .map(|&v| {
+            usize::try_from(v).map_err(|_| {
+                Error::arg(ErrorCode::ParamInvalid, func, arg, "non-negative values", format!("{values:?}"))
+            })
+        })
+        .collect()
+}
+
+fn describe(
+    viewDims: *const i64,
+    viewDimsNum: u64,
+    dataType: uniopDataType,
+    stride: *const i64,
+    offset: i64,
+    format: uniopFormat,
+    storageDims: *const i64,
+    storageDimsNum: u64,
+    tensorData: *mut c_void,
+) -> Result<uniopTensor> {
+    const F: &str = "uniopCreateTensor";
+    let dtype = dtype_of(dataType, F, "dataType")?;
+    if format != UNIOP_FORMAT_ND {
+        return Err(Error::arg(ErrorCode::ParamInvalid, F, "format", "UNIOP_FORMAT_ND (2)", format));
+    }
+    let shape = unsafe { sizes(viewDims, viewDimsNum, F, "viewDims")? };
+    let strides = if stride.is_null() {
+        uniop::layout::contiguous_strides(&shape)?
+    } else {
+        unsafe { sizes(stride, viewDimsNum, F, "stride")? }
+    };
+    let offset = usize::try_from(offset)
+        .map_err(|_| Error::arg(ErrorCode::ParamInvalid, F, "offset", "a non-negative offset", offset))?;
+    let storage = unsafe { sizes(storageDims, storageDimsNum, F, "storageDims")? };
+    let storage_elems = storage
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| Error::arg(ErrorCode::Shape, F, "storageDims", "a size that fits in memory", "an overflow"))?;
+    let layout = Layout::strided(&shape, &strides, offset).map_err(|e| e.context(F))?;
+    let extent = layout.storage_extent().map_err(|e| e.context(F))?;
+    if layout.numel() > 0 && extent > storage_elems {
+        return Err(Error::arg(
+            ErrorCode::Shape,
+            F,
+            "storageDims",
+            format!("storage of at least {extent} elements (offset {offset} plus the view's extent)"),
+            format!("{storage_elems} elements"),
+        ));
+    }
+    let bytes = storage_elems
+        .checked_mul(dtype.size())
+        .ok_or_else(|| Error::arg(ErrorCode::Shape, F, "storageDims", "a size that fits in memory", "an overflow"))?;
+    Ok(uniopTensor { meta: TensorMeta { dtype, layout }, data: tensorData as *mut u8, bytes })
+}
+
+/// Describes `tensorData` as a strided view (`stride` may be NULL for contiguous), `offset`
+/// elements into a storage of `storageDims`. Returns NULL on bad arguments (see
+/// `uniopGetRecentErrMsg`).
+#[no_mangle]
+pub extern "C" fn uniopCreateTensor(
+    viewDims: *const i64,
+    viewDimsNum: u64,
+    dataType: uniopDataType,
+    stride: *const i64,
+    offset: i64,
+    format: uniopFormat,
+    storageDims: *const i64,
+    storageDimsNum: u64,
+    tensorData: *mut c_void,
+) -> *mut uniopTensor {
+    let mut out = std::ptr::null_mut();
+    guard(|| {
+        let t =
+            describe(viewDims, viewDimsNum, dataType, stride, offset, format, storageDims, storageDimsNum, tensorData)?;
+        out = handles::register(t);
+        Ok(())
+    });
+    out
+}
+
+#[no_mangle]
+pub extern "C" fn uniopDestroyTensor(tensor: *const uniopTensor) -> uniopStatus {
+    guard(|| handles::release(tensor as *mut uniopTensor, "uniopDestroyTensor", "tensor", "uniopTensor").map(drop))
+}
+
+unsafe fn handle_array<T>(ptr: *const *const T, n: u64, func: &str, arg: &str) -> Result<Vec<*const T>> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    non_null(ptr, func, arg)?;
+    Ok(std::slice::from_raw_parts(ptr, n as usize).to_vec())
+}
+
+/// The descriptor behind `t`, checked to have data.
+unsafe fn bound<'a>(t: *const uniopTensor, func: &str, arg: &str) -> Result<&'a uniopTensor> {
+    let d = handles::get(t, func, arg, "uniopTensor")?;
+    if d.data.is_null() && d.bytes > 0 {
+        return Err(Error::arg(
+            ErrorCode::ParamNullptr,
+            func,
+            arg,
+            "a tensor with data",
+            "a descriptor whose data is NULL",
+        ));
+    }
+    Ok(d)
+}
+
+unsafe fn view(d: &uniopTensor, func: &str, arg: &str) -> Result<TensorRef<'static>> {
+    TensorRef::from_raw(d.data, d.bytes, d.meta.clone()).map_err(|e| e.context(format!("{func}: {arg}")))
+}
+
+unsafe fn view_mut(d: &uniopTensor, func: &str, arg: &str) -> Result<TensorMut<'static>> {
+    TensorMut::from_raw(d.data, d.bytes, d.meta.clone()).map_err(|e| e.context(format!("{func}: {arg}")))
+}
+
+/// Phase 1 by op name: binds `inputs` (the tensors the op reads, schema order; NULL for an
+/// absent optional), `attrs` (`"name=value, ..."`, may be NULL) and `outputs` (tensors the op
+/// updates in place, then its returns), checks them, plans, and returns the workspace size and a
+/// single-use executor.
+#[no_mangle]
+pub extern "C" fn uniopOpGetWorkspaceSize(
+    opName: *const c_char,
+    inputs: *const *const uniopTensor,
+    numInputs: u64,
+    attrs: *const c_char,
+    outputs: *const *const uniopTensor,
+    numOutputs: u64,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    guard(|| {
+        const F: &str = "uniopOpGetWorkspaceSize";
+        non_null(opName, F, "opName")?;
+        non_null(workspaceSize, F, "workspaceSize")?;
+        non_null(executor, F, "executor")?;
+        let op = unsafe { CStr::from_ptr(opName) }
+            .to_str()
+            .map_err(|_| Error::arg(ErrorCode::ParamInvalid, F, "opName", "UTF-8 text", "invalid UTF-8"))?;
+        let attrs = if attrs.is_null() {
+            Vec::new()
+        } else {
+            let text = unsafe { CStr::from_ptr(attrs) }
+                .to_str()
+                .map_err(|_| Error::arg(ErrorCode::ParamInvalid, F, "attrs", "UTF-8 text", "invalid UTF-8"))?;
+            AttrValue::parse_assignments(text).map_err(|e| e.context(op))?
+        };
+        let attr_refs: Vec<(&str, AttrValue)> = attrs.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+        let (ins, outs) = unsafe {
+            (handle_array(inputs, numInputs, F, "inputs")?, handle_array(outputs, numOutputs, F, "outputs")?)
+        };
+        let mut in_views = Vec::new();
+        for (i, &t) in ins.iter().enumerate() {
+            in_views.push(match t.is_null() {
+                true => None,
+                false => {
+                    let arg = format!("inputs[{i}]");
+                    Some(unsafe { view(bound(t, F, &arg)?, F, &arg)? })
+                }
+            });
+        }
+        let mut out_views = Vec::new();
+        for (i, &t) in outs.iter().enumerate() {
+            let arg = format!("outputs[{i}]");
+            out_views.push(unsafe { view_mut(bound(t, F, &arg)?, F, &arg)? });
+        }
+        uniop_ops::init();
+        let entry = Registry::global().get(op)?;
+        let in_metas = in_views.iter().map(|v| v.as_ref().map(|v| v.meta().clone())).collect();
+        let out_metas = out_views.iter().map(|v| v.meta().clone()).collect();
+        let exec = Executor::new(entry, &in_views, &attr_refs, out_views)?;
+        // SAFETY: checked non-null.
+        unsafe {
+            *workspaceSize = exec.workspace_size() as u64;
+            *executor = handles::register(uniopExecutor { exec, inputs: in_metas, outputs: out_metas });
+        }
+        Ok(())
+    })
+}
+
+/// Phase 2: launches the executor on `stream` (NULL: default) with `workspace`. A single-use
+/// executor is consumed by a successful launch; a repeatable one stays until destroyed.
+#[no_mangle]
+pub extern "C" fn uniopOpRun(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    guard(|| {
+        const F: &str = "uniopOpRun";
+        let e = unsafe { handles::get_mut(executor, F, "executor", "uniopExecutor")? };
+        let s = unsafe { stream_of(stream, F)? };
+        // SAFETY: the C contract: tensors and workspace stay valid until the stream has run this.
+        unsafe { e.exec.launch(workspace as *mut u8, workspaceSize as usize, s)? };
+        if !e.exec.is_repeatable() {
+            handles::release(executor, F, "executor", "uniopExecutor")?;
+        }
+        Ok(())
+    })
+}
+
+/// Lets the executor launch any number of times (aclnn's `aclSetAclOpExecutorRepeatable`).
+#[no_mangle]
+pub extern "C" fn uniopSetExecutorRepeatable(executor: *mut uniopExecutor) -> uniopStatus {
+    guard(|| {
+        unsafe { handles::get_mut(executor, "uniopSetExecutorRepeatable", "executor", "uniopExecutor")? }
+            .exec
+            .set_repeatable();
+        Ok(())
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn uniopDestroyExecutor(executor: *mut uniopExecutor) -> uniopStatus {
+    guard(|| handles::release(executor, "uniopDestroyExecutor", "executor", "uniopExecutor").map(drop))
+}
+
+/// Points input `index` of a repeatable executor at new memory laid out like the planned one.
+#[no_mangle]
+pub extern "C" fn uniopSetInputTensorAddr(executor: *mut uniopExecutor, index: u64, addr: *mut c_void) -> uniopStatus {
+    guard(|| rebind(executor, index, addr, false))
+}
+
+/// Points output `index` (in-place tensors first, then returns) at new memory.
+#[no_mangle]
+pub extern "C" fn uniopSetOutputTensorAddr(executor: *mut uniopExecutor, index: u64, addr: *mut c_void) -> uniopStatus {
+    guard(|| rebind(executor, index, addr, true))
+}
+
+fn rebind(executor: *mut uniopExecutor, index: u64, addr: *mut c_void, output: bool) -> Result<()> {
+    let func = if output { "uniopSetOutputTensorAddr" } else { "uniopSetInputTensorAddr" };
+    let e = unsafe { handles::get_mut(executor, func, "executor", "uniopExecutor")? };
+    non_null(addr, func, "addr")?;
+    let i = index as usize;
+    let planned = if output { e.outputs.get(i).cloned() } else { e.inputs.get(i).cloned().flatten() };
+    let meta = planned.ok_or_else(|| {
+        let count = if output { e.outputs.len() } else { e.inputs.len() };
+        Error::arg(ErrorCode::ParamInvalid, func, "index", format!("a bound tensor index below {count}"), index)
+    })?;
+    let bytes = meta.layout.storage_extent()? * meta.dtype.size();
+    // SAFETY: the caller provides memory laid out like the planned tensor.
+    unsafe {
+        if output {
+            e.exec.rebind_output(i, TensorMut::from_raw(addr as *mut u8, bytes, meta)?)
+        } else {
+            e.exec.rebind_input(i, TensorRef::from_raw(addr as *const u8, bytes, meta)?)
+        }
+    }
+}

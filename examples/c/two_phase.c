@@ -1,0 +1,458 @@
+/* The C API end to end: runtime, descriptors, aclnn-style two-phase calls for rms_norm, swiglu,
+ * matmul (transposed operand), rope, attention and kv_cache_append (in place), the kernel direct
+ * call, events, and the bad-input contract. Every result is checked against a reference computed
+ * here in double precision. Exit status 0 means all checks passed.
+ *
+ *   gcc -std=c11 -Wall -Wextra -Werror -I include examples/c/two_phase.c -L target/release -luniop_capi -lm
+ *   ./a.out [--bench]
+ */
+#define _POSIX_C_SOURCE 199309L
+#include "uniop.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                                   \
+  do {                                                     \
+    if (!(cond)) {                                         \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                        \
+      fprintf(stderr, "\n");                               \
+      failures++;                                          \
+    }                                                      \
+  } while (0)
+
+#define OK(call)                                                                      \
+  do {                                                                                \
+    uniopStatus s_ = (call);                                                          \
+    if (s_ != UNIOP_SUCCESS) {                                                        \
+      fprintf(stderr, "FAIL %s:%d: %s -> %d: %s\n", __FILE__, __LINE__, #call, s_, \
+              uniopGetRecentErrMsg());                                                \
+      exit(1);                                                                        \
+    }                                                                                 \
+  } while (0)
+
+/* Deterministic values in [-1, 1). */
+static void fill(float *x, size_t n, unsigned seed) {
+  unsigned s = seed * 2654435761u + 1;
+  for (size_t i = 0; i < n; i++) {
+    s = s * 1664525u + 1013904223u;
+    x[i] = (float)((s >> 8) & 0xffff) / 32768.0f - 1.0f;
+  }
+}
+
+static uniopTensor *tensor(const int64_t *dims, uint64_t rank, const int64_t *strides, float *data,
+                           int64_t storage) {
+  uniopTensor *t = uniopCreateTensor(dims, rank, UNIOP_FLOAT, strides, 0, UNIOP_FORMAT_ND, &storage, 1, data);
+  if (!t) {
+    fprintf(stderr, "uniopCreateTensor: %s\n", uniopGetRecentErrMsg());
+    exit(1);
+  }
+  return t;
+}
+
+static int64_t numel(const int64_t *dims, int rank) {
+  int64_t n = 1;
+  for (int i = 0; i < rank; i++) n *= dims[i];
+  return n;
+}
+
+/* A contiguous f32 tensor over `data`. */
+static uniopTensor *dense(const int64_t *dims, uint64_t rank, float *data) {
+  return tensor(dims, rank, NULL, data, numel(dims, (int)rank));
+}
+
+/* Phase 1 + workspace + phase 2 on `stream`, then synchronize. */
+static void run(const char *op, uniopTensor **in, uint64_t n_in, const char *attrs, uniopTensor **out,
+                uint64_t n_out, uniopStream stream) {
+  uint64_t ws_size = 0;
+  uniopExecutor *exec = NULL;
+  OK(uniopOpGetWorkspaceSize(op, (const uniopTensor *const *)in, n_in, attrs, (const uniopTensor *const *)out,
+                             n_out, &ws_size, &exec));
+  void *ws = NULL;
+  if (ws_size > 0) OK(uniopMalloc(&ws, ws_size, UNIOP_MEM_MALLOC_HUGE_FIRST));
+  OK(uniopOpRun(ws, ws_size, exec, stream));
+  OK(uniopSynchronizeStream(stream));
+  if (ws) OK(uniopFree(ws));
+}
+
+static void expect_close(const char *what, const float *got, const double *want, size_t n, double tol) {
+  double worst = 0;
+  for (size_t i = 0; i < n; i++) {
+    double err = fabs(got[i] - want[i]) / (1.0 + fabs(want[i]));
+    if (err > worst) worst = err;
+  }
+  CHECK(worst <= tol, "%s: max relative error %.3g > %.3g", what, worst, tol);
+  printf("%-28s max rel err %.2e  %s\n", what, worst, worst <= tol ? "PASS" : "FAIL");
+}
+
+static void test_rms_norm(uniopStream stream) {
+  enum { R = 5, H = 96 };
+  float x[R * H], w[H], y[R * H], rstd[R];
+  fill(x, R * H, 1);
+  fill(w, H, 2);
+  int64_t xd[] = {R, H}, wd[] = {H}, rd[] = {R, 1};
+  uniopTensor *in[] = {dense(xd, 2, x), dense(wd, 1, w)};
+  uniopTensor *out[] = {dense(xd, 2, y), dense(rd, 2, rstd)};
+  run("rms_norm", in, 2, "eps=1e-5", out, 2, stream);
+  double want[R * H];
+  for (int r = 0; r < R; r++) {
+    double ss = 0;
+    for (int j = 0; j < H; j++) ss += (double)x[r * H + j] * x[r * H + j];
+    double inv = 1.0 / sqrt(ss / H + 1e-5);
+    for (int j = 0; j < H; j++) want[r * H + j] = x[r * H + j] * inv * w[j];
+  }
+  expect_close("rms_norm", y, want, R * H, 1e-5);
+  for (int i = 0; i < 2; i++) OK(uniopDestroyTensor(in[i]));
+  for (int i = 0; i < 2; i++) OK(uniopDestroyTensor(out[i]));
+}
+
+static void test_swiglu(uniopStream stream) {
+  enum { R = 3, H = 40 };
+  float x[R * 2 * H], y[R * H];
+  fill(x, R * 2 * H, 3);
+  int64_t xd[] = {R, 2 * H}, yd[] = {R, H};
+  uniopTensor *in[] = {dense(xd, 2, x)};
+  uniopTensor *out[] = {dense(yd, 2, y)};
+  run("swiglu", in, 1, NULL, out, 1, stream);
+  double want[R * H];
+  for (int r = 0; r < R; r++)
+    for (int j = 0; j < H; j++) {
+      double a = x[r * 2 * H + j], b = x[r * 2 * H + H + j];
+      want[r * H + j] = a / (1.0 + exp(-a)) * b;
+    }
+  expect_close("swiglu", y, want, R * H, 1e-5);
+  OK(uniopDestroyTensor(in[0]));
+  OK(uniopDestroyTensor(out[0]));
+}
+
+/* a [M, K] times b given as its transpose bt [N, K] viewed with swapped strides. */
+static void test_matmul(uniopStream stream) {
+  enum { M = 7, K = 33, N = 12 };
+  float a[M * K], bt[N * K], c[M * N];
+  fill(a, M * K, 4);
+  fill(bt, N * K, 5);
+  int64_t ad[] = {M, K}, bd[] = {K, N}, bs[] = {1, K}, cd[] = {M, N};
+  uniopTensor *in[] = {dense(ad, 2, a), tensor(bd, 2, bs, bt, N * K)};
+  uniopTensor *out[] = {dense(cd, 2, c)};
+  run("matmul", in, 2, NULL, out, 1, stream);
+  double want[M * N];
+  for (int i = 0; i < M; i++)
+    for (int j = 0; j < N; j++) {
+      double s = 0;
+      for (int p = 0; p < K; p++) s += (double)a[i * K + p] * bt[j * K + p];
+      want[i * N + j] = s;
+    }
+  expect_close("matmul (transposed b)", c, want, M * N, 1e-5);
+  for (int i = 0; i < 2; i++) OK(uniopDestroyTensor(in[i]));
+  OK(uniopDestroyTensor(out[0]));
+}
+
+/* HF's rotate-half RoPE on x [1, H, S, D] with cos/sin [S, D]. */
+static void test_rope(uniopStream stream) {
+  enum { H = 2, S = 5, D = 8 };
+  float x[H * S * D], cs[S * D], sn[S * D], y[H * S * D];
+  fill(x, H * S * D, 6);
+  for (int s = 0; s < S; s++)
+    for (int j = 0; j < D; j++) {
+      double angle = s * pow(10000.0, -2.0 * (j % (D / 2)) / D);
+      cs[s * D + j] = (float)cos(angle);
+      sn[s * D + j] = (float)sin(angle);
+    }
+  int64_t xd[] = {1, H, S, D}, td[] = {S, D};
+  uniopTensor *in[] = {dense(xd, 4, x), dense(td, 2, cs), dense(td, 2, sn)};
+  uniopTensor *out[] = {dense(xd, 4, y)};
+  run("rope", in, 3, "mode=half", out, 1, stream);
+  double want[H * S * D];
+  for (int h = 0; h < H; h++)
+    for (int s = 0; s < S; s++)
+      for (int j = 0; j < D; j++) {
+        const float *row = x + (h * S + s) * D;
+        double rot = j < D / 2 ? -row[j + D / 2] : row[j - D / 2];
+        want[(h * S + s) * D + j] = row[j] * cs[s * D + j] + rot * sn[s * D + j];
+      }
+  expect_close("rope (half)", y, want, H * S * D, 1e-5);
+  for (int i = 0; i < 3; i++) OK(uniopDestroyTensor(in[i]));
+  OK(uniopDestroyTensor(out[0]));
+}
+
+/* Causal attention [1, H, S, D], then decode: append one token with kv_cache_append (in place)
+ * and attend with kv_lens. */
+static void test_attention_and_kv_cache(uniopStream stream) {
+  enum { H = 2, S = 6, D = 8, SMAX = 8 };
+  float q[H * S * D], k[H * S * D], v[H * S * D], o[H * S * D], lse[H * S];
+  fill(q, H * S * D, 7);
+  fill(k, H * S * D, 8);
+  fill(v, H * S * D, 9);
+  int64_t qd[] = {1, H, S, D}, ld[] = {1, H, S};
+  uniopTensor *in[] = {dense(qd, 4, q), dense(qd, 4, k), dense(qd, 4, v), NULL};
+  uniopTensor *out[] = {dense(qd, 4, o), dense(ld, 3, lse)};
+  run("attention", in, 4, "causal=True", out, 2, stream);
+  double want[H * S * D];
+  double scale = 1.0 / sqrt((double)D);
+  for (int h = 0; h < H; h++)
+    for (int i = 0; i < S; i++) {
+      double p[S], m = -INFINITY, sum = 0;
+      for (int j = 0; j <= i; j++) {
+        double s = 0;
+        for (int d = 0; d < D; d++) s += (double)q[(h * S + i) * D + d] * k[(h * S + j) * D + d];
+        p[j] = s * scale;
+        if (p[j] > m) m = p[j];
+      }
+      for (int j = 0; j <= i; j++) sum += (p[j] = exp(p[j] - m));
+      for (int d = 0; d < D; d++) {
+        double acc = 0;
+        for (int j = 0; j <= i; j++) acc += p[j] / sum * v[(h * S + j) * D + d];
+        want[(h * S + i) * D + d] = acc;
+      }
+    }
+  expect_close("attention (causal)", o, want, H * S * D, 1e-5);
+
+  /* Caches hold tokens 0..S-2; append token S-1 at position S-1, in place. */
+  float kc[H * SMAX * D], vc[H * SMAX * D];
+  memset(kc, 0, sizeof kc);
+  memset(vc, 0, sizeof vc);
+  for (int h = 0; h < H; h++)
+    for (int s = 0; s < S - 1; s++) {
+      memcpy(kc + (h * SMAX + s) * D, k + (h * S + s) * D, D * sizeof(float));
+      memcpy(vc + (h * SMAX + s) * D, v + (h * S + s) * D, D * sizeof(float));
+    }
+  int64_t cd[] = {1, H, SMAX, D}, nd[] = {1, H, 1, D}, ns[] = {H * S * D, S * D, D, 1};
+  int64_t pos[] = {S - 1}, pd[] = {1}, one = 1;
+  uniopTensor *pos_t = uniopCreateTensor(pd, 1, UNIOP_INT64, NULL, 0, UNIOP_FORMAT_ND, &one, 1, pos);
+  /* The new token's k/v are row S-1 of k/v: views with an offset into the same storage. */
+  int64_t storage = H * S * D;
+  uniopTensor *k_new = uniopCreateTensor(nd, 4, UNIOP_FLOAT, ns, (S - 1) * D, UNIOP_FORMAT_ND, &storage, 1, k);
+  uniopTensor *v_new = uniopCreateTensor(nd, 4, UNIOP_FLOAT, ns, (S - 1) * D, UNIOP_FORMAT_ND, &storage, 1, v);
+  CHECK(pos_t && k_new && v_new, "descriptors: %s", uniopGetRecentErrMsg());
+  uniopTensor *caches[] = {dense(cd, 4, kc), dense(cd, 4, vc)};
+  uniopTensor *append_in[] = {k_new, v_new, pos_t};
+  run("kv_cache_append", append_in, 3, NULL, caches, 2, stream);
+
+  float q_last[H * D], o_last[H * D], lse_last[H];
+  for (int h = 0; h < H; h++) memcpy(q_last + h * D, q + (h * S + S - 1) * D, D * sizeof(float));
+  int64_t lens[] = {S}, qld[] = {1, H, 1, D}, lld[] = {1, H, 1};
+  uniopTensor *lens_t = uniopCreateTensor(pd, 1, UNIOP_INT64, NULL, 0, UNIOP_FORMAT_ND, &one, 1, lens);
+  uniopTensor *dec_in[] = {dense(qld, 4, q_last), caches[0], caches[1], lens_t};
+  uniopTensor *dec_out[] = {dense(qld, 4, o_last), dense(lld, 3, lse_last)};
+  run("attention", dec_in, 4, "causal=True", dec_out, 2, stream);
+  double want_last[H * D];
+  for (int h = 0; h < H; h++)
+    for (int d = 0; d < D; d++) want_last[h * D + d] = want[(h * S + S - 1) * D + d];
+  expect_close("kv_cache_append + decode", o_last, want_last, H * D, 1e-5);
+
+  uniopTensor *all[] = {in[0], in[1], in[2], out[0], out[1], pos_t, k_new, v_new, caches[0], caches[1],
+                        lens_t, dec_in[0], dec_out[0], dec_out[1]};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) OK(uniopDestroyTensor(all[i]));
+}
+
+/* Kernel direct call: each block fills its share of an array. */
+typedef struct {
+  int *data;
+  int n;
+} FillArgs;
+
+static void fill_kernel(uint32_t block_idx, uint32_t block_num, void *p) {
+  FillArgs *a = (FillArgs *)p;
+  int per = (a->n + (int)block_num - 1) / (int)block_num;
+  for (int i = (int)block_idx * per; i < a->n && i < ((int)block_idx + 1) * per; i++) a->data[i] = i * 3;
+}
+
+static void test_direct_call_and_events(uniopStream stream) {
+  int data[1000];
+  FillArgs args = {data, 1000};
+  uniopEvent start, end;
+  OK(uniopCreateEvent(&start));
+  OK(uniopCreateEvent(&end));
+  OK(uniopRecordEvent(start, stream));
+  OK(uniopLaunchKernel(fill_kernel, 8, &args, stream));
+  OK(uniopRecordEvent(end, stream));
+  OK(uniopSynchronizeEvent(end));
+  int done = 0;
+  OK(uniopQueryEvent(end, &done));
+  float ms = -1;
+  OK(uniopEventElapsedTime(&ms, start, end));
+  int good = done == 1 && ms >= 0;
+  for (int i = 0; i < 1000; i++) good &= data[i] == i * 3;
+  CHECK(good, "direct call: done %d, elapsed %.3f ms", done, ms);
+  printf("%-28s %s (%.3f ms between events)\n", "kernel direct call", good ? "PASS" : "FAIL", ms);
+  OK(uniopDestroyEvent(start));
+  OK(uniopDestroyEvent(end));
+}
+
+/* Each bad input returns its code and a message naming what was wrong. */
+static void expect_error(const char *what, uniopStatus got, uniopStatus want, const char *fragment) {
+  const char *msg = uniopGetRecentErrMsg();
+  int good = got == want && strstr(msg, fragment) != NULL;
+  CHECK(good, "%s: got %d (%s), want %d with \"%s\"", what, got, msg, want, fragment);
+  printf("%-28s %d  %s\n", what, got, good ? "PASS" : "FAIL");
+}
+
+/* A descriptor call that must fail: NULL and a message naming the argument. */
+static void expect_no_tensor(const char *what, uniopTensor *t, const char *fragment) {
+  const char *msg = uniopGetRecentErrMsg();
+  int good = t == NULL && strstr(msg, fragment) != NULL;
+  CHECK(good, "%s: got %p (%s), want NULL with \"%s\"", what, (void *)t, msg, fragment);
+  printf("%-28s NULL  %s\n", what, good ? "PASS" : "FAIL");
+  if (t) uniopDestroyTensor(t);
+}
+
+static void test_bad_inputs(uniopStream stream) {
+  float x[8], w[4], y[8], rstd[2];
+  int32_t xi[8];
+  int64_t xd[] = {2, 4}, wd[] = {4}, w3[] = {3}, rd[] = {2, 1}, eight = 8;
+  uniopTensor *tx = dense(xd, 2, x), *tw = dense(wd, 1, w), *tw3 = dense(w3, 1, w), *ty = dense(xd, 2, y),
+              *tr = dense(rd, 2, rstd);
+  uniopTensor *ti = uniopCreateTensor(xd, 2, UNIOP_INT32, NULL, 0, UNIOP_FORMAT_ND, &eight, 1, xi);
+  uniopTensor *outs[] = {ty, tr};
+  uint64_t ws = 0;
+  uniopExecutor *ex = NULL;
+
+  uniopTensor *null_x[] = {NULL, tw};
+  expect_error("null required tensor", uniopOpGetWorkspaceSize("rms_norm", (const uniopTensor *const *)null_x, 2, NULL,
+                                                             (const uniopTensor *const *)outs, 2, &ws, &ex),
+               UNIOP_ERROR_PARAM_NULLPTR, "'x'");
+  uniopTensor *ok_in[] = {tx, tw};
+  expect_error("null workspaceSize", uniopOpGetWorkspaceSize("rms_norm", (const uniopTensor *const *)ok_in, 2, NULL,
+                                                           (const uniopTensor *const *)outs, 2, NULL, &ex),
+               UNIOP_ERROR_PARAM_NULLPTR, "workspaceSize");
+  uniopTensor *int_in[] = {ti, tw};
+  expect_error("wrong dtype", uniopOpGetWorkspaceSize("rms_norm", (const uniopTensor *const *)int_in, 2, NULL,
+                                                    (const uniopTensor *const *)outs, 2, &ws, &ex),
+               UNIOP_ERROR_DTYPE, "int32");
+  uniopTensor *bad_w[] = {tx, tw3};
+  expect_error("shape mismatch", uniopOpGetWorkspaceSize("rms_norm", (const uniopTensor *const *)bad_w, 2, NULL,
+                                                       (const uniopTensor *const *)outs, 2, &ws, &ex),
+               UNIOP_ERROR_SHAPE, "'weight'");
+  expect_error("unknown op", uniopOpGetWorkspaceSize("rms_nrom", (const uniopTensor *const *)ok_in, 2, NULL,
+                                                   (const uniopTensor *const *)outs, 2, &ws, &ex),
+               UNIOP_ERROR_PARAM_INVALID, "rms_nrom");
+  expect_error("unknown attribute", uniopOpGetWorkspaceSize("rms_norm", (const uniopTensor *const *)ok_in, 2, "epz=1",
+                                                          (const uniopTensor *const *)outs, 2, &ws, &ex),
+               UNIOP_ERROR_PARAM_INVALID, "epz");
+
+  int64_t neg[] = {4, -1};
+  expect_no_tensor("negative stride", uniopCreateTensor(xd, 2, UNIOP_FLOAT, neg, 0, UNIOP_FORMAT_ND, &eight, 1, x),
+                   "'stride'");
+  expect_no_tensor("offset beyond storage", uniopCreateTensor(xd, 2, UNIOP_FLOAT, NULL, 1, UNIOP_FORMAT_ND, &eight, 1, x),
+                   "storage of at least 9 elements");
+  expect_no_tensor("unknown dtype code", uniopCreateTensor(xd, 2, 99, NULL, 0, UNIOP_FORMAT_ND, &eight, 1, x), "got 99");
+  expect_no_tensor("null dims", uniopCreateTensor(NULL, 2, UNIOP_FLOAT, NULL, 0, UNIOP_FORMAT_ND, &eight, 1, x),
+                   "'viewDims'");
+
+  /* attention plans a workspace; hand it too little. */
+  float q[2 * 300 * 8];
+  float ao[2 * 300 * 8], al[2 * 300];
+  int64_t qd[] = {1, 2, 300, 8}, ld[] = {1, 2, 300};
+  uniopTensor *tq = dense(qd, 4, q), *to = dense(qd, 4, ao), *tl = dense(ld, 3, al);
+  uniopTensor *a_in[] = {tq, tq, tq, NULL}, *a_out[] = {to, tl};
+  OK(uniopOpGetWorkspaceSize("attention", (const uniopTensor *const *)a_in, 4, NULL, (const uniopTensor *const *)a_out,
+                             2, &ws, &ex));
+  CHECK(ws > 0, "attention asks for a workspace");
+  void *small = NULL;
+  OK(uniopMalloc(&small, 64, UNIOP_MEM_MALLOC_NORMAL_ONLY));
+  expect_error("workspace too small", uniopOpRun(small, 64, ex, stream), UNIOP_ERROR_WORKSPACE_TOO_SMALL,
+               "smaller than");
+  OK(uniopDestroyExecutor(ex));
+  OK(uniopFree(small));
+
+  /* A single-use executor is consumed by its launch; a destroyed handle is not dereferenced. */
+  OK(uniopOpGetWorkspaceSize("rms_norm", (const uniopTensor *const *)ok_in, 2, NULL, (const uniopTensor *const *)outs, 2,
+                             &ws, &ex));
+  OK(uniopOpRun(NULL, 0, ex, stream));
+  expect_error("single-use executor reused", uniopOpRun(NULL, 0, ex, stream), UNIOP_ERROR_PARAM_INVALID,
+               "not one (destroyed already");
+  OK(uniopSynchronizeStream(stream));
+  uniopTensor *gone = dense(wd, 1, w);
+  OK(uniopDestroyTensor(gone));
+  expect_error("destroyed tensor", uniopDestroyTensor(gone), UNIOP_ERROR_PARAM_INVALID, "uniopTensor");
+  expect_error("null stream out-param", uniopCreateStream(NULL), UNIOP_ERROR_PARAM_NULLPTR, "stream");
+  expect_error("free foreign pointer", uniopFree(x), UNIOP_ERROR_PARAM_INVALID, "not yet freed");
+  expect_error("bad memcpy kind", uniopMemcpy(y, sizeof y, x, sizeof x, 7), UNIOP_ERROR_PARAM_INVALID, "kind");
+  expect_error("memcpy past destMax", uniopMemcpy(y, 4, x, sizeof x, UNIOP_MEMCPY_HOST_TO_HOST),
+               UNIOP_ERROR_PARAM_INVALID, "destMax");
+  expect_error("no such device", uniopSetDevice(3), UNIOP_ERROR_PARAM_INVALID, "deviceId");
+
+  uniopTensor *all[] = {tx, tw, tw3, ty, tr, ti, tq, to, tl};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) OK(uniopDestroyTensor(all[i]));
+}
+
+static double now_us(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
+}
+
+/* Per-call overhead on a tiny tensor: phase 1 + phase 2 (+ synchronize), and a repeatable
+ * executor's re-launch with rebinding. */
+static void bench_overhead(void) {
+  float x[16], w[16], y[16], rstd[1];
+  fill(x, 16, 10);
+  fill(w, 16, 11);
+  int64_t xd[] = {1, 16}, wd[] = {16}, rd[] = {1, 1};
+  uniopTensor *in[] = {dense(xd, 2, x), dense(wd, 1, w)}, *out[] = {dense(xd, 2, y), dense(rd, 2, rstd)};
+  enum { N = 20000 };
+  uint64_t ws = 0;
+  uniopExecutor *ex = NULL;
+  double best_pair = 1e9, best_relaunch = 1e9;
+  for (int rep = 0; rep < 5; rep++) {
+    double t0 = now_us();
+    for (int i = 0; i < N; i++) {
+      uniopOpGetWorkspaceSize("rms_norm", (const uniopTensor *const *)in, 2, NULL, (const uniopTensor *const *)out, 2,
+                              &ws, &ex);
+      uniopOpRun(NULL, 0, ex, NULL);
+    }
+    OK(uniopSynchronizeStream(NULL));
+    double pair = (now_us() - t0) / N;
+    if (pair < best_pair) best_pair = pair;
+  }
+  OK(uniopOpGetWorkspaceSize("rms_norm", (const uniopTensor *const *)in, 2, NULL, (const uniopTensor *const *)out, 2,
+                             &ws, &ex));
+  OK(uniopSetExecutorRepeatable(ex));
+  for (int rep = 0; rep < 5; rep++) {
+    double t0 = now_us();
+    for (int i = 0; i < N; i++) {
+      uniopSetOutputTensorAddr(ex, 0, y);
+      uniopOpRun(NULL, 0, ex, NULL);
+    }
+    OK(uniopSynchronizeStream(NULL));
+    double relaunch = (now_us() - t0) / N;
+    if (relaunch < best_relaunch) best_relaunch = relaunch;
+  }
+  OK(uniopDestroyExecutor(ex));
+  printf("overhead: two-phase pair %.3f us/call, repeatable re-launch %.3f us/call (rms_norm [1,16], default stream)\n",
+         best_pair, best_relaunch);
+  for (int i = 0; i < 2; i++) OK(uniopDestroyTensor(in[i]));
+  for (int i = 0; i < 2; i++) OK(uniopDestroyTensor(out[i]));
+}
+
+int main(int argc, char **argv) {
+  OK(uniopInit());
+  OK(uniopSetDevice(0));
+  CHECK(uniopGetAbiVersion() == UNIOP_ABI_VERSION, "ABI version");
+  uniopStream stream;
+  OK(uniopCreateStream(&stream));
+  test_rms_norm(stream);
+  test_swiglu(stream);
+  test_matmul(stream);
+  test_rope(stream);
+  test_attention_and_kv_cache(stream);
+  test_direct_call_and_events(stream);
+  test_bad_inputs(stream);
+  size_t free_b = 0, total_b = 0;
+  OK(uniopGetMemInfo(&free_b, &total_b));
+  CHECK(total_b > 0 && free_b <= total_b, "mem info %zu / %zu", free_b, total_b);
+  uniopMemStats stats;
+  OK(uniopGetMemStats(&stats));
+  CHECK(stats.liveBuffers == 0, "%llu buffers still allocated", (unsigned long long)stats.liveBuffers);
+  if (argc > 1 && strcmp(argv[1], "--bench") == 0) bench_overhead();
+  OK(uniopDestroyStream(stream));
+  OK(uniopFinalize());
+  printf("%d failed checks\n", failures);
+  return failures == 0 ? 0 : 1;
+}
