@@ -8,8 +8,17 @@ if ! command -v cargo >/dev/null; then
   exit 1
 fi
 export CARGO_BUILD_JOBS="${CARGO_BUILD_JOBS:-2}"
+# The C API tests compile examples/c with gcc/g++ and run them under valgrind.
+missing=()
+for tool in gcc g++ valgrind; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+if ((${#missing[@]})); then
+  echo "scripts/test.sh: installing ${missing[*]}" >&2
+  apt-get update -qq && apt-get install -y -qq gcc g++ valgrind >/dev/null
+fi
 cargo fmt --all -- --check
-cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
+# include/uniop.h is generated from the C API crate; fail when the committed one is stale.
+cargo run --locked -q -p uniop-capi --features header --bin uniop-header -- --check
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 cargo test --workspace --locked 2>&1 | tee "$log"

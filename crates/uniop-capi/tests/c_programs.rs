@@ -1,0 +1,68 @@
+//! The C ABI as C and C++ callers see it: `examples/c/` compiled with gcc/g++ against the header
+//! and the library this test run built, run (their own checks compare with double-precision
+//! references and try every bad input), and the C program again under valgrind's memcheck (no
+//! invalid accesses, no definite leaks). The header must match what the generator writes.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
+}
+
+/// The directory holding `libuniop_capi.so` for this profile (the test binary lives in `deps/` below it).
+fn lib_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
+    assert!(dir.join("libuniop_capi.so").exists(), "libuniop_capi.so not built in {}", dir.display());
+    dir
+}
+
+fn build(compiler: &str, std: &str, source: &str) -> PathBuf {
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(Path::new(source).file_stem().unwrap());
+    let lib = lib_dir();
+    let status = Command::new(compiler)
+        .args([std, "-Wall", "-Wextra", "-Werror", "-O1", "-g"])
+        .arg("-I")
+        .arg(repo().join("include"))
+        .arg(repo().join(source))
+        .arg("-o")
+        .arg(&out)
+        .arg(format!("-L{}", lib.display()))
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .args(["-luniop_capi", "-lm"])
+        .status()
+        .unwrap_or_else(|e| panic!("running {compiler}: {e}"));
+    assert!(status.success(), "{compiler} failed on {source}");
+    out
+}
+
+fn run(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    println!("{text}");
+    assert!(out.status.success(), "{cmd:?} failed:\n{text}");
+    text
+}
+
+#[test]
+fn c_program_passes_its_checks_and_memcheck() {
+    let exe = build("gcc", "-std=c11", "examples/c/two_phase.c");
+    let text = run(&mut Command::new(&exe));
+    assert!(text.contains("0 failed checks") && !text.contains("FAIL"), "{text}");
+    let text = run(Command::new("valgrind")
+        .args([
+            "--error-exitcode=99",
+            "--leak-check=full",
+            "--errors-for-leak-kinds=definite",
+            "--show-leak-kinds=definite",
+        ])
+        .arg(&exe));
+    assert!(text.contains("ERROR SUMMARY: 0 errors"), "{text}");
+}
+
+#[test]
+fn cpp_program_passes() {
+    let exe = build("g++", "-std=c++17", "examples/c/rms_norm.cpp");
+    assert!(run(&mut Command::new(&exe)).contains("PASS"));
+}
