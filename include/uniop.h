@@ -27,6 +27,9 @@ typedef int32_t uniopStatus;
 
 typedef uniopStreamObj *uniopStream;
 
+// Element types, numbered like `aclDataType`.
+typedef int32_t uniopDataType;
+
 typedef uniopEventObj *uniopEvent;
 
 // `aclrtMalloc`'s policies: huge pages first (falling back to normal pages), huge only, normal only.
@@ -47,9 +50,6 @@ typedef struct {
 
 // A device kernel for the direct call: runs once per block with its index and the block count.
 typedef void (*uniopKernelFn)(uint32_t block_idx, uint32_t block_num, void *args);
-
-// Element types, numbered like `aclDataType`.
-typedef int32_t uniopDataType;
 
 // Memory formats, numbered like `aclFormat`; uniop tensors are plain strided (`ND`) arrays.
 typedef int32_t uniopFormat;
@@ -114,6 +114,627 @@ const char *uniopGetRecentErrMsg(void);
 
 // `UNIOP_ABI_VERSION` of the loaded library, to compare with the header's.
 uint32_t uniopGetAbiVersion(void);
+
+// Phase 1 of `add(Tensor a, Tensor b, *, float alpha=1.0) -> (Tensor out)`.
+//
+// Elementwise a + alpha * b. `a` and `b` broadcast against each other (trailing dims aligned,
+// size-1 or missing dims stretch) and must share a dtype. Integer dtypes need an integral alpha
+// and wrap on overflow.
+uniopStatus uniopAddGetWorkspaceSize(const uniopTensor *a,
+                                     const uniopTensor *b,
+                                     double alpha,
+                                     uniopTensor *out,
+                                     uint64_t *workspaceSize,
+                                     uniopExecutor **executor);
+
+// Phase 2 of `add`: launches the executor from `uniopAddGetWorkspaceSize` on `stream`.
+uniopStatus uniopAdd(void *workspace,
+                     uint64_t workspaceSize,
+                     uniopExecutor *executor,
+                     uniopStream stream);
+
+// Phase 1 of `add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps=1e-6) -> (Tensor y, Tensor rstd, Tensor sum)`.
+//
+// Fused residual add + RMSNorm (aclnn AddRmsNorm): sum = x + residual (rounded to the input
+// dtype), y = rms_norm(sum, weight, eps), rstd as rms_norm returns it. x and residual share shape
+// and dtype; weight as for rms_norm. The backward is rms_norm_backward on sum (and dsum flows to
+// both inputs).
+uniopStatus uniopAddRmsNormGetWorkspaceSize(const uniopTensor *x,
+                                            const uniopTensor *residual,
+                                            const uniopTensor *weight,
+                                            double eps,
+                                            uniopTensor *y,
+                                            uniopTensor *rstd,
+                                            uniopTensor *sum,
+                                            uint64_t *workspaceSize,
+                                            uniopExecutor **executor);
+
+// Phase 2 of `add_rms_norm`: launches the executor from `uniopAddRmsNormGetWorkspaceSize` on `stream`.
+uniopStatus uniopAddRmsNorm(void *workspace,
+                            uint64_t workspaceSize,
+                            uniopExecutor *executor,
+                            uniopStream stream);
+
+// Phase 1 of `argmax(Tensor x, int dim=-1, bool keepdim=False) -> (Tensor indices)`.
+//
+// int64 index of the maximum along dim (first on ties; a NaN counts as the maximum), as
+// torch.argmax with a dim. keepdim keeps the reduced dim as size 1.
+uniopStatus uniopArgmaxGetWorkspaceSize(const uniopTensor *x,
+                                        int64_t dim,
+                                        bool keepdim,
+                                        uniopTensor *indices,
+                                        uint64_t *workspaceSize,
+                                        uniopExecutor **executor);
+
+// Phase 2 of `argmax`: launches the executor from `uniopArgmaxGetWorkspaceSize` on `stream`.
+uniopStatus uniopArgmax(void *workspace,
+                        uint64_t workspaceSize,
+                        uniopExecutor *executor,
+                        uniopStream stream);
+
+// Phase 1 of `attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None) -> (Tensor out, Tensor lse)`.
+//
+// Scaled dot-product attention, flash-style (O(tile) memory, never the Sq x Sk scores). q [B, Hq,
+// Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, dense last dim); Hkv divides Hq
+// (GQA). kv_lens (int [B]) limits each batch row to its first keys (KV-cache decode). causal
+// aligns bottom-right: query i sees key j iff j <= i + len - Sq (torch is_causal when Sq == Sk).
+// scale defaults to 1/sqrt(D). lse: float32 log-sum-exp of the scaled scores per query (-inf, with
+// out = 0, for a query that sees no key).
+uniopStatus uniopAttentionGetWorkspaceSize(const uniopTensor *q,
+                                           const uniopTensor *k,
+                                           const uniopTensor *v,
+                                           const uniopTensor *kv_lens,
+                                           bool causal,
+                                           const double *scale,
+                                           uniopTensor *out,
+                                           uniopTensor *lse,
+                                           uint64_t *workspaceSize,
+                                           uniopExecutor **executor);
+
+// Phase 2 of `attention`: launches the executor from `uniopAttentionGetWorkspaceSize` on `stream`.
+uniopStatus uniopAttention(void *workspace,
+                           uint64_t workspaceSize,
+                           uniopExecutor *executor,
+                           uniopStream stream);
+
+// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None) -> (Tensor dq, Tensor dk, Tensor dv)`.
+//
+// Gradients of attention from its saved out and lse (same mask and scale rules). dk/dv sum over
+// the q heads of each kv-head group; keys past kv_lens get zero gradient. Deterministic (no
+// atomics).
+uniopStatus uniopAttentionBackwardGetWorkspaceSize(const uniopTensor *dout,
+                                                   const uniopTensor *q,
+                                                   const uniopTensor *k,
+                                                   const uniopTensor *v,
+                                                   const uniopTensor *out,
+                                                   const uniopTensor *lse,
+                                                   const uniopTensor *kv_lens,
+                                                   bool causal,
+                                                   const double *scale,
+                                                   uniopTensor *dq,
+                                                   uniopTensor *dk,
+                                                   uniopTensor *dv,
+                                                   uint64_t *workspaceSize,
+                                                   uniopExecutor **executor);
+
+// Phase 2 of `attention_backward`: launches the executor from `uniopAttentionBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopAttentionBackward(void *workspace,
+                                   uint64_t workspaceSize,
+                                   uniopExecutor *executor,
+                                   uniopStream stream);
+
+// Phase 1 of `cast(Tensor x, ScalarType dtype) -> (Tensor y)`.
+//
+// Converts x to dtype (any pair of the 9 dtypes). Integers/bool to integers wrap (two's
+// complement), floats to integers truncate toward zero and saturate (NaN -> 0), anything to bool
+// is != 0, to floats rounds to nearest even.
+uniopStatus uniopCastGetWorkspaceSize(const uniopTensor *x,
+                                      uniopDataType dtype,
+                                      uniopTensor *y,
+                                      uint64_t *workspaceSize,
+                                      uniopExecutor **executor);
+
+// Phase 2 of `cast`: launches the executor from `uniopCastGetWorkspaceSize` on `stream`.
+uniopStatus uniopCast(void *workspace,
+                      uint64_t workspaceSize,
+                      uniopExecutor *executor,
+                      uniopStream stream);
+
+// Phase 1 of `causal_softmax(Tensor x) -> (Tensor y)`.
+//
+// Softmax over the last dim of x [..., Sq, Sk] with a causal mask aligned bottom-right: row i sees
+// columns j <= i + Sk - Sq (torch is_causal when Sq == Sk); masked entries are 0, a row seeing
+// nothing is all 0. Gradient: softmax_backward (dim -1).
+uniopStatus uniopCausalSoftmaxGetWorkspaceSize(const uniopTensor *x,
+                                               uniopTensor *y,
+                                               uint64_t *workspaceSize,
+                                               uniopExecutor **executor);
+
+// Phase 2 of `causal_softmax`: launches the executor from `uniopCausalSoftmaxGetWorkspaceSize` on `stream`.
+uniopStatus uniopCausalSoftmax(void *workspace,
+                               uint64_t workspaceSize,
+                               uniopExecutor *executor,
+                               uniopStream stream);
+
+// Phase 1 of `cross_entropy(Tensor logits, Tensor target, int ignore_index=-100) -> (Tensor loss, Tensor lse)`.
+//
+// Mean cross-entropy of logits [..., C] against int targets [...], skipping targets equal to
+// ignore_index (torch.nn.functional.cross_entropy, reduction='mean'). Returns the float32 scalar
+// loss and the per-row float32 log-sum-exp for cross_entropy_backward.
+uniopStatus uniopCrossEntropyGetWorkspaceSize(const uniopTensor *logits,
+                                              const uniopTensor *target,
+                                              int64_t ignore_index,
+                                              uniopTensor *loss,
+                                              uniopTensor *lse,
+                                              uint64_t *workspaceSize,
+                                              uniopExecutor **executor);
+
+// Phase 2 of `cross_entropy`: launches the executor from `uniopCrossEntropyGetWorkspaceSize` on `stream`.
+uniopStatus uniopCrossEntropy(void *workspace,
+                              uint64_t workspaceSize,
+                              uniopExecutor *executor,
+                              uniopStream stream);
+
+// Phase 1 of `cross_entropy_backward(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int ignore_index=-100) -> (Tensor dlogits)`.
+//
+// Gradient of cross_entropy (mean): dlogits = dloss / n * (softmax(logits) - onehot(target)) on
+// counted rows, 0 on ignored rows. dloss is the float32 scalar upstream gradient; lse is
+// cross_entropy's second output.
+uniopStatus uniopCrossEntropyBackwardGetWorkspaceSize(const uniopTensor *dloss,
+                                                      const uniopTensor *logits,
+                                                      const uniopTensor *target,
+                                                      const uniopTensor *lse,
+                                                      int64_t ignore_index,
+                                                      uniopTensor *dlogits,
+                                                      uint64_t *workspaceSize,
+                                                      uniopExecutor **executor);
+
+// Phase 2 of `cross_entropy_backward`: launches the executor from `uniopCrossEntropyBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopCrossEntropyBackward(void *workspace,
+                                      uint64_t workspaceSize,
+                                      uniopExecutor *executor,
+                                      uniopStream stream);
+
+// Phase 1 of `embedding(Tensor weight, Tensor indices, int padding_idx=-1) -> (Tensor out)`.
+//
+// Gathers rows of weight [V, H] by int32/int64 indices of any shape: out[..., :] =
+// weight[indices[...], :]. An out-of-range index fails the launch with a runtime error.
+// padding_idx (-1 = none) matters for the backward only.
+uniopStatus uniopEmbeddingGetWorkspaceSize(const uniopTensor *weight,
+                                           const uniopTensor *indices,
+                                           int64_t padding_idx,
+                                           uniopTensor *out,
+                                           uint64_t *workspaceSize,
+                                           uniopExecutor **executor);
+
+// Phase 2 of `embedding`: launches the executor from `uniopEmbeddingGetWorkspaceSize` on `stream`.
+uniopStatus uniopEmbedding(void *workspace,
+                           uint64_t workspaceSize,
+                           uniopExecutor *executor,
+                           uniopStream stream);
+
+// Phase 1 of `embedding_backward(Tensor dout, Tensor indices, int num_weights, int padding_idx=-1) -> (Tensor dweight)`.
+//
+// Gradient of embedding: dweight[v] = sum of dout rows whose index is v (0 for padding_idx and
+// unused rows). dout has shape [*indices.shape, H]. Deterministic: contributions are summed in
+// token order in float32.
+uniopStatus uniopEmbeddingBackwardGetWorkspaceSize(const uniopTensor *dout,
+                                                   const uniopTensor *indices,
+                                                   int64_t num_weights,
+                                                   int64_t padding_idx,
+                                                   uniopTensor *dweight,
+                                                   uint64_t *workspaceSize,
+                                                   uniopExecutor **executor);
+
+// Phase 2 of `embedding_backward`: launches the executor from `uniopEmbeddingBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopEmbeddingBackward(void *workspace,
+                                   uint64_t workspaceSize,
+                                   uniopExecutor *executor,
+                                   uniopStream stream);
+
+// Phase 1 of `gelu(Tensor x, str approximate='none') -> (Tensor y)`.
+//
+// Elementwise x * Phi(x) (approximate='none', erf form) or 0.5x(1 + tanh(sqrt(2/pi)(x +
+// 0.044715x^3))) (approximate='tanh'), as torch.nn.functional.gelu. Any shape and strides.
+uniopStatus uniopGeluGetWorkspaceSize(const uniopTensor *x,
+                                      const char *approximate,
+                                      uniopTensor *y,
+                                      uint64_t *workspaceSize,
+                                      uniopExecutor **executor);
+
+// Phase 2 of `gelu`: launches the executor from `uniopGeluGetWorkspaceSize` on `stream`.
+uniopStatus uniopGelu(void *workspace,
+                      uint64_t workspaceSize,
+                      uniopExecutor *executor,
+                      uniopStream stream);
+
+// Phase 1 of `gelu_backward(Tensor dy, Tensor x, str approximate='none') -> (Tensor dx)`.
+//
+// Gradient of gelu: dx = dy * gelu'(x) for the same approximate form. dy and x share shape and
+// dtype.
+uniopStatus uniopGeluBackwardGetWorkspaceSize(const uniopTensor *dy,
+                                              const uniopTensor *x,
+                                              const char *approximate,
+                                              uniopTensor *dx,
+                                              uint64_t *workspaceSize,
+                                              uniopExecutor **executor);
+
+// Phase 2 of `gelu_backward`: launches the executor from `uniopGeluBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopGeluBackward(void *workspace,
+                              uint64_t workspaceSize,
+                              uniopExecutor *executor,
+                              uniopStream stream);
+
+// Phase 1 of `kv_cache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor positions) -> ()`.
+//
+// In place: k_cache[b, :, positions[b] + t] = k[b, :, t] (and v likewise) for caches [B, Hkv,
+// S_max, D] and new rows [B, Hkv, S_new, D], any strides; positions int32/int64 [B]. After it,
+// sequence b's cache length (attention's kv_lens) is positions[b] + S_new. A position that does
+// not fit fails the launch with a runtime error before any row is written.
+// float32/float16/bfloat16/int8.
+uniopStatus uniopKvCacheAppendGetWorkspaceSize(uniopTensor *k_cache,
+                                               uniopTensor *v_cache,
+                                               const uniopTensor *k,
+                                               const uniopTensor *v,
+                                               const uniopTensor *positions,
+                                               uint64_t *workspaceSize,
+                                               uniopExecutor **executor);
+
+// Phase 2 of `kv_cache_append`: launches the executor from `uniopKvCacheAppendGetWorkspaceSize` on `stream`.
+uniopStatus uniopKvCacheAppend(void *workspace,
+                               uint64_t workspaceSize,
+                               uniopExecutor *executor,
+                               uniopStream stream);
+
+// Phase 1 of `linear(Tensor x, Tensor weight, Tensor? bias=None) -> (Tensor y)`.
+//
+// y = x @ weight^T + bias, weight [out_features, in_features] (torch.nn.functional.linear / HF
+// layout); x [..., in_features]; bias optional [out_features]. float32/float16 via the gemm crate,
+// bfloat16 via uniop's AVX512-BF16 kernel.
+uniopStatus uniopLinearGetWorkspaceSize(const uniopTensor *x,
+                                        const uniopTensor *weight,
+                                        const uniopTensor *bias,
+                                        uniopTensor *y,
+                                        uint64_t *workspaceSize,
+                                        uniopExecutor **executor);
+
+// Phase 2 of `linear`: launches the executor from `uniopLinearGetWorkspaceSize` on `stream`.
+uniopStatus uniopLinear(void *workspace,
+                        uint64_t workspaceSize,
+                        uniopExecutor *executor,
+                        uniopStream stream);
+
+// Phase 1 of `linear_backward(Tensor dy, Tensor x, Tensor weight) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
+//
+// Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x),
+// dbias = dy summed over rows (ignore it when the layer has no bias).
+uniopStatus uniopLinearBackwardGetWorkspaceSize(const uniopTensor *dy,
+                                                const uniopTensor *x,
+                                                const uniopTensor *weight,
+                                                uniopTensor *dx,
+                                                uniopTensor *dweight,
+                                                uniopTensor *dbias,
+                                                uint64_t *workspaceSize,
+                                                uniopExecutor **executor);
+
+// Phase 2 of `linear_backward`: launches the executor from `uniopLinearBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopLinearBackward(void *workspace,
+                                uint64_t workspaceSize,
+                                uniopExecutor *executor,
+                                uniopStream stream);
+
+// Phase 1 of `log_softmax(Tensor x, int dim=-1) -> (Tensor y)`.
+//
+// x - max - log(sum(exp(x - max))) along dim, as torch.log_softmax. Any dim; f16/bf16 compute in
+// float32.
+uniopStatus uniopLogSoftmaxGetWorkspaceSize(const uniopTensor *x,
+                                            int64_t dim,
+                                            uniopTensor *y,
+                                            uint64_t *workspaceSize,
+                                            uniopExecutor **executor);
+
+// Phase 2 of `log_softmax`: launches the executor from `uniopLogSoftmaxGetWorkspaceSize` on `stream`.
+uniopStatus uniopLogSoftmax(void *workspace,
+                            uint64_t workspaceSize,
+                            uniopExecutor *executor,
+                            uniopStream stream);
+
+// Phase 1 of `log_softmax_backward(Tensor dy, Tensor y, int dim=-1) -> (Tensor dx)`.
+//
+// Gradient of log_softmax from its output y: dx = dy - exp(y) * sum(dy) along dim.
+uniopStatus uniopLogSoftmaxBackwardGetWorkspaceSize(const uniopTensor *dy,
+                                                    const uniopTensor *y,
+                                                    int64_t dim,
+                                                    uniopTensor *dx,
+                                                    uint64_t *workspaceSize,
+                                                    uniopExecutor **executor);
+
+// Phase 2 of `log_softmax_backward`: launches the executor from `uniopLogSoftmaxBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopLogSoftmaxBackward(void *workspace,
+                                    uint64_t workspaceSize,
+                                    uniopExecutor *executor,
+                                    uniopStream stream);
+
+// Phase 1 of `matmul(Tensor a, Tensor b) -> (Tensor out)`.
+//
+// Batched matrix product a [..., M, K] x b [..., K, N] -> [..., M, N]; batch dims broadcast
+// (torch.matmul for rank >= 2); any strides, so transposed operands cost nothing. float32 and
+// float16 (float32 accumulation) via the gemm crate, bfloat16 via uniop's AVX512-BF16 kernel
+// (float32 sums), inside uniop's SPMD blocks.
+uniopStatus uniopMatmulGetWorkspaceSize(const uniopTensor *a,
+                                        const uniopTensor *b,
+                                        uniopTensor *out,
+                                        uint64_t *workspaceSize,
+                                        uniopExecutor **executor);
+
+// Phase 2 of `matmul`: launches the executor from `uniopMatmulGetWorkspaceSize` on `stream`.
+uniopStatus uniopMatmul(void *workspace,
+                        uint64_t workspaceSize,
+                        uniopExecutor *executor,
+                        uniopStream stream);
+
+// Phase 1 of `matmul_backward(Tensor dout, Tensor a, Tensor b) -> (Tensor da, Tensor db)`.
+//
+// Gradients of matmul: da = dout @ b^T and db = a^T @ dout per batch, summed over the batches each
+// operand was broadcast to (da and db have a's and b's shapes). Deterministic (no atomics).
+uniopStatus uniopMatmulBackwardGetWorkspaceSize(const uniopTensor *dout,
+                                                const uniopTensor *a,
+                                                const uniopTensor *b,
+                                                uniopTensor *da,
+                                                uniopTensor *db,
+                                                uint64_t *workspaceSize,
+                                                uniopExecutor **executor);
+
+// Phase 2 of `matmul_backward`: launches the executor from `uniopMatmulBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopMatmulBackward(void *workspace,
+                                uint64_t workspaceSize,
+                                uniopExecutor *executor,
+                                uniopStream stream);
+
+// Phase 1 of `mul(Tensor a, Tensor b) -> (Tensor out)`.
+//
+// Elementwise a * b; a and b broadcast against each other and share a dtype.
+uniopStatus uniopMulGetWorkspaceSize(const uniopTensor *a,
+                                     const uniopTensor *b,
+                                     uniopTensor *out,
+                                     uint64_t *workspaceSize,
+                                     uniopExecutor **executor);
+
+// Phase 2 of `mul`: launches the executor from `uniopMulGetWorkspaceSize` on `stream`.
+uniopStatus uniopMul(void *workspace,
+                     uint64_t workspaceSize,
+                     uniopExecutor *executor,
+                     uniopStream stream);
+
+// Phase 1 of `rms_norm(Tensor x, Tensor weight, float eps=1e-6) -> (Tensor y, Tensor rstd)`.
+//
+// Root-mean-square normalization (LLaMA's RMSNorm): y = x / sqrt(mean(x^2) + eps) * weight over
+// the trailing dims matching weight's shape. rstd (float32, normalized dims kept as 1) is returned
+// for the backward. weight: same dtype as x, or float32. f16/bf16 accumulate in float32.
+uniopStatus uniopRmsNormGetWorkspaceSize(const uniopTensor *x,
+                                         const uniopTensor *weight,
+                                         double eps,
+                                         uniopTensor *y,
+                                         uniopTensor *rstd,
+                                         uint64_t *workspaceSize,
+                                         uniopExecutor **executor);
+
+// Phase 2 of `rms_norm`: launches the executor from `uniopRmsNormGetWorkspaceSize` on `stream`.
+uniopStatus uniopRmsNorm(void *workspace,
+                         uint64_t workspaceSize,
+                         uniopExecutor *executor,
+                         uniopStream stream);
+
+// Phase 1 of `rms_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Tensor dx, Tensor dweight)`.
+//
+// Gradients of rms_norm: dx (dtype of x) and dweight (dtype of weight), from the upstream gradient
+// dy and the rstd saved by the forward. Deterministic: dweight partials are per block, summed in a
+// fixed order.
+uniopStatus uniopRmsNormBackwardGetWorkspaceSize(const uniopTensor *dy,
+                                                 const uniopTensor *x,
+                                                 const uniopTensor *weight,
+                                                 const uniopTensor *rstd,
+                                                 uniopTensor *dx,
+                                                 uniopTensor *dweight,
+                                                 uint64_t *workspaceSize,
+                                                 uniopExecutor **executor);
+
+// Phase 2 of `rms_norm_backward`: launches the executor from `uniopRmsNormBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopRmsNormBackward(void *workspace,
+                                 uint64_t workspaceSize,
+                                 uniopExecutor *executor,
+                                 uniopStream stream);
+
+// Phase 1 of `rope(Tensor x, Tensor cos, Tensor sin, str mode='half') -> (Tensor out)`.
+//
+// Rotary position embedding. cos/sin: [..., R], broadcasting against x with its last dim replaced
+// by the rotary dim R (even, <= head dim; the rest passes through). mode 'half' pairs i with i+R/2
+// (HF/NeoX rotate_half), 'interleave' pairs 2i with 2i+1 (GPT-J). cos/sin in x's dtype or float32.
+uniopStatus uniopRopeGetWorkspaceSize(const uniopTensor *x,
+                                      const uniopTensor *cos,
+                                      const uniopTensor *sin,
+                                      const char *mode,
+                                      uniopTensor *out,
+                                      uint64_t *workspaceSize,
+                                      uniopExecutor **executor);
+
+// Phase 2 of `rope`: launches the executor from `uniopRopeGetWorkspaceSize` on `stream`.
+uniopStatus uniopRope(void *workspace,
+                      uint64_t workspaceSize,
+                      uniopExecutor *executor,
+                      uniopStream stream);
+
+// Phase 1 of `rope_backward(Tensor dout, Tensor cos, Tensor sin, str mode='half') -> (Tensor dx)`.
+//
+// Gradient of rope: applies the transposed rotation to dout (same cos/sin/mode rules as rope).
+uniopStatus uniopRopeBackwardGetWorkspaceSize(const uniopTensor *dout,
+                                              const uniopTensor *cos,
+                                              const uniopTensor *sin,
+                                              const char *mode,
+                                              uniopTensor *dx,
+                                              uint64_t *workspaceSize,
+                                              uniopExecutor **executor);
+
+// Phase 2 of `rope_backward`: launches the executor from `uniopRopeBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopRopeBackward(void *workspace,
+                              uint64_t workspaceSize,
+                              uniopExecutor *executor,
+                              uniopStream stream);
+
+// Phase 1 of `rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None) -> (Tensor cos, Tensor sin)`.
+//
+// cos/sin tables for rope from integer positions (any shape; output [..., dim]), HF's default
+// rotary embedding: inv_freq = 1/theta^(2j/dim), angle = position * inv_freq in float32. mode
+// 'half' lays the dim/2 frequencies out twice (cat), 'interleave' repeats each in place. dtype:
+// float32 (default), float16, bfloat16.
+uniopStatus uniopRopeCosSinGetWorkspaceSize(const uniopTensor *positions,
+                                            int64_t dim,
+                                            double theta,
+                                            const char *mode,
+                                            const uniopDataType *dtype,
+                                            uniopTensor *cos,
+                                            uniopTensor *sin,
+                                            uint64_t *workspaceSize,
+                                            uniopExecutor **executor);
+
+// Phase 2 of `rope_cos_sin`: launches the executor from `uniopRopeCosSinGetWorkspaceSize` on `stream`.
+uniopStatus uniopRopeCosSin(void *workspace,
+                            uint64_t workspaceSize,
+                            uniopExecutor *executor,
+                            uniopStream stream);
+
+// Phase 1 of `sample(Tensor logits, float temperature=1.0, int top_k=0, float top_p=1.0, int seed=0) -> (Tensor tokens)`.
+//
+// One int64 token per row of logits [..., V] from softmax(logits / temperature), filtered to the
+// top_k (0 = off) most likely and then the top_p nucleus (1 = off); temperature 0 is greedy.
+// Seeded and reproducible: row r uses its own random stream from (seed, r).
+uniopStatus uniopSampleGetWorkspaceSize(const uniopTensor *logits,
+                                        double temperature,
+                                        int64_t top_k,
+                                        double top_p,
+                                        int64_t seed,
+                                        uniopTensor *tokens,
+                                        uint64_t *workspaceSize,
+                                        uniopExecutor **executor);
+
+// Phase 2 of `sample`: launches the executor from `uniopSampleGetWorkspaceSize` on `stream`.
+uniopStatus uniopSample(void *workspace,
+                        uint64_t workspaceSize,
+                        uniopExecutor *executor,
+                        uniopStream stream);
+
+// Phase 1 of `silu(Tensor x) -> (Tensor y)`.
+//
+// Elementwise x / (1 + exp(-x)), as torch.nn.functional.silu. Any shape and strides.
+uniopStatus uniopSiluGetWorkspaceSize(const uniopTensor *x,
+                                      uniopTensor *y,
+                                      uint64_t *workspaceSize,
+                                      uniopExecutor **executor);
+
+// Phase 2 of `silu`: launches the executor from `uniopSiluGetWorkspaceSize` on `stream`.
+uniopStatus uniopSilu(void *workspace,
+                      uint64_t workspaceSize,
+                      uniopExecutor *executor,
+                      uniopStream stream);
+
+// Phase 1 of `silu_mul(Tensor gate, Tensor up) -> (Tensor out)`.
+//
+// silu(gate) * up elementwise (HF LlamaMLP's act_fn(gate_proj(x)) * up_proj(x)). gate and up share
+// shape and dtype; any strides. f16/bf16 compute in float32.
+uniopStatus uniopSiluMulGetWorkspaceSize(const uniopTensor *gate,
+                                         const uniopTensor *up,
+                                         uniopTensor *out,
+                                         uint64_t *workspaceSize,
+                                         uniopExecutor **executor);
+
+// Phase 2 of `silu_mul`: launches the executor from `uniopSiluMulGetWorkspaceSize` on `stream`.
+uniopStatus uniopSiluMul(void *workspace,
+                         uint64_t workspaceSize,
+                         uniopExecutor *executor,
+                         uniopStream stream);
+
+// Phase 1 of `silu_mul_backward(Tensor dout, Tensor gate, Tensor up) -> (Tensor dgate, Tensor dup)`.
+//
+// Gradients of silu_mul for the upstream gradient dout: dgate = dout * up * s * (1 + gate * (1 -
+// s)) with s = sigmoid(gate), dup = dout * silu(gate). All three inputs share shape and dtype.
+uniopStatus uniopSiluMulBackwardGetWorkspaceSize(const uniopTensor *dout,
+                                                 const uniopTensor *gate,
+                                                 const uniopTensor *up,
+                                                 uniopTensor *dgate,
+                                                 uniopTensor *dup,
+                                                 uint64_t *workspaceSize,
+                                                 uniopExecutor **executor);
+
+// Phase 2 of `silu_mul_backward`: launches the executor from `uniopSiluMulBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopSiluMulBackward(void *workspace,
+                                 uint64_t workspaceSize,
+                                 uniopExecutor *executor,
+                                 uniopStream stream);
+
+// Phase 1 of `softmax(Tensor x, int dim=-1) -> (Tensor y)`.
+//
+// exp(x - max) / sum(exp(x - max)) along dim, as torch.softmax. Any dim; f16/bf16 compute in
+// float32.
+uniopStatus uniopSoftmaxGetWorkspaceSize(const uniopTensor *x,
+                                         int64_t dim,
+                                         uniopTensor *y,
+                                         uint64_t *workspaceSize,
+                                         uniopExecutor **executor);
+
+// Phase 2 of `softmax`: launches the executor from `uniopSoftmaxGetWorkspaceSize` on `stream`.
+uniopStatus uniopSoftmax(void *workspace,
+                         uint64_t workspaceSize,
+                         uniopExecutor *executor,
+                         uniopStream stream);
+
+// Phase 1 of `softmax_backward(Tensor dy, Tensor y, int dim=-1) -> (Tensor dx)`.
+//
+// Gradient of softmax from its output y: dx = y * (dy - sum(dy * y)) along dim.
+uniopStatus uniopSoftmaxBackwardGetWorkspaceSize(const uniopTensor *dy,
+                                                 const uniopTensor *y,
+                                                 int64_t dim,
+                                                 uniopTensor *dx,
+                                                 uint64_t *workspaceSize,
+                                                 uniopExecutor **executor);
+
+// Phase 2 of `softmax_backward`: launches the executor from `uniopSoftmaxBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopSoftmaxBackward(void *workspace,
+                                 uint64_t workspaceSize,
+                                 uniopExecutor *executor,
+                                 uniopStream stream);
+
+// Phase 1 of `swiglu(Tensor x, int dim=-1) -> (Tensor out)`.
+//
+// SwiGLU with aclnn semantics: x splits into halves a, b along dim (size must be even); out =
+// silu(a) * b, with dim halved. f16/bf16 compute in float32.
+uniopStatus uniopSwigluGetWorkspaceSize(const uniopTensor *x,
+                                        int64_t dim,
+                                        uniopTensor *out,
+                                        uint64_t *workspaceSize,
+                                        uniopExecutor **executor);
+
+// Phase 2 of `swiglu`: launches the executor from `uniopSwigluGetWorkspaceSize` on `stream`.
+uniopStatus uniopSwiglu(void *workspace,
+                        uint64_t workspaceSize,
+                        uniopExecutor *executor,
+                        uniopStream stream);
+
+// Phase 1 of `swiglu_backward(Tensor dout, Tensor x, int dim=-1) -> (Tensor dx)`.
+//
+// Gradient of swiglu: dx holds d/da = dout * b * silu'(a) in its first half along dim and d/db =
+// dout * silu(a) in its second half. dout has swiglu's output shape.
+uniopStatus uniopSwigluBackwardGetWorkspaceSize(const uniopTensor *dout,
+                                                const uniopTensor *x,
+                                                int64_t dim,
+                                                uniopTensor *dx,
+                                                uint64_t *workspaceSize,
+                                                uniopExecutor **executor);
+
+// Phase 2 of `swiglu_backward`: launches the executor from `uniopSwigluBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopSwigluBackward(void *workspace,
+                                uint64_t workspaceSize,
+                                uniopExecutor *executor,
+                                uniopStream stream);
 
 // Registers the built-in ops. Optional (every call initializes on demand); idempotent.
 uniopStatus uniopInit(void);

@@ -81,6 +81,17 @@ static void run(const char *op, uniopTensor **in, uint64_t n_in, const char *att
   if (ws) OK(uniopFree(ws));
 }
 
+/* Workspace + a typed phase 2 (e.g. uniopRmsNorm) on `stream`, then synchronize. */
+typedef uniopStatus (*Phase2)(void *, uint64_t, uniopExecutor *, uniopStream);
+
+static void launch(Phase2 phase2, uint64_t ws_size, uniopExecutor *exec, uniopStream stream) {
+  void *ws = NULL;
+  if (ws_size > 0) OK(uniopMalloc(&ws, ws_size, UNIOP_MEM_MALLOC_HUGE_FIRST));
+  OK(phase2(ws, ws_size, exec, stream));
+  OK(uniopSynchronizeStream(stream));
+  if (ws) OK(uniopFree(ws));
+}
+
 static void expect_close(const char *what, const float *got, const double *want, size_t n, double tol) {
   double worst = 0;
   for (size_t i = 0; i < n; i++) {
@@ -99,7 +110,10 @@ static void test_rms_norm(uniopStream stream) {
   int64_t xd[] = {R, H}, wd[] = {H}, rd[] = {R, 1};
   uniopTensor *in[] = {dense(xd, 2, x), dense(wd, 1, w)};
   uniopTensor *out[] = {dense(xd, 2, y), dense(rd, 2, rstd)};
-  run("rms_norm", in, 2, "eps=1e-5", out, 2, stream);
+  uint64_t ws = 0;
+  uniopExecutor *exec = NULL;
+  OK(uniopRmsNormGetWorkspaceSize(in[0], in[1], 1e-5, out[0], out[1], &ws, &exec));
+  launch(uniopRmsNorm, ws, exec, stream);
   double want[R * H];
   for (int r = 0; r < R; r++) {
     double ss = 0;
@@ -119,7 +133,10 @@ static void test_swiglu(uniopStream stream) {
   int64_t xd[] = {R, 2 * H}, yd[] = {R, H};
   uniopTensor *in[] = {dense(xd, 2, x)};
   uniopTensor *out[] = {dense(yd, 2, y)};
-  run("swiglu", in, 1, NULL, out, 1, stream);
+  uint64_t ws = 0;
+  uniopExecutor *exec = NULL;
+  OK(uniopSwigluGetWorkspaceSize(in[0], -1, out[0], &ws, &exec));
+  launch(uniopSwiglu, ws, exec, stream);
   double want[R * H];
   for (int r = 0; r < R; r++)
     for (int j = 0; j < H; j++) {
@@ -140,7 +157,10 @@ static void test_matmul(uniopStream stream) {
   int64_t ad[] = {M, K}, bd[] = {K, N}, bs[] = {1, K}, cd[] = {M, N};
   uniopTensor *in[] = {dense(ad, 2, a), tensor(bd, 2, bs, bt, N * K)};
   uniopTensor *out[] = {dense(cd, 2, c)};
-  run("matmul", in, 2, NULL, out, 1, stream);
+  uint64_t ws = 0;
+  uniopExecutor *exec = NULL;
+  OK(uniopMatmulGetWorkspaceSize(in[0], in[1], out[0], &ws, &exec));
+  launch(uniopMatmul, ws, exec, stream);
   double want[M * N];
   for (int i = 0; i < M; i++)
     for (int j = 0; j < N; j++) {
@@ -167,7 +187,10 @@ static void test_rope(uniopStream stream) {
   int64_t xd[] = {1, H, S, D}, td[] = {S, D};
   uniopTensor *in[] = {dense(xd, 4, x), dense(td, 2, cs), dense(td, 2, sn)};
   uniopTensor *out[] = {dense(xd, 4, y)};
-  run("rope", in, 3, "mode=half", out, 1, stream);
+  uint64_t ws = 0;
+  uniopExecutor *exec = NULL;
+  OK(uniopRopeGetWorkspaceSize(in[0], in[1], in[2], "half", out[0], &ws, &exec));
+  launch(uniopRope, ws, exec, stream);
   double want[H * S * D];
   for (int h = 0; h < H; h++)
     for (int s = 0; s < S; s++)
@@ -190,9 +213,12 @@ static void test_attention_and_kv_cache(uniopStream stream) {
   fill(k, H * S * D, 8);
   fill(v, H * S * D, 9);
   int64_t qd[] = {1, H, S, D}, ld[] = {1, H, S};
-  uniopTensor *in[] = {dense(qd, 4, q), dense(qd, 4, k), dense(qd, 4, v), NULL};
+  uniopTensor *in[] = {dense(qd, 4, q), dense(qd, 4, k), dense(qd, 4, v)};
   uniopTensor *out[] = {dense(qd, 4, o), dense(ld, 3, lse)};
-  run("attention", in, 4, "causal=True", out, 2, stream);
+  uint64_t ws = 0;
+  uniopExecutor *exec = NULL;
+  OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, out[0], out[1], &ws, &exec));
+  launch(uniopAttention, ws, exec, stream);
   double want[H * S * D];
   double scale = 1.0 / sqrt((double)D);
   for (int h = 0; h < H; h++)
@@ -231,8 +257,8 @@ static void test_attention_and_kv_cache(uniopStream stream) {
   uniopTensor *v_new = uniopCreateTensor(nd, 4, UNIOP_FLOAT, ns, (S - 1) * D, UNIOP_FORMAT_ND, &storage, 1, v);
   CHECK(pos_t && k_new && v_new, "descriptors: %s", uniopGetRecentErrMsg());
   uniopTensor *caches[] = {dense(cd, 4, kc), dense(cd, 4, vc)};
-  uniopTensor *append_in[] = {k_new, v_new, pos_t};
-  run("kv_cache_append", append_in, 3, NULL, caches, 2, stream);
+  OK(uniopKvCacheAppendGetWorkspaceSize(caches[0], caches[1], k_new, v_new, pos_t, &ws, &exec));
+  launch(uniopKvCacheAppend, ws, exec, stream);
 
   float q_last[H * D], o_last[H * D], lse_last[H];
   for (int h = 0; h < H; h++) memcpy(q_last + h * D, q + (h * S + S - 1) * D, D * sizeof(float));
@@ -240,6 +266,7 @@ static void test_attention_and_kv_cache(uniopStream stream) {
   uniopTensor *lens_t = uniopCreateTensor(pd, 1, UNIOP_INT64, NULL, 0, UNIOP_FORMAT_ND, &one, 1, lens);
   uniopTensor *dec_in[] = {dense(qld, 4, q_last), caches[0], caches[1], lens_t};
   uniopTensor *dec_out[] = {dense(qld, 4, o_last), dense(lld, 3, lse_last)};
+  /* The same op through the generic by-name pair, attributes as text. */
   run("attention", dec_in, 4, "causal=True", dec_out, 2, stream);
   double want_last[H * D];
   for (int h = 0; h < H; h++)
@@ -377,6 +404,12 @@ static void test_bad_inputs(uniopStream stream) {
   expect_error("memcpy past destMax", uniopMemcpy(y, 4, x, sizeof x, UNIOP_MEMCPY_HOST_TO_HOST),
                UNIOP_ERROR_PARAM_INVALID, "destMax");
   expect_error("no such device", uniopSetDevice(3), UNIOP_ERROR_PARAM_INVALID, "deviceId");
+  expect_error("typed: null str attribute", uniopRopeGetWorkspaceSize(tx, tw, tw, NULL, ty, &ws, &ex),
+               UNIOP_ERROR_PARAM_NULLPTR, "uniopRopeGetWorkspaceSize: argument 'mode'");
+  expect_error("typed: bad dtype attribute", uniopCastGetWorkspaceSize(tx, 99, ty, &ws, &ex), UNIOP_ERROR_DTYPE,
+               "'dtype'");
+  expect_error("typed: null output", uniopRmsNormGetWorkspaceSize(tx, tw, 1e-6, NULL, tr, &ws, &ex),
+               UNIOP_ERROR_PARAM_NULLPTR, "'y'");
 
   uniopTensor *all[] = {tx, tw, tw3, ty, tr, ti, tq, to, tl};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) OK(uniopDestroyTensor(all[i]));

@@ -18,9 +18,12 @@
 #![allow(clippy::too_many_arguments)]
 
 mod handles;
+mod ops;
 mod runtime;
 mod tensor;
+mod typed;
 
+pub use ops::*;
 pub use runtime::*;
 pub use tensor::*;
 

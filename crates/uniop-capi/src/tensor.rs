@@ -190,6 +190,41 @@ unsafe fn view_mut(d: &uniopTensor, func: &str, arg: &str) -> Result<TensorMut<'
     TensorMut::from_raw(d.data, d.bytes, d.meta.clone()).map_err(|e| e.context(format!("{func}: {arg}")))
 }
 
+/// Phase 1 shared by the by-name call and the generated per-op calls: `inputs` are the tensors
+/// the op reads (NULL: an absent optional), `outputs` its in-place tensors then its returns, each
+/// with the name errors should use.
+pub(crate) fn plan(
+    op: &str,
+    func: &str,
+    inputs: &[(&str, *const uniopTensor)],
+    attrs: &[(&str, AttrValue)],
+    outputs: &[(&str, *const uniopTensor)],
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> Result<()> {
+    non_null(workspaceSize, func, "workspaceSize")?;
+    non_null(executor, func, "executor")?;
+    let mut in_views = Vec::new();
+    for &(arg, t) in inputs {
+        in_views.push(if t.is_null() { None } else { Some(unsafe { view(bound(t, func, arg)?, func, arg)? }) });
+    }
+    let mut out_views = Vec::new();
+    for &(arg, t) in outputs {
+        out_views.push(unsafe { view_mut(bound(t, func, arg)?, func, arg)? });
+    }
+    uniop_ops::init();
+    let entry = Registry::global().get(op)?;
+    let in_metas = in_views.iter().map(|v| v.as_ref().map(|v| v.meta().clone())).collect();
+    let out_metas = out_views.iter().map(|v| v.meta().clone()).collect();
+    let exec = Executor::new(entry, &in_views, attrs, out_views)?;
+    // SAFETY: checked non-null.
+    unsafe {
+        *workspaceSize = exec.workspace_size() as u64;
+        *executor = handles::register(uniopExecutor { exec, inputs: in_metas, outputs: out_metas });
+    }
+    Ok(())
+}
+
 /// Phase 1 by op name: binds `inputs` (the tensors the op reads, schema order; NULL for an
 /// absent optional), `attrs` (`"name=value, ..."`, may be NULL) and `outputs` (tensors the op
 /// updates in place, then its returns), checks them, plans, and returns the workspace size and a
@@ -207,51 +242,30 @@ pub extern "C" fn uniopOpGetWorkspaceSize(
 ) -> uniopStatus {
     guard(|| {
         const F: &str = "uniopOpGetWorkspaceSize";
-        non_null(opName, F, "opName")?;
-        non_null(workspaceSize, F, "workspaceSize")?;
-        non_null(executor, F, "executor")?;
-        let op = unsafe { CStr::from_ptr(opName) }
-            .to_str()
-            .map_err(|_| Error::arg(ErrorCode::ParamInvalid, F, "opName", "UTF-8 text", "invalid UTF-8"))?;
+        let op = text(opName, F, "opName")?;
         let attrs = if attrs.is_null() {
             Vec::new()
         } else {
-            let text = unsafe { CStr::from_ptr(attrs) }
-                .to_str()
-                .map_err(|_| Error::arg(ErrorCode::ParamInvalid, F, "attrs", "UTF-8 text", "invalid UTF-8"))?;
-            AttrValue::parse_assignments(text).map_err(|e| e.context(op))?
+            AttrValue::parse_assignments(text(attrs, F, "attrs")?).map_err(|e| e.context(op))?
         };
         let attr_refs: Vec<(&str, AttrValue)> = attrs.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
         let (ins, outs) = unsafe {
             (handle_array(inputs, numInputs, F, "inputs")?, handle_array(outputs, numOutputs, F, "outputs")?)
         };
-        let mut in_views = Vec::new();
-        for (i, &t) in ins.iter().enumerate() {
-            in_views.push(match t.is_null() {
-                true => None,
-                false => {
-                    let arg = format!("inputs[{i}]");
-                    Some(unsafe { view(bound(t, F, &arg)?, F, &arg)? })
-                }
-            });
-        }
-        let mut out_views = Vec::new();
-        for (i, &t) in outs.iter().enumerate() {
-            let arg = format!("outputs[{i}]");
-            out_views.push(unsafe { view_mut(bound(t, F, &arg)?, F, &arg)? });
-        }
-        uniop_ops::init();
-        let entry = Registry::global().get(op)?;
-        let in_metas = in_views.iter().map(|v| v.as_ref().map(|v| v.meta().clone())).collect();
-        let out_metas = out_views.iter().map(|v| v.meta().clone()).collect();
-        let exec = Executor::new(entry, &in_views, &attr_refs, out_views)?;
-        // SAFETY: checked non-null.
-        unsafe {
-            *workspaceSize = exec.workspace_size() as u64;
-            *executor = handles::register(uniopExecutor { exec, inputs: in_metas, outputs: out_metas });
-        }
-        Ok(())
+        let in_names: Vec<String> = (0..ins.len()).map(|i| format!("inputs[{i}]")).collect();
+        let out_names: Vec<String> = (0..outs.len()).map(|i| format!("outputs[{i}]")).collect();
+        let ins: Vec<(&str, *const uniopTensor)> = in_names.iter().map(String::as_str).zip(ins).collect();
+        let outs: Vec<(&str, *const uniopTensor)> = out_names.iter().map(String::as_str).zip(outs).collect();
+        plan(op, F, &ins, &attr_refs, &outs, workspaceSize, executor)
     })
+}
+
+/// NUL-terminated UTF-8 text from C.
+pub(crate) fn text<'a>(ptr: *const c_char, func: &str, arg: &str) -> Result<&'a str> {
+    non_null(ptr, func, arg)?;
+    unsafe { CStr::from_ptr(ptr) }
+        .to_str()
+        .map_err(|_| Error::arg(ErrorCode::ParamInvalid, func, arg, "UTF-8 text", "invalid UTF-8"))
 }
 
 /// Phase 2: launches the executor on `stream` (NULL: default) with `workspace`. A single-use

@@ -92,7 +92,7 @@ impl Op for Linear {
 
     fn doc(&self) -> &'static str {
         "y = x @ weight^T + bias, weight [out_features, in_features] (torch.nn.functional.linear / HF layout); x \
-         [..., in_features]; bias optional [out_features]. float32 and float16 via the gemm crate."
+         [..., in_features]; bias optional [out_features]. float32/float16 via the gemm crate, bfloat16 via uniop's AVX512-BF16 kernel."
     }
 
     fn dtypes(&self) -> &'static [DType] {
