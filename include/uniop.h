@@ -812,6 +812,12 @@ uniopStatus uniopLaunchKernel(uniopKernelFn kernel,
                               void *args,
                               uniopStream stream);
 
+// Loads a Rust op library (a crate built as a `cdylib` that exports its ops with
+// `uniop::export_ops!`) and registers its ops; they are then callable through
+// `uniopOpGetWorkspaceSize` by name. Fails with `UNIOP_ERROR_PARAM_INVALID` when the file is not
+// such a library, or was built for another plugin ABI, compiler or uniop version.
+uniopStatus uniopLoadOpLibrary(const char *path);
+
 // Describes `tensorData` as a strided view (`stride` may be NULL for contiguous), `offset`
 // elements into a storage of `storageDims`. Returns NULL on bad arguments (see
 // `uniopGetRecentErrMsg`).

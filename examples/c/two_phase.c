@@ -7,35 +7,13 @@
  *   ./a.out [--bench]
  */
 #define _POSIX_C_SOURCE 199309L
-#include "uniop.h"
+#include "check.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-static int failures = 0;
-
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (!(cond)) {                                         \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fprintf(stderr, "\n");                               \
-      failures++;                                          \
-    }                                                      \
-  } while (0)
-
-#define OK(call)                                                                      \
-  do {                                                                                \
-    uniopStatus s_ = (call);                                                          \
-    if (s_ != UNIOP_SUCCESS) {                                                        \
-      fprintf(stderr, "FAIL %s:%d: %s -> %d: %s\n", __FILE__, __LINE__, #call, s_, \
-              uniopGetRecentErrMsg());                                                \
-      exit(1);                                                                        \
-    }                                                                                 \
-  } while (0)
 
 /* Deterministic values in [-1, 1). */
 static void fill(float *x, size_t n, unsigned seed) {
@@ -310,14 +288,6 @@ static void test_direct_call_and_events(uniopStream stream) {
   printf("%-28s %s (%.3f ms between events)\n", "kernel direct call", good ? "PASS" : "FAIL", ms);
   OK(uniopDestroyEvent(start));
   OK(uniopDestroyEvent(end));
-}
-
-/* Each bad input returns its code and a message naming what was wrong. */
-static void expect_error(const char *what, uniopStatus got, uniopStatus want, const char *fragment) {
-  const char *msg = uniopGetRecentErrMsg();
-  int good = got == want && strstr(msg, fragment) != NULL;
-  CHECK(good, "%s: got %d (%s), want %d with \"%s\"", what, got, msg, want, fragment);
-  printf("%-28s %d  %s\n", what, got, good ? "PASS" : "FAIL");
 }
 
 /* A descriptor call that must fail: NULL and a message naming the argument. */

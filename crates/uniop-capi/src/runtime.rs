@@ -410,3 +410,16 @@ pub extern "C" fn uniopLaunchKernel(
         Ok(())
     })
 }
+
+/// Loads a Rust op library (a crate built as a `cdylib` that exports its ops with
+/// `uniop::export_ops!`) and registers its ops; they are then callable through
+/// `uniopOpGetWorkspaceSize` by name. Fails with `UNIOP_ERROR_PARAM_INVALID` when the file is not
+/// such a library, or was built for another plugin ABI, compiler or uniop version.
+#[no_mangle]
+pub extern "C" fn uniopLoadOpLibrary(path: *const c_char) -> uniopStatus {
+    guard(|| {
+        let path = crate::tensor::text(path, "uniopLoadOpLibrary", "path")?;
+        uniop_ops::init();
+        uniop::plugin::load(path).map(drop)
+    })
+}

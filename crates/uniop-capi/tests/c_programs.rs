@@ -19,10 +19,15 @@ fn lib_dir() -> PathBuf {
 }
 
 fn build(compiler: &str, std: &str, source: &str) -> PathBuf {
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(Path::new(source).file_stem().unwrap());
+    compile(compiler, &[std, "-Wall", "-Wextra", "-Werror", "-O1", "-g"], source, "")
+}
+
+fn compile(compiler: &str, flags: &[&str], source: &str, suffix: &str) -> PathBuf {
+    let stem = Path::new(source).file_stem().unwrap().to_string_lossy();
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{stem}{suffix}"));
     let lib = lib_dir();
     let status = Command::new(compiler)
-        .args([std, "-Wall", "-Wextra", "-Werror", "-O1", "-g"])
+        .args(flags)
         .arg("-I")
         .arg(repo().join("include"))
         .arg(repo().join(source))
@@ -59,6 +64,28 @@ fn c_program_passes_its_checks_and_memcheck() {
         ])
         .arg(&exe));
     assert!(text.contains("ERROR SUMMARY: 0 errors"), "{text}");
+}
+
+/// The example plugin crate's library, built with this test's profile (a workspace test run has
+/// built it already; `cargo test -p uniop-capi` alone builds it here).
+fn example_plugin() -> PathBuf {
+    let lib = lib_dir();
+    let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cargo.current_dir(repo()).args(["build", "-q", "-p", "uniop-plugin-example"]);
+    if lib.ends_with("release") {
+        cargo.arg("--release");
+    }
+    assert!(cargo.status().unwrap().success(), "building uniop-plugin-example");
+    lib.join("libuniop_plugin_example.so")
+}
+
+#[test]
+fn c_program_loads_a_plugin_and_rejects_bad_ones() {
+    let plugin = example_plugin();
+    let wrong_abi = compile("gcc", &["-shared", "-fPIC"], "examples/c/wrong_abi_plugin.c", ".so");
+    let exe = build("gcc", "-std=c11", "examples/c/plugin.c");
+    let text = run(Command::new(&exe).arg(&plugin).arg(&wrong_abi));
+    assert!(text.contains("0 failed checks") && !text.contains("FAIL"), "{text}");
 }
 
 #[test]

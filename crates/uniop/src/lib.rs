@@ -17,6 +17,7 @@ pub mod error;
 pub mod executor;
 pub mod layout;
 pub mod op;
+pub mod plugin;
 pub mod registry;
 pub mod runtime;
 pub mod schema;
