@@ -5,17 +5,31 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
 }
 
-/// The directory holding `libuniop_capi.so` for this profile (the test binary lives in `deps/` below it).
+/// The directory holding `libuniop_capi.so` and the example plugin for this test's profile
+/// (the test binary lives in `deps/` below it). `cargo test` does not build `cdylib`s, so the
+/// first caller builds both with the same profile.
 fn lib_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let dir = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
-    assert!(dir.join("libuniop_capi.so").exists(), "libuniop_capi.so not built in {}", dir.display());
-    dir
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().unwrap();
+            let dir = exe.parent().and_then(Path::parent).unwrap().to_path_buf();
+            let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+            cargo.current_dir(repo()).args(["build", "-q", "-p", "uniop-capi", "-p", "uniop-plugin-example"]);
+            if dir.ends_with("release") {
+                cargo.arg("--release");
+            }
+            assert!(cargo.status().unwrap().success(), "building the C API and the example plugin");
+            assert!(dir.join("libuniop_capi.so").exists(), "libuniop_capi.so not built in {}", dir.display());
+            dir
+        })
+        .clone()
 }
 
 fn build(compiler: &str, std: &str, source: &str) -> PathBuf {
@@ -66,22 +80,9 @@ fn c_program_passes_its_checks_and_memcheck() {
     assert!(text.contains("ERROR SUMMARY: 0 errors"), "{text}");
 }
 
-/// The example plugin crate's library, built with this test's profile (a workspace test run has
-/// built it already; `cargo test -p uniop-capi` alone builds it here).
-fn example_plugin() -> PathBuf {
-    let lib = lib_dir();
-    let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    cargo.current_dir(repo()).args(["build", "-q", "-p", "uniop-plugin-example"]);
-    if lib.ends_with("release") {
-        cargo.arg("--release");
-    }
-    assert!(cargo.status().unwrap().success(), "building uniop-plugin-example");
-    lib.join("libuniop_plugin_example.so")
-}
-
 #[test]
 fn c_program_loads_a_plugin_and_rejects_bad_ones() {
-    let plugin = example_plugin();
+    let plugin = lib_dir().join("libuniop_plugin_example.so");
     let wrong_abi = compile("gcc", &["-shared", "-fPIC"], "examples/c/wrong_abi_plugin.c", ".so");
     let exe = build("gcc", "-std=c11", "examples/c/plugin.c");
     let text = run(Command::new(&exe).arg(&plugin).arg(&wrong_abi));
