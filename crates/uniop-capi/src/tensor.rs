@@ -83,52 +83,6 @@ unsafe fn sizes(ptr: *const i64, n: u64, func: &str, arg: &str) -> Result<Vec<us
         .collect()
 }
 
-fn describe(
-    viewDims: *const i64,
-    viewDimsNum: u64,
-    dataType: uniopDataType,
-    stride: *const i64,
-    offset: i64,
-    format: uniopFormat,
-    storageDims: *const i64,
-    storageDimsNum: u64,
-    tensorData: *mut c_void,
-) -> Result<uniopTensor> {
-    const F: &str = "uniopCreateTensor";
-    let dtype = dtype_of(dataType, F, "dataType")?;
-    if format != UNIOP_FORMAT_ND {
-        return Err(Error::arg(ErrorCode::ParamInvalid, F, "format", "UNIOP_FORMAT_ND (2)", format));
-    }
-    let shape = unsafe { sizes(viewDims, viewDimsNum, F, "viewDims")? };
-    let strides = if stride.is_null() {
-        uniop::layout::contiguous_strides(&shape)?
-    } else {
-        unsafe { sizes(stride, viewDimsNum, F, "stride")? }
-    };
-    let offset = usize::try_from(offset)
-        .map_err(|_| Error::arg(ErrorCode::ParamInvalid, F, "offset", "a non-negative offset", offset))?;
-    let storage = unsafe { sizes(storageDims, storageDimsNum, F, "storageDims")? };
-    let storage_elems = storage
-        .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| Error::arg(ErrorCode::Shape, F, "storageDims", "a size that fits in memory", "an overflow"))?;
-    let layout = Layout::strided(&shape, &strides, offset).map_err(|e| e.context(F))?;
-    let extent = layout.storage_extent().map_err(|e| e.context(F))?;
-    if layout.numel() > 0 && extent > storage_elems {
-        return Err(Error::arg(
-            ErrorCode::Shape,
-            F,
-            "storageDims",
-            format!("storage of at least {extent} elements (offset {offset} plus the view's extent)"),
-            format!("{storage_elems} elements"),
-        ));
-    }
-    let bytes = storage_elems
-        .checked_mul(dtype.size())
-        .ok_or_else(|| Error::arg(ErrorCode::Shape, F, "storageDims", "a size that fits in memory", "an overflow"))?;
-    Ok(uniopTensor { meta: TensorMeta { dtype, layout }, data: tensorData as *mut u8, bytes })
-}
-
 /// Describes `tensorData` as a strided view (`stride` may be NULL for contiguous), `offset`
 /// elements into a storage of `storageDims`. Returns NULL on bad arguments (see
 /// `uniopGetRecentErrMsg`).
@@ -146,9 +100,38 @@ pub extern "C" fn uniopCreateTensor(
 ) -> *mut uniopTensor {
     let mut out = std::ptr::null_mut();
     guard(|| {
-        let t =
-            describe(viewDims, viewDimsNum, dataType, stride, offset, format, storageDims, storageDimsNum, tensorData)?;
-        out = handles::register(t);
+        const F: &str = "uniopCreateTensor";
+        let dtype = dtype_of(dataType, F, "dataType")?;
+        if format != UNIOP_FORMAT_ND {
+            return Err(Error::arg(ErrorCode::ParamInvalid, F, "format", "UNIOP_FORMAT_ND (2)", format));
+        }
+        let shape = unsafe { sizes(viewDims, viewDimsNum, F, "viewDims")? };
+        let strides = if stride.is_null() {
+            uniop::layout::contiguous_strides(&shape)?
+        } else {
+            unsafe { sizes(stride, viewDimsNum, F, "stride")? }
+        };
+        let offset = usize::try_from(offset)
+            .map_err(|_| Error::arg(ErrorCode::ParamInvalid, F, "offset", "a non-negative offset", offset))?;
+        let storage = unsafe { sizes(storageDims, storageDimsNum, F, "storageDims")? };
+        let storage_elems = storage.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| {
+            Error::arg(ErrorCode::Shape, F, "storageDims", "a size that fits in memory", "an overflow")
+        })?;
+        let layout = Layout::strided(&shape, &strides, offset).map_err(|e| e.context(F))?;
+        let extent = layout.storage_extent().map_err(|e| e.context(F))?;
+        if layout.numel() > 0 && extent > storage_elems {
+            return Err(Error::arg(
+                ErrorCode::Shape,
+                F,
+                "storageDims",
+                format!("storage of at least {extent} elements (offset {offset} plus the view's extent)"),
+                format!("{storage_elems} elements"),
+            ));
+        }
+        let bytes = storage_elems.checked_mul(dtype.size()).ok_or_else(|| {
+            Error::arg(ErrorCode::Shape, F, "storageDims", "a size that fits in memory", "an overflow")
+        })?;
+        out = handles::register(uniopTensor { meta: TensorMeta { dtype, layout }, data: tensorData as *mut u8, bytes });
         Ok(())
     });
     out
