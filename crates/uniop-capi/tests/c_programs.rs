@@ -1,6 +1,6 @@
 //! The C ABI as C and C++ callers see it: `examples/c/` compiled with gcc/g++ against the header
 //! and the library this test run built, run (their own checks compare with double-precision
-//! references and try every bad input), and the C program again under valgrind's memcheck (no
+//! references and try every bad input), and the C programs again under valgrind's memcheck (no
 //! invalid accesses, no definite leaks). The header must match what the generator writes.
 
 use std::path::{Path, PathBuf};
@@ -64,19 +64,24 @@ fn run(cmd: &mut Command) -> String {
     text
 }
 
+/// valgrind's memcheck, failing on any invalid access and on definite leaks.
+fn memcheck() -> Command {
+    let mut cmd = Command::new("valgrind");
+    cmd.args([
+        "--error-exitcode=99",
+        "--leak-check=full",
+        "--errors-for-leak-kinds=definite",
+        "--show-leak-kinds=definite",
+    ]);
+    cmd
+}
+
 #[test]
 fn c_program_passes_its_checks_and_memcheck() {
     let exe = build("gcc", "-std=c11", "examples/c/two_phase.c");
     let text = run(&mut Command::new(&exe));
     assert!(text.contains("0 failed checks") && !text.contains("FAIL"), "{text}");
-    let text = run(Command::new("valgrind")
-        .args([
-            "--error-exitcode=99",
-            "--leak-check=full",
-            "--errors-for-leak-kinds=definite",
-            "--show-leak-kinds=definite",
-        ])
-        .arg(&exe));
+    let text = run(memcheck().arg(&exe));
     assert!(text.contains("ERROR SUMMARY: 0 errors"), "{text}");
 }
 
@@ -87,6 +92,8 @@ fn c_program_loads_a_plugin_and_rejects_bad_ones() {
     let exe = build("gcc", "-std=c11", "examples/c/plugin.c");
     let text = run(Command::new(&exe).arg(&plugin).arg(&wrong_abi));
     assert!(text.contains("0 failed checks") && !text.contains("FAIL"), "{text}");
+    let text = run(memcheck().arg(&exe).arg(&plugin).arg(&wrong_abi));
+    assert!(text.contains("ERROR SUMMARY: 0 errors"), "{text}");
 }
 
 #[test]

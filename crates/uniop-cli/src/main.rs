@@ -18,6 +18,9 @@ use uniop::{AttrValue, DType, Error, Registry, Result, Stream};
     about = "Write an operator once, call it from everywhere — CPU runtime and op library"
 )]
 struct Cli {
+    /// Load an op library (a Rust crate built with `uniop::export_ops!`) before running; repeatable.
+    #[arg(long = "plugin", value_name = "PATH", global = true)]
+    plugins: Vec<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -193,7 +196,8 @@ fn main() -> ExitCode {
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     uniop_ops::init();
     let cli = Cli::parse();
-    let result = match &cli.command {
+    let loaded = cli.plugins.iter().try_for_each(|path| uniop::plugin::load(path).map(drop));
+    let result = loaded.and_then(|()| match &cli.command {
         Command::List => {
             list();
             Ok(true)
@@ -202,7 +206,7 @@ fn main() -> ExitCode {
         Command::Run(args) => run(args),
         Command::Bench(args) => bench::run(args).map(|_| true),
         Command::Demo => demo::run().map(|_| true),
-    };
+    });
     match result {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => {

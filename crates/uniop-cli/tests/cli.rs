@@ -61,3 +61,28 @@ fn demo_runs_two_streams_with_an_event_dependency() {
     assert!(text.contains("(expected 50331645): OK"), "{text}");
     assert!(text.contains("event timing: produce"), "{text}");
 }
+
+/// An op library loaded with `--plugin` is listed, described and run like a built-in; a file
+/// that is not one is a clear error.
+#[test]
+fn plugin_ops_work_like_built_ins() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let profile_dir = std::path::Path::new(env!("CARGO_BIN_EXE_uniop")).parent().unwrap().to_path_buf();
+    // `cargo test` does not build cdylibs: build the example plugin with this test's profile.
+    let mut cargo = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cargo.current_dir(&root).args(["build", "-q", "-p", "uniop-plugin-example"]);
+    if profile_dir.ends_with("release") {
+        cargo.arg("--release");
+    }
+    assert!(cargo.status().unwrap().success());
+    let plugin = profile_dir.join("libuniop_plugin_example.so");
+    let plugin = plugin.to_str().unwrap();
+    let out = uniop(&["--plugin", plugin, "list"]);
+    assert!(stdout(&out).lines().any(|l| l.starts_with("squared_relu")), "{}", stdout(&out));
+    let out = uniop(&["run", "squared_relu", "--dtype", "bf16", "--shape", "3x70", "--plugin", plugin]);
+    assert!(out.status.success(), "{}{}", stdout(&out), String::from_utf8_lossy(&out.stderr));
+    assert!(stdout(&out).contains("squared_relu bfloat16 inputs (bf16[3, 70]): PASS"), "{}", stdout(&out));
+    let out = uniop(&["--plugin", "/nonexistent/lib.so", "list"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be loaded"));
+}
