@@ -24,8 +24,10 @@
 //! `lse` (`[B, Hq, Sq]`, f32) is the log-sum-exp of each query's scaled scores, saved for
 //! [`attention_backward`](crate::attention_backward).
 
+use crate::bf16_gemm::gemm_rows_bf16;
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
+use uniop::half::bf16;
 use uniop::layout::ShapeDisplay;
 use uniop::{
     with_float_dtype, AttrValue, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
@@ -109,10 +111,19 @@ impl Geometry {
         }
     }
 
-    /// f32 scratch per block for a tile of `rows` queries: Q, S, O, and K/V tiles when they must be widened.
+    /// f32 scratch tiles of one forward block for `rows` queries: Q, S, O, running max and sum,
+    /// then K and V widened to f32 (f16), or P rounded to bf16 for the bf16 GEMM (bf16).
+    fn forward_tiles(&self, rows: usize) -> [usize; 7] {
+        let (x, y) = match self.dtype {
+            DType::F32 => (0, 0),
+            DType::BF16 => (rows * TILE_KEYS / 2, 0),
+            _ => (TILE_KEYS * self.head_dim, TILE_KEYS * self.v_dim),
+        };
+        [rows * self.head_dim, rows * TILE_KEYS, rows * self.v_dim, rows, rows, x, y]
+    }
+
     fn forward_scratch(&self, rows: usize) -> usize {
-        let kv = if self.dtype == DType::F32 { 0 } else { TILE_KEYS * (self.head_dim + self.v_dim) };
-        rows * (self.head_dim + TILE_KEYS + self.v_dim + 2) + kv
+        self.forward_tiles(rows).iter().sum()
     }
 }
 
@@ -148,6 +159,15 @@ impl QueryTile {
     /// Keys any row of the tile sees (the last row sees the most).
     pub fn kv_end(&self, g: &Geometry) -> usize {
         g.visible(self.len, self.q0 + self.n_pos - 1)
+    }
+
+    /// Copies the tile's rows of a `[B, Hq, Sq, width]` tensor into `dst` (`rows × width`) as they are.
+    pub fn copy_rows<T: Copy>(&self, data: &[T], rows: Rows4, dst: &mut [T], width: usize) {
+        for r in 0..self.rows() {
+            let (h, i) = self.head_pos(r);
+            let at = rows.at(self.b, h, i);
+            dst[r * width..(r + 1) * width].copy_from_slice(&data[at..at + width]);
+        }
     }
 
     /// Widens the tile's rows of a `[B, Hq, Sq, width]` tensor into `dst` (`rows × width`), scaled.
@@ -265,6 +285,13 @@ pub(crate) fn f32_rows<T: FloatElement>(
     (scratch.as_ptr(), width)
 }
 
+/// An f32 scratch tile's space seen as twice as many bf16 elements.
+#[inline(always)]
+fn bf16_tile(tile: &mut [f32]) -> &mut [bf16] {
+    // SAFETY: bf16 has half f32's size and a smaller alignment; the borrow is carried over.
+    unsafe { std::slice::from_raw_parts_mut(tile.as_mut_ptr() as *mut bf16, tile.len() * 2) }
+}
+
 /// Widens row `at` of `data` into `dst`, multiplied by `scale`.
 #[inline(always)]
 pub(crate) fn load_scaled<T: FloatElement>(data: &[T], at: usize, dst: &mut [f32], scale: f32) {
@@ -361,27 +388,73 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
     let per_block = g.forward_scratch(group * tq);
     // SAFETY: block b owns scratch range b.
     let ws = unsafe { args.workspace::<f32>(ctx.block_idx as usize * per_block, per_block) };
-    let rows_max = group * tq;
-    let widen = if T::DTYPE == DType::F32 { 0 } else { TILE_KEYS };
-    let [qt, st, ot, mt, lt, kt, vt] =
-        carve(ws, [rows_max * d, rows_max * TILE_KEYS, rows_max * dv, rows_max, rows_max, widen * d, widen * dv]);
+    let [qt, st, ot, mt, lt, kt, vt] = carve(ws, g.forward_tiles(group * tq));
+    // bf16 takes Q·Kᵀ straight from the bf16 rows through the AVX512-BF16 GEMM (K read in place),
+    // scaling the scores afterwards; its Q tile reuses the f32 Q tile's space.
+    let bf16_scores = T::DTYPE == DType::BF16;
     for u in ctx.split(g.units()) {
         let t = g.query_tile(u, lens.as_ref(), "attention");
         let (b, hkv, rows) = (t.b, t.hkv, t.rows());
-        t.load(qs, qr, qt, d, g.scale);
+        if bf16_scores {
+            t.copy_rows(q.storage::<bf16>().expect("dtype dispatched"), qr, bf16_tile(qt), d);
+        } else {
+            t.load(qs, qr, qt, d, g.scale);
+        }
         mt[..rows].fill(f32::NEG_INFINITY);
         lt[..rows].fill(0.0);
         ot[..rows * dv].fill(0.0);
         let kv_end = t.kv_end(&g);
         for j0 in (0..kv_end).step_by(TILE_KEYS) {
             let n = TILE_KEYS.min(kv_end - j0);
-            let kp = f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt);
-            // SAFETY: kp covers n rows of d elements (the views were checked when bound).
-            unsafe { scores(st, TILE_KEYS, qt, d, rows, kp, n) };
+            if bf16_scores {
+                let kb = k.storage::<bf16>().expect("dtype dispatched");
+                // SAFETY: K's rows j0..j0+n of this head lie inside the checked view.
+                unsafe {
+                    gemm_rows_bf16(
+                        0..rows,
+                        n,
+                        d,
+                        Dst { ptr: st.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 },
+                        Mat { ptr: bf16_tile(qt).as_ptr(), rs: d as isize, cs: 1 },
+                        Mat { ptr: kb.as_ptr().add(kr.at(b, hkv, j0)), rs: 1, cs: kr.seq_stride() as isize },
+                        false,
+                    )
+                };
+                for r in 0..rows {
+                    st[r * TILE_KEYS..r * TILE_KEYS + n].iter_mut().for_each(|x| *x *= g.scale);
+                }
+            } else {
+                let kp = f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt);
+                // SAFETY: kp covers n rows of d elements (the views were checked when bound).
+                unsafe { scores(st, TILE_KEYS, qt, d, rows, kp, n) };
+            }
             for r in 0..rows {
                 let visible = g.visible(t.len, t.head_pos(r).1).saturating_sub(j0);
                 let s = &mut st[r * TILE_KEYS..r * TILE_KEYS + n];
                 online_softmax_row(s, visible, &mut mt[r], &mut lt[r], &mut ot[r * dv..(r + 1) * dv]);
+            }
+            if bf16_scores {
+                // P rounded to bf16 (as torch's flash attention does for bf16), times V read in
+                // place, f32 sums.
+                let pb = bf16_tile(kt);
+                for r in 0..rows {
+                    let row = r * TILE_KEYS;
+                    <bf16 as FloatElement>::narrow(&st[row..row + n], &mut pb[row..row + n]);
+                }
+                let vb = v.storage::<bf16>().expect("dtype dispatched");
+                // SAFETY: V's rows j0..j0+n of this head lie inside the checked view; `ot` is ours.
+                unsafe {
+                    gemm_rows_bf16(
+                        0..rows,
+                        dv,
+                        n,
+                        Dst { ptr: ot.as_mut_ptr(), rs: dv as isize, cs: 1 },
+                        Mat { ptr: pb.as_ptr(), rs: TILE_KEYS as isize, cs: 1 },
+                        Mat { ptr: vb.as_ptr().add(vr.at(b, hkv, j0)), rs: vr.seq_stride() as isize, cs: 1 },
+                        true,
+                    )
+                };
+                continue;
             }
             let vp = f32_rows::<T>(&v, vr, (b, hkv, j0), n, dv, vt);
             // SAFETY: as above; `ot` is this block's scratch.
