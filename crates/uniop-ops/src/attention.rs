@@ -285,9 +285,46 @@ pub(crate) fn f32_rows<T: FloatElement>(
     (scratch.as_ptr(), width)
 }
 
+/// `s[rows, :n] = scale · a[rows, :w] · b[:n, :w]ᵀ` with the AVX512-BF16 GEMM: `a` a dense bf16
+/// tile, `b`'s rows read in place (row stride `bs`), f32 sums; `s` has rows of `TILE_KEYS`.
+///
+/// # Safety
+/// `b` must be valid for `n` rows of `w` elements at stride `bs`.
+pub(crate) unsafe fn bf16_scores(
+    s: &mut [f32],
+    a: &[bf16],
+    w: usize,
+    rows: usize,
+    (b, bs): (*const bf16, usize),
+    n: usize,
+    scale: f32,
+) {
+    gemm_rows_bf16(
+        0..rows,
+        n,
+        w,
+        Dst { ptr: s.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 },
+        Mat { ptr: a.as_ptr(), rs: w as isize, cs: 1 },
+        Mat { ptr: b, rs: 1, cs: bs as isize },
+        false,
+    );
+    for r in 0..rows {
+        s[r * TILE_KEYS..r * TILE_KEYS + n].iter_mut().for_each(|x| *x *= scale);
+    }
+}
+
+/// Rounds the first `n` entries of each of `rows` rows (stride `TILE_KEYS`) to bf16, for a
+/// bf16 GEMM on probabilities or score gradients (as torch's flash attention does for bf16).
+pub(crate) fn narrow_tile(src: &[f32], dst: &mut [bf16], rows: usize, n: usize) {
+    for r in 0..rows {
+        let at = r * TILE_KEYS;
+        <bf16 as FloatElement>::narrow(&src[at..at + n], &mut dst[at..at + n]);
+    }
+}
+
 /// An f32 scratch tile's space seen as twice as many bf16 elements.
 #[inline(always)]
-fn bf16_tile(tile: &mut [f32]) -> &mut [bf16] {
+pub(crate) fn bf16_tile(tile: &mut [f32]) -> &mut [bf16] {
     // SAFETY: bf16 has half f32's size and a smaller alignment; the borrow is carried over.
     unsafe { std::slice::from_raw_parts_mut(tile.as_mut_ptr() as *mut bf16, tile.len() * 2) }
 }
@@ -391,11 +428,11 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
     let [qt, st, ot, mt, lt, kt, vt] = carve(ws, g.forward_tiles(group * tq));
     // bf16 takes Q·Kᵀ straight from the bf16 rows through the AVX512-BF16 GEMM (K read in place),
     // scaling the scores afterwards; its Q tile reuses the f32 Q tile's space.
-    let bf16_scores = T::DTYPE == DType::BF16;
+    let on_bf16_gemm = T::DTYPE == DType::BF16;
     for u in ctx.split(g.units()) {
         let t = g.query_tile(u, lens.as_ref(), "attention");
         let (b, hkv, rows) = (t.b, t.hkv, t.rows());
-        if bf16_scores {
+        if on_bf16_gemm {
             t.copy_rows(q.storage::<bf16>().expect("dtype dispatched"), qr, bf16_tile(qt), d);
         } else {
             t.load(qs, qr, qt, d, g.scale);
@@ -406,23 +443,13 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
         let kv_end = t.kv_end(&g);
         for j0 in (0..kv_end).step_by(TILE_KEYS) {
             let n = TILE_KEYS.min(kv_end - j0);
-            if bf16_scores {
+            if on_bf16_gemm {
                 let kb = k.storage::<bf16>().expect("dtype dispatched");
                 // SAFETY: K's rows j0..j0+n of this head lie inside the checked view.
                 unsafe {
-                    gemm_rows_bf16(
-                        0..rows,
-                        n,
-                        d,
-                        Dst { ptr: st.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 },
-                        Mat { ptr: bf16_tile(qt).as_ptr(), rs: d as isize, cs: 1 },
-                        Mat { ptr: kb.as_ptr().add(kr.at(b, hkv, j0)), rs: 1, cs: kr.seq_stride() as isize },
-                        false,
-                    )
+                    let kp = kb.as_ptr().add(kr.at(b, hkv, j0));
+                    bf16_scores(st, bf16_tile(qt), d, rows, (kp, kr.seq_stride()), n, g.scale)
                 };
-                for r in 0..rows {
-                    st[r * TILE_KEYS..r * TILE_KEYS + n].iter_mut().for_each(|x| *x *= g.scale);
-                }
             } else {
                 let kp = f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt);
                 // SAFETY: kp covers n rows of d elements (the views were checked when bound).
@@ -433,14 +460,11 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
                 let s = &mut st[r * TILE_KEYS..r * TILE_KEYS + n];
                 online_softmax_row(s, visible, &mut mt[r], &mut lt[r], &mut ot[r * dv..(r + 1) * dv]);
             }
-            if bf16_scores {
+            if on_bf16_gemm {
                 // P rounded to bf16 (as torch's flash attention does for bf16), times V read in
                 // place, f32 sums.
                 let pb = bf16_tile(kt);
-                for r in 0..rows {
-                    let row = r * TILE_KEYS;
-                    <bf16 as FloatElement>::narrow(&st[row..row + n], &mut pb[row..row + n]);
-                }
+                narrow_tile(st, pb, rows, n);
                 let vb = v.storage::<bf16>().expect("dtype dispatched");
                 // SAFETY: V's rows j0..j0+n of this head lie inside the checked view; `ot` is ours.
                 unsafe {

@@ -12,10 +12,13 @@
 //! of the 5 a shared-accumulator version needs) — the price of determinism without atomics.
 
 use crate::attention::{
-    carve, f32_rows, geometry, load_scaled, row_len, scores, Geometry, Rows4, DTYPES, TILE_KEYS, TILE_ROWS,
+    bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, narrow_tile, row_len, scores, Geometry, Rows4,
+    DTYPES, TILE_KEYS, TILE_ROWS,
 };
+use crate::bf16_gemm::gemm_rows_bf16;
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
+use uniop::half::bf16;
 use uniop::{
     with_float_dtype, AttrValue, BlockCtx, DType, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, OutputView,
     Plan, RefTensor, Result, Step, TensorMeta,
@@ -44,15 +47,36 @@ fn checked_geometry(cx: &OpCx) -> Result<Geometry> {
     Ok(g)
 }
 
+/// The last two scratch tiles of a kernel working on `rows` query rows: K and V widened to f32
+/// (f16), P and dS rounded to bf16 for the bf16 GEMM (bf16), none (f32).
+fn extra_tiles(g: &Geometry, rows: usize) -> [usize; 2] {
+    match g.dtype {
+        DType::F32 => [0, 0],
+        DType::BF16 => [rows * TILE_KEYS / 2; 2],
+        _ => [TILE_KEYS * g.head_dim, TILE_KEYS * g.v_dim],
+    }
+}
+
+fn dkv_tiles(g: &Geometry) -> [usize; 8] {
+    let (d, dv, tr) = (g.head_dim, g.v_dim, TILE_ROWS.min(g.q_len.max(1)));
+    let [x, y] = extra_tiles(g, tr);
+    [tr * d, tr * dv, tr * TILE_KEYS, tr * TILE_KEYS, TILE_KEYS * d, TILE_KEYS * dv, x, y]
+}
+
+fn dq_tiles(g: &Geometry) -> [usize; 7] {
+    let (d, dv, rows) = (g.head_dim, g.v_dim, g.group() * g.tile_q());
+    let [x, y] = extra_tiles(g, rows);
+    [rows * d, rows * dv, rows * TILE_KEYS, rows * TILE_KEYS, rows * d, x, y]
+}
+
 /// Per-block scratch (f32 elements): the larger of the dK/dV and the dQ launches.
 fn block_scratch(g: &Geometry) -> usize {
-    let (d, dv) = (g.head_dim, g.v_dim);
-    let widen = if g.dtype == DType::F32 { 0 } else { TILE_KEYS * (d + dv) };
-    let dkv_rows = TILE_ROWS.min(g.q_len.max(1));
-    let dq_rows = g.group() * g.tile_q();
-    let dkv = dkv_rows * (d + dv + 2 * TILE_KEYS) + TILE_KEYS * (d + dv);
-    let dq = dq_rows * (d + dv + 2 * TILE_KEYS + d);
-    dkv.max(dq) + widen
+    dkv_tiles(g).iter().sum::<usize>().max(dq_tiles(g).iter().sum())
+}
+
+/// A bf16 input's elements (the kernel was dispatched for bf16).
+fn bf16_of<'a>(t: &uniop::TensorRef<'a>) -> &'a [bf16] {
+    t.storage::<bf16>().expect("dtype dispatched")
 }
 
 /// `lse` and `δ` of query `(b, h, i)`: index into the `[B, Hq, Sq]` row arrays.
@@ -128,11 +152,10 @@ fn dkv_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, pe
     let delta = unsafe { &*(args.workspace::<f32>(0, n_rows) as *const [f32]) };
     let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
     let tr = TILE_ROWS.min(g.q_len.max(1));
-    let widen = if T::DTYPE == DType::F32 { 0 } else { TILE_KEYS };
-    let [qt, dot, st, dpt, dk_acc, dv_acc, kt, vt] = carve(
-        ws,
-        [tr * d, tr * dv, tr * TILE_KEYS, tr * TILE_KEYS, TILE_KEYS * d, TILE_KEYS * dv, widen * d, widen * dv],
-    );
+    let [qt, dot, st, dpt, dk_acc, dv_acc, kt, vt] = carve(ws, dkv_tiles(&g));
+    // bf16 runs every product on the AVX512-BF16 GEMM: Q and dout rows copied as they are
+    // (into the f32 tiles' space), K and V read in place, P and dS rounded to bf16.
+    let on_bf16_gemm = T::DTYPE == DType::BF16;
     let k_tiles = g.kv_len.div_ceil(TILE_KEYS);
     for u in ctx.split(g.batch * g.kv_heads * k_tiles) {
         let (b, hkv, j0) = (u / (g.kv_heads * k_tiles), u / k_tiles % g.kv_heads, u % k_tiles * TILE_KEYS);
@@ -140,8 +163,11 @@ fn dkv_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, pe
         let len = row_len(lens.as_ref(), b, g.kv_len, "attention_backward");
         dk_acc[..n * d].fill(0.0);
         dv_acc[..n * dv].fill(0.0);
-        let kp = f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt);
-        let vp = f32_rows::<T>(&v, vr, (b, hkv, j0), n, dv, vt);
+        let (kp, vp) = if on_bf16_gemm {
+            ((std::ptr::null(), 0), (std::ptr::null(), 0))
+        } else {
+            (f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt), f32_rows::<T>(&v, vr, (b, hkv, j0), n, dv, vt))
+        };
         for h in hkv * group..(hkv + 1) * group {
             // Query tiles whose last row sees key j0 at all (the mask is a prefix per row).
             for i0 in (0..g.q_len).step_by(tr) {
@@ -149,14 +175,30 @@ fn dkv_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, pe
                 if g.visible(len, i0 + rows - 1) <= j0 {
                     continue;
                 }
-                for r in 0..rows {
-                    load_scaled(qs, qr.at(b, h, i0 + r), &mut qt[r * d..(r + 1) * d], g.scale);
-                    load_scaled(ds, dr.at(b, h, i0 + r), &mut dot[r * dv..(r + 1) * dv], 1.0);
-                }
-                // SAFETY: kp/vp cover n rows; all other operands are this block's scratch.
-                unsafe {
-                    scores(st, TILE_KEYS, qt, d, rows, kp, n);
-                    scores(dpt, TILE_KEYS, dot, dv, rows, vp, n);
+                if on_bf16_gemm {
+                    let (qb, db) = (bf16_tile(qt), bf16_tile(dot));
+                    let (qs, ds) = (bf16_of(&q), bf16_of(&dout));
+                    for r in 0..rows {
+                        qb[r * d..(r + 1) * d].copy_from_slice(&qs[qr.at(b, h, i0 + r)..][..d]);
+                        db[r * dv..(r + 1) * dv].copy_from_slice(&ds[dr.at(b, h, i0 + r)..][..dv]);
+                    }
+                    // SAFETY: K/V rows j0..j0+n of this head lie inside the checked views.
+                    unsafe {
+                        let (kb, vb) =
+                            (bf16_of(&k).as_ptr().add(kr.at(b, hkv, j0)), bf16_of(&v).as_ptr().add(vr.at(b, hkv, j0)));
+                        bf16_scores(st, qb, d, rows, (kb, kr.seq_stride()), n, g.scale);
+                        bf16_scores(dpt, db, dv, rows, (vb, vr.seq_stride()), n, 1.0);
+                    }
+                } else {
+                    for r in 0..rows {
+                        load_scaled(qs, qr.at(b, h, i0 + r), &mut qt[r * d..(r + 1) * d], g.scale);
+                        load_scaled(ds, dr.at(b, h, i0 + r), &mut dot[r * dv..(r + 1) * dv], 1.0);
+                    }
+                    // SAFETY: kp/vp cover n rows; all other operands are this block's scratch.
+                    unsafe {
+                        scores(st, TILE_KEYS, qt, d, rows, kp, n);
+                        scores(dpt, TILE_KEYS, dot, dv, rows, vp, n);
+                    }
                 }
                 for r in 0..rows {
                     let at = row_index(&g, b, h, i0 + r);
@@ -165,7 +207,35 @@ fn dkv_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, pe
                     probs_row(s, visible, lse_s[at]);
                     dscores_row(s, dp, delta[at]);
                 }
-                // dV += Pᵀ·dout, dK += dSᵀ·(scale·Q): transposes are strides.
+                // dV += Pᵀ·dout, dK += dSᵀ·Q (scaled at the end): transposes are strides.
+                if on_bf16_gemm {
+                    let (pb, dsb) = (bf16_tile(kt), bf16_tile(vt));
+                    narrow_tile(st, pb, rows, n);
+                    narrow_tile(dpt, dsb, rows, n);
+                    let (qb, db) = (bf16_tile(qt), bf16_tile(dot));
+                    // SAFETY: all operands are this block's scratch.
+                    unsafe {
+                        gemm_rows_bf16(
+                            0..n,
+                            dv,
+                            rows,
+                            Dst { ptr: dv_acc.as_mut_ptr(), rs: dv as isize, cs: 1 },
+                            Mat { ptr: pb.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
+                            Mat { ptr: db.as_ptr(), rs: dv as isize, cs: 1 },
+                            true,
+                        );
+                        gemm_rows_bf16(
+                            0..n,
+                            d,
+                            rows,
+                            Dst { ptr: dk_acc.as_mut_ptr(), rs: d as isize, cs: 1 },
+                            Mat { ptr: dsb.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
+                            Mat { ptr: qb.as_ptr(), rs: d as isize, cs: 1 },
+                            true,
+                        );
+                    }
+                    continue;
+                }
                 unsafe {
                     gemm_rows(
                         0..n,
@@ -188,10 +258,12 @@ fn dkv_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, pe
                 }
             }
         }
+        // The f32 path folded the scale into Q already.
+        let dk_scale = if on_bf16_gemm { g.scale } else { 1.0 };
         for j in 0..n {
             // SAFETY: this unit owns keys j0..j0+n of (b, hkv) in dk and dv.
             unsafe {
-                store_row::<T>(&dk, dkr.at(b, hkv, j0 + j), &mut dk_acc[j * d..(j + 1) * d], 1.0);
+                store_row::<T>(&dk, dkr.at(b, hkv, j0 + j), &mut dk_acc[j * d..(j + 1) * d], dk_scale);
                 store_row::<T>(&dv_out, dvr.at(b, hkv, j0 + j), &mut dv_acc[j * dv..(j + 1) * dv], 1.0);
             }
         }
@@ -208,33 +280,45 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, per
     let dqr = Rows4::of(dq.layout());
     let (qs, ds) = (q.storage::<T>().unwrap(), dout.storage::<T>().unwrap());
     let lse_s = &lse.storage::<f32>().unwrap()[lse.layout().offset()..];
-    let (d, dv, group, tq) = (g.head_dim, g.v_dim, g.group(), g.tile_q());
+    let (d, dv) = (g.head_dim, g.v_dim);
     let n_rows = g.q_len * g.q_heads * g.batch;
     // SAFETY: as in dkv_kernel.
     let delta = unsafe { &*(args.workspace::<f32>(0, n_rows) as *const [f32]) };
     let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
-    let rows_max = group * tq;
-    let widen = if T::DTYPE == DType::F32 { 0 } else { TILE_KEYS };
-    let [qt, dot, st, dpt, dq_acc, kt, vt] = carve(
-        ws,
-        [rows_max * d, rows_max * dv, rows_max * TILE_KEYS, rows_max * TILE_KEYS, rows_max * d, widen * d, widen * dv],
-    );
+    let [qt, dot, st, dpt, dq_acc, kt, vt] = carve(ws, dq_tiles(&g));
+    let on_bf16_gemm = T::DTYPE == DType::BF16;
     for u in ctx.split(g.units()) {
         let t = g.query_tile(u, lens.as_ref(), "attention_backward");
         let (b, hkv, rows) = (t.b, t.hkv, t.rows());
-        t.load(qs, qr, qt, d, g.scale);
-        t.load(ds, dr, dot, dv, 1.0);
+        if on_bf16_gemm {
+            t.copy_rows(bf16_of(&q), qr, bf16_tile(qt), d);
+            t.copy_rows(bf16_of(&dout), dr, bf16_tile(dot), dv);
+        } else {
+            t.load(qs, qr, qt, d, g.scale);
+            t.load(ds, dr, dot, dv, 1.0);
+        }
         dq_acc[..rows * d].fill(0.0);
         let kv_end = t.kv_end(&g);
         for j0 in (0..kv_end).step_by(TILE_KEYS) {
             let n = TILE_KEYS.min(kv_end - j0);
-            let kp = f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt);
-            let vp = f32_rows::<T>(&v, vr, (b, hkv, j0), n, dv, vt);
-            // SAFETY: as in dkv_kernel.
-            unsafe {
-                scores(st, TILE_KEYS, qt, d, rows, kp, n);
-                scores(dpt, TILE_KEYS, dot, dv, rows, vp, n);
-            }
+            let kp = if on_bf16_gemm {
+                let (kb, vb) = (bf16_of(&k).as_ptr(), bf16_of(&v).as_ptr());
+                // SAFETY: K/V rows j0..j0+n of this head lie inside the checked views.
+                unsafe {
+                    bf16_scores(st, bf16_tile(qt), d, rows, (kb.add(kr.at(b, hkv, j0)), kr.seq_stride()), n, g.scale);
+                    bf16_scores(dpt, bf16_tile(dot), dv, rows, (vb.add(vr.at(b, hkv, j0)), vr.seq_stride()), n, 1.0);
+                }
+                (std::ptr::null(), 0)
+            } else {
+                let kp = f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt);
+                let vp = f32_rows::<T>(&v, vr, (b, hkv, j0), n, dv, vt);
+                // SAFETY: as in dkv_kernel.
+                unsafe {
+                    scores(st, TILE_KEYS, qt, d, rows, kp, n);
+                    scores(dpt, TILE_KEYS, dot, dv, rows, vp, n);
+                }
+                kp
+            };
             for r in 0..rows {
                 let (h, i) = t.head_pos(r);
                 let at = row_index(&g, b, h, i);
@@ -244,6 +328,24 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, per
                 dscores_row(s, dp, delta[at]);
             }
             // dQ += dS·K (the scale is applied once at the end).
+            if on_bf16_gemm {
+                let dsb = bf16_tile(kt);
+                narrow_tile(dpt, dsb, rows, n);
+                let kb = bf16_of(&k).as_ptr();
+                // SAFETY: as above.
+                unsafe {
+                    gemm_rows_bf16(
+                        0..rows,
+                        d,
+                        n,
+                        Dst { ptr: dq_acc.as_mut_ptr(), rs: d as isize, cs: 1 },
+                        Mat { ptr: dsb.as_ptr(), rs: TILE_KEYS as isize, cs: 1 },
+                        Mat { ptr: kb.add(kr.at(b, hkv, j0)), rs: kr.seq_stride() as isize, cs: 1 },
+                        true,
+                    );
+                }
+                continue;
+            }
             unsafe {
                 gemm_rows(
                     0..rows,

@@ -226,6 +226,41 @@ fn attention_backward_spans_many_tiles() {
     backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), None, &causal(true));
 }
 
+/// bf16 runs every tile product on the AVX512-BF16 GEMM (P and dS rounded to bf16): checked over
+/// many query and key tiles against the f64 reference at bf16 tolerance.
+#[test]
+fn attention_backward_bf16_spans_many_tiles() {
+    setup();
+    let (q_shape, kv_shape) = ([1, 4, 300, 32], [1, 2, 300, 32]);
+    let n = 4 * 300 * 32;
+    let bf16 = |x: &[f32], shape: &[usize]| {
+        Tensor::from_slice(&x.iter().map(|&v| uniop::half::bf16::from_f32(v)).collect::<Vec<_>>(), shape).unwrap()
+    };
+    let (q, k, v, dout) = (
+        bf16(&rand_vec(n, 61), &q_shape),
+        bf16(&rand_vec(n / 2, 62), &kv_shape),
+        bf16(&rand_vec(n / 2, 63), &kv_shape),
+        bf16(&rand_vec(n, 64), &q_shape),
+    );
+    let attrs = causal(true);
+    let fwd = run_checked("attention", &[Some(q.view()), Some(k.view()), Some(v.view()), None], &attrs);
+    let out = bf16(&fwd[0].iter().map(|&x| x as f32).collect::<Vec<_>>(), &q_shape);
+    let lse: Vec<f32> = fwd[1].iter().map(|&x| x as f32).collect();
+    run_checked(
+        "attention_backward",
+        &[
+            Some(dout.view()),
+            Some(q.view()),
+            Some(k.view()),
+            Some(v.view()),
+            Some(out.view()),
+            view(&lse, &q_shape[..3]),
+            None,
+        ],
+        &attrs,
+    );
+}
+
 #[test]
 fn attention_rejects_bad_inputs() {
     setup();
