@@ -38,9 +38,6 @@ pub struct uniopTensor {
 /// A planned op call: phase 1's result, launched by phase 2 (opaque).
 pub struct uniopExecutor {
     exec: Executor<'static>,
-    /// Descriptors of the bound inputs and outputs, for address rebinding.
-    inputs: Vec<Option<TensorMeta>>,
-    outputs: Vec<TensorMeta>,
 }
 
 pub(crate) fn dtype_of(code: uniopDataType, func: &str, arg: &str) -> Result<DType> {
@@ -197,13 +194,11 @@ pub(crate) fn plan(
     }
     uniop_ops::init();
     let entry = Registry::global().get(op)?;
-    let in_metas = in_views.iter().map(|v| v.as_ref().map(|v| v.meta().clone())).collect();
-    let out_metas = out_views.iter().map(|v| v.meta().clone()).collect();
     let exec = Executor::new(entry, &in_views, attrs, out_views)?;
     // SAFETY: checked non-null.
     unsafe {
         *workspaceSize = exec.workspace_size() as u64;
-        *executor = handles::register(uniopExecutor { exec, inputs: in_metas, outputs: out_metas });
+        *executor = handles::register(uniopExecutor { exec });
     }
     Ok(())
 }
@@ -306,10 +301,9 @@ fn rebind(executor: *mut uniopExecutor, index: u64, addr: *mut c_void, output: b
     let e = unsafe { handles::get_mut(executor, func, "executor", "uniopExecutor")? };
     non_null(addr, func, "addr")?;
     let i = index as usize;
-    let planned = if output { e.outputs.get(i).cloned() } else { e.inputs.get(i).cloned().flatten() };
-    let meta = planned.ok_or_else(|| {
-        let count = if output { e.outputs.len() } else { e.inputs.len() };
-        Error::arg(ErrorCode::ParamInvalid, func, "index", format!("a bound tensor index below {count}"), index)
+    let planned = if output { e.exec.output_meta(i) } else { e.exec.input_meta(i) };
+    let meta = planned.cloned().ok_or_else(|| {
+        Error::arg(ErrorCode::ParamInvalid, func, "index", "the index of a bound tensor of this executor", index)
     })?;
     let bytes = meta.layout.storage_extent()? * meta.dtype.size();
     // SAFETY: the caller provides memory laid out like the planned tensor.

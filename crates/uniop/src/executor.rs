@@ -43,7 +43,10 @@ struct Staging {
 pub struct Executor<'a> {
     entry: Arc<OpEntry>,
     steps: Vec<Step>,
+    /// Per kernel input slot (schema order; in-place arguments unbound).
     inputs: Vec<Option<Bound>>,
+    /// Kernel slot of each of the caller's inputs (they skip in-place arguments).
+    input_slots: Vec<usize>,
     outputs: Vec<Bound>,
     staging: Vec<Staging>,
     op_workspace: usize,
@@ -137,6 +140,9 @@ impl<'a> Executor<'a> {
                 .ok_or_else(|| Error::new(ErrorCode::Shape, format!("{op}: workspace size overflows")))?;
             Ok(())
         };
+        let input_slots: Vec<usize> = (0..inputs.len())
+            .map(|i| slots.iter().position(|s| *s == Some(i)).expect("every input has a slot"))
+            .collect();
         // Kernel input slots follow the schema; in-place arguments are left unbound there.
         let bound_inputs: Vec<Option<Bound>> = slots
             .iter()
@@ -162,6 +168,7 @@ impl<'a> Executor<'a> {
             entry,
             steps: plan.steps,
             inputs: bound_inputs,
+            input_slots,
             outputs: bound_outputs,
             staging,
             op_workspace: plan.workspace,
@@ -192,16 +199,29 @@ impl<'a> Executor<'a> {
         self.repeatable
     }
 
-    /// Points input `i` at new data with the same dtype, shape and strides.
+    /// The meta input `i` (as the caller passed inputs to [`Executor::new`]) was planned with;
+    /// `None` for an absent optional input or an index past the inputs.
+    pub fn input_meta(&self, i: usize) -> Option<&TensorMeta> {
+        self.inputs[*self.input_slots.get(i)?].as_ref().map(|b| &b.meta)
+    }
+
+    /// The meta output `i` (in-place tensors first, then returns) was planned with.
+    pub fn output_meta(&self, i: usize) -> Option<&TensorMeta> {
+        self.outputs.get(i).map(|b| &b.meta)
+    }
+
+    /// Points input `i` (the caller's numbering, as in [`Executor::new`]) at new data with the
+    /// same dtype, shape and strides.
     pub fn rebind_input(&mut self, i: usize, t: TensorRef<'a>) -> Result<()> {
         let op = self.op().to_string();
-        let slot = self.inputs.get_mut(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_input: no input {i}")))?;
+        let k = *self.input_slots.get(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_input: no input {i}")))?;
+        let slot = &mut self.inputs[k];
         let old =
             slot.as_ref().ok_or_else(|| Error::invalid(format!("{op}: rebind_input: input {i} was bound as None")))?;
         check_same_layout(&op, &format!("input {i}"), &old.meta, t.meta())?;
         let bound = Bound { ptr: t.as_ptr() as *mut u8, len: t.byte_len(), meta: t.meta().clone() };
         match self.bound_args.as_mut().and_then(Arc::get_mut) {
-            Some(args) if self.staging.is_empty() => args.inputs[i] = Some(bound.clone()),
+            Some(args) if self.staging.is_empty() => args.inputs[k] = Some(bound.clone()),
             _ => self.bound_args = None,
         }
         *slot = Some(bound);

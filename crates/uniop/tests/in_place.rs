@@ -100,3 +100,27 @@ fn in_place_tensor_is_validated_like_an_input() {
     assert_eq!(e.code(), uniop::ErrorCode::Shape);
     assert!(e.message().contains("'y'") && e.message().contains("[4]"), "{e}");
 }
+
+/// Inputs are numbered as the caller passed them (in-place arguments skipped) when rebinding a
+/// repeatable executor.
+#[test]
+fn rebinding_uses_the_callers_input_numbering() {
+    register();
+    let (mut x, y1, y2) = (vec![0.0f32; 4], vec![1.0f32; 4], vec![10.0f32; 4]);
+    let alpha = [("alpha", AttrValue::Float(1.0))];
+    let ys = [TensorRef::new(&y1, &[4]).unwrap(), TensorRef::new(&y2, &[4]).unwrap()];
+    let mut exec =
+        Executor::by_name("test_axpy_", &[Some(ys[0].clone())], &alpha, vec![TensorMut::new(&mut x, &[4]).unwrap()])
+            .unwrap();
+    exec.set_repeatable();
+    assert_eq!(exec.input_meta(0), Some(ys[0].meta()));
+    assert_eq!(exec.output_meta(0).map(|m| m.shape().to_vec()), Some(vec![4]));
+    assert!(exec.input_meta(1).is_none());
+    exec.run(&mut [], Stream::default_stream()).unwrap();
+    exec.rebind_input(0, ys[1].clone()).unwrap();
+    exec.run(&mut [], Stream::default_stream()).unwrap();
+    let e = exec.rebind_input(1, ys[1].clone()).unwrap_err();
+    assert!(e.message().contains("no input 1"), "{e}");
+    drop(exec);
+    assert_eq!(x, vec![11.0; 4]);
+}
