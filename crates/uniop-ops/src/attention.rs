@@ -9,10 +9,12 @@
 //! Why flash-style: the `Sq × Sk` score matrix is never stored. Each unit of work is one
 //! (batch, kv head, tile of query positions) with the tile holding that position range for every
 //! q head of the group, so each K/V tile is loaded once per group (this is what makes GQA decode
-//! cheap: it is bandwidth-bound on K/V). Scores for `TILE_KEYS` keys at a time go through the
-//! `gemm` crate (single-threaded inside our SPMD blocks, like matmul) and an online softmax
-//! (running max and sum per row, output rescaled when the max grows). Extra memory is
-//! O(tile) per block, independent of `Sk`. f16/bf16 tiles are widened to f32; all math is f32.
+//! cheap: it is bandwidth-bound on K/V). Scores for `TILE_KEYS` keys at a time go through a GEMM
+//! (single-threaded inside our SPMD blocks, like matmul) and an online softmax (running max and
+//! sum per row, output rescaled when the max grows). Extra memory is
+//! O(tile) per block, independent of `Sk`. f16 tiles are widened to f32; bf16 runs both products
+//! on the AVX512-BF16 GEMM (K and V read in place, P rounded to bf16 as torch's flash attention
+//! does, f32 sums); the softmax is f32 throughout.
 //!
 //! Masking. `kv_lens` (int `[B]`, optional) limits batch row `b` to its first `kv_lens[b]` keys
 //! (decode against a preallocated KV cache). `causal` aligns the mask **bottom-right**: query `i`

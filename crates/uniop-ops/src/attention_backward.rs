@@ -10,6 +10,7 @@
 //! group's q heads and every query tile that sees those keys; then per (batch, kv head, query
 //! tile) `dQ`, like the forward. Scores are recomputed in the last two (7 tile products instead
 //! of the 5 a shared-accumulator version needs) — the price of determinism without atomics.
+//! bf16 runs every product on the AVX512-BF16 GEMM with P and dS rounded to bf16, like the forward.
 
 use crate::attention::{
     bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, narrow_tile, row_len, scores, Geometry, Rows4,

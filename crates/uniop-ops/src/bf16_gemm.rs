@@ -114,36 +114,36 @@ pub(crate) unsafe fn gemm_rows_bf16<O: GemmOut>(
         return;
     }
     let fast = has_avx512_bf16() && !portable_forced();
-    // (start, depth) of each K slice; k == 0 still gets one (empty) slice so the output is written.
-    let slices: Vec<(usize, usize)> =
-        if k == 0 { vec![(0, 0)] } else { (0..k).step_by(KC).map(|pc| (pc, KC.min(k - pc))).collect() };
+    // K slices of depth KC (the last may be shorter); k == 0 still gets one (empty) slice so the
+    // output is written. Every slice but the last has KC / 2 pairs, which locates packed B slices.
+    let n_slices = k.div_ceil(KC).max(1);
+    let slice = |si: usize| (si * KC, KC.min(k - si * KC));
     SCRATCH.with_borrow_mut(|s| {
         grow(&mut s.a, MC * KC / 2);
         grow(&mut s.b, NC * k.div_ceil(2));
-        if slices.len() > 1 {
+        if n_slices > 1 {
             grow(&mut s.c, MC * NC);
         }
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
+            let slice_words = nc.next_multiple_of(NR) * KC / 2;
             // All of B's slices for these columns, packed once and reused by every row block.
-            let mut b_slices = Vec::with_capacity(slices.len());
-            let mut at = 0;
-            for &(pc, kc) in &slices {
-                pack::<NR>(&mut s.b[at..], rhs, pc, kc, jc, nc);
-                b_slices.push(at);
-                at += nc.next_multiple_of(NR) * kc.div_ceil(2);
+            for si in 0..n_slices {
+                let (pc, kc) = slice(si);
+                pack::<NR>(&mut s.b[si * slice_words..], rhs, pc, kc, jc, nc);
             }
             for ic in (rows.start..rows.end).step_by(MC) {
                 let mc = MC.min(rows.end - ic);
-                for (si, &(pc, kc)) in slices.iter().enumerate() {
+                for si in 0..n_slices {
+                    let (pc, kc) = slice(si);
                     pack::<MR>(&mut s.a, Mat { ptr: lhs.ptr, rs: lhs.cs, cs: lhs.rs }, pc, kc, ic, mc);
                     let pairs = kc.div_ceil(2);
                     for jr in (0..nc).step_by(NR) {
-                        let b_panel = s.b.as_ptr().add(b_slices[si] + jr * pairs);
+                        let b_panel = s.b.as_ptr().add(si * slice_words + jr * pairs);
                         for ir in (0..mc).step_by(MR) {
                             let a_panel = s.a.as_ptr().add(ir * pairs);
                             let c_tile = s.c.as_mut_ptr().wrapping_add(ir * NC + jr);
-                            let sink = if si + 1 == slices.len() {
+                            let sink = if si + 1 == n_slices {
                                 Sink::Output { rows: MR.min(mc - ir), cols: NR.min(nc - jr), accumulate }
                             } else {
                                 Sink::Scratch
