@@ -368,6 +368,10 @@ static void test_bad_inputs(uniopStream stream) {
   uniopTensor *gone = dense(wd, 1, w);
   OK(uniopDestroyTensor(gone));
   expect_error("destroyed tensor", uniopDestroyTensor(gone), UNIOP_ERROR_PARAM_INVALID, "uniopTensor");
+  uniopTensor *gone_in[] = {tx, gone};
+  expect_error("destroyed tensor as input", uniopOpGetWorkspaceSize("rms_norm", (const uniopTensor *const *)gone_in, 2,
+                                                                  NULL, (const uniopTensor *const *)outs, 2, &ws, &ex),
+               UNIOP_ERROR_PARAM_INVALID, "argument 'inputs[1]'");
   expect_error("null stream out-param", uniopCreateStream(NULL), UNIOP_ERROR_PARAM_NULLPTR, "stream");
   expect_error("free foreign pointer", uniopFree(x), UNIOP_ERROR_PARAM_INVALID, "not yet freed");
   expect_error("bad memcpy kind", uniopMemcpy(y, sizeof y, x, sizeof x, 7), UNIOP_ERROR_PARAM_INVALID, "kind");

@@ -1,8 +1,10 @@
 //! Live-handle bookkeeping: every object handed to C is registered by address and type, so a
 //! null, foreign, wrongly-typed or already-destroyed handle is reported instead of dereferenced.
+//! Argument names are `Display` and only formatted when there is an error to report.
 
 use std::any::TypeId;
 use std::collections::HashMap;
+use std::fmt::Display;
 use std::sync::{Mutex, OnceLock};
 use uniop::{Error, ErrorCode, Result};
 
@@ -18,15 +20,15 @@ pub fn register<T: 'static>(value: T) -> *mut T {
     ptr
 }
 
-fn check<T: 'static>(ptr: *const T, func: &str, arg: &str, kind: &str) -> Result<()> {
+fn check<T: 'static>(ptr: *const T, func: &str, arg: impl Display, kind: &str) -> Result<()> {
     if ptr.is_null() {
-        return Err(Error::arg(ErrorCode::ParamNullptr, func, arg, format!("a {kind}"), "NULL"));
+        return Err(Error::arg(ErrorCode::ParamNullptr, func, &arg.to_string(), format!("a {kind}"), "NULL"));
     }
     if live().lock().unwrap().get(&(ptr as usize)) != Some(&TypeId::of::<T>()) {
         return Err(Error::arg(
             ErrorCode::ParamInvalid,
             func,
-            arg,
+            &arg.to_string(),
             format!("a live {kind}"),
             format!("{ptr:p}, which is not one (destroyed already, or not created by uniop)"),
         ));
@@ -38,7 +40,7 @@ fn check<T: 'static>(ptr: *const T, func: &str, arg: &str, kind: &str) -> Result
 ///
 /// # Safety
 /// No other thread may destroy the handle while the reference is in use (as with any C handle).
-pub unsafe fn get<'a, T: 'static>(ptr: *const T, func: &str, arg: &str, kind: &str) -> Result<&'a T> {
+pub unsafe fn get<'a, T: 'static>(ptr: *const T, func: &str, arg: impl Display, kind: &str) -> Result<&'a T> {
     check(ptr, func, arg, kind)?;
     Ok(&*ptr)
 }
@@ -47,13 +49,13 @@ pub unsafe fn get<'a, T: 'static>(ptr: *const T, func: &str, arg: &str, kind: &s
 ///
 /// # Safety
 /// As [`get`], and the caller must not use the handle from two threads at once.
-pub unsafe fn get_mut<'a, T: 'static>(ptr: *mut T, func: &str, arg: &str, kind: &str) -> Result<&'a mut T> {
+pub unsafe fn get_mut<'a, T: 'static>(ptr: *mut T, func: &str, arg: impl Display, kind: &str) -> Result<&'a mut T> {
     check(ptr, func, arg, kind)?;
     Ok(&mut *ptr)
 }
 
 /// Unregisters a live handle and returns the object (to drop it).
-pub fn release<T: 'static>(ptr: *mut T, func: &str, arg: &str, kind: &str) -> Result<Box<T>> {
+pub fn release<T: 'static>(ptr: *mut T, func: &str, arg: impl Display, kind: &str) -> Result<Box<T>> {
     check(ptr, func, arg, kind)?;
     live().lock().unwrap().remove(&(ptr as usize));
     // SAFETY: registered by `register` from a Box of this type and removed exactly once.

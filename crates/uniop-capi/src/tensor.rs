@@ -9,6 +9,7 @@ use crate::handles;
 use crate::runtime::{stream_of, uniopStream};
 use crate::{guard, non_null, uniopStatus};
 use std::ffi::{c_char, c_void, CStr};
+use std::fmt::Display;
 use uniop::{AttrValue, DType, Error, ErrorCode, Executor, Layout, Registry, Result, TensorMeta, TensorMut, TensorRef};
 
 /// Element types, numbered like `aclDataType`.
@@ -148,13 +149,13 @@ unsafe fn handle_array<T>(ptr: *const *const T, n: u64, func: &str, arg: &str) -
 }
 
 /// The descriptor behind `t`, checked to have data.
-unsafe fn bound<'a>(t: *const uniopTensor, func: &str, arg: &str) -> Result<&'a uniopTensor> {
-    let d = handles::get(t, func, arg, "uniopTensor")?;
+unsafe fn bound<'a>(t: *const uniopTensor, func: &str, arg: impl Display) -> Result<&'a uniopTensor> {
+    let d = handles::get(t, func, &arg, "uniopTensor")?;
     if d.data.is_null() && d.bytes > 0 {
         return Err(Error::arg(
             ErrorCode::ParamNullptr,
             func,
-            arg,
+            &arg.to_string(),
             "a tensor with data",
             "a descriptor whose data is NULL",
         ));
@@ -162,35 +163,35 @@ unsafe fn bound<'a>(t: *const uniopTensor, func: &str, arg: &str) -> Result<&'a 
     Ok(d)
 }
 
-unsafe fn view(d: &uniopTensor, func: &str, arg: &str) -> Result<TensorRef<'static>> {
+unsafe fn view(d: &uniopTensor, func: &str, arg: impl Display) -> Result<TensorRef<'static>> {
     TensorRef::from_raw(d.data, d.bytes, d.meta.clone()).map_err(|e| e.context(format!("{func}: {arg}")))
 }
 
-unsafe fn view_mut(d: &uniopTensor, func: &str, arg: &str) -> Result<TensorMut<'static>> {
+unsafe fn view_mut(d: &uniopTensor, func: &str, arg: impl Display) -> Result<TensorMut<'static>> {
     TensorMut::from_raw(d.data, d.bytes, d.meta.clone()).map_err(|e| e.context(format!("{func}: {arg}")))
 }
 
 /// Phase 1 shared by the by-name call and the generated per-op calls: `inputs` are the tensors
 /// the op reads (NULL: an absent optional), `outputs` its in-place tensors then its returns, each
 /// with the name errors should use.
-pub(crate) fn plan(
+pub(crate) fn plan<N: Display>(
     op: &str,
     func: &str,
-    inputs: &[(&str, *const uniopTensor)],
+    inputs: &[(N, *const uniopTensor)],
     attrs: &[(&str, AttrValue)],
-    outputs: &[(&str, *const uniopTensor)],
+    outputs: &[(N, *const uniopTensor)],
     workspaceSize: *mut u64,
     executor: *mut *mut uniopExecutor,
 ) -> Result<()> {
     non_null(workspaceSize, func, "workspaceSize")?;
     non_null(executor, func, "executor")?;
     let mut in_views = Vec::new();
-    for &(arg, t) in inputs {
-        in_views.push(if t.is_null() { None } else { Some(unsafe { view(bound(t, func, arg)?, func, arg)? }) });
+    for (arg, t) in inputs {
+        in_views.push(if t.is_null() { None } else { Some(unsafe { view(bound(*t, func, arg)?, func, arg)? }) });
     }
     let mut out_views = Vec::new();
-    for &(arg, t) in outputs {
-        out_views.push(unsafe { view_mut(bound(t, func, arg)?, func, arg)? });
+    for (arg, t) in outputs {
+        out_views.push(unsafe { view_mut(bound(*t, func, arg)?, func, arg)? });
     }
     uniop_ops::init();
     let entry = Registry::global().get(op)?;
@@ -230,12 +231,19 @@ pub extern "C" fn uniopOpGetWorkspaceSize(
         let (ins, outs) = unsafe {
             (handle_array(inputs, numInputs, F, "inputs")?, handle_array(outputs, numOutputs, F, "outputs")?)
         };
-        let in_names: Vec<String> = (0..ins.len()).map(|i| format!("inputs[{i}]")).collect();
-        let out_names: Vec<String> = (0..outs.len()).map(|i| format!("outputs[{i}]")).collect();
-        let ins: Vec<(&str, *const uniopTensor)> = in_names.iter().map(String::as_str).zip(ins).collect();
-        let outs: Vec<(&str, *const uniopTensor)> = out_names.iter().map(String::as_str).zip(outs).collect();
+        let ins: Vec<_> = ins.into_iter().enumerate().map(|(i, t)| (Slot("inputs", i), t)).collect();
+        let outs: Vec<_> = outs.into_iter().enumerate().map(|(i, t)| (Slot("outputs", i), t)).collect();
         plan(op, F, &ins, &attr_refs, &outs, workspaceSize, executor)
     })
+}
+
+/// `inputs[i]` / `outputs[i]` in error messages of the by-name call, formatted only when needed.
+struct Slot(&'static str, usize);
+
+impl Display for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}[{}]", self.0, self.1)
+    }
 }
 
 /// NUL-terminated UTF-8 text from C.
