@@ -389,6 +389,82 @@ static void test_bad_inputs(uniopStream stream) {
   for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) OK(uniopDestroyTensor(all[i]));
 }
 
+/* The rest of the runtime: host memory, async copies ordered by events across streams, memory
+ * summary, input rebinding, and each call's bad inputs. */
+static void test_runtime_calls(uniopStream stream) {
+  float *src = NULL, *dst = NULL;
+  OK(uniopMallocHost((void **)&src, 256 * sizeof(float)));
+  OK(uniopMalloc((void **)&dst, 256 * sizeof(float), UNIOP_MEM_MALLOC_NORMAL_ONLY));
+  for (int i = 0; i < 256; i++) src[i] = (float)i;
+  uniopStream other;
+  uniopEvent copied;
+  OK(uniopCreateStream(&other));
+  OK(uniopCreateEvent(&copied));
+  OK(uniopMemcpyAsync(dst, 256 * sizeof(float), src, 256 * sizeof(float), UNIOP_MEMCPY_HOST_TO_DEVICE, stream));
+  OK(uniopRecordEvent(copied, stream));
+  OK(uniopStreamWaitEvent(other, copied));
+  float back[256];
+  OK(uniopMemcpyAsync(back, sizeof back, dst, sizeof back, UNIOP_MEMCPY_DEVICE_TO_HOST, other));
+  OK(uniopSynchronizeStream(other));
+  int good = 1;
+  for (int i = 0; i < 256; i++) good &= back[i] == (float)i;
+  CHECK(good, "async copies ordered by an event");
+  printf("%-28s %s\n", "async copies + stream wait", good ? "PASS" : "FAIL");
+
+  size_t needed = 0;
+  OK(uniopMemorySummary(NULL, 0, &needed));
+  char *summary = malloc(needed);
+  OK(uniopMemorySummary(summary, needed, NULL));
+  CHECK(strlen(summary) + 1 == needed && strstr(summary, "allocated") != NULL, "memory summary: %s", summary);
+  free(summary);
+
+  /* A repeatable executor re-pointed at another input. */
+  float x2[16], w2[16], y2[16], r2[1];
+  for (int i = 0; i < 16; i++) x2[i] = 1.0f, w2[i] = 2.0f;
+  int64_t xd[] = {1, 16}, wd[] = {16}, rd[] = {1, 1};
+  uniopTensor *tx = dense(xd, 2, x2), *tw = dense(wd, 1, w2), *ty = dense(xd, 2, y2), *tr = dense(rd, 2, r2);
+  uint64_t ws = 0;
+  uniopExecutor *ex = NULL;
+  OK(uniopRmsNormGetWorkspaceSize(tx, tw, 0.0, ty, tr, &ws, &ex));
+  OK(uniopSetExecutorRepeatable(ex));
+  OK(uniopRmsNorm(NULL, 0, ex, stream));
+  float w3[16];
+  for (int i = 0; i < 16; i++) w3[i] = 3.0f;
+  OK(uniopSetInputTensorAddr(ex, 1, w3));
+  OK(uniopRmsNorm(NULL, 0, ex, stream));
+  OK(uniopSynchronizeStream(stream));
+  CHECK(fabsf(y2[0] - 3.0f) < 1e-6f, "rebound weight: y = %f", y2[0]);
+  printf("%-28s %s\n", "rebound input", fabsf(y2[0] - 3.0f) < 1e-6f ? "PASS" : "FAIL");
+
+  expect_error("rebind: index past inputs", uniopSetInputTensorAddr(ex, 2, w3), UNIOP_ERROR_PARAM_INVALID, "'index'");
+  expect_error("rebind: NULL address", uniopSetOutputTensorAddr(ex, 0, NULL), UNIOP_ERROR_PARAM_NULLPTR, "'addr'");
+  OK(uniopDestroyExecutor(ex));
+  expect_error("free host with uniopFree", uniopFree(src), UNIOP_ERROR_PARAM_INVALID, "uniopMallocHost");
+  expect_error("async memcpy bad kind", uniopMemcpyAsync(dst, 4, src, 4, -1, stream), UNIOP_ERROR_PARAM_INVALID, "kind");
+  expect_error("malloc size 0", uniopMalloc((void **)&dst, 0, UNIOP_MEM_MALLOC_HUGE_FIRST), UNIOP_ERROR_PARAM_INVALID,
+               "'size'");
+  expect_error("malloc bad policy", uniopMalloc((void **)&dst, 8, 9), UNIOP_ERROR_PARAM_INVALID, "'policy'");
+  uniopEvent never;
+  OK(uniopCreateEvent(&never));
+  expect_error("wait on unrecorded event", uniopStreamWaitEvent(other, never), UNIOP_ERROR_PARAM_INVALID, "record");
+  expect_error("query: NULL out-param", uniopQueryEvent(copied, NULL), UNIOP_ERROR_PARAM_NULLPTR, "'done'");
+  expect_error("elapsed: NULL out-param", uniopEventElapsedTime(NULL, copied, copied), UNIOP_ERROR_PARAM_NULLPTR,
+               "'ms'");
+  expect_error("stats: NULL out-param", uniopGetMemStats(NULL), UNIOP_ERROR_PARAM_NULLPTR, "'stats'");
+  expect_error("summary: NULL buffer", uniopMemorySummary(NULL, 16, NULL), UNIOP_ERROR_PARAM_NULLPTR, "'buf'");
+  expect_error("launch: NULL kernel", uniopLaunchKernel(NULL, 1, NULL, stream), UNIOP_ERROR_PARAM_NULLPTR, "'kernel'");
+  expect_error("launch: blockDim 0", uniopLaunchKernel(fill_kernel, 0, NULL, stream), UNIOP_ERROR_PARAM_INVALID,
+               "'blockDim'");
+  expect_error("mem info: NULL out-param", uniopGetMemInfo(NULL, NULL), UNIOP_ERROR_PARAM_NULLPTR, "'free'");
+  OK(uniopDestroyEvent(never));
+  OK(uniopDestroyEvent(copied));
+  OK(uniopDestroyStream(other));
+  OK(uniopFreeHost(src));
+  OK(uniopFree(dst));
+  uniopTensor *all[] = {tx, tw, ty, tr};
+  for (size_t i = 0; i < 4; i++) OK(uniopDestroyTensor(all[i]));
+}
+
 static double now_us(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
@@ -456,6 +532,7 @@ int main(int argc, char **argv) {
   test_attention_and_kv_cache(stream);
   test_direct_call_and_events(stream);
   test_bad_inputs(stream);
+  test_runtime_calls(stream);
   size_t free_b = 0, total_b = 0;
   OK(uniopGetMemInfo(&free_b, &total_b));
   CHECK(total_b > 0 && free_b <= total_b, "mem info %zu / %zu", free_b, total_b);
