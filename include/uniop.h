@@ -313,14 +313,15 @@ uniopStatus uniopEmbedding(void *workspace,
                            uniopExecutor *executor,
                            uniopStream stream);
 
-// Phase 1 of `embedding_backward(Tensor dout, Tensor indices, int num_weights, int padding_idx=-1) -> (Tensor dweight)`.
+// Phase 1 of `embedding_backward(Tensor dout, Tensor indices, Tensor weight, int padding_idx=-1) -> (Tensor dweight)`.
 //
 // Gradient of embedding: dweight[v] = sum of dout rows whose index is v (0 for padding_idx and
-// unused rows). dout has shape [*indices.shape, H]. Deterministic: contributions are summed in
-// token order in float32.
+// unused rows). dout has shape [*indices.shape, H]; weight (the forward's table, [V, H]) gives the
+// shape of dweight and is not read. Deterministic: contributions are summed in token order in
+// float32.
 uniopStatus uniopEmbeddingBackwardGetWorkspaceSize(const uniopTensor *dout,
                                                    const uniopTensor *indices,
-                                                   int64_t num_weights,
+                                                   const uniopTensor *weight,
                                                    int64_t padding_idx,
                                                    uniopTensor *dweight,
                                                    uint64_t *workspaceSize,

@@ -371,16 +371,17 @@ pub extern "C" fn uniopEmbedding(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `embedding_backward(Tensor dout, Tensor indices, int num_weights, int padding_idx=-1) -> (Tensor dweight)`.
+/// Phase 1 of `embedding_backward(Tensor dout, Tensor indices, Tensor weight, int padding_idx=-1) -> (Tensor dweight)`.
 ///
 /// Gradient of embedding: dweight[v] = sum of dout rows whose index is v (0 for padding_idx and
-/// unused rows). dout has shape [*indices.shape, H]. Deterministic: contributions are summed in
-/// token order in float32.
+/// unused rows). dout has shape [*indices.shape, H]; weight (the forward's table, [V, H]) gives the
+/// shape of dweight and is not read. Deterministic: contributions are summed in token order in
+/// float32.
 #[no_mangle]
 pub extern "C" fn uniopEmbeddingBackwardGetWorkspaceSize(
     dout: *const uniopTensor,
     indices: *const uniopTensor,
-    num_weights: i64,
+    weight: *const uniopTensor,
     padding_idx: i64,
     dweight: *mut uniopTensor,
     workspaceSize: *mut u64,
@@ -388,9 +389,8 @@ pub extern "C" fn uniopEmbeddingBackwardGetWorkspaceSize(
 ) -> uniopStatus {
     const F: &str = "uniopEmbeddingBackwardGetWorkspaceSize";
     guard(|| {
-        let inputs: [(&str, *const uniopTensor); 2] = [("dout", dout), ("indices", indices)];
-        let attrs: [(&str, AttrValue); 2] =
-            [("num_weights", AttrValue::Int(num_weights)), ("padding_idx", AttrValue::Int(padding_idx))];
+        let inputs: [(&str, *const uniopTensor); 3] = [("dout", dout), ("indices", indices), ("weight", weight)];
+        let attrs: [(&str, AttrValue); 1] = [("padding_idx", AttrValue::Int(padding_idx))];
         let outputs = [("dweight", dweight as *const uniopTensor)];
         plan("embedding_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })

@@ -568,6 +568,10 @@ impl Op for Attention {
         Some("attention_backward")
     }
 
+    fn autocast(&self) -> uniop::Autocast {
+        uniop::Autocast::LowerPrecision
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let g = geometry(cx)?;
         Ok(vec![

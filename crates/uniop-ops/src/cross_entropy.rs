@@ -116,6 +116,10 @@ impl Op for CrossEntropy {
         Some("cross_entropy_backward")
     }
 
+    fn autocast(&self) -> uniop::Autocast {
+        uniop::Autocast::Float32
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let _ = rows(cx)?;
         let shape = cx.input("target").shape();

@@ -1,5 +1,7 @@
-//! `embedding_backward(dout, indices, num_weights, padding_idx=-1) -> dweight`: the gradient of
-//! [`embedding`](crate::embedding), a scatter-add of `dout` rows into `[num_weights, H]`.
+//! `embedding_backward(dout, indices, weight, padding_idx=-1) -> dweight`: the gradient of
+//! [`embedding`](crate::embedding), a scatter-add of `dout` rows into a tensor shaped like `weight`.
+//! `weight` is read for its shape only (never its data): taking the forward's own argument keeps
+//! the schema in the backward naming convention frontends wire autograd by.
 //!
 //! Deterministic and race-free without atomics: each block owns a range of weight rows, collects
 //! the `(row, position)` pairs that land in it, sorts them, and sums each row's contributions in
@@ -70,12 +72,13 @@ fn kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, s: Shap
 
 impl Op for EmbeddingBackward {
     fn schema(&self) -> &'static str {
-        "embedding_backward(Tensor dout, Tensor indices, int num_weights, int padding_idx=-1) -> Tensor dweight"
+        "embedding_backward(Tensor dout, Tensor indices, Tensor weight, int padding_idx=-1) -> Tensor dweight"
     }
 
     fn doc(&self) -> &'static str {
         "Gradient of embedding: dweight[v] = sum of dout rows whose index is v (0 for padding_idx and unused rows). \
-         dout has shape [*indices.shape, H]. Deterministic: contributions are summed in token order in float32."
+         dout has shape [*indices.shape, H]; weight (the forward's table, [V, H]) gives the shape of dweight and \
+         is not read. Deterministic: contributions are summed in token order in float32."
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -94,15 +97,25 @@ impl Op for EmbeddingBackward {
                 uniop::layout::ShapeDisplay(dout.shape()),
             ));
         }
-        let n = cx.int("num_weights");
-        if !(0..1i64 << 31).contains(&n) {
-            return Err(cx.err(ErrorCode::ParamInvalid, "num_weights", "a row count in [0, 2^31)", n));
+        let hidden = *dout.shape().last().unwrap();
+        let weight = cx.input("weight");
+        if weight.rank() != 2 || weight.shape()[1] != hidden {
+            return Err(cx.err(
+                ErrorCode::Shape,
+                "weight",
+                format!("shape [V, {hidden}] (H from dout)"),
+                uniop::layout::ShapeDisplay(weight.shape()),
+            ));
         }
-        check_padding(cx, n as usize)?;
+        let n = weight.shape()[0];
+        if n >= 1 << 31 {
+            return Err(cx.err(ErrorCode::Shape, "weight", "fewer than 2^31 rows", n));
+        }
+        check_padding(cx, n)?;
         if idx.numel() >= (1usize << 32) {
             return Err(cx.err(ErrorCode::Shape, "indices", "fewer than 2^32 indices", idx.numel()));
         }
-        Ok(vec![TensorMeta::contiguous(dtype, &[n as usize, *dout.shape().last().unwrap()])?])
+        Ok(vec![TensorMeta::contiguous(dtype, &[n, hidden])?])
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
@@ -121,13 +134,13 @@ impl Op for EmbeddingBackward {
         });
         Ok(Plan::new(vec![step])
             .workspace(workspace)
-            .inputs_need(vec![LayoutNeed::Contiguous, LayoutNeed::Any])
+            .inputs_need(vec![LayoutNeed::Contiguous, LayoutNeed::Any, LayoutNeed::Any])
             .outputs_need(vec![LayoutNeed::Contiguous]))
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let (d, idx) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
-        let (n, padding) = (cx.int("num_weights") as usize, cx.int("padding_idx"));
+        let (n, padding) = (cx.input("weight").shape()[0], cx.int("padding_idx"));
         let h = *d.shape.last().unwrap();
         let mut dw = vec![0.0; n * h];
         for (pos, &i) in idx.data.iter().enumerate() {
@@ -148,9 +161,16 @@ impl Op for EmbeddingBackward {
             inputs: vec![
                 Some(TensorMeta::contiguous(dtype, &[tokens, h])?),
                 Some(TensorMeta::contiguous(DType::I64, &[tokens])?),
+                Some(TensorMeta::contiguous(dtype, &[v, h])?),
             ],
-            attrs: vec![("num_weights".into(), uniop::AttrValue::Int(v as i64))],
-            ranges: vec![None, Some((0.0, v as f64))],
+            attrs: vec![],
+            ranges: vec![None, Some((0.0, v as f64)), None],
         })
+    }
+
+    fn bytes_moved(&self, cx: &OpCx) -> Option<usize> {
+        // dout and indices are read once and dweight written once; weight is not read.
+        let (dout, idx, w) = (cx.input("dout"), cx.input("indices"), cx.input("weight"));
+        Some(dout.numel() * dout.dtype.size() + idx.numel() * idx.dtype.size() + w.numel() * dout.dtype.size())
     }
 }

@@ -103,6 +103,10 @@ impl Op for Linear {
         Some("linear_backward")
     }
 
+    fn autocast(&self) -> uniop::Autocast {
+        uniop::Autocast::LowerPrecision
+    }
+
     fn error_scale(&self, cx: &OpCx) -> f64 {
         dims(cx).map_or(1.0, |d| (d.k.max(1) as f64).sqrt())
     }

@@ -212,6 +212,10 @@ impl Op for Matmul {
         Some("matmul_backward")
     }
 
+    fn autocast(&self) -> uniop::Autocast {
+        uniop::Autocast::LowerPrecision
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let d = dims(cx)?;
         Ok(vec![TensorMeta::contiguous(cx.input("a").dtype, &d.out_shape())?])

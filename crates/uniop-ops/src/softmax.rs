@@ -262,6 +262,9 @@ impl Op for Softmax {
             Kind::LogSoftmax => "log_softmax_backward",
         })
     }
+    fn autocast(&self) -> uniop::Autocast {
+        uniop::Autocast::Float32
+    }
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let dtype = cx.expect_dtype_in("x", DTYPES)?;
         Axis::of(cx, "x")?;

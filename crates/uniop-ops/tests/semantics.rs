@@ -625,10 +625,10 @@ fn embedding_gathers_rows_and_its_backward_scatters_with_padding() {
     assert_eq!(out[3 * h..4 * h], w[3 * h..4 * h].iter().map(|&x| x as f64).collect::<Vec<_>>()[..]);
 
     let dout = rand_vec(6 * h, 82);
-    let attrs = [("num_weights", AttrValue::Int(v as i64)), ("padding_idx", AttrValue::Int(2))];
+    let attrs = [("padding_idx", AttrValue::Int(2))];
     let dw = run_checked(
         "embedding_backward",
-        &[Some(TensorRef::new(&dout, &[2, 3, h]).unwrap()), Some(ti.clone())],
+        &[Some(TensorRef::new(&dout, &[2, 3, h]).unwrap()), Some(ti.clone()), Some(tw.clone())],
         &attrs,
     )
     .remove(0);

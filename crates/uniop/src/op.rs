@@ -21,9 +21,18 @@ pub trait Op: Send + Sync + 'static {
     fn doc(&self) -> &'static str;
     /// Dtypes the kernels accept (for the main tensor input).
     fn dtypes(&self) -> &'static [DType];
-    /// Name of the op computing this op's input gradients, if it is differentiable.
+    /// Name of the op computing this op's input gradients, if it is differentiable. Frontends
+    /// wire it by argument names, so its schema follows one convention: an argument `d<name>` is
+    /// the gradient of this op's return `<name>`; any other argument is this op's argument or
+    /// return of the same name; a return `d<name>` is the gradient of tensor argument `<name>`
+    /// (arguments without one get none). Returns whose gradient the backward does not take
+    /// (`rstd`, `lse`) are not differentiable.
     fn backward(&self) -> Option<&'static str> {
         None
+    }
+    /// How mixed-precision autocast (torch's) treats the op; most ops run in their inputs' dtype.
+    fn autocast(&self) -> Autocast {
+        Autocast::Keep
     }
     /// Metas (contiguous) of the returns from input metas and attributes. In-place arguments
     /// are not returns: validate them here, they keep the caller's layout.
@@ -47,6 +56,28 @@ pub trait Op: Send + Sync + 'static {
     /// of every tensor once (an op that updates a slice of an in-place tensor).
     fn bytes_moved(&self, _cx: &OpCx) -> Option<usize> {
         None
+    }
+}
+
+/// What an op asks of an autocast region, in torch's terms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Autocast {
+    /// Run in the inputs' dtypes (elementwise ops, norms that keep the input dtype).
+    Keep,
+    /// Cast floating inputs to the region's lower precision (GEMM-bound ops: matmul, attention).
+    LowerPrecision,
+    /// Cast floating inputs to f32 (reductions that lose accuracy in half precision).
+    Float32,
+}
+
+impl Autocast {
+    /// The policy's name for frontends, `None` for [`Autocast::Keep`].
+    pub fn name(self) -> Option<&'static str> {
+        match self {
+            Autocast::Keep => None,
+            Autocast::LowerPrecision => Some("lower"),
+            Autocast::Float32 => Some("float32"),
+        }
     }
 }
 

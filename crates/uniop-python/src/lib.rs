@@ -1,0 +1,164 @@
+//! `uniop._native`: the Python face of the registry.
+//!
+//! Like the C API, this module never names an op. It hands Python one [`Op`] object per registered
+//! schema; calling it binds Python arguments to the schema, imports tensors zero-copy through
+//! DLPack (NumPy, torch, anything with `__dlpack__`), asks the caller's framework to allocate the
+//! outputs (so a torch caller gets torch tensors from torch's allocator) and runs the executor on
+//! the default stream with the GIL released. `python/uniop/__init__.py` turns these objects into
+//! `uniop.<op>` functions with signatures and docstrings, and `uniop.torch` registers the same
+//! objects with `torch.library`.
+//!
+//! Errors keep the core's code and message: they surface as `uniop.UniopError` with `.code` (the
+//! stable number shared with the C API) and `.code_name`. Rust panics become `UniopError` too
+//! (pyo3 catches them at the boundary; the core already turns kernel panics into runtime errors).
+
+mod call;
+mod runtime;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use std::sync::Arc;
+use uniop::schema::BaseType;
+use uniop::{OpEntry, Registry};
+
+pyo3::create_exception!(
+    uniop,
+    UniopError,
+    pyo3::exceptions::PyRuntimeError,
+    "An error from uniop: `.code` is the stable status code (as in the C API), `.code_name` its name."
+);
+
+/// Converts a core error into `UniopError` carrying its code.
+pub(crate) fn to_py_err(e: uniop::Error) -> PyErr {
+    Python::attach(|py| {
+        let err = UniopError::new_err(e.message().to_string());
+        let value = err.value(py);
+        // Setting attributes on a fresh exception instance cannot fail short of memory exhaustion.
+        let _ = value.setattr("code", e.code().value());
+        let _ = value.setattr("code_name", e.code().name());
+        err
+    })
+}
+
+/// One registered op, callable with the schema's arguments.
+#[pyclass(frozen, module = "uniop._native")]
+pub struct Op {
+    entry: Arc<OpEntry>,
+}
+
+#[pymethods]
+impl Op {
+    /// Runs the op: tensors (any `__dlpack__` object) and attributes as in the schema. Returns the
+    /// op's returns (one value, a tuple, or None for an op that only writes in place).
+    #[pyo3(signature = (*args, **kwargs))]
+    fn __call__(
+        &self,
+        py: Python<'_>,
+        args: &Bound<'_, pyo3::types::PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Py<PyAny>> {
+        call::call(py, &self.entry, args, kwargs)
+    }
+
+    /// Output shapes and dtypes for tensor-like arguments that carry only metadata (torch fake
+    /// tensors): `[(shape, dtype_name), ...]`, one per return, contiguous.
+    #[pyo3(signature = (*args, **kwargs))]
+    fn infer(
+        &self,
+        py: Python<'_>,
+        args: &Bound<'_, pyo3::types::PyTuple>,
+        kwargs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Py<PyAny>> {
+        call::infer(py, &self.entry, args, kwargs)
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        self.entry.name()
+    }
+
+    /// The schema line (PyTorch schema language, accepted by `torch.library`).
+    #[getter]
+    fn schema(&self) -> String {
+        self.entry.schema.to_string()
+    }
+
+    #[getter]
+    fn doc(&self) -> &'static str {
+        self.entry.op.doc()
+    }
+
+    #[getter]
+    fn dtypes(&self) -> Vec<&'static str> {
+        self.entry.op.dtypes().iter().map(|d| d.name()).collect()
+    }
+
+    /// Name of the op computing this op's input gradients (see `uniop::Op::backward`).
+    #[getter]
+    fn backward(&self) -> Option<&'static str> {
+        self.entry.op.backward()
+    }
+
+    /// Torch's autocast rule for this op: "lower" (run in the autocast dtype), "float32", or None.
+    #[getter]
+    fn autocast(&self) -> Option<&'static str> {
+        self.entry.op.autocast().name()
+    }
+
+    /// The arguments as dicts: name, type (schema spelling), tensor, optional, mutated,
+    /// kwarg_only and default (absent when required).
+    #[getter]
+    fn args<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for arg in &self.entry.schema.args {
+            let d = PyDict::new(py);
+            d.set_item("name", &arg.name)?;
+            d.set_item("type", arg.ty.to_string())?;
+            d.set_item("tensor", arg.ty.is_tensor())?;
+            d.set_item("optional", arg.ty.optional)?;
+            d.set_item("mutated", arg.ty.mutated.is_some())?;
+            d.set_item("kwarg_only", arg.kwarg_only)?;
+            d.set_item("scalar_type", arg.ty.base == BaseType::ScalarType)?;
+            if let Some(default) = &arg.default {
+                d.set_item("default", call::attr_to_py(py, default)?)?;
+            }
+            list.append(d)?;
+        }
+        Ok(list)
+    }
+
+    /// Names of the returns, in order.
+    #[getter]
+    fn returns(&self) -> Vec<String> {
+        let in_place = self.entry.schema.mutated().count();
+        (0..self.entry.schema.returns.len()).map(|i| self.entry.schema.output_name(in_place + i)).collect()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<uniop op {}>", self.entry.schema)
+    }
+}
+
+/// Every registered op (built-ins and loaded plugins), sorted by name.
+#[pyfunction]
+fn ops() -> Vec<Op> {
+    uniop_ops::init();
+    Registry::global().list().into_iter().map(|entry| Op { entry }).collect()
+}
+
+/// Sets the function that allocates outputs like a given input: `alloc(like, shape, dtype_name)`.
+#[pyfunction]
+fn _set_allocator(alloc: Py<PyAny>) -> PyResult<()> {
+    call::set_allocator(alloc)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    uniop_ops::init();
+    m.add("UniopError", m.py().get_type::<UniopError>())?;
+    m.add_class::<Op>()?;
+    m.add_function(wrap_pyfunction!(ops, m)?)?;
+    m.add_function(wrap_pyfunction!(_set_allocator, m)?)?;
+    runtime::register(m)?;
+    Ok(())
+}

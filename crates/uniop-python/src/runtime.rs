@@ -1,0 +1,142 @@
+//! Runtime objects for Python: streams and events (timing, ordering), the caching allocator's
+//! statistics, and plugin loading. Thin wrappers over `uniop::runtime`; errors keep their codes.
+
+use crate::to_py_err;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use uniop::runtime::{Allocator, Event as CoreEvent, Stream as CoreStream};
+
+/// An ordered queue of work (`uniop.Stream()`); ops take it as `stream=`.
+#[pyclass(frozen, name = "Stream", module = "uniop._native")]
+pub struct Stream {
+    pub(crate) inner: CoreStream,
+}
+
+#[pymethods]
+impl Stream {
+    #[new]
+    fn new() -> Self {
+        Stream { inner: CoreStream::new() }
+    }
+
+    /// The process-wide default stream (what ops use without `stream=`).
+    #[staticmethod]
+    fn default() -> Self {
+        Stream { inner: CoreStream::default_stream().clone() }
+    }
+
+    /// Blocks until every task queued so far has finished.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.synchronize()).map_err(to_py_err)
+    }
+
+    /// Whether the stream is idle.
+    fn query(&self) -> bool {
+        self.inner.query()
+    }
+
+    /// Later work on this stream waits until `event`'s record is reached.
+    fn wait_event(&self, event: &Event) -> PyResult<()> {
+        self.inner.wait_event(&event.inner).map_err(to_py_err)
+    }
+
+    #[getter]
+    fn id(&self) -> u64 {
+        self.inner.id()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<uniop.Stream {}>", self.inner.id())
+    }
+}
+
+/// A marker in a stream's order, for timing and cross-stream waits.
+#[pyclass(frozen, name = "Event", module = "uniop._native")]
+pub struct Event {
+    inner: CoreEvent,
+}
+
+#[pymethods]
+impl Event {
+    #[new]
+    fn new() -> Self {
+        Event { inner: CoreEvent::new() }
+    }
+
+    /// Records the event at the end of `stream` (the default stream when None).
+    #[pyo3(signature = (stream=None))]
+    fn record(&self, stream: Option<&Stream>) {
+        self.inner.record(stream.map_or(CoreStream::default_stream(), |s| &s.inner));
+    }
+
+    fn query(&self) -> PyResult<bool> {
+        self.inner.query().map_err(to_py_err)
+    }
+
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.synchronize()).map_err(to_py_err)
+    }
+
+    /// Milliseconds from this event's record to `end`'s.
+    fn elapsed_time(&self, end: &Event) -> PyResult<f64> {
+        CoreEvent::elapsed_ms(&self.inner, &end.inner).map_err(to_py_err)
+    }
+}
+
+/// Blocks until the default stream is idle.
+#[pyfunction]
+fn synchronize(py: Python<'_>) -> PyResult<()> {
+    py.detach(uniop::runtime::synchronize).map_err(to_py_err)
+}
+
+/// The caching allocator's counters (bytes and counts) as a dict.
+#[pyfunction]
+fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let s = Allocator::global().stats();
+    let d = PyDict::new(py);
+    d.set_item("allocated_bytes", s.allocated)?;
+    d.set_item("reserved_bytes", s.reserved)?;
+    d.set_item("peak_allocated_bytes", s.peak_allocated)?;
+    d.set_item("requested_bytes", s.requested)?;
+    d.set_item("alloc_count", s.alloc_count)?;
+    d.set_item("free_count", s.free_count)?;
+    d.set_item("cache_hits", s.cache_hits)?;
+    d.set_item("os_allocs", s.os_allocs)?;
+    d.set_item("live_buffers", s.live_buffers)?;
+    Ok(d)
+}
+
+/// The allocator's summary table (like `torch.cuda.memory_summary`).
+#[pyfunction]
+fn memory_summary() -> String {
+    Allocator::global().memory_summary()
+}
+
+/// Returns cached blocks to the OS.
+#[pyfunction]
+fn empty_cache() {
+    Allocator::global().empty_cache()
+}
+
+#[pyfunction]
+fn reset_peak_memory_stats() {
+    Allocator::global().reset_peak()
+}
+
+/// Loads a uniop op library (a Rust crate built with `uniop::export_ops!`); returns its op names.
+#[pyfunction]
+fn load_library(py: Python<'_>, path: &str) -> PyResult<Vec<String>> {
+    py.detach(|| uniop::plugin::load(path)).map_err(to_py_err)
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Stream>()?;
+    m.add_class::<Event>()?;
+    m.add_function(wrap_pyfunction!(synchronize, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(memory_summary, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_peak_memory_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(load_library, m)?)?;
+    Ok(())
+}

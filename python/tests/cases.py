@@ -1,0 +1,276 @@
+"""Sample arguments and independent torch references for every built-in op.
+
+`CASES[name](dtype, strided)` returns `(args, reference)`: `args` for the op (strided views when
+`strided`), `reference(*args)` computing the expected returns in float64 with plain torch.
+Backward ops are checked against torch autograd of the forward's reference.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+D = torch.float64
+
+
+def _rand(*shape, dtype, strided=False, gen=None):
+    if strided and len(shape) >= 2:
+        # A transposed view of a buffer with the last two dims swapped: non-contiguous strides.
+        t = torch.randn(*shape[:-2], shape[-1], shape[-2], generator=gen).to(dtype)
+        return t.transpose(-1, -2)
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def _vjp(fn, inputs, grads, wrt):
+    """Gradients of fn(*inputs) (a tuple of outputs) against `grads`, for the inputs in `wrt`."""
+    xs = [x.detach().to(D).requires_grad_(i in wrt) if x.is_floating_point() else x for i, x in enumerate(inputs)]
+    outs = fn(*xs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward([o for o, g in zip(outs, grads) if g is not None], [g.to(D) for g in grads if g is not None])
+    return tuple(xs[i].grad for i in wrt)
+
+
+def rms_ref(x, w, eps=1e-6):
+    x64 = x.to(D)
+    rstd = torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    return x64 * rstd * w.to(D), rstd
+
+
+def rope_half_ref(x, cos, sin):
+    x = x.to(D)
+    d = x.shape[-1]
+    rot = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+    return x * cos.to(D) + rot * sin.to(D)
+
+
+def cos_sin_ref(pos, dim, theta=10000.0):
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=D) / dim)
+    ang = pos.to(D)[..., None] * inv
+    ang = torch.cat([ang, ang], -1)
+    return ang.cos(), ang.sin()
+
+
+def silu_mul_ref(g, u):
+    return F.silu(g.to(D)) * u.to(D)
+
+
+def attention_ref(q, k, v, causal):
+    q, k, v = q.to(D), k.to(D), v.to(D)
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        sq, sk = s.shape[-2:]
+        mask = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def causal_softmax_ref(x):
+    x = x.to(D)
+    sq, sk = x.shape[-2:]
+    mask = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+    return torch.softmax(x.masked_fill(~mask, float("-inf")), -1)
+
+
+def ce_ref(logits, target, ignore_index=-100):
+    lp = torch.log_softmax(logits.to(D), -1)
+    return F.nll_loss(lp, target, ignore_index=ignore_index), torch.logsumexp(logits.to(D), -1)
+
+
+def _cases():
+    c = {}
+
+    def case(fn):
+        c[fn.__name__] = fn
+        return fn
+
+    @case
+    def rms_norm(dt, strided):
+        return (_rand(6, 16, dtype=dt, strided=strided), torch.randn(16).to(dt), 1e-6), rms_ref
+
+    @case
+    def rms_norm_backward(dt, strided):
+        x, w, dy = _rand(6, 16, dtype=dt, strided=strided), torch.randn(16).to(dt), torch.randn(6, 16).to(dt)
+        rstd = rms_ref(x, w)[1].float()
+        return (dy, x, w, rstd), lambda dy, x, w, r: _vjp(lambda x, w: rms_ref(x, w)[0], (x, w), (dy,), (0, 1))
+
+    @case
+    def add_rms_norm(dt, strided):
+        def ref(x, r, w, eps=1e-6):
+            s = x.to(D) + r.to(D)
+            y, rstd = rms_ref(s, w, eps)
+            return y, rstd, s
+
+        return (_rand(5, 16, dtype=dt, strided=strided), torch.randn(5, 16).to(dt), torch.randn(16).to(dt)), ref
+
+    @case
+    def rope(dt, strided):
+        x = _rand(2, 3, 5, 8, dtype=dt, strided=strided)
+        cos, sin = cos_sin_ref(torch.arange(5), 8)
+        return (x, cos.float(), sin.float(), "half"), lambda x, c, s, m: rope_half_ref(x, c, s)
+
+    @case
+    def rope_backward(dt, strided):
+        dout = _rand(2, 3, 5, 8, dtype=dt, strided=strided)
+        cos, sin = cos_sin_ref(torch.arange(5), 8)
+        x = torch.randn(2, 3, 5, 8)
+        return (dout, cos.float(), sin.float(), "half"), lambda d, c, s, m: _vjp(
+            lambda x: rope_half_ref(x, c, s), (x,), (d,), (0,)
+        )
+
+    @case
+    def rope_cos_sin(dt, strided):
+        return (torch.arange(7).view(1, 7), 8, 10000.0, "half", dt), lambda p, d, t, m, dt: cos_sin_ref(p, d, t)
+
+    @case
+    def swiglu(dt, strided):
+        def ref(x, dim=-1):
+            g, u = x.to(D).chunk(2, dim)
+            return silu_mul_ref(g, u)
+
+        return (_rand(4, 12, dtype=dt, strided=strided), -1), ref
+
+    @case
+    def swiglu_backward(dt, strided):
+        x, dout = _rand(4, 12, dtype=dt, strided=strided), torch.randn(4, 6).to(dt)
+        return (dout, x, -1), lambda d, x, dim: _vjp(lambda x: silu_mul_ref(*x.chunk(2, -1)), (x,), (d,), (0,))
+
+    @case
+    def silu_mul(dt, strided):
+        return (_rand(4, 10, dtype=dt, strided=strided), torch.randn(4, 10).to(dt)), silu_mul_ref
+
+    @case
+    def silu_mul_backward(dt, strided):
+        g, u, d = _rand(4, 10, dtype=dt, strided=strided), torch.randn(4, 10).to(dt), torch.randn(4, 10).to(dt)
+        return (d, g, u), lambda d, g, u: _vjp(silu_mul_ref, (g, u), (d,), (0, 1))
+
+    @case
+    def silu(dt, strided):
+        return (_rand(3, 9, dtype=dt, strided=strided),), lambda x: F.silu(x.to(D))
+
+    @case
+    def gelu(dt, strided):
+        return (_rand(3, 9, dtype=dt, strided=strided), "tanh"), lambda x, a: F.gelu(x.to(D), approximate=a)
+
+    @case
+    def gelu_backward(dt, strided):
+        x, dy = _rand(3, 9, dtype=dt, strided=strided), torch.randn(3, 9).to(dt)
+        return (dy, x, "none"), lambda dy, x, a: _vjp(lambda x: F.gelu(x, approximate=a), (x,), (dy,), (0,))
+
+    @case
+    def softmax(dt, strided):
+        return (_rand(4, 11, dtype=dt, strided=strided), -1), lambda x, dim: torch.softmax(x.to(D), dim)
+
+    @case
+    def log_softmax(dt, strided):
+        return (_rand(4, 11, dtype=dt, strided=strided), 0), lambda x, dim: torch.log_softmax(x.to(D), dim)
+
+    @case
+    def softmax_backward(dt, strided):
+        x, dy = torch.randn(4, 11), _rand(4, 11, dtype=dt, strided=strided)
+        y = torch.softmax(x, -1).to(dt)
+        return (dy, y, -1), lambda dy, y, dim: (y.to(D) * (dy.to(D) - (dy.to(D) * y.to(D)).sum(dim, keepdim=True)),)
+
+    @case
+    def log_softmax_backward(dt, strided):
+        x, dy = torch.randn(4, 11), _rand(4, 11, dtype=dt, strided=strided)
+        y = torch.log_softmax(x, -1).to(dt)
+        return (dy, y, -1), lambda dy, y, dim: (dy.to(D) - y.to(D).exp() * dy.to(D).sum(dim, keepdim=True),)
+
+    @case
+    def causal_softmax(dt, strided):
+        return (_rand(2, 5, 7, dtype=dt, strided=strided),), causal_softmax_ref
+
+    @case
+    def matmul(dt, strided):
+        return (_rand(2, 5, 7, dtype=dt, strided=strided), _rand(7, 3, dtype=dt, strided=strided)), lambda a, b: a.to(
+            D
+        ) @ b.to(D)
+
+    @case
+    def matmul_backward(dt, strided):
+        a, b, d = _rand(2, 5, 7, dtype=dt, strided=strided), torch.randn(7, 3).to(dt), torch.randn(2, 5, 3).to(dt)
+        return (d, a, b), lambda d, a, b: _vjp(lambda a, b: a @ b, (a, b), (d,), (0, 1))
+
+    @case
+    def linear(dt, strided):
+        x, w, b = _rand(4, 6, dtype=dt, strided=strided), _rand(5, 6, dtype=dt, strided=strided), torch.randn(5).to(dt)
+        return (x, w, b), lambda x, w, b: F.linear(x.to(D), w.to(D), b.to(D))
+
+    @case
+    def linear_backward(dt, strided):
+        x, w, dy = _rand(4, 6, dtype=dt, strided=strided), torch.randn(5, 6).to(dt), torch.randn(4, 5).to(dt)
+        b = torch.zeros(5)
+        return (dy, x, w), lambda dy, x, w: _vjp(lambda x, w, b: F.linear(x, w, b), (x, w, b), (dy,), (0, 1, 2))
+
+    @case
+    def attention(dt, strided):
+        q = _rand(1, 4, 6, 8, dtype=dt, strided=strided)
+        k, v = torch.randn(1, 2, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt)
+        return (q, k, v, None, True), lambda q, k, v, lens, causal: attention_ref(q, k, v, causal)
+
+    @case
+    def attention_backward(dt, strided):
+        q, k, v = torch.randn(1, 4, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt)
+        out, lse = attention_ref(q, k, v, True)
+        dout = _rand(1, 4, 6, 8, dtype=dt, strided=strided)
+        return (dout, q, k, v, out.to(dt), lse.float(), None, True), lambda d, q, k, v, o, l, n, c: _vjp(
+            lambda q, k, v: attention_ref(q, k, v, True)[0], (q, k, v), (d,), (0, 1, 2)
+        )
+
+    @case
+    def embedding(dt, strided):
+        w = _rand(10, 6, dtype=dt, strided=strided)
+        return (w, torch.tensor([[1, 9, 3], [0, 1, 1]])), lambda w, i: w.to(D)[i]
+
+    @case
+    def embedding_backward(dt, strided):
+        i, w = torch.tensor([[1, 9, 3], [0, 1, 1]]), torch.randn(10, 6).to(dt)
+        d = _rand(2, 3, 6, dtype=dt, strided=strided)
+        return (d, i, w), lambda d, i, w: _vjp(lambda w: w[i], (w,), (d,), (0,))
+
+    @case
+    def cross_entropy(dt, strided):
+        logits = _rand(5, 9, dtype=dt, strided=strided)
+        return (logits, torch.tensor([1, 8, -100, 0, 3])), ce_ref
+
+    @case
+    def cross_entropy_backward(dt, strided):
+        logits, t = _rand(5, 9, dtype=dt, strided=strided), torch.tensor([1, 8, -100, 0, 3])
+        lse = torch.logsumexp(logits.float(), -1)
+        return (torch.tensor(1.5), logits, t, lse), lambda dl, lg, t, lse: _vjp(
+            lambda lg: ce_ref(lg, t)[0], (lg,), (dl,), (0,)
+        )
+
+    @case
+    def argmax(dt, strided):
+        return (_rand(4, 9, dtype=dt, strided=strided), 1, True), lambda x, dim, k: x.to(D).argmax(dim, keepdim=k)
+
+    @case
+    def add(dt, strided):
+        return (_rand(4, 6, dtype=dt, strided=strided), torch.randn(6).to(dt)), lambda a, b: a.to(D) + b.to(D)
+
+    @case
+    def mul(dt, strided):
+        return (_rand(4, 6, dtype=dt, strided=strided), torch.randn(4, 1).to(dt)), lambda a, b: a.to(D) * b.to(D)
+
+    @case
+    def cast(dt, strided):
+        return (_rand(3, 5, dtype=dt, strided=strided), torch.float32), lambda x, d: x.to(D)
+
+    @case
+    def sample(dt, strided):
+        # Temperature 0 is greedy: the reference is argmax.
+        return (_rand(3, 17, dtype=dt, strided=strided), 0.0), lambda x, t: x.to(D).argmax(-1)
+
+    @case
+    def kv_cache_append(dt, strided):
+        kc, vc = torch.zeros(2, 2, 8, 4).to(dt), torch.zeros(2, 2, 8, 4).to(dt)
+        k, v = _rand(2, 2, 3, 4, dtype=dt, strided=strided), torch.randn(2, 2, 3, 4).to(dt)
+        return (kc, vc, k, v, torch.tensor([0, 5])), None
+
+    return c
+
+
+CASES = _cases()

@@ -1,0 +1,155 @@
+"""Every op through both Python routes (uniop.<op> and torch.ops.uniop.<op>) against float64 torch
+references, at f32/f16/bf16, contiguous and strided; opcheck for every registration; gradcheck for
+every backward."""
+
+import pytest
+import torch
+
+import uniop
+import uniop.torch  # noqa: F401  (registers torch.ops.uniop)
+from cases import CASES
+
+TOL = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _check(got, want, dtype, what):
+    got, want = _tuple(got), _tuple(want)
+    assert len(got) >= len(want), what
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert tuple(g.shape) == tuple(w.shape), f"{what} output {i}: shape {tuple(g.shape)} vs {tuple(w.shape)}"
+        if not g.is_floating_point():
+            assert torch.equal(g.to(torch.int64), w.to(torch.int64)), f"{what} output {i}"
+            continue
+        tol = TOL[dtype] * (1 + w.abs().max().item() if w.numel() else 1)
+        err = (g.to(torch.float64) - w).abs().max().item() if g.numel() else 0.0
+        assert err <= tol, f"{what} output {i}: max error {err:.3g} > {tol:.3g}"
+
+
+def test_every_registered_op_has_a_case():
+    assert sorted(CASES) == uniop.ops()
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", [n for n in sorted(CASES) if n != "kv_cache_append"])  # in place: below
+def test_values_match_torch_reference(name, dtype, strided):
+    torch.manual_seed(0)
+    args, ref = CASES[name](dtype, strided)
+    want = ref(*args)
+    _check(getattr(uniop, name)(*args), want, dtype, f"uniop.{name}")
+    _check(getattr(torch.ops.uniop, name)(*args), want, dtype, f"torch.ops.uniop.{name}")
+
+
+def test_kv_cache_append_writes_in_place():
+    for dt in (torch.float32, torch.bfloat16):
+        (kc, vc, k, v, pos), _ = CASES["kv_cache_append"](dt, True)
+        want_k, want_v = kc.clone(), vc.clone()
+        for b, p in enumerate(pos.tolist()):
+            want_k[b, :, p : p + 3] = k[b]
+            want_v[b, :, p : p + 3] = v[b]
+        assert torch.ops.uniop.kv_cache_append(kc, vc, k, v, pos) is None
+        assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+        with pytest.raises(uniop.UniopError, match="kv_cache_append") as e:
+            uniop.kv_cache_append(kc, vc, k, v, torch.tensor([0, 6]))
+        assert e.value.code_name == "runtime"
+        assert torch.equal(kc, want_k), "a failed append leaves the cache untouched"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_opcheck(name):
+    torch.manual_seed(0)
+    args, _ = CASES[name](torch.float32, False)
+    torch.library.opcheck(getattr(torch.ops.uniop, name).default, args)
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in sorted(CASES) if uniop.op(n).backward], ids=lambda n: f"{n}->{uniop.op(n).backward}"
+)
+def test_gradcheck(name):
+    """Numerical vs analytical Jacobian. uniop's kernels have no float64 path, so this runs in
+    float32 with float32-sized steps and tolerances; the float64 comparison of every backward op
+    with torch autograd is in test_values_match_torch_reference."""
+    torch.manual_seed(0)
+    args, _ = CASES[name](torch.float32, False)
+    op = getattr(torch.ops.uniop, name)
+    diff = [
+        i
+        for i, a in enumerate(args)
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and not (name == "cross_entropy" and i == 1)
+    ]
+    if name == "embedding":
+        diff = [0]
+    inputs = [a.detach().clone().requires_grad_(i in diff) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+    n_returns = len(uniop.op(name).returns)
+    wired = {a["name"][1:] for a in uniop.op(uniop.op(name).backward).args if a["name"].startswith("d")}
+    keep = [i for i, r in enumerate(uniop.op(name).returns) if r in wired]
+
+    def fn(*xs):
+        out = _tuple(op(*xs)) if n_returns > 1 else (op(*xs),)
+        return tuple(out[i] for i in keep)
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=2e-3, atol=3e-3, rtol=3e-3, fast_mode=True)
+
+
+def test_non_differentiable_returns_are_marked():
+    x = torch.randn(3, 8, requires_grad=True)
+    y, rstd = torch.ops.uniop.rms_norm(x, torch.ones(8))
+    assert y.requires_grad and not rstd.requires_grad
+
+
+def test_linear_without_bias_gets_no_bias_gradient():
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+    torch.ops.uniop.linear(x, w).sum().backward()
+    want_x = torch.ones(3, 5) @ w.detach()
+    assert torch.allclose(x.grad, want_x, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "softmax", "matmul", "silu_mul", "embedding"])
+def test_zero_size(name):
+    args, ref = CASES[name](torch.float32, False)
+    args = list(args)
+    if name == "embedding":
+        args[1] = args[1][:0]
+    else:
+        args[0] = args[0][:0]
+    if name == "silu_mul":
+        args[1] = args[1][:0]
+    _check(getattr(torch.ops.uniop, name)(*args), ref(*args), torch.float32, name)
+
+
+def test_outputs_never_alias_inputs():
+    x = torch.randn(4, 8)
+    y = torch.ops.uniop.silu(x)
+    assert y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+
+
+def test_autocast_policies():
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mm = torch.ops.uniop.matmul(a, b)
+        sm = torch.ops.uniop.softmax(a.to(torch.bfloat16))
+        keep = torch.ops.uniop.silu(a.to(torch.float16))
+    assert mm.dtype == torch.bfloat16
+    assert torch.allclose(mm.float(), a @ b, atol=0.1, rtol=0.02)
+    assert sm.dtype == torch.float32, "softmax runs in float32 under autocast"
+    assert keep.dtype == torch.float16, "elementwise ops keep their dtype"
+
+
+def test_errors_are_uniop_errors_not_crashes():
+    with pytest.raises(uniop.UniopError, match="rms_norm: argument 'weight'") as e:
+        torch.ops.uniop.rms_norm(torch.randn(4, 8), torch.randn(7))
+    assert e.value.code == 161004 and e.value.code_name == "shape"
+    with pytest.raises(uniop.UniopError, match="dtype") as e:
+        uniop.softmax(torch.zeros(3, 4, dtype=torch.int32))
+    assert e.value.code_name == "dtype"
+    with pytest.raises(uniop.UniopError, match="expected a tensor"):
+        uniop.silu([1.0, 2.0])
+    meta = torch.empty(3, 4, device="meta")
+    with pytest.raises(uniop.UniopError, match="CPU tensor"):
+        uniop.silu(meta)
+    with pytest.raises(uniop.UniopError, match="inner dim|shape"):
+        uniop.matmul(torch.randn(3, 4), torch.randn(5, 6))

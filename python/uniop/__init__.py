@@ -1,0 +1,160 @@
+"""uniop for Python: every registered op as ``uniop.<op>``, zero-copy over DLPack.
+
+The functions are generated at import from the op registry (the same schemas the C header and
+``torch.ops.uniop`` come from), so an op added in Rust — or loaded from a plugin with
+:func:`load_library` — appears here with its signature and docstring and no Python code.
+
+Tensors may be NumPy arrays, torch tensors or any object implementing ``__dlpack__``; they are
+read in place (strided and broadcast views included). Outputs are allocated by the caller's
+framework: torch inputs give torch tensors, NumPy inputs NumPy arrays (other DLPack producers get
+NumPy arrays back). Every failure raises :class:`UniopError` with the core's message and status
+code (``.code``, the same number the C API returns).
+
+``import uniop.torch`` additionally registers every op as ``torch.ops.uniop.<op>`` with fake
+kernels, autograd and autocast rules.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+
+from . import _native
+from ._native import (
+    Event,
+    Stream,
+    UniopError,
+    empty_cache,
+    memory_stats,
+    memory_summary,
+    reset_peak_memory_stats,
+    synchronize,
+)
+
+__all__ = [
+    "Event",
+    "Stream",
+    "UniopError",
+    "empty_cache",
+    "load_library",
+    "memory_stats",
+    "memory_summary",
+    "op",
+    "ops",
+    "reset_peak_memory_stats",
+    "synchronize",
+]
+
+# `uniop.torch` (when imported) registers ops loaded later through this hook.
+_on_new_ops = []
+_ops = {}
+
+
+def _allocate(like, shape, dtype):
+    """Allocates an output like the input `like`: a torch tensor for torch, NumPy otherwise."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(like, torch.Tensor):
+        return torch.empty(shape, dtype=_torch_dtype(torch, dtype))
+    import numpy as np
+
+    if dtype == "bfloat16":
+        err = UniopError(
+            "NumPy has no bfloat16: this call returns a bfloat16 tensor, so pass torch tensors "
+            "(or another DLPack producer with bfloat16) instead of NumPy arrays"
+        )
+        err.code, err.code_name = 161003, "dtype"
+        raise err
+    return np.empty(shape, dtype=dtype)
+
+
+_TORCH_DTYPES = {}
+
+
+def _torch_dtype(torch, name):
+    dt = _TORCH_DTYPES.get(name)
+    if dt is None:
+        dt = _TORCH_DTYPES[name] = getattr(torch, name)
+    return dt
+
+
+_native._set_allocator(_allocate)
+
+
+def _signature(native):
+    params = []
+    for a in native.args:
+        kind = inspect.Parameter.KEYWORD_ONLY if a["kwarg_only"] else inspect.Parameter.POSITIONAL_OR_KEYWORD
+        default = a.get("default", inspect.Parameter.empty)
+        params.append(inspect.Parameter(a["name"], kind, default=default, annotation=a["type"]))
+    params.append(inspect.Parameter("stream", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Stream"))
+    returns = native.returns
+    ret = "None" if not returns else "Tensor" if len(returns) == 1 else f"tuple[{', '.join(['Tensor'] * len(returns))}]"
+    return inspect.Signature(params, return_annotation=ret)
+
+
+def _docstring(native):
+    lines = [native.schema, "", native.doc, ""]
+    mutated = [a["name"] for a in native.args if a["mutated"]]
+    if mutated:
+        lines.append(f"Updates in place: {', '.join(mutated)}.")
+    if native.returns:
+        lines.append(f"Returns: {', '.join(native.returns)}.")
+    lines.append(f"Dtypes: {', '.join(native.dtypes)}.")
+    if native.backward:
+        lines.append(f"Backward: uniop.{native.backward} (autograd through uniop.torch).")
+    lines.append("Runs on the default stream unless stream= is given; returns when the result is ready.")
+    return "\n".join(lines)
+
+
+def _function(native):
+    def call(*args, **kwargs):
+        return native(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = native.name
+    call.__module__ = __name__
+    call.__doc__ = _docstring(native)
+    call.__signature__ = _signature(native)
+    return call
+
+
+def _install(natives):
+    new = []
+    for native in natives:
+        if native.name in _ops:
+            continue
+        _ops[native.name] = native
+        setattr(sys.modules[__name__], native.name, _function(native))
+        __all__.append(native.name)
+        new.append(native)
+    for hook in _on_new_ops:
+        hook(new)
+    return new
+
+
+def ops():
+    """Names of every registered op (built-ins and loaded plugins)."""
+    return sorted(_ops)
+
+
+def op(name):
+    """The raw op object for `name`: its schema, args, returns, dtypes and backward."""
+    try:
+        return _ops[name]
+    except KeyError:
+        err = UniopError(f"unknown op '{name}' (registered: {', '.join(sorted(_ops))})")
+        err.code, err.code_name = 161002, "param-invalid"
+        raise err from None
+
+
+def load_library(path):
+    """Loads a uniop op library (a Rust crate exporting ops with ``uniop::export_ops!``).
+
+    Its ops become ``uniop.<op>`` functions (and ``torch.ops.uniop.<op>`` once ``uniop.torch`` is
+    imported). Returns their names.
+    """
+    names = _native.load_library(str(path))
+    _install([o for o in _native.ops() if o.name in names])
+    return names
+
+
+_install(_native.ops())

@@ -1,0 +1,181 @@
+"""Every uniop op as ``torch.ops.uniop.<op>``: fake kernels, autograd, autocast — all generic.
+
+Importing this module defines each registry schema in the ``uniop`` torch library namespace
+(``torch.library.Library.define`` + ``impl``: about half the per-call cost of ``@custom_op``) and
+attaches, with no per-op code:
+
+- a CPU kernel: the uniop call itself (outputs allocated by torch, never aliasing inputs);
+- a fake kernel from the op's Rust ``infer`` (same shapes, dtypes and contiguous strides as the
+  real kernel), so ``torch.compile`` traces through without graph breaks;
+- autograd from the op's backward op, wired by argument names (the convention documented on
+  ``uniop::Op::backward``: ``d<return>`` is a gradient in, ``d<arg>`` a gradient out, other
+  arguments are the forward's arguments or returns of the same name); returns the backward does
+  not take a gradient for (``rstd``, ``lse``) are marked non-differentiable;
+- autocast from the op's policy: GEMM-bound ops run in the region's lower precision, softmax-like
+  reductions in float32, everything else in its inputs' dtype.
+
+Ops loaded later with :func:`uniop.load_library` are registered here as well.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import uniop as _uniop
+
+from . import nn  # noqa: F401  (uniop.torch.nn.RMSNorm, ...)
+from .llama import patch_llama, unpatch_llama  # noqa: F401
+
+NAMESPACE = "uniop"
+_lib = torch.library.Library(NAMESPACE, "DEF")
+_registered = {}
+
+
+def _dtype(name):
+    return getattr(torch, name)
+
+
+def _first_tensor(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+def _fake_kernel(native):
+    def fake(*args, **kwargs):
+        like = _first_tensor(list(args) + list(kwargs.values()))
+        outs = [torch.empty(shape, dtype=_dtype(dt), device=like.device) for shape, dt in native.infer(*args, **kwargs)]
+        if not outs:
+            return None
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return fake
+
+
+def _cpu_kernel(native):
+    def kernel(*args, **kwargs):
+        return native(*args, **kwargs)
+
+    return kernel
+
+
+class _BackwardWiring:
+    """How one forward op's autograd calls its backward op (resolved once, at registration)."""
+
+    def __init__(self, fwd, bwd):
+        fwd_args = [a["name"] for a in fwd.args]
+        self.returns = list(fwd.returns)
+        self.sources = []  # per backward argument: ("grad", i) | ("arg", i) | ("out", i) | ("default", None)
+        for a in bwd.args:
+            name = a["name"]
+            if name.startswith("d") and name[1:] in self.returns:
+                self.sources.append(("grad", self.returns.index(name[1:])))
+            elif name in fwd_args:
+                self.sources.append(("arg", fwd_args.index(name)))
+            elif name in self.returns:
+                self.sources.append(("out", self.returns.index(name)))
+            elif "default" in a:
+                self.sources.append(("default", None))
+            else:
+                raise TypeError(
+                    f"uniop.torch: backward op {bwd.name} argument '{name}' is neither a gradient "
+                    f"(d<return of {fwd.name}>) nor an argument or return of {fwd.name}"
+                )
+        self.grad_of = []  # per backward return: index of the forward argument it is the gradient of
+        for r in bwd.returns:
+            if not (r.startswith("d") and r[1:] in fwd_args):
+                raise TypeError(f"uniop.torch: backward op {bwd.name} return '{r}' is not d<argument of {fwd.name}>")
+            self.grad_of.append(fwd_args.index(r[1:]))
+        self.differentiable = {i for kind, i in self.sources if kind == "grad"}
+        self.saved_args = sorted({i for kind, i in self.sources if kind == "arg"})
+        self.saved_outs = sorted({i for kind, i in self.sources if kind == "out"})
+
+
+def _register_autograd(native, backward_native):
+    wiring = _BackwardWiring(native, backward_native)
+    backward_op = getattr(torch.ops.uniop, backward_native.name).default
+
+    def setup_context(ctx, inputs, output):
+        outs = (output,) if len(wiring.returns) == 1 else tuple(output)
+        tensors, plain = [], {}
+        for i in wiring.saved_args:
+            if isinstance(inputs[i], torch.Tensor):
+                tensors.append(inputs[i])
+            else:
+                plain[i] = inputs[i]
+        tensors.extend(outs[i] for i in wiring.saved_outs)
+        ctx.save_for_backward(*tensors)
+        ctx.plain = plain
+        ctx.is_tensor = [isinstance(x, torch.Tensor) for x in inputs]
+        ctx.tensor_args = [i for i in wiring.saved_args if i not in plain]
+        for i, o in enumerate(outs):
+            if i not in wiring.differentiable:
+                ctx.mark_non_differentiable(o)
+
+    def backward(ctx, *grads):
+        saved = list(ctx.saved_tensors)
+        args_by_index = dict(zip(ctx.tensor_args, saved[: len(ctx.tensor_args)]))
+        args_by_index.update(ctx.plain)
+        outs = dict(zip(wiring.saved_outs, saved[len(ctx.tensor_args) :]))
+        bwd_args = []
+        for kind, i in wiring.sources:
+            if kind == "grad":
+                bwd_args.append(grads[i])
+            elif kind == "arg":
+                bwd_args.append(args_by_index[i])
+            elif kind == "out":
+                bwd_args.append(outs[i])
+            else:
+                break  # the rest take their defaults
+        result = backward_op(*bwd_args)
+        result = (result,) if isinstance(result, torch.Tensor) else result
+        # One gradient per argument the caller passed; optional tensors that were None or left
+        # out (linear's bias) get none.
+        passed = len(ctx.needs_input_grad)
+        grads_in = [None] * passed
+        for g, i in zip(result, wiring.grad_of):
+            if i < passed and ctx.needs_input_grad[i] and ctx.is_tensor[i]:
+                grads_in[i] = g
+        return tuple(grads_in)
+
+    torch.library.register_autograd(f"{NAMESPACE}::{native.name}", backward, setup_context=setup_context, lib=_lib)
+
+
+def _register_autocast(native):
+    op = getattr(torch.ops.uniop, native.name).default
+    lower = native.autocast == "lower"
+    keyset = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+    def cast(x, dtype):
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    def kernel(_keyset, *args, **kwargs):
+        dtype = torch.get_autocast_dtype("cpu") if lower else torch.float32
+        with torch._C._ExcludeDispatchKeyGuard(keyset):
+            return op(*[cast(a, dtype) for a in args], **{k: cast(v, dtype) for k, v in kwargs.items()})
+
+    _lib.impl(native.name, kernel, "AutocastCPU", with_keyset=True)
+
+
+def _register(natives):
+    natives = [n for n in natives if n.name not in _registered]
+    for native in natives:
+        _lib.define(native.schema)
+        _lib.impl(native.name, _cpu_kernel(native), "CPU")
+        torch.library.register_fake(f"{NAMESPACE}::{native.name}", _fake_kernel(native), lib=_lib)
+        _registered[native.name] = native
+    for native in natives:
+        if native.backward:
+            _register_autograd(native, _uniop.op(native.backward))
+        if native.autocast:
+            _register_autocast(native)
+
+
+def ops():
+    """The registered ``torch.ops.uniop`` overload packets, by name."""
+    return {name: getattr(torch.ops.uniop, name) for name in _registered}
+
+
+_register(_uniop._ops.values())
+_uniop._on_new_ops.append(_register)

@@ -1,0 +1,92 @@
+"""``nn.Module`` sugar over ``torch.ops.uniop``, with Hugging Face Llama's parameter names and
+dtype rules, so a state dict loads into either and the modules drop into a Llama model.
+
+- :class:`RMSNorm` — ``LlamaRMSNorm``: ``weight``; output dtype is ``promote(weight, input)``, as
+  HF's ``weight * x.to(input_dtype)`` (fp32 weight with bf16 input gives fp32).
+- :class:`SwiGLUMLP` — ``LlamaMLP``: ``gate_proj``, ``up_proj``, ``down_proj``;
+  ``down(silu(gate(x)) * up(x))`` with the activation fused in one uniop kernel.
+- :class:`RotaryEmbedding` — HF's default rope: ``forward(x, position_ids) -> (cos, sin)`` shaped
+  ``[B, S, head_dim]`` in ``x``'s dtype; :func:`apply_rotary_pos_emb` applies them (HF signature).
+- :class:`Attention` — ``LlamaAttention``'s projections ``q_proj``/``k_proj``/``v_proj``/``o_proj``
+  with GQA, rope and uniop's flash attention (causal).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+uniop_ops = torch.ops.uniop
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        weight = self.weight
+        if weight.dtype not in (x.dtype, torch.float32):
+            weight = weight.to(x.dtype)
+        y = uniop_ops.rms_norm(x, weight, self.variance_epsilon)[0]
+        out_dtype = torch.promote_types(self.weight.dtype, x.dtype)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
+
+    def extra_repr(self):
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class SwiGLUMLP(nn.Module):
+    def __init__(self, hidden_size, intermediate_size, bias=False, dtype=None):
+        super().__init__()
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+
+    def forward(self, x):
+        return self.down_proj(uniop_ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables from positions (uniop's ``rope_cos_sin``: HF's default rope, mode 'half')."""
+
+    def __init__(self, head_dim, base=10000.0):
+        super().__init__()
+        self.head_dim, self.base = head_dim, float(base)
+
+    def forward(self, x, position_ids):
+        cos, sin = uniop_ops.rope_cos_sin(position_ids, self.head_dim, self.base, "half", x.dtype)
+        return cos, sin
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """HF's ``apply_rotary_pos_emb``: q/k ``[B, H, S, D]``, cos/sin ``[B, S, D]`` (any strides)."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return uniop_ops.rope(q, cos, sin, "half"), uniop_ops.rope(k, cos, sin, "half")
+
+
+class Attention(nn.Module):
+    """Causal self-attention with GQA: ``forward(x [B, S, hidden], cos, sin) -> [B, S, hidden]``."""
+
+    def __init__(self, hidden_size, num_heads, num_kv_heads=None, head_dim=None, bias=False, dtype=None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.head_dim = head_dim or hidden_size // num_heads
+        kv = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(hidden_size, kv, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(hidden_size, kv, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=bias, dtype=dtype)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        # [B, S, H, D] projections viewed as [B, H, S, D]: uniop reads the strides in place.
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out = uniop_ops.attention(q, k, v, None, True)[0]
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
