@@ -3,8 +3,9 @@
 :func:`patch_llama` replaces ``LlamaRMSNorm.forward`` (uniop ``rms_norm``, HF's dtype rule kept),
 ``LlamaMLP.forward`` (uniop's fused ``silu_mul`` between the projections, when the activation is
 SiLU) and ``modeling_llama.apply_rotary_pos_emb`` (uniop ``rope``). Methods are patched on the
-classes, so existing instances change too; :func:`unpatch_llama` restores the originals. Passing a
-model is optional and only checks that it is a Llama model.
+classes, so existing instances change too. Given a model, it also switches the model's attention
+to uniop's flash attention (registered with transformers as the ``"uniop"`` implementation; calls
+with a padding mask, dropout or softcap fall back to SDPA). :func:`unpatch_llama` restores all of it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from torch import nn
 
 from . import nn as unn
 
+ATTENTION = "uniop"
 _originals = {}
+_models = []  # (model, its attention implementation before patching)
 
 
 def _modeling():
@@ -31,25 +34,53 @@ def _mlp_forward(original):
     return forward
 
 
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' attention interface over uniop ``attention`` (GQA native, bottom-right causal,
+    which equals HF's causal prefill and its full-cache decode)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    unsupported = attention_mask is not None or dropout or kwargs.get("softcap") is not None
+    if unsupported or kwargs.get("cache") is not None or kwargs.get("output_attentions"):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = unn.uniop_ops.attention(query, key, value, None, bool(causal), scaling)[0]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_attention():
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(ATTENTION, _attention)
+    # The SDPA mask builder returns None for unpadded causal batches, which uniop handles itself.
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
 def patch_llama(model=None):
-    """Routes Llama's RMSNorm, MLP and rotary embedding through uniop. Returns ``model``."""
+    """Routes Llama's RMSNorm, MLP and rotary embedding (and, given a model, its attention)
+    through uniop. Returns ``model``."""
     m = _modeling()
     if model is not None and not any(isinstance(mod, m.LlamaDecoderLayer) for mod in model.modules()):
         raise TypeError(f"patch_llama: expected a transformers Llama model, got {type(model).__name__}")
     if not _originals:
-        _originals.update(
-            rms_norm=m.LlamaRMSNorm.forward,
-            mlp=m.LlamaMLP.forward,
-            rope=m.apply_rotary_pos_emb,
-        )
+        _originals.update(rms_norm=m.LlamaRMSNorm.forward, mlp=m.LlamaMLP.forward, rope=m.apply_rotary_pos_emb)
         m.LlamaRMSNorm.forward = unn.RMSNorm.forward
         m.LlamaMLP.forward = _mlp_forward(_originals["mlp"])
         m.apply_rotary_pos_emb = unn.apply_rotary_pos_emb
+    if model is not None and model.config._attn_implementation != ATTENTION:
+        _register_attention()
+        _models.append((model, model.config._attn_implementation))
+        model.set_attn_implementation(ATTENTION)
     return model
 
 
 def unpatch_llama():
-    """Restores transformers' own Llama implementations."""
+    """Restores transformers' own Llama implementations (and patched models' attention)."""
+    while _models:
+        model, previous = _models.pop()
+        model.set_attn_implementation(previous)
     if _originals:
         m = _modeling()
         m.LlamaRMSNorm.forward = _originals.pop("rms_norm")

@@ -61,7 +61,7 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     """HF's ``apply_rotary_pos_emb``: q/k ``[B, H, S, D]``, cos/sin ``[B, S, D]`` (any strides)."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     return uniop_ops.rope(q, cos, sin, "half"), uniop_ops.rope(k, cos, sin, "half")

@@ -1,0 +1,201 @@
+"""Models built from uniop ops: torch.compile without graph breaks, 2-process DDP, and the
+transformers Llama patch."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import uniop.torch as ut
+from uniop.torch import nn as unn
+
+
+class Block(nn.Module):
+    """A pre-norm Llama block from uniop modules."""
+
+    def __init__(self, hidden=64, heads=4, kv_heads=2, inter=96):
+        super().__init__()
+        self.norm1, self.norm2 = unn.RMSNorm(hidden), unn.RMSNorm(hidden)
+        self.attn = unn.Attention(hidden, heads, kv_heads)
+        self.mlp = unn.SwiGLUMLP(hidden, inter)
+        self.rope = unn.RotaryEmbedding(hidden // heads)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+        cos, sin = self.rope(x, pos)
+        x = x + self.attn(self.norm1(x), cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+def reference_block(block, x):
+    """The same block in plain torch (HF Llama's formulas), for values and gradients."""
+
+    def rms(m, x):
+        return m.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + m.variance_epsilon))
+
+    def rot(t, cos, sin):
+        d = t.shape[-1] // 2
+        return t * cos + torch.cat([-t[..., d:], t[..., :d]], -1) * sin
+
+    a = block.attn
+    b, s, _ = x.shape
+    inv = 1.0 / 10000.0 ** (torch.arange(0, a.head_dim, 2).float() / a.head_dim)
+    ang = torch.arange(s).float()[:, None] * inv
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    h = rms(block.norm1, x)
+    q = a.q_proj(h).view(b, s, a.num_heads, -1).transpose(1, 2)
+    k = a.k_proj(h).view(b, s, a.num_kv_heads, -1).transpose(1, 2)
+    v = a.v_proj(h).view(b, s, a.num_kv_heads, -1).transpose(1, 2)
+    q, k = rot(q, cos, sin), rot(k, cos, sin)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    x = x + a.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+    h = rms(block.norm2, x)
+    m = block.mlp
+    return x + m.down_proj(torch.nn.functional.silu(m.gate_proj(h)) * m.up_proj(h))
+
+
+def _grads(module):
+    return {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def test_block_matches_plain_torch_values_and_grads():
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(2, 10, 64)
+    block(x).square().mean().backward()
+    got = _grads(block)
+    block.zero_grad()
+    reference_block(block, x).square().mean().backward()
+    for name, g in _grads(block).items():
+        assert torch.allclose(got[name], g, atol=2e-5, rtol=1e-4), name
+
+
+def test_torch_compile_fullgraph_no_graph_breaks():
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(2, 16, 64)
+    explanation = torch._dynamo.explain(block)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(block, fullgraph=True)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    eager_out = block(x1)
+    eager_out.sum().backward()
+    eager = _grads(block)
+    block.zero_grad()
+    out = compiled(x2)
+    out.sum().backward()
+    assert torch.allclose(out, eager_out, atol=1e-5)
+    assert torch.allclose(x2.grad, x1.grad, atol=1e-5)
+    for name, g in _grads(block).items():
+        assert torch.allclose(g, eager[name], atol=1e-5, rtol=1e-4), name
+
+
+def test_autocast_bf16_block():
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(2, 8, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = block(x)
+    want = reference_block(block, x)
+    assert y.shape == want.shape
+    assert torch.allclose(y.float(), want, atol=0.1, rtol=0.05)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank, world, port, x, state, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        block = Block()
+        block.load_state_dict(state)
+        ddp = nn.parallel.DistributedDataParallel(block)
+        shard = x.chunk(world)[rank]
+        ddp(shard).square().mean().backward()
+        torch.save(_grads(block), os.path.join(out_dir, f"grads{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_processes_match_single_process(tmp_path):
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(4, 8, 64)
+    block(x).square().mean().backward()
+    want = _grads(block)
+    mp.spawn(_ddp_worker, args=(2, _free_port(), x, block.state_dict(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"grads{rank}.pt")
+        for name, g in want.items():
+            assert torch.allclose(got[name], g, atol=1e-6, rtol=1e-5), (rank, name)
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny_llama(dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)], ids=["f32", "bf16"])
+def test_patch_llama_keeps_logits_and_greedy_tokens(dtype, tol):
+    model = _tiny_llama(dtype)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids).logits.float()
+        want_tokens = model.generate(ids[:1], max_new_tokens=12, do_sample=False)
+    try:
+        ut.patch_llama(model)
+        assert model.config._attn_implementation == "uniop"
+        with torch.no_grad():
+            got = model(ids).logits.float()
+            tokens = model.generate(ids[:1], max_new_tokens=12, do_sample=False)
+    finally:
+        ut.unpatch_llama()
+    assert (got - want).abs().max().item() < tol
+    if dtype == torch.float32:
+        assert torch.equal(tokens, want_tokens)
+    else:
+        # bf16 rounding differs (uniop rounds once per op): the prompt's argmax tokens must agree
+        # wherever the reference's top-2 margin exceeds the error bound.
+        top2 = want.topk(2, -1).values
+        clear = (top2[..., 0] - top2[..., 1]) > 2 * tol
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_patch_before_instantiation_and_unpatch():
+    from transformers.models.llama import modeling_llama as m
+
+    original = m.LlamaRMSNorm.forward
+    ut.patch_llama()
+    try:
+        assert m.LlamaRMSNorm.forward is unn.RMSNorm.forward
+        model = _tiny_llama()
+        ids = torch.randint(0, 256, (1, 9))
+        with torch.no_grad():
+            patched = model(ids).logits
+    finally:
+        ut.unpatch_llama()
+    assert m.LlamaRMSNorm.forward is original
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, patched, atol=1e-4)
+    with pytest.raises(TypeError, match="expected a transformers Llama model"):
+        ut.patch_llama(nn.Linear(2, 2))

@@ -1,0 +1,156 @@
+"""uniop with NumPy (no torch needed): values, views, bad input, the generated signatures and the
+runtime objects."""
+
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import uniop
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rms_ref(x, w, eps=1e-6):
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def test_numpy_in_numpy_out():
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((5, 32), dtype=np.float32), rng.standard_normal(32, dtype=np.float32)
+    y, rstd = uniop.rms_norm(x, w, eps=1e-5)
+    assert isinstance(y, np.ndarray) and y.dtype == np.float32 and rstd.shape == (5, 1)
+    np.testing.assert_allclose(y, rms_ref(x, w, 1e-5), rtol=1e-5, atol=1e-5)
+    h = x.astype(np.float16)
+    yh, _ = uniop.rms_norm(h, w)
+    assert yh.dtype == np.float16
+    np.testing.assert_allclose(yh.astype(np.float64), rms_ref(h, w), rtol=2e-3, atol=2e-3)
+
+
+def test_strided_and_broadcast_views_are_read_in_place():
+    rng = np.random.default_rng(1)
+    base = rng.standard_normal((8, 12), dtype=np.float32)
+    a = base[::2, 1::2]  # both strides non-unit
+    b = np.broadcast_to(rng.standard_normal(6, dtype=np.float32), (4, 6))  # stride 0
+    np.testing.assert_allclose(uniop.add(a, b), a + b, rtol=1e-6)
+    np.testing.assert_allclose(uniop.matmul(base.T, base), base.T @ base, rtol=1e-4, atol=1e-4)
+    e = rng.standard_normal((0, 16), dtype=np.float32)
+    assert uniop.softmax(e).shape == (0, 16)
+
+
+class Producer:
+    """Some other library's array: only the DLPack protocol."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_any_dlpack_producer():
+    x = np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4)
+    y = uniop.silu(Producer(x))
+    np.testing.assert_allclose(y, x / (1 + np.exp(-x)), rtol=1e-5, atol=1e-6)
+
+
+def test_in_place_op_updates_numpy_arrays():
+    kc, vc = np.zeros((1, 2, 6, 4), np.float32), np.zeros((1, 2, 6, 4), np.float32)
+    k, v = np.ones((1, 2, 2, 4), np.float32), np.full((1, 2, 2, 4), 2, np.float32)
+    assert uniop.kv_cache_append(kc, vc, k, v, np.array([3])) is None
+    assert kc[0, :, 3:5].min() == 1 and kc.sum() == 16 and vc[0, :, 3:5].max() == 2
+    kc.flags.writeable = False
+    with pytest.raises(uniop.UniopError, match="argument 'k_cache': expected a writable tensor"):
+        uniop.kv_cache_append(kc, vc, k, v, np.array([0]))
+
+
+def test_signatures_and_docstrings_come_from_the_schema():
+    sig = inspect.signature(uniop.rms_norm)
+    assert list(sig.parameters) == ["x", "weight", "eps", "stream"]
+    assert sig.parameters["eps"].default == pytest.approx(1e-6)
+    assert sig.parameters["stream"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert inspect.signature(uniop.add).parameters["alpha"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "rms_norm(Tensor x, Tensor weight" in uniop.rms_norm.__doc__
+    assert "Backward: uniop.rms_norm_backward" in uniop.rms_norm.__doc__
+    assert uniop.op("attention").returns == ["out", "lse"]
+
+
+@pytest.mark.parametrize(
+    "call, code_name, message",
+    [
+        (lambda: uniop.rms_norm(np.ones((2, 4), np.float32), np.ones(3, np.float32)), "shape", "argument 'weight'"),
+        (lambda: uniop.softmax(np.ones((2, 4), np.int32)), "dtype", "softmax: argument 'x'"),
+        (lambda: uniop.silu("not a tensor"), "param-invalid", "expected a tensor"),
+        (lambda: uniop.silu(np.ones(4, np.float32)[::-1]), "shape", "non-negative strides"),
+        (lambda: uniop.softmax(np.ones(3, np.complex64)), "dtype", "DLPack type code 5"),
+        (lambda: uniop.softmax(np.ones(3, np.float32), dim="x"), "param-invalid", "argument 'dim': expected a int"),
+        (lambda: uniop.softmax(np.ones(3, np.float32), bogus=1), "param-invalid", "unexpected keyword argument 'bogus'"),
+        (lambda: uniop.rms_norm(np.ones(3, np.float32)), "param-nullptr", "argument 'weight'"),
+        (lambda: uniop.silu(np.ones(3, np.float32), np.ones(3)), "param-invalid", "takes 1 positional"),
+        (lambda: uniop.cast(np.ones(3, np.float32), "bfloat16"), "dtype", "NumPy has no bfloat16"),
+        (lambda: uniop.cast(np.ones(3, np.float32), "float128"), "dtype", "argument 'dtype'"),
+        (lambda: uniop.silu(np.ones(3, np.float32), stream=5), "param-invalid", "argument 'stream'"),
+        (lambda: uniop.op("nope"), "param-invalid", "unknown op 'nope'"),
+        (lambda: uniop.load_library("/nonexistent/libx.so"), "param-invalid", "cannot be loaded"),
+    ],
+)
+def test_bad_input_raises_uniop_error(call, code_name, message):
+    with pytest.raises(uniop.UniopError, match=message) as e:
+        call()
+    assert e.value.code_name == code_name
+    assert isinstance(e.value.code, int)
+
+
+def test_streams_events_and_memory_stats():
+    s = uniop.Stream()
+    x = np.random.default_rng(2).standard_normal((64, 256), dtype=np.float32)
+    start, end = uniop.Event(), uniop.Event()
+    start.record(s)
+    y = uniop.softmax(x, stream=s)
+    end.record(s)
+    end.synchronize()
+    assert end.query() and start.elapsed_time(end) >= 0
+    np.testing.assert_allclose(y.sum(-1), 1, rtol=1e-5)
+    uniop.Stream.default().wait_event(end)
+    uniop.synchronize()
+    stats = uniop.memory_stats()
+    assert stats["alloc_count"] >= stats["free_count"] >= 0
+    assert "allocated" in uniop.memory_summary().lower()
+    with pytest.raises(uniop.UniopError, match="never recorded"):
+        uniop.Event().query()
+
+
+def _plugin_path():
+    subprocess.run(["cargo", "build", "-q", "--release", "-p", "uniop-plugin-example"], cwd=ROOT, check=True)
+    return ROOT / "target" / "release" / "libuniop_plugin_example.so"
+
+
+def test_plugin_ops_appear_as_functions():
+    names = uniop.load_library(_plugin_path())
+    assert names == ["squared_relu"]
+    x = np.array([-2.0, 0.5, 3.0], np.float32)
+    np.testing.assert_allclose(uniop.squared_relu(x), np.maximum(x, 0) ** 2)
+    with pytest.raises(uniop.UniopError, match="already"):
+        uniop.load_library(_plugin_path())
+
+
+def test_numpy_only_without_torch():
+    """`import uniop` must not need torch: run it where importing torch fails."""
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import numpy as np, uniop\n"
+        "y = uniop.silu(np.zeros(3, np.float32)); assert (y == 0).all()\n"
+        "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
