@@ -9,7 +9,7 @@ what a PyTorch user writes today (HF LlamaRMSNorm semantics, F.silu, a + alpha*b
 Usage: python benches/torch_peer.py [--ops rms_norm,silu,add | --all] [--dtypes f32,bf16] [--iters 20]
                                    [--markdown bench.md] [--png bench.png]
 `--markdown` also writes the table to a file, `--png` plots the speedups (matplotlib).
-Needs torch (see scripts/bench-venv.sh); not part of the test suite.
+Needs torch: scripts/python-env.sh installs it into .venv. Not part of the test suite.
 """
 import argparse
 import json

@@ -17,6 +17,7 @@ use crate::error::{Error, ErrorCode, Result};
 use crate::layout::{StridedRuns, TensorMeta};
 use crate::op::{block_dim_for, Bound, KernelArgs, LayoutNeed, OpCx, Step};
 use crate::registry::{OpEntry, Registry};
+use crate::runtime::pool::KernelFn;
 use crate::runtime::{BlockCtx, Stream};
 use crate::schema::AttrValue;
 use crate::tensor::{TensorMut, TensorRef};
@@ -242,11 +243,18 @@ impl<'a> Executor<'a> {
         Ok(())
     }
 
-    /// Phase 2, blocking: launches on `stream` and waits for the stream, so the borrowed tensors
-    /// are never touched after this returns.
+    /// Phase 2, blocking: runs on `stream` and returns when done, so the borrowed tensors are
+    /// never touched after this returns. On an idle stream the work runs right here on the calling
+    /// thread (with the compute pool), skipping the hand-off to the stream's worker: that hand-off
+    /// is most of a small op's cost and buys nothing when the caller waits anyway.
     pub fn run(&mut self, workspace: &mut [u8], stream: &Stream) -> Result<()> {
-        // SAFETY: we wait for the launched tasks before returning, so all borrows outlive the work.
-        unsafe { self.launch(workspace.as_mut_ptr(), workspace.len(), stream)? };
+        // SAFETY: the tasks run (here, or on the stream while we wait for them) before returning,
+        // so all borrows outlive the work.
+        let tasks = unsafe { self.prepare(workspace.as_mut_ptr(), workspace.len())? };
+        if let Some(result) = stream.run_here_if_idle(&tasks) {
+            return result.map_err(|e| e.context(self.op()));
+        }
+        self.last_tasks = enqueue(stream, tasks);
         match self.last_tasks {
             Some((first, last)) => stream.wait_through(first, last).map_err(|e| e.context(self.op())),
             None => Ok(()),
@@ -259,6 +267,17 @@ impl<'a> Executor<'a> {
     /// Every bound tensor and the workspace must stay valid (and not be accessed elsewhere) until
     /// `stream` has finished this work — the same contract as an aclnn or CUDA launch.
     pub unsafe fn launch(&mut self, workspace: *mut u8, workspace_len: usize, stream: &Stream) -> Result<()> {
+        let tasks = self.prepare(workspace, workspace_len)?;
+        self.last_tasks = enqueue(stream, tasks);
+        Ok(())
+    }
+
+    /// Checks a launch and returns its tasks in stream order: staging copies in, the plan's
+    /// steps, staging copies out.
+    ///
+    /// # Safety
+    /// As for [`Executor::launch`].
+    unsafe fn prepare(&mut self, workspace: *mut u8, workspace_len: usize) -> Result<Vec<(u32, KernelFn)>> {
         let op = self.op();
         if self.launched && !self.repeatable {
             return Err(Error::new(
@@ -302,21 +321,13 @@ impl<'a> Executor<'a> {
                 (args, copies_in, copies_out)
             }
         };
-        // Tasks are numbered in order on the stream: the first and the last bound this launch.
-        let mut tasks: Option<(u64, u64)> = None;
-        let mut note = |seq: u64| tasks = Some((tasks.map_or(seq, |(first, _)| first), seq));
-        for (src, dst) in copies_in {
-            note(launch_copy(stream, src, dst));
-        }
+        let mut tasks: Vec<(u32, KernelFn)> = copies_in.into_iter().map(|(src, dst)| copy_task(src, dst)).collect();
         for step in &self.steps {
             let (args, kernel) = (args.clone(), step.kernel.clone());
-            note(stream.launch_shared(step.block_dim, Arc::new(move |ctx| kernel(&args, ctx))));
+            tasks.push((step.block_dim, Arc::new(move |ctx| kernel(&args, ctx))));
         }
-        for (src, dst) in copies_out {
-            note(launch_copy(stream, src, dst));
-        }
-        self.last_tasks = tasks;
-        Ok(())
+        tasks.extend(copies_out.into_iter().map(|(src, dst)| copy_task(src, dst)));
+        Ok(tasks)
     }
 
     /// Kernel-facing bindings for a launch with workspace at `base`: staged tensors point into
@@ -415,14 +426,26 @@ fn group_inputs(
     Ok((groups, slots))
 }
 
-/// Strided copy `src → dst` (same shape and dtype) as an SPMD launch over element ranges.
-fn launch_copy(stream: &Stream, src: Bound, dst: Bound) -> u64 {
+/// Enqueues `tasks` on `stream`; returns the first and last task numbers (they are consecutive
+/// only if no other thread enqueues on the stream meanwhile, which waiting through the last
+/// one tolerates).
+fn enqueue(stream: &Stream, tasks: Vec<(u32, KernelFn)>) -> Option<(u64, u64)> {
+    let mut range: Option<(u64, u64)> = None;
+    for (block_dim, kernel) in tasks {
+        let seq = stream.launch_shared(block_dim, kernel);
+        range = Some((range.map_or(seq, |(first, _)| first), seq));
+    }
+    range
+}
+
+/// Strided copy `src → dst` (same shape and dtype) as an SPMD task over element ranges.
+fn copy_task(src: Bound, dst: Bound) -> (u32, KernelFn) {
     let n = src.meta.numel();
     let size = src.meta.dtype.size();
     let block_dim = block_dim_for(n, size);
     let runs = StridedRuns::<2>::new([&dst.meta.layout, &src.meta.layout]);
     let (src_ptr, dst_ptr) = (SendPtr(src.ptr), SendPtr(dst.ptr));
-    stream.launch_shared(
+    (
         block_dim,
         Arc::new(move |ctx: BlockCtx| {
             let range = ctx.split(n);

@@ -33,6 +33,8 @@ struct Queue {
     tasks: VecDeque<(u64, Task)>,
     worker_sleeping: bool,
     shutdown: bool,
+    /// A caller is running work in place ([`Stream::run_here_if_idle`]): the worker takes nothing.
+    in_place: bool,
 }
 
 struct WaitEdge {
@@ -96,7 +98,12 @@ impl Stream {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         let inner = Arc::new(StreamInner {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            queue: Mutex::new(Queue { tasks: VecDeque::new(), worker_sleeping: false, shutdown: false }),
+            queue: Mutex::new(Queue {
+                tasks: VecDeque::new(),
+                worker_sleeping: false,
+                shutdown: false,
+                in_place: false,
+            }),
             work: Condvar::new(),
             enqueued: AtomicU64::new(0),
             completed: AtomicU64::new(0),
@@ -152,6 +159,35 @@ impl Stream {
     /// Enqueues a launch and returns its task number (for [`Stream::wait_through`]).
     pub(crate) fn launch_shared(&self, block_num: u32, kernel: KernelFn) -> u64 {
         self.enqueue(|_| Task::Launch { kernel, block_num })
+    }
+
+    /// Runs `tasks` in order on the calling thread (with the compute pool) if the stream is idle,
+    /// as if they were enqueued and waited for; `None` when the stream has pending work (the
+    /// caller enqueues instead). While they run, the worker starts nothing, so work other threads
+    /// enqueue meanwhile still runs after them. A kernel panic is returned as an error.
+    pub(crate) fn run_here_if_idle(&self, tasks: &[(u32, KernelFn)]) -> Option<Result<()>> {
+        let inner = self.inner();
+        {
+            let mut q = inner.queue.lock().unwrap();
+            let idle = q.tasks.is_empty()
+                && !q.in_place
+                && inner.completed.load(Ordering::Acquire) == inner.enqueued.load(Ordering::Acquire);
+            if !idle {
+                return None;
+            }
+            q.in_place = true;
+        }
+        let pool = Pool::global();
+        let result = tasks.iter().try_for_each(|(block_num, kernel)| {
+            pool.run(kernel, *block_num)
+                .map_err(|m| Error::runtime(format!("kernel panicked on stream {}: {m}", inner.id)))
+        });
+        let mut q = inner.queue.lock().unwrap();
+        q.in_place = false;
+        if q.worker_sleeping && !q.tasks.is_empty() {
+            inner.work.notify_one();
+        }
+        Some(result)
     }
 
     /// Blocks until task `last` has run and reports the first error of tasks `first..=last`
@@ -236,10 +272,12 @@ fn stream_loop(inner: Arc<StreamInner>) {
         let (seq, task) = {
             let mut q = inner.queue.lock().unwrap();
             loop {
-                if let Some(t) = q.tasks.pop_front() {
-                    break t;
+                if !q.in_place {
+                    if let Some(t) = q.tasks.pop_front() {
+                        break t;
+                    }
                 }
-                if q.shutdown {
+                if q.shutdown && q.tasks.is_empty() {
                     return;
                 }
                 q.worker_sleeping = true;
@@ -419,5 +457,51 @@ impl std::fmt::Debug for Event {
             Some(p) => write!(f, "Event(stream {}, task {})", p.stream.id, p.seq),
             None => write!(f, "Event(never recorded)"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    /// Work another thread enqueues while a caller runs in place still runs after it, and a busy
+    /// stream refuses in-place work.
+    #[test]
+    fn in_place_runs_keep_stream_order() {
+        let stream = Stream::new();
+        let state = Arc::new(AtomicU32::new(0));
+        let seen = Arc::new(AtomicU32::new(u32::MAX));
+        let s = state.clone();
+        let slow: KernelFn = Arc::new(move |_| {
+            std::thread::sleep(Duration::from_millis(60));
+            s.store(1, Ordering::SeqCst);
+        });
+        let runner = {
+            let stream = stream.clone();
+            std::thread::spawn(move || stream.run_here_if_idle(&[(1, slow)]))
+        };
+        std::thread::sleep(Duration::from_millis(15));
+        let (st, sn) = (state.clone(), seen.clone());
+        stream.launch(1, move |_| sn.store(st.load(Ordering::SeqCst), Ordering::SeqCst));
+        assert!(matches!(runner.join().unwrap(), Some(Ok(()))));
+        stream.synchronize().unwrap();
+        assert_eq!(seen.load(Ordering::SeqCst), 1, "the enqueued kernel ran after the in-place one");
+
+        let gate = Arc::new(AtomicU32::new(0));
+        let g = gate.clone();
+        stream.launch(1, move |_| {
+            while g.load(Ordering::SeqCst) == 0 {
+                std::hint::spin_loop();
+            }
+        });
+        let noop: KernelFn = Arc::new(|_| {});
+        assert!(stream.run_here_if_idle(&[(1, noop.clone())]).is_none(), "a busy stream runs nothing in place");
+        gate.store(1, Ordering::SeqCst);
+        stream.synchronize().unwrap();
+        let panicking: KernelFn = Arc::new(|_| panic!("boom"));
+        let err = stream.run_here_if_idle(&[(1, panicking)]).unwrap().unwrap_err();
+        assert!(err.message().contains("kernel panicked") && err.message().contains("boom"), "{err}");
+        assert!(stream.run_here_if_idle(&[(1, noop)]).unwrap().is_ok(), "the stream is usable after a panic");
     }
 }
