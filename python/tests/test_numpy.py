@@ -133,13 +133,26 @@ def _plugin_path():
     return ROOT / "target" / "release" / "libuniop_plugin_example.so"
 
 
-def test_plugin_ops_appear_as_functions():
-    names = uniop.load_library(_plugin_path())
-    assert names == ["squared_relu"]
-    x = np.array([-2.0, 0.5, 3.0], np.float32)
-    np.testing.assert_allclose(uniop.squared_relu(x), np.maximum(x, 0) ** 2)
-    with pytest.raises(uniop.UniopError, match="already"):
-        uniop.load_library(_plugin_path())
+def test_plugin_ops_appear_as_functions_and_torch_ops():
+    """In a fresh process: plugins stay loaded for the life of the process."""
+    code = f"""
+import numpy as np, torch, uniop, uniop.torch
+names = uniop.load_library({str(_plugin_path())!r})
+assert names == ["squared_relu"], names
+x = np.array([-2.0, 0.5, 3.0], np.float32)
+np.testing.assert_allclose(uniop.squared_relu(x), np.maximum(x, 0) ** 2)
+t = torch.tensor([-1.0, 2.0])
+assert torch.equal(torch.ops.uniop.squared_relu(t), torch.tensor([0.0, 4.0]))
+try:
+    uniop.load_library({str(_plugin_path())!r})
+    raise SystemExit("a second load must fail")
+except uniop.UniopError as e:
+    assert "already" in str(e), e
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
 
 
 def test_numpy_only_without_torch():

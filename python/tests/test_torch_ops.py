@@ -153,3 +153,39 @@ def test_errors_are_uniop_errors_not_crashes():
         uniop.silu(meta)
     with pytest.raises(uniop.UniopError, match="inner dim|shape"):
         uniop.matmul(torch.randn(3, 4), torch.randn(5, 6))
+
+
+def test_repeated_calls_reuse_plans_only_for_identical_signatures():
+    """Calls are planned once per signature (dtype, shape, strides, attributes) and rebound after:
+    interleaving signatures must never run a plan made for another one."""
+    torch.manual_seed(0)
+    a, b = torch.randn(6, 10), torch.randn(3, 7)
+    for _ in range(3):
+        for x, dim in [(a, -1), (b, -1), (a.t(), -1), (a, 0), (a[::2], -1), (b.to(torch.bfloat16), 0)]:
+            want = torch.softmax(x.double(), dim)
+            got = uniop.softmax(x, dim)
+            assert got.dtype == x.dtype and torch.allclose(got.double(), want, atol=TOL[x.dtype])
+            assert got.data_ptr() != x.data_ptr()
+
+
+def test_threads_run_ops_concurrently_with_correct_results():
+    import threading
+
+    torch.manual_seed(0)
+    xs = [torch.randn(64, 256) for _ in range(4)]
+    w = torch.randn(256)
+    errors = []
+
+    def work(x):
+        for _ in range(50):
+            y, _ = uniop.rms_norm(x, w)
+            want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+            if not torch.allclose(y, want, atol=1e-5):
+                errors.append((y - want).abs().max().item())
+
+    threads = [threading.Thread(target=work, args=(x,)) for x in xs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors

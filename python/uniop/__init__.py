@@ -51,10 +51,12 @@ _ops = {}
 
 
 def _allocate(like, shape, dtype):
-    """Allocates an output like the input `like`: a torch tensor for torch, NumPy otherwise."""
+    """Allocates an output for a call whose first tensor is `like` and whose producer has no
+    DLPack exchange API (torch >= 2.9 tensors are created in Rust): a NumPy array, or a torch
+    tensor for an older torch."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(like, torch.Tensor):
-        return torch.empty(shape, dtype=_torch_dtype(torch, dtype))
+        return torch.empty(shape, dtype=getattr(torch, dtype))
     import numpy as np
 
     if dtype == "bfloat16":
@@ -65,16 +67,6 @@ def _allocate(like, shape, dtype):
         err.code, err.code_name = 161003, "dtype"
         raise err
     return np.empty(shape, dtype=dtype)
-
-
-_TORCH_DTYPES = {}
-
-
-def _torch_dtype(torch, name):
-    dt = _TORCH_DTYPES.get(name)
-    if dt is None:
-        dt = _TORCH_DTYPES[name] = getattr(torch, name)
-    return dt
 
 
 _native._set_allocator(_allocate)

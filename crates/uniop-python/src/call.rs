@@ -3,14 +3,18 @@
 
 use crate::runtime::Stream as PyStream;
 use crate::to_py_err;
+use dlpark::ffi::{DLDataType, DLDataTypeCode, DLDevice, DLDeviceType};
+use dlpark::metadata::Dynamic;
+use dlpark::python::consumer::exchange::ExchangeApi;
 use dlpark::python::{from_dlpack, ImportedDlpack};
 use dlpark::DlpackFlags;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
+use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
-use uniop::runtime::{Allocator, MemPolicy};
+use uniop::runtime::{Allocator, DeviceBuffer, MemPolicy};
 use uniop::schema::{Arg, BaseType};
 use uniop::{
     AttrValue, DType, Error, ErrorCode, Executor, Layout, OpCx, OpEntry, Stream, TensorMeta, TensorMut, TensorRef,
@@ -135,27 +139,81 @@ fn attrs<'a>(entry: &'a OpEntry, bound: &[Option<Bound<'_, PyAny>>]) -> Result<V
     Ok(out)
 }
 
-/// A tensor imported through DLPack; the producer's memory stays alive while this lives.
+/// A tensor imported through DLPack. Its memory stays alive while the producer object the call
+/// holds does (views from the C exchange API) or while `_owner` lives (managed tensors).
 struct Imported {
-    _owner: ImportedDlpack,
+    _owner: Option<ImportedDlpack>,
     ptr: *mut u8,
     len: usize,
     meta: TensorMeta,
     read_only: bool,
 }
 
-fn import(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> Result<Imported, Error> {
-    let py = obj.py();
-    if !obj.hasattr(pyo3::intern!(py, "__dlpack__")).unwrap_or(false) {
-        return Err(Error::arg(
-            ErrorCode::ParamInvalid,
+/// The producer's C exchange API (torch has one): borrowed views and direct tensor creation
+/// without capsules. Types are looked up once per thread, as most calls see the same few.
+fn exchange_api(obj: &Bound<'_, PyAny>) -> Option<ExchangeApi> {
+    thread_local! {
+        static HAS_API: std::cell::RefCell<Vec<(usize, bool)>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let ty = obj.get_type().as_ptr() as usize;
+    let known = HAS_API.with(|c| c.borrow().iter().find(|(t, _)| *t == ty).map(|(_, has)| *has));
+    if known == Some(false) {
+        return None;
+    }
+    let api = ExchangeApi::from_object(obj.as_borrowed()).ok().flatten();
+    if known.is_none() {
+        HAS_API.with(|c| c.borrow_mut().push((ty, api.is_some())));
+    }
+    api
+}
+
+/// Reads a DLPack descriptor into a uniop meta and the address of its first element.
+fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result<(TensorMeta, *mut u8), Error> {
+    let bad = |expected: &str, given: String| Error::arg(ErrorCode::ParamInvalid, op, arg, expected, given);
+    let device = t.device();
+    if device.device_type.0 != 1 {
+        let name = match device.device_type.0 {
+            2 => "cuda".to_string(),
+            3 => "cuda pinned host".to_string(),
+            10 => "rocm".to_string(),
+            other => format!("DLPack device type {other}"),
+        };
+        return Err(bad("a CPU tensor", format!("a tensor on {name}:{}", device.device_id)));
+    }
+    let dt = t.dtype();
+    let dtype = if dt.lanes == 1 { DType::from_dlpack(dt.code.0, dt.bits).ok() } else { None };
+    let dtype = dtype.ok_or_else(|| {
+        Error::arg(
+            ErrorCode::DType,
             op,
             arg,
-            "a tensor (a NumPy array, a torch.Tensor or any object with __dlpack__)",
-            type_name(obj),
+            "a dtype uniop knows (float32/16, bfloat16, float64, int8/32/64, uint8, bool)",
+            format!("DLPack type code {} with {} bits x {} lanes", dt.code.0, dt.bits, dt.lanes),
+        )
+    })?;
+    let shape: Vec<usize> = t.shape().iter().map(|&d| d as usize).collect();
+    let strides = t.strides_or_compact().map_err(|e| bad("valid strides", e.to_string()))?;
+    if let Some(s) = strides.iter().find(|&&s| s < 0) {
+        return Err(Error::arg(
+            ErrorCode::Shape,
+            op,
+            arg,
+            "non-negative strides (pass a copy of a reversed view)",
+            format!("stride {s}"),
         ));
     }
-    let owner = from_dlpack(obj.as_borrowed(), None, None).map_err(|e| {
+    let strides: Vec<usize> = strides.iter().map(|&s| s as usize).collect();
+    let layout = Layout::strided(&shape, &strides, 0).map_err(|e| e.context(op))?;
+    let base = (t.data_ptr() as *mut u8).wrapping_add(t.byte_offset() as usize);
+    if (base as usize) % dtype.size() != 0 && !layout.is_empty() {
+        return Err(bad("data aligned to its element size", format!("address {base:p}")));
+    }
+    Ok((TensorMeta { dtype, layout }, base))
+}
+
+fn import(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> Result<Imported, Error> {
+    let py = obj.py();
+    let refused = |e: PyErr| {
         // Producers refuse devices they cannot share (torch's meta tensors) with long native
         // traces: name the device when it says, else the first line of the producer's message.
         let device = obj.call_method0(pyo3::intern!(py, "__dlpack_device__")).ok();
@@ -168,50 +226,58 @@ fn import(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> Result<Imported, Error
                 Error::arg(ErrorCode::ParamInvalid, op, arg, "a tensor that can be shared through DLPack", first)
             }
         }
-    })?;
-    let bad = |expected: &str, given: String| Error::arg(ErrorCode::ParamInvalid, op, arg, expected, given);
-    let (meta, ptr, read_only) = {
-        let t = owner.validate().map_err(|e| bad("a valid DLPack tensor", e.to_string()))?;
-        let device = t.device();
-        if device.device_type.0 != 1 {
-            let name = match device.device_type.0 {
-                2 => "cuda".to_string(),
-                3 => "cuda pinned host".to_string(),
-                10 => "rocm".to_string(),
-                other => format!("DLPack device type {other}"),
-            };
-            return Err(bad("a CPU tensor", format!("a tensor on {name}:{}", device.device_id)));
-        }
-        let dt = t.dtype();
-        let dtype = if dt.lanes == 1 { DType::from_dlpack(dt.code.0, dt.bits).ok() } else { None };
-        let dtype = dtype.ok_or_else(|| {
-            Error::arg(
-                ErrorCode::DType,
-                op,
-                arg,
-                "a dtype uniop knows (float32/16, bfloat16, float64, int8/32/64, uint8, bool)",
-                format!("DLPack type code {} with {} bits x {} lanes", dt.code.0, dt.bits, dt.lanes),
-            )
-        })?;
-        let shape: Vec<usize> = t.shape().iter().map(|&d| d as usize).collect();
-        let strides = t.strides_or_compact().map_err(|e| bad("valid strides", e.to_string()))?;
-        if let Some(s) = strides.iter().find(|&&s| s < 0) {
-            return Err(Error::arg(
-                ErrorCode::Shape,
-                op,
-                arg,
-                "non-negative strides (pass a copy of a reversed view)",
-                format!("stride {s}"),
-            ));
-        }
-        let strides: Vec<usize> = strides.iter().map(|&s| s as usize).collect();
-        let layout = Layout::strided(&shape, &strides, 0).map_err(|e| e.context(op))?;
-        let base = (t.data_ptr() as *mut u8).wrapping_add(t.byte_offset() as usize);
-        if (base as usize) % dtype.size() != 0 && !layout.is_empty() {
-            return Err(bad("data aligned to its element size", format!("address {base:p}")));
-        }
-        (TensorMeta { dtype, layout }, base, owner.flags().contains(DlpackFlags::READ_ONLY))
     };
+    // Fast path: a borrowed view, no managed tensor; the caller holds `obj` for the whole call.
+    if let Some(api) = exchange_api(obj) {
+        let described = api
+            .with_tensor_view_no_sync(obj.as_borrowed(), |t, _stream| {
+                // SAFETY: the view is valid during this callback and only read in it.
+                let t = unsafe { dlpark::TensorRef::from_raw(t) }.map_err(|e| {
+                    Error::arg(ErrorCode::ParamInvalid, op, arg, "a valid DLPack tensor", e.to_string())
+                })?;
+                describe(op, arg, &t)
+            })
+            .map_err(refused)??;
+        return finish(op, None, described, false);
+    }
+    if !obj.hasattr(pyo3::intern!(py, "__dlpack__")).unwrap_or(false) {
+        return Err(Error::arg(
+            ErrorCode::ParamInvalid,
+            op,
+            arg,
+            "a tensor (a NumPy array, a torch.Tensor or any object with __dlpack__)",
+            type_name(obj),
+        ));
+    }
+    // Ask for the capsule ourselves (DLPack 1.x first): handing dlpark a capsule skips its probe
+    // for an exchange API this type is known not to have.
+    let capsule = obj
+        .call_method(pyo3::intern!(py, "__dlpack__"), (), Some(&max_version_kwargs(py)?))
+        .or_else(|_| obj.call_method0(pyo3::intern!(py, "__dlpack__")))
+        .map_err(refused)?;
+    let owner = from_dlpack(capsule.as_borrowed(), None, None).map_err(refused)?;
+    let t = owner
+        .validate()
+        .map_err(|e| Error::arg(ErrorCode::ParamInvalid, op, arg, "a valid DLPack tensor", e.to_string()))?;
+    let described = describe(op, arg, &t)?;
+    let read_only = owner.flags().contains(DlpackFlags::READ_ONLY);
+    finish(op, Some(owner), described, read_only)
+}
+
+fn max_version_kwargs(py: Python<'_>) -> Result<Bound<'_, PyDict>, Error> {
+    let kwargs = PyDict::new(py);
+    kwargs
+        .set_item(pyo3::intern!(py, "max_version"), (dlpark::ffi::DLPACK_MAJOR_VERSION, 0u32))
+        .map_err(|e| Error::internal(e.to_string()))?;
+    Ok(kwargs)
+}
+
+fn finish(
+    op: &str,
+    owner: Option<ImportedDlpack>,
+    (meta, ptr): (TensorMeta, *mut u8),
+    read_only: bool,
+) -> Result<Imported, Error> {
     let len = if meta.layout.is_empty() {
         0
     } else {
@@ -236,12 +302,38 @@ impl<T> Unattached<T> {
     }
 }
 
-fn allocate<'py>(like: &Bound<'py, PyAny>, meta: &TensorMeta) -> PyResult<Bound<'py, PyAny>> {
+/// A new output like `like`. Producers with a C exchange API (torch) get a tensor created
+/// directly over a block of uniop's caching allocator, returned to it when the framework frees
+/// the tensor — no Python call, no capsule. Others go through the Python allocator
+/// (`uniop._allocate`: NumPy arrays).
+fn allocate<'py>(op: &str, like: &Bound<'py, PyAny>, meta: &TensorMeta) -> PyResult<(Bound<'py, PyAny>, Imported)> {
     let py = like.py();
+    if let Some(api) = exchange_api(like) {
+        let bytes = meta.contiguous_bytes().map_err(to_py_err)?;
+        let buffer = Allocator::global().allocate(bytes, MemPolicy::HugeFirst).map_err(to_py_err)?;
+        let ptr = buffer.as_ptr();
+        let shape: Vec<i64> = meta.shape().iter().map(|&d| d as i64).collect();
+        let mut tensor = Dynamic::compact(shape)
+            .initialize(Box::new(buffer))
+            .map_err(|e| to_py_err(Error::internal(format!("{op}: DLPack output: {e}"))))?;
+        let (code, bits) = meta.dtype.dlpack();
+        tensor
+            .set_data(ptr.cast())
+            .set_device(DLDevice { device_type: DLDeviceType::CPU, device_id: 0 })
+            .set_dtype(DLDataType { code: DLDataTypeCode(code), bits, lanes: 1 });
+        // SAFETY: data, device, dtype, shape and compact strides describe the buffer the
+        // tensor owns (its context), which lives until the consumer's deleter runs.
+        let managed = unsafe { tensor.finish() };
+        let obj = api.managed_tensor_to_py_object_no_sync(managed, py)?;
+        let view = Imported { _owner: None, ptr, len: bytes, meta: meta.clone(), read_only: false };
+        return Ok((obj, view));
+    }
     let alloc = ALLOCATOR
         .get()
         .ok_or_else(|| PyRuntimeError::new_err("uniop: no output allocator (import uniop, not uniop._native)"))?;
-    alloc.bind(py).call1((like, meta.shape().to_vec(), meta.dtype.name()))
+    let obj = alloc.bind(py).call1((like, meta.shape().to_vec(), meta.dtype.name()))?;
+    let view = import(op, "output", &obj).map_err(to_py_err)?;
+    Ok((obj, view))
 }
 
 pub fn call(
@@ -310,46 +402,150 @@ pub fn call(
         }
     }
 
-    // SAFETY (both views): each Imported keeps its producer's memory alive and unmoved until the
-    // end of this function, after the synchronous run has finished with it.
-    let input_refs: Vec<Option<TensorRef<'_>>> = inputs
-        .iter()
-        .map(|t| t.as_ref().map(|t| unsafe { TensorRef::from_raw(t.ptr, t.len, t.meta.clone()) }).transpose())
-        .collect::<Result<_, _>>()
-        .map_err(to_py_err)?;
-    let expected = {
-        let cx = bind_metas(entry, &inputs, &in_place, &attrs).map_err(to_py_err)?;
-        entry.op.infer(&cx).map_err(to_py_err)?
-    };
     let like = like.ok_or_else(|| to_py_err(Error::invalid(format!("{op}: needs at least one tensor"))))?;
+    let key = signature(entry, &inputs, &in_place, &attrs);
+    // Taken out of the cache while in use: allocating outputs may call back into Python, which
+    // may call uniop again.
+    let cached = PLANS.with(|plans| plans.borrow_mut().remove(&key));
+    let expected = match &cached {
+        Some(plan) => plan.outputs.clone(),
+        None => {
+            let cx = bind_metas(entry, &inputs, &in_place, &attrs).map_err(to_py_err)?;
+            entry.op.infer(&cx).map_err(to_py_err)?
+        }
+    };
     let mut returned = Vec::with_capacity(expected.len());
     let mut outputs = Vec::with_capacity(expected.len());
     for meta in &expected {
-        let obj = allocate(like, meta)?;
-        outputs.push(import(op, "output", &obj).map_err(to_py_err)?);
+        let (obj, view) = allocate(op, like, meta)?;
+        outputs.push(view);
         returned.push(obj);
     }
-    let output_views: Vec<TensorMut<'_>> = in_place
-        .iter()
-        .chain(&outputs)
-        .map(|t| unsafe { TensorMut::from_raw(t.ptr, t.len, t.meta.clone()) })
-        .collect::<Result<_, _>>()
-        .map_err(to_py_err)?;
-    let mut exec = Executor::new(entry.clone(), &input_refs, &attrs, output_views).map_err(to_py_err)?;
-    let ws = Allocator::global().allocate(exec.workspace_size(), MemPolicy::HugeFirst).map_err(to_py_err)?;
-    let work = Unattached((&mut exec, &ws, &stream));
-    py.detach(move || {
-        let (exec, ws, stream) = work.into_inner();
-        // SAFETY: the workspace is exclusively ours until `run` returns (it synchronizes).
-        exec.run(unsafe { ws.as_mut_slice() }, stream)
-    })
-    .map_err(to_py_err)?;
-    drop(exec);
+    // SAFETY (every view below): each Imported keeps its producer's memory alive and unmoved until
+    // the end of this function, after the synchronous run has finished with it. The cached
+    // executor keeps the pointers afterwards but never uses them: every tensor is rebound before
+    // its next run.
+    let input_view = |t: &Imported| unsafe { TensorRef::<'static>::from_raw(t.ptr, t.len, t.meta.clone()) };
+    let output_view = |t: &Imported| unsafe { TensorMut::<'static>::from_raw(t.ptr, t.len, t.meta.clone()) };
+    let mut plan = match cached {
+        Some(mut plan) => {
+            let given = inputs.iter().enumerate().filter_map(|(i, t)| Some((i, t.as_ref()?)));
+            for (i, t) in given {
+                plan.exec.rebind_input(i, input_view(t).map_err(to_py_err)?).map_err(to_py_err)?;
+            }
+            for (i, t) in in_place.iter().chain(&outputs).enumerate() {
+                plan.exec.rebind_output(i, output_view(t).map_err(to_py_err)?).map_err(to_py_err)?;
+            }
+            plan
+        }
+        None => {
+            let input_refs = inputs
+                .iter()
+                .map(|t| t.as_ref().map(input_view).transpose())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(to_py_err)?;
+            let output_views =
+                in_place.iter().chain(&outputs).map(output_view).collect::<Result<_, _>>().map_err(to_py_err)?;
+            let mut exec = Executor::new(entry.clone(), &input_refs, &attrs, output_views).map_err(to_py_err)?;
+            exec.set_repeatable();
+            let size = exec.workspace_size();
+            let workspace = if size <= CACHED_WORKSPACE_LIMIT {
+                Some(Allocator::global().allocate(size, MemPolicy::HugeFirst).map_err(to_py_err)?)
+            } else {
+                None
+            };
+            Plan { exec, outputs: expected, workspace }
+        }
+    };
+    let scratch = match plan.workspace {
+        Some(_) => None,
+        None => {
+            Some(Allocator::global().allocate(plan.exec.workspace_size(), MemPolicy::HugeFirst).map_err(to_py_err)?)
+        }
+    };
+    let work = Unattached((&mut plan, &scratch, &stream));
+    let result = py.detach(move || {
+        let (plan, scratch, stream) = work.into_inner();
+        let ws = plan.workspace.as_ref().or(scratch.as_ref()).expect("a workspace");
+        // SAFETY: the workspace is exclusively this plan's until `run` returns (it synchronizes).
+        plan.exec.run(unsafe { ws.as_mut_slice() }, stream)
+    });
+    result.map_err(to_py_err)?;
+    PLANS.with(|plans| {
+        let mut plans = plans.borrow_mut();
+        if plans.len() >= CACHED_PLANS {
+            plans.clear();
+        }
+        plans.insert(key, plan);
+    });
     match returned.len() {
         0 => Ok(py.None()),
         1 => Ok(returned.pop().expect("one return").unbind()),
         _ => Ok(PyTuple::new(py, returned)?.into_any().unbind()),
     }
+}
+
+/// A phase-1 result kept for the next call with the same signature: a repeatable executor
+/// (rebound to each call's tensors) and its workspace, so a repeated call skips binding, infer,
+/// planning and allocation — the aclnn "repeatable executor" idea applied per signature.
+struct Plan {
+    exec: Executor<'static>,
+    outputs: Vec<TensorMeta>,
+    workspace: Option<DeviceBuffer>,
+}
+
+/// Plans kept per thread (cleared when full: shapes in a model repeat, so a few dozen suffice).
+const CACHED_PLANS: usize = 256;
+/// Larger workspaces go back to the caching allocator between calls instead of staying with a plan.
+const CACHED_WORKSPACE_LIMIT: usize = 1 << 20;
+
+thread_local! {
+    static PLANS: std::cell::RefCell<HashMap<Vec<u64>, Plan>> = std::cell::RefCell::new(HashMap::new());
+}
+
+/// Everything phase 1 depends on: the op, every tensor's dtype, shape and strides (or absence)
+/// and the attribute values, as one word vector.
+fn signature(
+    entry: &Arc<OpEntry>,
+    inputs: &[Option<Imported>],
+    in_place: &[Imported],
+    attrs: &[(&str, AttrValue)],
+) -> Vec<u64> {
+    let mut key = Vec::with_capacity(32);
+    key.push(Arc::as_ptr(entry) as *const () as u64);
+    let meta = |m: Option<&TensorMeta>, key: &mut Vec<u64>| match m {
+        None => key.push(u64::MAX),
+        Some(m) => {
+            key.push(m.dtype as u64 | (m.rank() as u64) << 8);
+            key.extend(m.shape().iter().map(|&d| d as u64));
+            key.extend(m.layout.strides().iter().map(|&d| d as u64));
+        }
+    };
+    for t in inputs {
+        meta(t.as_ref().map(|t| &t.meta), &mut key);
+    }
+    for t in in_place {
+        meta(Some(&t.meta), &mut key);
+    }
+    for (name, value) in attrs {
+        key.push(name.as_ptr() as u64);
+        match value {
+            AttrValue::None => key.push(0),
+            AttrValue::Int(v) => key.extend([1, *v as u64]),
+            AttrValue::Float(v) => key.extend([2, v.to_bits()]),
+            AttrValue::Bool(v) => key.extend([3, *v as u64]),
+            AttrValue::Str(v) => {
+                key.extend([4, v.len() as u64]);
+                key.extend(v.bytes().map(u64::from));
+            }
+            AttrValue::Ints(v) => {
+                key.extend([5, v.len() as u64]);
+                key.extend(v.iter().map(|&i| i as u64));
+            }
+            AttrValue::DType(d) => key.extend([6, *d as u64]),
+        }
+    }
+    key
 }
 
 /// Binds tensor metas (inputs in schema order; in-place arguments where the schema has them) for

@@ -214,12 +214,12 @@ impl<'a> Executor<'a> {
     /// Points input `i` (the caller's numbering, as in [`Executor::new`]) at new data with the
     /// same dtype, shape and strides.
     pub fn rebind_input(&mut self, i: usize, t: TensorRef<'a>) -> Result<()> {
-        let op = self.op().to_string();
+        let op = self.entry.name();
         let k = *self.input_slots.get(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_input: no input {i}")))?;
         let slot = &mut self.inputs[k];
         let old =
             slot.as_ref().ok_or_else(|| Error::invalid(format!("{op}: rebind_input: input {i} was bound as None")))?;
-        check_same_layout(&op, &format!("input {i}"), &old.meta, t.meta())?;
+        check_same_layout(op, "input", i, &old.meta, t.meta())?;
         let bound = Bound { ptr: t.as_ptr() as *mut u8, len: t.byte_len(), meta: t.meta().clone() };
         match self.bound_args.as_mut().and_then(Arc::get_mut) {
             Some(args) if self.staging.is_empty() => args.inputs[k] = Some(bound.clone()),
@@ -230,10 +230,10 @@ impl<'a> Executor<'a> {
     }
 
     pub fn rebind_output(&mut self, i: usize, mut t: TensorMut<'a>) -> Result<()> {
-        let op = self.op().to_string();
+        let op = self.entry.name();
         let slot =
             self.outputs.get_mut(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_output: no output {i}")))?;
-        check_same_layout(&op, &format!("output {i}"), &slot.meta, t.meta())?;
+        check_same_layout(op, "output", i, &slot.meta, t.meta())?;
         *slot = Bound { ptr: t.as_mut_ptr(), len: t.byte_len(), meta: t.meta().clone() };
         // Patch the cached bindings when no queued launch still holds them, else rebuild them.
         match self.bound_args.as_mut().and_then(Arc::get_mut) {
@@ -362,11 +362,13 @@ impl<'a> Executor<'a> {
     }
 }
 
-fn check_same_layout(op: &str, what: &str, old: &TensorMeta, new: &TensorMeta) -> Result<()> {
+/// Rebinding keeps the plan: the new tensor must have the planned dtype, shape and strides.
+/// (Checked on every re-launch, so nothing is formatted unless it fails.)
+fn check_same_layout(op: &str, what: &str, i: usize, old: &TensorMeta, new: &TensorMeta) -> Result<()> {
     if old.dtype != new.dtype || old.shape() != new.shape() || old.layout.strides() != new.layout.strides() {
         return Err(Error::new(
             ErrorCode::ParamInvalid,
-            format!("{op}: rebinding {what}: expected a tensor like the planned one ({old}), got {new}"),
+            format!("{op}: rebinding {what} {i}: expected a tensor like the planned one ({old}), got {new}"),
         ));
     }
     Ok(())

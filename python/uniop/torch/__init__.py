@@ -53,13 +53,6 @@ def _fake_kernel(native):
     return fake
 
 
-def _cpu_kernel(native):
-    def kernel(*args, **kwargs):
-        return native(*args, **kwargs)
-
-    return kernel
-
-
 class _BackwardWiring:
     """How one forward op's autograd calls its backward op (resolved once, at registration)."""
 
@@ -162,7 +155,7 @@ def _register(natives):
     natives = [n for n in natives if n.name not in _registered]
     for native in natives:
         _lib.define(native.schema)
-        _lib.impl(native.name, _cpu_kernel(native), "CPU")
+        _lib.impl(native.name, native, "CPU")  # the op object itself: no Python frame between
         torch.library.register_fake(f"{NAMESPACE}::{native.name}", _fake_kernel(native), lib=_lib)
         _registered[native.name] = native
     for native in natives:
