@@ -26,13 +26,16 @@ pub fn set_allocator(alloc: Py<PyAny>) -> PyResult<()> {
     ALLOCATOR.set(alloc).map_err(|_| PyRuntimeError::new_err("uniop: the output allocator is already set"))
 }
 
-/// The schema's arguments matched to what the caller passed (`None`: use the default), and the
-/// `stream=` keyword every op takes besides its schema.
+/// Per schema argument, what the caller passed (`None`: use the default); then the `stream=`
+/// keyword every op takes besides its schema.
+type BoundArgs<'py> = (Vec<Option<Bound<'py, PyAny>>>, Option<Bound<'py, PyAny>>);
+
+/// Matches the caller's arguments to the schema.
 fn bind<'py>(
     entry: &OpEntry,
     args: &Bound<'py, PyTuple>,
     kwargs: Option<&Bound<'py, PyDict>>,
-) -> Result<(Vec<Option<Bound<'py, PyAny>>>, Option<Bound<'py, PyAny>>), Error> {
+) -> Result<BoundArgs<'py>, Error> {
     let op = entry.name();
     let schema = &entry.schema.args;
     let positional = schema.iter().take_while(|a| !a.kwarg_only).count();
@@ -205,7 +208,7 @@ fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result<(TensorMet
     let strides: Vec<usize> = strides.iter().map(|&s| s as usize).collect();
     let layout = Layout::strided(&shape, &strides, 0).map_err(|e| e.context(op))?;
     let base = (t.data_ptr() as *mut u8).wrapping_add(t.byte_offset() as usize);
-    if (base as usize) % dtype.size() != 0 && !layout.is_empty() {
+    if !(base as usize).is_multiple_of(dtype.size()) && !layout.is_empty() {
         return Err(bad("data aligned to its element size", format!("address {base:p}")));
     }
     Ok((TensorMeta { dtype, layout }, base))
