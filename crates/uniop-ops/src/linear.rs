@@ -57,29 +57,51 @@ fn dims(cx: &OpCx) -> Result<Dims> {
     Ok(d)
 }
 
-fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims) {
+/// How blocks share the output: bands of rows, or — when there are too few rows to go around
+/// (decode: one token per sequence) — bands of output columns, each block streaming its share
+/// of the weight.
+#[derive(Clone, Copy)]
+enum Bands {
+    Rows,
+    Columns,
+}
+
+/// Output columns per unit of a column band (keeps bands on whole register tiles).
+const COLUMN_UNIT: usize = 32;
+
+fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands) {
     let (x, w, out) = (args.input(0), args.input(1), args.output(0));
     let bias = args.optional_input(2);
     let ws = w.layout().strides();
     let (xp, wp) = (x.storage::<T>().unwrap().as_ptr(), w.storage::<T>().unwrap().as_ptr());
-    let rows = ctx.split(d.rows);
+    let (rows, cols) = match bands {
+        Bands::Rows => (ctx.split(d.rows), 0..d.n),
+        Bands::Columns => {
+            let units = ctx.split(d.n.div_ceil(COLUMN_UNIT));
+            (0..d.rows, units.start * COLUMN_UNIT..(units.end * COLUMN_UNIT).min(d.n))
+        }
+    };
+    if cols.is_empty() {
+        return;
+    }
+    let o = out.layout().offset();
     if let Some(b) = &bias {
-        let bs = &b.storage::<T>().unwrap()[b.layout().offset()..][..d.n];
+        let bs = &b.storage::<T>().unwrap()[b.layout().offset() + cols.start..][..cols.len()];
         for r in rows.clone() {
-            // SAFETY: this block owns rows `rows` of the (contiguous) output.
-            unsafe { out.slice_mut::<T>(out.layout().offset() + r * d.n, d.n) }.copy_from_slice(bs);
+            // SAFETY: this block owns rows `rows` × columns `cols` of the (contiguous) output.
+            unsafe { out.slice_mut::<T>(o + r * d.n + cols.start, cols.len()) }.copy_from_slice(bs);
         }
     }
     // SAFETY: x and out are contiguous [rows, k] / [rows, n] (the plan asked for it); weight is any
-    // strided [n, k], read transposed; this block owns output rows `rows`.
+    // strided [n, k], read transposed; this block owns output rows `rows` × columns `cols`.
     unsafe {
         gemm_rows(
             rows,
-            d.n,
+            cols.len(),
             d.k,
-            Dst { ptr: out.as_mut_ptr::<T>().add(out.layout().offset()), rs: d.n as isize, cs: 1 },
+            Dst { ptr: out.as_mut_ptr::<T>().add(o + cols.start), rs: d.n as isize, cs: 1 },
             Mat { ptr: xp.add(x.layout().offset()), rs: d.k as isize, cs: 1 },
-            Mat { ptr: wp.add(w.layout().offset()), rs: ws[1] as isize, cs: ws[0] as isize },
+            Mat { ptr: wp.add(w.layout().offset() + cols.start * ws[0]), rs: ws[1] as isize, cs: ws[0] as isize },
             bias.is_some(),
         );
     }
@@ -121,9 +143,13 @@ impl Op for Linear {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let d = dims(cx)?;
         let threads = uniop::runtime::Pool::global().threads();
-        let block_dim = d.rows.div_ceil(16).clamp(1, threads) as u32;
+        let (bands, block_dim) = if d.rows < 16 * threads && d.n >= 2 * COLUMN_UNIT {
+            (Bands::Columns, d.n.div_ceil(COLUMN_UNIT).min(threads))
+        } else {
+            (Bands::Rows, d.rows.div_ceil(16).clamp(1, threads))
+        };
         let step = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
-            Step::new("linear", block_dim, move |args, ctx| kernel::<T>(args, ctx, d))
+            Step::new("linear", block_dim as u32, move |args, ctx| kernel::<T>(args, ctx, d, bands))
         });
         Ok(Plan::new(vec![step])
             .inputs_need(vec![LayoutNeed::Contiguous, LayoutNeed::Any, LayoutNeed::Contiguous])

@@ -1010,3 +1010,29 @@ fn causal_softmax_masks_bottom_right_and_softmax_backward_is_its_gradient() {
     let fd = finite_difference("causal_softmax", &[(f64s(&x), vec![2, sq, sk])], &[], &f64s(&dy), 0);
     assert_close(&dx[0], &fd, "dx");
 }
+
+/// Decode-shaped linears (a few rows, many outputs) split the output columns across blocks and,
+/// in bf16, take dot products straight from the weight: bias, ragged last band, f32 and bf16.
+#[test]
+fn linear_with_few_rows_splits_columns() {
+    setup();
+    use uniop::half::bf16;
+    for (rows, k, n) in [(1, 96, 200), (3, 33, 130), (2, 64, 64)] {
+        let (x, w, b) = (rand_vec(rows * k, 91), rand_vec(n * k, 92), rand_vec(n, 93));
+        let inputs = [
+            Some(TensorRef::new(&x, &[rows, k]).unwrap()),
+            Some(TensorRef::new(&w, &[n, k]).unwrap()),
+            Some(TensorRef::new(&b, &[n]).unwrap()),
+        ];
+        let y = run_checked("linear", &inputs, &[]).remove(0);
+        assert_eq!(y.len(), rows * n);
+        let to_bf16 = |v: &[f32]| v.iter().map(|&f| bf16::from_f32(f)).collect::<Vec<_>>();
+        let (xb, wb, bb) = (to_bf16(&x), to_bf16(&w), to_bf16(&b));
+        let inputs = [
+            Some(TensorRef::new(&xb, &[rows, k]).unwrap()),
+            Some(TensorRef::new(&wb, &[n, k]).unwrap()),
+            Some(TensorRef::new(&bb, &[n]).unwrap()),
+        ];
+        run_checked("linear", &inputs, &[]);
+    }
+}

@@ -5,7 +5,9 @@
 SiLU) and ``modeling_llama.apply_rotary_pos_emb`` (uniop ``rope``). Methods are patched on the
 classes, so existing instances change too. Given a model, it also switches the model's attention
 to uniop's flash attention (registered with transformers as the ``"uniop"`` implementation; calls
-with a padding mask, dropout or softcap fall back to SDPA). :func:`unpatch_llama` restores all of it.
+with a padding mask, dropout or softcap fall back to SDPA) and its linear layers (projections and
+``lm_head``) to uniop ``linear``, which streams the weight at memory speed when there are few rows
+— decoding spends most of its time there. :func:`unpatch_llama` restores all of it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from . import nn as unn
 
 ATTENTION = "uniop"
 _originals = {}
-_models = []  # (model, its attention implementation before patching)
+_models = []  # (model, its attention implementation before patching, its patched linears)
 
 
 def _modeling():
@@ -25,13 +27,31 @@ def _modeling():
     return modeling_llama
 
 
+def _is_silu(mlp):
+    # transformers 5 builds its own SiLUActivation module; older versions use nn.SiLU.
+    return getattr(getattr(mlp, "config", None), "hidden_act", None) in ("silu", "swish") or isinstance(
+        mlp.act_fn, nn.SiLU
+    )
+
+
 def _mlp_forward(original):
     def forward(self, x):
-        if isinstance(self.act_fn, nn.SiLU):
+        if _is_silu(self):
             return self.down_proj(unn.uniop_ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
         return original(self, x)
 
     return forward
+
+
+# Up to this many rows uniop's linear (weight streamed by column bands, all cores) beats torch's
+# here; prefill-sized inputs keep torch's GEMM (measured: benches/llama_patch.py).
+_FEW_ROWS = 16
+
+
+def _linear_forward(self, x):
+    if x.numel() <= _FEW_ROWS * x.shape[-1]:
+        return unn.uniop_ops.linear(x, self.weight, self.bias)
+    return nn.functional.linear(x, self.weight, self.bias)
 
 
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -69,18 +89,23 @@ def patch_llama(model=None):
         m.LlamaRMSNorm.forward = unn.RMSNorm.forward
         m.LlamaMLP.forward = _mlp_forward(_originals["mlp"])
         m.apply_rotary_pos_emb = unn.apply_rotary_pos_emb
-    if model is not None and model.config._attn_implementation != ATTENTION:
+    if model is not None and all(patched is not model for patched, _, _ in _models):
         _register_attention()
-        _models.append((model, model.config._attn_implementation))
+        linears = [mod for mod in model.modules() if type(mod) is nn.Linear]
+        _models.append((model, model.config._attn_implementation, linears))
         model.set_attn_implementation(ATTENTION)
+        for mod in linears:
+            mod.forward = _linear_forward.__get__(mod)
     return model
 
 
 def unpatch_llama():
     """Restores transformers' own Llama implementations (and patched models' attention)."""
     while _models:
-        model, previous = _models.pop()
+        model, previous, linears = _models.pop()
         model.set_attn_implementation(previous)
+        for mod in linears:
+            del mod.forward
     if _originals:
         m = _modeling()
         m.LlamaRMSNorm.forward = _originals.pop("rms_norm")
