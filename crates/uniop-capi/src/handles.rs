@@ -2,14 +2,15 @@
 //! null, foreign, wrongly-typed or already-destroyed handle is reported instead of dereferenced.
 //! Argument names are `Display` and only formatted when there is an error to report.
 
+use rustc_hash::FxHashMap;
 use std::any::TypeId;
-use std::collections::HashMap;
 use std::fmt::Display;
 use std::sync::{Mutex, OnceLock};
 use uniop::{Error, ErrorCode, Result};
 
-fn live() -> &'static Mutex<HashMap<usize, TypeId>> {
-    static LIVE: OnceLock<Mutex<HashMap<usize, TypeId>>> = OnceLock::new();
+/// Keys are addresses, so a cheap multiplicative hash is enough (every call checks its handles).
+fn live() -> &'static Mutex<FxHashMap<usize, TypeId>> {
+    static LIVE: OnceLock<Mutex<FxHashMap<usize, TypeId>>> = OnceLock::new();
     LIVE.get_or_init(Default::default)
 }
 

@@ -185,11 +185,11 @@ pub(crate) fn plan<N: Display>(
 ) -> Result<()> {
     non_null(workspaceSize, func, "workspaceSize")?;
     non_null(executor, func, "executor")?;
-    let mut in_views = Vec::new();
+    let mut in_views = Vec::with_capacity(inputs.len());
     for (arg, t) in inputs {
         in_views.push(if t.is_null() { None } else { Some(unsafe { view(bound(*t, func, arg)?, func, arg)? }) });
     }
-    let mut out_views = Vec::new();
+    let mut out_views = Vec::with_capacity(outputs.len());
     for (arg, t) in outputs {
         out_views.push(unsafe { view_mut(bound(*t, func, arg)?, func, arg)? });
     }

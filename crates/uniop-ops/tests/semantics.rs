@@ -63,6 +63,79 @@ fn rms_norm_matches_hand_computed_values() {
     assert!((out[1][0] - r).abs() < 1e-6);
 }
 
+/// Phase 1 reuses plans across calls with the same signature: calls that differ only in an
+/// attribute, in strides, in the offset or in the outputs' layout must still each get their own
+/// plan, and a call that failed validation must fail again.
+#[test]
+fn cached_plans_never_leak_between_signatures() {
+    setup();
+    let x = [3.0f32, 4.0, 0.0, 0.0, 6.0, 8.0];
+    let w = [1.0f32, 1.0];
+    let rms = |eps: f64, x: TensorRef, out: TensorMut, rstd: TensorMut| {
+        Executor::by_name(
+            "rms_norm",
+            &[Some(x), Some(TensorRef::new(&w, &[2]).unwrap())],
+            &[("eps", eps.into())],
+            vec![out, rstd],
+        )
+        .unwrap()
+        .run(&mut [0u8; 4096], &Stream::default_stream().clone())
+        .unwrap()
+    };
+    let check = |got: [f32; 2], row: [f64; 2], eps: f64| {
+        let r = 1.0 / ((row[0] * row[0] + row[1] * row[1]) / 2.0 + eps).sqrt();
+        let close = (0..2).all(|i| (got[i] as f64 - row[i] * r).abs() < 1e-6);
+        assert!(close, "rms_norm of {row:?} with eps {eps}: got {got:?}");
+    };
+    for eps in [0.0, 0.5, 0.0, 2.0] {
+        let (mut y, mut rstd) = ([0f32; 2], [0f32; 1]);
+        rms(
+            eps,
+            TensorRef::new(&x[..2], &[1, 2]).unwrap(),
+            TensorMut::new(&mut y, &[1, 2]).unwrap(),
+            TensorMut::new(&mut rstd, &[1, 1]).unwrap(),
+        );
+        check(y, [3.0, 4.0], eps);
+    }
+    // Same shape, other offset, then other strides (a column pair read with stride 2 → staged).
+    let (mut y, mut rstd) = ([0f32; 2], [0f32; 1]);
+    rms(
+        0.0,
+        TensorRef::strided(&x, &[1, 2], &[2, 1], 4).unwrap(),
+        TensorMut::new(&mut y, &[1, 2]).unwrap(),
+        TensorMut::new(&mut rstd, &[1, 1]).unwrap(),
+    );
+    check(y, [6.0, 8.0], 0.0);
+    rms(
+        0.0,
+        TensorRef::strided(&x, &[1, 2], &[2, 4], 0).unwrap(),
+        TensorMut::new(&mut y, &[1, 2]).unwrap(),
+        TensorMut::new(&mut rstd, &[1, 1]).unwrap(),
+    );
+    check(y, [3.0, 6.0], 0.0);
+    // An output with other strides (written through a staged copy).
+    let mut wide = [0f32; 4];
+    rms(
+        0.0,
+        TensorRef::new(&x[..2], &[1, 2]).unwrap(),
+        TensorMut::strided(&mut wide, &[1, 2], &[4, 2], 0).unwrap(),
+        TensorMut::new(&mut rstd, &[1, 1]).unwrap(),
+    );
+    check([wide[0], wide[2]], [3.0, 4.0], 0.0);
+    assert_eq!((wide[1], wide[3]), (0.0, 0.0));
+    // A failing signature is never cached.
+    for _ in 0..2 {
+        let (mut y, mut rstd) = ([0f32; 2], [0f32; 1]);
+        let e = plan_err(
+            "rms_norm",
+            &[Some(TensorRef::new(&x[..2], &[1, 2]).unwrap()), Some(TensorRef::new(&w, &[2]).unwrap())],
+            &[("eps", (-1.0).into())],
+            vec![TensorMut::new(&mut y, &[1, 2]).unwrap(), TensorMut::new(&mut rstd, &[1, 1]).unwrap()],
+        );
+        assert!(e.message().contains("eps"), "{e}");
+    }
+}
+
 #[test]
 fn rms_norm_accepts_f32_weight_with_bf16_input_and_multi_dim_weight() {
     setup();
@@ -730,6 +803,12 @@ fn matmul_broadcasts_batches_and_takes_transposed_operands() {
 fn launch_errors_belong_to_their_launch() {
     setup();
     let stream = uniop::Stream::new();
+    // Keep the stream busy so the failing launch is queued (on an idle stream a launch this small
+    // runs in place and returns its error directly — see the next test).
+    stream.launch_host_fn(|| {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        Ok(())
+    });
     let w = rand_vec(8, 101);
     let bad = [5i64];
     let mut y = vec![0f32; 2];
@@ -756,6 +835,43 @@ fn launch_errors_belong_to_their_launch() {
     let err = stream.synchronize().unwrap_err();
     assert!(err.message().contains("expected values in [0, 4), got 5"), "{err}");
     stream.synchronize().unwrap();
+}
+
+/// A single-block launch on an idle stream runs in place: its failure comes back from `launch`,
+/// and nothing is left for `synchronize`. On a busy stream the same launch is queued instead.
+#[test]
+fn small_launch_on_an_idle_stream_runs_in_place() {
+    setup();
+    let stream = uniop::Stream::new();
+    let w = rand_vec(8, 103);
+    let bad = [7i64];
+    let mut y = vec![0f32; 2];
+    let mut e = Executor::by_name(
+        "embedding",
+        &[Some(TensorRef::new(&w, &[4, 2]).unwrap()), Some(TensorRef::new(&bad, &[1]).unwrap())],
+        &[],
+        vec![TensorMut::new(&mut y, &[1, 2]).unwrap()],
+    )
+    .unwrap();
+    e.set_repeatable();
+    // SAFETY: every tensor outlives the stream work (we synchronize below).
+    let err = unsafe { e.launch(std::ptr::null_mut(), 0, &stream) }.unwrap_err();
+    assert!(err.message().contains("expected values in [0, 4), got 7"), "{err}");
+    stream.synchronize().unwrap();
+
+    let (started_tx, started_rx) = std::sync::mpsc::channel::<()>();
+    let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+    stream.launch_host_fn(move || {
+        started_tx.send(()).unwrap();
+        release_rx.recv().unwrap();
+        Ok(())
+    });
+    started_rx.recv().unwrap();
+    // SAFETY: as above.
+    unsafe { e.launch(std::ptr::null_mut(), 0, &stream) }.unwrap();
+    release_tx.send(()).unwrap();
+    let err = stream.synchronize().unwrap_err();
+    assert!(err.message().contains("expected values in [0, 4), got 7"), "{err}");
 }
 
 #[test]

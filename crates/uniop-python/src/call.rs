@@ -506,47 +506,18 @@ thread_local! {
     static PLANS: std::cell::RefCell<HashMap<Vec<u64>, Plan>> = std::cell::RefCell::new(HashMap::new());
 }
 
-/// Everything phase 1 depends on: the op, every tensor's dtype, shape and strides (or absence)
-/// and the attribute values, as one word vector.
+/// Everything phase 1 depends on besides the outputs (which infer derives from the rest): the
+/// core's call signature over the inputs, then the in-place tensors.
 fn signature(
     entry: &Arc<OpEntry>,
     inputs: &[Option<Imported>],
     in_place: &[Imported],
     attrs: &[(&str, AttrValue)],
 ) -> Vec<u64> {
-    let mut key = Vec::with_capacity(32);
-    key.push(Arc::as_ptr(entry) as *const () as u64);
-    let meta = |m: Option<&TensorMeta>, key: &mut Vec<u64>| match m {
-        None => key.push(u64::MAX),
-        Some(m) => {
-            key.push(m.dtype as u64 | (m.rank() as u64) << 8);
-            key.extend(m.shape().iter().map(|&d| d as u64));
-            key.extend(m.layout.strides().iter().map(|&d| d as u64));
-        }
-    };
-    for t in inputs {
-        meta(t.as_ref().map(|t| &t.meta), &mut key);
-    }
+    let mut key = Vec::with_capacity(64);
+    uniop::executor::signature(entry, inputs.iter().map(|t| t.as_ref().map(|t| &t.meta)), attrs, &mut key);
     for t in in_place {
-        meta(Some(&t.meta), &mut key);
-    }
-    for (name, value) in attrs {
-        key.push(name.as_ptr() as u64);
-        match value {
-            AttrValue::None => key.push(0),
-            AttrValue::Int(v) => key.extend([1, *v as u64]),
-            AttrValue::Float(v) => key.extend([2, v.to_bits()]),
-            AttrValue::Bool(v) => key.extend([3, *v as u64]),
-            AttrValue::Str(v) => {
-                key.extend([4, v.len() as u64]);
-                key.extend(v.bytes().map(u64::from));
-            }
-            AttrValue::Ints(v) => {
-                key.extend([5, v.len() as u64]);
-                key.extend(v.iter().map(|&i| i as u64));
-            }
-            AttrValue::DType(d) => key.extend([6, *d as u64]),
-        }
+        uniop::executor::meta_words(Some(&t.meta), &mut key);
     }
     key
 }

@@ -21,6 +21,8 @@ use crate::runtime::pool::KernelFn;
 use crate::runtime::{BlockCtx, Stream};
 use crate::schema::AttrValue;
 use crate::tensor::{TensorMut, TensorRef};
+use rustc_hash::FxHashMap;
+use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -41,21 +43,28 @@ struct Staging {
     meta: TensorMeta,
 }
 
-pub struct Executor<'a> {
+/// What phase 1 derives from metas and attributes alone, shared by every executor planned with
+/// the same [`signature`]: validation passed, the plan's steps, and where staging goes.
+struct Planned {
+    /// Held so that the op's address, which keys the cache, is never reused by another op.
     entry: Arc<OpEntry>,
     steps: Vec<Step>,
-    /// Per kernel input slot (schema order; in-place arguments unbound).
-    inputs: Vec<Option<Bound>>,
+    /// Per kernel input slot (schema order), the caller's input index (`None`: in place).
+    slots: Vec<Option<usize>>,
     /// Kernel slot of each of the caller's inputs (they skip in-place arguments).
     input_slots: Vec<usize>,
-    outputs: Vec<Bound>,
     staging: Vec<Staging>,
     op_workspace: usize,
     workspace_size: usize,
+}
+
+pub struct Executor<'a> {
+    planned: Arc<Planned>,
+    /// Per kernel input slot (schema order; in-place arguments unbound).
+    inputs: Vec<Option<Bound>>,
+    outputs: Vec<Bound>,
     repeatable: bool,
     launched: bool,
-    /// Stream task numbers of the most recent launch (for `run` to wait for exactly those).
-    last_tasks: Option<(u64, u64)>,
     /// Kernel bindings of the last launch, reused by the next one when nothing is staged and the
     /// workspace and tensors are the same (a repeatable executor's re-launch allocates nothing).
     bound_args: Option<Arc<KernelArgs>>,
@@ -80,115 +89,67 @@ impl<'a> Executor<'a> {
     /// Phase 1: validate, infer, plan. `inputs` has one entry per tensor the op reads (flattened
     /// for `Tensor[]`; `None` for an absent `Tensor?`); `outputs` holds the in-place arguments,
     /// then one tensor per return.
+    ///
+    /// Everything but the addresses depends only on the op, the tensors' dtypes and layouts and
+    /// the attributes, so that part is kept per thread and reused by later calls with the same
+    /// signature: a model calls the same few shapes over and over, and validating, inferring and
+    /// planning again was most of a small op's phase-1 cost.
     pub fn new(
         entry: Arc<OpEntry>,
         inputs: &[Option<TensorRef<'a>>],
         attrs: &[(&str, AttrValue)],
         outputs: Vec<TensorMut<'a>>,
     ) -> Result<Executor<'a>> {
-        let op = entry.name().to_string();
-        let in_place = entry.schema.mutated().count();
-        if outputs.len() < in_place {
-            let names: Vec<_> = entry.schema.mutated().map(|a| a.name.as_str()).collect();
-            return Err(Error::new(
-                ErrorCode::ParamInvalid,
-                format!(
-                    "{op}: expected the in-place tensors ({}) first among the outputs, got {} outputs",
-                    names.join(", "),
-                    outputs.len()
-                ),
-            ));
+        let mut key = Vec::with_capacity(64);
+        signature(&entry, inputs.iter().map(|t| t.as_ref().map(TensorRef::meta)), attrs, &mut key);
+        for t in &outputs {
+            meta_words(Some(t.meta()), &mut key);
         }
-        let written: Vec<&TensorMeta> = outputs[..in_place].iter().map(TensorMut::meta).collect();
-        let (groups, slots) = group_inputs(&entry, inputs, &written)?;
-        let cx = OpCx::bind(&entry.schema, groups, attrs)?;
-        let expected = entry.op.infer(&cx)?;
-        if outputs.len() != in_place + expected.len() {
-            return Err(Error::new(
-                ErrorCode::ParamInvalid,
-                format!("{op}: expected {} outputs, got {}", in_place + expected.len(), outputs.len()),
-            ));
-        }
-        for (i, (out, want)) in outputs[in_place..].iter().zip(&expected).enumerate() {
-            let name = entry.schema.output_name(in_place + i);
-            if out.dtype() != want.dtype {
-                return Err(Error::arg(ErrorCode::DType, &op, &name, format!("dtype {}", want.dtype), out.dtype()));
+        let planned = match PLANNED.with(|cache| cache.borrow().get(&key).cloned()) {
+            Some(planned) => planned,
+            None => {
+                let planned = Arc::new(plan_call(&entry, inputs, attrs, &outputs)?);
+                PLANNED.with(|cache| {
+                    let mut cache = cache.borrow_mut();
+                    if cache.len() >= CACHED_PLANS {
+                        cache.clear();
+                    }
+                    cache.insert(key, planned.clone());
+                });
+                planned
             }
-            if out.shape() != want.shape() {
-                return Err(Error::arg(
-                    ErrorCode::Shape,
-                    &op,
-                    &name,
-                    format!("shape {}", want.layout),
-                    format!("shape {}", out.meta().layout),
-                ));
-            }
-        }
-        let plan = entry.op.plan(&cx)?;
-        drop(cx);
-
-        let mut staging = Vec::new();
-        let mut at = align_up(plan.workspace);
-        let mut stage = |is_output: bool, index: usize, meta: &TensorMeta, need: LayoutNeed| -> Result<()> {
-            if need.satisfied_by(&meta.layout) {
-                return Ok(());
-            }
-            let packed = TensorMeta::contiguous(meta.dtype, meta.shape())?;
-            let copy_in = is_output && index < in_place;
-            staging.push(Staging { is_output, copy_in, index, at, meta: packed.clone() });
-            at = at
-                .checked_add(align_up(packed.contiguous_bytes()?))
-                .ok_or_else(|| Error::new(ErrorCode::Shape, format!("{op}: workspace size overflows")))?;
-            Ok(())
         };
-        let input_slots: Vec<usize> = (0..inputs.len())
-            .map(|i| slots.iter().position(|s| *s == Some(i)).expect("every input has a slot"))
-            .collect();
         // Kernel input slots follow the schema; in-place arguments are left unbound there.
-        let bound_inputs: Vec<Option<Bound>> = slots
+        let bound_inputs = planned
+            .slots
             .iter()
             .map(|slot| {
                 let t = inputs[(*slot)?].as_ref()?;
                 Some(Bound { ptr: t.as_ptr() as *mut u8, len: t.byte_len(), meta: t.meta().clone() })
             })
             .collect();
-        for (i, b) in bound_inputs.iter().enumerate() {
-            if let Some(b) = b {
-                stage(false, i, &b.meta, plan.input_needs.get(i).copied().unwrap_or_default())?;
-            }
-        }
-        let bound_outputs: Vec<Bound> = outputs
+        let bound_outputs = outputs
             .into_iter()
             .map(|mut t| Bound { ptr: t.as_mut_ptr(), len: t.byte_len(), meta: t.meta().clone() })
             .collect();
-        for (i, b) in bound_outputs.iter().enumerate() {
-            stage(true, i, &b.meta, plan.output_needs.get(i).copied().unwrap_or_default())?;
-        }
-        let workspace_size = if at == 0 { 0 } else { at + WS_ALIGN };
         Ok(Executor {
-            entry,
-            steps: plan.steps,
+            planned,
             inputs: bound_inputs,
-            input_slots,
             outputs: bound_outputs,
-            staging,
-            op_workspace: plan.workspace,
-            workspace_size,
             repeatable: false,
             launched: false,
-            last_tasks: None,
             bound_args: None,
             _life: PhantomData,
         })
     }
 
     pub fn op(&self) -> &str {
-        self.entry.name()
+        self.planned.entry.name()
     }
 
     /// Bytes of workspace phase 2 needs (0 when none).
     pub fn workspace_size(&self) -> usize {
-        self.workspace_size
+        self.planned.workspace_size
     }
 
     /// Allows launching more than once (aclnn's `aclSetAclOpExecutorRepeatable`).
@@ -203,7 +164,7 @@ impl<'a> Executor<'a> {
     /// The meta input `i` (as the caller passed inputs to [`Executor::new`]) was planned with;
     /// `None` for an absent optional input or an index past the inputs.
     pub fn input_meta(&self, i: usize) -> Option<&TensorMeta> {
-        self.inputs[*self.input_slots.get(i)?].as_ref().map(|b| &b.meta)
+        self.inputs[*self.planned.input_slots.get(i)?].as_ref().map(|b| &b.meta)
     }
 
     /// The meta output `i` (in-place tensors first, then returns) was planned with.
@@ -214,15 +175,19 @@ impl<'a> Executor<'a> {
     /// Points input `i` (the caller's numbering, as in [`Executor::new`]) at new data with the
     /// same dtype, shape and strides.
     pub fn rebind_input(&mut self, i: usize, t: TensorRef<'a>) -> Result<()> {
-        let op = self.entry.name();
-        let k = *self.input_slots.get(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_input: no input {i}")))?;
+        let op = self.planned.entry.name();
+        let k = *self
+            .planned
+            .input_slots
+            .get(i)
+            .ok_or_else(|| Error::invalid(format!("{op}: rebind_input: no input {i}")))?;
         let slot = &mut self.inputs[k];
         let old =
             slot.as_ref().ok_or_else(|| Error::invalid(format!("{op}: rebind_input: input {i} was bound as None")))?;
         check_same_layout(op, "input", i, &old.meta, t.meta())?;
         let bound = Bound { ptr: t.as_ptr() as *mut u8, len: t.byte_len(), meta: t.meta().clone() };
         match self.bound_args.as_mut().and_then(Arc::get_mut) {
-            Some(args) if self.staging.is_empty() => args.inputs[k] = Some(bound.clone()),
+            Some(args) if self.planned.staging.is_empty() => args.inputs[k] = Some(bound.clone()),
             _ => self.bound_args = None,
         }
         *slot = Some(bound);
@@ -230,14 +195,14 @@ impl<'a> Executor<'a> {
     }
 
     pub fn rebind_output(&mut self, i: usize, mut t: TensorMut<'a>) -> Result<()> {
-        let op = self.entry.name();
+        let op = self.planned.entry.name();
         let slot =
             self.outputs.get_mut(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_output: no output {i}")))?;
         check_same_layout(op, "output", i, &slot.meta, t.meta())?;
         *slot = Bound { ptr: t.as_mut_ptr(), len: t.byte_len(), meta: t.meta().clone() };
         // Patch the cached bindings when no queued launch still holds them, else rebuild them.
         match self.bound_args.as_mut().and_then(Arc::get_mut) {
-            Some(args) if self.staging.is_empty() => args.outputs[i] = slot.clone(),
+            Some(args) if self.planned.staging.is_empty() => args.outputs[i] = slot.clone(),
             _ => self.bound_args = None,
         }
         Ok(())
@@ -254,8 +219,7 @@ impl<'a> Executor<'a> {
         if let Some(result) = stream.run_here_if_idle(&tasks) {
             return result.map_err(|e| e.context(self.op()));
         }
-        self.last_tasks = enqueue(stream, tasks);
-        match self.last_tasks {
+        match enqueue(stream, tasks) {
             Some((first, last)) => stream.wait_through(first, last).map_err(|e| e.context(self.op())),
             None => Ok(()),
         }
@@ -263,12 +227,24 @@ impl<'a> Executor<'a> {
 
     /// Phase 2, asynchronous: enqueues the plan on `stream` and returns.
     ///
+    /// Small work on an idle stream runs right away on the calling thread instead: when every
+    /// step is a single block (the op judged it too small to split), handing it to the stream's
+    /// worker costs more than running it (a queue lock, a wake-up, a cross-thread free), and
+    /// nothing queued can observe the difference — the stream was empty, and the worker takes
+    /// nothing until it is done. A kernel failure is then returned here rather than by the next
+    /// `synchronize`.
+    ///
     /// # Safety
     /// Every bound tensor and the workspace must stay valid (and not be accessed elsewhere) until
     /// `stream` has finished this work — the same contract as an aclnn or CUDA launch.
     pub unsafe fn launch(&mut self, workspace: *mut u8, workspace_len: usize, stream: &Stream) -> Result<()> {
         let tasks = self.prepare(workspace, workspace_len)?;
-        self.last_tasks = enqueue(stream, tasks);
+        if tasks.iter().all(|(block_dim, _)| *block_dim <= 1) {
+            if let Some(result) = stream.run_here_if_idle(&tasks) {
+                return result.map_err(|e| e.context(self.op()));
+            }
+        }
+        enqueue(stream, tasks);
         Ok(())
     }
 
@@ -285,34 +261,37 @@ impl<'a> Executor<'a> {
                 format!("{op}: this executor was already launched and is single-use (call set_repeatable before the first launch to reuse it)"),
             ));
         }
-        if workspace_len < self.workspace_size {
+        if workspace_len < self.planned.workspace_size {
             return Err(Error::new(
                 ErrorCode::WorkspaceTooSmall,
                 format!(
                     "{op}: workspace of {workspace_len} bytes is smaller than the {} bytes phase 1 asked for",
-                    self.workspace_size
+                    self.planned.workspace_size
                 ),
             ));
         }
-        if self.workspace_size > 0 && workspace.is_null() {
+        if self.planned.workspace_size > 0 && workspace.is_null() {
             return Err(Error::arg(
                 ErrorCode::ParamNullptr,
                 op,
                 "workspace",
-                format!("{} bytes", self.workspace_size),
+                format!("{} bytes", self.planned.workspace_size),
                 "a null pointer",
             ));
         }
         self.launched = true;
         // With no workspace, staged views are all empty: give them an aligned dangling pointer.
-        let base = if self.workspace_size == 0 {
+        let base = if self.planned.workspace_size == 0 {
             std::ptr::without_provenance_mut(WS_ALIGN)
         } else {
             workspace.add(workspace.align_offset(WS_ALIGN))
         };
 
-        let reusable = self.staging.is_empty()
-            && self.bound_args.as_ref().is_some_and(|a| a.workspace == base && a.workspace_len == self.op_workspace);
+        let reusable = self.planned.staging.is_empty()
+            && self
+                .bound_args
+                .as_ref()
+                .is_some_and(|a| a.workspace == base && a.workspace_len == self.planned.op_workspace);
         let (args, copies_in, copies_out) = match &self.bound_args {
             Some(args) if reusable => (args.clone(), Vec::new(), Vec::new()),
             _ => {
@@ -322,7 +301,7 @@ impl<'a> Executor<'a> {
             }
         };
         let mut tasks: Vec<(u32, KernelFn)> = copies_in.into_iter().map(|(src, dst)| copy_task(src, dst)).collect();
-        for step in &self.steps {
+        for step in &self.planned.steps {
             let (args, kernel) = (args.clone(), step.kernel.clone());
             tasks.push((step.block_dim, Arc::new(move |ctx| kernel(&args, ctx))));
         }
@@ -340,11 +319,11 @@ impl<'a> Executor<'a> {
             inputs: self.inputs.clone(),
             outputs: self.outputs.clone(),
             workspace: base,
-            workspace_len: self.op_workspace,
+            workspace_len: self.planned.op_workspace,
         };
         let mut copies_in = Vec::new();
         let mut copies_out = Vec::new();
-        for s in &self.staging {
+        for s in &self.planned.staging {
             let staged =
                 Bound { ptr: base.add(s.at), len: s.meta.contiguous_bytes().unwrap_or(0), meta: s.meta.clone() };
             if s.is_output {
@@ -359,6 +338,144 @@ impl<'a> Executor<'a> {
             }
         }
         (Arc::new(kernel_args), copies_in, copies_out)
+    }
+}
+
+/// Phase 1 without the addresses: checks the call and plans it.
+fn plan_call(
+    entry: &Arc<OpEntry>,
+    inputs: &[Option<TensorRef<'_>>],
+    attrs: &[(&str, AttrValue)],
+    outputs: &[TensorMut<'_>],
+) -> Result<Planned> {
+    let op = entry.name();
+    let in_place = entry.schema.mutated().count();
+    if outputs.len() < in_place {
+        let names: Vec<_> = entry.schema.mutated().map(|a| a.name.as_str()).collect();
+        return Err(Error::new(
+            ErrorCode::ParamInvalid,
+            format!(
+                "{op}: expected the in-place tensors ({}) first among the outputs, got {} outputs",
+                names.join(", "),
+                outputs.len()
+            ),
+        ));
+    }
+    let written: Vec<&TensorMeta> = outputs[..in_place].iter().map(TensorMut::meta).collect();
+    let (groups, slots) = group_inputs(entry, inputs, &written)?;
+    let cx = OpCx::bind(&entry.schema, groups, attrs)?;
+    let expected = entry.op.infer(&cx)?;
+    if outputs.len() != in_place + expected.len() {
+        return Err(Error::new(
+            ErrorCode::ParamInvalid,
+            format!("{op}: expected {} outputs, got {}", in_place + expected.len(), outputs.len()),
+        ));
+    }
+    for (i, (out, want)) in outputs[in_place..].iter().zip(&expected).enumerate() {
+        let name = entry.schema.output_name(in_place + i);
+        if out.dtype() != want.dtype {
+            return Err(Error::arg(ErrorCode::DType, op, &name, format!("dtype {}", want.dtype), out.dtype()));
+        }
+        if out.shape() != want.shape() {
+            return Err(Error::arg(
+                ErrorCode::Shape,
+                op,
+                &name,
+                format!("shape {}", want.layout),
+                format!("shape {}", out.meta().layout),
+            ));
+        }
+    }
+    let plan = entry.op.plan(&cx)?;
+    drop(cx);
+
+    let mut staging = Vec::new();
+    let mut at = align_up(plan.workspace);
+    let mut stage = |is_output: bool, index: usize, meta: &TensorMeta, need: LayoutNeed| -> Result<()> {
+        if need.satisfied_by(&meta.layout) {
+            return Ok(());
+        }
+        let packed = TensorMeta::contiguous(meta.dtype, meta.shape())?;
+        let copy_in = is_output && index < in_place;
+        staging.push(Staging { is_output, copy_in, index, at, meta: packed.clone() });
+        at = at
+            .checked_add(align_up(packed.contiguous_bytes()?))
+            .ok_or_else(|| Error::new(ErrorCode::Shape, format!("{op}: workspace size overflows")))?;
+        Ok(())
+    };
+    let input_slots: Vec<usize> =
+        (0..inputs.len()).map(|i| slots.iter().position(|s| *s == Some(i)).expect("every input has a slot")).collect();
+    for (i, slot) in slots.iter().enumerate() {
+        if let Some(t) = slot.and_then(|k| inputs[k].as_ref()) {
+            stage(false, i, t.meta(), plan.input_needs.get(i).copied().unwrap_or_default())?;
+        }
+    }
+    for (i, t) in outputs.iter().enumerate() {
+        stage(true, i, t.meta(), plan.output_needs.get(i).copied().unwrap_or_default())?;
+    }
+    let workspace_size = if at == 0 { 0 } else { at + WS_ALIGN };
+    Ok(Planned {
+        entry: entry.clone(),
+        steps: plan.steps,
+        slots,
+        input_slots,
+        staging,
+        op_workspace: plan.workspace,
+        workspace_size,
+    })
+}
+
+/// Plans kept per thread (cleared when full: the shapes of a model repeat, so a few dozen suffice).
+const CACHED_PLANS: usize = 256;
+
+thread_local! {
+    static PLANNED: RefCell<FxHashMap<Vec<u64>, Arc<Planned>>> = RefCell::new(FxHashMap::default());
+}
+
+/// Appends a tensor's dtype, shape, strides and offset (or its absence) to a signature.
+pub fn meta_words(meta: Option<&TensorMeta>, key: &mut Vec<u64>) {
+    match meta {
+        None => key.push(u64::MAX),
+        Some(m) => {
+            key.push(m.dtype as u64 | (m.rank() as u64) << 8);
+            key.extend(m.shape().iter().map(|&d| d as u64));
+            key.extend(m.layout.strides().iter().map(|&d| d as u64));
+            key.push(m.layout.offset() as u64);
+        }
+    }
+}
+
+/// Appends everything phase 1 depends on besides the outputs — the op, each input's
+/// [`meta_words`] and the attribute names and values — to `key`. Frontends that cache their own
+/// executors key them with this too.
+pub fn signature<'m>(
+    entry: &Arc<OpEntry>,
+    inputs: impl Iterator<Item = Option<&'m TensorMeta>>,
+    attrs: &[(&str, AttrValue)],
+    key: &mut Vec<u64>,
+) {
+    key.push(Arc::as_ptr(entry) as *const () as u64);
+    for meta in inputs {
+        meta_words(meta, key);
+    }
+    for (name, value) in attrs {
+        key.push(name.len() as u64);
+        key.extend(name.bytes().map(u64::from));
+        match value {
+            AttrValue::None => key.push(0),
+            AttrValue::Int(v) => key.extend([1, *v as u64]),
+            AttrValue::Float(v) => key.extend([2, v.to_bits()]),
+            AttrValue::Bool(v) => key.extend([3, *v as u64]),
+            AttrValue::Str(v) => {
+                key.extend([4, v.len() as u64]);
+                key.extend(v.bytes().map(u64::from));
+            }
+            AttrValue::Ints(v) => {
+                key.extend([5, v.len() as u64]);
+                key.extend(v.iter().map(|&i| i as u64));
+            }
+            AttrValue::DType(d) => key.extend([6, *d as u64]),
+        }
     }
 }
 
@@ -385,10 +502,10 @@ fn group_inputs(
     inputs: &[Option<TensorRef<'_>>],
     written: &[&TensorMeta],
 ) -> Result<(Vec<Vec<TensorMeta>>, InputSlots)> {
-    let args: Vec<_> = entry.schema.inputs().filter(|a| a.ty.mutated.is_none()).collect();
-    let list_len = (inputs.len() + 1).saturating_sub(args.len());
-    let mut groups = Vec::new();
-    let mut slots = Vec::new();
+    let args = entry.schema.inputs().filter(|a| a.ty.mutated.is_none()).count();
+    let list_len = (inputs.len() + 1).saturating_sub(args);
+    let mut groups = Vec::with_capacity(entry.schema.inputs().count());
+    let mut slots = Vec::with_capacity(inputs.len() + written.len());
     let mut it = inputs.iter().enumerate();
     let mut written = written.iter();
     for arg in entry.schema.inputs() {
@@ -412,7 +529,7 @@ fn group_inputs(
                 None => {
                     return Err(Error::new(
                         ErrorCode::ParamInvalid,
-                        format!("{}: expected {} tensor inputs, got {}", entry.name(), args.len(), inputs.len()),
+                        format!("{}: expected {args} tensor inputs, got {}", entry.name(), inputs.len()),
                     ))
                 }
             }
@@ -422,7 +539,7 @@ fn group_inputs(
     if it.next().is_some() {
         return Err(Error::new(
             ErrorCode::ParamInvalid,
-            format!("{}: expected {} tensor inputs, got {}", entry.name(), args.len(), inputs.len()),
+            format!("{}: expected {args} tensor inputs, got {}", entry.name(), inputs.len()),
         ));
     }
     Ok((groups, slots))
@@ -444,31 +561,14 @@ fn enqueue(stream: &Stream, tasks: Vec<(u32, KernelFn)>) -> Option<(u64, u64)> {
 fn copy_task(src: Bound, dst: Bound) -> (u32, KernelFn) {
     let n = src.meta.numel();
     let size = src.meta.dtype.size();
-    let block_dim = block_dim_for(n, size);
     let runs = StridedRuns::<2>::new([&dst.meta.layout, &src.meta.layout]);
     let (src_ptr, dst_ptr) = (SendPtr(src.ptr), SendPtr(dst.ptr));
     (
-        block_dim,
+        block_dim_for(n, size),
         Arc::new(move |ctx: BlockCtx| {
-            let range = ctx.split(n);
-            let [ds, ss] = runs.inner_strides();
-            runs.for_each_run(range.start, range.end, |[d, s], len| {
-                // SAFETY: offsets come from layouts checked against their buffers; blocks write
-                // disjoint element ranges of `dst`.
-                unsafe {
-                    if ds == 1 && ss == 1 {
-                        std::ptr::copy_nonoverlapping(src_ptr.at(s * size), dst_ptr.at(d * size), len * size);
-                    } else {
-                        for j in 0..len {
-                            std::ptr::copy_nonoverlapping(
-                                src_ptr.at((s + j * ss) * size),
-                                dst_ptr.at((d + j * ds) * size),
-                                size,
-                            );
-                        }
-                    }
-                }
-            });
+            // SAFETY: both layouts were checked against their buffers; blocks copy disjoint
+            // element ranges of `dst`.
+            unsafe { runs.copy(dst_ptr.get(), src_ptr.get(), size, ctx.split(n)) }
         }),
     )
 }
@@ -477,10 +577,9 @@ fn copy_task(src: Bound, dst: Bound) -> (u32, KernelFn) {
 struct SendPtr(*mut u8);
 
 impl SendPtr {
-    /// # Safety
-    /// `bytes` must stay inside the allocation.
-    unsafe fn at(self, bytes: usize) -> *mut u8 {
-        self.0.add(bytes)
+    /// A method (not the field) so closures capture the whole `Send` wrapper.
+    fn get(self) -> *mut u8 {
+        self.0
     }
 }
 // SAFETY: used only inside launches whose executor guarantees the memory outlives them.

@@ -7,12 +7,21 @@
 use crate::dtype::DType;
 use crate::error::{Error, ErrorCode, Result};
 use std::fmt;
+use std::sync::Arc;
 
-#[derive(Clone, PartialEq, Eq, Hash, Default)]
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Layout {
-    shape: Vec<usize>,
-    strides: Vec<usize>,
+    /// The shape followed by the strides, shared: layouts are cloned into every executor binding
+    /// and every kernel's arguments, and copying them was most of a tiny op's phase-1 cost.
+    dims: Arc<[usize]>,
     offset: usize,
+}
+
+impl Default for Layout {
+    /// A scalar (rank 0).
+    fn default() -> Layout {
+        Layout::from_parts(&[], &[], 0)
+    }
 }
 
 /// Formats a shape as `[4, 4096]`.
@@ -69,10 +78,16 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
 }
 
 impl Layout {
+    /// Ranks must agree (callers check).
+    fn from_parts(shape: &[usize], strides: &[usize], offset: usize) -> Layout {
+        debug_assert_eq!(shape.len(), strides.len());
+        Layout { dims: shape.iter().chain(strides).copied().collect(), offset }
+    }
+
     /// A contiguous row-major layout.
     pub fn contiguous(shape: &[usize]) -> Result<Layout> {
         checked_numel(shape)?;
-        Ok(Layout { shape: shape.to_vec(), strides: contiguous_strides(shape)?, offset: 0 })
+        Ok(Layout::from_parts(shape, &contiguous_strides(shape)?, 0))
     }
 
     /// A strided layout; checks only that ranks agree and that the extent does not overflow.
@@ -90,29 +105,29 @@ impl Layout {
                 ),
             ));
         }
-        let layout = Layout { shape: shape.to_vec(), strides: strides.to_vec(), offset };
+        let layout = Layout::from_parts(shape, strides, offset);
         layout.storage_extent()?;
         Ok(layout)
     }
 
     pub fn shape(&self) -> &[usize] {
-        &self.shape
+        &self.dims[..self.rank()]
     }
     pub fn strides(&self) -> &[usize] {
-        &self.strides
+        &self.dims[self.rank()..]
     }
     pub fn offset(&self) -> usize {
         self.offset
     }
     pub fn rank(&self) -> usize {
-        self.shape.len()
+        self.dims.len() / 2
     }
     /// Element count (cannot overflow: checked at construction).
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        self.shape().iter().product()
     }
     pub fn is_empty(&self) -> bool {
-        self.shape.contains(&0)
+        self.shape().contains(&0)
     }
 
     /// Number of storage elements needed to hold every element of this view:
@@ -122,19 +137,19 @@ impl Layout {
             return Ok(0);
         }
         let mut last = self.offset;
-        for (&d, &s) in self.shape.iter().zip(&self.strides) {
+        for (&d, &s) in self.shape().iter().zip(self.strides()) {
             last = (d - 1)
                 .checked_mul(s)
                 .and_then(|x| x.checked_add(last))
-                .ok_or_else(|| overflow("storage extent", &self.shape))?;
+                .ok_or_else(|| overflow("storage extent", self.shape()))?;
         }
-        last.checked_add(1).ok_or_else(|| overflow("storage extent", &self.shape))
+        last.checked_add(1).ok_or_else(|| overflow("storage extent", self.shape()))
     }
 
     /// Checks that the view stays inside a buffer of `len_bytes` holding `dtype` elements.
     pub fn check_fits(&self, dtype: DType, len_bytes: usize) -> Result<()> {
         let need =
-            self.storage_extent()?.checked_mul(dtype.size()).ok_or_else(|| overflow("byte size", &self.shape))?;
+            self.storage_extent()?.checked_mul(dtype.size()).ok_or_else(|| overflow("byte size", self.shape()))?;
         if need > len_bytes {
             return Err(Error::new(
                 ErrorCode::Shape,
@@ -150,7 +165,7 @@ impl Layout {
             return true;
         }
         let mut expected = 1;
-        for (&d, &s) in self.shape.iter().zip(&self.strides).rev() {
+        for (&d, &s) in self.shape().iter().zip(self.strides()).rev() {
             if d != 1 && s != expected {
                 return false;
             }
@@ -161,7 +176,7 @@ impl Layout {
 
     /// The last dimension is dense (stride 1, or size ≤ 1), so each row is a plain slice.
     pub fn is_inner_contiguous(&self) -> bool {
-        match (self.shape.last(), self.strides.last()) {
+        match (self.shape().last(), self.strides().last()) {
             (Some(&d), Some(&s)) => d <= 1 || s == 1,
             _ => true,
         }
@@ -172,7 +187,7 @@ impl Layout {
         let fail = || {
             Error::new(
                 ErrorCode::Shape,
-                format!("cannot broadcast shape {} to {}", ShapeDisplay(&self.shape), ShapeDisplay(shape)),
+                format!("cannot broadcast shape {} to {}", ShapeDisplay(self.shape()), ShapeDisplay(shape)),
             )
         };
         if shape.len() < self.rank() {
@@ -181,7 +196,7 @@ impl Layout {
         let lead = shape.len() - self.rank();
         let mut strides = vec![0; shape.len()];
         for i in 0..self.rank() {
-            let (d, s) = (self.shape[i], self.strides[i]);
+            let (d, s) = (self.shape()[i], self.strides()[i]);
             strides[lead + i] = if d == shape[lead + i] {
                 s
             } else if d == 1 {
@@ -190,13 +205,13 @@ impl Layout {
                 return Err(fail());
             };
         }
-        Ok(Layout { shape: shape.to_vec(), strides, offset: self.offset })
+        Ok(Layout::from_parts(shape, &strides, self.offset))
     }
 
     /// Storage offset (in elements) of the element at linear row-major index `i`.
     pub fn offset_of_linear(&self, mut i: usize) -> usize {
         let mut off = self.offset;
-        for (&d, &s) in self.shape.iter().zip(&self.strides).rev() {
+        for (&d, &s) in self.shape().iter().zip(self.strides()).rev() {
             if d == 0 {
                 return off;
             }
@@ -208,8 +223,8 @@ impl Layout {
 
     /// Views the tensor as `[rows, cols]` over the last dim; returns `(rows, cols)`.
     pub fn rows_cols(&self) -> (usize, usize) {
-        let cols = self.shape.last().copied().unwrap_or(1);
-        let rows = self.shape[..self.rank().saturating_sub(1)].iter().product();
+        let cols = self.shape().last().copied().unwrap_or(1);
+        let rows = self.shape()[..self.rank().saturating_sub(1)].iter().product();
         (rows, cols)
     }
 
@@ -218,7 +233,7 @@ impl Layout {
     /// per row.
     pub fn rows_layout(&self) -> Layout {
         let lead = self.rank().saturating_sub(1);
-        Layout { shape: self.shape[..lead].to_vec(), strides: self.strides[..lead].to_vec(), offset: self.offset }
+        Layout::from_parts(&self.shape()[..lead], &self.strides()[..lead], self.offset)
     }
 
     /// Storage offset of the first element of row `r` in the `[rows, cols]` view.
@@ -233,8 +248,8 @@ impl Layout {
         let mut off = self.offset;
         let mut rem = r;
         for k in (0..lead).rev() {
-            let d = self.shape[k];
-            off += (rem % d) * self.strides[k];
+            let d = self.shape()[k];
+            off += (rem % d) * self.strides()[k];
             rem /= d;
         }
         off
@@ -243,9 +258,9 @@ impl Layout {
 
 impl fmt::Display for Layout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", ShapeDisplay(&self.shape))?;
+        write!(f, "{}", ShapeDisplay(self.shape()))?;
         if !self.is_contiguous() || self.offset != 0 {
-            write!(f, " strides {} offset {}", ShapeDisplay(&self.strides), self.offset)?;
+            write!(f, " strides {} offset {}", ShapeDisplay(self.strides()), self.offset)?;
         }
         Ok(())
     }
@@ -256,8 +271,8 @@ impl fmt::Debug for Layout {
         write!(
             f,
             "Layout(shape {}, strides {}, offset {})",
-            ShapeDisplay(&self.shape),
-            ShapeDisplay(&self.strides),
+            ShapeDisplay(self.shape()),
+            ShapeDisplay(self.strides()),
             self.offset
         )
     }
@@ -376,6 +391,32 @@ impl<const N: usize> StridedRuns<N> {
             f(offsets, len);
             i += len;
         }
+    }
+}
+
+impl StridedRuns<2> {
+    /// Copies elements `range` of the source view (operand 1) to the destination view
+    /// (operand 0), `elem_size` bytes each, run by run.
+    ///
+    /// # Safety
+    /// `dst` and `src` must be the storages the two layouts describe, valid for every offset
+    /// they reach, and no other thread may write the destination elements of `range`.
+    #[inline(always)]
+    pub unsafe fn copy(&self, dst: *mut u8, src: *const u8, elem_size: usize, range: std::ops::Range<usize>) {
+        let [ds, ss] = self.inner_strides();
+        self.for_each_run(range.start, range.end, |[d, s], len| {
+            if ds == 1 && ss == 1 {
+                std::ptr::copy_nonoverlapping(src.add(s * elem_size), dst.add(d * elem_size), len * elem_size);
+            } else {
+                for j in 0..len {
+                    std::ptr::copy_nonoverlapping(
+                        src.add((s + j * ss) * elem_size),
+                        dst.add((d + j * ds) * elem_size),
+                        elem_size,
+                    );
+                }
+            }
+        });
     }
 }
 

@@ -145,21 +145,17 @@ impl<'s> OpCx<'s> {
     /// `Tensor?`, any number for `Tensor[]`.
     pub fn bind(schema: &'s OpSchema, inputs: Vec<Vec<TensorMeta>>, attrs: &[(&str, AttrValue)]) -> Result<OpCx<'s>> {
         let op = schema.name.as_str();
-        let tensor_args: Vec<_> = schema.inputs().collect();
-        if inputs.len() != tensor_args.len() {
+        let tensor_args = schema.inputs().count();
+        if inputs.len() != tensor_args {
+            let args: Vec<_> = schema.inputs().collect();
             return Err(Error::new(
                 ErrorCode::ParamInvalid,
-                format!(
-                    "{op}: expected {} tensor inputs ({}), got {}",
-                    tensor_args.len(),
-                    names(&tensor_args),
-                    inputs.len()
-                ),
+                format!("{op}: expected {tensor_args} tensor inputs ({}), got {}", names(&args), inputs.len()),
             ));
         }
-        let mut flat = Vec::new();
-        let mut groups = Vec::new();
-        for (arg, group) in tensor_args.iter().zip(inputs) {
+        let mut flat = Vec::with_capacity(inputs.iter().map(|g| g.len().max(1)).sum());
+        let mut groups = Vec::with_capacity(tensor_args);
+        for (arg, group) in schema.inputs().zip(inputs) {
             let start = flat.len();
             match (arg.ty.base, group.len()) {
                 (BaseType::TensorList, _) => flat.extend(group.into_iter().map(Some)),
@@ -190,7 +186,7 @@ impl<'s> OpCx<'s> {
                 ));
             }
         }
-        let mut values = Vec::new();
+        let mut values = Vec::with_capacity(schema.args.len() - tensor_args);
         for arg in schema.attrs() {
             let given = attrs.iter().rev().find(|(n, _)| *n == arg.name).map(|(_, v)| v.clone());
             let value = match (given, &arg.default) {
