@@ -7,8 +7,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-// Bumped when a struct layout or a signature of this header changes incompatibly.
-#define UNIOP_ABI_VERSION 1
+// Bumped when a struct layout or a signature of this header changes incompatibly (2: `add`'s alpha
+// became a `uniopScalar`).
+#define UNIOP_ABI_VERSION 2
 
 // A point in a stream's work, for ordering and timing (opaque).
 typedef struct uniopEventObj uniopEventObj;
@@ -16,11 +17,23 @@ typedef struct uniopEventObj uniopEventObj;
 // A planned op call: phase 1's result, launched by phase 2 (opaque).
 typedef struct uniopExecutor uniopExecutor;
 
+// Integers passed as one argument (aclnn's `aclIntArray`), for `int[]` arguments such as
+// `permute`'s dims (opaque). The values are copied.
+typedef struct uniopIntArray uniopIntArray;
+
+// A number passed by value of any dtype (aclnn's `aclScalar`), for `Scalar` arguments such as
+// `add`'s alpha (opaque). Integers stay exact.
+typedef struct uniopScalar uniopScalar;
+
 // An ordered queue of work (opaque).
 typedef struct uniopStreamObj uniopStreamObj;
 
 // A strided view of caller-owned memory (opaque).
 typedef struct uniopTensor uniopTensor;
+
+// Tensors passed as one argument (aclnn's `aclTensorList`), e.g. `cat`'s inputs (opaque).
+// Like aclnn, the list owns its tensors: destroying it destroys them.
+typedef struct uniopTensorList uniopTensorList;
 
 // Result of every call: `UNIOP_SUCCESS` or an error code.
 typedef int32_t uniopStatus;
@@ -115,14 +128,14 @@ const char *uniopGetRecentErrMsg(void);
 // `UNIOP_ABI_VERSION` of the loaded library, to compare with the header's.
 uint32_t uniopGetAbiVersion(void);
 
-// Phase 1 of `add(Tensor a, Tensor b, *, float alpha=1.0) -> (Tensor out)`.
+// Phase 1 of `add(Tensor a, Tensor b, *, Scalar alpha=1) -> (Tensor out)`.
 //
 // Elementwise a + alpha * b. `a` and `b` broadcast against each other (trailing dims aligned,
 // size-1 or missing dims stretch) and must share a dtype. Integer dtypes need an integral alpha
 // and wrap on overflow.
 uniopStatus uniopAddGetWorkspaceSize(const uniopTensor *a,
                                      const uniopTensor *b,
-                                     double alpha,
+                                     const uniopScalar *alpha,
                                      uniopTensor *out,
                                      uint64_t *workspaceSize,
                                      uniopExecutor **executor);
@@ -239,6 +252,22 @@ uniopStatus uniopCast(void *workspace,
                       uint64_t workspaceSize,
                       uniopExecutor *executor,
                       uniopStream stream);
+
+// Phase 1 of `cat(Tensor[] tensors, int dim=0) -> (Tensor out)`.
+//
+// Joins tensors along dim (negative counts from the end), as torch.cat: at least one tensor, all
+// of one dtype and rank, equal sizes in every other dim; inputs may have any strides. Any dtype.
+uniopStatus uniopCatGetWorkspaceSize(const uniopTensorList *tensors,
+                                     int64_t dim,
+                                     uniopTensor *out,
+                                     uint64_t *workspaceSize,
+                                     uniopExecutor **executor);
+
+// Phase 2 of `cat`: launches the executor from `uniopCatGetWorkspaceSize` on `stream`.
+uniopStatus uniopCat(void *workspace,
+                     uint64_t workspaceSize,
+                     uniopExecutor *executor,
+                     uniopStream stream);
 
 // Phase 1 of `causal_softmax(Tensor x) -> (Tensor y)`.
 //
@@ -506,6 +535,23 @@ uniopStatus uniopMul(void *workspace,
                      uint64_t workspaceSize,
                      uniopExecutor *executor,
                      uniopStream stream);
+
+// Phase 1 of `permute(Tensor x, int[] dims) -> (Tensor out)`.
+//
+// A contiguous copy of x with its dims reordered: out.shape[i] = x.shape[dims[i]] (torch's
+// x.permute(dims).contiguous()). dims is a permutation of x's dims; negative values count from the
+// end. x may have any strides. Any dtype.
+uniopStatus uniopPermuteGetWorkspaceSize(const uniopTensor *x,
+                                         const uniopIntArray *dims,
+                                         uniopTensor *out,
+                                         uint64_t *workspaceSize,
+                                         uniopExecutor **executor);
+
+// Phase 2 of `permute`: launches the executor from `uniopPermuteGetWorkspaceSize` on `stream`.
+uniopStatus uniopPermute(void *workspace,
+                         uint64_t workspaceSize,
+                         uniopExecutor *executor,
+                         uniopStream stream);
 
 // Phase 1 of `rms_norm(Tensor x, Tensor weight, float eps=1e-6) -> (Tensor y, Tensor rstd)`.
 //
@@ -833,6 +879,25 @@ uniopTensor *uniopCreateTensor(const int64_t *viewDims,
                                void *tensorData);
 
 uniopStatus uniopDestroyTensor(const uniopTensor *tensor);
+
+// Reads one value of `dataType` at `value` (FLOAT, FLOAT16, BF16, DOUBLE, INT8, INT32, INT64,
+// UINT8 or BOOL) into a scalar. Returns NULL on bad arguments (see `uniopGetRecentErrMsg`).
+uniopScalar *uniopCreateScalar(const void *value, uniopDataType dataType);
+
+uniopStatus uniopDestroyScalar(const uniopScalar *scalar);
+
+// Copies `size` integers from `value` (NULL allowed when `size` is 0). Returns NULL on bad
+// arguments (see `uniopGetRecentErrMsg`).
+uniopIntArray *uniopCreateIntArray(const int64_t *value, uint64_t size);
+
+uniopStatus uniopDestroyIntArray(const uniopIntArray *array);
+
+// Groups `size` tensor descriptors (each live; the same one may repeat) into a list that takes
+// them over. Returns NULL on bad arguments (see `uniopGetRecentErrMsg`).
+uniopTensorList *uniopCreateTensorList(const uniopTensor *const *value, uint64_t size);
+
+// Destroys the list and the tensors in it (each once).
+uniopStatus uniopDestroyTensorList(const uniopTensorList *list);
 
 // Phase 1 by op name: binds `inputs` (the tensors the op reads, schema order; NULL for an
 // absent optional), `attrs` (`"name=value, ..."`, may be NULL) and `outputs` (tensors the op

@@ -1,7 +1,7 @@
-/* The C API end to end: runtime, descriptors, aclnn-style two-phase calls for rms_norm, swiglu,
- * matmul (transposed operand), rope, attention and kv_cache_append (in place), the kernel direct
- * call, events, and the bad-input contract. Every result is checked against a reference computed
- * here in double precision. Exit status 0 means all checks passed.
+/* The C API end to end: runtime, descriptors (tensors, tensor lists, scalars, int arrays),
+ * aclnn-style two-phase calls for rms_norm, swiglu, matmul (transposed operand), rope, attention,
+ * kv_cache_append (in place), cat, add and permute, the kernel direct call, events, and the
+ * bad-input contract. Every result is checked against a reference computed here in double precision. Exit status 0 means all checks passed.
  *
  *   gcc -std=c11 -Wall -Wextra -Werror -I include examples/c/two_phase.c -L target/release -luniop_capi -lm
  *   ./a.out [--bench]
@@ -291,12 +291,113 @@ static void test_direct_call_and_events(uniopStream stream) {
 }
 
 /* A descriptor call that must fail: NULL and a message naming the argument. */
-static void expect_no_tensor(const char *what, uniopTensor *t, const char *fragment) {
+static void expect_no_handle(const char *what, const void *handle, const char *fragment) {
   const char *msg = uniopGetRecentErrMsg();
-  int good = t == NULL && strstr(msg, fragment) != NULL;
-  CHECK(good, "%s: got %p (%s), want NULL with \"%s\"", what, (void *)t, msg, fragment);
+  int good = handle == NULL && strstr(msg, fragment) != NULL;
+  CHECK(good, "%s: got %p (%s), want NULL with \"%s\"", what, handle, msg, fragment);
   printf("%-28s NULL  %s\n", what, good ? "PASS" : "FAIL");
-  if (t) uniopDestroyTensor(t);
+}
+
+/* cat through a tensor list (aclnn's aclTensorList): a KV block joined along the sequence dim, the
+ * list owning its tensors; then the list's own bad inputs. */
+static void test_cat_tensor_list(uniopStream stream) {
+  enum { H = 2, S0 = 3, S1 = 1, D = 4 };
+  float past[H * S0 * D], step[H * S1 * D], joined[H * (S0 + S1) * D];
+  fill(past, H * S0 * D, 40);
+  fill(step, H * S1 * D, 41);
+  int64_t pd[] = {H, S0, D}, sd[] = {H, S1, D}, jd[] = {H, S0 + S1, D};
+  const uniopTensor *items[] = {dense(pd, 3, past), dense(sd, 3, step)};
+  uniopTensorList *list = uniopCreateTensorList(items, 2);
+  CHECK(list != NULL, "uniopCreateTensorList: %s", uniopGetRecentErrMsg());
+  uniopTensor *out = dense(jd, 3, joined);
+  uint64_t ws = 0;
+  uniopExecutor *exec = NULL;
+  OK(uniopCatGetWorkspaceSize(list, -2, out, &ws, &exec));
+  launch(uniopCat, ws, exec, stream);
+  double want[H * (S0 + S1) * D];
+  for (int h = 0; h < H; h++)
+    for (int s = 0; s < S0 + S1; s++)
+      for (int d = 0; d < D; d++)
+        want[(h * (S0 + S1) + s) * D + d] = s < S0 ? past[(h * S0 + s) * D + d] : step[(h * S1 + s - S0) * D + d];
+  expect_close("cat (tensor list)", joined, want, H * (S0 + S1) * D, 0);
+
+  expect_error("cat: NULL list", uniopCatGetWorkspaceSize(NULL, 0, out, &ws, &exec), UNIOP_ERROR_PARAM_NULLPTR,
+               "'tensors'");
+  expect_error("cat: dim out of range", uniopCatGetWorkspaceSize(list, 3, out, &ws, &exec),
+               UNIOP_ERROR_PARAM_INVALID, "'dim'");
+  expect_no_handle("tensor list: NULL items", uniopCreateTensorList(NULL, 2), "'value'");
+  const uniopTensor *foreign[] = {items[0], (const uniopTensor *)past};
+  expect_no_handle("tensor list: foreign item", uniopCreateTensorList(foreign, 2), "'value[1]'");
+  OK(uniopDestroyTensorList(list)); /* destroys both tensors */
+  expect_error("tensor list: destroyed", uniopDestroyTensorList(list), UNIOP_ERROR_PARAM_INVALID, "'list'");
+  expect_error("tensor list: items gone", uniopDestroyTensor(items[0]), UNIOP_ERROR_PARAM_INVALID, "'tensor'");
+  OK(uniopDestroyTensor(out));
+}
+
+/* Attribute descriptors: add with a uniopScalar alpha (an int64 beyond double's 53 bits stays
+ * exact; a float alpha on float tensors) and permute with a uniopIntArray; then their bad inputs. */
+static void test_scalar_and_int_array(uniopStream stream) {
+  int64_t one = 1, zero = 0, sum = 0, big = (1LL << 53) + 1;
+  int64_t n1[] = {1};
+  uniopTensor *ta = uniopCreateTensor(n1, 1, UNIOP_INT64, NULL, 0, UNIOP_FORMAT_ND, n1, 1, &zero);
+  uniopTensor *tb = uniopCreateTensor(n1, 1, UNIOP_INT64, NULL, 0, UNIOP_FORMAT_ND, n1, 1, &one);
+  uniopTensor *ts = uniopCreateTensor(n1, 1, UNIOP_INT64, NULL, 0, UNIOP_FORMAT_ND, n1, 1, &sum);
+  uniopScalar *alpha = uniopCreateScalar(&big, UNIOP_INT64);
+  uint64_t ws = 0;
+  uniopExecutor *exec = NULL;
+  OK(uniopAddGetWorkspaceSize(ta, tb, alpha, ts, &ws, &exec));
+  launch(uniopAdd, ws, exec, stream);
+  CHECK(sum == big, "add with an int64 alpha: %lld, want %lld", (long long)sum, (long long)big);
+  printf("%-28s %s\n", "add (int64 uniopScalar)", sum == big ? "PASS" : "FAIL");
+
+  float x[6], y[6], out[6];
+  fill(x, 6, 50);
+  fill(y, 6, 51);
+  int64_t d6[] = {6};
+  uniopTensor *tx = dense(d6, 1, x), *ty = dense(d6, 1, y), *to = dense(d6, 1, out);
+  float half_ = 0.5f;
+  uniopScalar *half_alpha = uniopCreateScalar(&half_, UNIOP_FLOAT);
+  OK(uniopAddGetWorkspaceSize(tx, ty, half_alpha, to, &ws, &exec));
+  launch(uniopAdd, ws, exec, stream);
+  double want[6];
+  for (int i = 0; i < 6; i++) want[i] = (double)x[i] + 0.5 * y[i];
+  expect_close("add (float uniopScalar)", out, want, 6, 1e-6);
+  expect_error("add: alpha 0.5 on int64", uniopAddGetWorkspaceSize(ta, tb, half_alpha, ts, &ws, &exec),
+               UNIOP_ERROR_PARAM_INVALID, "'alpha'");
+  expect_error("add: NULL alpha", uniopAddGetWorkspaceSize(tx, ty, NULL, to, &ws, &exec), UNIOP_ERROR_PARAM_NULLPTR,
+               "'alpha'");
+
+  /* [2, 3, 4] -> [4, 2, 3] */
+  float p[24], q[24];
+  fill(p, 24, 52);
+  int64_t pd[] = {2, 3, 4}, qd[] = {4, 2, 3}, order[] = {-1, 0, 1};
+  uniopTensor *tp = dense(pd, 3, p), *tq = dense(qd, 3, q);
+  uniopIntArray *dims = uniopCreateIntArray(order, 3);
+  OK(uniopPermuteGetWorkspaceSize(tp, dims, tq, &ws, &exec));
+  launch(uniopPermute, ws, exec, stream);
+  double wantq[24];
+  for (int k = 0; k < 4; k++)
+    for (int i = 0; i < 2; i++)
+      for (int j = 0; j < 3; j++) wantq[(k * 2 + i) * 3 + j] = p[(i * 3 + j) * 4 + k];
+  expect_close("permute (uniopIntArray)", q, wantq, 24, 0);
+  int64_t repeated[] = {0, 0, 1};
+  uniopIntArray *bad_dims = uniopCreateIntArray(repeated, 3);
+  expect_error("permute: dims repeat", uniopPermuteGetWorkspaceSize(tp, bad_dims, tq, &ws, &exec),
+               UNIOP_ERROR_PARAM_INVALID, "permutation");
+
+  expect_no_handle("scalar: NULL value", uniopCreateScalar(NULL, UNIOP_FLOAT), "'value'");
+  expect_no_handle("scalar: bad dtype", uniopCreateScalar(&half_, 42), "got 42");
+  expect_no_handle("int array: NULL values", uniopCreateIntArray(NULL, 2), "'value'");
+  OK(uniopDestroyIntArray(bad_dims));
+  expect_error("int array: destroyed", uniopPermuteGetWorkspaceSize(tp, bad_dims, tq, &ws, &exec),
+               UNIOP_ERROR_PARAM_INVALID, "'dims'");
+  expect_error("scalar: wrong handle type", uniopDestroyScalar((const uniopScalar *)dims), UNIOP_ERROR_PARAM_INVALID,
+               "'scalar'");
+  OK(uniopDestroyIntArray(dims));
+  OK(uniopDestroyScalar(alpha));
+  OK(uniopDestroyScalar(half_alpha));
+  uniopTensor *all[] = {ta, tb, ts, tx, ty, to, tp, tq};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) OK(uniopDestroyTensor(all[i]));
 }
 
 static void test_bad_inputs(uniopStream stream) {
@@ -334,12 +435,12 @@ static void test_bad_inputs(uniopStream stream) {
                UNIOP_ERROR_PARAM_INVALID, "epz");
 
   int64_t neg[] = {4, -1};
-  expect_no_tensor("negative stride", uniopCreateTensor(xd, 2, UNIOP_FLOAT, neg, 0, UNIOP_FORMAT_ND, &eight, 1, x),
+  expect_no_handle("negative stride", uniopCreateTensor(xd, 2, UNIOP_FLOAT, neg, 0, UNIOP_FORMAT_ND, &eight, 1, x),
                    "'stride'");
-  expect_no_tensor("offset beyond storage", uniopCreateTensor(xd, 2, UNIOP_FLOAT, NULL, 1, UNIOP_FORMAT_ND, &eight, 1, x),
+  expect_no_handle("offset beyond storage", uniopCreateTensor(xd, 2, UNIOP_FLOAT, NULL, 1, UNIOP_FORMAT_ND, &eight, 1, x),
                    "storage of at least 9 elements");
-  expect_no_tensor("unknown dtype code", uniopCreateTensor(xd, 2, 99, NULL, 0, UNIOP_FORMAT_ND, &eight, 1, x), "got 99");
-  expect_no_tensor("null dims", uniopCreateTensor(NULL, 2, UNIOP_FLOAT, NULL, 0, UNIOP_FORMAT_ND, &eight, 1, x),
+  expect_no_handle("unknown dtype code", uniopCreateTensor(xd, 2, 99, NULL, 0, UNIOP_FORMAT_ND, &eight, 1, x), "got 99");
+  expect_no_handle("null dims", uniopCreateTensor(NULL, 2, UNIOP_FLOAT, NULL, 0, UNIOP_FORMAT_ND, &eight, 1, x),
                    "'viewDims'");
 
   /* attention plans a workspace; hand it too little. */
@@ -531,6 +632,8 @@ int main(int argc, char **argv) {
   test_rope(stream);
   test_attention_and_kv_cache(stream);
   test_direct_call_and_events(stream);
+  test_cat_tensor_list(stream);
+  test_scalar_and_int_array(stream);
   test_bad_inputs(stream);
   test_runtime_calls(stream);
   size_t free_b = 0, total_b = 0;

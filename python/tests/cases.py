@@ -265,6 +265,17 @@ def _cases():
         return (_rand(3, 17, dtype=dt, strided=strided), 0.0), lambda x, t: x.to(D).argmax(-1)
 
     @case
+    def cat(dt, strided):
+        # A list argument: a KV block, a strided one (when asked) and one new row along dim -2.
+        ts = [torch.randn(2, 5, 4).to(dt), _rand(2, 3, 4, dtype=dt, strided=strided), torch.randn(2, 1, 4).to(dt)]
+        return (ts, -2), lambda ts, dim: torch.cat([t.to(D) for t in ts], dim)
+
+    @case
+    def permute(dt, strided):
+        # HF's [B, S, H, D] to [B, H, S, D], with a negative dim.
+        return (_rand(2, 5, 3, 4, dtype=dt, strided=strided), [0, 2, 1, -1]), lambda x, d: x.to(D).permute(d)
+
+    @case
     def kv_cache_append(dt, strided):
         kc, vc = torch.zeros(2, 2, 8, 4).to(dt), torch.zeros(2, 2, 8, 4).to(dt)
         k, v = _rand(2, 2, 3, 4, dtype=dt, strided=strided), torch.randn(2, 2, 3, 4).to(dt)

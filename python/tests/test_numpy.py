@@ -72,6 +72,14 @@ def test_in_place_op_updates_numpy_arrays():
         uniop.kv_cache_append(kc, vc, k, v, np.array([0]))
 
 
+def test_list_arguments_take_numpy_arrays_and_views():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    parts = [a, a[:1], a.T[:2].T]  # contiguous, a row, a strided column pair
+    np.testing.assert_array_equal(uniop.cat(parts[:2], 0), np.concatenate(parts[:2], 0))
+    np.testing.assert_array_equal(uniop.cat([a, parts[2]], dim=-1), np.concatenate([a, parts[2]], -1))
+    assert isinstance(uniop.cat((a, a)), np.ndarray), "a tuple is a list argument too"
+
+
 def test_signatures_and_docstrings_come_from_the_schema():
     sig = inspect.signature(uniop.rms_norm)
     assert list(sig.parameters) == ["x", "weight", "eps", "stream"]
@@ -99,6 +107,9 @@ def test_signatures_and_docstrings_come_from_the_schema():
         (lambda: uniop.cast(np.ones(3, np.float32), "float128"), "dtype", "argument 'dtype'"),
         (lambda: uniop.silu(np.ones(3, np.float32), stream=5), "param-invalid", "argument 'stream'"),
         (lambda: uniop.op("nope"), "param-invalid", "unknown op 'nope'"),
+        (lambda: uniop.cat(5), "param-invalid", "argument 'tensors': expected a list of tensors, got int"),
+        (lambda: uniop.cat([]), "param-invalid", "needs at least one tensor"),
+        (lambda: uniop.cat([np.ones((2, 3), np.float32), np.ones((2, 2), np.float32)]), "shape", "'tensors\\[1\\]'"),
         (lambda: uniop.load_library("/nonexistent/libx.so"), "param-invalid", "cannot be loaded"),
     ],
 )

@@ -189,3 +189,17 @@ def test_threads_run_ops_concurrently_with_correct_results():
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_scalar_arguments_keep_integers_exact():
+    """`add`'s alpha is a schema `Scalar`: ints stay ints (exact past 2**53), floats and bools work."""
+    a, b = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    alpha = 2**53 + 1
+    assert uniop.add(a, b, alpha=alpha).item() == alpha
+    assert torch.ops.uniop.add(a, b, alpha=alpha).item() == alpha
+    x, y = torch.randn(4), torch.randn(4)
+    torch.testing.assert_close(torch.ops.uniop.add(x, y, alpha=0.5), x + 0.5 * y)
+    torch.testing.assert_close(uniop.add(x, y, alpha=True), x + y)
+    with pytest.raises(uniop.UniopError, match="argument 'alpha': expected an integral value") as e:
+        uniop.add(a, b, alpha=0.5)
+    assert e.value.code_name == "param-invalid"

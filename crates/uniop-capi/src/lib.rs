@@ -54,8 +54,9 @@ const _: () = {
     assert!(UNIOP_ERROR_INTERNAL == ErrorCode::Internal as i32);
 };
 
-/// Bumped when a struct layout or a signature of this header changes incompatibly.
-pub const UNIOP_ABI_VERSION: u32 = 1;
+/// Bumped when a struct layout or a signature of this header changes incompatibly (2: `add`'s alpha
+/// became a `uniopScalar`).
+pub const UNIOP_ABI_VERSION: u32 = 2;
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());

@@ -2,12 +2,15 @@
 // do not edit. One typed two-phase pair per op, each a thin call into the generic plan.
 
 use crate::runtime::uniopStream;
-use crate::tensor::{plan, uniopDataType, uniopExecutor, uniopOpRun, uniopTensor};
+use crate::tensor::{
+    int_array_value, list_items, plan, scalar_value, uniopDataType, uniopExecutor, uniopIntArray, uniopOpRun,
+    uniopScalar, uniopTensor, uniopTensorList,
+};
 use crate::{guard, typed, uniopStatus};
 use std::ffi::{c_char, c_void};
 use uniop::AttrValue;
 
-/// Phase 1 of `add(Tensor a, Tensor b, *, float alpha=1.0) -> (Tensor out)`.
+/// Phase 1 of `add(Tensor a, Tensor b, *, Scalar alpha=1) -> (Tensor out)`.
 ///
 /// Elementwise a + alpha * b. `a` and `b` broadcast against each other (trailing dims aligned,
 /// size-1 or missing dims stretch) and must share a dtype. Integer dtypes need an integral alpha
@@ -16,7 +19,7 @@ use uniop::AttrValue;
 pub extern "C" fn uniopAddGetWorkspaceSize(
     a: *const uniopTensor,
     b: *const uniopTensor,
-    alpha: f64,
+    alpha: *const uniopScalar,
     out: *mut uniopTensor,
     workspaceSize: *mut u64,
     executor: *mut *mut uniopExecutor,
@@ -24,7 +27,7 @@ pub extern "C" fn uniopAddGetWorkspaceSize(
     const F: &str = "uniopAddGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 2] = [("a", a), ("b", b)];
-        let attrs: [(&str, AttrValue); 1] = [("alpha", AttrValue::Float(alpha))];
+        let attrs: [(&str, AttrValue); 1] = [("alpha", scalar_value(F, "alpha", alpha)?)];
         let outputs = [("out", out as *const uniopTensor)];
         plan("add", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })
@@ -225,6 +228,38 @@ pub extern "C" fn uniopCastGetWorkspaceSize(
 /// Phase 2 of `cast`: launches the executor from `uniopCastGetWorkspaceSize` on `stream`.
 #[no_mangle]
 pub extern "C" fn uniopCast(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `cat(Tensor[] tensors, int dim=0) -> (Tensor out)`.
+///
+/// Joins tensors along dim (negative counts from the end), as torch.cat: at least one tensor, all
+/// of one dtype and rank, equal sizes in every other dim; inputs may have any strides. Any dtype.
+#[no_mangle]
+pub extern "C" fn uniopCatGetWorkspaceSize(
+    tensors: *const uniopTensorList,
+    dim: i64,
+    out: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopCatGetWorkspaceSize";
+    guard(|| {
+        let inputs = list_items(F, "tensors", tensors)?;
+        let attrs: [(&str, AttrValue); 1] = [("dim", AttrValue::Int(dim))];
+        let outputs = [("out", out as *const uniopTensor)];
+        plan("cat", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `cat`: launches the executor from `uniopCatGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopCat(
     workspace: *mut c_void,
     workspaceSize: u64,
     executor: *mut uniopExecutor,
@@ -737,6 +772,39 @@ pub extern "C" fn uniopMulGetWorkspaceSize(
 /// Phase 2 of `mul`: launches the executor from `uniopMulGetWorkspaceSize` on `stream`.
 #[no_mangle]
 pub extern "C" fn uniopMul(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `permute(Tensor x, int[] dims) -> (Tensor out)`.
+///
+/// A contiguous copy of x with its dims reordered: out.shape[i] = x.shape[dims[i]] (torch's
+/// x.permute(dims).contiguous()). dims is a permutation of x's dims; negative values count from the
+/// end. x may have any strides. Any dtype.
+#[no_mangle]
+pub extern "C" fn uniopPermuteGetWorkspaceSize(
+    x: *const uniopTensor,
+    dims: *const uniopIntArray,
+    out: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopPermuteGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 1] = [("x", x)];
+        let attrs: [(&str, AttrValue); 1] = [("dims", int_array_value(F, "dims", dims)?)];
+        let outputs = [("out", out as *const uniopTensor)];
+        plan("permute", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `permute`: launches the executor from `uniopPermuteGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopPermute(
     workspace: *mut c_void,
     workspaceSize: u64,
     executor: *mut uniopExecutor,

@@ -140,6 +140,140 @@ pub extern "C" fn uniopDestroyTensor(tensor: *const uniopTensor) -> uniopStatus 
     guard(|| handles::release(tensor as *mut uniopTensor, "uniopDestroyTensor", "tensor", "uniopTensor").map(drop))
 }
 
+/// A number passed by value of any dtype (aclnn's `aclScalar`), for `Scalar` arguments such as
+/// `add`'s alpha (opaque). Integers stay exact.
+pub struct uniopScalar {
+    value: AttrValue,
+}
+
+/// Reads one value of `dataType` at `value` (FLOAT, FLOAT16, BF16, DOUBLE, INT8, INT32, INT64,
+/// UINT8 or BOOL) into a scalar. Returns NULL on bad arguments (see `uniopGetRecentErrMsg`).
+#[no_mangle]
+pub extern "C" fn uniopCreateScalar(value: *const c_void, dataType: uniopDataType) -> *mut uniopScalar {
+    let mut out = std::ptr::null_mut();
+    guard(|| {
+        const F: &str = "uniopCreateScalar";
+        let dtype = dtype_of(dataType, F, "dataType")?;
+        non_null(value, F, "value")?;
+        // SAFETY: the caller points `value` at one element of `dataType` (read unaligned: C may
+        // pass any address).
+        let value = unsafe {
+            let p = value as *const u8;
+            match dtype {
+                DType::F32 => AttrValue::Float(f64::from((p as *const f32).read_unaligned())),
+                DType::F64 => AttrValue::Float((p as *const f64).read_unaligned()),
+                DType::F16 => AttrValue::Float((p as *const uniop::half::f16).read_unaligned().to_f64()),
+                DType::BF16 => AttrValue::Float((p as *const uniop::half::bf16).read_unaligned().to_f64()),
+                DType::I8 => AttrValue::Int(i64::from((p as *const i8).read_unaligned())),
+                DType::I32 => AttrValue::Int(i64::from((p as *const i32).read_unaligned())),
+                DType::I64 => AttrValue::Int((p as *const i64).read_unaligned()),
+                DType::U8 => AttrValue::Int(i64::from(p.read_unaligned())),
+                DType::Bool => AttrValue::Bool(p.read_unaligned() != 0),
+            }
+        };
+        out = handles::register(uniopScalar { value });
+        Ok(())
+    });
+    out
+}
+
+#[no_mangle]
+pub extern "C" fn uniopDestroyScalar(scalar: *const uniopScalar) -> uniopStatus {
+    guard(|| handles::release(scalar as *mut uniopScalar, "uniopDestroyScalar", "scalar", "uniopScalar").map(drop))
+}
+
+/// The value of a `Scalar` argument.
+pub(crate) fn scalar_value(func: &str, arg: &str, scalar: *const uniopScalar) -> Result<AttrValue> {
+    Ok(unsafe { handles::get(scalar, func, arg, "uniopScalar")? }.value.clone())
+}
+
+/// Integers passed as one argument (aclnn's `aclIntArray`), for `int[]` arguments such as
+/// `permute`'s dims (opaque). The values are copied.
+pub struct uniopIntArray {
+    values: Vec<i64>,
+}
+
+/// Copies `size` integers from `value` (NULL allowed when `size` is 0). Returns NULL on bad
+/// arguments (see `uniopGetRecentErrMsg`).
+#[no_mangle]
+pub extern "C" fn uniopCreateIntArray(value: *const i64, size: u64) -> *mut uniopIntArray {
+    let mut out = std::ptr::null_mut();
+    guard(|| {
+        let values = if size == 0 {
+            Vec::new()
+        } else {
+            non_null(value, "uniopCreateIntArray", "value")?;
+            // SAFETY: the caller passes `size` readable integers.
+            unsafe { std::slice::from_raw_parts(value, size as usize) }.to_vec()
+        };
+        out = handles::register(uniopIntArray { values });
+        Ok(())
+    });
+    out
+}
+
+#[no_mangle]
+pub extern "C" fn uniopDestroyIntArray(array: *const uniopIntArray) -> uniopStatus {
+    guard(|| handles::release(array as *mut uniopIntArray, "uniopDestroyIntArray", "array", "uniopIntArray").map(drop))
+}
+
+/// The values of an `int[]` argument.
+pub(crate) fn int_array_value(func: &str, arg: &str, array: *const uniopIntArray) -> Result<AttrValue> {
+    Ok(AttrValue::Ints(unsafe { handles::get(array, func, arg, "uniopIntArray")? }.values.clone()))
+}
+
+/// Tensors passed as one argument (aclnn's `aclTensorList`), e.g. `cat`'s inputs (opaque).
+/// Like aclnn, the list owns its tensors: destroying it destroys them.
+pub struct uniopTensorList {
+    tensors: Vec<*const uniopTensor>,
+}
+
+/// Groups `size` tensor descriptors (each live; the same one may repeat) into a list that takes
+/// them over. Returns NULL on bad arguments (see `uniopGetRecentErrMsg`).
+#[no_mangle]
+pub extern "C" fn uniopCreateTensorList(value: *const *const uniopTensor, size: u64) -> *mut uniopTensorList {
+    let mut out = std::ptr::null_mut();
+    guard(|| {
+        const F: &str = "uniopCreateTensorList";
+        let tensors = unsafe { handle_array(value, size, F, "value")? };
+        for (i, t) in tensors.iter().enumerate() {
+            unsafe { handles::get(*t, F, Item("value", i), "uniopTensor")? };
+        }
+        out = handles::register(uniopTensorList { tensors });
+        Ok(())
+    });
+    out
+}
+
+/// Destroys the list and the tensors in it (each once).
+#[no_mangle]
+pub extern "C" fn uniopDestroyTensorList(list: *const uniopTensorList) -> uniopStatus {
+    guard(|| {
+        const F: &str = "uniopDestroyTensorList";
+        let mut list = handles::release(list as *mut uniopTensorList, F, "list", "uniopTensorList")?;
+        list.tensors.sort_unstable();
+        list.tensors.dedup();
+        // Release every tensor still alive, then report the first that was not.
+        let released: Vec<_> = list
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| handles::release(t as *mut uniopTensor, F, Item("list", i), "uniopTensor"))
+            .collect();
+        released.into_iter().try_for_each(|r| r.map(drop))
+    })
+}
+
+/// The tensors of a list argument, each named `arg[i]` in errors.
+pub(crate) fn list_items(
+    func: &str,
+    arg: &'static str,
+    list: *const uniopTensorList,
+) -> Result<Vec<(Item, *const uniopTensor)>> {
+    let list = unsafe { handles::get(list, func, arg, "uniopTensorList")? };
+    Ok(list.tensors.iter().enumerate().map(|(i, &t)| (Item(arg, i), t)).collect())
+}
+
 unsafe fn handle_array<T>(ptr: *const *const T, n: u64, func: &str, arg: &str) -> Result<Vec<*const T>> {
     if n == 0 {
         return Ok(Vec::new());
@@ -174,12 +308,12 @@ unsafe fn view_mut(d: &uniopTensor, func: &str, arg: impl Display) -> Result<Ten
 /// Phase 1 shared by the by-name call and the generated per-op calls: `inputs` are the tensors
 /// the op reads (NULL: an absent optional), `outputs` its in-place tensors then its returns, each
 /// with the name errors should use.
-pub(crate) fn plan<N: Display>(
+pub(crate) fn plan<I: Display, O: Display>(
     op: &str,
     func: &str,
-    inputs: &[(N, *const uniopTensor)],
+    inputs: &[(I, *const uniopTensor)],
     attrs: &[(&str, AttrValue)],
-    outputs: &[(N, *const uniopTensor)],
+    outputs: &[(O, *const uniopTensor)],
     workspaceSize: *mut u64,
     executor: *mut *mut uniopExecutor,
 ) -> Result<()> {
@@ -231,16 +365,17 @@ pub extern "C" fn uniopOpGetWorkspaceSize(
         let (ins, outs) = unsafe {
             (handle_array(inputs, numInputs, F, "inputs")?, handle_array(outputs, numOutputs, F, "outputs")?)
         };
-        let ins: Vec<_> = ins.into_iter().enumerate().map(|(i, t)| (Slot("inputs", i), t)).collect();
-        let outs: Vec<_> = outs.into_iter().enumerate().map(|(i, t)| (Slot("outputs", i), t)).collect();
+        let ins: Vec<_> = ins.into_iter().enumerate().map(|(i, t)| (Item("inputs", i), t)).collect();
+        let outs: Vec<_> = outs.into_iter().enumerate().map(|(i, t)| (Item("outputs", i), t)).collect();
         plan(op, F, &ins, &attr_refs, &outs, workspaceSize, executor)
     })
 }
 
-/// `inputs[i]` / `outputs[i]` in error messages of the by-name call, formatted only when needed.
-struct Slot(&'static str, usize);
+/// `tensors[2]` — an item of a list argument — in error messages, formatted only when needed.
+#[derive(Clone, Copy)]
+pub(crate) struct Item(pub &'static str, pub usize);
 
-impl Display for Slot {
+impl Display for Item {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}[{}]", self.0, self.1)
     }

@@ -27,7 +27,7 @@ const DTYPES: &[DType] = &[DType::F32, DType::F16, DType::BF16, DType::I32, DTyp
 
 impl Op for Add {
     fn schema(&self) -> &'static str {
-        "add(Tensor a, Tensor b, *, float alpha=1) -> Tensor out"
+        "add(Tensor a, Tensor b, *, Scalar alpha=1) -> Tensor out"
     }
 
     fn doc(&self) -> &'static str {
@@ -44,13 +44,12 @@ impl Op for Add {
         let dtype = cx.expect_dtype_in("a", DTYPES)?;
         cx.expect_same_dtype("b", dtype, "a")?;
         let shape = elementwise::broadcast_inputs(cx, "a", "b")?;
-        let alpha = cx.float("alpha");
-        if !dtype.is_float() && alpha.fract() != 0.0 {
+        if !dtype.is_float() && cx.scalar_int("alpha").is_none() {
             return Err(cx.err(
                 ErrorCode::ParamInvalid,
                 "alpha",
                 format!("an integral value for {dtype} inputs"),
-                alpha,
+                cx.attr("alpha"),
             ));
         }
         Ok(vec![TensorMeta::contiguous(dtype, &shape)?])
@@ -59,13 +58,14 @@ impl Op for Add {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let out = &self.infer(cx)?[0];
         let block_dim = block_dim_for(out.numel(), 3 * out.dtype.size());
-        let alpha = cx.float("alpha");
         let streaming = out.numel() * out.dtype.size() >= elementwise::STREAMING_BYTES;
+        // Integer alphas are exact (checked integral in infer); i32 wraps like the arithmetic.
+        let int_alpha = cx.scalar_int("alpha").unwrap_or_default();
         let step = match out.dtype {
-            DType::I32 => Step::new("add_i32", block_dim, move |args, ctx| add_int::<i32>(args, ctx, alpha as i32)),
-            DType::I64 => Step::new("add_i64", block_dim, move |args, ctx| add_int::<i64>(args, ctx, alpha as i64)),
+            DType::I32 => Step::new("add_i32", block_dim, move |args, ctx| add_int::<i32>(args, ctx, int_alpha as i32)),
+            DType::I64 => Step::new("add_i64", block_dim, move |args, ctx| add_int::<i64>(args, ctx, int_alpha)),
             dtype => with_float_dtype!(dtype, cx.op(), "a", |T| {
-                let map = AxpyMap(alpha as f32);
+                let map = AxpyMap(cx.float("alpha") as f32);
                 Step::new("add", block_dim, move |args, ctx| elementwise::binary::<T, _>(args, ctx, &map, streaming))
             }),
         };

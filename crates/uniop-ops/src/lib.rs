@@ -23,6 +23,7 @@ pub mod attention;
 pub mod attention_backward;
 mod bf16_gemm;
 pub mod cast;
+pub mod cat;
 pub mod causal_softmax;
 mod elementwise;
 pub mod embedding;
@@ -36,6 +37,7 @@ pub mod math;
 pub mod matmul;
 pub mod matmul_backward;
 pub mod mul;
+pub mod permute;
 
 pub mod add;
 pub mod add_rms_norm;
@@ -66,6 +68,8 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(silu::Silu),
         Box::new(mul::Mul),
         Box::new(cast::Cast),
+        Box::new(cat::Cat),
+        Box::new(permute::Permute),
         Box::new(argmax::Argmax),
         Box::new(sample::Sample),
         Box::new(gelu::Gelu),

@@ -45,6 +45,19 @@ fn integer_add_is_exact_and_wraps() {
         &[],
     );
     assert_eq!(out[0], vec![(1i64 << 40) as f64 + 1.0, 3.0]);
+    // alpha is a Scalar: an integer beyond f64's 53 bits stays exact for i64 tensors.
+    let alpha = (1i64 << 53) + 1;
+    let (mut y, zero, one) = ([0i64; 1], [0i64], [1i64]);
+    Executor::by_name(
+        "add",
+        &[Some(TensorRef::new(&zero, &[1]).unwrap()), Some(TensorRef::new(&one, &[1]).unwrap())],
+        &[("alpha", AttrValue::Int(alpha))],
+        vec![TensorMut::new(&mut y, &[1]).unwrap()],
+    )
+    .unwrap()
+    .run(&mut [], Stream::default_stream())
+    .unwrap();
+    assert_eq!(y[0], alpha);
 }
 
 #[test]
@@ -1150,5 +1163,79 @@ fn linear_with_few_rows_splits_columns() {
             Some(TensorRef::new(&bb, &[n]).unwrap()),
         ];
         run_checked("linear", &inputs, &[]);
+    }
+}
+
+#[test]
+fn cat_joins_along_any_dim_and_reads_strided_inputs() {
+    setup();
+    let a = [1.0f32, 2.0, 3.0, 4.0];
+    let (row, col) = ([5.0f32, 6.0], [7.0f32, 8.0]);
+    let ta = TensorRef::new(&a, &[2, 2]).unwrap();
+    let rows =
+        run_checked("cat", &[Some(ta.clone()), Some(TensorRef::new(&row, &[1, 2]).unwrap())], &[("dim", 0i64.into())]);
+    assert_eq!(rows[0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+    let cols =
+        run_checked("cat", &[Some(ta), Some(TensorRef::new(&col, &[2, 1]).unwrap())], &[("dim", (-1i64).into())]);
+    assert_eq!(cols[0], [1.0, 2.0, 7.0, 3.0, 4.0, 8.0]);
+    // aᵀ read through its strides, joined with itself along dim 1.
+    let at = TensorRef::strided(&a, &[2, 2], &[1, 2], 0).unwrap();
+    let out = run_checked("cat", &[Some(at.clone()), Some(at)], &[("dim", 1i64.into())]);
+    assert_eq!(out[0], [1.0, 3.0, 1.0, 3.0, 2.0, 4.0, 2.0, 4.0]);
+}
+
+#[test]
+fn cat_rejects_empty_lists_mixed_dtypes_mismatched_shapes_and_bad_dims() {
+    fn out_view<'a>(out: &'a mut [f32], shape: &[usize]) -> Vec<TensorMut<'a>> {
+        vec![TensorMut::new(out, shape).unwrap()]
+    }
+    setup();
+    let a = [1.0f32; 4];
+    let b16 = [bf16::ONE; 2];
+    let c = [1.0f32; 6];
+    let mut out = [0f32; 16];
+    let ta = || Some(TensorRef::new(&a, &[2, 2]).unwrap());
+    let e = plan_err("cat", &[], &[], out_view(&mut out[..0], &[0]));
+    assert_eq!(e.code(), ErrorCode::ParamInvalid);
+    assert!(e.message().contains("'tensors'") && e.message().contains("at least one tensor"), "{e}");
+    let e =
+        plan_err("cat", &[ta(), Some(TensorRef::new(&b16, &[1, 2]).unwrap())], &[], out_view(&mut out[..6], &[3, 2]));
+    assert_eq!(e.code(), ErrorCode::DType);
+    assert!(e.message().contains("tensors[1]") && e.message().contains("bfloat16"), "{e}");
+    let e =
+        plan_err("cat", &[ta(), Some(TensorRef::new(&c, &[2, 3]).unwrap())], &[], out_view(&mut out[..10], &[5, 2]));
+    assert_eq!(e.code(), ErrorCode::Shape);
+    assert!(e.message().contains("tensors[1]") && e.message().contains("[2, 3]"), "{e}");
+    let e = plan_err("cat", &[ta(), ta()], &[("dim", 2i64.into())], out_view(&mut out[..8], &[4, 2]));
+    assert_eq!(e.code(), ErrorCode::ParamInvalid);
+    assert!(e.message().contains("'dim'") && e.message().contains("[-2, 2)") && e.message().contains("got 2"), "{e}");
+}
+
+#[test]
+fn permute_reorders_dims_of_any_layout_and_rejects_non_permutations() {
+    setup();
+    // x[b, s, h] = 100b + 10s + h, shape [2, 3, 4]; out[b, h, s] must equal it.
+    let x: Vec<f32> = (0..24).map(|i| (100 * (i / 12) + 10 * (i / 4 % 3) + i % 4) as f32).collect();
+    let tx = TensorRef::new(&x, &[2, 3, 4]).unwrap();
+    let out = run_checked("permute", &[Some(tx.clone())], &[("dims", AttrValue::Ints(vec![0, -1, 1]))]);
+    for (i, v) in out[0].iter().enumerate() {
+        let (b, h, s) = (i / 12, i / 3 % 4, i % 3);
+        assert_eq!(*v, (100 * b + 10 * s + h) as f64, "out[{b}, {h}, {s}]");
+    }
+    // A strided (transposed) input: permuting it back gives x.
+    let xt = TensorRef::strided(&x, &[2, 4, 3], &[12, 1, 4], 0).unwrap();
+    let back = run_checked("permute", &[Some(xt)], &[("dims", AttrValue::Ints(vec![0, 2, 1]))]);
+    assert!(back[0].iter().zip(&x).all(|(a, b)| *a == *b as f64));
+
+    let mut y = [0f32; 24];
+    for bad in [vec![0, 1], vec![0, 1, 1], vec![0, 1, 3], vec![0, 1, -4]] {
+        let e = plan_err(
+            "permute",
+            &[Some(tx.clone())],
+            &[("dims", AttrValue::Ints(bad.clone()))],
+            vec![TensorMut::new(&mut y, &[2, 3, 4]).unwrap()],
+        );
+        assert_eq!(e.code(), ErrorCode::ParamInvalid);
+        assert!(e.message().contains("'dims'") && e.message().contains(&format!("{bad:?}")), "{e}");
     }
 }

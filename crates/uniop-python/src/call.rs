@@ -93,11 +93,14 @@ fn attr_value(op: &str, arg: &Arg, obj: Option<&Bound<'_, PyAny>>) -> Result<Opt
     let wrong = || Error::arg(ErrorCode::ParamInvalid, op, &arg.name, format!("a {}", arg.ty), type_name(obj));
     let is_int = obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>();
     let value = match arg.ty.base {
-        BaseType::Bool if obj.is_instance_of::<PyBool>() => AttrValue::Bool(obj.is_truthy().map_err(|_| wrong())?),
-        BaseType::Int if is_int => AttrValue::Int(obj.extract::<i64>().map_err(|_| {
+        BaseType::Bool | BaseType::Scalar if obj.is_instance_of::<PyBool>() => {
+            AttrValue::Bool(obj.is_truthy().map_err(|_| wrong())?)
+        }
+        BaseType::Int | BaseType::Scalar if is_int => AttrValue::Int(obj.extract::<i64>().map_err(|_| {
             Error::arg(ErrorCode::ParamInvalid, op, &arg.name, "an int that fits in 64 bits", obj.to_string())
         })?),
-        BaseType::Float if is_int || obj.is_instance_of::<PyFloat>() => {
+        // (A `Scalar` int was taken above and stays exact.)
+        BaseType::Float | BaseType::Scalar if is_int || obj.is_instance_of::<PyFloat>() => {
             AttrValue::Float(obj.extract::<f64>().map_err(|_| wrong())?)
         }
         BaseType::Str if obj.is_instance_of::<PyString>() => AttrValue::Str(obj.extract().map_err(|_| wrong())?),
@@ -380,12 +383,18 @@ pub fn call(
             inputs.push(None);
             continue;
         };
-        like.get_or_insert(value);
         let items: Vec<Bound<'_, PyAny>> = if arg.ty.base == BaseType::TensorList {
-            value.try_iter()?.collect::<PyResult<_>>()?
+            let given = || value.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
+            let not_a_list =
+                |_| to_py_err(Error::arg(ErrorCode::ParamInvalid, op, &arg.name, "a list of tensors", given()));
+            value.try_iter().map_err(not_a_list)?.collect::<PyResult<_>>().map_err(not_a_list)?
         } else {
             vec![value.clone()]
         };
+        // Outputs are created like the first tensor (a list's first item, not the list).
+        if let Some(first) = items.first() {
+            like.get_or_insert_with(|| first.clone());
+        }
         for item in &items {
             let t = import(op, &arg.name, item).map_err(to_py_err)?;
             if arg.ty.mutated.is_some() {
@@ -420,7 +429,7 @@ pub fn call(
     let mut returned = Vec::with_capacity(expected.len());
     let mut outputs = Vec::with_capacity(expected.len());
     for meta in &expected {
-        let (obj, view) = allocate(op, like, meta)?;
+        let (obj, view) = allocate(op, &like, meta)?;
         outputs.push(view);
         returned.push(obj);
     }
@@ -530,17 +539,19 @@ fn bind_metas<'e>(
     in_place: &[Imported],
     attrs: &[(&str, AttrValue)],
 ) -> uniop::Result<OpCx<'e>> {
+    let list_len = entry.schema.list_len(inputs.len(), false);
     let mut inputs = inputs.iter();
     let mut in_place = in_place.iter();
-    let groups = entry
-        .schema
-        .inputs()
-        .map(|arg| {
-            let t = if arg.ty.mutated.is_some() { in_place.next() } else { inputs.next().and_then(Option::as_ref) };
-            t.map(|t| t.meta.clone()).into_iter().collect()
-        })
-        .collect();
-    OpCx::bind(&entry.schema, groups, attrs)
+    let mut flat = Vec::new();
+    for arg in entry.schema.inputs() {
+        if arg.ty.mutated.is_some() {
+            flat.push(in_place.next().map(|t| t.meta.clone()));
+        } else {
+            let take = if arg.ty.base == BaseType::TensorList { list_len } else { 1 };
+            flat.extend(inputs.by_ref().take(take).map(|t| t.as_ref().map(|t| t.meta.clone())));
+        }
+    }
+    OpCx::bind_flat(&entry.schema, flat, attrs)
 }
 
 /// Metadata of a torch-like object (`.shape`, `.stride()`, `.dtype`), for fake tensors.
@@ -572,6 +583,15 @@ pub fn infer(
         for (arg, value) in entry.schema.args.iter().zip(&bound) {
             if arg.ty.is_tensor() {
                 let group = match value.as_ref().filter(|v| !v.is_none()) {
+                    Some(v) if arg.ty.base == BaseType::TensorList => {
+                        let not_a_list = |e: PyErr| {
+                            Error::arg(ErrorCode::ParamInvalid, op, &arg.name, "a list of tensors", e.to_string())
+                        };
+                        let items = v.try_iter().map_err(not_a_list)?;
+                        items
+                            .map(|item| meta_of(op, &arg.name, &item.map_err(not_a_list)?))
+                            .collect::<Result<_, _>>()?
+                    }
                     Some(v) => vec![meta_of(op, &arg.name, v)?],
                     None => Vec::new(),
                 };

@@ -503,7 +503,7 @@ fn group_inputs(
     written: &[&TensorMeta],
 ) -> Result<(Vec<Vec<TensorMeta>>, InputSlots)> {
     let args = entry.schema.inputs().filter(|a| a.ty.mutated.is_none()).count();
-    let list_len = (inputs.len() + 1).saturating_sub(args);
+    let list_len = entry.schema.list_len(inputs.len(), false);
     let mut groups = Vec::with_capacity(entry.schema.inputs().count());
     let mut slots = Vec::with_capacity(inputs.len() + written.len());
     let mut it = inputs.iter().enumerate();

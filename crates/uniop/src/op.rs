@@ -228,6 +228,34 @@ impl<'s> OpCx<'s> {
         Ok(OpCx { schema, inputs: flat, groups, attrs: values })
     }
 
+    /// [`OpCx::bind`] for tensor metas given flat in schema order (in-place arguments included):
+    /// one per `Tensor`, `None` for an absent `Tensor?`; a `Tensor[]` takes the tensors the other
+    /// arguments leave.
+    pub fn bind_flat(
+        schema: &'s OpSchema,
+        metas: Vec<Option<TensorMeta>>,
+        attrs: &[(&str, AttrValue)],
+    ) -> Result<OpCx<'s>> {
+        let list_len = schema.list_len(metas.len(), true);
+        let given = metas.len();
+        let mut metas = metas.into_iter();
+        let groups = schema
+            .inputs()
+            .map(|arg| {
+                let take = if arg.ty.base == BaseType::TensorList { list_len } else { 1 };
+                metas.by_ref().take(take).flatten().collect()
+            })
+            .collect();
+        if metas.next().is_some() {
+            let want = schema.inputs().count();
+            return Err(Error::new(
+                ErrorCode::ParamInvalid,
+                format!("{}: expected {want} tensor inputs, got {given}", schema.name),
+            ));
+        }
+        Self::bind(schema, groups, attrs)
+    }
+
     pub fn op(&self) -> &str {
         &self.schema.name
     }
@@ -278,11 +306,24 @@ impl<'s> OpCx<'s> {
         &self.attrs
     }
 
+    /// A `float` or `Scalar` attribute as f64 (a bool `Scalar` is 0 or 1).
     pub fn float(&self, name: &str) -> f64 {
         match self.attr(name) {
             AttrValue::Float(v) => *v,
             AttrValue::Int(v) => *v as f64,
-            other => panic!("{}: attribute '{name}' is {other}, not a float", self.op()),
+            AttrValue::Bool(v) => f64::from(u8::from(*v)),
+            other => panic!("{}: attribute '{name}' is {other}, not a number", self.op()),
+        }
+    }
+
+    /// A `Scalar` attribute as an exact integer: ints and bools as they are, floats only when
+    /// integral (and in i64 range); `None` otherwise.
+    pub fn scalar_int(&self, name: &str) -> Option<i64> {
+        match self.attr(name) {
+            AttrValue::Int(v) => Some(*v),
+            AttrValue::Bool(v) => Some(i64::from(*v)),
+            AttrValue::Float(v) if v.fract() == 0.0 && v.abs() < 9.2e18 => Some(*v as i64),
+            _ => None,
         }
     }
 
@@ -516,6 +557,14 @@ impl<'a> OutputView<'a> {
     pub unsafe fn as_mut_ptr<T: crate::Element>(&self) -> *mut T {
         debug_assert_eq!(self.bound.meta.dtype, T::DTYPE);
         self.bound.ptr as *mut T
+    }
+
+    /// Raw pointer to the storage's first byte, for kernels that move elements of any dtype.
+    ///
+    /// # Safety
+    /// As [`OutputView::as_mut_ptr`].
+    pub unsafe fn as_mut_byte_ptr(&self) -> *mut u8 {
+        self.bound.ptr
     }
 
     /// Row `r` of the `[rows, cols]` view; the last dim must be dense.

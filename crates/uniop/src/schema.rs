@@ -20,6 +20,9 @@ pub enum BaseType {
     Str,
     IntList,
     ScalarType,
+    /// A number of any kind (torch's `Scalar`, aclnn's `aclScalar`): kept as given, so an integer
+    /// stays exact for integer tensors.
+    Scalar,
 }
 
 impl BaseType {
@@ -33,6 +36,7 @@ impl BaseType {
             BaseType::Str => "str",
             BaseType::IntList => "int[]",
             BaseType::ScalarType => "ScalarType",
+            BaseType::Scalar => "Scalar",
         }
     }
 }
@@ -84,7 +88,8 @@ impl AttrValue {
             | (AttrValue::Bool(_), BaseType::Bool)
             | (AttrValue::Str(_), BaseType::Str)
             | (AttrValue::Ints(_), BaseType::IntList)
-            | (AttrValue::DType(_), BaseType::ScalarType) => true,
+            | (AttrValue::DType(_), BaseType::ScalarType)
+            | (AttrValue::Int(_) | AttrValue::Float(_) | AttrValue::Bool(_), BaseType::Scalar) => true,
             _ => false,
         }
     }
@@ -211,6 +216,14 @@ impl OpSchema {
     /// Non-tensor arguments (attributes), in declaration order.
     pub fn attrs(&self) -> impl Iterator<Item = &Arg> {
         self.args.iter().filter(|a| !a.ty.is_tensor())
+    }
+
+    /// How many tensors a `Tensor[]` argument takes when `n` tensors are passed flat for the
+    /// tensor arguments (all of them with `with_in_place`, else those the op only reads): what
+    /// the other arguments leave, one each.
+    pub fn list_len(&self, n: usize, with_in_place: bool) -> usize {
+        let args = self.inputs().filter(|a| with_in_place || a.ty.mutated.is_none()).count();
+        (n + 1).saturating_sub(args)
     }
 
     /// Tensor arguments the op writes in place (`Tensor(a!)`), in declaration order. Callers
@@ -423,10 +436,11 @@ impl<'a> Parser<'a> {
             "bool" => BaseType::Bool,
             "str" => BaseType::Str,
             "ScalarType" => BaseType::ScalarType,
+            "Scalar" => BaseType::Scalar,
             other => {
                 return Err(self.error(
                     start,
-                    format!("unknown type `{other}` (expected Tensor, Tensor?, Tensor[], int, float, bool, str, int[] or ScalarType)"),
+                    format!("unknown type `{other}` (expected Tensor, Tensor?, Tensor[], int, float, bool, str, int[], Scalar or ScalarType)"),
                 ))
             }
         };

@@ -107,7 +107,9 @@ impl<'a> TensorRef<'a> {
     pub fn shape(&self) -> &[usize] {
         self.meta.shape()
     }
-    pub(crate) fn as_ptr(&self) -> *const u8 {
+    /// The storage's first byte, for kernels that move elements of any dtype as bytes (the
+    /// layout's offsets count from here).
+    pub fn as_ptr(&self) -> *const u8 {
         self.ptr
     }
     pub(crate) fn byte_len(&self) -> usize {

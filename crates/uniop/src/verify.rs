@@ -72,8 +72,8 @@ pub fn check_outputs(
     attrs: &[(&str, AttrValue)],
     outputs: &[TensorRef<'_>],
 ) -> Result<CheckReport> {
-    let metas = inputs.iter().map(|t| t.as_ref().map(|t| vec![t.meta().clone()]).unwrap_or_default()).collect();
-    let cx = OpCx::bind(&entry.schema, metas, attrs)?;
+    let metas = inputs.iter().map(|t| t.as_ref().map(|t| t.meta().clone())).collect();
+    let cx = OpCx::bind_flat(&entry.schema, metas, attrs)?;
     let refs: Vec<Option<RefTensor>> = inputs.iter().map(|t| t.as_ref().map(RefTensor::from_view)).collect();
     let want = entry.op.reference(&cx, &refs)?;
     let scale = entry.op.error_scale(&cx);
@@ -270,9 +270,8 @@ impl OpHarness {
     /// Bytes read and written by one launch: the op's own count when it has one (ops that touch
     /// part of a tensor), else each tensor element once.
     pub fn bytes_moved(&self) -> Result<usize> {
-        let metas =
-            self.inputs.iter().map(|t| t.as_ref().map(|t| vec![t.meta().clone()]).unwrap_or_default()).collect();
-        let cx = OpCx::bind(&self.entry.schema, metas, &attr_refs(&self.attrs))?;
+        let metas = self.inputs.iter().map(|t| t.as_ref().map(|t| t.meta().clone())).collect();
+        let cx = OpCx::bind_flat(&self.entry.schema, metas, &attr_refs(&self.attrs))?;
         if let Some(bytes) = self.entry.op.bytes_moved(&cx) {
             return Ok(bytes);
         }
@@ -313,11 +312,10 @@ pub fn random_inputs(
 
 /// Positions of in-place (`Tensor(a!)`) arguments among `n` flattened tensor arguments.
 fn in_place_positions(entry: &OpEntry, n: usize) -> Vec<usize> {
-    let args: Vec<_> = entry.schema.inputs().collect();
-    let list_len = (n + 1).saturating_sub(args.len());
+    let list_len = entry.schema.list_len(n, true);
     let mut at = 0;
     let mut positions = Vec::new();
-    for arg in args {
+    for arg in entry.schema.inputs() {
         if arg.ty.mutated.is_some() {
             positions.push(at);
         }
@@ -337,7 +335,7 @@ pub fn infer(
     inputs: &[Option<TensorRef<'_>>],
     attrs: &[(&str, AttrValue)],
 ) -> Result<Vec<TensorMeta>> {
-    let metas = inputs.iter().map(|t| t.as_ref().map(|t| vec![t.meta().clone()]).unwrap_or_default()).collect();
-    let cx = OpCx::bind(&entry.schema, metas, attrs)?;
+    let metas = inputs.iter().map(|t| t.as_ref().map(|t| t.meta().clone())).collect();
+    let cx = OpCx::bind_flat(&entry.schema, metas, attrs)?;
     entry.op.infer(&cx)
 }

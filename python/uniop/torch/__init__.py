@@ -36,9 +36,14 @@ def _dtype(name):
 
 
 def _first_tensor(args):
+    """The first tensor among `args`, looking inside lists (a `Tensor[]` argument)."""
     for a in args:
         if isinstance(a, torch.Tensor):
             return a
+        if isinstance(a, (list, tuple)):
+            found = _first_tensor(a)
+            if found is not None:
+                return found
     return None
 
 
