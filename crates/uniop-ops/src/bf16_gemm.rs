@@ -114,8 +114,8 @@ pub(crate) unsafe fn gemm_rows_bf16<O: GemmOut>(
         return;
     }
     let fast = has_avx512_bf16() && !portable_forced();
-    if rows.len() <= SKINNY_ROWS && lhs.cs == 1 && rhs.rs == 1 {
-        return skinny(rows, n, k, dst, lhs, rhs, accumulate, fast);
+    if crate::skinny::applies(&rows, lhs, rhs) {
+        return crate::skinny::skinny(rows, n, k, dst, lhs, rhs, accumulate, fast);
     }
     // K slices of depth KC (the last may be shorter); k == 0 still gets one (empty) slice so the
     // output is written. Every slice but the last has KC / 2 pairs, which locates packed B slices.
@@ -171,77 +171,7 @@ pub(crate) unsafe fn gemm_rows_bf16<O: GemmOut>(
     });
 }
 
-/// Up to this many rows (decode: one token per sequence), with both operands contiguous along
-/// K (activations row-major, weights in HF's `[N, K]` layout), packing would cost more than the
-/// products: each output is a dot product read straight from the operands, so the weight is
-/// streamed once at memory speed.
-const SKINNY_ROWS: usize = 4;
-
-/// Dot-product GEMM for few rows; see [`SKINNY_ROWS`].
-///
-/// # Safety
-/// As [`gemm_rows_bf16`], with `lhs.cs == 1` and `rhs.rs == 1`.
-#[allow(clippy::too_many_arguments)]
-unsafe fn skinny<O: GemmOut>(
-    rows: std::ops::Range<usize>,
-    n: usize,
-    k: usize,
-    dst: Dst<O>,
-    lhs: Mat<bf16>,
-    rhs: Mat<bf16>,
-    accumulate: bool,
-    fast: bool,
-) {
-    for r in rows {
-        let a = lhs.ptr.offset(r as isize * lhs.rs);
-        let out = dst.ptr.offset(r as isize * dst.rs);
-        let mut c = 0;
-        while c < n {
-            let cols = 4.min(n - c);
-            let mut sums = [0f32; 4];
-            let b = |j: usize| rhs.ptr.offset((c + j.min(cols - 1)) as isize * rhs.cs);
-            if fast {
-                sums = dots_avx512_bf16(a, [b(0), b(1), b(2), b(3)], k);
-            } else {
-                for (j, sum) in sums.iter_mut().enumerate().take(cols) {
-                    let bj = b(j);
-                    *sum = (0..k).map(|p| (*a.add(p)).to_f32() * (*bj.add(p)).to_f32()).sum();
-                }
-            }
-            for (j, &sum) in sums.iter().enumerate().take(cols) {
-                let o = out.offset((c + j) as isize * dst.cs);
-                *o = O::from_f32(if accumulate { (*o).to_f32() + sum } else { sum });
-            }
-            c += cols;
-        }
-    }
-}
-
-/// Four `k`-long bf16 dot products sharing `a`, 32 pairs per `vdpbf16ps`, f32 sums.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn dots_avx512_bf16(a: *const bf16, b: [*const bf16; 4], k: usize) -> [f32; 4] {
-    use std::arch::x86_64::*;
-    let mut acc = [_mm512_setzero_ps(); 4];
-    let mut p = 0;
-    while p < k {
-        let mask: __mmask32 = if k - p >= 32 { u32::MAX } else { (1u32 << (k - p)) - 1 };
-        let av: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi16(mask, a.add(p) as *const i16));
-        for (acc, bj) in acc.iter_mut().zip(b) {
-            let bv: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi16(mask, bj.add(p) as *const i16));
-            *acc = _mm512_dpbf16_ps(*acc, av, bv);
-        }
-        p += 32;
-    }
-    acc.map(|v| _mm512_reduce_add_ps(v))
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn dots_avx512_bf16(_: *const bf16, _: [*const bf16; 4], _: usize) -> [f32; 4] {
-    unreachable!("only selected when the CPU has AVX512-BF16")
-}
-
-fn has_avx512_bf16() -> bool {
+pub(crate) fn has_avx512_bf16() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

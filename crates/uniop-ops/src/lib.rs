@@ -53,6 +53,7 @@ pub mod sample;
 pub mod silu;
 pub mod silu_mul;
 pub mod silu_mul_backward;
+mod skinny;
 pub mod softmax;
 pub mod softmax_backward;
 pub mod swiglu;

@@ -138,6 +138,11 @@ pub(crate) unsafe fn gemm_rows<T: Element>(
         let dst = Dst { ptr: dst.ptr as *mut bf16, rs: dst.rs, cs: dst.cs };
         return crate::bf16_gemm::gemm_rows_bf16(rows, n, k, dst, cast(lhs), cast(rhs), accumulate);
     }
+    if T::DTYPE == DType::F32 && crate::skinny::applies(&rows, lhs, rhs) && crate::skinny::has_avx512f() {
+        let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const f32, rs: m.rs, cs: m.cs };
+        let dst = Dst { ptr: dst.ptr as *mut f32, rs: dst.rs, cs: dst.cs };
+        return crate::skinny::skinny(rows, n, k, dst, cast(lhs), cast(rhs), accumulate, true);
+    }
     let start = rows.start as isize;
     // gemm computes dst := alpha·dst + beta·lhs·rhs, reading dst only when asked to.
     gemm::gemm(
