@@ -12,7 +12,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::{Arc, OnceLock};
 use uniop::runtime::{Allocator, DeviceBuffer, MemPolicy};
 use uniop::schema::{Arg, BaseType};
@@ -475,13 +475,23 @@ pub fn call(
             Some(Allocator::global().allocate(plan.exec.workspace_size(), MemPolicy::HugeFirst).map_err(to_py_err)?)
         }
     };
-    let work = Unattached((&mut plan, &scratch, &stream));
-    let result = py.detach(move || {
-        let (plan, scratch, stream) = work.into_inner();
+    let run = |plan: &mut Plan, scratch: &Option<DeviceBuffer>, stream: &Stream| {
         let ws = plan.workspace.as_ref().or(scratch.as_ref()).expect("a workspace");
         // SAFETY: the workspace is exclusively this plan's until `run` returns (it synchronizes).
         plan.exec.run(unsafe { ws.as_mut_slice() }, stream)
-    });
+    };
+    // Work the op keeps in one block runs in microseconds on this thread: releasing and retaking
+    // the GIL would cost more than it lets other threads gain. Anything bigger, or a wait behind
+    // other work on the stream, runs with the GIL released.
+    let result = if plan.exec.is_single_block() && stream.query() {
+        run(&mut plan, &scratch, &stream)
+    } else {
+        let work = Unattached((&mut plan, &scratch, &stream));
+        py.detach(move || {
+            let (plan, scratch, stream) = work.into_inner();
+            run(plan, scratch, stream)
+        })
+    };
     result.map_err(to_py_err)?;
     PLANS.with(|plans| {
         let mut plans = plans.borrow_mut();
@@ -512,7 +522,7 @@ const CACHED_PLANS: usize = 256;
 const CACHED_WORKSPACE_LIMIT: usize = 1 << 20;
 
 thread_local! {
-    static PLANS: std::cell::RefCell<HashMap<Vec<u64>, Plan>> = std::cell::RefCell::new(HashMap::new());
+    static PLANS: std::cell::RefCell<FxHashMap<Vec<u64>, Plan>> = std::cell::RefCell::new(FxHashMap::default());
 }
 
 /// Everything phase 1 depends on besides the outputs (which infer derives from the rest): the

@@ -157,6 +157,12 @@ impl<'a> Executor<'a> {
         self.repeatable = true;
     }
 
+    /// Whether a launch is one single-block step with nothing staged: work the op judged too
+    /// small to split, which [`Executor::launch`] runs in place on an idle stream.
+    pub fn is_single_block(&self) -> bool {
+        self.planned.staging.is_empty() && self.planned.steps.iter().all(|s| s.block_dim <= 1)
+    }
+
     pub fn is_repeatable(&self) -> bool {
         self.repeatable
     }
