@@ -199,3 +199,34 @@ def test_patch_before_instantiation_and_unpatch():
         assert torch.allclose(model(ids).logits, patched, atol=1e-4)
     with pytest.raises(TypeError, match="expected a transformers Llama model"):
         ut.patch_llama(nn.Linear(2, 2))
+
+
+def test_patched_cache_grows_in_place_and_matches_concatenation():
+    """Under patch_llama, DynamicLayer.update writes into reserved room; what it returns must equal
+    transformers' own concatenation across prefill, many decode steps (past the first capacity),
+    a crop, and after unpatching."""
+    from transformers.cache_utils import DynamicLayer
+
+    original = DynamicLayer.update
+    steps = [torch.randn(2, 3, n, 8) for n in [5] + [1] * 300]
+    ut.patch_llama()
+    try:
+        assert DynamicLayer.update is not original
+        layer, want = DynamicLayer(), torch.empty(2, 3, 0, 8)
+        for i, new in enumerate(steps):
+            keys, values = layer.update(new, 2 * new)
+            want = torch.cat([want, new], -2)
+            assert torch.equal(keys, want) and torch.equal(values, 2 * want), f"step {i}"
+            if i == 0:
+                first_storage = keys.untyped_storage().data_ptr()
+            elif i == 10:
+                assert keys.untyped_storage().data_ptr() == first_storage, "decode steps write in place"
+        layer.crop(-4)
+        want = want[..., :-4, :]
+        keys, _ = layer.update(steps[1], steps[1])
+        assert torch.equal(keys, torch.cat([want, steps[1]], -2))
+    finally:
+        ut.unpatch_llama()
+    assert DynamicLayer.update is original
+    keys, _ = layer.update(steps[2], steps[2])
+    assert torch.equal(keys, torch.cat([want, steps[1], steps[2]], -2))

@@ -7,11 +7,15 @@ classes, so existing instances change too. Given a model, it also switches the m
 to uniop's flash attention (registered with transformers as the ``"uniop"`` implementation; calls
 with a padding mask, dropout or softcap fall back to SDPA) and its linear layers (projections and
 ``lm_head``) to uniop ``linear``, which streams the weight at memory speed when there are few rows
-— decoding spends most of its time there. :func:`unpatch_llama` restores all of it.
+— decoding spends most of its time there. It also makes transformers' ``DynamicLayer.update`` (the
+default KV cache) grow in place: the cache becomes a view of a buffer with room to spare, so a
+decode step writes its new rows instead of copying the whole cache with ``torch.cat`` (O(length)
+per layer and step). :func:`unpatch_llama` restores all of it.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from . import nn as unn
@@ -69,6 +73,46 @@ def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     return out.transpose(1, 2).contiguous(), None
 
 
+# Room a growing cache layer reserves at least (positions), and its growth factor when full.
+_MIN_CAPACITY = 256
+_GROWTH = 2
+
+
+def _growing_update(self, key_states, value_states, *args, **kwargs):
+    """``DynamicLayer.update`` writing into reserved room: the keys/values returned (and kept on
+    the layer) are views of larger buffers. Anything else that replaced ``keys``/``values`` since
+    (``crop``, beam reordering, ``reset``) is taken over on the next update."""
+    if not self.is_initialized:
+        self.lazy_initialization(key_states, value_states)
+    room = getattr(self, "_uniop_room", None)
+    if room is None or self.keys is not room[2] or self.values is not room[3]:
+        room = _take_over(self.keys, self.values, key_states)
+    kbuf, vbuf, keys, _ = room
+    length, new = keys.shape[-2], key_states.shape[-2]
+    if length + new > kbuf.shape[-2]:
+        room = _take_over(keys, room[3], key_states)
+        kbuf, vbuf = room[0], room[1]
+    kbuf[..., length : length + new, :].copy_(key_states)
+    vbuf[..., length : length + new, :].copy_(value_states)
+    self.keys, self.values = kbuf[..., : length + new, :], vbuf[..., : length + new, :]
+    self._uniop_room = (kbuf, vbuf, self.keys, self.values)
+    return self.keys, self.values
+
+
+def _take_over(keys, values, incoming):
+    """Fresh buffers holding ``keys``/``values`` (empty before the first update) with room for
+    ``incoming`` and more: ``(key buffer, value buffer, keys view, values view)``."""
+    length = keys.shape[-2] if keys.dim() == incoming.dim() else 0
+    capacity = max(_MIN_CAPACITY, _GROWTH * (length + incoming.shape[-2]))
+    shape = (*incoming.shape[:-2], capacity, incoming.shape[-1])
+    kbuf = torch.empty(shape, dtype=incoming.dtype, device=incoming.device)
+    vbuf = torch.empty(shape, dtype=incoming.dtype, device=incoming.device)
+    if length:
+        kbuf[..., :length, :].copy_(keys)
+        vbuf[..., :length, :].copy_(values)
+    return kbuf, vbuf, kbuf[..., :length, :], vbuf[..., :length, :]
+
+
 def _register_attention():
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
@@ -85,10 +129,18 @@ def patch_llama(model=None):
     if model is not None and not any(isinstance(mod, m.LlamaDecoderLayer) for mod in model.modules()):
         raise TypeError(f"patch_llama: expected a transformers Llama model, got {type(model).__name__}")
     if not _originals:
-        _originals.update(rms_norm=m.LlamaRMSNorm.forward, mlp=m.LlamaMLP.forward, rope=m.apply_rotary_pos_emb)
+        from transformers.cache_utils import DynamicLayer
+
+        _originals.update(
+            rms_norm=m.LlamaRMSNorm.forward,
+            mlp=m.LlamaMLP.forward,
+            rope=m.apply_rotary_pos_emb,
+            cache_update=DynamicLayer.update,
+        )
         m.LlamaRMSNorm.forward = unn.RMSNorm.forward
         m.LlamaMLP.forward = _mlp_forward(_originals["mlp"])
         m.apply_rotary_pos_emb = unn.apply_rotary_pos_emb
+        DynamicLayer.update = _growing_update
     if model is not None and all(patched is not model for patched, _, _ in _models):
         _register_attention()
         linears = [mod for mod in model.modules() if type(mod) is nn.Linear]
@@ -111,3 +163,6 @@ def unpatch_llama():
         m.LlamaRMSNorm.forward = _originals.pop("rms_norm")
         m.LlamaMLP.forward = _originals.pop("mlp")
         m.apply_rotary_pos_emb = _originals.pop("rope")
+        from transformers.cache_utils import DynamicLayer
+
+        DynamicLayer.update = _originals.pop("cache_update")
