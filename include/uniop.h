@@ -553,6 +553,22 @@ uniopStatus uniopPermute(void *workspace,
                          uniopExecutor *executor,
                          uniopStream stream);
 
+// Phase 1 of `permute_backward(Tensor dout, int[] dims) -> (Tensor dx)`.
+//
+// Gradient of permute: dx = dout with the inverse permutation of dims applied (contiguous); dims
+// as given to permute. Any dtype.
+uniopStatus uniopPermuteBackwardGetWorkspaceSize(const uniopTensor *dout,
+                                                 const uniopIntArray *dims,
+                                                 uniopTensor *dx,
+                                                 uint64_t *workspaceSize,
+                                                 uniopExecutor **executor);
+
+// Phase 2 of `permute_backward`: launches the executor from `uniopPermuteBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopPermuteBackward(void *workspace,
+                                 uint64_t workspaceSize,
+                                 uniopExecutor *executor,
+                                 uniopStream stream);
+
 // Phase 1 of `rms_norm(Tensor x, Tensor weight, float eps=1e-6) -> (Tensor y, Tensor rstd)`.
 //
 // Root-mean-square normalization (LLaMA's RMSNorm): y = x / sqrt(mean(x^2) + eps) * weight over

@@ -276,6 +276,12 @@ def _cases():
         return (_rand(2, 5, 3, 4, dtype=dt, strided=strided), [0, 2, 1, -1]), lambda x, d: x.to(D).permute(d)
 
     @case
+    def permute_backward(dt, strided):
+        dout = _rand(2, 3, 5, 4, dtype=dt, strided=strided)
+        x = torch.randn(2, 5, 3, 4)
+        return (dout, [0, 2, 1, -1]), lambda d, dims: _vjp(lambda x: x.permute(dims), (x,), (d,), (0,))
+
+    @case
     def kv_cache_append(dt, strided):
         kc, vc = torch.zeros(2, 2, 8, 4).to(dt), torch.zeros(2, 2, 8, 4).to(dt)
         k, v = _rand(2, 2, 3, 4, dtype=dt, strided=strided), torch.randn(2, 2, 3, 4).to(dt)

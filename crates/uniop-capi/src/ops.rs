@@ -813,6 +813,38 @@ pub extern "C" fn uniopPermute(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
+/// Phase 1 of `permute_backward(Tensor dout, int[] dims) -> (Tensor dx)`.
+///
+/// Gradient of permute: dx = dout with the inverse permutation of dims applied (contiguous); dims
+/// as given to permute. Any dtype.
+#[no_mangle]
+pub extern "C" fn uniopPermuteBackwardGetWorkspaceSize(
+    dout: *const uniopTensor,
+    dims: *const uniopIntArray,
+    dx: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopPermuteBackwardGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 1] = [("dout", dout)];
+        let attrs: [(&str, AttrValue); 1] = [("dims", int_array_value(F, "dims", dims)?)];
+        let outputs = [("dx", dx as *const uniopTensor)];
+        plan("permute_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `permute_backward`: launches the executor from `uniopPermuteBackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopPermuteBackward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
 /// Phase 1 of `rms_norm(Tensor x, Tensor weight, float eps=1e-6) -> (Tensor y, Tensor rstd)`.
 ///
 /// Root-mean-square normalization (LLaMA's RMSNorm): y = x / sqrt(mean(x^2) + eps) * weight over

@@ -38,6 +38,7 @@ pub mod matmul;
 pub mod matmul_backward;
 pub mod mul;
 pub mod permute;
+pub mod permute_backward;
 
 pub mod add;
 pub mod add_rms_norm;
@@ -71,6 +72,7 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(cast::Cast),
         Box::new(cat::Cat),
         Box::new(permute::Permute),
+        Box::new(permute_backward::PermuteBackward),
         Box::new(argmax::Argmax),
         Box::new(sample::Sample),
         Box::new(gelu::Gelu),

@@ -13,12 +13,13 @@ use uniop::{
 pub struct Permute;
 
 /// Every element type: the op only moves elements.
-const DTYPES: &[DType] =
+pub(crate) const DTYPES: &[DType] =
     &[DType::F32, DType::F16, DType::BF16, DType::F64, DType::I8, DType::I32, DType::I64, DType::U8, DType::Bool];
 
-/// `dims` normalized (negative counts from the end) and checked to be a permutation of `x`'s dims.
-fn order(cx: &OpCx) -> Result<Vec<usize>> {
-    let rank = cx.input("x").rank();
+/// `dims` normalized (negative counts from the end) and checked to be a permutation of the dims
+/// of tensor argument `arg`; with `inverse`, the permutation that undoes it (the backward's).
+fn order(cx: &OpCx, arg: &str, inverse: bool) -> Result<Vec<usize>> {
+    let rank = cx.input(arg).rank();
     let given = match cx.attr("dims") {
         uniop::AttrValue::Ints(v) => v.clone(),
         other => unreachable!("schema types dims as int[], got {other}"),
@@ -28,14 +29,16 @@ fn order(cx: &OpCx) -> Result<Vec<usize>> {
         cx.err(
             ErrorCode::ParamInvalid,
             "dims",
-            format!("a permutation of the {rank} dims of x (each of 0..{rank} once, negative counting from the end)"),
+            format!(
+                "a permutation of the {rank} dims of {arg} (each of 0..{rank} once, negative counting from the end)"
+            ),
             format!("{given:?}"),
         )
     };
     if given.len() != rank {
         return Err(bad());
     }
-    given
+    let forward: Vec<usize> = given
         .iter()
         .map(|&d| {
             let d = if d < 0 { d + rank as i64 } else { d };
@@ -43,7 +46,15 @@ fn order(cx: &OpCx) -> Result<Vec<usize>> {
             seen[d] = true;
             Ok(d)
         })
-        .collect()
+        .collect::<Result<_>>()?;
+    if !inverse {
+        return Ok(forward);
+    }
+    let mut undo = vec![0; rank];
+    for (i, &d) in forward.iter().enumerate() {
+        undo[d] = i;
+    }
+    Ok(undo)
 }
 
 /// `layout` viewed with its dims in `order`.
@@ -62,6 +73,48 @@ fn kernel(args: &KernelArgs, ctx: BlockCtx, order: &[usize], elem_size: usize) {
     unsafe { runs.copy(out.as_mut_byte_ptr(), x.as_ptr(), elem_size, ctx.split(out.meta().numel())) };
 }
 
+/// Output meta of a permute of tensor argument `arg` (`inverse`: by the inverse of `dims`).
+pub(crate) fn infer(cx: &OpCx, arg: &str, inverse: bool) -> Result<Vec<TensorMeta>> {
+    let x = cx.input(arg);
+    let dtype = cx.expect_dtype_in(arg, DTYPES)?;
+    let shape: Vec<usize> = order(cx, arg, inverse)?.iter().map(|&d| x.shape()[d]).collect();
+    Ok(vec![TensorMeta::contiguous(dtype, &shape)?])
+}
+
+pub(crate) fn plan(cx: &OpCx, arg: &str, inverse: bool) -> Result<Plan> {
+    let order = order(cx, arg, inverse)?;
+    let x = cx.input(arg);
+    let elem_size = x.dtype.size();
+    let block_dim = uniop::block_dim_for(x.numel(), 2 * elem_size);
+    let step = Step::new("permute", block_dim, move |a, c| kernel(a, c, &order, elem_size));
+    Ok(Plan::new(vec![step]).outputs_need(vec![uniop::LayoutNeed::Contiguous]))
+}
+
+pub(crate) fn reference(cx: &OpCx, arg: &str, inverse: bool, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+    let order = order(cx, arg, inverse)?;
+    let x = inputs[0].as_ref().expect("the tensor is required");
+    let source = permuted(&Layout::contiguous(&x.shape)?, &order)?;
+    let data = (0..x.data.len()).map(|i| x.data[source.offset_of_linear(i)]).collect();
+    Ok(vec![RefTensor::new(source.shape(), data)])
+}
+
+/// HF's [B, S, H, D] projection to [B, H, S, D] by default; for other ranks, the last two dims
+/// swapped (counted from the end), or the identity for vectors.
+pub(crate) fn example(shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+    let shape = shape.unwrap_or(&[1, 2048, 32, 128]);
+    let rank = shape.len() as i64;
+    let dims: Vec<i64> = match rank {
+        4 => vec![0, 2, 1, 3],
+        r if r >= 2 => (0..r - 2).chain([-1, -2]).collect(),
+        r => (0..r).collect(),
+    };
+    Ok(Example {
+        inputs: vec![Some(TensorMeta::contiguous(dtype, shape)?)],
+        attrs: vec![("dims".into(), uniop::AttrValue::Ints(dims))],
+        ..Default::default()
+    })
+}
+
 impl Op for Permute {
     fn schema(&self) -> &'static str {
         "permute(Tensor x, int[] dims) -> Tensor out"
@@ -77,44 +130,23 @@ impl Op for Permute {
         DTYPES
     }
 
+    fn backward(&self) -> Option<&'static str> {
+        Some("permute_backward")
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
-        let x = cx.input("x");
-        let dtype = cx.expect_dtype_in("x", DTYPES)?;
-        let shape: Vec<usize> = order(cx)?.iter().map(|&d| x.shape()[d]).collect();
-        Ok(vec![TensorMeta::contiguous(dtype, &shape)?])
+        infer(cx, "x", false)
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
-        let order = order(cx)?;
-        let x = cx.input("x");
-        let elem_size = x.dtype.size();
-        let block_dim = uniop::block_dim_for(x.numel(), 2 * elem_size);
-        let step = Step::new("permute", block_dim, move |a, c| kernel(a, c, &order, elem_size));
-        Ok(Plan::new(vec![step]).outputs_need(vec![uniop::LayoutNeed::Contiguous]))
+        plan(cx, "x", false)
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
-        let order = order(cx)?;
-        let x = inputs[0].as_ref().expect("x is required");
-        let source = permuted(&Layout::contiguous(&x.shape)?, &order)?;
-        let data = (0..x.data.len()).map(|i| x.data[source.offset_of_linear(i)]).collect();
-        Ok(vec![RefTensor::new(source.shape(), data)])
+        reference(cx, "x", false, inputs)
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        // HF's [B, S, H, D] projection to [B, H, S, D] by default; for other ranks, the last two
-        // dims swapped (counted from the end), or the identity for vectors.
-        let shape = shape.unwrap_or(&[1, 2048, 32, 128]);
-        let rank = shape.len() as i64;
-        let dims: Vec<i64> = match rank {
-            4 => vec![0, 2, 1, 3],
-            r if r >= 2 => (0..r - 2).chain([-1, -2]).collect(),
-            r => (0..r).collect(),
-        };
-        Ok(Example {
-            inputs: vec![Some(TensorMeta::contiguous(dtype, shape)?)],
-            attrs: vec![("dims".into(), uniop::AttrValue::Ints(dims))],
-            ..Default::default()
-        })
+        example(shape, dtype)
     }
 }

@@ -1227,6 +1227,12 @@ fn permute_reorders_dims_of_any_layout_and_rejects_non_permutations() {
     let back = run_checked("permute", &[Some(xt)], &[("dims", AttrValue::Ints(vec![0, 2, 1]))]);
     assert!(back[0].iter().zip(&x).all(|(a, b)| *a == *b as f64));
 
+    // The backward permutes back: permute_backward(permute(x, dims), dims) == x.
+    let out_f32: Vec<f32> = out[0].iter().map(|&v| v as f32).collect();
+    let dout = TensorRef::new(&out_f32, &[2, 4, 3]).unwrap();
+    let dx = run_checked("permute_backward", &[Some(dout)], &[("dims", AttrValue::Ints(vec![0, -1, 1]))]);
+    assert!(dx[0].iter().zip(&x).all(|(a, b)| *a == *b as f64));
+
     let mut y = [0f32; 24];
     for bad in [vec![0, 1], vec![0, 1, 1], vec![0, 1, 3], vec![0, 1, -4]] {
         let e = plan_err(
