@@ -171,7 +171,7 @@ pub(crate) unsafe fn gemm_rows_bf16<O: GemmOut>(
     });
 }
 
-pub(crate) fn has_avx512_bf16() -> bool {
+fn has_avx512_bf16() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

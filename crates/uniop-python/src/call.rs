@@ -84,6 +84,12 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".to_string())
 }
 
+/// The items of a `Tensor[]` argument's value (a list, tuple or any iterable).
+fn list_items<'py>(op: &str, arg: &Arg, value: &Bound<'py, PyAny>) -> Result<Vec<Bound<'py, PyAny>>, Error> {
+    let not_a_list = |_| Error::arg(ErrorCode::ParamInvalid, op, &arg.name, "a list of tensors", type_name(value));
+    value.try_iter().map_err(not_a_list)?.collect::<PyResult<_>>().map_err(not_a_list)
+}
+
 /// A Python value for an attribute of type `arg.ty` (None: absent or Python `None`).
 fn attr_value(op: &str, arg: &Arg, obj: Option<&Bound<'_, PyAny>>) -> Result<Option<AttrValue>, Error> {
     let Some(obj) = obj else { return Ok(None) };
@@ -384,10 +390,7 @@ pub fn call(
             continue;
         };
         let items: Vec<Bound<'_, PyAny>> = if arg.ty.base == BaseType::TensorList {
-            let given = || value.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
-            let not_a_list =
-                |_| to_py_err(Error::arg(ErrorCode::ParamInvalid, op, &arg.name, "a list of tensors", given()));
-            value.try_iter().map_err(not_a_list)?.collect::<PyResult<_>>().map_err(not_a_list)?
+            list_items(op, arg, value).map_err(to_py_err)?
         } else {
             vec![value.clone()]
         };
@@ -593,15 +596,10 @@ pub fn infer(
         for (arg, value) in entry.schema.args.iter().zip(&bound) {
             if arg.ty.is_tensor() {
                 let group = match value.as_ref().filter(|v| !v.is_none()) {
-                    Some(v) if arg.ty.base == BaseType::TensorList => {
-                        let not_a_list = |e: PyErr| {
-                            Error::arg(ErrorCode::ParamInvalid, op, &arg.name, "a list of tensors", e.to_string())
-                        };
-                        let items = v.try_iter().map_err(not_a_list)?;
-                        items
-                            .map(|item| meta_of(op, &arg.name, &item.map_err(not_a_list)?))
-                            .collect::<Result<_, _>>()?
-                    }
+                    Some(v) if arg.ty.base == BaseType::TensorList => list_items(op, arg, v)?
+                        .iter()
+                        .map(|item| meta_of(op, &arg.name, item))
+                        .collect::<Result<_, _>>()?,
                     Some(v) => vec![meta_of(op, &arg.name, v)?],
                     None => Vec::new(),
                 };

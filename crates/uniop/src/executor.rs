@@ -56,6 +56,8 @@ struct Planned {
     staging: Vec<Staging>,
     op_workspace: usize,
     workspace_size: usize,
+    /// Every task of a launch (staging copies and steps) is one block: see [`Executor::launch`].
+    single_block: bool,
 }
 
 pub struct Executor<'a> {
@@ -157,10 +159,10 @@ impl<'a> Executor<'a> {
         self.repeatable = true;
     }
 
-    /// Whether a launch is one single-block step with nothing staged: work the op judged too
-    /// small to split, which [`Executor::launch`] runs in place on an idle stream.
+    /// Whether every task of a launch is a single block: work too small to split, which
+    /// [`Executor::launch`] runs in place on an idle stream.
     pub fn is_single_block(&self) -> bool {
-        self.planned.staging.is_empty() && self.planned.steps.iter().all(|s| s.block_dim <= 1)
+        self.planned.single_block
     }
 
     pub fn is_repeatable(&self) -> bool {
@@ -245,7 +247,7 @@ impl<'a> Executor<'a> {
     /// `stream` has finished this work — the same contract as an aclnn or CUDA launch.
     pub unsafe fn launch(&mut self, workspace: *mut u8, workspace_len: usize, stream: &Stream) -> Result<()> {
         let tasks = self.prepare(workspace, workspace_len)?;
-        if tasks.iter().all(|(block_dim, _)| *block_dim <= 1) {
+        if self.planned.single_block {
             if let Some(result) = stream.run_here_if_idle(&tasks) {
                 return result.map_err(|e| e.context(self.op()));
             }
@@ -420,6 +422,8 @@ fn plan_call(
         stage(true, i, t.meta(), plan.output_needs.get(i).copied().unwrap_or_default())?;
     }
     let workspace_size = if at == 0 { 0 } else { at + WS_ALIGN };
+    let single_block =
+        plan.steps.iter().all(|s| s.block_dim <= 1) && staging.iter().all(|s| copy_block_dim(&s.meta) <= 1);
     Ok(Planned {
         entry: entry.clone(),
         steps: plan.steps,
@@ -428,6 +432,7 @@ fn plan_call(
         staging,
         op_workspace: plan.workspace,
         workspace_size,
+        single_block,
     })
 }
 
@@ -563,6 +568,11 @@ fn enqueue(stream: &Stream, tasks: Vec<(u32, KernelFn)>) -> Option<(u64, u64)> {
     range
 }
 
+/// Blocks of the staging copy of a tensor like `meta`.
+fn copy_block_dim(meta: &TensorMeta) -> u32 {
+    block_dim_for(meta.numel(), meta.dtype.size())
+}
+
 /// Strided copy `src → dst` (same shape and dtype) as an SPMD task over element ranges.
 fn copy_task(src: Bound, dst: Bound) -> (u32, KernelFn) {
     let n = src.meta.numel();
@@ -570,7 +580,7 @@ fn copy_task(src: Bound, dst: Bound) -> (u32, KernelFn) {
     let runs = StridedRuns::<2>::new([&dst.meta.layout, &src.meta.layout]);
     let (src_ptr, dst_ptr) = (SendPtr(src.ptr), SendPtr(dst.ptr));
     (
-        block_dim_for(n, size),
+        copy_block_dim(&src.meta),
         Arc::new(move |ctx: BlockCtx| {
             // SAFETY: both layouts were checked against their buffers; blocks copy disjoint
             // element ranges of `dst`.
