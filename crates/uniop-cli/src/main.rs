@@ -81,7 +81,7 @@ fn parse_attr(s: &str) -> Result<(String, AttrValue)> {
 fn list() {
     println!("{:<20} {:<28} {:<20} schema", "op", "dtypes", "backward");
     for entry in Registry::global().list() {
-        let dtypes: Vec<_> = entry.op.dtypes().iter().map(|d| short(*d)).collect();
+        let dtypes: Vec<_> = entry.op.dtypes().iter().map(|d| d.short_name()).collect();
         println!(
             "{:<20} {:<28} {:<20} {}",
             entry.name(),
@@ -89,20 +89,6 @@ fn list() {
             entry.op.backward().unwrap_or("-"),
             entry.schema
         );
-    }
-}
-
-fn short(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "f32",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::F64 => "f64",
-        DType::I8 => "i8",
-        DType::I32 => "i32",
-        DType::I64 => "i64",
-        DType::U8 => "u8",
-        DType::Bool => "bool",
     }
 }
 
@@ -144,8 +130,9 @@ fn run_one(op: &str, dtype: DType, args: &RunArgs) -> Result<bool> {
         .inputs
         .iter()
         .map(|m| {
-            m.as_ref()
-                .map_or("None".to_string(), |m| format!("{}{}", short(m.dtype), uniop::layout::ShapeDisplay(m.shape())))
+            m.as_ref().map_or("None".to_string(), |m| {
+                format!("{}{}", m.dtype.short_name(), uniop::layout::ShapeDisplay(m.shape()))
+            })
         })
         .collect();
     let mut h = OpHarness::new(entry, example, args.seed)?;

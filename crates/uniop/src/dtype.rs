@@ -57,6 +57,21 @@ impl DType {
         }
     }
 
+    /// The short spelling used in tables and profiles (`f32`, `bf16`, `i64`, …).
+    pub fn short_name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F64 => "f64",
+            DType::I8 => "i8",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::U8 => "u8",
+            DType::Bool => "bool",
+        }
+    }
+
     /// Parses `float32`/`f32`, `bfloat16`/`bf16`, `half`, `int64`/`i64`, … (case-insensitive).
     pub fn parse(s: &str) -> Result<DType> {
         let lower = s.to_ascii_lowercase();

@@ -17,14 +17,15 @@ use crate::error::{Error, ErrorCode, Result};
 use crate::layout::{StridedRuns, TensorMeta};
 use crate::op::{block_dim_for, Bound, KernelArgs, LayoutNeed, OpCx, Step};
 use crate::registry::{OpEntry, Registry};
-use crate::runtime::pool::KernelFn;
+use crate::runtime::profiler::{self, LaunchKind};
+use crate::runtime::stream::Launch;
 use crate::runtime::{BlockCtx, Stream};
 use crate::schema::AttrValue;
 use crate::tensor::{TensorMut, TensorRef};
 use rustc_hash::FxHashMap;
 use std::cell::RefCell;
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 const WS_ALIGN: usize = 64;
 
@@ -58,6 +59,8 @@ struct Planned {
     workspace_size: usize,
     /// Every task of a launch (staging copies and steps) is one block: see [`Executor::launch`].
     single_block: bool,
+    /// The op's name and its tensors as the profiler shows them (built on the first profiled launch).
+    profiled: OnceLock<(Arc<str>, Arc<str>, u64)>,
 }
 
 pub struct Executor<'a> {
@@ -261,7 +264,7 @@ impl<'a> Executor<'a> {
     ///
     /// # Safety
     /// As for [`Executor::launch`].
-    unsafe fn prepare(&mut self, workspace: *mut u8, workspace_len: usize) -> Result<Vec<(u32, KernelFn)>> {
+    unsafe fn prepare(&mut self, workspace: *mut u8, workspace_len: usize) -> Result<Vec<Launch>> {
         let op = self.op();
         if self.launched && !self.repeatable {
             return Err(Error::new(
@@ -308,13 +311,34 @@ impl<'a> Executor<'a> {
                 (args, copies_in, copies_out)
             }
         };
-        let mut tasks: Vec<(u32, KernelFn)> = copies_in.into_iter().map(|(src, dst)| copy_task(src, dst)).collect();
+        let op_name = || self.profiled().0.clone();
+        let mut tasks: Vec<Launch> =
+            copies_in.into_iter().map(|(src, dst)| copy_task(src, dst, "copy_in", op_name)).collect();
         for step in &self.planned.steps {
             let (args, kernel) = (args.clone(), step.kernel.clone());
-            tasks.push((step.block_dim, Arc::new(move |ctx| kernel(&args, ctx))));
+            let label = profiler::label(
+                op_name,
+                step.name,
+                LaunchKind::Op,
+                || {
+                    let (_, signature, bytes) = self.profiled();
+                    (signature.clone(), *bytes)
+                },
+                step.block_dim,
+            );
+            tasks.push(Launch { block_num: step.block_dim, kernel: Arc::new(move |ctx| kernel(&args, ctx)), label });
         }
-        tasks.extend(copies_out.into_iter().map(|(src, dst)| copy_task(src, dst)));
+        tasks.extend(copies_out.into_iter().map(|(src, dst)| copy_task(src, dst, "copy_out", op_name)));
         Ok(tasks)
+    }
+
+    /// The op's name, its tensors' description and their bytes, for profiled launches.
+    fn profiled(&self) -> &(Arc<str>, Arc<str>, u64) {
+        self.planned.profiled.get_or_init(|| {
+            let inputs = self.inputs.iter().flatten().map(|b| &b.meta);
+            let (signature, bytes) = profiler::describe_tensors(inputs, self.outputs.iter().map(|b| &b.meta));
+            (self.op().into(), signature, bytes)
+        })
     }
 
     /// Kernel-facing bindings for a launch with workspace at `base`: staged tensors point into
@@ -433,6 +457,7 @@ fn plan_call(
         op_workspace: plan.workspace,
         workspace_size,
         single_block,
+        profiled: OnceLock::new(),
     })
 }
 
@@ -559,10 +584,10 @@ fn group_inputs(
 /// Enqueues `tasks` on `stream`; returns the first and last task numbers (they are consecutive
 /// only if no other thread enqueues on the stream meanwhile, which waiting through the last
 /// one tolerates).
-fn enqueue(stream: &Stream, tasks: Vec<(u32, KernelFn)>) -> Option<(u64, u64)> {
+fn enqueue(stream: &Stream, tasks: Vec<Launch>) -> Option<(u64, u64)> {
     let mut range: Option<(u64, u64)> = None;
-    for (block_dim, kernel) in tasks {
-        let seq = stream.launch_shared(block_dim, kernel);
+    for launch in tasks {
+        let seq = stream.launch_shared(launch);
         range = Some((range.map_or(seq, |(first, _)| first), seq));
     }
     range
@@ -573,20 +598,27 @@ fn copy_block_dim(meta: &TensorMeta) -> u32 {
     block_dim_for(meta.numel(), meta.dtype.size())
 }
 
-/// Strided copy `src → dst` (same shape and dtype) as an SPMD task over element ranges.
-fn copy_task(src: Bound, dst: Bound) -> (u32, KernelFn) {
+/// Strided copy `src → dst` (same shape and dtype) as an SPMD task over element ranges; `step`
+/// and `op` name it for the profiler.
+fn copy_task(src: Bound, dst: Bound, step: &'static str, op: impl FnOnce() -> Arc<str>) -> Launch {
     let n = src.meta.numel();
     let size = src.meta.dtype.size();
     let runs = StridedRuns::<2>::new([&dst.meta.layout, &src.meta.layout]);
+    let block_num = copy_block_dim(&src.meta);
+    let label = profiler::label(
+        op,
+        step,
+        LaunchKind::Staging,
+        || profiler::describe_tensors(std::iter::once(&src.meta), std::iter::once(&dst.meta)),
+        block_num,
+    );
     let (src_ptr, dst_ptr) = (SendPtr(src.ptr), SendPtr(dst.ptr));
-    (
-        copy_block_dim(&src.meta),
-        Arc::new(move |ctx: BlockCtx| {
-            // SAFETY: both layouts were checked against their buffers; blocks copy disjoint
-            // element ranges of `dst`.
-            unsafe { runs.copy(dst_ptr.get(), src_ptr.get(), size, ctx.split(n)) }
-        }),
-    )
+    let kernel = Arc::new(move |ctx: BlockCtx| {
+        // SAFETY: both layouts were checked against their buffers; blocks copy disjoint
+        // element ranges of `dst`.
+        unsafe { runs.copy(dst_ptr.get(), src_ptr.get(), size, ctx.split(n)) }
+    });
+    Launch { block_num, kernel, label }
 }
 
 #[derive(Clone, Copy)]

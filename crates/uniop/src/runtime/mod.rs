@@ -2,10 +2,12 @@
 
 pub mod alloc;
 pub mod pool;
+pub mod profiler;
 pub mod stream;
 
 pub use alloc::{Allocator, DeviceBuffer, MemPolicy, MemStats};
 pub use pool::{BlockCtx, Pool};
+pub use profiler::{LaunchEvent, LaunchKind, Profile};
 pub use stream::{Event, Stream};
 
 /// Kernel direct call, in the shape of an Ascend C `<<<blockDim, stream>>>` launch: runs

@@ -12,6 +12,7 @@
 //! reported as a runtime error instead of hanging.
 
 use super::pool::{panic_message, BlockCtx, KernelFn, Pool};
+use super::profiler::{self, Label, LaunchKind};
 use crate::error::{Error, Result};
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
@@ -22,8 +23,28 @@ use std::time::{Duration, Instant};
 
 const SPIN: Duration = Duration::from_micros(50);
 
+/// One SPMD launch as a stream holds it: the kernel, its block count, and — while the profiler
+/// records — what it is.
+pub(crate) struct Launch {
+    pub block_num: u32,
+    pub kernel: KernelFn,
+    pub label: Option<Arc<Label>>,
+}
+
+impl Launch {
+    /// Runs every block on `pool` (the calling thread included); a kernel panic becomes an error.
+    fn run(&self, pool: &Pool, stream: u64) -> Result<()> {
+        let start = self.label.as_ref().map(|_| Instant::now());
+        let result = pool.run(&self.kernel, self.block_num);
+        if let (Some(label), Some(start)) = (&self.label, start) {
+            profiler::record(label, stream, start, Instant::now());
+        }
+        result.map_err(|m| Error::runtime(format!("kernel panicked on stream {stream}: {m}")))
+    }
+}
+
 enum Task {
-    Launch { kernel: KernelFn, block_num: u32 },
+    Launch(Launch),
     HostFn(Box<dyn FnOnce() -> Result<()> + Send>),
     Record(Arc<RecordPoint>),
     Wait { on: Arc<StreamInner>, seq: u64 },
@@ -153,19 +174,20 @@ impl Stream {
     /// [`BlockCtx`]. Returns at once; the kernel runs when the stream reaches it. A panic inside
     /// the kernel is caught and reported by the next `synchronize`.
     pub fn launch(&self, block_num: u32, kernel: impl Fn(BlockCtx) + Send + Sync + 'static) {
-        self.launch_shared(block_num, Arc::new(kernel));
+        let label = profiler::label(|| "kernel".into(), "kernel", LaunchKind::Kernel, || ("".into(), 0), block_num);
+        self.launch_shared(Launch { block_num, kernel: Arc::new(kernel), label });
     }
 
     /// Enqueues a launch and returns its task number (for [`Stream::wait_through`]).
-    pub(crate) fn launch_shared(&self, block_num: u32, kernel: KernelFn) -> u64 {
-        self.enqueue(|_| Task::Launch { kernel, block_num })
+    pub(crate) fn launch_shared(&self, launch: Launch) -> u64 {
+        self.enqueue(|_| Task::Launch(launch))
     }
 
     /// Runs `tasks` in order on the calling thread (with the compute pool) if the stream is idle,
     /// as if they were enqueued and waited for; `None` when the stream has pending work (the
     /// caller enqueues instead). While they run, the worker starts nothing, so work other threads
     /// enqueue meanwhile still runs after them. A kernel panic is returned as an error.
-    pub(crate) fn run_here_if_idle(&self, tasks: &[(u32, KernelFn)]) -> Option<Result<()>> {
+    pub(crate) fn run_here_if_idle(&self, tasks: &[Launch]) -> Option<Result<()>> {
         let inner = self.inner();
         {
             let mut q = inner.queue.lock().unwrap();
@@ -178,10 +200,7 @@ impl Stream {
             q.in_place = true;
         }
         let pool = Pool::global();
-        let result = tasks.iter().try_for_each(|(block_num, kernel)| {
-            pool.run(kernel, *block_num)
-                .map_err(|m| Error::runtime(format!("kernel panicked on stream {}: {m}", inner.id)))
-        });
+        let result = tasks.iter().try_for_each(|launch| launch.run(pool, inner.id));
         let mut q = inner.queue.lock().unwrap();
         q.in_place = false;
         if q.worker_sleeping && !q.tasks.is_empty() {
@@ -288,9 +307,7 @@ fn stream_loop(inner: Arc<StreamInner>) {
         taken = seq;
         CURRENT.with(|c| *c.borrow_mut() = Some((inner.clone(), seq)));
         let result = match task {
-            Task::Launch { kernel, block_num } => pool
-                .run(&kernel, block_num)
-                .map_err(|m| Error::runtime(format!("kernel panicked on stream {}: {m}", inner.id))),
+            Task::Launch(launch) => launch.run(pool, inner.id),
             Task::HostFn(f) => catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
                 Err(Error::runtime(format!("host function panicked on stream {}: {}", inner.id, panic_message(&*p))))
             }),
@@ -465,6 +482,10 @@ mod tests {
     use super::*;
     use std::sync::atomic::AtomicU32;
 
+    fn one_block(kernel: &KernelFn) -> [Launch; 1] {
+        [Launch { block_num: 1, kernel: kernel.clone(), label: None }]
+    }
+
     /// Work another thread enqueues while a caller runs in place still runs after it, and a busy
     /// stream refuses in-place work.
     #[test]
@@ -479,7 +500,7 @@ mod tests {
         });
         let runner = {
             let stream = stream.clone();
-            std::thread::spawn(move || stream.run_here_if_idle(&[(1, slow)]))
+            std::thread::spawn(move || stream.run_here_if_idle(&one_block(&slow)))
         };
         std::thread::sleep(Duration::from_millis(15));
         let (st, sn) = (state.clone(), seen.clone());
@@ -496,12 +517,12 @@ mod tests {
             }
         });
         let noop: KernelFn = Arc::new(|_| {});
-        assert!(stream.run_here_if_idle(&[(1, noop.clone())]).is_none(), "a busy stream runs nothing in place");
+        assert!(stream.run_here_if_idle(&one_block(&noop)).is_none(), "a busy stream runs nothing in place");
         gate.store(1, Ordering::SeqCst);
         stream.synchronize().unwrap();
         let panicking: KernelFn = Arc::new(|_| panic!("boom"));
-        let err = stream.run_here_if_idle(&[(1, panicking)]).unwrap().unwrap_err();
+        let err = stream.run_here_if_idle(&one_block(&panicking)).unwrap().unwrap_err();
         assert!(err.message().contains("kernel panicked") && err.message().contains("boom"), "{err}");
-        assert!(stream.run_here_if_idle(&[(1, noop)]).unwrap().is_ok(), "the stream is usable after a panic");
+        assert!(stream.run_here_if_idle(&one_block(&noop)).unwrap().is_ok(), "the stream is usable after a panic");
     }
 }
