@@ -868,6 +868,24 @@ uniopStatus uniopGetMemStats(uniopMemStats *stats);
 // (when not NULL) receives the full size including the NUL.
 uniopStatus uniopMemorySummary(char *buf, size_t len, size_t *needed);
 
+// Starts recording every launch in the process — op launches from any frontend, staging copies
+// and kernel direct calls — with its op, tensors, bytes, block count, stream and time. Fails
+// when a profiler is already recording.
+uniopStatus uniopProfilerStart(void);
+
+// Stops recording and keeps the profile for `uniopProfilerSummary` / `uniopProfilerWriteTrace`
+// (replacing the previous one). Launches still queued are not recorded: synchronize first.
+uniopStatus uniopProfilerStop(void);
+
+// Writes the last profile's op summary (launch time per op, step and tensor signature, longest
+// first; `top` rows, 0 for all) like `uniopMemorySummary`: truncated to `len` bytes,
+// NUL-terminated, full size with the NUL in `*needed` when not NULL.
+uniopStatus uniopProfilerSummary(size_t top, char *buf, size_t len, size_t *needed);
+
+// Writes the last profile as Chrome trace JSON (open in chrome://tracing or ui.perfetto.dev)
+// to the file at `path`.
+uniopStatus uniopProfilerWriteTrace(const char *path);
+
 // Kernel direct call: enqueues `blockDim` instances of `kernel(blockIdx, blockDim, args)` on
 // `stream`, spread over the compute pool. `args` must stay valid until the launch has run.
 uniopStatus uniopLaunchKernel(uniopKernelFn kernel,

@@ -1,7 +1,7 @@
 /* The C API end to end: runtime, descriptors (tensors, tensor lists, scalars, int arrays),
  * aclnn-style two-phase calls for rms_norm, swiglu, matmul (transposed operand), rope, attention,
- * kv_cache_append (in place), cat, add and permute, the kernel direct call, events, and the
- * bad-input contract. Every result is checked against a reference computed here in double precision. Exit status 0 means all checks passed.
+ * kv_cache_append (in place), cat, add and permute, the kernel direct call, events, the profiler,
+ * and the bad-input contract. Every result is checked against a reference computed here in double precision. Exit status 0 means all checks passed.
  *
  *   gcc -std=c11 -Wall -Wextra -Werror -I include examples/c/two_phase.c -L target/release -luniop_capi -lm
  *   ./a.out [--bench]
@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 /* Deterministic values in [-1, 1). */
 static void fill(float *x, size_t n, unsigned seed) {
@@ -566,6 +567,64 @@ static void test_runtime_calls(uniopStream stream) {
   for (size_t i = 0; i < 4; i++) OK(uniopDestroyTensor(all[i]));
 }
 
+/* The profiler: every launch between start and stop, as an op summary and a Chrome trace. */
+static void test_profiler(uniopStream stream) {
+  expect_error("profiler: stop unstarted", uniopProfilerStop(), UNIOP_ERROR_PARAM_INVALID, "no profiler is recording");
+  expect_error("profiler: no profile yet", uniopProfilerSummary(0, NULL, 0, NULL), UNIOP_ERROR_PARAM_INVALID,
+               "no profile yet");
+  OK(uniopProfilerStart());
+  expect_error("profiler: started twice", uniopProfilerStart(), UNIOP_ERROR_PARAM_INVALID, "already recording");
+  float x[3 * 64], w[64], y[3 * 64], rstd[3];
+  fill(x, 3 * 64, 7);
+  fill(w, 64, 8);
+  int64_t xd[] = {3, 64}, wd[] = {64}, rd[] = {3, 1};
+  uniopTensor *tx = dense(xd, 2, x), *tw = dense(wd, 1, w), *ty = dense(xd, 2, y), *tr = dense(rd, 2, rstd);
+  for (int i = 0; i < 2; i++) {
+    uint64_t ws = 0;
+    uniopExecutor *exec = NULL;
+    OK(uniopRmsNormGetWorkspaceSize(tx, tw, 1e-6, ty, tr, &ws, &exec));
+    launch(uniopRmsNorm, ws, exec, stream);
+  }
+  int data[64];
+  FillArgs args = {data, 64};
+  OK(uniopLaunchKernel(fill_kernel, 2, &args, stream));
+  OK(uniopSynchronizeStream(stream));
+  OK(uniopProfilerStop());
+
+  size_t needed = 0;
+  OK(uniopProfilerSummary(0, NULL, 0, &needed));
+  char *summary = malloc(needed);
+  OK(uniopProfilerSummary(0, summary, needed, NULL));
+  /* The rms_norm row counts both launches; the direct call has its own row. */
+  const char *row = strstr(summary, "\nrms_norm ");
+  int good = strlen(summary) + 1 == needed && row != NULL && strstr(row, " op ") != NULL &&
+             strstr(summary, "f32[3, 64], f32[64] -> f32[3, 64], f32[3, 1]") != NULL &&
+             strstr(summary, "\nkernel ") != NULL;
+  long calls = 0;
+  if (row) sscanf(row + 1, "%*s %*s %*s %ld", &calls);
+  good &= calls == 2;
+  CHECK(good, "profiler summary (%ld rms_norm calls):\n%s", calls, summary);
+  printf("%-28s %s\n", "profiler summary", good ? "PASS" : "FAIL");
+  free(summary);
+
+  char path[64];
+  snprintf(path, sizeof path, "/tmp/uniop-c-trace-%ld.json", (long)getpid());
+  OK(uniopProfilerWriteTrace(path));
+  FILE *f = fopen(path, "r");
+  char head[64] = {0};
+  size_t got = f ? fread(head, 1, sizeof head - 1, f) : 0;
+  if (f) fclose(f);
+  remove(path);
+  CHECK(got > 0 && strncmp(head, "{\"", 2) == 0 && strstr(head, "traceEvents") != NULL, "trace file: %s", head);
+  printf("%-28s %s\n", "profiler trace", got > 0 ? "PASS" : "FAIL");
+  expect_error("trace: NULL path", uniopProfilerWriteTrace(NULL), UNIOP_ERROR_PARAM_NULLPTR, "'path'");
+  expect_error("trace: unwritable path", uniopProfilerWriteTrace("/nonexistent-dir/t.json"), UNIOP_ERROR_PARAM_INVALID,
+               "writable file path");
+  expect_error("summary: NULL buffer", uniopProfilerSummary(0, NULL, 8, NULL), UNIOP_ERROR_PARAM_NULLPTR, "'buf'");
+  uniopTensor *all[] = {tx, tw, ty, tr};
+  for (size_t i = 0; i < 4; i++) OK(uniopDestroyTensor(all[i]));
+}
+
 static double now_us(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
@@ -636,6 +695,7 @@ int main(int argc, char **argv) {
   test_scalar_and_int_array(stream);
   test_bad_inputs(stream);
   test_runtime_calls(stream);
+  test_profiler(stream);
   size_t free_b = 0, total_b = 0;
   OK(uniopGetMemInfo(&free_b, &total_b));
   CHECK(total_b > 0 && free_b <= total_b, "mem info %zu / %zu", free_b, total_b);

@@ -6,7 +6,7 @@ use crate::{guard, non_null, uniopStatus};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void};
 use std::sync::{Mutex, OnceLock};
-use uniop::runtime::{Allocator, DeviceBuffer, MemPolicy};
+use uniop::runtime::{Allocator, DeviceBuffer, MemPolicy, Profile};
 use uniop::{Error, ErrorCode, Event, Result, Stream};
 
 /// An ordered queue of work (opaque).
@@ -367,23 +367,85 @@ pub extern "C" fn uniopGetMemStats(stats: *mut uniopMemStats) -> uniopStatus {
 /// (when not NULL) receives the full size including the NUL.
 #[no_mangle]
 pub extern "C" fn uniopMemorySummary(buf: *mut c_char, len: usize, needed: *mut usize) -> uniopStatus {
+    guard(|| write_text("uniopMemorySummary", &Allocator::global().memory_summary(), buf, len, needed))
+}
+
+/// Copies `text` into the caller's `buf` of `len` bytes (truncated, NUL-terminated) and its full
+/// size with the NUL into `*needed` when that is not NULL: the size-query convention of the
+/// text-returning calls.
+fn write_text(func: &str, text: &str, buf: *mut c_char, len: usize, needed: *mut usize) -> Result<()> {
+    if !needed.is_null() {
+        // SAFETY: checked non-null.
+        unsafe { *needed = text.len() + 1 };
+    }
+    if len == 0 {
+        return Ok(());
+    }
+    non_null(buf, func, "buf")?;
+    let n = text.len().min(len - 1);
+    // SAFETY: the caller provides `len` writable bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(text.as_ptr(), buf as *mut u8, n);
+        *buf.add(n) = 0;
+    }
+    Ok(())
+}
+
+/// The profile of the last `uniopProfilerStop`, read by the summary and trace calls.
+static LAST_PROFILE: Mutex<Option<Profile>> = Mutex::new(None);
+
+fn with_last_profile<T>(func: &str, f: impl FnOnce(&Profile) -> Result<T>) -> Result<T> {
+    let last = LAST_PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+    let profile = last.as_ref().ok_or_else(|| {
+        Error::new(
+            ErrorCode::ParamInvalid,
+            format!("{func}: no profile yet (call uniopProfilerStart, then uniopProfilerStop)"),
+        )
+    })?;
+    f(profile)
+}
+
+/// Starts recording every launch in the process — op launches from any frontend, staging copies
+/// and kernel direct calls — with its op, tensors, bytes, block count, stream and time. Fails
+/// when a profiler is already recording.
+#[no_mangle]
+pub extern "C" fn uniopProfilerStart() -> uniopStatus {
+    guard(uniop::runtime::profiler::start)
+}
+
+/// Stops recording and keeps the profile for `uniopProfilerSummary` / `uniopProfilerWriteTrace`
+/// (replacing the previous one). Launches still queued are not recorded: synchronize first.
+#[no_mangle]
+pub extern "C" fn uniopProfilerStop() -> uniopStatus {
     guard(|| {
-        let text = Allocator::global().memory_summary();
-        if !needed.is_null() {
-            // SAFETY: checked non-null.
-            unsafe { *needed = text.len() + 1 };
-        }
-        if len == 0 {
-            return Ok(());
-        }
-        non_null(buf, "uniopMemorySummary", "buf")?;
-        let n = text.len().min(len - 1);
-        // SAFETY: the caller provides `len` writable bytes.
-        unsafe {
-            std::ptr::copy_nonoverlapping(text.as_ptr(), buf as *mut u8, n);
-            *buf.add(n) = 0;
-        }
+        let profile = uniop::runtime::profiler::stop()?;
+        *LAST_PROFILE.lock().unwrap_or_else(|e| e.into_inner()) = Some(profile);
         Ok(())
+    })
+}
+
+/// Writes the last profile's op summary (launch time per op, step and tensor signature, longest
+/// first; `top` rows, 0 for all) like `uniopMemorySummary`: truncated to `len` bytes,
+/// NUL-terminated, full size with the NUL in `*needed` when not NULL.
+#[no_mangle]
+pub extern "C" fn uniopProfilerSummary(top: usize, buf: *mut c_char, len: usize, needed: *mut usize) -> uniopStatus {
+    guard(|| {
+        let text = with_last_profile("uniopProfilerSummary", |p| Ok(p.summary(top)))?;
+        write_text("uniopProfilerSummary", &text, buf, len, needed)
+    })
+}
+
+/// Writes the last profile as Chrome trace JSON (open in chrome://tracing or ui.perfetto.dev)
+/// to the file at `path`.
+#[no_mangle]
+pub extern "C" fn uniopProfilerWriteTrace(path: *const c_char) -> uniopStatus {
+    guard(|| {
+        const F: &str = "uniopProfilerWriteTrace";
+        let path = crate::tensor::text(path, F, "path")?;
+        let trace = with_last_profile(F, |p| Ok(p.chrome_trace()))?;
+        std::fs::write(path, trace).map_err(|e| {
+            Error::arg(ErrorCode::ParamInvalid, F, "path", "a writable file path", format!("'{path}' ({e})"))
+        })
     })
 }
 

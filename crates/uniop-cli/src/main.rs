@@ -1,6 +1,6 @@
 //! `uniop`: the command-line face of the registry and the runtime.
 //!
-//! Like every frontend it never names an op: `list`, `describe`, `run` and `bench` work from the
+//! Like every frontend it never names an op: `list`, `describe`, `run`, `profile` and `bench` work from the
 //! registry's schemas and each op's `example` and `reference`.
 
 mod bench;
@@ -33,6 +33,8 @@ enum Command {
     Describe { op: String },
     /// Run ops on random inputs, check them against their f64 reference and time them.
     Run(RunArgs),
+    /// `run` under the profiler: the op summary table of every launch, optionally a Chrome trace.
+    Profile(ProfileArgs),
     /// Benchmark ops against a STREAM bandwidth probe, plus SPMD launch overhead.
     Bench(bench::BenchArgs),
     /// Show a raw SPMD kernel launch on two streams with an event dependency and event timing.
@@ -58,6 +60,33 @@ struct RunArgs {
     /// Seed for the random inputs.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+}
+
+#[derive(clap::Args)]
+struct ProfileArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    /// Rows of the summary table (0: all).
+    #[arg(long, default_value_t = 20)]
+    top: usize,
+    /// Also write the launches as Chrome trace JSON (chrome://tracing, ui.perfetto.dev).
+    #[arg(long, value_name = "PATH")]
+    trace: Option<std::path::PathBuf>,
+}
+
+/// Runs `args.run` with the profiler recording, then prints the summary (and writes the trace).
+fn profile(args: &ProfileArgs) -> Result<bool> {
+    uniop::runtime::profiler::start()?;
+    let ran = run(&args.run);
+    let profile = uniop::runtime::profiler::stop()?;
+    let passed = ran?;
+    println!("\n{}", profile.summary(args.top));
+    if let Some(path) = &args.trace {
+        std::fs::write(path, profile.chrome_trace())
+            .map_err(|e| Error::invalid(format!("--trace: cannot write {}: {e}", path.display())))?;
+        println!("trace written to {}", path.display());
+    }
+    Ok(passed)
 }
 
 pub(crate) fn parse_shape(s: &str) -> Result<Vec<usize>> {
@@ -191,6 +220,7 @@ fn main() -> ExitCode {
         }
         Command::Describe { op } => describe(op).map(|_| true),
         Command::Run(args) => run(args),
+        Command::Profile(args) => profile(args),
         Command::Bench(args) => bench::run(args).map(|_| true),
         Command::Demo => demo::run().map(|_| true),
     });

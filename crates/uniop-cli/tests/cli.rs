@@ -38,6 +38,25 @@ fn run_checks_every_op_against_its_reference() {
 }
 
 #[test]
+fn profile_summarises_the_launches_and_writes_a_trace() {
+    let trace = std::env::temp_dir().join(format!("uniop-cli-trace-{}.json", std::process::id()));
+    let out = uniop(&["profile", "rms_norm", "--shape", "8x512", "--iters", "3", "--trace", trace.to_str().unwrap()]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    // The op's launches as one row: a first call, the check's call, then warm-up and 3 timed calls.
+    let row =
+        text.lines().find(|l| l.starts_with("rms_norm ") && l.contains(" op ")).unwrap_or_else(|| panic!("{text}"));
+    assert!(row.contains("f32[8, 512], f32[512] -> f32[8, 512], f32[8, 1]"), "{row}");
+    let json = std::fs::read_to_string(&trace).unwrap();
+    std::fs::remove_file(&trace).unwrap();
+    let events: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let calls = row.split_whitespace().nth(3).unwrap().parse::<usize>().unwrap();
+    let in_trace = events["traceEvents"].as_array().unwrap().iter().filter(|e| e["cat"] == "op").count();
+    assert_eq!(calls, in_trace, "{row}");
+    assert!(calls >= 4, "{row}");
+}
+
+#[test]
 fn bad_requests_exit_2_with_the_error() {
     for (args, message) in [
         (&["run", "rms_norm", "--dtype", "int32"][..], "rms_norm: argument 'x': expected dtype in"),
