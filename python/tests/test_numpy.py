@@ -139,6 +139,43 @@ def test_streams_events_and_memory_stats():
         uniop.Event().query()
 
 
+def test_profiler_records_each_launch(tmp_path):
+    x = np.random.default_rng(3).standard_normal((4, 64), dtype=np.float32)
+    w = np.ones(64, dtype=np.float32)
+    s = uniop.Stream()
+    idle = uniop.Profiler()
+    with pytest.raises(uniop.UniopError, match="nothing recorded yet"):
+        idle.summary()
+    with uniop.Profiler() as prof:
+        with pytest.raises(uniop.UniopError, match="already recording"):
+            uniop.Profiler().start()
+        for _ in range(3):
+            uniop.rms_norm(x, w)
+        uniop.silu(x[:, ::2], stream=s)
+        s.synchronize()
+    uniop.rms_norm(x, w)  # after the block: not recorded
+    events = prof.events()
+    norms = [e for e in events if e["op"] == "rms_norm"]
+    assert len(norms) == 3
+    assert all(e["tensors"] == "f32[4, 64], f32[64] -> f32[4, 64], f32[4, 1]" for e in norms)
+    assert all(e["bytes"] == 4 * (256 + 64 + 256 + 4) and e["duration_us"] >= 0 for e in norms)
+    silu = [e for e in events if e["op"] == "silu"]
+    assert [e["stream"] for e in silu] == [s.id] and silu[0]["tensors"].startswith("f32[4, 32]")
+    starts = [e["start_us"] for e in events]
+    assert starts == sorted(starts)
+    table = prof.summary(top=0)
+    row = next(line for line in table.splitlines() if line.startswith("rms_norm "))
+    assert row.split()[3] == "3", table
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    import json
+
+    names = [e["name"] for e in json.loads(trace.read_text())["traceEvents"]]
+    assert names.count("rms_norm") == 3 and names.count("silu") == 1
+    with pytest.raises(OSError, match="cannot write"):
+        prof.export_chrome_trace(str(tmp_path / "missing-dir" / "t.json"))
+
+
 def _plugin_path():
     subprocess.run(["cargo", "build", "-q", "--release", "-p", "uniop-plugin-example"], cwd=ROOT, check=True)
     return ROOT / "target" / "release" / "libuniop_plugin_example.so"

@@ -203,3 +203,15 @@ def test_scalar_arguments_keep_integers_exact():
     with pytest.raises(uniop.UniopError, match="argument 'alpha': expected an integral value") as e:
         uniop.add(a, b, alpha=0.5)
     assert e.value.code_name == "param-invalid"
+
+
+def test_profiler_sees_torch_ops_and_their_backward():
+    x = torch.randn(8, 32, requires_grad=True)
+    w = torch.randn(32, requires_grad=True)
+    with uniop.Profiler() as prof:
+        y, _ = torch.ops.uniop.rms_norm(x, w, 1e-6)
+        y.sum().backward()
+    steps = [(e["op"], e["step"]) for e in prof.events() if e["kind"] == "op"]
+    # The forward, then the backward's two steps (dx per row, then the weight's reduction).
+    assert [op for op, _ in steps] == ["rms_norm", "rms_norm_backward", "rms_norm_backward"], steps
+    assert steps[1][1].endswith(".dx") and steps[2][1].endswith(".dweight"), steps

@@ -22,6 +22,7 @@ import sys
 from . import _native
 from ._native import (
     Event,
+    Profiler,
     Stream,
     UniopError,
     empty_cache,
@@ -33,6 +34,7 @@ from ._native import (
 
 __all__ = [
     "Event",
+    "Profiler",
     "Stream",
     "UniopError",
     "empty_cache",

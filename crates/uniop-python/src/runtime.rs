@@ -1,10 +1,10 @@
 //! Runtime objects for Python: streams and events (timing, ordering), the caching allocator's
-//! statistics, and plugin loading. Thin wrappers over `uniop::runtime`; errors keep their codes.
+//! statistics, the profiler, and plugin loading. Thin wrappers over `uniop::runtime`; errors keep their codes.
 
 use crate::to_py_err;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use uniop::runtime::{Allocator, Event as CoreEvent, Stream as CoreStream};
+use uniop::runtime::{profiler, Allocator, Event as CoreEvent, Profile, Stream as CoreStream};
 
 /// An ordered queue of work (`uniop.Stream()`); ops take it as `stream=`.
 #[pyclass(frozen, name = "Stream", module = "uniop._native")]
@@ -83,6 +83,107 @@ impl Event {
     }
 }
 
+/// Records every uniop launch while active — from `uniop.<op>`, `torch.ops.uniop`, any other
+/// frontend in the process, and raw kernel launches — one event per launch with its op, tensors,
+/// bytes, block count, stream and time:
+///
+/// ```python
+/// with uniop.Profiler() as prof:
+///     model(x)
+/// print(prof.summary(top=10))
+/// prof.export_chrome_trace("trace.json")  # chrome://tracing or ui.perfetto.dev
+/// ```
+///
+/// One profiler records at a time (a second `start` raises). Leaving the block waits for the
+/// default stream; work queued on other streams must be synchronized before it ends to be seen.
+#[pyclass(name = "Profiler", module = "uniop._native")]
+pub struct Profiler {
+    profile: Option<Profile>,
+}
+
+#[pymethods]
+impl Profiler {
+    #[new]
+    fn new() -> Self {
+        Profiler { profile: None }
+    }
+
+    /// Starts recording (what entering the `with` block does).
+    fn start(&mut self) -> PyResult<()> {
+        profiler::start().map_err(to_py_err)?;
+        self.profile = None;
+        Ok(())
+    }
+
+    /// Waits for the default stream, then stops recording and keeps the profile.
+    fn stop(&mut self, py: Python<'_>) -> PyResult<()> {
+        let synced = py.detach(uniop::runtime::synchronize);
+        let profile = profiler::stop().map_err(to_py_err)?;
+        self.profile = Some(profile);
+        synced.map_err(to_py_err)
+    }
+
+    fn __enter__(mut slf: PyRefMut<'_, Self>) -> PyResult<PyRefMut<'_, Self>> {
+        slf.start()?;
+        Ok(slf)
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&mut self, py: Python<'_>, _exc: &Bound<'_, pyo3::types::PyTuple>) -> PyResult<bool> {
+        self.stop(py)?;
+        Ok(false)
+    }
+
+    /// The op summary table: launch time per op, step and tensor signature, longest first
+    /// (`top` rows; 0 for all).
+    #[pyo3(signature = (top=20))]
+    fn summary(&self, top: usize) -> PyResult<String> {
+        Ok(self.recorded()?.summary(top))
+    }
+
+    /// One dict per launch, in start order: op, step, kind (`op`, `staging`, `kernel`), tensors,
+    /// bytes, block_dim, stream, start_us (since `start`) and duration_us.
+    fn events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        self.recorded()?
+            .events()
+            .iter()
+            .map(|e| {
+                let d = PyDict::new(py);
+                let l = &e.label;
+                d.set_item("op", l.op.as_ref())?;
+                d.set_item("step", l.step)?;
+                d.set_item("kind", l.kind.name())?;
+                d.set_item("tensors", l.signature.as_ref())?;
+                d.set_item("bytes", l.bytes)?;
+                d.set_item("block_dim", l.block_dim)?;
+                d.set_item("stream", e.stream)?;
+                d.set_item("start_us", e.start_ns as f64 / 1e3)?;
+                d.set_item("duration_us", e.duration_ns() as f64 / 1e3)?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// Writes the launches as Chrome trace JSON to `path`.
+    fn export_chrome_trace(&self, path: std::path::PathBuf) -> PyResult<()> {
+        let trace = self.recorded()?.chrome_trace();
+        std::fs::write(&path, trace).map_err(|e| {
+            pyo3::exceptions::PyOSError::new_err(format!("uniop.Profiler: cannot write {}: {e}", path.display()))
+        })
+    }
+}
+
+impl Profiler {
+    fn recorded(&self) -> PyResult<&Profile> {
+        self.profile.as_ref().ok_or_else(|| {
+            to_py_err(uniop::Error::new(
+                uniop::ErrorCode::ParamInvalid,
+                "uniop.Profiler: nothing recorded yet (use it as a `with` block, or call start() and stop())",
+            ))
+        })
+    }
+}
+
 /// Blocks until the default stream is idle.
 #[pyfunction]
 fn synchronize(py: Python<'_>) -> PyResult<()> {
@@ -132,6 +233,7 @@ fn load_library(py: Python<'_>, path: &str) -> PyResult<Vec<String>> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Stream>()?;
     m.add_class::<Event>()?;
+    m.add_class::<Profiler>()?;
     m.add_function(wrap_pyfunction!(synchronize, m)?)?;
     m.add_function(wrap_pyfunction!(memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(memory_summary, m)?)?;

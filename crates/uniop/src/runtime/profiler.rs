@@ -249,14 +249,14 @@ impl Profile {
         );
         let _ = writeln!(
             out,
-            "{:<20} {:<10} {:<7} {:>7} {:>10} {:>9} {:>9} {:>9} {:>6} {:>7}  tensors",
+            "{:<20} {:<24} {:<7} {:>7} {:>10} {:>9} {:>9} {:>9} {:>6} {:>7}  tensors",
             "op", "step", "kind", "calls", "total ms", "avg us", "min us", "max us", "%", "GB/s"
         );
         let shown = if top == 0 { rows.len() } else { top.min(rows.len()) };
         for r in &rows[..shown] {
             let _ = writeln!(
                 out,
-                "{:<20} {:<10} {:<7} {:>7} {:>10.3} {:>9.2} {:>9.2} {:>9.2} {:>6.1} {:>7.1}  {}",
+                "{:<20} {:<24} {:<7} {:>7} {:>10.3} {:>9.2} {:>9.2} {:>9.2} {:>6.1} {:>7.1}  {}",
                 r.op,
                 r.step,
                 r.kind.name(),
