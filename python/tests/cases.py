@@ -21,6 +21,12 @@ def _rand(*shape, dtype, strided=False, gen=None):
     return torch.randn(*shape, generator=gen).to(dtype)
 
 
+def _stat(x, dtype):
+    """A saved statistic (rstd, lse) as the forward returns it: float32, or float64 for float64
+    calls (uniop runs those through the f64 reference, whose outputs are all float64)."""
+    return x.to(D if dtype == D else torch.float32)
+
+
 def _vjp(fn, inputs, grads, wrt):
     """Gradients of fn(*inputs) (a tuple of outputs) against `grads`, for the inputs in `wrt`."""
     xs = [x.detach().to(D).requires_grad_(i in wrt) if x.is_floating_point() else x for i, x in enumerate(inputs)]
@@ -92,7 +98,7 @@ def _cases():
     @case
     def rms_norm_backward(dt, strided):
         x, w, dy = _rand(6, 16, dtype=dt, strided=strided), torch.randn(16).to(dt), torch.randn(6, 16).to(dt)
-        rstd = rms_ref(x, w)[1].float()
+        rstd = _stat(rms_ref(x, w)[1], dt)
         return (dy, x, w, rstd), lambda dy, x, w, r: _vjp(lambda x, w: rms_ref(x, w)[0], (x, w), (dy,), (0, 1))
 
     @case
@@ -215,7 +221,7 @@ def _cases():
         q, k, v = torch.randn(1, 4, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt)
         out, lse = attention_ref(q, k, v, True)
         dout = _rand(1, 4, 6, 8, dtype=dt, strided=strided)
-        return (dout, q, k, v, out.to(dt), lse.float(), None, True), lambda d, q, k, v, o, l, n, c: _vjp(
+        return (dout, q, k, v, out.to(dt), _stat(lse, dt), None, True), lambda d, q, k, v, o, l, n, c: _vjp(
             lambda q, k, v: attention_ref(q, k, v, True)[0], (q, k, v), (d,), (0, 1, 2)
         )
 
@@ -238,8 +244,8 @@ def _cases():
     @case
     def cross_entropy_backward(dt, strided):
         logits, t = _rand(5, 9, dtype=dt, strided=strided), torch.tensor([1, 8, -100, 0, 3])
-        lse = torch.logsumexp(logits.float(), -1)
-        return (torch.tensor(1.5), logits, t, lse), lambda dl, lg, t, lse: _vjp(
+        lse = _stat(torch.logsumexp(logits.to(D), -1), dt)
+        return (_stat(torch.tensor(1.5), dt), logits, t, lse), lambda dl, lg, t, lse: _vjp(
             lambda lg: ce_ref(lg, t)[0], (lg,), (dl,), (0,)
         )
 

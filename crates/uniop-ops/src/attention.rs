@@ -57,7 +57,9 @@ pub(crate) struct Geometry {
     pub head_dim: usize,
     pub v_dim: usize,
     pub causal: bool,
+    /// The scale kernels apply (f32), and the attribute as given for the f64 reference.
     pub scale: f32,
+    pub scale_f64: f64,
     pub dtype: DType,
 }
 
@@ -223,7 +225,19 @@ pub(crate) fn geometry(cx: &OpCx) -> Result<Geometry> {
         return Err(cx.err(ErrorCode::ParamInvalid, "scale", "a finite float or None (1/sqrt(head_dim))", scale));
     }
     let causal = matches!(cx.attr("causal"), AttrValue::Bool(true));
-    Ok(Geometry { batch, q_heads, kv_heads, q_len, kv_len, head_dim, v_dim, causal, scale: scale as f32, dtype })
+    Ok(Geometry {
+        batch,
+        q_heads,
+        kv_heads,
+        q_len,
+        kv_len,
+        head_dim,
+        v_dim,
+        causal,
+        scale: scale as f32,
+        scale_f64: scale,
+        dtype,
+    })
 }
 
 /// Row addressing of a `[B, H, S, D]` view with a dense last dim.
@@ -533,7 +547,7 @@ pub(crate) fn reference_probs(g: &Geometry, q: &RefTensor, k: &RefTensor, lens: 
                 let s: Vec<f64> = (0..visible)
                     .map(|j| {
                         let kj = &k.data[((b * g.kv_heads + h / group) * g.kv_len + j) * d..][..d];
-                        qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() * g.scale as f64
+                        qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() * g.scale_f64
                     })
                     .collect();
                 let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);

@@ -416,7 +416,7 @@ impl Op for AttentionBackward {
         let mut dq = vec![0.0; q.data.len()];
         let mut dk = vec![0.0; k.data.len()];
         let mut dvv = vec![0.0; v.data.len()];
-        let scale = g.scale as f64;
+        let scale = g.scale_f64;
         for b in 0..g.batch {
             let len = lens.map_or(g.kv_len, |l| l.data[b] as usize);
             for h in 0..g.q_heads {

@@ -60,11 +60,12 @@ impl Op for CrossEntropyBackward {
         let _ = rows(cx)?;
         for (name, shape) in [("dloss", &[][..]), ("lse", cx.input("target").shape())] {
             let t = cx.input(name);
-            if t.dtype != DType::F32 {
+            let want = cx.statistics_dtype();
+            if t.dtype != want {
                 return Err(cx.err(
                     uniop::ErrorCode::DType,
                     name,
-                    "dtype float32 (as cross_entropy returns it)",
+                    format!("dtype {want} (as cross_entropy returns it)"),
                     t.dtype,
                 ));
             }

@@ -124,8 +124,9 @@ impl Op for RmsNormBackward {
         cx.expect_same_dtype("dy", s.dtype, "x")?;
         cx.expect_shape("dy", cx.input("x").shape())?;
         let rstd = cx.input("rstd");
-        if rstd.dtype != DType::F32 {
-            return Err(cx.err(ErrorCode::DType, "rstd", "dtype float32 (as rms_norm returns it)", rstd.dtype));
+        let want = cx.statistics_dtype();
+        if rstd.dtype != want {
+            return Err(cx.err(ErrorCode::DType, "rstd", format!("dtype {want} (as rms_norm returns it)"), rstd.dtype));
         }
         cx.expect_shape("rstd", &s.rstd_shape)?;
         let w = cx.input("weight");

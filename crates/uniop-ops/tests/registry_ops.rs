@@ -75,6 +75,45 @@ fn strided_inputs_and_outputs_match_reference() {
     }
 }
 
+/// `example` with every floating tensor in f64.
+fn in_f64(mut example: uniop::Example) -> uniop::Example {
+    for meta in example.inputs.iter_mut().flatten() {
+        if meta.dtype.is_float() {
+            meta.dtype = DType::F64;
+        }
+    }
+    example
+}
+
+/// Every op without f64 kernels and without in-place arguments runs f64 calls through its
+/// reference (for gradient checks): the op's `infer` accepts them, floating outputs come back in
+/// f64 (strided ones through staging), and the values are the reference's to f64 precision.
+#[test]
+fn f64_calls_run_the_reference() {
+    let mut ran = 0;
+    for entry in ops() {
+        let float = entry.op.dtypes().iter().copied().find(|d| d.is_float());
+        let Some(float) = float.filter(|_| !entry.op.dtypes().contains(&DType::F64)) else { continue };
+        if entry.schema.mutated().next().is_some() {
+            continue;
+        }
+        for pad in [None, Some(5)] {
+            let example = in_f64(entry.op.example(Some(&[3, 2, 9]), float).unwrap());
+            let layout = |m: &TensorMeta| pad.map_or_else(|| m.clone(), |p| strided(m, p));
+            let inputs = random_inputs(&example, 13, layout).unwrap();
+            let mut h = OpHarness::with_inputs(entry.clone(), inputs, example.attrs, layout)
+                .unwrap_or_else(|e| panic!("{}: {e}", entry.name()));
+            h.run(Stream::default_stream()).unwrap_or_else(|e| panic!("{}: {e}", entry.name()));
+            let report = h.check().unwrap();
+            assert!(report.pass(), "{} in f64, pad {pad:?}:\n{report}", entry.name());
+            let floats_in_f64 = report.outputs.iter().all(|o| !o.dtype.is_float() || o.dtype == DType::F64);
+            assert!(floats_in_f64, "{}: {report}", entry.name());
+        }
+        ran += 1;
+    }
+    assert!(ran >= 25, "only {ran} ops ran in f64");
+}
+
 #[test]
 fn every_op_documents_itself_and_links_backward_to_a_registered_op() {
     for entry in ops() {

@@ -1245,3 +1245,32 @@ fn permute_reorders_dims_of_any_layout_and_rejects_non_permutations() {
         assert!(e.message().contains("'dims'") && e.message().contains(&format!("{bad:?}")), "{e}");
     }
 }
+
+/// A float64 call runs the op's f64 reference: exact to f64 rounding (here silu against its
+/// closed form), with f64 outputs. Mixing f64 with another floating dtype is not such a call and
+/// gets the op's usual dtype error.
+#[test]
+fn float64_calls_run_the_reference_and_mixed_ones_are_refused() {
+    setup();
+    let x: Vec<f64> = (0..37).map(|i| (i as f64 - 18.0) * 0.37).collect();
+    let mut y = vec![0f64; 37];
+    uniop::call("silu", &[Some(TensorRef::new(&x, &[37]).unwrap())], &[], vec![TensorMut::new(&mut y, &[37]).unwrap()])
+        .unwrap();
+    for (&xi, &yi) in x.iter().zip(&y) {
+        let want = xi / (1.0 + (-xi).exp());
+        assert!((yi - want).abs() <= 1e-15 * want.abs().max(1.0), "silu({xi}) = {yi}, want {want}");
+    }
+    let w = [1f32; 37];
+    let (mut out, mut rstd) = (vec![0f64; 37], [0f64; 1]);
+    let err = plan_err(
+        "rms_norm",
+        &[Some(TensorRef::new(&x, &[1, 37]).unwrap()), Some(TensorRef::new(&w, &[37]).unwrap())],
+        &[],
+        vec![TensorMut::new(&mut out, &[1, 37]).unwrap(), TensorMut::new(&mut rstd, &[1, 1]).unwrap()],
+    );
+    assert_eq!(err.code(), ErrorCode::DType);
+    assert!(
+        err.message().contains("argument 'x': expected dtype in {float32, float16, bfloat16}, got float64"),
+        "{err}"
+    );
+}

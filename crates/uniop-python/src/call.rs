@@ -426,7 +426,7 @@ pub fn call(
         Some(plan) => plan.outputs.clone(),
         None => {
             let cx = bind_metas(entry, &inputs, &in_place, &attrs).map_err(to_py_err)?;
-            entry.op.infer(&cx).map_err(to_py_err)?
+            entry.infer(&cx).map_err(to_py_err)?
         }
     };
     let mut returned = Vec::with_capacity(expected.len());
@@ -564,7 +564,7 @@ fn bind_metas<'e>(
             flat.extend(inputs.by_ref().take(take).map(|t| t.as_ref().map(|t| t.meta.clone())));
         }
     }
-    OpCx::bind_flat(&entry.schema, flat, attrs)
+    entry.bind_flat(flat, attrs)
 }
 
 /// Metadata of a torch-like object (`.shape`, `.stride()`, `.dtype`), for fake tensors.
@@ -606,8 +606,8 @@ pub fn infer(
                 groups.push(group);
             }
         }
-        let cx = OpCx::bind(&entry.schema, groups, &attrs)?;
-        entry.op.infer(&cx)
+        let cx = entry.bind(groups, &attrs)?;
+        entry.infer(&cx)
     };
     let metas = run().map_err(to_py_err)?;
     let list: Vec<(Vec<usize>, &str)> = metas.iter().map(|m| (m.shape().to_vec(), m.dtype.name())).collect();

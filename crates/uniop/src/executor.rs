@@ -15,7 +15,7 @@
 
 use crate::error::{Error, ErrorCode, Result};
 use crate::layout::{StridedRuns, TensorMeta};
-use crate::op::{block_dim_for, Bound, KernelArgs, LayoutNeed, OpCx, Step};
+use crate::op::{block_dim_for, reference_plan, Bound, KernelArgs, LayoutNeed, Step};
 use crate::registry::{OpEntry, Registry};
 use crate::runtime::profiler::{self, LaunchKind};
 use crate::runtime::stream::Launch;
@@ -395,8 +395,8 @@ fn plan_call(
     }
     let written: Vec<&TensorMeta> = outputs[..in_place].iter().map(TensorMut::meta).collect();
     let (groups, slots) = group_inputs(entry, inputs, &written)?;
-    let cx = OpCx::bind(&entry.schema, groups, attrs)?;
-    let expected = entry.op.infer(&cx)?;
+    let cx = entry.bind(groups, attrs)?;
+    let expected = entry.infer(&cx)?;
     if outputs.len() != in_place + expected.len() {
         return Err(Error::new(
             ErrorCode::ParamInvalid,
@@ -418,7 +418,7 @@ fn plan_call(
             ));
         }
     }
-    let plan = entry.op.plan(&cx)?;
+    let plan = if cx.by_reference { reference_plan(entry, &cx) } else { entry.op.plan(&cx)? };
     drop(cx);
 
     let mut staging = Vec::new();
@@ -530,7 +530,7 @@ fn check_same_layout(op: &str, what: &str, i: usize, old: &TensorMeta, new: &Ten
 /// Per flattened tensor argument, its index among the caller's inputs (`None`: an in-place argument).
 type InputSlots = Vec<Option<usize>>;
 
-/// Splits flattened inputs into per-argument groups as `OpCx::bind` wants them, taking in-place
+/// Splits flattened inputs into per-argument groups as `OpEntry::bind` wants them, taking in-place
 /// arguments from `written`. A `Tensor[]` argument takes all tensors not claimed by the other
 /// arguments. Also returns, per flattened tensor slot, its index in `inputs` (`None`: in place).
 fn group_inputs(

@@ -8,6 +8,7 @@
 use crate::dtype::DType;
 use crate::error::{Error, ErrorCode, Result};
 use crate::layout::{Layout, ShapeDisplay, TensorMeta};
+use crate::registry::OpEntry;
 use crate::runtime::BlockCtx;
 use crate::schema::{AttrValue, BaseType, OpSchema};
 use crate::tensor::TensorRef;
@@ -118,6 +119,57 @@ impl RefTensor {
     }
 }
 
+/// Whether a call of `op` with these tensors (inputs, then in-place arguments) runs the op's f64
+/// reference as its kernel: the op has no f64 kernels of its own, writes nothing in place, and
+/// every floating tensor of the call is f64 (there is at least one).
+///
+/// Why: DESIGN gives f64 one job — references and gradient checks. `torch.autograd.gradcheck`
+/// needs f64 forward and backward calls, and every op already has an obviously-correct f64
+/// reference; running it as the kernel gives every op (and every plugin op) an exact f64 path
+/// with no f64 kernels to write or keep in step. It runs single-threaded: this is for checking,
+/// not for speed.
+pub(crate) fn runs_by_reference(op: &dyn Op, schema: &OpSchema, tensors: &[&TensorMeta]) -> bool {
+    let floats = || tensors.iter().filter(|m| m.dtype.is_float());
+    !op.dtypes().contains(&DType::F64)
+        && schema.mutated().next().is_none()
+        && floats().next().is_some()
+        && floats().all(|m| m.dtype == DType::F64)
+}
+
+/// The plan of a call that [`runs_by_reference`]: one single-block step that reads the inputs
+/// (made contiguous by staging), runs `reference` and writes its values into the outputs.
+pub(crate) fn reference_plan(entry: &Arc<OpEntry>, cx: &OpCx) -> Plan {
+    let entry = entry.clone();
+    let (inputs, groups, attrs) = (cx.inputs.clone(), cx.groups.clone(), cx.attrs.clone());
+    let outputs = cx.schema.returns.len();
+    let input_needs = vec![LayoutNeed::Contiguous; inputs.len()];
+    let step = Step::new("reference_f64", 1, move |args: &KernelArgs, _ctx: BlockCtx| {
+        let cx = OpCx {
+            schema: &entry.schema,
+            inputs: inputs.clone(),
+            groups: groups.clone(),
+            attrs: attrs.clone(),
+            by_reference: true,
+        };
+        let refs: Vec<Option<RefTensor>> =
+            (0..args.inputs.len()).map(|i| args.optional_input(i).map(|t| RefTensor::from_view(&t))).collect();
+        // A reference rejects what `infer` let through only when the values are bad (an index
+        // out of range): a kernel failure, reported like any kernel's.
+        let values = entry.op.reference(&cx, &refs).unwrap_or_else(|e| panic!("{e}"));
+        for (i, v) in values.iter().enumerate() {
+            let out = args.output(i);
+            crate::dispatch_element!(out.meta().dtype, |T| {
+                // SAFETY: one block writes the whole (contiguous, staged if need be) output.
+                let dst = unsafe { out.slice_mut::<T>(out.layout().offset(), v.data.len()) };
+                for (d, &x) in dst.iter_mut().zip(&v.data) {
+                    *d = <T as crate::Element>::from_f64(x);
+                }
+            })
+        }
+    });
+    Plan { steps: vec![step], workspace: 0, input_needs, output_needs: vec![LayoutNeed::Contiguous; outputs] }
+}
+
 /// Inputs and attributes for `uniop run`, tests and benchmarks.
 #[derive(Clone, Debug, Default)]
 pub struct Example {
@@ -137,13 +189,20 @@ pub struct OpCx<'s> {
     groups: Vec<Range<usize>>,
     /// One value per non-tensor argument, defaults filled in.
     attrs: Vec<AttrValue>,
+    /// The call runs the op's f64 reference (see [`reference_plan`]): dtype checks accept f64
+    /// wherever they accept a floating dtype.
+    pub(crate) by_reference: bool,
 }
 
 impl<'s> OpCx<'s> {
     /// Binds input metas and attributes (by name; defaults applied; types checked) to `schema`.
     /// `inputs` holds one group per tensor argument: one meta for `Tensor`, zero or one for
     /// `Tensor?`, any number for `Tensor[]`.
-    pub fn bind(schema: &'s OpSchema, inputs: Vec<Vec<TensorMeta>>, attrs: &[(&str, AttrValue)]) -> Result<OpCx<'s>> {
+    pub(crate) fn bind(
+        schema: &'s OpSchema,
+        inputs: Vec<Vec<TensorMeta>>,
+        attrs: &[(&str, AttrValue)],
+    ) -> Result<OpCx<'s>> {
         let op = schema.name.as_str();
         let tensor_args = schema.inputs().count();
         if inputs.len() != tensor_args {
@@ -225,17 +284,14 @@ impl<'s> OpCx<'s> {
                 (v, _) => v,
             });
         }
-        Ok(OpCx { schema, inputs: flat, groups, attrs: values })
+        Ok(OpCx { schema, inputs: flat, groups, attrs: values, by_reference: false })
     }
 
     /// [`OpCx::bind`] for tensor metas given flat in schema order (in-place arguments included):
     /// one per `Tensor`, `None` for an absent `Tensor?`; a `Tensor[]` takes the tensors the other
     /// arguments leave.
-    pub fn bind_flat(
-        schema: &'s OpSchema,
-        metas: Vec<Option<TensorMeta>>,
-        attrs: &[(&str, AttrValue)],
-    ) -> Result<OpCx<'s>> {
+    /// Splits flattened metas into per-argument groups (see [`OpEntry::bind_flat`]).
+    pub(crate) fn group_flat(schema: &OpSchema, metas: Vec<Option<TensorMeta>>) -> Result<Vec<Vec<TensorMeta>>> {
         let list_len = schema.list_len(metas.len(), true);
         let given = metas.len();
         let mut metas = metas.into_iter();
@@ -253,7 +309,7 @@ impl<'s> OpCx<'s> {
                 format!("{}: expected {want} tensor inputs, got {given}", schema.name),
             ));
         }
-        Self::bind(schema, groups, attrs)
+        Ok(groups)
     }
 
     pub fn op(&self) -> &str {
@@ -346,10 +402,22 @@ impl<'s> OpCx<'s> {
         Error::arg(code, self.op(), arg, expected, given)
     }
 
-    /// Checks `arg`'s dtype is one of `allowed`.
+    /// The dtype of the statistics an op returns in f32 whatever its inputs (`rstd`, `lse`, a
+    /// loss), for checking them when a backward op takes them back: f32, or f64 when the call
+    /// runs the f64 reference (whose outputs are all f64).
+    pub fn statistics_dtype(&self) -> DType {
+        if self.by_reference {
+            DType::F64
+        } else {
+            DType::F32
+        }
+    }
+
+    /// Checks `arg`'s dtype is one of `allowed` (or f64 in place of a floating dtype, when the
+    /// call runs the op's f64 reference).
     pub fn expect_dtype_in(&self, arg: &str, allowed: &[DType]) -> Result<DType> {
         let d = self.input(arg).dtype;
-        if allowed.contains(&d) {
+        if allowed.contains(&d) || (self.by_reference && d == DType::F64 && allowed.iter().any(|a| a.is_float())) {
             return Ok(d);
         }
         let names: Vec<_> = allowed.iter().map(|d| d.name()).collect();

@@ -4,9 +4,11 @@
 //! parsed schema. Lookups hand out `Arc`s so an executor keeps its op alive even if a plugin
 //! unregisters later.
 
+use crate::dtype::DType;
 use crate::error::{Error, ErrorCode, Result};
-use crate::op::Op;
-use crate::schema::OpSchema;
+use crate::layout::TensorMeta;
+use crate::op::{runs_by_reference, Op, OpCx};
+use crate::schema::{AttrValue, OpSchema};
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock, RwLock};
 
@@ -18,6 +20,37 @@ pub struct OpEntry {
 impl OpEntry {
     pub fn name(&self) -> &str {
         &self.schema.name
+    }
+
+    /// Binds input metas (one group per tensor argument: one meta for `Tensor`, zero or one for
+    /// `Tensor?`, any number for `Tensor[]`) and attributes to this op — what `infer`, `plan`
+    /// and `reference` look at. Calls that run the op's f64 reference (all floating tensors
+    /// f64, see [`crate::op::runs_by_reference`]) pass its dtype checks here.
+    pub fn bind(&self, inputs: Vec<Vec<TensorMeta>>, attrs: &[(&str, AttrValue)]) -> Result<OpCx<'_>> {
+        let by_reference =
+            runs_by_reference(self.op.as_ref(), &self.schema, &inputs.iter().flatten().collect::<Vec<_>>());
+        let mut cx = OpCx::bind(&self.schema, inputs, attrs)?;
+        cx.by_reference = by_reference;
+        Ok(cx)
+    }
+
+    /// The op's outputs for `cx` (its `infer`). A call that runs the f64 reference returns every
+    /// floating output in f64 — statistics an op keeps in f32 (`rstd`, `lse`, a loss) are f32
+    /// because its kernels compute in f32; the reference computes in f64.
+    pub fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let mut metas = self.op.infer(cx)?;
+        if cx.by_reference {
+            for m in metas.iter_mut().filter(|m| m.dtype.is_float()) {
+                m.dtype = DType::F64;
+            }
+        }
+        Ok(metas)
+    }
+
+    /// [`OpEntry::bind`] from flattened metas (a `Tensor[]` argument's items in a row; `None` for
+    /// an absent `Tensor?`).
+    pub fn bind_flat(&self, metas: Vec<Option<TensorMeta>>, attrs: &[(&str, AttrValue)]) -> Result<OpCx<'_>> {
+        OpCx::group_flat(&self.schema, metas).and_then(|groups| self.bind(groups, attrs))
     }
 }
 

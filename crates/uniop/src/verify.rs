@@ -5,7 +5,7 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::executor::Executor;
 use crate::layout::TensorMeta;
-use crate::op::{Example, OpCx, RefTensor};
+use crate::op::{Example, RefTensor};
 use crate::registry::OpEntry;
 use crate::runtime::{Allocator, MemPolicy, Stream};
 use crate::schema::AttrValue;
@@ -73,7 +73,7 @@ pub fn check_outputs(
     outputs: &[TensorRef<'_>],
 ) -> Result<CheckReport> {
     let metas = inputs.iter().map(|t| t.as_ref().map(|t| t.meta().clone())).collect();
-    let cx = OpCx::bind_flat(&entry.schema, metas, attrs)?;
+    let cx = entry.bind_flat(metas, attrs)?;
     let refs: Vec<Option<RefTensor>> = inputs.iter().map(|t| t.as_ref().map(RefTensor::from_view)).collect();
     let want = entry.op.reference(&cx, &refs)?;
     let scale = entry.op.error_scale(&cx);
@@ -271,7 +271,7 @@ impl OpHarness {
     /// part of a tensor), else each tensor element once.
     pub fn bytes_moved(&self) -> Result<usize> {
         let metas = self.inputs.iter().map(|t| t.as_ref().map(|t| t.meta().clone())).collect();
-        let cx = OpCx::bind_flat(&self.entry.schema, metas, &attr_refs(&self.attrs))?;
+        let cx = self.entry.bind_flat(metas, &attr_refs(&self.attrs))?;
         if let Some(bytes) = self.entry.op.bytes_moved(&cx) {
             return Ok(bytes);
         }
@@ -336,6 +336,6 @@ pub fn infer(
     attrs: &[(&str, AttrValue)],
 ) -> Result<Vec<TensorMeta>> {
     let metas = inputs.iter().map(|t| t.as_ref().map(|t| t.meta().clone())).collect();
-    let cx = OpCx::bind_flat(&entry.schema, metas, attrs)?;
-    entry.op.infer(&cx)
+    let cx = entry.bind_flat(metas, attrs)?;
+    entry.infer(&cx)
 }

@@ -60,7 +60,7 @@ pub fn finite_difference_typed(
 ) -> Vec<f64> {
     let entry = Registry::global().get(op).unwrap();
     let metas = inputs.iter().zip(dtypes).map(|((_, s), &d)| vec![TensorMeta::contiguous(d, s).unwrap()]).collect();
-    let cx = uniop::OpCx::bind(&entry.schema, metas, attrs).unwrap();
+    let cx = entry.bind(metas, attrs).unwrap();
     let loss = |values: &[(Vec<f64>, Vec<usize>)]| -> f64 {
         let refs: Vec<Option<uniop::RefTensor>> =
             values.iter().map(|(v, s)| Some(uniop::RefTensor::new(s, v.clone()))).collect();
