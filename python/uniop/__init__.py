@@ -101,14 +101,16 @@ def _docstring(native):
 
 
 def _function(native):
-    def call(*args, **kwargs):
-        return native(*args, **kwargs)
-
-    call.__name__ = call.__qualname__ = native.name
-    call.__module__ = __name__
-    call.__doc__ = _docstring(native)
-    call.__signature__ = _signature(native)
-    return call
+    """`uniop.<op>`: a builtin function (no Python frame per call) whose text signature and
+    docstring come from the schema."""
+    sig = _signature(native)
+    plain = sig.replace(
+        parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+        return_annotation=inspect.Signature.empty,
+    )
+    fn = native.function(f"{native.name}{plain}\n--\n\n{_docstring(native)}")
+    fn.__module__ = __name__
+    return fn
 
 
 def _install(natives):

@@ -13,7 +13,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 use rustc_hash::FxHashMap;
+use smallvec::SmallVec;
 use std::sync::{Arc, OnceLock};
+use uniop::executor::SignatureKey;
 use uniop::runtime::{Allocator, DeviceBuffer, MemPolicy};
 use uniop::schema::{Arg, BaseType};
 use uniop::{
@@ -28,7 +30,7 @@ pub fn set_allocator(alloc: Py<PyAny>) -> PyResult<()> {
 
 /// Per schema argument, what the caller passed (`None`: use the default); then the `stream=`
 /// keyword every op takes besides its schema.
-type BoundArgs<'py> = (Vec<Option<Bound<'py, PyAny>>>, Option<Bound<'py, PyAny>>);
+type BoundArgs<'py> = (SmallVec<[Option<Bound<'py, PyAny>>; 8]>, Option<Bound<'py, PyAny>>);
 
 /// Matches the caller's arguments to the schema.
 fn bind<'py>(
@@ -45,7 +47,9 @@ fn bind<'py>(
             format!("{op}: takes {positional} positional arguments but {} were given", args.len()),
         ));
     }
-    let mut bound: Vec<Option<Bound<'py, PyAny>>> = args.iter().map(Some).collect();
+    // Small per-call collections stay on the stack (SmallVec): a tiny op's call is a few
+    // microseconds, and each heap allocation and free is a measurable part of it.
+    let mut bound: SmallVec<[Option<Bound<'py, PyAny>>; 8]> = args.iter().map(Some).collect();
     bound.resize(schema.len(), None);
     let mut stream = None;
     if let Some(kwargs) = kwargs {
@@ -162,20 +166,22 @@ struct Imported {
 }
 
 /// The producer's C exchange API (torch has one): borrowed views and direct tensor creation
-/// without capsules. Types are looked up once per thread, as most calls see the same few.
-fn exchange_api(obj: &Bound<'_, PyAny>) -> Option<ExchangeApi> {
+/// without capsules. Looked up once per type and thread — the DLPack spec has the table live for
+/// the whole process and lets consumers cache it per type — and kept (leaked, one small handle
+/// per type seen) so a call pays no attribute lookup. Each type seen is kept alive for the same
+/// reason: its address keys the cache and must never be reused by another type.
+fn exchange_api(obj: &Bound<'_, PyAny>) -> Option<&'static ExchangeApi> {
     thread_local! {
-        static HAS_API: std::cell::RefCell<Vec<(usize, bool)>> = const { std::cell::RefCell::new(Vec::new()) };
+        static APIS: std::cell::RefCell<Vec<(usize, Option<&'static ExchangeApi>)>> =
+            const { std::cell::RefCell::new(Vec::new()) };
     }
-    let ty = obj.get_type().as_ptr() as usize;
-    let known = HAS_API.with(|c| c.borrow().iter().find(|(t, _)| *t == ty).map(|(_, has)| *has));
-    if known == Some(false) {
-        return None;
+    let ty = obj.get_type_ptr() as usize;
+    if let Some(known) = APIS.with(|c| c.borrow().iter().find(|(t, _)| *t == ty).map(|(_, api)| *api)) {
+        return known;
     }
-    let api = ExchangeApi::from_object(obj.as_borrowed()).ok().flatten();
-    if known.is_none() {
-        HAS_API.with(|c| c.borrow_mut().push((ty, api.is_some())));
-    }
+    let api = ExchangeApi::from_object(obj.as_borrowed()).ok().flatten().map(|api| &*Box::leak(Box::new(api)));
+    std::mem::forget(obj.get_type().unbind());
+    APIS.with(|c| c.borrow_mut().push((ty, api)));
     api
 }
 
@@ -203,7 +209,7 @@ fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result<(TensorMet
             format!("DLPack type code {} with {} bits x {} lanes", dt.code.0, dt.bits, dt.lanes),
         )
     })?;
-    let shape: Vec<usize> = t.shape().iter().map(|&d| d as usize).collect();
+    let shape: SmallVec<[usize; 6]> = t.shape().iter().map(|&d| d as usize).collect();
     let strides = t.strides_or_compact().map_err(|e| bad("valid strides", e.to_string()))?;
     if let Some(s) = strides.iter().find(|&&s| s < 0) {
         return Err(Error::arg(
@@ -214,7 +220,7 @@ fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result<(TensorMet
             format!("stride {s}"),
         ));
     }
-    let strides: Vec<usize> = strides.iter().map(|&s| s as usize).collect();
+    let strides: SmallVec<[usize; 6]> = strides.iter().map(|&s| s as usize).collect();
     let layout = Layout::strided(&shape, &strides, 0).map_err(|e| e.context(op))?;
     let base = (t.data_ptr() as *mut u8).wrapping_add(t.byte_offset() as usize);
     if !(base as usize).is_multiple_of(dtype.size()) && !layout.is_empty() {
@@ -374,7 +380,7 @@ pub fn call(
     };
 
     // Tensors: in-place arguments go with the outputs, the rest are inputs (schema order).
-    let mut inputs: Vec<Option<Imported>> = Vec::new();
+    let mut inputs: SmallVec<[Option<Imported>; 4]> = SmallVec::new();
     let mut in_place: Vec<Imported> = Vec::new();
     let mut like = None;
     for (arg, value) in entry.schema.args.iter().zip(&bound) {
@@ -389,10 +395,10 @@ pub fn call(
             inputs.push(None);
             continue;
         };
-        let items: Vec<Bound<'_, PyAny>> = if arg.ty.base == BaseType::TensorList {
-            list_items(op, arg, value).map_err(to_py_err)?
+        let items: SmallVec<[Bound<'_, PyAny>; 1]> = if arg.ty.base == BaseType::TensorList {
+            list_items(op, arg, value).map_err(to_py_err)?.into()
         } else {
-            vec![value.clone()]
+            smallvec::smallvec![value.clone()]
         };
         // Outputs are created like the first tensor (a list's first item, not the list).
         if let Some(first) = items.first() {
@@ -426,12 +432,12 @@ pub fn call(
         Some(plan) => plan.outputs.clone(),
         None => {
             let cx = bind_metas(entry, &inputs, &in_place, &attrs).map_err(to_py_err)?;
-            entry.infer(&cx).map_err(to_py_err)?
+            entry.infer(&cx).map_err(to_py_err)?.into()
         }
     };
-    let mut returned = Vec::with_capacity(expected.len());
-    let mut outputs = Vec::with_capacity(expected.len());
-    for meta in &expected {
+    let mut returned: SmallVec<[Bound<'_, PyAny>; 2]> = SmallVec::new();
+    let mut outputs: SmallVec<[Imported; 2]> = SmallVec::new();
+    for meta in expected.iter() {
         let (obj, view) = allocate(op, &like, meta)?;
         outputs.push(view);
         returned.push(obj);
@@ -515,7 +521,7 @@ pub fn call(
 /// planning and allocation — the aclnn "repeatable executor" idea applied per signature.
 struct Plan {
     exec: Executor<'static>,
-    outputs: Vec<TensorMeta>,
+    outputs: Arc<[TensorMeta]>,
     workspace: Option<DeviceBuffer>,
 }
 
@@ -525,7 +531,7 @@ const CACHED_PLANS: usize = 256;
 const CACHED_WORKSPACE_LIMIT: usize = 1 << 20;
 
 thread_local! {
-    static PLANS: std::cell::RefCell<FxHashMap<Vec<u64>, Plan>> = std::cell::RefCell::new(FxHashMap::default());
+    static PLANS: std::cell::RefCell<FxHashMap<SignatureKey, Plan>> = std::cell::RefCell::new(FxHashMap::default());
 }
 
 /// Everything phase 1 depends on besides the outputs (which infer derives from the rest): the
@@ -535,8 +541,8 @@ fn signature(
     inputs: &[Option<Imported>],
     in_place: &[Imported],
     attrs: &[(&str, AttrValue)],
-) -> Vec<u64> {
-    let mut key = Vec::with_capacity(64);
+) -> SignatureKey {
+    let mut key = SignatureKey::new();
     uniop::executor::signature(entry, inputs.iter().map(|t| t.as_ref().map(|t| &t.meta)), attrs, &mut key);
     for t in in_place {
         uniop::executor::meta_words(Some(&t.meta), &mut key);

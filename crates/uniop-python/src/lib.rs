@@ -16,7 +16,8 @@ mod call;
 mod runtime;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyCFunction, PyDict, PyList};
+use std::ffi::{CStr, CString};
 use std::sync::Arc;
 use uniop::schema::BaseType;
 use uniop::{OpEntry, Registry};
@@ -70,6 +71,22 @@ impl Op {
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Py<PyAny>> {
         call::infer(py, &self.entry, args, kwargs)
+    }
+
+    /// A builtin function that calls this op — what `uniop.<op>` is. `doc` becomes its
+    /// `__doc__`; when it starts with `name(params)\n--\n\n` (CPython's text-signature
+    /// convention) `inspect.signature` and `help` read the parameters from it. A builtin skips
+    /// the Python frame a wrapper function costs on every call (~0.4 µs here). The name and doc
+    /// stay allocated for the life of the process, like the registry's ops.
+    fn function<'py>(&self, py: Python<'py>, doc: &str) -> PyResult<Bound<'py, PyCFunction>> {
+        let leak = |text: &str| -> PyResult<&'static CStr> {
+            let text = CString::new(text).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
+            Ok(Box::leak(text.into_boxed_c_str()))
+        };
+        let entry = self.entry.clone();
+        PyCFunction::new_closure(py, Some(leak(self.entry.name())?), Some(leak(doc)?), move |args, kwargs| {
+            call::call(args.py(), &entry, args, kwargs)
+        })
     }
 
     #[getter]

@@ -105,7 +105,7 @@ impl<'a> Executor<'a> {
         attrs: &[(&str, AttrValue)],
         outputs: Vec<TensorMut<'a>>,
     ) -> Result<Executor<'a>> {
-        let mut key = Vec::with_capacity(64);
+        let mut key = SignatureKey::new();
         signature(&entry, inputs.iter().map(|t| t.as_ref().map(TensorRef::meta)), attrs, &mut key);
         for t in &outputs {
             meta_words(Some(t.meta()), &mut key);
@@ -465,11 +465,11 @@ fn plan_call(
 const CACHED_PLANS: usize = 256;
 
 thread_local! {
-    static PLANNED: RefCell<FxHashMap<Vec<u64>, Arc<Planned>>> = RefCell::new(FxHashMap::default());
+    static PLANNED: RefCell<FxHashMap<SignatureKey, Arc<Planned>>> = RefCell::new(FxHashMap::default());
 }
 
 /// Appends a tensor's dtype, shape, strides and offset (or its absence) to a signature.
-pub fn meta_words(meta: Option<&TensorMeta>, key: &mut Vec<u64>) {
+pub fn meta_words(meta: Option<&TensorMeta>, key: &mut SignatureKey) {
     match meta {
         None => key.push(u64::MAX),
         Some(m) => {
@@ -481,6 +481,10 @@ pub fn meta_words(meta: Option<&TensorMeta>, key: &mut Vec<u64>) {
     }
 }
 
+/// A call's [`signature`]: inline up to a size that covers ops with a few rank-4 tensors, so
+/// building and looking one up allocates nothing.
+pub type SignatureKey = smallvec::SmallVec<[u64; 40]>;
+
 /// Appends everything phase 1 depends on besides the outputs — the op, each input's
 /// [`meta_words`] and the attribute names and values — to `key`. Frontends that cache their own
 /// executors key them with this too.
@@ -488,7 +492,7 @@ pub fn signature<'m>(
     entry: &Arc<OpEntry>,
     inputs: impl Iterator<Item = Option<&'m TensorMeta>>,
     attrs: &[(&str, AttrValue)],
-    key: &mut Vec<u64>,
+    key: &mut SignatureKey,
 ) {
     key.push(Arc::as_ptr(entry) as *const () as u64);
     for meta in inputs {

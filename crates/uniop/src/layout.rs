@@ -315,19 +315,26 @@ impl fmt::Display for TensorMeta {
 ///
 /// Dimensions that are contiguous with their neighbour in *all* operands are merged first, so a
 /// dense tensor becomes a single run however many dims it has.
+///
+/// The merged dims live inline (no allocation) up to `RUN_DIMS`: small launches build one
+/// of these per call, and three heap vectors cost more than the merge itself.
 #[derive(Clone, Debug)]
 pub struct StridedRuns<const N: usize> {
-    shape: Vec<usize>,
-    strides: [Vec<usize>; N],
+    shape: RunDims,
+    strides: [RunDims; N],
     offsets: [usize; N],
 }
+
+/// Merged dims kept inline by [`StridedRuns`]; more spill to the heap.
+const RUN_DIMS: usize = 4;
+type RunDims = smallvec::SmallVec<[usize; RUN_DIMS]>;
 
 impl<const N: usize> StridedRuns<N> {
     pub fn new(layouts: [&Layout; N]) -> Self {
         let shape0 = layouts[0].shape();
         debug_assert!(layouts.iter().all(|l| l.shape() == shape0));
-        let mut shape: Vec<usize> = Vec::new();
-        let mut strides: [Vec<usize>; N] = std::array::from_fn(|_| Vec::new());
+        let mut shape = RunDims::new();
+        let mut strides: [RunDims; N] = std::array::from_fn(|_| RunDims::new());
         for d in 0..shape0.len() {
             let size = shape0[d];
             if size == 1 {
@@ -348,8 +355,8 @@ impl<const N: usize> StridedRuns<N> {
             }
         }
         if shape0.contains(&0) {
-            shape = vec![0];
-            strides = std::array::from_fn(|_| vec![1]);
+            shape = smallvec::smallvec![0];
+            strides = std::array::from_fn(|_| smallvec::smallvec![1]);
         }
         if shape.is_empty() {
             shape.push(1);
