@@ -121,6 +121,31 @@ def test_non_differentiable_returns_are_marked():
     assert y.requires_grad and not rstd.requires_grad
 
 
+def test_autograd_kernel_routes_calls_by_grad_mode_and_dispatch_keys():
+    """The autograd kernel calls the uniop kernel directly only for plain CPU tensors needing no
+    gradient; grad mode, inference mode and fake tensors each still get the right behaviour."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x, w = torch.randn(3, 8, requires_grad=True), torch.rand(8) + 0.5
+    want = torch.nn.functional.rms_norm(x.detach(), (8,), w, 1e-6)
+    with torch.no_grad():
+        y, _ = torch.ops.uniop.rms_norm(x, w)
+    assert not y.requires_grad and y.grad_fn is None
+    torch.testing.assert_close(y, want)
+    with torch.inference_mode():
+        y, _ = torch.ops.uniop.rms_norm(x, w)
+    assert y.is_inference()
+    torch.testing.assert_close(y, want)
+    y, _ = torch.ops.uniop.rms_norm(x.detach(), w)
+    assert y.grad_fn is None
+    y, _ = torch.ops.uniop.rms_norm(x, w)
+    assert y.grad_fn is not None, "a tensor needing a gradient takes the autograd route"
+    plain = x.detach()
+    with FakeTensorMode() as mode:
+        fake, _ = torch.ops.uniop.rms_norm(mode.from_tensor(plain), mode.from_tensor(w))
+    assert type(fake).__name__ == "FakeTensor" and fake.shape == (3, 8)
+
+
 def test_linear_without_bias_gets_no_bias_gradient():
     x, w = torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
     torch.ops.uniop.linear(x, w).sum().backward()

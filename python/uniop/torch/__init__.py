@@ -90,6 +90,11 @@ class _BackwardWiring:
         self.saved_outs = sorted({i for kind, i in self.sources if kind == "out"})
 
 
+_PLAIN_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU) | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU)
+_grad_enabled = torch._C.is_grad_enabled
+_any_requires_grad = torch._C._any_requires_grad
+
+
 def _register_autograd(native, backward_native):
     wiring = _BackwardWiring(native, backward_native)
     backward_op = getattr(torch.ops.uniop, backward_native.name).default
@@ -137,7 +142,20 @@ def _register_autograd(native, backward_native):
                 grads_in[i] = g
         return tuple(grads_in)
 
-    torch.library.register_autograd(f"{NAMESPACE}::{native.name}", backward, setup_context=setup_context, lib=_lib)
+    op = getattr(torch.ops.uniop, native.name).default
+    # torch.library.register_autograd's kernel, plus a fast path in front of it: a call whose
+    # tensors are plain CPU tensors none of which needs a gradient goes straight to the uniop
+    # kernel — exactly where the generic kernel's redispatch below autograd would land, minus a
+    # second trip through the dispatcher (8.2 -> 5.5 µs for rms_norm on a tiny tensor). Any other
+    # dispatch key set (fake tensors, modes, functionalization, vmap) takes the generic route.
+    generic = torch._library.autograd.make_autograd_impl(op, torch._library.autograd.Info(backward, setup_context))
+
+    def kernel(keyset, *args, **kwargs):
+        if keyset == _PLAIN_CPU and not (_grad_enabled() and _any_requires_grad(*args)):
+            return native(*args, **kwargs)
+        return generic(keyset, *args, **kwargs)
+
+    _lib.impl(native.name, kernel, "Autograd", with_keyset=True)
 
 
 def _register_autocast(native):
