@@ -1,6 +1,7 @@
 //! `argmax(x, dim=-1, keepdim=False)`: int64 index of the largest element along `dim` — the
 //! first one on ties, and the first NaN if any (NaN counts as the maximum, as in torch).
 
+use crate::elementwise::{self, LANES};
 use crate::softmax::Axis;
 use uniop::layout::ShapeDisplay;
 use uniop::{
@@ -59,6 +60,34 @@ fn out_shape(cx: &OpCx) -> Vec<usize> {
     out
 }
 
+/// [`first_max`] of a contiguous row, in two vectorized passes: the maximum (and whether a NaN
+/// occurs), then the first position holding it — by then the row is in cache. A running
+/// (index, value) pair carries a branch per element and ran at half of torch's speed on
+/// vocabulary-sized rows.
+#[inline(always)]
+fn row_first_max<T: FloatElement>(row: &[T]) -> usize {
+    let (mut max, mut nan) = ([f32::NEG_INFINITY; LANES], [false; LANES]);
+    elementwise::for_lanes([row], |[v], len| {
+        for j in 0..len {
+            max[j] = if v[j] > max[j] { v[j] } else { max[j] };
+            nan[j] |= v[j].is_nan();
+        }
+    });
+    let target = max.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    // A NaN counts as the maximum: then the first NaN wins.
+    let any_nan = nan.contains(&true);
+    let hit = |v: f32| if any_nan { v.is_nan() } else { v == target };
+    let mut buf = [0f32; LANES];
+    for (c, chunk) in row.chunks(LANES).enumerate() {
+        let lanes = &mut buf[..chunk.len()];
+        T::widen(chunk, lanes);
+        if lanes.iter().fold(false, |any, &v| any | hit(v)) {
+            return c * LANES + lanes.iter().position(|&v| hit(v)).expect("a lane matched");
+        }
+    }
+    0
+}
+
 crate::simd_kernel! {
 fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis) {
     let (x, out) = (args.input(0), args.output(0));
@@ -67,7 +96,11 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis) {
     // SAFETY: this block owns output elements `range` (one per slice).
     let dst = unsafe { out.slice_mut::<i64>(out.layout().offset() + range.start, range.len()) };
     for (s, o) in range.zip(dst) {
-        *o = first_max((0..axis.n).map(|k| xs[axis.index(s, k)].to_f32() as f64)) as i64;
+        *o = if axis.inner == 1 {
+            row_first_max(&xs[s * axis.n..][..axis.n])
+        } else {
+            first_max((0..axis.n).map(|k| xs[axis.index(s, k)].to_f32() as f64))
+        } as i64;
     }
 }
 }

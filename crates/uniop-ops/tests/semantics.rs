@@ -1037,6 +1037,44 @@ fn argmax_takes_the_first_maximum_and_nan_along_any_dim() {
 }
 
 #[test]
+fn argmax_of_long_rows_finds_ties_nans_and_signed_zeros_in_any_chunk() {
+    setup();
+    // Rows longer than the kernel's 64-lane steps, with a ragged tail: what matters sits in
+    // later chunks, after decoys.
+    let n = 300;
+    let mut rows: Vec<(Vec<f32>, i64)> = Vec::new();
+    let ramp = |i: usize| ((i * 37) % 101) as f32 - 50.0;
+    let mut tie = (0..n).map(ramp).collect::<Vec<_>>();
+    tie[130] = 99.0;
+    tie[290] = 99.0;
+    rows.push((tie, 130));
+    let mut nan = (0..n).map(ramp).collect::<Vec<_>>();
+    nan[5] = 1e30;
+    nan[200] = f32::NAN;
+    nan[250] = f32::NAN;
+    rows.push((nan, 200));
+    let mut zeros = vec![f32::NEG_INFINITY; n];
+    zeros[70] = -0.0;
+    zeros[71] = 0.0;
+    rows.push((zeros, 70));
+    rows.push((vec![f32::NEG_INFINITY; n], 0));
+    let mut last = (0..n).map(ramp).collect::<Vec<_>>();
+    last[n - 1] = 1000.0;
+    rows.push((last, n as i64 - 1));
+    let flat: Vec<f32> = rows.iter().flat_map(|(r, _)| r.iter().copied()).collect();
+    let want: Vec<i64> = rows.iter().map(|(_, i)| *i).collect();
+    let as_bf16: Vec<bf16> = flat.iter().map(|&v| bf16::from_f32(v)).collect();
+    let shape = [rows.len(), n];
+    for x in [TensorRef::new(&flat, &shape).unwrap(), TensorRef::new(&as_bf16, &shape).unwrap()] {
+        let entry = Registry::global().get("argmax").unwrap();
+        let meta = infer(&entry, &[Some(x.clone())], &[]).unwrap().remove(0);
+        let mut out = Tensor::with_meta(meta).unwrap();
+        uniop::call("argmax", &[Some(x.clone())], &[], vec![out.view_mut()]).unwrap();
+        assert_eq!(out.view().to_vec::<i64>().unwrap(), want, "{:?}", x.dtype());
+    }
+}
+
+#[test]
 fn sample_is_greedy_at_zero_temperature_reproducible_and_matches_the_distribution() {
     setup();
     let vocab = 6;
