@@ -5,7 +5,7 @@
 //! `softmax_backward`: masked outputs are 0, so their gradients are too.
 
 use crate::attention::causal_prefix;
-use crate::elementwise::fence;
+use crate::elementwise::{fence, STREAMING_BYTES};
 use crate::math;
 use crate::softmax::{map_lanes_into, row_max, scale_into, DTYPES};
 use uniop::{
@@ -31,7 +31,7 @@ fn visible(r: usize, sq: usize, sk: usize) -> usize {
 }
 
 crate::simd_kernel! {
-fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, (sq, sk): (usize, usize)) {
+fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, (sq, sk): (usize, usize), streaming: bool) {
     let (x, y) = (args.input(0), args.output(0));
     let xs = &x.storage::<T>().expect("dtype dispatched")[x.layout().offset()..];
     let base = y.layout().offset();
@@ -55,7 +55,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, (sq, sk): (usize, u
             }
             acc += b.iter().sum::<f32>();
         });
-        scale_into(&scratch[..n], live, 1.0 / acc);
+        scale_into(&scratch[..n], live, 1.0 / acc, streaming);
     }
     fence();
 }
@@ -88,8 +88,9 @@ impl Op for CausalSoftmax {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let (rows, sq, sk) = dims(cx)?;
         let block_dim = block_dim_for(rows, sk.max(1) * 2 * cx.input("x").dtype.size());
+        let streaming = cx.input("x").numel() * cx.input("x").dtype.size() >= STREAMING_BYTES;
         let step = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
-            Step::new("causal_softmax", block_dim, move |args, ctx| kernel::<T>(args, ctx, (sq, sk)))
+            Step::new("causal_softmax", block_dim, move |args, ctx| kernel::<T>(args, ctx, (sq, sk), streaming))
         });
         Ok(Plan::new(vec![step])
             .workspace(block_dim as usize * sk * 4)

@@ -6,7 +6,7 @@
 //! times (max, sum of exp, write) but only the first read misses cache for LLM-sized rows.
 //! Numerically stable: `exp(x − max)`. A slice that is all `-inf` gives NaN, as in torch.
 
-use crate::elementwise::{fence, for_lanes, map_lanes, LANES};
+use crate::elementwise::{fence, for_lanes, map_lanes, narrow_into, LANES, STREAMING_BYTES};
 use crate::math;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
@@ -86,9 +86,10 @@ pub(crate) fn row_max<T: FloatElement>(row: &[T]) -> f32 {
     mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
 }
 
-/// `out = src · scale`, narrowed to `T`, `LANES` at a time.
+/// `out = src · scale`, narrowed to `T`, `LANES` at a time; past the cache when `streaming`
+/// (outputs too large to stay there: the stores then skip reading each line first).
 #[inline(always)]
-pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32) {
+pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32, streaming: bool) {
     let mut buf = [0f32; LANES];
     let chunks = src.chunks_exact(LANES);
     let tail = chunks.remainder();
@@ -97,7 +98,7 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
         for (b, &v) in buf.iter_mut().zip(c) {
             *b = v * scale;
         }
-        T::narrow(&buf, o);
+        narrow_into(&buf, o, streaming);
     }
     for (o, &v) in out[full..].iter_mut().zip(tail) {
         *o = T::from_f32(v * scale);
@@ -122,7 +123,7 @@ pub(crate) fn map_lanes_into<T: FloatElement>(row: &[T], out: &mut [f32], mut f:
 }
 
 crate::simd_kernel! {
-fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: Kind) {
+fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: Kind, streaming: bool) {
     let x = args.input(0);
     let xs = &x.storage::<T>().expect("dtype dispatched")[x.layout().offset()..];
     let y = args.output(0);
@@ -148,7 +149,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
             match kind {
                 Kind::Softmax => {
                     let scale = 1.0 / s;
-                    scale_into(scratch, out, scale)
+                    scale_into(scratch, out, scale, streaming)
                 }
                 Kind::LogSoftmax => {
                     let shift = m + s.ln();
@@ -199,8 +200,9 @@ fn plan(cx: &OpCx, kind: Kind) -> Result<Plan> {
     let units = axis.units();
     let unit_bytes = (x.numel() / units.max(1)).max(1) * 2 * x.dtype.size();
     let block_dim = block_dim_for(units, unit_bytes);
+    let streaming = x.numel() * x.dtype.size() >= STREAMING_BYTES;
     let step = with_float_dtype!(x.dtype, cx.op(), "x", |T| {
-        Step::new("softmax", block_dim, move |args, ctx| kernel::<T>(args, ctx, axis, kind))
+        Step::new("softmax", block_dim, move |args, ctx| kernel::<T>(args, ctx, axis, kind, streaming))
     });
     // Rows reduce through one f32 scratch row per block.
     let workspace = if axis.inner == 1 { block_dim as usize * axis.n * 4 } else { 0 };
