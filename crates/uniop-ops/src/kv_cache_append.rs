@@ -9,6 +9,7 @@
 //! cannot see it: every block checks all positions before it writes anything, so the launch fails
 //! with a runtime error naming the sequence and leaves both caches untouched.
 
+use crate::elementwise::{copy_streaming, fence, STREAMING_BYTES};
 use uniop::layout::ShapeDisplay;
 use uniop::{
     dispatch_element, BlockCtx, DType, Element, ErrorCode, Example, KernelArgs, Layout, Op, OpCx, Plan, RefTensor,
@@ -81,7 +82,7 @@ fn row_offset(l: &Layout, b: usize, h: usize, s: usize) -> usize {
     l.offset() + b * st[0] + h * st[1] + s * st[2]
 }
 
-fn kernel<E: Element, P: Element>(args: &KernelArgs, ctx: BlockCtx, dims: Dims) {
+fn kernel<E: Element, P: Element>(args: &KernelArgs, ctx: BlockCtx, dims: Dims, streaming: bool) {
     let positions = args.input(4);
     let pos_data = positions.storage::<P>().expect("dtype dispatched");
     let starts: Vec<usize> = (0..dims.b)
@@ -102,8 +103,12 @@ fn kernel<E: Element, P: Element>(args: &KernelArgs, ctx: BlockCtx, dims: Dims) 
             let (from, to) = (row_offset(&nl, b, h, t), row_offset(&cl, b, h, starts[b] + t));
             if c_inner == 1 && n_inner == 1 {
                 // SAFETY: as above; a dense row this block owns.
-                unsafe { std::slice::from_raw_parts_mut(dst.add(to), dims.d) }
-                    .copy_from_slice(&src[from..from + dims.d]);
+                let dst_row = unsafe { std::slice::from_raw_parts_mut(dst.add(to), dims.d) };
+                if streaming {
+                    copy_streaming(dst_row, &src[from..from + dims.d]);
+                } else {
+                    dst_row.copy_from_slice(&src[from..from + dims.d]);
+                }
                 continue;
             }
             for j in 0..dims.d {
@@ -112,6 +117,7 @@ fn kernel<E: Element, P: Element>(args: &KernelArgs, ctx: BlockCtx, dims: Dims) 
             }
         }
     }
+    fence();
 }
 
 impl Op for KvCacheAppend {
@@ -140,9 +146,12 @@ impl Op for KvCacheAppend {
         let dtype = cx.input("k").dtype;
         let rows = dims.b * dims.h * dims.s_new;
         let block_dim = uniop::block_dim_for(rows, 4 * dims.d * dtype.size());
+        // A prefill-sized append writes more than the cache holds: stream it past the cache. A
+        // decode step's few rows are read back by attention right away, so they stay cached.
+        let streaming = 2 * rows * dims.d * dtype.size() >= STREAMING_BYTES;
         let step = dispatch_element!(dtype, |E| match cx.input("positions").dtype {
-            DType::I32 => Step::new("kv_cache_append", block_dim, move |a, c| kernel::<E, i32>(a, c, dims)),
-            _ => Step::new("kv_cache_append", block_dim, move |a, c| kernel::<E, i64>(a, c, dims)),
+            DType::I32 => Step::new("kv_cache_append", block_dim, move |a, c| kernel::<E, i32>(a, c, dims, streaming)),
+            _ => Step::new("kv_cache_append", block_dim, move |a, c| kernel::<E, i64>(a, c, dims, streaming)),
         });
         Ok(Plan::new(vec![step]))
     }
