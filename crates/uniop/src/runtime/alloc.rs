@@ -11,7 +11,7 @@
 //! The [`MemPolicy`] decides the huge-page advice, as `aclrtMalloc`'s policies do.
 
 use crate::error::{Error, ErrorCode, Result};
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::fmt::Write as _;
 use std::ptr::NonNull;
 use std::sync::{Mutex, OnceLock};
@@ -86,12 +86,14 @@ pub struct MemStats {
     pub live_buffers: usize,
 }
 
+/// Fx hashing: these maps are touched several times per allocation, and SipHash's DoS
+/// resistance buys nothing for keys the runtime itself computes.
 #[derive(Default)]
 struct State {
-    free: HashMap<Class, Vec<Block>>,
+    free: FxHashMap<Class, Vec<Block>>,
     stats: MemStats,
     /// Live blocks by class size, for the leak report.
-    live_by_size: HashMap<usize, usize>,
+    live_by_size: FxHashMap<usize, usize>,
 }
 
 pub struct Allocator {
