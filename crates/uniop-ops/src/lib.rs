@@ -4,16 +4,14 @@
 //! dtype on the SPMD engine), f64 reference, example inputs. Adding an op means adding its file
 //! and one line in [`builtin_ops`]; no frontend changes.
 
-/// Compiles a kernel function once per x86-64 level (AVX-512 "v4" with and without AVX512-BF16,
-/// AVX2 "v3", baseline) and dispatches on the CPU at runtime. The BF16 level exists so that the
-/// hardware f32 → bf16 conversion inlines into kernels (see `uniop::dtype`). Everything the body inlines — `#[inline(always)]` helpers,
+/// Compiles a kernel function once per x86-64 level (AVX-512 "v4", AVX2 "v3", baseline) and
+/// dispatches on the CPU at runtime. Everything the body inlines — `#[inline(always)]` helpers,
 /// [`elementwise::Map1`]/[`elementwise::Map2`] methods, closures defined in the body — is
 /// vectorized for that level.
 #[macro_export]
 macro_rules! simd_kernel {
     ($item:item) => {
         #[multiversion::multiversion(targets(
-            "x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx512bf16+avx2+fma+f16c",
             "x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma+f16c",
             "x86_64+avx2+fma+f16c",
         ))]

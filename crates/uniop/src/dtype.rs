@@ -271,7 +271,7 @@ impl FloatElement for f16 {
     fn widen(src: &[f16], dst: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         if src.len() >= 16 && std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512 F (checked just above; the check is cached by std).
+            // SAFETY: the CPU has AVX-512 F (checked just above; std caches the check).
             unsafe { widen_f16_avx512(src, dst) };
             return;
         }
@@ -302,8 +302,10 @@ impl FloatElement for f16 {
 // AVX-512 build (`simd_kernel!` in uniop-ops) inlines them, so a 64-lane step converts in
 // registers. An out-of-line conversion (the `half` crate's, or one needing features the kernel
 // lacks) is a call inside the hot loop, and a call clobbers every vector register: the kernel
-// then spilled its values and reloaded its constants around each one, which made f16 and bf16
-// kernels 1.5–2.5× slower than f32 ones on data in cache.
+// then spilled its values and reloaded its constants around each one, which made f16 kernels
+// about 2× slower than f32 ones on data in cache. (For bf16, AVX512-BF16's `vcvtneps2bf16` was
+// measured too: no faster here than the integer rounding of `narrow_bf16_avx512`, which needs no
+// subnormal fix-up.)
 
 /// f16 → f32, 16 lanes per `vcvtph2ps` (exact).
 #[cfg(target_arch = "x86_64")]
@@ -414,60 +416,9 @@ unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [bf16]) {
         _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, _mm512_castsi512_si256(packed));
         i += 16;
     }
-    narrow_bf16_scalar(&src[i..n], &mut dst[i..n]);
-}
-
-/// The scalar f32 → bf16 narrowing, for the vector paths' tails and subnormal groups; kept out of
-/// line so that the vector loops stay small enough to inline into kernels.
-#[cold]
-#[inline(never)]
-fn narrow_bf16_scalar(src: &[f32], dst: &mut [bf16]) {
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = bf16::from_bits(f32_to_bf16_bits(*s));
+    for j in i..n {
+        dst[j] = bf16::from_bits(f32_to_bf16_bits(src[j]));
     }
-}
-
-/// f32 → bf16 with AVX512-BF16's `vcvtneps2bf16`: one instruction per 16 lanes instead of the
-/// seven of [`narrow_bf16_avx512`] — the narrowing was most of the extra cost of a bf16 kernel
-/// over an f32 one. The instruction rounds to nearest even and quiets NaNs exactly like
-/// [`f32_to_bf16_bits`] but treats subnormal inputs as zero, so the (rare) groups holding one
-/// take the integer rounding instead, keeping results bit-identical on every CPU.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-#[inline]
-unsafe fn narrow_bf16_avx512bf16(src: &[f32], dst: &mut [bf16]) {
-    use std::arch::x86_64::{
-        __m256i, _mm256_storeu_si256, _mm512_and_si512, _mm512_castps_si512, _mm512_cmplt_epu32_mask,
-        _mm512_cvtneps_pbh, _mm512_loadu_ps, _mm512_set1_epi32, _mm512_sub_epi32,
-    };
-    let n = src.len().min(dst.len());
-    let magnitude = _mm512_set1_epi32(0x7fff_ffff);
-    let one = _mm512_set1_epi32(1);
-    // |bits| − 1 < 0x007f_ffff (unsigned) ⇔ the value is subnormal (nonzero, exponent 0).
-    let subnormal_below = _mm512_set1_epi32(0x007f_ffff);
-    let mut i = 0;
-    while i + 16 <= n {
-        let v = _mm512_loadu_ps(src.as_ptr().add(i));
-        let abs = _mm512_and_si512(_mm512_castps_si512(v), magnitude);
-        let out = dst.as_mut_ptr().add(i);
-        if _mm512_cmplt_epu32_mask(_mm512_sub_epi32(abs, one), subnormal_below) == 0 {
-            let packed: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
-            _mm256_storeu_si256(out as *mut __m256i, packed);
-        } else {
-            narrow_bf16_scalar(&src[i..i + 16], &mut dst[i..i + 16]);
-        }
-        i += 16;
-    }
-    narrow_bf16_scalar(&src[i..n], &mut dst[i..n]);
-}
-
-/// Whether this CPU converts f32 → bf16 in hardware (AVX512-BF16); detected once.
-#[cfg(target_arch = "x86_64")]
-fn has_bf16_conversion() -> bool {
-    static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *DETECTED.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avx512bw") && std::arch::is_x86_feature_detected!("avx512bf16")
-    })
 }
 
 impl FloatElement for bf16 {
@@ -488,19 +439,14 @@ impl FloatElement for bf16 {
     #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [bf16]) {
         #[cfg(target_arch = "x86_64")]
-        if src.len() >= 16 {
-            if has_bf16_conversion() {
-                // SAFETY: the CPU has AVX-512 F+BW and AVX512-BF16 (checked just above).
-                unsafe { narrow_bf16_avx512bf16(src, dst) };
-                return;
-            }
-            if std::arch::is_x86_feature_detected!("avx512bw") {
-                // SAFETY: the CPU has AVX-512 F+BW (checked just above; the check is cached by std).
-                unsafe { narrow_bf16_avx512(src, dst) };
-                return;
-            }
+        if src.len() >= 16 && std::arch::is_x86_feature_detected!("avx512bw") {
+            // SAFETY: the CPU has AVX-512 F+BW (checked just above; the check is cached by std).
+            unsafe { narrow_bf16_avx512(src, dst) };
+            return;
         }
-        narrow_bf16_scalar(src, dst);
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = bf16::from_bits(f32_to_bf16_bits(*s));
+        }
     }
     fn as_f32_slice(_: &[bf16]) -> Option<&[f32]> {
         None
@@ -640,7 +586,7 @@ mod tests {
         }
     }
 
-    /// Values a vector conversion could get wrong: subnormals (which AVX512-BF16 flushes), the
+    /// Values a vector conversion could get wrong: subnormals (hardware conversions may flush them), the
     /// largest subnormal and smallest normal, ties, overflow to infinity, NaN — spread over
     /// several 16-lane groups plus a ragged tail.
     fn awkward_f32s() -> Vec<f32> {
