@@ -58,7 +58,7 @@ impl Op for Add {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let out = &self.infer(cx)?[0];
         let block_dim = block_dim_for(out.numel(), 3 * out.dtype.size());
-        let streaming = out.numel() * out.dtype.size() >= elementwise::STREAMING_BYTES;
+        let streaming = elementwise::streams(out);
         // Integer alphas are exact (checked integral in infer); i32 wraps like the arithmetic.
         let int_alpha = cx.scalar_int("alpha").unwrap_or_default();
         let step = match out.dtype {

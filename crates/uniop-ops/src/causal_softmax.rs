@@ -5,7 +5,7 @@
 //! `softmax_backward`: masked outputs are 0, so their gradients are too.
 
 use crate::attention::causal_prefix;
-use crate::elementwise::{fence, STREAMING_BYTES};
+use crate::elementwise::{fence, streams};
 use crate::math;
 use crate::softmax::{map_lanes_into, row_max, scale_into, DTYPES};
 use uniop::{
@@ -88,7 +88,7 @@ impl Op for CausalSoftmax {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let (rows, sq, sk) = dims(cx)?;
         let block_dim = block_dim_for(rows, sk.max(1) * 2 * cx.input("x").dtype.size());
-        let streaming = cx.input("x").numel() * cx.input("x").dtype.size() >= STREAMING_BYTES;
+        let streaming = streams(cx.input("x"));
         let step = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
             Step::new("causal_softmax", block_dim, move |args, ctx| kernel::<T>(args, ctx, (sq, sk), streaming))
         });

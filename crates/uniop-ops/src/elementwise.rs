@@ -9,7 +9,7 @@
 use uniop::layout::ShapeDisplay;
 use uniop::{
     broadcast_shapes, BlockCtx, Element, Error, ErrorCode, FloatElement, KernelArgs, Layout, OpCx, OutputView,
-    RefTensor, Result, StridedRuns,
+    RefTensor, Result, StridedRuns, TensorMeta,
 };
 
 pub const CHUNK: usize = 64;
@@ -18,6 +18,11 @@ pub const CHUNK: usize = 64;
 /// anyway, and skipping the read-for-ownership of each destination line removes a third of the
 /// memory traffic of a read-one-write-one kernel.
 pub const STREAMING_BYTES: usize = 8 << 20;
+
+/// Whether a kernel writing a tensor like `t` should stream it past the cache ([`STREAMING_BYTES`]).
+pub fn streams(t: &TensorMeta) -> bool {
+    t.numel() * t.dtype.size() >= STREAMING_BYTES
+}
 
 /// Copies `src` to `dst` (same length) with non-temporal stores when `dst` is 16-byte aligned
 /// and a whole number of 16-byte units (the case for every full chunk of a row kernel on an

@@ -60,7 +60,7 @@ impl Op for Gelu {
         let x = cx.input("x");
         let tanh = tanh_approx(cx)?;
         let block_dim = block_dim_for(x.numel(), 2 * x.dtype.size());
-        let streaming = x.numel() * x.dtype.size() >= elementwise::STREAMING_BYTES;
+        let streaming = elementwise::streams(x);
         with_float_dtype!(x.dtype, cx.op(), "x", |T| {
             Ok(Plan::new(vec![Step::new("gelu", block_dim, move |args, ctx| {
                 elementwise::unary::<T, _>(args, ctx, &GeluMap(tanh), streaming)

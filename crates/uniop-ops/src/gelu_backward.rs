@@ -44,7 +44,7 @@ impl Op for GeluBackward {
         let out = self.infer(cx)?.remove(0);
         let tanh = tanh_approx(cx)?;
         let block_dim = block_dim_for(out.numel(), 3 * out.dtype.size());
-        let streaming = out.numel() * out.dtype.size() >= elementwise::STREAMING_BYTES;
+        let streaming = elementwise::streams(&out);
         with_float_dtype!(out.dtype, cx.op(), "x", |T| {
             Ok(Plan::new(vec![Step::new("gelu_backward", block_dim, move |args, ctx| {
                 elementwise::binary::<T, _>(args, ctx, &GeluGrad(tanh), streaming)

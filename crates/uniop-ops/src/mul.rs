@@ -1,6 +1,6 @@
 //! `mul(a, b) = a · b` elementwise with NumPy/torch broadcasting; f16/bf16 compute in f32.
 
-use crate::elementwise::{self, Map2, STREAMING_BYTES};
+use crate::elementwise::{self, Map2};
 use uniop::{block_dim_for, with_float_dtype, DType, Example, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta};
 
 pub struct Mul;
@@ -40,7 +40,7 @@ impl Op for Mul {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let out = self.infer(cx)?.remove(0);
         let block_dim = block_dim_for(out.numel(), 3 * out.dtype.size());
-        let streaming = out.numel() * out.dtype.size() >= STREAMING_BYTES;
+        let streaming = elementwise::streams(&out);
         with_float_dtype!(out.dtype, cx.op(), "a", |T| {
             Ok(Plan::new(vec![Step::new("mul", block_dim, move |args, ctx| {
                 elementwise::binary::<T, _>(args, ctx, &MulMap, streaming)

@@ -40,7 +40,7 @@ impl Op for Silu {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let x = cx.input("x");
         let block_dim = block_dim_for(x.numel(), 2 * x.dtype.size());
-        let streaming = x.numel() * x.dtype.size() >= elementwise::STREAMING_BYTES;
+        let streaming = elementwise::streams(x);
         with_float_dtype!(x.dtype, cx.op(), "x", |T| {
             Ok(Plan::new(vec![Step::new("silu", block_dim, move |args, ctx| {
                 elementwise::unary::<T, _>(args, ctx, &SiluMap, streaming)

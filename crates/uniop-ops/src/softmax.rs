@@ -6,7 +6,7 @@
 //! times (max, sum of exp, write) but only the first read misses cache for LLM-sized rows.
 //! Numerically stable: `exp(x − max)`. A slice that is all `-inf` gives NaN, as in torch.
 
-use crate::elementwise::{fence, for_lanes, map_lanes, narrow_into, LANES, STREAMING_BYTES};
+use crate::elementwise::{fence, for_lanes, map_lanes, narrow_into, streams, LANES};
 use crate::math;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
@@ -200,7 +200,7 @@ fn plan(cx: &OpCx, kind: Kind) -> Result<Plan> {
     let units = axis.units();
     let unit_bytes = (x.numel() / units.max(1)).max(1) * 2 * x.dtype.size();
     let block_dim = block_dim_for(units, unit_bytes);
-    let streaming = x.numel() * x.dtype.size() >= STREAMING_BYTES;
+    let streaming = streams(x);
     let step = with_float_dtype!(x.dtype, cx.op(), "x", |T| {
         Step::new("softmax", block_dim, move |args, ctx| kernel::<T>(args, ctx, axis, kind, streaming))
     });

@@ -317,7 +317,7 @@ impl fmt::Display for TensorMeta {
 /// dense tensor becomes a single run however many dims it has.
 ///
 /// The merged dims live inline (no allocation) up to `RUN_DIMS`: small launches build one
-/// of these per call, and three heap vectors cost more than the merge itself.
+/// of these per call, and a heap vector per operand cost more than the merge itself.
 #[derive(Clone, Debug)]
 pub struct StridedRuns<const N: usize> {
     shape: RunDims,
