@@ -62,6 +62,38 @@ def test_any_dlpack_producer():
     np.testing.assert_allclose(y, x / (1 + np.exp(-x)), rtol=1e-5, atol=1e-6)
 
 
+NUMPY_DTYPES = [np.float32, np.float16, np.float64, np.int8, np.int32, np.int64, np.uint8, np.bool_]
+
+
+@pytest.mark.parametrize("dtype", NUMPY_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_numpy_c_api_route_agrees_with_dlpack_for_every_dtype(dtype):
+    # ndarrays are read and made through NumPy's C API; `Producer` forces the DLPack route.
+    base = (np.arange(48).reshape(6, 8) % 7).astype(dtype)
+    for x in (base, base[::2, 1::3], base.T, base[:0]):
+        direct, via_dlpack = uniop.cast(x, "float64"), uniop.cast(Producer(x), "float64")
+        np.testing.assert_array_equal(direct, x.astype(np.float64))
+        np.testing.assert_array_equal(via_dlpack, direct)
+    made = uniop.cast(np.array([0.0, 1.0, 3.0]), np.dtype(dtype).name)
+    assert type(made) is np.ndarray and made.dtype == dtype and made.flags.c_contiguous and made.flags.writeable
+    np.testing.assert_array_equal(made, np.array([0, 1, 3]).astype(dtype))
+
+
+def test_numpy_arrays_the_c_api_route_leaves_to_dlpack():
+    class Sub(np.ndarray):
+        pass
+
+    x = np.linspace(-2, 2, 8, dtype=np.float32)
+    assert type(uniop.silu(x.view(Sub))) is np.ndarray, "subclasses are arrays; outputs are plain arrays"
+    read_only = np.broadcast_to(x, (2, 8))
+    np.testing.assert_allclose(uniop.silu(read_only)[1], x / (1 + np.exp(-x)), rtol=1e-6)
+    swapped = x.astype(">f4")
+    with pytest.raises(uniop.UniopError, match="silu: argument 'x'.*native byte order"):
+        uniop.silu(swapped)
+    unaligned = np.frombuffer(b"\0" * 17, dtype=np.float32, count=4, offset=1)
+    with pytest.raises(uniop.UniopError, match="silu: argument 'x': expected data aligned"):
+        uniop.silu(unaligned)
+
+
 def test_in_place_op_updates_numpy_arrays():
     kc, vc = np.zeros((1, 2, 6, 4), np.float32), np.zeros((1, 2, 6, 4), np.float32)
     k, v = np.ones((1, 2, 2, 4), np.float32), np.full((1, 2, 2, 4), 2, np.float32)

@@ -53,9 +53,9 @@ _ops = {}
 
 
 def _allocate(like, shape, dtype):
-    """Allocates an output for a call whose first tensor is `like` and whose producer has no
-    DLPack exchange API (torch >= 2.9 tensors are created in Rust): a NumPy array, or a torch
-    tensor for an older torch."""
+    """Allocates an output for a call whose first tensor is `like` when Rust cannot create it
+    (torch >= 2.9 tensors and NumPy arrays are made in Rust): a torch tensor for an older torch,
+    a NumPy array for other DLPack producers, and the bfloat16 error for NumPy callers."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(like, torch.Tensor):
         return torch.empty(shape, dtype=getattr(torch, dtype))

@@ -1,6 +1,7 @@
 //! The one call path every op shares: bind Python arguments to the schema, import the tensors
 //! zero-copy through DLPack, infer, let the caller's framework allocate the outputs, run.
 
+use crate::ndarray;
 use crate::runtime::Stream as PyStream;
 use crate::to_py_err;
 use dlpark::ffi::{DLDataType, DLDataTypeCode, DLDevice, DLDeviceType};
@@ -165,24 +166,39 @@ struct Imported {
     read_only: bool,
 }
 
-/// The producer's C exchange API (torch has one): borrowed views and direct tensor creation
-/// without capsules. Looked up once per type and thread — the DLPack spec has the table live for
-/// the whole process and lets consumers cache it per type — and kept (leaked, one small handle
-/// per type seen) so a call pays no attribute lookup. Each type seen is kept alive for the same
-/// reason: its address keys the cache and must never be reused by another type.
-fn exchange_api(obj: &Bound<'_, PyAny>) -> Option<&'static ExchangeApi> {
+/// How uniop talks to a tensor's producer, decided once per Python type.
+#[derive(Clone, Copy)]
+enum Producer {
+    /// The producer's DLPack C exchange API (torch has one): borrowed views and direct tensor
+    /// creation without capsules.
+    Exchange(&'static ExchangeApi),
+    /// A NumPy array: its header is read, and outputs are made, through NumPy's C API.
+    NumPy,
+    /// Anything else: `__dlpack__` capsules in, outputs from the Python allocator.
+    Capsules,
+}
+
+/// The producer of `obj`, looked up once per type and thread — the DLPack spec has an exchange
+/// API live for the whole process and lets consumers cache it per type — and kept (an exchange
+/// API is leaked, one small handle per type seen) so a call pays no attribute lookup. Each type
+/// seen is kept alive for the same reason: its address keys the cache and must never be reused by
+/// another type.
+fn producer(obj: &Bound<'_, PyAny>) -> Producer {
     thread_local! {
-        static APIS: std::cell::RefCell<Vec<(usize, Option<&'static ExchangeApi>)>> =
-            const { std::cell::RefCell::new(Vec::new()) };
+        static PRODUCERS: std::cell::RefCell<Vec<(usize, Producer)>> = const { std::cell::RefCell::new(Vec::new()) };
     }
     let ty = obj.get_type_ptr() as usize;
-    if let Some(known) = APIS.with(|c| c.borrow().iter().find(|(t, _)| *t == ty).map(|(_, api)| *api)) {
+    if let Some(known) = PRODUCERS.with(|c| c.borrow().iter().find(|(t, _)| *t == ty).map(|(_, p)| *p)) {
         return known;
     }
-    let api = ExchangeApi::from_object(obj.as_borrowed()).ok().flatten().map(|api| &*Box::leak(Box::new(api)));
+    let producer = match ExchangeApi::from_object(obj.as_borrowed()).ok().flatten() {
+        Some(api) => Producer::Exchange(Box::leak(Box::new(api))),
+        None if ndarray::is_array(obj) => Producer::NumPy,
+        None => Producer::Capsules,
+    };
     std::mem::forget(obj.get_type().unbind());
-    APIS.with(|c| c.borrow_mut().push((ty, api)));
-    api
+    PRODUCERS.with(|c| c.borrow_mut().push((ty, producer)));
+    producer
 }
 
 /// Reads a DLPack descriptor into a uniop meta and the address of its first element.
@@ -245,8 +261,16 @@ fn import(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> Result<Imported, Error
             }
         }
     };
-    // Fast path: a borrowed view, no managed tensor; the caller holds `obj` for the whole call.
-    if let Some(api) = exchange_api(obj) {
+    // Fast paths: a borrowed view, no managed tensor; the caller holds `obj` for the whole call.
+    let api = match producer(obj) {
+        Producer::Exchange(api) => Some(api),
+        Producer::NumPy => match ndarray::describe(obj) {
+            Some((meta, ptr, read_only)) => return finish(op, None, (meta, ptr), read_only),
+            None => None,
+        },
+        Producer::Capsules => None,
+    };
+    if let Some(api) = api {
         let described = api
             .with_tensor_view_no_sync(obj.as_borrowed(), |t, _stream| {
                 // SAFETY: the view is valid during this callback and only read in it.
@@ -322,11 +346,19 @@ impl<T> Unattached<T> {
 
 /// A new output like `like`. Producers with a C exchange API (torch) get a tensor created
 /// directly over a block of uniop's caching allocator, returned to it when the framework frees
-/// the tensor — no Python call, no capsule. Others go through the Python allocator
-/// (`uniop._allocate`: NumPy arrays).
+/// the tensor — no Python call, no capsule; NumPy callers get an array from NumPy's C API. Others
+/// go through the Python allocator (`uniop._allocate`).
 fn allocate<'py>(op: &str, like: &Bound<'py, PyAny>, meta: &TensorMeta) -> PyResult<(Bound<'py, PyAny>, Imported)> {
     let py = like.py();
-    if let Some(api) = exchange_api(like) {
+    let producer = producer(like);
+    if let Producer::NumPy = producer {
+        if let Some(made) = ndarray::empty(py, meta) {
+            let (obj, ptr) = made?;
+            let view = finish(op, None, (meta.clone(), ptr), false).map_err(to_py_err)?;
+            return Ok((obj, view));
+        }
+    }
+    if let Producer::Exchange(api) = producer {
         let bytes = meta.contiguous_bytes().map_err(to_py_err)?;
         let buffer = Allocator::global().allocate(bytes, MemPolicy::HugeFirst).map_err(to_py_err)?;
         let ptr = buffer.as_ptr();
@@ -350,7 +382,12 @@ fn allocate<'py>(op: &str, like: &Bound<'py, PyAny>, meta: &TensorMeta) -> PyRes
         .get()
         .ok_or_else(|| PyRuntimeError::new_err("uniop: no output allocator (import uniop, not uniop._native)"))?;
     let obj = alloc.bind(py).call1((like, meta.shape().to_vec(), meta.dtype.name()))?;
-    let view = import(op, "output", &obj).map_err(to_py_err)?;
+    let mut view = import(op, "output", &obj).map_err(to_py_err)?;
+    // An empty array's strides say nothing (NumPy 2 reports zeros): plan with the inferred ones,
+    // as the other routes do, so a cached plan fits whichever route the next call takes.
+    if view.len == 0 && view.meta.dtype == meta.dtype && view.meta.shape() == meta.shape() {
+        view.meta = meta.clone();
+    }
     Ok((obj, view))
 }
 

@@ -1,18 +1,19 @@
 //! `uniop._native`: the Python face of the registry.
 //!
 //! Like the C API, this module never names an op. It hands Python one [`Op`] object per registered
-//! schema; calling it binds Python arguments to the schema, imports tensors zero-copy through
-//! DLPack (NumPy, torch, anything with `__dlpack__`), asks the caller's framework to allocate the
-//! outputs (so a torch caller gets torch tensors from torch's allocator) and runs the executor on
-//! the default stream with the GIL released. `python/uniop/__init__.py` turns these objects into
-//! `uniop.<op>` functions with signatures and docstrings, and `uniop.torch` registers the same
-//! objects with `torch.library`.
+//! schema; calling it binds Python arguments to the schema, imports tensors zero-copy (torch through
+//! its DLPack exchange API, NumPy through its C API, anything else through `__dlpack__`), makes
+//! the outputs as the caller's kind (a torch caller gets torch tensors, a NumPy caller arrays) and
+//! runs the executor on the default stream (with the GIL released unless the work is tiny).
+//! `python/uniop/__init__.py` turns these objects into `uniop.<op>` functions with signatures and
+//! docstrings, and `uniop.torch` registers the same objects with `torch.library`.
 //!
 //! Errors keep the core's code and message: they surface as `uniop.UniopError` with `.code` (the
 //! stable number shared with the C API) and `.code_name`. Rust panics become `UniopError` too
 //! (pyo3 catches them at the boundary; the core already turns kernel panics into runtime errors).
 
 mod call;
+mod ndarray;
 mod runtime;
 
 use pyo3::prelude::*;
