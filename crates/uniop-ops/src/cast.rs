@@ -2,9 +2,10 @@
 //! integers (and bool) two's-complement wrapping through i64 — exact for all 64 bits; float to
 //! integer truncates toward zero and saturates (NaN → 0, where torch leaves it undefined);
 //! to bool is `!= 0`; to floats rounds to nearest even. Between f32/f16/bf16 the kernel runs the
-//! bulk widen/narrow path (one rounding, vectorized).
+//! bulk widen/narrow path (one rounding, vectorized). Outputs too big for the cache are written with
+//! non-temporal stores: a cast reads and writes once, so memory traffic is all it costs.
 
-use crate::elementwise::{dense_input, dense_output};
+use crate::elementwise::{self, dense_input, dense_output};
 use uniop::{
     block_dim_for, dispatch_element, AttrValue, BlockCtx, DType, Element, ErrorCode, Example, FloatElement, KernelArgs,
     LayoutNeed, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -36,29 +37,46 @@ fn convert<S: Element, D: Element>(v: S) -> D {
     }
 }
 
-fn kernel<S: Element, D: Element>(args: &KernelArgs, ctx: BlockCtx, n: usize) {
+fn kernel<S: Element, D: Element>(args: &KernelArgs, ctx: BlockCtx, n: usize, streaming: bool) {
     let range = ctx.split(n);
     let src = dense_input::<S>(args, 0, range.clone());
     // SAFETY: blocks own disjoint element ranges.
     let dst = unsafe { dense_output::<D>(args, 0, range) };
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = convert(s);
+    if !streaming {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = convert(s);
+        }
+        return;
     }
+    let mut tmp = [D::default(); elementwise::CHUNK];
+    for (s, d) in src.chunks(elementwise::CHUNK).zip(dst.chunks_mut(elementwise::CHUNK)) {
+        for (t, &v) in tmp.iter_mut().zip(s) {
+            *t = convert(v);
+        }
+        elementwise::copy_streaming(d, &tmp[..s.len()]);
+    }
+    elementwise::fence();
 }
 
 crate::simd_kernel! {
 /// f32/f16/bf16 to each other: widen to f32, narrow once.
-fn float_kernel<S: FloatElement, D: FloatElement>(args: &KernelArgs, ctx: BlockCtx, n: usize) {
+fn float_kernel<S: FloatElement, D: FloatElement>(args: &KernelArgs, ctx: BlockCtx, n: usize, streaming: bool) {
     const CHUNK: usize = 256;
     let range = ctx.split(n);
     let src = dense_input::<S>(args, 0, range.clone());
     // SAFETY: blocks own disjoint element ranges.
     let dst = unsafe { dense_output::<D>(args, 0, range) };
-    let mut buf = [0f32; CHUNK];
-    for (s, d) in src.chunks(CHUNK).zip(dst.chunks_mut(CHUNK)) {
-        S::widen(s, &mut buf[..s.len()]);
-        D::narrow(&buf[..s.len()], d);
+    // f32 sources are narrowed straight from the input; the others widen into a staging chunk.
+    if let Some(src) = S::as_f32_slice(src) {
+        elementwise::narrow_into(src, dst, streaming);
+    } else {
+        let mut buf = [0f32; CHUNK];
+        for (s, d) in src.chunks(CHUNK).zip(dst.chunks_mut(CHUNK)) {
+            S::widen(s, &mut buf[..s.len()]);
+            elementwise::narrow_into(&buf[..s.len()], d, streaming);
+        }
     }
+    elementwise::fence();
 }
 }
 
@@ -89,13 +107,14 @@ impl Op for Cast {
         let x = cx.input("x");
         let (from, to, n) = (x.dtype, target(cx)?, x.numel());
         let block_dim = block_dim_for(n, from.size() + to.size());
+        let streaming = elementwise::streams(&TensorMeta::contiguous(to, x.shape())?);
         let step = if is_half_or_f32(from) && is_half_or_f32(to) {
             uniop::with_float_dtype!(from, cx.op(), "x", |S| uniop::with_float_dtype!(to, cx.op(), "dtype", |D| {
-                Step::new("cast", block_dim, move |args, ctx| float_kernel::<S, D>(args, ctx, n))
+                Step::new("cast", block_dim, move |args, ctx| float_kernel::<S, D>(args, ctx, n, streaming))
             }))
         } else {
             dispatch_element!(from, |S| dispatch_element!(to, |D| {
-                Step::new("cast", block_dim, move |args, ctx| kernel::<S, D>(args, ctx, n))
+                Step::new("cast", block_dim, move |args, ctx| kernel::<S, D>(args, ctx, n, streaming))
             }))
         };
         Ok(Plan::new(vec![step]).inputs_need(vec![LayoutNeed::Contiguous]).outputs_need(vec![LayoutNeed::Contiguous]))

@@ -63,6 +63,10 @@ pub fn narrow_into<T: FloatElement>(src: &[f32], dst: &mut [T], streaming: bool)
         T::narrow(src, dst);
         return;
     }
+    if let Some(dst) = T::as_f32_slice_mut(dst) {
+        copy_streaming(dst, src);
+        return;
+    }
     let mut tmp = [T::default(); CHUNK];
     for (s, d) in src.chunks(CHUNK).zip(dst.chunks_mut(CHUNK)) {
         T::narrow(s, &mut tmp[..s.len()]);

@@ -1019,6 +1019,28 @@ fn cast_follows_c_and_torch_conversion_rules() {
     assert!(got.iter().zip(&x).all(|(g, &v)| g.to_bits() == bf16::from_f32(v).to_bits()));
 }
 
+/// Outputs of 8 MiB and more are written with non-temporal stores (chunks plus an unaligned
+/// tail): every route — f32 narrowed in place, a widened source, the generic per-element one —
+/// must still produce exactly the scalar conversion.
+#[test]
+fn cast_of_outputs_too_big_for_the_cache_matches_the_scalar_conversion() {
+    setup();
+    let n = (8 << 20) / 2 + 13; // a bf16 output just past the streaming threshold, odd length
+    let x = rand_vec(n, 141);
+    let run = |input: TensorRef, to: DType| -> Tensor {
+        let mut out = Tensor::zeros(to, input.shape()).unwrap();
+        uniop::call("cast", &[Some(input)], &[("dtype", AttrValue::DType(to))], vec![out.view_mut()]).unwrap();
+        out
+    };
+    let narrowed = run(TensorRef::new(&x, &[n]).unwrap(), DType::BF16).view().to_vec::<bf16>().unwrap();
+    assert!(narrowed.iter().zip(&x).all(|(g, &v)| g.to_bits() == bf16::from_f32(v).to_bits()));
+    let widened = run(TensorRef::new(&narrowed, &[n]).unwrap(), DType::F32).view().to_vec::<f32>().unwrap();
+    assert!(widened.iter().zip(&narrowed).all(|(&g, v)| g.to_bits() == v.to_f32().to_bits()));
+    let ints: Vec<i32> = x.iter().map(|v| (v * 1000.0) as i32).collect();
+    let floats = run(TensorRef::new(&ints, &[n]).unwrap(), DType::F64).view().to_vec::<f64>().unwrap();
+    assert!(floats.iter().zip(&ints).all(|(&g, &v)| g == v as f64));
+}
+
 #[test]
 fn argmax_takes_the_first_maximum_and_nan_along_any_dim() {
     setup();
