@@ -67,8 +67,8 @@ fn out_shape(cx: &OpCx) -> Vec<usize> {
 #[inline(always)]
 fn row_first_max<T: FloatElement>(row: &[T]) -> usize {
     let (mut max, mut nan) = ([f32::NEG_INFINITY; LANES], [false; LANES]);
-    elementwise::for_lanes([row], |[v], len| {
-        for j in 0..len {
+    elementwise::for_lanes([row], f32::NEG_INFINITY, |[v]| {
+        for j in 0..LANES {
             max[j] = if v[j] > max[j] { v[j] } else { max[j] };
             nan[j] |= v[j].is_nan();
         }

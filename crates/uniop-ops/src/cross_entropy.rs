@@ -58,8 +58,8 @@ pub(crate) fn target_of<I: Element>(
 pub(crate) fn log_sum_exp<T: FloatElement>(row: &[T]) -> f32 {
     let m = row_max(row);
     let mut acc = [0f32; crate::elementwise::LANES];
-    for_lanes([row], |[b], len| {
-        for (a, &v) in acc.iter_mut().zip(&b[..len]) {
+    for_lanes([row], f32::NEG_INFINITY, |[b]| {
+        for (a, &v) in acc.iter_mut().zip(b) {
             *a += math::exp(v - m);
         }
     });

@@ -78,8 +78,8 @@ pub(crate) enum Kind {
 #[inline(always)]
 pub(crate) fn row_max<T: FloatElement>(row: &[T]) -> f32 {
     let mut mx = [f32::NEG_INFINITY; LANES];
-    for_lanes([row], |[b], len| {
-        for (m, &v) in mx.iter_mut().zip(&b[..len]) {
+    for_lanes([row], f32::NEG_INFINITY, |[b]| {
+        for (m, &v) in mx.iter_mut().zip(b) {
             *m = m.max(v);
         }
     });

@@ -3,7 +3,7 @@
 //! [`softmax`](crate::softmax):
 //! softmax: `dx = y · (dy − Σ dy·y)`; log_softmax: `dx = dy − exp(y) · Σ dy`.
 
-use crate::elementwise::{dense_map, fence, for_lanes, LANES};
+use crate::elementwise::{dense_map, fence, for_lanes, streams, LANES};
 use crate::math;
 use crate::softmax::{Axis, Kind, DTYPES};
 use uniop::{
@@ -13,8 +13,8 @@ use uniop::{
 
 crate::simd_kernel! {
 /// `LANES` neighbouring slices at once (or, with `inner == 1`, one slice `LANES` elements at a
-/// time): the reduction `Σ dy·y` / `Σ dy`, then `dx`.
-fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: Kind) {
+/// time): the reduction `Σ dy·y` / `Σ dy`, then `dx` (rows past the cache with non-temporal stores).
+fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: Kind, streaming: bool) {
     let (dy, y) = (args.input(0), args.input(1));
     let dys = &dy.storage::<T>().expect("dtype dispatched")[dy.layout().offset()..];
     let ys = &y.storage::<T>().expect("dtype dispatched")[y.layout().offset()..];
@@ -28,13 +28,13 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
             // SAFETY: this block owns row `u` of dx.
             let out = unsafe { dx.slice_mut::<T>(base + row.start, axis.n) };
             acc.fill(0.0);
-            for_lanes([dyr, yr], |[d, y], len| {
-                for j in 0..len {
+            for_lanes([dyr, yr], 0.0, |[d, y]| {
+                for j in 0..LANES {
                     acc[j] += if kind == Kind::Softmax { d[j] * y[j] } else { d[j] };
                 }
             });
             let dot: f32 = acc.iter().sum();
-            dense_map([dyr, yr], [out], false, |[d, y], [g]| {
+            dense_map([dyr, yr], [out], streaming, |[d, y], [g]| {
                 for j in 0..LANES {
                     g[j] = match kind {
                         Kind::Softmax => y[j] * (d[j] - dot),
@@ -76,8 +76,9 @@ fn plan(cx: &OpCx, kind: Kind) -> Result<Plan> {
     let units = axis.units();
     let unit_bytes = (y.numel() / units.max(1)).max(1) * 3 * y.dtype.size();
     let block_dim = block_dim_for(units, unit_bytes);
+    let streaming = streams(y);
     let step = with_float_dtype!(y.dtype, cx.op(), "y", |T| {
-        Step::new("softmax_backward", block_dim, move |args, ctx| kernel::<T>(args, ctx, axis, kind))
+        Step::new("softmax_backward", block_dim, move |args, ctx| kernel::<T>(args, ctx, axis, kind, streaming))
     });
     Ok(Plan::new(vec![step]).inputs_need(vec![LayoutNeed::Contiguous; 2]).outputs_need(vec![LayoutNeed::Contiguous]))
 }
@@ -138,6 +139,10 @@ impl Op for SoftmaxBackward {
     }
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         reference(cx, inputs, self.0)
+    }
+    /// Every element carries the error of an n-term sum (`Σ dy·y` or `Σ dy`) in f32.
+    fn error_scale(&self, cx: &OpCx) -> f64 {
+        Axis::of(cx, "y").map_or(1.0, |axis| (axis.n.max(1) as f64).sqrt())
     }
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
         let meta = TensorMeta::contiguous(dtype, shape.unwrap_or(&[4096, 4096]))?;

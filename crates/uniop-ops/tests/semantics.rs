@@ -1041,6 +1041,20 @@ fn cast_of_outputs_too_big_for_the_cache_matches_the_scalar_conversion() {
     assert!(floats.iter().zip(&ints).all(|(&g, &v)| g == v as f64));
 }
 
+/// Softmax/log-softmax gradients of a tensor too big for the cache (written with non-temporal
+/// stores) whose rows end in a partial SIMD step (the reduction pads it with zeros).
+#[test]
+fn softmax_backward_streams_big_outputs_and_pads_row_tails() {
+    setup();
+    let (rows, cols) = (515, 4099); // 8.4 MB of f32 output; 4099 = 64·64 + 3
+    let (dy, y) = (rand_vec(rows * cols, 142), rand_vec(rows * cols, 143));
+    for op in ["softmax_backward", "log_softmax_backward"] {
+        let inputs =
+            [Some(TensorRef::new(&dy, &[rows, cols]).unwrap()), Some(TensorRef::new(&y, &[rows, cols]).unwrap())];
+        run_checked(op, &inputs, &[]);
+    }
+}
+
 #[test]
 fn argmax_takes_the_first_maximum_and_nan_along_any_dim() {
     setup();
