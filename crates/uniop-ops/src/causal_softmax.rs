@@ -6,8 +6,7 @@
 
 use crate::attention::causal_prefix;
 use crate::elementwise::{fence, streams};
-use crate::math;
-use crate::softmax::{map_lanes_into, row_max, scale_into, DTYPES};
+use crate::softmax::{exp_into, row_max, scale_into, DTYPES};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,
     RefTensor, Result, Step, TensorMeta,
@@ -48,14 +47,8 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, (sq, sk): (usize, u
             continue;
         }
         let m = row_max(row);
-        let mut acc = 0f32;
-        map_lanes_into(row, &mut scratch[..n], |b| {
-            for v in b.iter_mut() {
-                *v = math::exp(*v - m);
-            }
-            acc += b.iter().sum::<f32>();
-        });
-        scale_into(&scratch[..n], live, 1.0 / acc, streaming);
+        let sum = exp_into(row, &mut scratch[..n], m);
+        scale_into(&scratch[..n], live, 1.0 / sum, streaming);
     }
     fence();
 }

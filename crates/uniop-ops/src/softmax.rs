@@ -6,7 +6,7 @@
 //! times (max, sum of exp, write) but only the first read misses cache for LLM-sized rows.
 //! Numerically stable: `exp(x − max)`. A slice that is all `-inf` gives NaN, as in torch.
 
-use crate::elementwise::{fence, for_lanes, map_lanes, narrow_into, streams, LANES};
+use crate::elementwise::{dense_map, fence, for_lanes, narrow_into, streams, LANES};
 use crate::math;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
@@ -105,21 +105,30 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
     }
 }
 
-/// Widens `row` into the f32 `out`, applying `f` to each step of `LANES` in place.
+/// `out = exp(row − m)` in f32 (`out` as long as `row`); returns `Σ out`. Whole steps and the
+/// tail are separate loops so the step loop's accumulators have a constant length and stay in
+/// registers (a shared closure over both kept them in memory).
 #[inline(always)]
-pub(crate) fn map_lanes_into<T: FloatElement>(row: &[T], out: &mut [f32], mut f: impl FnMut(&mut [f32])) {
-    let chunks = row.chunks_exact(LANES);
-    let tail = chunks.remainder();
+pub(crate) fn exp_into<T: FloatElement>(row: &[T], out: &mut [f32], m: f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    let steps = row.chunks_exact(LANES);
+    let tail = steps.remainder();
     let full = row.len() - tail.len();
-    for (c, o) in chunks.zip(out.chunks_exact_mut(LANES)) {
+    for (c, o) in steps.zip(out.chunks_exact_mut(LANES)) {
         T::widen(c, o);
-        f(o);
+        for j in 0..LANES {
+            o[j] = math::exp(o[j] - m);
+            acc[j] += o[j];
+        }
     }
-    if !tail.is_empty() {
-        let o = &mut out[full..row.len()];
-        T::widen(tail, o);
-        f(o);
+    let mut sum: f32 = acc.iter().sum();
+    let rest = &mut out[full..row.len()];
+    T::widen(tail, rest);
+    for v in rest {
+        *v = math::exp(*v - m);
+        sum += *v;
     }
+    sum
 }
 
 crate::simd_kernel! {
@@ -136,14 +145,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
             let row = &xs[r * axis.n..(r + 1) * axis.n];
             let m = row_max(row);
             // exp(x − max) once, kept in f32 scratch (in cache) for the normalizing pass.
-            let mut acc = [0f32; LANES];
-            map_lanes_into(row, scratch, |b| {
-                for (a, v) in acc.iter_mut().zip(b.iter_mut()) {
-                    *v = math::exp(*v - m);
-                    *a += *v;
-                }
-            });
-            let s: f32 = acc.iter().sum();
+            let s = exp_into(row, scratch, m);
             // SAFETY: this block owns rows `split(outer)` of y.
             let out = unsafe { y.slice_mut::<T>(base + r * axis.n, axis.n) };
             match kind {
@@ -153,7 +155,11 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
                 }
                 Kind::LogSoftmax => {
                     let shift = m + s.ln();
-                    map_lanes(row, out, |b| b.iter_mut().for_each(|v| *v -= shift))
+                    dense_map([row], [out], streaming, |[b], [o]| {
+                        for j in 0..LANES {
+                            o[j] = b[j] - shift;
+                        }
+                    })
                 }
             }
         }
