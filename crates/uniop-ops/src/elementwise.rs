@@ -123,7 +123,7 @@ pub const LANES: usize = 64;
 #[inline(always)]
 fn load_lanes<T: FloatElement>(data: &[T], off: usize, stride: usize, dst: &mut [f32; LANES]) {
     if stride == 1 {
-        T::widen(&data[off..off + LANES], dst);
+        *dst = T::widen_lanes(data[off..off + LANES].try_into().expect("LANES elements"));
     } else {
         *dst = [data[off].to_f32(); LANES];
     }
@@ -133,11 +133,9 @@ fn load_lanes<T: FloatElement>(data: &[T], off: usize, stride: usize, dst: &mut 
 #[inline(always)]
 fn store_lanes<T: FloatElement>(src: &[f32; LANES], dst: &mut [T], streaming: bool) {
     if streaming {
-        let mut tmp = [T::default(); LANES];
-        T::narrow(src, &mut tmp);
-        copy_streaming(dst, &tmp);
+        copy_streaming(dst, &T::narrow_lanes(src));
     } else {
-        T::narrow(src, dst);
+        dst.copy_from_slice(&T::narrow_lanes(src));
     }
 }
 
@@ -157,30 +155,30 @@ pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
     let full = n / LANES * LANES;
     for j in (0..full).step_by(LANES) {
         for k in 0..I {
-            T::widen(&ins[k][j..j + LANES], &mut bi[k]);
+            bi[k] = T::widen_lanes(ins[k][j..j + LANES].try_into().expect("LANES elements"));
         }
         f(&bi, &mut bo);
         for k in 0..O {
-            narrow_into(&bo[k], &mut outs[k][j..j + LANES], streaming);
+            store_lanes(&bo[k], &mut outs[k][j..j + LANES], streaming);
         }
     }
     if full < n {
         let len = n - full;
         for k in 0..I {
-            T::widen(&ins[k][full..], &mut bi[k][..len]);
+            bi[k] = T::widen_lanes(&padded(&ins[k][full..], T::default()));
         }
         f(&bi, &mut bo);
         for k in 0..O {
-            T::narrow(&bo[k][..len], &mut outs[k][full..]);
+            outs[k][full..].copy_from_slice(&T::narrow_lanes(&bo[k])[..len]);
         }
     }
 }
 
 /// Calls `f` on equally long `rows` widened to f32, `LANES` elements at a time. In the last,
 /// shorter step the lanes past the end hold `pad` — the reduction's neutral value (0 for a sum,
-/// −∞ for a maximum) — so `f` always sees whole steps: its loops have a constant length once
-/// inlined and its accumulators stay in registers. (With a runtime length they lived in memory,
-/// and each step waited for the previous step's stores: half the speed in cache.)
+/// −∞ for a maximum; exact in every float type) — so `f` always sees whole steps: its loops have
+/// a constant length once inlined and its accumulators stay in registers. (With a runtime length
+/// they lived in memory, and each step waited for the previous step's stores.)
 #[inline(always)]
 pub fn for_lanes<T: FloatElement, const N: usize>(rows: [&[T]; N], pad: f32, mut f: impl FnMut(&[[f32; LANES]; N])) {
     let mut buf = [[0f32; LANES]; N];
@@ -188,14 +186,13 @@ pub fn for_lanes<T: FloatElement, const N: usize>(rows: [&[T]; N], pad: f32, mut
     let full = n / LANES * LANES;
     for j in (0..full).step_by(LANES) {
         for k in 0..N {
-            T::widen(&rows[k][j..j + LANES], &mut buf[k]);
+            buf[k] = T::widen_lanes(rows[k][j..j + LANES].try_into().expect("LANES elements"));
         }
         f(&buf);
     }
     if full < n {
         for k in 0..N {
-            T::widen(&rows[k][full..], &mut buf[k][..n - full]);
-            buf[k][n - full..].fill(pad);
+            buf[k] = T::widen_lanes(&padded(&rows[k][full..], T::from_f32(pad)));
         }
         f(&buf);
     }
@@ -204,21 +201,29 @@ pub fn for_lanes<T: FloatElement, const N: usize>(rows: [&[T]; N], pad: f32, mut
 /// `out = f(row)` elementwise in f32, `LANES` at a time; `f` works in place on the widened values.
 #[inline(always)]
 pub fn map_lanes<T: FloatElement>(row: &[T], out: &mut [T], mut f: impl FnMut(&mut [f32])) {
-    let mut buf = [0f32; LANES];
     let chunks = row.chunks_exact(LANES);
     let tail = chunks.remainder();
     let full = row.len() - tail.len();
     for (c, o) in chunks.zip(out.chunks_exact_mut(LANES)) {
-        T::widen(c, &mut buf);
+        let mut buf: [f32; LANES] = T::widen_lanes(c.try_into().expect("LANES elements"));
         f(&mut buf);
-        T::narrow(&buf, o);
+        o.copy_from_slice(&T::narrow_lanes(&buf));
     }
     if !tail.is_empty() {
-        let b = &mut buf[..tail.len()];
-        T::widen(tail, b);
-        f(b);
-        T::narrow(b, &mut out[full..]);
+        let mut buf = T::widen_lanes(&padded(tail, T::default()));
+        f(&mut buf);
+        out[full..].copy_from_slice(&T::narrow_lanes(&buf)[..tail.len()]);
     }
+}
+
+/// A row's last, partial step as a whole one, the lanes past its end set to `pad`. Kernels then
+/// handle every lane array by value (whole-array loads and stores), which lets them live in
+/// registers; one slice access with a runtime length keeps an array in memory for the whole loop.
+#[inline(always)]
+fn padded<T: Element>(tail: &[T], pad: T) -> [T; LANES] {
+    let mut step = [pad; LANES];
+    step[..tail.len()].copy_from_slice(tail);
+    step
 }
 
 /// Elements `range` of contiguous input `i` (the plan asked for [`LayoutNeed::Contiguous`]).

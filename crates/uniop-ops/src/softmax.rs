@@ -115,11 +115,12 @@ pub(crate) fn exp_into<T: FloatElement>(row: &[T], out: &mut [f32], m: f32) -> f
     let tail = steps.remainder();
     let full = row.len() - tail.len();
     for (c, o) in steps.zip(out.chunks_exact_mut(LANES)) {
-        T::widen(c, o);
+        let mut e: [f32; LANES] = T::widen_lanes(c.try_into().expect("LANES elements"));
         for j in 0..LANES {
-            o[j] = math::exp(o[j] - m);
-            acc[j] += o[j];
+            e[j] = math::exp(e[j] - m);
+            acc[j] += e[j];
         }
+        o.copy_from_slice(&e);
     }
     let mut sum: f32 = acc.iter().sum();
     let rest = &mut out[full..row.len()];
