@@ -18,20 +18,20 @@ pub struct AddRmsNorm;
 /// `out = a + b` (rounded to `T`) and Σ out², `LANES` at a time.
 #[inline(always)]
 fn add_row<T: FloatElement>(a: &[T], b: &[T], out: &mut [T]) -> f32 {
-    let (mut ba, mut bb, mut acc) = ([0f32; LANES], [0f32; LANES], [0f32; LANES]);
-    let mut rounded = [T::default(); LANES];
+    let mut acc = [0f32; LANES];
     let n = a.len();
     let full = n / LANES * LANES;
     for j in (0..full).step_by(LANES) {
-        T::widen(&a[j..j + LANES], &mut ba);
-        T::widen(&b[j..j + LANES], &mut bb);
+        let mut sum: [f32; LANES] = T::widen_lanes(a[j..j + LANES].try_into().expect("LANES elements"));
+        let bb: [f32; LANES] = T::widen_lanes(b[j..j + LANES].try_into().expect("LANES elements"));
         for i in 0..LANES {
-            ba[i] += bb[i];
+            sum[i] += bb[i];
         }
-        T::narrow(&ba, &mut rounded);
-        T::widen(&rounded, &mut ba);
+        // The norm sees the sum as stored (rounded to T), like a separate add then rms_norm.
+        let rounded = T::narrow_lanes(&sum);
+        let stored = T::widen_lanes(&rounded);
         for i in 0..LANES {
-            acc[i] += ba[i] * ba[i];
+            acc[i] += stored[i] * stored[i];
         }
         out[j..j + LANES].copy_from_slice(&rounded);
     }

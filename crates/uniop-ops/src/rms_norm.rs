@@ -100,11 +100,11 @@ pub(crate) fn sum_squares<T: FloatElement>(x: &[T]) -> f32 {
     if let Some(f) = T::as_f32_slice(x) {
         return sum_squares_f32(f);
     }
-    let (mut acc, mut buf) = ([0f32; LANES], [0f32; LANES]);
+    let mut acc = [0f32; LANES];
     let chunks = x.chunks_exact(LANES);
     let tail = chunks.remainder();
     for c in chunks {
-        T::widen(c, &mut buf);
+        let buf: [f32; LANES] = T::widen_lanes(c.try_into().expect("LANES elements"));
         for i in 0..LANES {
             acc[i] += buf[i] * buf[i];
         }
@@ -129,7 +129,6 @@ fn prefetch<T>(data: &[T]) {
 /// `y = x · rstd · w`, one register at a time; `streaming` writes y past the cache.
 #[inline(always)]
 pub(crate) fn scale_row<T: FloatElement>(x: &[T], next: &[T], w: &[f32], y: &mut [T], rstd: f32, streaming: bool) {
-    let (mut buf, mut out) = ([0f32; LANES], [T::default(); LANES]);
     let xs = x.chunks_exact(LANES);
     let tail = xs.len() * LANES;
     let mut ahead = next.chunks(LANES);
@@ -137,15 +136,15 @@ pub(crate) fn scale_row<T: FloatElement>(x: &[T], next: &[T], w: &[f32], y: &mut
         if let Some(n) = ahead.next() {
             prefetch(n);
         }
-        T::widen(xc, &mut buf);
+        let mut buf: [f32; LANES] = T::widen_lanes(xc.try_into().expect("LANES elements"));
         for i in 0..LANES {
             buf[i] = buf[i] * rstd * wc[i];
         }
+        let out = T::narrow_lanes(&buf);
         if streaming {
-            T::narrow(&buf, &mut out);
             copy_streaming(yc, &out);
         } else {
-            T::narrow(&buf, yc);
+            yc.copy_from_slice(&out);
         }
     }
     for i in tail..x.len() {

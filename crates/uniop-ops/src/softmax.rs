@@ -6,7 +6,7 @@
 //! times (max, sum of exp, write) but only the first read misses cache for LLM-sized rows.
 //! Numerically stable: `exp(x − max)`. A slice that is all `-inf` gives NaN, as in torch.
 
-use crate::elementwise::{dense_map, fence, for_lanes, narrow_into, streams, LANES};
+use crate::elementwise::{copy_streaming, dense_map, fence, for_lanes, streams, LANES};
 use crate::math;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
@@ -90,15 +90,17 @@ pub(crate) fn row_max<T: FloatElement>(row: &[T]) -> f32 {
 /// (outputs too large to stay there: the stores then skip reading each line first).
 #[inline(always)]
 pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32, streaming: bool) {
-    let mut buf = [0f32; LANES];
     let chunks = src.chunks_exact(LANES);
     let tail = chunks.remainder();
     let full = src.len() - tail.len();
     for (c, o) in chunks.zip(out.chunks_exact_mut(LANES)) {
-        for (b, &v) in buf.iter_mut().zip(c) {
-            *b = v * scale;
+        let scaled: [f32; LANES] = std::array::from_fn(|j| c[j] * scale);
+        let narrowed = T::narrow_lanes(&scaled);
+        if streaming {
+            copy_streaming(o, &narrowed);
+        } else {
+            o.copy_from_slice(&narrowed);
         }
-        narrow_into(&buf, o, streaming);
     }
     for (o, &v) in out[full..].iter_mut().zip(tail) {
         *o = T::from_f32(v * scale);

@@ -279,20 +279,31 @@ impl FloatElement for f16 {
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
     }
-    // The lane forms go through the slice forms: an element-wise fallback would put a call to
-    // `half` per lane in the kernel (even on the path not taken, the calls make the kernel keep
-    // its constants in memory: measured 1.5x slower than this).
+    // The lane forms never call out: with AVX-512 they convert 16 lanes per instruction, else
+    // they use the branch-free bit conversions below. (`half`'s conversions are calls, and a call
+    // anywhere in a kernel's loop — even on a path not taken — makes it keep its constants and
+    // lanes in memory.)
     #[inline(always)]
     fn widen_lanes<const N: usize>(src: &[f16; N]) -> [f32; N] {
-        let mut out = [0f32; N];
-        Self::widen(src, &mut out);
-        out
+        #[cfg(target_arch = "x86_64")]
+        if N.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f") {
+            let mut out = [0f32; N];
+            // SAFETY: the CPU has AVX-512 F (checked just above; std caches the check).
+            unsafe { widen_f16_avx512(src, &mut out) };
+            return out;
+        }
+        std::array::from_fn(|i| f16_bits_to_f32(src[i].to_bits()))
     }
     #[inline(always)]
     fn narrow_lanes<const N: usize>(src: &[f32; N]) -> [f16; N] {
-        let mut out = [f16::ZERO; N];
-        Self::narrow(src, &mut out);
-        out
+        #[cfg(target_arch = "x86_64")]
+        if N.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f") {
+            let mut out = [f16::ZERO; N];
+            // SAFETY: as in `widen_lanes`.
+            unsafe { narrow_f16_avx512(src, &mut out) };
+            return out;
+        }
+        std::array::from_fn(|i| f16::from_bits(f32_to_f16_bits(src[i])))
     }
     #[inline(always)]
     fn widen(src: &[f16], dst: &mut [f32]) {
@@ -333,6 +344,43 @@ impl FloatElement for f16 {
 // about 2× slower than f32 ones on data in cache. (For bf16, AVX512-BF16's `vcvtneps2bf16` was
 // measured too: no faster here than the integer rounding of `narrow_bf16_avx512`, which needs no
 // subnormal fix-up.)
+
+/// f16 → f32, exact, branch-free (so a lane loop vectorizes): the f16 exponent and mantissa
+/// shifted into f32 position form a value 2^112 too small — for f16 subnormals an f32 subnormal —
+/// which one multiply rebiases exactly; infinities and NaNs get the all-ones exponent instead.
+#[inline(always)]
+fn f16_bits_to_f32(h: u16) -> f32 {
+    let h = h as u32;
+    let magnitude = (h & 0x7fff) << 13;
+    let finite = f32::from_bits(magnitude) * f32::from_bits(0x7780_0000); // · 2^112
+    let wide = if h & 0x7c00 == 0x7c00 { magnitude | 0x7f80_0000 } else { finite.to_bits() };
+    f32::from_bits(wide | (h & 0x8000) << 16)
+}
+
+/// f32 → f16 with round-to-nearest-even, branch-free: overflow goes to infinity and NaN stays a
+/// quiet NaN; results too small for a normal f16 are rounded by one float add that lines the
+/// value up with the f16 subnormal step (the FPU rounds it to nearest even).
+#[inline(always)]
+fn f32_to_f16_bits(v: f32) -> u16 {
+    const F16_OVERFLOW: u32 = (127 + 16) << 23; // 65536.0: rounds to infinity from here on
+    const MIN_NORMAL: u32 = 113 << 23; // 2^-14
+    const SUBNORMAL_MAGIC: u32 = ((127 - 15) + (23 - 10) + 1) << 23; // 0.5: ulp lines up with 2^-24
+    let bits = v.to_bits();
+    let sign = (bits >> 16) & 0x8000;
+    let x = bits & 0x7fff_ffff;
+    let special = if x > 0x7f80_0000 { 0x7e00 } else { 0x7c00 };
+    let small = (f32::from_bits(x) + f32::from_bits(SUBNORMAL_MAGIC)).to_bits().wrapping_sub(SUBNORMAL_MAGIC);
+    let odd = (x >> 13) & 1;
+    let normal = x.wrapping_sub((127 - 15) << 23).wrapping_add(0xfff + odd) >> 13;
+    let magnitude = if x >= F16_OVERFLOW {
+        special
+    } else if x < MIN_NORMAL {
+        small
+    } else {
+        normal
+    };
+    (magnitude | sign) as u16
+}
 
 /// f16 → f32, 16 lanes per `vcvtph2ps` (exact).
 #[cfg(target_arch = "x86_64")]
@@ -670,6 +718,28 @@ mod tests {
             let mut want = [0f32; 32];
             T::widen(&narrowed, &mut want);
             assert!(widened.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())));
+        }
+    }
+
+    #[test]
+    fn branch_free_f16_conversions_match_half() {
+        for h in (0..=u16::MAX).map(f16::from_bits) {
+            let (got, want) = (f16_bits_to_f32(h.to_bits()), h.to_f32());
+            assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{h}");
+        }
+        let mut bits = 0u32;
+        let mut values = awkward_f32s();
+        values.extend([65504.0, 65519.99, 65520.0, 1e9, 5.96e-8, 2.98e-8, 2.99e-8, 6.1e-5, 6.09e-5, -0.0]);
+        loop {
+            values.push(f32::from_bits(bits));
+            bits = match bits.checked_add(0x1357) {
+                Some(b) => b,
+                None => break,
+            };
+        }
+        for v in values {
+            let (got, want) = (f16::from_bits(f32_to_f16_bits(v)), f16::from_f32(v));
+            assert!(got.to_bits() == want.to_bits() || (v.is_nan() && got.is_nan()), "{v:e}: {got} vs {want}");
         }
     }
 
