@@ -216,6 +216,22 @@ pub fn map_lanes<T: FloatElement>(row: &[T], out: &mut [T], mut f: impl FnMut(&m
     }
 }
 
+/// Up to `LANES` elements widened into a whole step (lanes past `src` are 0), by value.
+#[inline(always)]
+pub fn widen_step<T: FloatElement>(src: &[T]) -> [f32; LANES] {
+    match src.try_into() {
+        Ok(whole) => T::widen_lanes(whole),
+        Err(_) => T::widen_lanes(&padded(src, T::default())),
+    }
+}
+
+/// The first `dst.len()` (≤ `LANES`) lanes of a step, narrowed into `dst`.
+#[inline(always)]
+pub fn narrow_step<T: FloatElement>(src: &[f32; LANES], dst: &mut [T]) {
+    let n = dst.len();
+    dst.copy_from_slice(&T::narrow_lanes(src)[..n]);
+}
+
 /// A row's last, partial step as a whole one, the lanes past its end set to `pad`. Kernels then
 /// handle every lane array by value (whole-array loads and stores), which lets them live in
 /// registers; one slice access with a runtime length keeps an array in memory for the whole loop.

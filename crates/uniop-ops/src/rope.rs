@@ -11,7 +11,7 @@
 //! same layout as the rotated part of `x` (HF's `cat(freqs, freqs)` for `half`,
 //! `repeat_interleave` for `interleave`) — `rope_cos_sin` builds them.
 
-use crate::elementwise::LANES;
+use crate::elementwise::{narrow_step, widen_step, LANES};
 use uniop::layout::ShapeDisplay;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, Layout, LayoutNeed,
@@ -105,36 +105,31 @@ fn rotate_row<T: FloatElement, C: FloatElement>(
     inverse: bool,
 ) {
     let r = cos.len();
-    let (mut bx, mut bc, mut bs, mut bo) = ([0f32; LANES], [0f32; LANES], [0f32; LANES], [0f32; LANES]);
     match mode {
         Mode::Half => {
             let h = r / 2;
-            let (mut by, mut bc2, mut bs2, mut bo2) = ([0f32; LANES], [0f32; LANES], [0f32; LANES], [0f32; LANES]);
             for i in (0..h).step_by(LANES) {
                 let n = LANES.min(h - i);
-                T::widen(&x[i..i + n], &mut bx[..n]);
-                T::widen(&x[h + i..h + i + n], &mut by[..n]);
-                C::widen(&cos[i..i + n], &mut bc[..n]);
-                C::widen(&sin[i..i + n], &mut bs[..n]);
-                C::widen(&cos[h + i..h + i + n], &mut bc2[..n]);
-                C::widen(&sin[h + i..h + i + n], &mut bs2[..n]);
-                for k in 0..n {
+                let (bx, by) = (widen_step(&x[i..i + n]), widen_step(&x[h + i..h + i + n]));
+                let (bc, bs) = (widen_step(&cos[i..i + n]), widen_step(&sin[i..i + n]));
+                let (bc2, bs2) = (widen_step(&cos[h + i..h + i + n]), widen_step(&sin[h + i..h + i + n]));
+                let (mut bo, mut bo2) = ([0f32; LANES], [0f32; LANES]);
+                for k in 0..LANES {
                     (bo[k], bo2[k]) = rotate(bx[k], by[k], bc[k], bs[k], bc2[k], bs2[k], inverse);
                 }
-                T::narrow(&bo[..n], &mut out[i..i + n]);
-                T::narrow(&bo2[..n], &mut out[h + i..h + i + n]);
+                narrow_step(&bo, &mut out[i..i + n]);
+                narrow_step(&bo2, &mut out[h + i..h + i + n]);
             }
         }
         Mode::Interleave => {
             for i in (0..r).step_by(LANES) {
                 let n = LANES.min(r - i);
-                T::widen(&x[i..i + n], &mut bx[..n]);
-                C::widen(&cos[i..i + n], &mut bc[..n]);
-                C::widen(&sin[i..i + n], &mut bs[..n]);
-                for k in (0..n).step_by(2) {
+                let (bx, bc, bs) = (widen_step(&x[i..i + n]), widen_step(&cos[i..i + n]), widen_step(&sin[i..i + n]));
+                let mut bo = [0f32; LANES];
+                for k in (0..LANES).step_by(2) {
                     (bo[k], bo[k + 1]) = rotate(bx[k], bx[k + 1], bc[k], bs[k], bc[k + 1], bs[k + 1], inverse);
                 }
-                T::narrow(&bo[..n], &mut out[i..i + n]);
+                narrow_step(&bo, &mut out[i..i + n]);
             }
         }
     }
