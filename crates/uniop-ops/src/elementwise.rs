@@ -228,8 +228,13 @@ pub fn widen_step<T: FloatElement>(src: &[T]) -> [f32; LANES] {
 /// The first `dst.len()` (≤ `LANES`) lanes of a step, narrowed into `dst`.
 #[inline(always)]
 pub fn narrow_step<T: FloatElement>(src: &[f32; LANES], dst: &mut [T]) {
-    let n = dst.len();
-    dst.copy_from_slice(&T::narrow_lanes(src)[..n]);
+    if dst.len() == LANES {
+        let whole: &mut [T; LANES] = dst.try_into().expect("a whole step");
+        *whole = T::narrow_lanes(src);
+    } else {
+        let n = dst.len();
+        dst.copy_from_slice(&T::narrow_lanes(src)[..n]);
+    }
 }
 
 /// A row's last, partial step as a whole one, the lanes past its end set to `pad`. Kernels then

@@ -9,7 +9,7 @@
 //!
 //! [`rms_norm`]: crate::rms_norm
 
-use crate::elementwise::CHUNK;
+use crate::elementwise::{narrow_step, widen_step, CHUNK, LANES};
 use crate::rms_norm::{norm_shape, KernelShape, DTYPES};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
@@ -18,49 +18,31 @@ use uniop::{
 
 pub struct RmsNormBackward;
 
-/// Widens chunk `i` (of `CHUNK` elements) of a row, or borrows it when it is already f32.
-#[inline(always)]
-fn chunk_f32<'a, T: FloatElement>(row: &'a [T], buf: &'a mut [f32; CHUNK]) -> &'a [f32] {
-    match T::as_f32_slice(row) {
-        Some(f) => f,
-        None => {
-            T::widen(row, &mut buf[..row.len()]);
-            &buf[..row.len()]
-        }
-    }
-}
-
+/// One row: `dx = rstd·dy·w − x·rstd³·mean(dy·w·x)`, and this row's `dy·x·rstd` added to the
+/// block's dweight partial. Steps of `LANES`, the last one padded with zeros.
 #[inline(always)]
 fn backward_row<T: FloatElement, W: FloatElement>(dy: &[T], x: &[T], w: &[W], rstd: f32, dx: &mut [T], dw: &mut [f32]) {
     let n = x.len();
-    let (mut bdy, mut bx, mut bw, mut out) = ([0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK]);
-    let mut dot = [0f32; CHUNK];
-    for start in (0..n).step_by(CHUNK) {
-        let end = (start + CHUNK).min(n);
-        let (d, xv, wv) = (
-            chunk_f32(&dy[start..end], &mut bdy),
-            chunk_f32(&x[start..end], &mut bx),
-            chunk_f32(&w[start..end], &mut bw),
-        );
-        for i in 0..end - start {
+    let mut dot = [0f32; LANES];
+    for start in (0..n).step_by(LANES) {
+        let end = (start + LANES).min(n);
+        let (d, xv, wv) = (widen_step(&dy[start..end]), widen_step(&x[start..end]), widen_step(&w[start..end]));
+        for i in 0..LANES {
             dot[i] += d[i] * wv[i] * xv[i];
         }
     }
     let coeff = rstd * rstd * rstd * dot.iter().sum::<f32>() / n as f32;
-    for start in (0..n).step_by(CHUNK) {
-        let end = (start + CHUNK).min(n);
-        let len = end - start;
-        let (d, xv, wv) = (
-            chunk_f32(&dy[start..end], &mut bdy),
-            chunk_f32(&x[start..end], &mut bx),
-            chunk_f32(&w[start..end], &mut bw),
-        );
-        let dwc = &mut dw[start..end];
-        for i in 0..len {
+    for start in (0..n).step_by(LANES) {
+        let end = (start + LANES).min(n);
+        let (d, xv, wv) = (widen_step(&dy[start..end]), widen_step(&x[start..end]), widen_step(&w[start..end]));
+        let mut out = [0f32; LANES];
+        let mut gw = widen_step(&dw[start..end]);
+        for i in 0..LANES {
             out[i] = rstd * d[i] * wv[i] - xv[i] * coeff;
-            dwc[i] += d[i] * xv[i] * rstd;
+            gw[i] += d[i] * xv[i] * rstd;
         }
-        T::narrow(&out[..len], &mut dx[start..end]);
+        narrow_step(&gw, &mut dw[start..end]);
+        narrow_step(&out, &mut dx[start..end]);
     }
 }
 
