@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """uniop vs PyTorch on the same machine, in the same run.
 
-Runs `uniop bench --json` (uniop's kernels plus a STREAM probe), then times PyTorch eager and
-torch.compile (Inductor) on the same ops, shapes and dtypes with preallocated-free warm tensors,
-best-of-N, and prints one markdown table of times and ratios. The peer implementations below are
+For each op, runs `uniop bench --json` (uniop's kernels plus a STREAM and an FMA probe), then
+times PyTorch eager and torch.compile (Inductor) on the same shapes and dtypes right after, with
+warm tensors, best-of-N, and prints one markdown table of times and ratios. The peer implementations below are
 what a PyTorch user writes today (HF LlamaRMSNorm semantics, F.silu, a + alpha*b).
 
 Usage: python benches/torch_peer.py [--ops rms_norm,silu,add | --all] [--dtypes f32,bf16] [--iters 20]
@@ -211,6 +211,34 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+def uniop_bench(args, op):
+    """`uniop bench` for one op (every dtype asked for), with its own bandwidth and FMA probes."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        subprocess.run([args.uniop, "bench", "--ops", op, "--dtypes", args.dtypes, "--iters", str(args.iters),
+                        "--json", f.name], check=True, stdout=sys.stderr)
+        return json.load(open(f.name))
+
+
+def peer_row(r, probe, iters):
+    """Times torch eager and torch.compile on uniop's row `r`; the markdown line and the speedups."""
+    if r["op"] in BACKWARD:
+        make, fn, wrap = autograd_peer(r["op"])
+    else:
+        (make, fn), wrap = PEERS[r["op"]], lambda f: f
+    inputs = make(tuple(r["shape"]), DTYPES[r["dtype"]])
+    eager = best_ms(wrap(fn), inputs, iters)
+    comp = best_ms(wrap(torch.compile(fn, dynamic=False)), inputs, iters)
+    shape = "x".join(map(str, r["shape"]))
+    work = gflop(r["op"], r["shape"])
+    fma = probe["fma_gflops"]
+    flops = f"{work / r['ms'] * 1e3:.0f} | {100 * work / r['ms'] * 1e3 / fma:.0f}%" if work else "— | —"
+    line = (f"| {r['op']} | {r['dtype']} | {shape} | {r['ms']:.3f} | {eager:.3f} | {comp:.3f} | "
+            f"{eager / r['ms']:.2f}x | {comp / r['ms']:.2f}x | {r['gbs']:.1f} | "
+            f"{100 * r['gbs'] / probe['stream_scale_gbs']:.0f}% | {100 * r['gbs'] / probe['stream_scale_nt_gbs']:.0f}% | "
+            f"{flops} |")
+    return line, {"op": r["op"], "dtype": r["dtype"], "vs_eager": eager / r["ms"], "vs_compile": comp / r["ms"]}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ops", default="rms_norm")
@@ -224,39 +252,32 @@ def main():
     if args.all:
         args.ops = ",".join(list(PEERS) + list(BACKWARD))
 
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        subprocess.run([args.uniop, "bench", "--ops", args.ops, "--dtypes", args.dtypes, "--iters", str(args.iters),
-                        "--json", f.name], check=True, stdout=sys.stderr)
-        ours = json.load(open(f.name))
-
+    # One op at a time, uniop then its torch peers straight after, each row judged against the
+    # bandwidth probe of its own `uniop bench` call: on a shared machine, phases minutes apart
+    # can see very different memory bandwidth.
     torch.set_num_threads(os.cpu_count())
-    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-             f"STREAM scale {ours['stream_scale_gbs']:.1f} GB/s, scale non-temporal {ours['stream_scale_nt_gbs']:.1f} GB/s, "
-             f"triad {ours['stream_triad_gbs']:.1f} GB/s; FMA probe {ours['fma_gflops']:.0f} GFLOP/s\n",
-             "| op | dtype | shape | uniop ms | torch eager ms | torch.compile ms | vs eager | vs compile | uniop GB/s "
-             "| % of scale | % of scale NT | GFLOP/s | % of FMA probe |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for line in lines:
-        print(line, flush=True)
-    plotted = []
-    for r in ours["results"]:
-        if r["op"] in BACKWARD:
-            make, fn, wrap = autograd_peer(r["op"])
-        else:
-            (make, fn), wrap = PEERS[r["op"]], lambda f: f
-        inputs = make(tuple(r["shape"]), DTYPES[r["dtype"]])
-        eager = best_ms(wrap(fn), inputs, args.iters)
-        comp = best_ms(wrap(torch.compile(fn, dynamic=False)), inputs, args.iters)
-        shape = "x".join(map(str, r["shape"]))
-        work = gflop(r["op"], r["shape"])
-        flops = f"{work / r['ms'] * 1e3:.0f} | {100 * work / r['ms'] * 1e3 / ours['fma_gflops']:.0f}%" if work else "— | —"
-        line = (f"| {r['op']} | {r['dtype']} | {shape} | {r['ms']:.3f} | {eager:.3f} | {comp:.3f} | "
-                f"{eager / r['ms']:.2f}x | {comp / r['ms']:.2f}x | {r['gbs']:.1f} | "
-                f"{100 * r['gbs'] / ours['stream_scale_gbs']:.0f}% | {100 * r['gbs'] / ours['stream_scale_nt_gbs']:.0f}% | "
-                f"{flops} |")
-        print(line, flush=True)
-        lines.append(line)
-        plotted.append({"op": r["op"], "dtype": r["dtype"], "vs_eager": eager / r["ms"], "vs_compile": comp / r["ms"]})
+    head = ("| op | dtype | shape | uniop ms | torch eager ms | torch.compile ms | vs eager | vs compile | uniop GB/s "
+            "| % of scale | % of scale NT | GFLOP/s | % of FMA probe |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(head, flush=True)
+    rows, probes, plotted = [], [], []
+    for op in args.ops.split(","):
+        ours = uniop_bench(args, op)
+        probes.append(ours)
+        for r in ours["results"]:
+            line, speedups = peer_row(r, ours, args.iters)
+            print(line, flush=True)
+            rows.append(line)
+            plotted.append(speedups)
+
+    def span(key):
+        return f"{min(p[key] for p in probes):.1f}–{max(p[key] for p in probes):.1f}"
+
+    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads; probes taken with each op "
+             f"(min–max over the run): STREAM scale {span('stream_scale_gbs')} GB/s, scale non-temporal "
+             f"{span('stream_scale_nt_gbs')} GB/s, triad {span('stream_triad_gbs')} GB/s; FMA probe "
+             f"{span('fma_gflops')} GFLOP/s\n", head, *rows]
+    print(lines[0])
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write("\n".join(lines) + "\n")
