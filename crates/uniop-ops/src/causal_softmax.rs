@@ -47,7 +47,8 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, (sq, sk): (usize, u
             continue;
         }
         let m = row_max(row);
-        let sum = exp_into(row, &mut scratch[..n], m);
+        let next = xs.get((r + 1) * sk..(r + 1) * sk + visible(r + 1, sq, sk)).unwrap_or_default();
+        let sum = exp_into(row, &mut scratch[..n], m, next);
         scale_into(&scratch[..n], live, 1.0 / sum, streaming);
     }
     fence();

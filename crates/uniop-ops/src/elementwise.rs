@@ -46,6 +46,20 @@ pub fn copy_streaming<T: Element>(dst: &mut [T], src: &[T]) {
     dst.copy_from_slice(src);
 }
 
+/// Starts loading the cache lines of `data` (a hint: never faults).
+#[inline(always)]
+pub fn prefetch<T>(data: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let (ptr, bytes) = (data.as_ptr() as *const i8, std::mem::size_of_val(data));
+        for off in (0..bytes).step_by(64) {
+            // SAFETY: the address lies inside `data`; prefetches have no architectural effect.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(ptr.add(off)) };
+        }
+    }
+}
+
 /// Orders this thread's non-temporal stores before whatever it does next (completing a block).
 #[inline(always)]
 pub fn fence() {

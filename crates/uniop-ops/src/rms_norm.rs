@@ -9,7 +9,7 @@
 //! (sum of squares, then scale), but the second read hits L1/L2, so the op moves each byte of DRAM
 //! once — it is bandwidth-bound by design.
 
-use crate::elementwise::{copy_streaming, fence, STREAMING_BYTES};
+use crate::elementwise::{copy_streaming, fence, prefetch, STREAMING_BYTES};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
     OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -110,20 +110,6 @@ pub(crate) fn sum_squares<T: FloatElement>(x: &[T]) -> f32 {
         }
     }
     tail.iter().map(|v| v.to_f32() * v.to_f32()).sum::<f32>() + acc.iter().sum::<f32>()
-}
-
-/// Starts loading the cache lines of `data` (a hint: never faults).
-#[inline(always)]
-fn prefetch<T>(data: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let (ptr, bytes) = (data.as_ptr() as *const i8, std::mem::size_of_val(data));
-        for off in (0..bytes).step_by(64) {
-            // SAFETY: the address lies inside `data`; prefetches have no architectural effect.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(ptr.add(off)) };
-        }
-    }
 }
 
 /// `y = x · rstd · w`, one register at a time; `streaming` writes y past the cache.

@@ -6,7 +6,7 @@
 //! times (max, sum of exp, write) but only the first read misses cache for LLM-sized rows.
 //! Numerically stable: `exp(x − max)`. A slice that is all `-inf` gives NaN, as in torch.
 
-use crate::elementwise::{copy_streaming, dense_map, fence, for_lanes, streams, LANES};
+use crate::elementwise::{copy_streaming, dense_map, fence, for_lanes, prefetch, streams, LANES};
 use crate::math;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
@@ -110,13 +110,22 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
 /// `out = exp(row − m)` in f32 (`out` as long as `row`); returns `Σ out`. Whole steps and the
 /// tail are separate loops so the step loop's accumulators have a constant length and stay in
 /// registers (a shared closure over both kept them in memory).
+///
+/// This pass is compute-bound and touches no new memory, so it prefetches `next` (the row the
+/// caller reads after this one, or nothing): memory then streams while the exps run, instead of
+/// only during the cheap max pass that comes first.
 #[inline(always)]
-pub(crate) fn exp_into<T: FloatElement>(row: &[T], out: &mut [f32], m: f32) -> f32 {
+pub(crate) fn exp_into<T: FloatElement>(row: &[T], out: &mut [f32], m: f32, next: &[T]) -> f32 {
     let mut acc = [0f32; LANES];
     let steps = row.chunks_exact(LANES);
     let tail = steps.remainder();
     let full = row.len() - tail.len();
+    // As many prefetch chunks as steps, so `next` is covered by the end of the pass.
+    let mut ahead = next.chunks(next.len().div_ceil(steps.len().max(1)).max(1));
     for (c, o) in steps.zip(out.chunks_exact_mut(LANES)) {
+        if let Some(n) = ahead.next() {
+            prefetch(n);
+        }
         let mut e: [f32; LANES] = T::widen_lanes(c.try_into().expect("LANES elements"));
         for j in 0..LANES {
             e[j] = math::exp(e[j] - m);
@@ -148,7 +157,8 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
             let row = &xs[r * axis.n..(r + 1) * axis.n];
             let m = row_max(row);
             // exp(x − max) once, kept in f32 scratch (in cache) for the normalizing pass.
-            let s = exp_into(row, scratch, m);
+            let next = xs.get((r + 1) * axis.n..(r + 2) * axis.n).unwrap_or_default();
+            let s = exp_into(row, scratch, m, next);
             // SAFETY: this block owns rows `split(outer)` of y.
             let out = unsafe { y.slice_mut::<T>(base + r * axis.n, axis.n) };
             match kind {
