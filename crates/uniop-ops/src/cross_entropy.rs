@@ -6,7 +6,7 @@
 //! Deterministic: blocks write per-row losses, a second one-block launch sums them in row order.
 //! A target outside `[0, C)` (and not `ignore_index`) fails the launch with a runtime error.
 
-use crate::elementwise::for_lanes;
+use crate::elementwise::{for_lanes, Ahead, LANES};
 use crate::embedding::{checked_row, index_at, INDEX_DTYPES};
 use crate::math;
 use crate::softmax::row_max;
@@ -53,12 +53,14 @@ pub(crate) fn target_of<I: Element>(
     (t != g.ignore).then(|| checked_row(op, "target", t, r, g.classes))
 }
 
-/// Log-sum-exp of one row.
+/// Log-sum-exp of one row; its exp pass prefetches `next` (see [`Ahead`]).
 #[inline(always)]
-pub(crate) fn log_sum_exp<T: FloatElement>(row: &[T]) -> f32 {
+pub(crate) fn log_sum_exp<T: FloatElement>(row: &[T], next: &[T]) -> f32 {
     let m = row_max(row);
-    let mut acc = [0f32; crate::elementwise::LANES];
+    let mut acc = [0f32; LANES];
+    let mut ahead = Ahead::new(next, row.len().div_ceil(LANES));
     for_lanes([row], f32::NEG_INFINITY, |[b]| {
+        ahead.step();
         for (a, &v) in acc.iter_mut().zip(b) {
             *a += math::exp(v - m);
         }
@@ -74,7 +76,7 @@ fn rows_kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, g:
     let lse_out = args.output(1);
     for r in ctx.split(g.rows) {
         let row = &xs[r * g.classes..(r + 1) * g.classes];
-        let lse = log_sum_exp(row);
+        let lse = log_sum_exp(row, xs.get((r + 1) * g.classes..(r + 2) * g.classes).unwrap_or_default());
         // Per-row loss (NaN marks an ignored row) goes to the workspace for the ordered sum.
         // SAFETY: this block owns rows `split(rows)` of lse and of the workspace.
         unsafe {

@@ -48,7 +48,7 @@ pub fn copy_streaming<T: Element>(dst: &mut [T], src: &[T]) {
 
 /// Starts loading the cache lines of `data` (a hint: never faults).
 #[inline(always)]
-pub fn prefetch<T>(data: &[T]) {
+fn prefetch<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
@@ -56,6 +56,28 @@ pub fn prefetch<T>(data: &[T]) {
         for off in (0..bytes).step_by(64) {
             // SAFETY: the address lies inside `data`; prefetches have no architectural effect.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(ptr.add(off)) };
+        }
+    }
+}
+
+/// Prefetches `next` (the row a row kernel reads after the current one) in equal parts, one per
+/// [`Ahead::step`]: called once per step of a compute-bound pass over the current row, it has
+/// the next row on its way by the end of the pass, so memory and arithmetic overlap.
+pub struct Ahead<'a, T> {
+    parts: std::slice::Chunks<'a, T>,
+}
+
+impl<'a, T> Ahead<'a, T> {
+    /// `steps`: how many times the pass will call [`Ahead::step`].
+    #[inline(always)]
+    pub fn new(next: &'a [T], steps: usize) -> Self {
+        Ahead { parts: next.chunks(next.len().div_ceil(steps.max(1)).max(1)) }
+    }
+
+    #[inline(always)]
+    pub fn step(&mut self) {
+        if let Some(part) = self.parts.next() {
+            prefetch(part);
         }
     }
 }

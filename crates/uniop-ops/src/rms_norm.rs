@@ -9,7 +9,7 @@
 //! (sum of squares, then scale), but the second read hits L1/L2, so the op moves each byte of DRAM
 //! once — it is bandwidth-bound by design.
 
-use crate::elementwise::{copy_streaming, fence, prefetch, STREAMING_BYTES};
+use crate::elementwise::{copy_streaming, fence, Ahead, STREAMING_BYTES};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
     OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -117,11 +117,9 @@ pub(crate) fn sum_squares<T: FloatElement>(x: &[T]) -> f32 {
 pub(crate) fn scale_row<T: FloatElement>(x: &[T], next: &[T], w: &[f32], y: &mut [T], rstd: f32, streaming: bool) {
     let xs = x.chunks_exact(LANES);
     let tail = xs.len() * LANES;
-    let mut ahead = next.chunks(LANES);
+    let mut ahead = Ahead::new(next, xs.len());
     for ((xc, wc), yc) in xs.zip(w.chunks_exact(LANES)).zip(y.chunks_exact_mut(LANES)) {
-        if let Some(n) = ahead.next() {
-            prefetch(n);
-        }
+        ahead.step();
         let mut buf: [f32; LANES] = T::widen_lanes(xc.try_into().expect("LANES elements"));
         for i in 0..LANES {
             buf[i] = buf[i] * rstd * wc[i];

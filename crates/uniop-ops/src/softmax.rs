@@ -6,7 +6,7 @@
 //! times (max, sum of exp, write) but only the first read misses cache for LLM-sized rows.
 //! Numerically stable: `exp(x − max)`. A slice that is all `-inf` gives NaN, as in torch.
 
-use crate::elementwise::{copy_streaming, dense_map, fence, for_lanes, prefetch, streams, LANES};
+use crate::elementwise::{copy_streaming, dense_map, fence, for_lanes, streams, Ahead, LANES};
 use crate::math;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
@@ -120,12 +120,9 @@ pub(crate) fn exp_into<T: FloatElement>(row: &[T], out: &mut [f32], m: f32, next
     let steps = row.chunks_exact(LANES);
     let tail = steps.remainder();
     let full = row.len() - tail.len();
-    // As many prefetch chunks as steps, so `next` is covered by the end of the pass.
-    let mut ahead = next.chunks(next.len().div_ceil(steps.len().max(1)).max(1));
+    let mut ahead = Ahead::new(next, steps.len());
     for (c, o) in steps.zip(out.chunks_exact_mut(LANES)) {
-        if let Some(n) = ahead.next() {
-            prefetch(n);
-        }
+        ahead.step();
         let mut e: [f32; LANES] = T::widen_lanes(c.try_into().expect("LANES elements"));
         for j in 0..LANES {
             e[j] = math::exp(e[j] - m);
