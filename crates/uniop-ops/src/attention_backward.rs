@@ -5,11 +5,13 @@
 //! With `P = exp(S − lse)`, `δ_i = Σ dout_i · out_i` and `dS = P ∘ (dout·Vᵀ − δ)`:
 //! `dV = Pᵀ·dout`, `dK = scale · dSᵀ·Q`, `dQ = scale · dS·K`.
 //!
-//! Three launches, each block owning what it writes (deterministic, no atomics): δ per query
-//! row (into the workspace); then per (batch, kv head, key tile) `dK`/`dV` summed over the
-//! group's q heads and every query tile that sees those keys; then per (batch, kv head, query
-//! tile) `dQ`, like the forward. Scores are recomputed in the last two (7 tile products instead
-//! of the 5 a shared-accumulator version needs) — the price of determinism without atomics.
+//! Each block owns what it writes (deterministic, no atomics). First δ per query row (into the
+//! workspace). Then, when there are enough (batch, kv head) pairs to keep every thread busy, one
+//! launch per pair walks its key tiles, summing `dK`/`dV` per tile over the group's q heads and
+//! every query tile that sees those keys, and `dQ` for the whole pair in an f32 workspace region:
+//! 5 tile products per (query tile, key tile). With fewer pairs than that, the work is split finer
+//! over two launches — per (batch, kv head, key tile) `dK`/`dV`, then per (batch, kv head, query
+//! tile) `dQ` like the forward — which recomputes the scores in both (7 tile products).
 //! bf16 runs every product on the AVX512-BF16 GEMM with P and dS rounded to bf16, like the forward.
 
 use crate::attention::{
@@ -137,14 +139,28 @@ unsafe fn store_row<T: FloatElement>(dst: &OutputView<'_>, at: usize, src: &mut 
     T::narrow(src, dst.slice_mut::<T>(at, src.len()));
 }
 
-/// Step 2: `dK`, `dV` for one key tile of one kv head per unit.
-fn dkv_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, per_block: usize) {
+/// Whether `dQ` is summed by the `dK`/`dV` launch, one unit per (batch, kv head): when those units
+/// alone keep `threads` busy (else the finer split with a separate `dQ` launch).
+fn fuses_dq(g: &Geometry, threads: usize) -> bool {
+    g.batch * g.kv_heads >= 2 * threads
+}
+
+/// Step 2: `dK`, `dV` for one key tile of one kv head per unit; with `dq_sums` (the offset of an
+/// f32 `[B, Hq, Sq, D]` workspace region), all key tiles of one kv head per unit, and `dQ` of its
+/// q heads too.
+fn dkv_kernel<T: FloatElement>(
+    args: &KernelArgs,
+    ctx: BlockCtx,
+    g: Geometry,
+    per_block: usize,
+    dq_sums: Option<usize>,
+) {
     let (dout, q, k, v, lse) = (args.input(DOUT), args.input(Q), args.input(K), args.input(V), args.input(LSE));
     let lens = args.optional_input(KV_LENS);
-    let (dk, dv_out) = (args.output(1), args.output(2));
+    let (dq, dk, dv_out) = (args.output(0), args.output(1), args.output(2));
     let (dr, qr, kr, vr) =
         (Rows4::of(dout.layout()), Rows4::of(q.layout()), Rows4::of(k.layout()), Rows4::of(v.layout()));
-    let (dkr, dvr) = (Rows4::of(dk.layout()), Rows4::of(dv_out.layout()));
+    let (dqr, dkr, dvr) = (Rows4::of(dq.layout()), Rows4::of(dk.layout()), Rows4::of(dv_out.layout()));
     let (qs, ds) = (q.storage::<T>().unwrap(), dout.storage::<T>().unwrap());
     let lse_s = &lse.storage::<f32>().unwrap()[lse.layout().offset()..];
     let (d, dv, group) = (g.head_dim, g.v_dim, g.group());
@@ -158,114 +174,168 @@ fn dkv_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, pe
     // (into the f32 tiles' space), K and V read in place, P and dS rounded to bf16.
     let on_bf16_gemm = T::DTYPE == DType::BF16;
     let k_tiles = g.kv_len.div_ceil(TILE_KEYS);
-    for u in ctx.split(g.batch * g.kv_heads * k_tiles) {
-        let (b, hkv, j0) = (u / (g.kv_heads * k_tiles), u / k_tiles % g.kv_heads, u % k_tiles * TILE_KEYS);
-        let n = TILE_KEYS.min(g.kv_len - j0);
-        let len = row_len(lens.as_ref(), b, g.kv_len, "attention_backward");
-        dk_acc[..n * d].fill(0.0);
-        dv_acc[..n * dv].fill(0.0);
-        let (kp, vp) = if on_bf16_gemm {
-            ((std::ptr::null(), 0), (std::ptr::null(), 0))
-        } else {
-            (f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt), f32_rows::<T>(&v, vr, (b, hkv, j0), n, dv, vt))
+    let fused = dq_sums.is_some();
+    let (units, tiles_per_unit) =
+        if fused { (g.batch * g.kv_heads, k_tiles) } else { (g.batch * g.kv_heads * k_tiles, 1) };
+    for u in ctx.split(units) {
+        let (pair, first_tile) = if fused { (u, 0) } else { (u / k_tiles, u % k_tiles) };
+        let (b, hkv) = (pair / g.kv_heads, pair % g.kv_heads);
+        // The group's q heads are consecutive rows of the [B, Hq, Sq] row arrays.
+        let first_row = row_index(&g, b, hkv * group, 0);
+        let dq_acc: &mut [f32] = match dq_sums {
+            // SAFETY: unit `pair` alone owns the dQ sums of its group's rows.
+            Some(base) => unsafe { args.workspace::<f32>(base + first_row * d, group * g.q_len * d) },
+            None => &mut [],
         };
-        for h in hkv * group..(hkv + 1) * group {
-            // Query tiles whose last row sees key j0 at all (the mask is a prefix per row).
-            for i0 in (0..g.q_len).step_by(tr) {
-                let rows = tr.min(g.q_len - i0);
-                if g.visible(len, i0 + rows - 1) <= j0 {
-                    continue;
-                }
-                if on_bf16_gemm {
-                    let (qb, db) = (bf16_tile(qt), bf16_tile(dot));
-                    let (qs, ds) = (bf16_of(&q), bf16_of(&dout));
+        dq_acc.fill(0.0);
+        let dq_row = |h: usize, i: usize| ((h - hkv * group) * g.q_len + i) * d;
+        let len = row_len(lens.as_ref(), b, g.kv_len, "attention_backward");
+        for tile in first_tile..first_tile + tiles_per_unit {
+            let j0 = tile * TILE_KEYS;
+            let n = TILE_KEYS.min(g.kv_len - j0);
+            dk_acc[..n * d].fill(0.0);
+            dv_acc[..n * dv].fill(0.0);
+            let (kp, vp) = if on_bf16_gemm {
+                ((std::ptr::null(), 0), (std::ptr::null(), 0))
+            } else {
+                (f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt), f32_rows::<T>(&v, vr, (b, hkv, j0), n, dv, vt))
+            };
+            for h in hkv * group..(hkv + 1) * group {
+                // Query tiles whose last row sees key j0 at all (the mask is a prefix per row).
+                for i0 in (0..g.q_len).step_by(tr) {
+                    let rows = tr.min(g.q_len - i0);
+                    if g.visible(len, i0 + rows - 1) <= j0 {
+                        continue;
+                    }
+                    if on_bf16_gemm {
+                        let (qb, db) = (bf16_tile(qt), bf16_tile(dot));
+                        let (qs, ds) = (bf16_of(&q), bf16_of(&dout));
+                        for r in 0..rows {
+                            qb[r * d..(r + 1) * d].copy_from_slice(&qs[qr.at(b, h, i0 + r)..][..d]);
+                            db[r * dv..(r + 1) * dv].copy_from_slice(&ds[dr.at(b, h, i0 + r)..][..dv]);
+                        }
+                        // SAFETY: K/V rows j0..j0+n of this head lie inside the checked views.
+                        unsafe {
+                            let (kb, vb) = (
+                                bf16_of(&k).as_ptr().add(kr.at(b, hkv, j0)),
+                                bf16_of(&v).as_ptr().add(vr.at(b, hkv, j0)),
+                            );
+                            bf16_scores(st, qb, d, rows, (kb, kr.seq_stride()), n, g.scale);
+                            bf16_scores(dpt, db, dv, rows, (vb, vr.seq_stride()), n, 1.0);
+                        }
+                    } else {
+                        for r in 0..rows {
+                            load_scaled(qs, qr.at(b, h, i0 + r), &mut qt[r * d..(r + 1) * d], g.scale);
+                            load_scaled(ds, dr.at(b, h, i0 + r), &mut dot[r * dv..(r + 1) * dv], 1.0);
+                        }
+                        // SAFETY: kp/vp cover n rows; all other operands are this block's scratch.
+                        unsafe {
+                            scores(st, TILE_KEYS, qt, d, rows, kp, n);
+                            scores(dpt, TILE_KEYS, dot, dv, rows, vp, n);
+                        }
+                    }
                     for r in 0..rows {
-                        qb[r * d..(r + 1) * d].copy_from_slice(&qs[qr.at(b, h, i0 + r)..][..d]);
-                        db[r * dv..(r + 1) * dv].copy_from_slice(&ds[dr.at(b, h, i0 + r)..][..dv]);
+                        let at = row_index(&g, b, h, i0 + r);
+                        let visible = g.visible(len, i0 + r).saturating_sub(j0);
+                        let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
+                        probs_row(s, visible, lse_s[at]);
+                        dscores_row(s, dp, delta[at]);
                     }
-                    // SAFETY: K/V rows j0..j0+n of this head lie inside the checked views.
+                    // dV += Pᵀ·dout, dK += dSᵀ·Q (scaled at the end): transposes are strides.
+                    if on_bf16_gemm {
+                        let (pb, dsb) = (bf16_tile(kt), bf16_tile(vt));
+                        narrow_tile(st, pb, rows, n);
+                        narrow_tile(dpt, dsb, rows, n);
+                        let (qb, db) = (bf16_tile(qt), bf16_tile(dot));
+                        // SAFETY: all operands are this block's scratch.
+                        unsafe {
+                            gemm_rows_bf16(
+                                0..n,
+                                dv,
+                                rows,
+                                Dst { ptr: dv_acc.as_mut_ptr(), rs: dv as isize, cs: 1 },
+                                Mat { ptr: pb.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
+                                Mat { ptr: db.as_ptr(), rs: dv as isize, cs: 1 },
+                                true,
+                            );
+                            gemm_rows_bf16(
+                                0..n,
+                                d,
+                                rows,
+                                Dst { ptr: dk_acc.as_mut_ptr(), rs: d as isize, cs: 1 },
+                                Mat { ptr: dsb.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
+                                Mat { ptr: qb.as_ptr(), rs: d as isize, cs: 1 },
+                                true,
+                            );
+                            if fused {
+                                // dQ += dS·K, K read in place (the scale is applied once at the end).
+                                gemm_rows_bf16(
+                                    0..rows,
+                                    d,
+                                    n,
+                                    Dst { ptr: dq_acc.as_mut_ptr().add(dq_row(h, i0)), rs: d as isize, cs: 1 },
+                                    Mat { ptr: dsb.as_ptr(), rs: TILE_KEYS as isize, cs: 1 },
+                                    Mat {
+                                        ptr: bf16_of(&k).as_ptr().add(kr.at(b, hkv, j0)),
+                                        rs: kr.seq_stride() as isize,
+                                        cs: 1,
+                                    },
+                                    true,
+                                );
+                            }
+                        }
+                        continue;
+                    }
                     unsafe {
-                        let (kb, vb) =
-                            (bf16_of(&k).as_ptr().add(kr.at(b, hkv, j0)), bf16_of(&v).as_ptr().add(vr.at(b, hkv, j0)));
-                        bf16_scores(st, qb, d, rows, (kb, kr.seq_stride()), n, g.scale);
-                        bf16_scores(dpt, db, dv, rows, (vb, vr.seq_stride()), n, 1.0);
-                    }
-                } else {
-                    for r in 0..rows {
-                        load_scaled(qs, qr.at(b, h, i0 + r), &mut qt[r * d..(r + 1) * d], g.scale);
-                        load_scaled(ds, dr.at(b, h, i0 + r), &mut dot[r * dv..(r + 1) * dv], 1.0);
-                    }
-                    // SAFETY: kp/vp cover n rows; all other operands are this block's scratch.
-                    unsafe {
-                        scores(st, TILE_KEYS, qt, d, rows, kp, n);
-                        scores(dpt, TILE_KEYS, dot, dv, rows, vp, n);
-                    }
-                }
-                for r in 0..rows {
-                    let at = row_index(&g, b, h, i0 + r);
-                    let visible = g.visible(len, i0 + r).saturating_sub(j0);
-                    let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
-                    probs_row(s, visible, lse_s[at]);
-                    dscores_row(s, dp, delta[at]);
-                }
-                // dV += Pᵀ·dout, dK += dSᵀ·Q (scaled at the end): transposes are strides.
-                if on_bf16_gemm {
-                    let (pb, dsb) = (bf16_tile(kt), bf16_tile(vt));
-                    narrow_tile(st, pb, rows, n);
-                    narrow_tile(dpt, dsb, rows, n);
-                    let (qb, db) = (bf16_tile(qt), bf16_tile(dot));
-                    // SAFETY: all operands are this block's scratch.
-                    unsafe {
-                        gemm_rows_bf16(
+                        gemm_rows(
                             0..n,
                             dv,
                             rows,
                             Dst { ptr: dv_acc.as_mut_ptr(), rs: dv as isize, cs: 1 },
-                            Mat { ptr: pb.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
-                            Mat { ptr: db.as_ptr(), rs: dv as isize, cs: 1 },
+                            Mat { ptr: st.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
+                            Mat { ptr: dot.as_ptr(), rs: dv as isize, cs: 1 },
                             true,
                         );
-                        gemm_rows_bf16(
+                        gemm_rows(
                             0..n,
                             d,
                             rows,
                             Dst { ptr: dk_acc.as_mut_ptr(), rs: d as isize, cs: 1 },
-                            Mat { ptr: dsb.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
-                            Mat { ptr: qb.as_ptr(), rs: d as isize, cs: 1 },
+                            Mat { ptr: dpt.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
+                            Mat { ptr: qt.as_ptr(), rs: d as isize, cs: 1 },
                             true,
                         );
+                        if fused {
+                            gemm_rows(
+                                0..rows,
+                                d,
+                                n,
+                                Dst { ptr: dq_acc.as_mut_ptr().add(dq_row(h, i0)), rs: d as isize, cs: 1 },
+                                Mat { ptr: dpt.as_ptr(), rs: TILE_KEYS as isize, cs: 1 },
+                                Mat { ptr: kp.0, rs: kp.1 as isize, cs: 1 },
+                                true,
+                            );
+                        }
                     }
-                    continue;
                 }
+            }
+            // The f32 path folded the scale into Q already.
+            let dk_scale = if on_bf16_gemm { g.scale } else { 1.0 };
+            for j in 0..n {
+                // SAFETY: this unit owns keys j0..j0+n of (b, hkv) in dk and dv.
                 unsafe {
-                    gemm_rows(
-                        0..n,
-                        dv,
-                        rows,
-                        Dst { ptr: dv_acc.as_mut_ptr(), rs: dv as isize, cs: 1 },
-                        Mat { ptr: st.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
-                        Mat { ptr: dot.as_ptr(), rs: dv as isize, cs: 1 },
-                        true,
-                    );
-                    gemm_rows(
-                        0..n,
-                        d,
-                        rows,
-                        Dst { ptr: dk_acc.as_mut_ptr(), rs: d as isize, cs: 1 },
-                        Mat { ptr: dpt.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
-                        Mat { ptr: qt.as_ptr(), rs: d as isize, cs: 1 },
-                        true,
-                    );
+                    store_row::<T>(&dk, dkr.at(b, hkv, j0 + j), &mut dk_acc[j * d..(j + 1) * d], dk_scale);
+                    store_row::<T>(&dv_out, dvr.at(b, hkv, j0 + j), &mut dv_acc[j * dv..(j + 1) * dv], 1.0);
                 }
             }
         }
-        // The f32 path folded the scale into Q already.
-        let dk_scale = if on_bf16_gemm { g.scale } else { 1.0 };
-        for j in 0..n {
-            // SAFETY: this unit owns keys j0..j0+n of (b, hkv) in dk and dv.
-            unsafe {
-                store_row::<T>(&dk, dkr.at(b, hkv, j0 + j), &mut dk_acc[j * d..(j + 1) * d], dk_scale);
-                store_row::<T>(&dv_out, dvr.at(b, hkv, j0 + j), &mut dv_acc[j * dv..(j + 1) * dv], 1.0);
+        if fused {
+            for h in hkv * group..(hkv + 1) * group {
+                for i in 0..g.q_len {
+                    let sums = &mut dq_acc[dq_row(h, i)..][..d];
+                    // SAFETY: this unit owns rows (b, group heads) of dq.
+                    unsafe { store_row::<T>(&dq, dqr.at(b, h, i), sums, g.scale) };
+                }
             }
         }
     }
@@ -391,21 +461,33 @@ impl Op for AttentionBackward {
         let g = checked_geometry(cx)?;
         let threads = uniop::runtime::Pool::global().threads();
         let blocks = |units: usize| units.clamp(1, 4 * threads) as u32;
-        let dkv_units = g.batch * g.kv_heads * g.kv_len.div_ceil(TILE_KEYS);
+        let fused = fuses_dq(&g, threads);
+        let dkv_units = g.batch * g.kv_heads * if fused { 1 } else { g.kv_len.div_ceil(TILE_KEYS) };
         let per_block = block_scratch(&g);
         let rows = g.batch * g.q_heads * g.q_len;
-        let steps = with_float_dtype!(g.dtype, cx.op(), "q", |T| vec![
-            Step::new("attention_backward.delta", blocks(rows.div_ceil(64)), move |a, c| delta_kernel::<T>(a, c, g)),
-            Step::new("attention_backward.dkv", blocks(dkv_units), move |a, c| dkv_kernel::<T>(a, c, g, per_block)),
-            Step::new("attention_backward.dq", blocks(g.units()), move |a, c| dq_kernel::<T>(a, c, g, per_block)),
-        ]);
-        let max_blocks = blocks(dkv_units.max(g.units())) as usize;
+        let max_blocks = blocks(if fused { dkv_units } else { dkv_units.max(g.units()) }) as usize;
+        // δ, then each block's scratch, then (fused) the dQ sums.
+        let dq_sums = fused.then_some(rows + max_blocks * per_block);
+        let steps = with_float_dtype!(g.dtype, cx.op(), "q", |T| {
+            let mut steps = vec![
+                Step::new("attention_backward.delta", blocks(rows.div_ceil(64)), move |a, c| {
+                    delta_kernel::<T>(a, c, g)
+                }),
+                Step::new("attention_backward.dkv", blocks(dkv_units), move |a, c| {
+                    dkv_kernel::<T>(a, c, g, per_block, dq_sums)
+                }),
+            ];
+            if !fused {
+                steps.push(Step::new("attention_backward.dq", blocks(g.units()), move |a, c| {
+                    dq_kernel::<T>(a, c, g, per_block)
+                }));
+            }
+            steps
+        });
+        let workspace = rows + max_blocks * per_block + if fused { rows * g.head_dim } else { 0 };
         let mut needs = vec![LayoutNeed::InnerContiguous; 5];
         needs.push(LayoutNeed::Contiguous);
-        Ok(Plan::new(steps)
-            .workspace((rows + max_blocks * per_block) * 4)
-            .inputs_need(needs)
-            .outputs_need(vec![LayoutNeed::Contiguous; 3]))
+        Ok(Plan::new(steps).workspace(workspace * 4).inputs_need(needs).outputs_need(vec![LayoutNeed::Contiguous; 3]))
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {

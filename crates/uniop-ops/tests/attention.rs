@@ -226,6 +226,26 @@ fn attention_backward_spans_many_tiles() {
     backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), None, &causal(true));
 }
 
+/// With many (batch, kv head) pairs the dK/dV launch also sums dQ (one unit per pair, no separate
+/// dQ launch): 64 pairs take that route on machines of up to 32 threads, while the tests above
+/// (2 pairs) take the split route on 2 threads or more. GQA, causal, per-sequence cache lengths.
+#[test]
+fn attention_backward_with_many_kv_heads_sums_dq_alongside_dk_dv() {
+    setup();
+    let (q_shape, kv_shape) = ([4, 32, 24, 8], [4, 16, 24, 8]);
+    let n = 4 * 32 * 24 * 8;
+    let (q, k, v, dout) = (rand_vec(n, 71), rand_vec(n / 2, 72), rand_vec(n / 2, 73), rand_vec(n, 74));
+    let lens = [24i64, 17, 3, 1];
+    for causal_mask in [true, false] {
+        backward_after_forward(
+            (&q, &k, &v, &dout),
+            (q_shape, kv_shape),
+            Some(TensorRef::new(&lens, &[4]).unwrap()),
+            &causal(causal_mask),
+        );
+    }
+}
+
 /// bf16 runs every tile product on the AVX512-BF16 GEMM (P and dS rounded to bf16): checked over
 /// many query and key tiles against the f64 reference at bf16 tolerance.
 #[test]
