@@ -187,7 +187,9 @@ def gflop(op, shape):
         return (2 if op == "linear" else 4) * rows * k * 2 * k / 1e9
     if op in ("attention", "attention_backward"):
         b, h, s, d = shape
-        matmuls = 2 if op == "attention" else 7  # forward QK, PV; backward recomputes (see attention_backward.rs)
+        # Forward: QKᵀ and PV. Backward: QKᵀ recomputed, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q, dS·K (the fused route of
+        # attention_backward.rs; its split route for few (batch, kv head) pairs recomputes two more).
+        matmuls = 2 if op == "attention" else 5
         return matmuls * 2 * b * h * s * s * d / 2 / 1e9  # causal: half the tiles
     return None
 
