@@ -246,26 +246,27 @@ pub fn map_lanes<T: FloatElement>(row: &[T], out: &mut [T], mut f: impl FnMut(&m
         o.copy_from_slice(&T::narrow_lanes(&buf));
     }
     if !tail.is_empty() {
-        let mut buf = T::widen_lanes(&padded(tail, T::default()));
+        let mut buf: [f32; LANES] = T::widen_lanes(&padded(tail, T::default()));
         f(&mut buf);
         out[full..].copy_from_slice(&T::narrow_lanes(&buf)[..tail.len()]);
     }
 }
 
-/// Up to `LANES` elements widened into a whole step (lanes past `src` are 0), by value.
+/// Up to `N` elements widened into a whole step (lanes past `src` are 0), by value. `N` is
+/// [`LANES`] except where a narrower step divides a row exactly (see `rope`).
 #[inline(always)]
-pub fn widen_step<T: FloatElement>(src: &[T]) -> [f32; LANES] {
+pub fn widen_step<T: FloatElement, const N: usize>(src: &[T]) -> [f32; N] {
     match src.try_into() {
         Ok(whole) => T::widen_lanes(whole),
         Err(_) => T::widen_lanes(&padded(src, T::default())),
     }
 }
 
-/// The first `dst.len()` (≤ `LANES`) lanes of a step, narrowed into `dst`.
+/// The first `dst.len()` (≤ `N`) lanes of a step, narrowed into `dst`.
 #[inline(always)]
-pub fn narrow_step<T: FloatElement>(src: &[f32; LANES], dst: &mut [T]) {
-    if dst.len() == LANES {
-        let whole: &mut [T; LANES] = dst.try_into().expect("a whole step");
+pub fn narrow_step<T: FloatElement, const N: usize>(src: &[f32; N], dst: &mut [T]) {
+    if dst.len() == N {
+        let whole: &mut [T; N] = dst.try_into().expect("a whole step");
         *whole = T::narrow_lanes(src);
     } else {
         let n = dst.len();
@@ -277,8 +278,8 @@ pub fn narrow_step<T: FloatElement>(src: &[f32; LANES], dst: &mut [T]) {
 /// handle every lane array by value (whole-array loads and stores), which lets them live in
 /// registers; one slice access with a runtime length keeps an array in memory for the whole loop.
 #[inline(always)]
-fn padded<T: Element>(tail: &[T], pad: T) -> [T; LANES] {
-    let mut step = [pad; LANES];
+fn padded<T: Element, const N: usize>(tail: &[T], pad: T) -> [T; N] {
+    let mut step = [pad; N];
     step[..tail.len()].copy_from_slice(tail);
     step
 }

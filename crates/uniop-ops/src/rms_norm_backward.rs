@@ -26,7 +26,8 @@ fn backward_row<T: FloatElement, W: FloatElement>(dy: &[T], x: &[T], w: &[W], rs
     let mut dot = [0f32; LANES];
     for start in (0..n).step_by(LANES) {
         let end = (start + LANES).min(n);
-        let (d, xv, wv) = (widen_step(&dy[start..end]), widen_step(&x[start..end]), widen_step(&w[start..end]));
+        let [d, xv, wv]: [[f32; LANES]; 3] =
+            [widen_step(&dy[start..end]), widen_step(&x[start..end]), widen_step(&w[start..end])];
         for i in 0..LANES {
             dot[i] += d[i] * wv[i] * xv[i];
         }
@@ -34,9 +35,10 @@ fn backward_row<T: FloatElement, W: FloatElement>(dy: &[T], x: &[T], w: &[W], rs
     let coeff = rstd * rstd * rstd * dot.iter().sum::<f32>() / n as f32;
     for start in (0..n).step_by(LANES) {
         let end = (start + LANES).min(n);
-        let (d, xv, wv) = (widen_step(&dy[start..end]), widen_step(&x[start..end]), widen_step(&w[start..end]));
+        let [d, xv, wv]: [[f32; LANES]; 3] =
+            [widen_step(&dy[start..end]), widen_step(&x[start..end]), widen_step(&w[start..end])];
         let mut out = [0f32; LANES];
-        let mut gw = widen_step(&dw[start..end]);
+        let mut gw: [f32; LANES] = widen_step(&dw[start..end]);
         for i in 0..LANES {
             out[i] = rstd * d[i] * wv[i] - xv[i] * coeff;
             gw[i] += d[i] * xv[i] * rstd;

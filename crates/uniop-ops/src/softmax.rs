@@ -94,7 +94,10 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
     let tail = chunks.remainder();
     let full = src.len() - tail.len();
     for (c, o) in chunks.zip(out.chunks_exact_mut(LANES)) {
-        let scaled: [f32; LANES] = std::array::from_fn(|j| c[j] * scale);
+        let mut scaled = [0f32; LANES];
+        for (s, &v) in scaled.iter_mut().zip(c) {
+            *s = v * scale;
+        }
         let narrowed = T::narrow_lanes(&scaled);
         if streaming {
             copy_streaming(o, &narrowed);

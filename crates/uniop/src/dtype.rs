@@ -197,14 +197,26 @@ pub trait FloatElement: Element {
     /// `N` elements widened, returned by value: inlined into a kernel's step loop, the lanes stay
     /// in vector registers (the slice form's runtime length and CPU-feature branch keep its
     /// destination in memory, and reloading just-stored vectors stalls Zen cores).
+    ///
+    /// Plain loops here, not `array::from_fn`: that is a call the compiler may leave out of line,
+    /// and out of line it is built for the baseline target, not the kernel's (rope's 32-lane steps
+    /// ran through a scalar `try_from_fn` that way).
     #[inline(always)]
     fn widen_lanes<const N: usize>(src: &[Self; N]) -> [f32; N] {
-        std::array::from_fn(|i| src[i].to_f32())
+        let mut out = [0f32; N];
+        for (o, s) in out.iter_mut().zip(src) {
+            *o = s.to_f32();
+        }
+        out
     }
     /// `N` results narrowed with round-to-nearest-even, returned by value (as [`Self::widen_lanes`]).
     #[inline(always)]
     fn narrow_lanes<const N: usize>(src: &[f32; N]) -> [Self; N] {
-        std::array::from_fn(|i| Self::from_f32(src[i]))
+        let mut out = [Self::default(); N];
+        for (o, &s) in out.iter_mut().zip(src) {
+            *o = Self::from_f32(s);
+        }
+        out
     }
     /// `Some` when the element *is* f32, so kernels can skip the staging copy.
     fn as_f32_slice(s: &[Self]) -> Option<&[f32]>;
@@ -287,11 +299,19 @@ impl FloatElement for f16 {
     // add_rms_norm (1.2–1.5x), where the conversions are most of the work.
     #[inline(always)]
     fn widen_lanes<const N: usize>(src: &[f16; N]) -> [f32; N] {
-        std::array::from_fn(|i| f16_bits_to_f32(src[i].to_bits()))
+        let mut out = [0f32; N];
+        for (o, s) in out.iter_mut().zip(src) {
+            *o = f16_bits_to_f32(s.to_bits());
+        }
+        out
     }
     #[inline(always)]
     fn narrow_lanes<const N: usize>(src: &[f32; N]) -> [f16; N] {
-        std::array::from_fn(|i| f16::from_bits(f32_to_f16_bits(src[i])))
+        let mut out = [f16::ZERO; N];
+        for (o, &s) in out.iter_mut().zip(src) {
+            *o = f16::from_bits(f32_to_f16_bits(s));
+        }
+        out
     }
     #[inline(always)]
     fn widen(src: &[f16], dst: &mut [f32]) {
