@@ -139,6 +139,44 @@ unsafe fn store_row<T: FloatElement>(dst: &OutputView<'_>, at: usize, src: &mut 
     T::narrow(src, dst.slice_mut::<T>(at, src.len()));
 }
 
+/// Operands of one (query tile, key tile) of the dK/dV launch: `p` and `ds` are `[rows][TILE_KEYS]`
+/// tiles, `dout` and `q` `[rows][dv]` and `[rows][d]`, `k` the key rows (pointer, row stride).
+struct Tiles<E> {
+    p: *const E,
+    ds: *const E,
+    dout: *const E,
+    q: *const E,
+    k: (*const E, usize),
+}
+
+/// A tile GEMM ([`gemm_rows`] or [`gemm_rows_bf16`]) summing into f32.
+type TileGemm<E> = unsafe fn(std::ops::Range<usize>, usize, usize, Dst<f32>, Mat<E>, Mat<E>, bool);
+
+/// `dV += Pᵀ·dout`, `dK += dSᵀ·Q` (transposes are strides) and, given `dq` (its first row), `dQ += dS·K`.
+///
+/// # Safety
+/// Every pointer valid for `(rows, n, d, dv)` as laid out in [`Tiles`]; `dq` for `rows × d`.
+unsafe fn tile_products<E>(
+    gemm: TileGemm<E>,
+    t: Tiles<E>,
+    (rows, n, d, dv): (usize, usize, usize, usize),
+    dv_acc: &mut [f32],
+    dk_acc: &mut [f32],
+    dq: Option<*mut f32>,
+) {
+    let keys = TILE_KEYS as isize;
+    unsafe {
+        let transposed = |ptr| Mat { ptr, rs: 1, cs: keys };
+        let rows_of = |ptr, width: usize| Mat { ptr, rs: width as isize, cs: 1 };
+        let sums = |ptr, width: usize| Dst { ptr, rs: width as isize, cs: 1 };
+        gemm(0..n, dv, rows, sums(dv_acc.as_mut_ptr(), dv), transposed(t.p), rows_of(t.dout, dv), true);
+        gemm(0..n, d, rows, sums(dk_acc.as_mut_ptr(), d), transposed(t.ds), rows_of(t.q, d), true);
+        if let Some(dq) = dq {
+            gemm(0..rows, d, n, sums(dq, d), Mat { ptr: t.ds, rs: keys, cs: 1 }, rows_of(t.k.0, t.k.1), true);
+        }
+    }
+}
+
 /// Whether `dQ` is summed by the `dK`/`dV` launch, one unit per (batch, kv head): when those units
 /// alone keep `threads` busy (else the finer split with a separate `dQ` launch).
 fn fuses_dq(g: &Geometry, threads: usize) -> bool {
@@ -241,81 +279,29 @@ fn dkv_kernel<T: FloatElement>(
                         probs_row(s, visible, lse_s[at]);
                         dscores_row(s, dp, delta[at]);
                     }
-                    // dV += Pᵀ·dout, dK += dSᵀ·Q (scaled at the end): transposes are strides.
+                    // dV += Pᵀ·dout, dK += dSᵀ·Q (scaled at the end), and when fused dQ += dS·K.
+                    let dq_rows = fused.then(|| dq_acc[dq_row(h, i0)..].as_mut_ptr());
                     if on_bf16_gemm {
                         let (pb, dsb) = (bf16_tile(kt), bf16_tile(vt));
                         narrow_tile(st, pb, rows, n);
                         narrow_tile(dpt, dsb, rows, n);
-                        let (qb, db) = (bf16_tile(qt), bf16_tile(dot));
-                        // SAFETY: all operands are this block's scratch.
+                        let k_rows = (bf16_of(&k)[kr.at(b, hkv, j0)..].as_ptr(), kr.seq_stride());
+                        let tiles = Tiles {
+                            p: pb.as_ptr(),
+                            ds: dsb.as_ptr(),
+                            dout: bf16_tile(dot).as_ptr(),
+                            q: bf16_tile(qt).as_ptr(),
+                            k: k_rows,
+                        };
+                        // SAFETY: scratch tiles of this block; K rows j0..j0+n inside the checked view.
                         unsafe {
-                            gemm_rows_bf16(
-                                0..n,
-                                dv,
-                                rows,
-                                Dst { ptr: dv_acc.as_mut_ptr(), rs: dv as isize, cs: 1 },
-                                Mat { ptr: pb.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
-                                Mat { ptr: db.as_ptr(), rs: dv as isize, cs: 1 },
-                                true,
-                            );
-                            gemm_rows_bf16(
-                                0..n,
-                                d,
-                                rows,
-                                Dst { ptr: dk_acc.as_mut_ptr(), rs: d as isize, cs: 1 },
-                                Mat { ptr: dsb.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
-                                Mat { ptr: qb.as_ptr(), rs: d as isize, cs: 1 },
-                                true,
-                            );
-                            if fused {
-                                // dQ += dS·K, K read in place (the scale is applied once at the end).
-                                gemm_rows_bf16(
-                                    0..rows,
-                                    d,
-                                    n,
-                                    Dst { ptr: dq_acc.as_mut_ptr().add(dq_row(h, i0)), rs: d as isize, cs: 1 },
-                                    Mat { ptr: dsb.as_ptr(), rs: TILE_KEYS as isize, cs: 1 },
-                                    Mat {
-                                        ptr: bf16_of(&k).as_ptr().add(kr.at(b, hkv, j0)),
-                                        rs: kr.seq_stride() as isize,
-                                        cs: 1,
-                                    },
-                                    true,
-                                );
-                            }
-                        }
-                        continue;
-                    }
-                    unsafe {
-                        gemm_rows(
-                            0..n,
-                            dv,
-                            rows,
-                            Dst { ptr: dv_acc.as_mut_ptr(), rs: dv as isize, cs: 1 },
-                            Mat { ptr: st.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
-                            Mat { ptr: dot.as_ptr(), rs: dv as isize, cs: 1 },
-                            true,
-                        );
-                        gemm_rows(
-                            0..n,
-                            d,
-                            rows,
-                            Dst { ptr: dk_acc.as_mut_ptr(), rs: d as isize, cs: 1 },
-                            Mat { ptr: dpt.as_ptr(), rs: 1, cs: TILE_KEYS as isize },
-                            Mat { ptr: qt.as_ptr(), rs: d as isize, cs: 1 },
-                            true,
-                        );
-                        if fused {
-                            gemm_rows(
-                                0..rows,
-                                d,
-                                n,
-                                Dst { ptr: dq_acc.as_mut_ptr().add(dq_row(h, i0)), rs: d as isize, cs: 1 },
-                                Mat { ptr: dpt.as_ptr(), rs: TILE_KEYS as isize, cs: 1 },
-                                Mat { ptr: kp.0, rs: kp.1 as isize, cs: 1 },
-                                true,
-                            );
-                        }
+                            tile_products(gemm_rows_bf16::<f32>, tiles, (rows, n, d, dv), dv_acc, dk_acc, dq_rows)
+                        };
+                    } else {
+                        let tiles =
+                            Tiles { p: st.as_ptr(), ds: dpt.as_ptr(), dout: dot.as_ptr(), q: qt.as_ptr(), k: kp };
+                        // SAFETY: as above (kp covers n rows).
+                        unsafe { tile_products(gemm_rows::<f32>, tiles, (rows, n, d, dv), dv_acc, dk_acc, dq_rows) };
                     }
                 }
             }
