@@ -283,35 +283,20 @@ impl Element for f16 {
 }
 
 impl FloatElement for f16 {
+    // Scalar conversions, and through them the default lane forms, are the branch-free bit
+    // conversions below, which vectorize: no call (`half`'s conversions are calls, and a call
+    // anywhere in a kernel's loop — even on a path not taken — makes it keep its constants and
+    // lanes in memory) and no CPU-feature branch per step. Measured against `vcvtph2ps`/`vcvtps2ph`
+    // behind a feature check: faster for add, silu, silu_mul, softmax and rms_norm_backward (up to
+    // 1.8x at DRAM sizes), slower for rms_norm and add_rms_norm (1.2–1.5x), where the conversions
+    // are most of the work.
     #[inline(always)]
     fn to_f32(self) -> f32 {
-        f16::to_f32(self)
+        f16_bits_to_f32(self.to_bits())
     }
     #[inline(always)]
     fn from_f32(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-    // The lane forms are the branch-free bit conversions below, which vectorize: no call (`half`'s
-    // conversions are calls, and a call anywhere in a kernel's loop — even on a path not taken —
-    // makes it keep its constants and lanes in memory) and no CPU-feature branch per step. Measured
-    // against `vcvtph2ps`/`vcvtps2ph` behind a feature check: faster for add, silu, silu_mul,
-    // softmax and rms_norm_backward (up to 1.8x at DRAM sizes), slower for rms_norm and
-    // add_rms_norm (1.2–1.5x), where the conversions are most of the work.
-    #[inline(always)]
-    fn widen_lanes<const N: usize>(src: &[f16; N]) -> [f32; N] {
-        let mut out = [0f32; N];
-        for (o, s) in out.iter_mut().zip(src) {
-            *o = f16_bits_to_f32(s.to_bits());
-        }
-        out
-    }
-    #[inline(always)]
-    fn narrow_lanes<const N: usize>(src: &[f32; N]) -> [f16; N] {
-        let mut out = [f16::ZERO; N];
-        for (o, &s) in out.iter_mut().zip(src) {
-            *o = f16::from_bits(f32_to_f16_bits(s));
-        }
-        out
+        f16::from_bits(f32_to_f16_bits(v))
     }
     #[inline(always)]
     fn widen(src: &[f16], dst: &mut [f32]) {
