@@ -236,6 +236,26 @@ def test_threads_run_ops_concurrently_with_correct_results():
     assert not errors
 
 
+def test_launches_share_torchs_openmp_team():
+    """`import uniop.torch` runs uniop's launches on torch's OpenMP team, sized by torch's thread
+    setting; results equal those of uniop's own workers (rows split the same way)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(512, 384), torch.randn(384)
+    shared, _ = uniop.rms_norm(x, w)
+    threads = torch.get_num_threads()
+    try:
+        assert uniop.share_openmp_threads() == threads
+        torch.set_num_threads(1)
+        assert uniop.share_openmp_threads() == 1
+        one_thread, _ = uniop.rms_norm(x, w)
+        uniop.share_openmp_threads(False)
+        own_workers, _ = uniop.rms_norm(x, w)
+    finally:
+        torch.set_num_threads(threads)
+        uniop.share_openmp_threads()
+    assert torch.equal(shared, one_thread) and torch.equal(shared, own_workers)
+
+
 def test_scalar_arguments_keep_integers_exact():
     """`add`'s alpha is a schema `Scalar`: ints stay ints (exact past 2**53), floats and bools work."""
     a, b = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)

@@ -29,6 +29,7 @@ from ._native import (
     memory_stats,
     memory_summary,
     reset_peak_memory_stats,
+    share_openmp_threads,
     synchronize,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "op",
     "ops",
     "reset_peak_memory_stats",
+    "share_openmp_threads",
     "synchronize",
 ]
 
@@ -154,3 +156,14 @@ def load_library(path):
 
 
 _install(_native.ops())
+
+
+def _share_torch_threads():
+    """Runs uniop's launches on torch's OpenMP team when torch is loaded and uses one: torch's
+    threads keep spinning after each of its ops, and uniop's own workers would share their cores."""
+    torch = sys.modules.get("torch")
+    if torch is not None and "parallel backend: OpenMP" in torch.__config__.parallel_info():
+        share_openmp_threads()
+
+
+_share_torch_threads()

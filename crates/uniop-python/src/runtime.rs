@@ -4,7 +4,7 @@
 use crate::to_py_err;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use uniop::runtime::{profiler, Allocator, Event as CoreEvent, Profile, Stream as CoreStream};
+use uniop::runtime::{profiler, Allocator, Event as CoreEvent, Pool, Profile, Stream as CoreStream};
 
 /// An ordered queue of work (`uniop.Stream()`); ops take it as `stream=`.
 #[pyclass(frozen, name = "Stream", module = "uniop._native")]
@@ -230,6 +230,16 @@ fn load_library(py: Python<'_>, path: &str) -> PyResult<Vec<String>> {
     py.detach(|| uniop::plugin::load(path)).map_err(to_py_err)
 }
 
+/// Runs uniop's launches from Python threads on the OpenMP thread team already loaded in the
+/// process (torch's) instead of uniop's own workers, so the two never spin on the same cores;
+/// `share=False` goes back to uniop's workers. Returns the team size. `import uniop.torch` turns
+/// this on when torch's parallel backend is OpenMP.
+#[pyfunction]
+#[pyo3(signature = (share = true))]
+fn share_openmp_threads(share: bool) -> PyResult<usize> {
+    Pool::global().share_openmp_team(share).map_err(to_py_err)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Stream>()?;
     m.add_class::<Event>()?;
@@ -240,5 +250,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(reset_peak_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(load_library, m)?)?;
+    m.add_function(wrap_pyfunction!(share_openmp_threads, m)?)?;
     Ok(())
 }

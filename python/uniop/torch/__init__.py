@@ -196,4 +196,5 @@ def ops():
 
 
 _register(_uniop._ops.values())
+_uniop._share_torch_threads()
 _uniop._on_new_ops.append(_register)

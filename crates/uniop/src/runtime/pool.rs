@@ -8,7 +8,18 @@
 //! picks up work in ~0.1 µs and a 4096-wide norm row takes < 1 µs. Workers therefore spin for a
 //! short while after each job and only then park; the launching thread (a stream worker) always
 //! runs blocks itself, so a launch never waits for a parked thread to wake.
+//!
+//! Inside a host that runs its own OpenMP team — PyTorch does, for every parallel op and GEMM —
+//! two pools would spin on the same cores: right after a torch op its OpenMP threads keep spinning
+//! for hundreds of microseconds, and a uniop worker woken then shares a core with one of them
+//! (rms_norm on [512, 384] measured 65 µs alone, 218 µs right after `torch.mm`). So the pool can
+//! *share* that team instead ([`Pool::share_openmp_team`]): a launch from the host's own threads
+//! becomes one OpenMP parallel region whose threads claim blocks exactly like uniop's workers do,
+//! and picks up the threads the host left spinning.
 
+use crate::error::{Error, Result};
+use std::cell::Cell;
+use std::ffi::{c_int, c_uint, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -81,12 +92,86 @@ struct Shared {
     wake: Condvar,
 }
 
+/// An OpenMP runtime already loaded in the process, reached through libgomp's ABI (which LLVM's
+/// and Intel's runtimes export too), so uniop needs no OpenMP at build time.
+#[derive(Clone, Copy)]
+struct OpenMp {
+    parallel: GompParallel,
+    max_threads: OmpGetMaxThreads,
+}
+
+/// `GOMP_parallel(fn, data, num_threads, flags)`: runs `fn(data)` on every thread of a team (the
+/// caller is thread 0) and returns when all have finished.
+type GompParallel = unsafe extern "C" fn(extern "C" fn(*mut c_void), *mut c_void, c_uint, c_uint);
+type OmpGetMaxThreads = unsafe extern "C" fn() -> c_int;
+
+impl OpenMp {
+    /// The runtime loaded in this process, if any. Only already-loaded libraries are looked at
+    /// (`RTLD_NOLOAD`): sharing a team nobody else runs would gain nothing.
+    fn loaded() -> Option<OpenMp> {
+        for name in [c"libgomp.so.1", c"libomp.so", c"libomp.so.5", c"libiomp5.so"] {
+            // SAFETY: dlopen of a NUL-terminated name; RTLD_NOLOAD never loads anything new. The
+            // handle is kept open: the runtime stays resident for the process anyway.
+            let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOLOAD | libc::RTLD_LAZY) };
+            if handle.is_null() {
+                continue;
+            }
+            // SAFETY: symbol lookups in a live handle.
+            let (parallel, max_threads) = unsafe {
+                (libc::dlsym(handle, c"GOMP_parallel".as_ptr()), libc::dlsym(handle, c"omp_get_max_threads".as_ptr()))
+            };
+            if parallel.is_null() || max_threads.is_null() {
+                continue;
+            }
+            // SAFETY: both symbols have these C signatures in every runtime that exports them.
+            return Some(unsafe {
+                OpenMp {
+                    parallel: std::mem::transmute::<*mut c_void, GompParallel>(parallel),
+                    max_threads: std::mem::transmute::<*mut c_void, OmpGetMaxThreads>(max_threads),
+                }
+            });
+        }
+        None
+    }
+
+    /// The team size a parallel region opened by this thread gets (the host's thread setting).
+    fn threads(&self) -> usize {
+        // SAFETY: omp_get_max_threads takes nothing and only reads the caller's ICVs.
+        (unsafe { (self.max_threads)() }).max(1) as usize
+    }
+
+    /// Runs every block of `job` on the team; returns when all have run.
+    fn run(&self, job: &Job) {
+        extern "C" fn run_blocks(job: *mut c_void) {
+            // SAFETY: `job` is the `&Job` below, alive until GOMP_parallel returns. run_blocks
+            // catches kernel panics itself, so nothing unwinds through the C runtime.
+            unsafe { &*(job as *const Job) }.run_blocks();
+        }
+        // SAFETY: a valid callback and data pointer; num_threads 0 means the default team.
+        unsafe { (self.parallel)(run_blocks, job as *const Job as *mut c_void, 0, 0) };
+    }
+}
+
+thread_local! {
+    /// Set on uniop's stream workers: libgomp gives every thread that opens a parallel region a
+    /// team of its own, so a stream worker sharing "the" OpenMP team would start a second one.
+    static OWN_TEAM_ONLY: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Makes launches from the current thread always use uniop's own workers.
+pub(crate) fn use_own_team_on_this_thread() {
+    OWN_TEAM_ONLY.with(|own| own.set(true));
+}
+
 pub struct Pool {
     shared: Arc<Shared>,
     /// Held while a job is published; a second concurrent launcher runs its blocks inline
     /// instead of queueing behind the first (two streams still run in parallel).
     busy: AtomicBool,
     workers: usize,
+    /// The OpenMP runtime, once found by [`Pool::share_openmp_team`].
+    openmp: OnceLock<OpenMp>,
+    sharing_openmp: AtomicBool,
 }
 
 impl Pool {
@@ -119,12 +204,48 @@ impl Pool {
                 .spawn(move || worker_loop(&shared))
                 .expect("spawning a compute worker");
         }
-        Pool { shared, busy: AtomicBool::new(false), workers }
+        Pool {
+            shared,
+            busy: AtomicBool::new(false),
+            workers,
+            openmp: OnceLock::new(),
+            sharing_openmp: AtomicBool::new(false),
+        }
     }
 
-    /// Threads that compute a launch: the workers plus the launching thread.
+    /// Threads that compute a launch from the current thread: the OpenMP team's size when it is
+    /// shared, else uniop's workers plus the launching thread.
     pub fn threads(&self) -> usize {
-        self.workers + 1
+        match self.openmp_team() {
+            Some(openmp) => openmp.threads(),
+            None => self.workers + 1,
+        }
+    }
+
+    /// Starts (`share == true`) or stops running launches on the team of the OpenMP runtime
+    /// already loaded in the process, as a host like PyTorch runs its own parallel ops; returns
+    /// the team's size. Launches from uniop's stream workers keep uniop's own workers. Errors when
+    /// no OpenMP runtime is loaded.
+    pub fn share_openmp_team(&self, share: bool) -> Result<usize> {
+        if share && self.openmp.get().is_none() {
+            let openmp = OpenMp::loaded().ok_or_else(|| {
+                Error::runtime(
+                    "share_openmp_team: expected an OpenMP runtime loaded in this process (libgomp, \
+                     libomp or libiomp5, e.g. by importing torch); found none",
+                )
+            })?;
+            let _ = self.openmp.set(openmp);
+        }
+        self.sharing_openmp.store(share, Ordering::Release);
+        Ok(self.threads())
+    }
+
+    /// The shared OpenMP team, when launches from this thread run on it.
+    fn openmp_team(&self) -> Option<&OpenMp> {
+        if !self.sharing_openmp.load(Ordering::Acquire) || OWN_TEAM_ONLY.with(Cell::get) {
+            return None;
+        }
+        self.openmp.get()
     }
 
     /// Runs blocks `0..block_num` of `kernel` and returns when all have finished. A panic in any
@@ -140,8 +261,12 @@ impl Pool {
             done: AtomicU32::new(0),
             panic: Mutex::new(None),
         });
-        let share = block_num > 1 && self.workers > 0 && !self.busy.swap(true, Ordering::Acquire);
-        if share {
+        let openmp = if block_num > 1 { self.openmp_team() } else { None };
+        let helped = openmp.is_some() || self.workers > 0;
+        let share = block_num > 1 && helped && !self.busy.swap(true, Ordering::Acquire);
+        if let (true, Some(openmp)) = (share, openmp) {
+            openmp.run(&job);
+        } else if share {
             *self.shared.job.lock().unwrap() = Some(job.clone());
             self.shared.epoch.fetch_add(1, Ordering::SeqCst);
             if self.shared.sleepers.load(Ordering::SeqCst) > 0 {
@@ -160,7 +285,9 @@ impl Pool {
             }
         }
         if share {
-            self.shared.job.lock().unwrap().take();
+            if openmp.is_none() {
+                self.shared.job.lock().unwrap().take();
+            }
             self.busy.store(false, Ordering::Release);
         }
         let panic = job.panic.lock().unwrap().take();

@@ -275,6 +275,7 @@ impl std::fmt::Debug for Stream {
 }
 
 fn stream_loop(inner: Arc<StreamInner>) {
+    super::pool::use_own_team_on_this_thread();
     let pool = Pool::global();
     let mut taken = 0u64;
     loop {
