@@ -492,6 +492,8 @@ mod tests {
         check(9, 513, 70, true, true, false);
         check(33, 64, 2100, false, true, false);
         check(8, 256, 32, true, false, true);
+        // k-dense operands (row-major A, column-major B) with whole and ragged 8-pair groups.
+        check(20, 100, 64, false, true, false);
     }
 
     #[test]
