@@ -133,13 +133,13 @@ pub(crate) unsafe fn gemm_rows_bf16<O: GemmOut>(
             // All of B's slices for these columns, packed once and reused by every row block.
             for si in 0..n_slices {
                 let (pc, kc) = slice(si);
-                pack::<NR>(&mut s.b[si * slice_words..], rhs, pc, kc, jc, nc, fast);
+                pack::<NR>(&mut s.b[si * slice_words..], rhs, pc, kc, jc, nc);
             }
             for ic in (rows.start..rows.end).step_by(MC) {
                 let mc = MC.min(rows.end - ic);
                 for si in 0..n_slices {
                     let (pc, kc) = slice(si);
-                    pack::<MR>(&mut s.a, Mat { ptr: lhs.ptr, rs: lhs.cs, cs: lhs.rs }, pc, kc, ic, mc, fast);
+                    pack::<MR>(&mut s.a, Mat { ptr: lhs.ptr, rs: lhs.cs, cs: lhs.rs }, pc, kc, ic, mc);
                     let pairs = kc.div_ceil(2);
                     for jr in (0..nc).step_by(NR) {
                         let b_panel = s.b.as_ptr().add(si * slice_words + jr * pairs);
@@ -194,17 +194,8 @@ unsafe fn bits_or_zero(m: Mat<bf16>, r: usize, c: usize, rows: usize, cols: usiz
 /// Packs rows `k0..k0+kc` (the reduction index) × columns `c0..c0+cols` of `m` as `W`-column panels
 /// of `[pair][column]` words (low half: the even row), zero-padded to whole pairs and panels.
 /// B packs itself (`W = NR`); A packs its transpose (`W = MR`), so both micro-kernel operands come
-/// from one routine. `simd` (set with the AVX512-BF16 micro-kernel, so AVX2 is there) transposes
-/// operands that are dense along k 8 × 8 words at a time.
-unsafe fn pack<const W: usize>(
-    out: &mut [u32],
-    m: Mat<bf16>,
-    k0: usize,
-    kc: usize,
-    c0: usize,
-    cols: usize,
-    simd: bool,
-) {
+/// from one routine.
+unsafe fn pack<const W: usize>(out: &mut [u32], m: Mat<bf16>, k0: usize, kc: usize, c0: usize, cols: usize) {
     let pairs = kc.div_ceil(2);
     if pairs == 0 {
         return;
@@ -216,15 +207,8 @@ unsafe fn pack<const W: usize>(
         if whole && m.rs == 1 {
             // Dense along k (x's rows, a transposed weight's columns): each pair is one 32-bit word,
             // and the panel is the transpose of W lines of words.
-            let lines = block.ptr.offset(first as isize * m.cs);
-            let done = if simd { transpose_by_8x8::<W>(chunk, lines, m.cs, pairs) } else { 0 };
-            // One source line at a time: B's 32 lines at once measured 5-8% slower.
-            for j in 0..W {
-                let line = lines.offset(j as isize * m.cs) as *const u32;
-                for p in done..pairs {
-                    chunk[p * W + j] = line.add(p).read_unaligned();
-                }
-            }
+            let lines = block.ptr.offset(first as isize * m.cs) as *const u8;
+            crate::transpose::transpose_words(chunk.as_mut_ptr(), W, lines, 2 * m.cs, W, pairs);
         } else if whole && m.cs == 1 {
             // Dense along the columns (a row-major B, a transposed A): interleave two rows per pair.
             for (p, words) in chunk.chunks_exact_mut(W).enumerate() {
@@ -243,62 +227,6 @@ unsafe fn pack<const W: usize>(
             }
         }
     }
-}
-
-/// `panel[p * W + j] = word p of line j` for the first multiple of 8 of `pairs` words of the `W`
-/// lines starting at `lines` (`stride` elements apart), as 8 × 8 transposes in AVX2 registers
-/// (a scalar transpose is a scattered store per word: a fifth of a bf16 linear's time). Returns
-/// how many words of each line it packed.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn transpose_by_8x8<const W: usize>(
-    panel: &mut [u32],
-    lines: *const bf16,
-    stride: isize,
-    pairs: usize,
-) -> usize {
-    use std::arch::x86_64::*;
-    debug_assert!(W.is_multiple_of(8) && panel.len() >= pairs * W);
-    let whole = pairs / 8 * 8;
-    for p in (0..whole).step_by(8) {
-        for j in (0..W).step_by(8) {
-            let row =
-                |i: usize| _mm256_loadu_si256(lines.offset((j + i) as isize * stride).add(2 * p) as *const __m256i);
-            let (r0, r1, r2, r3, r4, r5, r6, r7) = (row(0), row(1), row(2), row(3), row(4), row(5), row(6), row(7));
-            // Pairs of lines interleaved, then quads: u_q holds words q and q + 4 of lines 0-3
-            // (v_q of lines 4-7); the 128-bit halves then give word q of all 8 lines.
-            let (t0, t1) = (_mm256_unpacklo_epi32(r0, r1), _mm256_unpackhi_epi32(r0, r1));
-            let (t2, t3) = (_mm256_unpacklo_epi32(r2, r3), _mm256_unpackhi_epi32(r2, r3));
-            let (t4, t5) = (_mm256_unpacklo_epi32(r4, r5), _mm256_unpackhi_epi32(r4, r5));
-            let (t6, t7) = (_mm256_unpacklo_epi32(r6, r7), _mm256_unpackhi_epi32(r6, r7));
-            let u = [
-                _mm256_unpacklo_epi64(t0, t2),
-                _mm256_unpackhi_epi64(t0, t2),
-                _mm256_unpacklo_epi64(t1, t3),
-                _mm256_unpackhi_epi64(t1, t3),
-            ];
-            let v = [
-                _mm256_unpacklo_epi64(t4, t6),
-                _mm256_unpackhi_epi64(t4, t6),
-                _mm256_unpacklo_epi64(t5, t7),
-                _mm256_unpackhi_epi64(t5, t7),
-            ];
-            let out = panel.as_mut_ptr().add(p * W + j);
-            for q in 0..4 {
-                _mm256_storeu_si256(out.add(q * W) as *mut __m256i, _mm256_permute2x128_si256::<0x20>(u[q], v[q]));
-                _mm256_storeu_si256(
-                    out.add((q + 4) * W) as *mut __m256i,
-                    _mm256_permute2x128_si256::<0x31>(u[q], v[q]),
-                );
-            }
-        }
-    }
-    whole
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn transpose_by_8x8<const W: usize>(_: &mut [u32], _: *const bf16, _: isize, _: usize) -> usize {
-    unreachable!("only selected with the AVX512-BF16 micro-kernel")
 }
 
 /// Writes a finished tile: to the scratch block, or rounded to the output.

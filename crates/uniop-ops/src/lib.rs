@@ -59,6 +59,7 @@ pub mod softmax;
 pub mod softmax_backward;
 pub mod swiglu;
 pub mod swiglu_backward;
+mod transpose;
 
 use std::sync::Once;
 use uniop::{Op, Registry};
