@@ -7,7 +7,8 @@ classes, so existing instances change too. Given a model, it also switches the m
 to uniop's flash attention (registered with transformers as the ``"uniop"`` implementation; calls
 with a padding mask, dropout or softcap fall back to SDPA) and its linear layers (projections and
 ``lm_head``) to uniop ``linear``, which streams the weight at memory speed when there are few rows
-— decoding spends most of its time there. It also makes transformers' ``DynamicLayer.update`` (the
+— decoding spends most of its time there — and, in float32, runs prefill-sized products faster
+than torch's GEMM too. It also makes transformers' ``DynamicLayer.update`` (the
 default KV cache) grow in place: the cache becomes a view of a buffer with room to spare, so a
 decode step writes its new rows instead of copying the whole cache with ``torch.cat`` (O(length)
 per layer and step). :func:`unpatch_llama` restores all of it.
@@ -48,12 +49,14 @@ def _mlp_forward(original):
 
 
 # Up to this many rows uniop's linear (weight streamed by column bands, all cores) beats torch's
-# here; prefill-sized inputs keep torch's GEMM (measured: benches/llama_patch.py).
+# in every dtype. Past it, float32 still does (uniop's f32 GEMM ran the Llama prefill linears
+# 1.02-1.31x torch's here; the tiny Llama's fp32 prefill 1.03x -> 1.18x patched), while bf16/f16
+# GEMMs are at par with torch's and keep it (measured: benches/llama_patch.py).
 _FEW_ROWS = 16
 
 
 def _linear_forward(self, x):
-    if x.numel() <= _FEW_ROWS * x.shape[-1]:
+    if x.dtype == torch.float32 or x.numel() <= _FEW_ROWS * x.shape[-1]:
         return unn.uniop_ops.linear(x, self.weight, self.bias)
     return nn.functional.linear(x, self.weight, self.bias)
 
