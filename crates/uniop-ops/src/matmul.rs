@@ -325,6 +325,58 @@ impl Op for Matmul {
     }
 }
 
+/// f32 rows × a weight in `[n, k]` layout, for the kernels that take that product (the skinny
+/// dot products, the transposed-copy GEMM): deterministic operands and an f64 check.
+#[cfg(test)]
+pub(crate) struct WeightCase {
+    m: usize,
+    k: usize,
+    n: usize,
+    a: Vec<f32>,
+    w: Vec<f32>,
+    start: Vec<f32>,
+}
+
+#[cfg(test)]
+impl WeightCase {
+    pub fn new(m: usize, k: usize, n: usize) -> WeightCase {
+        let value = |i: usize, seed: usize| ((i * 7919 + seed * 104729) % 2003) as f32 / 1001.0 - 1.0;
+        let fill = |len: usize, seed: usize| (0..len).map(|i| value(i, seed)).collect();
+        WeightCase { m, k, n, a: fill(m * k, 1), w: fill(n * k, 2), start: fill(m * n, 3) }
+    }
+
+    /// Runs `product(dst, rows, weight)` on a fresh copy of the starting output and checks that
+    /// rows `band` hold the product (added to the start with `accumulate`) and the others are
+    /// untouched.
+    pub fn check(
+        &self,
+        band: std::ops::Range<usize>,
+        accumulate: bool,
+        product: impl FnOnce(Dst<f32>, Mat<f32>, Mat<f32>),
+    ) {
+        let (m, k, n) = (self.m, self.k, self.n);
+        let mut out = self.start.clone();
+        product(
+            Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 },
+            Mat { ptr: self.a.as_ptr(), rs: k as isize, cs: 1 },
+            Mat { ptr: self.w.as_ptr(), rs: 1, cs: k as isize },
+        );
+        for r in 0..m {
+            for c in 0..n {
+                let start = self.start[r * n + c] as f64;
+                let dot: f64 = (0..k).map(|p| self.a[r * k + p] as f64 * self.w[c * k + p] as f64).sum();
+                let want = match (band.contains(&r), accumulate) {
+                    (false, _) => start,
+                    (true, true) => dot + start,
+                    (true, false) => dot,
+                };
+                let got = out[r * n + c] as f64;
+                assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "{m}x{k}x{n} ({r}, {c}): {got} vs {want}");
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -333,33 +385,12 @@ mod tests {
     /// chunk and in several (the last ragged), with and without accumulation, against f64 sums.
     #[test]
     fn weight_layout_b_multiplies_from_row_major_chunks() {
-        let (m, k, n) = (140, 37, 45);
-        let value = |i: usize, seed: usize| ((i * 7919 + seed * 104729) % 2003) as f32 / 1001.0 - 1.0;
-        let a: Vec<f32> = (0..m * k).map(|i| value(i, 1)).collect();
-        let w: Vec<f32> = (0..n * k).map(|i| value(i, 2)).collect();
-        let start: Vec<f32> = (0..m * n).map(|i| value(i, 3)).collect();
-        for (chunk_words, accumulate) in [(ROW_MAJOR_B_CHUNK_WORDS, false), (16 * k, true), (20 * k, false)] {
-            let mut out = start.clone();
-            let dst = Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 };
-            let lhs = Mat { ptr: a.as_ptr(), rs: k as isize, cs: 1 };
-            let rhs = Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize };
-            // SAFETY: the buffers hold m × k, n × k and m × n elements; rows 70.. are this band.
-            unsafe { gemm_rows_with_row_major_b(70..m, n, k, dst, lhs, rhs, accumulate, chunk_words) };
-            for r in 0..m {
-                for c in 0..n {
-                    let dot: f64 = (0..k).map(|p| a[r * k + p] as f64 * w[c * k + p] as f64).sum();
-                    let want = match (r >= 70, accumulate) {
-                        (false, _) => start[r * n + c] as f64, // outside the band: untouched
-                        (true, true) => dot + start[r * n + c] as f64,
-                        (true, false) => dot,
-                    };
-                    let got = out[r * n + c] as f64;
-                    assert!(
-                        (got - want).abs() < 1e-4 * (1.0 + want.abs()),
-                        "chunk {chunk_words} ({r}, {c}): {got} vs {want}"
-                    );
-                }
-            }
+        let case = WeightCase::new(140, 37, 45);
+        for (chunk_words, accumulate) in [(ROW_MAJOR_B_CHUNK_WORDS, false), (16 * 37, true), (20 * 37, false)] {
+            case.check(70..140, accumulate, |dst, lhs, rhs| {
+                // SAFETY: WeightCase's buffers hold the extents it describes.
+                unsafe { gemm_rows_with_row_major_b(70..140, 45, 37, dst, lhs, rhs, accumulate, chunk_words) }
+            });
         }
     }
 }

@@ -147,6 +147,7 @@ pub(crate) fn has_avx512f() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::matmul::WeightCase;
 
     /// f32 rows × an `[n, k]` weight, against f64 sums: every row count, k under / at / over one
     /// 16-lane step, a column count not a multiple of 4, and accumulation.
@@ -156,24 +157,10 @@ mod tests {
             return;
         }
         for (m, k, n, accumulate) in [(1, 5, 7, false), (2, 16, 4, true), (3, 37, 9, false), (4, 300, 13, true)] {
-            let value = |i: usize, seed: usize| ((i * 7919 + seed * 104729) % 2003) as f32 / 1001.0 - 1.0;
-            let a: Vec<f32> = (0..m * k).map(|i| value(i, 1)).collect();
-            let w: Vec<f32> = (0..n * k).map(|i| value(i, 2)).collect();
-            let start: Vec<f32> = (0..m * n).map(|i| value(i, 3)).collect();
-            let mut out = start.clone();
-            let dst = Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 };
-            let lhs = Mat { ptr: a.as_ptr(), rs: k as isize, cs: 1 };
-            let rhs = Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize };
-            // SAFETY: the buffers hold m × k, n × k and m × n elements.
-            unsafe { skinny(0..m, n, k, dst, lhs, rhs, accumulate, true) };
-            for r in 0..m {
-                for c in 0..n {
-                    let dot: f64 = (0..k).map(|p| a[r * k + p] as f64 * w[c * k + p] as f64).sum();
-                    let want = dot + if accumulate { start[r * n + c] as f64 } else { 0.0 };
-                    let got = out[r * n + c] as f64;
-                    assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "m {m} k {k} ({r}, {c}): {got} vs {want}");
-                }
-            }
+            WeightCase::new(m, k, n).check(0..m, accumulate, |dst, lhs, rhs| {
+                // SAFETY: WeightCase's buffers hold the extents it describes.
+                unsafe { skinny(0..m, n, k, dst, lhs, rhs, accumulate, true) }
+            });
         }
     }
 }
