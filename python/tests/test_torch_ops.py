@@ -146,20 +146,67 @@ def test_autograd_kernel_routes_calls_by_grad_mode_and_dispatch_keys():
     assert type(fake).__name__ == "FakeTensor" and fake.shape == (3, 8)
 
 
-def test_autograd_dispatch_runs_in_the_cpp_kernel():
-    """scripts/python-env.sh builds the C++ Autograd kernel for the installed torch; without it
-    every torch.ops.uniop call with a backward pays ~2 µs more in Python."""
+def test_every_op_dispatches_to_the_cpp_kernels():
+    """scripts/python-env.sh builds the C++ kernels for the installed torch; without them every
+    torch.ops.uniop call pays 2-4 µs more in Python. Each op's CPU kernel, and the Autograd kernel
+    of each op with a backward, must be the C++ one."""
     assert uniop.torch.cpp_kernels_loaded(), "run: python -m uniop.torch.build_kernels"
+    for name, native in uniop.torch._registered.items():
+        table = dict(
+            line.split(": ", 1) for line in torch._C._dispatch_dump(f"uniop::{name}").splitlines() if ": " in line
+        )
+        assert "csrc/kernels.cpp" in table["CPU"], f"{name}: CPU kernel {table['CPU']}"
+        if native.backward:
+            assert "csrc/kernels.cpp" in table["Autograd[alias]"], f"{name}: {table['Autograd[alias]']}"
 
 
-def test_python_autograd_kernels_route_calls_the_same():
-    """The pure-Python Autograd kernels (used where the C++ one is not built) pass the routing,
-    optional-gradient and gradcheck tests too: run them in a process that refuses the C++ kernel."""
+def test_cpp_kernel_reports_bad_attributes_as_uniop_errors():
+    """Values the C++ kernel passes on but the core refuses come back as UniopError: a dtype DLPack
+    cannot name (by torch's name for it), a gelu approximation that does not exist."""
+    x = torch.randn(2, 3)
+    with pytest.raises(uniop.UniopError, match="cast: argument 'dtype'.*ComplexFloat") as e:
+        torch.ops.uniop.cast(x, torch.complex64)
+    assert e.value.code_name == "dtype"
+    with pytest.raises(uniop.UniopError, match="gelu: .*approximate"):
+        torch.ops.uniop.gelu(x, approximate="fast")
+
+
+def test_torch_abi_refuses_null_pointers_and_wrong_arity():
+    """The C ABI behind the C++ kernels (uniop._native._torch_abi) checks what it is handed: a null
+    op or argument array and an argument count that is not the schema's are UniopErrors, not
+    crashes. Called through ctypes.PYFUNCTYPE, which raises the Python error the ABI sets."""
+    import ctypes
+
+    capsule = uniop._native._torch_abi()
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    table = get(capsule, b"uniop._native.torch_abi")
+
+    class TorchAbi(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("call", ctypes.c_void_p)]
+
+    abi = TorchAbi.from_address(table)
+    assert abi.version == 1
+    proto = ctypes.PYFUNCTYPE(
+        ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64
+    )
+    call = proto(abi.call)
+    with pytest.raises(uniop.UniopError, match="null pointer"):
+        call(None, None, 0, None, 0)
+    handle = uniop.op("silu")._torch_handle()
+    with pytest.raises(uniop.UniopError, match="silu: the torch kernel passed 0 arguments"):
+        call(handle, None, 0, None, 0)
+
+
+def test_python_kernels_give_the_same_results():
+    """The pure-Python CPU and Autograd kernels (used where the C++ ones are not built) pass the
+    value, routing, optional-gradient, gradcheck and error tests too: run them in a process that
+    refuses the C++ kernels."""
     import os
     import subprocess
     import sys
 
-    tests = "autograd_kernel_routes or linear_without_bias or gradcheck or errors_are_uniop"
+    tests = "values_match or autograd_kernel_routes or linear_without_bias or gradcheck or errors_are_uniop"
     env = dict(os.environ, UNIOP_TORCH_CPP_KERNELS="0")
     check = "import uniop.torch; assert not uniop.torch.cpp_kernels_loaded()"
     subprocess.run([sys.executable, "-c", check], env=env, check=True)
@@ -240,8 +287,12 @@ def test_repeated_calls_reuse_plans_only_for_identical_signatures():
             assert got.data_ptr() != x.data_ptr()
 
 
-def test_threads_run_ops_concurrently_with_correct_results():
+@pytest.mark.parametrize("route", ["uniop", "torch.ops"])
+def test_threads_run_ops_concurrently_with_correct_results(route):
+    """Both routes, from four threads at once (torch.ops runs the C++ kernel without the GIL)."""
     import threading
+
+    rms_norm = uniop.rms_norm if route == "uniop" else torch.ops.uniop.rms_norm
 
     torch.manual_seed(0)
     xs = [torch.randn(64, 256) for _ in range(4)]
@@ -250,7 +301,7 @@ def test_threads_run_ops_concurrently_with_correct_results():
 
     def work(x):
         for _ in range(50):
-            y, _ = uniop.rms_norm(x, w)
+            y, _ = rms_norm(x, w)
             want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
             if not torch.allclose(y, want, atol=1e-5):
                 errors.append((y - want).abs().max().item())

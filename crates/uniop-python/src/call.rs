@@ -4,11 +4,11 @@
 use crate::ndarray;
 use crate::runtime::Stream as PyStream;
 use crate::to_py_err;
-use dlpark::ffi::{DLDataType, DLDataTypeCode, DLDevice, DLDeviceType};
+use dlpark::ffi::{DLDataType, DLDataTypeCode, DLDevice, DLDeviceType, DLManagedTensorVersioned};
 use dlpark::metadata::Dynamic;
 use dlpark::python::consumer::exchange::ExchangeApi;
 use dlpark::python::{from_dlpack, ImportedDlpack};
-use dlpark::DlpackFlags;
+use dlpark::{DlpackFlags, Managed};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
@@ -158,7 +158,7 @@ fn attrs<'a>(entry: &'a OpEntry, bound: &[Option<Bound<'_, PyAny>>]) -> Result<V
 
 /// A tensor imported through DLPack. Its memory stays alive while the producer object the call
 /// holds does (views from the C exchange API) or while `_owner` lives (managed tensors).
-struct Imported {
+pub(crate) struct Imported {
     _owner: Option<ImportedDlpack>,
     ptr: *mut u8,
     len: usize,
@@ -202,7 +202,7 @@ fn producer(obj: &Bound<'_, PyAny>) -> Producer {
 }
 
 /// Reads a DLPack descriptor into a uniop meta and the address of its first element.
-fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result<(TensorMeta, *mut u8), Error> {
+pub(crate) fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result<(TensorMeta, *mut u8), Error> {
     let bad = |expected: &str, given: String| Error::arg(ErrorCode::ParamInvalid, op, arg, expected, given);
     let device = t.device();
     if device.device_type.0 != 1 {
@@ -314,7 +314,7 @@ fn max_version_kwargs(py: Python<'_>) -> Result<Bound<'_, PyDict>, Error> {
     Ok(kwargs)
 }
 
-fn finish(
+pub(crate) fn finish(
     op: &str,
     owner: Option<ImportedDlpack>,
     (meta, ptr): (TensorMeta, *mut u8),
@@ -344,6 +344,29 @@ impl<T> Unattached<T> {
     }
 }
 
+/// A new contiguous output over a block of uniop's caching allocator, as a DLPack managed tensor
+/// whose deleter returns the block (whenever the consuming framework frees the tensor), and the
+/// view the run writes through.
+pub(crate) fn dlpack_output(op: &str, meta: &TensorMeta) -> PyResult<(Managed<DLManagedTensorVersioned>, Imported)> {
+    let bytes = meta.contiguous_bytes().map_err(to_py_err)?;
+    let buffer = Allocator::global().allocate(bytes, MemPolicy::HugeFirst).map_err(to_py_err)?;
+    let ptr = buffer.as_ptr();
+    let shape: Vec<i64> = meta.shape().iter().map(|&d| d as i64).collect();
+    let mut tensor = Dynamic::compact(shape)
+        .initialize(Box::new(buffer))
+        .map_err(|e| to_py_err(Error::internal(format!("{op}: DLPack output: {e}"))))?;
+    let (code, bits) = meta.dtype.dlpack();
+    tensor
+        .set_data(ptr.cast())
+        .set_device(DLDevice { device_type: DLDeviceType::CPU, device_id: 0 })
+        .set_dtype(DLDataType { code: DLDataTypeCode(code), bits, lanes: 1 });
+    // SAFETY: data, device, dtype, shape and compact strides describe the buffer the tensor owns
+    // (its context), which lives until the consumer's deleter runs.
+    let managed = unsafe { tensor.finish() };
+    let view = Imported { _owner: None, ptr, len: bytes, meta: meta.clone(), read_only: false };
+    Ok((managed, view))
+}
+
 /// A new output like `like`. Producers with a C exchange API (torch) get a tensor created
 /// directly over a block of uniop's caching allocator, returned to it when the framework frees
 /// the tensor — no Python call, no capsule; NumPy callers get an array from NumPy's C API. Others
@@ -359,23 +382,8 @@ fn allocate<'py>(op: &str, like: &Bound<'py, PyAny>, meta: &TensorMeta) -> PyRes
         }
     }
     if let Producer::Exchange(api) = producer {
-        let bytes = meta.contiguous_bytes().map_err(to_py_err)?;
-        let buffer = Allocator::global().allocate(bytes, MemPolicy::HugeFirst).map_err(to_py_err)?;
-        let ptr = buffer.as_ptr();
-        let shape: Vec<i64> = meta.shape().iter().map(|&d| d as i64).collect();
-        let mut tensor = Dynamic::compact(shape)
-            .initialize(Box::new(buffer))
-            .map_err(|e| to_py_err(Error::internal(format!("{op}: DLPack output: {e}"))))?;
-        let (code, bits) = meta.dtype.dlpack();
-        tensor
-            .set_data(ptr.cast())
-            .set_device(DLDevice { device_type: DLDeviceType::CPU, device_id: 0 })
-            .set_dtype(DLDataType { code: DLDataTypeCode(code), bits, lanes: 1 });
-        // SAFETY: data, device, dtype, shape and compact strides describe the buffer the
-        // tensor owns (its context), which lives until the consumer's deleter runs.
-        let managed = unsafe { tensor.finish() };
+        let (managed, view) = dlpack_output(op, meta)?;
         let obj = api.managed_tensor_to_py_object_no_sync(managed, py)?;
-        let view = Imported { _owner: None, ptr, len: bytes, meta: meta.clone(), read_only: false };
         return Ok((obj, view));
     }
     let alloc = ALLOCATOR
@@ -416,9 +424,7 @@ pub fn call(
         },
     };
 
-    // Tensors: in-place arguments go with the outputs, the rest are inputs (schema order).
-    let mut inputs: SmallVec<[Option<Imported>; 4]> = SmallVec::new();
-    let mut in_place: Vec<Imported> = Vec::new();
+    let mut tensors = CallTensors::default();
     let mut like = None;
     for (arg, value) in entry.schema.args.iter().zip(&bound) {
         if !arg.ty.is_tensor() {
@@ -426,10 +432,7 @@ pub fn call(
         }
         let value = value.as_ref().filter(|v| !v.is_none());
         let Some(value) = value else {
-            if arg.ty.mutated.is_some() || !arg.ty.optional {
-                return Err(to_py_err(Error::arg(ErrorCode::ParamNullptr, op, &arg.name, "a tensor", "None")));
-            }
-            inputs.push(None);
+            tensors.absent(op, arg).map_err(to_py_err)?;
             continue;
         };
         let items: SmallVec<[Bound<'_, PyAny>; 1]> = if arg.ty.base == BaseType::TensorList {
@@ -442,45 +445,90 @@ pub fn call(
             like.get_or_insert_with(|| first.clone());
         }
         for item in &items {
-            let t = import(op, &arg.name, item).map_err(to_py_err)?;
-            if arg.ty.mutated.is_some() {
-                if t.read_only {
-                    return Err(to_py_err(Error::arg(
-                        ErrorCode::ParamInvalid,
-                        op,
-                        &arg.name,
-                        "a writable tensor (the op updates it in place)",
-                        "a read-only one",
-                    )));
-                }
-                in_place.push(t);
-            } else {
-                inputs.push(Some(t));
-            }
+            tensors.push(op, arg, import(op, &arg.name, item).map_err(to_py_err)?).map_err(to_py_err)?;
         }
     }
 
     let like = like.ok_or_else(|| to_py_err(Error::invalid(format!("{op}: needs at least one tensor"))))?;
-    let key = signature(entry, &inputs, &in_place, &attrs);
+    let mut returned = plan_and_run(Some(py), entry, &tensors, &attrs, &stream, |meta| allocate(op, &like, meta))?;
+    match returned.len() {
+        0 => Ok(py.None()),
+        1 => Ok(returned.pop().expect("one return").unbind()),
+        _ => Ok(PyTuple::new(py, returned)?.into_any().unbind()),
+    }
+}
+
+/// The tensors of one call as the executor binds them: arguments the op updates in place go with
+/// the outputs, the rest are inputs (schema order; `None` for an absent optional tensor).
+#[derive(Default)]
+pub(crate) struct CallTensors {
+    inputs: SmallVec<[Option<Imported>; 4]>,
+    in_place: Vec<Imported>,
+}
+
+impl CallTensors {
+    /// The caller gave no tensor (None) for `arg`.
+    pub(crate) fn absent(&mut self, op: &str, arg: &Arg) -> Result<(), Error> {
+        if arg.ty.mutated.is_some() || !arg.ty.optional {
+            return Err(Error::arg(ErrorCode::ParamNullptr, op, &arg.name, "a tensor", "None"));
+        }
+        self.inputs.push(None);
+        Ok(())
+    }
+
+    /// `t` is (an item of) `arg`.
+    pub(crate) fn push(&mut self, op: &str, arg: &Arg, t: Imported) -> Result<(), Error> {
+        if arg.ty.mutated.is_none() {
+            self.inputs.push(Some(t));
+            return Ok(());
+        }
+        if t.read_only {
+            return Err(Error::arg(
+                ErrorCode::ParamInvalid,
+                op,
+                &arg.name,
+                "a writable tensor (the op updates it in place)",
+                "a read-only one",
+            ));
+        }
+        self.in_place.push(t);
+        Ok(())
+    }
+}
+
+/// Phases 1 and 2 for imported tensors, shared by every route into the core (`uniop.<op>`, the
+/// C++ torch kernel): the plan cached for this signature (else infer, plan and cache it), one
+/// output per return made by `allocate` (what the caller's framework will own), the run.
+/// Given the GIL (`py`), work bigger than one block runs with it released.
+pub(crate) fn plan_and_run<O>(
+    py: Option<Python<'_>>,
+    entry: &Arc<OpEntry>,
+    tensors: &CallTensors,
+    attrs: &[(&str, AttrValue)],
+    stream: &Stream,
+    mut allocate: impl FnMut(&TensorMeta) -> PyResult<(O, Imported)>,
+) -> PyResult<SmallVec<[O; 2]>> {
+    let (inputs, in_place) = (&tensors.inputs[..], &tensors.in_place[..]);
+    let key = signature(entry, inputs, in_place, attrs);
     // Taken out of the cache while in use: allocating outputs may call back into Python, which
     // may call uniop again.
     let cached = PLANS.with(|plans| plans.borrow_mut().remove(&key));
     let expected = match &cached {
         Some(plan) => plan.outputs.clone(),
         None => {
-            let cx = bind_metas(entry, &inputs, &in_place, &attrs).map_err(to_py_err)?;
+            let cx = bind_metas(entry, inputs, in_place, attrs).map_err(to_py_err)?;
             entry.infer(&cx).map_err(to_py_err)?.into()
         }
     };
-    let mut returned: SmallVec<[Bound<'_, PyAny>; 2]> = SmallVec::new();
+    let mut returned: SmallVec<[O; 2]> = SmallVec::new();
     let mut outputs: SmallVec<[Imported; 2]> = SmallVec::new();
     for meta in expected.iter() {
-        let (obj, view) = allocate(op, &like, meta)?;
+        let (obj, view) = allocate(meta)?;
         outputs.push(view);
         returned.push(obj);
     }
     // SAFETY (every view below): each Imported keeps its producer's memory alive and unmoved until
-    // the end of this function, after the synchronous run has finished with it. The cached
+    // the caller is done with it, after the synchronous run has finished with it. The cached
     // executor keeps the pointers afterwards but never uses them: every tensor is rebound before
     // its next run.
     let input_view = |t: &Imported| unsafe { TensorRef::<'static>::from_raw(t.ptr, t.len, t.meta.clone()) };
@@ -504,7 +552,7 @@ pub fn call(
                 .map_err(to_py_err)?;
             let output_views =
                 in_place.iter().chain(&outputs).map(output_view).collect::<Result<_, _>>().map_err(to_py_err)?;
-            let mut exec = Executor::new(entry.clone(), &input_refs, &attrs, output_views).map_err(to_py_err)?;
+            let mut exec = Executor::new(entry.clone(), &input_refs, attrs, output_views).map_err(to_py_err)?;
             exec.set_repeatable();
             let size = exec.workspace_size();
             let workspace = if size <= CACHED_WORKSPACE_LIMIT {
@@ -529,14 +577,15 @@ pub fn call(
     // Work the op keeps in one block runs in microseconds on this thread: releasing and retaking
     // the GIL would cost more than it lets other threads gain. Anything bigger, or a wait behind
     // other work on the stream, runs with the GIL released.
-    let result = if plan.exec.is_single_block() && stream.query() {
-        run(&mut plan, &scratch, &stream)
-    } else {
-        let work = Unattached((&mut plan, &scratch, &stream));
-        py.detach(move || {
-            let (plan, scratch, stream) = work.into_inner();
-            run(plan, scratch, stream)
-        })
+    let result = match py {
+        Some(py) if !(plan.exec.is_single_block() && stream.query()) => {
+            let work = Unattached((&mut plan, &scratch, stream));
+            py.detach(move || {
+                let (plan, scratch, stream) = work.into_inner();
+                run(plan, scratch, stream)
+            })
+        }
+        _ => run(&mut plan, &scratch, stream),
     };
     result.map_err(to_py_err)?;
     PLANS.with(|plans| {
@@ -546,11 +595,7 @@ pub fn call(
         }
         plans.insert(key, plan);
     });
-    match returned.len() {
-        0 => Ok(py.None()),
-        1 => Ok(returned.pop().expect("one return").unbind()),
-        _ => Ok(PyTuple::new(py, returned)?.into_any().unbind()),
-    }
+    Ok(returned)
 }
 
 /// A phase-1 result kept for the next call with the same signature: a repeatable executor

@@ -15,6 +15,7 @@
 mod call;
 mod ndarray;
 mod runtime;
+mod torch_abi;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyDict, PyList};
@@ -88,6 +89,11 @@ impl Op {
         PyCFunction::new_closure(py, Some(leak(self.entry.name())?), Some(leak(doc)?), move |args, kwargs| {
             call::call(args.py(), &entry, args, kwargs)
         })
+    }
+
+    /// This op as the handle uniop's C++ torch kernels pass to the ABI in `_torch_abi()`.
+    fn _torch_handle(&self) -> usize {
+        torch_abi::handle(&self.entry)
     }
 
     #[getter]
@@ -170,6 +176,12 @@ fn _set_allocator(alloc: Py<PyAny>) -> PyResult<()> {
     call::set_allocator(alloc)
 }
 
+/// The capsule (`uniop._native.torch_abi`) with the C ABI uniop's C++ torch kernels call.
+#[pyfunction]
+fn _torch_abi(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyCapsule>> {
+    torch_abi::capsule(py)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     uniop_ops::init();
@@ -177,6 +189,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Op>()?;
     m.add_function(wrap_pyfunction!(ops, m)?)?;
     m.add_function(wrap_pyfunction!(_set_allocator, m)?)?;
+    m.add_function(wrap_pyfunction!(_torch_abi, m)?)?;
     runtime::register(m)?;
     Ok(())
 }

@@ -99,8 +99,9 @@ _any_requires_grad = torch._C._any_requires_grad
 
 
 def _load_cpp_kernels():
-    """uniop's C++ kernels when built for this torch (``python -m uniop.torch.build_kernels``),
-    else None: the Python kernels do the same work, about 2 µs slower per call.
+    """uniop's C++ CPU and Autograd kernels when built for this torch (``python -m
+    uniop.torch.build_kernels``), else None: the Python kernels do the same work, 2-4 µs slower
+    per call.
     ``UNIOP_TORCH_CPP_KERNELS=0`` picks the Python kernels on purpose."""
     if os.environ.get("UNIOP_TORCH_CPP_KERNELS") == "0":
         return None
@@ -109,20 +110,25 @@ def _load_cpp_kernels():
     if not build_kernels.built_for_this_torch():
         warnings.warn(
             f"uniop.torch: the C++ kernels are not built for torch {torch.__version__}; using the "
-            "Python ones (about 2 µs slower per call). Build them: python -m uniop.torch.build_kernels",
+            "Python ones (2-4 µs slower per call). Build them: python -m uniop.torch.build_kernels",
             stacklevel=3,
         )
         return None
-    from . import _autograd_kernel
+    try:
+        from . import _kernels
 
-    return _autograd_kernel
+        _kernels.init(_uniop._native._torch_abi())
+    except (ImportError, RuntimeError) as e:  # a broken build or another uniop ABI: say so, keep working
+        warnings.warn(f"uniop.torch: the C++ kernels did not load ({e}); using the Python ones", stacklevel=3)
+        return None
+    return _kernels
 
 
 _cpp_kernels = _load_cpp_kernels()
 
 
 def cpp_kernels_loaded():
-    """Whether ``torch.ops.uniop`` ops run their Autograd dispatch in uniop's C++ kernel."""
+    """Whether ``torch.ops.uniop`` ops run uniop's C++ CPU and Autograd kernels."""
     return _cpp_kernels is not None
 
 
@@ -216,7 +222,9 @@ def _register(natives):
     natives = [n for n in natives if n.name not in _registered]
     for native in natives:
         _lib.define(native.schema)
-        _lib.impl(native.name, native, "CPU")  # the op object itself: no Python frame between
+        cpp = _cpp_kernels is not None and _cpp_kernels.register_cpu(NAMESPACE, native.name, native._torch_handle())
+        if not cpp:
+            _lib.impl(native.name, native, "CPU")  # the op object itself: no Python frame between
         torch.library.register_fake(f"{NAMESPACE}::{native.name}", _fake_kernel(native), lib=_lib)
         _registered[native.name] = native
     for native in natives:

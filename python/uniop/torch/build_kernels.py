@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-MODULE = "_autograd_kernel"
-SOURCE = HERE / "csrc" / "autograd_kernel.cpp"
+MODULE = "_kernels"
+SOURCE = HERE / "csrc" / "kernels.cpp"
 STAMP = HERE / f"{MODULE}.torch-version"
 
 

@@ -1,0 +1,248 @@
+//! The C ABI of uniop's C++ torch kernels (`python/uniop/torch/csrc/kernels.cpp`).
+//!
+//! A `torch.ops.uniop` call whose kernel is Python pays for the GIL, a PyObject per argument and a
+//! frame before the core sees a tensor (~2.5 µs on a tiny tensor, more than the op). The C++
+//! kernel instead reads the dispatcher's stack into one [`BoxedValue`] per schema argument —
+//! tensors as DLPack `DLTensor` views — and calls [`call`] here with no Python involved; outputs
+//! come back as DLPack managed tensors over uniop's caching allocator, which torch adopts
+//! (`at::fromDLPackVersioned`). The same plan cache and executor as `uniop.<op>` run the op.
+//!
+//! The C++ module gets this table from a capsule (`_native._torch_abi()`), so neither shared
+//! library links the other, and the op as a handle (`Op._torch_handle()`). Errors become the
+//! usual `uniop.UniopError`, set as the calling thread's Python error for the C++ side to raise;
+//! panics are caught here and never cross into C++.
+
+use crate::call::{describe, dlpack_output, finish, plan_and_run, CallTensors};
+use crate::to_py_err;
+use dlpark::ffi::{DLDataType, DLManagedTensorVersioned, DLTensor};
+use pyo3::prelude::*;
+use pyo3::types::PyCapsule;
+use smallvec::SmallVec;
+use std::ffi::CStr;
+use std::mem::ManuallyDrop;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use uniop::schema::BaseType;
+use uniop::{AttrValue, DType, Error, ErrorCode, OpEntry, Stream};
+
+/// What a [`BoxedValue`] holds. The numbers are the ABI: keep them in step with `kernels.cpp`.
+#[repr(u32)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum ValueKind {
+    None = 0,
+    /// `tensors[0]`.
+    Tensor = 1,
+    /// `tensors[..len]`.
+    TensorList = 2,
+    Int = 3,
+    Float = 4,
+    /// `int_value` is 0 or 1.
+    Bool = 5,
+    /// `text[..len]`, UTF-8.
+    Str = 6,
+    /// `ints[..len]`.
+    Ints = 7,
+    /// `dtype`.
+    DType = 8,
+}
+
+/// One schema argument's value, as the C++ kernel read it off the dispatcher's stack.
+#[repr(C)]
+pub struct BoxedValue {
+    pub kind: u32,
+    pub len: u64,
+    pub tensors: *const DLTensor,
+    pub ints: *const i64,
+    pub text: *const u8,
+    pub int_value: i64,
+    pub float_value: f64,
+    pub dtype: DLDataType,
+}
+
+/// The function table the capsule carries.
+#[repr(C)]
+pub struct TorchAbi {
+    /// Bumped on any change to this table or to [`BoxedValue`]; the C++ side refuses others.
+    pub version: u32,
+    /// Runs `op` (an `Op._torch_handle()`) on `args` (one per schema argument, schema order) and
+    /// writes one managed tensor per schema return to `outs` (the caller owns them). Returns 0,
+    /// or a uniop status code with the error set as this thread's Python error (taking the GIL
+    /// for that, so the caller may or may not hold it).
+    pub call: unsafe extern "C" fn(
+        op: *const OpEntry,
+        args: *const BoxedValue,
+        num_args: u64,
+        outs: *mut *mut DLManagedTensorVersioned,
+        num_outs: u64,
+    ) -> i32,
+}
+
+pub const TORCH_ABI_VERSION: u32 = 1;
+// The C++ side asserts the same size.
+const _: () = assert!(std::mem::size_of::<BoxedValue>() == 64);
+
+static TABLE: TorchAbi = TorchAbi { version: TORCH_ABI_VERSION, call };
+
+const CAPSULE_NAME: &CStr = c"uniop._native.torch_abi";
+
+/// The capsule handing [`TorchAbi`] to the C++ kernels.
+pub fn capsule(py: Python<'_>) -> PyResult<Bound<'_, PyCapsule>> {
+    let table = std::ptr::NonNull::from(&TABLE).cast::<std::ffi::c_void>();
+    // SAFETY: the table is a static, valid for the life of the process.
+    unsafe { PyCapsule::new_with_pointer(py, table, CAPSULE_NAME) }
+}
+
+/// A handle for `entry` valid for the life of the process (ops are never unregistered; the leaked
+/// count keeps it so even then).
+pub fn handle(entry: &Arc<OpEntry>) -> usize {
+    Arc::into_raw(entry.clone()) as usize
+}
+
+unsafe extern "C" fn call(
+    op: *const OpEntry,
+    args: *const BoxedValue,
+    num_args: u64,
+    outs: *mut *mut DLManagedTensorVersioned,
+    num_outs: u64,
+) -> i32 {
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        if op.is_null() || (args.is_null() && num_args > 0) || (outs.is_null() && num_outs > 0) {
+            return Err(to_py_err(Error::new(ErrorCode::ParamNullptr, "uniop torch kernel: a null pointer")));
+        }
+        // SAFETY: `op` comes from `handle`: an Arc leaked for the process, borrowed here without
+        // touching its count. `args` points at `num_args` values and `outs` at `num_outs` slots,
+        // as the ABI requires of the caller.
+        let entry = ManuallyDrop::new(unsafe { Arc::from_raw(op) });
+        let args = unsafe { slice(args, num_args) };
+        let outs = if num_outs == 0 {
+            &mut [][..]
+        } else {
+            unsafe { std::slice::from_raw_parts_mut(outs, num_outs as usize) }
+        };
+        run(&entry, args, outs)
+    }));
+    match result {
+        Ok(Ok(())) => 0,
+        Ok(Err(err)) => restore(err),
+        Err(_) => restore(to_py_err(Error::internal("uniop torch kernel: a panic in the core"))),
+    }
+}
+
+/// Sets `err` as this thread's Python error; returns its status code.
+fn restore(err: PyErr) -> i32 {
+    Python::attach(|py| {
+        let code = err.value(py).getattr("code").and_then(|c| c.extract::<i32>()).unwrap_or(1);
+        err.restore(py);
+        code
+    })
+}
+
+/// `len` items at `ptr` (which may be null or dangling when `len` is 0).
+///
+/// # Safety
+/// A non-empty `ptr` must point at `len` initialized items that outlive the returned slice.
+unsafe fn slice<'a, T>(ptr: *const T, len: u64) -> &'a [T] {
+    if len == 0 {
+        &[]
+    } else {
+        // SAFETY: the caller's promise.
+        unsafe { std::slice::from_raw_parts(ptr, len as usize) }
+    }
+}
+
+fn run(entry: &Arc<OpEntry>, args: &[BoxedValue], outs: &mut [*mut DLManagedTensorVersioned]) -> PyResult<()> {
+    let op = entry.name();
+    let schema = &entry.schema;
+    if args.len() != schema.args.len() || outs.len() != schema.returns.len() {
+        return Err(to_py_err(Error::invalid(format!(
+            "{op}: the torch kernel passed {} arguments and room for {} returns; the schema has {} and {}",
+            args.len(),
+            outs.len(),
+            schema.args.len(),
+            schema.returns.len()
+        ))));
+    }
+    let mut tensors = CallTensors::default();
+    let mut attrs: SmallVec<[(&str, AttrValue); 4]> = SmallVec::new();
+    for (arg, value) in schema.args.iter().zip(args) {
+        let kind = value.kind;
+        if !arg.ty.is_tensor() {
+            attrs.push((arg.name.as_str(), attr(op, &arg.name, value).map_err(to_py_err)?));
+            continue;
+        }
+        // SAFETY (both): the kind says how many tensors `tensors` points at.
+        let items = match kind {
+            k if k == ValueKind::None as u32 => {
+                tensors.absent(op, arg).map_err(to_py_err)?;
+                continue;
+            }
+            k if k == ValueKind::Tensor as u32 => unsafe { slice(value.tensors, 1) },
+            k if k == ValueKind::TensorList as u32 && arg.ty.base == BaseType::TensorList => unsafe {
+                slice(value.tensors, value.len)
+            },
+            _ => return Err(to_py_err(wrong_kind(op, &arg.name, kind))),
+        };
+        for t in items {
+            // SAFETY: the C++ kernel's views describe tensors it holds for the whole call.
+            let view = unsafe { dlpark::TensorRef::from_raw(t) }.map_err(|e| {
+                to_py_err(Error::arg(ErrorCode::ParamInvalid, op, &arg.name, "a valid DLPack tensor", e.to_string()))
+            })?;
+            let imported = describe(op, &arg.name, &view).and_then(|d| finish(op, None, d, false));
+            tensors.push(op, arg, imported.map_err(to_py_err)?).map_err(to_py_err)?;
+        }
+    }
+    let made = plan_and_run(None, entry, &tensors, &attrs, Stream::default_stream(), |meta| dlpack_output(op, meta))?;
+    if made.len() != outs.len() {
+        return Err(to_py_err(Error::internal(format!(
+            "{op}: infer gave {} outputs for {} schema returns",
+            made.len(),
+            outs.len()
+        ))));
+    }
+    for (slot, managed) in outs.iter_mut().zip(made) {
+        *slot = managed.into_raw();
+    }
+    Ok(())
+}
+
+fn wrong_kind(op: &str, arg: &str, kind: u32) -> Error {
+    Error::arg(ErrorCode::ParamInvalid, op, arg, "a value of its schema type", format!("boxed value kind {kind}"))
+}
+
+/// An attribute's value. Whether it fits the schema type is the core's check, as for every route.
+fn attr(op: &str, arg: &str, v: &BoxedValue) -> Result<AttrValue, Error> {
+    Ok(match v.kind {
+        k if k == ValueKind::None as u32 => AttrValue::None,
+        k if k == ValueKind::Int as u32 => AttrValue::Int(v.int_value),
+        k if k == ValueKind::Float as u32 => AttrValue::Float(v.float_value),
+        k if k == ValueKind::Bool as u32 => AttrValue::Bool(v.int_value != 0),
+        k if k == ValueKind::Str as u32 => {
+            // SAFETY: `text[..len]` is the string the C++ kernel holds for the call.
+            let bytes = unsafe { slice(v.text, v.len) };
+            let text = std::str::from_utf8(bytes)
+                .map_err(|_| Error::arg(ErrorCode::ParamInvalid, op, arg, "a UTF-8 string", "invalid UTF-8"))?;
+            AttrValue::Str(text.to_string())
+        }
+        // SAFETY: `ints[..len]` is the list the C++ kernel holds for the call.
+        k if k == ValueKind::Ints as u32 => AttrValue::Ints(unsafe { slice(v.ints, v.len) }.to_vec()),
+        k if k == ValueKind::DType as u32 => {
+            AttrValue::DType(DType::from_dlpack(v.dtype.code.0, v.dtype.bits).map_err(|_| {
+                // A dtype DLPack cannot name comes with the framework's name for it instead.
+                // SAFETY: `text[..len]` is the name the C++ kernel holds for the call.
+                let name = String::from_utf8_lossy(unsafe { slice(v.text, v.len) }).into_owned();
+                Error::arg(
+                    ErrorCode::DType,
+                    op,
+                    arg,
+                    "a dtype uniop knows (float32/16, bfloat16, float64, int8/32/64, uint8, bool)",
+                    if name.is_empty() {
+                        format!("DLPack type code {} with {} bits", v.dtype.code.0, v.dtype.bits)
+                    } else {
+                        name
+                    },
+                )
+            })?)
+        }
+        other => return Err(wrong_kind(op, arg, other)),
+    })
+}

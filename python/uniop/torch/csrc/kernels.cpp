@@ -1,0 +1,372 @@
+// uniop's C++ kernels for torch.ops.uniop: the CPU kernel and the Autograd kernel of every op.
+//
+// Why C++: a Python kernel costs each call the GIL, a PyObject per argument and a frame before the
+// op runs — on a tiny tensor about 2.5 µs for the CPU kernel and 2 µs more for the Autograd one,
+// more than the op itself. Here:
+//
+// - CpuKernel reads the dispatcher's stack into uniop's boxed values (tensors as DLPack views) and
+//   calls the core through the C ABI `_native._torch_abi()` hands over in a capsule
+//   (crates/uniop-python/src/torch_abi.rs); outputs come back as DLPack managed tensors over
+//   uniop's caching allocator and torch adopts them. No Python runs, and torch has already
+//   released the GIL, so threads calling ops run in parallel.
+// - AutogradKernel sends a call that needs no gradient (inference, no_grad, tensors without
+//   requires_grad) below autograd in C++; every other call (a gradient is needed, fake tensors,
+//   modes, functionalization) goes to the generic Python kernel torch.library builds from the
+//   op's backward (uniop/torch/__init__.py), with the arguments and key set it would have had.
+//
+// Both are generic over the registry: one functor type each, one instance per op, no per-op code.
+// Built against the installed torch by `python -m uniop.torch.build_kernels` (scripts/python-env.sh).
+#include <ATen/DLConvertor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/dlpack.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/SmallVector.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+// ---- The C ABI of crates/uniop-python/src/torch_abi.rs (keep in step; the version guards it).
+
+enum ValueKind : uint32_t {
+  kNone = 0,
+  kTensor = 1,
+  kTensorList = 2,
+  kInt = 3,
+  kFloat = 4,
+  kBool = 5,
+  kStr = 6,
+  kInts = 7,
+  kDType = 8,
+};
+
+struct BoxedValue {
+  uint32_t kind = kNone;
+  uint64_t len = 0;
+  const DLTensor* tensors = nullptr;
+  const int64_t* ints = nullptr;
+  const uint8_t* text = nullptr;
+  int64_t int_value = 0;
+  double float_value = 0;
+  DLDataType dtype{0, 0, 0};
+};
+static_assert(sizeof(BoxedValue) == 64, "BoxedValue must match torch_abi.rs");
+
+struct TorchAbi {
+  uint32_t version;
+  int32_t (*call)(const void* op, const BoxedValue* args, uint64_t num_args, DLManagedTensorVersioned** outs,
+                  uint64_t num_outs);
+};
+
+constexpr uint32_t kTorchAbiVersion = 1;
+constexpr const char* kCapsuleName = "uniop._native.torch_abi";
+
+const TorchAbi* g_abi = nullptr;
+
+// ---- CPU kernel
+
+// How the CPU kernel reads one schema argument off the stack (decided once per op).
+enum class ArgClass { Tensor, MutatedTensor, TensorList, DType, Attribute };
+
+// A DLPack code for the dtypes uniop knows; anything else is passed as code 255 with the torch name
+// in the value's text, for the core to refuse with its usual error.
+bool dl_dtype(c10::ScalarType t, DLDataType* out) {
+  switch (t) {
+    case c10::ScalarType::Float: *out = {kDLFloat, 32, 1}; return true;
+    case c10::ScalarType::Half: *out = {kDLFloat, 16, 1}; return true;
+    case c10::ScalarType::BFloat16: *out = {kDLBfloat, 16, 1}; return true;
+    case c10::ScalarType::Double: *out = {kDLFloat, 64, 1}; return true;
+    case c10::ScalarType::Char: *out = {kDLInt, 8, 1}; return true;
+    case c10::ScalarType::Short: *out = {kDLInt, 16, 1}; return true;
+    case c10::ScalarType::Int: *out = {kDLInt, 32, 1}; return true;
+    case c10::ScalarType::Long: *out = {kDLInt, 64, 1}; return true;
+    case c10::ScalarType::Byte: *out = {kDLUInt, 8, 1}; return true;
+    case c10::ScalarType::Bool: *out = {kDLBool, 8, 1}; return true;
+    default: *out = {255, 0, 1}; return false;
+  }
+}
+
+// The per-call storage the boxed values point into; sized for typical ops without heap use.
+struct CallStorage {
+  c10::SmallVector<DLTensor, 8> tensors;
+  std::vector<std::vector<int64_t>> int_lists;
+  std::vector<std::string> names;  // dtype names uniop does not know
+};
+
+DLTensor dl_view(const at::Tensor& t, bool mutated) {
+  DLTensor d{};
+  d.data = mutated ? t.mutable_data_ptr() : const_cast<void*>(t.const_data_ptr());
+  // Only CPU tensors reach a CPU kernel, short of a mixed call; the core names any other device.
+  d.device = t.is_cpu() ? DLDevice{kDLCPU, 0} : DLDevice{t.is_cuda() ? kDLCUDA : kDLExtDev, t.get_device()};
+  d.ndim = static_cast<int32_t>(t.dim());
+  d.dtype = at::getDLDataType(t);
+  d.shape = const_cast<int64_t*>(t.sizes().data());
+  d.strides = const_cast<int64_t*>(t.strides().data());
+  d.byte_offset = 0;
+  return d;
+}
+
+class CpuKernel final : public c10::OperatorKernel {
+ public:
+  CpuKernel(const void* op, std::vector<ArgClass> classes) : op_(op), classes_(std::move(classes)) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    const auto& schema = op.schema();
+    const size_t num_args = classes_.size();
+    const size_t first = stack->size() - num_args;
+    CallStorage storage;
+    // Tensor views first, all of them, so the storage never moves once values point into it.
+    for (size_t i = 0; i < num_args; ++i) {
+      const c10::IValue& v = (*stack)[first + i];
+      if (classes_[i] == ArgClass::TensorList && v.isTensorList()) {
+        for (const at::Tensor& t : v.toTensorList()) storage.tensors.push_back(dl_view(t, false));
+      } else if ((classes_[i] == ArgClass::Tensor || classes_[i] == ArgClass::MutatedTensor) && v.isTensor()) {
+        storage.tensors.push_back(dl_view(v.toTensor(), classes_[i] == ArgClass::MutatedTensor));
+      }
+    }
+    c10::SmallVector<BoxedValue, 8> values(num_args);
+    const DLTensor* next_tensor = storage.tensors.data();
+    for (size_t i = 0; i < num_args; ++i) {
+      const c10::IValue& v = (*stack)[first + i];
+      BoxedValue& out = values[i];
+      if (v.isNone()) continue;  // kNone
+      switch (classes_[i]) {
+        case ArgClass::Tensor:
+        case ArgClass::MutatedTensor:
+          out.kind = kTensor;
+          out.len = 1;
+          out.tensors = next_tensor++;
+          break;
+        case ArgClass::TensorList:
+          out.kind = kTensorList;
+          out.len = v.toTensorList().size();
+          out.tensors = next_tensor;
+          next_tensor += out.len;
+          break;
+        case ArgClass::DType:
+          out.kind = kDType;
+          if (!dl_dtype(v.toScalarType(), &out.dtype)) {
+            const std::string& name = storage.names.emplace_back(c10::toString(v.toScalarType()));
+            out.text = reinterpret_cast<const uint8_t*>(name.data());
+            out.len = name.size();
+          }
+          break;
+        case ArgClass::Attribute:
+          read_attribute(schema, i, v, &out, &storage);
+          break;
+      }
+    }
+    const size_t num_returns = schema.returns().size();
+    c10::SmallVector<DLManagedTensorVersioned*, 4> outs(num_returns, nullptr);
+    if (g_abi->call(op_, values.data(), num_args, outs.data(), num_returns) != 0) {
+      py::gil_scoped_acquire gil;
+      throw py::error_already_set();  // uniop.UniopError, set by the core
+    }
+    torch::jit::drop(*stack, num_args);
+    for (DLManagedTensorVersioned* managed : outs) stack->push_back(at::fromDLPackVersioned(managed));
+  }
+
+ private:
+  static void read_attribute(const c10::FunctionSchema& schema, size_t i, const c10::IValue& v, BoxedValue* out,
+                             CallStorage* storage) {
+    if (v.isBool()) {
+      out->kind = kBool;
+      out->int_value = v.toBool();
+    } else if (v.isInt()) {
+      out->kind = kInt;
+      out->int_value = v.toInt();
+    } else if (v.isDouble()) {
+      out->kind = kFloat;
+      out->float_value = v.toDouble();
+    } else if (v.isString()) {
+      const std::string& text = v.toStringRef();
+      out->kind = kStr;
+      out->text = reinterpret_cast<const uint8_t*>(text.data());
+      out->len = text.size();
+    } else if (v.isIntList()) {
+      const auto& ints = storage->int_lists.emplace_back(v.toIntVector());
+      out->kind = kInts;
+      out->ints = ints.data();
+      out->len = ints.size();
+    } else {
+      TORCH_CHECK(false, schema.name(), ": argument '", schema.arguments()[i].name(),
+                  "': uniop's torch kernel takes no value of type ", v.tagKind());
+    }
+  }
+
+  const void* op_;
+  std::vector<ArgClass> classes_;
+};
+
+// How each argument of `schema` is read, or false when one has a type the CPU kernel does not
+// convert (the op then keeps the Python CPU kernel, which handles any).
+bool classify(const c10::FunctionSchema& schema, std::vector<ArgClass>* classes) {
+  for (const auto& arg : schema.arguments()) {
+    c10::TypePtr type = arg.real_type();
+    if (auto optional = type->cast<c10::OptionalType>()) type = optional->getElementType();
+    if (type->kind() == c10::TypeKind::TensorType) {
+      const bool mutated = arg.alias_info() && arg.alias_info()->isWrite();
+      classes->push_back(mutated ? ArgClass::MutatedTensor : ArgClass::Tensor);
+    } else if (auto list = type->cast<c10::ListType>()) {
+      const auto item = list->getElementType()->kind();
+      if (item == c10::TypeKind::TensorType) {
+        classes->push_back(ArgClass::TensorList);
+      } else if (item == c10::TypeKind::IntType) {
+        classes->push_back(ArgClass::Attribute);
+      } else {
+        return false;
+      }
+    } else if (type->kind() == c10::TypeKind::ScalarTypeType) {
+      classes->push_back(ArgClass::DType);
+    } else {
+      classes->push_back(ArgClass::Attribute);
+    }
+  }
+  for (const auto& ret : schema.returns()) {
+    if (ret.real_type()->kind() != c10::TypeKind::TensorType) return false;
+  }
+  return true;
+}
+
+// ---- Autograd kernel
+
+// The key set of a call whose arguments are all plain CPU tensors, as an Autograd kernel sees it.
+constexpr c10::DispatchKeySet kPlainCpu =
+    c10::DispatchKeySet(c10::DispatchKey::CPU) | c10::DispatchKeySet(c10::DispatchKey::AutogradCPU);
+
+bool requires_grad(const c10::IValue& value) {
+  if (value.isTensor()) return value.toTensor().requires_grad();
+  if (value.isTensorList()) {
+    for (const at::Tensor& t : value.toTensorList()) {
+      if (t.requires_grad()) return true;
+    }
+    return false;
+  }
+  if (value.isList()) {  // Tensor?[]
+    for (const c10::IValue& item : value.toListRef()) {
+      if (requires_grad(item)) return true;
+    }
+  }
+  return false;
+}
+
+class AutogradKernel final : public c10::OperatorKernel {
+ public:
+  // `generic` is torch.library's autograd kernel for this op: generic(keyset, *args, **kwargs).
+  // It is held for the life of the process and deliberately never released: the dispatcher may
+  // destroy this functor after the interpreter has finalized, when no reference may be dropped.
+  explicit AutogradKernel(py::object generic) : generic_(generic.release().ptr()) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
+    const size_t num_args = op.schema().arguments().size();
+    if (keyset == kPlainCpu && !(c10::GradMode::is_enabled() && any_requires_grad(*stack, num_args))) {
+      op.redispatchBoxed(keyset & c10::after_autograd_keyset, stack);
+      return;
+    }
+    call_generic(op, keyset, stack, num_args);
+  }
+
+ private:
+  static bool any_requires_grad(const torch::jit::Stack& stack, size_t num_args) {
+    for (size_t i = stack.size() - num_args; i < stack.size(); ++i) {
+      if (requires_grad(stack[i])) return true;
+    }
+    return false;
+  }
+
+  void call_generic(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack,
+                    size_t num_args) {
+    const auto& schema = op.schema();
+    py::gil_scoped_acquire gil;
+    py::list args;
+    py::dict kwargs;
+    args.append(py::cast(keyset));
+    const size_t first = stack->size() - num_args;
+    for (size_t i = 0; i < num_args; ++i) {
+      py::object value = torch::jit::toPyObject(std::move((*stack)[first + i]));
+      const auto& arg = schema.arguments()[i];
+      if (arg.kwarg_only()) {
+        kwargs[py::str(arg.name())] = value;
+      } else {
+        args.append(value);
+      }
+    }
+    torch::jit::drop(*stack, num_args);
+    py::object out = py::reinterpret_borrow<py::object>(generic_)(*py::tuple(args), **kwargs);
+    push_returns(schema, stack, out);
+  }
+
+  static void push_returns(const c10::FunctionSchema& schema, torch::jit::Stack* stack, const py::object& out) {
+    const auto& returns = schema.returns();
+    if (returns.empty()) return;
+    if (returns.size() == 1) {
+      stack->push_back(torch::jit::toIValue(out, returns[0].real_type()));
+      return;
+    }
+    auto items = out.cast<py::sequence>();
+    TORCH_CHECK(items.size() == returns.size(), "uniop autograd kernel for ", schema.name(), ": expected ",
+                returns.size(), " returns, the Python kernel gave ", items.size());
+    for (size_t i = 0; i < returns.size(); ++i) {
+      stack->push_back(torch::jit::toIValue(items[i], returns[i].real_type()));
+    }
+  }
+
+  PyObject* generic_;
+};
+
+// ---- Registration
+
+// The IMPL fragments holding the registrations: they live as long as the process (a registration
+// ends when its Library is destroyed, and ops are never unregistered).
+void keep(std::unique_ptr<torch::Library> lib) {
+  static auto* libs = new std::vector<std::unique_ptr<torch::Library>>();
+  libs->push_back(std::move(lib));
+}
+
+void init(py::capsule abi) {
+  auto* table = static_cast<const TorchAbi*>(PyCapsule_GetPointer(abi.ptr(), kCapsuleName));
+  if (table == nullptr) throw py::error_already_set();
+  TORCH_CHECK(table->version == kTorchAbiVersion, "uniop: the C++ torch kernels speak ABI version ",
+              kTorchAbiVersion, " but uniop._native offers ", table->version,
+              "; rebuild them: python -m uniop.torch.build_kernels");
+  g_abi = table;
+}
+
+bool register_cpu(const std::string& ns, const std::string& name, uintptr_t handle) {
+  TORCH_CHECK(g_abi != nullptr, "uniop: init() the C++ torch kernels before registering");
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::" + name).c_str(), "");
+  std::vector<ArgClass> classes;
+  if (!classify(op.schema(), &classes)) return false;
+  auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::CPU, __FILE__, __LINE__);
+  auto kernel = std::make_unique<CpuKernel>(reinterpret_cast<const void*>(handle), std::move(classes));
+  lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
+  keep(std::move(lib));
+  return true;
+}
+
+void register_autograd(const std::string& ns, const std::string& name, py::object generic) {
+  auto lib =
+      std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::Autograd, __FILE__, __LINE__);
+  lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(generic)));
+  keep(std::move(lib));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_kernels, m) {
+  m.doc() = "uniop's C++ CPU and Autograd kernels for torch.ops.uniop (see uniop/torch/csrc/kernels.cpp).";
+  m.def("init", &init, py::arg("abi"), "Takes the C ABI table from uniop._native._torch_abi().");
+  m.def("register_cpu", &register_cpu, py::arg("namespace"), py::arg("name"), py::arg("handle"),
+        "Registers the C++ CPU kernel for namespace::name (op handle from Op._torch_handle()); "
+        "False when the schema has an argument type it does not convert.");
+  m.def("register_autograd", &register_autograd, py::arg("namespace"), py::arg("name"), py::arg("generic"),
+        "Registers the C++ Autograd kernel for namespace::name; calls needing autograd go to `generic`.");
+}
