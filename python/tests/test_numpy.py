@@ -247,3 +247,20 @@ def test_numpy_only_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_gemm_kernels_name_what_the_cpu_has():
+    """uniop.gemm_kernels() agrees with the kernel's flags in /proc/cpuinfo (Linux x86)."""
+    kernels = uniop.gemm_kernels()
+    assert set(kernels) == {"bfloat16", "float32"}
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists() or "flags" not in cpuinfo.read_text():
+        pytest.skip("no /proc/cpuinfo flags here")
+    flags = set(next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split())
+    avx2 = {"avx2", "fma"} <= flags
+    avx512 = {"avx512f", "avx512bw"} <= flags
+
+    def level(top):
+        return "avx512" if top else "avx2" if avx2 else "scalar"
+
+    assert kernels == {"bfloat16": level(avx512 and "avx512_bf16" in flags), "float32": level(avx512)}

@@ -8,11 +8,12 @@
 //! one 32-bit word to broadcast. Tiles deeper than one slice are carried between slices in an f32
 //! scratch block, so the output (f32 or bf16) is rounded once.
 //!
-//! Machines without AVX512-BF16 run a portable micro-kernel over the same packed panels (the
-//! same f32 sums, without the pair instruction), so packing, blocking and edge handling are one
-//! code path. Scratch lives in per-thread buffers reused across calls, like the `gemm` crate's.
+//! Machines without AVX512-BF16 run an AVX2 micro-kernel (or, without AVX2, a portable one) over
+//! the same packed panels: the same f32 sums, each pair widened to f32 by shifts and multiplied
+//! with FMAs, so packing, blocking and edge handling are one code path. Scratch lives in per-thread buffers reused across calls, like the `gemm` crate's.
 
 use crate::matmul::{Dst, Mat};
+use crate::skinny::{Dots, Simd};
 use std::cell::RefCell;
 use uniop::half::bf16;
 
@@ -78,15 +79,17 @@ thread_local! {
 
 #[cfg(test)]
 thread_local! {
-    /// Tests run the portable micro-kernel on machines that have the fast one.
-    static FORCE_PORTABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Tests run each micro-kernel the machine has, not only its best.
+    static FORCED: std::cell::Cell<Option<Simd>> = const { std::cell::Cell::new(None) };
 }
 
-fn portable_forced() -> bool {
+/// The micro-kernel level to run: the CPU's best (tests may force a lower one).
+fn simd_level() -> Simd {
     #[cfg(test)]
-    return FORCE_PORTABLE.with(|f| f.get());
-    #[cfg(not(test))]
-    false
+    if let Some(forced) = FORCED.with(|f| f.get()) {
+        return forced;
+    }
+    <bf16 as Dots>::best()
 }
 
 fn grow<T: Copy + Default>(v: &mut Vec<T>, len: usize) {
@@ -113,9 +116,9 @@ pub(crate) unsafe fn gemm_rows_bf16<O: GemmOut>(
     if rows.is_empty() || n == 0 {
         return;
     }
-    let fast = has_avx512_bf16() && !portable_forced();
+    let simd = simd_level();
     if crate::skinny::applies(&rows, lhs, rhs) {
-        return crate::skinny::skinny(rows, n, k, dst, lhs, rhs, accumulate, fast);
+        return crate::skinny::skinny(rows, n, k, dst, lhs, rhs, accumulate, simd);
     }
     // K slices of depth KC (the last may be shorter); k == 0 still gets one (empty) slice so the
     // output is written. Every slice but the last has KC / 2 pairs, which locates packed B slices.
@@ -156,11 +159,15 @@ pub(crate) unsafe fn gemm_rows_bf16<O: GemmOut>(
                                 ptr: dst.ptr.offset((ic + ir) as isize * dst.rs + (jc + jr) as isize * dst.cs),
                                 ..dst
                             };
-                            if fast {
+                            if simd == Simd::Avx512 {
                                 micro_avx512_bf16(pairs, a_panel, b_panel, carried, sink, c_tile, out);
                             } else {
                                 let mut tile = [[0f32; NR]; MR];
-                                micro_portable(pairs, a_panel, b_panel, carried, &mut tile);
+                                if simd == Simd::Avx2 {
+                                    micro_avx2(pairs, a_panel, b_panel, carried, &mut tile);
+                                } else {
+                                    micro_portable(pairs, a_panel, b_panel, carried, &mut tile);
+                                }
                                 finish(&tile, sink, c_tile, out);
                             }
                         }
@@ -169,16 +176,6 @@ pub(crate) unsafe fn gemm_rows_bf16<O: GemmOut>(
             }
         }
     });
-}
-
-fn has_avx512_bf16() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *DETECTED.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
 }
 
 /// Element `(r, c)` of a strided bf16 matrix as raw bits, or 0 outside `rows × cols` (padding).
@@ -334,6 +331,61 @@ unsafe fn micro_avx512_bf16<O: GemmOut>(
     unreachable!("only selected when the CPU has AVX512-BF16")
 }
 
+/// The same sums as [`micro_avx512_bf16`] with AVX2 and FMA, into `tile`. Sixteen registers hold
+/// a 4 × 16 part of the tile at a time (8 sums, the 16 columns' even and odd halves, one row's
+/// pair), so the tile is walked in four parts, each over all pairs; a part's packed B columns
+/// (16 KiB for a full slice) stay in L1 meanwhile. A pair word widens exactly: its low bf16 is
+/// the word shifted left by 16, its high one the word with the low half cleared.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn micro_avx2(
+    pairs: usize,
+    a: *const u32,
+    b: *const u32,
+    carried: Option<*const f32>,
+    tile: &mut [[f32; NR]; MR],
+) {
+    use std::arch::x86_64::*;
+    const ROWS: usize = 4;
+    const COLS: usize = 16;
+    let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+    let even = |w: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
+    let odd = |w: __m256i| _mm256_castsi256_ps(_mm256_and_si256(w, high));
+    for r0 in (0..MR).step_by(ROWS) {
+        for c0 in (0..NR).step_by(COLS) {
+            let mut acc = [[_mm256_setzero_ps(); 2]; ROWS];
+            if let Some(c) = carried {
+                for (i, row) in acc.iter_mut().enumerate() {
+                    for (h, v) in row.iter_mut().enumerate() {
+                        *v = _mm256_loadu_ps(c.add((r0 + i) * NC + c0 + 8 * h));
+                    }
+                }
+            }
+            for p in 0..pairs {
+                let bp = b.add(p * NR + c0) as *const __m256i;
+                let (w0, w1) = (_mm256_loadu_si256(bp), _mm256_loadu_si256(bp.add(1)));
+                let (be0, bo0, be1, bo1) = (even(w0), odd(w0), even(w1), odd(w1));
+                for (i, row) in acc.iter_mut().enumerate() {
+                    let word = _mm256_set1_epi32(*a.add(p * MR + r0 + i) as i32);
+                    let (ae, ao) = (even(word), odd(word));
+                    row[0] = _mm256_fmadd_ps(ao, bo0, _mm256_fmadd_ps(ae, be0, row[0]));
+                    row[1] = _mm256_fmadd_ps(ao, bo1, _mm256_fmadd_ps(ae, be1, row[1]));
+                }
+            }
+            for (i, row) in acc.iter().enumerate() {
+                for (h, &v) in row.iter().enumerate() {
+                    _mm256_storeu_ps(tile[r0 + i].as_mut_ptr().add(c0 + 8 * h), v);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn micro_avx2(_: usize, _: *const u32, _: *const u32, _: Option<*const f32>, _: &mut [[f32; NR]; MR]) {
+    unreachable!("only selected when the CPU has AVX2")
+}
+
 /// The same sums as [`micro_avx512_bf16`] in plain Rust.
 unsafe fn micro_portable(
     pairs: usize,
@@ -370,7 +422,7 @@ mod tests {
     }
 
     /// Runs the GEMM on `[m, k]` (row-major or column-major) × `[k, n]` (either) and compares every
-    /// element with an f64 sum of the same bf16 values, for both micro-kernels.
+    /// element with an f64 sum of the same bf16 values, for every micro-kernel the CPU has.
     fn check(m: usize, k: usize, n: usize, a_col_major: bool, b_col_major: bool, accumulate: bool) {
         let (a, b) = (bf16s(m * k, 1), bf16s(k * n, 2));
         let strides = |rows: usize, cols: usize, col_major: bool| {
@@ -385,16 +437,13 @@ mod tests {
             x[(r as isize * rs + c as isize * cs) as usize].to_f64()
         };
         let start: Vec<f32> = (0..m * n).map(|i| (i % 7) as f32 - 3.0).collect();
-        for fast in [false, true] {
-            if fast && !has_avx512_bf16() {
-                continue;
-            }
+        for simd in Simd::up_to(<bf16 as Dots>::best()) {
             let mut out = start.clone();
             let dst = Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 };
             let (lhs, rhs) = (Mat { ptr: a.as_ptr(), rs: ars, cs: acs }, Mat { ptr: b.as_ptr(), rs: brs, cs: bcs });
             // Two calls over row bands, as two SPMD blocks would make them.
             for band in [0..m / 3, m / 3..m] {
-                FORCE_PORTABLE.with(|f| f.set(!fast));
+                FORCED.with(|f| f.set(Some(simd)));
                 unsafe { gemm_rows_bf16(band, n, k, dst, lhs, rhs, accumulate) };
             }
             for i in 0..m {
@@ -404,12 +453,12 @@ mod tests {
                     let got = out[i * n + j] as f64;
                     assert!(
                         (got - want).abs() <= 1e-5 * (k as f64).sqrt() * (1.0 + want.abs()),
-                        "fast {fast} {m}x{k}x{n} at ({i}, {j}): got {got}, want {want}"
+                        "{simd:?} {m}x{k}x{n} at ({i}, {j}): got {got}, want {want}"
                     );
                 }
             }
         }
-        FORCE_PORTABLE.with(|f| f.set(false));
+        FORCED.with(|f| f.set(None));
     }
 
     #[test]

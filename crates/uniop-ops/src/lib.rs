@@ -107,6 +107,22 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
     ]
 }
 
+/// The instruction sets the GEMM kernels run with on this CPU, per operand dtype:
+/// `[("bfloat16", level), ("float32", level)]`, level `"avx512"` (for bf16: with AVX512-BF16's
+/// pair products), `"avx2"` or `"scalar"`. For f32 the level is that of the few-row kernel; larger
+/// f32 products run on the `gemm` crate, which picks its own. Frameworks use this to choose
+/// between their GEMM and uniop's (`uniop.torch.patch_llama` keeps torch's bf16 GEMM for
+/// prefill only where both have the pair instructions).
+pub fn gemm_kernels() -> [(&'static str, &'static str); 2] {
+    use skinny::{Dots, Simd};
+    let name = |s: Simd| match s {
+        Simd::Avx512 => "avx512",
+        Simd::Avx2 => "avx2",
+        Simd::Scalar => "scalar",
+    };
+    [("bfloat16", name(<uniop::half::bf16 as Dots>::best())), ("float32", name(<f32 as Dots>::best()))]
+}
+
 /// Registers the built-in ops in the global registry (idempotent, thread-safe).
 pub fn init() {
     static ONCE: Once = Once::new();

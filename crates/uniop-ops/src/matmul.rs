@@ -7,6 +7,7 @@
 //! source of parallelism (no second thread pool spinning on the same cores). bf16 runs our own
 //! AVX512-BF16 kernel ([`crate::bf16_gemm`]; the `gemm` crate has none), f32 sums rounded once.
 
+use crate::skinny::{Dots, Simd};
 use uniop::half::bf16;
 use uniop::layout::ShapeDisplay;
 use uniop::{
@@ -138,10 +139,11 @@ pub(crate) unsafe fn gemm_rows<T: Element>(
         let dst = Dst { ptr: dst.ptr as *mut bf16, rs: dst.rs, cs: dst.cs };
         return crate::bf16_gemm::gemm_rows_bf16(rows, n, k, dst, cast(lhs), cast(rhs), accumulate);
     }
-    if T::DTYPE == DType::F32 && crate::skinny::applies(&rows, lhs, rhs) && crate::skinny::has_avx512f() {
+    let simd = <f32 as Dots>::best();
+    if T::DTYPE == DType::F32 && crate::skinny::applies(&rows, lhs, rhs) && simd != Simd::Scalar {
         let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const f32, rs: m.rs, cs: m.cs };
         let dst = Dst { ptr: dst.ptr as *mut f32, rs: dst.rs, cs: dst.cs };
-        return crate::skinny::skinny(rows, n, k, dst, cast(lhs), cast(rhs), accumulate, true);
+        return crate::skinny::skinny(rows, n, k, dst, cast(lhs), cast(rhs), accumulate, simd);
     }
     if T::DTYPE == DType::F32 && rhs.rs == 1 && rhs.cs != 1 && rows.len() >= ROW_MAJOR_B_MIN_ROWS {
         let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const f32, rs: m.rs, cs: m.cs };

@@ -17,17 +17,64 @@ pub(crate) fn applies<T>(rows: &std::ops::Range<usize>, lhs: Mat<T>, rhs: Mat<T>
     rows.len() <= SKINNY_ROWS && lhs.cs == 1 && rhs.rs == 1
 }
 
-/// An element type with a SIMD kernel for `R × 4` dot products.
-pub(crate) trait Dots: GemmOut {
-    /// `a[i] · b[j]` over `k` elements, f32 sums.
-    ///
-    /// # Safety
-    /// Only on a CPU with the kernel's features; every pointer valid for `k` elements.
-    unsafe fn dots<const R: usize>(a: [*const Self; R], b: [*const Self; 4], k: usize) -> [[f32; 4]; R];
+/// The instruction set a kernel runs with, best first. Which one an element type gets depends on
+/// the CPU ([`Dots::best`]); tests force each one the CPU has.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Simd {
+    /// AVX-512 (for bf16: with AVX512-BF16's pair products).
+    Avx512,
+    /// AVX2 with FMA: 8 lanes, bf16 widened to f32 by a shift.
+    Avx2,
+    /// Plain Rust.
+    Scalar,
 }
 
-/// `dst[rows] = lhs[rows] · rhs` (`+=` with `accumulate`), `simd`: use [`Dots::dots`] (else a
-/// scalar loop).
+impl Simd {
+    /// The levels at or below `best`, best first: what a test can run here.
+    #[cfg(test)]
+    pub(crate) fn up_to(best: Simd) -> impl Iterator<Item = Simd> {
+        [Simd::Avx512, Simd::Avx2, Simd::Scalar].into_iter().skip(best as usize)
+    }
+}
+
+/// An element type with SIMD kernels for `R × 4` dot products.
+pub(crate) trait Dots: GemmOut {
+    /// The best [`Simd`] level this CPU runs for this type.
+    fn best() -> Simd;
+
+    /// `a[i] · b[j]` over `k` elements, f32 sums, at level `simd`.
+    ///
+    /// # Safety
+    /// Only at a level the CPU has (`simd` at or below [`Dots::best`]); every pointer valid for
+    /// `k` elements.
+    unsafe fn dots<const R: usize>(simd: Simd, a: [*const Self; R], b: [*const Self; 4], k: usize) -> [[f32; 4]; R] {
+        match simd {
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 => Self::dots_avx512(a, b, k),
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => Self::dots_avx2(a, b, k),
+            _ => std::array::from_fn(|i| {
+                std::array::from_fn(|j| (0..k).map(|p| (*a[i].add(p)).to_f32() * (*b[j].add(p)).to_f32()).sum())
+            }),
+        }
+    }
+
+    /// [`Dots::dots`] with AVX-512.
+    ///
+    /// # Safety
+    /// As [`Dots::dots`].
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dots_avx512<const R: usize>(a: [*const Self; R], b: [*const Self; 4], k: usize) -> [[f32; 4]; R];
+
+    /// [`Dots::dots`] with AVX2 and FMA.
+    ///
+    /// # Safety
+    /// As [`Dots::dots`].
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dots_avx2<const R: usize>(a: [*const Self; R], b: [*const Self; 4], k: usize) -> [[f32; 4]; R];
+}
+
+/// `dst[rows] = lhs[rows] · rhs` (`+=` with `accumulate`), dot products at level `simd`.
 ///
 /// # Safety
 /// As [`crate::matmul::gemm_rows`], with [`applies`] true.
@@ -40,7 +87,7 @@ pub(crate) unsafe fn skinny<I: Dots, O: GemmOut>(
     lhs: Mat<I>,
     rhs: Mat<I>,
     accumulate: bool,
-    simd: bool,
+    simd: Simd,
 ) {
     debug_assert!(applies(&rows, lhs, rhs));
     let a: [*const I; SKINNY_ROWS] =
@@ -49,14 +96,11 @@ pub(crate) unsafe fn skinny<I: Dots, O: GemmOut>(
     while c < n {
         let cols = 4.min(n - c);
         let b = std::array::from_fn(|j| rhs.ptr.offset((c + j.min(cols - 1)) as isize * rhs.cs));
-        let sums: [[f32; 4]; SKINNY_ROWS] = match (simd, rows.len()) {
-            (true, 1) => pad(I::dots::<1>([a[0]], b, k)),
-            (true, 2) => pad(I::dots::<2>([a[0], a[1]], b, k)),
-            (true, 3) => pad(I::dots::<3>([a[0], a[1], a[2]], b, k)),
-            (true, _) => I::dots::<4>(a, b, k),
-            (false, _) => std::array::from_fn(|i| {
-                std::array::from_fn(|j| (0..k).map(|p| (*a[i].add(p)).to_f32() * (*b[j].add(p)).to_f32()).sum())
-            }),
+        let sums: [[f32; 4]; SKINNY_ROWS] = match rows.len() {
+            1 => pad(I::dots::<1>(simd, [a[0]], b, k)),
+            2 => pad(I::dots::<2>(simd, [a[0], a[1]], b, k)),
+            3 => pad(I::dots::<3>(simd, [a[0], a[1], a[2]], b, k)),
+            _ => I::dots::<4>(simd, a, b, k),
         };
         for (i, r) in rows.clone().enumerate() {
             for (j, &sum) in sums[i].iter().enumerate().take(cols) {
@@ -74,10 +118,14 @@ fn pad<const R: usize>(sums: [[f32; 4]; R]) -> [[f32; 4]; SKINNY_ROWS] {
 }
 
 impl Dots for bf16 {
+    fn best() -> Simd {
+        cpu().bf16
+    }
+
     /// 32 pairs per `vdpbf16ps` (AVX512-BF16).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    unsafe fn dots<const R: usize>(a: [*const bf16; R], b: [*const bf16; 4], k: usize) -> [[f32; 4]; R] {
+    unsafe fn dots_avx512<const R: usize>(a: [*const bf16; R], b: [*const bf16; 4], k: usize) -> [[f32; 4]; R] {
         use std::arch::x86_64::*;
         let mut acc = [[_mm512_setzero_ps(); 4]; R];
         let mut p = 0;
@@ -98,17 +146,28 @@ impl Dots for bf16 {
         acc.map(|row| row.map(|v| _mm512_reduce_add_ps(v)))
     }
 
-    #[cfg(not(target_arch = "x86_64"))]
-    unsafe fn dots<const R: usize>(_: [*const bf16; R], _: [*const bf16; 4], _: usize) -> [[f32; 4]; R] {
-        unreachable!("only selected when the CPU has AVX512-BF16")
+    /// 8 lanes per FMA, each bf16 widened by a 16-bit shift (exact).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dots_avx2<const R: usize>(a: [*const bf16; R], b: [*const bf16; 4], k: usize) -> [[f32; 4]; R] {
+        use std::arch::x86_64::*;
+        let load = |ptr: *const uniop::half::bf16, p: usize| {
+            let halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(ptr.add(p) as *const __m128i));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(halves))
+        };
+        avx2_dots(a, b, k, load)
     }
 }
 
 impl Dots for f32 {
+    fn best() -> Simd {
+        cpu().f32
+    }
+
     /// 16 lanes per FMA (AVX-512F).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f")]
-    unsafe fn dots<const R: usize>(a: [*const f32; R], b: [*const f32; 4], k: usize) -> [[f32; 4]; R] {
+    unsafe fn dots_avx512<const R: usize>(a: [*const f32; R], b: [*const f32; 4], k: usize) -> [[f32; 4]; R] {
         use std::arch::x86_64::*;
         let mut acc = [[_mm512_setzero_ps(); 4]; R];
         let mut p = 0;
@@ -127,21 +186,77 @@ impl Dots for f32 {
         acc.map(|row| row.map(|v| _mm512_reduce_add_ps(v)))
     }
 
-    #[cfg(not(target_arch = "x86_64"))]
-    unsafe fn dots<const R: usize>(_: [*const f32; R], _: [*const f32; 4], _: usize) -> [[f32; 4]; R] {
-        unreachable!("only selected when the CPU has AVX-512F")
+    /// 8 lanes per FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dots_avx2<const R: usize>(a: [*const f32; R], b: [*const f32; 4], k: usize) -> [[f32; 4]; R] {
+        use std::arch::x86_64::*;
+        avx2_dots(a, b, k, |ptr: *const f32, p: usize| _mm256_loadu_ps(ptr.add(p)))
     }
 }
 
-/// Whether the f32 kernel can run (the `gemm` crate serves f32 otherwise).
-pub(crate) fn has_avx512f() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *DETECTED.get_or_init(|| is_x86_feature_detected!("avx512f"))
+/// The AVX2 dot products for any element `load` widens 8 at a time to f32; the last `k % 8`
+/// products are summed in scalar code (AVX2 has no masked 16-bit loads).
+///
+/// # Safety
+/// As [`Dots::dots`], on a CPU with AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn avx2_dots<T: GemmOut, const R: usize>(
+    a: [*const T; R],
+    b: [*const T; 4],
+    k: usize,
+    load: impl Fn(*const T, usize) -> std::arch::x86_64::__m256,
+) -> [[f32; 4]; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm256_setzero_ps(); 4]; R];
+    let whole = k / 8 * 8;
+    for p in (0..whole).step_by(8) {
+        let bv = b.map(|ptr| load(ptr, p));
+        for (acc, &ai) in acc.iter_mut().zip(&a) {
+            let av = load(ai, p);
+            for (acc, &bv) in acc.iter_mut().zip(&bv) {
+                *acc = _mm256_fmadd_ps(av, bv, *acc);
+            }
+        }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    let sum = |v: __m256| {
+        let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+        _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)))
+    };
+    let mut sums = acc.map(|row| row.map(sum));
+    for (row, &ai) in sums.iter_mut().zip(&a) {
+        for (s, &bj) in row.iter_mut().zip(&b) {
+            *s += (whole..k).map(|p| (*ai.add(p)).to_f32() * (*bj.add(p)).to_f32()).sum::<f32>();
+        }
+    }
+    sums
+}
+
+/// What the CPU runs, detected once.
+struct Cpu {
+    bf16: Simd,
+    f32: Simd,
+}
+
+fn cpu() -> &'static Cpu {
+    static DETECTED: std::sync::OnceLock<Cpu> = std::sync::OnceLock::new();
+    DETECTED.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            let avx512 = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw");
+            let level = |top: bool| match (top, avx2) {
+                (true, _) => Simd::Avx512,
+                (false, true) => Simd::Avx2,
+                (false, false) => Simd::Scalar,
+            };
+            Cpu { bf16: level(avx512 && is_x86_feature_detected!("avx512bf16")), f32: level(avx512) }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Cpu { bf16: Simd::Scalar, f32: Simd::Scalar }
+    })
 }
 
 #[cfg(test)]
@@ -149,18 +264,18 @@ mod tests {
     use super::*;
     use crate::matmul::WeightCase;
 
-    /// f32 rows × an `[n, k]` weight, against f64 sums: every row count, k under / at / over one
-    /// 16-lane step, a column count not a multiple of 4, and accumulation.
+    /// f32 rows × an `[n, k]` weight, against f64 sums, at every SIMD level this CPU has: every
+    /// row count, k under / at / over one 8- and 16-lane step, a column count not a multiple of 4,
+    /// and accumulation.
     #[test]
     fn f32_dot_products_match_f64() {
-        if !has_avx512f() {
-            return;
-        }
-        for (m, k, n, accumulate) in [(1, 5, 7, false), (2, 16, 4, true), (3, 37, 9, false), (4, 300, 13, true)] {
-            WeightCase::new(m, k, n).check(0..m, accumulate, |dst, lhs, rhs| {
-                // SAFETY: WeightCase's buffers hold the extents it describes.
-                unsafe { skinny(0..m, n, k, dst, lhs, rhs, accumulate, true) }
-            });
+        for simd in Simd::up_to(f32::best()) {
+            for (m, k, n, accumulate) in [(1, 5, 7, false), (2, 16, 4, true), (3, 37, 9, false), (4, 300, 13, true)] {
+                WeightCase::new(m, k, n).check(0..m, accumulate, |dst, lhs, rhs| {
+                    // SAFETY: WeightCase's buffers hold the extents it describes; `simd` runs here.
+                    unsafe { skinny(0..m, n, k, dst, lhs, rhs, accumulate, simd) }
+                });
+            }
         }
     }
 }

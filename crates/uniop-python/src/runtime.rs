@@ -240,6 +240,17 @@ fn share_openmp_threads(share: bool) -> PyResult<usize> {
     Pool::global().share_openmp_team(share).map_err(to_py_err)
 }
 
+/// The instruction sets uniop's GEMM kernels run with here, by operand dtype:
+/// `{"bfloat16": "avx512" | "avx2" | "scalar", "float32": ...}` (bf16's "avx512" has AVX512-BF16).
+#[pyfunction]
+fn gemm_kernels(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let kernels = PyDict::new(py);
+    for (dtype, level) in uniop_ops::gemm_kernels() {
+        kernels.set_item(dtype, level)?;
+    }
+    Ok(kernels)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Stream>()?;
     m.add_class::<Event>()?;
@@ -251,5 +262,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reset_peak_memory_stats, m)?)?;
     m.add_function(wrap_pyfunction!(load_library, m)?)?;
     m.add_function(wrap_pyfunction!(share_openmp_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(gemm_kernels, m)?)?;
     Ok(())
 }

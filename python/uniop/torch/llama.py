@@ -7,8 +7,8 @@ classes, so existing instances change too. Given a model, it also switches the m
 to uniop's flash attention (registered with transformers as the ``"uniop"`` implementation; calls
 with a padding mask, dropout or softcap fall back to SDPA) and its linear layers (projections and
 ``lm_head``) to uniop ``linear``, which streams the weight at memory speed when there are few rows
-— decoding spends most of its time there — and, in float32, runs prefill-sized products faster
-than torch's GEMM too. It also makes transformers' ``DynamicLayer.update`` (the
+— decoding spends most of its time there — and, in float32 (and bfloat16 on CPUs without
+AVX512-BF16), runs prefill-sized products faster than torch's GEMM too. It also makes transformers' ``DynamicLayer.update`` (the
 default KV cache) grow in place: the cache becomes a view of a buffer with room to spare, so a
 decode step writes its new rows instead of copying the whole cache with ``torch.cat`` (O(length)
 per layer and step). :func:`unpatch_llama` restores all of it.
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+import uniop
 
 from . import nn as unn
 
@@ -50,13 +52,19 @@ def _mlp_forward(original):
 
 # Up to this many rows uniop's linear (weight streamed by column bands, all cores) beats torch's
 # in every dtype. Past it, float32 still does (uniop's f32 GEMM ran the Llama prefill linears
-# 1.02-1.31x torch's here; the tiny Llama's fp32 prefill 1.03x -> 1.18x patched), while bf16/f16
-# GEMMs are at par with torch's and keep it (measured: benches/llama_patch.py).
+# 1.02-1.31x torch's on an AVX-512 machine; the tiny Llama's fp32 prefill 1.03x -> 1.18x patched).
+# bf16 does too where the CPU lacks AVX512-BF16: there torch's bf16 GEMM ran at ~20 GFLOP/s and
+# uniop's AVX2 one at ~134 (6.5-7.2x on the Llama shapes). With AVX512-BF16 both GEMMs use the
+# pair instruction, run at par, and prefill keeps torch's. f16 keeps torch's past this many rows.
 _FEW_ROWS = 16
 
 
+# Dtypes whose linears run on uniop at every row count.
+_ALL_ROWS = {torch.float32} | ({torch.bfloat16} if uniop.gemm_kernels()["bfloat16"] != "avx512" else set())
+
+
 def _linear_forward(self, x):
-    if x.dtype == torch.float32 or x.numel() <= _FEW_ROWS * x.shape[-1]:
+    if x.dtype in _ALL_ROWS or x.numel() <= _FEW_ROWS * x.shape[-1]:
         return unn.uniop_ops.linear(x, self.weight, self.bias)
     return nn.functional.linear(x, self.weight, self.bias)
 
