@@ -201,6 +201,9 @@ fn producer(obj: &Bound<'_, PyAny>) -> Producer {
     producer
 }
 
+/// What a dtype error says was expected, on every route into the core.
+pub(crate) const KNOWN_DTYPES: &str = "a dtype uniop knows (float32/16, bfloat16, float64, int8/32/64, uint8, bool)";
+
 /// Reads a DLPack descriptor into a uniop meta and the address of its first element.
 pub(crate) fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result<(TensorMeta, *mut u8), Error> {
     let bad = |expected: &str, given: String| Error::arg(ErrorCode::ParamInvalid, op, arg, expected, given);
@@ -221,7 +224,7 @@ pub(crate) fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result
             ErrorCode::DType,
             op,
             arg,
-            "a dtype uniop knows (float32/16, bfloat16, float64, int8/32/64, uint8, bool)",
+            KNOWN_DTYPES,
             format!("DLPack type code {} with {} bits x {} lanes", dt.code.0, dt.bits, dt.lanes),
         )
     })?;

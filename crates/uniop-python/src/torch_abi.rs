@@ -12,7 +12,7 @@
 //! usual `uniop.UniopError`, set as the calling thread's Python error for the C++ side to raise;
 //! panics are caught here and never cross into C++.
 
-use crate::call::{describe, dlpack_output, finish, plan_and_run, CallTensors};
+use crate::call::{describe, dlpack_output, finish, plan_and_run, CallTensors, KNOWN_DTYPES};
 use crate::to_py_err;
 use dlpark::ffi::{DLDataType, DLManagedTensorVersioned, DLTensor};
 use pyo3::prelude::*;
@@ -25,25 +25,24 @@ use std::sync::Arc;
 use uniop::schema::BaseType;
 use uniop::{AttrValue, DType, Error, ErrorCode, OpEntry, Stream};
 
-/// What a [`BoxedValue`] holds. The numbers are the ABI: keep them in step with `kernels.cpp`.
-#[repr(u32)]
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum ValueKind {
-    None = 0,
+/// What a [`BoxedValue`] holds (its `kind`). The numbers are the ABI: keep them in step with
+/// `kernels.cpp`.
+pub mod kind {
+    pub const NONE: u32 = 0;
     /// `tensors[0]`.
-    Tensor = 1,
+    pub const TENSOR: u32 = 1;
     /// `tensors[..len]`.
-    TensorList = 2,
-    Int = 3,
-    Float = 4,
+    pub const TENSOR_LIST: u32 = 2;
+    pub const INT: u32 = 3;
+    pub const FLOAT: u32 = 4;
     /// `int_value` is 0 or 1.
-    Bool = 5,
+    pub const BOOL: u32 = 5;
     /// `text[..len]`, UTF-8.
-    Str = 6,
+    pub const STR: u32 = 6;
     /// `ints[..len]`.
-    Ints = 7,
-    /// `dtype`.
-    DType = 8,
+    pub const INTS: u32 = 7;
+    /// `dtype`; for a dtype DLPack cannot name, code 255 and the framework's name in `text[..len]`.
+    pub const DTYPE: u32 = 8;
 }
 
 /// One schema argument's value, as the C++ kernel read it off the dispatcher's stack.
@@ -165,22 +164,19 @@ fn run(entry: &Arc<OpEntry>, args: &[BoxedValue], outs: &mut [*mut DLManagedTens
     let mut tensors = CallTensors::default();
     let mut attrs: SmallVec<[(&str, AttrValue); 4]> = SmallVec::new();
     for (arg, value) in schema.args.iter().zip(args) {
-        let kind = value.kind;
         if !arg.ty.is_tensor() {
             attrs.push((arg.name.as_str(), attr(op, &arg.name, value).map_err(to_py_err)?));
             continue;
         }
         // SAFETY (both): the kind says how many tensors `tensors` points at.
-        let items = match kind {
-            k if k == ValueKind::None as u32 => {
+        let items = match value.kind {
+            kind::NONE => {
                 tensors.absent(op, arg).map_err(to_py_err)?;
                 continue;
             }
-            k if k == ValueKind::Tensor as u32 => unsafe { slice(value.tensors, 1) },
-            k if k == ValueKind::TensorList as u32 && arg.ty.base == BaseType::TensorList => unsafe {
-                slice(value.tensors, value.len)
-            },
-            _ => return Err(to_py_err(wrong_kind(op, &arg.name, kind))),
+            kind::TENSOR => unsafe { slice(value.tensors, 1) },
+            kind::TENSOR_LIST if arg.ty.base == BaseType::TensorList => unsafe { slice(value.tensors, value.len) },
+            other => return Err(to_py_err(wrong_kind(op, &arg.name, other))),
         };
         for t in items {
             // SAFETY: the C++ kernel's views describe tensors it holds for the whole call.
@@ -212,11 +208,11 @@ fn wrong_kind(op: &str, arg: &str, kind: u32) -> Error {
 /// An attribute's value. Whether it fits the schema type is the core's check, as for every route.
 fn attr(op: &str, arg: &str, v: &BoxedValue) -> Result<AttrValue, Error> {
     Ok(match v.kind {
-        k if k == ValueKind::None as u32 => AttrValue::None,
-        k if k == ValueKind::Int as u32 => AttrValue::Int(v.int_value),
-        k if k == ValueKind::Float as u32 => AttrValue::Float(v.float_value),
-        k if k == ValueKind::Bool as u32 => AttrValue::Bool(v.int_value != 0),
-        k if k == ValueKind::Str as u32 => {
+        kind::NONE => AttrValue::None,
+        kind::INT => AttrValue::Int(v.int_value),
+        kind::FLOAT => AttrValue::Float(v.float_value),
+        kind::BOOL => AttrValue::Bool(v.int_value != 0),
+        kind::STR => {
             // SAFETY: `text[..len]` is the string the C++ kernel holds for the call.
             let bytes = unsafe { slice(v.text, v.len) };
             let text = std::str::from_utf8(bytes)
@@ -224,8 +220,8 @@ fn attr(op: &str, arg: &str, v: &BoxedValue) -> Result<AttrValue, Error> {
             AttrValue::Str(text.to_string())
         }
         // SAFETY: `ints[..len]` is the list the C++ kernel holds for the call.
-        k if k == ValueKind::Ints as u32 => AttrValue::Ints(unsafe { slice(v.ints, v.len) }.to_vec()),
-        k if k == ValueKind::DType as u32 => {
+        kind::INTS => AttrValue::Ints(unsafe { slice(v.ints, v.len) }.to_vec()),
+        kind::DTYPE => {
             AttrValue::DType(DType::from_dlpack(v.dtype.code.0, v.dtype.bits).map_err(|_| {
                 // A dtype DLPack cannot name comes with the framework's name for it instead.
                 // SAFETY: `text[..len]` is the name the C++ kernel holds for the call.
@@ -234,7 +230,7 @@ fn attr(op: &str, arg: &str, v: &BoxedValue) -> Result<AttrValue, Error> {
                     ErrorCode::DType,
                     op,
                     arg,
-                    "a dtype uniop knows (float32/16, bfloat16, float64, int8/32/64, uint8, bool)",
+                    KNOWN_DTYPES,
                     if name.is_empty() {
                         format!("DLPack type code {} with {} bits", v.dtype.code.0, v.dtype.bits)
                     } else {
