@@ -100,9 +100,21 @@ impl Geometry {
         }
     }
 
-    /// Unit `u` as a [`QueryTile`], reading its batch row's key count from `kv_lens`.
-    pub fn query_tile(&self, u: usize, lens: Option<&TensorRef<'_>>, op: &str) -> QueryTile {
-        let (b, hkv, tile) = self.unit(u);
+    /// Unit `u` ordered head by head, each head's query tiles latest first: consecutive units
+    /// reread one head's K and V (from L3) and every block of a contiguous range gets whole
+    /// heads, which balances it as well as [`Geometry::unit`].
+    pub fn unit_by_head(&self, u: usize) -> (usize, usize, usize) {
+        let bh = u / self.q_tiles();
+        (bh / self.kv_heads, bh % self.kv_heads, self.q_tiles() - 1 - u % self.q_tiles())
+    }
+
+    /// Unit `(b, hkv, tile)` as a [`QueryTile`], reading its batch row's key count from `kv_lens`.
+    pub fn query_tile(
+        &self,
+        (b, hkv, tile): (usize, usize, usize),
+        lens: Option<&TensorRef<'_>>,
+        op: &str,
+    ) -> QueryTile {
         let tq = self.tile_q();
         let q0 = tile * tq;
         QueryTile {
@@ -446,7 +458,7 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
     // scaling the scores afterwards; its Q tile reuses the f32 Q tile's space.
     let on_bf16_gemm = T::DTYPE == DType::BF16;
     for u in ctx.split(g.units()) {
-        let t = g.query_tile(u, lens.as_ref(), "attention");
+        let t = g.query_tile(g.unit(u), lens.as_ref(), "attention");
         let (b, hkv, rows) = (t.b, t.hkv, t.rows());
         if on_bf16_gemm {
             t.copy_rows(q.storage::<bf16>().expect("dtype dispatched"), qr, bf16_tile(qt), d);
@@ -524,12 +536,34 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
     }
 }
 
+/// Whether the forward runs [`crate::flash_avx2`]'s transposed tiles (AVX2 CPUs) rather than
+/// the GEMM tiles above.
+fn transposed_tiles(g: &Geometry) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return crate::flash_avx2::applies(g);
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+fn scratch_transposed(g: &Geometry) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    return crate::flash_avx2::scratch(g);
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("no transposed tiles for {g:?} off x86_64")
+}
+
 /// Element `(b, h, i)` of the contiguous `[B, Hq, Sq]` lse tensor.
 ///
 /// # Safety
 /// The caller must own that element for the launch.
 #[allow(clippy::mut_from_ref)]
-unsafe fn out_lse<'a>(lse: &uniop::OutputView<'a>, g: Geometry, b: usize, h: usize, i: usize) -> &'a mut [f32] {
+pub(crate) unsafe fn out_lse<'a>(
+    lse: &uniop::OutputView<'a>,
+    g: Geometry,
+    b: usize,
+    h: usize,
+    i: usize,
+) -> &'a mut [f32] {
     lse.slice_mut::<f32>(lse.layout().offset() + (b * g.q_heads + h) * g.q_len + i, 1)
 }
 
@@ -598,10 +632,17 @@ impl Op for Attention {
         let g = geometry(cx)?;
         let threads = uniop::runtime::Pool::global().threads();
         let block_dim = g.units().clamp(1, 4 * threads) as u32;
+        let transposed = transposed_tiles(&g);
         let step = with_float_dtype!(g.dtype, cx.op(), "q", |T| {
-            Step::new("attention", block_dim, move |args, ctx| forward::<T>(args, ctx, g))
+            Step::new("attention", block_dim, move |args, ctx| {
+                #[cfg(target_arch = "x86_64")]
+                if transposed {
+                    return crate::flash_avx2::forward::<T>(args, ctx, g);
+                }
+                forward::<T>(args, ctx, g)
+            })
         });
-        let per_block = g.forward_scratch(g.group() * g.tile_q());
+        let per_block = if transposed { scratch_transposed(&g) } else { g.forward_scratch(g.group() * g.tile_q()) };
         Ok(Plan::new(vec![step])
             .workspace(block_dim as usize * per_block * 4)
             .inputs_need(vec![LayoutNeed::InnerContiguous; 3])

@@ -345,7 +345,7 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, per
     let [qt, dot, st, dpt, dq_acc, kt, vt] = carve(ws, dq_tiles(&g));
     let on_bf16_gemm = T::DTYPE == DType::BF16;
     for u in ctx.split(g.units()) {
-        let t = g.query_tile(u, lens.as_ref(), "attention_backward");
+        let t = g.query_tile(g.unit(u), lens.as_ref(), "attention_backward");
         let (b, hkv, rows) = (t.b, t.hkv, t.rows());
         if on_bf16_gemm {
             t.copy_rows(bf16_of(&q), qr, bf16_tile(qt), d);

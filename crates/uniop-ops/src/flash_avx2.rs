@@ -1,0 +1,433 @@
+//! The attention forward's tiles on AVX2 CPUs, scores held transposed.
+//!
+//! Why a second tile kernel: on CPUs without AVX-512 the forward ran its two tile products
+//! through the `gemm` crate, which packs both operands on every call (K, contiguous along the
+//! head dim, is transposed first); with 128-deep products that per-call work, and the gemm's
+//! own packing order, left the forward at about half of the FMA peak — below torch's SDPA.
+//!
+//! Here every operand is laid out once so that both products are the same register tile: 16
+//! lanes (two 8-lane vectors, loaded from a contiguous strip) times 6 columns broadcast from
+//! memory, 12 accumulators.
+//!
+//! - Scores, transposed: `Sᵀ[j, r] = Σ_d Qᵀ[d, r] · K[j, d]`. `Qᵀ` is built once per unit (in
+//!   strips of 16 rows); K's rows are read in place, 6 keys at a time, one element per step.
+//! - Output: `O[r, c] += Σ_j P[r, j] · V[j, c]`, with V packed once per key tile into panels of
+//!   16 value dims (`[keys × 16]`, contiguous) and `P[r, j]` broadcast from `Sᵀ`'s row j.
+//!
+//! With `Sᵀ` the online softmax's per-row max and sum over keys are vertical vector operations.
+//! Work goes by bands of 16 tile rows; a band stops at the last key any of its rows sees, so
+//! under a causal mask the diagonal tile costs about half, and only keys some rows of the band
+//! do not see pay for a mask. Units go head by head, so one head's K and V are reread from L3.
+//!
+//! f16 and bf16 K/V tiles are widened to f32 (cheap next to the products: each tile is widened
+//! once per unit); every product and the softmax are f32.
+
+use crate::attention::{carve, f32_rows, load_scaled, out_lse, Geometry, Rows4};
+use crate::math;
+use crate::skinny::{Dots, Simd};
+use std::arch::x86_64::*;
+use uniop::half::bf16;
+use uniop::{BlockCtx, DType, FloatElement, KernelArgs, TensorRef};
+
+/// Tile rows per register tile (two 8-lane vectors).
+const BAND: usize = 16;
+/// Keys per tile: a K tile and V's panels (64 KiB each at D = 128) stay in a Zen 3 core's 512 KiB
+/// L2 beside the Q and O tiles, across the bands that reread them.
+const KEYS: usize = 128;
+/// Value dims per panel of V (and per block of O): one register tile's two vectors.
+const PANEL: usize = 16;
+/// Broadcast columns per register tile: 12 accumulators, 2 row vectors and a broadcast fill
+/// AVX2's 16 registers.
+const COLS: usize = 6;
+
+#[cfg(test)]
+thread_local! {
+    /// Tests run both forward kernels on one machine (`Some(true)` only where AVX2 runs).
+    pub(crate) static FORCED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether the forward runs these tiles: on CPUs whose best f32 level (for bf16: bf16 level) is
+/// AVX2, for tiles of at least one band of rows (fewer rows — decode — are dot products).
+pub(crate) fn applies(g: &Geometry) -> bool {
+    #[cfg(test)]
+    if let Some(forced) = FORCED.with(|f| f.get()) {
+        return forced;
+    }
+    let level = if g.dtype == DType::BF16 { <bf16 as Dots>::best() } else { <f32 as Dots>::best() };
+    level == Simd::Avx2 && g.group() * g.tile_q() >= BAND
+}
+
+/// f32 scratch of one block: `Qᵀ`, one band's `Sᵀ`, `O`, running max and sum, a staging row, V's panels
+/// and (f16, bf16) a K tile widened to f32.
+fn tiles(g: &Geometry) -> [usize; 8] {
+    let rp = (g.group() * g.tile_q()).next_multiple_of(BAND);
+    let dvp = g.v_dim.next_multiple_of(PANEL);
+    let kt = if g.dtype == DType::F32 { 0 } else { KEYS * g.head_dim };
+    [g.head_dim * rp, KEYS * BAND, dvp * rp, rp, rp, g.head_dim.max(g.v_dim), KEYS * dvp, kt]
+}
+
+/// f32 elements of scratch one block needs.
+pub(crate) fn scratch(g: &Geometry) -> usize {
+    tiles(g).iter().sum()
+}
+
+/// The forward over this block's units (see [`crate::attention`] for the unit order and the mask).
+pub(crate) fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
+    // SAFETY: `applies` chose these tiles only where AVX2 and FMA run.
+    unsafe { forward_avx2::<T>(args, ctx, g) }
+}
+
+/// [`forward`], compiled for AVX2 so that the loads, packing and softmax around the register
+/// tiles vectorize too.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn forward_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
+    let (q, k, v) = (args.input(0), args.input(1), args.input(2));
+    let lens = args.optional_input(3);
+    let (out, lse) = (args.output(0), args.output(1));
+    let (qr, kr, vr, or) =
+        (Rows4::of(q.layout()), Rows4::of(k.layout()), Rows4::of(v.layout()), Rows4::of(out.layout()));
+    let qs = q.storage::<T>().expect("dtype dispatched");
+    let (d, dv) = (g.head_dim, g.v_dim);
+    let per_block = scratch(&g);
+    // SAFETY: block b owns scratch range b.
+    let ws = unsafe { args.workspace::<f32>(ctx.block_idx as usize * per_block, per_block) };
+    let [qt, st, ot, m, l, row, panels, kt] = carve(ws, tiles(&g));
+    let dvp = dv.next_multiple_of(PANEL);
+    for u in ctx.split(g.units()) {
+        let t = g.query_tile(g.unit_by_head(u), lens.as_ref(), "attention");
+        let (b, hkv, rows) = (t.b, t.hkv, t.rows());
+        let rp = rows.next_multiple_of(BAND);
+        qt[..d * rp].fill(0.0);
+        for r in 0..rows {
+            let (h, i) = t.head_pos(r);
+            load_scaled(qs, qr.at(b, h, i), &mut row[..d], g.scale);
+            for (c, &x) in row[..d].iter().enumerate() {
+                qt[strip_at(r, d) + c * BAND] = x;
+            }
+        }
+        m[..rp].fill(f32::NEG_INFINITY);
+        l[..rp].fill(0.0);
+        ot[..dvp * rp].fill(0.0);
+        let kv_end = t.kv_end(&g);
+        for j0 in (0..kv_end).step_by(KEYS) {
+            let n = KEYS.min(kv_end - j0);
+            let (kp, ks) = f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt);
+            pack_panels::<T>(&v, vr, (b, hkv, j0), n, dv, panels);
+            for band in (0..rp).step_by(BAND) {
+                // Keys of this tile each row of the band sees; padding rows see none.
+                let seen: [u32; BAND] = std::array::from_fn(|x| {
+                    let r = band + x;
+                    if r < rows {
+                        (g.visible(t.len, t.head_pos(r).1).saturating_sub(j0).min(n)) as u32
+                    } else {
+                        0
+                    }
+                });
+                let keys = *seen.iter().max().expect("a band has rows") as usize;
+                if keys == 0 {
+                    continue;
+                }
+                let strip = |tile: &mut [f32], len: usize| tile[strip_at(band, len)..].as_mut_ptr();
+                // SAFETY: the AVX2 level was detected (`applies`); the band's strips hold d (Qᵀ),
+                // KEYS ≥ `keys` (Sᵀ) and dvp (O) rows of 16, V's panels KEYS rows each;
+                // K covers `n` ≥ `keys` rows.
+                unsafe {
+                    let (s, o) = (st.as_mut_ptr(), strip(ot, dvp));
+                    products(s, strip(qt, d), d, (kp, 1, ks), keys, false);
+                    softmax_band(s, keys, &seen, &mut m[band..band + BAND], &mut l[band..band + BAND], o, dvp);
+                    for p in 0..dvp / PANEL {
+                        let panel = panels[p * KEYS * PANEL..].as_ptr();
+                        products(o.add(p * BAND * PANEL), panel, keys, (s, BAND, 1), BAND, true);
+                    }
+                }
+            }
+        }
+        for r in 0..rows {
+            let (h, i) = t.head_pos(r);
+            let (inv, lse_r) = if l[r] > 0.0 { (1.0 / l[r], m[r] + l[r].ln()) } else { (0.0, f32::NEG_INFINITY) };
+            let o = &ot[strip_at(r, dvp) / BAND * BAND..];
+            for (c, x) in row[..dv].iter_mut().enumerate() {
+                *x = o[(c / PANEL * BAND + r % BAND) * PANEL + c % PANEL] * inv;
+            }
+            // SAFETY: this unit owns rows (b, h, q0..q0+n_pos) of out and lse.
+            unsafe {
+                T::narrow(&row[..dv], out.slice_mut::<T>(or.at(b, h, i), dv));
+                out_lse(&lse, g, b, h, i)[0] = lse_r;
+            }
+        }
+    }
+}
+
+/// Rows `j0..j0 + n` of head `h` of V, widened to f32 as panels of 16 value dims: panel `p`
+/// holds its `n` rows of 16 contiguously (zeros past `dv`), the unit-stride vector operand of
+/// `P·V`.
+#[inline(always)]
+fn pack_panels<T: FloatElement>(
+    v: &TensorRef<'_>,
+    rows: Rows4,
+    (b, h, j0): (usize, usize, usize),
+    n: usize,
+    dv: usize,
+    panels: &mut [f32],
+) {
+    let data = v.storage::<T>().expect("dtype dispatched");
+    for j in 0..n {
+        let at = rows.at(b, h, j0 + j);
+        for c0 in (0..dv).step_by(PANEL) {
+            let w = PANEL.min(dv - c0);
+            let dst = &mut panels[(c0 / PANEL * KEYS + j) * PANEL..][..PANEL];
+            if w == PANEL {
+                // A fixed-length copy inlines; `widen` of a runtime length is a library call.
+                let src: &[T; PANEL] = data[at + c0..at + c0 + PANEL].try_into().expect("a whole panel");
+                dst.copy_from_slice(&T::widen_lanes(src));
+            } else {
+                T::widen(&data[at + c0..at + c0 + w], &mut dst[..w]);
+                dst[w..].fill(0.0);
+            }
+        }
+    }
+}
+
+/// Where tile row `r`'s strip starts in a transposed tile of `len` rows per band: each band of
+/// 16 tile rows is one contiguous `len × 16` strip, so a register tile walks its operands at
+/// unit stride (a plain `[len × rows]` layout would put a strip's lines 512 bytes apart, all in
+/// 8 of L1's 64 sets).
+#[inline(always)]
+fn strip_at(r: usize, len: usize) -> usize {
+    r / BAND * BAND * len + r % BAND
+}
+
+/// `dst[c, 0..16] (+)= Σ_t a[t, 0..16] · b[t, c]` for columns `c < cols`: `dst` and `a` are
+/// band strips (rows of 16); `b` is `(ptr, step stride, column stride)`, broadcast one element
+/// at a time.
+///
+/// # Safety
+/// AVX2 and FMA must be present; `dst` valid for `cols` rows of 16, `a` for `steps` rows of 16,
+/// `b` for every `(t, c)` addressed.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn products(
+    dst: *mut f32,
+    a: *const f32,
+    steps: usize,
+    (b, b_step, b_col): (*const f32, usize, usize),
+    cols: usize,
+    accumulate: bool,
+) {
+    let mut c0 = 0;
+    while c0 + COLS <= cols {
+        register_tile::<COLS>(dst.add(c0 * BAND), a, steps, (b.add(c0 * b_col), b_step, b_col), accumulate);
+        c0 += COLS;
+    }
+    let tail = (dst.add(c0 * BAND), a, steps, (b.add(c0 * b_col), b_step, b_col), accumulate);
+    match cols - c0 {
+        0 => {}
+        1 => call_tile::<1>(tail),
+        2 => call_tile::<2>(tail),
+        3 => call_tile::<3>(tail),
+        4 => call_tile::<4>(tail),
+        _ => call_tile::<5>(tail),
+    }
+}
+
+type TileArgs = (*mut f32, *const f32, usize, (*const f32, usize, usize), bool);
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn call_tile<const C: usize>((dst, a, steps, b, accumulate): TileArgs) {
+    register_tile::<C>(dst, a, steps, b, accumulate)
+}
+
+/// One 16 × `C` register tile of [`products`].
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn register_tile<const C: usize>(
+    dst: *mut f32,
+    mut a: *const f32,
+    steps: usize,
+    (b, b_step, b_col): (*const f32, usize, usize),
+    accumulate: bool,
+) {
+    let mut acc = [[_mm256_setzero_ps(); 2]; C];
+    if accumulate {
+        for (c, pair) in acc.iter_mut().enumerate() {
+            let at = dst.add(c * BAND);
+            *pair = [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))];
+        }
+    }
+    let cols: [*const f32; C] = std::array::from_fn(|c| b.add(c * b_col));
+    for t in 0..steps {
+        let (lo, hi) = (_mm256_loadu_ps(a), _mm256_loadu_ps(a.add(8)));
+        for (pair, col) in acc.iter_mut().zip(&cols) {
+            let x = _mm256_broadcast_ss(&*col.add(t * b_step));
+            *pair = [_mm256_fmadd_ps(lo, x, pair[0]), _mm256_fmadd_ps(hi, x, pair[1])];
+        }
+        a = a.add(BAND);
+    }
+    for (c, pair) in acc.iter().enumerate() {
+        let at = dst.add(c * BAND);
+        _mm256_storeu_ps(at, pair[0]);
+        _mm256_storeu_ps(at.add(8), pair[1]);
+    }
+}
+
+/// One online-softmax step for a band of 16 rows held down the columns of its `Sᵀ` strip
+/// (`keys` rows of 16); row `x` sees the first `seen[x]` keys. Updates the running max `m` and
+/// sum `l`, rescales the band's `Oᵀ` strip (`dv` rows of 16), and leaves `Sᵀ` holding the
+/// probabilities (0 where masked).
+///
+/// # Safety
+/// AVX2 and FMA must be present; `s` valid for `keys` rows of 16 and `o` for `dv`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_band(
+    s: *mut f32,
+    keys: usize,
+    seen: &[u32; BAND],
+    m: &mut [f32],
+    l: &mut [f32],
+    o: *mut f32,
+    dv: usize,
+) {
+    let s = std::slice::from_raw_parts_mut(s, keys * BAND);
+    // Keys every row of the band sees need no mask: under a causal mask only the diagonal tile
+    // has keys past that.
+    let unmasked = (*seen.iter().min().expect("a band") as usize).min(keys) * BAND;
+    let (all_see, some_see) = s.split_at_mut(unmasked);
+    let mut new_m: [f32; BAND] = (&*m).try_into().expect("a band of running maxima");
+    for strip in all_see.chunks_exact(BAND) {
+        for (nm, &x) in new_m.iter_mut().zip(strip) {
+            *nm = if x > *nm { x } else { *nm };
+        }
+    }
+    let first_masked = unmasked / BAND;
+    for (j, strip) in (first_masked..).zip(some_see.chunks_exact(BAND)) {
+        for ((nm, &x), &seen) in new_m.iter_mut().zip(strip).zip(seen) {
+            *nm = if (j as u32) < seen && x > *nm { x } else { *nm };
+        }
+    }
+    let mut sums = [0f32; BAND];
+    // A row that has seen no key yet keeps max -inf; its entries are all masked (p = 0).
+    let base: [f32; BAND] = new_m.map(|x| if x == f32::NEG_INFINITY { 0.0 } else { x });
+    for strip in all_see.chunks_exact_mut(BAND) {
+        for ((p, &mx), sum) in strip.iter_mut().zip(&base).zip(&mut sums) {
+            *p = math::exp(*p - mx);
+            *sum += *p;
+        }
+    }
+    for (j, strip) in (first_masked..).zip(some_see.chunks_exact_mut(BAND)) {
+        for (((p, &mx), &seen), sum) in strip.iter_mut().zip(&base).zip(seen).zip(&mut sums) {
+            *p = if (j as u32) < seen { math::exp(*p - mx) } else { 0.0 };
+            *sum += *p;
+        }
+    }
+    let alpha: [f32; BAND] =
+        std::array::from_fn(|x| if new_m[x] == f32::NEG_INFINITY { 1.0 } else { math::exp(m[x] - new_m[x]) });
+    for x in 0..BAND {
+        l[x] = l[x] * alpha[x] + sums[x];
+        m[x] = new_m[x];
+    }
+    for (i, row) in std::slice::from_raw_parts_mut(o, dv * BAND).chunks_exact_mut(PANEL).enumerate() {
+        let a = alpha[i % BAND];
+        row.iter_mut().for_each(|y| *y *= a);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FORCED;
+    use uniop::half::{bf16, f16};
+    use uniop::verify::{check_outputs, infer, Rng};
+    use uniop::{AttrValue, Element, Registry, Tensor, TensorRef};
+
+    /// Runs `attention` on the forward kernel `transposed` chooses, checks both outputs against
+    /// the f64 reference and returns them.
+    fn run_forced(transposed: bool, inputs: &[Option<TensorRef>], causal: bool) -> Vec<Vec<f64>> {
+        crate::init();
+        let attrs = [("causal", AttrValue::Bool(causal))];
+        let entry = Registry::global().get("attention").unwrap();
+        let mut outs: Vec<Tensor> =
+            infer(&entry, inputs, &attrs).unwrap().into_iter().map(|m| Tensor::with_meta(m).unwrap()).collect();
+        // On a fresh thread: plans are cached per thread by signature, and a plan made for the
+        // other kernel would be reused.
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                FORCED.with(|f| f.set(Some(transposed)));
+                uniop::call("attention", inputs, &attrs, outs.iter_mut().map(Tensor::view_mut).collect()).unwrap();
+            });
+        });
+        let views: Vec<TensorRef> = outs.iter().map(Tensor::view).collect();
+        let report = check_outputs(&entry, inputs, &attrs, &views).unwrap();
+        assert!(report.pass(), "transposed tiles: {transposed}, causal: {causal}\n{report}");
+        views.iter().map(|v| v.to_f64_vec()).collect()
+    }
+
+    /// The kernels this CPU runs: the GEMM tiles always, these where AVX2 and FMA are present.
+    fn kernels() -> Vec<bool> {
+        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        [false].into_iter().chain(avx2.then_some(true)).collect()
+    }
+
+    fn random<T: Element>(shape: &[usize], seed: u64, scale: f64) -> Vec<T> {
+        let mut rng = Rng::new(seed);
+        (0..shape.iter().product()).map(|_| T::from_f64(scale * rng.uniform())).collect()
+    }
+
+    fn view<'a, T: Element>(x: &'a [T], shape: &[usize]) -> Option<TensorRef<'a>> {
+        Some(TensorRef::new(x, shape).unwrap())
+    }
+
+    /// q, k, v of type `T` (k and v with `kv` heads, v with `dv` dims) on both kernels.
+    fn dense<T: Element>(q_shape: [usize; 4], kv_heads: usize, dv: usize, causal: bool) -> Vec<Vec<Vec<f64>>> {
+        let [b, _, s, d] = q_shape;
+        let (k_shape, v_shape) = ([b, kv_heads, s, d], [b, kv_heads, s, dv]);
+        let (q, k, v) = (random::<T>(&q_shape, 1, 2.0), random::<T>(&k_shape, 2, 2.0), random::<T>(&v_shape, 3, 4.0));
+        kernels()
+            .into_iter()
+            .map(|transposed| {
+                run_forced(transposed, &[view(&q, &q_shape), view(&k, &k_shape), view(&v, &v_shape), None], causal)
+            })
+            .collect()
+    }
+
+    /// Three key tiles (300 keys), GQA with three q heads per kv head (tile rows wrap from one
+    /// head to the next inside a band; the last band is padded), a head dim that is no multiple
+    /// of the 6 broadcast columns, a value dim ending in a partial panel (40 = 16 + 16 + 8),
+    /// causal and not, in f32, f16 and bf16; in f32 the kernels also agree with each other.
+    #[test]
+    fn both_kernels_match_the_reference_across_tiles_bands_and_panels() {
+        for causal in [false, true] {
+            let f32_runs = dense::<f32>([1, 6, 300, 20], 2, 40, causal);
+            if let [gemm, transposed] = &f32_runs[..] {
+                for (a, b) in gemm.iter().flatten().zip(transposed.iter().flatten()) {
+                    assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "causal {causal}: kernels disagree, {a} vs {b}");
+                }
+            }
+            dense::<f16>([1, 6, 300, 20], 2, 40, causal);
+            dense::<bf16>([1, 6, 300, 20], 2, 40, causal);
+        }
+    }
+
+    /// Decode-style cache lengths under the bottom-right causal mask, one so short that most
+    /// queries see no key (output 0, lse -inf), and HF's `[B, S, H, D]` layout read in place.
+    #[test]
+    fn both_kernels_read_kv_lens_and_strided_views() {
+        let (q, k, v) = (
+            random::<f32>(&[2, 2, 40, 16], 4, 2.0),
+            random::<f32>(&[2, 1, 50, 16], 5, 2.0),
+            random::<f32>(&[2, 1, 50, 16], 6, 2.0),
+        );
+        let lens = [50i64, 10];
+        let (b, s, h, d) = (2, 33, 2, 16);
+        let bshd = random::<f32>(&[b, s, h, d], 7, 2.0);
+        let hf = || Some(TensorRef::strided(&bshd, &[b, h, s, d], &[s * h * d, d, h * d, 1], 0).unwrap());
+        for transposed in kernels() {
+            let inputs =
+                [view(&q, &[2, 2, 40, 16]), view(&k, &[2, 1, 50, 16]), view(&v, &[2, 1, 50, 16]), view(&lens, &[2])];
+            let out = run_forced(transposed, &inputs, true);
+            // Row b = 1 has 10 keys for 40 queries: query i sees keys j <= i - 30.
+            assert!(
+                out[1][2 * 40..2 * 40 + 30].iter().all(|&l| l == f64::NEG_INFINITY),
+                "unseen queries keep lse -inf"
+            );
+            run_forced(transposed, &[hf(), hf(), hf(), None], true);
+        }
+    }
+}
