@@ -13,8 +13,13 @@
 //! (single-threaded inside our SPMD blocks, like matmul) and an online softmax (running max and
 //! sum per row, output rescaled when the max grows). Extra memory is
 //! O(tile) per block, independent of `Sk`. f16 tiles are widened to f32; bf16 runs both products
-//! on the AVX512-BF16 GEMM (K and V read in place, P rounded to bf16 as torch's flash attention
+//! on the bf16 GEMM (K and V read in place, P rounded to bf16 as torch's flash attention
 //! does, f32 sums); the softmax is f32 throughout.
+//!
+//! On CPUs whose best level is AVX2 (no AVX-512; for bf16, no AVX512-BF16) the forward runs
+//! the tiles of `flash_avx2.rs` instead, held transposed so that neither product packs its
+//! operands per call (why, and the layout, are there). Decode-sized tiles (under 16 rows) stay
+//! here, on the few-row dot products.
 //!
 //! Masking. `kv_lens` (int `[B]`, optional) limits batch row `b` to its first `kv_lens[b]` keys
 //! (decode against a preallocated KV cache). `causal` aligns the mask **bottom-right**: query `i`
