@@ -710,3 +710,32 @@ pub(crate) fn example_shapes(shape: Option<&[usize]>) -> ([usize; 4], [usize; 4]
     let kv_heads = if q[1] % 2 == 0 { q[1] / 2 } else { q[1] };
     (q, [q[0], kv_heads, q[2], q[3]])
 }
+
+/// Runs `op` after `force` (which sets a test-only kernel choice), checks its outputs against
+/// the f64 reference and returns them. On a fresh thread: the choice is read when the call is
+/// planned, and plans are cached per thread by signature, so a plan made under another choice
+/// would be reused.
+#[cfg(test)]
+pub(crate) fn run_checked_forcing(
+    op: &str,
+    inputs: &[Option<TensorRef>],
+    attrs: &[(&str, AttrValue)],
+    force: impl Fn() + Sync,
+) -> Vec<Vec<f64>> {
+    use uniop::verify::{check_outputs, infer};
+    use uniop::{Registry, Tensor};
+    crate::init();
+    let entry = Registry::global().get(op).unwrap();
+    let mut outs: Vec<Tensor> =
+        infer(&entry, inputs, attrs).unwrap().into_iter().map(|m| Tensor::with_meta(m).unwrap()).collect();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            force();
+            uniop::call(op, inputs, attrs, outs.iter_mut().map(Tensor::view_mut).collect()).unwrap();
+        });
+    });
+    let views: Vec<TensorRef> = outs.iter().map(Tensor::view).collect();
+    let report = check_outputs(&entry, inputs, attrs, &views).unwrap();
+    assert!(report.pass(), "{op}:\n{report}");
+    views.iter().map(|v| v.to_f64_vec()).collect()
+}

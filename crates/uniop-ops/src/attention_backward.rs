@@ -12,7 +12,8 @@
 //! 5 tile products per (query tile, key tile). With fewer pairs than that, the work is split finer
 //! over two launches — per (batch, kv head, key tile) `dK`/`dV`, then per (batch, kv head, query
 //! tile) `dQ` like the forward — which recomputes the scores in both (7 tile products).
-//! bf16 runs every product on the AVX512-BF16 GEMM with P and dS rounded to bf16, like the forward.
+//! bf16 runs every product on the AVX512-BF16 GEMM with P and dS rounded to bf16, like the forward;
+//! on CPUs without AVX512-BF16 its tiles are widened to f32 like f16's (see [`on_bf16_gemm`]).
 
 use crate::attention::{
     bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, narrow_tile, row_len, scores, Geometry, Rows4,
@@ -21,6 +22,7 @@ use crate::attention::{
 use crate::bf16_gemm::gemm_rows_bf16;
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
+use crate::skinny::{Dots, Simd};
 use uniop::half::bf16;
 use uniop::{
     with_float_dtype, AttrValue, BlockCtx, DType, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, OutputView,
@@ -50,31 +52,48 @@ fn checked_geometry(cx: &OpCx) -> Result<Geometry> {
     Ok(g)
 }
 
-/// The last two scratch tiles of a kernel working on `rows` query rows: K and V widened to f32
-/// (f16), P and dS rounded to bf16 for the bf16 GEMM (bf16), none (f32).
-fn extra_tiles(g: &Geometry, rows: usize) -> [usize; 2] {
+#[cfg(test)]
+thread_local! {
+    /// Tests run bf16 both on the bf16 GEMM and widened, on any CPU.
+    pub(crate) static BF16_GEMM_FORCED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether bf16 products run on the bf16 GEMM (P and dS rounded to bf16): where the CPU has
+/// AVX512-BF16's pair products. Elsewhere bf16 tiles are widened to f32 like f16's and run on
+/// the f32 GEMM — on AVX2 CPUs about twice as fast as the bf16 GEMM's widening micro-kernel.
+fn on_bf16_gemm(g: &Geometry) -> bool {
+    #[cfg(test)]
+    if let Some(forced) = BF16_GEMM_FORCED.with(|f| f.get()) {
+        return forced && g.dtype == DType::BF16;
+    }
+    g.dtype == DType::BF16 && <bf16 as Dots>::best() == Simd::Avx512
+}
+
+/// The last two scratch tiles of a kernel working on `rows` query rows: P and dS rounded to bf16
+/// (on the bf16 GEMM), K and V widened to f32 (f16, bf16 off it), none (f32).
+fn extra_tiles(g: &Geometry, rows: usize, bf16_gemm: bool) -> [usize; 2] {
     match g.dtype {
         DType::F32 => [0, 0],
-        DType::BF16 => [rows * TILE_KEYS / 2; 2],
+        _ if bf16_gemm => [rows * TILE_KEYS / 2; 2],
         _ => [TILE_KEYS * g.head_dim, TILE_KEYS * g.v_dim],
     }
 }
 
-fn dkv_tiles(g: &Geometry) -> [usize; 8] {
+fn dkv_tiles(g: &Geometry, bf16_gemm: bool) -> [usize; 8] {
     let (d, dv, tr) = (g.head_dim, g.v_dim, TILE_ROWS.min(g.q_len.max(1)));
-    let [x, y] = extra_tiles(g, tr);
+    let [x, y] = extra_tiles(g, tr, bf16_gemm);
     [tr * d, tr * dv, tr * TILE_KEYS, tr * TILE_KEYS, TILE_KEYS * d, TILE_KEYS * dv, x, y]
 }
 
-fn dq_tiles(g: &Geometry) -> [usize; 7] {
+fn dq_tiles(g: &Geometry, bf16_gemm: bool) -> [usize; 7] {
     let (d, dv, rows) = (g.head_dim, g.v_dim, g.group() * g.tile_q());
-    let [x, y] = extra_tiles(g, rows);
+    let [x, y] = extra_tiles(g, rows, bf16_gemm);
     [rows * d, rows * dv, rows * TILE_KEYS, rows * TILE_KEYS, rows * d, x, y]
 }
 
 /// Per-block scratch (f32 elements): the larger of the dK/dV and the dQ launches.
-fn block_scratch(g: &Geometry) -> usize {
-    dkv_tiles(g).iter().sum::<usize>().max(dq_tiles(g).iter().sum())
+fn block_scratch(g: &Geometry, bf16_gemm: bool) -> usize {
+    dkv_tiles(g, bf16_gemm).iter().sum::<usize>().max(dq_tiles(g, bf16_gemm).iter().sum())
 }
 
 /// A bf16 input's elements (the kernel was dispatched for bf16).
@@ -190,7 +209,7 @@ fn dkv_kernel<T: FloatElement>(
     args: &KernelArgs,
     ctx: BlockCtx,
     g: Geometry,
-    per_block: usize,
+    (per_block, bf16_gemm): (usize, bool),
     dq_sums: Option<usize>,
 ) {
     let (dout, q, k, v, lse) = (args.input(DOUT), args.input(Q), args.input(K), args.input(V), args.input(LSE));
@@ -207,10 +226,9 @@ fn dkv_kernel<T: FloatElement>(
     let delta = unsafe { &*(args.workspace::<f32>(0, n_rows) as *const [f32]) };
     let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
     let tr = TILE_ROWS.min(g.q_len.max(1));
-    let [qt, dot, st, dpt, dk_acc, dv_acc, kt, vt] = carve(ws, dkv_tiles(&g));
-    // bf16 runs every product on the AVX512-BF16 GEMM: Q and dout rows copied as they are
-    // (into the f32 tiles' space), K and V read in place, P and dS rounded to bf16.
-    let on_bf16_gemm = T::DTYPE == DType::BF16;
+    let [qt, dot, st, dpt, dk_acc, dv_acc, kt, vt] = carve(ws, dkv_tiles(&g, bf16_gemm));
+    // On the bf16 GEMM every product reads bf16: Q and dout rows copied as they are (into the
+    // f32 tiles' space), K and V read in place, P and dS rounded to bf16.
     let k_tiles = g.kv_len.div_ceil(TILE_KEYS);
     let fused = dq_sums.is_some();
     let (units, tiles_per_unit) =
@@ -233,7 +251,7 @@ fn dkv_kernel<T: FloatElement>(
             let n = TILE_KEYS.min(g.kv_len - j0);
             dk_acc[..n * d].fill(0.0);
             dv_acc[..n * dv].fill(0.0);
-            let (kp, vp) = if on_bf16_gemm {
+            let (kp, vp) = if bf16_gemm {
                 ((std::ptr::null(), 0), (std::ptr::null(), 0))
             } else {
                 (f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt), f32_rows::<T>(&v, vr, (b, hkv, j0), n, dv, vt))
@@ -245,7 +263,7 @@ fn dkv_kernel<T: FloatElement>(
                     if g.visible(len, i0 + rows - 1) <= j0 {
                         continue;
                     }
-                    if on_bf16_gemm {
+                    if bf16_gemm {
                         let (qb, db) = (bf16_tile(qt), bf16_tile(dot));
                         let (qs, ds) = (bf16_of(&q), bf16_of(&dout));
                         for r in 0..rows {
@@ -281,7 +299,7 @@ fn dkv_kernel<T: FloatElement>(
                     }
                     // dV += Pᵀ·dout, dK += dSᵀ·Q (scaled at the end), and when fused dQ += dS·K.
                     let dq_rows = fused.then(|| dq_acc[dq_row(h, i0)..].as_mut_ptr());
-                    if on_bf16_gemm {
+                    if bf16_gemm {
                         let (pb, dsb) = (bf16_tile(kt), bf16_tile(vt));
                         narrow_tile(st, pb, rows, n);
                         narrow_tile(dpt, dsb, rows, n);
@@ -306,7 +324,7 @@ fn dkv_kernel<T: FloatElement>(
                 }
             }
             // The f32 path folded the scale into Q already.
-            let dk_scale = if on_bf16_gemm { g.scale } else { 1.0 };
+            let dk_scale = if bf16_gemm { g.scale } else { 1.0 };
             for j in 0..n {
                 // SAFETY: this unit owns keys j0..j0+n of (b, hkv) in dk and dv.
                 unsafe {
@@ -328,7 +346,7 @@ fn dkv_kernel<T: FloatElement>(
 }
 
 /// Step 3: `dQ` for one (batch, kv head, query tile) per unit, all heads of the group together.
-fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, per_block: usize) {
+fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (per_block, bf16_gemm): (usize, bool)) {
     let (dout, q, k, v, lse) = (args.input(DOUT), args.input(Q), args.input(K), args.input(V), args.input(LSE));
     let lens = args.optional_input(KV_LENS);
     let dq = args.output(0);
@@ -342,12 +360,11 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, per
     // SAFETY: as in dkv_kernel.
     let delta = unsafe { &*(args.workspace::<f32>(0, n_rows) as *const [f32]) };
     let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
-    let [qt, dot, st, dpt, dq_acc, kt, vt] = carve(ws, dq_tiles(&g));
-    let on_bf16_gemm = T::DTYPE == DType::BF16;
+    let [qt, dot, st, dpt, dq_acc, kt, vt] = carve(ws, dq_tiles(&g, bf16_gemm));
     for u in ctx.split(g.units()) {
         let t = g.query_tile(g.unit(u), lens.as_ref(), "attention_backward");
         let (b, hkv, rows) = (t.b, t.hkv, t.rows());
-        if on_bf16_gemm {
+        if bf16_gemm {
             t.copy_rows(bf16_of(&q), qr, bf16_tile(qt), d);
             t.copy_rows(bf16_of(&dout), dr, bf16_tile(dot), dv);
         } else {
@@ -358,7 +375,7 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, per
         let kv_end = t.kv_end(&g);
         for j0 in (0..kv_end).step_by(TILE_KEYS) {
             let n = TILE_KEYS.min(kv_end - j0);
-            let kp = if on_bf16_gemm {
+            let kp = if bf16_gemm {
                 let (kb, vb) = (bf16_of(&k).as_ptr(), bf16_of(&v).as_ptr());
                 // SAFETY: K/V rows j0..j0+n of this head lie inside the checked views.
                 unsafe {
@@ -385,7 +402,7 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, per
                 dscores_row(s, dp, delta[at]);
             }
             // dQ += dS·K (the scale is applied once at the end).
-            if on_bf16_gemm {
+            if bf16_gemm {
                 let dsb = bf16_tile(kt);
                 narrow_tile(dpt, dsb, rows, n);
                 let kb = bf16_of(&k).as_ptr();
@@ -449,7 +466,8 @@ impl Op for AttentionBackward {
         let blocks = |units: usize| units.clamp(1, 4 * threads) as u32;
         let fused = fuses_dq(&g, threads);
         let dkv_units = g.batch * g.kv_heads * if fused { 1 } else { g.kv_len.div_ceil(TILE_KEYS) };
-        let per_block = block_scratch(&g);
+        let bf16_gemm = on_bf16_gemm(&g);
+        let per_block = block_scratch(&g, bf16_gemm);
         let rows = g.batch * g.q_heads * g.q_len;
         let max_blocks = blocks(if fused { dkv_units } else { dkv_units.max(g.units()) }) as usize;
         // δ, then each block's scratch, then (fused) the dQ sums.
@@ -460,12 +478,12 @@ impl Op for AttentionBackward {
                     delta_kernel::<T>(a, c, g)
                 }),
                 Step::new("attention_backward.dkv", blocks(dkv_units), move |a, c| {
-                    dkv_kernel::<T>(a, c, g, per_block, dq_sums)
+                    dkv_kernel::<T>(a, c, g, (per_block, bf16_gemm), dq_sums)
                 }),
             ];
             if !fused {
                 steps.push(Step::new("attention_backward.dq", blocks(g.units()), move |a, c| {
-                    dq_kernel::<T>(a, c, g, per_block)
+                    dq_kernel::<T>(a, c, g, (per_block, bf16_gemm))
                 }));
             }
             steps
@@ -534,5 +552,55 @@ impl Op for AttentionBackward {
             attrs: vec![("causal".into(), AttrValue::Bool(true))],
             ..Default::default()
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::BF16_GEMM_FORCED;
+    use crate::attention::run_checked_forcing;
+    use uniop::half::bf16;
+    use uniop::verify::Rng;
+    use uniop::{AttrValue, Element, TensorRef};
+
+    fn bf16_random(shape: &[usize], seed: u64) -> Vec<bf16> {
+        let mut rng = Rng::new(seed);
+        (0..shape.iter().product()).map(|_| bf16::from_f64(2.0 * rng.uniform())).collect()
+    }
+
+    fn view<'a, T: Element>(x: &'a [T], shape: &[usize]) -> Option<TensorRef<'a>> {
+        Some(TensorRef::new(x, shape).unwrap())
+    }
+
+    /// bf16 gradients on the bf16 GEMM and widened to f32, against the f64 reference: two key
+    /// tiles with the dK/dV and dQ launches split (one (batch, kv head) pair), and the fused
+    /// launch (more pairs than twice the threads); causal GQA.
+    #[test]
+    fn bf16_backward_on_and_off_the_bf16_gemm() {
+        let causal = [("causal", AttrValue::Bool(true))];
+        let threads = uniop::runtime::Pool::global().threads();
+        for (batch, s) in [(1, 300), (2 * threads, 40)] {
+            let (q_shape, kv_shape) = ([batch, 4, s, 16], [batch, 2, s, 16]);
+            let (q, k, v) = (bf16_random(&q_shape, 1), bf16_random(&kv_shape, 2), bf16_random(&kv_shape, 3));
+            let dout = bf16_random(&q_shape, 4);
+            let forward_inputs = [view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), None];
+            let fwd = run_checked_forcing("attention", &forward_inputs, &causal, || {});
+            let out: Vec<bf16> = fwd[0].iter().map(|&x| bf16::from_f64(x)).collect();
+            let lse: Vec<f32> = fwd[1].iter().map(|&x| x as f32).collect();
+            let inputs = [
+                view(&dout, &q_shape),
+                view(&q, &q_shape),
+                view(&k, &kv_shape),
+                view(&v, &kv_shape),
+                view(&out, &q_shape),
+                view(&lse, &q_shape[..3]),
+                None,
+            ];
+            for bf16_gemm in [true, false] {
+                run_checked_forcing("attention_backward", &inputs, &causal, || {
+                    BF16_GEMM_FORCED.with(|f| f.set(Some(bf16_gemm)))
+                });
+            }
+        }
     }
 }

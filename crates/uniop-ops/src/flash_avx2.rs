@@ -333,30 +333,16 @@ unsafe fn softmax_band(
 #[cfg(test)]
 mod tests {
     use super::FORCED;
+    use crate::attention::run_checked_forcing;
     use uniop::half::{bf16, f16};
-    use uniop::verify::{check_outputs, infer, Rng};
-    use uniop::{AttrValue, Element, Registry, Tensor, TensorRef};
+    use uniop::verify::Rng;
+    use uniop::{AttrValue, Element, TensorRef};
 
-    /// Runs `attention` on the forward kernel `transposed` chooses, checks both outputs against
-    /// the f64 reference and returns them.
+    /// `attention` on the forward kernel `transposed` chooses, checked against the reference.
     fn run_forced(transposed: bool, inputs: &[Option<TensorRef>], causal: bool) -> Vec<Vec<f64>> {
-        crate::init();
-        let attrs = [("causal", AttrValue::Bool(causal))];
-        let entry = Registry::global().get("attention").unwrap();
-        let mut outs: Vec<Tensor> =
-            infer(&entry, inputs, &attrs).unwrap().into_iter().map(|m| Tensor::with_meta(m).unwrap()).collect();
-        // On a fresh thread: plans are cached per thread by signature, and a plan made for the
-        // other kernel would be reused.
-        std::thread::scope(|scope| {
-            scope.spawn(|| {
-                FORCED.with(|f| f.set(Some(transposed)));
-                uniop::call("attention", inputs, &attrs, outs.iter_mut().map(Tensor::view_mut).collect()).unwrap();
-            });
-        });
-        let views: Vec<TensorRef> = outs.iter().map(Tensor::view).collect();
-        let report = check_outputs(&entry, inputs, &attrs, &views).unwrap();
-        assert!(report.pass(), "transposed tiles: {transposed}, causal: {causal}\n{report}");
-        views.iter().map(|v| v.to_f64_vec()).collect()
+        run_checked_forcing("attention", inputs, &[("causal", AttrValue::Bool(causal))], || {
+            FORCED.with(|f| f.set(Some(transposed)))
+        })
     }
 
     /// The kernels this CPU runs: the GEMM tiles always, these where AVX2 and FMA are present.
