@@ -57,8 +57,8 @@ pub(crate) fn applies(g: &Geometry) -> bool {
     level == Simd::Avx2 && g.group() * g.tile_q() >= BAND
 }
 
-/// f32 scratch of one block: `Qᵀ`, one band's `Sᵀ`, `O`, running max and sum, a staging row, V's panels
-/// and (f16, bf16) a K tile widened to f32.
+/// f32 scratch of one block: `Qᵀ`, one band's `Sᵀ`, `O` (per band, in blocks of 16 value dims),
+/// running max and sum, a staging row, V's panels and (f16, bf16) a K tile widened to f32.
 fn tiles(g: &Geometry) -> [usize; 8] {
     let rp = (g.group() * g.tile_q()).next_multiple_of(BAND);
     let dvp = g.v_dim.next_multiple_of(PANEL);
@@ -145,7 +145,8 @@ unsafe fn forward_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geo
         for r in 0..rows {
             let (h, i) = t.head_pos(r);
             let (inv, lse_r) = if l[r] > 0.0 { (1.0 / l[r], m[r] + l[r].ln()) } else { (0.0, f32::NEG_INFINITY) };
-            let o = &ot[strip_at(r, dvp) / BAND * BAND..];
+            // Row r's band of O: blocks of 16 rows × 16 value dims.
+            let o = &ot[(r - r % BAND) * dvp..];
             for (c, x) in row[..dv].iter_mut().enumerate() {
                 *x = o[(c / PANEL * BAND + r % BAND) * PANEL + c % PANEL] * inv;
             }
