@@ -447,12 +447,50 @@ pub(crate) fn carve<const N: usize>(mut ws: &mut [f32], sizes: [usize; N]) -> [&
     })
 }
 
+/// The forward's operands with their row addressing, as both tile kernels read them.
+pub(crate) struct ForwardArgs<'a> {
+    pub q: TensorRef<'a>,
+    pub k: TensorRef<'a>,
+    pub v: TensorRef<'a>,
+    pub lens: Option<TensorRef<'a>>,
+    out: uniop::OutputView<'a>,
+    lse: uniop::OutputView<'a>,
+    /// Rows of q, k, v and out.
+    pub rows: [Rows4; 4],
+}
+
+impl<'a> ForwardArgs<'a> {
+    pub fn of(args: &'a KernelArgs) -> ForwardArgs<'a> {
+        let (q, k, v, out) = (args.input(0), args.input(1), args.input(2), args.output(0));
+        let rows = [q.layout(), k.layout(), v.layout(), out.layout()].map(Rows4::of);
+        ForwardArgs { q, k, v, lens: args.optional_input(3), out, lse: args.output(1), rows }
+    }
+
+    /// Writes query `(b, h, i)`'s output row from its unnormalised sums `o` (scaled in place by
+    /// `1 / l`), and its lse from the running max `m` and sum `l` (`-inf`, out 0, when it saw
+    /// no key).
+    ///
+    /// # Safety
+    /// The caller's unit must own that query.
+    pub unsafe fn finish_row<T: FloatElement>(
+        &self,
+        g: Geometry,
+        (b, h, i): (usize, usize, usize),
+        o: &mut [f32],
+        m: f32,
+        l: f32,
+    ) {
+        let (inv, lse) = if l > 0.0 { (1.0 / l, m + l.ln()) } else { (0.0, f32::NEG_INFINITY) };
+        o.iter_mut().for_each(|x| *x *= inv);
+        T::narrow(o, self.out.slice_mut::<T>(self.rows[3].at(b, h, i), o.len()));
+        out_lse(&self.lse, g, b, h, i)[0] = lse;
+    }
+}
+
 fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
-    let (q, k, v) = (args.input(0), args.input(1), args.input(2));
-    let lens = args.optional_input(3);
-    let (out, lse) = (args.output(0), args.output(1));
-    let (qr, kr, vr, or) =
-        (Rows4::of(q.layout()), Rows4::of(k.layout()), Rows4::of(v.layout()), Rows4::of(out.layout()));
+    let fa = ForwardArgs::of(args);
+    let (q, k, v, lens) = (&fa.q, &fa.k, &fa.v, &fa.lens);
+    let [qr, kr, vr, _] = fa.rows;
     let qs = q.storage::<T>().expect("dtype dispatched");
     let (d, dv, group, tq) = (g.head_dim, g.v_dim, g.group(), g.tile_q());
     let per_block = g.forward_scratch(group * tq);
@@ -484,7 +522,7 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
                     bf16_scores(st, bf16_tile(qt), d, rows, (kp, kr.seq_stride()), n, g.scale)
                 };
             } else {
-                let kp = f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt);
+                let kp = f32_rows::<T>(k, kr, (b, hkv, j0), n, d, kt);
                 // SAFETY: kp covers n rows of d elements (the views were checked when bound).
                 unsafe { scores(st, TILE_KEYS, qt, d, rows, kp, n) };
             }
@@ -513,7 +551,7 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
                 };
                 continue;
             }
-            let vp = f32_rows::<T>(&v, vr, (b, hkv, j0), n, dv, vt);
+            let vp = f32_rows::<T>(v, vr, (b, hkv, j0), n, dv, vt);
             // SAFETY: as above; `ot` is this block's scratch.
             unsafe {
                 gemm_rows(
@@ -529,14 +567,8 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
         }
         for r in 0..rows {
             let (h, i) = t.head_pos(r);
-            let o = &mut ot[r * dv..(r + 1) * dv];
-            let (inv, lse_r) = if lt[r] > 0.0 { (1.0 / lt[r], mt[r] + lt[r].ln()) } else { (0.0, f32::NEG_INFINITY) };
-            o.iter_mut().for_each(|x| *x *= inv);
             // SAFETY: this unit owns rows (b, h, q0..q0+n_pos) of out and lse.
-            unsafe {
-                T::narrow(o, out.slice_mut::<T>(or.at(b, h, i), dv));
-                out_lse(&lse, g, b, h, i)[0] = lse_r;
-            }
+            unsafe { fa.finish_row::<T>(g, (b, h, i), &mut ot[r * dv..(r + 1) * dv], mt[r], lt[r]) };
         }
     }
 }
@@ -562,13 +594,7 @@ fn scratch_transposed(g: &Geometry) -> usize {
 /// # Safety
 /// The caller must own that element for the launch.
 #[allow(clippy::mut_from_ref)]
-pub(crate) unsafe fn out_lse<'a>(
-    lse: &uniop::OutputView<'a>,
-    g: Geometry,
-    b: usize,
-    h: usize,
-    i: usize,
-) -> &'a mut [f32] {
+unsafe fn out_lse<'a>(lse: &uniop::OutputView<'a>, g: Geometry, b: usize, h: usize, i: usize) -> &'a mut [f32] {
     lse.slice_mut::<f32>(lse.layout().offset() + (b * g.q_heads + h) * g.q_len + i, 1)
 }
 

@@ -22,7 +22,7 @@
 //! f16 and bf16 K/V tiles are widened to f32 (cheap next to the products: each tile is widened
 //! once per unit); every product and the softmax are f32.
 
-use crate::attention::{carve, f32_rows, load_scaled, out_lse, Geometry, Rows4};
+use crate::attention::{carve, f32_rows, load_scaled, ForwardArgs, Geometry, Rows4};
 use crate::math;
 use crate::skinny::{Dots, Simd};
 use std::arch::x86_64::*;
@@ -81,12 +81,9 @@ pub(crate) fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geom
 /// tiles vectorize too.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn forward_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
-    let (q, k, v) = (args.input(0), args.input(1), args.input(2));
-    let lens = args.optional_input(3);
-    let (out, lse) = (args.output(0), args.output(1));
-    let (qr, kr, vr, or) =
-        (Rows4::of(q.layout()), Rows4::of(k.layout()), Rows4::of(v.layout()), Rows4::of(out.layout()));
-    let qs = q.storage::<T>().expect("dtype dispatched");
+    let fa = ForwardArgs::of(args);
+    let [qr, kr, vr, _] = fa.rows;
+    let qs = fa.q.storage::<T>().expect("dtype dispatched");
     let (d, dv) = (g.head_dim, g.v_dim);
     let per_block = scratch(&g);
     // SAFETY: block b owns scratch range b.
@@ -94,7 +91,7 @@ unsafe fn forward_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geo
     let [qt, st, ot, m, l, row, panels, kt] = carve(ws, tiles(&g));
     let dvp = dv.next_multiple_of(PANEL);
     for u in ctx.split(g.units()) {
-        let t = g.query_tile(g.unit_by_head(u), lens.as_ref(), "attention");
+        let t = g.query_tile(g.unit_by_head(u), fa.lens.as_ref(), "attention");
         let (b, hkv, rows) = (t.b, t.hkv, t.rows());
         let rp = rows.next_multiple_of(BAND);
         qt[..d * rp].fill(0.0);
@@ -111,8 +108,8 @@ unsafe fn forward_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geo
         let kv_end = t.kv_end(&g);
         for j0 in (0..kv_end).step_by(KEYS) {
             let n = KEYS.min(kv_end - j0);
-            let (kp, ks) = f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt);
-            pack_panels::<T>(&v, vr, (b, hkv, j0), n, dv, panels);
+            let (kp, ks) = f32_rows::<T>(&fa.k, kr, (b, hkv, j0), n, d, kt);
+            pack_panels::<T>(&fa.v, vr, (b, hkv, j0), n, dv, panels);
             for band in (0..rp).step_by(BAND) {
                 // Keys of this tile each row of the band sees; padding rows see none.
                 let seen: [u32; BAND] = std::array::from_fn(|x| {
@@ -143,18 +140,14 @@ unsafe fn forward_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geo
             }
         }
         for r in 0..rows {
-            let (h, i) = t.head_pos(r);
-            let (inv, lse_r) = if l[r] > 0.0 { (1.0 / l[r], m[r] + l[r].ln()) } else { (0.0, f32::NEG_INFINITY) };
             // Row r's band of O: blocks of 16 rows × 16 value dims.
             let o = &ot[(r - r % BAND) * dvp..];
             for (c, x) in row[..dv].iter_mut().enumerate() {
-                *x = o[(c / PANEL * BAND + r % BAND) * PANEL + c % PANEL] * inv;
+                *x = o[(c / PANEL * BAND + r % BAND) * PANEL + c % PANEL];
             }
+            let (h, i) = t.head_pos(r);
             // SAFETY: this unit owns rows (b, h, q0..q0+n_pos) of out and lse.
-            unsafe {
-                T::narrow(&row[..dv], out.slice_mut::<T>(or.at(b, h, i), dv));
-                out_lse(&lse, g, b, h, i)[0] = lse_r;
-            }
+            unsafe { fa.finish_row::<T>(g, (b, h, i), &mut row[..dv], m[r], l[r]) };
         }
     }
 }
