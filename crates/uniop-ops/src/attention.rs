@@ -573,20 +573,14 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
     }
 }
 
-/// Whether the forward runs [`crate::flash_avx2`]'s transposed tiles (AVX2 CPUs) rather than
-/// the GEMM tiles above.
-fn transposed_tiles(g: &Geometry) -> bool {
+/// Scratch per block of `flash_avx2.rs`'s transposed tiles when the forward runs them (AVX2
+/// CPUs), `None` when it runs the GEMM tiles above.
+fn transposed_scratch(g: &Geometry) -> Option<usize> {
     #[cfg(target_arch = "x86_64")]
-    return crate::flash_avx2::applies(g);
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
-fn scratch_transposed(g: &Geometry) -> usize {
-    #[cfg(target_arch = "x86_64")]
-    return crate::flash_avx2::scratch(g);
-    #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("no transposed tiles for {g:?} off x86_64")
+    if crate::flash_avx2::applies(g) {
+        return Some(crate::flash_avx2::scratch(g));
+    }
+    None
 }
 
 /// Element `(b, h, i)` of the contiguous `[B, Hq, Sq]` lse tensor.
@@ -663,7 +657,9 @@ impl Op for Attention {
         let g = geometry(cx)?;
         let threads = uniop::runtime::Pool::global().threads();
         let block_dim = g.units().clamp(1, 4 * threads) as u32;
-        let transposed = transposed_tiles(&g);
+        let transposed = transposed_scratch(&g);
+        let per_block = transposed.unwrap_or_else(|| g.forward_scratch(g.group() * g.tile_q()));
+        let transposed = transposed.is_some();
         let step = with_float_dtype!(g.dtype, cx.op(), "q", |T| {
             Step::new("attention", block_dim, move |args, ctx| {
                 #[cfg(target_arch = "x86_64")]
@@ -673,7 +669,6 @@ impl Op for Attention {
                 forward::<T>(args, ctx, g)
             })
         });
-        let per_block = if transposed { scratch_transposed(&g) } else { g.forward_scratch(g.group() * g.tile_q()) };
         Ok(Plan::new(vec![step])
             .workspace(block_dim as usize * per_block * 4)
             .inputs_need(vec![LayoutNeed::InnerContiguous; 3])

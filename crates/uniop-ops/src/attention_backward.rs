@@ -58,7 +58,8 @@ thread_local! {
     pub(crate) static BF16_GEMM_FORCED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
-/// Whether bf16 products run on the bf16 GEMM (P and dS rounded to bf16): where the CPU has
+/// Whether bf16 products run on the bf16 GEMM (Q and dout rows copied as they are into the f32
+/// tiles' space, K and V read in place, P and dS rounded to bf16): where the CPU has
 /// AVX512-BF16's pair products. Elsewhere bf16 tiles are widened to f32 like f16's and run on
 /// the f32 GEMM — on AVX2 CPUs about twice as fast as the bf16 GEMM's widening micro-kernel.
 fn on_bf16_gemm(g: &Geometry) -> bool {
@@ -227,8 +228,6 @@ fn dkv_kernel<T: FloatElement>(
     let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
     let tr = TILE_ROWS.min(g.q_len.max(1));
     let [qt, dot, st, dpt, dk_acc, dv_acc, kt, vt] = carve(ws, dkv_tiles(&g, bf16_gemm));
-    // On the bf16 GEMM every product reads bf16: Q and dout rows copied as they are (into the
-    // f32 tiles' space), K and V read in place, P and dS rounded to bf16.
     let k_tiles = g.kv_len.div_ceil(TILE_KEYS);
     let fused = dq_sums.is_some();
     let (units, tiles_per_unit) =
