@@ -4,7 +4,7 @@
 //!
 //! [`silu_mul`]: crate::silu_mul
 
-use crate::elementwise::{dense_input, dense_map, dense_output, fence, LANES, STREAMING_BYTES};
+use crate::elementwise::{dense_input, dense_map, dense_output, fence, STREAMING_BYTES};
 use crate::math;
 use crate::silu_mul::{check_gate_up, DTYPES};
 use uniop::{
@@ -20,10 +20,9 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, n: usize, streaming
     let ins = [0, 1, 2].map(|i| dense_input::<T>(args, i, range.clone()));
     // SAFETY: blocks own disjoint element ranges of both outputs.
     let outs = unsafe { [dense_output::<T>(args, 0, range.clone()), dense_output::<T>(args, 1, range)] };
-    dense_map(ins, outs, streaming, |[d, g, u], [dg, du]| {
-        for i in 0..LANES {
-            (dg[i], du[i]) = math::silu_mul_grad(d[i], g[i], u[i]);
-        }
+    dense_map(ins, outs, streaming, |[d, g, u]| {
+        let (dg, du) = math::silu_mul_grad(d, g, u);
+        [dg, du]
     });
     fence();
 }

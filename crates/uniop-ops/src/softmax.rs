@@ -168,11 +168,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
                 }
                 Kind::LogSoftmax => {
                     let shift = m + s.ln();
-                    dense_map([row], [out], streaming, |[b], [o]| {
-                        for j in 0..LANES {
-                            o[j] = b[j] - shift;
-                        }
-                    })
+                    dense_map([row], [out], streaming, |[b]| [b - shift])
                 }
             }
         }

@@ -34,13 +34,11 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
                 }
             });
             let dot: f32 = acc.iter().sum();
-            dense_map([dyr, yr], [out], streaming, |[d, y], [g]| {
-                for j in 0..LANES {
-                    g[j] = match kind {
-                        Kind::Softmax => y[j] * (d[j] - dot),
-                        Kind::LogSoftmax => d[j] - math::exp(y[j]) * dot,
-                    };
-                }
+            dense_map([dyr, yr], [out], streaming, |[d, y]| {
+                [match kind {
+                    Kind::Softmax => y * (d - dot),
+                    Kind::LogSoftmax => d - math::exp(y) * dot,
+                }]
             });
         } else {
             let (w, at) = axis.group(u);

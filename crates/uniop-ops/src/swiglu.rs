@@ -4,7 +4,7 @@
 //! Kernel: the executor makes `x` contiguous, so for each index `o` of the dims before `dim` the
 //! halves are two dense runs of `H = shape[dim]/2 · (product of the dims after dim)` elements.
 
-use crate::elementwise::{dense_map, fence, LANES, STREAMING_BYTES};
+use crate::elementwise::{dense_map, fence, STREAMING_BYTES};
 use crate::math;
 use crate::silu_mul::DTYPES;
 use uniop::{
@@ -64,11 +64,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, h: Halves, streamin
         let a = o * 2 * h.half + i;
         // SAFETY: blocks own disjoint output element ranges.
         let dst = unsafe { out.slice_mut::<T>(out.layout().offset() + o * h.half + i, len) };
-        dense_map([&xs[a..a + len], &xs[a + h.half..a + h.half + len]], [dst], streaming, |[a, b], [y]| {
-            for k in 0..LANES {
-                y[k] = math::silu(a[k]) * b[k];
-            }
-        });
+        dense_map([&xs[a..a + len], &xs[a + h.half..a + h.half + len]], [dst], streaming, |[a, b]| [math::silu(a) * b]);
     });
     fence();
 }

@@ -4,7 +4,7 @@
 //!
 //! [`swiglu`]: crate::swiglu
 
-use crate::elementwise::{dense_map, fence, LANES, STREAMING_BYTES};
+use crate::elementwise::{dense_map, fence, STREAMING_BYTES};
 use crate::math;
 use crate::silu_mul::DTYPES;
 use crate::swiglu::{halves, Halves};
@@ -30,10 +30,9 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, h: Halves, streamin
         let (da, db) = unsafe {
             (dx.slice_mut::<T>(dx.layout().offset() + a, len), dx.slice_mut::<T>(dx.layout().offset() + b, len))
         };
-        dense_map([&ds[d..d + len], &xs[a..a + len], &xs[b..b + len]], [da, db], streaming, |[d, a, b], [da, db]| {
-            for k in 0..LANES {
-                (da[k], db[k]) = math::silu_mul_grad(d[k], a[k], b[k]);
-            }
+        dense_map([&ds[d..d + len], &xs[a..a + len], &xs[b..b + len]], [da, db], streaming, |[d, a, b]| {
+            let (da, db) = math::silu_mul_grad(d, a, b);
+            [da, db]
         });
     });
     fence();

@@ -1077,6 +1077,19 @@ fn softmax_backward_streams_big_outputs_and_pads_row_tails() {
     }
 }
 
+/// The fused multi-output path (`dense_map`) past the streaming threshold, in both of its forms
+/// (f32 straight into the outputs; bf16 staged), with a partial last step: both gradients of
+/// silu_mul must match the f64 reference.
+#[test]
+fn silu_mul_backward_streams_big_outputs_in_f32_and_bf16() {
+    setup();
+    let n = (8 << 20) / 2 + 13; // bf16 outputs just past the streaming threshold; 13 = a partial step
+    let [d, g, u] = [144, 145, 146].map(|seed| rand_vec(n, seed));
+    run_checked("silu_mul_backward", &[&d, &g, &u].map(|x| Some(TensorRef::new(x, &[n]).unwrap())), &[]);
+    let [d, g, u] = [d, g, u].map(|x| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+    run_checked("silu_mul_backward", &[&d, &g, &u].map(|x| Some(TensorRef::new(x, &[n]).unwrap())), &[]);
+}
+
 #[test]
 fn argmax_takes_the_first_maximum_and_nan_along_any_dim() {
     setup();
