@@ -2,16 +2,24 @@
 //! these are branch-free polynomial versions that LLVM turns into SIMD inside `simd::dispatch`.
 
 /// e^x in f32, relative error ≈ 2 ulp over the range; saturates outside [-87, 88].
+///
+/// Written for the op count of the vectorized loop, which bounds the elementwise kernels that
+/// call it on AVX2 (bf16 silu is compute-bound there): `k = round(x·log2 e)` comes out of one FMA
+/// with the 1.5·2²³ shift, which also leaves `k` in the low mantissa bits for building 2^k (no
+/// float→int conversion, which Rust makes saturating and scalar); the reduction `x − k·ln 2` is
+/// two FMAs (Cody–Waite: ln 2 split in a short high part, exact in `k·hi`, and the rest).
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
+    const SHIFT: f32 = 12_582_912.0; // 1.5·2²³
     let x = x.clamp(-87.0, 88.0);
-    let k = (x * LOG2E + 0.5).floor();
-    let r = x - k * LN2_HI - k * LN2_LO;
-    // Cephes expf minimax polynomial.
-    // `mul_add` becomes one FMA in the AVX2/AVX-512 kernel builds.
+    let shifted = x.mul_add(LOG2E, SHIFT);
+    let k = shifted - SHIFT;
+    let r = (-k).mul_add(LN2_HI, x);
+    let r = (-k).mul_add(LN2_LO, r);
+    // Cephes expf minimax polynomial; `mul_add` is one FMA in the AVX2/AVX-512 kernel builds.
     let mut p = 1.987_569_1e-4f32;
     p = p.mul_add(r, 1.398_199_9e-3);
     p = p.mul_add(r, 8.333_452e-3);
@@ -19,10 +27,7 @@ pub fn exp(x: f32) -> f32 {
     p = p.mul_add(r, 1.666_666_5e-1);
     p = p.mul_add(r, 0.5);
     let y = (p * r).mul_add(r, r) + 1.0;
-    // 2^k built from bits. `k as i32` would be a saturating (scalar) conversion; adding 1.5·2^23
-    // instead puts k in the low mantissa bits, which stays a vector integer op.
-    const MAGIC: f32 = 12_582_912.0;
-    let k_bits = (k + MAGIC).to_bits().wrapping_sub(MAGIC.to_bits());
+    let k_bits = shifted.to_bits().wrapping_sub(SHIFT.to_bits());
     let scale = f32::from_bits(k_bits.wrapping_add(127) << 23);
     y * scale
 }
