@@ -234,8 +234,14 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
     ) {
         if T::DTYPE == DType::F32 {
             let mut targets = if streaming { self.staged.each_mut() } else { outs.each_mut().map(|out| &mut **out) };
+            // Plain loops build the per-element arrays (not `map`/`from_fn`, which the compiler
+            // may leave out of line, built for the baseline target: see `widen_lanes`).
             for i in 0..LANES {
-                let r = f(ins.map(|step| step[i].to_f32()));
+                let mut x = [0f32; I];
+                for (x, step) in x.iter_mut().zip(&ins) {
+                    *x = step[i].to_f32();
+                }
+                let r = f(x);
                 for (out, r) in targets.iter_mut().zip(r) {
                     out[i] = T::from_f32(r);
                 }
@@ -245,7 +251,11 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
                 *wide = T::widen_lanes(step);
             }
             for i in 0..LANES {
-                let r = f(std::array::from_fn(|k| self.wide[k][i]));
+                let mut x = [0f32; I];
+                for (x, wide) in x.iter_mut().zip(&self.wide) {
+                    *x = wide[i];
+                }
+                let r = f(x);
                 for (k, r) in r.into_iter().enumerate() {
                     self.wide[k][i] = r;
                 }
