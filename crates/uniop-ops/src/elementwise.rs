@@ -218,7 +218,7 @@ struct Steps<T, const I: usize, const O: usize> {
     /// f16/bf16 form: the inputs widened, then overwritten by `f`'s results (output `k` in
     /// `wide[k]`); a separate results buffer measured slower.
     wide: [[f32; LANES]; I],
-    /// Results narrowed, on their way to non-temporal stores.
+    /// Results in `T`: f16/bf16 ones narrowed, and f32 ones on their way to non-temporal stores.
     staged: [[T; LANES]; O],
 }
 
