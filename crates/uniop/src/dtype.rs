@@ -459,11 +459,10 @@ fn f32_to_bf16_bits(v: f32) -> u16 {
 #[inline]
 unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [bf16]) {
     use std::arch::x86_64::{
-        __m256i, _mm256_storeu_si256, _mm512_add_epi32, _mm512_and_si512, _mm512_castps_si512, _mm512_castsi512_si256,
-        _mm512_cmp_ps_mask, _mm512_loadu_ps, _mm512_mask_mov_epi32, _mm512_or_si512, _mm512_permutexvar_epi16,
-        _mm512_set1_epi32, _mm512_set_epi16, _mm512_srli_epi32, _CMP_UNORD_Q,
+        _mm512_add_epi32, _mm512_and_si512, _mm512_castps_si512, _mm512_castsi512_si256, _mm512_cmp_ps_mask,
+        _mm512_loadu_ps, _mm512_mask_mov_epi32, _mm512_or_si512, _mm512_permutexvar_epi16, _mm512_set1_epi32,
+        _mm512_set_epi16, _mm512_srli_epi32, _CMP_UNORD_Q,
     };
-    let n = src.len().min(dst.len());
     let ones = _mm512_set1_epi32(1);
     let bias = _mm512_set1_epi32(0x7fff);
     let quiet = _mm512_set1_epi32(0x0040_0000);
@@ -472,16 +471,29 @@ unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [bf16]) {
         31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5,
         3, 1,
     );
-    let mut i = 0;
-    while i + 16 <= n {
-        let v = _mm512_loadu_ps(src.as_ptr().add(i));
+    narrow_by_sixteen(src, dst, |at| {
+        let v = _mm512_loadu_ps(at);
         let bits = _mm512_castps_si512(v);
         let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), ones);
         let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(bias, lsb));
         let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
         let out = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, quiet));
-        let packed = _mm512_permutexvar_epi16(high_halves, out);
-        _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, _mm512_castsi512_si256(packed));
+        _mm512_castsi512_si256(_mm512_permutexvar_epi16(high_halves, out))
+    });
+}
+
+/// Narrows `src` into `dst` (up to the shorter one) sixteen lanes at a time with `sixteen`, which
+/// loads 16 f32 at its pointer and returns their bf16 bits in order; the ragged tail with the
+/// scalar conversion. Inlined into its `#[target_feature]` callers, whose features the
+/// intrinsics in it and in `sixteen` need.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn narrow_by_sixteen(src: &[f32], dst: &mut [bf16], sixteen: impl Fn(*const f32) -> std::arch::x86_64::__m256i) {
+    use std::arch::x86_64::{__m256i, _mm256_storeu_si256};
+    let n = src.len().min(dst.len());
+    let mut i = 0;
+    while i + 16 <= n {
+        _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, sixteen(src.as_ptr().add(i)));
         i += 16;
     }
     for j in i..n {
@@ -497,23 +509,14 @@ unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [bf16]) {
 #[target_feature(enable = "avx2")]
 #[inline]
 unsafe fn narrow_bf16_avx2(src: &[f32], dst: &mut [bf16]) {
-    use std::arch::x86_64::{
-        __m256i, _mm256_loadu_ps, _mm256_packus_epi32, _mm256_permute4x64_epi64, _mm256_storeu_si256,
-    };
-    let n = src.len().min(dst.len());
-    let mut i = 0;
-    while i + 16 <= n {
-        let low = bf16_bits_avx2(_mm256_loadu_ps(src.as_ptr().add(i)));
-        let high = bf16_bits_avx2(_mm256_loadu_ps(src.as_ptr().add(i + 8)));
+    use std::arch::x86_64::{_mm256_loadu_ps, _mm256_packus_epi32, _mm256_permute4x64_epi64};
+    narrow_by_sixteen(src, dst, |at| {
+        let low = bf16_bits_avx2(_mm256_loadu_ps(at));
+        let high = bf16_bits_avx2(_mm256_loadu_ps(at.add(8)));
         // packus packs within 128-bit halves ([low 0-3, high 0-3 | low 4-7, high 4-7]); the
         // permute puts the four quarters back in order.
-        let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(low, high));
-        _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, packed);
-        i += 16;
-    }
-    for j in i..n {
-        dst[j] = bf16::from_bits(f32_to_bf16_bits(src[j]));
-    }
+        _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(low, high))
+    });
 }
 
 /// The bf16 bits of 8 f32 lanes, in the low halves of 32-bit lanes (so `packus` cannot saturate).
