@@ -16,10 +16,8 @@ struct AxpyMap(f32);
 
 impl Map2 for AxpyMap {
     #[inline(always)]
-    fn apply(&self, a: &mut [f32], b: &[f32]) {
-        for (x, y) in a.iter_mut().zip(b) {
-            *x += self.0 * *y;
-        }
+    fn apply(&self, a: f32, b: f32) -> f32 {
+        a + self.0 * b
     }
 }
 

@@ -110,14 +110,14 @@ pub fn narrow_into<T: FloatElement>(src: &[f32], dst: &mut [T], streaming: bool)
     }
 }
 
-/// `v[i] = f(v[i])` over one chunk.
+/// `f(x)` for one element, computed in f32.
 pub trait Map1: Send + Sync + 'static {
-    fn apply(&self, v: &mut [f32]);
+    fn apply(&self, x: f32) -> f32;
 }
 
-/// `a[i] = f(a[i], b[i])` over one chunk.
+/// `f(a, b)` for one element, computed in f32.
 pub trait Map2: Send + Sync + 'static {
-    fn apply(&self, a: &mut [f32], b: &[f32]);
+    fn apply(&self, a: f32, b: f32) -> f32;
 }
 
 /// Loads `dst.len()` elements starting at storage offset `off` with stride `stride`.
@@ -388,12 +388,18 @@ pub fn unary<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, f: &F, 
     runs.for_each_run(range.start, range.end, |[o, xo], len| {
         let mut j = 0;
         if dense_run(strides) {
-            let mut lanes = [0f32; LANES];
             // SAFETY: blocks own disjoint ranges of output elements.
             let dst = unsafe { out.slice_mut::<T>(o, len) };
+            if T::DTYPE == DType::F32 && sx == 1 {
+                dense_map([&data[xo..xo + len]], [dst], streaming, |[x]| [f.apply(x)]);
+                return;
+            }
+            let mut lanes = [0f32; LANES];
             while j + LANES <= len {
                 load_lanes(data, xo + j * sx, sx, &mut lanes);
-                f.apply(&mut lanes);
+                for x in &mut lanes {
+                    *x = f.apply(*x);
+                }
                 store_lanes(&lanes, &mut dst[j..j + LANES], streaming);
                 j += LANES;
             }
@@ -401,7 +407,9 @@ pub fn unary<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, f: &F, 
         while j < len {
             let n = CHUNK.min(len - j);
             load(data, xo + j * sx, sx, &mut buf[..n]);
-            f.apply(&mut buf[..n]);
+            for x in &mut buf[..n] {
+                *x = f.apply(*x);
+            }
             // SAFETY: blocks own disjoint ranges of output elements.
             unsafe { store::<T>(&out, o + j * so, so, &buf[..n], streaming) };
             j += n;
@@ -428,13 +436,20 @@ pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F,
     runs.for_each_run(range.start, range.end, |[o, ao, bo], len| {
         let mut j = 0;
         if dense_run(strides) {
-            let (mut la, mut lb) = ([0f32; LANES], [0f32; LANES]);
             // SAFETY: blocks own disjoint ranges of output elements.
             let dst = unsafe { out.slice_mut::<T>(o, len) };
+            if T::DTYPE == DType::F32 && sa == 1 && sb == 1 {
+                let ins = [&da[ao..ao + len], &db[bo..bo + len]];
+                dense_map(ins, [dst], streaming, |[a, b]| [f.apply(a, b)]);
+                return;
+            }
+            let (mut la, mut lb) = ([0f32; LANES], [0f32; LANES]);
             while j + LANES <= len {
                 load_lanes(da, ao + j * sa, sa, &mut la);
                 load_lanes(db, bo + j * sb, sb, &mut lb);
-                f.apply(&mut la, &lb);
+                for (a, &b) in la.iter_mut().zip(&lb) {
+                    *a = f.apply(*a, b);
+                }
                 store_lanes(&la, &mut dst[j..j + LANES], streaming);
                 j += LANES;
             }
@@ -443,7 +458,9 @@ pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F,
             let n = CHUNK.min(len - j);
             load(da, ao + j * sa, sa, &mut bufa[..n]);
             load(db, bo + j * sb, sb, &mut bufb[..n]);
-            f.apply(&mut bufa[..n], &bufb[..n]);
+            for (a, &b) in bufa[..n].iter_mut().zip(&bufb[..n]) {
+                *a = f.apply(*a, b);
+            }
             // SAFETY: blocks own disjoint ranges of output elements.
             unsafe { store::<T>(&out, o + j * so, so, &bufa[..n], streaming) };
             j += n;

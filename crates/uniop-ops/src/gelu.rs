@@ -25,10 +25,8 @@ struct GeluMap(bool);
 
 impl Map1 for GeluMap {
     #[inline(always)]
-    fn apply(&self, v: &mut [f32]) {
-        for x in v.iter_mut() {
-            *x = math::gelu(*x, self.0);
-        }
+    fn apply(&self, x: f32) -> f32 {
+        math::gelu(x, self.0)
     }
 }
 

@@ -12,10 +12,8 @@ struct GeluGrad(bool);
 
 impl Map2 for GeluGrad {
     #[inline(always)]
-    fn apply(&self, dy: &mut [f32], x: &[f32]) {
-        for (d, &x) in dy.iter_mut().zip(x) {
-            *d *= math::gelu_grad(x, self.0);
-        }
+    fn apply(&self, dy: f32, x: f32) -> f32 {
+        dy * math::gelu_grad(x, self.0)
     }
 }
 

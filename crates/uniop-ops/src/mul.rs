@@ -11,10 +11,8 @@ struct MulMap;
 
 impl Map2 for MulMap {
     #[inline(always)]
-    fn apply(&self, a: &mut [f32], b: &[f32]) {
-        for (x, y) in a.iter_mut().zip(b) {
-            *x *= *y;
-        }
+    fn apply(&self, a: f32, b: f32) -> f32 {
+        a * b
     }
 }
 

@@ -10,10 +10,8 @@ struct SiluMap;
 
 impl Map1 for SiluMap {
     #[inline(always)]
-    fn apply(&self, v: &mut [f32]) {
-        for x in v.iter_mut() {
-            *x = math::silu(*x);
-        }
+    fn apply(&self, x: f32) -> f32 {
+        math::silu(x)
     }
 }
 

@@ -15,10 +15,8 @@ struct SiluMulMap;
 
 impl Map2 for SiluMulMap {
     #[inline(always)]
-    fn apply(&self, gate: &mut [f32], up: &[f32]) {
-        for (g, &u) in gate.iter_mut().zip(up) {
-            *g = math::silu(*g) * u;
-        }
+    fn apply(&self, gate: f32, up: f32) -> f32 {
+        math::silu(gate) * up
     }
 }
 

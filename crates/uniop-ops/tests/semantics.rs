@@ -1077,17 +1077,23 @@ fn softmax_backward_streams_big_outputs_and_pads_row_tails() {
     }
 }
 
-/// The fused multi-output path (`dense_map`) past the streaming threshold, in both of its forms
-/// (f32 straight into the outputs; bf16 staged), with a partial last step: both gradients of
-/// silu_mul must match the f64 reference.
+/// The dense elementwise paths past the streaming threshold, with a partial last step: f32 runs
+/// one element loop straight into the outputs (`dense_map`), bf16 stages whole steps — unary
+/// (silu), binary (silu_mul) and the fused multi-output kernel (silu_mul_backward), each against
+/// the f64 reference.
 #[test]
-fn silu_mul_backward_streams_big_outputs_in_f32_and_bf16() {
+fn dense_elementwise_kernels_stream_big_outputs_in_f32_and_bf16() {
     setup();
     let n = (8 << 20) / 2 + 13; // bf16 outputs just past the streaming threshold; 13 = a partial step
-    let [d, g, u] = [144, 145, 146].map(|seed| rand_vec(n, seed));
-    run_checked("silu_mul_backward", &[&d, &g, &u].map(|x| Some(TensorRef::new(x, &[n]).unwrap())), &[]);
-    let [d, g, u] = [d, g, u].map(|x| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
-    run_checked("silu_mul_backward", &[&d, &g, &u].map(|x| Some(TensorRef::new(x, &[n]).unwrap())), &[]);
+    let f32s = [144, 145, 146].map(|seed| rand_vec(n, seed));
+    let bf16s = f32s.each_ref().map(|x| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+    let f32_refs = f32s.each_ref().map(|x| Some(TensorRef::new(x, &[n]).unwrap()));
+    let bf16_refs = bf16s.each_ref().map(|x| Some(TensorRef::new(x, &[n]).unwrap()));
+    for inputs in [f32_refs, bf16_refs] {
+        run_checked("silu", &inputs[..1], &[]);
+        run_checked("silu_mul", &inputs[1..], &[]);
+        run_checked("silu_mul_backward", &inputs, &[]);
+    }
 }
 
 #[test]
