@@ -1,6 +1,7 @@
 //! Shared machinery for elementwise float kernels: operands are walked as strided runs
-//! ([`StridedRuns`]), staged through fixed f32 chunks (so f16/bf16 compute in f32 and contiguous
-//! runs vectorize), and the op supplies only the chunk computation as a [`Map1`]/[`Map2`].
+//! ([`StridedRuns`]); dense runs go through [`dense_map`] (f32) or whole widened steps
+//! (f16/bf16), strided ones through fixed f32 chunks, so everything computes in f32 and
+//! vectorizes; the op supplies only the function of one element, as a [`Map1`]/[`Map2`].
 //!
 //! Why traits instead of closures: kernels are compiled once per instruction set
 //! ([`simd_kernel!`](crate::simd_kernel)), and only code *inlined* into those copies gets wide
