@@ -13,7 +13,7 @@
 //! over two launches — per (batch, kv head, key tile) `dK`/`dV`, then per (batch, kv head, query
 //! tile) `dQ` like the forward — which recomputes the scores in both (7 tile products).
 //! bf16 runs every product on the AVX512-BF16 GEMM with P and dS rounded to bf16, like the forward;
-//! on CPUs without AVX512-BF16 its tiles are widened to f32 like f16's (see [`on_bf16_gemm`]).
+//! on CPUs without AVX512-BF16 its tiles are widened to f32 like f16's (see `on_bf16_gemm`).
 
 use crate::attention::{
     bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, narrow_tile, row_len, scores, Geometry, Rows4,
