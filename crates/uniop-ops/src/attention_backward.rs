@@ -14,6 +14,11 @@
 //! tile) `dQ` like the forward — which recomputes the scores in both (7 tile products).
 //! bf16 runs every product on the AVX512-BF16 GEMM with P and dS rounded to bf16, like the forward;
 //! on CPUs without AVX512-BF16 its tiles are widened to f32 like f16's (see `on_bf16_gemm`).
+//!
+//! On CPUs whose best level is AVX2 the dK/dV launch (with dQ when fused) runs the tiles of
+//! `flash_backward_avx2.rs` instead: keys in the vector lanes, operands packed once per key tile
+//! rather than per product, and causal diagonal tiles at about half cost (why, and the layout,
+//! are there).
 
 use crate::attention::{
     bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, narrow_tile, row_len, scores, Geometry, Rows4,
@@ -26,7 +31,7 @@ use crate::skinny::{Dots, Simd};
 use uniop::half::bf16;
 use uniop::{
     with_float_dtype, AttrValue, BlockCtx, DType, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, OutputView,
-    Plan, RefTensor, Result, Step, TensorMeta,
+    Plan, RefTensor, Result, Step, TensorMeta, TensorRef,
 };
 
 pub struct AttentionBackward;
@@ -102,8 +107,55 @@ fn bf16_of<'a>(t: &uniop::TensorRef<'a>) -> &'a [bf16] {
     t.storage::<bf16>().expect("dtype dispatched")
 }
 
+/// The backward's operands and outputs with their row addressing, as its kernels read them.
+pub(crate) struct BackwardArgs<'a> {
+    pub dout: TensorRef<'a>,
+    pub q: TensorRef<'a>,
+    pub k: TensorRef<'a>,
+    pub v: TensorRef<'a>,
+    pub lens: Option<TensorRef<'a>>,
+    /// The contiguous `[B, Hq, Sq]` lse from its first element.
+    pub lse: &'a [f32],
+    pub dq: OutputView<'a>,
+    pub dk: OutputView<'a>,
+    pub dv: OutputView<'a>,
+    pub dout_rows: Rows4,
+    pub q_rows: Rows4,
+    pub k_rows: Rows4,
+    pub v_rows: Rows4,
+    pub dq_rows: Rows4,
+    pub dk_rows: Rows4,
+    pub dv_rows: Rows4,
+}
+
+impl<'a> BackwardArgs<'a> {
+    pub fn of(args: &'a KernelArgs) -> BackwardArgs<'a> {
+        let (dout, q, k, v, lse) = (args.input(DOUT), args.input(Q), args.input(K), args.input(V), args.input(LSE));
+        let (dq, dk, dv) = (args.output(0), args.output(1), args.output(2));
+        let rows = |t: &uniop::Layout| Rows4::of(t);
+        BackwardArgs {
+            dout_rows: rows(dout.layout()),
+            q_rows: rows(q.layout()),
+            k_rows: rows(k.layout()),
+            v_rows: rows(v.layout()),
+            dq_rows: rows(dq.layout()),
+            dk_rows: rows(dk.layout()),
+            dv_rows: rows(dv.layout()),
+            lse: &lse.storage::<f32>().expect("lse is f32")[lse.layout().offset()..],
+            lens: args.optional_input(KV_LENS),
+            dout,
+            q,
+            k,
+            v,
+            dq,
+            dk,
+            dv,
+        }
+    }
+}
+
 /// `lse` and `δ` of query `(b, h, i)`: index into the `[B, Hq, Sq]` row arrays.
-fn row_index(g: &Geometry, b: usize, h: usize, i: usize) -> usize {
+pub(crate) fn row_index(g: &Geometry, b: usize, h: usize, i: usize) -> usize {
     (b * g.q_heads + h) * g.q_len + i
 }
 
@@ -152,7 +204,7 @@ fn delta_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) 
 ///
 /// # Safety
 /// The block must own that row.
-unsafe fn store_row<T: FloatElement>(dst: &OutputView<'_>, at: usize, src: &mut [f32], scale: f32) {
+pub(crate) unsafe fn store_row<T: FloatElement>(dst: &OutputView<'_>, at: usize, src: &mut [f32], scale: f32) {
     if scale != 1.0 {
         src.iter_mut().for_each(|v| *v *= scale);
     }
@@ -197,6 +249,25 @@ unsafe fn tile_products<E>(
     }
 }
 
+/// How the `dK`/`dV` launch tiles its keys: the GEMM tiles here, or on AVX2 CPUs the tiles of
+/// `flash_backward_avx2.rs` (keys in the vector lanes; `scratch` is their per-block need).
+#[derive(Clone, Copy)]
+struct KeyLanes {
+    scratch: Option<usize>,
+    key_tile: usize,
+    /// Columns per query row of the fused launch's dQ sums.
+    dq_width: usize,
+}
+
+fn key_lanes(g: &Geometry, fused: bool) -> KeyLanes {
+    #[cfg(target_arch = "x86_64")]
+    if crate::flash_backward_avx2::applies(g) {
+        use crate::flash_backward_avx2 as avx2;
+        return KeyLanes { scratch: Some(avx2::scratch(g, fused)), key_tile: avx2::KEYS, dq_width: avx2::dq_width(g) };
+    }
+    KeyLanes { scratch: None, key_tile: TILE_KEYS, dq_width: g.head_dim }
+}
+
 /// Whether `dQ` is summed by the `dK`/`dV` launch, one unit per (batch, kv head): when those units
 /// alone keep `threads` busy (else the finer split with a separate `dQ` launch).
 fn fuses_dq(g: &Geometry, threads: usize) -> bool {
@@ -213,14 +284,12 @@ fn dkv_kernel<T: FloatElement>(
     (per_block, bf16_gemm): (usize, bool),
     dq_sums: Option<usize>,
 ) {
-    let (dout, q, k, v, lse) = (args.input(DOUT), args.input(Q), args.input(K), args.input(V), args.input(LSE));
-    let lens = args.optional_input(KV_LENS);
-    let (dq, dk, dv_out) = (args.output(0), args.output(1), args.output(2));
-    let (dr, qr, kr, vr) =
-        (Rows4::of(dout.layout()), Rows4::of(q.layout()), Rows4::of(k.layout()), Rows4::of(v.layout()));
-    let (dqr, dkr, dvr) = (Rows4::of(dq.layout()), Rows4::of(dk.layout()), Rows4::of(dv_out.layout()));
+    let a = BackwardArgs::of(args);
+    let (dout, q, k, v, lens, lse_s) = (&a.dout, &a.q, &a.k, &a.v, &a.lens, a.lse);
+    let (dq, dk, dv_out) = (&a.dq, &a.dk, &a.dv);
+    let (dr, qr, kr, vr) = (a.dout_rows, a.q_rows, a.k_rows, a.v_rows);
+    let (dqr, dkr, dvr) = (a.dq_rows, a.dk_rows, a.dv_rows);
     let (qs, ds) = (q.storage::<T>().unwrap(), dout.storage::<T>().unwrap());
-    let lse_s = &lse.storage::<f32>().unwrap()[lse.layout().offset()..];
     let (d, dv, group) = (g.head_dim, g.v_dim, g.group());
     let n_rows = g.q_len * g.q_heads * g.batch;
     // SAFETY: δ was written by step 1 and is only read now; block b owns scratch range b.
@@ -253,7 +322,7 @@ fn dkv_kernel<T: FloatElement>(
             let (kp, vp) = if bf16_gemm {
                 ((std::ptr::null(), 0), (std::ptr::null(), 0))
             } else {
-                (f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt), f32_rows::<T>(&v, vr, (b, hkv, j0), n, dv, vt))
+                (f32_rows::<T>(k, kr, (b, hkv, j0), n, d, kt), f32_rows::<T>(v, vr, (b, hkv, j0), n, dv, vt))
             };
             for h in hkv * group..(hkv + 1) * group {
                 // Query tiles whose last row sees key j0 at all (the mask is a prefix per row).
@@ -264,7 +333,7 @@ fn dkv_kernel<T: FloatElement>(
                     }
                     if bf16_gemm {
                         let (qb, db) = (bf16_tile(qt), bf16_tile(dot));
-                        let (qs, ds) = (bf16_of(&q), bf16_of(&dout));
+                        let (qs, ds) = (bf16_of(q), bf16_of(dout));
                         for r in 0..rows {
                             qb[r * d..(r + 1) * d].copy_from_slice(&qs[qr.at(b, h, i0 + r)..][..d]);
                             db[r * dv..(r + 1) * dv].copy_from_slice(&ds[dr.at(b, h, i0 + r)..][..dv]);
@@ -272,8 +341,8 @@ fn dkv_kernel<T: FloatElement>(
                         // SAFETY: K/V rows j0..j0+n of this head lie inside the checked views.
                         unsafe {
                             let (kb, vb) = (
-                                bf16_of(&k).as_ptr().add(kr.at(b, hkv, j0)),
-                                bf16_of(&v).as_ptr().add(vr.at(b, hkv, j0)),
+                                bf16_of(k).as_ptr().add(kr.at(b, hkv, j0)),
+                                bf16_of(v).as_ptr().add(vr.at(b, hkv, j0)),
                             );
                             bf16_scores(st, qb, d, rows, (kb, kr.seq_stride()), n, g.scale);
                             bf16_scores(dpt, db, dv, rows, (vb, vr.seq_stride()), n, 1.0);
@@ -302,7 +371,7 @@ fn dkv_kernel<T: FloatElement>(
                         let (pb, dsb) = (bf16_tile(kt), bf16_tile(vt));
                         narrow_tile(st, pb, rows, n);
                         narrow_tile(dpt, dsb, rows, n);
-                        let k_rows = (bf16_of(&k)[kr.at(b, hkv, j0)..].as_ptr(), kr.seq_stride());
+                        let k_rows = (bf16_of(k)[kr.at(b, hkv, j0)..].as_ptr(), kr.seq_stride());
                         let tiles = Tiles {
                             p: pb.as_ptr(),
                             ds: dsb.as_ptr(),
@@ -327,8 +396,8 @@ fn dkv_kernel<T: FloatElement>(
             for j in 0..n {
                 // SAFETY: this unit owns keys j0..j0+n of (b, hkv) in dk and dv.
                 unsafe {
-                    store_row::<T>(&dk, dkr.at(b, hkv, j0 + j), &mut dk_acc[j * d..(j + 1) * d], dk_scale);
-                    store_row::<T>(&dv_out, dvr.at(b, hkv, j0 + j), &mut dv_acc[j * dv..(j + 1) * dv], 1.0);
+                    store_row::<T>(dk, dkr.at(b, hkv, j0 + j), &mut dk_acc[j * d..(j + 1) * d], dk_scale);
+                    store_row::<T>(dv_out, dvr.at(b, hkv, j0 + j), &mut dv_acc[j * dv..(j + 1) * dv], 1.0);
                 }
             }
         }
@@ -337,7 +406,7 @@ fn dkv_kernel<T: FloatElement>(
                 for i in 0..g.q_len {
                     let sums = &mut dq_acc[dq_row(h, i)..][..d];
                     // SAFETY: this unit owns rows (b, group heads) of dq.
-                    unsafe { store_row::<T>(&dq, dqr.at(b, h, i), sums, g.scale) };
+                    unsafe { store_row::<T>(dq, dqr.at(b, h, i), sums, g.scale) };
                 }
             }
         }
@@ -346,14 +415,10 @@ fn dkv_kernel<T: FloatElement>(
 
 /// Step 3: `dQ` for one (batch, kv head, query tile) per unit, all heads of the group together.
 fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (per_block, bf16_gemm): (usize, bool)) {
-    let (dout, q, k, v, lse) = (args.input(DOUT), args.input(Q), args.input(K), args.input(V), args.input(LSE));
-    let lens = args.optional_input(KV_LENS);
-    let dq = args.output(0);
-    let (dr, qr, kr, vr) =
-        (Rows4::of(dout.layout()), Rows4::of(q.layout()), Rows4::of(k.layout()), Rows4::of(v.layout()));
-    let dqr = Rows4::of(dq.layout());
+    let a = BackwardArgs::of(args);
+    let (dout, q, k, v, lens, lse_s, dq) = (&a.dout, &a.q, &a.k, &a.v, &a.lens, a.lse, &a.dq);
+    let (dr, qr, kr, vr, dqr) = (a.dout_rows, a.q_rows, a.k_rows, a.v_rows, a.dq_rows);
     let (qs, ds) = (q.storage::<T>().unwrap(), dout.storage::<T>().unwrap());
-    let lse_s = &lse.storage::<f32>().unwrap()[lse.layout().offset()..];
     let (d, dv) = (g.head_dim, g.v_dim);
     let n_rows = g.q_len * g.q_heads * g.batch;
     // SAFETY: as in dkv_kernel.
@@ -364,8 +429,8 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
         let t = g.query_tile(g.unit(u), lens.as_ref(), "attention_backward");
         let (b, hkv, rows) = (t.b, t.hkv, t.rows());
         if bf16_gemm {
-            t.copy_rows(bf16_of(&q), qr, bf16_tile(qt), d);
-            t.copy_rows(bf16_of(&dout), dr, bf16_tile(dot), dv);
+            t.copy_rows(bf16_of(q), qr, bf16_tile(qt), d);
+            t.copy_rows(bf16_of(dout), dr, bf16_tile(dot), dv);
         } else {
             t.load(qs, qr, qt, d, g.scale);
             t.load(ds, dr, dot, dv, 1.0);
@@ -375,7 +440,7 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
         for j0 in (0..kv_end).step_by(TILE_KEYS) {
             let n = TILE_KEYS.min(kv_end - j0);
             let kp = if bf16_gemm {
-                let (kb, vb) = (bf16_of(&k).as_ptr(), bf16_of(&v).as_ptr());
+                let (kb, vb) = (bf16_of(k).as_ptr(), bf16_of(v).as_ptr());
                 // SAFETY: K/V rows j0..j0+n of this head lie inside the checked views.
                 unsafe {
                     bf16_scores(st, bf16_tile(qt), d, rows, (kb.add(kr.at(b, hkv, j0)), kr.seq_stride()), n, g.scale);
@@ -383,8 +448,8 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
                 }
                 (std::ptr::null(), 0)
             } else {
-                let kp = f32_rows::<T>(&k, kr, (b, hkv, j0), n, d, kt);
-                let vp = f32_rows::<T>(&v, vr, (b, hkv, j0), n, dv, vt);
+                let kp = f32_rows::<T>(k, kr, (b, hkv, j0), n, d, kt);
+                let vp = f32_rows::<T>(v, vr, (b, hkv, j0), n, dv, vt);
                 // SAFETY: as in dkv_kernel.
                 unsafe {
                     scores(st, TILE_KEYS, qt, d, rows, kp, n);
@@ -404,7 +469,7 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
             if bf16_gemm {
                 let dsb = bf16_tile(kt);
                 narrow_tile(dpt, dsb, rows, n);
-                let kb = bf16_of(&k).as_ptr();
+                let kb = bf16_of(k).as_ptr();
                 // SAFETY: as above.
                 unsafe {
                     gemm_rows_bf16(
@@ -434,7 +499,7 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
         for r in 0..rows {
             let (h, i) = t.head_pos(r);
             // SAFETY: this unit owns rows (b, group heads, q0..q0+n_pos) of dq.
-            unsafe { store_row::<T>(&dq, dqr.at(b, h, i), &mut dq_acc[r * d..(r + 1) * d], g.scale) };
+            unsafe { store_row::<T>(dq, dqr.at(b, h, i), &mut dq_acc[r * d..(r + 1) * d], g.scale) };
         }
     }
 }
@@ -464,21 +529,33 @@ impl Op for AttentionBackward {
         let threads = uniop::runtime::Pool::global().threads();
         let blocks = |units: usize| units.clamp(1, 4 * threads) as u32;
         let fused = fuses_dq(&g, threads);
-        let dkv_units = g.batch * g.kv_heads * if fused { 1 } else { g.kv_len.div_ceil(TILE_KEYS) };
+        let key_lanes = key_lanes(&g, fused);
+        let dkv_units = g.batch * g.kv_heads * if fused { 1 } else { g.kv_len.div_ceil(key_lanes.key_tile) };
         let bf16_gemm = on_bf16_gemm(&g);
-        let per_block = block_scratch(&g, bf16_gemm);
+        let gemm_scratch = block_scratch(&g, bf16_gemm);
+        // The dQ launch of the finer split keeps the GEMM tiles.
+        let per_block = match key_lanes.scratch {
+            Some(dkv) if fused => dkv,
+            Some(dkv) => dkv.max(dq_tiles(&g, bf16_gemm).iter().sum()),
+            None => gemm_scratch,
+        };
         let rows = g.batch * g.q_heads * g.q_len;
         let max_blocks = blocks(if fused { dkv_units } else { dkv_units.max(g.units()) }) as usize;
         // δ, then each block's scratch, then (fused) the dQ sums.
         let dq_sums = fused.then_some(rows + max_blocks * per_block);
         let steps = with_float_dtype!(g.dtype, cx.op(), "q", |T| {
+            let dkv = Step::new("attention_backward.dkv", blocks(dkv_units), move |a, c| {
+                #[cfg(target_arch = "x86_64")]
+                if key_lanes.scratch.is_some() {
+                    return crate::flash_backward_avx2::dkv::<T>(a, c, g, per_block, dq_sums);
+                }
+                dkv_kernel::<T>(a, c, g, (per_block, bf16_gemm), dq_sums)
+            });
             let mut steps = vec![
                 Step::new("attention_backward.delta", blocks(rows.div_ceil(64)), move |a, c| {
                     delta_kernel::<T>(a, c, g)
                 }),
-                Step::new("attention_backward.dkv", blocks(dkv_units), move |a, c| {
-                    dkv_kernel::<T>(a, c, g, (per_block, bf16_gemm), dq_sums)
-                }),
+                dkv,
             ];
             if !fused {
                 steps.push(Step::new("attention_backward.dq", blocks(g.units()), move |a, c| {
@@ -487,7 +564,7 @@ impl Op for AttentionBackward {
             }
             steps
         });
-        let workspace = rows + max_blocks * per_block + if fused { rows * g.head_dim } else { 0 };
+        let workspace = rows + max_blocks * per_block + if fused { rows * key_lanes.dq_width } else { 0 };
         let mut needs = vec![LayoutNeed::InnerContiguous; 5];
         needs.push(LayoutNeed::Contiguous);
         Ok(Plan::new(steps).workspace(workspace * 4).inputs_need(needs).outputs_need(vec![LayoutNeed::Contiguous; 3]))

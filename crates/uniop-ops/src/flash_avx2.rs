@@ -30,15 +30,15 @@ use uniop::half::bf16;
 use uniop::{BlockCtx, DType, FloatElement, KernelArgs, TensorRef};
 
 /// Tile rows per register tile (two 8-lane vectors).
-const BAND: usize = 16;
+pub(crate) const BAND: usize = 16;
 /// Keys per tile: a K tile and V's panels (64 KiB each at D = 128) stay in a Zen 3 core's 512 KiB
 /// L2 beside the Q and O tiles, across the bands that reread them.
 const KEYS: usize = 128;
 /// Value dims per panel of V (and per block of O): one register tile's two vectors.
-const PANEL: usize = 16;
+pub(crate) const PANEL: usize = 16;
 /// Broadcast columns per register tile: 12 accumulators, 2 row vectors and a broadcast fill
 /// AVX2's 16 registers.
-const COLS: usize = 6;
+pub(crate) const COLS: usize = 6;
 
 #[cfg(test)]
 thread_local! {
@@ -199,7 +199,7 @@ fn strip_at(r: usize, len: usize) -> usize {
 /// AVX2 and FMA must be present; `dst` valid for `cols` rows of 16, `a` for `steps` rows of 16,
 /// `b` for every `(t, c)` addressed.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn products(
+pub(crate) unsafe fn products(
     dst: *mut f32,
     a: *const f32,
     steps: usize,

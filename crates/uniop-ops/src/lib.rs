@@ -30,6 +30,8 @@ pub mod embedding;
 pub mod embedding_backward;
 #[cfg(target_arch = "x86_64")]
 mod flash_avx2;
+#[cfg(target_arch = "x86_64")]
+mod flash_backward_avx2;
 pub mod gelu;
 pub mod gelu_backward;
 pub mod kv_cache_append;
