@@ -249,8 +249,8 @@ unsafe fn tile_products<E>(
     }
 }
 
-/// How the `dK`/`dV` launch tiles its keys: the GEMM tiles here, or on AVX2 CPUs the tiles of
-/// `flash_backward_avx2.rs` (keys in the vector lanes; `scratch` is their per-block need).
+/// Which tiles the backward runs: the GEMM tiles here, or on AVX2 CPUs those of
+/// `flash_backward_avx2.rs` (`scratch` is their per-block need, both launches of the split).
 #[derive(Clone, Copy)]
 struct KeyLanes {
     scratch: Option<usize>,
@@ -263,7 +263,8 @@ fn key_lanes(g: &Geometry, fused: bool) -> KeyLanes {
     #[cfg(target_arch = "x86_64")]
     if crate::flash_backward_avx2::applies(g) {
         use crate::flash_backward_avx2 as avx2;
-        return KeyLanes { scratch: Some(avx2::scratch(g, fused)), key_tile: avx2::KEYS, dq_width: avx2::dq_width(g) };
+        let scratch = if fused { avx2::scratch(g, true) } else { avx2::scratch(g, false).max(avx2::dq_scratch(g)) };
+        return KeyLanes { scratch: Some(scratch), key_tile: avx2::KEYS, dq_width: avx2::dq_width(g) };
     }
     KeyLanes { scratch: None, key_tile: TILE_KEYS, dq_width: g.head_dim }
 }
@@ -532,13 +533,7 @@ impl Op for AttentionBackward {
         let key_lanes = key_lanes(&g, fused);
         let dkv_units = g.batch * g.kv_heads * if fused { 1 } else { g.kv_len.div_ceil(key_lanes.key_tile) };
         let bf16_gemm = on_bf16_gemm(&g);
-        let gemm_scratch = block_scratch(&g, bf16_gemm);
-        // The dQ launch of the finer split keeps the GEMM tiles.
-        let per_block = match key_lanes.scratch {
-            Some(dkv) if fused => dkv,
-            Some(dkv) => dkv.max(dq_tiles(&g, bf16_gemm).iter().sum()),
-            None => gemm_scratch,
-        };
+        let per_block = key_lanes.scratch.unwrap_or_else(|| block_scratch(&g, bf16_gemm));
         let rows = g.batch * g.q_heads * g.q_len;
         let max_blocks = blocks(if fused { dkv_units } else { dkv_units.max(g.units()) }) as usize;
         // δ, then each block's scratch, then (fused) the dQ sums.
@@ -559,6 +554,10 @@ impl Op for AttentionBackward {
             ];
             if !fused {
                 steps.push(Step::new("attention_backward.dq", blocks(g.units()), move |a, c| {
+                    #[cfg(target_arch = "x86_64")]
+                    if key_lanes.scratch.is_some() {
+                        return crate::flash_backward_avx2::dq::<T>(a, c, g, per_block);
+                    }
                     dq_kernel::<T>(a, c, g, (per_block, bf16_gemm))
                 }));
             }

@@ -22,7 +22,7 @@
 //! f16 and bf16 K/V tiles are widened to f32 (cheap next to the products: each tile is widened
 //! once per unit); every product and the softmax are f32.
 
-use crate::attention::{carve, f32_rows, load_scaled, ForwardArgs, Geometry, Rows4};
+use crate::attention::{carve, f32_rows, load_scaled, ForwardArgs, Geometry, QueryTile, Rows4};
 use crate::math;
 use crate::skinny::{Dots, Simd};
 use std::arch::x86_64::*;
@@ -94,14 +94,7 @@ unsafe fn forward_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geo
         let t = g.query_tile(g.unit_by_head(u), fa.lens.as_ref(), "attention");
         let (b, hkv, rows) = (t.b, t.hkv, t.rows());
         let rp = rows.next_multiple_of(BAND);
-        qt[..d * rp].fill(0.0);
-        for r in 0..rows {
-            let (h, i) = t.head_pos(r);
-            load_scaled(qs, qr.at(b, h, i), &mut row[..d], g.scale);
-            for (c, &x) in row[..d].iter().enumerate() {
-                qt[strip_at(r, d) + c * BAND] = x;
-            }
-        }
+        load_strips(&t, qs, qr, g.scale, &mut row[..d], qt);
         m[..rp].fill(f32::NEG_INFINITY);
         l[..rp].fill(0.0);
         ot[..dvp * rp].fill(0.0);
@@ -111,16 +104,7 @@ unsafe fn forward_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geo
             let (kp, ks) = f32_rows::<T>(&fa.k, kr, (b, hkv, j0), n, d, kt);
             pack_panels::<T>(&fa.v, vr, (b, hkv, j0), n, dv, panels);
             for band in (0..rp).step_by(BAND) {
-                // Keys of this tile each row of the band sees; padding rows see none.
-                let seen: [u32; BAND] = std::array::from_fn(|x| {
-                    let r = band + x;
-                    if r < rows {
-                        (g.visible(t.len, t.head_pos(r).1).saturating_sub(j0).min(n)) as u32
-                    } else {
-                        0
-                    }
-                });
-                let keys = *seen.iter().max().expect("a band has rows") as usize;
+                let (seen, keys) = band_seen(&g, &t, band, (j0, n));
                 if keys == 0 {
                     continue;
                 }
@@ -150,6 +134,42 @@ unsafe fn forward_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geo
             unsafe { fa.finish_row::<T>(g, (b, h, i), &mut row[..dv], m[r], l[r]) };
         }
     }
+}
+
+/// The rows of query tile `t` from a `[B, Hq, Sq, width]` tensor (width = `row.len()`), widened,
+/// scaled and transposed into band strips (`width` rows of 16 per band; padding rows zero).
+#[inline(always)]
+pub(crate) fn load_strips<T: FloatElement>(
+    t: &QueryTile,
+    data: &[T],
+    rows: Rows4,
+    scale: f32,
+    row: &mut [f32],
+    strips: &mut [f32],
+) {
+    let width = row.len();
+    strips[..width * t.rows().next_multiple_of(BAND)].fill(0.0);
+    for r in 0..t.rows() {
+        let (h, i) = t.head_pos(r);
+        load_scaled(data, rows.at(t.b, h, i), row, scale);
+        for (c, &x) in row.iter().enumerate() {
+            strips[strip_at(r, width) + c * BAND] = x;
+        }
+    }
+}
+
+/// Keys of the tile `j0..j0 + n` each row of the band starting at tile row `band` sees (padding
+/// rows none), and the most any of them sees.
+#[inline(always)]
+pub(crate) fn band_seen(g: &Geometry, t: &QueryTile, band: usize, (j0, n): (usize, usize)) -> ([u32; BAND], usize) {
+    let mut seen = [0u32; BAND];
+    for (x, keys) in seen.iter_mut().enumerate() {
+        if band + x < t.rows() {
+            *keys = (g.visible(t.len, t.head_pos(band + x).1).saturating_sub(j0).min(n)) as u32;
+        }
+    }
+    let most = *seen.iter().max().expect("a band has rows") as usize;
+    (seen, most)
 }
 
 /// Rows `j0..j0 + n` of head `h` of V, widened to f32 as panels of 16 value dims: panel `p`
@@ -187,7 +207,7 @@ fn pack_panels<T: FloatElement>(
 /// unit stride (a plain `[len × rows]` layout would put a strip's lines 512 bytes apart, all in
 /// 8 of L1's 64 sets).
 #[inline(always)]
-fn strip_at(r: usize, len: usize) -> usize {
+pub(crate) fn strip_at(r: usize, len: usize) -> usize {
     r / BAND * BAND * len + r % BAND
 }
 

@@ -25,11 +25,13 @@
 //! at the first query row that sees one of its keys, and each `dQ` register tile stops at the
 //! last key its rows see, so a diagonal tile costs about half a full one.
 //!
-//! The `dQ` launch of the finer split (few (batch, kv head) pairs) keeps the GEMM tiles.
+//! The `dQ` launch of the finer split (few (batch, kv head) pairs, where the dK/dV launch goes
+//! per key tile) is the forward's layout instead: it owns a tile of queries and sums over keys,
+//! so its lanes run over query rows (see [`dq`]).
 
 use crate::attention::{carve, f32_rows, row_len, Geometry};
 use crate::attention_backward::{row_index, store_row, BackwardArgs};
-use crate::flash_avx2::{products, BAND, COLS, PANEL};
+use crate::flash_avx2::{band_seen, load_strips, products, strip_at, BAND, COLS, PANEL};
 use crate::math;
 use crate::skinny::{Dots, Simd};
 use uniop::half::bf16;
@@ -345,6 +347,95 @@ unsafe fn block_products(
             let dst = dq.as_mut_ptr().add((panel * pair_rows + q.pair_row + r0) * PANEL);
             let k_panel = kt.k_panels.as_ptr().add(panel * KEYS * PANEL);
             products(dst, k_panel, steps, (ds_rows.as_ptr().add(r0 * KEYS), 1, KEYS), cols, true);
+        }
+    }
+}
+
+/// Keys per tile of the dQ launch (like the forward's: a tile is read in place or widened once
+/// per unit and reused by every band).
+const DQ_KEYS: usize = 128;
+
+/// f32 scratch of one dQ block: `scale·Qᵀ`, dOutᵀ and the dQᵀ sums as band strips, one band's
+/// Sᵀ/Pᵀ and dPᵀ/dSᵀ, each row's lse and δ, K and V widened (f16, bf16), a staging row.
+fn dq_tiles(g: &Geometry) -> [usize; 9] {
+    let (d, dv) = (g.head_dim, g.v_dim);
+    let rp = (g.group() * g.tile_q()).next_multiple_of(BAND);
+    let widened = if g.dtype == DType::F32 { 0 } else { DQ_KEYS };
+    [d * rp, dv * rp, d * rp, DQ_KEYS * BAND, DQ_KEYS * BAND, 2 * rp, widened * d, widened * dv, d.max(dv)]
+}
+
+/// f32 elements of scratch one dQ block needs.
+pub(crate) fn dq_scratch(g: &Geometry) -> usize {
+    dq_tiles(g).iter().sum()
+}
+
+/// `dQ` for one (batch, kv head, query tile) per unit, all heads of the group together: the
+/// forward's layout (query rows in the lanes, `Qᵀ` and `dOutᵀ` strips built once per unit, K and
+/// V rows broadcast in place) with `dQᵀ[c, lanes] += Σ_j dSᵀ[j, lanes] · K[j, c]` in place of
+/// the output product.
+pub(crate) fn dq<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, per_block: usize) {
+    // SAFETY: `applies` chose these tiles only where AVX2 and FMA run.
+    unsafe { dq_avx2::<T>(args, ctx, g, per_block) }
+}
+
+/// [`dq`], compiled for AVX2.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dq_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, per_block: usize) {
+    let a = BackwardArgs::of(args);
+    let (d, dv) = (g.head_dim, g.v_dim);
+    let n_rows = g.q_len * g.q_heads * g.batch;
+    // SAFETY: as in dkv_avx2.
+    let delta = unsafe { &*(args.workspace::<f32>(0, n_rows) as *const [f32]) };
+    let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
+    let [qt, dot, dqt, st, dpt, stats, kt, vt, row] = carve(ws, dq_tiles(&g));
+    for u in ctx.split(g.units()) {
+        let t = g.query_tile(g.unit(u), a.lens.as_ref(), "attention_backward");
+        let (b, hkv, rows) = (t.b, t.hkv, t.rows());
+        let rp = rows.next_multiple_of(BAND);
+        load_strips(&t, a.q.storage::<T>().expect("dtype dispatched"), a.q_rows, g.scale, &mut row[..d], qt);
+        load_strips(&t, a.dout.storage::<T>().expect("dtype dispatched"), a.dout_rows, 1.0, &mut row[..dv], dot);
+        dqt[..d * rp].fill(0.0);
+        let (lse, deltas) = stats.split_at_mut(rp);
+        for r in 0..rows {
+            let (h, i) = t.head_pos(r);
+            (lse[r], deltas[r]) = (a.lse[row_index(&g, b, h, i)], delta[row_index(&g, b, h, i)]);
+        }
+        for j0 in (0..t.kv_end(&g)).step_by(DQ_KEYS) {
+            let n = DQ_KEYS.min(t.kv_end(&g) - j0);
+            let (kp, ks) = f32_rows::<T>(&a.k, a.k_rows, (b, hkv, j0), n, d, kt);
+            let (vp, vs) = f32_rows::<T>(&a.v, a.v_rows, (b, hkv, j0), n, dv, vt);
+            for band in (0..rp).step_by(BAND) {
+                let (seen, keys) = band_seen(&g, &t, band, (j0, n));
+                if keys == 0 {
+                    continue;
+                }
+                let (s, ds) = (st.as_mut_ptr(), dpt.as_mut_ptr());
+                // SAFETY: AVX2 and FMA run; the band's strips hold d (Qᵀ, dQᵀ) and dv (dOutᵀ) rows
+                // of 16, Sᵀ and dPᵀ DQ_KEYS ≥ `keys`; K and V cover `n` ≥ `keys` rows.
+                unsafe {
+                    products(s, qt[strip_at(band, d)..].as_ptr(), d, (kp, 1, ks), keys, false);
+                    products(ds, dot[strip_at(band, dv)..].as_ptr(), dv, (vp, 1, vs), keys, false);
+                }
+                let (band_lse, band_delta) = (&lse[band..band + BAND], &deltas[band..band + BAND]);
+                for j in 0..keys {
+                    let p: &[f32; BAND] = (&st[j * BAND..][..BAND]).try_into().expect("a strip row");
+                    let ds: &mut [f32; BAND] = (&mut dpt[j * BAND..][..BAND]).try_into().expect("a strip row");
+                    for x in 0..BAND {
+                        let v = if (j as u32) < seen[x] { math::exp(p[x] - band_lse[x]) } else { 0.0 };
+                        ds[x] = v * (ds[x] - band_delta[x]);
+                    }
+                }
+                // SAFETY: as above.
+                unsafe { products(dqt[strip_at(band, d)..].as_mut_ptr(), ds, keys, (kp, ks, 1), d, true) };
+            }
+        }
+        for r in 0..rows {
+            for (c, x) in row[..d].iter_mut().enumerate() {
+                *x = dqt[strip_at(r, d) + c * BAND];
+            }
+            let (h, i) = t.head_pos(r);
+            // SAFETY: this unit owns rows (b, group heads, its positions) of dq.
+            unsafe { store_row::<T>(&a.dq, a.dq_rows.at(b, h, i), &mut row[..d], g.scale) };
         }
     }
 }
