@@ -11,8 +11,8 @@
 //!
 //! - Scores, transposed: `Sᵀ[j, r] = Σ_d Qᵀ[d, r] · K[j, d]`. `Qᵀ` is built once per unit (in
 //!   strips of 16 rows); K's rows are read in place, 6 keys at a time, one element per step.
-//! - Output: `O[r, c] += Σ_j P[r, j] · V[j, c]`, with V packed once per key tile into panels of
-//!   16 value dims (`[keys × 16]`, contiguous) and `P[r, j]` broadcast from `Sᵀ`'s row j.
+//! - Output, transposed too: `Oᵀ[c, r] += Σ_j Pᵀ[j, r] · V[j, c]`, with `Pᵀ` the band's `Sᵀ` strip
+//!   after the softmax and V's rows read in place, 6 value dims at a time.
 //!
 //! With `Sᵀ` the online softmax's per-row max and sum over keys are vertical vector operations.
 //! Work goes by bands of 16 tile rows; a band stops at the last key any of its rows sees, so
@@ -27,15 +27,13 @@ use crate::math;
 use crate::skinny::{Dots, Simd};
 use std::arch::x86_64::*;
 use uniop::half::bf16;
-use uniop::{BlockCtx, DType, FloatElement, KernelArgs, TensorRef};
+use uniop::{BlockCtx, DType, FloatElement, KernelArgs};
 
 /// Tile rows per register tile (two 8-lane vectors).
 pub(crate) const BAND: usize = 16;
-/// Keys per tile: a K tile and V's panels (64 KiB each at D = 128) stay in a Zen 3 core's 512 KiB
+/// Keys per tile: a K tile and a V tile (64 KiB each at D = 128) stay in a Zen 3 core's 512 KiB
 /// L2 beside the Q and O tiles, across the bands that reread them.
 const KEYS: usize = 128;
-/// Value dims per panel of V (and per block of O): one register tile's two vectors.
-pub(crate) const PANEL: usize = 16;
 /// Broadcast columns per register tile: 12 accumulators, 2 row vectors and a broadcast fill
 /// AVX2's 16 registers.
 pub(crate) const COLS: usize = 6;
@@ -57,13 +55,21 @@ pub(crate) fn applies(g: &Geometry) -> bool {
     level == Simd::Avx2 && g.group() * g.tile_q() >= BAND
 }
 
-/// f32 scratch of one block: `Qᵀ`, one band's `Sᵀ`, `O` (per band, in blocks of 16 value dims),
-/// running max and sum, a staging row, V's panels and (f16, bf16) a K tile widened to f32.
+/// f32 scratch of one block: `Qᵀ`, one band's `Sᵀ`, `Oᵀ`, running max and sum, a staging row
+/// and (f16, bf16) K and V tiles widened to f32.
 fn tiles(g: &Geometry) -> [usize; 8] {
     let rp = (g.group() * g.tile_q()).next_multiple_of(BAND);
-    let dvp = g.v_dim.next_multiple_of(PANEL);
-    let kt = if g.dtype == DType::F32 { 0 } else { KEYS * g.head_dim };
-    [g.head_dim * rp, KEYS * BAND, dvp * rp, rp, rp, g.head_dim.max(g.v_dim), KEYS * dvp, kt]
+    let widened = if g.dtype == DType::F32 { 0 } else { KEYS };
+    [
+        g.head_dim * rp,
+        KEYS * BAND,
+        g.v_dim * rp,
+        rp,
+        rp,
+        g.head_dim.max(g.v_dim),
+        widened * g.head_dim,
+        widened * g.v_dim,
+    ]
 }
 
 /// f32 elements of scratch one block needs.
@@ -88,8 +94,7 @@ unsafe fn forward_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geo
     let per_block = scratch(&g);
     // SAFETY: block b owns scratch range b.
     let ws = unsafe { args.workspace::<f32>(ctx.block_idx as usize * per_block, per_block) };
-    let [qt, st, ot, m, l, row, panels, kt] = carve(ws, tiles(&g));
-    let dvp = dv.next_multiple_of(PANEL);
+    let [qt, st, ot, m, l, row, kt, vt] = carve(ws, tiles(&g));
     for u in ctx.split(g.units()) {
         let t = g.query_tile(g.unit_by_head(u), fa.lens.as_ref(), "attention");
         let (b, hkv, rows) = (t.b, t.hkv, t.rows());
@@ -97,12 +102,12 @@ unsafe fn forward_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geo
         load_strips(&t, qs, qr, g.scale, &mut row[..d], qt);
         m[..rp].fill(f32::NEG_INFINITY);
         l[..rp].fill(0.0);
-        ot[..dvp * rp].fill(0.0);
+        ot[..dv * rp].fill(0.0);
         let kv_end = t.kv_end(&g);
         for j0 in (0..kv_end).step_by(KEYS) {
             let n = KEYS.min(kv_end - j0);
             let (kp, ks) = f32_rows::<T>(&fa.k, kr, (b, hkv, j0), n, d, kt);
-            pack_panels::<T>(&fa.v, vr, (b, hkv, j0), n, dv, panels);
+            let (vp, vs) = f32_rows::<T>(&fa.v, vr, (b, hkv, j0), n, dv, vt);
             for band in (0..rp).step_by(BAND) {
                 let (seen, keys) = band_seen(&g, &t, band, (j0, n));
                 if keys == 0 {
@@ -110,24 +115,18 @@ unsafe fn forward_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geo
                 }
                 let strip = |tile: &mut [f32], len: usize| tile[strip_at(band, len)..].as_mut_ptr();
                 // SAFETY: the AVX2 level was detected (`applies`); the band's strips hold d (Qᵀ),
-                // KEYS ≥ `keys` (Sᵀ) and dvp (O) rows of 16, V's panels KEYS rows each;
-                // K covers `n` ≥ `keys` rows.
+                // KEYS ≥ `keys` (Sᵀ) and dv (Oᵀ) rows of 16; K and V cover `n` ≥ `keys` rows.
                 unsafe {
-                    let (s, o) = (st.as_mut_ptr(), strip(ot, dvp));
+                    let (s, o) = (st.as_mut_ptr(), strip(ot, dv));
                     products(s, strip(qt, d), d, (kp, 1, ks), keys, false);
-                    softmax_band(s, keys, &seen, &mut m[band..band + BAND], &mut l[band..band + BAND], o, dvp);
-                    for p in 0..dvp / PANEL {
-                        let panel = panels[p * KEYS * PANEL..].as_ptr();
-                        products(o.add(p * BAND * PANEL), panel, keys, (s, BAND, 1), BAND, true);
-                    }
+                    softmax_band(s, keys, &seen, &mut m[band..band + BAND], &mut l[band..band + BAND], o, dv);
+                    products(o, s, keys, (vp, vs, 1), dv, true);
                 }
             }
         }
         for r in 0..rows {
-            // Row r's band of O: blocks of 16 rows × 16 value dims.
-            let o = &ot[(r - r % BAND) * dvp..];
             for (c, x) in row[..dv].iter_mut().enumerate() {
-                *x = o[(c / PANEL * BAND + r % BAND) * PANEL + c % PANEL];
+                *x = ot[strip_at(r, dv) + c * BAND];
             }
             let (h, i) = t.head_pos(r);
             // SAFETY: this unit owns rows (b, h, q0..q0+n_pos) of out and lse.
@@ -170,36 +169,6 @@ pub(crate) fn band_seen(g: &Geometry, t: &QueryTile, band: usize, (j0, n): (usiz
     }
     let most = *seen.iter().max().expect("a band has rows") as usize;
     (seen, most)
-}
-
-/// Rows `j0..j0 + n` of head `h` of V, widened to f32 as panels of 16 value dims: panel `p`
-/// holds its `n` rows of 16 contiguously (zeros past `dv`), the unit-stride vector operand of
-/// `P·V`.
-#[inline(always)]
-fn pack_panels<T: FloatElement>(
-    v: &TensorRef<'_>,
-    rows: Rows4,
-    (b, h, j0): (usize, usize, usize),
-    n: usize,
-    dv: usize,
-    panels: &mut [f32],
-) {
-    let data = v.storage::<T>().expect("dtype dispatched");
-    for j in 0..n {
-        let at = rows.at(b, h, j0 + j);
-        for c0 in (0..dv).step_by(PANEL) {
-            let w = PANEL.min(dv - c0);
-            let dst = &mut panels[(c0 / PANEL * KEYS + j) * PANEL..][..PANEL];
-            if w == PANEL {
-                // A fixed-length copy inlines; `widen` of a runtime length is a library call.
-                let src: &[T; PANEL] = data[at + c0..at + c0 + PANEL].try_into().expect("a whole panel");
-                dst.copy_from_slice(&T::widen_lanes(src));
-            } else {
-                T::widen(&data[at + c0..at + c0 + w], &mut dst[..w]);
-                dst[w..].fill(0.0);
-            }
-        }
-    }
 }
 
 /// Where tile row `r`'s strip starts in a transposed tile of `len` rows per band: each band of
@@ -338,9 +307,8 @@ unsafe fn softmax_band(
         l[x] = l[x] * alpha[x] + sums[x];
         m[x] = new_m[x];
     }
-    for (i, row) in std::slice::from_raw_parts_mut(o, dv * BAND).chunks_exact_mut(PANEL).enumerate() {
-        let a = alpha[i % BAND];
-        row.iter_mut().for_each(|y| *y *= a);
+    for row in std::slice::from_raw_parts_mut(o, dv * BAND).chunks_exact_mut(BAND) {
+        row.iter_mut().zip(&alpha).for_each(|(y, a)| *y *= a);
     }
 }
 
@@ -389,7 +357,7 @@ mod tests {
 
     /// Three key tiles (300 keys), GQA with three q heads per kv head (tile rows wrap from one
     /// head to the next inside a band; the last band is padded), a head dim that is no multiple
-    /// of the 6 broadcast columns, a value dim ending in a partial panel (40 = 16 + 16 + 8),
+    /// of the 6 broadcast columns, a value dim that is no multiple of them either (40),
     /// causal and not, in f32, f16 and bf16; in f32 the kernels also agree with each other.
     #[test]
     fn both_kernels_match_the_reference_across_tiles_bands_and_panels() {

@@ -31,7 +31,7 @@
 
 use crate::attention::{carve, f32_rows, row_len, Geometry};
 use crate::attention_backward::{row_index, store_row, BackwardArgs};
-use crate::flash_avx2::{band_seen, load_strips, products, strip_at, BAND, COLS, PANEL};
+use crate::flash_avx2::{band_seen, load_strips, products, strip_at, BAND, COLS};
 use crate::math;
 use crate::skinny::{Dots, Simd};
 use uniop::half::bf16;
@@ -42,6 +42,8 @@ use uniop::{BlockCtx, DType, FloatElement, KernelArgs};
 pub(crate) const KEYS: usize = 64;
 /// Query positions per block (one q head at a time).
 const ROWS: usize = 128;
+/// Head dims per panel of K and of the fused launch's dQ sums: one register tile's two vectors.
+const PANEL: usize = 16;
 
 #[cfg(test)]
 thread_local! {
