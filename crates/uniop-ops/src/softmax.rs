@@ -117,21 +117,27 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
 /// This pass is compute-bound and touches no new memory, so it prefetches `next` (the row the
 /// caller reads after this one, or nothing): memory then streams while the exps run, instead of
 /// only during the cheap max pass that comes first.
+/// Lanes `exp_into` works on at a time: two AVX2 vectors, whose exps and sums stay in registers
+/// (a whole `LANES` step spilled them: 16 vectors of values and sums).
+const EXP_LANES: usize = 16;
+
 #[inline(always)]
 pub(crate) fn exp_into<T: FloatElement>(row: &[T], out: &mut [f32], m: f32, next: &[T]) -> f32 {
-    let mut acc = [0f32; LANES];
+    let mut acc = [0f32; EXP_LANES];
     let steps = row.chunks_exact(LANES);
     let tail = steps.remainder();
     let full = row.len() - tail.len();
     let mut ahead = Ahead::new(next, steps.len());
     for (c, o) in steps.zip(out.chunks_exact_mut(LANES)) {
         ahead.step();
-        let mut e: [f32; LANES] = T::widen_lanes(c.try_into().expect("LANES elements"));
-        for j in 0..LANES {
-            e[j] = math::exp(e[j] - m);
-            acc[j] += e[j];
+        for (c, o) in c.chunks_exact(EXP_LANES).zip(o.chunks_exact_mut(EXP_LANES)) {
+            let mut e: [f32; EXP_LANES] = T::widen_lanes(c.try_into().expect("EXP_LANES elements"));
+            for j in 0..EXP_LANES {
+                e[j] = math::exp(e[j] - m);
+                acc[j] += e[j];
+            }
+            o.copy_from_slice(&e);
         }
-        o.copy_from_slice(&e);
     }
     let mut sum: f32 = acc.iter().sum();
     let rest = &mut out[full..row.len()];
