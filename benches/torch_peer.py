@@ -127,29 +127,31 @@ PEERS = {
 
 
 # Backward ops: torch autograd of the forward peer (backward pass only; the forward runs once
-# outside the timing). Entry: forward op, forward's main shape from the gradient's, inputs that
-# get gradients (what uniop's backward op returns).
+# outside the timing). Entry: forward op, inputs that get gradients (what uniop's backward op
+# returns). A backward op's reported shape (uniop's `example_shape`) is its forward's main shape.
 BACKWARD = {
-    "rms_norm_backward": ("rms_norm", lambda s: s, (0, 1)),
-    "silu_mul_backward": ("silu_mul", lambda s: s, (0, 1)),
-    "swiglu_backward": ("swiglu", lambda s: s[:-1] + (2 * s[-1],), (0,)),
-    "softmax_backward": ("softmax", lambda s: s, (0,)),
-    "gelu_backward": ("gelu", lambda s: s, (0,)),
-    "log_softmax_backward": ("log_softmax", lambda s: s, (0,)),
-    "rope_backward": ("rope", lambda s: s, (0,)),
-    "attention_backward": ("attention", lambda s: s, (0, 1, 2)),
-    "matmul_backward": ("matmul", lambda s: s, (0, 1)),
-    "linear_backward": ("linear", lambda s: s[:-1] + (s[-1] // 2,), (0, 1, 2)),
+    "rms_norm_backward": ("rms_norm", (0, 1)),
+    "silu_mul_backward": ("silu_mul", (0, 1)),
+    "swiglu_backward": ("swiglu", (0,)),
+    "softmax_backward": ("softmax", (0,)),
+    "gelu_backward": ("gelu", (0,)),
+    "log_softmax_backward": ("log_softmax", (0,)),
+    "rope_backward": ("rope", (0,)),
+    "attention_backward": ("attention", (0, 1, 2)),
+    "matmul_backward": ("matmul", (0, 1)),
+    "linear_backward": ("linear", (0, 1, 2)),
+    "cross_entropy_backward": ("cross_entropy", (0,)),
+    "embedding_backward": ("embedding", (0,)),
 }
 
 
 def autograd_peer(name):
     """(make, fn) timing only the backward of the forward peer; `fn` may be torch.compile'd."""
-    fwd_name, fwd_shape, wrt = BACKWARD[name]
+    fwd_name, wrt = BACKWARD[name]
     make_fwd, fwd = PEERS[fwd_name]
 
     def make(shape, dt):
-        inputs = make_fwd(fwd_shape(shape), dt)
+        inputs = make_fwd(shape, dt)
         for i in wrt:
             inputs[i].requires_grad_(True)
         return inputs
@@ -182,7 +184,7 @@ def gflop(op, shape):
         m, k = shape[-2:]
         return (2 if op == "matmul" else 4) * m * k * k * (math.prod(shape[:-2]) or 1) / 1e9
     if op in ("linear", "linear_backward"):
-        k = shape[-1] if op == "linear" else shape[-1] // 2
+        k = shape[-1]
         rows = math.prod(shape[:-1])
         return (2 if op == "linear" else 4) * rows * k * 2 * k / 1e9
     if op in ("attention", "attention_backward"):

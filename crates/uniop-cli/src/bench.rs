@@ -257,7 +257,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 continue;
             }
             let example = entry.op.example(shape.as_deref(), dtype)?;
-            let main_shape = example.inputs[0].as_ref().map(|m| m.shape().to_vec()).unwrap_or_default();
+            let main_shape = entry.op.example_shape(&example);
             let mut h = OpHarness::new(entry.clone(), example, 1)?;
             let best = h.bench(Stream::default_stream(), args.iters)?;
             let gbs = h.bytes_moved()? as f64 / best.as_secs_f64() / 1e9;

@@ -108,6 +108,11 @@ impl Op for CrossEntropyBackward {
         Ok(vec![RefTensor::new(&x.shape, dx)])
     }
 
+    /// The logits' shape (the first input, dloss, is a scalar).
+    fn example_shape(&self, example: &Example) -> Vec<usize> {
+        example.input_shape(1)
+    }
+
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
         let shape = shape.unwrap_or(&[2048, 32000]);
         let classes = shape.last().copied().unwrap_or(1);

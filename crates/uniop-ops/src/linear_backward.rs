@@ -129,6 +129,11 @@ impl Op for LinearBackward {
         Ok(vec![RefTensor::new(&x.shape, dx), RefTensor::new(&[d.n, d.k], dw), RefTensor::new(&[d.n], db)])
     }
 
+    /// x's shape, as for linear (the first input is the gradient of the `[.., 2k]` output).
+    fn example_shape(&self, example: &Example) -> Vec<usize> {
+        example.input_shape(1)
+    }
+
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
         // `shape` is x's, as for linear (weight [2k, k]).
         let shape = shape.unwrap_or(&[2048, 4096]);

@@ -88,6 +88,11 @@ impl Op for SwigluBackward {
         Ok(vec![RefTensor::new(&x.shape, dx)])
     }
 
+    /// x's shape, as for swiglu (the first input is the gradient of the half-width output).
+    fn example_shape(&self, example: &Example) -> Vec<usize> {
+        example.input_shape(1)
+    }
+
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
         let mut shape = shape.unwrap_or(&[4096, 2 * 11008]).to_vec();
         if let Some(last) = shape.last_mut() {

@@ -124,3 +124,20 @@ fn every_op_documents_itself_and_links_backward_to_a_registered_op() {
         }
     }
 }
+
+/// The shape a benchmark reports for an op's default example (`Op::example_shape`) rebuilds that
+/// example: `uniop bench --shape` and the torch peer (which makes its inputs from the reported
+/// shape) then time the same inputs as the default run.
+#[test]
+fn example_shape_rebuilds_the_default_example() {
+    let shapes = |e: &uniop::Example| -> Vec<Option<(DType, Vec<usize>)>> {
+        e.inputs.iter().map(|m| m.as_ref().map(|m| (m.dtype, m.shape().to_vec()))).collect()
+    };
+    for entry in ops() {
+        let dtype = entry.op.dtypes()[0];
+        let default = entry.op.example(None, dtype).unwrap();
+        let shape = entry.op.example_shape(&default);
+        let rebuilt = entry.op.example(Some(&shape), dtype).unwrap();
+        assert_eq!(shapes(&rebuilt), shapes(&default), "{} from shape {shape:?}", entry.name());
+    }
+}

@@ -53,6 +53,12 @@ pub trait Op: Send + Sync + 'static {
     /// Representative inputs: from one user-given shape (the op decides what it means — usually
     /// the main input's shape) or the op's default LLM-sized shape.
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example>;
+    /// The shape `example` takes that gives back `example` (what benchmark reports name, and
+    /// peers rebuild their inputs from): the first input's unless the op reads its shape
+    /// argument as another input's.
+    fn example_shape(&self, example: &Example) -> Vec<usize> {
+        example.input_shape(0)
+    }
     /// Bytes one launch reads and writes, for bandwidth figures, when that is not every element
     /// of every tensor once (an op that updates a slice of an in-place tensor).
     fn bytes_moved(&self, _cx: &OpCx) -> Option<usize> {
@@ -178,6 +184,13 @@ pub struct Example {
     /// Per input, the half-open range random values are drawn from when the op needs one (e.g.
     /// valid indices); `None` or missing: [-1, 1) for floats, [-8, 8] for integers.
     pub ranges: Vec<Option<(f64, f64)>>,
+}
+
+impl Example {
+    /// Input `i`'s shape (empty when it is absent).
+    pub fn input_shape(&self, i: usize) -> Vec<usize> {
+        self.inputs.get(i).cloned().flatten().map(|m| m.shape().to_vec()).unwrap_or_default()
+    }
 }
 
 /// What the op gets to look at: its schema, input metas and resolved attributes.
