@@ -6,8 +6,12 @@
 //! Deterministic and race-free without atomics: each block owns a range of weight rows, collects
 //! the `(row, position)` pairs that land in it, sorts them, and sums each row's contributions in
 //! position order in f32 before writing it once (rows nobody indexes, and `padding_idx`, get 0).
+//! A large gradient is written with non-temporal stores: it is the size of the table and mostly
+//! zeros, and ordinary stores would first read every line of it.
 
+use crate::elementwise::{copy_streaming, fence, streams, LANES};
 use crate::embedding::{check_indices, check_padding, checked_row, index_at, table_shape, DTYPES};
+use crate::softmax::scale_into;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, FloatElement, KernelArgs,
     LayoutNeed, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -23,6 +27,8 @@ struct Shape {
     padding: i64,
     /// Where the per-block `(row << 32 | position)` lists start in the workspace, in i64 units.
     pairs_at: usize,
+    /// Rows are written past the cache (the table's gradient is mostly zeros, as large as the table).
+    streaming: bool,
 }
 
 crate::simd_kernel! {
@@ -49,7 +55,15 @@ fn kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, s: Shap
     pairs.sort_unstable();
     let mut next = pairs.iter().peekable();
     let mut row_buf = [0f32; 64];
+    let dw_at = dw.layout().offset();
     for row in rows {
+        // SAFETY: this block owns weight rows `split(vocab)`.
+        let dst = unsafe { dw.slice_mut::<T>(dw_at + row * s.hidden, s.hidden) };
+        if next.peek().is_none_or(|&&p| (p >> 32) as usize != row) {
+            // Nobody indexes this row (or it is padding_idx): zeros, no sums to narrow.
+            zero_row(dst, s.streaming);
+            continue;
+        }
         acc.fill(0.0);
         while let Some(&&p) = next.peek() {
             if (p >> 32) as usize != row {
@@ -64,10 +78,24 @@ fn kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, s: Shap
             }
             next.next();
         }
-        // SAFETY: this block owns weight rows `split(vocab)`.
-        T::narrow(acc, unsafe { dw.slice_mut::<T>(dw.layout().offset() + row * s.hidden, s.hidden) });
+        scale_into(acc, dst, 1.0, s.streaming);
     }
+    fence();
 }
+}
+
+/// Fills `dst` with zeros, past the cache when `streaming`.
+#[inline(always)]
+fn zero_row<T: FloatElement>(dst: &mut [T], streaming: bool) {
+    if !streaming {
+        return dst.fill(T::default());
+    }
+    let zeros = [T::default(); LANES];
+    let mut chunks = dst.chunks_exact_mut(LANES);
+    for chunk in &mut chunks {
+        copy_streaming(chunk, &zeros);
+    }
+    chunks.into_remainder().fill(T::default());
 }
 
 impl Op for EmbeddingBackward {
@@ -125,7 +153,8 @@ impl Op for EmbeddingBackward {
         let block_dim = block_dim_for(vocab, hidden * out.dtype.size());
         let blocks = block_dim as usize;
         let pairs_at = (blocks * hidden * 4).div_ceil(8);
-        let s = Shape { vocab, hidden, tokens, padding: cx.int("padding_idx"), pairs_at };
+        let streaming = streams(&out);
+        let s = Shape { vocab, hidden, tokens, padding: cx.int("padding_idx"), pairs_at, streaming };
         let workspace = (pairs_at + blocks * tokens) * 8;
         let idx = cx.input("indices").dtype;
         let step = with_float_dtype!(out.dtype, cx.op(), "dout", |T| match idx {
@@ -151,6 +180,11 @@ impl Op for EmbeddingBackward {
             }
         }
         Ok(vec![RefTensor::new(&[n, h], dw)])
+    }
+
+    /// The table's `[V, H]`, as for embedding (the first input is the `[tokens, H]` gradient).
+    fn example_shape(&self, example: &Example) -> Vec<usize> {
+        example.input_shape(2)
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {

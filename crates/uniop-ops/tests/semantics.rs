@@ -1096,6 +1096,39 @@ fn dense_elementwise_kernels_stream_big_outputs_in_f32_and_bf16() {
     }
 }
 
+/// A table gradient past the streaming threshold (8 MiB) in f32 and bf16: rows nobody indexes
+/// are written as zeros with non-temporal stores, indexed ones summed and narrowed. The output
+/// starts as NaN, so a row the kernel skipped would show; hidden 1000 ends in a partial 64-lane
+/// step; indices repeat, and padding_idx is one of them.
+#[test]
+fn embedding_backward_streams_a_big_table_gradient() {
+    setup();
+    let (v, h, tokens) = (4200, 1000, 300);
+    let idx: Vec<i64> = (0..tokens).map(|p| (p * 97 % 250) as i64 * 13).collect();
+    let attrs = [("padding_idx", AttrValue::Int(idx[5]))];
+    let dout = rand_vec(tokens * h, 91);
+    let weight = vec![0f32; v * h];
+    let run = |dout: Option<TensorRef>, weight: Option<TensorRef>, mut out: Tensor| {
+        let inputs = [dout, Some(TensorRef::new(&idx, &[tokens]).unwrap()), weight];
+        uniop::call("embedding_backward", &inputs, &attrs, vec![out.view_mut()]).unwrap();
+        let entry = Registry::global().get("embedding_backward").unwrap();
+        let report = check_outputs(&entry, &inputs, &attrs, &[out.view()]).unwrap();
+        assert!(report.pass(), "{report}");
+    };
+    run(
+        Some(TensorRef::new(&dout, &[tokens, h]).unwrap()),
+        Some(TensorRef::new(&weight, &[v, h]).unwrap()),
+        Tensor::from_slice(&vec![f32::NAN; v * h], &[v, h]).unwrap(),
+    );
+    let to_bf16 = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+    let (dout, weight) = (to_bf16(&dout), to_bf16(&weight));
+    run(
+        Some(TensorRef::new(&dout, &[tokens, h]).unwrap()),
+        Some(TensorRef::new(&weight, &[v, h]).unwrap()),
+        Tensor::from_slice(&vec![bf16::NAN; v * h], &[v, h]).unwrap(),
+    );
+}
+
 #[test]
 fn argmax_takes_the_first_maximum_and_nan_along_any_dim() {
     setup();
