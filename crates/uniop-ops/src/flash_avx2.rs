@@ -40,19 +40,27 @@ pub(crate) const COLS: usize = 6;
 
 #[cfg(test)]
 thread_local! {
-    /// Tests run both forward kernels on one machine (`Some(true)` only where AVX2 runs).
+    /// Tests run the attention kernels both ways on one machine: `Some(true)` forces the AVX2
+    /// tiles (these and the backward's, `flash_backward_avx2.rs`; only where AVX2 runs),
+    /// `Some(false)` the GEMM tiles.
     pub(crate) static FORCED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
-/// Whether the forward runs these tiles: on CPUs whose best f32 level (for bf16: bf16 level) is
-/// AVX2, for tiles of at least one band of rows (fewer rows — decode — are dot products).
-pub(crate) fn applies(g: &Geometry) -> bool {
+/// Whether this CPU's best level for `g`'s products (f32's; for bf16, bf16's) is AVX2, where the
+/// forward and the backward run their AVX2 tiles — or what a test forced.
+pub(crate) fn avx2_best(g: &Geometry) -> bool {
     #[cfg(test)]
     if let Some(forced) = FORCED.with(|f| f.get()) {
         return forced;
     }
     let level = if g.dtype == DType::BF16 { <bf16 as Dots>::best() } else { <f32 as Dots>::best() };
-    level == Simd::Avx2 && g.group() * g.tile_q() >= BAND
+    level == Simd::Avx2
+}
+
+/// Whether the forward runs these tiles: on [`avx2_best`] CPUs, for tiles of at least one band
+/// of rows (fewer rows — decode — are dot products).
+pub(crate) fn applies(g: &Geometry) -> bool {
+    avx2_best(g) && g.group() * g.tile_q() >= BAND
 }
 
 /// f32 scratch of one block: `Qᵀ`, one band's `Sᵀ`, `Oᵀ`, running max and sum, a staging row

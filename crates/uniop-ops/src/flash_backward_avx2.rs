@@ -33,8 +33,6 @@ use crate::attention::{carve, f32_rows, row_len, Geometry};
 use crate::attention_backward::{row_index, store_row, BackwardArgs};
 use crate::flash_avx2::{band_seen, load_strips, products, strip_at, BAND, COLS};
 use crate::math;
-use crate::skinny::{Dots, Simd};
-use uniop::half::bf16;
 use uniop::{BlockCtx, DType, FloatElement, KernelArgs};
 
 /// Keys per tile: the packed K/V strips and panels and the dK/dV sums (32 KiB each at D = 128)
@@ -45,21 +43,10 @@ const ROWS: usize = 128;
 /// Head dims per panel of K and of the fused launch's dQ sums: one register tile's two vectors.
 const PANEL: usize = 16;
 
-#[cfg(test)]
-thread_local! {
-    /// Tests run both dK/dV kernels on one machine (`Some(true)` only where AVX2 runs).
-    pub(crate) static FORCED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-}
-
-/// Whether the dK/dV launch runs these tiles: on CPUs whose best f32 level (for bf16: bf16
-/// level) is AVX2.
+/// Whether the backward runs these tiles: on CPUs whose best level is AVX2 (see
+/// [`avx2_best`](crate::flash_avx2::avx2_best)).
 pub(crate) fn applies(g: &Geometry) -> bool {
-    #[cfg(test)]
-    if let Some(forced) = FORCED.with(|f| f.get()) {
-        return forced;
-    }
-    let level = if g.dtype == DType::BF16 { <bf16 as Dots>::best() } else { <f32 as Dots>::best() };
-    level == Simd::Avx2
+    crate::flash_avx2::avx2_best(g)
 }
 
 /// Head dims of a `dQ` panel row: `d` rounded up to whole panels.
@@ -455,8 +442,8 @@ fn score_grads(p: &mut [f32; BAND], ds: &mut [f32; BAND], seen: usize, lse: f32,
 
 #[cfg(test)]
 mod tests {
-    use super::FORCED;
     use crate::attention::run_checked_forcing;
+    use crate::flash_avx2::FORCED;
     use uniop::half::{bf16, f16};
     use uniop::verify::Rng;
     use uniop::{AttrValue, Element, TensorRef};
