@@ -238,12 +238,6 @@ unsafe fn register_tile<const C: usize>(
     accumulate: bool,
 ) {
     let mut acc = [[_mm256_setzero_ps(); 2]; C];
-    if accumulate {
-        for (c, pair) in acc.iter_mut().enumerate() {
-            let at = dst.add(c * BAND);
-            *pair = [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))];
-        }
-    }
     let cols: [*const f32; C] = std::array::from_fn(|c| b.add(c * b_col));
     for t in 0..steps {
         let (lo, hi) = (_mm256_loadu_ps(a), _mm256_loadu_ps(a.add(8)));
@@ -253,8 +247,14 @@ unsafe fn register_tile<const C: usize>(
         }
         a = a.add(BAND);
     }
-    for (c, pair) in acc.iter().enumerate() {
+    // This call's `steps` terms are summed on their own, then added to what `dst` holds: sums
+    // over many calls (dK and dV over thousands of query rows) round like blocked sums rather
+    // than like one long chain.
+    for (c, pair) in acc.iter_mut().enumerate() {
         let at = dst.add(c * BAND);
+        if accumulate {
+            *pair = [_mm256_add_ps(pair[0], _mm256_loadu_ps(at)), _mm256_add_ps(pair[1], _mm256_loadu_ps(at.add(8)))];
+        }
         _mm256_storeu_ps(at, pair[0]);
         _mm256_storeu_ps(at.add(8), pair[1]);
     }
