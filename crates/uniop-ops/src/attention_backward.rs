@@ -132,15 +132,14 @@ impl<'a> BackwardArgs<'a> {
     pub fn of(args: &'a KernelArgs) -> BackwardArgs<'a> {
         let (dout, q, k, v, lse) = (args.input(DOUT), args.input(Q), args.input(K), args.input(V), args.input(LSE));
         let (dq, dk, dv) = (args.output(0), args.output(1), args.output(2));
-        let rows = |t: &uniop::Layout| Rows4::of(t);
         BackwardArgs {
-            dout_rows: rows(dout.layout()),
-            q_rows: rows(q.layout()),
-            k_rows: rows(k.layout()),
-            v_rows: rows(v.layout()),
-            dq_rows: rows(dq.layout()),
-            dk_rows: rows(dk.layout()),
-            dv_rows: rows(dv.layout()),
+            dout_rows: Rows4::of(dout.layout()),
+            q_rows: Rows4::of(q.layout()),
+            k_rows: Rows4::of(k.layout()),
+            v_rows: Rows4::of(v.layout()),
+            dq_rows: Rows4::of(dq.layout()),
+            dk_rows: Rows4::of(dk.layout()),
+            dv_rows: Rows4::of(dv.layout()),
             lse: &lse.storage::<f32>().expect("lse is f32")[lse.layout().offset()..],
             lens: args.optional_input(KV_LENS),
             dout,

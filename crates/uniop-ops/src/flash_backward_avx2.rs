@@ -29,9 +29,9 @@
 //! per key tile) is the forward's layout instead: it owns a tile of queries and sums over keys,
 //! so its lanes run over query rows (see [`dq`]).
 
-use crate::attention::{carve, f32_rows, row_len, Geometry};
+use crate::attention::{carve, f32_rows, row_len, Geometry, Rows4};
 use crate::attention_backward::{row_index, store_row, BackwardArgs};
-use crate::flash_avx2::{band_seen, load_strips, products, strip_at, BAND, COLS};
+use crate::flash_avx2::{band_seen, get_strip_row, load_strips, products, put_strip_row, strip_at, BAND, COLS};
 use crate::math;
 use uniop::{BlockCtx, DType, FloatElement, KernelArgs};
 
@@ -214,30 +214,23 @@ fn pack_key_tile<T: FloatElement>(
     let (d, dv, n) = (g.head_dim, g.v_dim, kt.n);
     let (ks, vs) = (a.k.storage::<T>().expect("dtype dispatched"), a.v.storage::<T>().expect("dtype dispatched"));
     for j in 0..n.next_multiple_of(BAND) {
-        let (strip, lane) = (j / BAND, j % BAND);
+        // Key j0 + j of `data` widened into `dst`, zeros past the tile's end.
+        let load = |data: &[T], rows: Rows4, dst: &mut [f32]| match j < n {
+            true => T::widen(&data[rows.at(b, hkv, kt.j0 + j)..][..dst.len()], dst),
+            false => dst.fill(0.0),
+        };
         let key = &mut row[..d];
-        if j < n {
-            T::widen(&ks[a.k_rows.at(b, hkv, kt.j0 + j)..][..d], key);
-        } else {
-            key.fill(0.0);
-        }
-        for (c, &x) in key.iter().enumerate() {
-            kt.k_strips[(strip * d + c) * BAND + lane] = x * g.scale;
-        }
+        load(ks, a.k_rows, key);
         if !kt.k_panels.is_empty() && j < n {
             for c in 0..dq_width(g) {
                 kt.k_panels[(c / PANEL * KEYS + j) * PANEL + c % PANEL] = if c < d { key[c] } else { 0.0 };
             }
         }
+        key.iter_mut().for_each(|x| *x *= g.scale);
+        put_strip_row(kt.k_strips, j, key);
         let value = &mut row[..dv];
-        if j < n {
-            T::widen(&vs[a.v_rows.at(b, hkv, kt.j0 + j)..][..dv], value);
-        } else {
-            value.fill(0.0);
-        }
-        for (c, &x) in value.iter().enumerate() {
-            kt.v_strips[(strip * dv + c) * BAND + lane] = x;
-        }
+        load(vs, a.v_rows, value);
+        put_strip_row(kt.v_strips, j, value);
     }
     kt.dk.fill(0.0);
     kt.dv.fill(0.0);
@@ -254,15 +247,10 @@ fn store_key_tile<T: FloatElement>(
 ) {
     let (d, dv) = (g.head_dim, g.v_dim);
     for j in 0..kt.n {
-        let (strip, lane) = (j / BAND, j % BAND);
-        for (c, x) in row[..d].iter_mut().enumerate() {
-            *x = kt.dk[(strip * d + c) * BAND + lane];
-        }
+        get_strip_row(kt.dk, j, &mut row[..d]);
         // SAFETY: this unit owns keys j0..j0+n of (b, hkv) in dk and dv.
         unsafe { store_row::<T>(&a.dk, a.dk_rows.at(b, hkv, kt.j0 + j), &mut row[..d], g.scale) };
-        for (c, x) in row[..dv].iter_mut().enumerate() {
-            *x = kt.dv[(strip * dv + c) * BAND + lane];
-        }
+        get_strip_row(kt.dv, j, &mut row[..dv]);
         unsafe { store_row::<T>(&a.dv, a.dv_rows.at(b, hkv, kt.j0 + j), &mut row[..dv], 1.0) };
     }
 }
@@ -389,8 +377,9 @@ unsafe fn dq_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry
             let (h, i) = t.head_pos(r);
             (lse[r], deltas[r]) = (a.lse[row_index(&g, b, h, i)], delta[row_index(&g, b, h, i)]);
         }
-        for j0 in (0..t.kv_end(&g)).step_by(DQ_KEYS) {
-            let n = DQ_KEYS.min(t.kv_end(&g) - j0);
+        let kv_end = t.kv_end(&g);
+        for j0 in (0..kv_end).step_by(DQ_KEYS) {
+            let n = DQ_KEYS.min(kv_end - j0);
             let (kp, ks) = f32_rows::<T>(&a.k, a.k_rows, (b, hkv, j0), n, d, kt);
             let (vp, vs) = f32_rows::<T>(&a.v, a.v_rows, (b, hkv, j0), n, dv, vt);
             for band in (0..rp).step_by(BAND) {
@@ -419,9 +408,7 @@ unsafe fn dq_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry
             }
         }
         for r in 0..rows {
-            for (c, x) in row[..d].iter_mut().enumerate() {
-                *x = dqt[strip_at(r, d) + c * BAND];
-            }
+            get_strip_row(dqt, r, &mut row[..d]);
             let (h, i) = t.head_pos(r);
             // SAFETY: this unit owns rows (b, group heads, its positions) of dq.
             unsafe { store_row::<T>(&a.dq, a.dq_rows.at(b, h, i), &mut row[..d], g.scale) };

@@ -110,6 +110,10 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
     }
 }
 
+/// Lanes `exp_into` works on at a time: two AVX2 vectors, whose exps and sums stay in registers
+/// (a whole `LANES` step spilled them: 16 vectors of values and sums).
+const EXP_LANES: usize = 16;
+
 /// `out = exp(row − m)` in f32 (`out` as long as `row`); returns `Σ out`. Whole steps and the
 /// tail are separate loops so the step loop's accumulators have a constant length and stay in
 /// registers (a shared closure over both kept them in memory).
@@ -117,10 +121,6 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
 /// This pass is compute-bound and touches no new memory, so it prefetches `next` (the row the
 /// caller reads after this one, or nothing): memory then streams while the exps run, instead of
 /// only during the cheap max pass that comes first.
-/// Lanes `exp_into` works on at a time: two AVX2 vectors, whose exps and sums stay in registers
-/// (a whole `LANES` step spilled them: 16 vectors of values and sums).
-const EXP_LANES: usize = 16;
-
 #[inline(always)]
 pub(crate) fn exp_into<T: FloatElement>(row: &[T], out: &mut [f32], m: f32, next: &[T]) -> f32 {
     let mut acc = [0f32; EXP_LANES];
