@@ -114,37 +114,55 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
 /// (a whole `LANES` step spilled them: 16 vectors of values and sums).
 const EXP_LANES: usize = 16;
 
-/// `out = exp(row − m)` in f32 (`out` as long as `row`); returns `Σ out`. Whole steps and the
-/// tail are separate loops so the step loop's accumulators have a constant length and stay in
-/// registers (a shared closure over both kept them in memory).
+/// `out = exp(row − m)` in f32 (`out` as long as `row`); returns `Σ out`.
 ///
 /// This pass is compute-bound and touches no new memory, so it prefetches `next` (the row the
 /// caller reads after this one, or nothing): memory then streams while the exps run, instead of
 /// only during the cheap max pass that comes first.
 #[inline(always)]
 pub(crate) fn exp_into<T: FloatElement>(row: &[T], out: &mut [f32], m: f32, next: &[T]) -> f32 {
+    exp_sum::<T, true>(row, out, m, next)
+}
+
+/// `Σ exp(row − m)` alone, for log_softmax (which needs no exps kept: 4 bytes a lane not written).
+#[inline(always)]
+fn exp_total<T: FloatElement>(row: &[T], m: f32, next: &[T]) -> f32 {
+    exp_sum::<T, false>(row, &mut [], m, next)
+}
+
+/// [`exp_into`] and [`exp_total`]: the exps are stored in `out` when `STORE`. Whole steps and the
+/// tail are separate loops so the step loop's accumulators have a constant length and stay in
+/// registers (a shared closure over both kept them in memory).
+#[inline(always)]
+fn exp_sum<T: FloatElement, const STORE: bool>(row: &[T], out: &mut [f32], m: f32, next: &[T]) -> f32 {
     let mut acc = [0f32; EXP_LANES];
     let steps = row.chunks_exact(LANES);
     let tail = steps.remainder();
     let full = row.len() - tail.len();
     let mut ahead = Ahead::new(next, steps.len());
-    for (c, o) in steps.zip(out.chunks_exact_mut(LANES)) {
-        ahead.step();
-        for (c, o) in c.chunks_exact(EXP_LANES).zip(o.chunks_exact_mut(EXP_LANES)) {
-            let mut e: [f32; EXP_LANES] = T::widen_lanes(c.try_into().expect("EXP_LANES elements"));
-            for j in 0..EXP_LANES {
-                e[j] = math::exp(e[j] - m);
-                acc[j] += e[j];
-            }
-            o.copy_from_slice(&e);
+    for (at, c) in (0..full).step_by(EXP_LANES).zip(row[..full].chunks_exact(EXP_LANES)) {
+        if at % LANES == 0 {
+            ahead.step();
+        }
+        let mut e: [f32; EXP_LANES] = T::widen_lanes(c.try_into().expect("EXP_LANES elements"));
+        for j in 0..EXP_LANES {
+            e[j] = math::exp(e[j] - m);
+            acc[j] += e[j];
+        }
+        if STORE {
+            out[at..at + EXP_LANES].copy_from_slice(&e);
         }
     }
     let mut sum: f32 = acc.iter().sum();
-    let rest = &mut out[full..row.len()];
+    let mut rest = [0f32; LANES];
+    let rest = &mut rest[..tail.len()];
     T::widen(tail, rest);
-    for v in rest {
+    for v in rest.iter_mut() {
         *v = math::exp(*v - m);
         sum += *v;
+    }
+    if STORE {
+        out[full..row.len()].copy_from_slice(rest);
     }
     sum
 }
@@ -157,23 +175,22 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
     let base = y.layout().offset();
     let mut buf = [0f32; LANES];
     if axis.inner == 1 {
-        // SAFETY: block b owns scratch row b (sized by the plan for `inner == 1`).
-        let scratch = unsafe { args.workspace::<f32>(ctx.block_idx as usize * axis.n, axis.n) };
         for r in ctx.split(axis.outer) {
             let row = &xs[r * axis.n..(r + 1) * axis.n];
             let m = row_max(row);
-            // exp(x − max) once, kept in f32 scratch (in cache) for the normalizing pass.
             let next = xs.get((r + 1) * axis.n..(r + 2) * axis.n).unwrap_or_default();
-            let s = exp_into(row, scratch, m, next);
             // SAFETY: this block owns rows `split(outer)` of y.
             let out = unsafe { y.slice_mut::<T>(base + r * axis.n, axis.n) };
             match kind {
                 Kind::Softmax => {
-                    let scale = 1.0 / s;
+                    // exp(x − max) once, kept in f32 scratch (in cache) for the normalizing pass.
+                    // SAFETY: block b owns scratch row b (sized by the plan for softmax rows).
+                    let scratch = unsafe { args.workspace::<f32>(ctx.block_idx as usize * axis.n, axis.n) };
+                    let scale = 1.0 / exp_into(row, scratch, m, next);
                     scale_into(scratch, out, scale, streaming)
                 }
                 Kind::LogSoftmax => {
-                    let shift = m + s.ln();
+                    let shift = m + exp_total(row, m, next).ln();
                     dense_map([row], [out], streaming, |[b]| [b - shift])
                 }
             }
@@ -225,8 +242,8 @@ fn plan(cx: &OpCx, kind: Kind) -> Result<Plan> {
     let step = with_float_dtype!(x.dtype, cx.op(), "x", |T| {
         Step::new("softmax", block_dim, move |args, ctx| kernel::<T>(args, ctx, axis, kind, streaming))
     });
-    // Rows reduce through one f32 scratch row per block.
-    let workspace = if axis.inner == 1 { block_dim as usize * axis.n * 4 } else { 0 };
+    // Softmax rows keep their exps in one f32 scratch row per block.
+    let workspace = if axis.inner == 1 && matches!(kind, Kind::Softmax) { block_dim as usize * axis.n * 4 } else { 0 };
     Ok(Plan::new(vec![step])
         .workspace(workspace)
         .inputs_need(vec![LayoutNeed::Contiguous])
