@@ -104,13 +104,15 @@ pub fn gelu_grad(x: f32, tanh_approx: bool) -> f32 {
         // Φ(|x|) = 1 − φ(x)·t·B(t), t = 1/(1 + 0.2316419·|x|). One division and a degree-4
         // polynomial that share φ's exp, instead of erf's rational function beside it.
         const B: [f32; 5] = [0.319_381_53, -0.356_563_78, 1.781_477_9, -1.821_256, 1.330_274_4];
-        let pdf = exp(-0.5 * x * x) * 0.398_942_3;
+        // φ(x) = e^(−x²/2 + ln(1/√(2π))): the normalization rides in exp's argument (one FMA).
+        const LN_INV_SQRT_2PI: f32 = -0.918_938_5;
+        let pdf = exp((x * x).mul_add(-0.5, LN_INV_SQRT_2PI));
         let t = 1.0 / 0.231_641_9f32.mul_add(x.abs(), 1.0);
         let t2 = t * t;
         let b = B[4].mul_add(t2, B[3].mul_add(t, B[2])).mul_add(t2, B[1].mul_add(t, B[0]));
         let tail = pdf * t * b;
         let cdf = if x >= 0.0 { 1.0 - tail } else { tail };
-        cdf + x * pdf
+        x.mul_add(pdf, cdf)
     }
 }
 
