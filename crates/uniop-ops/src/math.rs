@@ -58,13 +58,13 @@ pub fn silu_mul_grad(d: f32, g: f32, u: f32) -> (f32, f32) {
     (d * u * s * (1.0 + g * (1.0 - s)), d * g * s)
 }
 
-/// erf(x) = x·P(x²)/Q(x²) for |x| ≤ 4 (beyond, ±1 in f32), branch-free; absolute error ≤ 4e-7
-/// with f32 rounding. A rational form rather than the usual `1 − t·poly(t)·e^(−x²)`
+/// `|erf(x)|` = |x|·P(x²)/Q(x²) for |x| ≤ 4 (beyond, 1 in f32), branch-free; absolute error ≤ 4e-7
+/// with f32 rounding; NaN for NaN. The magnitude only: gelu, its caller, folds the sign away. A rational form rather than the usual `1 − t·poly(t)·e^(−x²)`
 /// (Abramowitz & Stegun 7.1.26, t = 1/(1 + px)) because that needs a division *and* an exp:
 /// this one is ten FMAs and one division, which halves gelu's compute. Coefficients from
 /// `scripts/fit_erf.py` (a minimax-weighted least-squares fit of erf's relative error).
 #[inline(always)]
-pub fn erf(x: f32) -> f32 {
+fn erf_abs(x: f32) -> f32 {
     // P(0) is erf'(0) = 2/√pi (the fit lands within an ulp of it).
     const ERF_P: [f32; 6] =
         [std::f32::consts::FRAC_2_SQRT_PI, 1.9353212e-01, 5.3099733e-02, 3.882705e-03, 2.84538e-04, 1.986709e-06];
@@ -75,7 +75,7 @@ pub fn erf(x: f32) -> f32 {
     let s = a * a;
     let s2 = s * s;
     // The fit may overshoot 1 by an ulp or two near the clamp; erf never does.
-    at_most(a * estrin(s, s2, ERF_P) / estrin(s, s2, ERF_Q), 1.0).copysign(x)
+    at_most(a * estrin(s, s2, ERF_P) / estrin(s, s2, ERF_Q), 1.0)
 }
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -88,7 +88,10 @@ pub fn gelu(x: f32, tanh_approx: bool) -> f32 {
     if tanh_approx {
         x * sigmoid(2.0 * SQRT_2_OVER_PI * GELU_CUBIC.mul_add(x * x * x, x))
     } else {
-        0.5 * x * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2))
+        // x/2 + x/2·erf(x/√2) as one FMA; x/2 and erf share their sign, so the product is
+        // |x/2|·|erf| and erf's copysign drops out.
+        let half = 0.5 * x;
+        half.abs().mul_add(erf_abs(x * std::f32::consts::FRAC_1_SQRT_2), half)
     }
 }
 
@@ -123,7 +126,7 @@ pub mod exact {
         safe fn erf(x: f64) -> f64;
     }
 
-    /// The error function, from libm (an implementation independent of [`super::erf`]).
+    /// The error function, from libm (an implementation independent of [`super::erf_abs`]).
     pub fn erf_f64(x: f64) -> f64 {
         erf(x)
     }
@@ -179,13 +182,13 @@ mod tests {
         // Every 2^-14 over [-6, 6]: past the clamp at 4, through the fit's worst region (3–4).
         for i in -(6 << 14)..=(6 << 14) {
             let x = i as f32 / (1 << 14) as f32;
-            let (got, want) = (super::erf(x), super::exact::erf_f64(x as f64));
-            assert!((got as f64 - want).abs() < 4e-7 && got.abs() <= 1.0, "erf({x}) = {got}, want {want}");
+            let (got, want) = (super::erf_abs(x), super::exact::erf_f64(x as f64).abs());
+            assert!((got as f64 - want).abs() < 4e-7 && got <= 1.0, "|erf({x})| = {got}, want {want}");
         }
-        assert!(super::erf(f32::NAN).is_nan() && super::gelu(f32::NAN, false).is_nan());
-        assert_eq!((super::erf(f32::INFINITY), super::erf(f32::NEG_INFINITY)), (1.0, -1.0));
-        assert!(super::erf(-0.0) == 0.0 && super::erf(-0.0).is_sign_negative());
-        assert_eq!(super::erf(1e-30), 1e-30 * std::f32::consts::FRAC_2_SQRT_PI);
+        assert!(super::erf_abs(f32::NAN).is_nan() && super::gelu(f32::NAN, false).is_nan());
+        assert_eq!((super::erf_abs(f32::INFINITY), super::erf_abs(f32::NEG_INFINITY)), (1.0, 1.0));
+        assert_eq!(super::erf_abs(-0.0), 0.0);
+        assert_eq!(super::erf_abs(-1e-30), 1e-30 * std::f32::consts::FRAC_2_SQRT_PI);
     }
 
     #[test]
