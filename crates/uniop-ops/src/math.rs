@@ -13,8 +13,9 @@ fn estrin(x: f32, x2: f32, c: [f32; 6]) -> f32 {
 
 /// e^x in f32, relative error ≈ 2 ulp over the range; saturates outside [-87, 88].
 ///
-/// Written for the op count of the vectorized loop, which bounds the elementwise kernels that
-/// call it on AVX2 (bf16 silu is compute-bound there): `k = round(x·log2 e)` comes out of one FMA
+/// Written for the op count and the chain length of the vectorized loop, which bound the
+/// elementwise kernels that call it on AVX2 (its polynomial in Estrin's order, `estrin`):
+/// `k = round(x·log2 e)` comes out of one FMA
 /// with the 1.5·2²³ shift, which also leaves `k` in the low mantissa bits for building 2^k (no
 /// float→int conversion, which Rust makes saturating and scalar); the reduction `x − k·ln 2` is
 /// two FMAs (Cody–Waite: ln 2 split in a short high part, exact in `k·hi`, and the rest).
@@ -58,11 +59,12 @@ pub fn silu_mul_grad(d: f32, g: f32, u: f32) -> (f32, f32) {
     (d * u * s * (1.0 + g * (1.0 - s)), d * g * s)
 }
 
-/// `|erf(x)|` = |x|·P(x²)/Q(x²) for |x| ≤ 4 (beyond, 1 in f32), branch-free; absolute error ≤ 4e-7
-/// with f32 rounding; NaN for NaN. The magnitude only: gelu, its caller, folds the sign away. A rational form rather than the usual `1 − t·poly(t)·e^(−x²)`
-/// (Abramowitz & Stegun 7.1.26, t = 1/(1 + px)) because that needs a division *and* an exp:
-/// this one is ten FMAs and one division, which halves gelu's compute. Coefficients from
-/// `scripts/fit_erf.py` (a minimax-weighted least-squares fit of erf's relative error).
+/// `|erf(x)|` = |x|·P(x²)/Q(x²) for |x| ≤ 4 (beyond, 1 in f32), branch-free; absolute error
+/// ≤ 4e-7 with f32 rounding; NaN for NaN. The magnitude only: gelu, its caller, folds the sign
+/// away. A rational form rather than the usual `1 − t·poly(t)·e^(−x²)` (Abramowitz & Stegun
+/// 7.1.26, t = 1/(1 + px)) because that needs a division *and* an exp: this one is ten FMAs and
+/// one division, which halves gelu's compute. Coefficients from `scripts/fit_erf.py` (a
+/// minimax-weighted least-squares fit of erf's relative error).
 #[inline(always)]
 fn erf_abs(x: f32) -> f32 {
     // P(0) is erf'(0) = 2/√pi (the fit lands within an ulp of it).
@@ -126,7 +128,7 @@ pub mod exact {
         safe fn erf(x: f64) -> f64;
     }
 
-    /// The error function, from libm (an implementation independent of [`super::erf_abs`]).
+    /// The error function, from libm (an implementation independent of gelu's `erf_abs`).
     pub fn erf_f64(x: f64) -> f64 {
         erf(x)
     }
