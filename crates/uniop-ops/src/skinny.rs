@@ -42,17 +42,24 @@ pub(crate) trait Dots: GemmOut {
     /// The best [`Simd`] level this CPU runs for this type.
     fn best() -> Simd;
 
-    /// `a[i] · b[j]` over `k` elements, f32 sums, at level `simd`.
+    /// `a[i] · b[j]` over `k` elements, f32 sums, at level `simd`. `ahead` is how many bytes
+    /// past the `b` rows the next call's rows start (a kernel may prefetch there).
     ///
     /// # Safety
     /// Only at a level the CPU has (`simd` at or below [`Dots::best`]); every pointer valid for
     /// `k` elements.
-    unsafe fn dots<const R: usize>(simd: Simd, a: [*const Self; R], b: [*const Self; 4], k: usize) -> [[f32; 4]; R] {
+    unsafe fn dots<const R: usize>(
+        simd: Simd,
+        a: [*const Self; R],
+        b: [*const Self; 4],
+        k: usize,
+        ahead: usize,
+    ) -> [[f32; 4]; R] {
         match simd {
             #[cfg(target_arch = "x86_64")]
             Simd::Avx512 => Self::dots_avx512(a, b, k),
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 => Self::dots_avx2(a, b, k),
+            Simd::Avx2 => Self::dots_avx2(a, b, k, ahead),
             _ => std::array::from_fn(|i| {
                 std::array::from_fn(|j| (0..k).map(|p| (*a[i].add(p)).to_f32() * (*b[j].add(p)).to_f32()).sum())
             }),
@@ -71,7 +78,12 @@ pub(crate) trait Dots: GemmOut {
     /// # Safety
     /// As [`Dots::dots`].
     #[cfg(target_arch = "x86_64")]
-    unsafe fn dots_avx2<const R: usize>(a: [*const Self; R], b: [*const Self; 4], k: usize) -> [[f32; 4]; R];
+    unsafe fn dots_avx2<const R: usize>(
+        a: [*const Self; R],
+        b: [*const Self; 4],
+        k: usize,
+        ahead: usize,
+    ) -> [[f32; 4]; R];
 }
 
 /// `dst[rows] = lhs[rows] · rhs` (`+=` with `accumulate`), dot products at level `simd`.
@@ -92,15 +104,17 @@ pub(crate) unsafe fn skinny<I: Dots, O: GemmOut>(
     debug_assert!(applies(&rows, lhs, rhs));
     let a: [*const I; SKINNY_ROWS] =
         std::array::from_fn(|i| lhs.ptr.offset((rows.start + i.min(rows.len() - 1)) as isize * lhs.rs));
+    // The next group of four weight rows starts this many bytes after the current one.
+    let ahead = 4 * rhs.cs as usize * std::mem::size_of::<I>();
     let mut c = 0;
     while c < n {
         let cols = 4.min(n - c);
         let b = std::array::from_fn(|j| rhs.ptr.offset((c + j.min(cols - 1)) as isize * rhs.cs));
         let sums: [[f32; 4]; SKINNY_ROWS] = match rows.len() {
-            1 => pad(I::dots::<1>(simd, [a[0]], b, k)),
-            2 => pad(I::dots::<2>(simd, [a[0], a[1]], b, k)),
-            3 => pad(I::dots::<3>(simd, [a[0], a[1], a[2]], b, k)),
-            _ => I::dots::<4>(simd, a, b, k),
+            1 => pad(I::dots::<1>(simd, [a[0]], b, k, ahead)),
+            2 => pad(I::dots::<2>(simd, [a[0], a[1]], b, k, ahead)),
+            3 => pad(I::dots::<3>(simd, [a[0], a[1], a[2]], b, k, ahead)),
+            _ => I::dots::<4>(simd, a, b, k, ahead),
         };
         for (i, r) in rows.clone().enumerate() {
             for (j, &sum) in sums[i].iter().enumerate().take(cols) {
@@ -146,16 +160,24 @@ impl Dots for bf16 {
         acc.map(|row| row.map(|v| _mm512_reduce_add_ps(v)))
     }
 
-    /// 8 lanes per FMA, each bf16 widened by a 16-bit shift (exact).
+    /// 8 lanes per FMA, each bf16 widened by a 16-bit shift (exact). The weight rows a call
+    /// reads are short in decode-sized products (768 bytes for k = 384), four of them
+    /// interleaved: too little of each for the hardware prefetcher to ramp up, so the loop
+    /// prefetches the next group of rows (`ahead` bytes on) as it goes.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn dots_avx2<const R: usize>(a: [*const bf16; R], b: [*const bf16; 4], k: usize) -> [[f32; 4]; R] {
+    unsafe fn dots_avx2<const R: usize>(
+        a: [*const bf16; R],
+        b: [*const bf16; 4],
+        k: usize,
+        ahead: usize,
+    ) -> [[f32; 4]; R] {
         use std::arch::x86_64::*;
         let load = |ptr: *const uniop::half::bf16, p: usize| {
             let halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(ptr.add(p) as *const __m128i));
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(halves))
         };
-        avx2_dots(a, b, k, load)
+        avx2_dots(a, b, k, Some(ahead), load)
     }
 }
 
@@ -186,17 +208,24 @@ impl Dots for f32 {
         acc.map(|row| row.map(|v| _mm512_reduce_add_ps(v)))
     }
 
-    /// 8 lanes per FMA.
+    /// 8 lanes per FMA. No software prefetch: f32 rows are twice as long, and prefetching the
+    /// next group of rows measured level or slower.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn dots_avx2<const R: usize>(a: [*const f32; R], b: [*const f32; 4], k: usize) -> [[f32; 4]; R] {
+    unsafe fn dots_avx2<const R: usize>(
+        a: [*const f32; R],
+        b: [*const f32; 4],
+        k: usize,
+        _ahead: usize,
+    ) -> [[f32; 4]; R] {
         use std::arch::x86_64::*;
-        avx2_dots(a, b, k, |ptr: *const f32, p: usize| _mm256_loadu_ps(ptr.add(p)))
+        avx2_dots(a, b, k, None, |ptr: *const f32, p: usize| _mm256_loadu_ps(ptr.add(p)))
     }
 }
 
-/// The AVX2 dot products for any element `load` widens 8 at a time to f32; the last `k % 8`
-/// products are summed in scalar code (AVX2 has no masked 16-bit loads).
+/// The AVX2 dot products for any element `load` widens 8 at a time to f32, prefetching `ahead`
+/// bytes past the `b` rows once per 64 bytes read when given; the last `k % 8` products are
+/// summed in scalar code (AVX2 has no masked 16-bit loads).
 ///
 /// # Safety
 /// As [`Dots::dots`], on a CPU with AVX2 and FMA.
@@ -206,12 +235,18 @@ unsafe fn avx2_dots<T: GemmOut, const R: usize>(
     a: [*const T; R],
     b: [*const T; 4],
     k: usize,
+    ahead: Option<usize>,
     load: impl Fn(*const T, usize) -> std::arch::x86_64::__m256,
 ) -> [[f32; 4]; R] {
     use std::arch::x86_64::*;
     let mut acc = [[_mm256_setzero_ps(); 4]; R];
     let whole = k / 8 * 8;
     for p in (0..whole).step_by(8) {
+        if let Some(ahead) = ahead.filter(|_| (p * std::mem::size_of::<T>()).is_multiple_of(64)) {
+            for &ptr in &b {
+                _mm_prefetch::<_MM_HINT_T0>((ptr.add(p) as *const i8).wrapping_add(ahead));
+            }
+        }
         let bv = b.map(|ptr| load(ptr, p));
         for (acc, &ai) in acc.iter_mut().zip(&a) {
             let av = load(ai, p);
