@@ -7,11 +7,12 @@ classes, so existing instances change too. Given a model, it also switches the m
 to uniop's flash attention (registered with transformers as the ``"uniop"`` implementation; calls
 with a padding mask, dropout or softcap fall back to SDPA) and its linear layers (projections and
 ``lm_head``) to uniop ``linear``, which streams the weight at memory speed when there are few rows
-— decoding spends most of its time there — and, in float32 (and bfloat16 on CPUs without
-AVX512-BF16), runs prefill-sized products faster than torch's GEMM too. It also makes transformers' ``DynamicLayer.update`` (the
-default KV cache) grow in place: the cache becomes a view of a buffer with room to spare, so a
-decode step writes its new rows instead of copying the whole cache with ``torch.cat`` (O(length)
-per layer and step). :func:`unpatch_llama` restores all of it.
+— decoding spends most of its time there — and, where uniop's GEMM is the faster one on this
+CPU (float32 with AVX-512; bfloat16 without AVX512-BF16), prefill-sized products too. It also
+makes transformers' ``DynamicLayer.update`` (the default KV cache) grow in place: the cache
+becomes a view of a buffer with room to spare, so a decode step writes its new rows instead of
+copying the whole cache with ``torch.cat`` (O(length) per layer and step).
+:func:`unpatch_llama` restores all of it.
 """
 
 from __future__ import annotations
@@ -51,16 +52,28 @@ def _mlp_forward(original):
 
 
 # Up to this many rows uniop's linear (weight streamed by column bands, all cores) beats torch's
-# in every dtype. Past it, float32 still does (uniop's f32 GEMM ran the Llama prefill linears
-# 1.02-1.31x torch's on an AVX-512 machine; the tiny Llama's fp32 prefill 1.03x -> 1.18x patched).
-# bf16 does too where the CPU lacks AVX512-BF16: there torch's bf16 GEMM ran at ~20 GFLOP/s and
-# uniop's AVX2 one at ~134 (6.5-7.2x on the Llama shapes). With AVX512-BF16 both GEMMs use the
-# pair instruction, run at par, and prefill keeps torch's. f16 keeps torch's past this many rows.
+# in every dtype. Past it, each dtype goes to the faster GEMM on this CPU, per
+# `uniop.gemm_kernels()`:
+# - float32: uniop's with AVX-512 (it ran the Llama prefill linears 1.02-1.31x torch's on an
+#   AVX-512 machine; the tiny Llama's fp32 prefill 1.03x -> 1.18x patched), torch's on AVX2
+#   only (there torch's ran a tiny-Llama layer's seven 512-row linears in 11.7 ms against
+#   uniop's 13.2, best of 12 alternations).
+# - bfloat16: uniop's where the CPU lacks AVX512-BF16: there torch's bf16 GEMM ran at ~20
+#   GFLOP/s and uniop's AVX2 one at ~134 (6.5-7.2x on the Llama shapes). With AVX512-BF16 both
+#   GEMMs use the pair instruction, run at par, and prefill keeps torch's.
+# - float16 keeps torch's.
 _FEW_ROWS = 16
 
 
+def _all_rows_dtypes():
+    kernels = uniop.gemm_kernels()
+    return ({torch.float32} if kernels["float32"] == "avx512" else set()) | (
+        {torch.bfloat16} if kernels["bfloat16"] != "avx512" else set()
+    )
+
+
 # Dtypes whose linears run on uniop at every row count.
-_ALL_ROWS = {torch.float32} | ({torch.bfloat16} if uniop.gemm_kernels()["bfloat16"] != "avx512" else set())
+_ALL_ROWS = _all_rows_dtypes()
 
 
 def _linear_forward(self, x):
