@@ -44,6 +44,41 @@ fn attention_spans_many_tiles_and_matches_reference() {
     run_checked("attention", &[Some(qb.view()), Some(kb.view()), Some(vb.view()), None], &causal(true));
 }
 
+/// Decode (one query per sequence): every q head of a GQA group is one row of the unit's tile,
+/// so 6 or 8 q heads over 2 kv heads make 3 or 4 rows — the few-row path (dot-product scores,
+/// V rows added into each query row). Keys span several key tiles and stop at per-sequence
+/// `kv_lens`; K/V are views of a longer cache (HF's growing cache), the head dim is not a
+/// multiple of the 64-lane steps; f32, f16 and bf16 against the f64 reference.
+#[test]
+fn decode_with_gqa_groups_matches_reference_in_every_dtype() {
+    setup();
+    fn case<T: uniop::FloatElement>(q_heads: usize) {
+        let (batch, kv_heads, capacity, len, d) = (2, 2, 700, 600, 80);
+        let typed = |x: Vec<f32>| x.into_iter().map(T::from_f32).collect::<Vec<T>>();
+        let q = typed(rand_vec(batch * q_heads * d, 71));
+        let k = typed(rand_vec(batch * kv_heads * capacity * d, 72));
+        let v = typed(rand_vec(batch * kv_heads * capacity * d, 73));
+        let cache_strides = [kv_heads * capacity * d, capacity * d, d, 1];
+        let kv_shape = [batch, kv_heads, len, d];
+        let kv_lens = Tensor::from_slice(&[600i64, 333], &[batch]).unwrap();
+        run_checked(
+            "attention",
+            &[
+                Some(TensorRef::new(&q, &[batch, q_heads, 1, d]).unwrap()),
+                Some(TensorRef::strided(&k, &kv_shape, &cache_strides, 0).unwrap()),
+                Some(TensorRef::strided(&v, &kv_shape, &cache_strides, 0).unwrap()),
+                Some(kv_lens.view()),
+            ],
+            &causal(true),
+        );
+    }
+    for q_heads in [6, 8] {
+        case::<f32>(q_heads);
+        case::<uniop::half::f16>(q_heads);
+        case::<uniop::half::bf16>(q_heads);
+    }
+}
+
 #[test]
 fn grouped_query_attention_equals_repeated_kv_heads() {
     setup();
