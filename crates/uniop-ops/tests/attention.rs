@@ -60,7 +60,7 @@ fn decode_with_gqa_groups_matches_reference_in_every_dtype() {
         let v = typed(rand_vec(batch * kv_heads * capacity * d, 73));
         let cache_strides = [kv_heads * capacity * d, capacity * d, d, 1];
         let kv_shape = [batch, kv_heads, len, d];
-        let kv_lens = Tensor::from_slice(&[600i64, 333], &[batch]).unwrap();
+        let kv_lens = Tensor::from_slice(&[len as i64, 333], &[batch]).unwrap();
         run_checked(
             "attention",
             &[
