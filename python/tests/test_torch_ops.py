@@ -2,6 +2,9 @@
 references, at f32/f16/bf16, contiguous and strided; opcheck for every registration; gradcheck for
 every backward."""
 
+import ctypes
+
+import numpy as np
 import pytest
 import torch
 
@@ -171,12 +174,49 @@ def test_cpp_kernel_reports_bad_attributes_as_uniop_errors():
         torch.ops.uniop.gelu(x, approximate="fast")
 
 
-def test_torch_abi_refuses_null_pointers_and_wrong_arity():
-    """The C ABI behind the C++ kernels (uniop._native._torch_abi) checks what it is handed: a null
-    op or argument array and an argument count that is not the schema's are UniopErrors, not
-    crashes. Called through ctypes.PYFUNCTYPE, which raises the Python error the ABI sets."""
-    import ctypes
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
 
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device_type", ctypes.c_int32),
+        ("device_id", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _BoxedValue(ctypes.Structure):
+    """crates/uniop-python/src/torch_abi.rs's BoxedValue (64 bytes)."""
+
+    _fields_ = [
+        ("kind", ctypes.c_uint32),
+        ("len", ctypes.c_uint64),
+        ("tensors", ctypes.POINTER(_DLTensor)),
+        ("ints", ctypes.c_void_p),
+        ("text", ctypes.c_void_p),
+        ("int_value", ctypes.c_int64),
+        ("float_value", ctypes.c_double),
+        ("dtype", _DLDataType),
+    ]
+
+
+_MAKE = ctypes.CFUNCTYPE(
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int64), ctypes.c_uint64, _DLDataType
+)
+
+
+class _OutputMaker(ctypes.Structure):
+    _fields_ = [("make", _MAKE), ("state", ctypes.c_void_p)]
+
+
+def _torch_abi_call():
+    """The ABI's `call`, through ctypes.PYFUNCTYPE (which raises the Python error the ABI sets)."""
     capsule = uniop._native._torch_abi()
     get = ctypes.pythonapi.PyCapsule_GetPointer
     get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
@@ -186,16 +226,58 @@ def test_torch_abi_refuses_null_pointers_and_wrong_arity():
         _fields_ = [("version", ctypes.c_uint32), ("call", ctypes.c_void_p)]
 
     abi = TorchAbi.from_address(table)
-    assert abi.version == 1
+    assert abi.version == 2
     proto = ctypes.PYFUNCTYPE(
         ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64
     )
-    call = proto(abi.call)
+    return proto(abi.call)
+
+
+def _f32_view(array):
+    shape = (ctypes.c_int64 * array.ndim)(*array.shape)
+    view = _DLTensor(array.ctypes.data, 1, 0, array.ndim, _DLDataType(2, 32, 1), shape, None, 0)
+    return view, shape
+
+
+def test_torch_abi_refuses_null_pointers_and_wrong_arity():
+    """The C ABI behind the C++ kernels (uniop._native._torch_abi) checks what it is handed: a null
+    op, argument array or output maker and an argument count that is not the schema's are
+    UniopErrors, not crashes."""
+    call = _torch_abi_call()
+    never = _OutputMaker(_MAKE(lambda *_: pytest.fail("no output may be asked for")), None)
     with pytest.raises(uniop.UniopError, match="null pointer"):
-        call(None, None, 0, None, 0)
+        call(None, None, 0, ctypes.addressof(never), 1)
     handle = uniop.op("silu")._torch_handle()
+    with pytest.raises(uniop.UniopError, match="null pointer"):
+        call(handle, None, 0, None, 1)
     with pytest.raises(uniop.UniopError, match="silu: the torch kernel passed 0 arguments"):
-        call(handle, None, 0, None, 0)
+        call(handle, None, 0, ctypes.addressof(never), 1)
+
+
+def test_torch_abi_writes_outputs_the_maker_gives_and_reports_one_it_cannot():
+    """The core asks the caller's output maker for each return once it knows the shape, and writes
+    the result there (checked against NumPy's silu); a maker that cannot create one (returns null)
+    is a UniopError naming the op and the return, not a write through a null pointer."""
+    call = _torch_abi_call()
+    handle = uniop.op("silu")._torch_handle()
+    x = np.linspace(-4, 4, 12, dtype=np.float32).reshape(3, 4)
+    view, _shape = _f32_view(x)
+    args = (_BoxedValue * 1)(_BoxedValue(kind=1, len=1, tensors=ctypes.pointer(view)))
+    out = np.full((3, 4), np.nan, dtype=np.float32)
+    asked = []
+
+    def into_out(_state, index, shape, ndim, dtype):
+        asked.append((index, [shape[i] for i in range(ndim)], (dtype.code, dtype.bits, dtype.lanes)))
+        return out.ctypes.data
+
+    maker = _OutputMaker(_MAKE(into_out), None)
+    assert call(handle, ctypes.addressof(args), 1, ctypes.addressof(maker), 1) == 0
+    assert asked == [(0, [3, 4], (2, 32, 1))]
+    np.testing.assert_allclose(out, x / (1 + np.exp(-x)), rtol=1e-6)
+
+    refusing = _OutputMaker(_MAKE(lambda *_: None), None)
+    with pytest.raises(uniop.UniopError, match=r"silu: torch could not create return 'y' \(\[3, 4\] float32"):
+        call(handle, ctypes.addressof(args), 1, ctypes.addressof(refusing), 1)
 
 
 def test_python_kernels_give_the_same_results():

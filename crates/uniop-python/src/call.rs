@@ -350,7 +350,7 @@ impl<T> Unattached<T> {
 /// A new contiguous output over a block of uniop's caching allocator, as a DLPack managed tensor
 /// whose deleter returns the block (whenever the consuming framework frees the tensor), and the
 /// view the run writes through.
-pub(crate) fn dlpack_output(op: &str, meta: &TensorMeta) -> PyResult<(Managed<DLManagedTensorVersioned>, Imported)> {
+fn dlpack_output(op: &str, meta: &TensorMeta) -> PyResult<(Managed<DLManagedTensorVersioned>, Imported)> {
     let bytes = meta.contiguous_bytes().map_err(to_py_err)?;
     let buffer = Allocator::global().allocate(bytes, MemPolicy::HugeFirst).map_err(to_py_err)?;
     let ptr = buffer.as_ptr();

@@ -6,9 +6,10 @@
 //
 // - CpuKernel reads the dispatcher's stack into uniop's boxed values (tensors as DLPack views) and
 //   calls the core through the C ABI `_native._torch_abi()` hands over in a capsule
-//   (crates/uniop-python/src/torch_abi.rs); outputs come back as DLPack managed tensors over
-//   uniop's caching allocator and torch adopts them. No Python runs, and torch has already
-//   released the GIL, so threads calling ops run in parallel.
+//   (crates/uniop-python/src/torch_abi.rs). The core asks back for each output once it knows the
+//   shape (OutputMaker), and the kernel creates it as a plain torch tensor over a c10::Allocator
+//   whose blocks are uniop's caching allocator's. No Python runs, and torch has already released
+//   the GIL, so threads calling ops run in parallel.
 // - AutogradKernel sends a call that needs no gradient (inference, no_grad, tensors without
 //   requires_grad) below autograd in C++; every other call (a gradient is needed, fake tensors,
 //   modes, functionalization) goes to the generic Python kernel torch.library builds from the
@@ -17,6 +18,7 @@
 // Both are generic over the registry: one functor type each, one instance per op, no per-op code.
 // Built against the installed torch by `python -m uniop.torch.build_kernels` (scripts/python-env.sh).
 #include <ATen/DLConvertor.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/dlpack.h>
 #include <c10/core/GradMode.h>
@@ -60,16 +62,62 @@ struct BoxedValue {
 };
 static_assert(sizeof(BoxedValue) == 64, "BoxedValue must match torch_abi.rs");
 
-struct TorchAbi {
-  uint32_t version;
-  int32_t (*call)(const void* op, const BoxedValue* args, uint64_t num_args, DLManagedTensorVersioned** outs,
-                  uint64_t num_outs);
+struct OutputMaker {
+  void* (*make)(void* state, uint64_t index, const int64_t* shape, uint64_t ndim, DLDataType dtype);
+  void* state;
 };
 
-constexpr uint32_t kTorchAbiVersion = 1;
+struct TorchAbi {
+  uint32_t version;
+  int32_t (*call)(const void* op, const BoxedValue* args, uint64_t num_args, const OutputMaker* outputs,
+                  uint64_t num_outs);
+  void* (*allocate)(uint64_t bytes, void** context);
+  void (*release)(void* context);
+};
+
+constexpr uint32_t kTorchAbiVersion = 2;
 constexpr const char* kCapsuleName = "uniop._native.torch_abi";
 
 const TorchAbi* g_abi = nullptr;
+
+// ---- Outputs
+
+// Blocks from uniop's caching allocator, so torch.ops.uniop outputs are reused memory (a fresh page's
+// first write runs at a fraction of memory bandwidth) and count in uniop.memory_stats().
+class UniopAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t bytes) override {
+    void* context = nullptr;
+    void* data = g_abi->allocate(bytes, &context);
+    TORCH_CHECK_WITH(OutOfMemoryError, data != nullptr, "uniop: out of memory allocating an output of ", bytes,
+                     " bytes");
+    return {data, context, g_abi->release, c10::Device(c10::DeviceType::CPU)};
+  }
+  void copy_data(void* dest, const void* src, size_t count) const override { default_copy_data(dest, src, count); }
+};
+
+UniopAllocator g_allocator;
+
+// The outputs of one call, made when the core asks for them (OutputMaker::make).
+struct Outputs {
+  explicit Outputs(size_t n) : tensors(n) {}
+  c10::SmallVector<at::Tensor, 4> tensors;
+
+  static void* make(void* state, uint64_t index, const int64_t* shape, uint64_t ndim, DLDataType dtype) noexcept {
+    auto* self = static_cast<Outputs*>(state);
+    if (index >= self->tensors.size()) return nullptr;
+    try {
+      at::Tensor t = at::detail::empty_generic(c10::IntArrayRef(shape, ndim), &g_allocator,
+                                               c10::DispatchKeySet(c10::DispatchKey::CPU), at::toScalarType(dtype),
+                                               std::nullopt);
+      void* data = t.mutable_data_ptr();
+      self->tensors[index] = std::move(t);
+      return data;
+    } catch (...) {
+      return nullptr;  // the core reports it; no exception may unwind into Rust
+    }
+  }
+};
 
 // ---- CPU kernel
 
@@ -164,14 +212,14 @@ class CpuKernel final : public c10::OperatorKernel {
           break;
       }
     }
-    const size_t num_returns = schema.returns().size();
-    c10::SmallVector<DLManagedTensorVersioned*, 4> outs(num_returns, nullptr);
-    if (g_abi->call(op_, values.data(), num_args, outs.data(), num_returns) != 0) {
+    Outputs outputs(schema.returns().size());
+    const OutputMaker maker{&Outputs::make, &outputs};
+    if (g_abi->call(op_, values.data(), num_args, &maker, outputs.tensors.size()) != 0) {
       py::gil_scoped_acquire gil;
       throw py::error_already_set();  // uniop.UniopError, set by the core
     }
     torch::jit::drop(*stack, num_args);
-    for (DLManagedTensorVersioned* managed : outs) stack->push_back(at::fromDLPackVersioned(managed));
+    for (at::Tensor& t : outputs.tensors) stack->push_back(std::move(t));
   }
 
  private:
