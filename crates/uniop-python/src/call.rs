@@ -228,7 +228,6 @@ pub(crate) fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result
             format!("DLPack type code {} with {} bits x {} lanes", dt.code.0, dt.bits, dt.lanes),
         )
     })?;
-    let shape: SmallVec<[usize; 6]> = t.shape().iter().map(|&d| d as usize).collect();
     let strides = t.strides_or_compact().map_err(|e| bad("valid strides", e.to_string()))?;
     if let Some(s) = strides.iter().find(|&&s| s < 0) {
         return Err(Error::arg(
@@ -239,8 +238,10 @@ pub(crate) fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result
             format!("stride {s}"),
         ));
     }
-    let strides: SmallVec<[usize; 6]> = strides.iter().map(|&s| s as usize).collect();
-    let layout = Layout::strided(&shape, &strides, 0).map_err(|e| e.context(op))?;
+    // Read in place as usize (same size): the strides were just checked non-negative, and a
+    // negative dim, read as a huge one, fails the layout's size check below.
+    let shape: &[usize] = bytemuck::cast_slice(t.shape());
+    let layout = Layout::strided(shape, bytemuck::cast_slice(&strides), 0).map_err(|e| e.context(op))?;
     let base = (t.data_ptr() as *mut u8).wrapping_add(t.byte_offset() as usize);
     if !(base as usize).is_multiple_of(dtype.size()) && !layout.is_empty() {
         return Err(bad("data aligned to its element size", format!("address {base:p}")));

@@ -111,6 +111,8 @@ pub struct TorchAbi {
 pub const TORCH_ABI_VERSION: u32 = 2;
 // The C++ side asserts the same size.
 const _: () = assert!(std::mem::size_of::<BoxedValue>() == 64);
+// Output shapes go to the maker as the core's usize dims.
+const _: () = assert!(std::mem::size_of::<usize>() == std::mem::size_of::<i64>());
 
 static TABLE: TorchAbi = TorchAbi { version: TORCH_ABI_VERSION, call, allocate, release };
 
@@ -239,11 +241,13 @@ fn make_output(
     index: usize,
     meta: &TensorMeta,
 ) -> Result<Imported, Error> {
-    let shape: SmallVec<[i64; 6]> = meta.shape().iter().map(|&d| d as i64).collect();
+    // The dims as they are: usize and i64 have one size here (asserted below), and a dim above
+    // i64::MAX, read as negative, is refused by torch (a null from the maker) rather than wrapped.
+    let shape = meta.shape();
     let (code, bits) = meta.dtype.dlpack();
     let dtype = DLDataType { code: dlpark::ffi::DLDataTypeCode(code), bits, lanes: 1 };
     // SAFETY: `shape` outlives the call; the maker is the C++ kernel's, valid for this call.
-    let data = unsafe { (outputs.make)(outputs.state, index as u64, shape.as_ptr(), shape.len() as u64, dtype) };
+    let data = unsafe { (outputs.make)(outputs.state, index as u64, shape.as_ptr().cast(), shape.len() as u64, dtype) };
     if data.is_null() && meta.numel() > 0 {
         return Err(Error::new(
             ErrorCode::Runtime,
