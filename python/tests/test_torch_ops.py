@@ -440,3 +440,25 @@ def test_profiler_sees_torch_ops_and_their_backward():
     # The forward, then the backward's two steps (dx per row, then the weight's reduction).
     assert [op for op, _ in steps] == ["rms_norm", "rms_norm_backward", "rms_norm_backward"], steps
     assert steps[1][1].endswith(".dx") and steps[2][1].endswith(".dweight"), steps
+
+
+def test_torch_ops_outputs_live_in_uniops_allocator():
+    """torch.ops.uniop outputs are torch tensors over blocks of uniop's caching allocator: they
+    count in uniop.memory_stats() while alive, go back to the cache when torch frees them, and the
+    next call of that size reuses the block instead of touching fresh pages."""
+    x = torch.randn(256, 1024)
+    torch.ops.uniop.silu(x)  # plans the call (and any workspace) first; the output is dropped
+    before = uniop.memory_stats()
+    y = torch.ops.uniop.silu(x)
+    during = uniop.memory_stats()
+    assert during["live_buffers"] == before["live_buffers"] + 1
+    assert during["allocated_bytes"] - before["allocated_bytes"] >= y.numel() * y.element_size()
+    torch.testing.assert_close(y, torch.nn.functional.silu(x))
+    y.add_(1)  # a plain torch tensor: writable, and in-place torch ops work on it
+    del y
+    after = uniop.memory_stats()
+    assert after["live_buffers"] == before["live_buffers"]
+    assert after["allocated_bytes"] == before["allocated_bytes"]
+    z = torch.ops.uniop.silu(x)
+    assert uniop.memory_stats()["cache_hits"] > after["cache_hits"]
+    torch.testing.assert_close(z, torch.nn.functional.silu(x))

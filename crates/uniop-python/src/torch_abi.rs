@@ -241,7 +241,7 @@ fn make_output(
     index: usize,
     meta: &TensorMeta,
 ) -> Result<Imported, Error> {
-    // The dims as they are: usize and i64 have one size here (asserted below), and a dim above
+    // The dims as they are: usize and i64 have one size here (asserted at the top), and a dim above
     // i64::MAX, read as negative, is refused by torch (a null from the maker) rather than wrapped.
     let shape = meta.shape();
     let (code, bits) = meta.dtype.dlpack();
