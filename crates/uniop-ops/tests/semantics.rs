@@ -412,6 +412,54 @@ fn executor_lifecycle_rules() {
     assert!(check_outputs(&entry, &inputs2, &attr_refs(&[]), &outs).unwrap().pass());
 }
 
+/// A repeatable executor pointed at new memory of the planned layout (what frontends do on a plan
+/// cache hit) reads and writes there; memory too short or misaligned for the layout is refused.
+#[test]
+fn executor_rebinds_memory_of_the_planned_layout() {
+    setup();
+    let (rows, cols) = (3, 8);
+    let (x, x2, w) = (rand_vec(rows * cols, 4), rand_vec(rows * cols, 5), rand_vec(cols, 6));
+    let (mut y, mut rstd) = (vec![0f32; rows * cols], vec![0f32; rows]);
+    let (mut y2, mut rstd2) = (vec![0f32; rows * cols], vec![0f32; rows]);
+    let stream = Stream::default_stream();
+    {
+        let inputs = [Some(TensorRef::new(&x, &[rows, cols]).unwrap()), Some(TensorRef::new(&w, &[cols]).unwrap())];
+        let outs = vec![TensorMut::new(&mut y, &[rows, cols]).unwrap(), TensorMut::new(&mut rstd, &[rows, 1]).unwrap()];
+        let mut exec = Executor::by_name("rms_norm", &inputs, &[], outs).unwrap();
+        exec.set_repeatable();
+        let mut ws = vec![0u8; exec.workspace_size()];
+        exec.run(&mut ws, stream).unwrap();
+        let bytes = 4 * rows * cols;
+        // SAFETY (all): each pointer is valid for the bytes given while `exec` lives.
+        unsafe {
+            let err = exec.rebind_input_memory(0, x2.as_ptr().cast(), bytes - 4).unwrap_err();
+            assert_eq!(err.code(), ErrorCode::Shape);
+            assert!(
+                err.message().starts_with("rms_norm: rebinding input 0: view [3, 8] of float32 needs 96 bytes"),
+                "{err}"
+            );
+            let err = exec.rebind_input_memory(0, x2.as_ptr().cast::<u8>().add(1), bytes - 4).unwrap_err();
+            assert!(err.message().contains("rebinding input 0"), "{err}");
+            let err = exec.rebind_output_memory(0, y2.as_mut_ptr().cast::<u8>().add(2), bytes).unwrap_err();
+            assert!(err.message().contains("is not aligned to 4 bytes"), "{err}");
+            assert!(exec.rebind_input_memory(2, x2.as_ptr().cast(), bytes).is_err());
+            assert!(exec.rebind_output_memory(2, y2.as_mut_ptr().cast(), bytes).is_err());
+            exec.rebind_input_memory(0, x2.as_ptr().cast(), bytes).unwrap();
+            exec.rebind_output_memory(0, y2.as_mut_ptr().cast(), bytes).unwrap();
+            exec.rebind_output_memory(1, rstd2.as_mut_ptr().cast(), 4 * rows).unwrap();
+        }
+        exec.run(&mut ws, stream).unwrap();
+    }
+    let entry = Registry::global().get("rms_norm").unwrap();
+    let check = |x: &[f32], y: &[f32], rstd: &[f32]| {
+        let inputs = [Some(TensorRef::new(x, &[rows, cols]).unwrap()), Some(TensorRef::new(&w, &[cols]).unwrap())];
+        let outs = [TensorRef::new(y, &[rows, cols]).unwrap(), TensorRef::new(rstd, &[rows, 1]).unwrap()];
+        assert!(check_outputs(&entry, &inputs, &attr_refs(&[]), &outs).unwrap().pass());
+    };
+    check(&x, &y, &rstd);
+    check(&x2, &y2, &rstd2);
+}
+
 // ---------------------------------------------------------------- gradients vs finite differences
 
 #[test]

@@ -20,7 +20,8 @@ use uniop::executor::SignatureKey;
 use uniop::runtime::{Allocator, DeviceBuffer, MemPolicy};
 use uniop::schema::{Arg, BaseType};
 use uniop::{
-    AttrValue, DType, Error, ErrorCode, Executor, Layout, OpCx, OpEntry, Stream, TensorMeta, TensorMut, TensorRef,
+    AttrValue, DType, Error, ErrorCode, Executor, Layout, MetaRef, OpCx, OpEntry, Stream, TensorMeta, TensorMut,
+    TensorRef,
 };
 
 static ALLOCATOR: OnceLock<Py<PyAny>> = OnceLock::new();
@@ -160,10 +161,63 @@ fn attrs<'a>(entry: &'a OpEntry, bound: &[Option<Bound<'_, PyAny>>]) -> Result<V
 /// holds does (views from the C exchange API) or while `_owner` lives (managed tensors).
 pub(crate) struct Imported {
     _owner: Option<ImportedDlpack>,
+    /// The first element (the view's offset is 0).
     ptr: *mut u8,
     len: usize,
-    meta: TensorMeta,
+    dtype: DType,
+    /// The shape, then the strides in elements: kept inline rather than as a [`TensorMeta`],
+    /// whose dims are an allocation that a call with a cached plan never needs.
+    dims: Dims,
     read_only: bool,
+}
+
+type Dims = SmallVec<[usize; 8]>;
+
+impl Imported {
+    /// A view of `ptr` (null or dangling when empty) as `dtype` with `shape` and `strides`.
+    /// Fails when the extent overflows; alignment is the caller's check, made with the argument's
+    /// name where it has one.
+    pub(crate) fn new(
+        op: &str,
+        owner: Option<ImportedDlpack>,
+        dtype: DType,
+        dims: Dims,
+        ptr: *mut u8,
+        read_only: bool,
+    ) -> Result<Imported, Error> {
+        let rank = dims.len() / 2;
+        let meta = MetaRef { dtype, shape: &dims[..rank], strides: &dims[rank..], offset: 0 };
+        let len = meta.storage_bytes().map_err(|e| e.context(op))?;
+        // Empty tensors may come with a null data pointer; the core wants an aligned one.
+        let ptr = if len == 0 { std::ptr::without_provenance_mut(dtype.size()) } else { ptr };
+        Ok(Imported { _owner: owner, ptr, len, dtype, dims, read_only })
+    }
+
+    /// A view of `ptr` laid out as `meta` (an output the call made).
+    pub(crate) fn output(op: &str, meta: &TensorMeta, ptr: *mut u8) -> Result<Imported, Error> {
+        Imported::new(op, None, meta.dtype, dims_of(meta), ptr, false)
+    }
+
+    fn meta_ref(&self) -> MetaRef<'_> {
+        let (shape, strides) = self.dims.split_at(self.dims.len() / 2);
+        MetaRef { dtype: self.dtype, shape, strides, offset: 0 }
+    }
+
+    /// The full meta, for planning (a call with a cached plan needs none).
+    fn meta(&self) -> Result<TensorMeta, Error> {
+        self.meta_ref().to_meta()
+    }
+}
+
+fn dims_of(meta: &TensorMeta) -> Dims {
+    dims(meta.shape(), meta.layout.strides())
+}
+
+/// Shape, then strides (copied as slices: collecting a chain pushes element by element).
+fn dims(shape: &[usize], strides: &[usize]) -> Dims {
+    let mut dims = Dims::from_slice(shape);
+    dims.extend_from_slice(strides);
+    dims
 }
 
 /// How uniop talks to a tensor's producer, decided once per Python type.
@@ -204,8 +258,9 @@ fn producer(obj: &Bound<'_, PyAny>) -> Producer {
 /// What a dtype error says was expected, on every route into the core.
 pub(crate) const KNOWN_DTYPES: &str = "a dtype uniop knows (float32/16, bfloat16, float64, int8/32/64, uint8, bool)";
 
-/// Reads a DLPack descriptor into a uniop meta and the address of its first element.
-pub(crate) fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result<(TensorMeta, *mut u8), Error> {
+/// Reads a DLPack descriptor as a view of the tensor's memory (no owner; the caller keeps the
+/// tensor alive).
+pub(crate) fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result<Imported, Error> {
     let bad = |expected: &str, given: String| Error::arg(ErrorCode::ParamInvalid, op, arg, expected, given);
     let device = t.device();
     if device.device_type.0 != 1 {
@@ -238,15 +293,16 @@ pub(crate) fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result
             format!("stride {s}"),
         ));
     }
-    // Read in place as usize (same size): the strides were just checked non-negative, and a
-    // negative dim, read as a huge one, fails the layout's size check below.
+    // Read as usize (same size): the strides were just checked non-negative, and a negative dim,
+    // read as a huge one, fails the extent's overflow check.
     let shape: &[usize] = bytemuck::cast_slice(t.shape());
-    let layout = Layout::strided(shape, bytemuck::cast_slice(&strides), 0).map_err(|e| e.context(op))?;
+    let dims = dims(shape, bytemuck::cast_slice(&strides));
     let base = (t.data_ptr() as *mut u8).wrapping_add(t.byte_offset() as usize);
-    if !(base as usize).is_multiple_of(dtype.size()) && !layout.is_empty() {
+    let view = Imported::new(op, None, dtype, dims, base, false)?;
+    if !(view.ptr as usize).is_multiple_of(dtype.size()) {
         return Err(bad("data aligned to its element size", format!("address {base:p}")));
     }
-    Ok((TensorMeta { dtype, layout }, base))
+    Ok(view)
 }
 
 fn import(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> Result<Imported, Error> {
@@ -269,7 +325,7 @@ fn import(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> Result<Imported, Error
     let api = match producer(obj) {
         Producer::Exchange(api) => Some(api),
         Producer::NumPy => match ndarray::describe(obj) {
-            Some((meta, ptr, read_only)) => return finish(op, None, (meta, ptr), read_only),
+            Some((dtype, dims, ptr, read_only)) => return Imported::new(op, None, dtype, dims, ptr, read_only),
             None => None,
         },
         Producer::Capsules => None,
@@ -283,8 +339,8 @@ fn import(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> Result<Imported, Error
                 })?;
                 describe(op, arg, &t)
             })
-            .map_err(refused)??;
-        return finish(op, None, described, false);
+            .map_err(refused)?;
+        return described;
     }
     if !obj.hasattr(pyo3::intern!(py, "__dlpack__")).unwrap_or(false) {
         return Err(Error::arg(
@@ -305,9 +361,9 @@ fn import(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> Result<Imported, Error
     let t = owner
         .validate()
         .map_err(|e| Error::arg(ErrorCode::ParamInvalid, op, arg, "a valid DLPack tensor", e.to_string()))?;
-    let described = describe(op, arg, &t)?;
+    let view = describe(op, arg, &t)?;
     let read_only = owner.flags().contains(DlpackFlags::READ_ONLY);
-    finish(op, Some(owner), described, read_only)
+    Ok(Imported { _owner: Some(owner), read_only, ..view })
 }
 
 fn max_version_kwargs(py: Python<'_>) -> Result<Bound<'_, PyDict>, Error> {
@@ -316,22 +372,6 @@ fn max_version_kwargs(py: Python<'_>) -> Result<Bound<'_, PyDict>, Error> {
         .set_item(pyo3::intern!(py, "max_version"), (dlpark::ffi::DLPACK_MAJOR_VERSION, 0u32))
         .map_err(|e| Error::internal(e.to_string()))?;
     Ok(kwargs)
-}
-
-pub(crate) fn finish(
-    op: &str,
-    owner: Option<ImportedDlpack>,
-    (meta, ptr): (TensorMeta, *mut u8),
-    read_only: bool,
-) -> Result<Imported, Error> {
-    let len = if meta.layout.is_empty() {
-        0
-    } else {
-        meta.layout.storage_extent().map_err(|e| e.context(op))? * meta.dtype.size()
-    };
-    // Empty tensors may come with a null data pointer; the core wants an aligned one.
-    let ptr = if len == 0 { std::ptr::without_provenance_mut(meta.dtype.size()) } else { ptr };
-    Ok(Imported { _owner: owner, ptr, len, meta, read_only })
 }
 
 /// Kernel work runs with the GIL released; the views it touches are kept alive by the caller's
@@ -367,7 +407,7 @@ fn dlpack_output(op: &str, meta: &TensorMeta) -> PyResult<(Managed<DLManagedTens
     // SAFETY: data, device, dtype, shape and compact strides describe the buffer the tensor owns
     // (its context), which lives until the consumer's deleter runs.
     let managed = unsafe { tensor.finish() };
-    let view = Imported { _owner: None, ptr, len: bytes, meta: meta.clone(), read_only: false };
+    let view = Imported::output(op, meta, ptr).map_err(to_py_err)?;
     Ok((managed, view))
 }
 
@@ -381,7 +421,7 @@ fn allocate<'py>(op: &str, like: &Bound<'py, PyAny>, meta: &TensorMeta) -> PyRes
     if let Producer::NumPy = producer {
         if let Some(made) = ndarray::empty(py, meta) {
             let (obj, ptr) = made?;
-            let view = finish(op, None, (meta.clone(), ptr), false).map_err(to_py_err)?;
+            let view = Imported::output(op, meta, ptr).map_err(to_py_err)?;
             return Ok((obj, view));
         }
     }
@@ -397,8 +437,8 @@ fn allocate<'py>(op: &str, like: &Bound<'py, PyAny>, meta: &TensorMeta) -> PyRes
     let mut view = import(op, "output", &obj).map_err(to_py_err)?;
     // An empty array's strides say nothing (NumPy 2 reports zeros): plan with the inferred ones,
     // as the other routes do, so a cached plan fits whichever route the next call takes.
-    if view.len == 0 && view.meta.dtype == meta.dtype && view.meta.shape() == meta.shape() {
-        view.meta = meta.clone();
+    if view.len == 0 && view.dtype == meta.dtype && view.meta_ref().shape == meta.shape() {
+        view.dims = dims_of(meta);
     }
     Ok((obj, view))
 }
@@ -514,9 +554,9 @@ pub(crate) fn plan_and_run<O>(
 ) -> PyResult<SmallVec<[O; 2]>> {
     let (inputs, in_place) = (&tensors.inputs[..], &tensors.in_place[..]);
     let key = signature(entry, inputs, in_place, attrs);
-    // Taken out of the cache while in use: allocating outputs may call back into Python, which
-    // may call uniop again.
-    let cached = PLANS.with(|plans| plans.borrow_mut().remove(&key));
+    // Taken out of its slot while in use: allocating outputs may call back into Python, which
+    // may call uniop again. (The slot stays, so putting the plan back moves no key.)
+    let cached = PLANS.with(|plans| plans.borrow_mut().get_mut(&key).and_then(Option::take));
     let expected = match &cached {
         Some(plan) => plan.outputs.clone(),
         None => {
@@ -535,16 +575,17 @@ pub(crate) fn plan_and_run<O>(
     // the caller is done with it, after the synchronous run has finished with it. The cached
     // executor keeps the pointers afterwards but never uses them: every tensor is rebound before
     // its next run.
-    let input_view = |t: &Imported| unsafe { TensorRef::<'static>::from_raw(t.ptr, t.len, t.meta.clone()) };
-    let output_view = |t: &Imported| unsafe { TensorMut::<'static>::from_raw(t.ptr, t.len, t.meta.clone()) };
+    let input_view = |t: &Imported| unsafe { TensorRef::<'static>::from_raw(t.ptr, t.len, t.meta()?) };
+    let output_view = |t: &Imported| unsafe { TensorMut::<'static>::from_raw(t.ptr, t.len, t.meta()?) };
     let mut plan = match cached {
+        // The signature matched: every tensor is laid out as the plan's, so only addresses change.
         Some(mut plan) => {
             let given = inputs.iter().enumerate().filter_map(|(i, t)| Some((i, t.as_ref()?)));
             for (i, t) in given {
-                plan.exec.rebind_input(i, input_view(t).map_err(to_py_err)?).map_err(to_py_err)?;
+                unsafe { plan.exec.rebind_input_memory(i, t.ptr, t.len) }.map_err(to_py_err)?;
             }
             for (i, t) in in_place.iter().chain(&outputs).enumerate() {
-                plan.exec.rebind_output(i, output_view(t).map_err(to_py_err)?).map_err(to_py_err)?;
+                unsafe { plan.exec.rebind_output_memory(i, t.ptr, t.len) }.map_err(to_py_err)?;
             }
             plan
         }
@@ -594,10 +635,14 @@ pub(crate) fn plan_and_run<O>(
     result.map_err(to_py_err)?;
     PLANS.with(|plans| {
         let mut plans = plans.borrow_mut();
+        if let Some(slot) = plans.get_mut(&key) {
+            *slot = Some(plan);
+            return;
+        }
         if plans.len() >= CACHED_PLANS {
             plans.clear();
         }
-        plans.insert(key, plan);
+        plans.insert(key, Some(plan));
     });
     Ok(returned)
 }
@@ -617,7 +662,8 @@ const CACHED_PLANS: usize = 256;
 const CACHED_WORKSPACE_LIMIT: usize = 1 << 20;
 
 thread_local! {
-    static PLANS: std::cell::RefCell<FxHashMap<SignatureKey, Plan>> = std::cell::RefCell::new(FxHashMap::default());
+    /// `None` while a call uses the plan.
+    static PLANS: std::cell::RefCell<FxHashMap<SignatureKey, Option<Plan>>> = std::cell::RefCell::new(FxHashMap::default());
 }
 
 /// Everything phase 1 depends on besides the outputs (which infer derives from the rest): the
@@ -629,9 +675,9 @@ fn signature(
     attrs: &[(&str, AttrValue)],
 ) -> SignatureKey {
     let mut key = SignatureKey::new();
-    uniop::executor::signature(entry, inputs.iter().map(|t| t.as_ref().map(|t| &t.meta)), attrs, &mut key);
+    uniop::executor::signature(entry, inputs.iter().map(|t| t.as_ref().map(Imported::meta_ref)), attrs, &mut key);
     for t in in_place {
-        uniop::executor::meta_words(Some(&t.meta), &mut key);
+        uniop::executor::meta_words(Some(t.meta_ref()), &mut key);
     }
     key
 }
@@ -650,10 +696,12 @@ fn bind_metas<'e>(
     let mut flat = Vec::new();
     for arg in entry.schema.inputs() {
         if arg.ty.mutated.is_some() {
-            flat.push(in_place.next().map(|t| t.meta.clone()));
+            flat.push(in_place.next().map(Imported::meta).transpose()?);
         } else {
             let take = if arg.ty.base == BaseType::TensorList { list_len } else { 1 };
-            flat.extend(inputs.by_ref().take(take).map(|t| t.as_ref().map(|t| t.meta.clone())));
+            for t in inputs.by_ref().take(take) {
+                flat.push(t.as_ref().map(Imported::meta).transpose()?);
+            }
         }
     }
     entry.bind_flat(flat, attrs)

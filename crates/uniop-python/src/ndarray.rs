@@ -15,7 +15,7 @@ use numpy::npyffi::{self, npy_intp, NPY_ARRAY_WRITEABLE, PY_ARRAY_API};
 use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use smallvec::SmallVec;
-use uniop::{DType, Layout, TensorMeta};
+use uniop::{DType, TensorMeta};
 
 /// Whether `obj` is an ndarray (or a subclass). NumPy is only asked once it has been imported by
 /// someone: an object cannot be an array before that, and asking would import it (or fail where
@@ -30,9 +30,10 @@ pub fn is_array(obj: &Bound<'_, PyAny>) -> bool {
     numpy_loaded && obj.is_instance_of::<PyUntypedArray>()
 }
 
-/// The meta, first element and read-only flag of an ndarray, or `None` when it needs the DLPack
-/// route. The caller keeps `array` alive while it uses the pointer.
-pub fn describe(array: &Bound<'_, PyAny>) -> Option<(TensorMeta, *mut u8, bool)> {
+/// The dtype, dims (shape, then strides in elements), first element and read-only flag of an
+/// ndarray, or `None` when it needs the DLPack route. The caller keeps `array` alive while it
+/// uses the pointer.
+pub fn describe(array: &Bound<'_, PyAny>) -> Option<(DType, SmallVec<[usize; 8]>, *mut u8, bool)> {
     // SAFETY: callers pass objects `is_array` accepted (their type was checked once per type).
     let array = unsafe { array.cast_unchecked::<PyUntypedArray>() };
     let descr = array.dtype();
@@ -51,16 +52,16 @@ pub fn describe(array: &Bound<'_, PyAny>) -> Option<(TensorMeta, *mut u8, bool)>
         _ => return None,
     };
     let size = dtype.size() as isize;
+    let shape = array.shape();
     let strides = array.strides().iter().map(|&s| (s >= 0 && s % size == 0).then_some((s / size) as usize));
-    let strides: SmallVec<[usize; 6]> = strides.collect::<Option<_>>()?;
-    let layout = Layout::strided(array.shape(), &strides, 0).ok()?;
+    let dims = shape.iter().map(|&d| Some(d)).chain(strides).collect::<Option<_>>()?;
     // SAFETY: `array` is a live ndarray; its header fields are plain reads.
     let fields = unsafe { &*npyffi::_PyArray_GET_ITEM_DATA(array.as_array_ptr()) };
     let data = fields.data.cast::<u8>();
-    if !(data as usize).is_multiple_of(dtype.size()) && !layout.is_empty() {
+    if !(data as usize).is_multiple_of(dtype.size()) && !shape.contains(&0) {
         return None;
     }
-    Some((TensorMeta { dtype, layout }, data, fields.flags & NPY_ARRAY_WRITEABLE == 0))
+    Some((dtype, dims, data, fields.flags & NPY_ARRAY_WRITEABLE == 0))
 }
 
 /// A new C-contiguous ndarray with `meta`'s shape and dtype, and its data pointer; `None` for a

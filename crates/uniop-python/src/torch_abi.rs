@@ -19,7 +19,7 @@
 //! usual `uniop.UniopError`, set as the calling thread's Python error for the C++ side to raise;
 //! panics are caught here and never cross into C++.
 
-use crate::call::{describe, finish, plan_and_run, CallTensors, Imported, KNOWN_DTYPES};
+use crate::call::{describe, plan_and_run, CallTensors, Imported, KNOWN_DTYPES};
 use crate::to_py_err;
 use dlpark::ffi::{DLDataType, DLTensor};
 use pyo3::prelude::*;
@@ -211,8 +211,8 @@ fn run(entry: &Arc<OpEntry>, args: &[BoxedValue], outputs: &OutputMaker, num_out
             let view = unsafe { dlpark::TensorRef::from_raw(t) }.map_err(|e| {
                 to_py_err(Error::arg(ErrorCode::ParamInvalid, op, &arg.name, "a valid DLPack tensor", e.to_string()))
             })?;
-            let imported = describe(op, &arg.name, &view).and_then(|d| finish(op, None, d, false));
-            tensors.push(op, arg, imported.map_err(to_py_err)?).map_err(to_py_err)?;
+            let imported = describe(op, &arg.name, &view).map_err(to_py_err)?;
+            tensors.push(op, arg, imported).map_err(to_py_err)?;
         }
     }
     let mut index = 0;
@@ -260,7 +260,7 @@ fn make_output(
             ),
         ));
     }
-    finish(op, None, (meta.clone(), data.cast()), false)
+    Imported::output(op, meta, data.cast())
 }
 
 unsafe extern "C" fn allocate(bytes: u64, context: *mut *mut c_void) -> *mut c_void {

@@ -14,20 +14,24 @@
 //! `rebind_*` calls swap tensor addresses (same dtype/shape/strides) without planning again.
 
 use crate::error::{Error, ErrorCode, Result};
-use crate::layout::{StridedRuns, TensorMeta};
+use crate::layout::{MetaRef, StridedRuns, TensorMeta};
 use crate::op::{block_dim_for, reference_plan, Bound, KernelArgs, LayoutNeed, Step};
 use crate::registry::{OpEntry, Registry};
 use crate::runtime::profiler::{self, LaunchKind};
 use crate::runtime::stream::Launch;
 use crate::runtime::{BlockCtx, Stream};
 use crate::schema::AttrValue;
-use crate::tensor::{TensorMut, TensorRef};
+use crate::tensor::{check_view, TensorMut, TensorRef};
 use rustc_hash::FxHashMap;
 use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::sync::{Arc, OnceLock};
 
 const WS_ALIGN: usize = 64;
+
+/// A launch's tasks: most plans are one or two steps with nothing staged, and a tiny op's
+/// relaunch should not pay for a heap list.
+type Launches = smallvec::SmallVec<[Launch; 2]>;
 
 /// A staging copy around a launch: `(source, destination)`.
 type Copy = (Bound, Bound);
@@ -106,9 +110,10 @@ impl<'a> Executor<'a> {
         outputs: Vec<TensorMut<'a>>,
     ) -> Result<Executor<'a>> {
         let mut key = SignatureKey::new();
-        signature(&entry, inputs.iter().map(|t| t.as_ref().map(TensorRef::meta)), attrs, &mut key);
+        let metas = inputs.iter().map(|t| t.as_ref().map(|t| t.meta().as_meta_ref()));
+        signature(&entry, metas, attrs, &mut key);
         for t in &outputs {
-            meta_words(Some(t.meta()), &mut key);
+            meta_words(Some(t.meta().as_meta_ref()), &mut key);
         }
         let planned = match PLANNED.with(|cache| cache.borrow().get(&key).cloned()) {
             Some(planned) => planned,
@@ -186,37 +191,87 @@ impl<'a> Executor<'a> {
     /// Points input `i` (the caller's numbering, as in [`Executor::new`]) at new data with the
     /// same dtype, shape and strides.
     pub fn rebind_input(&mut self, i: usize, t: TensorRef<'a>) -> Result<()> {
+        let k = self.input_slot(i)?;
+        let old = self.inputs[k].as_ref().expect("input_slot checks the slot is bound");
+        check_same_layout(self.op(), "input", i, &old.meta, t.meta())?;
+        let bound = Bound { ptr: t.as_ptr() as *mut u8, len: t.byte_len(), meta: t.meta().clone() };
+        self.patch_bindings(|args| args.inputs[k] = Some(bound.clone()));
+        self.inputs[k] = Some(bound);
+        Ok(())
+    }
+
+    pub fn rebind_output(&mut self, i: usize, mut t: TensorMut<'a>) -> Result<()> {
+        let old = self.output_slot(i)?;
+        check_same_layout(self.op(), "output", i, &old.meta, t.meta())?;
+        let bound = Bound { ptr: t.as_mut_ptr(), len: t.byte_len(), meta: t.meta().clone() };
+        self.patch_bindings(|args| args.outputs[i] = bound.clone());
+        self.outputs[i] = bound;
+        Ok(())
+    }
+
+    /// Points input `i` at new memory holding a tensor laid out as the bound one (same dtype,
+    /// shape, strides and offset from `ptr`), checking only that it fits `len` bytes at `ptr`.
+    ///
+    /// For frontends that cache executors by [`signature`]: on a hit the key already says the
+    /// layouts match, and skipping the [`TensorMeta`] a [`TensorRef`] needs (an allocation) and
+    /// the comparison [`Executor::rebind_input`] makes is a tenth of a tiny op's call.
+    ///
+    /// # Safety
+    /// As for [`TensorRef::from_raw`]: `ptr` is valid for reads of `len` bytes for `'a`.
+    pub unsafe fn rebind_input_memory(&mut self, i: usize, ptr: *const u8, len: usize) -> Result<()> {
+        let k = self.input_slot(i)?;
+        let bound = self.inputs[k].as_mut().expect("input_slot checks the slot is bound");
+        check_rebound(bound, ptr, len)
+            .map_err(|e| e.context(format!("{}: rebinding input {i}", self.planned.entry.name())))?;
+        (bound.ptr, bound.len) = (ptr as *mut u8, len);
+        self.patch_bindings(|args| {
+            let bound = args.inputs[k].as_mut().expect("bindings mirror the executor's");
+            (bound.ptr, bound.len) = (ptr as *mut u8, len);
+        });
+        Ok(())
+    }
+
+    /// [`Executor::rebind_input_memory`] for output `i` (in-place tensors first, then returns).
+    ///
+    /// # Safety
+    /// As for [`TensorMut::from_raw`]: `ptr` is valid for reads and writes of `len` bytes for
+    /// `'a`, and nothing else accesses them meanwhile.
+    pub unsafe fn rebind_output_memory(&mut self, i: usize, ptr: *mut u8, len: usize) -> Result<()> {
         let op = self.planned.entry.name();
+        let bound =
+            self.outputs.get_mut(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_output: no output {i}")))?;
+        check_rebound(bound, ptr, len).map_err(|e| e.context(format!("{op}: rebinding output {i}")))?;
+        (bound.ptr, bound.len) = (ptr, len);
+        self.patch_bindings(|args| (args.outputs[i].ptr, args.outputs[i].len) = (ptr, len));
+        Ok(())
+    }
+
+    /// Kernel slot of the caller's input `i`, checked to be bound.
+    fn input_slot(&self, i: usize) -> Result<usize> {
+        let op = self.op();
         let k = *self
             .planned
             .input_slots
             .get(i)
             .ok_or_else(|| Error::invalid(format!("{op}: rebind_input: no input {i}")))?;
-        let slot = &mut self.inputs[k];
-        let old =
-            slot.as_ref().ok_or_else(|| Error::invalid(format!("{op}: rebind_input: input {i} was bound as None")))?;
-        check_same_layout(op, "input", i, &old.meta, t.meta())?;
-        let bound = Bound { ptr: t.as_ptr() as *mut u8, len: t.byte_len(), meta: t.meta().clone() };
-        match self.bound_args.as_mut().and_then(Arc::get_mut) {
-            Some(args) if self.planned.staging.is_empty() => args.inputs[k] = Some(bound.clone()),
-            _ => self.bound_args = None,
+        if self.inputs[k].is_none() {
+            return Err(Error::invalid(format!("{op}: rebind_input: input {i} was bound as None")));
         }
-        *slot = Some(bound);
-        Ok(())
+        Ok(k)
     }
 
-    pub fn rebind_output(&mut self, i: usize, mut t: TensorMut<'a>) -> Result<()> {
-        let op = self.planned.entry.name();
-        let slot =
-            self.outputs.get_mut(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_output: no output {i}")))?;
-        check_same_layout(op, "output", i, &slot.meta, t.meta())?;
-        *slot = Bound { ptr: t.as_mut_ptr(), len: t.byte_len(), meta: t.meta().clone() };
-        // Patch the cached bindings when no queued launch still holds them, else rebuild them.
+    fn output_slot(&self, i: usize) -> Result<&Bound> {
+        let op = self.op();
+        self.outputs.get(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_output: no output {i}")))
+    }
+
+    /// Applies a rebinding to the kernel bindings kept from the last launch when no queued
+    /// launch still holds them (else they are rebuilt at the next launch).
+    fn patch_bindings(&mut self, patch: impl FnOnce(&mut KernelArgs)) {
         match self.bound_args.as_mut().and_then(Arc::get_mut) {
-            Some(args) if self.planned.staging.is_empty() => args.outputs[i] = slot.clone(),
+            Some(args) if self.planned.staging.is_empty() => patch(args),
             _ => self.bound_args = None,
         }
-        Ok(())
     }
 
     /// Phase 2, blocking: runs on `stream` and returns when done, so the borrowed tensors are
@@ -264,7 +319,7 @@ impl<'a> Executor<'a> {
     ///
     /// # Safety
     /// As for [`Executor::launch`].
-    unsafe fn prepare(&mut self, workspace: *mut u8, workspace_len: usize) -> Result<Vec<Launch>> {
+    unsafe fn prepare(&mut self, workspace: *mut u8, workspace_len: usize) -> Result<Launches> {
         let op = self.op();
         if self.launched && !self.repeatable {
             return Err(Error::new(
@@ -312,7 +367,7 @@ impl<'a> Executor<'a> {
             }
         };
         let op_name = || self.profiled().0.clone();
-        let mut tasks: Vec<Launch> =
+        let mut tasks: Launches =
             copies_in.into_iter().map(|(src, dst)| copy_task(src, dst, "copy_in", op_name)).collect();
         for step in &self.planned.steps {
             let (args, kernel) = (args.clone(), step.kernel.clone());
@@ -469,14 +524,14 @@ thread_local! {
 }
 
 /// Appends a tensor's dtype, shape, strides and offset (or its absence) to a signature.
-pub fn meta_words(meta: Option<&TensorMeta>, key: &mut SignatureKey) {
+pub fn meta_words(meta: Option<MetaRef<'_>>, key: &mut SignatureKey) {
     match meta {
         None => key.push(u64::MAX),
         Some(m) => {
-            key.push(m.dtype as u64 | (m.rank() as u64) << 8);
-            key.extend(m.shape().iter().map(|&d| d as u64));
-            key.extend(m.layout.strides().iter().map(|&d| d as u64));
-            key.push(m.layout.offset() as u64);
+            key.push(m.dtype as u64 | (m.shape.len() as u64) << 8);
+            key.extend(m.shape.iter().map(|&d| d as u64));
+            key.extend(m.strides.iter().map(|&d| d as u64));
+            key.push(m.offset as u64);
         }
     }
 }
@@ -490,7 +545,7 @@ pub type SignatureKey = smallvec::SmallVec<[u64; 40]>;
 /// executors key them with this too.
 pub fn signature<'m>(
     entry: &Arc<OpEntry>,
-    inputs: impl Iterator<Item = Option<&'m TensorMeta>>,
+    inputs: impl Iterator<Item = Option<MetaRef<'m>>>,
     attrs: &[(&str, AttrValue)],
     key: &mut SignatureKey,
 ) {
@@ -529,6 +584,16 @@ fn check_same_layout(op: &str, what: &str, i: usize, old: &TensorMeta, new: &Ten
         ));
     }
     Ok(())
+}
+
+/// Whether `len` bytes at `ptr` hold a tensor laid out as `bound`. Every binding was checked
+/// against its layout when made, so a length no shorter than the bound one fits without walking
+/// the layout again (a frontend rebinding a same-shaped tensor passes the same length).
+fn check_rebound(bound: &Bound, ptr: *const u8, len: usize) -> Result<()> {
+    if len >= bound.len && (ptr as usize).is_multiple_of(bound.meta.dtype.size()) {
+        return Ok(());
+    }
+    check_view(&bound.meta, ptr, len)
 }
 
 /// Per flattened tensor argument, its index among the caller's inputs (`None`: an in-place argument).
@@ -588,7 +653,7 @@ fn group_inputs(
 /// Enqueues `tasks` on `stream`; returns the first and last task numbers (they are consecutive
 /// only if no other thread enqueues on the stream meanwhile, which waiting through the last
 /// one tolerates).
-fn enqueue(stream: &Stream, tasks: Vec<Launch>) -> Option<(u64, u64)> {
+fn enqueue(stream: &Stream, tasks: Launches) -> Option<(u64, u64)> {
     let mut range: Option<(u64, u64)> = None;
     for launch in tasks {
         let seq = stream.launch_shared(launch);

@@ -49,6 +49,37 @@ pub fn checked_numel(shape: &[usize]) -> Result<usize> {
     shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| overflow("element count", shape))
 }
 
+fn check_ranks(shape: &[usize], strides: &[usize]) -> Result<()> {
+    if shape.len() != strides.len() {
+        return Err(Error::new(
+            ErrorCode::Shape,
+            format!(
+                "shape {} has rank {} but strides {} have rank {}",
+                ShapeDisplay(shape),
+                shape.len(),
+                ShapeDisplay(strides),
+                strides.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Storage elements a view needs: `offset + Σ (dim-1)·stride + 1`, or 0 for an empty view.
+fn storage_extent(shape: &[usize], strides: &[usize], offset: usize) -> Result<usize> {
+    if shape.contains(&0) {
+        return Ok(0);
+    }
+    let mut last = offset;
+    for (&d, &s) in shape.iter().zip(strides) {
+        last = (d - 1)
+            .checked_mul(s)
+            .and_then(|x| x.checked_add(last))
+            .ok_or_else(|| overflow("storage extent", shape))?;
+    }
+    last.checked_add(1).ok_or_else(|| overflow("storage extent", shape))
+}
+
 /// Row-major strides for `shape`, overflow-checked.
 pub fn contiguous_strides(shape: &[usize]) -> Result<Vec<usize>> {
     let mut strides = vec![0; shape.len()];
@@ -93,21 +124,9 @@ impl Layout {
     /// A strided layout; checks only that ranks agree and that the extent does not overflow.
     /// Whether it fits a particular buffer is [`Layout::check_fits`]'s job.
     pub fn strided(shape: &[usize], strides: &[usize], offset: usize) -> Result<Layout> {
-        if shape.len() != strides.len() {
-            return Err(Error::new(
-                ErrorCode::Shape,
-                format!(
-                    "shape {} has rank {} but strides {} have rank {}",
-                    ShapeDisplay(shape),
-                    shape.len(),
-                    ShapeDisplay(strides),
-                    strides.len()
-                ),
-            ));
-        }
-        let layout = Layout::from_parts(shape, strides, offset);
-        layout.storage_extent()?;
-        Ok(layout)
+        check_ranks(shape, strides)?;
+        storage_extent(shape, strides, offset)?;
+        Ok(Layout::from_parts(shape, strides, offset))
     }
 
     pub fn shape(&self) -> &[usize] {
@@ -133,17 +152,7 @@ impl Layout {
     /// Number of storage elements needed to hold every element of this view:
     /// `offset + Σ (dim-1)·stride + 1`, or 0 for an empty view.
     pub fn storage_extent(&self) -> Result<usize> {
-        if self.is_empty() {
-            return Ok(0);
-        }
-        let mut last = self.offset;
-        for (&d, &s) in self.shape().iter().zip(self.strides()) {
-            last = (d - 1)
-                .checked_mul(s)
-                .and_then(|x| x.checked_add(last))
-                .ok_or_else(|| overflow("storage extent", self.shape()))?;
-        }
-        last.checked_add(1).ok_or_else(|| overflow("storage extent", self.shape()))
+        storage_extent(self.shape(), self.strides(), self.offset)
     }
 
     /// Checks that the view stays inside a buffer of `len_bytes` holding `dtype` elements.
@@ -289,6 +298,10 @@ impl TensorMeta {
     pub fn contiguous(dtype: DType, shape: &[usize]) -> Result<TensorMeta> {
         Ok(TensorMeta { dtype, layout: Layout::contiguous(shape)? })
     }
+    /// The same description, borrowed.
+    pub fn as_meta_ref(&self) -> MetaRef<'_> {
+        MetaRef { dtype: self.dtype, shape: self.shape(), strides: self.layout.strides(), offset: self.layout.offset }
+    }
     pub fn shape(&self) -> &[usize] {
         self.layout.shape()
     }
@@ -427,10 +440,60 @@ impl StridedRuns<2> {
     }
 }
 
+/// A tensor's dtype and layout over borrowed dims: what a frontend reads off a caller's tensor
+/// before building a [`TensorMeta`] — or instead of building one, when the call's [`signature`]
+/// finds a cached plan: a `TensorMeta`'s dims are shared, so making one is an allocation, and
+/// on a tiny op's repeated call that was the biggest part of the frontend's cost.
+///
+/// [`signature`]: crate::executor::signature
+#[derive(Clone, Copy, Debug)]
+pub struct MetaRef<'a> {
+    pub dtype: DType,
+    pub shape: &'a [usize],
+    /// In elements, one per dim.
+    pub strides: &'a [usize],
+    pub offset: usize,
+}
+
+impl MetaRef<'_> {
+    /// Bytes of storage the view needs (its offset included; 0 when it is empty), with the same
+    /// checks as [`Layout::strided`]: ranks agree, nothing overflows.
+    pub fn storage_bytes(&self) -> Result<usize> {
+        check_ranks(self.shape, self.strides)?;
+        storage_extent(self.shape, self.strides, self.offset)?
+            .checked_mul(self.dtype.size())
+            .ok_or_else(|| overflow("byte size", self.shape))
+    }
+
+    pub fn to_meta(&self) -> Result<TensorMeta> {
+        Ok(TensorMeta { dtype: self.dtype, layout: Layout::strided(self.shape, self.strides, self.offset)? })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn meta_ref_storage_bytes_checks_like_a_strided_layout() {
+        let view = |shape: &'static [usize], strides: &'static [usize]| MetaRef {
+            dtype: DType::F32,
+            shape,
+            strides,
+            offset: 0,
+        };
+        // [2, 3] rows 4 apart: the last element is at 1·4 + 2·1.
+        assert_eq!(view(&[2, 3], &[4, 1]).storage_bytes().unwrap(), 4 * 7);
+        assert_eq!(view(&[2, 0], &[4, 1]).storage_bytes().unwrap(), 0);
+        let e = view(&[2, 3], &[1]).storage_bytes().unwrap_err();
+        assert_eq!(e.message(), "shape [2, 3] has rank 2 but strides [1] have rank 1");
+        assert_eq!(view(&[2, 3], &[usize::MAX / 2, 1]).storage_bytes().unwrap_err().code(), ErrorCode::Shape);
+        assert_eq!(view(&[usize::MAX / 2], &[1]).storage_bytes().unwrap_err().code(), ErrorCode::Shape);
+        let meta = view(&[2, 3], &[4, 1]).to_meta().unwrap();
+        assert_eq!((meta.shape(), meta.layout.strides()), (&[2, 3][..], &[4, 1][..]));
+        assert_eq!(meta.as_meta_ref().storage_bytes().unwrap(), 4 * 7);
+    }
 
     #[test]
     fn contiguous_and_extent() {

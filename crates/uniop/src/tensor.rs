@@ -11,7 +11,7 @@ use crate::layout::{Layout, TensorMeta};
 use crate::runtime::{Allocator, DeviceBuffer, MemPolicy};
 use std::marker::PhantomData;
 
-fn check_view(meta: &TensorMeta, ptr: *const u8, len_bytes: usize) -> Result<()> {
+pub(crate) fn check_view(meta: &TensorMeta, ptr: *const u8, len_bytes: usize) -> Result<()> {
     meta.layout.check_fits(meta.dtype, len_bytes)?;
     if !(ptr as usize).is_multiple_of(meta.dtype.size()) {
         return Err(Error::new(
