@@ -226,7 +226,7 @@ def _torch_abi_call():
         _fields_ = [("version", ctypes.c_uint32), ("call", ctypes.c_void_p)]
 
     abi = TorchAbi.from_address(table)
-    assert abi.version == 2
+    assert abi.version == 3
     proto = ctypes.PYFUNCTYPE(
         ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64
     )
@@ -442,23 +442,49 @@ def test_profiler_sees_torch_ops_and_their_backward():
     assert steps[1][1].endswith(".dx") and steps[2][1].endswith(".dweight"), steps
 
 
-def test_torch_ops_outputs_live_in_uniops_allocator():
-    """torch.ops.uniop outputs are torch tensors over blocks of uniop's caching allocator: they
-    count in uniop.memory_stats() while alive, go back to the cache when torch frees them, and the
-    next call of that size reuses the block instead of touching fresh pages."""
+@pytest.mark.parametrize("route", ["torch.ops.uniop", "uniop"])
+def test_torch_outputs_are_plain_tensors_in_uniops_allocator(route):
+    """Outputs for torch callers — torch.ops.uniop.<op>, and uniop.<op> once uniop.torch has loaded
+    its C++ kernels — are made by torch over blocks of uniop's caching allocator: they count in
+    uniop.memory_stats() while alive, go back to the cache when torch frees them, the next call of
+    that size reuses the block instead of touching fresh pages, and they are ordinary tensors
+    (writable, resizable: a tensor adopted from DLPack could not grow its storage)."""
+    if route == "uniop" and not uniop.torch.cpp_kernels_loaded():
+        pytest.skip("uniop.<op> makes torch outputs through DLPack without the C++ kernels")
+    silu = torch.ops.uniop.silu if route == "torch.ops.uniop" else uniop.silu
     x = torch.randn(256, 1024)
-    torch.ops.uniop.silu(x)  # plans the call (and any workspace) first; the output is dropped
+    silu(x)  # plans the call (and any workspace) first; the output is dropped
     before = uniop.memory_stats()
-    y = torch.ops.uniop.silu(x)
+    y = silu(x)
     during = uniop.memory_stats()
     assert during["live_buffers"] == before["live_buffers"] + 1
     assert during["allocated_bytes"] - before["allocated_bytes"] >= y.numel() * y.element_size()
     torch.testing.assert_close(y, torch.nn.functional.silu(x))
-    y.add_(1)  # a plain torch tensor: writable, and in-place torch ops work on it
+    y.add_(1)
     del y
     after = uniop.memory_stats()
     assert after["live_buffers"] == before["live_buffers"]
     assert after["allocated_bytes"] == before["allocated_bytes"]
-    z = torch.ops.uniop.silu(x)
+    z = silu(x)
     assert uniop.memory_stats()["cache_hits"] > after["cache_hits"]
     torch.testing.assert_close(z, torch.nn.functional.silu(x))
+    z.resize_(2 * z.numel())
+    assert z.shape == (2 * x.numel(),)
+    for dtype in (torch.bfloat16, torch.float16):  # and dtypes NumPy lacks, and nothing at all
+        torch.testing.assert_close(silu(x.to(dtype)), torch.nn.functional.silu(x.to(dtype)))
+    assert silu(torch.randn(0, 3)).shape == (0, 3)
+
+
+def test_torch_tensor_maker_takes_only_its_own_capsule():
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype = ctypes.py_object
+    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    name = ctypes.create_string_buffer(b"someone.else.tensor_maker")  # outlives the capsule below
+    payload = ctypes.c_int(0)
+    other = new_capsule(ctypes.addressof(payload), ctypes.addressof(name), None)
+    with pytest.raises(ValueError, match="incorrect name"):
+        uniop._native._use_torch_tensor_maker(torch.Tensor, other)
+    with pytest.raises(TypeError):
+        uniop._native._use_torch_tensor_maker(torch.Tensor, "not a capsule")
+    x = torch.randn(5)  # the maker in use is still the real one
+    torch.testing.assert_close(uniop.silu(x), torch.nn.functional.silu(x))

@@ -437,6 +437,9 @@ fn allocate<'py>(op: &str, like: &Bound<'py, PyAny>, meta: &TensorMeta) -> PyRes
         }
     }
     if let Producer::Exchange(api) = producer {
+        if let Some(made) = crate::torch_abi::make_torch_output(op, like, meta) {
+            return made;
+        }
         let (managed, view) = dlpack_output(op, meta)?;
         let obj = api.managed_tensor_to_py_object_no_sync(managed, py)?;
         return Ok((obj, view));

@@ -176,6 +176,15 @@ fn _set_allocator(alloc: Py<PyAny>) -> PyResult<()> {
     call::set_allocator(alloc)
 }
 
+/// Makes `uniop.<op>` create outputs for torch callers with uniop.torch's C++ maker.
+#[pyfunction]
+fn _use_torch_tensor_maker(
+    tensor_type: Bound<'_, pyo3::types::PyType>,
+    capsule: Bound<'_, pyo3::types::PyCapsule>,
+) -> PyResult<()> {
+    torch_abi::use_tensor_maker(tensor_type, &capsule)
+}
+
 /// The capsule (`uniop._native.torch_abi`) with the C ABI uniop's C++ torch kernels call.
 #[pyfunction]
 fn _torch_abi(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyCapsule>> {
@@ -190,6 +199,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops, m)?)?;
     m.add_function(wrap_pyfunction!(_set_allocator, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_abi, m)?)?;
+    m.add_function(wrap_pyfunction!(_use_torch_tensor_maker, m)?)?;
     runtime::register(m)?;
     Ok(())
 }

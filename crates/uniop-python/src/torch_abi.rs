@@ -22,13 +22,14 @@
 use crate::call::{describe, plan_and_run, CallTensors, Imported, KNOWN_DTYPES};
 use crate::to_py_err;
 use dlpark::ffi::{DLDataType, DLTensor};
+use pyo3::ffi::PyObject;
 use pyo3::prelude::*;
-use pyo3::types::PyCapsule;
+use pyo3::types::{PyCapsule, PyType};
 use smallvec::SmallVec;
 use std::ffi::{c_void, CStr};
 use std::mem::ManuallyDrop;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use uniop::layout::ShapeDisplay;
 use uniop::runtime::{Allocator, DeviceBuffer, MemPolicy};
 use uniop::schema::BaseType;
@@ -86,8 +87,8 @@ pub struct OutputMaker {
 /// The function table the capsule carries.
 #[repr(C)]
 pub struct TorchAbi {
-    /// Bumped on any change to this table, [`BoxedValue`] or [`OutputMaker`]; the C++ side
-    /// refuses others.
+    /// Bumped on any change to this table, [`BoxedValue`], [`OutputMaker`] or what the C++ module
+    /// offers back (its [`TensorMaker`]); the C++ side refuses others.
     pub version: u32,
     /// Runs `op` (an `Op._torch_handle()`) on `args` (one per schema argument, schema order),
     /// writing into `num_outs` outputs (one per schema return) it gets from `outputs`. Returns 0,
@@ -108,7 +109,7 @@ pub struct TorchAbi {
     pub release: unsafe extern "C" fn(context: *mut c_void),
 }
 
-pub const TORCH_ABI_VERSION: u32 = 2;
+pub const TORCH_ABI_VERSION: u32 = 3;
 // The C++ side asserts the same size.
 const _: () = assert!(std::mem::size_of::<BoxedValue>() == 64);
 // Output shapes go to the maker as the core's usize dims.
@@ -123,6 +124,57 @@ pub fn capsule(py: Python<'_>) -> PyResult<Bound<'_, PyCapsule>> {
     let table = std::ptr::NonNull::from(&TABLE).cast::<std::ffi::c_void>();
     // SAFETY: the table is a static, valid for the life of the process.
     unsafe { PyCapsule::new_with_pointer(py, table, CAPSULE_NAME) }
+}
+
+/// How `uniop.<op>` makes outputs for a torch caller once `uniop.torch` has loaded its C++ kernels:
+/// `make(shape, ndim, dtype, &mut data)` returns a new `torch.Tensor` reference over uniop's
+/// allocator with `data` set to its first byte, or null (no Python error left set) when torch
+/// could not. Handing torch a finished DLPack tensor instead costs twice as much per output
+/// (`TensorMaker` and its deleter context), most of a tiny direct call's output cost.
+type TensorMaker =
+    unsafe extern "C" fn(shape: *const i64, ndim: u64, dtype: DLDataType, data: *mut *mut c_void) -> *mut PyObject;
+
+/// The capsule name says the signature: another version is refused rather than called.
+const TENSOR_MAKER_NAME: &CStr = c"uniop.torch.tensor_maker.v1";
+
+/// The tensor type the maker is for, and the maker. Set once (`uniop.torch` imports once).
+static TENSOR_MAKER: OnceLock<(Py<PyType>, TensorMaker)> = OnceLock::new();
+
+/// Makes `uniop.<op>` create outputs for callers passing a `tensor_type` (or a subclass) with
+/// the maker in `capsule` (`uniop.torch._kernels.tensor_maker()`).
+pub fn use_tensor_maker(tensor_type: Bound<'_, PyType>, capsule: &Bound<'_, PyCapsule>) -> PyResult<()> {
+    let make = capsule.pointer_checked(Some(TENSOR_MAKER_NAME))?;
+    // SAFETY: a capsule with this name holds a `TensorMaker`, as kernels.cpp writes it.
+    let make = unsafe { std::mem::transmute::<*mut c_void, TensorMaker>(make.as_ptr()) };
+    let _ = TENSOR_MAKER.set((tensor_type.unbind(), make));
+    Ok(())
+}
+
+/// An output for `like` from the C++ side's maker: `None` when no maker is set or `like` is not a
+/// tensor of its type (the caller makes the output another way).
+pub(crate) fn make_torch_output<'py>(
+    op: &str,
+    like: &Bound<'py, PyAny>,
+    meta: &TensorMeta,
+) -> Option<PyResult<(Bound<'py, PyAny>, Imported)>> {
+    let (tensor_type, make) = TENSOR_MAKER.get()?;
+    // SAFETY: both are type objects; PyType_IsSubtype reads their MROs (no Python code runs).
+    if unsafe { pyo3::ffi::PyType_IsSubtype(like.get_type_ptr(), tensor_type.as_ptr().cast()) } == 0 {
+        return None;
+    }
+    let py = like.py();
+    let shape = meta.shape();
+    let (code, bits) = meta.dtype.dlpack();
+    let dtype = DLDataType { code: dlpark::ffi::DLDataTypeCode(code), bits, lanes: 1 };
+    let mut data = std::ptr::null_mut();
+    // SAFETY: `shape` outlives the call (usize and i64 have one size: asserted at the top); this
+    // thread holds the GIL, as the maker requires.
+    let obj = unsafe { make(shape.as_ptr().cast(), shape.len() as u64, dtype, &mut data) };
+    // SAFETY: a non-null result is a new reference.
+    let Some(obj) = (unsafe { Bound::from_owned_ptr_or_opt(py, obj) }) else {
+        return Some(Err(to_py_err(cannot_create(op, None, 0, meta))));
+    };
+    Some(Imported::output(op, meta, data.cast()).map(|view| (obj, view)).map_err(to_py_err))
 }
 
 /// A handle for `entry` valid for the life of the process (ops are never unregistered; the leaked
@@ -249,18 +301,22 @@ fn make_output(
     // SAFETY: `shape` outlives the call; the maker is the C++ kernel's, valid for this call.
     let data = unsafe { (outputs.make)(outputs.state, index as u64, shape.as_ptr().cast(), shape.len() as u64, dtype) };
     if data.is_null() && meta.numel() > 0 {
-        return Err(Error::new(
-            ErrorCode::Runtime,
-            format!(
-                "{op}: torch could not create return {} ({} {}, {} bytes)",
-                name.map_or(index.to_string(), |n| format!("'{n}'")),
-                ShapeDisplay(meta.shape()),
-                meta.dtype.name(),
-                meta.contiguous_bytes().unwrap_or(0)
-            ),
-        ));
+        return Err(cannot_create(op, name, index, meta));
     }
     Imported::output(op, meta, data.cast())
+}
+
+fn cannot_create(op: &str, name: Option<&str>, index: usize, meta: &TensorMeta) -> Error {
+    Error::new(
+        ErrorCode::Runtime,
+        format!(
+            "{op}: torch could not create return {} ({} {}, {} bytes)",
+            name.map_or(index.to_string(), |n| format!("'{n}'")),
+            ShapeDisplay(meta.shape()),
+            meta.dtype.name(),
+            meta.contiguous_bytes().unwrap_or(0)
+        ),
+    )
 }
 
 unsafe extern "C" fn allocate(bytes: u64, context: *mut *mut c_void) -> *mut c_void {

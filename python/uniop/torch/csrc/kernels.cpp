@@ -75,7 +75,7 @@ struct TorchAbi {
   void (*release)(void* context);
 };
 
-constexpr uint32_t kTorchAbiVersion = 2;
+constexpr uint32_t kTorchAbiVersion = 3;
 constexpr const char* kCapsuleName = "uniop._native.torch_abi";
 
 const TorchAbi* g_abi = nullptr;
@@ -98,6 +98,12 @@ class UniopAllocator final : public c10::Allocator {
 
 UniopAllocator g_allocator;
 
+// A contiguous CPU tensor over uniop's allocator: what every output the core asks for becomes.
+at::Tensor empty_output(const int64_t* shape, uint64_t ndim, DLDataType dtype) {
+  return at::detail::empty_generic(c10::IntArrayRef(shape, ndim), &g_allocator,
+                                   c10::DispatchKeySet(c10::DispatchKey::CPU), at::toScalarType(dtype), std::nullopt);
+}
+
 // The outputs of one call, made when the core asks for them (OutputMaker::make).
 struct Outputs {
   explicit Outputs(size_t n) : tensors(n) {}
@@ -107,9 +113,7 @@ struct Outputs {
     auto* self = static_cast<Outputs*>(state);
     if (index >= self->tensors.size()) return nullptr;
     try {
-      at::Tensor t = at::detail::empty_generic(c10::IntArrayRef(shape, ndim), &g_allocator,
-                                               c10::DispatchKeySet(c10::DispatchKey::CPU), at::toScalarType(dtype),
-                                               std::nullopt);
+      at::Tensor t = empty_output(shape, ndim, dtype);
       void* data = t.mutable_data_ptr();
       self->tensors[index] = std::move(t);
       return data;
@@ -118,6 +122,25 @@ struct Outputs {
     }
   }
 };
+
+// uniop.<op> called directly on torch tensors makes its outputs here too, as new torch.Tensor
+// references with `*data` their first byte: half the cost of handing torch a DLPack tensor
+// (crates/uniop-python/src/torch_abi.rs, TensorMaker). The caller holds the GIL. Null, with no
+// Python error left set, when torch could not.
+PyObject* make_py_tensor(const int64_t* shape, uint64_t ndim, DLDataType dtype, void** data) noexcept {
+  try {
+    at::Tensor t = empty_output(shape, ndim, dtype);
+    *data = t.mutable_data_ptr();
+    PyObject* obj = THPVariable_Wrap(std::move(t));
+    if (obj == nullptr) PyErr_Clear();
+    return obj;
+  } catch (...) {
+    PyErr_Clear();
+    return nullptr;
+  }
+}
+
+constexpr const char* kTensorMakerName = "uniop.torch.tensor_maker.v1";
 
 // ---- CPU kernel
 
@@ -417,4 +440,8 @@ PYBIND11_MODULE(_kernels, m) {
         "False when the schema has an argument type it does not convert.");
   m.def("register_autograd", &register_autograd, py::arg("namespace"), py::arg("name"), py::arg("generic"),
         "Registers the C++ Autograd kernel for namespace::name; calls needing autograd go to `generic`.");
+  m.def(
+      "tensor_maker",
+      [] { return py::capsule(reinterpret_cast<void*>(&make_py_tensor), kTensorMakerName); },
+      "The function uniop.<op> makes torch outputs with, for uniop._native._use_torch_tensor_maker.");
 }
