@@ -62,6 +62,17 @@ def test_any_dlpack_producer():
     np.testing.assert_allclose(y, x / (1 + np.exp(-x)), rtol=1e-5, atol=1e-6)
 
 
+def test_output_laid_out_unlike_the_plan_is_refused_not_miswritten(monkeypatch):
+    """A cached plan rebinds outputs by address only when they are laid out as planned: an output
+    the Python allocator makes another way (here column-major) is refused, not written row-major."""
+    x = np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4)
+    np.testing.assert_allclose(uniop.silu(Producer(x)), x / (1 + np.exp(-x)), rtol=1e-5, atol=1e-6)
+    empty = np.empty
+    monkeypatch.setattr(np, "empty", lambda shape, dtype: np.asfortranarray(empty(shape, dtype)))
+    with pytest.raises(uniop.UniopError, match="rebinding output 0: expected a tensor like the planned one"):
+        uniop.silu(Producer(x))
+
+
 NUMPY_DTYPES = [np.float32, np.float16, np.float64, np.int8, np.int32, np.int64, np.uint8, np.bool_]
 
 

@@ -592,14 +592,24 @@ pub(crate) fn plan_and_run<O>(
     let input_view = |t: &Imported| unsafe { TensorRef::<'static>::from_raw(t.ptr, t.len, t.meta()?) };
     let output_view = |t: &Imported| unsafe { TensorMut::<'static>::from_raw(t.ptr, t.len, t.meta()?) };
     let mut plan = match cached {
-        // The signature matched: every tensor is laid out as the plan's, so only addresses change.
+        // The signature matched, so inputs and in-place tensors are laid out as the plan's and only
+        // their addresses change. Outputs are not in the signature: one made like the plan's (every
+        // route but a foreign allocator's) is rebound by address too, any other as a new view,
+        // which refuses a layout other than the planned one.
         Some(mut plan) => {
             let given = inputs.iter().enumerate().filter_map(|(i, t)| Some((i, t.as_ref()?)));
             for (i, t) in given {
                 unsafe { plan.exec.rebind_input_memory(i, t.ptr, t.len) }.map_err(to_py_err)?;
             }
             for (i, t) in in_place.iter().chain(&outputs).enumerate() {
-                unsafe { plan.exec.rebind_output_memory(i, t.ptr, t.len) }.map_err(to_py_err)?;
+                let as_planned =
+                    i < in_place.len() || plan.exec.output_meta(i).is_some_and(|m| m.as_meta_ref() == t.meta_ref());
+                let rebound = if as_planned {
+                    unsafe { plan.exec.rebind_output_memory(i, t.ptr, t.len) }
+                } else {
+                    output_view(t).and_then(|view| plan.exec.rebind_output(i, view))
+                };
+                rebound.map_err(to_py_err)?;
             }
             plan
         }

@@ -201,8 +201,8 @@ impl<'a> Executor<'a> {
     }
 
     pub fn rebind_output(&mut self, i: usize, mut t: TensorMut<'a>) -> Result<()> {
-        let old = self.output_slot(i)?;
-        check_same_layout(self.op(), "output", i, &old.meta, t.meta())?;
+        self.check_output_index(i)?;
+        check_same_layout(self.op(), "output", i, &self.outputs[i].meta, t.meta())?;
         let bound = Bound { ptr: t.as_mut_ptr(), len: t.byte_len(), meta: t.meta().clone() };
         self.patch_bindings(|args| args.outputs[i] = bound.clone());
         self.outputs[i] = bound;
@@ -239,10 +239,10 @@ impl<'a> Executor<'a> {
     /// As for [`TensorMut::from_raw`]: `ptr` is valid for reads and writes of `len` bytes for
     /// `'a`, and nothing else accesses them meanwhile.
     pub unsafe fn rebind_output_memory(&mut self, i: usize, ptr: *mut u8, len: usize) -> Result<()> {
-        let op = self.planned.entry.name();
-        let bound =
-            self.outputs.get_mut(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_output: no output {i}")))?;
-        check_rebound(bound, ptr, len).map_err(|e| e.context(format!("{op}: rebinding output {i}")))?;
+        self.check_output_index(i)?;
+        let bound = &mut self.outputs[i];
+        check_rebound(bound, ptr, len)
+            .map_err(|e| e.context(format!("{}: rebinding output {i}", self.planned.entry.name())))?;
         (bound.ptr, bound.len) = (ptr, len);
         self.patch_bindings(|args| (args.outputs[i].ptr, args.outputs[i].len) = (ptr, len));
         Ok(())
@@ -262,9 +262,11 @@ impl<'a> Executor<'a> {
         Ok(k)
     }
 
-    fn output_slot(&self, i: usize) -> Result<&Bound> {
-        let op = self.op();
-        self.outputs.get(i).ok_or_else(|| Error::invalid(format!("{op}: rebind_output: no output {i}")))
+    fn check_output_index(&self, i: usize) -> Result<()> {
+        if i >= self.outputs.len() {
+            return Err(Error::invalid(format!("{}: rebind_output: no output {i}", self.op())));
+        }
+        Ok(())
     }
 
     /// Applies a rebinding to the kernel bindings kept from the last launch when no queued

@@ -446,7 +446,7 @@ impl StridedRuns<2> {
 /// on a tiny op's repeated call that was the biggest part of the frontend's cost.
 ///
 /// [`signature`]: crate::executor::signature
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MetaRef<'a> {
     pub dtype: DType,
     pub shape: &'a [usize],
