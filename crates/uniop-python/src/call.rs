@@ -169,8 +169,6 @@ pub(crate) struct Imported {
     /// whose dims are an allocation that a call with a cached plan never needs.
     dims: Dims,
     read_only: bool,
-    /// Made by this call for the output meta it was asked for, so laid out exactly as that meta.
-    made_as_inferred: bool,
 }
 
 /// Inline up to rank 4.
@@ -194,13 +192,12 @@ impl Imported {
         let len = meta.storage_bytes().map_err(|e| e.context(op))?;
         // Empty tensors may come with a null data pointer; the core wants an aligned one.
         let ptr = if len == 0 { std::ptr::without_provenance_mut(dtype.size()) } else { ptr };
-        Ok(Imported { _owner: owner, ptr, len, dtype, dims, read_only, made_as_inferred: false })
+        Ok(Imported { _owner: owner, ptr, len, dtype, dims, read_only })
     }
 
-    /// A view of `ptr` laid out as `meta` (an output the call made for it).
+    /// A view of `ptr` laid out as `meta` (an output the call made).
     pub(crate) fn output(op: &str, meta: &TensorMeta, ptr: *mut u8) -> Result<Imported, Error> {
-        let view = Imported::new(op, None, meta.dtype, dims_of(meta), ptr, false)?;
-        Ok(Imported { made_as_inferred: true, ..view })
+        Imported::new(op, None, meta.dtype, dims_of(meta), ptr, false)
     }
 
     fn meta_ref(&self) -> MetaRef<'_> {
@@ -596,18 +593,17 @@ pub(crate) fn plan_and_run<O>(
     let output_view = |t: &Imported| unsafe { TensorMut::<'static>::from_raw(t.ptr, t.len, t.meta()?) };
     let mut plan = match cached {
         // The signature matched, so inputs and in-place tensors are laid out as the plan's and only
-        // their addresses change. Outputs are not in the signature: one laid out as planned (made
-        // for the inferred meta when the plan's outputs are bound so, else compared) is rebound by
-        // address too, any other as a new view, which refuses a layout other than the planned one.
+        // their addresses change. Outputs are not in the signature: one made like the plan's (every
+        // route but a foreign allocator's) is rebound by address too, any other as a new view,
+        // which refuses a layout other than the planned one.
         Some(mut plan) => {
             let given = inputs.iter().enumerate().filter_map(|(i, t)| Some((i, t.as_ref()?)));
             for (i, t) in given {
                 unsafe { plan.exec.rebind_input_memory(i, t.ptr, t.len) }.map_err(to_py_err)?;
             }
             for (i, t) in in_place.iter().chain(&outputs).enumerate() {
-                let as_planned = i < in_place.len()
-                    || (t.made_as_inferred && plan.outputs_bound_as_inferred)
-                    || plan.exec.output_meta(i).is_some_and(|m| m.as_meta_ref() == t.meta_ref());
+                let as_planned =
+                    i < in_place.len() || plan.exec.output_meta(i).is_some_and(|m| m.as_meta_ref() == t.meta_ref());
                 let rebound = if as_planned {
                     unsafe { plan.exec.rebind_output_memory(i, t.ptr, t.len) }
                 } else {
@@ -633,9 +629,7 @@ pub(crate) fn plan_and_run<O>(
             } else {
                 None
             };
-            let bound = (in_place.len()..).map(|i| exec.output_meta(i));
-            let outputs_bound_as_inferred = expected.iter().zip(bound).all(|(want, got)| got == Some(want));
-            Plan { exec, outputs: expected, outputs_bound_as_inferred, workspace }
+            Plan { exec, outputs: expected, workspace }
         }
     };
     let scratch = match plan.workspace {
@@ -682,11 +676,7 @@ pub(crate) fn plan_and_run<O>(
 /// planning and allocation — the aclnn "repeatable executor" idea applied per signature.
 struct Plan {
     exec: Executor<'static>,
-    /// The outputs infer gave.
     outputs: Arc<[TensorMeta]>,
-    /// Whether the executor's returns are bound with exactly those metas (not so when the first
-    /// call's allocator laid one out otherwise).
-    outputs_bound_as_inferred: bool,
     workspace: Option<DeviceBuffer>,
 }
 
