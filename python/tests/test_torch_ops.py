@@ -475,6 +475,22 @@ def test_torch_outputs_are_plain_tensors_in_uniops_allocator(route):
     assert silu(torch.randn(0, 3)).shape == (0, 3)
 
 
+@pytest.mark.parametrize("route", ["torch.ops.uniop", "uniop"])
+def test_an_output_torch_cannot_make_is_a_uniop_error(route):
+    """A 1 PiB output (silu of a stride-0 view) is refused by uniop's allocator under torch: the call
+    raises a UniopError naming the op, the output and its size, and leaks no block."""
+    if route == "uniop" and not uniop.torch.cpp_kernels_loaded():
+        pytest.skip("uniop.<op> makes torch outputs through DLPack without the C++ kernels")
+    silu = torch.ops.uniop.silu if route == "torch.ops.uniop" else uniop.silu
+    what = "return 'y'" if route == "torch.ops.uniop" else "an output"
+    huge = torch.zeros(1).expand(2**48)
+    before = uniop.memory_stats()["live_buffers"]
+    with pytest.raises(uniop.UniopError, match=rf"silu: torch could not create {what} \(\[281474976710656\] float32"):
+        silu(huge)
+    assert uniop.memory_stats()["live_buffers"] == before
+    torch.testing.assert_close(silu(torch.ones(2)), torch.nn.functional.silu(torch.ones(2)))
+
+
 def test_torch_tensor_maker_takes_only_its_own_capsule():
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.restype = ctypes.py_object

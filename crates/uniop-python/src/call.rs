@@ -399,6 +399,12 @@ impl<T> Unattached<T> {
     }
 }
 
+/// `dtype` as DLPack names it (one lane).
+pub(crate) fn dl_dtype(dtype: DType) -> DLDataType {
+    let (code, bits) = dtype.dlpack();
+    DLDataType { code: DLDataTypeCode(code), bits, lanes: 1 }
+}
+
 /// A new contiguous output over a block of uniop's caching allocator, as a DLPack managed tensor
 /// whose deleter returns the block (whenever the consuming framework frees the tensor), and the
 /// view the run writes through.
@@ -410,11 +416,10 @@ fn dlpack_output(op: &str, meta: &TensorMeta) -> PyResult<(Managed<DLManagedTens
     let mut tensor = Dynamic::compact(shape)
         .initialize(Box::new(buffer))
         .map_err(|e| to_py_err(Error::internal(format!("{op}: DLPack output: {e}"))))?;
-    let (code, bits) = meta.dtype.dlpack();
     tensor
         .set_data(ptr.cast())
         .set_device(DLDevice { device_type: DLDeviceType::CPU, device_id: 0 })
-        .set_dtype(DLDataType { code: DLDataTypeCode(code), bits, lanes: 1 });
+        .set_dtype(dl_dtype(meta.dtype));
     // SAFETY: data, device, dtype, shape and compact strides describe the buffer the tensor owns
     // (its context), which lives until the consumer's deleter runs.
     let managed = unsafe { tensor.finish() };

@@ -19,7 +19,7 @@
 //! usual `uniop.UniopError`, set as the calling thread's Python error for the C++ side to raise;
 //! panics are caught here and never cross into C++.
 
-use crate::call::{describe, plan_and_run, CallTensors, Imported, KNOWN_DTYPES};
+use crate::call::{describe, dl_dtype, plan_and_run, CallTensors, Imported, KNOWN_DTYPES};
 use crate::to_py_err;
 use dlpark::ffi::{DLDataType, DLTensor};
 use pyo3::ffi::PyObject;
@@ -164,15 +164,13 @@ pub(crate) fn make_torch_output<'py>(
     }
     let py = like.py();
     let shape = meta.shape();
-    let (code, bits) = meta.dtype.dlpack();
-    let dtype = DLDataType { code: dlpark::ffi::DLDataTypeCode(code), bits, lanes: 1 };
     let mut data = std::ptr::null_mut();
     // SAFETY: `shape` outlives the call (usize and i64 have one size: asserted at the top); this
     // thread holds the GIL, as the maker requires.
-    let obj = unsafe { make(shape.as_ptr().cast(), shape.len() as u64, dtype, &mut data) };
+    let obj = unsafe { make(shape.as_ptr().cast(), shape.len() as u64, dl_dtype(meta.dtype), &mut data) };
     // SAFETY: a non-null result is a new reference.
     let Some(obj) = (unsafe { Bound::from_owned_ptr_or_opt(py, obj) }) else {
-        return Some(Err(to_py_err(cannot_create(op, None, 0, meta))));
+        return Some(Err(to_py_err(cannot_create(op, "an output", meta))));
     };
     Some(Imported::output(op, meta, data.cast()).map(|view| (obj, view)).map_err(to_py_err))
 }
@@ -296,22 +294,22 @@ fn make_output(
     // The dims as they are: usize and i64 have one size here (asserted at the top), and a dim above
     // i64::MAX, read as negative, is refused by torch (a null from the maker) rather than wrapped.
     let shape = meta.shape();
-    let (code, bits) = meta.dtype.dlpack();
-    let dtype = DLDataType { code: dlpark::ffi::DLDataTypeCode(code), bits, lanes: 1 };
+    let dtype = dl_dtype(meta.dtype);
     // SAFETY: `shape` outlives the call; the maker is the C++ kernel's, valid for this call.
     let data = unsafe { (outputs.make)(outputs.state, index as u64, shape.as_ptr().cast(), shape.len() as u64, dtype) };
     if data.is_null() && meta.numel() > 0 {
-        return Err(cannot_create(op, name, index, meta));
+        let what = name.map_or(format!("return {index}"), |n| format!("return '{n}'"));
+        return Err(cannot_create(op, &what, meta));
     }
     Imported::output(op, meta, data.cast())
 }
 
-fn cannot_create(op: &str, name: Option<&str>, index: usize, meta: &TensorMeta) -> Error {
+/// `what`: the output as the caller can tell it (`return 'y'`, `return 1`, `an output`).
+fn cannot_create(op: &str, what: &str, meta: &TensorMeta) -> Error {
     Error::new(
         ErrorCode::Runtime,
         format!(
-            "{op}: torch could not create return {} ({} {}, {} bytes)",
-            name.map_or(index.to_string(), |n| format!("'{n}'")),
+            "{op}: torch could not create {what} ({} {}, {} bytes)",
             ShapeDisplay(meta.shape()),
             meta.dtype.name(),
             meta.contiguous_bytes().unwrap_or(0)

@@ -80,6 +80,11 @@ fn storage_extent(shape: &[usize], strides: &[usize], offset: usize) -> Result<u
     last.checked_add(1).ok_or_else(|| overflow("storage extent", shape))
 }
 
+/// [`storage_extent`] in bytes of `dtype`.
+fn storage_bytes(shape: &[usize], strides: &[usize], offset: usize, dtype: DType) -> Result<usize> {
+    storage_extent(shape, strides, offset)?.checked_mul(dtype.size()).ok_or_else(|| overflow("byte size", shape))
+}
+
 /// Row-major strides for `shape`, overflow-checked.
 pub fn contiguous_strides(shape: &[usize]) -> Result<Vec<usize>> {
     let mut strides = vec![0; shape.len()];
@@ -157,8 +162,7 @@ impl Layout {
 
     /// Checks that the view stays inside a buffer of `len_bytes` holding `dtype` elements.
     pub fn check_fits(&self, dtype: DType, len_bytes: usize) -> Result<()> {
-        let need =
-            self.storage_extent()?.checked_mul(dtype.size()).ok_or_else(|| overflow("byte size", self.shape()))?;
+        let need = storage_bytes(self.shape(), self.strides(), self.offset, dtype)?;
         if need > len_bytes {
             return Err(Error::new(
                 ErrorCode::Shape,
@@ -460,9 +464,7 @@ impl MetaRef<'_> {
     /// checks as [`Layout::strided`]: ranks agree, nothing overflows.
     pub fn storage_bytes(&self) -> Result<usize> {
         check_ranks(self.shape, self.strides)?;
-        storage_extent(self.shape, self.strides, self.offset)?
-            .checked_mul(self.dtype.size())
-            .ok_or_else(|| overflow("byte size", self.shape))
+        storage_bytes(self.shape, self.strides, self.offset, self.dtype)
     }
 
     pub fn to_meta(&self) -> Result<TensorMeta> {
