@@ -226,7 +226,7 @@ def _torch_abi_call():
         _fields_ = [("version", ctypes.c_uint32), ("call", ctypes.c_void_p)]
 
     abi = TorchAbi.from_address(table)
-    assert abi.version == 3
+    assert abi.version == 4
     proto = ctypes.PYFUNCTYPE(
         ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64
     )
@@ -491,16 +491,58 @@ def test_an_output_torch_cannot_make_is_a_uniop_error(route):
     torch.testing.assert_close(silu(torch.ones(2)), torch.nn.functional.silu(torch.ones(2)))
 
 
-def test_torch_tensor_maker_takes_only_its_own_capsule():
+def test_torch_tensor_io_takes_only_its_own_capsule():
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.restype = ctypes.py_object
     new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    name = ctypes.create_string_buffer(b"someone.else.tensor_maker")  # outlives the capsule below
+    name = ctypes.create_string_buffer(b"uniop.torch.tensor_maker.v1")  # outlives the capsule below
     payload = ctypes.c_int(0)
     other = new_capsule(ctypes.addressof(payload), ctypes.addressof(name), None)
     with pytest.raises(ValueError, match="incorrect name"):
-        uniop._native._use_torch_tensor_maker(torch.Tensor, other)
+        uniop._native._use_torch_tensors(torch.Tensor, other)
     with pytest.raises(TypeError):
-        uniop._native._use_torch_tensor_maker(torch.Tensor, "not a capsule")
-    x = torch.randn(5)  # the maker in use is still the real one
+        uniop._native._use_torch_tensors(torch.Tensor, "not a capsule")
+    x = torch.randn(5)  # the functions in use are still the real ones
     torch.testing.assert_close(uniop.silu(x), torch.nn.functional.silu(x))
+
+
+def test_direct_calls_read_torch_views_as_torch_sees_them():
+    """uniop.<op> reads torch arguments through uniop.torch's C++ reader: offsets, strides,
+    broadcast (stride-0) and empty views, bf16/f16, Parameters and tensors that require grad."""
+    base = torch.randn(6, 10)
+    x = base.t()[2:, 1::2]  # transposed, offset, strided
+    w = torch.randn(3).expand(5, 3)[1]  # a row of a stride-0 view
+    cases = [
+        (uniop.silu, (x,), lambda: torch.nn.functional.silu(x)),
+        (uniop.silu, (x.to(torch.bfloat16),), lambda: torch.nn.functional.silu(x.to(torch.bfloat16))),
+        (uniop.silu, (x.half(),), lambda: torch.nn.functional.silu(x.half())),
+        (uniop.silu, (torch.randn(0, 4),), lambda: torch.empty(0, 4)),
+        (uniop.mul, (x[:, :3], w), lambda: x[:, :3] * w),
+        (uniop.silu, (torch.nn.Parameter(x.clone()),), lambda: torch.nn.functional.silu(x)),
+        (uniop.silu, (x.clone().requires_grad_(),), lambda: torch.nn.functional.silu(x)),
+    ]
+    for fn, args, expected in cases:
+        out = fn(*args)
+        out = out[0] if isinstance(out, tuple) else out
+        torch.testing.assert_close(out, expected().detach(), atol=1e-2 if out.dtype != torch.float32 else 1e-6, rtol=1e-2)
+    # In place, through the views the reader gives: caches that are slices of a larger buffer.
+    buffer = torch.zeros(2, 1, 2, 8, 4)
+    k_cache, v_cache = buffer[0], buffer[1]
+    k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    assert uniop.kv_cache_append(k_cache, v_cache, k, v, torch.tensor([2])) is None
+    torch.testing.assert_close(k_cache[:, :, 2:5], k)
+    torch.testing.assert_close(v_cache[:, :, 2:5], v)
+    assert k_cache[:, :, :2].abs().sum() == 0 and v_cache[:, :, 5:].abs().sum() == 0
+
+
+def test_direct_calls_refuse_negative_views():
+    """A negative view's values are the negation of its memory's; DLPack cannot say so, and
+    reading the memory as it is would return silu(x) for silu(-x)."""
+    x = torch.randn(4)
+    with pytest.raises(uniop.UniopError, match=r"silu: argument 'x': expected a tensor without a pending negation"):
+        uniop.silu(x._neg_view())
+    torch.testing.assert_close(uniop.silu(x._neg_view().resolve_neg()), torch.nn.functional.silu(-x))
+    with pytest.raises(uniop.UniopError, match=r"silu: argument 'x': expected a CPU tensor, got a tensor on meta"):
+        uniop.silu(torch.randn(4, device="meta"))
+    with pytest.raises(uniop.UniopError, match=r"silu: argument 'x': expected a dtype uniop knows"):
+        uniop.silu(torch.randn(3, dtype=torch.complex64).conj())

@@ -2,7 +2,8 @@
 //!
 //! Like the C API, this module never names an op. It hands Python one [`Op`] object per registered
 //! schema; calling it binds Python arguments to the schema, imports tensors zero-copy (torch through
-//! its DLPack exchange API, NumPy through its C API, anything else through `__dlpack__`), makes
+//! `uniop.torch`'s C++ reader when loaded, else its DLPack exchange API; NumPy through its C API;
+//! anything else through `__dlpack__`), makes
 //! the outputs as the caller's kind (a torch caller gets torch tensors, a NumPy caller arrays) and
 //! runs the executor on the default stream (with the GIL released unless the work is tiny).
 //! `python/uniop/__init__.py` turns these objects into `uniop.<op>` functions with signatures and
@@ -176,13 +177,14 @@ fn _set_allocator(alloc: Py<PyAny>) -> PyResult<()> {
     call::set_allocator(alloc)
 }
 
-/// Makes `uniop.<op>` create outputs for torch callers with uniop.torch's C++ maker.
+/// Makes `uniop.<op>` read torch arguments and create torch outputs with uniop.torch's C++
+/// functions.
 #[pyfunction]
-fn _use_torch_tensor_maker(
+fn _use_torch_tensors(
     tensor_type: Bound<'_, pyo3::types::PyType>,
     capsule: Bound<'_, pyo3::types::PyCapsule>,
 ) -> PyResult<()> {
-    torch_abi::use_tensor_maker(tensor_type, &capsule)
+    torch_abi::use_tensor_io(tensor_type, &capsule)
 }
 
 /// The capsule (`uniop._native.torch_abi`) with the C ABI uniop's C++ torch kernels call.
@@ -199,7 +201,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops, m)?)?;
     m.add_function(wrap_pyfunction!(_set_allocator, m)?)?;
     m.add_function(wrap_pyfunction!(_torch_abi, m)?)?;
-    m.add_function(wrap_pyfunction!(_use_torch_tensor_maker, m)?)?;
+    m.add_function(wrap_pyfunction!(_use_torch_tensors, m)?)?;
     runtime::register(m)?;
     Ok(())
 }

@@ -109,7 +109,7 @@ pub struct TorchAbi {
     pub release: unsafe extern "C" fn(context: *mut c_void),
 }
 
-pub const TORCH_ABI_VERSION: u32 = 3;
+pub const TORCH_ABI_VERSION: u32 = 4;
 // The C++ side asserts the same size.
 const _: () = assert!(std::mem::size_of::<BoxedValue>() == 64);
 // Output shapes go to the maker as the core's usize dims.
@@ -134,20 +134,67 @@ pub fn capsule(py: Python<'_>) -> PyResult<Bound<'_, PyCapsule>> {
 type TensorMaker =
     unsafe extern "C" fn(shape: *const i64, ndim: u64, dtype: DLDataType, data: *mut *mut c_void) -> *mut PyObject;
 
-/// The capsule name says the signature: another version is refused rather than called.
-const TENSOR_MAKER_NAME: &CStr = c"uniop.torch.tensor_maker.v1";
+/// How `uniop.<op>` reads a torch argument: fills `view` with the tensor's own data pointer,
+/// sizes and strides (valid while the caller holds `obj`) and returns 1; returns -1 for a negative
+/// view (values the negation of its memory's, which DLPack cannot express and torch's exchange
+/// API hands over as plain memory), and 0 for anything else but a plain CPU tensor of a dtype
+/// uniop knows — which then takes torch's DLPack exchange API, whose errors name the problem. The exchange API's pybind11 caster, GIL guard and work-stream
+/// query cost ~1,500 instructions per tensor for the same view (callgrind), a sixth of a tiny call.
+type TensorReader = unsafe extern "C" fn(obj: *mut PyObject, view: *mut DLTensor) -> i32;
 
-/// The tensor type the maker is for, and the maker. Set once (`uniop.torch` imports once).
-static TENSOR_MAKER: OnceLock<(Py<PyType>, TensorMaker)> = OnceLock::new();
+/// What the `uniop.torch.tensor_io.v1` capsule points at (`kTensorIo` in kernels.cpp).
+#[repr(C)]
+struct TensorIo {
+    make: TensorMaker,
+    read: TensorReader,
+}
 
-/// Makes `uniop.<op>` create outputs for callers passing a `tensor_type` (or a subclass) with
-/// the maker in `capsule` (`uniop.torch._kernels.tensor_maker()`).
-pub fn use_tensor_maker(tensor_type: Bound<'_, PyType>, capsule: &Bound<'_, PyCapsule>) -> PyResult<()> {
-    let make = capsule.pointer_checked(Some(TENSOR_MAKER_NAME))?;
-    // SAFETY: a capsule with this name holds a `TensorMaker`, as kernels.cpp writes it.
-    let make = unsafe { std::mem::transmute::<*mut c_void, TensorMaker>(make.as_ptr()) };
-    let _ = TENSOR_MAKER.set((tensor_type.unbind(), make));
+/// The capsule name says the layout: another version is refused rather than called.
+const TENSOR_IO_NAME: &CStr = c"uniop.torch.tensor_io.v1";
+
+/// The tensor type the functions are for, and the functions. Set once (`uniop.torch` imports once).
+static TENSOR_IO: OnceLock<(Py<PyType>, &'static TensorIo)> = OnceLock::new();
+
+/// Makes `uniop.<op>` read arguments and create outputs of `tensor_type` (or a subclass) with the
+/// functions in `capsule` (`uniop.torch._kernels.tensor_io()`).
+pub fn use_tensor_io(tensor_type: Bound<'_, PyType>, capsule: &Bound<'_, PyCapsule>) -> PyResult<()> {
+    let io = capsule.pointer_checked(Some(TENSOR_IO_NAME))?;
+    // SAFETY: a capsule with this name points at a `TensorIo` static of the C++ module, which is
+    // never unloaded.
+    let io = unsafe { io.cast::<TensorIo>().as_ref() };
+    let _ = TENSOR_IO.set((tensor_type.unbind(), io));
     Ok(())
+}
+
+/// The C++ side's functions when `obj` is a tensor of their type.
+fn tensor_io_for(obj: &Bound<'_, PyAny>) -> Option<&'static TensorIo> {
+    let (tensor_type, io) = TENSOR_IO.get()?;
+    // SAFETY: both are type objects; PyType_IsSubtype reads their MROs (no Python code runs).
+    let is_tensor = unsafe { pyo3::ffi::PyType_IsSubtype(obj.get_type_ptr(), tensor_type.as_ptr().cast()) } != 0;
+    is_tensor.then_some(*io)
+}
+
+/// Argument `arg` read by the C++ side's reader: `None` when no reader is set or it does not take
+/// `obj` (the caller reads it another way).
+pub(crate) fn read_torch_input(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> Option<Result<Imported, Error>> {
+    let io = tensor_io_for(obj)?;
+    let mut view = std::mem::MaybeUninit::<DLTensor>::uninit();
+    // SAFETY: `obj` is a live object and `view` room for one DLTensor; this thread holds the GIL.
+    match unsafe { (io.read)(obj.as_ptr(), view.as_mut_ptr()) } {
+        1 => {}
+        -1 => {
+            let expected = "a tensor without a pending negation (call .resolve_neg() on it)";
+            return Some(Err(Error::arg(ErrorCode::ParamInvalid, op, arg, expected, "a negative view")));
+        }
+        _ => return None,
+    }
+    // SAFETY: a reader returning 1 filled `view`; its pointers are the tensor's, which the caller
+    // holds for the whole call.
+    let view = unsafe { view.assume_init() };
+    let described = unsafe { dlpark::TensorRef::from_raw(&view) }
+        .map_err(|e| Error::arg(ErrorCode::ParamInvalid, op, arg, "a valid DLPack tensor", e.to_string()))
+        .and_then(|t| describe(op, arg, &t));
+    Some(described)
 }
 
 /// An output for `like` from the C++ side's maker: `None` when no maker is set or `like` is not a
@@ -157,11 +204,7 @@ pub(crate) fn make_torch_output<'py>(
     like: &Bound<'py, PyAny>,
     meta: &TensorMeta,
 ) -> Option<PyResult<(Bound<'py, PyAny>, Imported)>> {
-    let (tensor_type, make) = TENSOR_MAKER.get()?;
-    // SAFETY: both are type objects; PyType_IsSubtype reads their MROs (no Python code runs).
-    if unsafe { pyo3::ffi::PyType_IsSubtype(like.get_type_ptr(), tensor_type.as_ptr().cast()) } == 0 {
-        return None;
-    }
+    let make = tensor_io_for(like)?.make;
     let py = like.py();
     let shape = meta.shape();
     let mut data = std::ptr::null_mut();

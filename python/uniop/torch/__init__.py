@@ -118,7 +118,7 @@ def _load_cpp_kernels():
         from . import _kernels
 
         _kernels.init(_uniop._native._torch_abi())
-        _uniop._native._use_torch_tensor_maker(torch.Tensor, _kernels.tensor_maker())
+        _uniop._native._use_torch_tensors(torch.Tensor, _kernels.tensor_io())
     except (ImportError, RuntimeError) as e:  # a broken build or another uniop ABI: say so, keep working
         warnings.warn(f"uniop.torch: the C++ kernels did not load ({e}); using the Python ones", stacklevel=3)
         return None
