@@ -235,8 +235,8 @@ fn dims(shape: &[usize], strides: &[usize]) -> Dims {
 #[derive(Clone, Copy)]
 enum Producer {
     /// The producer's DLPack C exchange API (torch has one): borrowed views and direct tensor
-    /// creation without capsules. Torch tensors go to `uniop.torch`'s C++ reader first when it is
-    /// loaded ([`crate::torch_abi::read_torch_input`]), which is cheaper still.
+    /// creation without capsules. Torch tensors the C++ reader of `uniop.torch` takes, once it is
+    /// loaded ([`crate::torch_abi::read_torch_input`]), never get here.
     Exchange(&'static ExchangeApi),
     /// A NumPy array: its header is read, and outputs are made, through NumPy's C API.
     NumPy,
@@ -334,11 +334,12 @@ fn import(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> Result<Imported, Error
         }
     };
     // Fast paths: a borrowed view, no managed tensor; the caller holds `obj` for the whole call.
+    // Torch tensors first, before the per-type producer lookup they do not need.
+    if let Some(read) = crate::torch_abi::read_torch_input(op, arg, obj) {
+        return read;
+    }
     let api = match producer(obj) {
-        Producer::Exchange(api) => match crate::torch_abi::read_torch_input(op, arg, obj) {
-            Some(read) => return read,
-            None => Some(api),
-        },
+        Producer::Exchange(api) => Some(api),
         Producer::NumPy => match ndarray::describe(obj) {
             Some((dtype, dims, ptr, read_only)) => return Imported::new(op, None, dtype, dims, ptr, read_only),
             None => None,
