@@ -3,6 +3,8 @@ references, at f32/f16/bf16, contiguous and strided; opcheck for every registrat
 every backward."""
 
 import ctypes
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -285,8 +287,6 @@ def test_python_kernels_give_the_same_results():
     value, routing, optional-gradient, gradcheck and error tests too: run them in a process that
     refuses the C++ kernels."""
     import os
-    import subprocess
-    import sys
 
     tests = "values_match or autograd_kernel_routes or linear_without_bias or gradcheck or errors_are_uniop"
     env = dict(os.environ, UNIOP_TORCH_CPP_KERNELS="0")
@@ -546,3 +546,24 @@ def test_direct_calls_refuse_negative_views():
         uniop.silu(torch.randn(4, device="meta"))
     with pytest.raises(uniop.UniopError, match=r"silu: argument 'x': expected a dtype uniop knows"):
         uniop.silu(torch.randn(3, dtype=torch.complex64).conj())
+
+
+@pytest.mark.parametrize("with_reader", [True, False], ids=["cpp-reader", "dlpack-exchange"])
+def test_direct_calls_refuse_tensors_without_memory(with_reader):
+    """An efficient zero tensor is a view of no memory (a null data pointer): reading its elements
+    crashed the process; both torch routes now refuse it (torch.ops.uniop materializes it first)."""
+    code = f"""
+import torch, uniop
+if {with_reader}:
+    import uniop.torch
+z = torch._efficientzerotensor(3)
+try:
+    uniop.silu(z)
+except uniop.UniopError as e:
+    print(e)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "silu: argument 'x': expected a tensor with memory behind its elements" in run.stdout
+    assert "a null data pointer for 12 bytes of elements" in run.stdout
+    torch.testing.assert_close(torch.ops.uniop.silu(torch._efficientzerotensor(3)), torch.zeros(3))

@@ -311,6 +311,11 @@ pub(crate) fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result
     let dims = dims(shape, bytemuck::cast_slice(&strides));
     let base = (t.data_ptr() as *mut u8).wrapping_add(t.byte_offset() as usize);
     let view = Imported::new(op, None, dtype, dims, base, false)?;
+    // Torch's efficient zero tensors (gradients autograd knows to be zero) are views of no memory.
+    if t.data_ptr().is_null() && view.len > 0 {
+        let given = format!("a null data pointer for {} bytes of elements", view.len);
+        return Err(bad("a tensor with memory behind its elements (not an efficient zero tensor)", given));
+    }
     if !(view.ptr as usize).is_multiple_of(dtype.size()) {
         return Err(bad("data aligned to its element size", format!("address {base:p}")));
     }
