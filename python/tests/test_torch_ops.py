@@ -567,3 +567,24 @@ except uniop.UniopError as e:
     assert "silu: argument 'x': expected a tensor with memory behind its elements" in run.stdout
     assert "a null data pointer for 12 bytes of elements" in run.stdout
     torch.testing.assert_close(torch.ops.uniop.silu(torch._efficientzerotensor(3)), torch.zeros(3))
+
+
+@pytest.mark.parametrize("route", ["torch.ops.uniop", "uniop"])
+def test_views_past_the_end_of_their_storage_are_refused(route):
+    """A storage resized smaller under its view (`untyped_storage().resize_()`): reading the view
+    read past the end of the memory and crashed the process; both routes refuse it now (in a
+    subprocess, so that a regression fails this test instead of killing the run)."""
+    code = f"""
+import torch, uniop, uniop.torch
+x = torch.randn(1 << 20)
+x.untyped_storage().resize_(4)
+try:
+    {"torch.ops.uniop.silu" if route == "torch.ops.uniop" else "uniop.silu"}(x)
+except (uniop.UniopError, RuntimeError) as e:
+    print(type(e).__name__, e)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    error = "UniopError" if route == "uniop" else "RuntimeError"  # the torch kernel checks before the core
+    assert run.stdout.startswith(error), run.stdout
+    assert "silu: argument 'x': expected a tensor whose storage holds its elements, got a view reaching" in run.stdout

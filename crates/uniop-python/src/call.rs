@@ -314,7 +314,7 @@ pub(crate) fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result
     // Torch's efficient zero tensors (gradients autograd knows to be zero) are views of no memory.
     if t.data_ptr().is_null() && view.len > 0 {
         let given = format!("a null data pointer for {} bytes of elements", view.len);
-        return Err(bad("a tensor with memory behind its elements (not an efficient zero tensor)", given));
+        return Err(bad("a tensor with memory behind its elements", given));
     }
     if !(view.ptr as usize).is_multiple_of(dtype.size()) {
         return Err(bad("data aligned to its element size", format!("address {base:p}")));

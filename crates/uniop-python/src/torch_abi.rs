@@ -137,8 +137,8 @@ type TensorMaker =
 /// How `uniop.<op>` reads a torch argument: fills `view` with the tensor's own data pointer,
 /// sizes and strides (valid while the caller holds `obj`) and returns 1; returns -1 for a negative
 /// view (values the negation of its memory's, which DLPack cannot express and torch's exchange
-/// API hands over as plain memory), and 0 for anything else but a plain CPU tensor of a dtype
-/// uniop knows — which then takes torch's DLPack exchange API, whose errors name the problem. The exchange API's pybind11 caster, GIL guard and work-stream
+/// API hands over as plain memory), -2 for a view reaching past the end of its storage (resized
+/// smaller under it), and 0 for anything else but a plain CPU tensor of a dtype uniop knows — which then takes torch's DLPack exchange API, whose errors name the problem. The exchange API's pybind11 caster, GIL guard and work-stream
 /// query cost ~1,500 instructions per tensor for the same view (callgrind), a sixth of a tiny call.
 type TensorReader = unsafe extern "C" fn(obj: *mut PyObject, view: *mut DLTensor) -> i32;
 
@@ -185,6 +185,11 @@ pub(crate) fn read_torch_input(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> O
         -1 => {
             let expected = "a tensor without a pending negation (call .resolve_neg() on it)";
             return Some(Err(Error::arg(ErrorCode::ParamInvalid, op, arg, expected, "a negative view")));
+        }
+        -2 => {
+            let expected = "a tensor whose storage holds its elements";
+            let given = "a view reaching past the end of its storage";
+            return Some(Err(Error::arg(ErrorCode::ParamInvalid, op, arg, expected, given)));
         }
         _ => return None,
     }
