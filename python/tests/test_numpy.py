@@ -154,6 +154,12 @@ def test_signatures_and_docstrings_come_from_the_schema():
         (lambda: uniop.cat([]), "param-invalid", "needs at least one tensor"),
         (lambda: uniop.cat([np.ones((2, 3), np.float32), np.ones((2, 2), np.float32)]), "shape", "'tensors\\[1\\]'"),
         (lambda: uniop.load_library("/nonexistent/libx.so"), "param-invalid", "cannot be loaded"),
+        # A stride-0 view of one element whose output (2**62 bytes) NumPy cannot allocate.
+        (
+            lambda: uniop.silu(np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (2**60,), (0,))),
+            "runtime",
+            r"silu: NumPy could not create an output \(\[1152921504606846976\] float32, 4611686018427387904 bytes\)",
+        ),
     ],
 )
 def test_bad_input_raises_uniop_error(call, code_name, message):

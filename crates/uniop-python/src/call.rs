@@ -17,6 +17,7 @@ use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 use std::sync::{Arc, OnceLock};
 use uniop::executor::SignatureKey;
+use uniop::layout::ShapeDisplay;
 use uniop::runtime::{Allocator, DeviceBuffer, MemPolicy};
 use uniop::schema::{Arg, BaseType};
 use uniop::{
@@ -446,7 +447,7 @@ fn allocate<'py>(op: &str, like: &Bound<'py, PyAny>, meta: &TensorMeta) -> PyRes
     let producer = producer(like);
     if let Producer::NumPy = producer {
         if let Some(made) = ndarray::empty(py, meta) {
-            let (obj, ptr) = made?;
+            let (obj, ptr) = made.map_err(|_| to_py_err(cannot_create(op, "NumPy", "an output", meta)))?;
             let view = Imported::output(op, meta, ptr).map_err(to_py_err)?;
             return Ok((obj, view));
         }
@@ -791,4 +792,18 @@ pub fn infer(
     let metas = run().map_err(to_py_err)?;
     let list: Vec<(Vec<usize>, &str)> = metas.iter().map(|m| (m.shape().to_vec(), m.dtype.name())).collect();
     list.into_py_any(py)
+}
+
+/// The error for an output the framework (`maker`: "torch", "NumPy") could not create; `what`
+/// is the output as the caller can tell it (`return 'y'`, `return 1`, `an output`).
+pub(crate) fn cannot_create(op: &str, maker: &str, what: &str, meta: &TensorMeta) -> Error {
+    Error::new(
+        ErrorCode::Runtime,
+        format!(
+            "{op}: {maker} could not create {what} ({} {}, {} bytes)",
+            ShapeDisplay(meta.shape()),
+            meta.dtype.name(),
+            meta.contiguous_bytes().unwrap_or(0)
+        ),
+    )
 }

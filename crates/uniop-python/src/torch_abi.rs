@@ -19,7 +19,7 @@
 //! usual `uniop.UniopError`, set as the calling thread's Python error for the C++ side to raise;
 //! panics are caught here and never cross into C++.
 
-use crate::call::{describe, dl_dtype, plan_and_run, CallTensors, Imported, KNOWN_DTYPES};
+use crate::call::{cannot_create, describe, dl_dtype, plan_and_run, CallTensors, Imported, KNOWN_DTYPES};
 use crate::to_py_err;
 use dlpark::ffi::{DLDataType, DLTensor};
 use pyo3::ffi::PyObject;
@@ -30,7 +30,6 @@ use std::ffi::{c_void, CStr};
 use std::mem::ManuallyDrop;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, OnceLock};
-use uniop::layout::ShapeDisplay;
 use uniop::runtime::{Allocator, DeviceBuffer, MemPolicy};
 use uniop::schema::BaseType;
 use uniop::{AttrValue, DType, Error, ErrorCode, OpEntry, Stream, TensorMeta};
@@ -218,7 +217,7 @@ pub(crate) fn make_torch_output<'py>(
     let obj = unsafe { make(shape.as_ptr().cast(), shape.len() as u64, dl_dtype(meta.dtype), &mut data) };
     // SAFETY: a non-null result is a new reference.
     let Some(obj) = (unsafe { Bound::from_owned_ptr_or_opt(py, obj) }) else {
-        return Some(Err(to_py_err(cannot_create(op, "an output", meta))));
+        return Some(Err(to_py_err(cannot_create(op, "torch", "an output", meta))));
     };
     Some(Imported::output(op, meta, data.cast()).map(|view| (obj, view)).map_err(to_py_err))
 }
@@ -347,22 +346,9 @@ fn make_output(
     let data = unsafe { (outputs.make)(outputs.state, index as u64, shape.as_ptr().cast(), shape.len() as u64, dtype) };
     if data.is_null() && meta.numel() > 0 {
         let what = name.map_or(format!("return {index}"), |n| format!("return '{n}'"));
-        return Err(cannot_create(op, &what, meta));
+        return Err(cannot_create(op, "torch", &what, meta));
     }
     Imported::output(op, meta, data.cast())
-}
-
-/// `what`: the output as the caller can tell it (`return 'y'`, `return 1`, `an output`).
-fn cannot_create(op: &str, what: &str, meta: &TensorMeta) -> Error {
-    Error::new(
-        ErrorCode::Runtime,
-        format!(
-            "{op}: torch could not create {what} ({} {}, {} bytes)",
-            ShapeDisplay(meta.shape()),
-            meta.dtype.name(),
-            meta.contiguous_bytes().unwrap_or(0)
-        ),
-    )
 }
 
 unsafe extern "C" fn allocate(bytes: u64, context: *mut *mut c_void) -> *mut c_void {
