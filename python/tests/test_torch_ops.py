@@ -535,7 +535,7 @@ def test_direct_calls_read_torch_views_as_torch_sees_them():
     assert k_cache[:, :, :2].abs().sum() == 0 and v_cache[:, :, 5:].abs().sum() == 0
 
 
-def test_direct_calls_refuse_negative_views():
+def test_direct_calls_refuse_views_they_cannot_read():
     """A negative view's values are the negation of its memory's; DLPack cannot say so, and
     reading the memory as it is would return silu(x) for silu(-x)."""
     x = torch.randn(4)
@@ -546,6 +546,9 @@ def test_direct_calls_refuse_negative_views():
         uniop.silu(torch.randn(4, device="meta"))
     with pytest.raises(uniop.UniopError, match=r"silu: argument 'x': expected a dtype uniop knows"):
         uniop.silu(torch.randn(3, dtype=torch.complex64).conj())
+    if torch.backends.mkldnn.is_available():  # on the CPU, but not a layout DLPack has: no "tensor on cpu"
+        with pytest.raises(uniop.UniopError, match=r"silu: argument 'x': expected a tensor that can be shared"):
+            uniop.silu(torch.randn(4, 4).to_mkldnn())
 
 
 @pytest.mark.parametrize("with_reader", [True, False], ids=["cpp-reader", "dlpack-exchange"])

@@ -327,10 +327,17 @@ fn import(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> Result<Imported, Error
     let py = obj.py();
     let refused = |e: PyErr| {
         // Producers refuse devices they cannot share (torch's meta tensors) with long native
-        // traces: name the device when it says, else the first line of the producer's message.
+        // traces: name the device when it is not the CPU, else give the first line of the
+        // producer's message (a CPU tensor of a layout DLPack lacks, such as torch's mkldnn ones,
+        // reports no DLPack device but is on "cpu").
         let device = obj.call_method0(pyo3::intern!(py, "__dlpack_device__")).ok();
         let device: Option<(u32, i32)> = device.and_then(|d| d.extract().ok());
-        match obj.getattr(pyo3::intern!(py, "device")).ok().filter(|_| device.is_none_or(|(t, _)| t != 1)) {
+        let name = obj.getattr(pyo3::intern!(py, "device")).ok().map(|d| d.to_string());
+        let elsewhere = match device {
+            Some((device_type, _)) => device_type != 1,
+            None => name.as_deref().is_some_and(|n| n != "cpu"),
+        };
+        match name.filter(|_| elsewhere) {
             Some(name) => Error::arg(ErrorCode::ParamInvalid, op, arg, "a CPU tensor", format!("a tensor on {name}")),
             None => {
                 let text = e.to_string();
