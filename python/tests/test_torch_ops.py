@@ -536,8 +536,9 @@ def test_direct_calls_read_torch_views_as_torch_sees_them():
 
 
 def test_direct_calls_refuse_views_they_cannot_read():
-    """A negative view's values are the negation of its memory's; DLPack cannot say so, and
-    reading the memory as it is would return silu(x) for silu(-x)."""
+    """Each with a message naming the argument. A negative view's values are the negation of its
+    memory's; DLPack cannot say so, and reading the memory as it is returned silu(x) for silu(-x).
+    Meta tensors, complex dtypes and layouts DLPack lacks are refused as before the C++ reader."""
     x = torch.randn(4)
     with pytest.raises(uniop.UniopError, match=r"silu: argument 'x': expected a tensor without a pending negation"):
         uniop.silu(x._neg_view())
