@@ -555,7 +555,8 @@ def test_direct_calls_refuse_views_they_cannot_read():
 @pytest.mark.parametrize("with_reader", [True, False], ids=["cpp-reader", "dlpack-exchange"])
 def test_direct_calls_refuse_tensors_without_memory(with_reader):
     """An efficient zero tensor is a view of no memory (a null data pointer): reading its elements
-    crashed the process; both torch routes now refuse it (torch.ops.uniop materializes it first)."""
+    crashed the process. uniop.<op> refuses it with or without uniop.torch's C++ reader;
+    torch.ops.uniop gets it materialized by the dispatcher and computes on the zeros."""
     code = f"""
 import torch, uniop
 if {with_reader}:

@@ -134,14 +134,24 @@ type TensorMaker =
     unsafe extern "C" fn(shape: *const i64, ndim: u64, dtype: DLDataType, data: *mut *mut c_void) -> *mut PyObject;
 
 /// How `uniop.<op>` reads a torch argument: fills `view` with the tensor's own data pointer,
-/// sizes and strides (valid while the caller holds `obj`) and returns 1. Returns -1 for a negative
-/// view (values the negation of its memory's, which DLPack cannot express and torch's exchange API
-/// hands over as plain memory), -2 for a view reaching past the end of its storage (resized smaller
-/// under it), and 0 for anything else but a plain CPU tensor of a dtype uniop knows, which then
-/// takes torch's DLPack exchange API (whose errors name the problem). That API's pybind11 caster,
-/// GIL guard and work-stream query cost ~1,100 instructions per tensor for the same view, against
-/// ~350 for the reader with its checks (callgrind).
+/// sizes and strides (valid while the caller holds `obj`) and says what it did ([`read_status`]).
+/// Anything but a plain CPU tensor of a dtype uniop knows is left to torch's DLPack exchange API,
+/// whose errors name the problem. That API's pybind11 caster, GIL guard and work-stream query cost
+/// ~1,100 instructions per tensor for the same view, against ~350 for the reader with its checks
+/// (callgrind).
 type TensorReader = unsafe extern "C" fn(obj: *mut PyObject, view: *mut DLTensor) -> i32;
+
+/// What a [`TensorReader`] returns. The numbers are the ABI: keep them in step with `ReadStatus` in
+/// `kernels.cpp`.
+mod read_status {
+    /// `view` is filled.
+    pub const READ: i32 = 1;
+    /// A negative view (`_neg_view()`): its values are the negation of its memory's, which DLPack
+    /// cannot express and torch's exchange API hands over as plain memory.
+    pub const NEGATIVE_VIEW: i32 = -1;
+    /// The view reaches past the end of its storage (resized smaller under it).
+    pub const PAST_STORAGE: i32 = -2;
+}
 
 /// What the `uniop.torch.tensor_io.v1` capsule points at (`kTensorIo` in kernels.cpp).
 #[repr(C)]
@@ -182,19 +192,19 @@ pub(crate) fn read_torch_input(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> O
     let mut view = std::mem::MaybeUninit::<DLTensor>::uninit();
     // SAFETY: `obj` is a live object and `view` room for one DLTensor; this thread holds the GIL.
     match unsafe { (io.read)(obj.as_ptr(), view.as_mut_ptr()) } {
-        1 => {}
-        -1 => {
+        read_status::READ => {}
+        read_status::NEGATIVE_VIEW => {
             let expected = "a tensor without a pending negation (call .resolve_neg() on it)";
             return Some(Err(Error::arg(ErrorCode::ParamInvalid, op, arg, expected, "a negative view")));
         }
-        -2 => {
+        read_status::PAST_STORAGE => {
             let expected = "a tensor whose storage holds its elements";
             let given = "a view reaching past the end of its storage";
             return Some(Err(Error::arg(ErrorCode::ParamInvalid, op, arg, expected, given)));
         }
         _ => return None,
     }
-    // SAFETY: a reader returning 1 filled `view`; its pointers are the tensor's, which the caller
+    // SAFETY: a reader returning READ filled `view`; its pointers are the tensor's, which the caller
     // holds for the whole call.
     let view = unsafe { view.assume_init() };
     let described = unsafe { dlpark::TensorRef::from_raw(&view) }

@@ -173,13 +173,13 @@ size_t bytes_past_storage(const at::Tensor& t) {
   return needed > t.storage().nbytes() ? needed : 0;
 }
 
-DLTensor dl_view(const at::Tensor& t, bool mutated) {
+DLTensor dl_view(const at::Tensor& t, bool mutated, DLDataType dtype) {
   DLTensor d{};
   d.data = mutated ? t.mutable_data_ptr() : const_cast<void*>(t.const_data_ptr());
   // Only CPU tensors reach a CPU kernel, short of a mixed call; the core names any other device.
   d.device = t.is_cpu() ? DLDevice{kDLCPU, 0} : DLDevice{t.is_cuda() ? kDLCUDA : kDLExtDev, t.get_device()};
   d.ndim = static_cast<int32_t>(t.dim());
-  d.dtype = at::getDLDataType(t);
+  d.dtype = dtype;
   d.shape = const_cast<int64_t*>(t.sizes().data());
   d.strides = const_cast<int64_t*>(t.strides().data());
   d.byte_offset = 0;
@@ -203,32 +203,38 @@ PyObject* make_py_tensor(const int64_t* shape, uint64_t ndim, DLDataType dtype, 
   }
 }
 
+// What read_py_tensor returns; the numbers are the ABI (torch_abi.rs, `read_status`).
+enum ReadStatus : int {
+  kNotRead = 0,        // not a plain CPU tensor of a dtype uniop knows: the caller reads it another way
+  kRead = 1,           // `view` is filled
+  kNegativeView = -1,  // `_neg_view()`: values are the negation of its memory's, which DLPack cannot say
+  kPastStorage = -2,   // the view reaches past the end of its storage (bytes_past_storage)
+};
+
 // uniop.<op> called directly on torch tensors reads each tensor argument here: `view` gets the
 // tensor's own data pointer, sizes and strides (valid while the caller holds `obj`). Torch's DLPack
 // exchange API, the route otherwise, pays a pybind11 caster, a GIL guard and a work-stream query for
 // the same view: about 1,100 instructions per tensor against 350 here with the checks below, most of
-// the 7,317 -> 6,679 of a tiny uniop.silu call (callgrind). -1 for a negative view (`_neg_view()`, whose values are the negation of its
-// memory's): DLPack cannot say so, and the exchange route reads such a view's memory as it is.
-// -2 for a view reaching past the end of its storage (bytes_past_storage).
-// 0 for anything else but a plain CPU tensor of a dtype uniop knows (other devices, sparse,
-// conjugate views, tensor subclasses that dispatch to Python, functional wrappers): the caller then
-// takes the exchange route, which refuses what the core cannot read with its own message.
+// the 7,317 -> 6,679 of a tiny uniop.silu call (callgrind). Negative views are refused because the
+// exchange route reads their memory as it is. Not read: other devices, sparse, conjugate views,
+// tensor subclasses that dispatch to Python, functional wrappers — the exchange route refuses what the
+// core cannot read with its own message.
 int read_py_tensor(PyObject* obj, DLTensor* view) noexcept {
   try {
-    if (!THPVariable_Check(obj)) return 0;
+    if (!THPVariable_Check(obj)) return kNotRead;
     const at::Tensor& t = THPVariable_Unpack(obj);
     DLDataType dtype;
     if (!t.defined() || !t.is_cpu() || t.layout() != c10::kStrided || !t.has_storage() || t.is_conj() ||
         !dl_dtype(t.scalar_type(), &dtype))
-      return 0;
+      return kNotRead;
     const c10::DispatchKeySet keys = t.key_set();
-    if (keys.has(c10::DispatchKey::Python) || keys.has(c10::DispatchKey::Functionalize)) return 0;
-    if (t.is_neg()) return -1;
-    if (bytes_past_storage(t) != 0) return -2;
-    *view = dl_view(t, /*mutated=*/true);
-    return 1;
+    if (keys.has(c10::DispatchKey::Python) || keys.has(c10::DispatchKey::Functionalize)) return kNotRead;
+    if (t.is_neg()) return kNegativeView;
+    if (bytes_past_storage(t) != 0) return kPastStorage;
+    *view = dl_view(t, /*mutated=*/true, dtype);
+    return kRead;
   } catch (...) {
-    return 0;
+    return kNotRead;
   }
 }
 
@@ -251,7 +257,7 @@ class CpuKernel final : public c10::OperatorKernel {
     TORCH_CHECK(needed == 0, schema.name(), ": argument '", schema.arguments()[i].name(),
                 "': expected a tensor whose storage holds its elements, got a view reaching ", needed,
                 " bytes into a storage of ", t.storage().nbytes());
-    return dl_view(t, mutated);
+    return dl_view(t, mutated, at::getDLDataType(t));
   }
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
