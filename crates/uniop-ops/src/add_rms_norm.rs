@@ -6,7 +6,7 @@
 //! Each row: add and store `sum` while reducing its squares (one read of both inputs), then
 //! scale the row back from cache. `sum` is written with ordinary stores since it is re-read.
 
-use crate::elementwise::{fence, LANES, STREAMING_BYTES};
+use crate::elementwise::{fence, streams_bytes, LANES};
 use crate::rms_norm::{check_eps, norm_shape, reference_rows, scale_row, weight_f32, KernelShape, DTYPES};
 use uniop::{
     block_dim_for, dispatch_element, with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs,
@@ -101,7 +101,8 @@ impl Op for AddRmsNorm {
             cols: s.cols,
             inner_dims: s.inner_dims,
             eps: check_eps(cx)?,
-            streaming: s.rows * s.cols * s.dtype.size() >= STREAMING_BYTES,
+            // Two outputs: the sum and the normed rows.
+            streaming: streams_bytes(2 * s.rows * s.cols * s.dtype.size()),
         };
         let block_dim = block_dim_for(s.rows, 4 * s.cols * s.dtype.size());
         let workspace = if weight_is_f32 { 0 } else { block_dim as usize * s.cols * 4 };

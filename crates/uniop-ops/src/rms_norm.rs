@@ -9,7 +9,7 @@
 //! (sum of squares, then scale), but the second read hits L1/L2, so the op moves each byte of DRAM
 //! once — it is bandwidth-bound by design.
 
-use crate::elementwise::{copy_streaming, fence, Ahead, STREAMING_BYTES};
+use crate::elementwise::{copy_streaming, fence, streams_bytes, Ahead};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
     OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -251,7 +251,7 @@ impl Op for RmsNorm {
             cols: s.cols,
             inner_dims: s.inner_dims,
             eps: check_eps(cx)?,
-            streaming: bytes >= STREAMING_BYTES,
+            streaming: streams_bytes(bytes),
         };
         let block_dim = block_dim_for(s.rows, 2 * s.cols * s.dtype.size());
         let workspace = if weight_f32 { 0 } else { block_dim as usize * s.cols * 4 };

@@ -3,7 +3,7 @@
 //!
 //! `gate` and `up` must have the same shape (they are two projections of one input); any strides.
 
-use crate::elementwise::{self, Map2, STREAMING_BYTES};
+use crate::elementwise::{self, Map2};
 use crate::math;
 use uniop::{block_dim_for, with_float_dtype, DType, Example, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta};
 
@@ -55,7 +55,7 @@ impl Op for SiluMul {
         let dtype = check_gate_up(cx)?;
         let n = cx.input("gate").numel();
         let block_dim = block_dim_for(n, 3 * dtype.size());
-        let streaming = n * dtype.size() >= STREAMING_BYTES;
+        let streaming = elementwise::streams_bytes(n * dtype.size());
         with_float_dtype!(dtype, cx.op(), "gate", |T| {
             Ok(Plan::new(vec![Step::new("silu_mul", block_dim, move |args, ctx| {
                 elementwise::binary::<T, _>(args, ctx, &SiluMulMap, streaming)

@@ -4,7 +4,7 @@
 //!
 //! [`silu_mul`]: crate::silu_mul
 
-use crate::elementwise::{dense_input, dense_map, dense_output, fence, STREAMING_BYTES};
+use crate::elementwise::{dense_input, dense_map, dense_output, fence, streams_bytes};
 use crate::math;
 use crate::silu_mul::{check_gate_up, DTYPES};
 use uniop::{
@@ -54,7 +54,7 @@ impl Op for SiluMulBackward {
         let out = self.infer(cx)?.remove(0);
         let n = out.numel();
         let block_dim = block_dim_for(n, 5 * out.dtype.size());
-        let streaming = 2 * n * out.dtype.size() >= STREAMING_BYTES;
+        let streaming = streams_bytes(2 * n * out.dtype.size());
         let step = with_float_dtype!(out.dtype, cx.op(), "gate", |T| {
             Step::new("silu_mul_backward", block_dim, move |args, ctx| kernel::<T>(args, ctx, n, streaming))
         });

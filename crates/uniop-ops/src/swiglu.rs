@@ -4,7 +4,7 @@
 //! Kernel: the executor makes `x` contiguous, so for each index `o` of the dims before `dim` the
 //! halves are two dense runs of `H = shape[dim]/2 · (product of the dims after dim)` elements.
 
-use crate::elementwise::{dense_map, fence, STREAMING_BYTES};
+use crate::elementwise::{dense_map, fence, streams_bytes};
 use crate::math;
 use crate::silu_mul::DTYPES;
 use uniop::{
@@ -99,7 +99,7 @@ impl Op for Swiglu {
         let (h, _) = halves(cx, "x")?;
         let n = h.outer * h.half;
         let block_dim = block_dim_for(n, 3 * dtype.size());
-        let streaming = n * dtype.size() >= STREAMING_BYTES;
+        let streaming = streams_bytes(n * dtype.size());
         let step = with_float_dtype!(dtype, cx.op(), "x", |T| {
             Step::new("swiglu", block_dim, move |args, ctx| kernel::<T>(args, ctx, h, streaming))
         });

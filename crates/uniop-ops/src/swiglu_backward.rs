@@ -4,7 +4,7 @@
 //!
 //! [`swiglu`]: crate::swiglu
 
-use crate::elementwise::{dense_map, fence, STREAMING_BYTES};
+use crate::elementwise::{dense_map, fence, streams_bytes};
 use crate::math;
 use crate::silu_mul::DTYPES;
 use crate::swiglu::{halves, Halves};
@@ -66,7 +66,7 @@ impl Op for SwigluBackward {
         let (h, _) = halves(cx, "x")?;
         let n = h.outer * h.half;
         let block_dim = block_dim_for(n, 5 * dtype.size());
-        let streaming = 2 * n * dtype.size() >= STREAMING_BYTES;
+        let streaming = streams_bytes(2 * n * dtype.size());
         let step = with_float_dtype!(dtype, cx.op(), "x", |T| {
             Step::new("swiglu_backward", block_dim, move |args, ctx| kernel::<T>(args, ctx, h, streaming))
         });
