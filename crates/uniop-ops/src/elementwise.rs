@@ -33,7 +33,7 @@ pub fn streams(t: &TensorMeta) -> bool {
 
 /// The largest data cache CPU 0 reports (Linux sysfs), read once; 32 MiB where there is none to
 /// read (the L3 of the Zen 3/4 machines the kernels were tuned on).
-fn last_level_cache_bytes() -> usize {
+pub(crate) fn last_level_cache_bytes() -> usize {
     static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *BYTES.get_or_init(|| {
         let entries = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").into_iter().flatten().flatten();

@@ -127,6 +127,12 @@ pub fn gemm_kernels() -> [(&'static str, &'static str); 2] {
     [("bfloat16", name(<uniop::half::bf16 as Dots>::best())), ("float32", name(<f32 as Dots>::best()))]
 }
 
+/// The bytes a kernel writes from which it writes them past the cache with non-temporal stores:
+/// the size of this CPU's last-level cache (below it, results stay cached for the next op).
+pub fn streaming_threshold_bytes() -> usize {
+    elementwise::last_level_cache_bytes()
+}
+
 /// Registers the built-in ops in the global registry (idempotent, thread-safe).
 pub fn init() {
     static ONCE: Once = Once::new();

@@ -1089,13 +1089,13 @@ fn cast_follows_c_and_torch_conversion_rules() {
     assert!(got.iter().zip(&x).all(|(g, &v)| g.to_bits() == bf16::from_f32(v).to_bits()));
 }
 
-/// Outputs of 8 MiB and more are written with non-temporal stores (chunks plus an unaligned
-/// tail): every route — f32 narrowed in place, a widened source, the generic per-element one —
+/// Outputs as large as the last-level cache are written with non-temporal stores (chunks plus an
+/// unaligned tail): every route — f32 narrowed in place, a widened source, the generic per-element one —
 /// must still produce exactly the scalar conversion.
 #[test]
 fn cast_of_outputs_too_big_for_the_cache_matches_the_scalar_conversion() {
     setup();
-    let n = (8 << 20) / 2 + 13; // a bf16 output just past the streaming threshold, odd length
+    let n = uniop_ops::streaming_threshold_bytes() / 2 + 13; // a bf16 output just past the streaming threshold, odd length
     let x = rand_vec(n, 141);
     let run = |input: TensorRef, to: DType| -> Tensor {
         let mut out = Tensor::zeros(to, input.shape()).unwrap();
@@ -1116,7 +1116,8 @@ fn cast_of_outputs_too_big_for_the_cache_matches_the_scalar_conversion() {
 #[test]
 fn softmax_backward_streams_big_outputs_and_pads_row_tails() {
     setup();
-    let (rows, cols) = (515, 4099); // 8.4 MB of f32 output; 4099 = 64·64 + 3
+    let cols = 4099; // 64·64 + 3
+    let rows = uniop_ops::streaming_threshold_bytes() / (4 * cols) + 1; // f32 output past the threshold
     let (dy, y) = (rand_vec(rows * cols, 142), rand_vec(rows * cols, 143));
     for op in ["softmax_backward", "log_softmax_backward"] {
         let inputs =
@@ -1132,7 +1133,7 @@ fn softmax_backward_streams_big_outputs_and_pads_row_tails() {
 #[test]
 fn dense_elementwise_kernels_stream_big_outputs_in_f32_and_bf16() {
     setup();
-    let n = (8 << 20) / 2 + 13; // bf16 outputs just past the streaming threshold; 13 = a partial step
+    let n = uniop_ops::streaming_threshold_bytes() / 2 + 13; // bf16 outputs just past the threshold; 13 = a partial step
     let f32s = [144, 145, 146].map(|seed| rand_vec(n, seed));
     let bf16s = f32s.each_ref().map(|x| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
     let f32_refs = f32s.each_ref().map(|x| Some(TensorRef::new(x, &[n]).unwrap()));
@@ -1144,14 +1145,15 @@ fn dense_elementwise_kernels_stream_big_outputs_in_f32_and_bf16() {
     }
 }
 
-/// A table gradient past the streaming threshold (8 MiB) in f32 and bf16: rows nobody indexes
+/// A table gradient past the streaming threshold in f32 and bf16: rows nobody indexes
 /// are written as zeros with non-temporal stores, indexed ones summed and narrowed. The output
 /// starts as NaN, so a row the kernel skipped would show; hidden 1000 ends in a partial 64-lane
 /// step; indices repeat, and padding_idx is one of them.
 #[test]
 fn embedding_backward_streams_a_big_table_gradient() {
     setup();
-    let (v, h, tokens) = (4200, 1000, 300);
+    let (h, tokens) = (1000, 300);
+    let v = (uniop_ops::streaming_threshold_bytes() / (2 * h) + 1).max(3250); // bf16 past the threshold; indices reach 3237
     let idx: Vec<i64> = (0..tokens).map(|p| (p * 97 % 250) as i64 * 13).collect();
     let attrs = [("padding_idx", AttrValue::Int(idx[5]))];
     let dout = rand_vec(tokens * h, 91);
