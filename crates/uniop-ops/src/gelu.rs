@@ -21,12 +21,14 @@ pub(crate) fn tanh_approx(cx: &OpCx) -> Result<bool> {
     }
 }
 
-struct GeluMap(bool);
+/// The form is a type parameter, not a field: with a runtime flag LLVM kept both forms in the
+/// bf16 loops (each computing an exp and a division, one result thrown away).
+struct GeluMap<const TANH: bool>;
 
-impl Map1 for GeluMap {
+impl<const TANH: bool> Map1 for GeluMap<TANH> {
     #[inline(always)]
     fn apply(&self, x: f32) -> f32 {
-        math::gelu(x, self.0)
+        math::gelu(x, TANH)
     }
 }
 
@@ -59,11 +61,13 @@ impl Op for Gelu {
         let tanh = tanh_approx(cx)?;
         let block_dim = block_dim_for(x.numel(), 2 * x.dtype.size());
         let streaming = elementwise::streams(x);
-        with_float_dtype!(x.dtype, cx.op(), "x", |T| {
-            Ok(Plan::new(vec![Step::new("gelu", block_dim, move |args, ctx| {
-                elementwise::unary::<T, _>(args, ctx, &GeluMap(tanh), streaming)
-            })]))
-        })
+        let step = with_float_dtype!(x.dtype, cx.op(), "x", |T| match tanh {
+            true =>
+                Step::new("gelu", block_dim, move |a, c| elementwise::unary::<T, _>(a, c, &GeluMap::<true>, streaming)),
+            false =>
+                Step::new("gelu", block_dim, move |a, c| elementwise::unary::<T, _>(a, c, &GeluMap::<false>, streaming)),
+        });
+        Ok(Plan::new(vec![step]))
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
