@@ -405,41 +405,51 @@ fn append(
     uniop::call("kv_cache_append", &[Some(k), Some(v), Some(pos)], &[], caches)
 }
 
-/// New rows given as HF's `[B, S, H, D]` transposed views land at each sequence's position; every
-/// other cache row keeps its value.
+/// New rows land at each sequence's position and every other cache row keeps its value, for
+/// HF's `[B, S, H, D]` transposed views (row by row) and for dense `[B, H, S, D]` rows long enough
+/// that blocks split the (sequence, head) panels mid-way (each block copies runs of whole rows).
 #[test]
 fn kv_cache_append_writes_rows_at_positions() {
     setup();
-    let (b, h, s_max, s_new, d) = (2, 3, 8, 3, 4);
-    let cache_shape = [b, h, s_max, d];
-    let mut k_cache = rand_vec(b * h * s_max * d, 41);
-    let mut v_cache = rand_vec(b * h * s_max * d, 42);
-    let (k0, v0) = (k_cache.clone(), v_cache.clone());
-    // Stored [B, S_new, H, D]; viewed as [B, H, S_new, D].
-    let k_bshd = rand_vec(b * s_new * h * d, 43);
-    let v_bshd = rand_vec(b * s_new * h * d, 44);
-    let strides = [s_new * h * d, d, h * d, 1];
-    let positions = [5, 0];
-    append(
-        &mut k_cache,
-        &mut v_cache,
-        &cache_shape,
-        strided_view(&k_bshd, &[b, h, s_new, d], &strides, 0),
-        strided_view(&v_bshd, &[b, h, s_new, d], &strides, 0),
-        &positions,
-    )
-    .unwrap();
-    for (cache, before, new) in [(&k_cache, &k0, &k_bshd), (&v_cache, &v0, &v_bshd)] {
-        for (bi, &p) in positions.iter().enumerate() {
-            for hi in 0..h {
-                for s in 0..s_max {
-                    let row = &cache[((bi * h + hi) * s_max + s) * d..][..d];
-                    let want: &[f32] = if (p as usize..p as usize + s_new).contains(&s) {
-                        &new[((bi * s_new + s - p as usize) * h + hi) * d..][..d]
-                    } else {
-                        &before[((bi * h + hi) * s_max + s) * d..][..d]
-                    };
-                    assert_eq!(row, want, "b {bi} h {hi} s {s}");
+    // (b, h, s_max, s_new, d, new rows stored as [B, S, H, D])
+    for (b, h, s_max, s_new, d, bshd) in [(2, 3, 8, 3, 4, true), (2, 3, 160, 101, 64, false)] {
+        let cache_shape = [b, h, s_max, d];
+        let mut k_cache = rand_vec(b * h * s_max * d, 41);
+        let mut v_cache = rand_vec(b * h * s_max * d, 42);
+        let (k0, v0) = (k_cache.clone(), v_cache.clone());
+        let k_new = rand_vec(b * s_new * h * d, 43);
+        let v_new = rand_vec(b * s_new * h * d, 44);
+        // Element offset of (sequence, head, new row) in the new rows' storage.
+        let at = |bi: usize, hi: usize, t: usize| {
+            if bshd {
+                ((bi * s_new + t) * h + hi) * d
+            } else {
+                ((bi * h + hi) * s_new + t) * d
+            }
+        };
+        let strides = if bshd { [s_new * h * d, d, h * d, 1] } else { [h * s_new * d, s_new * d, d, 1] };
+        let positions = [s_max as i32 - s_new as i32, 0];
+        append(
+            &mut k_cache,
+            &mut v_cache,
+            &cache_shape,
+            strided_view(&k_new, &[b, h, s_new, d], &strides, 0),
+            strided_view(&v_new, &[b, h, s_new, d], &strides, 0),
+            &positions,
+        )
+        .unwrap();
+        for (cache, before, new) in [(&k_cache, &k0, &k_new), (&v_cache, &v0, &v_new)] {
+            for (bi, &p) in positions.iter().enumerate() {
+                for hi in 0..h {
+                    for s in 0..s_max {
+                        let row = &cache[((bi * h + hi) * s_max + s) * d..][..d];
+                        let want: &[f32] = if (p as usize..p as usize + s_new).contains(&s) {
+                            &new[at(bi, hi, s - p as usize)..][..d]
+                        } else {
+                            &before[((bi * h + hi) * s_max + s) * d..][..d]
+                        };
+                        assert_eq!(row, want, "b {bi} h {hi} s {s} (shape {cache_shape:?}, bshd {bshd})");
+                    }
                 }
             }
         }
