@@ -208,22 +208,46 @@ fn store_lanes<T: FloatElement>(src: &[f32; LANES], dst: &mut [T], streaming: bo
     }
 }
 
+/// Whether [`dense_map`] runs `T` with `O` outputs in its per-element form rather than staged.
+/// f32 always. f16/bf16 with one output on AVX-512 CPUs (32 vector registers, where the staged
+/// form's step arrays make round trips through the stack instead): in cache on Zen 4, bf16
+/// log_softmax ran 0.111 → 0.080 ms, add 0.030 → 0.026, mul 0.035 → 0.027, softmax_backward 0.049
+/// → 0.040, swiglu 0.042 → 0.035, silu and gelu level; the two-output gradients stay staged
+/// (silu_mul_backward ran 0.091 → 0.120 per element). AVX2 keeps the staged form it was tuned with.
+#[inline(always)]
+pub fn converts_per_element<T: FloatElement, const O: usize>() -> bool {
+    T::DTYPE == DType::F32 || (O == 1 && has_avx512())
+}
+
+/// Whether this CPU has AVX-512 (F and BW); std caches the detection.
+#[inline(always)]
+fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// `f` elementwise over dense runs: `I` inputs, `O` equally long outputs; `f` maps one element's
 /// inputs, widened to f32, to its outputs. Outputs are written past the cache when `streaming`.
 ///
-/// Steps of [`LANES`] elements, in two forms (measured on AVX2, Zen 3: 16 vector registers):
-/// - f32: one loop over single elements, from the inputs straight into the outputs, which LLVM
-///   vectorizes with a register or two per value. Staging whole steps in f32 arrays, as both
-///   forms once did, takes `LANES / 8` registers per operand: five operands spilled, and
-///   silu_mul_backward ran 1.28× slower in f32 and 1.48× in bf16 than now.
-/// - f16/bf16: inputs widened a whole step at a time, `f` over the f32 step in place, results
-///   narrowed a whole step at a time. Folding the conversions into the element loop (the f32
-///   form) lengthened its dependency chain: bf16 swiglu_backward and log_softmax_backward ran
-///   10–20% slower that way. `f` runs on the two halves of the step side by side, so each
-///   iteration holds two independent chains: the loops are bound by latency (the scheduler holds
-///   about two vectors' worth of waiting ops), and bf16 silu_mul_backward ran 0.193 → 0.153 ms,
-///   swiglu_backward 0.098 → 0.068 (in cache), others level. The f32 form gained nothing from it
-///   (silu lost 30%: its loop then spills).
+/// Steps of [`LANES`] elements, in two forms (see [`converts_per_element`] for which runs where):
+/// - per element: one loop over single elements, from the inputs straight into the outputs,
+///   which LLVM vectorizes with a register or two per value (f16/bf16 converted in the loop).
+///   Staging whole steps in f32 arrays, as both forms once did, takes `LANES / 8` registers per
+///   operand on AVX2: five operands spilled, and silu_mul_backward ran 1.28× slower in f32 and
+///   1.48× in bf16 than now.
+/// - staged (f16/bf16): inputs widened a whole step at a time, `f` over the f32 step in place,
+///   results narrowed a whole step at a time. `f` runs on the two halves of the step side by
+///   side, so each iteration holds two independent chains: on AVX2 (Zen 3) the loops are bound
+///   by latency (the scheduler holds about two vectors' worth of waiting ops), and bf16
+///   silu_mul_backward ran 0.193 → 0.153 ms, swiglu_backward 0.098 → 0.068 (in cache), where
+///   the per-element form lengthened the chain (swiglu_backward and log_softmax_backward 10–20%
+///   slower). The f32 form gained nothing from it (silu lost 30%: its loop then spills).
 #[inline(always)]
 pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
     ins: [&[T]; I],
@@ -269,7 +293,7 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
         streaming: bool,
         f: &impl Fn([f32; I]) -> [f32; O],
     ) {
-        if T::DTYPE == DType::F32 {
+        if converts_per_element::<T, O>() {
             let mut targets = if streaming { self.staged.each_mut() } else { outs.each_mut().map(|out| &mut **out) };
             // Plain loops build the per-element arrays (not `map`/`from_fn`, which the compiler
             // may leave out of line, built for the baseline target: see `widen_lanes`).
@@ -430,7 +454,7 @@ pub fn unary<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, f: &F, 
         if dense_run(strides) {
             // SAFETY: blocks own disjoint ranges of output elements.
             let dst = unsafe { out.slice_mut::<T>(o, len) };
-            if T::DTYPE == DType::F32 && sx == 1 {
+            if sx == 1 && converts_per_element::<T, 1>() {
                 dense_map([&data[xo..xo + len]], [dst], streaming, |[x]| [f.apply(x)]);
                 return;
             }
@@ -478,7 +502,7 @@ pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F,
         if dense_run(strides) {
             // SAFETY: blocks own disjoint ranges of output elements.
             let dst = unsafe { out.slice_mut::<T>(o, len) };
-            if T::DTYPE == DType::F32 && sa == 1 && sb == 1 {
+            if sa == 1 && sb == 1 && converts_per_element::<T, 1>() {
                 let ins = [&da[ao..ao + len], &db[bo..bo + len]];
                 dense_map(ins, [dst], streaming, |[a, b]| [f.apply(a, b)]);
                 return;
