@@ -6,7 +6,7 @@
 //! Each row: add and store `sum` while reducing its squares (one read of both inputs), then
 //! scale the row back from cache. `sum` is written with ordinary stores since it is re-read.
 
-use crate::elementwise::{fence, streams_bytes, LANES};
+use crate::elementwise::{converts_per_element, fence, streams_bytes, LANES};
 use crate::rms_norm::{check_eps, norm_shape, reference_rows, scale_row, weight_f32, KernelShape, DTYPES};
 use uniop::{
     block_dim_for, dispatch_element, with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs,
@@ -15,25 +15,35 @@ use uniop::{
 
 pub struct AddRmsNorm;
 
-/// `out = a + b` (rounded to `T`) and Σ out², `LANES` at a time.
+/// `out = a + b` (rounded to `T`) and Σ out², `LANES` at a time. The norm sees the sum as
+/// stored (rounded to `T`), like a separate add then rms_norm.
 #[inline(always)]
 fn add_row<T: FloatElement>(a: &[T], b: &[T], out: &mut [T]) -> f32 {
     let mut acc = [0f32; LANES];
     let n = a.len();
     let full = n / LANES * LANES;
     for j in (0..full).step_by(LANES) {
-        let mut sum: [f32; LANES] = T::widen_lanes(a[j..j + LANES].try_into().expect("LANES elements"));
-        let bb: [f32; LANES] = T::widen_lanes(b[j..j + LANES].try_into().expect("LANES elements"));
+        let (ac, bc, oc) = (&a[j..j + LANES], &b[j..j + LANES], &mut out[j..j + LANES]);
+        if converts_per_element::<T, 1>() {
+            // Rounded and widened back in registers (see `converts_per_element`).
+            for i in 0..LANES {
+                let stored = T::from_f32(ac[i].to_f32() + bc[i].to_f32());
+                oc[i] = stored;
+                acc[i] += stored.to_f32() * stored.to_f32();
+            }
+            continue;
+        }
+        let mut sum: [f32; LANES] = T::widen_lanes(ac.try_into().expect("LANES elements"));
+        let bb: [f32; LANES] = T::widen_lanes(bc.try_into().expect("LANES elements"));
         for i in 0..LANES {
             sum[i] += bb[i];
         }
-        // The norm sees the sum as stored (rounded to T), like a separate add then rms_norm.
         let rounded = T::narrow_lanes(&sum);
         let stored = T::widen_lanes(&rounded);
         for i in 0..LANES {
             acc[i] += stored[i] * stored[i];
         }
-        out[j..j + LANES].copy_from_slice(&rounded);
+        oc.copy_from_slice(&rounded);
     }
     let mut tail = 0.0;
     for j in full..n {

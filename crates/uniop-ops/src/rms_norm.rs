@@ -9,7 +9,7 @@
 //! (sum of squares, then scale), but the second read hits L1/L2, so the op moves each byte of DRAM
 //! once — it is bandwidth-bound by design.
 
-use crate::elementwise::{copy_streaming, fence, streams_bytes, Ahead};
+use crate::elementwise::{converts_per_element, copy_streaming, fence, streams_bytes, Ahead};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
     OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -120,6 +120,13 @@ pub(crate) fn scale_row<T: FloatElement>(x: &[T], next: &[T], w: &[f32], y: &mut
     let mut ahead = Ahead::new(next, xs.len());
     for ((xc, wc), yc) in xs.zip(w.chunks_exact(LANES)).zip(y.chunks_exact_mut(LANES)) {
         ahead.step();
+        if !streaming && converts_per_element::<T, 1>() {
+            // Narrowed in registers (see `converts_per_element`).
+            for i in 0..LANES {
+                yc[i] = T::from_f32(xc[i].to_f32() * rstd * wc[i]);
+            }
+            continue;
+        }
         let mut buf: [f32; LANES] = T::widen_lanes(xc.try_into().expect("LANES elements"));
         for i in 0..LANES {
             buf[i] = buf[i] * rstd * wc[i];
