@@ -213,7 +213,8 @@ fn store_lanes<T: FloatElement>(src: &[f32; LANES], dst: &mut [T], streaming: bo
 /// form's step arrays make round trips through the stack instead): in cache on Zen 4, bf16
 /// log_softmax ran 0.111 → 0.080 ms, add 0.030 → 0.026, mul 0.035 → 0.027, softmax_backward 0.049
 /// → 0.040, swiglu 0.042 → 0.035, silu and gelu level; the two-output gradients stay staged
-/// (silu_mul_backward ran 0.091 → 0.120 per element). AVX2 keeps the staged form it was tuned with.
+/// (silu_mul_backward ran 0.091 → 0.120 in the per-element form). AVX2 keeps the staged form it was
+/// tuned with.
 #[inline(always)]
 pub fn converts_per_element<T: FloatElement, const O: usize>() -> bool {
     T::DTYPE == DType::F32 || (O == 1 && has_avx512())
