@@ -102,11 +102,19 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
     let tail = chunks.remainder();
     let full = src.len() - tail.len();
     for (c, o) in chunks.zip(out.chunks_exact_mut(LANES)) {
-        let mut scaled = [0f32; LANES];
-        for (s, &v) in scaled.iter_mut().zip(c) {
-            *s = v * scale;
-        }
-        let narrowed = T::narrow_lanes(&scaled);
+        let narrowed = if converts_per_element::<T, 1>() {
+            let mut narrowed = [T::default(); LANES];
+            for (n, &v) in narrowed.iter_mut().zip(c) {
+                *n = T::from_f32(v * scale);
+            }
+            narrowed
+        } else {
+            let mut scaled = [0f32; LANES];
+            for (s, &v) in scaled.iter_mut().zip(c) {
+                *s = v * scale;
+            }
+            T::narrow_lanes(&scaled)
+        };
         if streaming {
             copy_streaming(o, &narrowed);
         } else {
