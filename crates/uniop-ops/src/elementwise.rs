@@ -217,20 +217,7 @@ fn store_lanes<T: FloatElement>(src: &[f32; LANES], dst: &mut [T], streaming: bo
 /// tuned with.
 #[inline(always)]
 pub fn converts_per_element<T: FloatElement, const O: usize>() -> bool {
-    T::DTYPE == DType::F32 || (O == 1 && has_avx512())
-}
-
-/// Whether this CPU has AVX-512 (F and BW); std caches the detection.
-#[inline(always)]
-fn has_avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    T::DTYPE == DType::F32 || (O == 1 && crate::skinny::has_avx512())
 }
 
 /// `f` elementwise over dense runs: `I` inputs, `O` equally long outputs; `f` maps one element's

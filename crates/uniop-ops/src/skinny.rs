@@ -269,6 +269,11 @@ unsafe fn avx2_dots<T: GemmOut, const R: usize>(
     sums
 }
 
+/// Whether the CPU has AVX-512 F and BW (the f32 kernels' top level), from the one detection.
+pub(crate) fn has_avx512() -> bool {
+    matches!(cpu().f32, Simd::Avx512)
+}
+
 /// What the CPU runs, detected once.
 struct Cpu {
     bf16: Simd,
