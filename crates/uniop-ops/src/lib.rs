@@ -4,14 +4,17 @@
 //! dtype on the SPMD engine), f64 reference, example inputs. Adding an op means adding its file
 //! and one line in [`builtin_ops`]; no frontend changes.
 
-/// Compiles a kernel function once per x86-64 level (AVX-512 "v4", AVX2 "v3", baseline) and
-/// dispatches on the CPU at runtime. Everything the body inlines — `#[inline(always)]` helpers,
-/// [`elementwise::Map1`]/[`elementwise::Map2`] methods, closures defined in the body — is
-/// vectorized for that level.
+/// Compiles a kernel function once per x86-64 level (AVX-512 "v4" with and without AVX512-BF16,
+/// AVX2 "v3", baseline) and dispatches on the CPU at runtime. Everything the body inlines —
+/// `#[inline(always)]` helpers, [`elementwise::Map1`]/[`elementwise::Map2`] methods, closures
+/// defined in the body — is vectorized for that level. The BF16 level exists so that bf16's
+/// native narrowing ([`uniop::FloatElement::narrow_lanes_natively`]) inlines into kernel loops;
+/// in the other levels it would be a call.
 #[macro_export]
 macro_rules! simd_kernel {
     ($item:item) => {
         #[multiversion::multiversion(targets(
+            "x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx512bf16+avx2+fma+f16c",
             "x86_64+avx512f+avx512bw+avx512vl+avx512dq+avx2+fma+f16c",
             "x86_64+avx2+fma+f16c",
         ))]
