@@ -225,11 +225,13 @@ pub fn converts_per_element<T: FloatElement, const O: usize>() -> bool {
 ///
 /// Steps of [`LANES`] elements, in three forms (see [`converts_per_element`] and the choice below
 /// for which runs where):
-/// - native (bf16 on AVX512-BF16 CPUs, [`FloatElement::narrows_natively`]): as per element, but
-///   into f32 step arrays that the CPU's instruction then narrows, one op per 8 lanes instead of
-///   nine integer ops per 16 — these loops are bound by their op count. In cache (Zen 4), bf16
-///   silu 0.065 → 0.051 ms, add 0.024 → 0.016, swiglu_backward 0.056 → 0.040 (now level with
-///   f32), silu_mul_backward 0.091 → 0.083. Results differ from the other forms' only where an
+/// - native (bf16 on AVX512-BF16 CPUs, f16 on AVX-512 ones: [`FloatElement::narrows_natively`]):
+///   as per element, but into f32 step arrays that the CPU's instruction then narrows, one op per
+///   8 lanes instead of nine integer ops per 16 (bf16) — these loops are bound by their op count.
+///   In cache (Zen 4), bf16 silu 0.065 → 0.051 ms, add 0.024 → 0.016, swiglu_backward 0.056 →
+///   0.040 (now level with f32), silu_mul_backward 0.091 → 0.083; f16 silu 0.103 → 0.079, gelu
+///   0.100 → 0.076, and at 4096x4096 f16 add 4.6 → 2.3 ms. bf16 results differ from the other
+///   forms' only where an
 ///   f32 result is subnormal (below 1.2e-38 in magnitude): the instruction gives a zero of its
 ///   sign. Checking for subnormals to keep those bits too (`vfpclassps` per 8 lanes) cost the
 ///   whole gain back (silu 0.059 → 0.068 ms).
@@ -262,8 +264,12 @@ pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
     // (not inlined where the CPU lacks the instruction) in every kernel's loop. Streamed
     // one-input maps keep the per-element form: at DRAM sizes (bf16, Zen 4, three alternations)
     // the native one ran silu 12.1 → 13.4 ms and log_softmax 4.8 → 6.1, while the two-input ones
-    // gained (gelu_backward 17.2 → 14.5, swiglu 13.5 → 11.4, silu_mul 14.8 → 13.3).
-    if T::narrows_natively() && (!streaming || I > 1) {
+    // gained (gelu_backward 17.2 → 14.5, swiglu 13.5 → 11.4, silu_mul 14.8 → 13.3). f16's
+    // two-output maps keep the staged form, whose whole-step widening suits f16's costlier bit
+    // conversion: natively, in cache, silu_mul_backward ran 0.130 → 0.152 ms and swiglu_backward
+    // 0.064 → 0.074, where the one-output maps gained (silu 0.103 → 0.079, add 0.056 → 0.041).
+    let native_form = O == 1 || T::DTYPE == DType::BF16;
+    if T::narrows_natively() && native_form && (!streaming || I > 1) {
         steps.walk::<true>(ins, &mut outs, full, streaming, &f);
     } else {
         steps.walk::<false>(ins, &mut outs, full, streaming, &f);

@@ -220,16 +220,17 @@ pub trait FloatElement: Element {
     }
     /// Whether this CPU narrows f32 to `Self` with one instruction per vector
     /// ([`Self::narrow_lanes_natively`]): bf16 on AVX512-BF16 CPUs (`vcvtneps2bf16`, one op per 8
-    /// lanes where the bit conversion of [`Self::from_f32`] takes nine per 16). Kernels bound by
-    /// their op count then run faster computing a step in f32 and narrowing it whole than
-    /// narrowing each element in their loop; they choose once per loop with this.
+    /// lanes where the bit conversion of [`Self::from_f32`] takes nine per 16), f16 on AVX-512
+    /// ones (`vcvtps2ph`). Kernels bound by their op count then run faster computing a step in
+    /// f32 and narrowing it whole than narrowing each element in their loop; they choose once per
+    /// loop with this.
     #[inline(always)]
     fn narrows_natively() -> bool {
         false
     }
     /// `src` narrowed into `dst`, by the CPU's instruction where [`Self::narrows_natively`]; that
-    /// rounds as [`Self::from_f32`] does, except that f32 subnormals (below 1.2e-38 in magnitude)
-    /// narrow to a zero of their sign.
+    /// rounds as [`Self::from_f32`] does, except that bf16's turns f32 subnormals (below 1.2e-38
+    /// in magnitude) into zeros of their sign.
     #[inline(always)]
     fn narrow_lanes_natively<const N: usize>(src: &[f32; N], dst: &mut [Self; N]) {
         *dst = Self::narrow_lanes(src);
@@ -337,6 +338,25 @@ impl FloatElement for f16 {
         use half::slice::HalfFloatSliceExt;
         dst.convert_from_f32_slice(src)
     }
+    /// On AVX-512 CPUs (all of which have F16C); AVX2 ones keep the staged form their kernels
+    /// were tuned with.
+    #[inline(always)]
+    fn narrows_natively() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("f16c");
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+    #[inline(always)]
+    fn narrow_lanes_natively<const N: usize>(src: &[f32; N], dst: &mut [Self; N]) {
+        #[cfg(target_arch = "x86_64")]
+        if N.is_multiple_of(8) && Self::narrows_natively() {
+            // SAFETY: the CPU has F16C (and AVX, which AVX-512 F implies; checked just above).
+            unsafe { narrow_f16_native(src, dst) };
+            return;
+        }
+        *dst = Self::narrow_lanes(src);
+    }
     fn as_f32_slice(_: &[f16]) -> Option<&[f32]> {
         None
     }
@@ -427,6 +447,21 @@ unsafe fn narrow_f16_avx512(src: &[f32], dst: &mut [f16]) {
     }
     for j in i..n {
         dst[j] = f16::from_f32(src[j]);
+    }
+}
+
+/// f32 → f16 with F16C's `vcvtps2ph`, 8 lanes per instruction, rounding to nearest even: the
+/// same bits as [`f32_to_f16_bits`] (NaN payloads aside). 256-bit loads for the reason given at
+/// [`narrow_bf16_native`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+#[inline]
+unsafe fn narrow_f16_native<const N: usize>(src: &[f32; N], dst: &mut [f16; N]) {
+    use std::arch::x86_64::{__m128i, _mm256_cvtps_ph, _mm256_loadu_ps, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT};
+    for i in (0..N / 8 * 8).step_by(8) {
+        let v = _mm256_loadu_ps(src.as_ptr().add(i));
+        let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+        _mm_storeu_si128(dst.as_mut_ptr().add(i) as *mut __m128i, h);
     }
 }
 
@@ -836,6 +871,27 @@ mod tests {
         let mut out = [bf16::ONE; 7];
         bf16::narrow_lanes_natively(&ragged, &mut out);
         assert_eq!(out.map(bf16::to_bits), ragged.map(f32_to_bf16_bits));
+    }
+
+    /// The native f16 step narrowing (F16C) rounds exactly as the bit conversion, subnormals,
+    /// overflow and ties included; NaNs stay NaNs.
+    #[test]
+    fn native_f16_narrowing_matches_the_scalar_one() {
+        let mut src = awkward_f32s();
+        src.extend((0..4099u32).map(|i| f32::from_bits(i.wrapping_mul(0x9e37_79b9))));
+        src.extend((0..1024u32).map(|i| f32::from_bits(0x3300_0000 + i * 0x0001_1000)));
+        for step in src.chunks_exact(64) {
+            let step: &[f32; 64] = step.try_into().unwrap();
+            let mut out = [f16::ZERO; 64];
+            f16::narrow_lanes_natively(step, &mut out);
+            for (v, h) in step.iter().zip(&out) {
+                if v.is_nan() {
+                    assert!(h.is_nan(), "{v:e}");
+                } else {
+                    assert_eq!(h.to_bits(), f32_to_f16_bits(*v), "{v:e} ({:#010x})", v.to_bits());
+                }
+            }
+        }
     }
 
     #[test]
