@@ -231,12 +231,11 @@ pub fn converts_per_element<T: FloatElement, const O: usize>() -> bool {
 ///   In cache (Zen 4), bf16 silu 0.065 → 0.051 ms, add 0.024 → 0.016, swiglu_backward 0.056 →
 ///   0.040 (now level with f32), silu_mul_backward 0.091 → 0.083; f16 silu 0.103 → 0.079, gelu
 ///   0.100 → 0.076, and at 4096x4096 f16 add 4.6 → 2.3 ms. bf16 results differ from the other
-///   forms' only where an
-///   f32 result is subnormal (below 1.2e-38 in magnitude): the instruction gives a zero of its
-///   sign. Checking for subnormals to keep those bits too (`vfpclassps` per 8 lanes) cost the
-///   whole gain back (silu 0.059 → 0.068 ms).
-///   The rms_norm, add_rms_norm and softmax row passes keep narrowing per element: their steps
-///   in this form ran slower (rms_norm 0.036 → 0.046 ms, softmax 0.071 → 0.082).
+///   forms' only where an f32 result is subnormal (below 1.2e-38 in magnitude): the instruction
+///   gives a zero of its sign. Checking for subnormals to keep those bits too (`vfpclassps` per 8
+///   lanes) cost the whole gain back (silu 0.059 → 0.068 ms). The rms_norm, add_rms_norm and
+///   softmax row passes keep narrowing per element: their steps in this form ran slower
+///   (rms_norm 0.036 → 0.046 ms, softmax 0.071 → 0.082).
 /// - per element: one loop over single elements, from the inputs straight into the outputs,
 ///   which LLVM vectorizes with a register or two per value (f16/bf16 converted in the loop).
 ///   Staging whole steps in f32 arrays, as both forms once did, takes `LANES / 8` registers per
