@@ -230,7 +230,8 @@ pub fn converts_per_element<T: FloatElement, const O: usize>() -> bool {
 ///   8 lanes instead of nine integer ops per 16 (bf16) — these loops are bound by their op count.
 ///   In cache (Zen 4), bf16 silu 0.065 → 0.051 ms, add 0.024 → 0.016, swiglu_backward 0.056 →
 ///   0.040 (now level with f32), silu_mul_backward 0.091 → 0.083; f16 silu 0.103 → 0.079, gelu
-///   0.100 → 0.076, and at 4096x4096 f16 add 4.6 → 2.3 ms. bf16 results differ from the other
+///   0.100 → 0.076, and at 4096x4096 f16 add 4.6 → 2.3 ms (f16's two-output maps run the staged
+///   form with this narrowing: silu_mul_backward 0.130 → 0.103 ms). bf16 results differ from the other
 ///   forms' only where an f32 result is subnormal (below 1.2e-38 in magnitude): the instruction
 ///   gives a zero of its sign. Checking for subnormals to keep those bits too (`vfpclassps` per 8
 ///   lanes) cost the whole gain back (silu 0.059 → 0.068 ms). The rms_norm, add_rms_norm and
@@ -263,12 +264,8 @@ pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
     // (not inlined where the CPU lacks the instruction) in every kernel's loop. Streamed
     // one-input maps keep the per-element form: at DRAM sizes (bf16, Zen 4, three alternations)
     // the native one ran silu 12.1 → 13.4 ms and log_softmax 4.8 → 6.1, while the two-input ones
-    // gained (gelu_backward 17.2 → 14.5, swiglu 13.5 → 11.4, silu_mul 14.8 → 13.3). f16's
-    // two-output maps keep the staged form, whose whole-step widening suits f16's costlier bit
-    // conversion: natively, in cache, silu_mul_backward ran 0.130 → 0.152 ms and swiglu_backward
-    // 0.064 → 0.074, where the one-output maps gained (silu 0.103 → 0.079, add 0.056 → 0.041).
-    let native_form = O == 1 || T::DTYPE == DType::BF16;
-    if T::narrows_natively() && native_form && (!streaming || I > 1) {
+    // gained (gelu_backward 17.2 → 14.5, swiglu 13.5 → 11.4, silu_mul 14.8 → 13.3).
+    if T::narrows_natively() && (!streaming || I > 1) {
         steps.walk::<true>(ins, &mut outs, full, streaming, &f);
     } else {
         steps.walk::<false>(ins, &mut outs, full, streaming, &f);
@@ -320,8 +317,12 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
         streaming: bool,
         f: &impl Fn([f32; I]) -> [f32; O],
     ) {
-        if NATIVE {
+        if NATIVE && (O == 1 || T::DTYPE == DType::BF16) {
             // Results in f32 first, then narrowed a step at a time by the CPU's instruction.
+            // f16's two-output maps stay staged (below), narrowing natively there: its whole-step
+            // widening suits f16's costlier bit conversion. In cache, f16 silu_mul_backward ran
+            // 0.130 → 0.152 ms in this form and 0.130 → 0.103 staged, swiglu_backward 0.064 →
+            // 0.074 and level.
             for i in 0..LANES {
                 let mut x = [0f32; I];
                 for (x, step) in x.iter_mut().zip(&ins) {
@@ -367,7 +368,11 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
                 }
             }
             for (staged, r) in self.staged.iter_mut().zip(&self.wide) {
-                *staged = T::narrow_lanes(r);
+                if NATIVE {
+                    T::narrow_lanes_natively(r, staged);
+                } else {
+                    *staged = T::narrow_lanes(r);
+                }
             }
             if !streaming {
                 for (out, staged) in outs.iter_mut().zip(&self.staged) {
