@@ -308,7 +308,8 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
     }
 
     /// One step of [`dense_map`]: `LANES` elements through `f` into `outs`; `NATIVE`: narrowed by
-    /// [`FloatElement::narrow_lanes_natively`], which the caller has checked the CPU has.
+    /// [`FloatElement::narrow_lanes_natively`] — only where `T::narrows_natively()` (the caller
+    /// checks it once per map).
     #[inline(always)]
     fn run<const NATIVE: bool>(
         &mut self,
@@ -334,7 +335,8 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
             }
             let mut targets = if streaming { self.staged.each_mut() } else { outs.each_mut().map(|out| &mut **out) };
             for (target, wide) in targets.iter_mut().zip(&self.wide) {
-                T::narrow_lanes_natively(wide, target);
+                // SAFETY: `NATIVE` only where `dense_map` found `T::narrows_natively()`.
+                unsafe { T::narrow_lanes_natively(wide, target) };
             }
         } else if converts_per_element::<T, O>() {
             let mut targets = if streaming { self.staged.each_mut() } else { outs.each_mut().map(|out| &mut **out) };
@@ -369,7 +371,8 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
             }
             for (staged, r) in self.staged.iter_mut().zip(&self.wide) {
                 if NATIVE {
-                    T::narrow_lanes_natively(r, staged);
+                    // SAFETY: `NATIVE` only where `dense_map` found `T::narrows_natively()`.
+                    unsafe { T::narrow_lanes_natively(r, staged) };
                 } else {
                     *staged = T::narrow_lanes(r);
                 }
