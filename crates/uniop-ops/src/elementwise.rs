@@ -265,7 +265,7 @@ pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
     // one-input maps keep the per-element form: at DRAM sizes (bf16, Zen 4, three alternations)
     // the native one ran silu 12.1 → 13.4 ms and log_softmax 4.8 → 6.1, while the two-input ones
     // gained (gelu_backward 17.2 → 14.5, swiglu 13.5 → 11.4, silu_mul 14.8 → 13.3).
-    if T::narrows_natively() && (!streaming || I > 1) {
+    if T::narrows_natively() && (!streaming || I > 1 || T::DTYPE == DType::F16) {
         steps.walk::<true>(ins, &mut outs, full, streaming, &f);
     } else {
         steps.walk::<false>(ins, &mut outs, full, streaming, &f);
@@ -318,7 +318,7 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
         streaming: bool,
         f: &impl Fn([f32; I]) -> [f32; O],
     ) {
-        if NATIVE && (O == 1 || T::DTYPE == DType::BF16) {
+        if NATIVE {
             // Results in f32 first, then narrowed a step at a time by the CPU's instruction.
             // f16's two-output maps stay staged (below), narrowing natively there: its whole-step
             // widening suits f16's costlier bit conversion. In cache, f16 silu_mul_backward ran
@@ -327,7 +327,8 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
             for i in 0..LANES {
                 let mut x = [0f32; I];
                 for (x, step) in x.iter_mut().zip(&ins) {
-                    *x = step[i].to_f32();
+                    // SAFETY: as below.
+                    *x = unsafe { step[i].to_f32_natively() };
                 }
                 for (wide, r) in self.wide.iter_mut().zip(f(x)) {
                     wide[i] = r;
@@ -397,21 +398,46 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
 /// a constant length once inlined and its accumulators stay in registers. (With a runtime length
 /// they lived in memory, and each step waited for the previous step's stores.)
 #[inline(always)]
-pub fn for_lanes<T: FloatElement, const N: usize>(rows: [&[T]; N], pad: f32, mut f: impl FnMut(&[[f32; LANES]; N])) {
+pub fn for_lanes<T: FloatElement, const N: usize>(rows: [&[T]; N], pad: f32, f: impl FnMut(&[[f32; LANES]; N])) {
+    if T::narrows_natively() {
+        for_lanes_as::<T, N, true>(rows, pad, f)
+    } else {
+        for_lanes_as::<T, N, false>(rows, pad, f)
+    }
+}
+
+#[inline(always)]
+fn for_lanes_as<T: FloatElement, const N: usize, const NATIVE: bool>(
+    rows: [&[T]; N],
+    pad: f32,
+    mut f: impl FnMut(&[[f32; LANES]; N]),
+) {
     let mut buf = [[0f32; LANES]; N];
     let n = rows[0].len();
     let full = n / LANES * LANES;
     for j in (0..full).step_by(LANES) {
         for k in 0..N {
-            buf[k] = T::widen_lanes(rows[k][j..j + LANES].try_into().expect("LANES elements"));
+            buf[k] = widen_lanes::<T, NATIVE, LANES>(rows[k][j..j + LANES].try_into().expect("LANES elements"));
         }
         f(&buf);
     }
     if full < n {
         for k in 0..N {
-            buf[k] = T::widen_lanes(&padded(&rows[k][full..], T::from_f32(pad)));
+            buf[k] = widen_lanes::<T, NATIVE, LANES>(&padded(&rows[k][full..], T::from_f32(pad)));
         }
         f(&buf);
+    }
+}
+
+/// `src` widened by the CPU's instruction when `NATIVE` (only where `T::narrows_natively()`:
+/// kernels choose once per loop), else by [`FloatElement::widen_lanes`].
+#[inline(always)]
+pub fn widen_lanes<T: FloatElement, const NATIVE: bool, const N: usize>(src: &[T; N]) -> [f32; N] {
+    if NATIVE {
+        // SAFETY: see above.
+        unsafe { T::widen_lanes_natively(src) }
+    } else {
+        T::widen_lanes(src)
     }
 }
 

@@ -6,7 +6,9 @@
 //! times (max, sum of exp, write) but only the first read misses cache for LLM-sized rows.
 //! Numerically stable: `exp(x − max)`. A slice that is all `-inf` gives NaN, as in torch.
 
-use crate::elementwise::{converts_per_element, copy_streaming, dense_map, fence, for_lanes, streams, Ahead, LANES};
+use crate::elementwise::{
+    converts_per_element, copy_streaming, dense_map, fence, for_lanes, streams, widen_lanes, Ahead, LANES,
+};
 use crate::math;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
@@ -151,6 +153,20 @@ fn exp_total<T: FloatElement>(row: &[T], m: f32, next: &[T]) -> f32 {
 /// registers (a shared closure over both kept them in memory).
 #[inline(always)]
 fn exp_sum<T: FloatElement, const STORE: bool>(row: &[T], out: &mut [f32], m: f32, next: &[T]) -> f32 {
+    if T::narrows_natively() {
+        exp_sum_as::<T, STORE, true>(row, out, m, next)
+    } else {
+        exp_sum_as::<T, STORE, false>(row, out, m, next)
+    }
+}
+
+#[inline(always)]
+fn exp_sum_as<T: FloatElement, const STORE: bool, const NATIVE: bool>(
+    row: &[T],
+    out: &mut [f32],
+    m: f32,
+    next: &[T],
+) -> f32 {
     let mut acc = [0f32; EXP_LANES];
     let steps = row.chunks_exact(LANES);
     let tail = steps.remainder();
@@ -160,7 +176,7 @@ fn exp_sum<T: FloatElement, const STORE: bool>(row: &[T], out: &mut [f32], m: f3
         if at % LANES == 0 {
             ahead.step();
         }
-        let mut e: [f32; EXP_LANES] = T::widen_lanes(c.try_into().expect("EXP_LANES elements"));
+        let mut e: [f32; EXP_LANES] = widen_lanes::<T, NATIVE, EXP_LANES>(c.try_into().expect("EXP_LANES elements"));
         for j in 0..EXP_LANES {
             e[j] = math::exp(e[j] - m);
             acc[j] += e[j];
