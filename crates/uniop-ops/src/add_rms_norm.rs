@@ -6,7 +6,7 @@
 //! Each row: add and store `sum` while reducing its squares (one read of both inputs), then
 //! scale the row back from cache. `sum` is written with ordinary stores since it is re-read.
 
-use crate::elementwise::{converts_per_element, fence, streams_bytes, LANES};
+use crate::elementwise::{converts_per_element, fence, streams_bytes, to_f32, widen_lanes, LANES};
 use crate::rms_norm::{check_eps, norm_shape, reference_rows, scale_row, weight_f32, KernelShape, DTYPES};
 use uniop::{
     block_dim_for, dispatch_element, with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs,
@@ -19,6 +19,15 @@ pub struct AddRmsNorm;
 /// stored (rounded to `T`), like a separate add then rms_norm.
 #[inline(always)]
 fn add_row<T: FloatElement>(a: &[T], b: &[T], out: &mut [T]) -> f32 {
+    if T::narrows_natively() {
+        add_row_as::<T, true>(a, b, out)
+    } else {
+        add_row_as::<T, false>(a, b, out)
+    }
+}
+
+#[inline(always)]
+fn add_row_as<T: FloatElement, const NATIVE: bool>(a: &[T], b: &[T], out: &mut [T]) -> f32 {
     let mut acc = [0f32; LANES];
     let n = a.len();
     let full = n / LANES * LANES;
@@ -27,19 +36,20 @@ fn add_row<T: FloatElement>(a: &[T], b: &[T], out: &mut [T]) -> f32 {
         if converts_per_element::<T, 1>() {
             // Rounded and widened back in registers (see `converts_per_element`).
             for i in 0..LANES {
-                let stored = T::from_f32(ac[i].to_f32() + bc[i].to_f32());
+                let stored = T::from_f32(to_f32::<T, NATIVE>(ac[i]) + to_f32::<T, NATIVE>(bc[i]));
                 oc[i] = stored;
-                acc[i] += stored.to_f32() * stored.to_f32();
+                let stored = to_f32::<T, NATIVE>(stored);
+                acc[i] += stored * stored;
             }
             continue;
         }
-        let mut sum: [f32; LANES] = T::widen_lanes(ac.try_into().expect("LANES elements"));
-        let bb: [f32; LANES] = T::widen_lanes(bc.try_into().expect("LANES elements"));
+        let mut sum: [f32; LANES] = widen_lanes::<T, NATIVE, LANES>(ac.try_into().expect("LANES elements"));
+        let bb: [f32; LANES] = widen_lanes::<T, NATIVE, LANES>(bc.try_into().expect("LANES elements"));
         for i in 0..LANES {
             sum[i] += bb[i];
         }
         let rounded = T::narrow_lanes(&sum);
-        let stored = T::widen_lanes(&rounded);
+        let stored = widen_lanes::<T, NATIVE, LANES>(&rounded);
         for i in 0..LANES {
             acc[i] += stored[i] * stored[i];
         }

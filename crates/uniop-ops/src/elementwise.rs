@@ -429,6 +429,18 @@ fn for_lanes_as<T: FloatElement, const N: usize, const NATIVE: bool>(
     }
 }
 
+/// `x` widened by the CPU's instruction when `NATIVE` (as [`widen_lanes`]); in a loop over
+/// elements, LLVM vectorizes it to `vcvtph2ps` over 16 lanes for f16.
+#[inline(always)]
+pub fn to_f32<T: FloatElement, const NATIVE: bool>(x: T) -> f32 {
+    if NATIVE {
+        // SAFETY: as in `widen_lanes`.
+        unsafe { x.to_f32_natively() }
+    } else {
+        x.to_f32()
+    }
+}
+
 /// `src` widened by the CPU's instruction when `NATIVE` (only where `T::narrows_natively()`:
 /// kernels choose once per loop), else by [`FloatElement::widen_lanes`].
 #[inline(always)]

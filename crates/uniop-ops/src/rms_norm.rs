@@ -9,7 +9,7 @@
 //! (sum of squares, then scale), but the second read hits L1/L2, so the op moves each byte of DRAM
 //! once — it is bandwidth-bound by design.
 
-use crate::elementwise::{converts_per_element, copy_streaming, fence, streams_bytes, Ahead};
+use crate::elementwise::{converts_per_element, copy_streaming, fence, streams_bytes, to_f32, widen_lanes, Ahead};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
     OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -100,11 +100,20 @@ pub(crate) fn sum_squares<T: FloatElement>(x: &[T]) -> f32 {
     if let Some(f) = T::as_f32_slice(x) {
         return sum_squares_f32(f);
     }
+    if T::narrows_natively() {
+        sum_squares_as::<T, true>(x)
+    } else {
+        sum_squares_as::<T, false>(x)
+    }
+}
+
+#[inline(always)]
+fn sum_squares_as<T: FloatElement, const NATIVE: bool>(x: &[T]) -> f32 {
     let mut acc = [0f32; LANES];
     let chunks = x.chunks_exact(LANES);
     let tail = chunks.remainder();
     for c in chunks {
-        let buf: [f32; LANES] = T::widen_lanes(c.try_into().expect("LANES elements"));
+        let buf: [f32; LANES] = widen_lanes::<T, NATIVE, LANES>(c.try_into().expect("LANES elements"));
         for i in 0..LANES {
             acc[i] += buf[i] * buf[i];
         }
@@ -115,6 +124,22 @@ pub(crate) fn sum_squares<T: FloatElement>(x: &[T]) -> f32 {
 /// `y = x · rstd · w`, one register at a time; `streaming` writes y past the cache.
 #[inline(always)]
 pub(crate) fn scale_row<T: FloatElement>(x: &[T], next: &[T], w: &[f32], y: &mut [T], rstd: f32, streaming: bool) {
+    if T::narrows_natively() {
+        scale_row_as::<T, true>(x, next, w, y, rstd, streaming)
+    } else {
+        scale_row_as::<T, false>(x, next, w, y, rstd, streaming)
+    }
+}
+
+#[inline(always)]
+fn scale_row_as<T: FloatElement, const NATIVE: bool>(
+    x: &[T],
+    next: &[T],
+    w: &[f32],
+    y: &mut [T],
+    rstd: f32,
+    streaming: bool,
+) {
     let xs = x.chunks_exact(LANES);
     let tail = xs.len() * LANES;
     let mut ahead = Ahead::new(next, xs.len());
@@ -123,11 +148,11 @@ pub(crate) fn scale_row<T: FloatElement>(x: &[T], next: &[T], w: &[f32], y: &mut
         if !streaming && converts_per_element::<T, 1>() {
             // Narrowed in registers (see `converts_per_element`).
             for i in 0..LANES {
-                yc[i] = T::from_f32(xc[i].to_f32() * rstd * wc[i]);
+                yc[i] = T::from_f32(to_f32::<T, NATIVE>(xc[i]) * rstd * wc[i]);
             }
             continue;
         }
-        let mut buf: [f32; LANES] = T::widen_lanes(xc.try_into().expect("LANES elements"));
+        let mut buf: [f32; LANES] = widen_lanes::<T, NATIVE, LANES>(xc.try_into().expect("LANES elements"));
         for i in 0..LANES {
             buf[i] = buf[i] * rstd * wc[i];
         }
