@@ -19,7 +19,7 @@ pub struct AddRmsNorm;
 /// stored (rounded to `T`), like a separate add then rms_norm.
 #[inline(always)]
 fn add_row<T: FloatElement>(a: &[T], b: &[T], out: &mut [T]) -> f32 {
-    if T::narrows_natively() {
+    if T::converts_natively() {
         add_row_as::<T, true>(a, b, out)
     } else {
         add_row_as::<T, false>(a, b, out)

@@ -225,7 +225,7 @@ pub fn converts_per_element<T: FloatElement, const O: usize>() -> bool {
 ///
 /// Steps of [`LANES`] elements, in three forms (see [`converts_per_element`] and the choice below
 /// for which runs where):
-/// - native (bf16 on AVX512-BF16 CPUs, f16 on AVX-512 ones: [`FloatElement::narrows_natively`]):
+/// - native (bf16 on AVX512-BF16 CPUs, f16 on AVX-512 ones: [`FloatElement::converts_natively`]):
 ///   as per element, but into f32 step arrays that the CPU's instruction then narrows, one op per
 ///   8 lanes instead of nine integer ops per 16 (bf16) — these loops are bound by their op count.
 ///   In cache (Zen 4), bf16 silu 0.065 → 0.051 ms, add 0.024 → 0.016, swiglu_backward 0.056 →
@@ -265,7 +265,7 @@ pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
     // one-input maps keep the per-element form: at DRAM sizes (bf16, Zen 4, three alternations)
     // the native one ran silu 12.1 → 13.4 ms and log_softmax 4.8 → 6.1, while the two-input ones
     // gained (gelu_backward 17.2 → 14.5, swiglu 13.5 → 11.4, silu_mul 14.8 → 13.3).
-    if T::narrows_natively() && (!streaming || I > 1 || T::DTYPE == DType::F16) {
+    if T::converts_natively() && (!streaming || I > 1 || T::DTYPE == DType::F16) {
         steps.walk::<true>(ins, &mut outs, full, streaming, &f);
     } else {
         steps.walk::<false>(ins, &mut outs, full, streaming, &f);
@@ -308,7 +308,7 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
     }
 
     /// One step of [`dense_map`]: `LANES` elements through `f` into `outs`; `NATIVE`: narrowed by
-    /// [`FloatElement::narrow_lanes_natively`] — only where `T::narrows_natively()` (the caller
+    /// [`FloatElement::narrow_lanes_natively`] — only where `T::converts_natively()` (the caller
     /// checks it once per map).
     #[inline(always)]
     fn run<const NATIVE: bool>(
@@ -336,7 +336,7 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
             }
             let mut targets = if streaming { self.staged.each_mut() } else { outs.each_mut().map(|out| &mut **out) };
             for (target, wide) in targets.iter_mut().zip(&self.wide) {
-                // SAFETY: `NATIVE` only where `dense_map` found `T::narrows_natively()`.
+                // SAFETY: `NATIVE` only where `dense_map` found `T::converts_natively()`.
                 unsafe { T::narrow_lanes_natively(wide, target) };
             }
         } else if converts_per_element::<T, O>() {
@@ -372,7 +372,7 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
             }
             for (staged, r) in self.staged.iter_mut().zip(&self.wide) {
                 if NATIVE {
-                    // SAFETY: `NATIVE` only where `dense_map` found `T::narrows_natively()`.
+                    // SAFETY: `NATIVE` only where `dense_map` found `T::converts_natively()`.
                     unsafe { T::narrow_lanes_natively(r, staged) };
                 } else {
                     *staged = T::narrow_lanes(r);
@@ -399,7 +399,7 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
 /// they lived in memory, and each step waited for the previous step's stores.)
 #[inline(always)]
 pub fn for_lanes<T: FloatElement, const N: usize>(rows: [&[T]; N], pad: f32, f: impl FnMut(&[[f32; LANES]; N])) {
-    if T::narrows_natively() {
+    if T::converts_natively() {
         for_lanes_as::<T, N, true>(rows, pad, f)
     } else {
         for_lanes_as::<T, N, false>(rows, pad, f)
@@ -429,55 +429,78 @@ fn for_lanes_as<T: FloatElement, const N: usize, const NATIVE: bool>(
     }
 }
 
-/// `x` widened by the CPU's instruction when `NATIVE` (as [`widen_lanes`]); in a loop over
-/// elements, LLVM vectorizes it to `vcvtph2ps` over 16 lanes for f16.
+/// `x` widened to f32, by the CPU's instruction when `NATIVE`
+/// ([`FloatElement::to_f32_natively`]; in an element loop LLVM vectorizes f16's to `vcvtph2ps`).
+///
+/// The `NATIVE` forms of the helpers here are chosen once per loop: row helpers take the
+/// `converts_natively` branch at their top and run a loop generic over `NATIVE`, since a choice
+/// per step keeps the step's lanes in memory. `NATIVE` is `T::converts_natively()` — the safety
+/// condition of the `*_natively` conversions; a kernel that widens a second element type with
+/// the same choice asserts [`converts_with`].
 #[inline(always)]
 pub fn to_f32<T: FloatElement, const NATIVE: bool>(x: T) -> f32 {
     if NATIVE {
-        // SAFETY: as in `widen_lanes`.
+        // SAFETY: `NATIVE` only where `T::converts_natively()` (see above).
         unsafe { x.to_f32_natively() }
     } else {
         x.to_f32()
     }
 }
 
-/// `src` widened by the CPU's instruction when `NATIVE` (only where `T::narrows_natively()`:
-/// kernels choose once per loop), else by [`FloatElement::widen_lanes`].
+/// `src` widened by the CPU's instruction when `NATIVE` (see [`to_f32`]), else by
+/// [`FloatElement::widen_lanes`].
 #[inline(always)]
 pub fn widen_lanes<T: FloatElement, const NATIVE: bool, const N: usize>(src: &[T; N]) -> [f32; N] {
     if NATIVE {
-        // SAFETY: see above.
+        // SAFETY: as in `to_f32`.
         unsafe { T::widen_lanes_natively(src) }
     } else {
         T::widen_lanes(src)
     }
 }
 
+/// Whether `U` may be widened with the `NATIVE` choice made for `T`: it is `T`, or f32, whose
+/// native widening is its plain one. For kernels with a second element type (rope's cos/sin,
+/// rms_norm_backward's weight), as a compile-time assertion.
+pub const fn converts_with<T: Element, U: Element>() -> bool {
+    U::DTYPE as u8 == T::DTYPE as u8 || U::DTYPE as u8 == DType::F32 as u8
+}
+
 /// `out = f(row)` elementwise in f32, `LANES` at a time; `f` works in place on the widened values.
 #[inline(always)]
-pub fn map_lanes<T: FloatElement>(row: &[T], out: &mut [T], mut f: impl FnMut(&mut [f32])) {
+pub fn map_lanes<T: FloatElement>(row: &[T], out: &mut [T], f: impl FnMut(&mut [f32])) {
+    if T::converts_natively() {
+        map_lanes_as::<T, true>(row, out, f)
+    } else {
+        map_lanes_as::<T, false>(row, out, f)
+    }
+}
+
+#[inline(always)]
+fn map_lanes_as<T: FloatElement, const NATIVE: bool>(row: &[T], out: &mut [T], mut f: impl FnMut(&mut [f32])) {
     let chunks = row.chunks_exact(LANES);
     let tail = chunks.remainder();
     let full = row.len() - tail.len();
     for (c, o) in chunks.zip(out.chunks_exact_mut(LANES)) {
-        let mut buf: [f32; LANES] = T::widen_lanes(c.try_into().expect("LANES elements"));
+        let mut buf: [f32; LANES] = widen_lanes::<T, NATIVE, LANES>(c.try_into().expect("LANES elements"));
         f(&mut buf);
         o.copy_from_slice(&T::narrow_lanes(&buf));
     }
     if !tail.is_empty() {
-        let mut buf: [f32; LANES] = T::widen_lanes(&padded(tail, T::default()));
+        let mut buf: [f32; LANES] = widen_lanes::<T, NATIVE, LANES>(&padded(tail, T::default()));
         f(&mut buf);
         out[full..].copy_from_slice(&T::narrow_lanes(&buf)[..tail.len()]);
     }
 }
 
-/// Up to `N` elements widened into a whole step (lanes past `src` are 0), by value. `N` is
-/// [`LANES`] except where a narrower step divides a row exactly (see `rope`).
+/// Up to `N` elements widened into a whole step (lanes past `src` are 0), by value, natively
+/// when `NATIVE` (see [`widen_lanes`]). `N` is [`LANES`] except where a narrower step divides a
+/// row exactly (see `rope`).
 #[inline(always)]
-pub fn widen_step<T: FloatElement, const N: usize>(src: &[T]) -> [f32; N] {
+pub fn widen_step<T: FloatElement, const NATIVE: bool, const N: usize>(src: &[T]) -> [f32; N] {
     match src.try_into() {
-        Ok(whole) => T::widen_lanes(whole),
-        Err(_) => T::widen_lanes(&padded(src, T::default())),
+        Ok(whole) => widen_lanes::<T, NATIVE, N>(whole),
+        Err(_) => widen_lanes::<T, NATIVE, N>(&padded(src, T::default())),
     }
 }
 

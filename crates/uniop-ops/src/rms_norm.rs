@@ -100,7 +100,7 @@ pub(crate) fn sum_squares<T: FloatElement>(x: &[T]) -> f32 {
     if let Some(f) = T::as_f32_slice(x) {
         return sum_squares_f32(f);
     }
-    if T::narrows_natively() {
+    if T::converts_natively() {
         sum_squares_as::<T, true>(x)
     } else {
         sum_squares_as::<T, false>(x)
@@ -124,7 +124,7 @@ fn sum_squares_as<T: FloatElement, const NATIVE: bool>(x: &[T]) -> f32 {
 /// `y = x · rstd · w`, one register at a time; `streaming` writes y past the cache.
 #[inline(always)]
 pub(crate) fn scale_row<T: FloatElement>(x: &[T], next: &[T], w: &[f32], y: &mut [T], rstd: f32, streaming: bool) {
-    if T::narrows_natively() {
+    if T::converts_natively() {
         scale_row_as::<T, true>(x, next, w, y, rstd, streaming)
     } else {
         scale_row_as::<T, false>(x, next, w, y, rstd, streaming)

@@ -9,7 +9,7 @@
 //!
 //! [`rms_norm`]: crate::rms_norm
 
-use crate::elementwise::{narrow_step, widen_step, CHUNK, LANES};
+use crate::elementwise::{converts_with, narrow_step, widen_step, CHUNK, LANES};
 use crate::rms_norm::{norm_shape, KernelShape, DTYPES};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
@@ -22,12 +22,32 @@ pub struct RmsNormBackward;
 /// block's dweight partial. Steps of `LANES`, the last one padded with zeros.
 #[inline(always)]
 fn backward_row<T: FloatElement, W: FloatElement>(dy: &[T], x: &[T], w: &[W], rstd: f32, dx: &mut [T], dw: &mut [f32]) {
+    if T::converts_natively() {
+        backward_row_as::<T, W, true>(dy, x, w, rstd, dx, dw)
+    } else {
+        backward_row_as::<T, W, false>(dy, x, w, rstd, dx, dw)
+    }
+}
+
+#[inline(always)]
+fn backward_row_as<T: FloatElement, W: FloatElement, const NATIVE: bool>(
+    dy: &[T],
+    x: &[T],
+    w: &[W],
+    rstd: f32,
+    dx: &mut [T],
+    dw: &mut [f32],
+) {
+    const { assert!(converts_with::<T, W>(), "weight in x's dtype or f32") };
     let n = x.len();
     let mut dot = [0f32; LANES];
     for start in (0..n).step_by(LANES) {
         let end = (start + LANES).min(n);
-        let [d, xv, wv]: [[f32; LANES]; 3] =
-            [widen_step(&dy[start..end]), widen_step(&x[start..end]), widen_step(&w[start..end])];
+        let [d, xv, wv]: [[f32; LANES]; 3] = [
+            widen_step::<_, NATIVE, LANES>(&dy[start..end]),
+            widen_step::<_, NATIVE, LANES>(&x[start..end]),
+            widen_step::<_, NATIVE, LANES>(&w[start..end]),
+        ];
         for i in 0..LANES {
             dot[i] += d[i] * wv[i] * xv[i];
         }
@@ -35,10 +55,13 @@ fn backward_row<T: FloatElement, W: FloatElement>(dy: &[T], x: &[T], w: &[W], rs
     let coeff = rstd * rstd * rstd * dot.iter().sum::<f32>() / n as f32;
     for start in (0..n).step_by(LANES) {
         let end = (start + LANES).min(n);
-        let [d, xv, wv]: [[f32; LANES]; 3] =
-            [widen_step(&dy[start..end]), widen_step(&x[start..end]), widen_step(&w[start..end])];
+        let [d, xv, wv]: [[f32; LANES]; 3] = [
+            widen_step::<_, NATIVE, LANES>(&dy[start..end]),
+            widen_step::<_, NATIVE, LANES>(&x[start..end]),
+            widen_step::<_, NATIVE, LANES>(&w[start..end]),
+        ];
         let mut out = [0f32; LANES];
-        let mut gw: [f32; LANES] = widen_step(&dw[start..end]);
+        let mut gw: [f32; LANES] = widen_step::<_, NATIVE, LANES>(&dw[start..end]);
         for i in 0..LANES {
             out[i] = rstd * d[i] * wv[i] - xv[i] * coeff;
             gw[i] += d[i] * xv[i] * rstd;

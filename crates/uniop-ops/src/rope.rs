@@ -11,7 +11,7 @@
 //! same layout as the rotated part of `x` (HF's `cat(freqs, freqs)` for `half`,
 //! `repeat_interleave` for `interleave`) — `rope_cos_sin` builds them.
 
-use crate::elementwise::{narrow_step, widen_step, LANES};
+use crate::elementwise::{converts_with, narrow_step, widen_step, LANES};
 use uniop::layout::ShapeDisplay;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, Layout, LayoutNeed,
@@ -105,18 +105,36 @@ fn rotate_row<T: FloatElement, C: FloatElement, const N: usize>(
     mode: Mode,
     inverse: bool,
 ) {
+    if T::converts_natively() {
+        rotate_row_as::<T, C, N, true>(x, cos, sin, out, mode, inverse)
+    } else {
+        rotate_row_as::<T, C, N, false>(x, cos, sin, out, mode, inverse)
+    }
+}
+
+#[inline(always)]
+fn rotate_row_as<T: FloatElement, C: FloatElement, const N: usize, const NATIVE: bool>(
+    x: &[T],
+    cos: &[C],
+    sin: &[C],
+    out: &mut [T],
+    mode: Mode,
+    inverse: bool,
+) {
+    const { assert!(converts_with::<T, C>(), "cos/sin in x's dtype or f32") };
     let r = cos.len();
     match mode {
         Mode::Half => {
             let h = r / 2;
             for i in (0..h).step_by(N) {
                 let n = N.min(h - i);
-                let [bx, by]: [[f32; N]; 2] = [widen_step(&x[i..i + n]), widen_step(&x[h + i..h + i + n])];
+                let [bx, by]: [[f32; N]; 2] =
+                    [widen_step::<_, NATIVE, N>(&x[i..i + n]), widen_step::<_, NATIVE, N>(&x[h + i..h + i + n])];
                 let [bc, bs, bc2, bs2]: [[f32; N]; 4] = [
-                    widen_step(&cos[i..i + n]),
-                    widen_step(&sin[i..i + n]),
-                    widen_step(&cos[h + i..h + i + n]),
-                    widen_step(&sin[h + i..h + i + n]),
+                    widen_step::<_, NATIVE, N>(&cos[i..i + n]),
+                    widen_step::<_, NATIVE, N>(&sin[i..i + n]),
+                    widen_step::<_, NATIVE, N>(&cos[h + i..h + i + n]),
+                    widen_step::<_, NATIVE, N>(&sin[h + i..h + i + n]),
                 ];
                 let (mut bo, mut bo2) = ([0f32; N], [0f32; N]);
                 for k in 0..N {
@@ -129,8 +147,11 @@ fn rotate_row<T: FloatElement, C: FloatElement, const N: usize>(
         Mode::Interleave => {
             for i in (0..r).step_by(N) {
                 let n = N.min(r - i);
-                let [bx, bc, bs]: [[f32; N]; 3] =
-                    [widen_step(&x[i..i + n]), widen_step(&cos[i..i + n]), widen_step(&sin[i..i + n])];
+                let [bx, bc, bs]: [[f32; N]; 3] = [
+                    widen_step::<_, NATIVE, N>(&x[i..i + n]),
+                    widen_step::<_, NATIVE, N>(&cos[i..i + n]),
+                    widen_step::<_, NATIVE, N>(&sin[i..i + n]),
+                ];
                 let mut bo = [0f32; N];
                 for k in (0..N).step_by(2) {
                     (bo[k], bo[k + 1]) = rotate(bx[k], bx[k + 1], bc[k], bs[k], bc[k + 1], bs[k + 1], inverse);

@@ -153,7 +153,7 @@ fn exp_total<T: FloatElement>(row: &[T], m: f32, next: &[T]) -> f32 {
 /// registers (a shared closure over both kept them in memory).
 #[inline(always)]
 fn exp_sum<T: FloatElement, const STORE: bool>(row: &[T], out: &mut [f32], m: f32, next: &[T]) -> f32 {
-    if T::narrows_natively() {
+    if T::converts_natively() {
         exp_sum_as::<T, STORE, true>(row, out, m, next)
     } else {
         exp_sum_as::<T, STORE, false>(row, out, m, next)

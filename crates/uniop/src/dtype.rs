@@ -218,14 +218,18 @@ pub trait FloatElement: Element {
         }
         out
     }
-    /// Whether this CPU narrows f32 to `Self` with one instruction per vector
-    /// ([`Self::narrow_lanes_natively`]): bf16 on AVX512-BF16 CPUs (`vcvtneps2bf16`, one op per 8
-    /// lanes where the bit conversion of [`Self::from_f32`] takes nine per 16), f16 on AVX-512
-    /// ones (`vcvtps2ph`). Kernels bound by their op count then run faster computing a step in
-    /// f32 and narrowing it whole than narrowing each element in their loop; they choose once per
-    /// loop with this.
+    /// Whether this CPU converts between f32 and `Self` with an instruction per vector that
+    /// kernels can use — the `*_natively` methods below:
+    /// - bf16 on AVX512-BF16 CPUs narrows with `vcvtneps2bf16` (one op per 8 lanes where the bit
+    ///   conversion of [`Self::from_f32`] takes nine per 16); it widens with its usual shift.
+    /// - f16 on AVX-512 CPUs narrows with F16C's `vcvtps2ph` and widens with `vcvtph2ps` (one op
+    ///   per 16 lanes where the bit conversion of [`Self::to_f32`] takes about ten).
+    ///
+    /// Kernels bound by their op count run faster this way; they choose once per loop with this,
+    /// because a branch per step would keep each step's lanes in memory. (AVX2 CPUs, which have
+    /// F16C too, keep the bit conversions their kernels were tuned with: not measured here.)
     #[inline(always)]
-    fn narrows_natively() -> bool {
+    fn converts_natively() -> bool {
         false
     }
     /// `src` narrowed into `dst` by the CPU's instruction, 8 lanes at a time (`N` must be a
@@ -233,17 +237,18 @@ pub trait FloatElement: Element {
     /// bf16's turns f32 subnormals (below 1.2e-38 in magnitude) into zeros of their sign.
     ///
     /// # Safety
-    /// Only where [`Self::narrows_natively`] is true: kernels check that once per loop, not per
+    /// Only where [`Self::converts_natively`] is true: kernels check that once per loop, not per
     /// step. (The default, for types without such an instruction, is the exact lane narrowing.)
     #[inline(always)]
     unsafe fn narrow_lanes_natively<const N: usize>(src: &[f32; N], dst: &mut [Self; N]) {
         *dst = Self::narrow_lanes(src);
     }
-    /// [`Self::to_f32`] by the CPU's instruction where it has one that a vectorized loop can use:
-    /// f16's F16C `vcvtph2ps`, one op per 16 lanes where the bit conversion takes about ten.
+    /// [`Self::to_f32`] by the CPU's instruction (exact, as it is). Written per element so that
+    /// kernels' element loops can use it: LLVM vectorizes f16's to `vcvtph2ps` over 16 lanes.
     ///
     /// # Safety
-    /// Only where [`Self::narrows_natively`] is true (as [`Self::narrow_lanes_natively`]).
+    /// As [`Self::narrow_lanes_natively`]. (The default is [`Self::to_f32`]: f32's and bf16's
+    /// widening needs no instruction, so theirs may run anywhere.)
     #[inline(always)]
     unsafe fn to_f32_natively(self) -> f32 {
         self.to_f32()
@@ -328,10 +333,9 @@ impl FloatElement for f16 {
     // Scalar conversions, and through them the default lane forms, are the branch-free bit
     // conversions below, which vectorize: no call (`half`'s conversions are calls, and a call
     // anywhere in a kernel's loop — even on a path not taken — makes it keep its constants and
-    // lanes in memory) and no CPU-feature branch per step. Measured against `vcvtph2ps`/`vcvtps2ph`
-    // behind a feature check: faster for add, silu, silu_mul, softmax and rms_norm_backward (up to
-    // 1.8x at DRAM sizes), slower for rms_norm and add_rms_norm (1.2–1.5x), where the conversions
-    // are most of the work.
+    // lanes in memory) and no CPU-feature branch per step (a branch per step between them and
+    // `vcvtph2ps` kept the step's lanes in memory: rms_norm ran 0.065 → 0.080 ms). F16C's
+    // instructions are the `*_natively` forms, which kernels choose once per loop.
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16_bits_to_f32(self.to_bits())
@@ -366,7 +370,7 @@ impl FloatElement for f16 {
     /// On AVX-512 CPUs (all of which have F16C); AVX2 ones keep the staged form their kernels
     /// were tuned with.
     #[inline(always)]
-    fn narrows_natively() -> bool {
+    fn converts_natively() -> bool {
         #[cfg(target_arch = "x86_64")]
         return std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("f16c");
         #[cfg(not(target_arch = "x86_64"))]
@@ -374,7 +378,7 @@ impl FloatElement for f16 {
     }
     #[inline(always)]
     unsafe fn narrow_lanes_natively<const N: usize>(src: &[f32; N], dst: &mut [Self; N]) {
-        // SAFETY: the caller checked `narrows_natively` (false off x86-64), so the CPU has the
+        // SAFETY: the caller checked `converts_natively` (false off x86-64), so the CPU has the
         // instruction's features.
         #[cfg(target_arch = "x86_64")]
         narrow_f16_native(src, dst);
@@ -705,7 +709,7 @@ impl FloatElement for bf16 {
         out
     }
     #[inline(always)]
-    fn narrows_natively() -> bool {
+    fn converts_natively() -> bool {
         #[cfg(target_arch = "x86_64")]
         return std::arch::is_x86_feature_detected!("avx512bf16") && std::arch::is_x86_feature_detected!("avx512vl");
         #[cfg(not(target_arch = "x86_64"))]
@@ -713,7 +717,7 @@ impl FloatElement for bf16 {
     }
     #[inline(always)]
     unsafe fn narrow_lanes_natively<const N: usize>(src: &[f32; N], dst: &mut [Self; N]) {
-        // SAFETY: the caller checked `narrows_natively` (false off x86-64), so the CPU has the
+        // SAFETY: the caller checked `converts_natively` (false off x86-64), so the CPU has the
         // instruction's features.
         #[cfg(target_arch = "x86_64")]
         narrow_bf16_native(src, dst);
@@ -900,7 +904,7 @@ mod tests {
     /// but f32 subnormals, which become zeros of their sign. (CPUs without it: nothing to check.)
     #[test]
     fn native_bf16_narrowing_matches_the_scalar_one_but_flushes_subnormals() {
-        if !bf16::narrows_natively() {
+        if !bf16::converts_natively() {
             return;
         }
         let mut src = awkward_f32s();
@@ -909,7 +913,7 @@ mod tests {
         for step in src.chunks_exact(64) {
             let step: &[f32; 64] = step.try_into().unwrap();
             let mut out = [bf16::ZERO; 64];
-            // SAFETY: `narrows_natively` was checked above.
+            // SAFETY: `converts_natively` was checked above.
             unsafe { bf16::narrow_lanes_natively(step, &mut out) };
             for (v, b) in step.iter().zip(&out) {
                 let want = if v.is_subnormal() { (v.to_bits() >> 16) as u16 & 0x8000 } else { f32_to_bf16_bits(*v) };
@@ -922,7 +926,7 @@ mod tests {
     /// overflow and ties included; NaNs stay NaNs. (CPUs without it: nothing to check.)
     #[test]
     fn native_f16_narrowing_matches_the_scalar_one() {
-        if !f16::narrows_natively() {
+        if !f16::converts_natively() {
             return;
         }
         let mut src = awkward_f32s();
@@ -931,7 +935,7 @@ mod tests {
         for step in src.chunks_exact(64) {
             let step: &[f32; 64] = step.try_into().unwrap();
             let mut out = [f16::ZERO; 64];
-            // SAFETY: `narrows_natively` was checked above.
+            // SAFETY: `converts_natively` was checked above.
             unsafe { f16::narrow_lanes_natively(step, &mut out) };
             for (v, h) in step.iter().zip(&out) {
                 if v.is_nan() {
