@@ -227,16 +227,18 @@ pub fn converts_per_element<T: FloatElement, const O: usize>() -> bool {
 /// for which runs where):
 /// - native (bf16 on AVX512-BF16 CPUs, f16 on AVX-512 ones: [`FloatElement::converts_natively`]):
 ///   as per element, but into f32 step arrays that the CPU's instruction then narrows, one op per
-///   8 lanes instead of nine integer ops per 16 (bf16) — these loops are bound by their op count.
+///   8 lanes instead of nine integer ops per 16 (bf16); f16 inputs are widened by `vcvtph2ps`
+///   too (one op per 16 lanes instead of about ten) — these loops are bound by their op count.
 ///   In cache (Zen 4), bf16 silu 0.065 → 0.051 ms, add 0.024 → 0.016, swiglu_backward 0.056 →
-///   0.040 (now level with f32), silu_mul_backward 0.091 → 0.083; f16 silu 0.103 → 0.079, gelu
-///   0.100 → 0.076, and at 4096x4096 f16 add 4.6 → 2.3 ms (f16's two-output maps run the staged
-///   form with this narrowing: silu_mul_backward 0.130 → 0.103 ms). bf16 results differ from the other
-///   forms' only where an f32 result is subnormal (below 1.2e-38 in magnitude): the instruction
-///   gives a zero of its sign. Checking for subnormals to keep those bits too (`vfpclassps` per 8
-///   lanes) cost the whole gain back (silu 0.059 → 0.068 ms). The rms_norm, add_rms_norm and
-///   softmax row passes keep narrowing per element: their steps in this form ran slower
-///   (rms_norm 0.036 → 0.046 ms, softmax 0.071 → 0.082).
+///   0.040 (now level with f32), silu_mul_backward 0.091 → 0.083; f16 silu 0.103 → 0.051, add
+///   0.056 → 0.017, silu_mul_backward 0.130 → 0.085 (the staged form, which it ran before with
+///   native narrowing, 0.103), and at DRAM sizes f16 silu 16.7 → 10.4 ms, add 2.2 → 1.5.
+///   bf16 results differ from the other forms' only where an f32 result is subnormal (below
+///   1.2e-38 in magnitude): the instruction gives a zero of its sign. Checking for subnormals to
+///   keep those bits too (`vfpclassps` per 8 lanes) cost the whole gain back (silu 0.059 →
+///   0.068 ms). The rms_norm, add_rms_norm and softmax row passes keep narrowing per element:
+///   their steps in this form ran slower (bf16 rms_norm 0.036 → 0.046 ms, softmax 0.071 → 0.082);
+///   they widen natively ([`to_f32`]).
 /// - per element: one loop over single elements, from the inputs straight into the outputs,
 ///   which LLVM vectorizes with a register or two per value (f16/bf16 converted in the loop).
 ///   Staging whole steps in f32 arrays, as both forms once did, takes `LANES / 8` registers per
@@ -260,11 +262,13 @@ pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
     const { assert!(O <= I, "dense_map writes output k over input k's widened step") };
     let mut steps = Steps { wide: [[0f32; LANES]; I], staged: [[T::default(); LANES]; O] };
     let full = n / LANES * LANES;
-    // Two loops, chosen once: a branch inside one loop would leave the native narrowing's call
-    // (not inlined where the CPU lacks the instruction) in every kernel's loop. Streamed
-    // one-input maps keep the per-element form: at DRAM sizes (bf16, Zen 4, three alternations)
-    // the native one ran silu 12.1 → 13.4 ms and log_softmax 4.8 → 6.1, while the two-input ones
-    // gained (gelu_backward 17.2 → 14.5, swiglu 13.5 → 11.4, silu_mul 14.8 → 13.3).
+    // Two loops, chosen once: a branch inside one loop would leave the native conversions' calls
+    // (not inlined where the CPU lacks the instructions) in every kernel's loop. Streamed
+    // one-input bf16 maps keep the per-element form: at DRAM sizes (Zen 4, three alternations)
+    // the native one ran silu 12.1 → 13.4 ms and log_softmax 4.8 → 6.1 (and again 11.9 → 12.8,
+    // 4.9 → 7.2 once f16 widened natively too), while the two-input ones gained (gelu_backward
+    // 17.2 → 14.5, swiglu 13.5 → 11.4, silu_mul 14.8 → 13.3). f16 gains there too, from its
+    // widening: silu 16.7 → 10.4 ms, gelu 16.5 → 10.7.
     if T::converts_natively() && (!streaming || I > 1 || T::DTYPE == DType::F16) {
         steps.walk::<true>(ins, &mut outs, full, streaming, &f);
     } else {
@@ -307,9 +311,9 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
         }
     }
 
-    /// One step of [`dense_map`]: `LANES` elements through `f` into `outs`; `NATIVE`: narrowed by
-    /// [`FloatElement::narrow_lanes_natively`] — only where `T::converts_natively()` (the caller
-    /// checks it once per map).
+    /// One step of [`dense_map`]: `LANES` elements through `f` into `outs`; `NATIVE`: converted
+    /// by the CPU's instructions ([`FloatElement::narrow_lanes_natively`], [`to_f32`]) — only
+    /// where `T::converts_natively()` (the caller checks it once per map).
     #[inline(always)]
     fn run<const NATIVE: bool>(
         &mut self,
@@ -319,16 +323,12 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
         f: &impl Fn([f32; I]) -> [f32; O],
     ) {
         if NATIVE {
-            // Results in f32 first, then narrowed a step at a time by the CPU's instruction.
-            // f16's two-output maps stay staged (below), narrowing natively there: its whole-step
-            // widening suits f16's costlier bit conversion. In cache, f16 silu_mul_backward ran
-            // 0.130 → 0.152 ms in this form and 0.130 → 0.103 staged, swiglu_backward 0.064 →
-            // 0.074 and level.
+            // Inputs widened per element (f16: vectorized to `vcvtph2ps`), results in f32 first,
+            // then narrowed a step at a time by the CPU's instruction.
             for i in 0..LANES {
                 let mut x = [0f32; I];
                 for (x, step) in x.iter_mut().zip(&ins) {
-                    // SAFETY: as below.
-                    *x = unsafe { step[i].to_f32_natively() };
+                    *x = to_f32::<T, true>(step[i]);
                 }
                 for (wide, r) in self.wide.iter_mut().zip(f(x)) {
                     wide[i] = r;
@@ -371,12 +371,7 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
                 }
             }
             for (staged, r) in self.staged.iter_mut().zip(&self.wide) {
-                if NATIVE {
-                    // SAFETY: `NATIVE` only where `dense_map` found `T::converts_natively()`.
-                    unsafe { T::narrow_lanes_natively(r, staged) };
-                } else {
-                    *staged = T::narrow_lanes(r);
-                }
+                *staged = T::narrow_lanes(r);
             }
             if !streaming {
                 for (out, staged) in outs.iter_mut().zip(&self.staged) {

@@ -948,6 +948,31 @@ mod tests {
     }
 
     #[test]
+    fn native_f16_widening_matches_the_bit_conversion_on_every_f16() {
+        if !f16::converts_natively() {
+            return;
+        }
+        let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+        for step in all.chunks_exact(64) {
+            let step: &[f16; 64] = step.try_into().unwrap();
+            // SAFETY: `converts_natively` was checked above.
+            let (lanes, one) = unsafe { (f16::widen_lanes_natively(step), step[7].to_f32_natively()) };
+            assert_eq!(one.to_bits(), lanes[7].to_bits());
+            for (h, w) in step.iter().zip(lanes) {
+                let exact = f16_bits_to_f32(h.to_bits());
+                if h.is_nan() {
+                    // The instruction quiets signalling NaNs; sign and payload bits stay.
+                    assert!(w.is_nan() && w.is_sign_negative() == h.is_sign_negative(), "{:#06x}", h.to_bits());
+                    assert_eq!(w.to_bits() | 0x0040_0000, exact.to_bits() | 0x0040_0000, "{:#06x}", h.to_bits());
+                } else {
+                    assert_eq!(w.to_bits(), exact.to_bits(), "{:#06x}", h.to_bits());
+                    assert_eq!(w, h.to_f64() as f32, "{:#06x}", h.to_bits());
+                }
+            }
+        }
+    }
+
+    #[test]
     fn bulk_bf16_narrowing_is_exact_on_subnormals() {
         let src = awkward_f32s();
         let mut bulk = vec![bf16::ZERO; src.len()];
