@@ -587,14 +587,26 @@ unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [bf16]) {
 /// [`FloatElement::narrow_lanes_natively`] for how its rounding differs). 256-bit loads because
 /// kernels call this on a step they have just stored: Zen 4 forwards those stores to 256-bit loads
 /// but not to 512-bit ones (bf16 `add` ran 0.016 ms in cache with these, 0.029 with 512-bit ones).
+/// And loads of their own, not folded into the instruction as LLVM does with a plain load: with
+/// the folded form, some maps streaming past the cache ran slower (at DRAM sizes, Zen 4, seven
+/// alternations: gelu_backward 17.0 → 14.8 ms unfolded, add 2.4 → 2.2, the others and every map
+/// in cache level). Why is not known; the folded instruction is no slower in cache.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512bf16,avx512vl")]
 #[inline]
 unsafe fn narrow_bf16_native<const N: usize>(src: &[f32; N], dst: &mut [bf16; N]) {
-    use std::arch::x86_64::{__m128bh, __m128i, _mm256_cvtneps_pbh, _mm256_loadu_ps, _mm_storeu_si128};
+    use std::arch::x86_64::{__m128bh, __m128i, __m256, _mm256_cvtneps_pbh, _mm_storeu_si128};
     const { assert!(N.is_multiple_of(8), "whole groups of 8 lanes") };
     for i in (0..N).step_by(8) {
-        let bits = _mm256_cvtneps_pbh(_mm256_loadu_ps(src.as_ptr().add(i)));
+        let eight: __m256;
+        // SAFETY: `i + 8 <= N`, so the 32 bytes read are within `src`.
+        std::arch::asm!(
+            "vmovups {eight}, [{at}]",
+            at = in(reg) src.as_ptr().add(i),
+            eight = out(ymm_reg) eight,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+        let bits = _mm256_cvtneps_pbh(eight);
         _mm_storeu_si128(dst.as_mut_ptr().add(i) as *mut __m128i, std::mem::transmute::<__m128bh, __m128i>(bits));
     }
 }
