@@ -198,6 +198,23 @@ fn load_lanes<T: FloatElement>(data: &[T], off: usize, stride: usize, dst: &mut 
     }
 }
 
+/// `LANES` results narrowed by the CPU's instruction into `out` (`LANES` long); past the cache
+/// when `streaming`, through a staged copy.
+///
+/// # Safety
+/// Only where `T::converts_natively()` (see [`FloatElement::narrow_lanes_natively`]).
+#[inline(always)]
+pub unsafe fn store_natively<T: FloatElement>(src: &[f32; LANES], out: &mut [T], streaming: bool) {
+    let out: &mut [T; LANES] = out.try_into().expect("LANES elements");
+    if streaming {
+        let mut staged = [T::default(); LANES];
+        T::narrow_lanes_natively(src, &mut staged);
+        copy_streaming(out, &staged);
+    } else {
+        T::narrow_lanes_natively(src, out);
+    }
+}
+
 /// Stores `LANES` results into a dense output run, streaming past the cache when asked.
 #[inline(always)]
 fn store_lanes<T: FloatElement>(src: &[f32; LANES], dst: &mut [T], streaming: bool) {
@@ -236,9 +253,10 @@ pub fn converts_per_element<T: FloatElement, const O: usize>() -> bool {
 ///   bf16 results differ from the other forms' only where an f32 result is subnormal (below
 ///   1.2e-38 in magnitude): the instruction gives a zero of its sign. Checking for subnormals to
 ///   keep those bits too (`vfpclassps` per 8 lanes) cost the whole gain back (silu 0.059 →
-///   0.068 ms). The rms_norm, add_rms_norm and softmax row passes keep narrowing per element:
-///   their steps in this form ran slower (bf16 rms_norm 0.036 → 0.046 ms, softmax 0.071 → 0.082);
-///   they widen natively ([`to_f32`]).
+///   0.068 ms). The rms_norm, add_rms_norm and softmax row passes narrow this way too
+///   ([`store_natively`]) and widen natively ([`to_f32`], [`widen_lanes`]); with bf16's
+///   narrowing load folded into the instruction they had run slower (bf16 rms_norm 0.036 →
+///   0.046 ms), with it unfolded bf16 runs level in cache and f16 gains (rms_norm 0.044 → 0.027).
 /// - per element: one loop over single elements, from the inputs straight into the outputs,
 ///   which LLVM vectorizes with a register or two per value (f16/bf16 converted in the loop).
 ///   Staging whole steps in f32 arrays, as both forms once did, takes `LANES / 8` registers per

@@ -7,7 +7,8 @@
 //! Numerically stable: `exp(x − max)`. A slice that is all `-inf` gives NaN, as in torch.
 
 use crate::elementwise::{
-    converts_per_element, copy_streaming, dense_map, fence, for_lanes, streams, widen_lanes, Ahead, LANES,
+    converts_per_element, copy_streaming, dense_map, fence, for_lanes, store_natively, streams, widen_lanes, Ahead,
+    LANES,
 };
 use crate::math;
 use uniop::{
@@ -92,6 +93,24 @@ pub(crate) fn row_max<T: FloatElement>(row: &[T]) -> f32 {
 /// (outputs too large to stay there: the stores then skip reading each line first).
 #[inline(always)]
 pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32, streaming: bool) {
+    if T::converts_natively() {
+        // Whole steps narrowed by the CPU's instruction (a loop of its own: see `dense_map`). In
+        // cache (Zen 4), f16 softmax 0.078 → 0.066 ms, bf16 level; at 4096x4096 f16 4.97 → 3.82.
+        let chunks = src.chunks_exact(LANES);
+        let full = src.len() - chunks.remainder().len();
+        for (c, o) in chunks.zip(out.chunks_exact_mut(LANES)) {
+            let mut scaled = [0f32; LANES];
+            for (s, &v) in scaled.iter_mut().zip(c) {
+                *s = v * scale;
+            }
+            // SAFETY: `converts_natively` was checked above.
+            unsafe { store_natively(&scaled, o, streaming) };
+        }
+        for (o, &v) in out[full..].iter_mut().zip(&src[full..]) {
+            *o = T::from_f32(v * scale);
+        }
+        return;
+    }
     if !streaming && converts_per_element::<T, 1>() {
         // Narrowed in registers, as dense_map's per-element form: staging each step in an array
         // cost bf16 softmax a quarter of its time in cache, in store-forwarding stalls (Zen 4).
