@@ -497,7 +497,12 @@ fn map_lanes_as<T: FloatElement, const NATIVE: bool>(row: &[T], out: &mut [T], m
     for (c, o) in chunks.zip(out.chunks_exact_mut(LANES)) {
         let mut buf: [f32; LANES] = widen_lanes::<T, NATIVE, LANES>(c.try_into().expect("LANES elements"));
         f(&mut buf);
-        o.copy_from_slice(&T::narrow_lanes(&buf));
+        if NATIVE {
+            // SAFETY: `NATIVE` only where `T::converts_natively()` (see `map_lanes`).
+            unsafe { store_natively(&buf, o, false) };
+        } else {
+            o.copy_from_slice(&T::narrow_lanes(&buf));
+        }
     }
     if !tail.is_empty() {
         let mut buf: [f32; LANES] = widen_lanes::<T, NATIVE, LANES>(&padded(tail, T::default()));
