@@ -631,10 +631,23 @@ pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F,
         if dense_run(strides) {
             // SAFETY: blocks own disjoint ranges of output elements.
             let dst = unsafe { out.slice_mut::<T>(o, len) };
-            if sa == 1 && sb == 1 && converts_per_element::<T, 1>() {
-                let ins = [&da[ao..ao + len], &db[bo..bo + len]];
-                dense_map(ins, [dst], streaming, |[a, b]| [f.apply(a, b)]);
-                return;
+            if converts_per_element::<T, 1>() {
+                // Both dense, or one a value repeated along the run (a row's bias or scale).
+                match (sa, sb) {
+                    (1, 1) => {
+                        let ins = [&da[ao..ao + len], &db[bo..bo + len]];
+                        return dense_map(ins, [dst], streaming, |[a, b]| [f.apply(a, b)]);
+                    }
+                    (1, 0) => {
+                        let b = db[bo].to_f32();
+                        return dense_map([&da[ao..ao + len]], [dst], streaming, |[a]| [f.apply(a, b)]);
+                    }
+                    (0, 1) => {
+                        let a = da[ao].to_f32();
+                        return dense_map([&db[bo..bo + len]], [dst], streaming, |[b]| [f.apply(a, b)]);
+                    }
+                    _ => {}
+                }
             }
             let (mut la, mut lb) = ([0f32; LANES], [0f32; LANES]);
             while j + LANES <= len {

@@ -26,6 +26,31 @@ fn add_broadcasts_like_numpy() {
     }
 }
 
+/// Half types along runs long enough for whole steps (plus a ragged tail), with the other operand
+/// one value per run (a column), one value in all, or a row: the repeated-value runs take the
+/// one-input dense path with the value held fixed.
+#[test]
+fn half_binary_ops_broadcast_along_whole_steps() {
+    setup();
+    fn check<T: uniop::Element>(widen: impl Fn(f32) -> T) {
+        let (rows, cols) = (3, 200);
+        let a: Vec<T> = rand_vec(rows * cols, 11).into_iter().map(&widen).collect();
+        let col: Vec<T> = rand_vec(rows, 12).into_iter().map(&widen).collect();
+        let row: Vec<T> = rand_vec(cols, 13).into_iter().map(&widen).collect();
+        let one = [widen(-1.75)];
+        let ta = TensorRef::new(&a, &[rows, cols]).unwrap();
+        for (b, shape) in [(&col[..], &[rows, 1][..]), (&one[..], &[][..]), (&row[..], &[cols][..])] {
+            let tb = TensorRef::new(b, shape).unwrap();
+            for op in ["add", "mul"] {
+                run_checked(op, &[Some(ta.clone()), Some(tb.clone())], &[]);
+                run_checked(op, &[Some(tb.clone()), Some(ta.clone())], &[]);
+            }
+        }
+    }
+    check(bf16::from_f32);
+    check(uniop::half::f16::from_f32);
+}
+
 #[test]
 fn integer_add_is_exact_and_wraps() {
     setup();
