@@ -95,25 +95,10 @@ fn rotate(a: f32, b: f32, ca: f32, sa: f32, cb: f32, sb: f32, inverse: bool) -> 
 }
 
 /// Rotates one row of `d` elements (`r` of them rotated), `N` lanes at a time (see [`step_lanes`];
-/// the last step padded when `N` does not divide the rotated span).
+/// the last step padded when `N` does not divide the rotated span); widened by the CPU's
+/// instruction when `NATIVE` (only where `T::converts_natively()`: see `elementwise::to_f32`).
 #[inline(always)]
-fn rotate_row<T: FloatElement, C: FloatElement, const N: usize>(
-    x: &[T],
-    cos: &[C],
-    sin: &[C],
-    out: &mut [T],
-    mode: Mode,
-    inverse: bool,
-) {
-    if T::converts_natively() {
-        rotate_row_as::<T, C, N, true>(x, cos, sin, out, mode, inverse)
-    } else {
-        rotate_row_as::<T, C, N, false>(x, cos, sin, out, mode, inverse)
-    }
-}
-
-#[inline(always)]
-fn rotate_row_as<T: FloatElement, C: FloatElement, const N: usize, const NATIVE: bool>(
+fn rotate_row<T: FloatElement, C: FloatElement, const N: usize, const NATIVE: bool>(
     x: &[T],
     cos: &[C],
     sin: &[C],
@@ -186,7 +171,12 @@ pub(crate) fn kernel<T: FloatElement, C: FloatElement, const N: usize>(
             let [xo, oo, co, so] = std::array::from_fn(|k| starts[k] + j * steps[k]);
             // SAFETY: this block owns rows `split(rows)` of out.
             let dst = unsafe { out.slice_mut::<T>(oo, g.d) };
-            rotate_row::<T, C, N>(&xs[xo..xo + g.d], &cs[co..co + g.r], &ss[so..so + g.r], dst, g.mode, inverse);
+            let (x, cos, sin) = (&xs[xo..xo + g.d], &cs[co..co + g.r], &ss[so..so + g.r]);
+            if T::converts_natively() {
+                rotate_row::<T, C, N, true>(x, cos, sin, dst, g.mode, inverse);
+            } else {
+                rotate_row::<T, C, N, false>(x, cos, sin, dst, g.mode, inverse);
+            }
         }
     });
 }
