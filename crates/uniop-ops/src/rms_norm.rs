@@ -162,11 +162,11 @@ fn scale_row_as<T: FloatElement, const NATIVE: bool>(
         if !streaming && converts_per_element::<T, 1>() {
             // Narrowed in registers (see `converts_per_element`).
             for i in 0..LANES {
-                yc[i] = T::from_f32(to_f32::<T, NATIVE>(xc[i]) * rstd * wc[i]);
+                yc[i] = T::from_f32(xc[i].to_f32() * rstd * wc[i]);
             }
             continue;
         }
-        let mut buf: [f32; LANES] = widen_lanes::<T, NATIVE, LANES>(xc.try_into().expect("LANES elements"));
+        let mut buf: [f32; LANES] = T::widen_lanes(xc.try_into().expect("LANES elements"));
         for i in 0..LANES {
             buf[i] = buf[i] * rstd * wc[i];
         }
