@@ -198,23 +198,29 @@ unsafe fn pack<const W: usize>(out: &mut [u32], m: Mat<bf16>, k0: usize, kc: usi
         return;
     }
     let block = Mat { ptr: m.ptr.offset(k0 as isize * m.rs + c0 as isize * m.cs), ..m };
-    for (panel, chunk) in out.chunks_exact_mut(pairs * W).take(cols.div_ceil(W)).enumerate() {
+    let whole_panels = if kc.is_multiple_of(2) { cols / W } else { 0 };
+    let mut first_panel = 0;
+    if m.cs == 1 && m.rs != 1 && whole_panels > 0 {
+        // Dense along the columns (a row-major B, a transposed A): interleave two rows per pair,
+        // pair by pair across all whole panels so each row is read once, in order (panel by
+        // panel, a 4 KiB row stride defeated the prefetcher and the loads missed).
+        for p in 0..pairs {
+            let even = block.ptr.offset(2 * p as isize * m.rs) as *const [u16; W];
+            let odd = (even as *const u16).offset(m.rs) as *const [u16; W];
+            for panel in 0..whole_panels {
+                let words = &mut out[(panel * pairs + p) * W..][..W];
+                interleave::<W>(words, even.add(panel) as *const u16, odd.add(panel) as *const u16);
+            }
+        }
+        first_panel = whole_panels;
+    }
+    for (panel, chunk) in out.chunks_exact_mut(pairs * W).take(cols.div_ceil(W)).enumerate().skip(first_panel) {
         let first = panel * W;
-        let whole = kc.is_multiple_of(2) && first + W <= cols;
-        if whole && m.rs == 1 {
+        if panel < whole_panels && m.rs == 1 {
             // Dense along k (x's rows, a transposed weight's columns): each pair is one 32-bit word,
             // and the panel is the transpose of W lines of words.
             let lines = block.ptr.offset(first as isize * m.cs) as *const u8;
             crate::transpose::transpose_words(chunk.as_mut_ptr(), W, lines, 2 * m.cs, W, pairs);
-        } else if whole && m.cs == 1 {
-            // Dense along the columns (a row-major B, a transposed A): interleave two rows per pair.
-            for (p, words) in chunk.chunks_exact_mut(W).enumerate() {
-                let even = block.ptr.offset(2 * p as isize * m.rs).add(first) as *const u16;
-                let odd = even.offset(m.rs);
-                for (j, w) in words.iter_mut().enumerate() {
-                    *w = *even.add(j) as u32 | (*odd.add(j) as u32) << 16;
-                }
-            }
         } else {
             for (p, words) in chunk.chunks_exact_mut(W).enumerate() {
                 for (j, w) in words.iter_mut().enumerate() {
@@ -223,6 +229,27 @@ unsafe fn pack<const W: usize>(out: &mut [u32], m: Mat<bf16>, k0: usize, kc: usi
                 }
             }
         }
+    }
+}
+
+/// `words[j] = even[j] | odd[j] << 16` for `W` columns (a multiple of 8): SSE2's word unpacking
+/// where x86-64 guarantees it (LLVM left the plain loop scalar).
+#[inline(always)]
+unsafe fn interleave<const W: usize>(words: &mut [u32], even: *const u16, odd: *const u16) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::*;
+        for c in (0..W).step_by(8) {
+            let e = _mm_loadu_si128(even.add(c) as *const __m128i);
+            let o = _mm_loadu_si128(odd.add(c) as *const __m128i);
+            let dst = words.as_mut_ptr().add(c) as *mut __m128i;
+            _mm_storeu_si128(dst, _mm_unpacklo_epi16(e, o));
+            _mm_storeu_si128(dst.add(1), _mm_unpackhi_epi16(e, o));
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    for (j, w) in words[..W].iter_mut().enumerate() {
+        *w = *even.add(j) as u32 | (*odd.add(j) as u32) << 16;
     }
 }
 
