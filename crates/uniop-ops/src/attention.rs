@@ -31,9 +31,9 @@
 //! `lse` (`[B, Hq, Sq]`, f32) is the log-sum-exp of each query's scaled scores, saved for
 //! [`attention_backward`](crate::attention_backward).
 
-use crate::bf16_gemm::gemm_rows_bf16;
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
+use crate::packed_gemm::gemm_rows_packed;
 use uniop::half::bf16;
 use uniop::layout::ShapeDisplay;
 use uniop::{
@@ -332,7 +332,7 @@ pub(crate) unsafe fn bf16_scores(
     n: usize,
     scale: f32,
 ) {
-    gemm_rows_bf16(
+    gemm_rows_packed(
         0..rows,
         n,
         w,
@@ -539,7 +539,7 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
                 let vb = v.storage::<bf16>().expect("dtype dispatched");
                 // SAFETY: V's rows j0..j0+n of this head lie inside the checked view; `ot` is ours.
                 unsafe {
-                    gemm_rows_bf16(
+                    gemm_rows_packed(
                         0..rows,
                         dv,
                         n,

@@ -24,9 +24,9 @@ use crate::attention::{
     bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, narrow_tile, row_len, scores, Geometry, Rows4,
     DTYPES, TILE_KEYS, TILE_ROWS,
 };
-use crate::bf16_gemm::gemm_rows_bf16;
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
+use crate::packed_gemm::gemm_rows_packed;
 use crate::skinny::{Dots, Simd};
 use uniop::half::bf16;
 use uniop::{
@@ -220,7 +220,7 @@ struct Tiles<E> {
     k: (*const E, usize),
 }
 
-/// A tile GEMM ([`gemm_rows`] or [`gemm_rows_bf16`]) summing into f32.
+/// A tile GEMM ([`gemm_rows`] or [`gemm_rows_packed`]) summing into f32.
 type TileGemm<E> = unsafe fn(std::ops::Range<usize>, usize, usize, Dst<f32>, Mat<E>, Mat<E>, bool);
 
 /// `dV += Pᵀ·dout`, `dK += dSᵀ·Q` (transposes are strides) and, given `dq` (its first row), `dQ += dS·K`.
@@ -381,7 +381,14 @@ fn dkv_kernel<T: FloatElement>(
                         };
                         // SAFETY: scratch tiles of this block; K rows j0..j0+n inside the checked view.
                         unsafe {
-                            tile_products(gemm_rows_bf16::<f32>, tiles, (rows, n, d, dv), dv_acc, dk_acc, dq_rows)
+                            tile_products(
+                                gemm_rows_packed::<bf16, f32>,
+                                tiles,
+                                (rows, n, d, dv),
+                                dv_acc,
+                                dk_acc,
+                                dq_rows,
+                            )
                         };
                     } else {
                         let tiles =
@@ -472,7 +479,7 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
                 let kb = bf16_of(k).as_ptr();
                 // SAFETY: as above.
                 unsafe {
-                    gemm_rows_bf16(
+                    gemm_rows_packed(
                         0..rows,
                         d,
                         n,

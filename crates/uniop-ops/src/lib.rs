@@ -24,7 +24,6 @@ macro_rules! simd_kernel {
 
 pub mod attention;
 pub mod attention_backward;
-mod bf16_gemm;
 pub mod cast;
 pub mod cat;
 pub mod causal_softmax;
@@ -44,6 +43,7 @@ pub mod math;
 pub mod matmul;
 pub mod matmul_backward;
 pub mod mul;
+mod packed_gemm;
 pub mod permute;
 pub mod permute_backward;
 

@@ -5,8 +5,9 @@
 //! Kernels: the `gemm` crate (f32, f16 with f32 accumulation) called single-threaded inside
 //! uniop's SPMD blocks, each block owning a band of rows of one batch — the pool stays the only
 //! source of parallelism (no second thread pool spinning on the same cores). bf16 runs our own
-//! AVX512-BF16 kernel ([`crate::bf16_gemm`]; the `gemm` crate has none), f32 sums rounded once.
+//! AVX512-BF16 kernel ([`crate::packed_gemm`]; the `gemm` crate has none), f32 sums rounded once.
 
+use crate::packed_gemm::Packed;
 use crate::skinny::{Dots, Simd};
 use uniop::half::bf16;
 use uniop::layout::ShapeDisplay;
@@ -137,7 +138,7 @@ pub(crate) unsafe fn gemm_rows<T: Element>(
     if T::DTYPE == DType::BF16 {
         let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const bf16, rs: m.rs, cs: m.cs };
         let dst = Dst { ptr: dst.ptr as *mut bf16, rs: dst.rs, cs: dst.cs };
-        return crate::bf16_gemm::gemm_rows_bf16(rows, n, k, dst, cast(lhs), cast(rhs), accumulate);
+        return crate::packed_gemm::gemm_rows_packed(rows, n, k, dst, cast(lhs), cast(rhs), accumulate);
     }
     let simd = <f32 as Dots>::best();
     if T::DTYPE == DType::F32 && crate::skinny::applies(&rows, lhs, rhs) && simd != Simd::Scalar {
@@ -148,6 +149,10 @@ pub(crate) unsafe fn gemm_rows<T: Element>(
     if T::DTYPE == DType::F32 && rhs.rs == 1 && rhs.cs != 1 && rows.len() >= ROW_MAJOR_B_MIN_ROWS {
         let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const f32, rs: m.rs, cs: m.cs };
         let dst = Dst { ptr: dst.ptr as *mut f32, rs: dst.rs, cs: dst.cs };
+        if <f32 as Packed>::level() == Simd::Avx512 && k <= PACKED_F32_MAX_K {
+            // Packing transposes B's k-dense lines straight into panels: one pass over B.
+            return crate::packed_gemm::gemm_rows_packed(rows, n, k, dst, cast(lhs), cast(rhs), accumulate);
+        }
         return gemm_rows_with_row_major_b(rows, n, k, dst, cast(lhs), cast(rhs), accumulate, ROW_MAJOR_B_CHUNK_WORDS);
     }
     let start = rows.start as isize;
@@ -177,6 +182,11 @@ pub(crate) unsafe fn gemm_rows<T: Element>(
 
 /// Rows that share a transposed copy of B, at least (below, the copy would cost more than it saves).
 const ROW_MAJOR_B_MIN_ROWS: usize = 64;
+/// Depth up to which an f32 product with a k-dense B runs the packed kernel on AVX-512 CPUs
+/// (alternated `uniop bench --ops linear`, 2 threads): faster than the transposed copy at k = 384
+/// (1.44 -> 1.40 ms), 1024 (11.4 -> 10.4) and 2048 (90 -> 83), slower at 4096 (660-680 -> 675-760 ms),
+/// where the packed B of a column block (k × 512 words, 8 MiB) no longer stays in cache.
+const PACKED_F32_MAX_K: usize = 2048;
 /// Words of B transposed at once: a column chunk of B stays this small whatever B's size.
 const ROW_MAJOR_B_CHUNK_WORDS: usize = 1 << 20;
 
@@ -392,6 +402,19 @@ mod tests {
             case.check(70..140, accumulate, |dst, lhs, rhs| {
                 // SAFETY: WeightCase's buffers hold the extents it describes.
                 unsafe { gemm_rows_with_row_major_b(70..140, 45, 37, dst, lhs, rhs, accumulate, chunk_words) }
+            });
+        }
+    }
+
+    /// `gemm_rows` on a band of enough f32 rows times a weight-layout B, at a depth that takes the
+    /// packed kernel on AVX-512 CPUs and at one past [`PACKED_F32_MAX_K`] (the transposed copy).
+    #[test]
+    fn weight_layout_b_through_gemm_rows_at_both_depths() {
+        for (k, accumulate) in [(300, true), (PACKED_F32_MAX_K + 5, false)] {
+            let case = WeightCase::new(70, k, 40);
+            case.check(3..70, accumulate, |dst, lhs, rhs| {
+                // SAFETY: WeightCase's buffers hold the extents it describes.
+                unsafe { gemm_rows(3..70, 40, k, dst, lhs, rhs, accumulate) }
             });
         }
     }

@@ -5,8 +5,8 @@
 //! many rows there are (the `gemm` crate and the packed bf16 kernel read it once per row band,
 //! and slowly for so few rows).
 
-use crate::bf16_gemm::GemmOut;
 use crate::matmul::{Dst, Mat};
+use crate::packed_gemm::GemmOut;
 use uniop::half::bf16;
 
 /// Rows up to which [`skinny`] is used.

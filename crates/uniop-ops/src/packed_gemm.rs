@@ -1,34 +1,42 @@
-//! bf16 × bf16 → f32-accumulated GEMM, our own because the `gemm` crate has no bf16 path.
+//! Packed GEMM with f32 sums, our own for two cases the `gemm` crate serves badly: bf16 operands
+//! (it has no bf16 path) and, on AVX-512 CPUs, f32 with B dense along k — a weight in HF's
+//! `[N, K]` layout — which it ran at 55–65% of its row-major speed for k ≥ 1000 (and which
+//! otherwise costs a transposed copy of the weight per row band before its own packing).
 //!
 //! The structure is the usual BLIS one: `KC`-deep slices of B are packed into 32-column panels,
 //! `MC`-row blocks of A into 8-row panels, and an 8 × 32 micro-kernel keeps its tile in 16
-//! registers while it walks a slice. What makes it bf16-specific is the packed format: AVX512-BF16's
-//! `vdpbf16ps` multiplies *pairs* of bf16 and adds both products to an f32 lane, so B panels store
-//! rows `2p` and `2p+1` interleaved per column and A panels store each row's `(2p, 2p+1)` pair as
-//! one 32-bit word to broadcast. Tiles deeper than one slice are carried between slices in an f32
-//! scratch block, so the output (f32 or bf16) is rounded once.
+//! registers while it walks a slice. Panels hold 32-bit *words*: one f32, or for bf16 a pair of
+//! consecutive-k elements, because AVX512-BF16's `vdpbf16ps` multiplies pairs and adds both
+//! products to an f32 lane — B panels store rows `2p` and `2p+1` interleaved per column and A
+//! panels store each row's `(2p, 2p+1)` pair as one word to broadcast. Packing a k-dense operand
+//! is then a transpose of words either way. Tiles deeper than one slice are carried between slices
+//! in an f32 scratch block, so the output (f32 or bf16) is rounded once.
 //!
-//! Machines without AVX512-BF16 run an AVX2 micro-kernel (or, without AVX2, a portable one) over
-//! the same packed panels: the same f32 sums, each pair widened to f32 by shifts and multiplied
-//! with FMAs, so packing, blocking and edge handling are one code path. Scratch lives in per-thread buffers reused across calls, like the `gemm` crate's.
+//! bf16 on machines without AVX512-BF16 runs an AVX2 micro-kernel (or, without AVX2, a portable
+//! one) over the same packed panels: the same f32 sums, each pair widened to f32 by shifts and
+//! multiplied with FMAs, so packing, blocking and edge handling are one code path. f32 is routed
+//! here only on AVX-512 CPUs (elsewhere the `gemm` crate runs it); the portable micro-kernel
+//! covers its packing in tests. Scratch lives in per-thread buffers reused across calls, like the
+//! `gemm` crate's.
 
 use crate::matmul::{Dst, Mat};
 use crate::skinny::{Dots, Simd};
 use std::cell::RefCell;
 use uniop::half::bf16;
+use uniop::Element;
 
 /// Rows and columns of the register tile.
 const MR: usize = 8;
 const NR: usize = 32;
-/// Depth of one packed slice (even, so pairs never straddle slices).
-const KC: usize = 512;
+/// Depth of one packed slice in words (512 bf16 or 256 f32: a 32 KiB B panel either way).
+const KC_WORDS: usize = 256;
 /// Rows of A packed at once, and columns of B.
 const MC: usize = 64;
 const NC: usize = 512;
 
 /// What the micro-kernel does with its finished tile.
 #[derive(Clone, Copy)]
-enum Sink {
+pub(crate) enum Sink {
     /// More slices follow: keep the f32 tile in the scratch block.
     Scratch,
     /// Last slice: write `rows × cols` to the output, adding to it when accumulating.
@@ -63,11 +71,102 @@ impl GemmOut for bf16 {
     }
 }
 
+/// Operand element types: how `PER_WORD` consecutive-k elements become one packed 32-bit word,
+/// and the AVX-512 micro-kernel that multiplies such words.
+pub(crate) trait Packed: Element + Dots {
+    /// Elements along k per packed word: 2 for bf16 (a `vdpbf16ps` pair), 1 for f32.
+    const PER_WORD: usize;
+    /// The micro-kernel level this type runs here: [`Dots::best`], except that f32 has no AVX2
+    /// packed kernel (the `gemm` crate serves f32 on such CPUs).
+    fn level() -> Simd;
+    /// The element's bits in the low part of a word.
+    fn bits(self) -> u32;
+    /// A word's elements as f32 (f32's second is 0): the portable micro-kernel's operands.
+    fn widen(word: u32) -> [f32; 2];
+    /// The words of `W` columns at `first` (columns contiguous) and the `PER_WORD - 1` rows after
+    /// it, `rs` elements apart.
+    ///
+    /// # Safety
+    /// `first` valid for `W` elements in each of those rows.
+    unsafe fn row_words<const W: usize>(out: &mut [u32], first: *const Self, rs: isize);
+    /// [`micro_avx512`] with this type's word product.
+    ///
+    /// # Safety
+    /// The CPU has the level ([`Packed::level`] is `Avx512`); panels as in [`gemm_rows_packed`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn micro_avx512<O: GemmOut>(
+        words: usize,
+        a: *const u32,
+        b: *const u32,
+        carried: Option<*const f32>,
+        sink: Sink,
+        c_tile: *mut f32,
+        out: Dst<O>,
+    );
+}
+
+impl Packed for bf16 {
+    const PER_WORD: usize = 2;
+    fn level() -> Simd {
+        <bf16 as Dots>::best()
+    }
+    fn bits(self) -> u32 {
+        self.to_bits() as u32
+    }
+    fn widen(word: u32) -> [f32; 2] {
+        [f32::from_bits(word << 16), f32::from_bits(word & 0xffff_0000)]
+    }
+    unsafe fn row_words<const W: usize>(out: &mut [u32], first: *const bf16, rs: isize) {
+        interleave::<W>(out, first as *const u16, first.offset(rs) as *const u16);
+    }
+    unsafe fn micro_avx512<O: GemmOut>(
+        words: usize,
+        a: *const u32,
+        b: *const u32,
+        carried: Option<*const f32>,
+        sink: Sink,
+        c_tile: *mut f32,
+        out: Dst<O>,
+    ) {
+        micro_avx512_bf16(words, a, b, carried, sink, c_tile, out)
+    }
+}
+
+impl Packed for f32 {
+    const PER_WORD: usize = 1;
+    fn level() -> Simd {
+        match <f32 as Dots>::best() {
+            Simd::Avx512 => Simd::Avx512,
+            _ => Simd::Scalar,
+        }
+    }
+    fn bits(self) -> u32 {
+        self.to_bits()
+    }
+    fn widen(word: u32) -> [f32; 2] {
+        [f32::from_bits(word), 0.0]
+    }
+    unsafe fn row_words<const W: usize>(out: &mut [u32], first: *const f32, _: isize) {
+        std::ptr::copy_nonoverlapping(first as *const u32, out.as_mut_ptr(), W);
+    }
+    unsafe fn micro_avx512<O: GemmOut>(
+        words: usize,
+        a: *const u32,
+        b: *const u32,
+        carried: Option<*const f32>,
+        sink: Sink,
+        c_tile: *mut f32,
+        out: Dst<O>,
+    ) {
+        micro_avx512_f32(words, a, b, carried, sink, c_tile, out)
+    }
+}
+
 #[derive(Default)]
 struct Scratch {
-    /// Packed A block: `MC / MR` panels of `[pairs][MR]` words.
+    /// Packed A block: `MC / MR` panels of `[words][MR]` words.
     a: Vec<u32>,
-    /// Packed B slice: `NC / NR` panels of `[pairs][NR]` words.
+    /// Packed B slice: `NC / NR` panels of `[words][NR]` words.
     b: Vec<u32>,
     /// f32 tiles carried between slices: `[row of the row block][NC]`.
     c: Vec<f32>,
@@ -83,13 +182,13 @@ thread_local! {
     static FORCED: std::cell::Cell<Option<Simd>> = const { std::cell::Cell::new(None) };
 }
 
-/// The micro-kernel level to run: the CPU's best (tests may force a lower one).
-fn simd_level() -> Simd {
+/// The micro-kernel level to run: the CPU's best for `E` (tests may force a lower one).
+fn simd_level<E: Packed>() -> Simd {
     #[cfg(test)]
     if let Some(forced) = FORCED.with(|f| f.get()) {
         return forced;
     }
-    <bf16 as Dots>::best()
+    E::level()
 }
 
 fn grow<T: Copy + Default>(v: &mut Vec<T>, len: usize) {
@@ -98,56 +197,58 @@ fn grow<T: Copy + Default>(v: &mut Vec<T>, len: usize) {
     }
 }
 
-/// `dst[rows] = lhs[rows] · rhs` (`+=` with `accumulate`), `k`-deep, `n` columns; bf16 operands,
-/// f32 sums, one rounding to `O` at the end.
+/// `dst[rows] = lhs[rows] · rhs` (`+=` with `accumulate`), `k`-deep, `n` columns; bf16 or f32
+/// operands, f32 sums, one rounding to `O` at the end.
 ///
 /// # Safety
 /// As [`crate::matmul::gemm_rows`]: all three matrices valid for the extents and strides, and
 /// rows `rows` of `dst` untouched by anyone else meanwhile.
-pub(crate) unsafe fn gemm_rows_bf16<O: GemmOut>(
+pub(crate) unsafe fn gemm_rows_packed<E: Packed, O: GemmOut>(
     rows: std::ops::Range<usize>,
     n: usize,
     k: usize,
     dst: Dst<O>,
-    lhs: Mat<bf16>,
-    rhs: Mat<bf16>,
+    lhs: Mat<E>,
+    rhs: Mat<E>,
     accumulate: bool,
 ) {
     if rows.is_empty() || n == 0 {
         return;
     }
-    let simd = simd_level();
+    let simd = simd_level::<E>();
     if crate::skinny::applies(&rows, lhs, rhs) {
         return crate::skinny::skinny(rows, n, k, dst, lhs, rhs, accumulate, simd);
     }
-    // K slices of depth KC (the last may be shorter); k == 0 still gets one (empty) slice so the
-    // output is written. Every slice but the last has KC / 2 pairs, which locates packed B slices.
-    let n_slices = k.div_ceil(KC).max(1);
-    let slice = |si: usize| (si * KC, KC.min(k - si * KC));
+    // K slices of KC elements (the last may be shorter); k == 0 still gets one (empty) slice so
+    // the output is written. Every slice but the last has KC_WORDS words, which locates packed B
+    // slices.
+    let kc_max = KC_WORDS * E::PER_WORD;
+    let n_slices = k.div_ceil(kc_max).max(1);
+    let slice = |si: usize| (si * kc_max, kc_max.min(k - si * kc_max));
     SCRATCH.with_borrow_mut(|s| {
-        grow(&mut s.a, MC * KC / 2);
-        grow(&mut s.b, NC * k.div_ceil(2));
+        grow(&mut s.a, MC * KC_WORDS);
+        grow(&mut s.b, NC * k.div_ceil(E::PER_WORD));
         if n_slices > 1 {
             grow(&mut s.c, MC * NC);
         }
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
-            let slice_words = nc.next_multiple_of(NR) * KC / 2;
+            let slice_words = nc.next_multiple_of(NR) * KC_WORDS;
             // All of B's slices for these columns, packed once and reused by every row block.
             for si in 0..n_slices {
                 let (pc, kc) = slice(si);
-                pack::<NR>(&mut s.b[si * slice_words..], rhs, pc, kc, jc, nc);
+                pack::<E, NR>(&mut s.b[si * slice_words..], rhs, pc, kc, jc, nc);
             }
             for ic in (rows.start..rows.end).step_by(MC) {
                 let mc = MC.min(rows.end - ic);
                 for si in 0..n_slices {
                     let (pc, kc) = slice(si);
-                    pack::<MR>(&mut s.a, Mat { ptr: lhs.ptr, rs: lhs.cs, cs: lhs.rs }, pc, kc, ic, mc);
-                    let pairs = kc.div_ceil(2);
+                    pack::<E, MR>(&mut s.a, Mat { ptr: lhs.ptr, rs: lhs.cs, cs: lhs.rs }, pc, kc, ic, mc);
+                    let words = kc.div_ceil(E::PER_WORD);
                     for jr in (0..nc).step_by(NR) {
-                        let b_panel = s.b.as_ptr().add(si * slice_words + jr * pairs);
+                        let b_panel = s.b.as_ptr().add(si * slice_words + jr * words);
                         for ir in (0..mc).step_by(MR) {
-                            let a_panel = s.a.as_ptr().add(ir * pairs);
+                            let a_panel = s.a.as_ptr().add(ir * words);
                             let c_tile = s.c.as_mut_ptr().wrapping_add(ir * NC + jr);
                             let sink = if si + 1 == n_slices {
                                 Sink::Output { rows: MR.min(mc - ir), cols: NR.min(nc - jr), accumulate }
@@ -160,13 +261,14 @@ pub(crate) unsafe fn gemm_rows_bf16<O: GemmOut>(
                                 ..dst
                             };
                             if simd == Simd::Avx512 {
-                                micro_avx512_bf16(pairs, a_panel, b_panel, carried, sink, c_tile, out);
+                                E::micro_avx512(words, a_panel, b_panel, carried, sink, c_tile, out);
                             } else {
                                 let mut tile = [[0f32; NR]; MR];
                                 if simd == Simd::Avx2 {
-                                    micro_avx2(pairs, a_panel, b_panel, carried, &mut tile);
+                                    debug_assert_eq!(E::PER_WORD, 2, "only bf16 has an AVX2 packed kernel");
+                                    micro_avx2(words, a_panel, b_panel, carried, &mut tile);
                                 } else {
-                                    micro_portable(pairs, a_panel, b_panel, carried, &mut tile);
+                                    micro_portable::<E>(words, a_panel, b_panel, carried, &mut tile);
                                 }
                                 finish(&tile, sink, c_tile, out);
                             }
@@ -178,54 +280,54 @@ pub(crate) unsafe fn gemm_rows_bf16<O: GemmOut>(
     });
 }
 
-/// Element `(r, c)` of a strided bf16 matrix as raw bits, or 0 outside `rows × cols` (padding).
+/// Element `(r, c)` of a strided matrix as a word's low bits, or 0 outside `rows × cols` (padding).
 #[inline(always)]
-unsafe fn bits_or_zero(m: Mat<bf16>, r: usize, c: usize, rows: usize, cols: usize) -> u32 {
+unsafe fn bits_or_zero<E: Packed>(m: Mat<E>, r: usize, c: usize, rows: usize, cols: usize) -> u32 {
     if r < rows && c < cols {
-        (*m.ptr.offset(r as isize * m.rs + c as isize * m.cs)).to_bits() as u32
+        (*m.ptr.offset(r as isize * m.rs + c as isize * m.cs)).bits()
     } else {
         0
     }
 }
 
 /// Packs rows `k0..k0+kc` (the reduction index) × columns `c0..c0+cols` of `m` as `W`-column panels
-/// of `[pair][column]` words (low half: the even row), zero-padded to whole pairs and panels.
-/// B packs itself (`W = NR`); A packs its transpose (`W = MR`), so both micro-kernel operands come
-/// from one routine.
-unsafe fn pack<const W: usize>(out: &mut [u32], m: Mat<bf16>, k0: usize, kc: usize, c0: usize, cols: usize) {
-    let pairs = kc.div_ceil(2);
-    if pairs == 0 {
+/// of `[word][column]` words (a bf16 word's low half: the even row), zero-padded to whole words and
+/// panels. B packs itself (`W = NR`); A packs its transpose (`W = MR`), so both micro-kernel
+/// operands come from one routine.
+unsafe fn pack<E: Packed, const W: usize>(out: &mut [u32], m: Mat<E>, k0: usize, kc: usize, c0: usize, cols: usize) {
+    let words = kc.div_ceil(E::PER_WORD);
+    if words == 0 {
         return;
     }
     let block = Mat { ptr: m.ptr.offset(k0 as isize * m.rs + c0 as isize * m.cs), ..m };
-    let whole_panels = if kc.is_multiple_of(2) { cols / W } else { 0 };
+    let whole_panels = if kc.is_multiple_of(E::PER_WORD) { cols / W } else { 0 };
     let mut first_panel = 0;
     if m.cs == 1 && m.rs != 1 && whole_panels > 0 {
-        // Dense along the columns (a row-major B, a transposed A): interleave two rows per pair,
-        // pair by pair across all whole panels so each row is read once, in order (panel by
-        // panel, a 4 KiB row stride defeated the prefetcher and the loads missed).
-        for p in 0..pairs {
-            let even = block.ptr.offset(2 * p as isize * m.rs) as *const [u16; W];
-            let odd = (even as *const u16).offset(m.rs) as *const [u16; W];
+        // Dense along the columns (a row-major B, a transposed A): word by word across all whole
+        // panels so each row is read once, in order (panel by panel, a 4 KiB row stride defeated
+        // the prefetcher and the loads missed).
+        for p in 0..words {
+            let row = block.ptr.offset((E::PER_WORD * p) as isize * m.rs);
             for panel in 0..whole_panels {
-                let words = &mut out[(panel * pairs + p) * W..][..W];
-                interleave::<W>(words, even.add(panel) as *const u16, odd.add(panel) as *const u16);
+                E::row_words::<W>(&mut out[(panel * words + p) * W..][..W], row.add(panel * W), m.rs);
             }
         }
         first_panel = whole_panels;
     }
-    for (panel, chunk) in out.chunks_exact_mut(pairs * W).take(cols.div_ceil(W)).enumerate().skip(first_panel) {
+    for (panel, chunk) in out.chunks_exact_mut(words * W).take(cols.div_ceil(W)).enumerate().skip(first_panel) {
         let first = panel * W;
         if panel < whole_panels && m.rs == 1 {
-            // Dense along k (x's rows, a transposed weight's columns): each pair is one 32-bit word,
-            // and the panel is the transpose of W lines of words.
+            // Dense along k (x's rows, a transposed weight's columns): the panel is the transpose
+            // of W lines of words.
             let lines = block.ptr.offset(first as isize * m.cs) as *const u8;
-            crate::transpose::transpose_words(chunk.as_mut_ptr(), W, lines, 2 * m.cs, W, pairs);
+            let line_bytes = m.cs * std::mem::size_of::<E>() as isize;
+            crate::transpose::transpose_words(chunk.as_mut_ptr(), W, lines, line_bytes, W, words);
         } else {
-            for (p, words) in chunk.chunks_exact_mut(W).enumerate() {
-                for (j, w) in words.iter_mut().enumerate() {
-                    *w = bits_or_zero(block, 2 * p, first + j, kc, cols)
-                        | (bits_or_zero(block, 2 * p + 1, first + j, kc, cols) << 16);
+            for (p, word) in chunk.chunks_exact_mut(W).enumerate() {
+                for (j, w) in word.iter_mut().enumerate() {
+                    *w = (0..E::PER_WORD).fold(0, |acc, e| {
+                        acc | bits_or_zero(block, E::PER_WORD * p + e, first + j, kc, cols) << (16 * e)
+                    });
                 }
             }
         }
@@ -273,18 +375,60 @@ unsafe fn finish<O: GemmOut>(tile: &[[f32; NR]; MR], sink: Sink, c_tile: *mut f3
     }
 }
 
-/// `carried + Σ_p a[p] ⊗ b[p]` over `pairs` packed pairs with `vdpbf16ps`, then the tile goes to
-/// `sink` — with vector stores for scratch tiles and whole tiles of a row-major output.
+/// `carried + Σ_p a[p] ⊗ b[p]` over `words` packed words with `vdpbf16ps` (pair products).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn micro_avx512_bf16<O: GemmOut>(
-    pairs: usize,
+    words: usize,
     a: *const u32,
     b: *const u32,
     carried: Option<*const f32>,
     sink: Sink,
     c_tile: *mut f32,
     out: Dst<O>,
+) {
+    use std::arch::x86_64::*;
+    let pairs = |w: __m512i| std::mem::transmute::<__m512i, __m512bh>(w);
+    let dot = |acc, a: __m512i, b: __m512i| _mm512_dpbf16_ps(acc, pairs(a), pairs(b));
+    micro_avx512(words, a, b, carried, sink, c_tile, out, dot)
+}
+
+/// The same for f32 words, with FMAs.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn micro_avx512_f32<O: GemmOut>(
+    words: usize,
+    a: *const u32,
+    b: *const u32,
+    carried: Option<*const f32>,
+    sink: Sink,
+    c_tile: *mut f32,
+    out: Dst<O>,
+) {
+    use std::arch::x86_64::*;
+    let fma = |acc, a: __m512i, b: __m512i| _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
+    micro_avx512(words, a, b, carried, sink, c_tile, out, fma)
+}
+
+/// `carried + Σ_p a[p] ⊗ b[p]` with `product(acc, a word broadcast, 16 b words)` per step, then
+/// the tile goes to `sink` — with vector stores for scratch tiles and whole tiles of a row-major
+/// output. Inlined into the callers above, which bring the target features.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn micro_avx512<O: GemmOut>(
+    words: usize,
+    a: *const u32,
+    b: *const u32,
+    carried: Option<*const f32>,
+    sink: Sink,
+    c_tile: *mut f32,
+    out: Dst<O>,
+    product: impl Fn(
+        std::arch::x86_64::__m512,
+        std::arch::x86_64::__m512i,
+        std::arch::x86_64::__m512i,
+    ) -> std::arch::x86_64::__m512,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; MR];
@@ -294,14 +438,14 @@ unsafe fn micro_avx512_bf16<O: GemmOut>(
             row[1] = _mm512_loadu_ps(c.add(i * NC + 16));
         }
     }
-    for p in 0..pairs {
+    for p in 0..words {
         let bp = b.add(p * NR);
-        let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp as *const __m512i));
-        let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(bp.add(16) as *const __m512i));
+        let b0 = _mm512_loadu_si512(bp as *const __m512i);
+        let b1 = _mm512_loadu_si512(bp.add(16) as *const __m512i);
         for (i, row) in acc.iter_mut().enumerate() {
-            let ai: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(p * MR + i) as i32));
-            row[0] = _mm512_dpbf16_ps(row[0], ai, b0);
-            row[1] = _mm512_dpbf16_ps(row[1], ai, b1);
+            let ai = _mm512_set1_epi32(*a.add(p * MR + i) as i32);
+            row[0] = product(row[0], ai, b0);
+            row[1] = product(row[1], ai, b1);
         }
     }
     match sink {
@@ -356,6 +500,19 @@ unsafe fn micro_avx512_bf16<O: GemmOut>(
     _: Dst<O>,
 ) {
     unreachable!("only selected when the CPU has AVX512-BF16")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn micro_avx512_f32<O: GemmOut>(
+    _: usize,
+    _: *const u32,
+    _: *const u32,
+    _: Option<*const f32>,
+    _: Sink,
+    _: *mut f32,
+    _: Dst<O>,
+) {
+    unreachable!("only selected when the CPU has AVX-512")
 }
 
 /// The same sums as [`micro_avx512_bf16`] with AVX2 and FMA, into `tile`. Sixteen registers hold
@@ -413,9 +570,9 @@ unsafe fn micro_avx2(_: usize, _: *const u32, _: *const u32, _: Option<*const f3
     unreachable!("only selected when the CPU has AVX2")
 }
 
-/// The same sums as [`micro_avx512_bf16`] in plain Rust.
-unsafe fn micro_portable(
-    pairs: usize,
+/// The same sums as [`micro_avx512`] in plain Rust.
+unsafe fn micro_portable<E: Packed>(
+    words: usize,
     a: *const u32,
     b: *const u32,
     carried: Option<*const f32>,
@@ -426,14 +583,13 @@ unsafe fn micro_portable(
             std::ptr::copy_nonoverlapping(c.add(i * NC), row.as_mut_ptr(), NR);
         }
     }
-    let widen = |bits: u32| f32::from_bits(bits << 16);
-    for p in 0..pairs {
+    for p in 0..words {
         let bp = std::slice::from_raw_parts(b.add(p * NR), NR);
         for (i, row) in tile.iter_mut().enumerate() {
-            let ai = *a.add(p * MR + i);
-            let (a0, a1) = (widen(ai & 0xffff), widen(ai >> 16));
+            let [a0, a1] = E::widen(*a.add(p * MR + i));
             for (acc, &bj) in row.iter_mut().zip(bp) {
-                *acc += a0 * widen(bj & 0xffff) + a1 * widen(bj >> 16);
+                let [b0, b1] = E::widen(bj);
+                *acc += a0 * b0 + a1 * b1;
             }
         }
     }
@@ -443,15 +599,20 @@ unsafe fn micro_portable(
 mod tests {
     use super::*;
 
-    fn bf16s(n: usize, seed: u64) -> Vec<bf16> {
+    fn values<E: Packed>(n: usize, seed: u64) -> Vec<E> {
         let mut rng = uniop::verify::Rng::new(seed);
-        (0..n).map(|_| bf16::from_f64(rng.uniform())).collect()
+        (0..n).map(|_| E::from_f64(rng.uniform())).collect()
+    }
+
+    fn check(m: usize, k: usize, n: usize, a_col_major: bool, b_col_major: bool, accumulate: bool) {
+        check_as::<bf16>(m, k, n, a_col_major, b_col_major, accumulate);
+        check_as::<f32>(m, k, n, a_col_major, b_col_major, accumulate);
     }
 
     /// Runs the GEMM on `[m, k]` (row-major or column-major) × `[k, n]` (either) and compares every
-    /// element with an f64 sum of the same bf16 values, for every micro-kernel the CPU has.
-    fn check(m: usize, k: usize, n: usize, a_col_major: bool, b_col_major: bool, accumulate: bool) {
-        let (a, b) = (bf16s(m * k, 1), bf16s(k * n, 2));
+    /// element with an f64 sum of the same `E` values, for every micro-kernel the CPU has for `E`.
+    fn check_as<E: Packed>(m: usize, k: usize, n: usize, a_col_major: bool, b_col_major: bool, accumulate: bool) {
+        let (a, b) = (values::<E>(m * k, 1), values::<E>(k * n, 2));
         let strides = |rows: usize, cols: usize, col_major: bool| {
             if col_major {
                 (1isize, rows as isize)
@@ -460,18 +621,19 @@ mod tests {
             }
         };
         let ((ars, acs), (brs, bcs)) = (strides(m, k, a_col_major), strides(k, n, b_col_major));
-        let get = |x: &[bf16], rs: isize, cs: isize, r: usize, c: usize| {
+        let get = |x: &[E], rs: isize, cs: isize, r: usize, c: usize| {
             x[(r as isize * rs + c as isize * cs) as usize].to_f64()
         };
         let start: Vec<f32> = (0..m * n).map(|i| (i % 7) as f32 - 3.0).collect();
-        for simd in Simd::up_to(<bf16 as Dots>::best()) {
+        // f32 has no AVX2 packed kernel.
+        for simd in Simd::up_to(E::level()).filter(|&s| s != Simd::Avx2 || E::PER_WORD == 2) {
             let mut out = start.clone();
             let dst = Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 };
             let (lhs, rhs) = (Mat { ptr: a.as_ptr(), rs: ars, cs: acs }, Mat { ptr: b.as_ptr(), rs: brs, cs: bcs });
             // Two calls over row bands, as two SPMD blocks would make them.
             for band in [0..m / 3, m / 3..m] {
                 FORCED.with(|f| f.set(Some(simd)));
-                unsafe { gemm_rows_bf16(band, n, k, dst, lhs, rhs, accumulate) };
+                unsafe { gemm_rows_packed(band, n, k, dst, lhs, rhs, accumulate) };
             }
             for i in 0..m {
                 for j in 0..n {
@@ -480,7 +642,8 @@ mod tests {
                     let got = out[i * n + j] as f64;
                     assert!(
                         (got - want).abs() <= 1e-5 * (k as f64).sqrt() * (1.0 + want.abs()),
-                        "{simd:?} {m}x{k}x{n} at ({i}, {j}): got {got}, want {want}"
+                        "{:?} {simd:?} {m}x{k}x{n} at ({i}, {j}): got {got}, want {want}",
+                        E::DTYPE
                     );
                 }
             }
@@ -526,12 +689,12 @@ mod tests {
     }
 
     fn bf16_output_case(m: usize, k: usize, n: usize, accumulate: bool) {
-        let (a, b) = (bf16s(m * k, 3), bf16s(k * n, 4));
+        let (a, b) = (values::<bf16>(m * k, 3), values::<bf16>(k * n, 4));
         let start: Vec<bf16> = (0..m * n).map(|i| bf16::from_f32((i % 5) as f32 - 2.0)).collect();
         let mut out = start.clone();
         let dst = Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 };
         unsafe {
-            gemm_rows_bf16(
+            gemm_rows_packed(
                 0..m,
                 n,
                 k,
