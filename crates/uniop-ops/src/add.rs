@@ -113,7 +113,7 @@ fn add_int<T: WrappingInt>(args: &KernelArgs, ctx: BlockCtx, alpha: T) {
     let range = ctx.split(runs.numel());
     let (da, db) = (a.storage::<T>().expect("dtype dispatched"), b.storage::<T>().expect("dtype dispatched"));
     let [so, sa, sb] = runs.inner_strides();
-    runs.for_each_run(range.start, range.end, |[o, ao, bo], len| {
+    for ([o, ao, bo], len) in runs.runs(range.start, range.end) {
         if so == 1 && sa == 1 && sb == 1 {
             // SAFETY: blocks own disjoint output ranges.
             let dst = unsafe { out.slice_mut::<T>(o, len) };
@@ -127,6 +127,6 @@ fn add_int<T: WrappingInt>(args: &KernelArgs, ctx: BlockCtx, alpha: T) {
                 unsafe { *base.add(o + j * so) = da[ao + j * sa].mul_add(alpha, db[bo + j * sb]) };
             }
         }
-    });
+    }
 }
 }

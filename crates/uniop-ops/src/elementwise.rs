@@ -578,14 +578,14 @@ pub fn unary<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, f: &F, 
     let strides = runs.inner_strides();
     let [so, sx] = strides;
     let mut buf = [0f32; CHUNK];
-    runs.for_each_run(range.start, range.end, |[o, xo], len| {
+    for ([o, xo], len) in runs.runs(range.start, range.end) {
         let mut j = 0;
         if dense_run(strides) {
             // SAFETY: blocks own disjoint ranges of output elements.
             let dst = unsafe { out.slice_mut::<T>(o, len) };
             if sx == 1 && converts_per_element::<T, 1>() {
                 dense_map([&data[xo..xo + len]], [dst], streaming, |[x]| [f.apply(x)]);
-                return;
+                continue;
             }
             let mut lanes = [0f32; LANES];
             while j + LANES <= len {
@@ -607,7 +607,7 @@ pub fn unary<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, f: &F, 
             unsafe { store::<T>(&out, o + j * so, so, &buf[..n], streaming) };
             j += n;
         }
-    });
+    }
     fence();
 }
 }
@@ -626,7 +626,7 @@ pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F,
     let [so, sa, sb] = strides;
     let mut bufa = [0f32; CHUNK];
     let mut bufb = [0f32; CHUNK];
-    runs.for_each_run(range.start, range.end, |[o, ao, bo], len| {
+    for ([o, ao, bo], len) in runs.runs(range.start, range.end) {
         let mut j = 0;
         if dense_run(strides) {
             // SAFETY: blocks own disjoint ranges of output elements.
@@ -636,15 +636,18 @@ pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F,
                 match (sa, sb) {
                     (1, 1) => {
                         let ins = [&da[ao..ao + len], &db[bo..bo + len]];
-                        return dense_map(ins, [dst], streaming, |[a, b]| [f.apply(a, b)]);
+                        dense_map(ins, [dst], streaming, |[a, b]| [f.apply(a, b)]);
+                        continue;
                     }
                     (1, 0) => {
                         let b = db[bo].to_f32();
-                        return dense_map([&da[ao..ao + len]], [dst], streaming, |[a]| [f.apply(a, b)]);
+                        dense_map([&da[ao..ao + len]], [dst], streaming, |[a]| [f.apply(a, b)]);
+                        continue;
                     }
                     (0, 1) => {
                         let a = da[ao].to_f32();
-                        return dense_map([&db[bo..bo + len]], [dst], streaming, |[b]| [f.apply(a, b)]);
+                        dense_map([&db[bo..bo + len]], [dst], streaming, |[b]| [f.apply(a, b)]);
+                        continue;
                     }
                     _ => {}
                 }
@@ -671,7 +674,7 @@ pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F,
             unsafe { store::<T>(&out, o + j * so, so, &bufa[..n], streaming) };
             j += n;
         }
-    });
+    }
     fence();
 }
 }

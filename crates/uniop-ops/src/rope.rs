@@ -166,7 +166,7 @@ pub(crate) fn kernel<T: FloatElement, C: FloatElement, const N: usize>(
     let walk = StridedRuns::<4>::new([&rows[0], &rows[1], &rows[2], &rows[3]]);
     let steps = walk.inner_strides();
     let range = ctx.split(g.rows);
-    walk.for_each_run(range.start, range.end, |starts, len| {
+    for (starts, len) in walk.runs(range.start, range.end) {
         for j in 0..len {
             let [xo, oo, co, so] = std::array::from_fn(|k| starts[k] + j * steps[k]);
             // SAFETY: this block owns rows `split(rows)` of out.
@@ -178,7 +178,7 @@ pub(crate) fn kernel<T: FloatElement, C: FloatElement, const N: usize>(
                 rotate_row::<T, C, N, false>(x, cos, sin, dst, g.mode, inverse);
             }
         }
-    });
+    }
 }
 }
 

@@ -40,17 +40,21 @@ pub(crate) fn halves(cx: &OpCx, x: &str) -> Result<(Halves, Vec<usize>)> {
 }
 
 impl Halves {
-    /// Calls `f(o, i, len)` for each dense run of output elements `[start, end)`: output
-    /// `o·half + i ..+len`, input halves at `o·2·half + i` and `o·2·half + half + i`.
+    /// The dense runs of output elements `[start, end)` as `(o, i, len)`: output
+    /// `o·half + i ..+len`, input halves at `o·2·half + i` and `o·2·half + half + i`. An iterator
+    /// so that kernels keep the run bodies in their own (multiversioned) body: see
+    /// [`uniop::StridedRuns::runs`].
     #[inline(always)]
-    pub fn for_each_run(&self, start: usize, end: usize, mut f: impl FnMut(usize, usize, usize)) {
+    pub fn runs(&self, start: usize, end: usize) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
         let mut idx = start;
-        while idx < end {
-            let (o, i) = (idx / self.half, idx % self.half);
-            let len = (self.half - i).min(end - idx);
-            f(o, i, len);
-            idx += len;
-        }
+        std::iter::from_fn(move || {
+            (idx < end).then(|| {
+                let (o, i) = (idx / self.half, idx % self.half);
+                let len = (self.half - i).min(end - idx);
+                idx += len;
+                (o, i, len)
+            })
+        })
     }
 }
 
@@ -60,12 +64,12 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, h: Halves, streamin
     let xs = &x.storage::<T>().expect("dtype dispatched")[x.layout().offset()..];
     let out = args.output(0);
     let range = ctx.split(h.outer * h.half);
-    h.for_each_run(range.start, range.end, |o, i, len| {
+    for (o, i, len) in h.runs(range.start, range.end) {
         let a = o * 2 * h.half + i;
         // SAFETY: blocks own disjoint output element ranges.
         let dst = unsafe { out.slice_mut::<T>(out.layout().offset() + o * h.half + i, len) };
         dense_map([&xs[a..a + len], &xs[a + h.half..a + h.half + len]], [dst], streaming, |[a, b]| [math::silu(a) * b]);
-    });
+    }
     fence();
 }
 }

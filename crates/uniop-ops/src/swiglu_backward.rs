@@ -22,7 +22,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, h: Halves, streamin
     let xs = &x.storage::<T>().expect("dtype dispatched")[x.layout().offset()..];
     let dx = args.output(0);
     let range = ctx.split(h.outer * h.half);
-    h.for_each_run(range.start, range.end, |o, i, len| {
+    for (o, i, len) in h.runs(range.start, range.end) {
         let (d, a) = (o * h.half + i, o * 2 * h.half + i);
         let b = a + h.half;
         // SAFETY: the runs of dx written here (both halves of output row `o`, columns i..i+len)
@@ -34,7 +34,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, h: Halves, streamin
             let (da, db) = math::silu_mul_grad(d, a, b);
             [da, db]
         });
-    });
+    }
     fence();
 }
 }

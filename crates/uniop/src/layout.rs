@@ -393,28 +393,49 @@ impl<const N: usize> StridedRuns<N> {
         std::array::from_fn(|k| *self.strides[k].last().unwrap())
     }
 
-    /// Calls `f(offsets, len)` for each run covering linear elements `[start, end)`.
-    /// Always inlined so that a kernel compiled for a wider instruction set (multiversioned)
-    /// vectorizes the run bodies too.
+    /// The runs covering linear elements `[start, end)`: each run's offset in every operand and
+    /// its length.
+    ///
+    /// An iterator, not a callback, so that kernels loop over runs in their own body. A
+    /// multiversioned kernel (the `multiversion` crate) is compiled with its target features, but
+    /// a closure it defines is not (the crate nests the body in a plain function): a closure too
+    /// large to inline ran at the baseline instruction set, `f32::mul_add` as a libm call — f16
+    /// and bf16 gelu_backward ran 55x slower that way.
     #[inline(always)]
-    pub fn for_each_run(&self, start: usize, end: usize, mut f: impl FnMut([usize; N], usize)) {
-        let inner = *self.shape.last().unwrap();
-        let mut i = start;
-        while i < end {
-            let col = i % inner;
-            let len = (inner - col).min(end - i);
-            let mut rem = i;
-            let mut offsets = self.offsets;
-            for d in (0..self.shape.len()).rev() {
-                let idx = rem % self.shape[d];
-                rem /= self.shape[d];
-                for k in 0..N {
-                    offsets[k] += idx * self.strides[k][d];
-                }
-            }
-            f(offsets, len);
-            i += len;
+    pub fn runs(&self, start: usize, end: usize) -> Runs<'_, N> {
+        Runs { walk: self, next: start, end }
+    }
+}
+
+/// Iterator over the runs of a [`StridedRuns`]: see [`StridedRuns::runs`].
+pub struct Runs<'a, const N: usize> {
+    walk: &'a StridedRuns<N>,
+    next: usize,
+    end: usize,
+}
+
+impl<const N: usize> Iterator for Runs<'_, N> {
+    type Item = ([usize; N], usize);
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<([usize; N], usize)> {
+        if self.next >= self.end {
+            return None;
         }
+        let w = self.walk;
+        let inner = *w.shape.last().unwrap();
+        let len = (inner - self.next % inner).min(self.end - self.next);
+        let mut rem = self.next;
+        let mut offsets = w.offsets;
+        for d in (0..w.shape.len()).rev() {
+            let idx = rem % w.shape[d];
+            rem /= w.shape[d];
+            for (offset, strides) in offsets.iter_mut().zip(&w.strides) {
+                *offset += idx * strides[d];
+            }
+        }
+        self.next += len;
+        Some((offsets, len))
     }
 }
 
@@ -428,7 +449,7 @@ impl StridedRuns<2> {
     #[inline(always)]
     pub unsafe fn copy(&self, dst: *mut u8, src: *const u8, elem_size: usize, range: std::ops::Range<usize>) {
         let [ds, ss] = self.inner_strides();
-        self.for_each_run(range.start, range.end, |[d, s], len| {
+        for ([d, s], len) in self.runs(range.start, range.end) {
             if ds == 1 && ss == 1 {
                 std::ptr::copy_nonoverlapping(src.add(s * elem_size), dst.add(d * elem_size), len * elem_size);
             } else {
@@ -440,7 +461,7 @@ impl StridedRuns<2> {
                     );
                 }
             }
-        });
+        }
     }
 }
 
@@ -544,7 +565,9 @@ mod tests {
         let runs = StridedRuns::<1>::new([l]);
         let inner = runs.inner_strides()[0];
         let mut out = Vec::new();
-        runs.for_each_run(start, end, |[o], len| out.extend((0..len).map(|j| o + j * inner)));
+        for ([o], len) in runs.runs(start, end) {
+            out.extend((0..len).map(|j| o + j * inner));
+        }
         out
     }
 
