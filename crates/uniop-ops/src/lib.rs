@@ -116,7 +116,8 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
 
 /// The instruction sets the GEMM kernels run with on this CPU, per operand dtype:
 /// `[("bfloat16", level), ("float32", level)]`, level `"avx512"` (for bf16: with AVX512-BF16's
-/// pair products), `"avx2"` or `"scalar"`. For f32 the level is that of the few-row kernel; larger
+/// pair products), `"avx2"` or `"scalar"`. For f32 the level is that of the few-row kernel and, at
+/// `"avx512"`, of the packed kernel that runs products with a k-dense weight up to depth 2048; other
 /// f32 products run on the `gemm` crate, which picks its own. Frameworks use this to choose
 /// between their GEMM and uniop's (`uniop.torch.patch_llama` keeps torch's bf16 GEMM for
 /// prefill only where both have the pair instructions).
