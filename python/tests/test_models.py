@@ -2,7 +2,7 @@
 transformers Llama patch."""
 
 import os
-import socket
+import warnings
 
 import pytest
 import torch
@@ -102,15 +102,12 @@ def test_autocast_bf16_block():
     assert torch.allclose(y.float(), want, atol=0.1, rtol=0.05)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_worker(rank, world, port, x, state, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _ddp_worker(rank, world, rendezvous, x, state, out_dir):
+    # Gloo over loopback; a file store for the rendezvous, so there is no TCP store server whose
+    # port could be taken between choosing it and binding it.
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
         block = Block()
@@ -119,6 +116,8 @@ def _ddp_worker(rank, world, port, x, state, out_dir):
         shard = x.chunk(world)[rank]
         ddp(shard).square().mean().backward()
         torch.save(_grads(block), os.path.join(out_dir, f"grads{rank}.pt"))
+        # Neither rank tears its process group down while the other may still be talking to it.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -128,7 +127,18 @@ def test_ddp_two_processes_match_single_process(tmp_path):
     block, x = Block(), torch.randn(4, 8, 64)
     block(x).square().mean().backward()
     want = _grads(block)
-    mp.spawn(_ddp_worker, args=(2, _free_port(), x, block.state_dict(), str(tmp_path)), nprocs=2, join=True)
+    for attempt in range(2):
+        try:
+            args = (2, tmp_path / f"rendezvous{attempt}", x, block.state_dict(), str(tmp_path))
+            mp.spawn(_ddp_worker, args=args, nprocs=2, join=True)
+            break
+        except mp.ProcessExitedException as e:
+            # A worker killed by a signal inside torch's gloo runtime (seen once in CI: SIGABRT,
+            # "terminate called without an active exception", torch 2.15) gets one more try;
+            # an exception raised by the worker's own code fails the test at once.
+            if e.signal_name is None or attempt == 1:
+                raise
+            warnings.warn(f"DDP worker died ({e}); retrying once")
     for rank in range(2):
         got = torch.load(tmp_path / f"grads{rank}.pt")
         for name, g in want.items():
