@@ -4,7 +4,7 @@
 //! rows, 0 for ignored rows. Uses the saved log-sum-exp, so each row is one pass.
 
 use crate::cross_entropy::{rows, target_of, Rows, DTYPES};
-use crate::elementwise::map_lanes;
+use crate::elementwise::{dense_map, fence, streams};
 use crate::embedding::index_at;
 use crate::math;
 use uniop::{
@@ -15,7 +15,7 @@ use uniop::{
 pub struct CrossEntropyBackward;
 
 crate::simd_kernel! {
-fn kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, g: Rows) {
+fn kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, g: Rows, streaming: bool) {
     let (dloss, logits, target, lse) = (args.input(0), args.input(1), args.input(2), args.input(3));
     let xs = &logits.storage::<T>().expect("dtype dispatched")[logits.layout().offset()..];
     let ts = target.storage::<I>().expect("dtype dispatched");
@@ -32,13 +32,13 @@ fn kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, g: Rows
             None => dst.fill(T::from_f32(0.0)),
             Some(t) => {
                 let l = lses[lse.layout().offset_of_linear(r)];
-                map_lanes(&xs[r * g.classes..(r + 1) * g.classes], dst, |b| {
-                    b.iter_mut().for_each(|v| *v = math::exp(*v - l) * scale)
-                });
+                let row = &xs[r * g.classes..(r + 1) * g.classes];
+                dense_map([row], [&mut *dst], streaming, |[v]| [math::exp(v - l) * scale]);
                 dst[t] = T::from_f32(dst[t].to_f32() - scale);
             }
         }
     }
+    fence();
 }
 }
 
@@ -81,9 +81,11 @@ impl Op for CrossEntropyBackward {
         let dtype = cx.input("logits").dtype;
         let block_dim = block_dim_for(g.rows, 2 * g.classes * dtype.size());
         let idx = cx.input("target").dtype;
+        let streaming = streams(cx.input("logits"));
         let step = with_float_dtype!(dtype, cx.op(), "logits", |T| match idx {
-            DType::I32 => Step::new("cross_entropy_backward", block_dim, move |a, c| kernel::<T, i32>(a, c, g)),
-            _ => Step::new("cross_entropy_backward", block_dim, move |a, c| kernel::<T, i64>(a, c, g)),
+            DType::I32 =>
+                Step::new("cross_entropy_backward", block_dim, move |a, c| kernel::<T, i32>(a, c, g, streaming)),
+            _ => Step::new("cross_entropy_backward", block_dim, move |a, c| kernel::<T, i64>(a, c, g, streaming)),
         });
         Ok(Plan::new(vec![step])
             .inputs_need(vec![LayoutNeed::Any, LayoutNeed::Contiguous, LayoutNeed::Any, LayoutNeed::Any])

@@ -280,17 +280,19 @@ pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
     const { assert!(O <= I, "dense_map writes output k over input k's widened step") };
     let mut steps = Steps { wide: [[0f32; LANES]; I], staged: [[T::default(); LANES]; O] };
     let full = n / LANES * LANES;
-    // Two loops, chosen once: a branch inside one loop would leave the native conversions' calls
-    // (not inlined where the CPU lacks the instructions) in every kernel's loop. Streamed
-    // one-input bf16 maps keep the per-element form: at DRAM sizes (Zen 4, three alternations)
-    // the native one ran silu 12.1 → 13.4 ms and log_softmax 4.8 → 6.1 (and again 11.9 → 12.8,
-    // 4.9 → 7.2 once f16 widened natively too), while the two-input ones gained (gelu_backward
-    // 17.2 → 14.5, swiglu 13.5 → 11.4, silu_mul 14.8 → 13.3). f16 gains there too, from its
-    // widening: silu 16.7 → 10.4 ms, gelu 16.5 → 10.7.
-    if T::converts_natively() && (!streaming || I > 1 || T::DTYPE == DType::F16) {
-        steps.walk::<true>(ins, &mut outs, full, streaming, &f);
-    } else {
-        steps.walk::<false>(ins, &mut outs, full, streaming, &f);
+    // Loops chosen once: a branch inside one loop would leave the native conversions' calls (not
+    // inlined where the CPU lacks the instructions) in every kernel's loop. The native form gets
+    // `streaming` as a constant, one loop per store path: as a runtime flag, LLVM chose each
+    // narrowed store's destination (output or staging buffer) with a `cmov`, and streamed
+    // one-input bf16 maps ran faster in the per-element form; with the constant they run faster
+    // natively (4096x11008, Zen 4, three alternations: silu 11.8 → 9.3 ms, gelu 11.7 → 9.4,
+    // cross_entropy_backward (2048x32000) 15.7 → 12.2, log_softmax 4.8 → 4.4, softmax_backward
+    // 2.6 → 2.0). The f32 per-element form keeps the runtime flag: with a constant, LLVM fused
+    // its staging copy into the loop and silu ran 8.2 → 9.4 ms.
+    match (T::converts_natively(), streaming) {
+        (true, true) => steps.walk::<true>(ins, &mut outs, full, true, &f),
+        (true, false) => steps.walk::<true>(ins, &mut outs, full, false, &f),
+        (false, _) => steps.walk::<false>(ins, &mut outs, full, streaming, &f),
     }
     if full < n {
         let last = ins.map(|run| padded(&run[full..n], T::default()));
@@ -477,38 +479,6 @@ pub fn widen_lanes<T: FloatElement, const NATIVE: bool, const N: usize>(src: &[T
 /// rms_norm_backward's weight), as a compile-time assertion.
 pub const fn converts_with<T: Element, U: Element>() -> bool {
     U::DTYPE as u8 == T::DTYPE as u8 || U::DTYPE as u8 == DType::F32 as u8
-}
-
-/// `out = f(row)` elementwise in f32, `LANES` at a time; `f` works in place on the widened values.
-#[inline(always)]
-pub fn map_lanes<T: FloatElement>(row: &[T], out: &mut [T], f: impl FnMut(&mut [f32])) {
-    if T::converts_natively() {
-        map_lanes_as::<T, true>(row, out, f)
-    } else {
-        map_lanes_as::<T, false>(row, out, f)
-    }
-}
-
-#[inline(always)]
-fn map_lanes_as<T: FloatElement, const NATIVE: bool>(row: &[T], out: &mut [T], mut f: impl FnMut(&mut [f32])) {
-    let chunks = row.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    let full = row.len() - tail.len();
-    for (c, o) in chunks.zip(out.chunks_exact_mut(LANES)) {
-        let mut buf: [f32; LANES] = widen_lanes::<T, NATIVE, LANES>(c.try_into().expect("LANES elements"));
-        f(&mut buf);
-        if NATIVE {
-            // SAFETY: `NATIVE` only where `T::converts_natively()` (see `map_lanes`).
-            unsafe { store_natively(&buf, o, false) };
-        } else {
-            o.copy_from_slice(&T::narrow_lanes(&buf));
-        }
-    }
-    if !tail.is_empty() {
-        let mut buf: [f32; LANES] = widen_lanes::<T, NATIVE, LANES>(&padded(tail, T::default()));
-        f(&mut buf);
-        out[full..].copy_from_slice(&T::narrow_lanes(&buf)[..tail.len()]);
-    }
 }
 
 /// Up to `N` elements widened into a whole step (lanes past `src` are 0), by value, natively
@@ -713,6 +683,46 @@ mod tests {
         for bad in ["", "K", "12Q", "-1K", "99999999999999999999G"] {
             assert_eq!(parse_cache_size(bad), None, "{bad:?}");
         }
+    }
+
+    /// The streamed store paths (taken by outputs larger than the cache, which the op tests do
+    /// not reach) write exactly what the cached ones write: one and two inputs, two outputs, a
+    /// tail, and an output start that is not 16-byte aligned (ordinary stores then).
+    #[test]
+    fn streamed_maps_write_what_cached_ones_write() {
+        fn check<T: FloatElement>() {
+            let n = 1000;
+            let mut rng = uniop::verify::Rng::new(7);
+            let a: Vec<T> = (0..n).map(|_| T::from_f64(4.0 * rng.uniform() - 2.0)).collect();
+            let b: Vec<T> = (0..n).map(|_| T::from_f64(4.0 * rng.uniform() - 2.0)).collect();
+            let mut bufs = [vec![T::default(); n + 64], vec![T::default(); n + 64]];
+            for shift in [0, 1] {
+                let mut got = Vec::new();
+                for streaming in [false, true] {
+                    let [x, y] = &mut bufs;
+                    let at = x.as_ptr().align_offset(64) + shift;
+                    let (x, y) = (&mut x[at..at + n - shift], &mut y[..n - shift]);
+                    let (a, b) = (&a[..n - shift], &b[..n - shift]);
+                    let unwritten = T::from_f64(f64::NAN);
+                    x.fill(unwritten);
+                    dense_map([a], [&mut *x], streaming, |[v]| [crate::math::exp(v) - v]);
+                    let one = x.to_vec();
+                    x.fill(unwritten);
+                    y.fill(unwritten);
+                    dense_map([a, b], [&mut *x, &mut *y], streaming, |[u, v]| [u * v - 1.0, u / (1.0 + v * v)]);
+                    got.push([one, x.to_vec(), y.to_vec()]);
+                }
+                let bits = |runs: &[Vec<T>; 3]| {
+                    runs.each_ref().map(|r| r.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>())
+                };
+                assert_eq!(bits(&got[0]), bits(&got[1]), "{} shift {shift}", T::DTYPE);
+                let want = (crate::math::exp(a[3].to_f32()) - a[3].to_f32()) as f64;
+                assert!((got[0][0][3].to_f64() - want).abs() <= 0.01 * want.abs().max(1.0), "{}", T::DTYPE);
+            }
+        }
+        check::<f32>();
+        check::<uniop::half::f16>();
+        check::<uniop::half::bf16>();
     }
 
     #[test]
