@@ -6,7 +6,7 @@
 //! Each row: add and store `sum` while reducing its squares (one read of both inputs), then
 //! scale the row back from cache. `sum` is written with ordinary stores since it is re-read.
 
-use crate::elementwise::{converts_per_element, fence, store_natively, streams_bytes, to_f32, LANES};
+use crate::elementwise::{converts_per_element, fence, store_natively, streams_bytes, to_f32, Aligned, LANES};
 use crate::rms_norm::{check_eps, norm_shape, reference_rows, scale_row, weight_f32, KernelShape, DTYPES};
 use uniop::{
     block_dim_for, dispatch_element, with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs,
@@ -38,7 +38,7 @@ fn add_row_as<T: FloatElement, const NATIVE: bool>(a: &[T], b: &[T], out: &mut [
         let (ac, bc, oc) = (&a[j..j + LANES], &b[j..j + LANES], &mut out[j..j + LANES]);
         if NATIVE {
             // Narrowed by the CPU's instruction, then widened back from the stored row.
-            let mut sum = [0f32; LANES];
+            let mut sum = Aligned([0f32; LANES]);
             for i in 0..LANES {
                 sum[i] = to_f32::<T, true>(ac[i]) + to_f32::<T, true>(bc[i]);
             }

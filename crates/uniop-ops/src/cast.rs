@@ -48,7 +48,7 @@ fn kernel<S: Element, D: Element>(args: &KernelArgs, ctx: BlockCtx, n: usize, st
         }
         return;
     }
-    let mut tmp = [D::default(); elementwise::CHUNK];
+    let mut tmp = elementwise::Aligned([D::default(); elementwise::CHUNK]);
     for (s, d) in src.chunks(elementwise::CHUNK).zip(dst.chunks_mut(elementwise::CHUNK)) {
         for (t, &v) in tmp.iter_mut().zip(s) {
             *t = convert(v);

@@ -79,6 +79,32 @@ pub fn copy_streaming<T: Element>(dst: &mut [T], src: &[T]) {
     dst.copy_from_slice(src);
 }
 
+/// A step buffer on the stack, aligned to a cache line, so that no vector load or store into it
+/// splits a line or a page. Buffers that go through memory by design (staged for non-temporal
+/// stores, or read back by the narrowing instruction's own loads) are wrapped in it: where the
+/// stack happened to place them across a 4 KiB page boundary, the process ran slowly throughout —
+/// bf16 softmax at 4096x4096 on one thread took 40 ms instead of 9.3 for one in six stack
+/// positions (Zen 4, ASLR off, the stack shifted with environment padding), and since ASLR draws
+/// the stack's position, about one run in ten did.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub struct Aligned<A>(pub A);
+
+impl<A> std::ops::Deref for Aligned<A> {
+    type Target = A;
+    #[inline(always)]
+    fn deref(&self) -> &A {
+        &self.0
+    }
+}
+
+impl<A> std::ops::DerefMut for Aligned<A> {
+    #[inline(always)]
+    fn deref_mut(&mut self) -> &mut A {
+        &mut self.0
+    }
+}
+
 /// Starts loading the cache lines of `data` (a hint: never faults).
 #[inline(always)]
 fn prefetch<T>(data: &[T]) {
@@ -136,7 +162,7 @@ pub fn narrow_into<T: FloatElement>(src: &[f32], dst: &mut [T], streaming: bool)
         copy_streaming(dst, src);
         return;
     }
-    let mut tmp = [T::default(); CHUNK];
+    let mut tmp = Aligned([T::default(); CHUNK]);
     for (s, d) in src.chunks(CHUNK).zip(dst.chunks_mut(CHUNK)) {
         T::narrow(s, &mut tmp[..s.len()]);
         copy_streaming(d, &tmp[..s.len()]);
@@ -207,9 +233,9 @@ fn load_lanes<T: FloatElement>(data: &[T], off: usize, stride: usize, dst: &mut 
 pub unsafe fn store_natively<T: FloatElement>(src: &[f32; LANES], out: &mut [T], streaming: bool) {
     let out: &mut [T; LANES] = out.try_into().expect("LANES elements");
     if streaming {
-        let mut staged = [T::default(); LANES];
+        let mut staged = Aligned([T::default(); LANES]);
         T::narrow_lanes_natively(src, &mut staged);
-        copy_streaming(out, &staged);
+        copy_streaming(out, &*staged);
     } else {
         T::narrow_lanes_natively(src, out);
     }
@@ -219,7 +245,7 @@ pub unsafe fn store_natively<T: FloatElement>(src: &[f32; LANES], out: &mut [T],
 #[inline(always)]
 fn store_lanes<T: FloatElement>(src: &[f32; LANES], dst: &mut [T], streaming: bool) {
     if streaming {
-        copy_streaming(dst, &T::narrow_lanes(src));
+        copy_streaming(dst, &Aligned(T::narrow_lanes(src))[..]);
     } else {
         dst.copy_from_slice(&T::narrow_lanes(src));
     }
@@ -304,7 +330,9 @@ pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
     }
 }
 
-/// The step buffers of [`dense_map`], kept across steps so that none is re-initialized per step.
+/// The step buffers of [`dense_map`], kept across steps so that none is re-initialized per step;
+/// aligned as [`Aligned`] is (each buffer is a whole number of cache lines).
+#[repr(C, align(64))]
 struct Steps<T, const I: usize, const O: usize> {
     /// f16/bf16 form: the inputs widened, then overwritten by `f`'s results (output `k` in
     /// `wide[k]`); a separate results buffer measured slower.

@@ -9,7 +9,7 @@
 //! A large gradient is written with non-temporal stores: it is the size of the table and mostly
 //! zeros, and ordinary stores would first read every line of it.
 
-use crate::elementwise::{copy_streaming, fence, streams, LANES};
+use crate::elementwise::{copy_streaming, fence, streams, Aligned, LANES};
 use crate::embedding::{check_indices, check_padding, checked_row, index_at, table_shape, DTYPES};
 use crate::softmax::scale_into;
 use uniop::{
@@ -90,10 +90,10 @@ fn zero_row<T: FloatElement>(dst: &mut [T], streaming: bool) {
     if !streaming {
         return dst.fill(T::default());
     }
-    let zeros = [T::default(); LANES];
+    let zeros = Aligned([T::default(); LANES]);
     let mut chunks = dst.chunks_exact_mut(LANES);
     for chunk in &mut chunks {
-        copy_streaming(chunk, &zeros);
+        copy_streaming(chunk, &zeros[..]);
     }
     chunks.into_remainder().fill(T::default());
 }

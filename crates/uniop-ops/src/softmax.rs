@@ -8,7 +8,7 @@
 
 use crate::elementwise::{
     converts_per_element, copy_streaming, dense_map, fence, for_lanes, store_natively, streams, widen_lanes, Ahead,
-    LANES,
+    Aligned, LANES,
 };
 use crate::math;
 use uniop::{
@@ -99,7 +99,7 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
         let chunks = src.chunks_exact(LANES);
         let full = src.len() - chunks.remainder().len();
         for (c, o) in chunks.zip(out.chunks_exact_mut(LANES)) {
-            let mut scaled = [0f32; LANES];
+            let mut scaled = Aligned([0f32; LANES]);
             for (s, &v) in scaled.iter_mut().zip(c) {
                 *s = v * scale;
             }
@@ -124,22 +124,22 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
     let full = src.len() - tail.len();
     for (c, o) in chunks.zip(out.chunks_exact_mut(LANES)) {
         let narrowed = if converts_per_element::<T, 1>() {
-            let mut narrowed = [T::default(); LANES];
+            let mut narrowed = Aligned([T::default(); LANES]);
             for (n, &v) in narrowed.iter_mut().zip(c) {
                 *n = T::from_f32(v * scale);
             }
             narrowed
         } else {
-            let mut scaled = [0f32; LANES];
+            let mut scaled = Aligned([0f32; LANES]);
             for (s, &v) in scaled.iter_mut().zip(c) {
                 *s = v * scale;
             }
-            T::narrow_lanes(&scaled)
+            Aligned(T::narrow_lanes(&scaled))
         };
         if streaming {
-            copy_streaming(o, &narrowed);
+            copy_streaming(o, &narrowed[..]);
         } else {
-            o.copy_from_slice(&narrowed);
+            o.copy_from_slice(&narrowed[..]);
         }
     }
     for (o, &v) in out[full..].iter_mut().zip(tail) {
