@@ -197,7 +197,7 @@ fn exp_sum_as<T: FloatElement, const STORE: bool, const NATIVE: bool>(
         }
         let mut e: [f32; EXP_LANES] = widen_lanes::<T, NATIVE, EXP_LANES>(c.try_into().expect("EXP_LANES elements"));
         for j in 0..EXP_LANES {
-            e[j] = math::exp(e[j] - m);
+            e[j] = math::exp_for::<T>(e[j] - m);
             acc[j] += e[j];
         }
         if STORE {
@@ -209,7 +209,7 @@ fn exp_sum_as<T: FloatElement, const STORE: bool, const NATIVE: bool>(
     let rest = &mut rest[..tail.len()];
     T::widen(tail, rest);
     for v in rest.iter_mut() {
-        *v = math::exp(*v - m);
+        *v = math::exp_for::<T>(*v - m);
         sum += *v;
     }
     if STORE {
@@ -262,14 +262,14 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
             for k in 0..axis.n {
                 T::widen(&xs[at(k)..at(k) + w], &mut buf[..w]);
                 for j in 0..w {
-                    acc[j] += math::exp(buf[j] - mx[j]);
+                    acc[j] += math::exp_for::<T>(buf[j] - mx[j]);
                 }
             }
             for k in 0..axis.n {
                 T::widen(&xs[at(k)..at(k) + w], &mut buf[..w]);
                 for j in 0..w {
                     buf[j] = match kind {
-                        Kind::Softmax => math::exp(buf[j] - mx[j]) / acc[j],
+                        Kind::Softmax => math::exp_for::<T>(buf[j] - mx[j]) / acc[j],
                         Kind::LogSoftmax => buf[j] - mx[j] - acc[j].ln(),
                     };
                 }

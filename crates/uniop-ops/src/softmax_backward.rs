@@ -46,7 +46,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
                         }
                     });
                     let dot: f32 = acc.iter().sum();
-                    dense_map([dyr, yr], [out], streaming, |[d, y]| [d - math::exp(y) * dot]);
+                    dense_map([dyr, yr], [out], streaming, |[d, y]| [d - math::exp_for::<T>(y) * dot]);
                 }
             }
         } else {
@@ -65,7 +65,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
                 for j in 0..w {
                     bd[j] = match kind {
                         Kind::Softmax => by[j] * (bd[j] - acc[j]),
-                        Kind::LogSoftmax => bd[j] - math::exp(by[j]) * acc[j],
+                        Kind::LogSoftmax => bd[j] - math::exp_for::<T>(by[j]) * acc[j],
                     };
                 }
                 // SAFETY: columns i0..i0+w of every row k of slice `o` belong to this unit alone.
