@@ -16,7 +16,7 @@ struct AxpyMap(f32);
 
 impl Map2 for AxpyMap {
     #[inline(always)]
-    fn apply(&self, a: f32, b: f32) -> f32 {
+    fn apply<T: Element>(&self, a: f32, b: f32) -> f32 {
         a + self.0 * b
     }
 }

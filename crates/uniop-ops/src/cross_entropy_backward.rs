@@ -33,7 +33,7 @@ fn kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, g: Rows
             Some(t) => {
                 let l = lses[lse.layout().offset_of_linear(r)];
                 let row = &xs[r * g.classes..(r + 1) * g.classes];
-                dense_map([row], [&mut *dst], streaming, |[v]| [math::exp(v - l) * scale]);
+                dense_map([row], [&mut *dst], streaming, |[v]| [math::exp_for::<T>(v - l) * scale]);
                 dst[t] = T::from_f32(dst[t].to_f32() - scale);
             }
         }

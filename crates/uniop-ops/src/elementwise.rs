@@ -169,14 +169,15 @@ pub fn narrow_into<T: FloatElement>(src: &[f32], dst: &mut [T], streaming: bool)
     }
 }
 
-/// `f(x)` for one element, computed in f32.
+/// `f(x)` for one element, computed in f32, for a result stored as `T` (which lets the function
+/// trade accuracy the storage cannot hold for speed: [`math::exp_for`](crate::math::exp_for)).
 pub trait Map1: Send + Sync + 'static {
-    fn apply(&self, x: f32) -> f32;
+    fn apply<T: Element>(&self, x: f32) -> f32;
 }
 
-/// `f(a, b)` for one element, computed in f32.
+/// `f(a, b)` for one element, computed in f32, for a result stored as `T` (as [`Map1`]).
 pub trait Map2: Send + Sync + 'static {
-    fn apply(&self, a: f32, b: f32) -> f32;
+    fn apply<T: Element>(&self, a: f32, b: f32) -> f32;
 }
 
 /// Loads `dst.len()` elements starting at storage offset `off` with stride `stride`.
@@ -582,14 +583,14 @@ pub fn unary<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, f: &F, 
             // SAFETY: blocks own disjoint ranges of output elements.
             let dst = unsafe { out.slice_mut::<T>(o, len) };
             if sx == 1 && converts_per_element::<T, 1>() {
-                dense_map([&data[xo..xo + len]], [dst], streaming, |[x]| [f.apply(x)]);
+                dense_map([&data[xo..xo + len]], [dst], streaming, |[x]| [f.apply::<T>(x)]);
                 continue;
             }
             let mut lanes = [0f32; LANES];
             while j + LANES <= len {
                 load_lanes(data, xo + j * sx, sx, &mut lanes);
                 for x in &mut lanes {
-                    *x = f.apply(*x);
+                    *x = f.apply::<T>(*x);
                 }
                 store_lanes(&lanes, &mut dst[j..j + LANES], streaming);
                 j += LANES;
@@ -599,7 +600,7 @@ pub fn unary<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, f: &F, 
             let n = CHUNK.min(len - j);
             load(data, xo + j * sx, sx, &mut buf[..n]);
             for x in &mut buf[..n] {
-                *x = f.apply(*x);
+                *x = f.apply::<T>(*x);
             }
             // SAFETY: blocks own disjoint ranges of output elements.
             unsafe { store::<T>(&out, o + j * so, so, &buf[..n], streaming) };
@@ -634,17 +635,17 @@ pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F,
                 match (sa, sb) {
                     (1, 1) => {
                         let ins = [&da[ao..ao + len], &db[bo..bo + len]];
-                        dense_map(ins, [dst], streaming, |[a, b]| [f.apply(a, b)]);
+                        dense_map(ins, [dst], streaming, |[a, b]| [f.apply::<T>(a, b)]);
                         continue;
                     }
                     (1, 0) => {
                         let b = db[bo].to_f32();
-                        dense_map([&da[ao..ao + len]], [dst], streaming, |[a]| [f.apply(a, b)]);
+                        dense_map([&da[ao..ao + len]], [dst], streaming, |[a]| [f.apply::<T>(a, b)]);
                         continue;
                     }
                     (0, 1) => {
                         let a = da[ao].to_f32();
-                        dense_map([&db[bo..bo + len]], [dst], streaming, |[b]| [f.apply(a, b)]);
+                        dense_map([&db[bo..bo + len]], [dst], streaming, |[b]| [f.apply::<T>(a, b)]);
                         continue;
                     }
                     _ => {}
@@ -655,7 +656,7 @@ pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F,
                 load_lanes(da, ao + j * sa, sa, &mut la);
                 load_lanes(db, bo + j * sb, sb, &mut lb);
                 for (a, &b) in la.iter_mut().zip(&lb) {
-                    *a = f.apply(*a, b);
+                    *a = f.apply::<T>(*a, b);
                 }
                 store_lanes(&la, &mut dst[j..j + LANES], streaming);
                 j += LANES;
@@ -666,7 +667,7 @@ pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F,
             load(da, ao + j * sa, sa, &mut bufa[..n]);
             load(db, bo + j * sb, sb, &mut bufb[..n]);
             for (a, &b) in bufa[..n].iter_mut().zip(&bufb[..n]) {
-                *a = f.apply(*a, b);
+                *a = f.apply::<T>(*a, b);
             }
             // SAFETY: blocks own disjoint ranges of output elements.
             unsafe { store::<T>(&out, o + j * so, so, &bufa[..n], streaming) };

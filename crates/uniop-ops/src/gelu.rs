@@ -4,8 +4,8 @@
 use crate::elementwise::{self, Map1};
 use crate::math;
 use uniop::{
-    block_dim_for, with_float_dtype, AttrValue, DType, ErrorCode, Example, Op, OpCx, Plan, RefTensor, Result, Step,
-    TensorMeta,
+    block_dim_for, with_float_dtype, AttrValue, DType, Element, ErrorCode, Example, Op, OpCx, Plan, RefTensor, Result,
+    Step, TensorMeta,
 };
 
 pub struct Gelu;
@@ -27,8 +27,8 @@ struct GeluMap<const TANH: bool>;
 
 impl<const TANH: bool> Map1 for GeluMap<TANH> {
     #[inline(always)]
-    fn apply(&self, x: f32) -> f32 {
-        math::gelu(x, TANH)
+    fn apply<T: Element>(&self, x: f32) -> f32 {
+        math::gelu::<T>(x, TANH)
     }
 }
 

@@ -4,7 +4,9 @@
 use crate::elementwise::{self, Map2};
 use crate::gelu::{tanh_approx, DTYPES};
 use crate::math;
-use uniop::{block_dim_for, with_float_dtype, DType, Example, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta};
+use uniop::{
+    block_dim_for, with_float_dtype, DType, Element, Example, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
+};
 
 pub struct GeluBackward;
 
@@ -14,8 +16,8 @@ struct GeluGrad<const TANH: bool>;
 
 impl<const TANH: bool> Map2 for GeluGrad<TANH> {
     #[inline(always)]
-    fn apply(&self, dy: f32, x: f32) -> f32 {
-        dy * math::gelu_grad(x, TANH)
+    fn apply<T: Element>(&self, dy: f32, x: f32) -> f32 {
+        dy * math::gelu_grad::<T>(x, TANH)
     }
 }
 

@@ -1,5 +1,9 @@
 //! Vectorizable math for kernels. `f32::exp` calls libm per element and blocks vectorization;
 //! these are branch-free polynomial versions that LLVM turns into SIMD inside `simd::dispatch`.
+//! Functions generic over `T: Element` are for results stored as `T`: for 16-bit types they use
+//! [`exp_coarse`], whose error is far below what the storage keeps.
+
+use uniop::Element;
 
 /// `c[0] + c[1]·x + … + c[5]·x⁵` given `x2 = x·x`, in Estrin's order: three FMAs deep instead
 /// of Horner's five. The elementwise kernels that call these are bound by dependency chains, not
@@ -67,7 +71,7 @@ pub fn exp_coarse(x: f32) -> f32 {
 
 /// [`exp`] for results stored as f32, [`exp_coarse`] for those stored as `T` of 16 bits.
 #[inline(always)]
-pub fn exp_for<T: uniop::Element>(x: f32) -> f32 {
+pub fn exp_for<T: Element>(x: f32) -> f32 {
     if T::DTYPE.size() == 4 {
         exp(x)
     } else {
@@ -75,23 +79,23 @@ pub fn exp_for<T: uniop::Element>(x: f32) -> f32 {
     }
 }
 
-/// silu(x) = x · sigmoid(x).
+/// silu(x) = x · sigmoid(x), for a result stored as `T` (its exp: [`exp_for`]).
 #[inline(always)]
-pub fn silu(x: f32) -> f32 {
-    x / (1.0 + exp(-x))
+pub fn silu<T: Element>(x: f32) -> f32 {
+    x / (1.0 + exp_for::<T>(-x))
 }
 
-/// sigmoid(x) = 1 / (1 + e^-x).
+/// sigmoid(x) = 1 / (1 + e^-x), for a result stored as `T`.
 #[inline(always)]
-pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + exp(-x))
+pub fn sigmoid<T: Element>(x: f32) -> f32 {
+    1.0 / (1.0 + exp_for::<T>(-x))
 }
 
 /// Gradients of `silu(g) · u` for upstream `d`: returns `(d_g, d_u)`.
 /// d silu(g)/dg = s · (1 + g · (1 − s)) with s = sigmoid(g).
 #[inline(always)]
-pub fn silu_mul_grad(d: f32, g: f32, u: f32) -> (f32, f32) {
-    let s = sigmoid(g);
+pub fn silu_mul_grad<T: Element>(d: f32, g: f32, u: f32) -> (f32, f32) {
+    let s = sigmoid::<T>(g);
     (d * u * s * (1.0 + g * (1.0 - s)), d * g * s)
 }
 
@@ -122,9 +126,9 @@ const GELU_CUBIC: f32 = 0.044_715;
 /// gelu(x): `x·Φ(x)` exactly (`tanh_approx = false`) or with the tanh approximation, written
 /// as `x·sigmoid(2u)` (= `0.5x(1 + tanh u)` without the cancellation of `1 + tanh u` at large −x).
 #[inline(always)]
-pub fn gelu(x: f32, tanh_approx: bool) -> f32 {
+pub fn gelu<T: Element>(x: f32, tanh_approx: bool) -> f32 {
     if tanh_approx {
-        x * sigmoid(2.0 * SQRT_2_OVER_PI * GELU_CUBIC.mul_add(x * x * x, x))
+        x * sigmoid::<T>(2.0 * SQRT_2_OVER_PI * GELU_CUBIC.mul_add(x * x * x, x))
     } else {
         // x/2 + x/2·erf(x/√2) as one FMA; x/2 and erf share their sign, so the product is
         // |x/2|·|erf| and erf's copysign drops out.
@@ -135,10 +139,10 @@ pub fn gelu(x: f32, tanh_approx: bool) -> f32 {
 
 /// d gelu(x) / dx for the same two forms.
 #[inline(always)]
-pub fn gelu_grad(x: f32, tanh_approx: bool) -> f32 {
+pub fn gelu_grad<T: Element>(x: f32, tanh_approx: bool) -> f32 {
     if tanh_approx {
         // With s = sigmoid(2u): 0.5(1 + tanh u) = s and 1 − tanh²u = 4s(1 − s).
-        let s = sigmoid(2.0 * SQRT_2_OVER_PI * GELU_CUBIC.mul_add(x * x * x, x));
+        let s = sigmoid::<T>(2.0 * SQRT_2_OVER_PI * GELU_CUBIC.mul_add(x * x * x, x));
         s + 2.0 * x * s * (1.0 - s) * SQRT_2_OVER_PI * (3.0 * GELU_CUBIC).mul_add(x * x, 1.0)
     } else {
         // Φ(x) + x·φ(x), with Φ built from φ (Abramowitz & Stegun 26.2.17, |error| < 7.5e-8):
@@ -147,7 +151,7 @@ pub fn gelu_grad(x: f32, tanh_approx: bool) -> f32 {
         const B: [f32; 5] = [0.319_381_53, -0.356_563_78, 1.781_477_9, -1.821_256, 1.330_274_4];
         // φ(x) = e^(−x²/2 + ln(1/√(2π))): the normalization rides in exp's argument (one FMA).
         const LN_INV_SQRT_2PI: f32 = -0.918_938_5;
-        let pdf = exp((x * x).mul_add(-0.5, LN_INV_SQRT_2PI));
+        let pdf = exp_for::<T>((x * x).mul_add(-0.5, LN_INV_SQRT_2PI));
         let t = 1.0 / 0.231_641_9f32.mul_add(x.abs(), 1.0);
         let t2 = t * t;
         let b = B[4].mul_add(t2, B[3].mul_add(t, B[2])).mul_add(t2, B[1].mul_add(t, B[0]));
@@ -212,7 +216,7 @@ mod tests {
         }
         assert!(worst < 4.0 * f32::EPSILON as f64, "worst relative error {worst:e}");
         assert_eq!(super::exp(-1000.0), super::exp(-87.0));
-        assert!(super::silu(-200.0).abs() < 1e-30 && super::silu(200.0) == 200.0);
+        assert!(super::silu::<f32>(-200.0).abs() < 1e-30 && super::silu::<f32>(200.0) == 200.0);
     }
 
     /// Within 1e-5 everywhere (so within a hundredth of an f16 unit, a 400th of a bf16 one), and
@@ -246,7 +250,7 @@ mod tests {
             let (got, want) = (super::erf_abs(x), super::exact::erf_f64(x as f64).abs());
             assert!((got as f64 - want).abs() < 4e-7 && got <= 1.0, "|erf({x})| = {got}, want {want}");
         }
-        assert!(super::erf_abs(f32::NAN).is_nan() && super::gelu(f32::NAN, false).is_nan());
+        assert!(super::erf_abs(f32::NAN).is_nan() && super::gelu::<f32>(f32::NAN, false).is_nan());
         assert_eq!((super::erf_abs(f32::INFINITY), super::erf_abs(f32::NEG_INFINITY)), (1.0, 1.0));
         assert_eq!(super::erf_abs(-0.0), 0.0);
         assert_eq!(super::erf_abs(-1e-30), 1e-30 * std::f32::consts::FRAC_2_SQRT_PI);
@@ -254,13 +258,22 @@ mod tests {
 
     #[test]
     fn erf_and_gelu_match_f64() {
+        use uniop::half::{bf16, f16};
         for i in -800..=800 {
             let x = i as f32 * 0.01;
             for tanh in [false, true] {
-                let (g, w) = (super::gelu(x, tanh) as f64, super::exact::gelu(x as f64, tanh));
+                let (g, w) = (super::gelu::<f32>(x, tanh) as f64, super::exact::gelu(x as f64, tanh));
                 assert!((g - w).abs() < 1e-6 * (1.0 + w.abs()), "gelu({x}, {tanh}): {g} vs {w}");
-                let (g, w) = (super::gelu_grad(x, tanh) as f64, super::exact::gelu_grad(x as f64, tanh));
+                let (g, w) = (super::gelu_grad::<f32>(x, tanh) as f64, super::exact::gelu_grad(x as f64, tanh));
                 assert!((g - w).abs() < 1e-6 * (1.0 + w.abs()), "gelu'({x}, {tanh}): {g} vs {w}");
+                // For 16-bit results (coarse exp): within 1e-5, a hundredth of an f16 unit.
+                let (g, w) = (super::gelu_grad::<bf16>(x, tanh) as f64, super::exact::gelu_grad(x as f64, tanh));
+                assert!((g - w).abs() < 1e-5 * (1.0 + w.abs()), "bf16 gelu'({x}, {tanh}): {g} vs {w}");
+                let (g, w) = (super::silu::<f16>(x) as f64, super::exact::silu(x as f64));
+                assert!((g - w).abs() < 1e-5 * (1.0 + w.abs()), "f16 silu({x}): {g} vs {w}");
+                let (g, w) =
+                    (super::silu_mul_grad::<bf16>(1.5, x, -0.5), super::exact::silu_mul_grad(1.5, x as f64, -0.5));
+                assert!((g.0 as f64 - w.0).abs() < 1e-5 * (1.0 + w.0.abs()), "bf16 silu_mul_grad({x}): {g:?} vs {w:?}");
             }
         }
     }

@@ -1,7 +1,9 @@
 //! `mul(a, b) = a · b` elementwise with NumPy/torch broadcasting; f16/bf16 compute in f32.
 
 use crate::elementwise::{self, Map2};
-use uniop::{block_dim_for, with_float_dtype, DType, Example, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta};
+use uniop::{
+    block_dim_for, with_float_dtype, DType, Element, Example, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
+};
 
 pub struct Mul;
 
@@ -11,7 +13,7 @@ struct MulMap;
 
 impl Map2 for MulMap {
     #[inline(always)]
-    fn apply(&self, a: f32, b: f32) -> f32 {
+    fn apply<T: Element>(&self, a: f32, b: f32) -> f32 {
         a * b
     }
 }

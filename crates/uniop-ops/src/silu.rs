@@ -2,7 +2,9 @@
 
 use crate::elementwise::{self, Map1};
 use crate::math;
-use uniop::{block_dim_for, with_float_dtype, DType, Example, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta};
+use uniop::{
+    block_dim_for, with_float_dtype, DType, Element, Example, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
+};
 
 pub struct Silu;
 
@@ -10,8 +12,8 @@ struct SiluMap;
 
 impl Map1 for SiluMap {
     #[inline(always)]
-    fn apply(&self, x: f32) -> f32 {
-        math::silu(x)
+    fn apply<T: Element>(&self, x: f32) -> f32 {
+        math::silu::<T>(x)
     }
 }
 

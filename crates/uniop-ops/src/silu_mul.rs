@@ -5,7 +5,9 @@
 
 use crate::elementwise::{self, Map2};
 use crate::math;
-use uniop::{block_dim_for, with_float_dtype, DType, Example, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta};
+use uniop::{
+    block_dim_for, with_float_dtype, DType, Element, Example, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
+};
 
 pub struct SiluMul;
 
@@ -15,8 +17,8 @@ struct SiluMulMap;
 
 impl Map2 for SiluMulMap {
     #[inline(always)]
-    fn apply(&self, gate: f32, up: f32) -> f32 {
-        math::silu(gate) * up
+    fn apply<T: Element>(&self, gate: f32, up: f32) -> f32 {
+        math::silu::<T>(gate) * up
     }
 }
 

@@ -21,7 +21,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, n: usize, streaming
     // SAFETY: blocks own disjoint element ranges of both outputs.
     let outs = unsafe { [dense_output::<T>(args, 0, range.clone()), dense_output::<T>(args, 1, range)] };
     dense_map(ins, outs, streaming, |[d, g, u]| {
-        let (dg, du) = math::silu_mul_grad(d, g, u);
+        let (dg, du) = math::silu_mul_grad::<T>(d, g, u);
         [dg, du]
     });
     fence();

@@ -31,7 +31,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, h: Halves, streamin
             (dx.slice_mut::<T>(dx.layout().offset() + a, len), dx.slice_mut::<T>(dx.layout().offset() + b, len))
         };
         dense_map([&ds[d..d + len], &xs[a..a + len], &xs[b..b + len]], [da, db], streaming, |[d, a, b]| {
-            let (da, db) = math::silu_mul_grad(d, a, b);
+            let (da, db) = math::silu_mul_grad::<T>(d, a, b);
             [da, db]
         });
     }
