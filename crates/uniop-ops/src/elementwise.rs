@@ -83,9 +83,9 @@ pub fn copy_streaming<T: Element>(dst: &mut [T], src: &[T]) {
 /// splits a line or a page. Buffers that go through memory by design (staged for non-temporal
 /// stores, or read back by the narrowing instruction's own loads) are wrapped in it: where the
 /// stack happened to place them across a 4 KiB page boundary, the process ran slowly throughout —
-/// bf16 softmax at 4096x4096 on one thread took 40 ms instead of 9.3 for one in six stack
-/// positions (Zen 4, ASLR off, the stack shifted with environment padding), and since ASLR draws
-/// the stack's position, about one run in ten did.
+/// bf16 softmax at 4096x4096 on one thread took 40 ms instead of 9.3 for the stack positions in a
+/// window of about 256 bytes out of every 4 KiB (Zen 4, ASLR off, the stack shifted with
+/// environment padding), so about one run in sixteen under ASLR.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 pub struct Aligned<A>(pub A);
