@@ -69,13 +69,13 @@ pub fn exp_coarse(x: f32) -> f32 {
     f32::from_bits(p.to_bits().wrapping_add(k_bits << 23))
 }
 
-/// [`exp`] for results stored as f32, [`exp_coarse`] for those stored as `T` of 16 bits.
+/// [`exp_coarse`] for results stored as a 16-bit `T` (f16, bf16), [`exp`] for any wider one.
 #[inline(always)]
 pub fn exp_for<T: Element>(x: f32) -> f32 {
-    if T::DTYPE.size() == 4 {
-        exp(x)
-    } else {
+    if T::DTYPE.size() == 2 {
         exp_coarse(x)
+    } else {
+        exp(x)
     }
 }
 
