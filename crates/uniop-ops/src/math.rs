@@ -240,6 +240,11 @@ mod tests {
         assert_eq!(super::exp_coarse(f32::NEG_INFINITY), super::exp_coarse(-86.0));
         assert!(super::exp_coarse(-86.0) >= f32::MIN_POSITIVE && super::exp_coarse(88.0).is_finite());
         assert_eq!(super::exp_coarse(0.0), 1.0);
+        // NaN stays NaN (2^k goes into the exponent bits as an integer: a NaN's k must add nothing),
+        // including NaNs widened from f16/bf16 with payloads.
+        for nan in [f32::NAN, -f32::NAN, f16::from_bits(0x7e01).to_f32(), bf16::from_bits(0xffc1).to_f32()] {
+            assert!(super::exp_coarse(nan).is_nan() && super::exp_coarse(nan - 1.0).is_nan(), "{:#x}", nan.to_bits());
+        }
     }
 
     #[test]
