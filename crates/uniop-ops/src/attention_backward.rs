@@ -344,8 +344,8 @@ fn dkv_kernel<T: FloatElement>(
                                 bf16_of(k).as_ptr().add(kr.at(b, hkv, j0)),
                                 bf16_of(v).as_ptr().add(vr.at(b, hkv, j0)),
                             );
-                            bf16_scores(st, qb, d, rows, (kb, kr.seq_stride()), n, g.scale);
-                            bf16_scores(dpt, db, dv, rows, (vb, vr.seq_stride()), n, 1.0);
+                            bf16_scores(st, qb, d, rows, (kb, kr.seq_stride()), n, Some(g.scale));
+                            bf16_scores(dpt, db, dv, rows, (vb, vr.seq_stride()), n, None);
                         }
                     } else {
                         for r in 0..rows {
@@ -450,8 +450,16 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
                 let (kb, vb) = (bf16_of(k).as_ptr(), bf16_of(v).as_ptr());
                 // SAFETY: K/V rows j0..j0+n of this head lie inside the checked views.
                 unsafe {
-                    bf16_scores(st, bf16_tile(qt), d, rows, (kb.add(kr.at(b, hkv, j0)), kr.seq_stride()), n, g.scale);
-                    bf16_scores(dpt, bf16_tile(dot), dv, rows, (vb.add(vr.at(b, hkv, j0)), vr.seq_stride()), n, 1.0);
+                    bf16_scores(
+                        st,
+                        bf16_tile(qt),
+                        d,
+                        rows,
+                        (kb.add(kr.at(b, hkv, j0)), kr.seq_stride()),
+                        n,
+                        Some(g.scale),
+                    );
+                    bf16_scores(dpt, bf16_tile(dot), dv, rows, (vb.add(vr.at(b, hkv, j0)), vr.seq_stride()), n, None);
                 }
                 (std::ptr::null(), 0)
             } else {

@@ -16,6 +16,11 @@ fn view<'a>(data: &'a [f32], shape: &[usize]) -> Option<TensorRef<'a>> {
     Some(TensorRef::new(data, shape).unwrap())
 }
 
+fn bf16(x: &[f32], shape: &[usize]) -> Tensor {
+    let values: Vec<_> = x.iter().map(|&v| uniop::half::bf16::from_f32(v)).collect();
+    Tensor::from_slice(&values, shape).unwrap()
+}
+
 fn assert_near(got: &[f64], want: &[f64], tol: f64, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -36,12 +41,28 @@ fn attention_spans_many_tiles_and_matches_reference() {
     for c in [false, true] {
         run_checked("attention", &[view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), None], &causal(c));
     }
-    let bf16 = |x: &[f32], shape: &[usize]| {
-        let values: Vec<_> = x.iter().map(|&v| uniop::half::bf16::from_f32(v)).collect();
-        Tensor::from_slice(&values, shape).unwrap()
-    };
     let (qb, kb, vb) = (bf16(&q, &q_shape), bf16(&k, &kv_shape), bf16(&v, &kv_shape));
     run_checked("attention", &[Some(qb.view()), Some(kb.view()), Some(vb.view()), None], &causal(true));
+}
+
+/// A GQA group of 3 (its query tiles are rounded down to 32 positions, so tiles and their causal
+/// key counts end at multiples of 16, except the last), rows whose visible keys end mid-step, a
+/// negative scale, in f32 and bf16, causal and not. Scores reach about ±200 so that the scaled
+/// ones reach ±60: the softmax must shift by the max of the *scaled* scores (a shift by the raw
+/// max, harmless for small scores, underflows every exp here).
+#[test]
+fn attention_with_groups_of_three_and_a_negative_scale_matches_reference() {
+    setup();
+    let (q_shape, kv_shape) = ([1, 6, 203, 24], [1, 2, 203, 24]);
+    let q: Vec<f32> = rand_vec(6 * 203 * 24, 11).iter().map(|x| 40.0 * x).collect();
+    let k = rand_vec(2 * 203 * 24, 12);
+    let v = rand_vec(2 * 203 * 24, 13);
+    for (c, scale) in [(true, -0.3), (false, -0.3), (true, 0.7)] {
+        let attrs = [("causal", AttrValue::Bool(c)), ("scale", AttrValue::from(scale))];
+        run_checked("attention", &[view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), None], &attrs);
+        let (qb, kb, vb) = (bf16(&q, &q_shape), bf16(&k, &kv_shape), bf16(&v, &kv_shape));
+        run_checked("attention", &[Some(qb.view()), Some(kb.view()), Some(vb.view()), None], &attrs);
+    }
 }
 
 /// Decode (one query per sequence): every q head of a GQA group is one row of the unit's tile,
@@ -288,9 +309,6 @@ fn attention_backward_bf16_spans_many_tiles() {
     setup();
     let (q_shape, kv_shape) = ([1, 4, 300, 32], [1, 2, 300, 32]);
     let n = 4 * 300 * 32;
-    let bf16 = |x: &[f32], shape: &[usize]| {
-        Tensor::from_slice(&x.iter().map(|&v| uniop::half::bf16::from_f32(v)).collect::<Vec<_>>(), shape).unwrap()
-    };
     let (q, k, v, dout) = (
         bf16(&rand_vec(n, 61), &q_shape),
         bf16(&rand_vec(n / 2, 62), &kv_shape),
