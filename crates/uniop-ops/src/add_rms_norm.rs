@@ -7,6 +7,7 @@
 //! scale the row back from cache. `sum` is written with ordinary stores since it is re-read.
 
 use crate::elementwise::{converts_per_element, fence, store_natively, streams_bytes, to_f32, Aligned, LANES};
+use crate::math;
 use crate::rms_norm::{check_eps, norm_shape, reference_rows, scale_row, weight_f32, KernelShape, DTYPES};
 use uniop::{
     block_dim_for, dispatch_element, with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs,
@@ -76,7 +77,7 @@ fn add_row_as<T: FloatElement, const NATIVE: bool>(a: &[T], b: &[T], out: &mut [
         out[j] = T::from_f32(a[j].to_f32() + b[j].to_f32());
         tail += out[j].to_f32() * out[j].to_f32();
     }
-    tail + acc.iter().sum::<f32>()
+    tail + math::sum_lanes(acc)
 }
 
 crate::simd_kernel! {

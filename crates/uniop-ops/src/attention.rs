@@ -423,7 +423,7 @@ fn online_softmax_row<T: FloatElement>(s: &mut [f32], scale: f32, visible: usize
             *a = a.max(v * scale);
         }
     }
-    let new_m = combine_lanes(lanes, f32::max).max(*m);
+    let new_m = math::max_lanes(lanes).max(*m);
     if new_m == f32::NEG_INFINITY {
         return; // nothing visible yet: `s` is all zeros, m and l stay empty
     }
@@ -446,27 +446,13 @@ fn online_softmax_row<T: FloatElement>(s: &mut [f32], scale: f32, visible: usize
         *l *= alpha;
         *m = new_m;
     }
-    *l += combine_lanes(sums, |a, b| a + b);
+    *l += math::sum_lanes(sums);
 }
 }
 
 /// Lanes of [`online_softmax_row`]'s vector code. Float reductions only vectorize with explicit
 /// lanes (LLVM keeps a loop's sequential order).
 const W: usize = 16;
-
-/// Combines `W` lanes pairwise: log2(W) dependent steps (vector shuffles), where a fold is a
-/// chain of W dependent scalar ops — a cost that shows on rows as short as a score tile's.
-#[inline(always)]
-fn combine_lanes(mut lanes: [f32; W], f: impl Fn(f32, f32) -> f32) -> f32 {
-    let mut half = W / 2;
-    while half > 0 {
-        for i in 0..half {
-            lanes[i] = f(lanes[i], lanes[i + half]);
-        }
-        half /= 2;
-    }
-    lanes[0]
-}
 
 /// Scratch pieces carved from one block's f32 workspace.
 pub(crate) fn carve<const N: usize>(mut ws: &mut [f32], sizes: [usize; N]) -> [&mut [f32]; N] {

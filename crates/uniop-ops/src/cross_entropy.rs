@@ -65,7 +65,7 @@ pub(crate) fn log_sum_exp<T: FloatElement>(row: &[T], next: &[T]) -> f32 {
             *a += math::exp(v - m);
         }
     });
-    m + acc.iter().sum::<f32>().ln()
+    m + math::sum_lanes(acc).ln()
 }
 
 crate::simd_kernel! {

@@ -12,6 +12,7 @@
 use crate::elementwise::{
     converts_per_element, copy_streaming, fence, store_natively, streams_bytes, to_f32, widen_lanes, Ahead, Aligned,
 };
+use crate::math;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
     OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -88,7 +89,7 @@ pub(crate) fn sum_squares_f32(x: &[f32]) -> f32 {
     for (a, v) in acc.iter_mut().zip(tail) {
         *a += v * v;
     }
-    acc.iter().sum()
+    math::sum_lanes(acc)
 }
 
 /// Elements per step: four AVX-512 registers of independent work, so the bf16/f16 conversions
@@ -120,7 +121,7 @@ fn sum_squares_as<T: FloatElement, const NATIVE: bool>(x: &[T]) -> f32 {
             acc[i] += buf[i] * buf[i];
         }
     }
-    tail.iter().map(|v| v.to_f32() * v.to_f32()).sum::<f32>() + acc.iter().sum::<f32>()
+    tail.iter().map(|v| v.to_f32() * v.to_f32()).sum::<f32>() + math::sum_lanes(acc)
 }
 
 /// `y = x · rstd · w`, one register at a time; `streaming` writes y past the cache.

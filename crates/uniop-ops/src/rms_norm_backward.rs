@@ -10,6 +10,7 @@
 //! [`rms_norm`]: crate::rms_norm
 
 use crate::elementwise::{converts_with, narrow_step, widen_step, CHUNK, LANES};
+use crate::math;
 use crate::rms_norm::{norm_shape, KernelShape, DTYPES};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
@@ -52,7 +53,7 @@ fn backward_row_as<T: FloatElement, W: FloatElement, const NATIVE: bool>(
             dot[i] += d[i] * wv[i] * xv[i];
         }
     }
-    let coeff = rstd * rstd * rstd * dot.iter().sum::<f32>() / n as f32;
+    let coeff = rstd * rstd * rstd * math::sum_lanes(dot) / n as f32;
     for start in (0..n).step_by(LANES) {
         let end = (start + LANES).min(n);
         let [d, xv, wv]: [[f32; LANES]; 3] = [

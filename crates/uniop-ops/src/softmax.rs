@@ -86,7 +86,7 @@ pub(crate) fn row_max<T: FloatElement>(row: &[T]) -> f32 {
             *m = m.max(v);
         }
     });
-    mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+    math::max_lanes(mx)
 }
 
 /// `out = src · scale`, narrowed to `T`, `LANES` at a time; past the cache when `streaming`
@@ -204,7 +204,7 @@ fn exp_sum_as<T: FloatElement, const STORE: bool, const NATIVE: bool>(
             out[at..at + EXP_LANES].copy_from_slice(&e);
         }
     }
-    let mut sum: f32 = acc.iter().sum();
+    let mut sum = math::sum_lanes(acc);
     let mut rest = [0f32; LANES];
     let rest = &mut rest[..tail.len()];
     T::widen(tail, rest);

@@ -36,7 +36,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
                             acc[j] += d[j] * y[j];
                         }
                     });
-                    let dot: f32 = acc.iter().sum();
+                    let dot = math::sum_lanes(acc);
                     dense_map([dyr, yr], [out], streaming, |[d, y]| [y * (d - dot)]);
                 }
                 Kind::LogSoftmax => {
@@ -45,7 +45,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
                             acc[j] += d[j];
                         }
                     });
-                    let dot: f32 = acc.iter().sum();
+                    let dot = math::sum_lanes(acc);
                     dense_map([dyr, yr], [out], streaming, |[d, y]| [d - math::exp_for::<T>(y) * dot]);
                 }
             }
