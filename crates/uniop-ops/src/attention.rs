@@ -323,9 +323,9 @@ pub(crate) fn f32_rows<T: FloatElement>(
     (scratch.as_ptr(), width)
 }
 
-/// `s[rows, :n] = scale · a[rows, :w] · b[:n, :w]ᵀ` (unscaled for `None`) with the AVX512-BF16
-/// GEMM: `a` a dense bf16 tile, `b`'s rows read in place (row stride `bs`), f32 sums; `s` has
-/// rows of `TILE_KEYS`.
+/// `s[rows, :n] = a[rows, :w] · b[:n, :w]ᵀ` with the AVX512-BF16 GEMM: `a` a dense bf16 tile,
+/// `b`'s rows read in place (row stride `bs`), f32 sums; `s` has rows of `TILE_KEYS`. Unscaled:
+/// the softmax that reads the scores applies the scale.
 ///
 /// # Safety
 /// `b` must be valid for `n` rows of `w` elements at stride `bs`.
@@ -336,7 +336,6 @@ pub(crate) unsafe fn bf16_scores(
     rows: usize,
     (b, bs): (*const bf16, usize),
     n: usize,
-    scale: Option<f32>,
 ) {
     gemm_rows_packed(
         0..rows,
@@ -347,11 +346,6 @@ pub(crate) unsafe fn bf16_scores(
         Mat { ptr: b, rs: 1, cs: bs as isize },
         false,
     );
-    if let Some(scale) = scale {
-        for r in 0..rows {
-            s[r * TILE_KEYS..r * TILE_KEYS + n].iter_mut().for_each(|x| *x *= scale);
-        }
-    }
 }
 
 /// Rounds the first `n` entries of each of `rows` rows (stride `TILE_KEYS`) to bf16, for a
@@ -535,7 +529,7 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
                 // SAFETY: K's rows j0..j0+n of this head lie inside the checked view.
                 unsafe {
                     let kp = kb.as_ptr().add(kr.at(b, hkv, j0));
-                    bf16_scores(st, bf16_tile(qt), d, rows, (kp, kr.seq_stride()), n, None)
+                    bf16_scores(st, bf16_tile(qt), d, rows, (kp, kr.seq_stride()), n)
                 };
             } else {
                 let kp = f32_rows::<T>(k, kr, (b, hkv, j0), n, d, kt);

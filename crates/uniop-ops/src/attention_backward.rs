@@ -159,18 +159,17 @@ pub(crate) fn row_index(g: &Geometry, b: usize, h: usize, i: usize) -> usize {
 }
 
 crate::simd_kernel! {
-/// `s ← exp(s − lse)` on the first `visible` entries, 0 after (masked keys).
-fn probs_row(s: &mut [f32], visible: usize, lse: f32) {
-    let (live, masked) = s.split_at_mut(visible.min(s.len()));
-    masked.fill(0.0);
-    live.iter_mut().for_each(|v| *v = math::exp(*v - lse));
-}
-}
-
-crate::simd_kernel! {
-/// `dp ← p ∘ (dp − δ)`: the score gradient of one row.
-fn dscores_row(p: &[f32], dp: &mut [f32], delta: f32) {
-    for (d, &p) in dp.iter_mut().zip(p) {
+/// One row of the score tiles: `s ← P = exp(scale·s − lse)` and `dp ← P ∘ (dp − δ)` (the score
+/// gradient) on the first `visible` entries, both 0 after (masked keys). Scores come unscaled
+/// from the bf16 GEMM (`scale` applied here) or from a pre-scaled Q (`scale` 1); the exp is
+/// [`math::exp_for`] `T`, as the forward's.
+fn probs_and_dscores_row<T: FloatElement>(s: &mut [f32], dp: &mut [f32], visible: usize, scale: f32, lse: f32, delta: f32) {
+    let live = visible.min(s.len());
+    s[live..].fill(0.0);
+    dp[live..].fill(0.0);
+    for (v, d) in s[..live].iter_mut().zip(&mut dp[..live]) {
+        let p = math::exp_for::<T>(v.mul_add(scale, -lse));
+        *v = p;
         *d = p * (*d - delta);
     }
 }
@@ -297,6 +296,8 @@ fn dkv_kernel<T: FloatElement>(
     let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
     let tr = TILE_ROWS.min(g.q_len.max(1));
     let [qt, dot, st, dpt, dk_acc, dv_acc, kt, vt] = carve(ws, dkv_tiles(&g, bf16_gemm));
+    // The f32 path loads Q scaled; the bf16 GEMM's scores are scaled as P is computed.
+    let score_scale = if bf16_gemm { g.scale } else { 1.0 };
     let k_tiles = g.kv_len.div_ceil(TILE_KEYS);
     let fused = dq_sums.is_some();
     let (units, tiles_per_unit) =
@@ -344,8 +345,8 @@ fn dkv_kernel<T: FloatElement>(
                                 bf16_of(k).as_ptr().add(kr.at(b, hkv, j0)),
                                 bf16_of(v).as_ptr().add(vr.at(b, hkv, j0)),
                             );
-                            bf16_scores(st, qb, d, rows, (kb, kr.seq_stride()), n, Some(g.scale));
-                            bf16_scores(dpt, db, dv, rows, (vb, vr.seq_stride()), n, None);
+                            bf16_scores(st, qb, d, rows, (kb, kr.seq_stride()), n);
+                            bf16_scores(dpt, db, dv, rows, (vb, vr.seq_stride()), n);
                         }
                     } else {
                         for r in 0..rows {
@@ -362,8 +363,7 @@ fn dkv_kernel<T: FloatElement>(
                         let at = row_index(&g, b, h, i0 + r);
                         let visible = g.visible(len, i0 + r).saturating_sub(j0);
                         let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
-                        probs_row(s, visible, lse_s[at]);
-                        dscores_row(s, dp, delta[at]);
+                        probs_and_dscores_row::<T>(s, dp, visible, score_scale, lse_s[at], delta[at]);
                     }
                     // dV += Pᵀ·dout, dK += dSᵀ·Q (scaled at the end), and when fused dQ += dS·K.
                     let dq_rows = fused.then(|| dq_acc[dq_row(h, i0)..].as_mut_ptr());
@@ -398,8 +398,8 @@ fn dkv_kernel<T: FloatElement>(
                     }
                 }
             }
-            // The f32 path folded the scale into Q already.
-            let dk_scale = if bf16_gemm { g.scale } else { 1.0 };
+            // dK = scale · dSᵀ·Q: the f32 path's Q carried the scale already.
+            let dk_scale = score_scale;
             for j in 0..n {
                 // SAFETY: this unit owns keys j0..j0+n of (b, hkv) in dk and dv.
                 unsafe {
@@ -432,6 +432,8 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
     let delta = unsafe { &*(args.workspace::<f32>(0, n_rows) as *const [f32]) };
     let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
     let [qt, dot, st, dpt, dq_acc, kt, vt] = carve(ws, dq_tiles(&g, bf16_gemm));
+    // As in `dkv_kernel`.
+    let score_scale = if bf16_gemm { g.scale } else { 1.0 };
     for u in ctx.split(g.units()) {
         let t = g.query_tile(g.unit(u), lens.as_ref(), "attention_backward");
         let (b, hkv, rows) = (t.b, t.hkv, t.rows());
@@ -450,16 +452,8 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
                 let (kb, vb) = (bf16_of(k).as_ptr(), bf16_of(v).as_ptr());
                 // SAFETY: K/V rows j0..j0+n of this head lie inside the checked views.
                 unsafe {
-                    bf16_scores(
-                        st,
-                        bf16_tile(qt),
-                        d,
-                        rows,
-                        (kb.add(kr.at(b, hkv, j0)), kr.seq_stride()),
-                        n,
-                        Some(g.scale),
-                    );
-                    bf16_scores(dpt, bf16_tile(dot), dv, rows, (vb.add(vr.at(b, hkv, j0)), vr.seq_stride()), n, None);
+                    bf16_scores(st, bf16_tile(qt), d, rows, (kb.add(kr.at(b, hkv, j0)), kr.seq_stride()), n);
+                    bf16_scores(dpt, bf16_tile(dot), dv, rows, (vb.add(vr.at(b, hkv, j0)), vr.seq_stride()), n);
                 }
                 (std::ptr::null(), 0)
             } else {
@@ -477,8 +471,7 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
                 let at = row_index(&g, b, h, i);
                 let visible = g.visible(t.len, i).saturating_sub(j0);
                 let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
-                probs_row(s, visible, lse_s[at]);
-                dscores_row(s, dp, delta[at]);
+                probs_and_dscores_row::<T>(s, dp, visible, score_scale, lse_s[at], delta[at]);
             }
             // dQ += dS·K (the scale is applied once at the end).
             if bf16_gemm {
