@@ -219,65 +219,150 @@ pub(crate) unsafe fn gemm_rows_packed<E: Packed, O: GemmOut>(
     if crate::skinny::applies(&rows, lhs, rhs) {
         return crate::skinny::skinny(rows, n, k, dst, lhs, rhs, accumulate, simd);
     }
-    // K slices of KC elements (the last may be shorter); k == 0 still gets one (empty) slice so
-    // the output is written. Every slice but the last has KC_WORDS words, which locates packed B
-    // slices.
-    let kc_max = KC_WORDS * E::PER_WORD;
-    let n_slices = k.div_ceil(kc_max).max(1);
-    let slice = |si: usize| (si * kc_max, kc_max.min(k - si * kc_max));
     SCRATCH.with_borrow_mut(|s| {
-        grow(&mut s.a, MC * KC_WORDS);
-        grow(&mut s.b, NC * k.div_ceil(E::PER_WORD));
-        if n_slices > 1 {
-            grow(&mut s.c, MC * NC);
-        }
+        let Scratch { a, b, c } = s;
+        grow(b, column_block_words::<E>(k, NC));
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
-            let slice_words = nc.next_multiple_of(NR) * KC_WORDS;
             // All of B's slices for these columns, packed once and reused by every row block.
-            for si in 0..n_slices {
-                let (pc, kc) = slice(si);
-                pack::<E, NR>(&mut s.b[si * slice_words..], rhs, pc, kc, jc, nc);
-            }
-            for ic in (rows.start..rows.end).step_by(MC) {
-                let mc = MC.min(rows.end - ic);
-                for si in 0..n_slices {
-                    let (pc, kc) = slice(si);
-                    pack::<E, MR>(&mut s.a, Mat { ptr: lhs.ptr, rs: lhs.cs, cs: lhs.rs }, pc, kc, ic, mc);
-                    let words = kc.div_ceil(E::PER_WORD);
-                    for jr in (0..nc).step_by(NR) {
-                        let b_panel = s.b.as_ptr().add(si * slice_words + jr * words);
-                        for ir in (0..mc).step_by(MR) {
-                            let a_panel = s.a.as_ptr().add(ir * words);
-                            let c_tile = s.c.as_mut_ptr().wrapping_add(ir * NC + jr);
-                            let sink = if si + 1 == n_slices {
-                                Sink::Output { rows: MR.min(mc - ir), cols: NR.min(nc - jr), accumulate }
-                            } else {
-                                Sink::Scratch
-                            };
-                            let carried = (si > 0).then_some(c_tile as *const f32);
-                            let out = Dst {
-                                ptr: dst.ptr.offset((ic + ir) as isize * dst.rs + (jc + jr) as isize * dst.cs),
-                                ..dst
-                            };
-                            if simd == Simd::Avx512 {
-                                E::micro_avx512(words, a_panel, b_panel, carried, sink, c_tile, out);
-                            } else {
-                                let mut tile = [[0f32; NR]; MR];
-                                if simd == Simd::Avx2 {
-                                    debug_assert_eq!(E::PER_WORD, 2, "only bf16 has an AVX2 packed kernel");
-                                    micro_avx2(words, a_panel, b_panel, carried, &mut tile);
-                                } else {
-                                    micro_portable::<E>(words, a_panel, b_panel, carried, &mut tile);
-                                }
-                                finish(&tile, sink, c_tile, out);
-                            }
+            pack_columns::<E>(b, rhs, k, jc, nc);
+            multiply(rows.clone(), (jc, nc), k, dst, lhs, b, accumulate, simd, (a, c));
+        }
+    });
+}
+
+/// K slices of `KC_WORDS` words (the last may be shorter) for a depth of `k` elements: their
+/// count and each one's `(first element, elements)`. k == 0 still gets one (empty) slice so the
+/// output is written.
+fn slices<E: Packed>(k: usize) -> (usize, impl Fn(usize) -> (usize, usize)) {
+    let kc_max = KC_WORDS * E::PER_WORD;
+    (k.div_ceil(kc_max).max(1), move |si: usize| (si * kc_max, kc_max.min(k - si * kc_max)))
+}
+
+/// Words one column block of `nc` columns of a `k`-deep B takes packed: whole panels, each
+/// slice's words a column (every slice but the last has `KC_WORDS`, which locates the slices).
+fn column_block_words<E: Packed>(k: usize, nc: usize) -> usize {
+    nc.next_multiple_of(NR) * k.div_ceil(E::PER_WORD)
+}
+
+/// Packs columns `jc..jc + nc` of `rhs` (`k` deep), every slice, into `out`.
+unsafe fn pack_columns<E: Packed>(out: &mut [u32], rhs: Mat<E>, k: usize, jc: usize, nc: usize) {
+    let (n_slices, slice) = slices::<E>(k);
+    let slice_words = nc.next_multiple_of(NR) * KC_WORDS;
+    for si in 0..n_slices {
+        let (pc, kc) = slice(si);
+        pack::<E, NR>(&mut out[si * slice_words..], rhs, pc, kc, jc, nc);
+    }
+}
+
+/// A B operand packed once for several products with different A rows (attention's K and V
+/// tiles, which every query tile of their head multiplies): the panels [`gemm_rows_packed`]
+/// would pack on each call. The buffer is reused across packs.
+#[derive(Default)]
+pub(crate) struct PackedRhs {
+    words: Vec<u32>,
+    n: usize,
+    k: usize,
+}
+
+impl PackedRhs {
+    /// Packs `rhs` (`k × n`).
+    ///
+    /// # Safety
+    /// `rhs` must be valid for `k × n` elements at its strides.
+    pub unsafe fn pack<E: Packed>(&mut self, rhs: Mat<E>, n: usize, k: usize) {
+        let blocks = (0..n).step_by(NC).map(|jc| (jc, NC.min(n - jc)));
+        grow(&mut self.words, blocks.clone().map(|(_, nc)| column_block_words::<E>(k, nc)).sum());
+        let mut at = 0;
+        for (jc, nc) in blocks {
+            pack_columns::<E>(&mut self.words[at..], rhs, k, jc, nc);
+            at += column_block_words::<E>(k, nc);
+        }
+        (self.n, self.k) = (n, k);
+    }
+}
+
+/// [`gemm_rows_packed`] with a B packed beforehand: `dst[rows] = lhs[rows] · rhs`.
+///
+/// # Safety
+/// As [`gemm_rows_packed`]; `rhs` packed from elements of type `E`.
+pub(crate) unsafe fn gemm_rows_prepacked<E: Packed, O: GemmOut>(
+    rows: std::ops::Range<usize>,
+    dst: Dst<O>,
+    lhs: Mat<E>,
+    rhs: &PackedRhs,
+    accumulate: bool,
+) {
+    if rows.is_empty() || rhs.n == 0 {
+        return;
+    }
+    let simd = simd_level::<E>();
+    SCRATCH.with_borrow_mut(|s| {
+        let Scratch { a, c, .. } = s;
+        let mut at = 0;
+        for jc in (0..rhs.n).step_by(NC) {
+            let nc = NC.min(rhs.n - jc);
+            multiply(rows.clone(), (jc, nc), rhs.k, dst, lhs, &rhs.words[at..], accumulate, simd, (a, c));
+            at += column_block_words::<E>(rhs.k, nc);
+        }
+    });
+}
+
+/// Rows `rows` of `dst`'s columns `jc..jc + nc` from `lhs` and those columns of B packed in `b`
+/// (by [`pack_columns`]): packs A a row block at a time into `a`, carries deep tiles in `c`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn multiply<E: Packed, O: GemmOut>(
+    rows: std::ops::Range<usize>,
+    (jc, nc): (usize, usize),
+    k: usize,
+    dst: Dst<O>,
+    lhs: Mat<E>,
+    b: &[u32],
+    accumulate: bool,
+    simd: Simd,
+    (a, c): (&mut Vec<u32>, &mut Vec<f32>),
+) {
+    let (n_slices, slice) = slices::<E>(k);
+    grow(a, MC * KC_WORDS);
+    if n_slices > 1 {
+        grow(c, MC * NC);
+    }
+    let slice_words = nc.next_multiple_of(NR) * KC_WORDS;
+    for ic in (rows.start..rows.end).step_by(MC) {
+        let mc = MC.min(rows.end - ic);
+        for si in 0..n_slices {
+            let (pc, kc) = slice(si);
+            pack::<E, MR>(a, Mat { ptr: lhs.ptr, rs: lhs.cs, cs: lhs.rs }, pc, kc, ic, mc);
+            let words = kc.div_ceil(E::PER_WORD);
+            for jr in (0..nc).step_by(NR) {
+                let b_panel = b.as_ptr().add(si * slice_words + jr * words);
+                for ir in (0..mc).step_by(MR) {
+                    let a_panel = a.as_ptr().add(ir * words);
+                    let c_tile = c.as_mut_ptr().wrapping_add(ir * NC + jr);
+                    let sink = if si + 1 == n_slices {
+                        Sink::Output { rows: MR.min(mc - ir), cols: NR.min(nc - jr), accumulate }
+                    } else {
+                        Sink::Scratch
+                    };
+                    let carried = (si > 0).then_some(c_tile as *const f32);
+                    let out =
+                        Dst { ptr: dst.ptr.offset((ic + ir) as isize * dst.rs + (jc + jr) as isize * dst.cs), ..dst };
+                    if simd == Simd::Avx512 {
+                        E::micro_avx512(words, a_panel, b_panel, carried, sink, c_tile, out);
+                    } else {
+                        let mut tile = [[0f32; NR]; MR];
+                        if simd == Simd::Avx2 {
+                            debug_assert_eq!(E::PER_WORD, 2, "only bf16 has an AVX2 packed kernel");
+                            micro_avx2(words, a_panel, b_panel, carried, &mut tile);
+                        } else {
+                            micro_portable::<E>(words, a_panel, b_panel, carried, &mut tile);
                         }
+                        finish(&tile, sink, c_tile, out);
                     }
                 }
             }
         }
-    });
+    }
 }
 
 /// Element `(r, c)` of a strided matrix as a word's low bits, or 0 outside `rows × cols` (padding).
@@ -630,10 +715,14 @@ mod tests {
             let mut out = start.clone();
             let dst = Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 };
             let (lhs, rhs) = (Mat { ptr: a.as_ptr(), rs: ars, cs: acs }, Mat { ptr: b.as_ptr(), rs: brs, cs: bcs });
-            // Two calls over row bands, as two SPMD blocks would make them.
-            for band in [0..m / 3, m / 3..m] {
-                FORCED.with(|f| f.set(Some(simd)));
-                unsafe { gemm_rows_packed(band, n, k, dst, lhs, rhs, accumulate) };
+            // Two calls over row bands, as two SPMD blocks would make them: the first packs B
+            // itself, the second takes it packed beforehand (as attention's reused K/V tiles).
+            FORCED.with(|f| f.set(Some(simd)));
+            let mut packed = PackedRhs::default();
+            unsafe {
+                gemm_rows_packed(0..m / 3, n, k, dst, lhs, rhs, accumulate);
+                packed.pack(rhs, n, k);
+                gemm_rows_prepacked(m / 3..m, dst, lhs, &packed, accumulate);
             }
             for i in 0..m {
                 for j in 0..n {

@@ -45,6 +45,20 @@ fn attention_spans_many_tiles_and_matches_reference() {
     run_checked("attention", &[Some(qb.view()), Some(kb.view()), Some(vb.view()), None], &causal(true));
 }
 
+/// One head of 2048 queries and keys in bf16: 16 query tiles, two to a forward block (8 blocks on
+/// two threads), so a block's second tile multiplies the whole K and V tiles its first one packed;
+/// causal (the last tile a query tile sees is partial, packed per product) and not.
+#[test]
+fn bf16_attention_reusing_packed_kv_tiles_matches_reference() {
+    setup();
+    let shape = [1, 1, 2048, 32];
+    let n = 2048 * 32;
+    let (q, k, v) = (bf16(&rand_vec(n, 21), &shape), bf16(&rand_vec(n, 22), &shape), bf16(&rand_vec(n, 23), &shape));
+    for c in [true, false] {
+        run_checked("attention", &[Some(q.view()), Some(k.view()), Some(v.view()), None], &causal(c));
+    }
+}
+
 /// A GQA group of 3 (its query tiles are rounded down to 32 positions, so tiles and their causal
 /// key counts end at multiples of 16, except the last), rows whose visible keys end mid-step, a
 /// negative scale, in f32 and bf16, causal and not. Scores reach about ±200 so that the scaled
