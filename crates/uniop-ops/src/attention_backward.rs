@@ -26,7 +26,7 @@ use crate::attention::{
 };
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
-use crate::packed_gemm::gemm_rows_packed;
+use crate::packed_gemm::{gemm_rows_packed, gemm_rows_prepacked, PackedRhs};
 use crate::skinny::{Dots, Simd};
 use uniop::half::bf16;
 use uniop::{
@@ -273,6 +273,16 @@ fn fuses_dq(g: &Geometry, threads: usize) -> bool {
     g.batch * g.kv_heads >= 2 * threads
 }
 
+/// The bf16 GEMM's operands taken from the current key tile, packed once for every query tile
+/// that multiplies them (not once per product): `Kᵀ` for the scores, `Vᵀ` for `dout·Vᵀ`, `K` for
+/// `dQ += dS·K`.
+#[derive(Default)]
+struct KeyPanels {
+    k_t: PackedRhs,
+    v_t: PackedRhs,
+    k: PackedRhs,
+}
+
 /// Step 2: `dK`, `dV` for one key tile of one kv head per unit; with `dq_sums` (the offset of an
 /// f32 `[B, Hq, Sq, D]` workspace region), all key tiles of one kv head per unit, and `dQ` of its
 /// q heads too.
@@ -299,6 +309,7 @@ fn dkv_kernel<T: FloatElement>(
     // The f32 path loads Q scaled; the bf16 GEMM's scores are scaled as P is computed.
     let score_scale = if bf16_gemm { g.scale } else { 1.0 };
     let k_tiles = g.kv_len.div_ceil(TILE_KEYS);
+    let mut key_panels = KeyPanels::default();
     let fused = dq_sums.is_some();
     let (units, tiles_per_unit) =
         if fused { (g.batch * g.kv_heads, k_tiles) } else { (g.batch * g.kv_heads * k_tiles, 1) };
@@ -325,6 +336,17 @@ fn dkv_kernel<T: FloatElement>(
             } else {
                 (f32_rows::<T>(k, kr, (b, hkv, j0), n, d, kt), f32_rows::<T>(v, vr, (b, hkv, j0), n, dv, vt))
             };
+            if bf16_gemm {
+                // SAFETY: K/V rows j0..j0+n of this head lie inside the checked views.
+                unsafe {
+                    let (kb, vb) =
+                        (bf16_of(k).as_ptr().add(kr.at(b, hkv, j0)), bf16_of(v).as_ptr().add(vr.at(b, hkv, j0)));
+                    let (ks, vs) = (kr.seq_stride() as isize, vr.seq_stride() as isize);
+                    key_panels.k_t.pack(Mat { ptr: kb, rs: 1, cs: ks }, n, d);
+                    key_panels.v_t.pack(Mat { ptr: vb, rs: 1, cs: vs }, n, dv);
+                    key_panels.k.pack(Mat { ptr: kb, rs: ks, cs: 1 }, d, n);
+                }
+            }
             for h in hkv * group..(hkv + 1) * group {
                 // Query tiles whose last row sees key j0 at all (the mask is a prefix per row).
                 for i0 in (0..g.q_len).step_by(tr) {
@@ -339,14 +361,12 @@ fn dkv_kernel<T: FloatElement>(
                             qb[r * d..(r + 1) * d].copy_from_slice(&qs[qr.at(b, h, i0 + r)..][..d]);
                             db[r * dv..(r + 1) * dv].copy_from_slice(&ds[dr.at(b, h, i0 + r)..][..dv]);
                         }
-                        // SAFETY: K/V rows j0..j0+n of this head lie inside the checked views.
+                        // SAFETY: scratch tiles of this block.
                         unsafe {
-                            let (kb, vb) = (
-                                bf16_of(k).as_ptr().add(kr.at(b, hkv, j0)),
-                                bf16_of(v).as_ptr().add(vr.at(b, hkv, j0)),
-                            );
-                            bf16_scores(st, qb, d, rows, (kb, kr.seq_stride()), n);
-                            bf16_scores(dpt, db, dv, rows, (vb, vr.seq_stride()), n);
+                            let sums = |t: &mut [f32]| Dst { ptr: t.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 };
+                            let rows_of = |t: &[bf16], w: usize| Mat { ptr: t.as_ptr(), rs: w as isize, cs: 1 };
+                            gemm_rows_prepacked(0..rows, sums(st), rows_of(qb, d), &key_panels.k_t, false);
+                            gemm_rows_prepacked(0..rows, sums(dpt), rows_of(db, dv), &key_panels.v_t, false);
                         }
                     } else {
                         for r in 0..rows {
@@ -371,25 +391,23 @@ fn dkv_kernel<T: FloatElement>(
                         let (pb, dsb) = (bf16_tile(kt), bf16_tile(vt));
                         narrow_tile(st, pb, rows, n);
                         narrow_tile(dpt, dsb, rows, n);
-                        let k_rows = (bf16_of(k)[kr.at(b, hkv, j0)..].as_ptr(), kr.seq_stride());
                         let tiles = Tiles {
                             p: pb.as_ptr(),
                             ds: dsb.as_ptr(),
                             dout: bf16_tile(dot).as_ptr(),
                             q: bf16_tile(qt).as_ptr(),
-                            k: k_rows,
+                            k: (std::ptr::null(), 0), // dQ runs on the packed K below
                         };
-                        // SAFETY: scratch tiles of this block; K rows j0..j0+n inside the checked view.
+                        // SAFETY: scratch tiles of this block; `dq_rows` are this unit's dQ sums.
                         unsafe {
-                            tile_products(
-                                gemm_rows_packed::<bf16, f32>,
-                                tiles,
-                                (rows, n, d, dv),
-                                dv_acc,
-                                dk_acc,
-                                dq_rows,
-                            )
-                        };
+                            let products = (rows, n, d, dv);
+                            tile_products(gemm_rows_packed::<bf16, f32>, tiles, products, dv_acc, dk_acc, None);
+                            if let Some(dq) = dq_rows {
+                                let ds = Mat { ptr: dsb.as_ptr(), rs: TILE_KEYS as isize, cs: 1 };
+                                let sums = Dst { ptr: dq, rs: d as isize, cs: 1 };
+                                gemm_rows_prepacked(0..rows, sums, ds, &key_panels.k, true);
+                            }
+                        }
                     } else {
                         let tiles =
                             Tiles { p: st.as_ptr(), ds: dpt.as_ptr(), dout: dot.as_ptr(), q: qt.as_ptr(), k: kp };
