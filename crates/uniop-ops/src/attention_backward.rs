@@ -275,12 +275,17 @@ fn fuses_dq(g: &Geometry, threads: usize) -> bool {
 
 /// The bf16 GEMM's operands taken from the current key tile, packed once for every query tile
 /// that multiplies them (not once per product): `Kᵀ` for the scores, `Vᵀ` for `dout·Vᵀ`, `K` for
-/// `dQ += dS·K`.
+/// `dQ += dS·K`. Kept per thread, like the forward's panels, so that a launch allocates nothing
+/// once the buffers have grown; every pack overwrites what an earlier block left.
 #[derive(Default)]
 struct KeyPanels {
     k_t: PackedRhs,
     v_t: PackedRhs,
     k: PackedRhs,
+}
+
+thread_local! {
+    static KEY_PANELS: std::cell::RefCell<KeyPanels> = std::cell::RefCell::default();
 }
 
 /// Step 2: `dK`, `dV` for one key tile of one kv head per unit; with `dq_sums` (the offset of an
@@ -309,7 +314,7 @@ fn dkv_kernel<T: FloatElement>(
     // The f32 path loads Q scaled; the bf16 GEMM's scores are scaled as P is computed.
     let score_scale = if bf16_gemm { g.scale } else { 1.0 };
     let k_tiles = g.kv_len.div_ceil(TILE_KEYS);
-    let mut key_panels = KeyPanels::default();
+    let mut key_panels = KEY_PANELS.take();
     let fused = dq_sums.is_some();
     let (units, tiles_per_unit) =
         if fused { (g.batch * g.kv_heads, k_tiles) } else { (g.batch * g.kv_heads * k_tiles, 1) };
@@ -436,6 +441,7 @@ fn dkv_kernel<T: FloatElement>(
             }
         }
     }
+    KEY_PANELS.set(key_panels);
 }
 
 /// Step 3: `dQ` for one (batch, kv head, query tile) per unit, all heads of the group together.
