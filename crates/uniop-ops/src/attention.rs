@@ -597,7 +597,8 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
                 // SAFETY: scratch tiles of this block.
                 unsafe {
                     let scores = Dst { ptr: st.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 };
-                    gemm_rows_prepacked(0..rows, scores, Mat { ptr: qb.as_ptr(), rs: d as isize, cs: 1 }, kp, false);
+                    let qb = Mat { ptr: qb.as_ptr(), rs: d as isize, cs: 1 };
+                    gemm_rows_prepacked(0..rows, (TILE_KEYS, d), scores, qb, kp, false);
                 }
             } else if on_bf16_gemm {
                 let kb = kb.expect("dtype dispatched");
@@ -626,7 +627,14 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
                 let p = Mat { ptr: bf16_tile(kt).as_ptr(), rs: TILE_KEYS as isize, cs: 1 };
                 // SAFETY: scratch tiles of this block.
                 unsafe {
-                    gemm_rows_prepacked(0..rows, Dst { ptr: ot.as_mut_ptr(), rs: dv as isize, cs: 1 }, p, vp, true)
+                    gemm_rows_prepacked(
+                        0..rows,
+                        (dv, TILE_KEYS),
+                        Dst { ptr: ot.as_mut_ptr(), rs: dv as isize, cs: 1 },
+                        p,
+                        vp,
+                        true,
+                    )
                 };
                 continue;
             }

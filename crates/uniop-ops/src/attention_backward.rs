@@ -333,30 +333,36 @@ fn dkv_kernel<T: FloatElement>(
         let len = row_len(lens.as_ref(), b, g.kv_len, "attention_backward");
         for tile in first_tile..first_tile + tiles_per_unit {
             let j0 = tile * TILE_KEYS;
-            let n = TILE_KEYS.min(g.kv_len - j0);
-            dk_acc[..n * d].fill(0.0);
-            dv_acc[..n * dv].fill(0.0);
-            let (kp, vp) = if bf16_gemm {
+            let keys = TILE_KEYS.min(g.kv_len - j0);
+            dk_acc[..keys * d].fill(0.0);
+            dv_acc[..keys * dv].fill(0.0);
+            // Keys of this tile that some query sees (the last query sees the most), and per query
+            // tile below the keys its last row sees: the products stop there, so causal tiles on
+            // the diagonal do not multiply the masked half, and keys past `kv_lens` (perhaps never
+            // written, in a preallocated cache) are never read into dQ.
+            let seen = keys.min(g.visible(len, g.q_len.saturating_sub(1)).saturating_sub(j0));
+            let (kp, vp) = if bf16_gemm || seen == 0 {
                 ((std::ptr::null(), 0), (std::ptr::null(), 0))
             } else {
-                (f32_rows::<T>(k, kr, (b, hkv, j0), n, d, kt), f32_rows::<T>(v, vr, (b, hkv, j0), n, dv, vt))
+                (f32_rows::<T>(k, kr, (b, hkv, j0), seen, d, kt), f32_rows::<T>(v, vr, (b, hkv, j0), seen, dv, vt))
             };
-            if bf16_gemm {
-                // SAFETY: K/V rows j0..j0+n of this head lie inside the checked views.
+            if bf16_gemm && seen > 0 {
+                // SAFETY: K/V rows j0..j0+seen of this head lie inside the checked views.
                 unsafe {
                     let (kb, vb) =
                         (bf16_of(k).as_ptr().add(kr.at(b, hkv, j0)), bf16_of(v).as_ptr().add(vr.at(b, hkv, j0)));
                     let (ks, vs) = (kr.seq_stride() as isize, vr.seq_stride() as isize);
-                    key_panels.k_t.pack(Mat { ptr: kb, rs: 1, cs: ks }, n, d);
-                    key_panels.v_t.pack(Mat { ptr: vb, rs: 1, cs: vs }, n, dv);
-                    key_panels.k.pack(Mat { ptr: kb, rs: ks, cs: 1 }, d, n);
+                    key_panels.k_t.pack(Mat { ptr: kb, rs: 1, cs: ks }, seen, d);
+                    key_panels.v_t.pack(Mat { ptr: vb, rs: 1, cs: vs }, seen, dv);
+                    key_panels.k.pack(Mat { ptr: kb, rs: ks, cs: 1 }, d, seen);
                 }
             }
             for h in hkv * group..(hkv + 1) * group {
-                // Query tiles whose last row sees key j0 at all (the mask is a prefix per row).
                 for i0 in (0..g.q_len).step_by(tr) {
                     let rows = tr.min(g.q_len - i0);
-                    if g.visible(len, i0 + rows - 1) <= j0 {
+                    // The mask is a prefix per row: the tile's last row sees the most keys.
+                    let n = seen.min(g.visible(len, i0 + rows - 1).saturating_sub(j0));
+                    if n == 0 {
                         continue;
                     }
                     if bf16_gemm {
@@ -370,8 +376,8 @@ fn dkv_kernel<T: FloatElement>(
                         unsafe {
                             let sums = |t: &mut [f32]| Dst { ptr: t.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 };
                             let rows_of = |t: &[bf16], w: usize| Mat { ptr: t.as_ptr(), rs: w as isize, cs: 1 };
-                            gemm_rows_prepacked(0..rows, sums(st), rows_of(qb, d), &key_panels.k_t, false);
-                            gemm_rows_prepacked(0..rows, sums(dpt), rows_of(db, dv), &key_panels.v_t, false);
+                            gemm_rows_prepacked(0..rows, (n, d), sums(st), rows_of(qb, d), &key_panels.k_t, false);
+                            gemm_rows_prepacked(0..rows, (n, dv), sums(dpt), rows_of(db, dv), &key_panels.v_t, false);
                         }
                     } else {
                         for r in 0..rows {
@@ -410,7 +416,7 @@ fn dkv_kernel<T: FloatElement>(
                             if let Some(dq) = dq_rows {
                                 let ds = Mat { ptr: dsb.as_ptr(), rs: TILE_KEYS as isize, cs: 1 };
                                 let sums = Dst { ptr: dq, rs: d as isize, cs: 1 };
-                                gemm_rows_prepacked(0..rows, sums, ds, &key_panels.k, true);
+                                gemm_rows_prepacked(0..rows, (d, n), sums, ds, &key_panels.k, true);
                             }
                         }
                     } else {
@@ -423,8 +429,8 @@ fn dkv_kernel<T: FloatElement>(
             }
             // dK = scale · dSᵀ·Q: the f32 path's Q carried the scale already.
             let dk_scale = score_scale;
-            for j in 0..n {
-                // SAFETY: this unit owns keys j0..j0+n of (b, hkv) in dk and dv.
+            for j in 0..keys {
+                // SAFETY: this unit owns keys j0..j0+keys of (b, hkv) in dk and dv.
                 unsafe {
                     store_row::<T>(dk, dkr.at(b, hkv, j0 + j), &mut dk_acc[j * d..(j + 1) * d], dk_scale);
                     store_row::<T>(dv_out, dvr.at(b, hkv, j0 + j), &mut dv_acc[j * dv..(j + 1) * dv], 1.0);
@@ -676,6 +682,79 @@ mod tests {
 
     fn view<'a, T: Element>(x: &'a [T], shape: &[usize]) -> Option<TensorRef<'a>> {
         Some(TensorRef::new(x, shape).unwrap())
+    }
+
+    /// A preallocated KV cache holds NaN (never-written slots) past each row's `kv_lens`: the
+    /// gradients (and the forward) must not read them — dS is 0 there, but 0 · NaN is NaN, so
+    /// dQ's product has to stop at the row's length. Odd lengths, inside the first key tile and in
+    /// the second; causal and not; the split launches (one batch row's pairs) and the fused one;
+    /// f32, and bf16 on and off the bf16 GEMM.
+    #[test]
+    fn backward_never_reads_keys_past_kv_lens() {
+        let threads = uniop::runtime::Pool::global().threads();
+        for (batch, lens) in
+            [(1, vec![201i32]), (2 * threads, (0..2 * threads as i32).map(|b| 287 - 86 * (b % 2)).collect())]
+        {
+            let (q_shape, kv_shape) = ([batch, 4, 40, 16], [batch, 2, 300, 16]);
+            let cache = |seed| {
+                let mut x: Vec<f64> = bf16_random(&kv_shape, seed).iter().map(|v| v.to_f64()).collect();
+                for (i, v) in x.iter_mut().enumerate() {
+                    let (b, j) = (i / (2 * 300 * 16), i / 16 % 300);
+                    if j >= lens[b] as usize {
+                        *v = f64::NAN;
+                    }
+                }
+                x
+            };
+            let (k64, v64) = (cache(2), cache(3));
+            let (q64, dout64): (Vec<f64>, Vec<f64>) = (
+                bf16_random(&q_shape, 1).iter().map(|v| v.to_f64()).collect(),
+                bf16_random(&q_shape, 4).iter().map(|v| v.to_f64()).collect(),
+            );
+            for causal in [true, false] {
+                let attrs = [("causal", AttrValue::Bool(causal))];
+                backward_case::<f32>(&attrs, [&q64, &k64, &v64, &dout64], (q_shape, kv_shape), &lens, None);
+                for bf16_gemm in [true, false] {
+                    backward_case::<bf16>(
+                        &attrs,
+                        [&q64, &k64, &v64, &dout64],
+                        (q_shape, kv_shape),
+                        &lens,
+                        Some(bf16_gemm),
+                    );
+                }
+            }
+        }
+    }
+
+    /// Runs the forward and then the backward on `T` copies of the f64 inputs, checked against
+    /// the f64 references.
+    fn backward_case<T: Element>(
+        attrs: &[(&str, AttrValue)],
+        [q, k, v, dout]: [&[f64]; 4],
+        (q_shape, kv_shape): ([usize; 4], [usize; 4]),
+        lens: &[i32],
+        bf16_gemm: Option<bool>,
+    ) {
+        let narrow = |x: &[f64]| x.iter().map(|&v| T::from_f64(v)).collect::<Vec<T>>();
+        let (q, k, v, dout) = (narrow(q), narrow(k), narrow(v), narrow(dout));
+        let force = || BF16_GEMM_FORCED.with(|f| f.set(bf16_gemm));
+        let lens_view = view(lens, &[lens.len()]);
+        let forward_inputs = [view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), lens_view.clone()];
+        let fwd = run_checked_forcing("attention", &forward_inputs, attrs, force);
+        let out = narrow(&fwd[0]);
+        let lse: Vec<f32> = fwd[1].iter().map(|&x| x as f32).collect();
+        let inputs = [
+            view(&dout, &q_shape),
+            view(&q, &q_shape),
+            view(&k, &kv_shape),
+            view(&v, &kv_shape),
+            view(&out, &q_shape),
+            view(&lse, &q_shape[..3]),
+            lens_view,
+        ];
+        let grads = run_checked_forcing("attention_backward", &inputs, attrs, force);
+        assert!(grads.iter().flatten().all(|g| g.is_finite()), "{:?} gradients read a NaN past kv_lens", T::DTYPE);
     }
 
     /// bf16 gradients on the bf16 GEMM and widened to f32, against the f64 reference: two key

@@ -226,7 +226,7 @@ pub(crate) unsafe fn gemm_rows_packed<E: Packed, O: GemmOut>(
             let nc = NC.min(n - jc);
             // All of B's slices for these columns, packed once and reused by every row block.
             pack_columns::<E>(b, rhs, k, jc, nc);
-            multiply(rows.clone(), (jc, nc), k, dst, lhs, b, accumulate, simd, (a, c));
+            multiply(rows.clone(), (jc, nc), k, dst, lhs, (b, PackedBlock { nc, k }), accumulate, simd, (a, c));
         }
     });
 }
@@ -282,34 +282,47 @@ impl PackedRhs {
     }
 }
 
-/// [`gemm_rows_packed`] with a B packed beforehand: `dst[rows] = lhs[rows] · rhs`.
+/// [`gemm_rows_packed`] with a B packed beforehand: `dst[rows] = lhs[rows] · B[..k, ..n]`, the
+/// leading `k × n` of `rhs` — all of it, or less: a causal attention tile whose queries see only
+/// the first keys of a key tile multiplies only those (`n` score columns, or `k` deep for dQ).
 ///
 /// # Safety
 /// As [`gemm_rows_packed`]; `rhs` packed from elements of type `E`.
 pub(crate) unsafe fn gemm_rows_prepacked<E: Packed, O: GemmOut>(
     rows: std::ops::Range<usize>,
+    (n, k): (usize, usize),
     dst: Dst<O>,
     lhs: Mat<E>,
     rhs: &PackedRhs,
     accumulate: bool,
 ) {
-    if rows.is_empty() || rhs.n == 0 {
+    assert!(n <= rhs.n && k <= rhs.k, "{k} x {n} is not inside the packed {} x {}", rhs.k, rhs.n);
+    if rows.is_empty() || n == 0 {
         return;
     }
     let simd = simd_level::<E>();
     SCRATCH.with_borrow_mut(|s| {
         let Scratch { a, c, .. } = s;
         let mut at = 0;
-        for jc in (0..rhs.n).step_by(NC) {
-            let nc = NC.min(rhs.n - jc);
-            multiply(rows.clone(), (jc, nc), rhs.k, dst, lhs, &rhs.words[at..], accumulate, simd, (a, c));
-            at += column_block_words::<E>(rhs.k, nc);
+        for jc in (0..n).step_by(NC) {
+            let block = PackedBlock { nc: NC.min(rhs.n - jc), k: rhs.k };
+            let b = (&rhs.words[at..], block);
+            multiply(rows.clone(), (jc, NC.min(n - jc)), k, dst, lhs, b, accumulate, simd, (a, c));
+            at += column_block_words::<E>(rhs.k, block.nc);
         }
     });
 }
 
-/// Rows `rows` of `dst`'s columns `jc..jc + nc` from `lhs` and those columns of B packed in `b`
-/// (by [`pack_columns`]): packs A a row block at a time into `a`, carries deep tiles in `c`.
+/// How one column block of B lies packed (by [`pack_columns`]): its width and depth, which a
+/// product may walk only the leading part of.
+#[derive(Clone, Copy)]
+struct PackedBlock {
+    nc: usize,
+    k: usize,
+}
+
+/// Rows `rows` of `dst`'s columns `jc..jc + nc` from `lhs`, `k` deep, and B's block packed in
+/// `b`: packs A a row block at a time into `a`, carries deep tiles in `c`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn multiply<E: Packed, O: GemmOut>(
     rows: std::ops::Range<usize>,
@@ -317,25 +330,28 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
     k: usize,
     dst: Dst<O>,
     lhs: Mat<E>,
-    b: &[u32],
+    (b, packed): (&[u32], PackedBlock),
     accumulate: bool,
     simd: Simd,
     (a, c): (&mut Vec<u32>, &mut Vec<f32>),
 ) {
     let (n_slices, slice) = slices::<E>(k);
+    let (_, packed_slice) = slices::<E>(packed.k);
     grow(a, MC * KC_WORDS);
     if n_slices > 1 {
         grow(c, MC * NC);
     }
-    let slice_words = nc.next_multiple_of(NR) * KC_WORDS;
+    let slice_words = packed.nc.next_multiple_of(NR) * KC_WORDS;
     for ic in (rows.start..rows.end).step_by(MC) {
         let mc = MC.min(rows.end - ic);
         for si in 0..n_slices {
             let (pc, kc) = slice(si);
             pack::<E, MR>(a, Mat { ptr: lhs.ptr, rs: lhs.cs, cs: lhs.rs }, pc, kc, ic, mc);
+            // The walk's words, and B's panel stride (more when only B's leading part is walked).
             let words = kc.div_ceil(E::PER_WORD);
+            let b_words = packed_slice(si).1.div_ceil(E::PER_WORD);
             for jr in (0..nc).step_by(NR) {
-                let b_panel = b.as_ptr().add(si * slice_words + jr * words);
+                let b_panel = b.as_ptr().add(si * slice_words + jr * b_words);
                 for ir in (0..mc).step_by(MR) {
                     let a_panel = a.as_ptr().add(ir * words);
                     let c_tile = c.as_mut_ptr().wrapping_add(ir * NC + jr);
@@ -722,7 +738,7 @@ mod tests {
             unsafe {
                 gemm_rows_packed(0..m / 3, n, k, dst, lhs, rhs, accumulate);
                 packed.pack(rhs, n, k);
-                gemm_rows_prepacked(m / 3..m, dst, lhs, &packed, accumulate);
+                gemm_rows_prepacked(m / 3..m, (n, k), dst, lhs, &packed, accumulate);
             }
             for i in 0..m {
                 for j in 0..n {
@@ -775,6 +791,51 @@ mod tests {
         for (m, k, n, accumulate) in [(4, 1000, 40, false), (16, 1000, 64, false), (20, 300, 72, true)] {
             bf16_output_case(m, k, n, accumulate);
         }
+    }
+
+    #[test]
+    fn prepacked_products_walk_a_leading_part_of_b() {
+        // (m, walked k × n, packed k × n): one slice and block with an odd walked depth, whose
+        // last pair's other half is a real element of B that A's zero padding must cancel; two
+        // slices and three column blocks packed, a part of each walked; one slice walked of three.
+        for (m, walked, packed) in [(19, (7, 45), (9, 64)), (40, (601, 530), (700, 1100)), (17, (300, 33), (1100, 40))]
+        {
+            for b_col_major in [false, true] {
+                leading_case::<bf16>(m, walked, packed, b_col_major);
+                leading_case::<f32>(m, walked, packed, b_col_major);
+            }
+        }
+    }
+
+    fn leading_case<E: Packed>(m: usize, (k, n): (usize, usize), (pk, pn): (usize, usize), b_col_major: bool) {
+        let (a, b) = (values::<E>(m * k, 5), values::<E>(pk * pn, 6));
+        let (brs, bcs) = if b_col_major { (1, pk as isize) } else { (pn as isize, 1) };
+        let b_at = |p: usize, j: usize| b[(p as isize * brs + j as isize * bcs) as usize].to_f64();
+        let mut out = vec![0f32; m * n];
+        for simd in Simd::up_to(E::level()).filter(|&s| s != Simd::Avx2 || E::PER_WORD == 2) {
+            FORCED.with(|f| f.set(Some(simd)));
+            let mut packed = PackedRhs::default();
+            unsafe {
+                packed.pack(Mat { ptr: b.as_ptr(), rs: brs, cs: bcs }, pn, pk);
+                let (dst, lhs) = (
+                    Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 },
+                    Mat { ptr: a.as_ptr(), rs: k as isize, cs: 1 },
+                );
+                gemm_rows_prepacked(0..m, (n, k), dst, lhs, &packed, false);
+            }
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k).map(|p| a[i * k + p].to_f64() * b_at(p, j)).sum();
+                    let got = out[i * n + j] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-5 * (k as f64).sqrt() * (1.0 + want.abs()),
+                        "{:?} {simd:?} {k}x{n} of {pk}x{pn} at ({i}, {j}): got {got}, want {want}",
+                        E::DTYPE
+                    );
+                }
+            }
+        }
+        FORCED.with(|f| f.set(None));
     }
 
     fn bf16_output_case(m: usize, k: usize, n: usize, accumulate: bool) {
