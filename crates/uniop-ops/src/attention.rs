@@ -472,8 +472,10 @@ thread_local! {
 /// `P·V`, packed for the bf16 GEMM the first time a query tile of that head needs them: the head's
 /// other query tiles multiply the same tiles, and the forward's blocks take their units head by
 /// head. Packing K is a transpose; packing per product took about a sixth of the bf16 forward's
-/// time at 1x32x2048x128. A partial tile (the last a causal query tile sees, the sequence's end)
-/// differs between query tiles and is packed per product as before.
+/// time at 1x32x2048x128. A causal query tile's last tile, of which it sees only the first keys,
+/// multiplies the leading part of the packed tile; a tile reaching past the row's keys (the
+/// sequence's end, or `kv_lens`) is packed per product as before, so that nothing past the row's
+/// last key is read (a never-written cache slot may hold NaN).
 #[derive(Default)]
 struct KvPanels {
     head: Option<(usize, usize)>,
@@ -576,9 +578,9 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
         let kv_end = t.kv_end(&g);
         for j0 in (0..kv_end).step_by(TILE_KEYS) {
             let n = TILE_KEYS.min(kv_end - j0);
-            // Whole tiles come packed from `panels` (not for decode-sized tiles, which the GEMM
-            // runs as dot products without packing).
-            let reused = on_bf16_gemm && n == TILE_KEYS && rows > SKINNY_ROWS;
+            // Tiles inside the row's keys come packed from `panels` (not for decode-sized tiles,
+            // which the GEMM runs as dot products without packing).
+            let reused = on_bf16_gemm && j0 + TILE_KEYS <= t.len && rows > SKINNY_ROWS;
             let (kb, vb) = (k.storage::<bf16>().ok(), v.storage::<bf16>().ok());
             let tile_panels = reused.then(|| {
                 let (kb, vb) = (kb.expect("dtype dispatched"), vb.expect("dtype dispatched"));
@@ -598,7 +600,7 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
                 unsafe {
                     let scores = Dst { ptr: st.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 };
                     let qb = Mat { ptr: qb.as_ptr(), rs: d as isize, cs: 1 };
-                    gemm_rows_prepacked(0..rows, (TILE_KEYS, d), scores, qb, kp, false);
+                    gemm_rows_prepacked(0..rows, (n, d), scores, qb, kp, false);
                 }
             } else if on_bf16_gemm {
                 let kb = kb.expect("dtype dispatched");
@@ -629,7 +631,7 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
                 unsafe {
                     gemm_rows_prepacked(
                         0..rows,
-                        (dv, TILE_KEYS),
+                        (dv, n),
                         Dst { ptr: ot.as_mut_ptr(), rs: dv as isize, cs: 1 },
                         p,
                         vp,
