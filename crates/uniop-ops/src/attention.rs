@@ -353,15 +353,6 @@ pub(crate) unsafe fn bf16_scores(
     );
 }
 
-/// Rounds the first `n` entries of each of `rows` rows (stride `TILE_KEYS`) to bf16, for a
-/// bf16 GEMM on probabilities or score gradients (as torch's flash attention does for bf16).
-pub(crate) fn narrow_tile(src: &[f32], dst: &mut [bf16], rows: usize, n: usize) {
-    for r in 0..rows {
-        let at = r * TILE_KEYS;
-        <bf16 as FloatElement>::narrow(&src[at..at + n], &mut dst[at..at + n]);
-    }
-}
-
 /// An f32 scratch tile's space seen as twice as many bf16 elements.
 #[inline(always)]
 pub(crate) fn bf16_tile(tile: &mut [f32]) -> &mut [bf16] {

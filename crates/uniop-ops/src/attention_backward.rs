@@ -21,8 +21,8 @@
 //! are there).
 
 use crate::attention::{
-    bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, narrow_tile, row_len, scores, Geometry, Rows4,
-    DTYPES, TILE_KEYS, TILE_ROWS,
+    bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, row_len, scores, Geometry, Rows4, DTYPES,
+    TILE_KEYS, TILE_ROWS,
 };
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
@@ -210,12 +210,13 @@ pub(crate) unsafe fn store_row<T: FloatElement>(dst: &OutputView<'_>, at: usize,
 }
 
 /// Operands of one (query tile, key tile) of the dK/dV launch: `p` and `ds` are `[rows][TILE_KEYS]`
-/// tiles, `dout` and `q` `[rows][dv]` and `[rows][d]`, `k` the key rows (pointer, row stride).
+/// tiles, `dout` and `q` the tile's `rows × dv` and `rows × d` (scratch copies, or the inputs'
+/// rows in place), `k` the key rows (pointer, row stride).
 struct Tiles<E> {
     p: *const E,
     ds: *const E,
-    dout: *const E,
-    q: *const E,
+    dout: Mat<E>,
+    q: Mat<E>,
     k: (*const E, usize),
 }
 
@@ -239,8 +240,8 @@ unsafe fn tile_products<E>(
         let transposed = |ptr| Mat { ptr, rs: 1, cs: keys };
         let rows_of = |ptr, width: usize| Mat { ptr, rs: width as isize, cs: 1 };
         let sums = |ptr, width: usize| Dst { ptr, rs: width as isize, cs: 1 };
-        gemm(0..n, dv, rows, sums(dv_acc.as_mut_ptr(), dv), transposed(t.p), rows_of(t.dout, dv), true);
-        gemm(0..n, d, rows, sums(dk_acc.as_mut_ptr(), d), transposed(t.ds), rows_of(t.q, d), true);
+        gemm(0..n, dv, rows, sums(dv_acc.as_mut_ptr(), dv), transposed(t.p), t.dout, true);
+        gemm(0..n, d, rows, sums(dk_acc.as_mut_ptr(), d), transposed(t.ds), t.q, true);
         if let Some(dq) = dq {
             gemm(0..rows, d, n, sums(dq, d), Mat { ptr: t.ds, rs: keys, cs: 1 }, rows_of(t.k.0, t.k.1), true);
         }
@@ -365,19 +366,21 @@ fn dkv_kernel<T: FloatElement>(
                     if n == 0 {
                         continue;
                     }
-                    if bf16_gemm {
-                        let (qb, db) = (bf16_tile(qt), bf16_tile(dot));
-                        let (qs, ds) = (bf16_of(q), bf16_of(dout));
-                        for r in 0..rows {
-                            qb[r * d..(r + 1) * d].copy_from_slice(&qs[qr.at(b, h, i0 + r)..][..d]);
-                            db[r * dv..(r + 1) * dv].copy_from_slice(&ds[dr.at(b, h, i0 + r)..][..dv]);
-                        }
-                        // SAFETY: scratch tiles of this block.
+                    // The bf16 GEMM reads the tile's Q and dout rows in place (one head's rows:
+                    // one stride).
+                    let in_place = |t: &TensorRef<'_>, rows: Rows4| Mat {
+                        // SAFETY: rows i0..i0+rows of head h lie inside the checked view.
+                        ptr: unsafe { bf16_of(t).as_ptr().add(rows.at(b, h, i0)) },
+                        rs: rows.seq_stride() as isize,
+                        cs: 1,
+                    };
+                    let bf16_rows = bf16_gemm.then(|| (in_place(q, qr), in_place(dout, dr)));
+                    if let Some((q_rows, dout_rows)) = bf16_rows {
+                        // SAFETY: scratch tiles of this block; the packed panels cover n keys.
                         unsafe {
                             let sums = |t: &mut [f32]| Dst { ptr: t.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 };
-                            let rows_of = |t: &[bf16], w: usize| Mat { ptr: t.as_ptr(), rs: w as isize, cs: 1 };
-                            gemm_rows_prepacked(0..rows, (n, d), sums(st), rows_of(qb, d), &key_panels.k_t, false);
-                            gemm_rows_prepacked(0..rows, (n, dv), sums(dpt), rows_of(db, dv), &key_panels.v_t, false);
+                            gemm_rows_prepacked(0..rows, (n, d), sums(st), q_rows, &key_panels.k_t, false);
+                            gemm_rows_prepacked(0..rows, (n, dv), sums(dpt), dout_rows, &key_panels.v_t, false);
                         }
                     } else {
                         for r in 0..rows {
@@ -395,18 +398,21 @@ fn dkv_kernel<T: FloatElement>(
                         let visible = g.visible(len, i0 + r).saturating_sub(j0);
                         let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
                         probs_and_dscores_row::<T>(s, dp, visible, score_scale, lse_s[at], delta[at]);
+                        if bf16_gemm {
+                            // Rounded to bf16 while the row is in L1.
+                            <bf16 as FloatElement>::narrow(s, &mut bf16_tile(kt)[r * TILE_KEYS..][..n]);
+                            <bf16 as FloatElement>::narrow(dp, &mut bf16_tile(vt)[r * TILE_KEYS..][..n]);
+                        }
                     }
                     // dV += Pᵀ·dout, dK += dSᵀ·Q (scaled at the end), and when fused dQ += dS·K.
                     let dq_rows = fused.then(|| dq_acc[dq_row(h, i0)..].as_mut_ptr());
-                    if bf16_gemm {
+                    if let Some((q_rows, dout_rows)) = bf16_rows {
                         let (pb, dsb) = (bf16_tile(kt), bf16_tile(vt));
-                        narrow_tile(st, pb, rows, n);
-                        narrow_tile(dpt, dsb, rows, n);
                         let tiles = Tiles {
                             p: pb.as_ptr(),
                             ds: dsb.as_ptr(),
-                            dout: bf16_tile(dot).as_ptr(),
-                            q: bf16_tile(qt).as_ptr(),
+                            dout: dout_rows,
+                            q: q_rows,
                             k: (std::ptr::null(), 0), // dQ runs on the packed K below
                         };
                         // SAFETY: scratch tiles of this block; `dq_rows` are this unit's dQ sums.
@@ -420,8 +426,9 @@ fn dkv_kernel<T: FloatElement>(
                             }
                         }
                     } else {
-                        let tiles =
-                            Tiles { p: st.as_ptr(), ds: dpt.as_ptr(), dout: dot.as_ptr(), q: qt.as_ptr(), k: kp };
+                        let rows_of = |t: &[f32], width: usize| Mat { ptr: t.as_ptr(), rs: width as isize, cs: 1 };
+                        let (dout, q) = (rows_of(dot, dv), rows_of(qt, d));
+                        let tiles = Tiles { p: st.as_ptr(), ds: dpt.as_ptr(), dout, q, k: kp };
                         // SAFETY: as above (kp covers n rows).
                         unsafe { tile_products(gemm_rows::<f32>, tiles, (rows, n, d, dv), dv_acc, dk_acc, dq_rows) };
                     }
@@ -502,11 +509,13 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
                 let visible = g.visible(t.len, i).saturating_sub(j0);
                 let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
                 probs_and_dscores_row::<T>(s, dp, visible, score_scale, lse_s[at], delta[at]);
+                if bf16_gemm {
+                    <bf16 as FloatElement>::narrow(dp, &mut bf16_tile(kt)[r * TILE_KEYS..][..n]);
+                }
             }
             // dQ += dS·K (the scale is applied once at the end).
             if bf16_gemm {
                 let dsb = bf16_tile(kt);
-                narrow_tile(dpt, dsb, rows, n);
                 let kb = bf16_of(k).as_ptr();
                 // SAFETY: as above.
                 unsafe {
@@ -675,9 +684,10 @@ mod tests {
     use uniop::verify::Rng;
     use uniop::{AttrValue, Element, TensorRef};
 
-    fn bf16_random(shape: &[usize], seed: u64) -> Vec<bf16> {
+    /// Values a bf16 holds exactly, as f64 (so every dtype's copy of them is the same input).
+    fn bf16_values(shape: &[usize], seed: u64) -> Vec<f64> {
         let mut rng = Rng::new(seed);
-        (0..shape.iter().product()).map(|_| bf16::from_f64(2.0 * rng.uniform())).collect()
+        (0..shape.iter().product()).map(|_| bf16::from_f64(2.0 * rng.uniform()).to_f64()).collect()
     }
 
     fn view<'a, T: Element>(x: &'a [T], shape: &[usize]) -> Option<TensorRef<'a>> {
@@ -697,7 +707,7 @@ mod tests {
         {
             let (q_shape, kv_shape) = ([batch, 4, 40, 16], [batch, 2, 300, 16]);
             let cache = |seed| {
-                let mut x: Vec<f64> = bf16_random(&kv_shape, seed).iter().map(|v| v.to_f64()).collect();
+                let mut x = bf16_values(&kv_shape, seed);
                 for (i, v) in x.iter_mut().enumerate() {
                     let (b, j) = (i / (2 * 300 * 16), i / 16 % 300);
                     if j >= lens[b] as usize {
@@ -706,40 +716,47 @@ mod tests {
                 }
                 x
             };
-            let (k64, v64) = (cache(2), cache(3));
-            let (q64, dout64): (Vec<f64>, Vec<f64>) = (
-                bf16_random(&q_shape, 1).iter().map(|v| v.to_f64()).collect(),
-                bf16_random(&q_shape, 4).iter().map(|v| v.to_f64()).collect(),
-            );
+            let (q, k, v, dout) = (bf16_values(&q_shape, 1), cache(2), cache(3), bf16_values(&q_shape, 4));
             for causal in [true, false] {
                 let attrs = [("causal", AttrValue::Bool(causal))];
-                backward_case::<f32>(&attrs, [&q64, &k64, &v64, &dout64], (q_shape, kv_shape), &lens, None);
+                let case = ([&q[..], &k, &v, &dout], (q_shape, kv_shape), Some(&lens[..]));
+                backward_case::<f32>(&attrs, case, None);
                 for bf16_gemm in [true, false] {
-                    backward_case::<bf16>(
-                        &attrs,
-                        [&q64, &k64, &v64, &dout64],
-                        (q_shape, kv_shape),
-                        &lens,
-                        Some(bf16_gemm),
-                    );
+                    backward_case::<bf16>(&attrs, case, Some(bf16_gemm));
                 }
             }
         }
     }
 
-    /// Runs the forward and then the backward on `T` copies of the f64 inputs, checked against
-    /// the f64 references.
-    fn backward_case<T: Element>(
-        attrs: &[(&str, AttrValue)],
-        [q, k, v, dout]: [&[f64]; 4],
-        (q_shape, kv_shape): ([usize; 4], [usize; 4]),
-        lens: &[i32],
-        bf16_gemm: Option<bool>,
-    ) {
+    /// bf16 gradients on the bf16 GEMM and widened to f32, against the f64 reference: two key
+    /// tiles with the dK/dV and dQ launches split (one (batch, kv head) pair), and the fused
+    /// launch (more pairs than twice the threads); causal GQA.
+    #[test]
+    fn bf16_backward_on_and_off_the_bf16_gemm() {
+        let causal = [("causal", AttrValue::Bool(true))];
+        let threads = uniop::runtime::Pool::global().threads();
+        for (batch, s) in [(1, 300), (2 * threads, 40)] {
+            let (q_shape, kv_shape) = ([batch, 4, s, 16], [batch, 2, s, 16]);
+            let (q, k, v) = (bf16_values(&q_shape, 1), bf16_values(&kv_shape, 2), bf16_values(&kv_shape, 3));
+            let dout = bf16_values(&q_shape, 4);
+            for bf16_gemm in [true, false] {
+                backward_case::<bf16>(&causal, ([&q, &k, &v, &dout], (q_shape, kv_shape), None), Some(bf16_gemm));
+            }
+        }
+    }
+
+    /// Inputs of one case: q, k, v, dout (f64 values), the q and kv shapes, `kv_lens`.
+    type Case<'a> = ([&'a [f64]; 4], ([usize; 4], [usize; 4]), Option<&'a [i32]>);
+
+    /// Runs the forward and then the backward on `T` copies of the inputs (the backward with the
+    /// bf16 GEMM forced on or off), both checked against their f64 references; every gradient
+    /// must be finite.
+    fn backward_case<T: Element>(attrs: &[(&str, AttrValue)], case: Case<'_>, bf16_gemm: Option<bool>) {
+        let ([q, k, v, dout], (q_shape, kv_shape), lens) = case;
         let narrow = |x: &[f64]| x.iter().map(|&v| T::from_f64(v)).collect::<Vec<T>>();
         let (q, k, v, dout) = (narrow(q), narrow(k), narrow(v), narrow(dout));
         let force = || BF16_GEMM_FORCED.with(|f| f.set(bf16_gemm));
-        let lens_view = view(lens, &[lens.len()]);
+        let lens_view = lens.and_then(|l| view(l, &[l.len()]));
         let forward_inputs = [view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), lens_view.clone()];
         let fwd = run_checked_forcing("attention", &forward_inputs, attrs, force);
         let out = narrow(&fwd[0]);
@@ -754,38 +771,6 @@ mod tests {
             lens_view,
         ];
         let grads = run_checked_forcing("attention_backward", &inputs, attrs, force);
-        assert!(grads.iter().flatten().all(|g| g.is_finite()), "{:?} gradients read a NaN past kv_lens", T::DTYPE);
-    }
-
-    /// bf16 gradients on the bf16 GEMM and widened to f32, against the f64 reference: two key
-    /// tiles with the dK/dV and dQ launches split (one (batch, kv head) pair), and the fused
-    /// launch (more pairs than twice the threads); causal GQA.
-    #[test]
-    fn bf16_backward_on_and_off_the_bf16_gemm() {
-        let causal = [("causal", AttrValue::Bool(true))];
-        let threads = uniop::runtime::Pool::global().threads();
-        for (batch, s) in [(1, 300), (2 * threads, 40)] {
-            let (q_shape, kv_shape) = ([batch, 4, s, 16], [batch, 2, s, 16]);
-            let (q, k, v) = (bf16_random(&q_shape, 1), bf16_random(&kv_shape, 2), bf16_random(&kv_shape, 3));
-            let dout = bf16_random(&q_shape, 4);
-            let forward_inputs = [view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), None];
-            let fwd = run_checked_forcing("attention", &forward_inputs, &causal, || {});
-            let out: Vec<bf16> = fwd[0].iter().map(|&x| bf16::from_f64(x)).collect();
-            let lse: Vec<f32> = fwd[1].iter().map(|&x| x as f32).collect();
-            let inputs = [
-                view(&dout, &q_shape),
-                view(&q, &q_shape),
-                view(&k, &kv_shape),
-                view(&v, &kv_shape),
-                view(&out, &q_shape),
-                view(&lse, &q_shape[..3]),
-                None,
-            ];
-            for bf16_gemm in [true, false] {
-                run_checked_forcing("attention_backward", &inputs, &causal, || {
-                    BF16_GEMM_FORCED.with(|f| f.set(Some(bf16_gemm)))
-                });
-            }
-        }
+        assert!(grads.iter().flatten().all(|g| g.is_finite()), "{:?}: a gradient is not finite", T::DTYPE);
     }
 }

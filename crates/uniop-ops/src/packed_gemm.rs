@@ -740,20 +740,33 @@ mod tests {
                 packed.pack(rhs, n, k);
                 gemm_rows_prepacked(m / 3..m, (n, k), dst, lhs, &packed, accumulate);
             }
-            for i in 0..m {
-                for j in 0..n {
-                    let want: f64 = (0..k).map(|p| get(&a, ars, acs, i, p) * get(&b, brs, bcs, p, j)).sum::<f64>()
-                        + if accumulate { start[i * n + j] as f64 } else { 0.0 };
-                    let got = out[i * n + j] as f64;
-                    assert!(
-                        (got - want).abs() <= 1e-5 * (k as f64).sqrt() * (1.0 + want.abs()),
-                        "{:?} {simd:?} {m}x{k}x{n} at ({i}, {j}): got {got}, want {want}",
-                        E::DTYPE
-                    );
-                }
-            }
+            let start_at = |at: usize| if accumulate { start[at] as f64 } else { 0.0 };
+            let what = format!("{:?} {simd:?} {m}x{k}x{n}", E::DTYPE);
+            let (a_at, b_at) = (|i, p| get(&a, ars, acs, i, p), |p, j| get(&b, brs, bcs, p, j));
+            assert_product(&out, (m, k, n), (a_at, b_at), start_at, &what);
         }
         FORCED.with(|f| f.set(None));
+    }
+
+    /// Asserts that row-major `out` (`m × n`) holds `start(i·n + j) + Σ_p a(i, p)·b(p, j)` over
+    /// `k`, within an f32 sum's error.
+    fn assert_product(
+        out: &[f32],
+        (m, k, n): (usize, usize, usize),
+        (a, b): (impl Fn(usize, usize) -> f64, impl Fn(usize, usize) -> f64),
+        start: impl Fn(usize) -> f64,
+        what: &str,
+    ) {
+        for i in 0..m {
+            for j in 0..n {
+                let want: f64 = (0..k).map(|p| a(i, p) * b(p, j)).sum::<f64>() + start(i * n + j);
+                let got = out[i * n + j] as f64;
+                assert!(
+                    (got - want).abs() <= 1e-5 * (k as f64).sqrt() * (1.0 + want.abs()),
+                    "{what} at ({i}, {j}): got {got}, want {want}"
+                );
+            }
+        }
     }
 
     #[test]
@@ -823,17 +836,8 @@ mod tests {
                 );
                 gemm_rows_prepacked(0..m, (n, k), dst, lhs, &packed, false);
             }
-            for i in 0..m {
-                for j in 0..n {
-                    let want: f64 = (0..k).map(|p| a[i * k + p].to_f64() * b_at(p, j)).sum();
-                    let got = out[i * n + j] as f64;
-                    assert!(
-                        (got - want).abs() <= 1e-5 * (k as f64).sqrt() * (1.0 + want.abs()),
-                        "{:?} {simd:?} {k}x{n} of {pk}x{pn} at ({i}, {j}): got {got}, want {want}",
-                        E::DTYPE
-                    );
-                }
-            }
+            let what = format!("{:?} {simd:?} {k}x{n} of {pk}x{pn}", E::DTYPE);
+            assert_product(&out, (m, k, n), (|i, p| a[i * k + p].to_f64(), b_at), |_| 0.0, &what);
         }
         FORCED.with(|f| f.set(None));
     }
