@@ -21,8 +21,8 @@
 //! are there).
 
 use crate::attention::{
-    bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, row_len, scores, Geometry, Rows4, DTYPES,
-    TILE_KEYS, TILE_ROWS,
+    bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, row_len, scores, Geometry, Rows4,
+    DIAGONAL_PIECE_ROWS, DTYPES, TILE_KEYS, TILE_ROWS,
 };
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
@@ -289,13 +289,11 @@ thread_local! {
     static KEY_PANELS: std::cell::RefCell<KeyPanels> = std::cell::RefCell::default();
 }
 
-/// The query rows that multiply the key tile starting at `j0`, as `(first row, rows)` pieces: tiles
-/// of `tr` rows, except that a tile whose rows see this key tile's keys in very different counts
-/// (the causal diagonal) goes in pieces of `diagonal_rows`. Each piece's products run to the keys
-/// its *last* row sees, so the pieces skip most of the diagonal block's masked half (bf16 at
-/// 1x32x2048x128: halves ran 3.9% faster than whole tiles, quarters 1.4% faster again). Only the
-/// bf16 GEMM, whose key panels are packed once per key tile, splits (`DIAGONAL_PIECE_ROWS`): the
-/// f32 products pack K per call and ran 14% slower in quarters.
+/// The query rows of one head that multiply the key tile starting at `j0`, as `(first row, rows)`
+/// pieces: tiles of `tr` rows, except that a tile whose rows see this key tile's keys in very
+/// different counts (the causal diagonal) goes in pieces of `diagonal_rows`, each multiplying
+/// only the keys its last row sees (as the forward's [`QueryTile::pieces`](crate::attention::QueryTile::pieces)).
+/// bf16 at 1x32x2048x128: halves ran 3.9% faster than whole tiles, quarters 1.4% faster again.
 fn query_pieces(
     g: &Geometry,
     len: usize,
@@ -310,10 +308,6 @@ fn query_pieces(
         (i0..i0 + rows).step_by(step).map(move |i| (i, step.min(i0 + rows - i)))
     })
 }
-
-/// Rows of a diagonal tile's pieces: as few as keep the `dV`/`dK` products (this many rows deep)
-/// on the micro-kernel's fast path, which a piece of 32 rows still is (16 bf16 pairs).
-const DIAGONAL_PIECE_ROWS: usize = 32;
 
 /// Step 2: `dK`, `dV` for one key tile of one kv head per unit; with `dq_sums` (the offset of an
 /// f32 `[B, Hq, Sq, D]` workspace region), all key tiles of one kv head per unit, and `dQ` of its

@@ -47,7 +47,8 @@ fn attention_spans_many_tiles_and_matches_reference() {
 
 /// One head of 2048 queries and keys in bf16: 16 query tiles, two to a forward block (8 blocks on
 /// two threads), so a block's second tile multiplies the whole K and V tiles its first one packed;
-/// causal (the last tile a query tile sees is partial, packed per product) and not.
+/// causal (the last tile a query tile sees is partial: the leading part of its packed tile, in
+/// diagonal pieces) and not.
 #[test]
 fn bf16_attention_reusing_packed_kv_tiles_matches_reference() {
     setup();
