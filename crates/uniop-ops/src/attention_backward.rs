@@ -26,7 +26,7 @@ use crate::attention::{
 };
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
-use crate::packed_gemm::{gemm_rows_packed, gemm_rows_prepacked, PackedRhs};
+use crate::packed_gemm::{gemm_rows_packed, gemm_rows_prepacked, Packed, PackedRhs};
 use crate::skinny::{Dots, Simd};
 use uniop::half::bf16;
 use uniop::{
@@ -285,8 +285,93 @@ struct KeyPanels {
     k: PackedRhs,
 }
 
+impl KeyPanels {
+    /// Packs the panels of `keys` keys from K and V rows (pointer, row stride), `d` and `dv` wide.
+    ///
+    /// # Safety
+    /// Both must be valid for `keys` rows at their strides.
+    unsafe fn pack<E: Packed>(
+        &mut self,
+        k: (*const E, usize),
+        v: (*const E, usize),
+        (keys, d, dv): (usize, usize, usize),
+    ) {
+        let ((kb, ks), (vb, vs)) = ((k.0, k.1 as isize), (v.0, v.1 as isize));
+        self.k_t.pack(Mat { ptr: kb, rs: 1, cs: ks }, keys, d);
+        self.v_t.pack(Mat { ptr: vb, rs: 1, cs: vs }, keys, dv);
+        self.k.pack(Mat { ptr: kb, rs: ks, cs: 1 }, d, keys);
+    }
+}
+
 thread_local! {
     static KEY_PANELS: std::cell::RefCell<KeyPanels> = std::cell::RefCell::default();
+}
+
+/// How the dK/dV launch multiplies its tiles.
+#[derive(Clone, Copy, PartialEq)]
+enum Products {
+    /// bf16 operands on the AVX512-BF16 GEMM, the key tile's panels packed once ([`KeyPanels`]).
+    Bf16Panels,
+    /// f32 operands (f32, or f16/bf16 widened) on the packed f32 GEMM of AVX-512 CPUs, likewise
+    /// with the key tile's panels packed once: the `gemm` crate packs both operands per call.
+    F32Panels,
+    /// f32 operands through [`gemm_rows`] (CPUs without AVX-512).
+    Rows,
+}
+
+impl Products {
+    fn of(bf16_gemm: bool) -> Products {
+        #[cfg(test)]
+        if F32_PANELS_OFF.with(|f| f.get()) && !bf16_gemm {
+            return Products::Rows;
+        }
+        match bf16_gemm {
+            true => Products::Bf16Panels,
+            false if <f32 as Packed>::level() == Simd::Avx512 => Products::F32Panels,
+            false => Products::Rows,
+        }
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests run the f32 products through `gemm_rows` as CPUs without AVX-512 do.
+    pub(crate) static F32_PANELS_OFF: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// `S = Q·Kᵀ` and `dP = dout·Vᵀ` of one query piece on the key tile's panels, into the f32 score
+/// tiles (`[rows][TILE_KEYS]`).
+///
+/// # Safety
+/// `q` and `dout` valid for `rows × d` and `rows × dv`; the panels hold at least `n` keys.
+unsafe fn panel_scores<E: Packed>(
+    q: Mat<E>,
+    dout: Mat<E>,
+    panels: &KeyPanels,
+    (rows, n, d, dv): (usize, usize, usize, usize),
+    (st, dpt): (&mut [f32], &mut [f32]),
+) {
+    let sums = |t: &mut [f32]| Dst { ptr: t.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 };
+    gemm_rows_prepacked(0..rows, (n, d), sums(st), q, &panels.k_t, false);
+    gemm_rows_prepacked(0..rows, (n, dv), sums(dpt), dout, &panels.v_t, false);
+}
+
+/// [`tile_products`] on the packed GEMM, `dQ += dS·K` on the key tile's packed K.
+///
+/// # Safety
+/// As [`tile_products`]; the panels hold at least `n` keys.
+unsafe fn panel_products<E: Packed>(
+    t: Tiles<E>,
+    panels: &KeyPanels,
+    (rows, n, d, dv): (usize, usize, usize, usize),
+    (dv_acc, dk_acc): (&mut [f32], &mut [f32]),
+    dq: Option<*mut f32>,
+) {
+    let ds = Mat { ptr: t.ds, rs: TILE_KEYS as isize, cs: 1 };
+    tile_products(gemm_rows_packed::<E, f32>, t, (rows, n, d, dv), dv_acc, dk_acc, None);
+    if let Some(dq) = dq {
+        gemm_rows_prepacked(0..rows, (d, n), Dst { ptr: dq, rs: d as isize, cs: 1 }, ds, &panels.k, true);
+    }
 }
 
 /// The query rows of one head that multiply the key tile starting at `j0`, as `(first row, rows)`
@@ -334,7 +419,8 @@ fn dkv_kernel<T: FloatElement>(
     let [qt, dot, st, dpt, dk_acc, dv_acc, kt, vt] = carve(ws, dkv_tiles(&g, bf16_gemm));
     // The f32 path loads Q scaled; the bf16 GEMM's scores are scaled as P is computed.
     let score_scale = if bf16_gemm { g.scale } else { 1.0 };
-    let diagonal_rows = if bf16_gemm { DIAGONAL_PIECE_ROWS } else { tr };
+    let products = Products::of(bf16_gemm);
+    let diagonal_rows = if products == Products::Rows { tr } else { DIAGONAL_PIECE_ROWS };
     let k_tiles = g.kv_len.div_ceil(TILE_KEYS);
     let mut key_panels = KEY_PANELS.take();
     let fused = dq_sums.is_some();
@@ -368,15 +454,19 @@ fn dkv_kernel<T: FloatElement>(
             } else {
                 (f32_rows::<T>(k, kr, (b, hkv, j0), seen, d, kt), f32_rows::<T>(v, vr, (b, hkv, j0), seen, dv, vt))
             };
-            if bf16_gemm && seen > 0 {
-                // SAFETY: K/V rows j0..j0+seen of this head lie inside the checked views.
+            if seen > 0 {
+                // SAFETY: K/V rows j0..j0+seen of this head lie inside the checked views (or, f32
+                // rows, are the widened copies `f32_rows` made).
                 unsafe {
-                    let (kb, vb) =
-                        (bf16_of(k).as_ptr().add(kr.at(b, hkv, j0)), bf16_of(v).as_ptr().add(vr.at(b, hkv, j0)));
-                    let (ks, vs) = (kr.seq_stride() as isize, vr.seq_stride() as isize);
-                    key_panels.k_t.pack(Mat { ptr: kb, rs: 1, cs: ks }, seen, d);
-                    key_panels.v_t.pack(Mat { ptr: vb, rs: 1, cs: vs }, seen, dv);
-                    key_panels.k.pack(Mat { ptr: kb, rs: ks, cs: 1 }, d, seen);
+                    match products {
+                        Products::Bf16Panels => {
+                            let (kb, vb) = (bf16_of(k).as_ptr(), bf16_of(v).as_ptr());
+                            let (kb, vb) = (kb.add(kr.at(b, hkv, j0)), vb.add(vr.at(b, hkv, j0)));
+                            key_panels.pack((kb, kr.seq_stride()), (vb, vr.seq_stride()), (seen, d, dv));
+                        }
+                        Products::F32Panels => key_panels.pack(kp, vp, (seen, d, dv)),
+                        Products::Rows => {}
+                    }
                 }
             }
             for h in hkv * group..(hkv + 1) * group {
@@ -386,8 +476,9 @@ fn dkv_kernel<T: FloatElement>(
                     if n == 0 {
                         continue;
                     }
+                    let sizes = (rows, n, d, dv);
                     // The bf16 GEMM reads the tile's Q and dout rows in place (one head's rows:
-                    // one stride).
+                    // one stride); f32 takes Q scaled (and f16 both widened) into scratch.
                     let in_place = |t: &TensorRef<'_>, rows: Rows4| Mat {
                         // SAFETY: rows i0..i0+rows of head h lie inside the checked view.
                         ptr: unsafe { bf16_of(t).as_ptr().add(rows.at(b, h, i0)) },
@@ -395,22 +486,25 @@ fn dkv_kernel<T: FloatElement>(
                         cs: 1,
                     };
                     let bf16_rows = bf16_gemm.then(|| (in_place(q, qr), in_place(dout, dr)));
-                    if let Some((q_rows, dout_rows)) = bf16_rows {
-                        // SAFETY: scratch tiles of this block; the packed panels cover n keys.
-                        unsafe {
-                            let sums = |t: &mut [f32]| Dst { ptr: t.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 };
-                            gemm_rows_prepacked(0..rows, (n, d), sums(st), q_rows, &key_panels.k_t, false);
-                            gemm_rows_prepacked(0..rows, (n, dv), sums(dpt), dout_rows, &key_panels.v_t, false);
-                        }
-                    } else {
+                    if !bf16_gemm {
                         for r in 0..rows {
                             load_scaled(qs, qr.at(b, h, i0 + r), &mut qt[r * d..(r + 1) * d], g.scale);
                             load_scaled(ds, dr.at(b, h, i0 + r), &mut dot[r * dv..(r + 1) * dv], 1.0);
                         }
-                        // SAFETY: kp/vp cover n rows; all other operands are this block's scratch.
-                        unsafe {
-                            scores(st, TILE_KEYS, qt, d, rows, kp, n);
-                            scores(dpt, TILE_KEYS, dot, dv, rows, vp, n);
+                    }
+                    let f32_rows_of = |t: &[f32], width: usize| Mat { ptr: t.as_ptr(), rs: width as isize, cs: 1 };
+                    let (q_f32, dout_f32) = (f32_rows_of(qt, d), f32_rows_of(dot, dv));
+                    // SAFETY: the panels (and kp/vp) cover n keys; all else is this block's scratch.
+                    unsafe {
+                        match (products, bf16_rows) {
+                            (Products::Bf16Panels, Some((q_rows, dout_rows))) => {
+                                panel_scores(q_rows, dout_rows, &key_panels, sizes, (st, dpt))
+                            }
+                            (Products::F32Panels, _) => panel_scores(q_f32, dout_f32, &key_panels, sizes, (st, dpt)),
+                            _ => {
+                                scores(st, TILE_KEYS, qt, d, rows, kp, n);
+                                scores(dpt, TILE_KEYS, dot, dv, rows, vp, n);
+                            }
                         }
                     }
                     for r in 0..rows {
@@ -426,31 +520,21 @@ fn dkv_kernel<T: FloatElement>(
                     }
                     // dV += Pᵀ·dout, dK += dSᵀ·Q (scaled at the end), and when fused dQ += dS·K.
                     let dq_rows = fused.then(|| dq_acc[dq_row(h, i0)..].as_mut_ptr());
-                    if let Some((q_rows, dout_rows)) = bf16_rows {
-                        let (pb, dsb) = (bf16_tile(kt), bf16_tile(vt));
-                        let tiles = Tiles {
-                            p: pb.as_ptr(),
-                            ds: dsb.as_ptr(),
-                            dout: dout_rows,
-                            q: q_rows,
-                            k: (std::ptr::null(), 0), // dQ runs on the packed K below
-                        };
-                        // SAFETY: scratch tiles of this block; `dq_rows` are this unit's dQ sums.
-                        unsafe {
-                            let products = (rows, n, d, dv);
-                            tile_products(gemm_rows_packed::<bf16, f32>, tiles, products, dv_acc, dk_acc, None);
-                            if let Some(dq) = dq_rows {
-                                let ds = Mat { ptr: dsb.as_ptr(), rs: TILE_KEYS as isize, cs: 1 };
-                                let sums = Dst { ptr: dq, rs: d as isize, cs: 1 };
-                                gemm_rows_prepacked(0..rows, (d, n), sums, ds, &key_panels.k, true);
+                    let (pb, dsb) = (bf16_tile(kt).as_ptr(), bf16_tile(vt).as_ptr());
+                    let f32_tiles = |k| Tiles { p: st.as_ptr(), ds: dpt.as_ptr(), dout: dout_f32, q: q_f32, k };
+                    // SAFETY: scratch tiles of this block; `dq_rows` are this unit's dQ sums.
+                    unsafe {
+                        match (products, bf16_rows) {
+                            (Products::Bf16Panels, Some((q, dout))) => {
+                                let tiles = Tiles { p: pb, ds: dsb, dout, q, k: (std::ptr::null(), 0) };
+                                panel_products(tiles, &key_panels, sizes, (dv_acc, dk_acc), dq_rows)
                             }
+                            (Products::F32Panels, _) => {
+                                let tiles = f32_tiles((std::ptr::null(), 0));
+                                panel_products(tiles, &key_panels, sizes, (dv_acc, dk_acc), dq_rows)
+                            }
+                            _ => tile_products(gemm_rows::<f32>, f32_tiles(kp), sizes, dv_acc, dk_acc, dq_rows),
                         }
-                    } else {
-                        let rows_of = |t: &[f32], width: usize| Mat { ptr: t.as_ptr(), rs: width as isize, cs: 1 };
-                        let (dout, q) = (rows_of(dot, dv), rows_of(qt, d));
-                        let tiles = Tiles { p: st.as_ptr(), ds: dpt.as_ptr(), dout, q, k: kp };
-                        // SAFETY: as above (kp covers n rows).
-                        unsafe { tile_products(gemm_rows::<f32>, tiles, (rows, n, d, dv), dv_acc, dk_acc, dq_rows) };
                     }
                 }
             }
@@ -698,7 +782,7 @@ impl Op for AttentionBackward {
 
 #[cfg(test)]
 mod tests {
-    use super::BF16_GEMM_FORCED;
+    use super::{BF16_GEMM_FORCED, F32_PANELS_OFF};
     use crate::attention::run_checked_forcing;
     use uniop::half::bf16;
     use uniop::verify::Rng;
@@ -718,7 +802,8 @@ mod tests {
     /// gradients (and the forward) must not read them — dS is 0 there, but 0 · NaN is NaN, so
     /// dQ's product has to stop at the row's length. Odd lengths, inside the first key tile and in
     /// the second; causal and not; the split launches (one batch row's pairs) and the fused one;
-    /// f32, and bf16 on and off the bf16 GEMM.
+    /// f32 on the packed panels and through `gemm_rows` (as without AVX-512), and bf16 on and off
+    /// the bf16 GEMM.
     #[test]
     fn backward_never_reads_keys_past_kv_lens() {
         let threads = uniop::runtime::Pool::global().threads();
@@ -740,9 +825,11 @@ mod tests {
             for causal in [true, false] {
                 let attrs = [("causal", AttrValue::Bool(causal))];
                 let case = ([&q[..], &k, &v, &dout], (q_shape, kv_shape), Some(&lens[..]));
-                backward_case::<f32>(&attrs, case, None);
+                for panels_off in [false, true] {
+                    backward_case::<f32>(&attrs, case, &|| F32_PANELS_OFF.with(|f| f.set(panels_off)));
+                }
                 for bf16_gemm in [true, false] {
-                    backward_case::<bf16>(&attrs, case, Some(bf16_gemm));
+                    backward_case::<bf16>(&attrs, case, &|| BF16_GEMM_FORCED.with(|f| f.set(Some(bf16_gemm))));
                 }
             }
         }
@@ -760,7 +847,8 @@ mod tests {
             let (q, k, v) = (bf16_values(&q_shape, 1), bf16_values(&kv_shape, 2), bf16_values(&kv_shape, 3));
             let dout = bf16_values(&q_shape, 4);
             for bf16_gemm in [true, false] {
-                backward_case::<bf16>(&causal, ([&q, &k, &v, &dout], (q_shape, kv_shape), None), Some(bf16_gemm));
+                let force = || BF16_GEMM_FORCED.with(|f| f.set(Some(bf16_gemm)));
+                backward_case::<bf16>(&causal, ([&q, &k, &v, &dout], (q_shape, kv_shape), None), &force);
             }
         }
     }
@@ -768,14 +856,13 @@ mod tests {
     /// Inputs of one case: q, k, v, dout (f64 values), the q and kv shapes, `kv_lens`.
     type Case<'a> = ([&'a [f64]; 4], ([usize; 4], [usize; 4]), Option<&'a [i32]>);
 
-    /// Runs the forward and then the backward on `T` copies of the inputs (the backward with the
-    /// bf16 GEMM forced on or off), both checked against their f64 references; every gradient
+    /// Runs the forward and then the backward on `T` copies of the inputs (after `force`, which
+    /// picks the backward's products), both checked against their f64 references; every gradient
     /// must be finite.
-    fn backward_case<T: Element>(attrs: &[(&str, AttrValue)], case: Case<'_>, bf16_gemm: Option<bool>) {
+    fn backward_case<T: Element>(attrs: &[(&str, AttrValue)], case: Case<'_>, force: &(dyn Fn() + Sync)) {
         let ([q, k, v, dout], (q_shape, kv_shape), lens) = case;
         let narrow = |x: &[f64]| x.iter().map(|&v| T::from_f64(v)).collect::<Vec<T>>();
         let (q, k, v, dout) = (narrow(q), narrow(k), narrow(v), narrow(dout));
-        let force = || BF16_GEMM_FORCED.with(|f| f.set(bf16_gemm));
         let lens_view = lens.and_then(|l| view(l, &[l.len()]));
         let forward_inputs = [view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), lens_view.clone()];
         let fwd = run_checked_forcing("attention", &forward_inputs, attrs, force);
