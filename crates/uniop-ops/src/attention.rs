@@ -12,13 +12,15 @@
 //! cheap: it is bandwidth-bound on K/V). Scores for `TILE_KEYS` keys at a time go through a GEMM
 //! (single-threaded inside our SPMD blocks, like matmul) and an online softmax (running max and
 //! sum per row, output rescaled when the max grows). Extra memory is O(tile) per block, plus in
-//! bf16 one head's packed K and V per thread (O(Sk), never O(Sq·Sk)). Blocks take their units
+//! bf16 (and f32 on AVX-512) one head's packed K and V per thread (O(Sk), never O(Sq·Sk)). Blocks take their units
 //! head by head, so consecutive units reread the same K and V from cache (at 1x32x2048x128 that
 //! order alone ran f32 9% faster than handing out the latest query tiles of every head first).
 //! f16 tiles are widened to f32; bf16 runs both products on the bf16 GEMM (K and V read in
 //! place, P rounded to bf16 as torch's flash attention does, f32 sums), with whole K and V tiles
-//! packed once per block for all the query tiles of their head ([`KvPanels`]); the softmax is
-//! f32 throughout.
+//! packed once per block for all the query tiles of their head ([`KvPanels`]); f32 does the same
+//! on the packed f32 GEMM where it exists (AVX-512: 196 → 185 ms at 1x32x2048x128 causal against
+//! the `gemm` crate, which packs both operands per product). Causal diagonal tiles run their
+//! products in pieces ([`QueryTile::pieces`]). The softmax is f32 throughout.
 //!
 //! On CPUs whose best level is AVX2 (no AVX-512; for bf16, no AVX512-BF16) the forward runs
 //! the tiles of `flash_avx2.rs` instead, held transposed so that neither product packs its
@@ -37,7 +39,8 @@
 
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
-use crate::packed_gemm::{gemm_rows_packed, gemm_rows_prepacked, PackedRhs};
+use crate::packed_gemm::{gemm_rows_packed, gemm_rows_prepacked, Packed, PackedRhs};
+use crate::skinny::Simd;
 use crate::skinny::SKINNY_ROWS;
 use std::ops::Range;
 use uniop::half::bf16;
@@ -524,6 +527,22 @@ impl KvPanels {
     }
 }
 
+/// Packs one key tile's K (as `Kᵀ`, for the scores) and V (for `P·V`) from the tile's first rows
+/// (`k` and `v` start there; row strides `strides`), `d` and `dv` wide.
+///
+/// # Safety
+/// Both must hold `TILE_KEYS` rows at their strides.
+unsafe fn pack_kv<E: Packed>(
+    kp: &mut PackedRhs,
+    vp: &mut PackedRhs,
+    (k, v): (&[E], &[E]),
+    (ks, vs): (usize, usize),
+    (d, dv): (usize, usize),
+) {
+    kp.pack(Mat { ptr: k.as_ptr(), rs: 1, cs: ks as isize }, TILE_KEYS, d);
+    vp.pack(Mat { ptr: v.as_ptr(), rs: vs as isize, cs: 1 }, dv, TILE_KEYS);
+}
+
 /// The forward's operands with their row addressing, as both tile kernels read them.
 pub(crate) struct ForwardArgs<'a> {
     pub q: TensorRef<'a>,
@@ -577,6 +596,9 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
     // bf16 takes Q·Kᵀ straight from the bf16 rows through the AVX512-BF16 GEMM (K read in place);
     // its Q tile reuses the f32 Q tile's space. Both paths leave the scale to the softmax.
     let on_bf16_gemm = T::DTYPE == DType::BF16;
+    // f32 runs on the packed f32 GEMM with the same panels where that GEMM exists (AVX-512); the
+    // `gemm` crate would pack K and V on every product.
+    let panels_apply = on_bf16_gemm || (T::DTYPE == DType::F32 && <f32 as Packed>::level() == Simd::Avx512);
     let mut panels = KV_PANELS.take();
     panels.head = None;
     for u in ctx.split(g.units()) {
@@ -595,28 +617,37 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
             let n = TILE_KEYS.min(kv_end - j0);
             // Tiles inside the row's keys come packed from `panels` (not for decode-sized tiles,
             // which the GEMM runs as dot products without packing).
-            let reused = on_bf16_gemm && j0 + TILE_KEYS <= t.len && rows > SKINNY_ROWS;
+            let reused = panels_apply && j0 + TILE_KEYS <= t.len && rows > SKINNY_ROWS;
             let (kb, vb) = (k.storage::<bf16>().ok(), v.storage::<bf16>().ok());
             let tile_panels = reused.then(|| {
-                let (kb, vb) = (kb.expect("dtype dispatched"), vb.expect("dtype dispatched"));
                 panels.tile((b, hkv), j0 / TILE_KEYS, |kp, vp| {
+                    let (k0, v0) = (kr.at(b, hkv, j0), vr.at(b, hkv, j0));
+                    let strides = (kr.seq_stride(), vr.seq_stride());
                     // SAFETY: K's and V's rows j0..j0+TILE_KEYS of this head lie inside the checked views.
                     unsafe {
-                        let kt = Mat { ptr: kb.as_ptr().add(kr.at(b, hkv, j0)), rs: 1, cs: kr.seq_stride() as isize };
-                        kp.pack(kt, TILE_KEYS, d);
-                        let vt = Mat { ptr: vb.as_ptr().add(vr.at(b, hkv, j0)), rs: vr.seq_stride() as isize, cs: 1 };
-                        vp.pack(vt, dv, TILE_KEYS);
+                        match (kb, vb) {
+                            (Some(kb), Some(vb)) => pack_kv(kp, vp, (&kb[k0..], &vb[v0..]), strides, (d, dv)),
+                            _ => {
+                                let (kf, vf) = (k.storage::<f32>(), v.storage::<f32>());
+                                let (kf, vf) = (kf.expect("f32 panels"), vf.expect("f32 panels"));
+                                pack_kv(kp, vp, (&kf[k0..], &vf[v0..]), strides, (d, dv))
+                            }
+                        }
                     }
                 })
             });
             if let Some((kp, _)) = tile_panels {
-                let qb = bf16_tile(qt);
                 // SAFETY: scratch tiles of this block.
                 unsafe {
                     let scores = Dst { ptr: st.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 };
-                    let qb = Mat { ptr: qb.as_ptr(), rs: d as isize, cs: 1 };
                     for (rows, keys) in t.pieces(&g, j0, n) {
-                        gemm_rows_prepacked(rows, (keys, d), scores, qb, kp, false);
+                        if on_bf16_gemm {
+                            let qb = Mat { ptr: bf16_tile(qt).as_ptr(), rs: d as isize, cs: 1 };
+                            gemm_rows_prepacked(rows, (keys, d), scores, qb, kp, false);
+                        } else {
+                            let qf = Mat { ptr: qt.as_ptr(), rs: d as isize, cs: 1 };
+                            gemm_rows_prepacked(rows, (keys, d), scores, qf, kp, false);
+                        }
                     }
                 }
             } else if on_bf16_gemm {
@@ -643,12 +674,17 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
                 }
             }
             if let Some((_, vp)) = tile_panels {
-                let p = Mat { ptr: bf16_tile(kt).as_ptr(), rs: TILE_KEYS as isize, cs: 1 };
                 // SAFETY: scratch tiles of this block.
                 unsafe {
                     let out = Dst { ptr: ot.as_mut_ptr(), rs: dv as isize, cs: 1 };
                     for (rows, keys) in t.pieces(&g, j0, n) {
-                        gemm_rows_prepacked(rows, (dv, keys), out, p, vp, true);
+                        if on_bf16_gemm {
+                            let p = Mat { ptr: bf16_tile(kt).as_ptr(), rs: TILE_KEYS as isize, cs: 1 };
+                            gemm_rows_prepacked(rows, (dv, keys), out, p, vp, true);
+                        } else {
+                            let p = Mat { ptr: st.as_ptr(), rs: TILE_KEYS as isize, cs: 1 };
+                            gemm_rows_prepacked(rows, (dv, keys), out, p, vp, true);
+                        }
                     }
                 };
                 continue;
