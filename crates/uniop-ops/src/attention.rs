@@ -12,9 +12,10 @@
 //! cheap: it is bandwidth-bound on K/V). Scores for `TILE_KEYS` keys at a time go through a GEMM
 //! (single-threaded inside our SPMD blocks, like matmul) and an online softmax (running max and
 //! sum per row, output rescaled when the max grows). Extra memory is O(tile) per block, plus in
-//! bf16 (and f32 on AVX-512) one head's packed K and V per thread (O(Sk), never O(Sq·Sk)). Blocks take their units
-//! head by head, so consecutive units reread the same K and V from cache (at 1x32x2048x128 that
-//! order alone ran f32 9% faster than handing out the latest query tiles of every head first).
+//! bf16 (and f32 on AVX-512) one head's packed K and V per thread (O(Sk), never O(Sq·Sk)).
+//! Blocks take their units head by head, so consecutive units reread the same K and V from cache
+//! (at 1x32x2048x128 that order alone ran f32 9% faster than handing out the latest query tiles
+//! of every head first).
 //! f16 tiles are widened to f32; bf16 runs both products on the bf16 GEMM (K and V read in
 //! place, P rounded to bf16 as torch's flash attention does, f32 sums), with whole K and V tiles
 //! packed once per block for all the query tiles of their head ([`KvPanels`]); f32 does the same
