@@ -60,9 +60,10 @@ const LEN_DTYPES: &[DType] = &[DType::I32, DType::I64];
 /// tiles keep Q, S, O and a K/V tile inside a Zen core's 1 MiB L2.
 pub(crate) const TILE_ROWS: usize = 128;
 pub(crate) const TILE_KEYS: usize = 256;
-/// Rows of a causal diagonal tile's pieces on the bf16 GEMM (see [`QueryTile::pieces`]): as few
-/// as keep the products over them (this many rows deep, in the backward) on the micro-kernel's
-/// fast path. The f32 products pack K per call, and ran 14% slower in such pieces.
+/// Rows of a causal diagonal tile's pieces on the packed GEMM with panels packed once per key
+/// tile (see [`QueryTile::pieces`]): as few as keep the products over them (this many rows deep,
+/// in the backward) on the micro-kernel's fast path. Products that pack K per call (`gemm_rows`)
+/// ran 14% slower in such pieces and keep whole tiles.
 pub(crate) const DIAGONAL_PIECE_ROWS: usize = 32;
 
 /// Shapes and attributes shared by the forward and backward ops.

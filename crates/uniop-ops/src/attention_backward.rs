@@ -14,6 +14,9 @@
 //! tile) `dQ` like the forward — which recomputes the scores in both (7 tile products).
 //! bf16 runs every product on the AVX512-BF16 GEMM with P and dS rounded to bf16, like the forward;
 //! on CPUs without AVX512-BF16 its tiles are widened to f32 like f16's (see `on_bf16_gemm`).
+//! Every product stops at the keys its rows see, so nothing past `kv_lens` is read. On the packed
+//! GEMMs (bf16, and f32 on AVX-512: [`Products`]) the dK/dV launch packs a key tile's K and V
+//! once for every query tile that multiplies them, and causal diagonal tiles go in pieces.
 //!
 //! On CPUs whose best level is AVX2 the dK/dV launch (with dQ when fused) runs the tiles of
 //! `flash_backward_avx2.rs` instead: keys in the vector lanes, operands packed once per key tile
