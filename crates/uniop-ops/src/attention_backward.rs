@@ -272,9 +272,11 @@ fn key_lanes(g: &Geometry, fused: bool) -> KeyLanes {
 }
 
 /// Whether `dQ` is summed by the `dK`/`dV` launch, one unit per (batch, kv head): when those units
-/// alone keep `threads` busy (else the finer split with a separate `dQ` launch).
+/// alone keep `threads` busy — at least two per thread, or exactly as many per thread, since every
+/// pair carries the same work (else the finer split with a separate `dQ` launch).
 fn fuses_dq(g: &Geometry, threads: usize) -> bool {
-    g.batch * g.kv_heads >= 2 * threads
+    let pairs = g.batch * g.kv_heads;
+    pairs >= 2 * threads || pairs.is_multiple_of(threads)
 }
 
 /// The bf16 GEMM's operands taken from the current key tile, packed once for every query tile
@@ -804,20 +806,19 @@ mod tests {
     /// A preallocated KV cache holds NaN (never-written slots) past each row's `kv_lens`: the
     /// gradients (and the forward) must not read them — dS is 0 there, but 0 · NaN is NaN, so
     /// dQ's product has to stop at the row's length. Odd lengths, inside the first key tile and in
-    /// the second; causal and not; the split launches (one batch row's pairs) and the fused one;
+    /// the second; causal and not; the split launches (one (batch, kv head) pair) and the fused one;
     /// f32 on the packed panels and through `gemm_rows` (as without AVX-512), and bf16 on and off
     /// the bf16 GEMM.
     #[test]
     fn backward_never_reads_keys_past_kv_lens() {
         let threads = uniop::runtime::Pool::global().threads();
-        for (batch, lens) in
-            [(1, vec![201i32]), (2 * threads, (0..2 * threads as i32).map(|b| 287 - 86 * (b % 2)).collect())]
-        {
-            let (q_shape, kv_shape) = ([batch, 4, 40, 16], [batch, 2, 300, 16]);
+        let lens_2 = (0..2 * threads as i32).map(|b| 287 - 86 * (b % 2)).collect();
+        for (batch, kv_heads, lens) in [(1, 1, vec![201i32]), (2 * threads, 2, lens_2)] {
+            let (q_shape, kv_shape) = ([batch, 4, 40, 16], [batch, kv_heads, 300, 16]);
             let cache = |seed| {
                 let mut x = bf16_values(&kv_shape, seed);
                 for (i, v) in x.iter_mut().enumerate() {
-                    let (b, j) = (i / (2 * 300 * 16), i / 16 % 300);
+                    let (b, j) = (i / (kv_heads * 300 * 16), i / 16 % 300);
                     if j >= lens[b] as usize {
                         *v = f64::NAN;
                     }
@@ -845,8 +846,8 @@ mod tests {
     fn bf16_backward_on_and_off_the_bf16_gemm() {
         let causal = [("causal", AttrValue::Bool(true))];
         let threads = uniop::runtime::Pool::global().threads();
-        for (batch, s) in [(1, 300), (2 * threads, 40)] {
-            let (q_shape, kv_shape) = ([batch, 4, s, 16], [batch, 2, s, 16]);
+        for (batch, kv_heads, s) in [(1, 1, 300), (2 * threads, 2, 40)] {
+            let (q_shape, kv_shape) = ([batch, 4, s, 16], [batch, kv_heads, s, 16]);
             let (q, k, v) = (bf16_values(&q_shape, 1), bf16_values(&kv_shape, 2), bf16_values(&kv_shape, 3));
             let dout = bf16_values(&q_shape, 4);
             for bf16_gemm in [true, false] {
