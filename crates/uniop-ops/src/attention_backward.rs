@@ -272,8 +272,8 @@ fn key_lanes(g: &Geometry, fused: bool) -> KeyLanes {
 }
 
 /// Whether `dQ` is summed by the `dK`/`dV` launch, one unit per (batch, kv head): when those units
-/// alone keep `threads` busy — at least two per thread, or exactly as many per thread, since every
-/// pair carries the same work (else the finer split with a separate `dQ` launch).
+/// alone keep `threads` busy — at least two per thread, or the same number per thread, since pairs
+/// carry the same work unless `kv_lens` differ (else the finer split with a separate `dQ` launch).
 fn fuses_dq(g: &Geometry, threads: usize) -> bool {
     let pairs = g.batch * g.kv_heads;
     pairs >= 2 * threads || pairs.is_multiple_of(threads)
