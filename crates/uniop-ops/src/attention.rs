@@ -545,6 +545,30 @@ unsafe fn pack_kv<E: Packed>(
     vp.pack(Mat { ptr: v.as_ptr(), rs: vs as isize, cs: 1 }, dv, TILE_KEYS);
 }
 
+/// A dense row-major `[rows][width]` scratch tile as a GEMM operand.
+fn rows_of<E>(tile: &[E], width: usize) -> Mat<E> {
+    Mat { ptr: tile.as_ptr(), rs: width as isize, cs: 1 }
+}
+
+/// One product of a query tile on a packed key-tile panel, piece by piece (see
+/// [`QueryTile::pieces`]): `dst[rows] (+)= lhs[rows] · B`, walking `extent(keys)` of the panel for
+/// a piece whose last row sees `keys` keys.
+///
+/// # Safety
+/// As [`gemm_rows_prepacked`] for every piece.
+unsafe fn in_pieces<E: Packed>(
+    pieces: impl Iterator<Item = (Range<usize>, usize)>,
+    extent: impl Fn(usize) -> (usize, usize),
+    dst: Dst<f32>,
+    lhs: Mat<E>,
+    rhs: &PackedRhs,
+    accumulate: bool,
+) {
+    for (rows, keys) in pieces {
+        gemm_rows_prepacked(rows, extent(keys), dst, lhs, rhs, accumulate);
+    }
+}
+
 /// The forward's operands with their row addressing, as both tile kernels read them.
 pub(crate) struct ForwardArgs<'a> {
     pub q: TensorRef<'a>,
@@ -641,15 +665,11 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
             if let Some((kp, _)) = tile_panels {
                 // SAFETY: scratch tiles of this block.
                 unsafe {
-                    let scores = Dst { ptr: st.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 };
-                    for (rows, keys) in t.pieces(&g, j0, n) {
-                        if on_bf16_gemm {
-                            let qb = Mat { ptr: bf16_tile(qt).as_ptr(), rs: d as isize, cs: 1 };
-                            gemm_rows_prepacked(rows, (keys, d), scores, qb, kp, false);
-                        } else {
-                            let qf = Mat { ptr: qt.as_ptr(), rs: d as isize, cs: 1 };
-                            gemm_rows_prepacked(rows, (keys, d), scores, qf, kp, false);
-                        }
+                    let (scores, pieces) =
+                        (Dst { ptr: st.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 }, t.pieces(&g, j0, n));
+                    match on_bf16_gemm {
+                        true => in_pieces(pieces, |keys| (keys, d), scores, rows_of(bf16_tile(qt), d), kp, false),
+                        false => in_pieces(pieces, |keys| (keys, d), scores, rows_of(qt, d), kp, false),
                     }
                 }
             } else if on_bf16_gemm {
@@ -678,15 +698,10 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
             if let Some((_, vp)) = tile_panels {
                 // SAFETY: scratch tiles of this block.
                 unsafe {
-                    let out = Dst { ptr: ot.as_mut_ptr(), rs: dv as isize, cs: 1 };
-                    for (rows, keys) in t.pieces(&g, j0, n) {
-                        if on_bf16_gemm {
-                            let p = Mat { ptr: bf16_tile(kt).as_ptr(), rs: TILE_KEYS as isize, cs: 1 };
-                            gemm_rows_prepacked(rows, (dv, keys), out, p, vp, true);
-                        } else {
-                            let p = Mat { ptr: st.as_ptr(), rs: TILE_KEYS as isize, cs: 1 };
-                            gemm_rows_prepacked(rows, (dv, keys), out, p, vp, true);
-                        }
+                    let (out, pieces) = (Dst { ptr: ot.as_mut_ptr(), rs: dv as isize, cs: 1 }, t.pieces(&g, j0, n));
+                    match on_bf16_gemm {
+                        true => in_pieces(pieces, |keys| (dv, keys), out, rows_of(bf16_tile(kt), TILE_KEYS), vp, true),
+                        false => in_pieces(pieces, |keys| (dv, keys), out, rows_of(st, TILE_KEYS), vp, true),
                     }
                 };
                 continue;
