@@ -529,8 +529,8 @@ impl KvPanels {
     }
 }
 
-/// Packs one key tile's K (as `Kᵀ`, for the scores) and V (for `P·V`) from the tile's first rows
-/// (`k` and `v` start there; row strides `strides`), `d` and `dv` wide.
+/// Packs one key tile's K (as `Kᵀ`, for the scores) and V (for `P·V`): `k` and `v` start at the
+/// tile's first rows, `ks` and `vs` are their row strides, `d` and `dv` their widths.
 ///
 /// # Safety
 /// Both must hold `TILE_KEYS` rows at their strides.
