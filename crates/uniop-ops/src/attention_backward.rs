@@ -24,7 +24,7 @@
 //! are there).
 
 use crate::attention::{
-    bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, row_len, scores, Geometry, Rows4,
+    bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, row_len, rows_of, scores, Geometry, Rows4,
     DIAGONAL_PIECE_ROWS, DTYPES, TILE_KEYS, TILE_ROWS,
 };
 use crate::math;
@@ -279,10 +279,11 @@ fn fuses_dq(g: &Geometry, threads: usize) -> bool {
     pairs >= 2 * threads || pairs.is_multiple_of(threads)
 }
 
-/// The bf16 GEMM's operands taken from the current key tile, packed once for every query tile
-/// that multiplies them (not once per product): `Kᵀ` for the scores, `Vᵀ` for `dout·Vᵀ`, `K` for
-/// `dQ += dS·K`. Kept per thread, like the forward's panels, so that a launch allocates nothing
-/// once the buffers have grown; every pack overwrites what an earlier block left.
+/// The packed GEMM's operands (bf16, or f32 on AVX-512) taken from the current key tile, packed
+/// once for every query tile that multiplies them (not once per product): `Kᵀ` for the scores,
+/// `Vᵀ` for `dout·Vᵀ`, `K` for `dQ += dS·K`. Kept per thread, like the forward's panels, so that
+/// a launch allocates nothing once the buffers have grown; every pack overwrites what an earlier
+/// block left.
 #[derive(Default)]
 struct KeyPanels {
     k_t: PackedRhs,
@@ -497,19 +498,16 @@ fn dkv_kernel<T: FloatElement>(
                             load_scaled(ds, dr.at(b, h, i0 + r), &mut dot[r * dv..(r + 1) * dv], 1.0);
                         }
                     }
-                    let f32_rows_of = |t: &[f32], width: usize| Mat { ptr: t.as_ptr(), rs: width as isize, cs: 1 };
-                    let (q_f32, dout_f32) = (f32_rows_of(qt, d), f32_rows_of(dot, dv));
+                    let (q_f32, dout_f32) = (rows_of(qt, d), rows_of(dot, dv));
                     // SAFETY: the panels (and kp/vp) cover n keys; all else is this block's scratch.
                     unsafe {
-                        match (products, bf16_rows) {
-                            (Products::Bf16Panels, Some((q_rows, dout_rows))) => {
-                                panel_scores(q_rows, dout_rows, &key_panels, sizes, (st, dpt))
-                            }
-                            (Products::F32Panels, _) => panel_scores(q_f32, dout_f32, &key_panels, sizes, (st, dpt)),
-                            _ => {
-                                scores(st, TILE_KEYS, qt, d, rows, kp, n);
-                                scores(dpt, TILE_KEYS, dot, dv, rows, vp, n);
-                            }
+                        if let Some((q_rows, dout_rows)) = bf16_rows {
+                            panel_scores(q_rows, dout_rows, &key_panels, sizes, (st, dpt))
+                        } else if products == Products::F32Panels {
+                            panel_scores(q_f32, dout_f32, &key_panels, sizes, (st, dpt))
+                        } else {
+                            scores(st, TILE_KEYS, qt, d, rows, kp, n);
+                            scores(dpt, TILE_KEYS, dot, dv, rows, vp, n);
                         }
                     }
                     for r in 0..rows {
@@ -529,16 +527,14 @@ fn dkv_kernel<T: FloatElement>(
                     let f32_tiles = |k| Tiles { p: st.as_ptr(), ds: dpt.as_ptr(), dout: dout_f32, q: q_f32, k };
                     // SAFETY: scratch tiles of this block; `dq_rows` are this unit's dQ sums.
                     unsafe {
-                        match (products, bf16_rows) {
-                            (Products::Bf16Panels, Some((q, dout))) => {
-                                let tiles = Tiles { p: pb, ds: dsb, dout, q, k: (std::ptr::null(), 0) };
-                                panel_products(tiles, &key_panels, sizes, (dv_acc, dk_acc), dq_rows)
-                            }
-                            (Products::F32Panels, _) => {
-                                let tiles = f32_tiles((std::ptr::null(), 0));
-                                panel_products(tiles, &key_panels, sizes, (dv_acc, dk_acc), dq_rows)
-                            }
-                            _ => tile_products(gemm_rows::<f32>, f32_tiles(kp), sizes, dv_acc, dk_acc, dq_rows),
+                        if let Some((q, dout)) = bf16_rows {
+                            let tiles = Tiles { p: pb, ds: dsb, dout, q, k: (std::ptr::null(), 0) };
+                            panel_products(tiles, &key_panels, sizes, (dv_acc, dk_acc), dq_rows)
+                        } else if products == Products::F32Panels {
+                            let tiles = f32_tiles((std::ptr::null(), 0));
+                            panel_products(tiles, &key_panels, sizes, (dv_acc, dk_acc), dq_rows)
+                        } else {
+                            tile_products(gemm_rows::<f32>, f32_tiles(kp), sizes, dv_acc, dk_acc, dq_rows)
                         }
                     }
                 }
