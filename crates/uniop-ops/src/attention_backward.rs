@@ -271,12 +271,74 @@ fn key_lanes(g: &Geometry, fused: bool) -> KeyLanes {
     KeyLanes { scratch: None, key_tile: TILE_KEYS, dq_width: g.head_dim }
 }
 
-/// Whether `dQ` is summed by the `dK`/`dV` launch, one unit per (batch, kv head): when those units
-/// alone keep `threads` busy — at least two per thread, or the same number per thread, since pairs
-/// carry the same work unless `kv_lens` differ (else the finer split with a separate `dQ` launch).
-fn fuses_dq(g: &Geometry, threads: usize) -> bool {
+/// How the backward divides its work between the launches and the threads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Route {
+    /// `dQ` summed inside the `dK`/`dV` launch (5 tile products per query tile and key tile),
+    /// each (batch, kv head) pair's query tiles dealt to `chunks` units. With one chunk a unit
+    /// owns its pair's `dK`/`dV` outright; with more, each unit sums them over its own query
+    /// tiles into partial sums that one more launch adds up, so that a few pairs still keep every
+    /// thread busy without the split's recomputed scores.
+    Fused { chunks: usize },
+    /// `dK`/`dV` per (pair, key tile), then `dQ` per (pair, query tile), both computing the scores
+    /// (7 tile products): where a pair's query tiles are too few to deal out, and on AVX2 CPUs
+    /// (whose tiles, in `flash_backward_avx2.rs`, sum dQ only with one chunk).
+    Split,
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests run every route on any thread count.
+    pub(crate) static ROUTE_FORCED: std::cell::Cell<Option<Route>> = const { std::cell::Cell::new(None) };
+}
+
+/// The route for `threads`: fused with one chunk where the pairs alone keep the threads equally
+/// busy — at least two per thread, or the same number per thread, since pairs carry the same work
+/// unless `kv_lens` differ; else fused with as many chunks per pair as give every thread the same
+/// number of units, where each chunk gets at least two query tiles.
+///
+/// At `2x2048x128` (two q heads sharing one kv head, causal) on 2 threads the split took 20.6 ms
+/// in bf16 and 39.0 in f32, where one pair per thread (`1x2x2048x128`) took 14.6 and 29.1.
+fn route(g: &Geometry, threads: usize) -> Route {
     let pairs = g.batch * g.kv_heads;
-    pairs >= 2 * threads || pairs.is_multiple_of(threads)
+    let chosen = if pairs >= 2 * threads || pairs.is_multiple_of(threads) {
+        Route::Fused { chunks: 1 }
+    } else {
+        let chunks = threads / gcd(pairs, threads);
+        let tiles = g.group() * g.q_len.div_ceil(TILE_ROWS);
+        if tiles >= 2 * chunks {
+            Route::Fused { chunks }
+        } else {
+            Route::Split
+        }
+    };
+    #[cfg(test)]
+    let chosen = ROUTE_FORCED.with(|f| f.get()).unwrap_or(chosen);
+    #[cfg(target_arch = "x86_64")]
+    if crate::flash_backward_avx2::applies(g) && chosen != (Route::Fused { chunks: 1 }) {
+        return Route::Split;
+    }
+    chosen
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// Which of `chunks` units of a pair owns its query tile `item` (the pair's tiles numbered head by
+/// head): dealt back and forth (0, 1, …, c−1, c−1, …, 0, …), so that under a causal mask, where a
+/// head's later tiles see more keys, every chunk gets early and late tiles alike.
+fn chunk_of(item: usize, chunks: usize) -> usize {
+    let (round, at) = (item / chunks, item % chunks);
+    if round.is_multiple_of(2) {
+        at
+    } else {
+        chunks - 1 - at
+    }
 }
 
 /// The packed GEMM's operands (bf16, or f32 on AVX-512) taken from the current key tile, packed
@@ -400,21 +462,31 @@ fn query_pieces(
     })
 }
 
-/// Step 2: `dK`, `dV` for one key tile of one kv head per unit; with `dq_sums` (the offset of an
-/// f32 `[B, Hq, Sq, D]` workspace region), all key tiles of one kv head per unit, and `dQ` of its
-/// q heads too.
+/// Where the fused route keeps its sums: f32 workspace offsets.
+#[derive(Clone, Copy)]
+struct FusedSums {
+    /// `dQ`, as `[B, Hq, Sq, D]`.
+    dq: usize,
+    /// Units per (batch, kv head) pair ([`Route::Fused`]).
+    chunks: usize,
+    /// With more than one chunk, the partial `dK` sums as `[pair, chunk, Sk, D]` and the partial
+    /// `dV` sums as `[pair, chunk, Sk, Dv]`.
+    partial_dk: usize,
+    partial_dv: usize,
+}
+
+/// Step 2: `dK`, `dV` for one key tile of one kv head per unit; fused (`sums`), all key tiles of
+/// one kv head for one chunk of its q heads' query tiles per unit, and `dQ` of those tiles too.
 fn dkv_kernel<T: FloatElement>(
     args: &KernelArgs,
     ctx: BlockCtx,
     g: Geometry,
     (per_block, bf16_gemm): (usize, bool),
-    dq_sums: Option<usize>,
+    sums: Option<FusedSums>,
 ) {
     let a = BackwardArgs::of(args);
     let (dout, q, k, v, lens, lse_s) = (&a.dout, &a.q, &a.k, &a.v, &a.lens, a.lse);
-    let (dq, dk, dv_out) = (&a.dq, &a.dk, &a.dv);
     let (dr, qr, kr, vr) = (a.dout_rows, a.q_rows, a.k_rows, a.v_rows);
-    let (dqr, dkr, dvr) = (a.dq_rows, a.dk_rows, a.dv_rows);
     let (qs, ds) = (q.storage::<T>().unwrap(), dout.storage::<T>().unwrap());
     let (d, dv, group) = (g.head_dim, g.v_dim, g.group());
     let n_rows = g.q_len * g.q_heads * g.batch;
@@ -429,32 +501,44 @@ fn dkv_kernel<T: FloatElement>(
     let diagonal_rows = if products == Products::Rows { tr } else { DIAGONAL_PIECE_ROWS };
     let k_tiles = g.kv_len.div_ceil(TILE_KEYS);
     let mut key_panels = KEY_PANELS.take();
-    let fused = dq_sums.is_some();
-    let (units, tiles_per_unit) =
-        if fused { (g.batch * g.kv_heads, k_tiles) } else { (g.batch * g.kv_heads * k_tiles, 1) };
+    let fused = sums.is_some();
+    let chunks = sums.map_or(1, |s| s.chunks);
+    let pairs = g.batch * g.kv_heads;
+    let (units, tiles_per_unit) = if fused { (pairs * chunks, k_tiles) } else { (pairs * k_tiles, 1) };
     for u in ctx.split(units) {
-        let (pair, first_tile) = if fused { (u, 0) } else { (u / k_tiles, u % k_tiles) };
+        let (pair, chunk, first_tile) = if fused { (u / chunks, u % chunks, 0) } else { (u / k_tiles, 0, u % k_tiles) };
         let (b, hkv) = (pair / g.kv_heads, pair % g.kv_heads);
-        // The group's q heads are consecutive rows of the [B, Hq, Sq] row arrays.
-        let first_row = row_index(&g, b, hkv * group, 0);
-        let dq_acc: &mut [f32] = match dq_sums {
-            // SAFETY: unit `pair` alone owns the dQ sums of its group's rows.
-            Some(base) => unsafe { args.workspace::<f32>(base + first_row * d, group * g.q_len * d) },
-            None => &mut [],
+        // The query tiles of this unit: all (split), or its chunk's (fused; numbered head by head).
+        let tiles_per_head = g.q_len.div_ceil(tr);
+        let owns = |h: usize, i0: usize| chunk_of((h - hkv * group) * tiles_per_head + i0 / tr, chunks) == chunk;
+        // The dQ sums of query rows (h, i0..i0+rows), `[rows][D]`.
+        // SAFETY (of each call): a unit owns the rows of its query tiles; a piece lies in one tile.
+        let dq_sums = |h: usize, i0: usize, rows: usize| -> Option<&mut [f32]> {
+            let base = sums?.dq;
+            Some(unsafe { args.workspace::<f32>(base + row_index(&g, b, h, i0) * d, rows * d) })
         };
-        dq_acc.fill(0.0);
-        let dq_row = |h: usize, i: usize| ((h - hkv * group) * g.q_len + i) * d;
+        let own_tiles = || {
+            let heads = hkv * group..(hkv + 1) * group;
+            heads.flat_map(move |h| (0..g.q_len).step_by(tr).map(move |i0| (h, i0, tr.min(g.q_len - i0))))
+        };
+        for (h, i0, rows) in own_tiles().filter(|&(h, i0, _)| owns(h, i0)) {
+            if let Some(sums) = dq_sums(h, i0, rows) {
+                sums.fill(0.0);
+            }
+        }
         let len = row_len(lens.as_ref(), b, g.kv_len, "attention_backward");
+        // The unit's last query (the mask is a prefix per row: it sees the most keys).
+        let last_query = own_tiles().filter(|&(h, i0, _)| owns(h, i0)).map(|(_, i0, rows)| i0 + rows - 1).max();
         for tile in first_tile..first_tile + tiles_per_unit {
             let j0 = tile * TILE_KEYS;
             let keys = TILE_KEYS.min(g.kv_len - j0);
             dk_acc[..keys * d].fill(0.0);
             dv_acc[..keys * dv].fill(0.0);
-            // Keys of this tile that some query sees (the last query sees the most), and per query
-            // tile below the keys its last row sees: the products stop there, so causal tiles on
-            // the diagonal do not multiply the masked half, and keys past `kv_lens` (perhaps never
-            // written, in a preallocated cache) are never read into dQ.
-            let seen = keys.min(g.visible(len, g.q_len.saturating_sub(1)).saturating_sub(j0));
+            // Keys of this tile that some query of the unit sees, and per query piece below the
+            // keys its last row sees: the products stop there, so causal tiles on the diagonal do
+            // not multiply the masked half, and keys past `kv_lens` (perhaps never written, in a
+            // preallocated cache) are never read into dQ.
+            let seen = last_query.map_or(0, |i| keys.min(g.visible(len, i).saturating_sub(j0)));
             let (kp, vp) = if bf16_gemm || seen == 0 {
                 ((std::ptr::null(), 0), (std::ptr::null(), 0))
             } else {
@@ -476,8 +560,7 @@ fn dkv_kernel<T: FloatElement>(
                 }
             }
             for h in hkv * group..(hkv + 1) * group {
-                for (i0, rows) in query_pieces(&g, len, j0, (tr, diagonal_rows)) {
-                    // The mask is a prefix per row: the piece's last row sees the most keys.
+                for (i0, rows) in query_pieces(&g, len, j0, (tr, diagonal_rows)).filter(|&(i0, _)| owns(h, i0)) {
                     let n = seen.min(g.visible(len, i0 + rows - 1).saturating_sub(j0));
                     if n == 0 {
                         continue;
@@ -522,7 +605,7 @@ fn dkv_kernel<T: FloatElement>(
                         }
                     }
                     // dV += Pᵀ·dout, dK += dSᵀ·Q (scaled at the end), and when fused dQ += dS·K.
-                    let dq_rows = fused.then(|| dq_acc[dq_row(h, i0)..].as_mut_ptr());
+                    let dq_rows = dq_sums(h, i0, rows).map(|s| s.as_mut_ptr());
                     let (pb, dsb) = (bf16_tile(kt).as_ptr(), bf16_tile(vt).as_ptr());
                     let f32_tiles = |k| Tiles { p: st.as_ptr(), ds: dpt.as_ptr(), dout: dout_f32, q: q_f32, k };
                     // SAFETY: scratch tiles of this block; `dq_rows` are this unit's dQ sums.
@@ -539,27 +622,74 @@ fn dkv_kernel<T: FloatElement>(
                     }
                 }
             }
-            // dK = scale · dSᵀ·Q: the f32 path's Q carried the scale already.
-            let dk_scale = score_scale;
-            for j in 0..keys {
-                // SAFETY: this unit owns keys j0..j0+keys of (b, hkv) in dk and dv.
-                unsafe {
-                    store_row::<T>(dk, dkr.at(b, hkv, j0 + j), &mut dk_acc[j * d..(j + 1) * d], dk_scale);
-                    store_row::<T>(dv_out, dvr.at(b, hkv, j0 + j), &mut dv_acc[j * dv..(j + 1) * dv], 1.0);
+            match sums {
+                Some(s) if s.chunks > 1 => {
+                    // SAFETY: unit (pair, chunk) alone owns its partial sums.
+                    let partial = |base: usize, width: usize| unsafe {
+                        args.workspace::<f32>(base + ((pair * s.chunks + chunk) * g.kv_len + j0) * width, keys * width)
+                    };
+                    partial(s.partial_dk, d).copy_from_slice(&dk_acc[..keys * d]);
+                    partial(s.partial_dv, dv).copy_from_slice(&dv_acc[..keys * dv]);
                 }
+                // SAFETY: this unit owns keys j0..j0+keys of (b, hkv) in dk and dv.
+                _ => unsafe { store_keys::<T>(&a, &g, (b, hkv, j0), (dk_acc, dv_acc), keys, score_scale) },
             }
         }
-        if fused {
-            for h in hkv * group..(hkv + 1) * group {
-                for i in 0..g.q_len {
-                    let sums = &mut dq_acc[dq_row(h, i)..][..d];
-                    // SAFETY: this unit owns rows (b, group heads) of dq.
-                    unsafe { store_row::<T>(dq, dqr.at(b, h, i), sums, g.scale) };
-                }
+        for (h, i0, rows) in own_tiles().filter(|&(h, i0, _)| owns(h, i0)) {
+            let Some(sums) = dq_sums(h, i0, rows) else { break };
+            for (r, sums) in sums.chunks_exact_mut(d).enumerate() {
+                // SAFETY: this unit owns the rows of its query tiles in dq.
+                unsafe { store_row::<T>(&a.dq, a.dq_rows.at(b, h, i0 + r), sums, g.scale) };
             }
         }
     }
     KEY_PANELS.set(key_panels);
+}
+
+/// Stores the `dK` and `dV` sums of `keys` keys of kv head `hkv` from key `j0` on (`[keys][D]`
+/// and `[keys][Dv]`), `dK` times `dk_scale` (the f32 path's Q carried the scale already).
+///
+/// # Safety
+/// The calling block must own those rows of dk and dv.
+unsafe fn store_keys<T: FloatElement>(
+    a: &BackwardArgs<'_>,
+    g: &Geometry,
+    (b, hkv, j0): (usize, usize, usize),
+    (dk_sums, dv_sums): (&mut [f32], &mut [f32]),
+    keys: usize,
+    dk_scale: f32,
+) {
+    let rows = dk_sums.chunks_exact_mut(g.head_dim).zip(dv_sums.chunks_exact_mut(g.v_dim));
+    for (j, (dk_row, dv_row)) in rows.take(keys).enumerate() {
+        unsafe {
+            store_row::<T>(&a.dk, a.dk_rows.at(b, hkv, j0 + j), dk_row, dk_scale);
+            store_row::<T>(&a.dv, a.dv_rows.at(b, hkv, j0 + j), dv_row, 1.0);
+        }
+    }
+}
+
+/// Step 3 of the fused route with chunks: adds up the chunks' partial `dK`/`dV` sums of one key
+/// tile of one kv head per unit (into the first chunk's) and stores them.
+fn dkv_sum_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, sums: FusedSums, dk_scale: f32) {
+    let a = BackwardArgs::of(args);
+    let k_tiles = g.kv_len.div_ceil(TILE_KEYS);
+    for u in ctx.split(g.batch * g.kv_heads * k_tiles) {
+        let (pair, j0) = (u / k_tiles, u % k_tiles * TILE_KEYS);
+        let keys = TILE_KEYS.min(g.kv_len - j0);
+        // SAFETY: unit (pair, key tile) alone owns these keys' partial sums in every chunk.
+        let partial = |base: usize, width: usize, chunk: usize| unsafe {
+            args.workspace::<f32>(base + ((pair * sums.chunks + chunk) * g.kv_len + j0) * width, keys * width)
+        };
+        let (dk_sums, dv_sums) = (partial(sums.partial_dk, g.head_dim, 0), partial(sums.partial_dv, g.v_dim, 0));
+        for chunk in 1..sums.chunks {
+            let add = |acc: &mut [f32], part: &[f32]| acc.iter_mut().zip(part).for_each(|(s, p)| *s += p);
+            add(dk_sums, partial(sums.partial_dk, g.head_dim, chunk));
+            add(dv_sums, partial(sums.partial_dv, g.v_dim, chunk));
+        }
+        let (b, hkv) = (pair / g.kv_heads, pair % g.kv_heads);
+        // SAFETY: this unit owns keys j0..j0+keys of (b, hkv) in dk and dv.
+        unsafe { store_keys::<T>(&a, &g, (b, hkv, j0), (dk_sums, dv_sums), keys, dk_scale) };
+    }
 }
 
 /// Step 3: `dQ` for one (batch, kv head, query tile) per unit, all heads of the group together.
@@ -680,22 +810,42 @@ impl Op for AttentionBackward {
         let g = checked_geometry(cx)?;
         let threads = uniop::runtime::Pool::global().threads();
         let blocks = |units: usize| units.clamp(1, 4 * threads) as u32;
-        let fused = fuses_dq(&g, threads);
-        let key_lanes = key_lanes(&g, fused);
-        let dkv_units = g.batch * g.kv_heads * if fused { 1 } else { g.kv_len.div_ceil(key_lanes.key_tile) };
+        let route = route(&g, threads);
+        let key_lanes = key_lanes(&g, route != Route::Split);
+        let pairs = g.batch * g.kv_heads;
+        let k_tiles = g.kv_len.div_ceil(TILE_KEYS);
+        let dkv_units = match route {
+            Route::Fused { chunks } => pairs * chunks,
+            Route::Split => pairs * g.kv_len.div_ceil(key_lanes.key_tile),
+        };
         let bf16_gemm = on_bf16_gemm(&g);
         let per_block = key_lanes.scratch.unwrap_or_else(|| block_scratch(&g, bf16_gemm));
         let rows = g.batch * g.q_heads * g.q_len;
-        let max_blocks = blocks(if fused { dkv_units } else { dkv_units.max(g.units()) }) as usize;
-        // δ, then each block's scratch, then (fused) the dQ sums.
-        let dq_sums = fused.then_some(rows + max_blocks * per_block);
+        let max_blocks = blocks(if route == Route::Split { dkv_units.max(g.units()) } else { dkv_units }) as usize;
+        // δ, then each block's scratch, then (fused) the dQ sums and (with chunks) the partial
+        // dK and dV sums.
+        let scratch_end = rows + max_blocks * per_block;
+        let sums = match route {
+            Route::Fused { chunks } => {
+                let partial_dk = scratch_end + rows * key_lanes.dq_width;
+                let partial_dv = partial_dk + if chunks > 1 { pairs * chunks * g.kv_len * g.head_dim } else { 0 };
+                Some(FusedSums { dq: scratch_end, chunks, partial_dk, partial_dv })
+            }
+            Route::Split => None,
+        };
+        let workspace = match sums {
+            Some(s) if s.chunks > 1 => s.partial_dv + pairs * s.chunks * g.kv_len * g.v_dim,
+            Some(s) => s.partial_dk,
+            None => scratch_end,
+        };
         let steps = with_float_dtype!(g.dtype, cx.op(), "q", |T| {
             let dkv = Step::new("attention_backward.dkv", blocks(dkv_units), move |a, c| {
                 #[cfg(target_arch = "x86_64")]
                 if key_lanes.scratch.is_some() {
-                    return crate::flash_backward_avx2::dkv::<T>(a, c, g, per_block, dq_sums);
+                    // `route` gives these tiles one chunk per pair at most.
+                    return crate::flash_backward_avx2::dkv::<T>(a, c, g, per_block, sums.map(|s| s.dq));
                 }
-                dkv_kernel::<T>(a, c, g, (per_block, bf16_gemm), dq_sums)
+                dkv_kernel::<T>(a, c, g, (per_block, bf16_gemm), sums)
             });
             let mut steps = vec![
                 Step::new("attention_backward.delta", blocks(rows.div_ceil(64)), move |a, c| {
@@ -703,18 +853,25 @@ impl Op for AttentionBackward {
                 }),
                 dkv,
             ];
-            if !fused {
-                steps.push(Step::new("attention_backward.dq", blocks(g.units()), move |a, c| {
+            match sums {
+                Some(sums) if sums.chunks > 1 => {
+                    // As dK is stored whole: the bf16 GEMM's sums are unscaled, the f32 path's Q scaled.
+                    let dk_scale = if bf16_gemm { g.scale } else { 1.0 };
+                    steps.push(Step::new("attention_backward.dkv_sum", blocks(pairs * k_tiles), move |a, c| {
+                        dkv_sum_kernel::<T>(a, c, g, sums, dk_scale)
+                    }));
+                }
+                Some(_) => {}
+                None => steps.push(Step::new("attention_backward.dq", blocks(g.units()), move |a, c| {
                     #[cfg(target_arch = "x86_64")]
                     if key_lanes.scratch.is_some() {
                         return crate::flash_backward_avx2::dq::<T>(a, c, g, per_block);
                     }
                     dq_kernel::<T>(a, c, g, (per_block, bf16_gemm))
-                }));
+                })),
             }
             steps
         });
-        let workspace = rows + max_blocks * per_block + if fused { rows * key_lanes.dq_width } else { 0 };
         let mut needs = vec![LayoutNeed::InnerContiguous; 5];
         needs.push(LayoutNeed::Contiguous);
         Ok(Plan::new(steps).workspace(workspace * 4).inputs_need(needs).outputs_need(vec![LayoutNeed::Contiguous; 3]))
@@ -783,7 +940,7 @@ impl Op for AttentionBackward {
 
 #[cfg(test)]
 mod tests {
-    use super::{BF16_GEMM_FORCED, F32_PANELS_OFF};
+    use super::{Route, BF16_GEMM_FORCED, F32_PANELS_OFF, ROUTE_FORCED};
     use crate::attention::run_checked_forcing;
     use uniop::half::bf16;
     use uniop::verify::Rng;
@@ -802,9 +959,8 @@ mod tests {
     /// A preallocated KV cache holds NaN (never-written slots) past each row's `kv_lens`: the
     /// gradients (and the forward) must not read them — dS is 0 there, but 0 · NaN is NaN, so
     /// dQ's product has to stop at the row's length. Odd lengths, inside the first key tile and in
-    /// the second; causal and not; the split launches (one (batch, kv head) pair) and the fused one;
-    /// f32 on the packed panels and through `gemm_rows` (as without AVX-512), and bf16 on and off
-    /// the bf16 GEMM.
+    /// the second; causal and not; every route ([`ROUTES`]); f32 on the packed panels and through
+    /// `gemm_rows` (as without AVX-512), and bf16 on and off the bf16 GEMM.
     #[test]
     fn backward_never_reads_keys_past_kv_lens() {
         let threads = uniop::runtime::Pool::global().threads();
@@ -825,19 +981,23 @@ mod tests {
             for causal in [true, false] {
                 let attrs = [("causal", AttrValue::Bool(causal))];
                 let case = ([&q[..], &k, &v, &dout], (q_shape, kv_shape), Some(&lens[..]));
-                for panels_off in [false, true] {
-                    backward_case::<f32>(&attrs, case, &|| F32_PANELS_OFF.with(|f| f.set(panels_off)));
-                }
-                for bf16_gemm in [true, false] {
-                    backward_case::<bf16>(&attrs, case, &|| BF16_GEMM_FORCED.with(|f| f.set(Some(bf16_gemm))));
+                for route in ROUTES {
+                    for panels_off in [false, true] {
+                        let force = || forcing(route, || F32_PANELS_OFF.with(|f| f.set(panels_off)));
+                        backward_case::<f32>(&attrs, case, &force);
+                    }
+                    for bf16_gemm in [true, false] {
+                        let force = || forcing(route, || BF16_GEMM_FORCED.with(|f| f.set(Some(bf16_gemm))));
+                        backward_case::<bf16>(&attrs, case, &force);
+                    }
                 }
             }
         }
     }
 
     /// bf16 gradients on the bf16 GEMM and widened to f32, against the f64 reference: two key
-    /// tiles with the dK/dV and dQ launches split (one (batch, kv head) pair), and the fused
-    /// launch (more pairs than twice the threads); causal GQA.
+    /// tiles and three query tiles per head, one (batch, kv head) pair on every route
+    /// ([`ROUTES`]); more pairs than twice the threads on the route the op picks; causal GQA.
     #[test]
     fn bf16_backward_on_and_off_the_bf16_gemm() {
         let causal = [("causal", AttrValue::Bool(true))];
@@ -846,11 +1006,22 @@ mod tests {
             let (q_shape, kv_shape) = ([batch, 4, s, 16], [batch, kv_heads, s, 16]);
             let (q, k, v) = (bf16_values(&q_shape, 1), bf16_values(&kv_shape, 2), bf16_values(&kv_shape, 3));
             let dout = bf16_values(&q_shape, 4);
-            for bf16_gemm in [true, false] {
-                let force = || BF16_GEMM_FORCED.with(|f| f.set(Some(bf16_gemm)));
+            let routes = if batch == 1 { &ROUTES[..] } else { &ROUTES[..1] };
+            for (&route, bf16_gemm) in routes.iter().flat_map(|r| [(r, true), (r, false)]) {
+                let force = || forcing(route, || BF16_GEMM_FORCED.with(|f| f.set(Some(bf16_gemm))));
                 backward_case::<bf16>(&causal, ([&q, &k, &v, &dout], (q_shape, kv_shape), None), &force);
             }
         }
+    }
+
+    /// The route the op picks, then each one forced: split, and fused with three chunks per pair
+    /// (an odd count, more than the query tiles of some heads, whatever the thread count).
+    const ROUTES: [Option<Route>; 3] = [None, Some(Route::Split), Some(Route::Fused { chunks: 3 })];
+
+    /// `force` (a kernel choice), then `route` when given.
+    fn forcing(route: Option<Route>, force: impl Fn()) {
+        force();
+        ROUTE_FORCED.with(|f| f.set(route));
     }
 
     /// Inputs of one case: q, k, v, dout (f64 values), the q and kv shapes, `kv_lens`.
