@@ -6,12 +6,14 @@
 //! `dV = Pᵀ·dout`, `dK = scale · dSᵀ·Q`, `dQ = scale · dS·K`.
 //!
 //! Each block owns what it writes (deterministic, no atomics). First δ per query row (into the
-//! workspace). Then, when there are enough (batch, kv head) pairs to keep every thread busy, one
-//! launch per pair walks its key tiles, summing `dK`/`dV` per tile over the group's q heads and
-//! every query tile that sees those keys, and `dQ` for the whole pair in an f32 workspace region:
-//! 5 tile products per (query tile, key tile). With fewer pairs than that, the work is split finer
-//! over two launches — per (batch, kv head, key tile) `dK`/`dV`, then per (batch, kv head, query
-//! tile) `dQ` like the forward — which recomputes the scores in both (7 tile products).
+//! workspace). Then one launch walks each (batch, kv head) pair's key tiles, summing `dK`/`dV` per
+//! tile over the group's q heads and every query tile that sees those keys, and `dQ` in an f32
+//! workspace region: 5 tile products per (query tile, key tile). Where the pairs alone would leave
+//! threads idle, each pair's query tiles are dealt to several units, which sum `dK`/`dV` over their
+//! own query tiles into partial sums that a last launch adds up ([`Route`]). Only where a pair has
+//! too few query tiles to deal out (or on AVX2 CPUs) is the work split over two launches — per
+//! (batch, kv head, key tile) `dK`/`dV`, then per (batch, kv head, query tile) `dQ` like the
+//! forward — which recompute the scores in both (7 tile products).
 //! bf16 runs every product on the AVX512-BF16 GEMM with P and dS rounded to bf16, like the forward;
 //! on CPUs without AVX512-BF16 its tiles are widened to f32 like f16's (see `on_bf16_gemm`).
 //! Every product stops at the keys its rows see, so nothing past `kv_lens` is read. On the packed
@@ -292,32 +294,40 @@ thread_local! {
     pub(crate) static ROUTE_FORCED: std::cell::Cell<Option<Route>> = const { std::cell::Cell::new(None) };
 }
 
-/// The route for `threads`: fused with one chunk where the pairs alone keep the threads equally
-/// busy — at least two per thread, or the same number per thread, since pairs carry the same work
-/// unless `kv_lens` differ; else fused with as many chunks per pair as give every thread the same
-/// number of units, where each chunk gets at least two query tiles.
+/// The route for `threads`. Fused with one chunk where the pairs alone keep the threads about
+/// equally busy (pairs carry the same work unless `kv_lens` differ); else with as many chunks per
+/// pair as give every thread the same number of units, where each chunk gets at least two query
+/// tiles; else, given at least two pairs per thread, with one chunk still; else split.
 ///
-/// At `2x2048x128` (two q heads sharing one kv head, causal) on 2 threads the split took 20.6 ms
-/// in bf16 and 39.0 in f32, where one pair per thread (`1x2x2048x128`) took 14.6 and 29.1.
+/// On 2 threads, causal, each against the route before chunks: `2x2048x128` (two q heads sharing
+/// one kv head; split before) bf16 20.5 → 15.4 ms, f32 39.0 → 28.3 — level with one pair per
+/// thread (`1x2x2048x128`, 14.6 and 28.0); 3 pairs (split before) bf16 32.0 → 22.7, f32 61.5 →
+/// 43.2; 5 pairs (one chunk each before: 3 on one thread) bf16 43.3 → 38.3, f32 82.6 → 71.3.
 fn route(g: &Geometry, threads: usize) -> Route {
     let pairs = g.batch * g.kv_heads;
-    let chosen = if pairs >= 2 * threads || pairs.is_multiple_of(threads) {
+    // Within 1/8 of an even share on the busiest thread, with one unit per pair.
+    let even = pairs.div_ceil(threads) * threads * 8 <= pairs * 9;
+    let chunks = threads / gcd(pairs, threads);
+    // AVX2's tiles (`flash_backward_avx2.rs`) take one chunk per pair only.
+    #[cfg(target_arch = "x86_64")]
+    let one_chunk_only = crate::flash_backward_avx2::applies(g);
+    #[cfg(not(target_arch = "x86_64"))]
+    let one_chunk_only = false;
+    let chosen = if even {
+        Route::Fused { chunks: 1 }
+    } else if !one_chunk_only && g.group() * g.q_len.div_ceil(TILE_ROWS) >= 2 * chunks {
+        Route::Fused { chunks }
+    } else if pairs >= 2 * threads {
         Route::Fused { chunks: 1 }
     } else {
-        let chunks = threads / gcd(pairs, threads);
-        let tiles = g.group() * g.q_len.div_ceil(TILE_ROWS);
-        if tiles >= 2 * chunks {
-            Route::Fused { chunks }
-        } else {
-            Route::Split
-        }
+        Route::Split
     };
     #[cfg(test)]
-    let chosen = ROUTE_FORCED.with(|f| f.get()).unwrap_or(chosen);
-    #[cfg(target_arch = "x86_64")]
-    if crate::flash_backward_avx2::applies(g) && chosen != (Route::Fused { chunks: 1 }) {
-        return Route::Split;
-    }
+    let chosen = match ROUTE_FORCED.with(|f| f.get()) {
+        Some(Route::Fused { chunks }) if one_chunk_only && chunks > 1 => Route::Split,
+        Some(forced) => forced,
+        None => chosen,
+    };
     chosen
 }
 

@@ -299,8 +299,8 @@ fn attention_backward_spans_many_tiles() {
 
 /// With many (batch, kv head) pairs the dK/dV launch also sums dQ (one unit per pair, no separate
 /// dQ launch): 64 pairs take that route on machines of up to 32 threads (the tests above, 2 pairs,
-/// take it on 1 or 2 threads, one pair per thread; the unit tests in `attention_backward.rs` run
-/// the split route with one pair). GQA, causal, per-sequence cache lengths.
+/// take it on 1 or 2 threads, one pair per thread; the unit tests in `attention_backward.rs` force
+/// every route with one pair). GQA, causal, per-sequence cache lengths.
 #[test]
 fn attention_backward_with_many_kv_heads_sums_dq_alongside_dk_dv() {
     setup();
