@@ -77,13 +77,15 @@ pub(crate) enum Kind {
     LogSoftmax,
 }
 
-/// Row maximum, `LANES` partial maxima at a time.
+/// Row maximum, `LANES` partial maxima at a time. Compared with `>` rather than `f32::max`: one
+/// `vmaxps` a vector where `max` adds a NaN fix-up; NaN elements are skipped all the same (a
+/// partial maximum starts at −∞ and only ever takes a larger number).
 #[inline(always)]
 pub(crate) fn row_max<T: FloatElement>(row: &[T]) -> f32 {
     let mut mx = [f32::NEG_INFINITY; LANES];
     for_lanes([row], f32::NEG_INFINITY, |[b]| {
         for (m, &v) in mx.iter_mut().zip(b) {
-            *m = m.max(v);
+            *m = if v > *m { v } else { *m };
         }
     });
     math::max_lanes(mx)
