@@ -26,8 +26,8 @@
 //! are there).
 
 use crate::attention::{
-    bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, row_len, rows_of, scores, Geometry, Rows4,
-    DIAGONAL_PIECE_ROWS, DTYPES, TILE_KEYS, TILE_ROWS,
+    bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, parts_for_even_share, row_len, rows_of, scores,
+    spreads_evenly, Geometry, Rows4, DIAGONAL_PIECE_ROWS, DTYPES, TILE_KEYS, TILE_ROWS,
 };
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
@@ -305,15 +305,13 @@ thread_local! {
 /// 43.2; 5 pairs (one chunk each before: 3 on one thread) bf16 43.3 → 38.3, f32 82.6 → 71.3.
 fn route(g: &Geometry, threads: usize) -> Route {
     let pairs = g.batch * g.kv_heads;
-    // Within 1/8 of an even share on the busiest thread, with one unit per pair.
-    let even = pairs.div_ceil(threads) * threads * 8 <= pairs * 9;
-    let chunks = threads / gcd(pairs, threads);
+    let chunks = parts_for_even_share(pairs, threads);
     // AVX2's tiles (`flash_backward_avx2.rs`) take one chunk per pair only.
     #[cfg(target_arch = "x86_64")]
     let one_chunk_only = crate::flash_backward_avx2::applies(g);
     #[cfg(not(target_arch = "x86_64"))]
     let one_chunk_only = false;
-    let chosen = if even {
+    let chosen = if spreads_evenly(pairs, threads) {
         Route::Fused { chunks: 1 }
     } else if !one_chunk_only && g.group() * g.q_len.div_ceil(TILE_ROWS) >= 2 * chunks {
         Route::Fused { chunks }
@@ -329,14 +327,6 @@ fn route(g: &Geometry, threads: usize) -> Route {
         None => chosen,
     };
     chosen
-}
-
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
 }
 
 /// Which of `chunks` units of a pair owns its query tile `item` (the pair's tiles numbered head by
