@@ -686,7 +686,7 @@ unsafe fn split_states<'a>(
     args.workspace::<f32>(base + (u * splits + split) * len, len)
 }
 
-/// Keys tiles of a unit with `kv_end` keys that range `split` of `splits` walks: whole tiles, as
+/// Key tiles of a unit with `kv_end` keys that range `split` of `splits` walks: whole tiles, as
 /// evenly as they divide.
 fn split_keys(kv_end: usize, (split, splits): (usize, usize)) -> Range<usize> {
     let tiles = kv_end.div_ceil(TILE_KEYS);
@@ -703,11 +703,10 @@ fn combine<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (base
     let o = unsafe { args.workspace::<f32>(ctx.block_idx as usize * g.forward_scratch(g.group() * g.tile_q()), dv) };
     for u in ctx.split(g.units()) {
         let t = g.query_tile(g.unit_by_head(u), fa.lens.as_ref(), "attention");
-        // SAFETY: unit u alone reads its ranges' states (the key-range step has finished).
-        let states: Vec<&[f32]> =
-            (0..splits).map(|s| &*unsafe { split_states(args, &g, base, (u, s, splits)) }).collect();
         for r in 0..t.rows() {
-            let rows = states.iter().map(|st| &st[r * width..(r + 1) * width]);
+            // SAFETY: unit u alone reads its ranges' states (the key-range step has finished).
+            let state = |s| &unsafe { split_states(args, &g, base, (u, s, splits)) }[r * width..(r + 1) * width];
+            let rows = (0..splits).map(state);
             let m = rows.clone().fold(f32::NEG_INFINITY, |m, st| m.max(st[0]));
             o.fill(0.0);
             let mut l = 0.0;
@@ -975,15 +974,14 @@ impl Op for Attention {
                 }
                 forward::<T>(args, ctx, g, (states, splits))
             });
-            let combine_blocks = g.units().clamp(1, 4 * threads) as u32;
-            let merged = Step::new("attention.combine", combine_blocks, move |args, ctx| {
-                combine::<T>(args, ctx, g, (states, splits))
-            });
+            let mut steps = vec![tiles];
             if splits > 1 {
-                vec![tiles, merged]
-            } else {
-                vec![tiles]
+                let blocks = g.units().clamp(1, 4 * threads) as u32;
+                steps.push(Step::new("attention.combine", blocks, move |args, ctx| {
+                    combine::<T>(args, ctx, g, (states, splits))
+                }));
             }
+            steps
         });
         Ok(Plan::new(steps)
             .workspace((states + states_len) * 4)

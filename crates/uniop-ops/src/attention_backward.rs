@@ -636,7 +636,7 @@ fn dkv_kernel<T: FloatElement>(
             }
         }
         for (h, i0, rows) in own_tiles().filter(|&(h, i0, _)| owns(h, i0)) {
-            let Some(sums) = dq_sums(h, i0, rows) else { break };
+            let Some(sums) = dq_sums(h, i0, rows) else { break }; // split: dQ has a launch of its own
             for (r, sums) in sums.chunks_exact_mut(d).enumerate() {
                 // SAFETY: this unit owns the rows of its query tiles in dq.
                 unsafe { store_row::<T>(&a.dq, a.dq_rows.at(b, h, i0 + r), sums, g.scale) };
