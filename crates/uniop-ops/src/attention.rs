@@ -547,10 +547,10 @@ thread_local! {
 /// `P·V`, packed for the bf16 GEMM (or AVX-512's packed f32 one) the first time a query tile of
 /// that head needs them: the head's other query tiles multiply the same tiles, and the forward's
 /// blocks take their units head by head. Packing K is a transpose; packing per product took about
-/// a sixth of the bf16 forward's time at 1x32x2048x128. A causal query tile's last tile, of which it sees only the first keys,
-/// multiplies the leading part of the packed tile; a tile reaching past the row's keys (the
-/// sequence's end, or `kv_lens`) is packed per product as before, so that nothing past the row's
-/// last key is read (a never-written cache slot may hold NaN).
+/// a sixth of the bf16 forward's time at 1x32x2048x128. A causal query tile's last tile, of which
+/// it sees only the first keys, multiplies the leading part of the packed tile; a tile reaching
+/// past the row's keys (the sequence's end, or `kv_lens`) is packed per product as before, so that
+/// nothing past the row's last key is read (a never-written cache slot may hold NaN).
 #[derive(Default)]
 struct KvPanels {
     head: Option<(usize, usize)>,

@@ -180,6 +180,16 @@ fn probs_and_dscores_row<T: FloatElement>(s: &mut [f32], dp: &mut [f32], visible
 }
 }
 
+/// The scale the scores still need, and `dK` with them: the bf16 GEMM's come unscaled (scaled as
+/// P is computed), the f32 path loads Q scaled.
+fn score_scale(g: &Geometry, bf16_gemm: bool) -> f32 {
+    if bf16_gemm {
+        g.scale
+    } else {
+        1.0
+    }
+}
+
 /// Step 1: `δ` for every query row, into the workspace's first `B·Hq·Sq` floats.
 fn delta_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
     let (dout, out) = (args.input(DOUT), args.input(OUT));
@@ -495,8 +505,7 @@ fn dkv_kernel<T: FloatElement>(
     let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
     let tr = TILE_ROWS.min(g.q_len.max(1));
     let [qt, dot, st, dpt, dk_acc, dv_acc, kt, vt] = carve(ws, dkv_tiles(&g, bf16_gemm));
-    // The f32 path loads Q scaled; the bf16 GEMM's scores are scaled as P is computed.
-    let score_scale = if bf16_gemm { g.scale } else { 1.0 };
+    let score_scale = score_scale(&g, bf16_gemm);
     let products = Products::of(bf16_gemm);
     let diagonal_rows = if products == Products::Rows { tr } else { DIAGONAL_PIECE_ROWS };
     let k_tiles = g.kv_len.div_ceil(TILE_KEYS);
@@ -519,16 +528,17 @@ fn dkv_kernel<T: FloatElement>(
         };
         let own_tiles = || {
             let heads = hkv * group..(hkv + 1) * group;
-            heads.flat_map(move |h| (0..g.q_len).step_by(tr).map(move |i0| (h, i0, tr.min(g.q_len - i0))))
+            let tiles = heads.flat_map(move |h| (0..g.q_len).step_by(tr).map(move |i0| (h, i0, tr.min(g.q_len - i0))));
+            tiles.filter(move |&(h, i0, _)| owns(h, i0))
         };
-        for (h, i0, rows) in own_tiles().filter(|&(h, i0, _)| owns(h, i0)) {
+        for (h, i0, rows) in own_tiles() {
             if let Some(sums) = dq_sums(h, i0, rows) {
                 sums.fill(0.0);
             }
         }
         let len = row_len(lens.as_ref(), b, g.kv_len, "attention_backward");
         // The unit's last query (the mask is a prefix per row: it sees the most keys).
-        let last_query = own_tiles().filter(|&(h, i0, _)| owns(h, i0)).map(|(_, i0, rows)| i0 + rows - 1).max();
+        let last_query = own_tiles().map(|(_, i0, rows)| i0 + rows - 1).max();
         for tile in first_tile..first_tile + tiles_per_unit {
             let j0 = tile * TILE_KEYS;
             let keys = TILE_KEYS.min(g.kv_len - j0);
@@ -635,7 +645,7 @@ fn dkv_kernel<T: FloatElement>(
                 _ => unsafe { store_keys::<T>(&a, &g, (b, hkv, j0), (dk_acc, dv_acc), keys, score_scale) },
             }
         }
-        for (h, i0, rows) in own_tiles().filter(|&(h, i0, _)| owns(h, i0)) {
+        for (h, i0, rows) in own_tiles() {
             let Some(sums) = dq_sums(h, i0, rows) else { break }; // split: dQ has a launch of its own
             for (r, sums) in sums.chunks_exact_mut(d).enumerate() {
                 // SAFETY: this unit owns the rows of its query tiles in dq.
@@ -704,8 +714,7 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
     let delta = unsafe { &*(args.workspace::<f32>(0, n_rows) as *const [f32]) };
     let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
     let [qt, dot, st, dpt, dq_acc, kt, vt] = carve(ws, dq_tiles(&g, bf16_gemm));
-    // As in `dkv_kernel`.
-    let score_scale = if bf16_gemm { g.scale } else { 1.0 };
+    let score_scale = score_scale(&g, bf16_gemm);
     for u in ctx.split(g.units()) {
         let t = g.query_tile(g.unit(u), lens.as_ref(), "attention_backward");
         let (b, hkv, rows) = (t.b, t.hkv, t.rows());
@@ -855,8 +864,7 @@ impl Op for AttentionBackward {
             ];
             match sums {
                 Some(sums) if sums.chunks > 1 => {
-                    // As dK is stored whole: the bf16 GEMM's sums are unscaled, the f32 path's Q scaled.
-                    let dk_scale = if bf16_gemm { g.scale } else { 1.0 };
+                    let dk_scale = score_scale(&g, bf16_gemm);
                     steps.push(Step::new("attention_backward.dkv_sum", blocks(pairs * k_tiles), move |a, c| {
                         dkv_sum_kernel::<T>(a, c, g, sums, dk_scale)
                     }));
