@@ -49,6 +49,7 @@ pub mod permute_backward;
 
 pub mod add;
 pub mod add_rms_norm;
+mod amx;
 pub mod argmax;
 pub mod cross_entropy;
 pub mod cross_entropy_backward;
@@ -115,12 +116,13 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
 }
 
 /// The instruction sets the GEMM kernels run with on this CPU, per operand dtype:
-/// `[("bfloat16", level), ("float32", level)]`, level `"avx512"` (for bf16: with AVX512-BF16's
-/// pair products), `"avx2"` or `"scalar"`. For f32 the level is that of the few-row kernel and, at
-/// `"avx512"`, of the packed kernel that runs products with a k-dense weight up to depth 2048; other
-/// f32 products run on the `gemm` crate, which picks its own. Frameworks use this to choose
-/// between their GEMM and uniop's (`uniop.torch.patch_llama` keeps torch's bf16 GEMM for
-/// prefill only where both have the pair instructions).
+/// `[("bfloat16", level), ("float32", level)]`, level `"amx"` (bf16 only: AMX tiles, with
+/// AVX512-BF16 for few-row products), `"avx512"` (for bf16: with AVX512-BF16's pair products),
+/// `"avx2"` or `"scalar"`. For f32 the level is that of the few-row kernel and, at `"avx512"`, of
+/// the packed kernel that runs products with a k-dense weight up to depth 2048; other f32 products
+/// run on the `gemm` crate, which picks its own. Frameworks use this to choose between their GEMM
+/// and uniop's (`uniop.torch.patch_llama` keeps torch's bf16 GEMM for prefill where torch's has
+/// the same instructions: pair products or AMX).
 pub fn gemm_kernels() -> [(&'static str, &'static str); 2] {
     use skinny::{Dots, Simd};
     let name = |s: Simd| match s {
@@ -128,7 +130,8 @@ pub fn gemm_kernels() -> [(&'static str, &'static str); 2] {
         Simd::Avx2 => "avx2",
         Simd::Scalar => "scalar",
     };
-    [("bfloat16", name(<uniop::half::bf16 as Dots>::best())), ("float32", name(<f32 as Dots>::best()))]
+    let bf16 = if packed_gemm::bf16_on_amx() { "amx" } else { name(<uniop::half::bf16 as Dots>::best()) };
+    [("bfloat16", bf16), ("float32", name(<f32 as Dots>::best()))]
 }
 
 /// The bytes a kernel writes from which it writes them past the cache with non-temporal stores:

@@ -176,19 +176,54 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
+/// The micro-kernel a product runs on: AMX tiles (bf16 on CPUs that have them) or a SIMD level.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Micro {
+    Amx,
+    Simd(Simd),
+}
+
+impl Micro {
+    /// The SIMD level of the few-row dot products, which AMX products hand their skinny cases to.
+    fn simd(self) -> Simd {
+        match self {
+            Micro::Amx => Simd::Avx512,
+            Micro::Simd(simd) => simd,
+        }
+    }
+}
+
+/// Whether bf16 products run on AMX tiles here (they need AVX512-BF16's conversions too).
+pub(crate) fn bf16_on_amx() -> bool {
+    <bf16 as Packed>::level() == Simd::Avx512 && crate::amx::available()
+}
+
+/// The micro-kernels this CPU runs for `E`, best first: what a test can force here.
+#[cfg(test)]
+fn micro_kernels<E: Packed>() -> impl Iterator<Item = Micro> {
+    let amx = (E::PER_WORD == 2 && bf16_on_amx()).then_some(Micro::Amx);
+    // f32 has no AVX2 packed kernel.
+    let simd = Simd::up_to(E::level()).filter(|&s| s != Simd::Avx2 || E::PER_WORD == 2);
+    amx.into_iter().chain(simd.map(Micro::Simd))
+}
+
 #[cfg(test)]
 thread_local! {
     /// Tests run each micro-kernel the machine has, not only its best.
-    static FORCED: std::cell::Cell<Option<Simd>> = const { std::cell::Cell::new(None) };
+    static FORCED: std::cell::Cell<Option<Micro>> = const { std::cell::Cell::new(None) };
 }
 
-/// The micro-kernel level to run: the CPU's best for `E` (tests may force a lower one).
-fn simd_level<E: Packed>() -> Simd {
+/// The micro-kernel to run: the CPU's best for `E` (tests may force a lower one).
+fn micro_kernel<E: Packed>() -> Micro {
     #[cfg(test)]
     if let Some(forced) = FORCED.with(|f| f.get()) {
         return forced;
     }
-    E::level()
+    if E::PER_WORD == 2 && bf16_on_amx() {
+        Micro::Amx
+    } else {
+        Micro::Simd(E::level())
+    }
 }
 
 fn grow<T: Copy + Default>(v: &mut Vec<T>, len: usize) {
@@ -215,9 +250,9 @@ pub(crate) unsafe fn gemm_rows_packed<E: Packed, O: GemmOut>(
     if rows.is_empty() || n == 0 {
         return;
     }
-    let simd = simd_level::<E>();
+    let micro = micro_kernel::<E>();
     if crate::skinny::applies(&rows, lhs, rhs) {
-        return crate::skinny::skinny(rows, n, k, dst, lhs, rhs, accumulate, simd);
+        return crate::skinny::skinny(rows, n, k, dst, lhs, rhs, accumulate, micro.simd());
     }
     SCRATCH.with_borrow_mut(|s| {
         let Scratch { a, b, c } = s;
@@ -226,7 +261,7 @@ pub(crate) unsafe fn gemm_rows_packed<E: Packed, O: GemmOut>(
             let nc = NC.min(n - jc);
             // All of B's slices for these columns, packed once and reused by every row block.
             pack_columns::<E>(b, rhs, k, jc, nc);
-            multiply(rows.clone(), (jc, nc), k, dst, lhs, (b, PackedBlock { nc, k }), accumulate, simd, (a, c));
+            multiply(rows.clone(), (jc, nc), k, dst, lhs, (b, PackedBlock { nc, k }), accumulate, micro, (a, c));
         }
     });
 }
@@ -300,14 +335,14 @@ pub(crate) unsafe fn gemm_rows_prepacked<E: Packed, O: GemmOut>(
     if rows.is_empty() || n == 0 {
         return;
     }
-    let simd = simd_level::<E>();
+    let micro = micro_kernel::<E>();
     SCRATCH.with_borrow_mut(|s| {
         let Scratch { a, c, .. } = s;
         let mut at = 0;
         for jc in (0..n).step_by(NC) {
             let block = PackedBlock { nc: NC.min(rhs.n - jc), k: rhs.k };
             let b = (&rhs.words[at..], block);
-            multiply(rows.clone(), (jc, NC.min(n - jc)), k, dst, lhs, b, accumulate, simd, (a, c));
+            multiply(rows.clone(), (jc, NC.min(n - jc)), k, dst, lhs, b, accumulate, micro, (a, c));
             at += column_block_words::<E>(rhs.k, block.nc);
         }
     });
@@ -332,9 +367,16 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
     lhs: Mat<E>,
     (b, packed): (&[u32], PackedBlock),
     accumulate: bool,
-    simd: Simd,
+    micro: Micro,
     (a, c): (&mut Vec<u32>, &mut Vec<f32>),
 ) {
+    let simd = match micro {
+        #[cfg(target_arch = "x86_64")]
+        Micro::Amx => return multiply_amx::<E, O>(rows, (jc, nc), k, dst, lhs, (b, packed), accumulate, (a, c)),
+        Micro::Simd(simd) => simd,
+        #[cfg(not(target_arch = "x86_64"))]
+        Micro::Amx => unreachable!("AMX is only detected on x86-64"),
+    };
     let (n_slices, slice) = slices::<E>(k);
     let (_, packed_slice) = slices::<E>(packed.k);
     grow(a, MC * KC_WORDS);
@@ -379,6 +421,149 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
             }
         }
     }
+}
+
+/// Rows of A an AMX product packs per slice (272 KiB, in L2): each B panel's slice is then read
+/// by eight 32-row blocks in turn before the next.
+const MC_AMX: usize = 256;
+
+/// [`multiply`] on AMX tiles (bf16): for each slice of k, A's row block is packed as rows of
+/// words ([`pack_word_rows`]), and each B panel multiplies it 32 rows at a time, the 32 × 32
+/// sums carried between slices in the scratch block and rounded into the output after the last.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn multiply_amx<E: Packed, O: GemmOut>(
+    rows: std::ops::Range<usize>,
+    (jc, nc): (usize, usize),
+    k: usize,
+    dst: Dst<O>,
+    lhs: Mat<E>,
+    (b, packed): (&[u32], PackedBlock),
+    accumulate: bool,
+    (a, c): (&mut Vec<u32>, &mut Vec<f32>),
+) {
+    use crate::amx::{Tiles, BLOCK, TILE_WORDS};
+    use std::arch::x86_64::*;
+    #[repr(C, align(64))]
+    struct Aligned<T>(T);
+    let (n_slices, slice) = slices::<E>(k);
+    let (_, packed_slice) = slices::<E>(packed.k);
+    grow(a, MC_AMX * (KC_WORDS + TILE_WORDS));
+    if n_slices > 1 {
+        grow(c, MC_AMX * NC);
+    }
+    let slice_words = packed.nc.next_multiple_of(NR) * KC_WORDS;
+    let mut block = Aligned([[0f32; BLOCK]; BLOCK]);
+    // A ragged last step of B rows, zero-padded to a whole step.
+    let mut b_last = Aligned([0u32; TILE_WORDS * NR]);
+    let tiles = Tiles::configure();
+    for ic in (rows.start..rows.end).step_by(MC_AMX) {
+        let mc = MC_AMX.min(rows.end - ic);
+        for si in 0..n_slices {
+            let (pc, kc) = slice(si);
+            let row_words = pack_word_rows(a, lhs, pc, kc, ic, mc);
+            let words = kc.div_ceil(E::PER_WORD);
+            let steps = words.div_ceil(TILE_WORDS);
+            let b_words = packed_slice(si).1.div_ceil(E::PER_WORD);
+            let last_slice = si + 1 == n_slices;
+            for jr in (0..nc).step_by(NR) {
+                let b_panel = b.as_ptr().add(si * slice_words + jr * b_words);
+                let ragged = (words % TILE_WORDS != 0).then(|| {
+                    let done = (steps - 1) * TILE_WORDS;
+                    let ragged = (words - done) * NR;
+                    std::ptr::copy_nonoverlapping(b_panel.add(done * NR), b_last.0.as_mut_ptr(), ragged);
+                    b_last.0[ragged..].fill(0);
+                    b_last.0.as_ptr()
+                });
+                for ir in (0..mc).step_by(BLOCK) {
+                    let carried = (c.as_mut_ptr().wrapping_add(ir * NC + jr), 4 * NC);
+                    if si == 0 {
+                        tiles.zero();
+                    } else {
+                        tiles.load((carried.0, carried.1));
+                    }
+                    let a_next = a.as_ptr().add((ir + BLOCK) % mc.next_multiple_of(BLOCK) * row_words);
+                    tiles.add_product(steps, (a.as_ptr().add(ir * row_words), 4 * row_words), b_panel, ragged, a_next);
+                    if !last_slice {
+                        tiles.store(carried);
+                        continue;
+                    }
+                    tiles.store((block.0.as_mut_ptr() as *mut f32, 4 * BLOCK));
+                    for r0 in (0..BLOCK.min(mc - ir)).step_by(MR) {
+                        let acc: [[__m512; 2]; MR] = std::array::from_fn(|i| {
+                            let row = block.0[r0 + i].as_ptr();
+                            [_mm512_loadu_ps(row), _mm512_loadu_ps(row.add(16))]
+                        });
+                        let (row, col) = (ic + ir + r0, jc + jr);
+                        let out = Dst { ptr: dst.ptr.offset(row as isize * dst.rs + col as isize * dst.cs), ..dst };
+                        let sink = Sink::Output { rows: MR.min(mc - ir - r0), cols: NR.min(nc - jr), accumulate };
+                        store_avx512(&acc, sink, std::ptr::null_mut(), out);
+                    }
+                }
+            }
+        }
+    }
+    drop(tiles);
+}
+
+/// Packs rows `r0..r0 + rows` × k `k0..k0 + kc` of `m` as AMX's A operand: each row's
+/// consecutive-k pairs as words, rows padded with zero words to whole tile steps and zero rows
+/// to whole blocks. Returns the words per row.
+#[cfg(target_arch = "x86_64")]
+unsafe fn pack_word_rows<E: Packed>(out: &mut [u32], m: Mat<E>, k0: usize, kc: usize, r0: usize, rows: usize) -> usize {
+    use crate::amx::{BLOCK, TILE_WORDS};
+    const LINE: usize = 16;
+    let words = kc.div_ceil(E::PER_WORD);
+    // An odd number of 64-byte lines per row: a tile's 16 rows then fall in different cache sets
+    // (at a power-of-two stride they share a few, and a 4 KiB one puts all 16 in one).
+    let row_words = match words.div_ceil(TILE_WORDS) {
+        0 => 0,
+        lines => (lines | 1) * TILE_WORDS,
+    };
+    if row_words == 0 {
+        return 0;
+    }
+    let out = &mut out[..rows.next_multiple_of(BLOCK) * row_words];
+    let block = Mat { ptr: m.ptr.offset(r0 as isize * m.rs + k0 as isize * m.cs), ..m };
+    let mut first_generic_row = 0;
+    if m.cs == 1 {
+        // k-dense rows (x, P, dS): each row's pairs are already words in memory.
+        for (i, row) in out.chunks_exact_mut(row_words).take(rows).enumerate() {
+            let halves = row.as_mut_ptr() as *mut u16;
+            std::ptr::copy_nonoverlapping(block.ptr.offset(i as isize * m.rs) as *const u16, halves, kc);
+            std::slice::from_raw_parts_mut(halves.add(kc), 2 * row_words - kc).fill(0);
+        }
+        first_generic_row = rows;
+    } else if m.rs == 1 && kc.is_multiple_of(E::PER_WORD) {
+        // Dense along the rows (a transposed operand: dS^T, P^T, x^T): 16 rows' words of one
+        // pair of k lines at a time, from the two lines' contiguous halves.
+        let mut line = [0u32; LINE];
+        for i0 in (0..rows - rows % LINE).step_by(LINE) {
+            for p in 0..words {
+                E::row_words::<LINE>(
+                    &mut line,
+                    block.ptr.offset(i0 as isize + (E::PER_WORD * p) as isize * m.cs),
+                    m.cs,
+                );
+                for (j, &word) in line.iter().enumerate() {
+                    out[(i0 + j) * row_words + p] = word;
+                }
+            }
+            for j in i0..i0 + LINE {
+                out[j * row_words + words..(j + 1) * row_words].fill(0);
+            }
+        }
+        first_generic_row = rows - rows % LINE;
+    }
+    for (i, row) in out.chunks_exact_mut(row_words).enumerate().take(rows).skip(first_generic_row) {
+        for (p, word) in row.iter_mut().enumerate() {
+            let bits = |e: usize| bits_or_zero(block, i, E::PER_WORD * p + e, rows, kc) << (16 * e);
+            *word = (0..E::PER_WORD).fold(0, |acc, e| acc | bits(e));
+        }
+    }
+    out[rows * row_words..].fill(0);
+    row_words
 }
 
 /// Element `(r, c)` of a strided matrix as a word's low bits, or 0 outside `rows × cols` (padding).
@@ -549,6 +734,21 @@ unsafe fn micro_avx512<O: GemmOut>(
             row[1] = product(row[1], ai, b1);
         }
     }
+    store_avx512(&acc, sink, c_tile, out);
+}
+
+/// Writes a finished `MR × NR` tile held in registers to `sink`: vector stores for scratch tiles
+/// and whole tiles of a row-major output, [`finish`] for the rest. Inlined into callers that
+/// bring AVX-512 (and AVX512-BF16 for a bf16 output).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn store_avx512<O: GemmOut>(
+    acc: &[[std::arch::x86_64::__m512; 2]; MR],
+    sink: Sink,
+    c_tile: *mut f32,
+    out: Dst<O>,
+) {
+    use std::arch::x86_64::*;
     match sink {
         Sink::Scratch => {
             for (i, row) in acc.iter().enumerate() {
@@ -726,14 +926,13 @@ mod tests {
             x[(r as isize * rs + c as isize * cs) as usize].to_f64()
         };
         let start: Vec<f32> = (0..m * n).map(|i| (i % 7) as f32 - 3.0).collect();
-        // f32 has no AVX2 packed kernel.
-        for simd in Simd::up_to(E::level()).filter(|&s| s != Simd::Avx2 || E::PER_WORD == 2) {
+        for micro in micro_kernels::<E>() {
             let mut out = start.clone();
             let dst = Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 };
             let (lhs, rhs) = (Mat { ptr: a.as_ptr(), rs: ars, cs: acs }, Mat { ptr: b.as_ptr(), rs: brs, cs: bcs });
             // Two calls over row bands, as two SPMD blocks would make them: the first packs B
             // itself, the second takes it packed beforehand (as attention's reused K/V tiles).
-            FORCED.with(|f| f.set(Some(simd)));
+            FORCED.with(|f| f.set(Some(micro)));
             let mut packed = PackedRhs::default();
             unsafe {
                 gemm_rows_packed(0..m / 3, n, k, dst, lhs, rhs, accumulate);
@@ -741,7 +940,7 @@ mod tests {
                 gemm_rows_prepacked(m / 3..m, (n, k), dst, lhs, &packed, accumulate);
             }
             let start_at = |at: usize| if accumulate { start[at] as f64 } else { 0.0 };
-            let what = format!("{:?} {simd:?} {m}x{k}x{n}", E::DTYPE);
+            let what = format!("{:?} {micro:?} {m}x{k}x{n}", E::DTYPE);
             let (a_at, b_at) = (|i, p| get(&a, ars, acs, i, p), |p, j| get(&b, brs, bcs, p, j));
             assert_product(&out, (m, k, n), (a_at, b_at), start_at, &what);
         }
@@ -779,6 +978,9 @@ mod tests {
         check(8, 256, 32, true, false, true);
         // k-dense operands (row-major A, column-major B) with whole and ragged 8-pair groups.
         check(20, 100, 64, false, true, false);
+        // Column-major A over more than one AMX row block: 16-row groups from pairs of k lines
+        // and a ragged rest, ragged tile steps.
+        check(800, 40, 33, true, false, true);
     }
 
     #[test]
@@ -810,9 +1012,16 @@ mod tests {
     fn prepacked_products_walk_a_leading_part_of_b() {
         // (m, walked k × n, packed k × n): one slice and block with an odd walked depth, whose
         // last pair's other half is a real element of B that A's zero padding must cancel; two
-        // slices and three column blocks packed, a part of each walked; one slice walked of three.
-        for (m, walked, packed) in [(19, (7, 45), (9, 64)), (40, (601, 530), (700, 1100)), (17, (300, 33), (1100, 40))]
-        {
+        // slices and three column blocks packed, a part of each walked; one slice walked of three;
+        // a walk ending inside a 16-word tile step. Past an even walked depth B holds NaN (as a
+        // KV cache past a row's length may): no kernel may read it.
+        let cases = [
+            (19, (7, 45), (9, 64)),
+            (40, (601, 530), (700, 1100)),
+            (17, (300, 33), (1100, 40)),
+            (35, (100, 50), (130, 64)),
+        ];
+        for (m, walked, packed) in cases {
             for b_col_major in [false, true] {
                 leading_case::<bf16>(m, walked, packed, b_col_major);
                 leading_case::<f32>(m, walked, packed, b_col_major);
@@ -821,12 +1030,17 @@ mod tests {
     }
 
     fn leading_case<E: Packed>(m: usize, (k, n): (usize, usize), (pk, pn): (usize, usize), b_col_major: bool) {
-        let (a, b) = (values::<E>(m * k, 5), values::<E>(pk * pn, 6));
+        let (a, mut b) = (values::<E>(m * k, 5), values::<E>(pk * pn, 6));
         let (brs, bcs) = if b_col_major { (1, pk as isize) } else { (pn as isize, 1) };
+        if k.is_multiple_of(2) {
+            for (p, j) in (k..pk).flat_map(|p| (0..pn).map(move |j| (p, j))) {
+                b[(p as isize * brs + j as isize * bcs) as usize] = E::from_f64(f64::NAN);
+            }
+        }
         let b_at = |p: usize, j: usize| b[(p as isize * brs + j as isize * bcs) as usize].to_f64();
         let mut out = vec![0f32; m * n];
-        for simd in Simd::up_to(E::level()).filter(|&s| s != Simd::Avx2 || E::PER_WORD == 2) {
-            FORCED.with(|f| f.set(Some(simd)));
+        for micro in micro_kernels::<E>() {
+            FORCED.with(|f| f.set(Some(micro)));
             let mut packed = PackedRhs::default();
             unsafe {
                 packed.pack(Mat { ptr: b.as_ptr(), rs: brs, cs: bcs }, pn, pk);
@@ -836,7 +1050,7 @@ mod tests {
                 );
                 gemm_rows_prepacked(0..m, (n, k), dst, lhs, &packed, false);
             }
-            let what = format!("{:?} {simd:?} {k}x{n} of {pk}x{pn}", E::DTYPE);
+            let what = format!("{:?} {micro:?} {k}x{n} of {pk}x{pn}", E::DTYPE);
             assert_product(&out, (m, k, n), (|i, p| a[i * k + p].to_f64(), b_at), |_| 0.0, &what);
         }
         FORCED.with(|f| f.set(None));

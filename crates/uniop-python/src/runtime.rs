@@ -241,7 +241,8 @@ fn share_openmp_threads(share: bool) -> PyResult<usize> {
 }
 
 /// The instruction sets uniop's GEMM kernels run with here, by operand dtype:
-/// `{"bfloat16": "avx512" | "avx2" | "scalar", "float32": ...}` (bf16's "avx512" has AVX512-BF16).
+/// `{"bfloat16": "amx" | "avx512" | "avx2" | "scalar", "float32": "avx512" | "avx2" | "scalar"}`
+/// (bf16's "avx512" has AVX512-BF16; "amx" means AMX tiles, which Linux granted this process).
 #[pyfunction]
 fn gemm_kernels(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let kernels = PyDict::new(py);

@@ -60,7 +60,9 @@ def _mlp_forward(original):
 #   uniop's 13.2, best of 12 alternations).
 # - bfloat16: uniop's where the CPU lacks AVX512-BF16: there torch's bf16 GEMM ran at ~20
 #   GFLOP/s and uniop's AVX2 one at ~134 (6.5-7.2x on the Llama shapes). With AVX512-BF16 both
-#   GEMMs use the pair instruction, run at par, and prefill keeps torch's.
+#   GEMMs use the pair instruction, run at par, and prefill keeps torch's; with AMX both use
+#   tiles, oneDNN's faster (uniop's ran the Llama shapes at 0.6-0.9x it), and prefill keeps
+#   torch's.
 # - float16 keeps torch's.
 _FEW_ROWS = 16
 
@@ -68,7 +70,7 @@ _FEW_ROWS = 16
 def _all_rows_dtypes():
     kernels = uniop.gemm_kernels()
     return ({torch.float32} if kernels["float32"] == "avx512" else set()) | (
-        {torch.bfloat16} if kernels["bfloat16"] != "avx512" else set()
+        {torch.bfloat16} if kernels["bfloat16"] in ("avx2", "scalar") else set()
     )
 
 
