@@ -99,7 +99,8 @@ impl Tiles {
     /// Adds `A · B` to the block's sums: A is 32 rows of words `a_row_bytes` apart, B the packed
     /// GEMM's panel, rows of 32 words (128 bytes), and the walk takes `steps` steps of 16 words.
     /// The last step's B rows come from `b_last` instead when given (a copy of a ragged end,
-    /// zero-padded to 16 rows, so that no row past the walk's end is read).
+    /// zero-padded to 16 rows, so that no row past the walk's end is read). `a_next` is where the
+    /// next block's A rows start, same stride: their first lines are prefetched as this walk ends.
     ///
     /// # Safety
     /// A valid for 32 rows × `16 · steps` words, B for `16 · steps` rows (or one step fewer with
@@ -115,15 +116,16 @@ impl Tiles {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
         const AHEAD: usize = 2;
         for step in 0..steps {
-            // The A lines two steps on (past the walk's end: those of the next block, whose rows
-            // `a_next` starts): tile loads do not train the hardware prefetchers.
+            // A's lines two steps on (past the walk's end, the next block's) into L1: A streams
+            // from L2, and the GEMM ran 25-30% slower without this (tile loads alone leave the
+            // hardware prefetchers behind). Prefetches never fault, so the addresses only wrap.
             let ahead = if step + AHEAD < steps {
-                a.add((step + AHEAD) * TILE_WORDS)
+                a.wrapping_add((step + AHEAD) * TILE_WORDS)
             } else {
-                a_next.add((step + AHEAD - steps) * TILE_WORDS)
+                a_next.wrapping_add((step + AHEAD - steps) * TILE_WORDS)
             };
             for row in 0..BLOCK {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.byte_add(row * a_row_bytes) as *const i8);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_byte_add(row * a_row_bytes) as *const i8);
             }
             let b_step = match b_last {
                 Some(last) if step + 1 == steps => last,
