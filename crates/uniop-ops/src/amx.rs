@@ -50,6 +50,7 @@ fn detect() -> bool {
 /// The tiles configured as the block kernel needs them, for as long as this value lives; dropping
 /// it releases them (`tilerelease`), so the thread's tile state is back to its initial, cheap to
 /// save, form between GEMMs.
+#[cfg(target_arch = "x86_64")]
 pub(crate) struct Tiles(());
 
 #[cfg(target_arch = "x86_64")]

@@ -12,6 +12,10 @@
 //! is then a transpose of words either way. Tiles deeper than one slice are carried between slices
 //! in an f32 scratch block, so the output (f32 or bf16) is rounded once.
 //!
+//! bf16 on CPUs with AMX runs on its tiles instead ([`crate::amx`]): the same B panels, whose
+//! `[word][32 columns]` rows are AMX's pair-interleaved layout already, times A packed as rows of
+//! words, 32 × 32 output blocks at a time — several times the `vdpbf16ps` kernel's throughput.
+//!
 //! bf16 on machines without AVX512-BF16 runs an AVX2 micro-kernel (or, without AVX2, a portable
 //! one) over the same packed panels: the same f32 sums, each pair widened to f32 by shifts and
 //! multiplied with FMAs, so packing, blocking and edge handling are one code path. f32 is routed
