@@ -28,7 +28,8 @@
 //! On CPUs whose best level is AVX2 (no AVX-512; for bf16, no AVX512-BF16) the forward runs
 //! the tiles of `flash_avx2.rs` instead, held transposed so that neither product packs its
 //! operands per call (why, and the layout, are there). Decode-sized tiles (under 16 rows) stay
-//! here, on the few-row dot products.
+//! here, on the few-row kernels: dot products with K's rows for the scores, and V's lines scaled
+//! by the probabilities and summed for the output (neither packs K or V).
 //!
 //! Masking. `kv_lens` (int `[B]`, optional) limits batch row `b` to its first `kv_lens[b]` keys
 //! (decode against a preallocated KV cache). `causal` aligns the mask **bottom-right**: query `i`

@@ -27,7 +27,7 @@ use crate::matmul::{Dst, Mat};
 use crate::skinny::{Dots, Simd};
 use std::cell::RefCell;
 use uniop::half::bf16;
-use uniop::Element;
+use uniop::{DType, Element};
 
 /// Rows and columns of the register tile.
 const MR: usize = 8;
@@ -257,6 +257,10 @@ pub(crate) unsafe fn gemm_rows_packed<E: Packed, O: GemmOut>(
     let micro = micro_kernel::<E>();
     if crate::skinny::applies(&rows, lhs, rhs) {
         return crate::skinny::skinny(rows, n, k, dst, lhs, rhs, accumulate, micro.simd());
+    }
+    if E::DTYPE == DType::BF16 && crate::skinny::applies_to_lines(&rows, lhs, rhs) {
+        let cast = |m: Mat<E>| Mat { ptr: m.ptr as *const bf16, rs: m.rs, cs: m.cs };
+        return crate::skinny::skinny_lines(rows, n, k, dst, cast(lhs), cast(rhs), accumulate, micro.simd());
     }
     SCRATCH.with_borrow_mut(|s| {
         let Scratch { a, b, c } = s;
@@ -996,6 +1000,18 @@ mod tests {
         check(3, 32, 9, false, true, true);
         check(4, 1, 5, false, true, false);
         check(7, 95, 66, false, true, false);
+    }
+
+    #[test]
+    fn few_rows_with_a_row_major_b_scale_its_lines() {
+        // Row bands of at most SKINNY_ROWS with both operands row-major (decode's P · V) run the
+        // line path in bf16: odd k (a last line without a partner), k = 1, column chunks whole,
+        // ragged above and below 32 and several of them, accumulate; the first band of each
+        // `check` is m / 3 rows (1 to 4 here).
+        check(3, 7, 45, false, false, false);
+        check(12, 64, 130, false, false, true);
+        check(9, 1, 20, false, false, false);
+        check(6, 301, 64, false, false, true);
     }
 
     #[test]

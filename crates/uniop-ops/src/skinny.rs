@@ -110,25 +110,209 @@ pub(crate) unsafe fn skinny<I: Dots, O: GemmOut>(
     while c < n {
         let cols = 4.min(n - c);
         let b = std::array::from_fn(|j| rhs.ptr.offset((c + j.min(cols - 1)) as isize * rhs.cs));
-        let sums: [[f32; 4]; SKINNY_ROWS] = match rows.len() {
-            1 => pad(I::dots::<1>(simd, [a[0]], b, k, ahead)),
-            2 => pad(I::dots::<2>(simd, [a[0], a[1]], b, k, ahead)),
-            3 => pad(I::dots::<3>(simd, [a[0], a[1], a[2]], b, k, ahead)),
-            _ => I::dots::<4>(simd, a, b, k, ahead),
-        };
-        for (i, r) in rows.clone().enumerate() {
-            for (j, &sum) in sums[i].iter().enumerate().take(cols) {
-                let o = dst.ptr.offset(r as isize * dst.rs + (c + j) as isize * dst.cs);
-                *o = O::from_f32(if accumulate { (*o).to_f32() + sum } else { sum });
-            }
+        let out = (dst, (rows.start, c), cols, accumulate);
+        match rows.len() {
+            1 => store_sums(&I::dots::<1>(simd, [a[0]], b, k, ahead), out),
+            2 => store_sums(&I::dots::<2>(simd, [a[0], a[1]], b, k, ahead), out),
+            3 => store_sums(&I::dots::<3>(simd, [a[0], a[1], a[2]], b, k, ahead), out),
+            _ => store_sums(&I::dots::<4>(simd, a, b, k, ahead), out),
         }
         c += cols;
     }
 }
 
-/// `R` rows of sums widened to [`SKINNY_ROWS`] (the rest unused).
-fn pad<const R: usize>(sums: [[f32; 4]; R]) -> [[f32; 4]; SKINNY_ROWS] {
-    std::array::from_fn(|i| sums.get(i).copied().unwrap_or_default())
+/// Writes (`+=` with `accumulate`) the first `cols` of each row of `sums` to `dst` at `(row,
+/// column)` onwards.
+#[inline(always)]
+unsafe fn store_sums<O: GemmOut, const N: usize>(
+    sums: &[[f32; N]],
+    (dst, (r0, c0), cols, accumulate): (Dst<O>, (usize, usize), usize, bool),
+) {
+    for (r, row) in (r0..).zip(sums) {
+        let line = dst.ptr.offset(r as isize * dst.rs + c0 as isize * dst.cs);
+        for (j, &sum) in row[..cols].iter().enumerate() {
+            let o = line.offset(j as isize * dst.cs);
+            *o = O::from_f32(if accumulate { (*o).to_f32() + sum } else { sum });
+        }
+    }
+}
+
+/// Whether [`skinny_lines`] takes a product of `rows` rows: few rows of a k-dense A times a B
+/// dense along n (row-major `[k, n]`: attention's V in decode, a `[K, N]` weight).
+pub(crate) fn applies_to_lines<T>(rows: &std::ops::Range<usize>, lhs: Mat<T>, rhs: Mat<T>) -> bool {
+    rows.len() <= SKINNY_ROWS && lhs.cs == 1 && rhs.cs == 1
+}
+
+/// `dst[rows] = lhs[rows] · rhs` (`+=` with `accumulate`) for a bf16 B whose k lines are dense
+/// along n, at level `simd`: every A element scales a line of B into the row's sums, a chunk of
+/// columns at a time. Packing such a B into panels reads and writes all of it to multiply it
+/// once — for one decode step's `P · V` that cost as much as the product (bf16 decode against
+/// 2000 keys ran at 0.7x torch's SDPA).
+///
+/// # Safety
+/// As [`crate::matmul::gemm_rows`], with [`applies_to_lines`] true.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn skinny_lines<O: GemmOut>(
+    rows: std::ops::Range<usize>,
+    n: usize,
+    k: usize,
+    dst: Dst<O>,
+    lhs: Mat<bf16>,
+    rhs: Mat<bf16>,
+    accumulate: bool,
+    simd: Simd,
+) {
+    debug_assert!(applies_to_lines(&rows, lhs, rhs));
+    let a: [*const bf16; SKINNY_ROWS] =
+        std::array::from_fn(|i| lhs.ptr.offset((rows.start + i.min(rows.len() - 1)) as isize * lhs.rs));
+    let chunk = match simd {
+        Simd::Avx512 => LINE_CHUNK,
+        _ => LINE_CHUNK / 4,
+    };
+    for c in (0..n).step_by(chunk) {
+        let cols = chunk.min(n - c);
+        let b = (rhs.ptr.add(c), rhs.rs);
+        let out = (dst, (rows.start, c), cols, accumulate);
+        match rows.len() {
+            1 => store_sums(&lines::<1>(simd, [a[0]], b, k, cols), out),
+            2 => store_sums(&lines::<2>(simd, [a[0], a[1]], b, k, cols), out),
+            3 => store_sums(&lines::<3>(simd, [a[0], a[1], a[2]], b, k, cols), out),
+            _ => store_sums(&lines::<4>(simd, a, b, k, cols), out),
+        }
+    }
+}
+
+/// Columns [`lines`] sums at once at the AVX-512 level (a quarter of them with AVX2, whose 16
+/// registers hold fewer sums).
+const LINE_CHUNK: usize = 64;
+
+/// `Σ_p a[i][p] · b[p][..cols]` over `k` lines of B (`b`: first element, line stride), f32
+/// sums, at level `simd`; `cols` at most [`LINE_CHUNK`] (a quarter of it below AVX-512).
+///
+/// # Safety
+/// Only at a level the CPU has for bf16; `a` valid for `k` elements, `b` for `k` lines of `cols`.
+unsafe fn lines<const R: usize>(
+    simd: Simd,
+    a: [*const bf16; R],
+    b: (*const bf16, isize),
+    k: usize,
+    cols: usize,
+) -> [[f32; LINE_CHUNK]; R] {
+    match simd {
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512 => lines_avx512(a, b, k, cols),
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => lines_avx2(a, b, k, cols),
+        _ => std::array::from_fn(|i| {
+            std::array::from_fn(|j| {
+                let line = |p: usize| (*b.0.offset(p as isize * b.1 + j as isize)).to_f32();
+                (0..k).filter(|_| j < cols).map(|p| (*a[i].add(p)).to_f32() * line(p)).sum()
+            })
+        }),
+    }
+}
+
+/// [`lines`] on AVX512-BF16: two lines at a time, their elements interleaved into the pairs
+/// `vdpbf16ps` multiplies with a pair of A elements. `vpunpck{l,h}wd` interleave within 128-bit
+/// lanes, so each sum register holds its columns in that order until the end puts them back.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn lines_avx512<const R: usize>(
+    a: [*const bf16; R],
+    (b, bs): (*const bf16, isize),
+    k: usize,
+    cols: usize,
+) -> [[f32; LINE_CHUNK]; R] {
+    use std::arch::x86_64::*;
+    let mask = |from: usize| -> __mmask32 {
+        let n = cols.saturating_sub(from).min(32);
+        if n == 32 {
+            u32::MAX
+        } else {
+            (1u32 << n) - 1
+        }
+    };
+    let masks = [mask(0), mask(32)];
+    let line = |p: usize| {
+        let at = b.offset(p as isize * bs) as *const i16;
+        [_mm512_maskz_loadu_epi16(masks[0], at), _mm512_maskz_loadu_epi16(masks[1], at.add(32))]
+    };
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+    let mut step = |l0: [__m512i; 2], l1: [__m512i; 2], pairs: [__m512i; R]| {
+        let v = [
+            _mm512_unpacklo_epi16(l0[0], l1[0]),
+            _mm512_unpackhi_epi16(l0[0], l1[0]),
+            _mm512_unpacklo_epi16(l0[1], l1[1]),
+            _mm512_unpackhi_epi16(l0[1], l1[1]),
+        ];
+        for (acc, pair) in acc.iter_mut().zip(pairs) {
+            for (acc, v) in acc.iter_mut().zip(v) {
+                *acc = _mm512_dpbf16_ps(
+                    *acc,
+                    std::mem::transmute::<__m512i, __m512bh>(pair),
+                    std::mem::transmute::<__m512i, __m512bh>(v),
+                );
+            }
+        }
+    };
+    let whole = k / 2 * 2;
+    for p in (0..whole).step_by(2) {
+        step(line(p), line(p + 1), a.map(|ai| _mm512_set1_epi32((ai.add(p) as *const i32).read_unaligned())));
+    }
+    if whole < k {
+        // The last line pairs with zeros.
+        let zero = [_mm512_setzero_si512(); 2];
+        step(line(whole), zero, a.map(|ai| _mm512_set1_epi32((*ai.add(whole)).to_bits() as i32)));
+    }
+    // Register `lo` of a half holds columns 8q..8q+4 of each lane q, `hi` columns 8q+4..8q+8.
+    let first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    let second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    acc.map(|[lo0, hi0, lo1, hi1]| {
+        let mut out = [0f32; LINE_CHUNK];
+        for (at, (lo, hi)) in [(0, (lo0, hi0)), (32, (lo1, hi1))] {
+            _mm512_storeu_ps(out.as_mut_ptr().add(at), _mm512_permutex2var_ps(lo, first, hi));
+            _mm512_storeu_ps(out.as_mut_ptr().add(at + 16), _mm512_permutex2var_ps(lo, second, hi));
+        }
+        out
+    })
+}
+
+/// [`lines`] with AVX2 and FMA: each line's 16 columns widened to f32 by a 16-bit shift (exact).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn lines_avx2<const R: usize>(
+    a: [*const bf16; R],
+    (b, bs): (*const bf16, isize),
+    k: usize,
+    cols: usize,
+) -> [[f32; LINE_CHUNK]; R] {
+    use std::arch::x86_64::*;
+    let widen = |v: __m128i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(v)));
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    let mut line = [0u16; LINE_CHUNK / 4];
+    for p in 0..k {
+        let at = b.offset(p as isize * bs);
+        let v = if cols == line.len() {
+            [_mm_loadu_si128(at as *const __m128i), _mm_loadu_si128(at.add(8) as *const __m128i)]
+        } else {
+            // AVX2 has no masked 16-bit loads: a ragged chunk goes through a zero-padded copy.
+            std::ptr::copy_nonoverlapping(at as *const u16, line.as_mut_ptr(), cols);
+            [_mm_loadu_si128(line.as_ptr() as *const __m128i), _mm_loadu_si128(line.as_ptr().add(8) as *const __m128i)]
+        };
+        let v = v.map(widen);
+        for (acc, &ai) in acc.iter_mut().zip(&a) {
+            let x = _mm256_set1_ps((*ai.add(p)).to_f32());
+            for (acc, v) in acc.iter_mut().zip(v) {
+                *acc = _mm256_fmadd_ps(x, v, *acc);
+            }
+        }
+    }
+    acc.map(|[lo, hi]| {
+        let mut out = [0f32; LINE_CHUNK];
+        _mm256_storeu_ps(out.as_mut_ptr(), lo);
+        _mm256_storeu_ps(out.as_mut_ptr().add(8), hi);
+        out
+    })
 }
 
 impl Dots for bf16 {
@@ -145,19 +329,19 @@ impl Dots for bf16 {
         let mut p = 0;
         while p < k {
             let mask: __mmask32 = if k - p >= 32 { u32::MAX } else { (1u32 << (k - p)) - 1 };
-            let load = |ptr: *const uniop::half::bf16| -> __m512bh {
-                std::mem::transmute(_mm512_maskz_loadu_epi16(mask, ptr.add(p) as *const i16))
-            };
-            let bv = b.map(load);
+            let mut bv = [_mm512_setzero_si512(); 4];
+            for (v, &ptr) in bv.iter_mut().zip(&b) {
+                *v = _mm512_maskz_loadu_epi16(mask, ptr.add(p) as *const i16);
+            }
             for (acc, &ai) in acc.iter_mut().zip(&a) {
-                let av = load(ai);
+                let av: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi16(mask, ai.add(p) as *const i16));
                 for (acc, &bv) in acc.iter_mut().zip(&bv) {
-                    *acc = _mm512_dpbf16_ps(*acc, av, bv);
+                    *acc = _mm512_dpbf16_ps(*acc, av, std::mem::transmute::<__m512i, __m512bh>(bv));
                 }
             }
             p += 32;
         }
-        acc.map(|row| row.map(|v| _mm512_reduce_add_ps(v)))
+        sums_of_fours(&acc)
     }
 
     /// 8 lanes per FMA, each bf16 widened by a 16-bit shift (exact). The weight rows a call
@@ -195,17 +379,19 @@ impl Dots for f32 {
         let mut p = 0;
         while p < k {
             let mask: __mmask16 = if k - p >= 16 { u16::MAX } else { (1u16 << (k - p)) - 1 };
-            let load = |ptr: *const f32| _mm512_maskz_loadu_ps(mask, ptr.add(p));
-            let bv = b.map(load);
+            let mut bv = [_mm512_setzero_ps(); 4];
+            for (v, &ptr) in bv.iter_mut().zip(&b) {
+                *v = _mm512_maskz_loadu_ps(mask, ptr.add(p));
+            }
             for (acc, &ai) in acc.iter_mut().zip(&a) {
-                let av = load(ai);
+                let av = _mm512_maskz_loadu_ps(mask, ai.add(p));
                 for (acc, &bv) in acc.iter_mut().zip(&bv) {
                     *acc = _mm512_fmadd_ps(av, bv, *acc);
                 }
             }
             p += 16;
         }
-        acc.map(|row| row.map(|v| _mm512_reduce_add_ps(v)))
+        sums_of_fours(&acc)
     }
 
     /// 8 lanes per FMA. No software prefetch: f32 rows are twice as long, and prefetching the
@@ -221,6 +407,35 @@ impl Dots for f32 {
         use std::arch::x86_64::*;
         avx2_dots(a, b, k, None, |ptr: *const f32, p: usize| _mm256_loadu_ps(ptr.add(p)))
     }
+}
+
+/// Each row's four registers summed across their lanes, the four together: two interleaving
+/// steps leave every 128-bit lane holding partial sums of all four, then the lanes are added
+/// (about a third of the instructions of four separate reductions, which dominated 64-deep
+/// products such as decode's `Q · Kᵀ` at head dim 64).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn sums_of_fours<const R: usize>(acc: &[[std::arch::x86_64::__m512; 4]; R]) -> [[f32; 4]; R] {
+    use std::arch::x86_64::*;
+    let mut sums = [[0f32; 4]; R];
+    for (out, &[v0, v1, v2, v3]) in sums.iter_mut().zip(acc) {
+        // Per lane: [v0₀+v0₂, v1₀+v1₂, v0₁+v0₃, v1₁+v1₃], and likewise for v2, v3.
+        let s01 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1)));
+        let s23 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3)));
+        // Per lane: the four registers' partial sums, in order.
+        let lanes = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(s01, s23)),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(s01, s23)),
+        );
+        let half = _mm256_add_ps(
+            _mm512_castps512_ps256(lanes),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(lanes))),
+        );
+        let quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps::<1>(half));
+        _mm_storeu_ps(out.as_mut_ptr(), quarter);
+    }
+    sums
 }
 
 /// The AVX2 dot products for any element `load` widens 8 at a time to f32, prefetching `ahead`
