@@ -81,14 +81,18 @@ fn matrix_strides(l: &Layout) -> (isize, isize) {
     (s[s.len() - 2] as isize, s[s.len() - 1] as isize)
 }
 
-/// Work split: `tiles` bands of rows per batch matrix.
+/// Work split: `tiles` bands of rows per batch matrix, each cut into `col_tiles` bands of columns.
 #[derive(Clone, Copy)]
 struct Split {
     m: usize,
     k: usize,
     n: usize,
     tiles: usize,
+    col_tiles: usize,
 }
+
+/// Columns per unit of a column band (whole register tiles of every kernel).
+const COLUMN_UNIT: usize = 64;
 
 /// A strided matrix operand: element 0 and the row and column strides, in elements.
 #[derive(Clone, Copy)]
@@ -235,20 +239,24 @@ fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, batch: &[usize], s: Spli
     let (ap, bp) = (a.storage::<T>().unwrap().as_ptr(), b.storage::<T>().unwrap().as_ptr());
     // SAFETY: blocks write disjoint row bands of the output (below).
     let op = unsafe { out.as_mut_ptr::<T>() };
-    for unit in ctx.split(lo.numel() * s.tiles) {
-        let (bi, tile) = (unit / s.tiles, unit % s.tiles);
+    let per_batch = s.tiles * s.col_tiles;
+    for unit in ctx.split(lo.numel() * per_batch) {
+        let (bi, tile, col_tile) = (unit / per_batch, unit % per_batch / s.col_tiles, unit % s.col_tiles);
         let rows = BlockCtx { block_idx: tile as u32, block_num: s.tiles as u32 }.split(s.m);
+        let units =
+            BlockCtx { block_idx: col_tile as u32, block_num: s.col_tiles as u32 }.split(s.n.div_ceil(COLUMN_UNIT));
+        let cols = units.start * COLUMN_UNIT..(units.end * COLUMN_UNIT).min(s.n);
         let (ao, bo, oo) = (la.offset_of_linear(bi), lb.offset_of_linear(bi), lo.offset_of_linear(bi));
         // SAFETY: every offset stays inside the views the executor checked; this block's output
-        // rows `rows` of batch `bi` are written by no one else.
+        // rows `rows` × columns `cols` of batch `bi` are written by no one else.
         unsafe {
             gemm_rows(
                 rows,
-                s.n,
+                cols.len(),
                 s.k,
-                Dst { ptr: op.add(oo), rs: o_rs, cs: o_cs },
+                Dst { ptr: op.offset(oo as isize + cols.start as isize * o_cs), rs: o_rs, cs: o_cs },
                 Mat { ptr: ap.add(ao), rs: a_rs, cs: a_cs },
-                Mat { ptr: bp.add(bo), rs: b_rs, cs: b_cs },
+                Mat { ptr: bp.offset(bo as isize + cols.start as isize * b_cs), rs: b_rs, cs: b_cs },
                 false,
             );
         }
@@ -289,9 +297,12 @@ impl Op for Matmul {
         let threads = uniop::runtime::Pool::global().threads();
         // Enough row bands to give every thread work, but no band thinner than 16 rows.
         let tiles = threads.div_ceil(d.batches().max(1)).min(d.m.div_ceil(16)).max(1);
-        let units = d.batches() * tiles;
+        // Too few rows to go around (decode-sized products): bands of columns too, each block
+        // streaming its share of b.
+        let col_tiles = threads.div_ceil(d.batches().max(1) * tiles).min(d.n.div_ceil(COLUMN_UNIT)).max(1);
+        let units = d.batches() * tiles * col_tiles;
         let block_dim = units.clamp(1, 4 * threads) as u32;
-        let s = Split { m: d.m, k: d.k, n: d.n, tiles };
+        let s = Split { m: d.m, k: d.k, n: d.n, tiles, col_tiles };
         let batch = std::sync::Arc::new(d.batch);
         let step = with_float_dtype!(cx.input("a").dtype, cx.op(), "a", |T| {
             Step::new("matmul", block_dim, move |args, ctx| kernel::<T>(args, ctx, &batch, s))

@@ -1012,6 +1012,9 @@ mod tests {
         check(12, 64, 130, false, false, true);
         check(9, 1, 20, false, false, false);
         check(6, 301, 64, false, false, true);
+        // A B past the cache (1 MiB) walked in blocks of lines, the last one odd and short.
+        check(3, 701, 760, false, false, true);
+        check(12, 701, 760, false, false, false);
     }
 
     #[test]

@@ -1390,6 +1390,31 @@ fn linear_with_few_rows_splits_columns() {
 }
 
 #[test]
+fn matmul_with_few_rows_splits_columns() {
+    // Fewer row bands than threads: blocks take bands of b's columns (row-major b: the bf16 line
+    // kernel; transposed b: the dot products), a ragged last column unit, odd k, f32 and bf16.
+    setup();
+    use uniop::half::bf16;
+    for (rows, k, n) in [(1, 96, 200), (3, 33, 130), (4, 7, 65)] {
+        let (a, b) = (rand_vec(rows * k, 94), rand_vec(k * n, 95));
+        let to_bf16 = |v: &[f32]| v.iter().map(|&f| bf16::from_f32(f)).collect::<Vec<_>>();
+        let (ab, bb) = (to_bf16(&a), to_bf16(&b));
+        run_checked(
+            "matmul",
+            &[Some(TensorRef::new(&a, &[rows, k]).unwrap()), Some(TensorRef::new(&b, &[k, n]).unwrap())],
+            &[],
+        );
+        run_checked(
+            "matmul",
+            &[Some(TensorRef::new(&ab, &[rows, k]).unwrap()), Some(TensorRef::new(&bb, &[k, n]).unwrap())],
+            &[],
+        );
+        let transposed = TensorRef::strided(&bb, &[k, n], &[1, k], 0).unwrap();
+        run_checked("matmul", &[Some(TensorRef::new(&ab, &[rows, k]).unwrap()), Some(transposed)], &[]);
+    }
+}
+
+#[test]
 fn cat_joins_along_any_dim_and_reads_strided_inputs() {
     setup();
     let a = [1.0f32, 2.0, 3.0, 4.0];
