@@ -2,7 +2,7 @@
 //! `[out_features, in_features]`. The transpose is free (swapped strides into the GEMM); the bias
 //! is written first and the product accumulated onto it, so the output is touched once.
 
-use crate::matmul::{gemm_rows, Dst, Mat, DTYPES};
+use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
 use uniop::layout::ShapeDisplay;
 use uniop::{
     with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, KernelArgs, LayoutNeed, Op, OpCx, Plan, RefTensor,
@@ -76,10 +76,7 @@ fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands) {
     let (xp, wp) = (x.storage::<T>().unwrap().as_ptr(), w.storage::<T>().unwrap().as_ptr());
     let (rows, cols) = match bands {
         Bands::Rows => (ctx.split(d.rows), 0..d.n),
-        Bands::Columns => {
-            let units = ctx.split(d.n.div_ceil(COLUMN_UNIT));
-            (0..d.rows, units.start * COLUMN_UNIT..(units.end * COLUMN_UNIT).min(d.n))
-        }
+        Bands::Columns => (0..d.rows, column_band(ctx, d.n, COLUMN_UNIT)),
     };
     if cols.is_empty() {
         return;

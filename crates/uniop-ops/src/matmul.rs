@@ -94,6 +94,13 @@ struct Split {
 /// Columns per unit of a column band (whole register tiles of every kernel).
 const COLUMN_UNIT: usize = 64;
 
+/// The columns of `n` that `part` owns when they are cut into bands of whole `unit`s (the last
+/// unit may be ragged): a block's share of the output columns in a column split.
+pub(crate) fn column_band(part: BlockCtx, n: usize, unit: usize) -> std::ops::Range<usize> {
+    let units = part.split(n.div_ceil(unit));
+    units.start * unit..(units.end * unit).min(n)
+}
+
 /// A strided matrix operand: element 0 and the row and column strides, in elements.
 #[derive(Clone, Copy)]
 pub(crate) struct Mat<T> {
@@ -237,15 +244,14 @@ fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, batch: &[usize], s: Spli
     let ((a_rs, a_cs), (b_rs, b_cs), (o_rs, o_cs)) =
         (matrix_strides(a.layout()), matrix_strides(b.layout()), matrix_strides(out.layout()));
     let (ap, bp) = (a.storage::<T>().unwrap().as_ptr(), b.storage::<T>().unwrap().as_ptr());
-    // SAFETY: blocks write disjoint row bands of the output (below).
+    // SAFETY: blocks write disjoint row × column bands of the output (below).
     let op = unsafe { out.as_mut_ptr::<T>() };
     let per_batch = s.tiles * s.col_tiles;
     for unit in ctx.split(lo.numel() * per_batch) {
         let (bi, tile, col_tile) = (unit / per_batch, unit % per_batch / s.col_tiles, unit % s.col_tiles);
         let rows = BlockCtx { block_idx: tile as u32, block_num: s.tiles as u32 }.split(s.m);
-        let units =
-            BlockCtx { block_idx: col_tile as u32, block_num: s.col_tiles as u32 }.split(s.n.div_ceil(COLUMN_UNIT));
-        let cols = units.start * COLUMN_UNIT..(units.end * COLUMN_UNIT).min(s.n);
+        let cols =
+            column_band(BlockCtx { block_idx: col_tile as u32, block_num: s.col_tiles as u32 }, s.n, COLUMN_UNIT);
         let (ao, bo, oo) = (la.offset_of_linear(bi), lb.offset_of_linear(bi), lo.offset_of_linear(bi));
         // SAFETY: every offset stays inside the views the executor checked; this block's output
         // rows `rows` × columns `cols` of batch `bi` are written by no one else.
