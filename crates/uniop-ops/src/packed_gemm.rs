@@ -169,11 +169,49 @@ impl Packed for f32 {
 #[derive(Default)]
 struct Scratch {
     /// Packed A block: `MC / MR` panels of `[words][MR]` words.
-    a: Vec<u32>,
+    a: LineBuf<u32>,
     /// Packed B slice: `NC / NR` panels of `[words][NR]` words.
-    b: Vec<u32>,
+    b: LineBuf<u32>,
     /// f32 tiles carried between slices: `[row of the row block][NC]`.
-    c: Vec<f32>,
+    c: LineBuf<f32>,
+}
+
+/// A scratch buffer of 4-byte elements that starts on a cache line, so that every 64-byte row of
+/// a packed panel's tile or vector load is one line of memory. A `Vec<u32>`'s allocation is only
+/// 16-byte aligned: each such row then spanned two lines, and the AMX GEMM ran 20-25% slower
+/// (2048³ bf16 on one thread: 0.59x -> 0.74x torch's oneDNN).
+#[derive(Default)]
+pub(crate) struct LineBuf<T> {
+    lines: Vec<Line<T>>,
+}
+
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Default)]
+struct Line<T>([T; 16]);
+
+impl<T: Copy + Default> LineBuf<T> {
+    /// Makes room for at least `len` elements (never shrinks; new elements are zero).
+    fn grow(&mut self, len: usize) {
+        const { assert!(std::mem::size_of::<T>() == 4, "a line holds 16 four-byte elements") };
+        if self.lines.len() * 16 < len {
+            self.lines.resize(len.div_ceil(16), Line::default());
+        }
+    }
+}
+
+impl<T> std::ops::Deref for LineBuf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: a `Line<T>` is 16 `T`s and, for the 4-byte `T`s used here, no padding.
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr() as *const T, self.lines.len() * 16) }
+    }
+}
+
+impl<T> std::ops::DerefMut for LineBuf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as `deref`, under the exclusive borrow of the lines.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr() as *mut T, self.lines.len() * 16) }
+    }
 }
 
 thread_local! {
@@ -230,12 +268,6 @@ fn micro_kernel<E: Packed>() -> Micro {
     }
 }
 
-fn grow<T: Copy + Default>(v: &mut Vec<T>, len: usize) {
-    if v.len() < len {
-        v.resize(len, T::default());
-    }
-}
-
 /// `dst[rows] = lhs[rows] · rhs` (`+=` with `accumulate`), `k`-deep, `n` columns; bf16 or f32
 /// operands, f32 sums, one rounding to `O` at the end.
 ///
@@ -264,7 +296,7 @@ pub(crate) unsafe fn gemm_rows_packed<E: Packed, O: GemmOut>(
     }
     SCRATCH.with_borrow_mut(|s| {
         let Scratch { a, b, c } = s;
-        grow(b, column_block_words::<E>(k, NC));
+        b.grow(column_block_words::<E>(k, NC));
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
             // All of B's slices for these columns, packed once and reused by every row block.
@@ -303,7 +335,7 @@ unsafe fn pack_columns<E: Packed>(out: &mut [u32], rhs: Mat<E>, k: usize, jc: us
 /// would pack on each call. The buffer is reused across packs.
 #[derive(Default)]
 pub(crate) struct PackedRhs {
-    words: Vec<u32>,
+    words: LineBuf<u32>,
     n: usize,
     k: usize,
 }
@@ -315,7 +347,7 @@ impl PackedRhs {
     /// `rhs` must be valid for `k × n` elements at its strides.
     pub unsafe fn pack<E: Packed>(&mut self, rhs: Mat<E>, n: usize, k: usize) {
         let blocks = (0..n).step_by(NC).map(|jc| (jc, NC.min(n - jc)));
-        grow(&mut self.words, blocks.clone().map(|(_, nc)| column_block_words::<E>(k, nc)).sum());
+        self.words.grow(blocks.clone().map(|(_, nc)| column_block_words::<E>(k, nc)).sum());
         let mut at = 0;
         for (jc, nc) in blocks {
             pack_columns::<E>(&mut self.words[at..], rhs, k, jc, nc);
@@ -376,7 +408,7 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
     (b, packed): (&[u32], PackedBlock),
     accumulate: bool,
     micro: Micro,
-    (a, c): (&mut Vec<u32>, &mut Vec<f32>),
+    (a, c): (&mut LineBuf<u32>, &mut LineBuf<f32>),
 ) {
     let simd = match micro {
         #[cfg(target_arch = "x86_64")]
@@ -387,9 +419,9 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
     };
     let (n_slices, slice) = slices::<E>(k);
     let (_, packed_slice) = slices::<E>(packed.k);
-    grow(a, MC * KC_WORDS);
+    a.grow(MC * KC_WORDS);
     if n_slices > 1 {
-        grow(c, MC * NC);
+        c.grow(MC * NC);
     }
     let slice_words = packed.nc.next_multiple_of(NR) * KC_WORDS;
     for ic in (rows.start..rows.end).step_by(MC) {
@@ -450,7 +482,7 @@ unsafe fn multiply_amx<E: Packed, O: GemmOut>(
     lhs: Mat<E>,
     (b, packed): (&[u32], PackedBlock),
     accumulate: bool,
-    (a, c): (&mut Vec<u32>, &mut Vec<f32>),
+    (a, c): (&mut LineBuf<u32>, &mut LineBuf<f32>),
 ) {
     use crate::amx::{Tiles, BLOCK, TILE_WORDS};
     use std::arch::x86_64::*;
@@ -458,9 +490,9 @@ unsafe fn multiply_amx<E: Packed, O: GemmOut>(
     struct Aligned<T>(T);
     let (n_slices, slice) = slices::<E>(k);
     let (_, packed_slice) = slices::<E>(packed.k);
-    grow(a, MC_AMX * (KC_WORDS + TILE_WORDS));
+    a.grow(MC_AMX * (KC_WORDS + TILE_WORDS));
     if n_slices > 1 {
-        grow(c, MC_AMX * NC);
+        c.grow(MC_AMX * NC);
     }
     let slice_words = packed.nc.next_multiple_of(NR) * KC_WORDS;
     let mut block = Aligned([[0f32; BLOCK]; BLOCK]);
