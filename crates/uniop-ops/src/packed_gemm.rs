@@ -32,8 +32,14 @@ use uniop::{DType, Element};
 /// Rows and columns of the register tile.
 const MR: usize = 8;
 const NR: usize = 32;
-/// Depth of one packed slice in words (512 bf16 or 256 f32: a 32 KiB B panel either way).
+/// Depth of one packed slice in words for the SIMD micro-kernels (512 bf16 or 256 f32: a 32 KiB
+/// B panel either way, which stays in L1 while the A panels stream past it).
 const KC_WORDS: usize = 256;
+/// Depth of one packed slice in words for AMX (2048 bf16). Its operands come from L2 whatever the
+/// depth (a 32-row block of A and a 32-column panel of B are 32 KiB each already at 256 words, more
+/// than L1 holds beside each other), so deeper slices only save the carried sums' tile stores and
+/// loads: 2048³ bf16 ran 0.78x -> 0.86x torch's oneDNN here, [512,4096]x[4096,11008] 0.79x -> 0.87x.
+const KC_AMX_WORDS: usize = 1024;
 /// Rows of A packed at once, and columns of B.
 const MC: usize = 64;
 const NC: usize = 512;
@@ -226,6 +232,14 @@ enum Micro {
 }
 
 impl Micro {
+    /// Words of k in one packed slice for this micro-kernel.
+    fn slice_words(self) -> usize {
+        match self {
+            Micro::Amx => KC_AMX_WORDS,
+            Micro::Simd(_) => KC_WORDS,
+        }
+    }
+
     /// The SIMD level of the few-row dot products, which AMX products hand their skinny cases to.
     fn simd(self) -> Simd {
         match self {
@@ -297,36 +311,45 @@ pub(crate) unsafe fn gemm_rows_packed<E: Packed, O: GemmOut>(
     SCRATCH.with_borrow_mut(|s| {
         let Scratch { a, b, c } = s;
         b.grow(column_block_words::<E>(k, NC));
+        let slice_words = micro.slice_words();
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
             // All of B's slices for these columns, packed once and reused by every row block.
-            pack_columns::<E>(b, rhs, k, jc, nc);
-            multiply(rows.clone(), (jc, nc), k, dst, lhs, (b, PackedBlock { nc, k }), accumulate, micro, (a, c));
+            pack_columns::<E>(b, rhs, k, (jc, nc), slice_words);
+            let packed = PackedBlock { nc, k, slice_words };
+            multiply(rows.clone(), (jc, nc), k, dst, lhs, (b, packed), accumulate, micro, (a, c));
         }
     });
 }
 
-/// K slices of `KC_WORDS` words (the last may be shorter) for a depth of `k` elements: their
+/// K slices of `slice_words` words (the last may be shorter) for a depth of `k` elements: their
 /// count and each one's `(first element, elements)`. k == 0 still gets one (empty) slice so the
 /// output is written.
-fn slices<E: Packed>(k: usize) -> (usize, impl Fn(usize) -> (usize, usize)) {
-    let kc_max = KC_WORDS * E::PER_WORD;
+fn slices<E: Packed>(k: usize, slice_words: usize) -> (usize, impl Fn(usize) -> (usize, usize)) {
+    let kc_max = slice_words * E::PER_WORD;
     (k.div_ceil(kc_max).max(1), move |si: usize| (si * kc_max, kc_max.min(k - si * kc_max)))
 }
 
 /// Words one column block of `nc` columns of a `k`-deep B takes packed: whole panels, each
-/// slice's words a column (every slice but the last has `KC_WORDS`, which locates the slices).
+/// slice's words a column (every slice but the last has the full slice depth, which locates the
+/// slices).
 fn column_block_words<E: Packed>(k: usize, nc: usize) -> usize {
     nc.next_multiple_of(NR) * k.div_ceil(E::PER_WORD)
 }
 
-/// Packs columns `jc..jc + nc` of `rhs` (`k` deep), every slice, into `out`.
-unsafe fn pack_columns<E: Packed>(out: &mut [u32], rhs: Mat<E>, k: usize, jc: usize, nc: usize) {
-    let (n_slices, slice) = slices::<E>(k);
-    let slice_words = nc.next_multiple_of(NR) * KC_WORDS;
+/// Packs columns `jc..jc + nc` of `rhs` (`k` deep), every slice of `slice_words`, into `out`.
+unsafe fn pack_columns<E: Packed>(
+    out: &mut [u32],
+    rhs: Mat<E>,
+    k: usize,
+    (jc, nc): (usize, usize),
+    slice_words: usize,
+) {
+    let (n_slices, slice) = slices::<E>(k, slice_words);
+    let slice_stride = nc.next_multiple_of(NR) * slice_words;
     for si in 0..n_slices {
         let (pc, kc) = slice(si);
-        pack::<E, NR>(&mut out[si * slice_words..], rhs, pc, kc, jc, nc);
+        pack::<E, NR>(&mut out[si * slice_stride..], rhs, pc, kc, jc, nc);
     }
 }
 
@@ -338,6 +361,7 @@ pub(crate) struct PackedRhs {
     words: LineBuf<u32>,
     n: usize,
     k: usize,
+    slice_words: usize,
 }
 
 impl PackedRhs {
@@ -348,12 +372,13 @@ impl PackedRhs {
     pub unsafe fn pack<E: Packed>(&mut self, rhs: Mat<E>, n: usize, k: usize) {
         let blocks = (0..n).step_by(NC).map(|jc| (jc, NC.min(n - jc)));
         self.words.grow(blocks.clone().map(|(_, nc)| column_block_words::<E>(k, nc)).sum());
+        let slice_words = micro_kernel::<E>().slice_words();
         let mut at = 0;
         for (jc, nc) in blocks {
-            pack_columns::<E>(&mut self.words[at..], rhs, k, jc, nc);
+            pack_columns::<E>(&mut self.words[at..], rhs, k, (jc, nc), slice_words);
             at += column_block_words::<E>(k, nc);
         }
-        (self.n, self.k) = (n, k);
+        (self.n, self.k, self.slice_words) = (n, k, slice_words);
     }
 }
 
@@ -380,7 +405,7 @@ pub(crate) unsafe fn gemm_rows_prepacked<E: Packed, O: GemmOut>(
         let Scratch { a, c, .. } = s;
         let mut at = 0;
         for jc in (0..n).step_by(NC) {
-            let block = PackedBlock { nc: NC.min(rhs.n - jc), k: rhs.k };
+            let block = PackedBlock { nc: NC.min(rhs.n - jc), k: rhs.k, slice_words: rhs.slice_words };
             let b = (&rhs.words[at..], block);
             multiply(rows.clone(), (jc, NC.min(n - jc)), k, dst, lhs, b, accumulate, micro, (a, c));
             at += column_block_words::<E>(rhs.k, block.nc);
@@ -389,11 +414,13 @@ pub(crate) unsafe fn gemm_rows_prepacked<E: Packed, O: GemmOut>(
 }
 
 /// How one column block of B lies packed (by [`pack_columns`]): its width and depth, which a
-/// product may walk only the leading part of.
+/// product may walk only the leading part of, and the depth of its slices, which the product's
+/// slices follow.
 #[derive(Clone, Copy)]
 struct PackedBlock {
     nc: usize,
     k: usize,
+    slice_words: usize,
 }
 
 /// Rows `rows` of `dst`'s columns `jc..jc + nc` from `lhs`, `k` deep, and B's block packed in
@@ -417,13 +444,13 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
         #[cfg(not(target_arch = "x86_64"))]
         Micro::Amx => unreachable!("AMX is only detected on x86-64"),
     };
-    let (n_slices, slice) = slices::<E>(k);
-    let (_, packed_slice) = slices::<E>(packed.k);
-    a.grow(MC * KC_WORDS);
+    let (n_slices, slice) = slices::<E>(k, packed.slice_words);
+    let (_, packed_slice) = slices::<E>(packed.k, packed.slice_words);
+    a.grow(MC * packed.slice_words);
     if n_slices > 1 {
         c.grow(MC * NC);
     }
-    let slice_words = packed.nc.next_multiple_of(NR) * KC_WORDS;
+    let slice_stride = packed.nc.next_multiple_of(NR) * packed.slice_words;
     for ic in (rows.start..rows.end).step_by(MC) {
         let mc = MC.min(rows.end - ic);
         for si in 0..n_slices {
@@ -433,7 +460,7 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
             let words = kc.div_ceil(E::PER_WORD);
             let b_words = packed_slice(si).1.div_ceil(E::PER_WORD);
             for jr in (0..nc).step_by(NR) {
-                let b_panel = b.as_ptr().add(si * slice_words + jr * b_words);
+                let b_panel = b.as_ptr().add(si * slice_stride + jr * b_words);
                 for ir in (0..mc).step_by(MR) {
                     let a_panel = a.as_ptr().add(ir * words);
                     let c_tile = c.as_mut_ptr().wrapping_add(ir * NC + jr);
@@ -463,9 +490,9 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
     }
 }
 
-/// Rows of A an AMX product packs per slice (136 KiB, in L2): each B panel's slice is then read
-/// by four 32-row blocks in turn before the next (64 and 128 rows ran 2-10% faster than 256 and
-/// 512 on the Llama shapes).
+/// Rows of A an AMX product packs per slice (520 KiB at the full slice depth, in L2): each B
+/// panel's slice is then read by four 32-row blocks in turn before the next (64 and 128 rows ran
+/// 2-10% faster than 256 and 512 on the Llama shapes; 64 ran no faster than 128 with deep slices).
 const MC_AMX: usize = 128;
 
 /// [`multiply`] on AMX tiles (bf16): for each slice of k, A's row block is packed as rows of
@@ -488,13 +515,13 @@ unsafe fn multiply_amx<E: Packed, O: GemmOut>(
     use std::arch::x86_64::*;
     #[repr(C, align(64))]
     struct Aligned<T>(T);
-    let (n_slices, slice) = slices::<E>(k);
-    let (_, packed_slice) = slices::<E>(packed.k);
-    a.grow(MC_AMX * (KC_WORDS + TILE_WORDS));
+    let (n_slices, slice) = slices::<E>(k, packed.slice_words);
+    let (_, packed_slice) = slices::<E>(packed.k, packed.slice_words);
+    a.grow(MC_AMX * (packed.slice_words + TILE_WORDS));
     if n_slices > 1 {
         c.grow(MC_AMX * NC);
     }
-    let slice_words = packed.nc.next_multiple_of(NR) * KC_WORDS;
+    let slice_stride = packed.nc.next_multiple_of(NR) * packed.slice_words;
     let mut block = Aligned([[0f32; BLOCK]; BLOCK]);
     // A ragged last step of B rows, zero-padded to a whole step.
     let mut b_last = Aligned([0u32; TILE_WORDS * NR]);
@@ -509,7 +536,7 @@ unsafe fn multiply_amx<E: Packed, O: GemmOut>(
             let b_words = packed_slice(si).1.div_ceil(E::PER_WORD);
             let last_slice = si + 1 == n_slices;
             for jr in (0..nc).step_by(NR) {
-                let b_panel = b.as_ptr().add(si * slice_words + jr * b_words);
+                let b_panel = b.as_ptr().add(si * slice_stride + jr * b_words);
                 let ragged = (words % TILE_WORDS != 0).then(|| {
                     let done = (steps - 1) * TILE_WORDS;
                     let ragged = (words - done) * NR;
@@ -1016,6 +1043,9 @@ mod tests {
         check(9, 513, 70, true, true, false);
         check(33, 64, 2100, false, true, false);
         check(8, 256, 32, true, false, true);
+        // Several of AMX's deeper slices: whole ones and a ragged last (k-dense B), an odd k.
+        check(40, 2100, 40, false, true, true);
+        check(33, 4099, 20, true, false, false);
         // k-dense operands (row-major A, column-major B) with whole and ragged 8-pair groups.
         check(20, 100, 64, false, true, false);
         // Column-major A over more than one AMX row block: 16-row groups from pairs of k lines
@@ -1068,13 +1098,15 @@ mod tests {
         // (m, walked k × n, packed k × n): one slice and block with an odd walked depth, whose
         // last pair's other half is a real element of B that A's zero padding must cancel; two
         // slices and three column blocks packed, a part of each walked; one slice walked of three;
-        // a walk ending inside a 16-word tile step. Past an even walked depth B holds NaN (as a
-        // KV cache past a row's length may): no kernel may read it.
+        // a walk ending inside a 16-word tile step; AMX's deeper slices, one and part of the next
+        // walked of three. Past an even walked depth B holds NaN (as a KV cache past a row's length
+        // may): no kernel may read it.
         let cases = [
             (19, (7, 45), (9, 64)),
             (40, (601, 530), (700, 1100)),
             (17, (300, 33), (1100, 40)),
             (35, (100, 50), (130, 64)),
+            (17, (2100, 33), (4200, 40)),
         ];
         for (m, walked, packed) in cases {
             for b_col_major in [false, true] {
