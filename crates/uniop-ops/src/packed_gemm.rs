@@ -187,7 +187,7 @@ struct Scratch {
 /// 16-byte aligned: each such row then spanned two lines, and the AMX GEMM ran 20-25% slower
 /// (2048³ bf16 on one thread: 0.59x -> 0.74x torch's oneDNN).
 #[derive(Default)]
-pub(crate) struct LineBuf<T> {
+struct LineBuf<T> {
     lines: Vec<Line<T>>,
 }
 

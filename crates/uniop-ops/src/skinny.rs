@@ -252,9 +252,10 @@ unsafe fn lines<const R: usize>(
         _ => std::array::from_fn(|i| {
             std::array::from_fn(|j| {
                 let line = |p: usize| (*b.0.offset(p as isize * b.1 + j as isize)).to_f32();
-                match j < cols {
-                    true => (0..k).map(|p| (*a[i].add(p)).to_f32() * line(p)).sum(),
-                    false => 0.0,
+                if j < cols {
+                    (0..k).map(|p| (*a[i].add(p)).to_f32() * line(p)).sum()
+                } else {
+                    0.0
                 }
             })
         }),
