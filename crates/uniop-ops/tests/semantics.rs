@@ -1389,6 +1389,37 @@ fn linear_with_few_rows_splits_columns() {
     }
 }
 
+/// Linears with more rows than the few-row paths take but fewer than outputs per block (a prefill
+/// against an MLP weight): bf16 on AMX takes them transposed in bands of columns, with bias,
+/// ragged row and column blocks; the same with the weight a transposed view (no longer dense
+/// along k), and in f32.
+#[test]
+fn linear_with_fewer_rows_than_outputs_matches_the_reference() {
+    setup();
+    use uniop::half::bf16;
+    for (rows, k, n) in [(40, 100, 300), (70, 301, 200)] {
+        let (x, w, b) = (rand_vec(rows * k, 96), rand_vec(n * k, 97), rand_vec(n, 98));
+        let to_bf16 = |v: &[f32]| v.iter().map(|&f| bf16::from_f32(f)).collect::<Vec<_>>();
+        let (xb, wb, bb) = (to_bf16(&x), to_bf16(&w), to_bf16(&b));
+        for weight_dense_along_k in [true, false] {
+            // The transposed view reads `w` as `[k, n]` storage: other values, the same check.
+            let (w_shape, w_strides) = ([n, k], if weight_dense_along_k { [k, 1] } else { [1, n] });
+            let inputs = [
+                Some(TensorRef::new(&xb, &[rows, k]).unwrap()),
+                Some(TensorRef::strided(&wb, &w_shape, &w_strides, 0).unwrap()),
+                Some(TensorRef::new(&bb, &[n]).unwrap()),
+            ];
+            assert_eq!(run_checked("linear", &inputs, &[]).remove(0).len(), rows * n);
+        }
+        let inputs = [
+            Some(TensorRef::new(&x, &[rows, k]).unwrap()),
+            Some(TensorRef::new(&w, &[n, k]).unwrap()),
+            Some(TensorRef::new(&b, &[n]).unwrap()),
+        ];
+        run_checked("linear", &inputs, &[]);
+    }
+}
+
 #[test]
 fn matmul_with_few_rows_splits_columns() {
     // Fewer row bands than threads: blocks take bands of b's columns (row-major b: the bf16 line
