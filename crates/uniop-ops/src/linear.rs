@@ -140,15 +140,8 @@ impl Op for Linear {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let d = dims(cx)?;
         let threads = uniop::runtime::Pool::global().threads();
-        // bf16 on AMX takes `x · weightᵀ` transposed when a band has no more rows than columns (see
-        // `packed_gemm::gemm_rows_packed`), and then copies the weight once per 128-row block of x:
-        // bands of columns give each block its share of the weight to copy instead of all of it.
-        let weight_rows_dense = cx.input("weight").layout.strides()[1] == 1;
-        let transposed = cx.input("x").dtype == DType::BF16
-            && crate::packed_gemm::bf16_on_amx()
-            && weight_rows_dense
-            && d.rows <= d.n / threads;
-        let (bands, block_dim) = if (d.rows < 16 * threads || transposed) && d.n >= 2 * COLUMN_UNIT {
+        let columns = crate::packed_gemm::split_columns(cx.input("x").dtype, d.rows, d.n, threads);
+        let (bands, block_dim) = if (d.rows < 16 * threads || columns) && d.n >= 2 * COLUMN_UNIT {
             (Bands::Columns, d.n.div_ceil(COLUMN_UNIT).min(threads))
         } else {
             (Bands::Rows, d.rows.div_ceil(16).clamp(1, threads))

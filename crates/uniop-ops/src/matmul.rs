@@ -301,8 +301,13 @@ impl Op for Matmul {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let d = dims(cx)?;
         let threads = uniop::runtime::Pool::global().threads();
-        // Enough row bands to give every thread work, but no band thinner than 16 rows.
-        let tiles = threads.div_ceil(d.batches().max(1)).min(d.m.div_ceil(16)).max(1);
+        // Enough row bands to give every thread work, but no band thinner than 16 rows — or one
+        // band of all rows where bands of columns pay (see `packed_gemm::split_columns`).
+        let tiles = if d.batches() == 1 && crate::packed_gemm::split_columns(cx.input("a").dtype, d.m, d.n, threads) {
+            1
+        } else {
+            threads.div_ceil(d.batches().max(1)).min(d.m.div_ceil(16)).max(1)
+        };
         // Too few rows to go around (decode-sized products): bands of columns too, each block
         // streaming its share of b.
         let col_tiles = threads.div_ceil(d.batches().max(1) * tiles).min(d.n.div_ceil(COLUMN_UNIT)).max(1);

@@ -254,6 +254,14 @@ pub(crate) fn bf16_on_amx() -> bool {
     <bf16 as Packed>::level() == Simd::Avx512 && crate::amx::available()
 }
 
+/// Whether `threads` blocks should split a `dtype` product of `rows` rows and `n` columns by
+/// columns rather than rows. bf16 on AMX packs B (or, taken transposed, copies it) in every block
+/// that multiplies it, which costs as much as a fifth of the products when the rows are few
+/// against the columns; bands of columns give each block only its share to pack.
+pub(crate) fn split_columns(dtype: DType, rows: usize, n: usize, threads: usize) -> bool {
+    dtype == DType::BF16 && bf16_on_amx() && rows <= n / threads
+}
+
 /// The micro-kernels this CPU runs for `E`, best first: what a test can force here.
 #[cfg(test)]
 fn micro_kernels<E: Packed>() -> impl Iterator<Item = Micro> {
