@@ -67,7 +67,7 @@ enum Bands {
 }
 
 /// Output columns per unit of a column band (keeps bands on whole register tiles).
-const COLUMN_UNIT: usize = 32;
+pub(crate) const COLUMN_UNIT: usize = 32;
 
 fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands) {
     let (x, w, out) = (args.input(0), args.input(1), args.output(0));

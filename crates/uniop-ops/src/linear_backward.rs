@@ -1,11 +1,13 @@
 //! `linear_backward(dy, x, weight) -> (dx, dweight, dbias)`, the gradient of
 //! [`linear`](crate::linear): `dx = dy · weight`, `dweight = dyᵀ · x`, `dbias = Σ_rows dy`.
 //!
-//! Two launches, each block owning whole output rows (no atomics, deterministic): rows of `dx`,
-//! then rows of `dweight` together with the matching entries of `dbias`. Transposes are strides.
+//! Two launches, each block owning a band of an output (no atomics, deterministic): rows of `dx`
+//! (or, for bf16 on AMX with few rows, its columns), then rows of `dweight` together with the
+//! matching entries of `dbias`. Transposes are strides.
 
-use crate::linear::{x_and_weight, Dims};
-use crate::matmul::{gemm_rows, Dst, Mat, DTYPES};
+use crate::linear::{x_and_weight, Dims, COLUMN_UNIT};
+use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
+use crate::packed_gemm::split_columns;
 use uniop::{
     with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,
     RefTensor, Result, Step, TensorMeta,
@@ -22,18 +24,22 @@ fn dims(cx: &OpCx) -> Result<Dims> {
     Ok(d)
 }
 
-/// Step 1: rows of `dx = dy · weight` (`[rows, n] · [n, k]`).
-fn dx_kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims) {
+/// Step 1: `dx = dy · weight` (`[rows, n] · [n, k]`), each block a band of rows or, where
+/// [`split_columns`] says so, a band of columns (then it packs only its share of the weight).
+fn dx_kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, columns: bool) {
     let (dy, w, dx) = (args.input(0), args.input(2), args.output(0));
-    // SAFETY: all operands contiguous (plan); this block owns dx rows `split(rows)`.
+    let (rows, cols) =
+        if columns { (0..d.rows, column_band(ctx, d.k, COLUMN_UNIT)) } else { (ctx.split(d.rows), 0..d.k) };
+    // SAFETY: all operands contiguous (plan); this block owns dx rows `rows` × columns `cols`.
     unsafe {
+        let w = w.storage::<T>().unwrap().as_ptr().add(w.layout().offset() + cols.start);
         gemm_rows(
-            ctx.split(d.rows),
-            d.k,
+            rows,
+            cols.len(),
             d.n,
-            Dst { ptr: dx.as_mut_ptr::<T>().add(dx.layout().offset()), rs: d.k as isize, cs: 1 },
+            Dst { ptr: dx.as_mut_ptr::<T>().add(dx.layout().offset() + cols.start), rs: d.k as isize, cs: 1 },
             Mat { ptr: dy.storage::<T>().unwrap().as_ptr().add(dy.layout().offset()), rs: d.n as isize, cs: 1 },
-            Mat { ptr: w.storage::<T>().unwrap().as_ptr().add(w.layout().offset()), rs: d.k as isize, cs: 1 },
+            Mat { ptr: w, rs: d.k as isize, cs: 1 },
             false,
         );
     }
@@ -101,10 +107,12 @@ impl Op for LinearBackward {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let d = dims(cx)?;
         let threads = uniop::runtime::Pool::global().threads();
-        let (dx_blocks, dw_blocks) =
-            (d.rows.div_ceil(16).clamp(1, threads) as u32, d.n.div_ceil(16).clamp(1, threads) as u32);
+        let columns = split_columns(cx.input("x").dtype, d.rows, d.k, threads);
+        let dx_blocks =
+            if columns { d.k.div_ceil(COLUMN_UNIT).min(threads) } else { d.rows.div_ceil(16).clamp(1, threads) };
+        let dw_blocks = d.n.div_ceil(16).clamp(1, threads) as u32;
         let steps = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| vec![
-            Step::new("linear_backward.dx", dx_blocks, move |a, c| dx_kernel::<T>(a, c, d)),
+            Step::new("linear_backward.dx", dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)),
             Step::new("linear_backward.dweight", dw_blocks, move |a, c| dw_kernel::<T>(a, c, d)),
         ]);
         Ok(Plan::new(steps).inputs_need(vec![LayoutNeed::Contiguous; 3]).outputs_need(vec![LayoutNeed::Contiguous; 3]))

@@ -648,19 +648,27 @@ unsafe fn pack_word_rows<E: Packed>(out: &mut [u32], m: Mat<E>, k0: usize, kc: u
         }
         first_generic_row = rows;
     } else if m.rs == 1 && kc.is_multiple_of(E::PER_WORD) {
-        // Dense along the rows (a transposed operand: dS^T, P^T, x^T): 16 rows' words of one
-        // pair of k lines at a time, from the two lines' contiguous halves.
-        let mut line = [0u32; LINE];
+        // Dense along the rows (a transposed operand: dS^T, P^T, dy^T): 16 rows' words of one
+        // pair of k lines at a time, from the two lines' contiguous halves, gathered 16 pairs
+        // deep and transposed into the rows (stored one word at a time, the rows' scattered
+        // stores had a tenth of linear_backward's samples).
+        let mut lines = [[0u32; LINE]; LINE];
         for i0 in (0..rows - rows % LINE).step_by(LINE) {
-            for p in 0..words {
-                E::row_words::<LINE>(
-                    &mut line,
-                    block.ptr.offset(i0 as isize + (E::PER_WORD * p) as isize * m.cs),
-                    m.cs,
-                );
-                for (j, &word) in line.iter().enumerate() {
-                    out[(i0 + j) * row_words + p] = word;
+            for p0 in (0..words).step_by(LINE) {
+                let depth = LINE.min(words - p0);
+                for (p, line) in lines.iter_mut().enumerate().take(depth) {
+                    let pair = block.ptr.offset(i0 as isize + (E::PER_WORD * (p0 + p)) as isize * m.cs);
+                    E::row_words::<LINE>(line, pair, m.cs);
                 }
+                let to = out[i0 * row_words + p0..].as_mut_ptr();
+                crate::transpose::transpose_words(
+                    to,
+                    row_words,
+                    lines.as_ptr() as *const u8,
+                    4 * LINE as isize,
+                    depth,
+                    LINE,
+                );
             }
             for j in i0..i0 + LINE {
                 out[j * row_words + words..(j + 1) * row_words].fill(0);

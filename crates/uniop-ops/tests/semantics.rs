@@ -1420,6 +1420,27 @@ fn linear_with_fewer_rows_than_outputs_matches_the_reference() {
     }
 }
 
+/// bf16 gradients of a linear with fewer rows than in_features per block: on AMX, dx is split
+/// by columns (each block packing its share of the weight); ragged column bands and blocks, the
+/// 16-row groups of dyᵀ packed for dweight with a ragged rest and depth.
+#[test]
+fn linear_backward_with_few_rows_matches_the_reference() {
+    setup();
+    use uniop::half::bf16;
+    let to_bf16 = |v: &[f32]| v.iter().map(|&f| bf16::from_f32(f)).collect::<Vec<_>>();
+    for (rows, k, n) in [(40, 300, 100), (70, 200, 37)] {
+        let (dy, x, w) =
+            (to_bf16(&rand_vec(rows * n, 125)), to_bf16(&rand_vec(rows * k, 126)), to_bf16(&rand_vec(n * k, 127)));
+        let inputs = [
+            Some(TensorRef::new(&dy, &[rows, n]).unwrap()),
+            Some(TensorRef::new(&x, &[rows, k]).unwrap()),
+            Some(TensorRef::new(&w, &[n, k]).unwrap()),
+        ];
+        let grads = run_checked("linear_backward", &inputs, &[]);
+        assert_eq!(grads.iter().map(Vec::len).collect::<Vec<_>>(), [rows * k, n * k, n]);
+    }
+}
+
 #[test]
 fn matmul_with_few_rows_splits_columns() {
     // Fewer row bands than threads: blocks take bands of b's columns (row-major b: the bf16 line
