@@ -581,10 +581,16 @@ unsafe fn multiply_amx<E: Packed, O: GemmOut>(
                 });
                 for ir in (0..mc).step_by(BLOCK) {
                     let carried = (c.as_mut_ptr().wrapping_add(ir * NC + jr), 4 * NC);
-                    if si == 0 {
-                        tiles.zero();
-                    } else {
-                        tiles.load((carried.0, carried.1));
+                    let corner = dst.ptr.offset((ic + ir) as isize * dst.rs + (jc + jr) as isize * dst.cs);
+                    // A whole block of a row-major f32 output (attention's scores and P·V sums):
+                    // the tiles start from it when accumulating and end in it, with no epilogue
+                    // (which cost about as much as the products at attention's 128-deep k).
+                    let in_place = !O::IS_BF16 && dst.cs == 1 && dst.rs > 0 && mc - ir >= BLOCK && nc - jr >= NR;
+                    let in_place = in_place.then_some((corner as *mut f32, 4 * dst.rs as usize));
+                    match (si, in_place) {
+                        (0, Some(output)) if accumulate => tiles.load((output.0, output.1)),
+                        (0, _) => tiles.zero(),
+                        _ => tiles.load((carried.0, carried.1)),
                     }
                     let a_next = a.as_ptr().wrapping_add((ir + BLOCK) * row_words);
                     tiles.add_product(steps, (a.as_ptr().add(ir * row_words), 4 * row_words), b_panel, ragged, a_next);
@@ -592,8 +598,11 @@ unsafe fn multiply_amx<E: Packed, O: GemmOut>(
                         tiles.store(carried);
                         continue;
                     }
+                    if let Some(output) = in_place {
+                        tiles.store(output);
+                        continue;
+                    }
                     tiles.store((block.0.as_mut_ptr() as *mut f32, 4 * BLOCK));
-                    let corner = dst.ptr.offset((ic + ir) as isize * dst.rs + (jc + jr) as isize * dst.cs);
                     let (mut rows, mut cols) = (BLOCK.min(mc - ir), NR.min(nc - jr));
                     let mut out = Dst { ptr: corner, ..dst };
                     let mut result = &block.0;
