@@ -254,6 +254,11 @@ pub(crate) fn bf16_on_amx() -> bool {
     <bf16 as Packed>::level() == Simd::Avx512 && crate::amx::available()
 }
 
+/// The least depth at which AMX takes a product of k-dense operands transposed: each 32 × 32
+/// output block's transpose costs about 70 / k of its products (the tiny Llama's 384-deep
+/// linears ran 1.3x torch's untransposed, 1.0-1.2x transposed).
+const AMX_TRANSPOSED_MIN_K: usize = 1024;
+
 /// Whether `threads` blocks should split a `dtype` product of `rows` rows and `n` columns by
 /// columns rather than rows. bf16 on AMX packs B (or, taken transposed, copies it) in every block
 /// that multiplies it, which costs as much as a fifth of the products when the rows are few
@@ -316,12 +321,14 @@ pub(crate) unsafe fn gemm_rows_packed<E: Packed, O: GemmOut>(
         let cast = |m: Mat<E>| Mat { ptr: m.ptr as *const bf16, rs: m.rs, cs: m.cs };
         return crate::skinny::skinny_lines(rows, n, k, dst, cast(lhs), cast(rhs), accumulate, micro.simd());
     }
-    if micro == Micro::Amx && lhs.cs == 1 && rhs.rs == 1 && rhs.cs != 1 && rows.len() <= n {
+    let deep = k >= AMX_TRANSPOSED_MIN_K;
+    if micro == Micro::Amx && deep && lhs.cs == 1 && rhs.rs == 1 && rhs.cs != 1 && rows.len() <= n {
         // Both operands dense along k (x times a `[N, K]` weight): AMX's A operand is rows of k
         // pairs, a copy of such rows, while its B operand is k-pair-interleaved columns, a
         // transpose of them. So the product is taken transposed, `dstᵀ = rhsᵀ · lhsᵀ`: the larger
         // operand is copied and only the smaller one transposed (for `linear` at 512 rows the
-        // weight's transpose had a fifth of the samples, a quarter of the GEMM's time).
+        // weight's transpose had a fifth of the samples, a quarter of the GEMM's time), at the
+        // price of transposing each 32 × 32 block of the output.
         let transpose = |m: Mat<E>| Mat { ptr: m.ptr, rs: m.cs, cs: m.rs };
         let lhs_rows = Mat { ptr: lhs.ptr.offset(rows.start as isize * lhs.rs), ..lhs };
         let dst_rows = Dst { ptr: dst.ptr.offset(rows.start as isize * dst.rs), rs: dst.cs, cs: dst.rs };
@@ -1110,11 +1117,12 @@ mod tests {
         check(33, 4099, 20, true, false, false);
         // k-dense operands (row-major A, column-major B) with whole and ragged 8-pair groups.
         check(20, 100, 64, false, true, false);
-        // k-dense operands with a first band of fewer rows than columns (AMX takes the product
-        // transposed): two row blocks of the transposed product, ragged column blocks, accumulate,
-        // an odd k; and an unequal k-dense pair with more rows than columns (not transposed).
-        check(150, 300, 170, false, true, true);
-        check(99, 301, 40, false, true, false);
+        // k-dense operands with a first band of fewer rows than columns, at least
+        // AMX_TRANSPOSED_MIN_K deep (AMX takes the product transposed): two row blocks of the
+        // transposed product, ragged column blocks, accumulate, an odd k; and an unequal k-dense
+        // pair with more rows than columns (not transposed).
+        check(150, 1030, 170, false, true, true);
+        check(99, 1101, 40, false, true, false);
         check(600, 40, 33, false, true, false);
         // Column-major A over more than one AMX row block: 16-row groups from pairs of k lines
         // and a ragged rest, ragged tile steps.

@@ -1390,14 +1390,14 @@ fn linear_with_few_rows_splits_columns() {
 }
 
 /// Linears with more rows than the few-row paths take but fewer than outputs per block (a prefill
-/// against an MLP weight): bf16 on AMX takes them transposed in bands of columns, with bias,
-/// ragged row and column blocks; the same with the weight a transposed view (no longer dense
-/// along k), and in f32.
+/// against an MLP weight): bf16 on AMX splits them in bands of columns and (at least 1024 deep)
+/// takes them transposed, with bias, ragged row and column blocks; the same with the weight a
+/// transposed view (no longer dense along k), and in f32.
 #[test]
 fn linear_with_fewer_rows_than_outputs_matches_the_reference() {
     setup();
     use uniop::half::bf16;
-    for (rows, k, n) in [(40, 100, 300), (70, 301, 200)] {
+    for (rows, k, n) in [(40, 1030, 300), (70, 301, 200)] {
         let (x, w, b) = (rand_vec(rows * k, 96), rand_vec(n * k, 97), rand_vec(n, 98));
         let to_bf16 = |v: &[f32]| v.iter().map(|&f| bf16::from_f32(f)).collect::<Vec<_>>();
         let (xb, wb, bb) = (to_bf16(&x), to_bf16(&w), to_bf16(&b));
