@@ -60,9 +60,10 @@ def _mlp_forward(original):
 #   uniop's 13.2, best of 12 alternations).
 # - bfloat16: uniop's where the CPU lacks AVX512-BF16: there torch's bf16 GEMM ran at ~20
 #   GFLOP/s and uniop's AVX2 one at ~134 (6.5-7.2x on the Llama shapes). With AVX512-BF16 both
-#   GEMMs use the pair instruction, run at par, and prefill keeps torch's; with AMX both use
-#   tiles, oneDNN's faster (uniop's ran the Llama shapes at 0.6-0.9x it), and prefill keeps
-#   torch's.
+#   GEMMs use the pair instruction, run at par, and prefill keeps torch's. With AMX both use
+#   tiles, and uniop's ran the tiny Llama's four 512-row linears 1.03-1.17x oneDNN's in all
+#   (0.7-0.85x on 384 -> 1024, 1.2-1.4x on the others; alternated, medians), so prefill takes
+#   uniop's: bf16 prefill 1.07-1.17x -> 1.25-1.28x patched.
 # - float16 keeps torch's.
 _FEW_ROWS = 16
 
@@ -70,7 +71,7 @@ _FEW_ROWS = 16
 def _all_rows_dtypes():
     kernels = uniop.gemm_kernels()
     return ({torch.float32} if kernels["float32"] == "avx512" else set()) | (
-        {torch.bfloat16} if kernels["bfloat16"] in ("avx2", "scalar") else set()
+        {torch.bfloat16} if kernels["bfloat16"] in ("avx2", "scalar", "amx") else set()
     )
 
 
