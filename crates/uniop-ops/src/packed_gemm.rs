@@ -322,7 +322,8 @@ pub(crate) unsafe fn gemm_rows_packed<E: Packed, O: GemmOut>(
         return crate::skinny::skinny_lines(rows, n, k, dst, cast(lhs), cast(rhs), accumulate, micro.simd());
     }
     let deep = k >= AMX_TRANSPOSED_MIN_K;
-    if micro == Micro::Amx && deep && lhs.cs == 1 && rhs.rs == 1 && rhs.cs != 1 && rows.len() <= n {
+    let transposed = micro == Micro::Amx && deep && lhs.cs == 1 && rhs.rs == 1 && rhs.cs != 1 && rows.len() <= n;
+    let (rows, n, dst, lhs, rhs) = if transposed {
         // Both operands dense along k (x times a `[N, K]` weight): AMX's A operand is rows of k
         // pairs, a copy of such rows, while its B operand is k-pair-interleaved columns, a
         // transpose of them. So the product is taken transposed, `dstᵀ = rhsᵀ · lhsᵀ`: the larger
@@ -332,23 +333,10 @@ pub(crate) unsafe fn gemm_rows_packed<E: Packed, O: GemmOut>(
         let transpose = |m: Mat<E>| Mat { ptr: m.ptr, rs: m.cs, cs: m.rs };
         let lhs_rows = Mat { ptr: lhs.ptr.offset(rows.start as isize * lhs.rs), ..lhs };
         let dst_rows = Dst { ptr: dst.ptr.offset(rows.start as isize * dst.rs), rs: dst.cs, cs: dst.rs };
-        return packed_product(0..n, rows.len(), k, dst_rows, transpose(rhs), transpose(lhs_rows), accumulate, micro);
-    }
-    packed_product(rows, n, k, dst, lhs, rhs, accumulate, micro)
-}
-
-/// [`gemm_rows_packed`] once the micro-kernel and the operands' roles are settled.
-#[allow(clippy::too_many_arguments)]
-unsafe fn packed_product<E: Packed, O: GemmOut>(
-    rows: std::ops::Range<usize>,
-    n: usize,
-    k: usize,
-    dst: Dst<O>,
-    lhs: Mat<E>,
-    rhs: Mat<E>,
-    accumulate: bool,
-    micro: Micro,
-) {
+        (0..n, rows.len(), dst_rows, transpose(rhs), transpose(lhs_rows))
+    } else {
+        (rows, n, dst, lhs, rhs)
+    };
     SCRATCH.with_borrow_mut(|s| {
         let Scratch { a, b, c } = s;
         b.grow(column_block_words::<E>(k, NC));

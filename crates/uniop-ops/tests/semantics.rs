@@ -1363,60 +1363,34 @@ fn causal_softmax_masks_bottom_right_and_softmax_backward_is_its_gradient() {
     assert_close(&dx[0], &fd, "dx");
 }
 
-/// Decode-shaped linears (a few rows, many outputs) split the output columns across blocks and,
-/// in bf16, take dot products straight from the weight: bias, ragged last band, f32 and bf16.
+/// Linears split by output columns across blocks: decode-shaped ones (a few rows, many outputs;
+/// in bf16 dot products straight from the weight), and ones with more rows than that but fewer
+/// than outputs per block (a prefill against an MLP weight: bf16 on AMX splits them by columns
+/// and, at least 1024 deep, takes them transposed). Bias, ragged bands and blocks, the weight
+/// dense along k and a transposed view of it, f32 and bf16.
 #[test]
-fn linear_with_few_rows_splits_columns() {
+fn linear_split_by_columns_matches_the_reference() {
     setup();
     use uniop::half::bf16;
-    for (rows, k, n) in [(1, 96, 200), (3, 33, 130), (2, 64, 64)] {
+    let to_bf16 = |v: &[f32]| v.iter().map(|&f| bf16::from_f32(f)).collect::<Vec<_>>();
+    for (rows, k, n) in [(1, 96, 200), (3, 33, 130), (2, 64, 64), (40, 1030, 300), (70, 301, 200)] {
         let (x, w, b) = (rand_vec(rows * k, 91), rand_vec(n * k, 92), rand_vec(n, 93));
-        let inputs = [
-            Some(TensorRef::new(&x, &[rows, k]).unwrap()),
-            Some(TensorRef::new(&w, &[n, k]).unwrap()),
-            Some(TensorRef::new(&b, &[n]).unwrap()),
-        ];
-        let y = run_checked("linear", &inputs, &[]).remove(0);
-        assert_eq!(y.len(), rows * n);
-        let to_bf16 = |v: &[f32]| v.iter().map(|&f| bf16::from_f32(f)).collect::<Vec<_>>();
         let (xb, wb, bb) = (to_bf16(&x), to_bf16(&w), to_bf16(&b));
-        let inputs = [
-            Some(TensorRef::new(&xb, &[rows, k]).unwrap()),
-            Some(TensorRef::new(&wb, &[n, k]).unwrap()),
-            Some(TensorRef::new(&bb, &[n]).unwrap()),
-        ];
-        run_checked("linear", &inputs, &[]);
-    }
-}
-
-/// Linears with more rows than the few-row paths take but fewer than outputs per block (a prefill
-/// against an MLP weight): bf16 on AMX splits them in bands of columns and (at least 1024 deep)
-/// takes them transposed, with bias, ragged row and column blocks; the same with the weight a
-/// transposed view (no longer dense along k), and in f32.
-#[test]
-fn linear_with_fewer_rows_than_outputs_matches_the_reference() {
-    setup();
-    use uniop::half::bf16;
-    for (rows, k, n) in [(40, 1030, 300), (70, 301, 200)] {
-        let (x, w, b) = (rand_vec(rows * k, 96), rand_vec(n * k, 97), rand_vec(n, 98));
-        let to_bf16 = |v: &[f32]| v.iter().map(|&f| bf16::from_f32(f)).collect::<Vec<_>>();
-        let (xb, wb, bb) = (to_bf16(&x), to_bf16(&w), to_bf16(&b));
-        for weight_dense_along_k in [true, false] {
-            // The transposed view reads `w` as `[k, n]` storage: other values, the same check.
-            let (w_shape, w_strides) = ([n, k], if weight_dense_along_k { [k, 1] } else { [1, n] });
+        // The transposed view reads the weight's storage as `[k, n]`: other values, the same check.
+        for strides in [[k, 1], [1, n]] {
             let inputs = [
-                Some(TensorRef::new(&xb, &[rows, k]).unwrap()),
-                Some(TensorRef::strided(&wb, &w_shape, &w_strides, 0).unwrap()),
-                Some(TensorRef::new(&bb, &[n]).unwrap()),
+                Some(TensorRef::new(&x, &[rows, k]).unwrap()),
+                Some(TensorRef::strided(&w, &[n, k], &strides, 0).unwrap()),
+                Some(TensorRef::new(&b, &[n]).unwrap()),
             ];
             assert_eq!(run_checked("linear", &inputs, &[]).remove(0).len(), rows * n);
+            let inputs = [
+                Some(TensorRef::new(&xb, &[rows, k]).unwrap()),
+                Some(TensorRef::strided(&wb, &[n, k], &strides, 0).unwrap()),
+                Some(TensorRef::new(&bb, &[n]).unwrap()),
+            ];
+            run_checked("linear", &inputs, &[]);
         }
-        let inputs = [
-            Some(TensorRef::new(&x, &[rows, k]).unwrap()),
-            Some(TensorRef::new(&w, &[n, k]).unwrap()),
-            Some(TensorRef::new(&b, &[n]).unwrap()),
-        ];
-        run_checked("linear", &inputs, &[]);
     }
 }
 
