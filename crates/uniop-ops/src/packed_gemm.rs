@@ -652,33 +652,29 @@ unsafe fn pack_word_rows<E: Packed>(out: &mut [u32], m: Mat<E>, k0: usize, kc: u
         }
         first_generic_row = rows;
     } else if m.rs == 1 && kc.is_multiple_of(E::PER_WORD) {
-        // Dense along the rows (a transposed operand: dS^T, P^T, dy^T): 16 rows' words of one
-        // pair of k lines at a time, from the two lines' contiguous halves, gathered 16 pairs
+        // Dense along the rows (a transposed operand: dS^T, P^T, dy^T, a^T): 16 rows' words of
+        // one pair of k lines at a time, from the two lines' contiguous halves, gathered 16 pairs
         // deep and transposed into the rows (stored one word at a time, the rows' scattered
-        // stores had a tenth of linear_backward's samples).
+        // stores had a tenth of linear_backward's samples). The pairs of lines are the outer
+        // walk, so each line is read once, in order, for all the row groups (row groups outside
+        // read each line 32 bytes at a time, a new page per line at a 4 KiB stride).
         let mut lines = [[0u32; LINE]; LINE];
-        for i0 in (0..rows - rows % LINE).step_by(LINE) {
-            for p0 in (0..words).step_by(LINE) {
-                let depth = LINE.min(words - p0);
+        let whole_groups = rows - rows % LINE;
+        for p0 in (0..words).step_by(LINE) {
+            let depth = LINE.min(words - p0);
+            for i0 in (0..whole_groups).step_by(LINE) {
                 for (p, line) in lines.iter_mut().enumerate().take(depth) {
                     let pair = block.ptr.offset(i0 as isize + (E::PER_WORD * (p0 + p)) as isize * m.cs);
                     E::row_words::<LINE>(line, pair, m.cs);
                 }
-                let to = out[i0 * row_words + p0..].as_mut_ptr();
-                crate::transpose::transpose_words(
-                    to,
-                    row_words,
-                    lines.as_ptr() as *const u8,
-                    4 * LINE as isize,
-                    depth,
-                    LINE,
-                );
-            }
-            for j in i0..i0 + LINE {
-                out[j * row_words + words..(j + 1) * row_words].fill(0);
+                let (to, from) = (out[i0 * row_words + p0..].as_mut_ptr(), lines.as_ptr() as *const u8);
+                crate::transpose::transpose_words(to, row_words, from, 4 * LINE as isize, depth, LINE);
             }
         }
-        first_generic_row = rows - rows % LINE;
+        for row in out.chunks_exact_mut(row_words).take(whole_groups) {
+            row[words..].fill(0);
+        }
+        first_generic_row = whole_groups;
     }
     for (i, row) in out.chunks_exact_mut(row_words).enumerate().take(rows).skip(first_generic_row) {
         for (p, word) in row.iter_mut().enumerate() {
