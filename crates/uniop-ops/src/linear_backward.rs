@@ -109,7 +109,7 @@ impl Op for LinearBackward {
         let threads = uniop::runtime::Pool::global().threads();
         let columns = split_columns(cx.input("x").dtype, d.rows, d.k, threads);
         let dx_blocks =
-            if columns { d.k.div_ceil(COLUMN_UNIT).min(threads) } else { d.rows.div_ceil(16).clamp(1, threads) };
+            if columns { d.k.div_ceil(COLUMN_UNIT).clamp(1, threads) } else { d.rows.div_ceil(16).clamp(1, threads) };
         let dw_blocks = d.n.div_ceil(16).clamp(1, threads) as u32;
         let steps = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| vec![
             Step::new("linear_backward.dx", dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)),
