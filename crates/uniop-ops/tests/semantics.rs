@@ -1422,10 +1422,11 @@ fn matmul_with_few_rows_splits_columns() {
     // Fewer row bands than threads: blocks take bands of b's columns (row-major b: the bf16 line
     // kernel; transposed b: the dot products), a ragged last column unit, odd k, f32 and bf16.
     // The last two: more rows than those paths take, but (bf16 on AMX) fewer than columns per
-    // block, so one band of all rows is split by columns (transposed b: taken transposed).
+    // block, so one band of all rows is split by columns (transposed b at least 1024 deep, as in
+    // the first of them: taken transposed).
     setup();
     use uniop::half::bf16;
-    for (rows, k, n) in [(1, 96, 200), (3, 33, 130), (4, 7, 65), (40, 100, 300), (70, 301, 200)] {
+    for (rows, k, n) in [(1, 96, 200), (3, 33, 130), (4, 7, 65), (40, 1030, 300), (70, 301, 200)] {
         let (a, b) = (rand_vec(rows * k, 94), rand_vec(k * n, 95));
         let to_bf16 = |v: &[f32]| v.iter().map(|&f| bf16::from_f32(f)).collect::<Vec<_>>();
         let (ab, bb) = (to_bf16(&a), to_bf16(&b));
