@@ -463,66 +463,192 @@ pub(crate) unsafe fn scores(
     );
 }
 
+/// Where [`online_softmax_row`] leaves a row's probabilities.
+pub(crate) enum Probabilities<'a> {
+    /// Over the row's scores, in f32 (for the f32 `P·V` product).
+    InPlace,
+    /// Rounded to bf16 into a row of their own, as torch's flash attention rounds P for bf16 (for
+    /// the bf16 `P·V` product); the scores stay as they were.
+    Bf16(&'a mut [bf16]),
+}
+
+/// How far (in scaled scores) a row's new scores may rise above its running max `m` before
+/// [`online_softmax_row`] takes a new max: up to e^8 ≈ 3000 for a probability, far from f32's range.
+const LAZY_MAX_MARGIN: f32 = 8.0;
+
 crate::simd_kernel! {
 /// One online-softmax step for a row of unscaled scores `s` (the first `visible` of which are
 /// unmasked): updates the running max `m` and sum `l` of the scores times `scale`, rescales the
-/// output row `o`, and leaves `s` holding the probabilities (0 where masked) for the `P·V`
+/// output row `o`, and leaves the probabilities (0 where masked) where `p` says, for the `P·V`
 /// product. The scale is applied here, inside the passes the row needs anyway, rather than in
 /// a pass of its own over the score tile. Their exp is [`math::exp_for`] the output type `T`.
-fn online_softmax_row<T: FloatElement>(s: &mut [f32], scale: f32, visible: usize, m: &mut f32, l: &mut f32, o: &mut [f32]) {
-    let (live, masked) = s.split_at_mut(visible.min(s.len()));
-    masked.fill(0.0);
-    let (body, tail) = live.split_at_mut(live.len() - live.len() % W);
-    // The tail runs through the same vector code, padded to a whole step; its padding is kept
-    // out of the max and the sum by selects (no scalar loop of exps: rows here are short, and a
-    // tail is up to W − 1 of their elements).
-    let mut padded = [0f32; W];
-    padded[..tail.len()].copy_from_slice(tail);
-    // The largest scaled score is the scale times the largest raw one, or the smallest for a
-    // negative scale: one compare a lane, no multiply.
-    let extreme = if scale >= 0.0 { row_extreme::<false>(body, tail) } else { row_extreme::<true>(body, tail) };
-    let new_m = (extreme * scale).max(*m);
-    if new_m == f32::NEG_INFINITY {
-        return; // nothing visible yet: `s` is all zeros, m and l stay empty
-    }
-    let mut sums = [0f32; W];
-    for c in body.chunks_exact_mut(W) {
-        for (a, v) in sums.iter_mut().zip(c) {
-            *v = math::exp_for::<T>(v.mul_add(scale, -new_m));
-            *a += *v;
+///
+/// With a separate bf16 row the running max is kept lazily (as FlashAttention-4 does): once a
+/// row has one, a tile's exps are taken against it in the same pass that finds the tile's max,
+/// and only a tile rising more than [`LAZY_MAX_MARGIN`] above it is taken again against its own
+/// max. `o / l` is the same for any reference max; the separate max pass and its reduction were
+/// a third of this function's time in bf16 attention on AMX (where the products are fast).
+fn online_softmax_row<T: FloatElement>(s: &mut [f32], p: Probabilities<'_>, scale: f32, visible: usize, m: &mut f32, l: &mut f32, o: &mut [f32]) {
+    let live = visible.min(s.len());
+    let (sum, new_m) = match p {
+        Probabilities::InPlace => {
+            s[live..].fill(0.0);
+            let Some(new_m) = running_max(&s[..live], scale, *m) else { return };
+            (exp_pass::<T, false, false>(&mut s[..live], &mut [], scale, new_m).0, new_m)
         }
+        Probabilities::Bf16(p) if bf16::converts_natively() => bf16_probabilities::<T, true>(&mut s[..live], p, scale, *m),
+        Probabilities::Bf16(p) => bf16_probabilities::<T, false>(&mut s[..live], p, scale, *m),
+    };
+    if new_m == f32::NEG_INFINITY {
+        return; // nothing visible yet: the probabilities are zeros, m and l stay empty
     }
-    for (i, (a, v)) in sums.iter_mut().zip(&mut padded).enumerate() {
-        let p = math::exp_for::<T>(v.mul_add(scale, -new_m));
-        *v = if i < tail.len() { p } else { 0.0 };
-        *a += *v;
-    }
-    tail.copy_from_slice(&padded[..tail.len()]);
     if new_m > *m {
         let alpha = math::exp(*m - new_m);
         o.iter_mut().for_each(|v| *v *= alpha);
         *l *= alpha;
         *m = new_m;
     }
-    *l += math::sum_lanes(sums);
+    *l += sum;
 }
 }
 
-/// The largest (smallest when `MIN`) of a row's `body` (whole steps of [`W`]) and `tail`.
-/// Compared with `>`/`<` rather than `f32::max`: one `vmaxps` a step where `max` added a NaN
-/// fix-up, and LLVM split the loop into scalar and narrow pieces (a fifth of the row pass's time at
-/// 1x6x512x64). NaN scores are skipped, as `max` skips them.
+/// [`online_softmax_row`]'s bf16 probabilities of the visible scores `s` into `p` (zeros past
+/// them), against the running max `m` unless the row rises too far above it (or has none yet).
+/// Returns the probabilities' sum and the max they were taken against.
 #[inline(always)]
-fn row_extreme<const MIN: bool>(body: &[f32], tail: &[f32]) -> f32 {
-    let beyond = |v: f32, e: f32| if MIN { v < e } else { v > e };
-    let mut lanes = [if MIN { f32::INFINITY } else { f32::NEG_INFINITY }; W];
-    for c in body.chunks_exact(W) {
-        for (e, &v) in lanes.iter_mut().zip(c) {
-            *e = if beyond(v, *e) { v } else { *e };
+fn bf16_probabilities<T: FloatElement, const NATIVE: bool>(
+    s: &mut [f32],
+    p: &mut [bf16],
+    scale: f32,
+    m: f32,
+) -> (f32, f32) {
+    let (live, masked) = p.split_at_mut(s.len());
+    masked.fill(bf16::ZERO);
+    if m > f32::NEG_INFINITY {
+        let (sum, rise) = exp_pass::<T, true, NATIVE>(s, live, scale, m);
+        if rise <= LAZY_MAX_MARGIN {
+            return (sum, m);
         }
     }
+    let Some(new_m) = running_max(s, scale, m) else {
+        live.fill(bf16::ZERO);
+        return (0.0, f32::NEG_INFINITY);
+    };
+    (exp_pass::<T, true, NATIVE>(s, live, scale, new_m).0, new_m)
+}
+
+/// The larger of `m` and the largest of `s` times `scale`; `None` while both are −∞.
+#[inline(always)]
+fn running_max(s: &[f32], scale: f32, m: f32) -> Option<f32> {
+    // The largest scaled score is the scale times the largest raw one, or the smallest for a
+    // negative scale: one compare a lane, no multiply.
+    let extreme = if scale >= 0.0 { row_extreme::<false>(s) } else { row_extreme::<true>(s) };
+    Some((extreme * scale).max(m)).filter(|&m| m > f32::NEG_INFINITY)
+}
+
+/// `e = exp(s · scale − m)` for a row of scores: into `s` itself, or rounded to bf16 into `p` when
+/// `NARROW` (by the CPU's instruction when `NATIVE`). Returns `Σ e` and the largest `s · scale − m`.
+///
+/// The tail runs through the same vector code, padded to a whole step; its padding is kept out of
+/// the sum and the max by selects (no scalar loop of exps: rows here are short, and a tail is up to
+/// W − 1 of their elements).
+#[inline(always)]
+fn exp_pass<T: FloatElement, const NARROW: bool, const NATIVE: bool>(
+    s: &mut [f32],
+    p: &mut [bf16],
+    scale: f32,
+    m: f32,
+) -> (f32, f32) {
+    let mut sums = [0f32; W];
+    let mut tops = [f32::NEG_INFINITY; W];
+    // The scores stay when the probabilities go to `p` (a row rising too far is taken again).
+    let mut step = |x: &mut [f32; W], p: &mut [bf16], lanes: usize| {
+        let mut e = [0f32; W];
+        for (i, (((a, t), e), &v)) in sums.iter_mut().zip(&mut tops).zip(&mut e).zip(x.iter()).enumerate() {
+            let shifted = v.mul_add(scale, -m);
+            let inside = i < lanes;
+            *t = if inside && shifted > *t { shifted } else { *t };
+            *e = if inside { math::exp_for::<T>(shifted) } else { 0.0 };
+            *a += *e;
+        }
+        if NARROW {
+            let p: &mut [bf16; W] = p.try_into().expect("W probabilities");
+            // SAFETY: `NATIVE` only where the caller found `bf16::converts_natively()`.
+            unsafe { narrow_step::<NATIVE>(&e, p) };
+        } else {
+            *x = e;
+        }
+    };
+    let full = s.len() - s.len() % W;
+    let (body, tail) = s.split_at_mut(full);
+    let (p_body, p_tail) = if NARROW { p.split_at_mut(full) } else { (&mut [][..], &mut [][..]) };
+    for (at, c) in (0..full).step_by(W).zip(body.chunks_exact_mut(W)) {
+        let p = if NARROW { &mut p_body[at..at + W] } else { &mut [][..] };
+        step(c.try_into().expect("W scores"), p, W);
+    }
+    let mut padded = [0f32; W];
+    padded[..tail.len()].copy_from_slice(tail);
+    let mut padded_p = [bf16::ZERO; W];
+    step(&mut padded, &mut padded_p, tail.len());
+    if NARROW {
+        p_tail.copy_from_slice(&padded_p[..tail.len()]);
+    } else {
+        tail.copy_from_slice(&padded[..tail.len()]);
+    }
+    (math::sum_lanes(sums), math::combine_lanes(tops, |a, b| if b > a { b } else { a }))
+}
+
+/// One step of [`exp_pass`]'s probabilities rounded to bf16.
+///
+/// # Safety
+/// `NATIVE` only where `bf16::converts_natively()`.
+#[inline(always)]
+unsafe fn narrow_step<const NATIVE: bool>(x: &[f32; W], p: &mut [bf16; W]) {
+    #[cfg(target_arch = "x86_64")]
+    if NATIVE {
+        *p = narrow_in_registers(*x);
+        return;
+    }
+    *p = bf16::narrow_lanes(x);
+}
+
+/// 16 lanes rounded to bf16 by one `vcvtneps2bf16` on a 512-bit register. Not uniop's
+/// `narrow_lanes_natively`, which reloads its lanes from memory in 256-bit halves (right for
+/// kernels that have just stored them, on Zen 4): here the exps are still in a register, and
+/// storing them to reload cost a store-forwarding stall per step on the AMX Xeon (a fifth of the
+/// row pass's samples sat on it).
+///
+/// # Safety
+/// The CPU must have AVX512-BF16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512bf16,avx512f")]
+#[inline]
+unsafe fn narrow_in_registers(x: [f32; W]) -> [bf16; W] {
+    use std::arch::x86_64::{__m256bh, __m512, _mm512_cvtneps_pbh};
+    // SAFETY: both sides are 64 (then 32) plain bytes.
+    unsafe {
+        std::mem::transmute::<__m256bh, [bf16; W]>(_mm512_cvtneps_pbh(std::mem::transmute::<[f32; W], __m512>(x)))
+    }
+}
+
+/// The largest (smallest when `MIN`) of a row's scores.
+/// Compared with `>`/`<` rather than `f32::max`: one `vmaxps` a step where `max` added a NaN
+/// fix-up, and LLVM split the loop into scalar and narrow pieces (a fifth of the row pass's time at
+/// 1x6x512x64). NaN scores are skipped, as `max` skips them. The lanes are combined pairwise (a
+/// chain of 16 scalar compares was a tenth of the row's time at 256 keys).
+#[inline(always)]
+fn row_extreme<const MIN: bool>(s: &[f32]) -> f32 {
+    let beyond = |v: f32, e: f32| if MIN { v < e } else { v > e };
     let fold = |e: f32, v: f32| if beyond(v, e) { v } else { e };
-    tail.iter().fold(lanes.into_iter().reduce(fold).expect("W lanes"), |e, &v| fold(e, v))
+    let mut lanes = [if MIN { f32::INFINITY } else { f32::NEG_INFINITY }; W];
+    let body = s.chunks_exact(W);
+    let tail = body.remainder();
+    for c in body {
+        for (e, &v) in lanes.iter_mut().zip(c) {
+            *e = fold(*e, v);
+        }
+    }
+    tail.iter().fold(math::combine_lanes(lanes, fold), |e, &v| fold(e, v))
 }
 
 /// Lanes of [`online_softmax_row`]'s vector code. Float reductions only vectorize with explicit
@@ -807,12 +933,11 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (stat
                 let visible = g.visible(t.len, t.head_pos(r).1).saturating_sub(j0);
                 let at = r * TILE_KEYS;
                 let s = &mut st[at..at + n];
-                online_softmax_row::<T>(s, g.scale, visible, &mut mt[r], &mut lt[r], &mut ot[r * dv..(r + 1) * dv]);
-                if on_bf16_gemm {
-                    // P rounded to bf16 (as torch's flash attention does for bf16), while the
-                    // row is in L1.
-                    <bf16 as FloatElement>::narrow(s, &mut bf16_tile(kt)[at..at + n]);
-                }
+                let p = match on_bf16_gemm {
+                    true => Probabilities::Bf16(&mut bf16_tile(kt)[at..at + n]),
+                    false => Probabilities::InPlace,
+                };
+                online_softmax_row::<T>(s, p, g.scale, visible, &mut mt[r], &mut lt[r], &mut ot[r * dv..(r + 1) * dv]);
             }
             if let Some((_, vp)) = tile_panels {
                 // SAFETY: scratch tiles of this block.

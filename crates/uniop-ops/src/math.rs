@@ -21,8 +21,9 @@ pub fn max_lanes<const N: usize>(lanes: [f32; N]) -> f32 {
     combine_lanes(lanes, f32::max)
 }
 
+/// `lanes` folded pairwise with `f` (see [`sum_lanes`]).
 #[inline(always)]
-fn combine_lanes<const N: usize>(mut lanes: [f32; N], f: impl Fn(f32, f32) -> f32) -> f32 {
+pub(crate) fn combine_lanes<const N: usize>(mut lanes: [f32; N], f: impl Fn(f32, f32) -> f32) -> f32 {
     const { assert!(N.is_power_of_two(), "lane counts are powers of two") };
     let mut half = N / 2;
     while half > 0 {

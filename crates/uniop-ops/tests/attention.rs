@@ -60,6 +60,27 @@ fn bf16_attention_reusing_packed_kv_tiles_matches_reference() {
     }
 }
 
+/// bf16 keeps a row's running max lazily (a key tile's exps are taken against the max of the tiles
+/// before it unless the tile rises more than 8 above it). Here the key tiles' scores grow tile by
+/// tile — the second tile's keys 3x the first's (rises of a few, taken against the old max: exps
+/// above 1), the third's 300x (rises far past e^88, which only a new max survives) — with a ragged
+/// last tile (600 keys), rows whose visible keys end mid-tile, and a negative scale (where the
+/// largest scaled score comes from the smallest raw one), against the f64 reference.
+#[test]
+fn bf16_attention_with_scores_rising_from_tile_to_tile_matches_reference() {
+    setup();
+    let (q_shape, kv_shape) = ([1, 2, 600, 32], [1, 1, 600, 32]);
+    let q = rand_vec(2 * 600 * 32, 41);
+    let k: Vec<f32> =
+        rand_vec(600 * 32, 42).iter().enumerate().map(|(i, x)| x * [1.0, 3.0, 300.0][i / 32 / 256]).collect();
+    let v = rand_vec(600 * 32, 43);
+    let (qb, kb, vb) = (bf16(&q, &q_shape), bf16(&k, &kv_shape), bf16(&v, &kv_shape));
+    for (c, scale) in [(true, 0.2), (false, 0.2), (true, -0.2)] {
+        let attrs = [("causal", AttrValue::Bool(c)), ("scale", AttrValue::from(scale))];
+        run_checked("attention", &[Some(qb.view()), Some(kb.view()), Some(vb.view()), None], &attrs);
+    }
+}
+
 /// A GQA group of 3 (its query tiles are rounded down to 32 positions, so tiles and their causal
 /// key counts end at multiples of 16, except the last), rows whose visible keys end mid-step, a
 /// negative scale, in f32 and bf16, causal and not. Scores reach about ±200 so that the scaled
