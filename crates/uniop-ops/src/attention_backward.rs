@@ -92,7 +92,7 @@ fn extra_tiles(g: &Geometry, rows: usize, bf16_gemm: bool) -> [usize; 2] {
 
 fn dkv_tiles(g: &Geometry, bf16_gemm: bool) -> [usize; 8] {
     let (d, dv, tr) = (g.head_dim, g.v_dim, TILE_ROWS.min(g.q_len.max(1)));
-    let [x, y] = extra_tiles(g, tr, bf16_gemm);
+    let [x, y] = extra_tiles(g, KEY_GRAD_ROWS.min(g.q_len.max(1)), bf16_gemm);
     [tr * d, tr * dv, tr * TILE_KEYS, tr * TILE_KEYS, TILE_KEYS * d, TILE_KEYS * dv, x, y]
 }
 
@@ -224,44 +224,53 @@ pub(crate) unsafe fn store_row<T: FloatElement>(dst: &OutputView<'_>, at: usize,
     T::narrow(src, dst.slice_mut::<T>(at, src.len()));
 }
 
-/// Operands of one (query tile, key tile) of the dK/dV launch: `p` and `ds` are `[rows][TILE_KEYS]`
-/// tiles, `dout` and `q` the tile's `rows × dv` and `rows × d` (scratch copies, or the inputs'
-/// rows in place), `k` the key rows (pointer, row stride).
+/// Operands of the dK/dV products of some query rows and a key tile: `p` and `ds` are
+/// `[rows][TILE_KEYS]` tiles, `dout` and `q` the rows' `rows × dv` and `rows × d` (scratch
+/// copies, or the inputs' rows in place).
 struct Tiles<E> {
     p: *const E,
     ds: *const E,
     dout: Mat<E>,
     q: Mat<E>,
-    k: (*const E, usize),
 }
 
 /// A tile GEMM ([`gemm_rows`] or [`gemm_rows_packed`]) summing into f32.
 type TileGemm<E> = unsafe fn(std::ops::Range<usize>, usize, usize, Dst<f32>, Mat<E>, Mat<E>, bool);
 
-/// `dV += Pᵀ·dout`, `dK += dSᵀ·Q` (transposes are strides) and, given `dq` (its first row), `dQ += dS·K`.
+/// `dV += Pᵀ·dout`, `dK += dSᵀ·Q` (transposes are strides) over `rows` query rows and `n` keys.
 ///
 /// # Safety
-/// Every pointer valid for `(rows, n, d, dv)` as laid out in [`Tiles`]; `dq` for `rows × d`.
-unsafe fn tile_products<E>(
+/// Every pointer valid for `(rows, n, d, dv)` as laid out in [`Tiles`].
+unsafe fn key_grad_products<E>(
     gemm: TileGemm<E>,
     t: Tiles<E>,
     (rows, n, d, dv): (usize, usize, usize, usize),
     dv_acc: &mut [f32],
     dk_acc: &mut [f32],
-    dq: Option<*mut f32>,
 ) {
-    let keys = TILE_KEYS as isize;
+    let transposed = |ptr| Mat { ptr, rs: 1, cs: TILE_KEYS as isize };
+    let sums = |ptr, width: usize| Dst { ptr, rs: width as isize, cs: 1 };
     unsafe {
-        let transposed = |ptr| Mat { ptr, rs: 1, cs: keys };
-        let rows_of = |ptr, width: usize| Mat { ptr, rs: width as isize, cs: 1 };
-        let sums = |ptr, width: usize| Dst { ptr, rs: width as isize, cs: 1 };
         gemm(0..n, dv, rows, sums(dv_acc.as_mut_ptr(), dv), transposed(t.p), t.dout, true);
         gemm(0..n, d, rows, sums(dk_acc.as_mut_ptr(), d), transposed(t.ds), t.q, true);
-        if let Some(dq) = dq {
-            gemm(0..rows, d, n, sums(dq, d), Mat { ptr: t.ds, rs: keys, cs: 1 }, rows_of(t.k.0, t.k.1), true);
-        }
     }
 }
+
+/// Query rows whose P and dS wait in the bf16 tiles for their dK/dV products: rows
+/// `first..first + rows` of head `h`, seeing at most `keys` keys of the key tile. Products over
+/// a few query rows are shallow (a causal diagonal piece is 32 deep), and each one loads and
+/// stores the key tile's f32 dK/dV sums (256 KiB at 256 keys × 128 × 2): consecutive pieces of a
+/// head go into one product instead.
+#[derive(Clone, Copy)]
+struct PendingRows {
+    h: usize,
+    first: usize,
+    rows: usize,
+    keys: usize,
+}
+
+/// Query rows the bf16 P and dS tiles of the dK/dV launch hold ([`PendingRows`]).
+const KEY_GRAD_ROWS: usize = 512;
 
 /// Which tiles the backward runs: the GEMM tiles here, or on AVX2 CPUs those of
 /// `flash_backward_avx2.rs` (`scratch` is their per-block need, both launches of the split).
@@ -434,24 +443,6 @@ unsafe fn panel_scores<E: Packed>(
     gemm_rows_prepacked(0..rows, (n, dv), sums(dpt), dout, &panels.v_t, false);
 }
 
-/// [`tile_products`] on the packed GEMM, `dQ += dS·K` on the key tile's packed K.
-///
-/// # Safety
-/// As [`tile_products`]; the panels hold at least `n` keys.
-unsafe fn panel_products<E: Packed>(
-    t: Tiles<E>,
-    panels: &KeyPanels,
-    (rows, n, d, dv): (usize, usize, usize, usize),
-    (dv_acc, dk_acc): (&mut [f32], &mut [f32]),
-    dq: Option<*mut f32>,
-) {
-    let ds = Mat { ptr: t.ds, rs: TILE_KEYS as isize, cs: 1 };
-    tile_products(gemm_rows_packed::<E, f32>, t, (rows, n, d, dv), dv_acc, dk_acc, None);
-    if let Some(dq) = dq {
-        gemm_rows_prepacked(0..rows, (d, n), Dst { ptr: dq, rs: d as isize, cs: 1 }, ds, &panels.k, true);
-    }
-}
-
 /// The query rows of one head that multiply the key tile starting at `j0`, as `(first row, rows)`
 /// pieces: tiles of `tr` rows, except that a tile whose rows see this key tile's keys in very
 /// different counts (the causal diagonal) goes in pieces of `diagonal_rows`, each multiplying
@@ -569,22 +560,55 @@ fn dkv_kernel<T: FloatElement>(
                     }
                 }
             }
+            // The in-place bf16 rows of Q or dout from row i0 of head h.
+            let in_place = |t: &TensorRef<'_>, rows: Rows4, h: usize, i0: usize| Mat {
+                // SAFETY: rows i0.. of head h lie inside the checked view.
+                ptr: unsafe { bf16_of(t).as_ptr().add(rows.at(b, h, i0)) },
+                rs: rows.seq_stride() as isize,
+                cs: 1,
+            };
+            // bf16 pieces join the pending rows they continue (up to this many); f32 ones are
+            // multiplied one by one (their P and dS stay in the f32 score tiles).
+            let pending_rows = if bf16_gemm { KEY_GRAD_ROWS.min(g.q_len) } else { 0 };
+            // dV += Pᵀ·dout, dK += dSᵀ·Q (scaled at the end) over the pending rows.
+            let mut flush = |pending: &mut Option<PendingRows>, [qt, dot, st, dpt, kt, vt]: [&[f32]; 6]| {
+                let Some(PendingRows { h, first, rows, keys }) = pending.take() else { return };
+                let sizes = (rows, keys, d, dv);
+                // SAFETY: the pending rows' P and dS lie in the tiles (or st/dpt), their Q and
+                // dout rows in place (or in qt/dot); the panels cover `keys` keys.
+                unsafe {
+                    if bf16_gemm {
+                        let (p, ds) = (kt.as_ptr().cast::<bf16>(), vt.as_ptr().cast::<bf16>());
+                        let tiles = Tiles { p, ds, dout: in_place(dout, dr, h, first), q: in_place(q, qr, h, first) };
+                        key_grad_products(gemm_rows_packed::<bf16, f32>, tiles, sizes, dv_acc, dk_acc);
+                    } else {
+                        let tiles =
+                            Tiles { p: st.as_ptr(), ds: dpt.as_ptr(), dout: rows_of(dot, dv), q: rows_of(qt, d) };
+                        let gemm = if products == Products::F32Panels {
+                            gemm_rows_packed::<f32, f32>
+                        } else {
+                            gemm_rows::<f32>
+                        };
+                        key_grad_products(gemm, tiles, sizes, dv_acc, dk_acc);
+                    }
+                }
+            };
+            let mut pending = None;
             for h in hkv * group..(hkv + 1) * group {
                 for (i0, rows) in query_pieces(&g, len, j0, (tr, diagonal_rows)).filter(|&(i0, _)| owns(h, i0)) {
                     let n = seen.min(g.visible(len, i0 + rows - 1).saturating_sub(j0));
                     if n == 0 {
                         continue;
                     }
+                    let joins = |p: &PendingRows| p.h == h && p.first + p.rows == i0 && p.rows + rows <= pending_rows;
+                    if !pending.as_ref().is_some_and(joins) {
+                        flush(&mut pending, [qt, dot, st, dpt, kt, vt]);
+                    }
+                    let at = pending.map_or(0, |p: PendingRows| p.rows);
                     let sizes = (rows, n, d, dv);
                     // The bf16 GEMM reads the tile's Q and dout rows in place (one head's rows:
                     // one stride); f32 takes Q scaled (and f16 both widened) into scratch.
-                    let in_place = |t: &TensorRef<'_>, rows: Rows4| Mat {
-                        // SAFETY: rows i0..i0+rows of head h lie inside the checked view.
-                        ptr: unsafe { bf16_of(t).as_ptr().add(rows.at(b, h, i0)) },
-                        rs: rows.seq_stride() as isize,
-                        cs: 1,
-                    };
-                    let bf16_rows = bf16_gemm.then(|| (in_place(q, qr), in_place(dout, dr)));
+                    let bf16_rows = bf16_gemm.then(|| (in_place(q, qr, h, i0), in_place(dout, dr, h, i0)));
                     if !bf16_gemm {
                         for r in 0..rows {
                             load_scaled(qs, qr.at(b, h, i0 + r), &mut qt[r * d..(r + 1) * d], g.scale);
@@ -604,34 +628,61 @@ fn dkv_kernel<T: FloatElement>(
                         }
                     }
                     for r in 0..rows {
-                        let at = row_index(&g, b, h, i0 + r);
+                        let at_row = row_index(&g, b, h, i0 + r);
                         let visible = g.visible(len, i0 + r).saturating_sub(j0);
                         let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
-                        probs_and_dscores_row::<T>(s, dp, visible, score_scale, lse_s[at], delta[at]);
+                        probs_and_dscores_row::<T>(s, dp, visible, score_scale, lse_s[at_row], delta[at_row]);
                         if bf16_gemm {
-                            // Rounded to bf16 while the row is in L1.
-                            <bf16 as FloatElement>::narrow(s, &mut bf16_tile(kt)[r * TILE_KEYS..][..n]);
-                            <bf16 as FloatElement>::narrow(dp, &mut bf16_tile(vt)[r * TILE_KEYS..][..n]);
+                            // Rounded to bf16 while the row is in L1; zeros up to the keys the
+                            // pending rows' products may multiply.
+                            let (p_row, ds_row) = (
+                                &mut bf16_tile(kt)[(at + r) * TILE_KEYS..],
+                                &mut bf16_tile(vt)[(at + r) * TILE_KEYS..],
+                            );
+                            <bf16 as FloatElement>::narrow(s, &mut p_row[..n]);
+                            <bf16 as FloatElement>::narrow(dp, &mut ds_row[..n]);
+                            p_row[n..seen].fill(bf16::ZERO);
+                            ds_row[n..seen].fill(bf16::ZERO);
                         }
                     }
-                    // dV += Pᵀ·dout, dK += dSᵀ·Q (scaled at the end), and when fused dQ += dS·K.
-                    let dq_rows = dq_sums(h, i0, rows).map(|s| s.as_mut_ptr());
-                    let (pb, dsb) = (bf16_tile(kt).as_ptr(), bf16_tile(vt).as_ptr());
-                    let f32_tiles = |k| Tiles { p: st.as_ptr(), ds: dpt.as_ptr(), dout: dout_f32, q: q_f32, k };
-                    // SAFETY: scratch tiles of this block; `dq_rows` are this unit's dQ sums.
-                    unsafe {
-                        if let Some((q, dout)) = bf16_rows {
-                            let tiles = Tiles { p: pb, ds: dsb, dout, q, k: (std::ptr::null(), 0) };
-                            panel_products(tiles, &key_panels, sizes, (dv_acc, dk_acc), dq_rows)
-                        } else if products == Products::F32Panels {
-                            let tiles = f32_tiles((std::ptr::null(), 0));
-                            panel_products(tiles, &key_panels, sizes, (dv_acc, dk_acc), dq_rows)
-                        } else {
-                            tile_products(gemm_rows::<f32>, f32_tiles(kp), sizes, dv_acc, dk_acc, dq_rows)
+                    // dQ += dS·K (when fused), for this piece now: its sums are the piece's rows.
+                    if let Some(dq) = dq_sums(h, i0, rows) {
+                        let dst = Dst { ptr: dq.as_mut_ptr(), rs: d as isize, cs: 1 };
+                        let f32_ds = Mat { ptr: dpt.as_ptr(), rs: TILE_KEYS as isize, cs: 1 };
+                        // SAFETY: dS rows of this piece in the tiles; the panels (kp) cover n keys.
+                        unsafe {
+                            match products {
+                                Products::Bf16Panels => {
+                                    let ds = Mat {
+                                        ptr: bf16_tile(vt)[at * TILE_KEYS..].as_ptr(),
+                                        rs: TILE_KEYS as isize,
+                                        cs: 1,
+                                    };
+                                    gemm_rows_prepacked(0..rows, (d, n), dst, ds, &key_panels.k, true)
+                                }
+                                Products::F32Panels => {
+                                    gemm_rows_prepacked(0..rows, (d, n), dst, f32_ds, &key_panels.k, true)
+                                }
+                                Products::Rows => gemm_rows(
+                                    0..rows,
+                                    d,
+                                    n,
+                                    dst,
+                                    f32_ds,
+                                    Mat { ptr: kp.0, rs: kp.1 as isize, cs: 1 },
+                                    true,
+                                ),
+                            }
                         }
+                    }
+                    let joined = pending.map_or(PendingRows { h, first: i0, rows: 0, keys: 0 }, |p| p);
+                    pending = Some(PendingRows { rows: joined.rows + rows, keys: joined.keys.max(n), ..joined });
+                    if !bf16_gemm {
+                        flush(&mut pending, [qt, dot, st, dpt, kt, vt]);
                     }
                 }
             }
+            flush(&mut pending, [qt, dot, st, dpt, kt, vt]);
             match sums {
                 Some(s) if s.chunks > 1 => {
                     // SAFETY: unit (pair, chunk) alone owns its partial sums.
@@ -1006,11 +1057,13 @@ mod tests {
     /// bf16 gradients on the bf16 GEMM and widened to f32, against the f64 reference: two key
     /// tiles and three query tiles per head, one (batch, kv head) pair on every route
     /// ([`ROUTES`]); more pairs than twice the threads on the route the op picks; causal GQA.
+    /// 700 queries: more than the [`KEY_GRAD_ROWS`](super::KEY_GRAD_ROWS) the dK/dV products gather, so a head's rows
+    /// go into two products per key tile, and with three chunks into one per owned query tile.
     #[test]
     fn bf16_backward_on_and_off_the_bf16_gemm() {
         let causal = [("causal", AttrValue::Bool(true))];
         let threads = uniop::runtime::Pool::global().threads();
-        for (batch, kv_heads, s) in [(1, 1, 300), (2 * threads, 2, 40)] {
+        for (batch, kv_heads, s) in [(1, 1, 300), (1, 1, 700), (2 * threads, 2, 40)] {
             let (q_shape, kv_shape) = ([batch, 4, s, 16], [batch, kv_heads, s, 16]);
             let (q, k, v) = (bf16_values(&q_shape, 1), bf16_values(&kv_shape, 2), bf16_values(&kv_shape, 3));
             let dout = bf16_values(&q_shape, 4);
