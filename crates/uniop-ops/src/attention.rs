@@ -598,12 +598,12 @@ fn exp_pass<T: FloatElement, const NARROW: bool, const NATIVE: bool>(
     (math::sum_lanes(sums), math::combine_lanes(tops, |a, b| if b > a { b } else { a }))
 }
 
-/// One step of [`exp_pass`]'s probabilities rounded to bf16.
+/// One step of [`W`] lanes rounded to bf16 (probabilities, score gradients).
 ///
 /// # Safety
 /// `NATIVE` only where `bf16::converts_natively()`.
 #[inline(always)]
-unsafe fn narrow_step<const NATIVE: bool>(x: &[f32; W], p: &mut [bf16; W]) {
+pub(crate) unsafe fn narrow_step<const NATIVE: bool>(x: &[f32; W], p: &mut [bf16; W]) {
     #[cfg(target_arch = "x86_64")]
     if NATIVE {
         *p = narrow_in_registers(*x);
@@ -653,7 +653,7 @@ fn row_extreme<const MIN: bool>(s: &[f32]) -> f32 {
 
 /// Lanes of [`online_softmax_row`]'s vector code. Float reductions only vectorize with explicit
 /// lanes (LLVM keeps a loop's sequential order).
-const W: usize = 16;
+pub(crate) const W: usize = 16;
 
 /// Scratch pieces carved from one block's f32 workspace.
 pub(crate) fn carve<const N: usize>(mut ws: &mut [f32], sizes: [usize; N]) -> [&mut [f32]; N] {

@@ -26,8 +26,8 @@
 //! are there).
 
 use crate::attention::{
-    bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, parts_for_even_share, row_len, rows_of, scores,
-    spreads_evenly, Geometry, Rows4, DIAGONAL_PIECE_ROWS, DTYPES, TILE_KEYS, TILE_ROWS,
+    bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, narrow_step, parts_for_even_share, row_len,
+    rows_of, scores, spreads_evenly, Geometry, Rows4, DIAGONAL_PIECE_ROWS, DTYPES, TILE_KEYS, TILE_ROWS, W,
 };
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
@@ -163,21 +163,77 @@ pub(crate) fn row_index(g: &Geometry, b: usize, h: usize, i: usize) -> usize {
     (b * g.q_heads + h) * g.q_len + i
 }
 
+/// Where [`probs_and_dscores_row`] leaves P and dS: over the f32 score rows, or rounded to bf16
+/// for the bf16 GEMM into rows of their own (dS, and P unless `None`: the dQ launch needs none).
+type Bf16Rows<'a> = Option<(Option<&'a mut [bf16]>, &'a mut [bf16])>;
+
 crate::simd_kernel! {
-/// One row of the score tiles: `s ← P = exp(scale·s − lse)` and `dp ← P ∘ (dp − δ)` (the score
-/// gradient) on the first `visible` entries, both 0 after (masked keys). Scores come unscaled
-/// from the bf16 GEMM (`scale` applied here) or from a pre-scaled Q (`scale` 1); the exp is
-/// [`math::exp_for`] `T`, as the forward's.
-fn probs_and_dscores_row<T: FloatElement>(s: &mut [f32], dp: &mut [f32], visible: usize, scale: f32, lse: f32, delta: f32) {
+/// One row of the score tiles: `P = exp(scale·s − lse)` and `dS = P ∘ (dp − δ)` (the score
+/// gradient) on the first `visible` entries, both 0 after (masked keys), where `bf16_rows` says.
+/// Scores come unscaled from the bf16 GEMM (`scale` applied here) or from a pre-scaled Q
+/// (`scale` 1); the exp is [`math::exp_for`] `T`, as the forward's. bf16 rows are rounded in
+/// registers, in the same pass (a pass of its own over the f32 rows took as long as this one).
+fn probs_and_dscores_row<T: FloatElement>(s: &mut [f32], dp: &mut [f32], bf16_rows: Bf16Rows<'_>, visible: usize, scale: f32, lse: f32, delta: f32) {
     let live = visible.min(s.len());
-    s[live..].fill(0.0);
-    dp[live..].fill(0.0);
-    for (v, d) in s[..live].iter_mut().zip(&mut dp[..live]) {
+    let step = |v: f32, d: f32| {
         let p = math::exp_for::<T>(v.mul_add(scale, -lse));
-        *v = p;
-        *d = p * (*d - delta);
+        (p, p * (d - delta))
+    };
+    let Some((p, ds)) = bf16_rows else {
+        s[live..].fill(0.0);
+        dp[live..].fill(0.0);
+        for (v, d) in s[..live].iter_mut().zip(&mut dp[..live]) {
+            (*v, *d) = step(*v, *d);
+        }
+        return;
+    };
+    let (s, dp) = (&s[..live], &dp[..live]);
+    ds[live..].fill(bf16::ZERO);
+    match p {
+        Some(p) => {
+            p[live..].fill(bf16::ZERO);
+            match bf16::converts_natively() {
+                true => narrowed_grads::<true, true>(s, dp, (p, ds), step),
+                false => narrowed_grads::<true, false>(s, dp, (p, ds), step),
+            }
+        }
+        None if bf16::converts_natively() => narrowed_grads::<false, true>(s, dp, (&mut [], ds), step),
+        None => narrowed_grads::<false, false>(s, dp, (&mut [], ds), step),
     }
 }
+}
+
+/// [`probs_and_dscores_row`]'s bf16 rows of the visible entries: `step` maps a score and its
+/// `dp` to P and dS; P is stored when `WITH_P`, both narrowed by the CPU's instruction when
+/// `NATIVE` (only where `bf16::converts_natively()`, checked by the caller).
+#[inline(always)]
+fn narrowed_grads<const WITH_P: bool, const NATIVE: bool>(
+    s: &[f32],
+    dp: &[f32],
+    (p, ds): (&mut [bf16], &mut [bf16]),
+    step: impl Fn(f32, f32) -> (f32, f32),
+) {
+    let full = s.len() - s.len() % W;
+    for (at, (sw, dpw)) in (0..full).step_by(W).zip(s.chunks_exact(W).zip(dp.chunks_exact(W))) {
+        let (mut pw, mut dsw) = ([0f32; W], [0f32; W]);
+        for (((p, ds), &x), &d) in pw.iter_mut().zip(&mut dsw).zip(sw).zip(dpw) {
+            (*p, *ds) = step(x, d);
+        }
+        // SAFETY: `NATIVE` only where the caller found `bf16::converts_natively()`.
+        unsafe {
+            if WITH_P {
+                narrow_step::<NATIVE>(&pw, (&mut p[at..at + W]).try_into().expect("W lanes"));
+            }
+            narrow_step::<NATIVE>(&dsw, (&mut ds[at..at + W]).try_into().expect("W lanes"));
+        }
+    }
+    for i in full..s.len() {
+        let (pv, dsv) = step(s[i], dp[i]);
+        if WITH_P {
+            p[i] = bf16::from_f32(pv);
+        }
+        ds[i] = bf16::from_f32(dsv);
+    }
 }
 
 /// The scale the scores still need, and `dK` with them: the bf16 GEMM's come unscaled (scaled as
@@ -631,19 +687,27 @@ fn dkv_kernel<T: FloatElement>(
                         let at_row = row_index(&g, b, h, i0 + r);
                         let visible = g.visible(len, i0 + r).saturating_sub(j0);
                         let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
-                        probs_and_dscores_row::<T>(s, dp, visible, score_scale, lse_s[at_row], delta[at_row]);
-                        if bf16_gemm {
-                            // Rounded to bf16 while the row is in L1; zeros up to the keys the
-                            // pending rows' products may multiply.
+                        let bf16_rows = if bf16_gemm {
                             let (p_row, ds_row) = (
                                 &mut bf16_tile(kt)[(at + r) * TILE_KEYS..],
                                 &mut bf16_tile(vt)[(at + r) * TILE_KEYS..],
                             );
-                            <bf16 as FloatElement>::narrow(s, &mut p_row[..n]);
-                            <bf16 as FloatElement>::narrow(dp, &mut ds_row[..n]);
+                            // Zeros up to the keys the pending rows' products may multiply.
                             p_row[n..seen].fill(bf16::ZERO);
                             ds_row[n..seen].fill(bf16::ZERO);
-                        }
+                            Some((Some(&mut p_row[..n]), &mut ds_row[..n]))
+                        } else {
+                            None
+                        };
+                        probs_and_dscores_row::<T>(
+                            s,
+                            dp,
+                            bf16_rows,
+                            visible,
+                            score_scale,
+                            lse_s[at_row],
+                            delta[at_row],
+                        );
                     }
                     // dQ += dS·K (when fused), for this piece now: its sums are the piece's rows.
                     if let Some(dq) = dq_sums(h, i0, rows) {
@@ -803,10 +867,8 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
                 let at = row_index(&g, b, h, i);
                 let visible = g.visible(t.len, i).saturating_sub(j0);
                 let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
-                probs_and_dscores_row::<T>(s, dp, visible, score_scale, lse_s[at], delta[at]);
-                if bf16_gemm {
-                    <bf16 as FloatElement>::narrow(dp, &mut bf16_tile(kt)[r * TILE_KEYS..][..n]);
-                }
+                let bf16_rows = bf16_gemm.then(|| (None, &mut bf16_tile(kt)[r * TILE_KEYS..][..n]));
+                probs_and_dscores_row::<T>(s, dp, bf16_rows, visible, score_scale, lse_s[at], delta[at]);
             }
             // dQ += dS·K (the scale is applied once at the end).
             if bf16_gemm {
