@@ -11,7 +11,8 @@
 //! q head of the group, so each K/V tile is loaded once per group (this is what makes GQA decode
 //! cheap: it is bandwidth-bound on K/V). Scores for `TILE_KEYS` keys at a time go through a GEMM
 //! (single-threaded inside our SPMD blocks, like matmul) and an online softmax (running max and
-//! sum per row, output rescaled when the max grows). Extra memory is O(tile) per block, plus in
+//! sum per row, output rescaled when the max grows — for bf16 only when it grows by more than
+//! [`LAZY_MAX_MARGIN`], see [`online_softmax_row`]). Extra memory is O(tile) per block, plus in
 //! bf16 (and f32 on AVX-512) one head's packed K and V per thread (O(Sk), never O(Sq·Sk)).
 //! Blocks take their units head by head, so consecutive units reread the same K and V from cache
 //! (at 1x32x2048x128 that order alone ran f32 9% faster than handing out the latest query tiles
