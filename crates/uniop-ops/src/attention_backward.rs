@@ -623,8 +623,9 @@ fn dkv_kernel<T: FloatElement>(
                 rs: rows.seq_stride() as isize,
                 cs: 1,
             };
-            // bf16 pieces join the pending rows they continue (up to this many); f32 ones are
-            // multiplied one by one (their P and dS stay in the f32 score tiles).
+            // bf16 pieces join the pending rows they continue (up to this many); f32 ones join none
+            // (their P and dS stay in the f32 score tiles), so each is multiplied before the next
+            // piece's scores overwrite them.
             let pending_rows = if bf16_gemm { KEY_GRAD_ROWS.min(g.q_len) } else { 0 };
             // dV += Pᵀ·dout, dK += dSᵀ·Q (scaled at the end) over the pending rows.
             let mut flush = |pending: &mut Option<PendingRows>, [qt, dot, st, dpt, kt, vt]: [&[f32]; 6]| {
@@ -739,11 +740,8 @@ fn dkv_kernel<T: FloatElement>(
                             }
                         }
                     }
-                    let joined = pending.map_or(PendingRows { h, first: i0, rows: 0, keys: 0 }, |p| p);
+                    let joined = pending.unwrap_or(PendingRows { h, first: i0, rows: 0, keys: 0 });
                     pending = Some(PendingRows { rows: joined.rows + rows, keys: joined.keys.max(n), ..joined });
-                    if !bf16_gemm {
-                        flush(&mut pending, [qt, dot, st, dpt, kt, vt]);
-                    }
                 }
             }
             flush(&mut pending, [qt, dot, st, dpt, kt, vt]);
