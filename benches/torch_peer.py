@@ -251,8 +251,9 @@ class PeerRow:
         r, eager, comp = self.r, self.eager, self.compiled
         shape = "x".join(map(str, r["shape"]))
         work = gflop(r["op"], r["shape"])
-        fma = probe["fma_gflops"]
-        flops = f"{work / r['ms'] * 1e3:.0f} | {100 * work / r['ms'] * 1e3 / fma:.0f}%" if work else "— | —"
+        # bf16 products run on AMX tiles where the CPU has them, 16 times an FMA's multiply-adds.
+        peak = probe["amx_gflops"] if r["dtype"] == "bfloat16" and probe["amx_gflops"] else probe["fma_gflops"]
+        flops = f"{work / r['ms'] * 1e3:.0f} | {100 * work / r['ms'] * 1e3 / peak:.0f}%" if work else "— | —"
         line = (f"| {r['op']} | {r['dtype']} | {shape} | {r['ms']:.3f} | {eager:.3f} | {comp:.3f} | "
                 f"{eager / r['ms']:.2f}x | {comp / r['ms']:.2f}x | {r['gbs']:.1f} | "
                 f"{100 * r['gbs'] / probe['stream_scale_gbs']:.0f}% | "
@@ -262,8 +263,8 @@ class PeerRow:
 
 def best_probe(rounds):
     """Each probe figure at its best over the rounds, so the % columns never flatter uniop."""
-    keys = ("stream_scale_gbs", "stream_scale_nt_gbs", "stream_triad_gbs", "fma_gflops")
-    return {k: max(b[k] for b in rounds) for k in keys}
+    keys = ("stream_scale_gbs", "stream_scale_nt_gbs", "stream_triad_gbs", "fma_gflops", "amx_gflops")
+    return {k: max((b[k] for b in rounds if b.get(k) is not None), default=None) for k in keys}
 
 
 def main():
@@ -285,7 +286,7 @@ def main():
     # minutes apart see very different memory bandwidth; a single round lets one phase decide a ratio.
     torch.set_num_threads(os.cpu_count())
     head = ("| op | dtype | shape | uniop ms | torch eager ms | torch.compile ms | vs eager | vs compile | uniop GB/s "
-            "| % of scale | % of scale NT | GFLOP/s | % of FMA probe |\n"
+            "| % of scale | % of scale NT | GFLOP/s | % of compute probe |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print(head, flush=True)
     rows, probes, plotted = [], [], []
@@ -307,12 +308,14 @@ def main():
             plotted.append(speedups)
 
     def span(key):
-        return f"{min(p[key] for p in probes):.1f}–{max(p[key] for p in probes):.1f}"
+        values = [p[key] for p in probes if p[key] is not None]
+        return f"{min(values):.1f}–{max(values):.1f}" if values else "none"
 
     lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads; best of {args.rounds} rounds per op "
              f"(uniop, eager, compiled alternating); each op's best probes (min–max over the ops): STREAM scale {span('stream_scale_gbs')} GB/s, scale non-temporal "
              f"{span('stream_scale_nt_gbs')} GB/s, triad {span('stream_triad_gbs')} GB/s; FMA probe "
-             f"{span('fma_gflops')} GFLOP/s\n", head, *rows]
+             f"{span('fma_gflops')} GFLOP/s, AMX probe {span('amx_gflops')} GFLOP/s (the % of compute probe column: bf16 "
+             f"against the AMX probe where there is one, else the FMA probe)\n", head, *rows]
     print(lines[0])
     if args.markdown:
         with open(args.markdown, "w") as f:

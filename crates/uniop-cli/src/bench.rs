@@ -128,22 +128,41 @@ fn scale_streaming(a: &mut [f32], b: &[f32]) {
 /// registers (12 chains hide the 4-cycle latency of two FMA pipes), no memory traffic.
 fn fma_probe(iters: usize) -> Result<f64> {
     const STEPS: usize = 1 << 20;
+    compute_probe(iters, || {
+        let (flops, sink) = fma_chains(STEPS);
+        std::hint::black_box(sink);
+        flops
+    })
+}
+
+/// Peak bf16 AMX tile throughput in GFLOP/s over the pool (the bf16 GEMM's block kernel on
+/// operands in L1), or None without AMX.
+fn amx_probe(iters: usize) -> Result<Option<f64>> {
+    const ROUNDS: usize = 1 << 13;
+    // The tiles' availability is asked once per process, so every block gets the same answer.
+    if uniop_ops::amx_probe(1).is_none() {
+        return Ok(None);
+    }
+    compute_probe(iters, || uniop_ops::amx_probe(ROUNDS).unwrap_or(0)).map(Some)
+}
+
+/// GFLOP/s over the pool of `work` (which returns the flops it did) run by every block at once,
+/// best of a few launches.
+fn compute_probe(iters: usize, work: impl Fn() -> u64 + Send + Sync + Clone + 'static) -> Result<f64> {
     let stream = Stream::default_stream();
     let blocks = Pool::global().threads() as u32;
-    let flops_per_block = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let counter = flops_per_block.clone();
+    let least_flops = Arc::new(std::sync::atomic::AtomicU64::new(u64::MAX));
+    let counter = least_flops.clone();
     let seconds = best_of(iters.min(5), || {
-        let counter = counter.clone();
+        let (counter, work) = (counter.clone(), work.clone());
         stream.launch(blocks, move |_ctx: BlockCtx| {
-            let (flops, sink) = fma_chains(STEPS);
-            counter.store(flops, std::sync::atomic::Ordering::Relaxed);
-            std::hint::black_box(sink);
+            counter.fetch_min(work(), std::sync::atomic::Ordering::Relaxed);
         });
         stream.synchronize()
     })?
     .as_secs_f64();
-    let flops = flops_per_block.load(std::sync::atomic::Ordering::Relaxed) as f64 * blocks as f64;
-    Ok(flops / seconds / 1e9)
+    let flops = least_flops.load(std::sync::atomic::Ordering::Relaxed);
+    Ok(flops as f64 * blocks as f64 / seconds / 1e9)
 }
 
 /// Runs `steps` rounds of 12 independent vector FMAs at the widest width the CPU has; returns
@@ -244,6 +263,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     );
     let fma_gflops = fma_probe(args.iters)?;
     println!("FMA probe: {fma_gflops:.0} GFLOP/s f32 peak over the pool");
+    let amx_gflops = amx_probe(args.iters)?;
+    match amx_gflops {
+        Some(gflops) => println!("AMX probe: {gflops:.0} GFLOP/s bf16 tile peak over the pool"),
+        None => println!("AMX probe: this CPU (or OS) offers no AMX tiles"),
+    }
     launch_overhead()?;
     let shape = args.shape.as_deref().map(crate::parse_shape).transpose()?;
     println!("\n| op | dtype | shape | best ms | GB/s | % of STREAM scale | % of scale (non-temporal) |\n|---|---|---|---|---|---|---|");
@@ -279,11 +303,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     if let Some(path) = &args.json {
         let json = format!(
             "{{\"stream_scale_gbs\":{},\"stream_scale_nt_gbs\":{},\"stream_triad_gbs\":{},\"fma_gflops\":{},\
-             \"results\":[{}]}}\n",
+             \"amx_gflops\":{},\"results\":[{}]}}\n",
             probe.scale_gbs,
             probe.scale_nt_gbs,
             probe.triad_gbs,
             fma_gflops,
+            amx_gflops.map_or("null".to_string(), |g| g.to_string()),
             rows.join(",")
         );
         std::fs::write(path, json).map_err(|e| uniop::Error::runtime(format!("writing {}: {e}", path.display())))?;

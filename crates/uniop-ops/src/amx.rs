@@ -16,6 +16,8 @@
 //! rows of consecutive-k pairs are exactly AMX's pair-interleaved B layout; A needs rows of words
 //! (the transpose of the AVX-512 kernel's A panels), which [`crate::packed_gemm`] packs for it.
 
+use crate::packed_gemm::LineBuf;
+
 /// Rows of a tile, and 32-bit words in a tile row (64 bytes): one step of the block kernel takes
 /// 16 words of k — 32 bf16.
 pub(crate) const TILE_WORDS: usize = 16;
@@ -175,5 +177,83 @@ impl Drop for Tiles {
     fn drop(&mut self) {
         // SAFETY: the tiles were configured by `configure`; releasing them ends their use.
         unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) }
+    }
+}
+
+/// k-steps of the peak probe's walk: 32 rows of A (9 lines each, odd as the GEMM packs them) and
+/// a 32-column panel of B, 16 KiB each, stay in L1 together.
+const PROBE_STEPS: usize = 8;
+
+/// The block kernel's throughput with its operands in L1: `rounds` walks of [`Tiles::add_product`]
+/// over a fixed A block and B panel of small integers (exact in bf16 and in the f32 sums),
+/// accumulating into one 32 × 32 block. Returns the flops done and the block, or None where the
+/// tiles are unavailable. This is the ceiling a bf16 GEMM on one core can approach: its operands
+/// stream from L2 instead and its sums go through an epilogue.
+pub(crate) fn probe(rounds: usize) -> Option<(u64, Vec<f32>)> {
+    if !available() {
+        return None;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let row_words = (PROBE_STEPS | 1) * TILE_WORDS;
+        let (a, b) = probe_operands(row_words);
+        let mut sums = vec![0f32; BLOCK * BLOCK];
+        // SAFETY: `available()` holds and nothing else uses tiles on this thread meanwhile; A has 32
+        // rows of `row_words` ≥ 16 · PROBE_STEPS words, B 16 · PROBE_STEPS rows of 32 words, the
+        // block 32 × 32 f32, each at the strides passed.
+        unsafe {
+            let tiles = Tiles::configure();
+            tiles.zero();
+            for _ in 0..rounds {
+                tiles.add_product(PROBE_STEPS, (a.as_ptr(), 4 * row_words), b.as_ptr(), None, a.as_ptr());
+            }
+            tiles.store((sums.as_mut_ptr(), 4 * BLOCK));
+        }
+        let flops = (rounds * PROBE_STEPS * TILE_WORDS * 2 * BLOCK * BLOCK * 2) as u64;
+        Some((flops, sums))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("AMX is only detected on x86-64")
+}
+
+/// The probe's A rows (`row_words` words each, pairs of bf16) and B panel (`[word][32 columns]`),
+/// on cache lines as the GEMM's are, holding bf16 integers in -3..=3: element `(r, e)` of A is
+/// `(r + e) % 7 - 3`, element `(e, c)` of B `(2e + c) % 7 - 3`, for k index `e`.
+fn probe_operands(row_words: usize) -> (LineBuf<u32>, LineBuf<u32>) {
+    let bf16 = |v: usize| u32::from(uniop::half::bf16::from_f32(v as f32 % 7.0 - 3.0).to_bits());
+    let pair = |low: usize, high: usize| bf16(low) | bf16(high) << 16;
+    let (mut a, mut b) = (LineBuf::default(), LineBuf::default());
+    a.grow(BLOCK * row_words);
+    b.grow(PROBE_STEPS * TILE_WORDS * BLOCK);
+    for (i, word) in a.iter_mut().enumerate() {
+        let (r, p) = (i / row_words, i % row_words);
+        *word = pair(r + 2 * p, r + 2 * p + 1);
+    }
+    for (i, word) in b.iter_mut().enumerate() {
+        let (p, c) = (i / BLOCK, i % BLOCK);
+        *word = pair(4 * p + c, 4 * p + 2 + c);
+    }
+    (a, b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peak_probe_sums_are_the_exact_products_of_its_operands() {
+        let Some((flops, sums)) = probe(3) else {
+            eprintln!("skipped: no AMX tiles on this machine");
+            return;
+        };
+        assert_eq!(flops, 3 * 8 * 32 * 32 * 32 * 2);
+        let value = |v: usize| (v % 7) as f64 - 3.0;
+        for r in 0..BLOCK {
+            for c in 0..BLOCK {
+                // Each round adds the same product: 3 · Σₑ A[r][e] · B[e][c] over 16 · 8 words.
+                let dot: f64 = (0..2 * PROBE_STEPS * TILE_WORDS).map(|e| value(r + e) * value(2 * e + c)).sum();
+                assert_eq!(f64::from(sums[r * BLOCK + c]), 3.0 * dot, "sum ({r}, {c})");
+            }
+        }
     }
 }

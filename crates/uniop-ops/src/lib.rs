@@ -134,6 +134,14 @@ pub fn gemm_kernels() -> [(&'static str, &'static str); 2] {
     [("bfloat16", bf16), ("float32", name(<f32 as Dots>::best()))]
 }
 
+/// Runs the bf16 GEMM's AMX block kernel `rounds` times on operands held in L1 and returns the
+/// flops it did, or None where the CPU (or the OS) offers no AMX tiles: `uniop bench`'s tile peak,
+/// the compute limit of bf16 GEMMs on such CPUs (the f32 FMA probe is not: a tile does 16 times
+/// the multiply-adds of an AVX-512 FMA in the same cycles).
+pub fn amx_probe(rounds: usize) -> Option<u64> {
+    amx::probe(rounds).map(|(flops, _)| flops)
+}
+
 /// The bytes a kernel writes from which it writes them past the cache with non-temporal stores:
 /// the size of this CPU's last-level cache (below it, results stay cached for the next op).
 pub fn streaming_threshold_bytes() -> usize {

@@ -187,7 +187,7 @@ struct Scratch {
 /// 16-byte aligned: each such row then spanned two lines, and the AMX GEMM ran 20-25% slower
 /// (2048³ bf16 on one thread: 0.59x -> 0.74x torch's oneDNN).
 #[derive(Default)]
-struct LineBuf<T> {
+pub(crate) struct LineBuf<T> {
     lines: Vec<Line<T>>,
 }
 
@@ -197,7 +197,7 @@ struct Line<T>([T; 16]);
 
 impl<T: Copy + Default> LineBuf<T> {
     /// Makes room for at least `len` elements (never shrinks; new elements are zero).
-    fn grow(&mut self, len: usize) {
+    pub(crate) fn grow(&mut self, len: usize) {
         const { assert!(std::mem::size_of::<T>() == 4, "a line holds 16 four-byte elements") };
         if self.lines.len() * 16 < len {
             self.lines.resize(len.div_ceil(16), Line::default());
