@@ -1149,7 +1149,25 @@ mod tests {
     fn bf16_output_is_rounded_once() {
         // 16 × 64 whole tiles take the vector store, the 4-row and 8-column edges the scalar one.
         for (m, k, n, accumulate) in [(4, 1000, 40, false), (16, 1000, 64, false), (20, 300, 72, true)] {
-            bf16_output_case(m, k, n, accumulate);
+            bf16_output_case(m, k, n, accumulate, false);
+        }
+    }
+
+    #[test]
+    fn bf16_output_products_over_blocks_layouts_and_ragged_steps() {
+        // The bf16 epilogue over several row blocks and a ragged last one, ragged column panels,
+        // an odd k (a half-filled last pair) and a last tile step of a few words, k-dense B (a
+        // weight in [N, K] layout) and row-major B, accumulate; at least AMX_TRANSPOSED_MIN_K deep
+        // with fewer rows than columns (on AMX taken transposed, each block transposed on its way
+        // to the bf16 rows); two slices.
+        for (m, k, n, accumulate, b_col_major) in [
+            (100, 384, 72, false, true),
+            (70, 301, 45, true, false),
+            (33, 64, 130, true, true),
+            (40, 1030, 70, false, true),
+            (64, 2100, 40, true, true),
+        ] {
+            bf16_output_case(m, k, n, accumulate, b_col_major);
         }
     }
 
@@ -1203,8 +1221,9 @@ mod tests {
         FORCED.with(|f| f.set(None));
     }
 
-    fn bf16_output_case(m: usize, k: usize, n: usize, accumulate: bool) {
+    fn bf16_output_case(m: usize, k: usize, n: usize, accumulate: bool, b_col_major: bool) {
         let (a, b) = (values::<bf16>(m * k, 3), values::<bf16>(k * n, 4));
+        let (brs, bcs) = if b_col_major { (1, k) } else { (n, 1) };
         let start: Vec<bf16> = (0..m * n).map(|i| bf16::from_f32((i % 5) as f32 - 2.0)).collect();
         let mut out = start.clone();
         let dst = Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 };
@@ -1215,16 +1234,17 @@ mod tests {
                 k,
                 dst,
                 Mat { ptr: a.as_ptr(), rs: k as isize, cs: 1 },
-                Mat { ptr: b.as_ptr(), rs: n as isize, cs: 1 },
+                Mat { ptr: b.as_ptr(), rs: brs as isize, cs: bcs as isize },
                 accumulate,
             )
         };
         for i in 0..m {
             for j in 0..n {
-                let want: f64 = (0..k).map(|p| a[i * k + p].to_f64() * b[p * n + j].to_f64()).sum::<f64>()
+                let want: f64 = (0..k).map(|p| a[i * k + p].to_f64() * b[p * brs + j * bcs].to_f64()).sum::<f64>()
                     + if accumulate { start[i * n + j].to_f64() } else { 0.0 };
                 // One rounding of an f32 sum: within a bf16 ulp (plus the f32 sum's own error).
-                assert!((out[i * n + j].to_f64() - want).abs() <= 2f64.powi(-8) * want.abs() + 1e-4, "({i}, {j})");
+                let what = format!("{m}x{k}x{n} (B column-major: {b_col_major}) at ({i}, {j})");
+                assert!((out[i * n + j].to_f64() - want).abs() <= 2f64.powi(-8) * want.abs() + 1e-4, "{what}");
             }
         }
     }
