@@ -251,7 +251,7 @@ class PeerRow:
         r, eager, comp = self.r, self.eager, self.compiled
         shape = "x".join(map(str, r["shape"]))
         work = gflop(r["op"], r["shape"])
-        # bf16 products run on AMX tiles where the CPU has them, 16 times an FMA's multiply-adds.
+        # bf16 products run on AMX tiles where the CPU has them: 16 times the FMA pipes' multiply-adds.
         peak = probe["amx_gflops"] if r["dtype"] == "bfloat16" and probe["amx_gflops"] else probe["fma_gflops"]
         flops = f"{work / r['ms'] * 1e3:.0f} | {100 * work / r['ms'] * 1e3 / peak:.0f}%" if work else "— | —"
         line = (f"| {r['op']} | {r['dtype']} | {shape} | {r['ms']:.3f} | {eager:.3f} | {comp:.3f} | "

@@ -16,6 +16,7 @@
 //! rows of consecutive-k pairs are exactly AMX's pair-interleaved B layout; A needs rows of words
 //! (the transpose of the AVX-512 kernel's A panels), which [`crate::packed_gemm`] packs for it.
 
+#[cfg(target_arch = "x86_64")]
 use crate::packed_gemm::LineBuf;
 
 /// Rows of a tile, and 32-bit words in a tile row (64 bytes): one step of the block kernel takes
@@ -180,8 +181,8 @@ impl Drop for Tiles {
     }
 }
 
-/// k-steps of the peak probe's walk: 32 rows of A (9 lines each, odd as the GEMM packs them) and
-/// a 32-column panel of B, 16 KiB each, stay in L1 together.
+/// k-steps of the peak probe's walk: 32 rows of A (9 lines each, odd as the GEMM packs them, 18
+/// KiB) and a 32-column panel of B (16 KiB) stay in L1 together.
 const PROBE_STEPS: usize = 8;
 
 /// The block kernel's throughput with its operands in L1: `rounds` walks of [`Tiles::add_product`]
@@ -219,6 +220,7 @@ pub(crate) fn probe(rounds: usize) -> Option<(u64, Vec<f32>)> {
 /// The probe's A rows (`row_words` words each, pairs of bf16) and B panel (`[word][32 columns]`),
 /// on cache lines as the GEMM's are, holding bf16 integers in -3..=3: element `(r, e)` of A is
 /// `(r + e) % 7 - 3`, element `(e, c)` of B `(2e + c) % 7 - 3`, for k index `e`.
+#[cfg(target_arch = "x86_64")]
 fn probe_operands(row_words: usize) -> (LineBuf<u32>, LineBuf<u32>) {
     let bf16 = |v: usize| u32::from(uniop::half::bf16::from_f32(v as f32 % 7.0 - 3.0).to_bits());
     let pair = |low: usize, high: usize| bf16(low) | bf16(high) << 16;

@@ -136,8 +136,8 @@ pub fn gemm_kernels() -> [(&'static str, &'static str); 2] {
 
 /// Runs the bf16 GEMM's AMX block kernel `rounds` times on operands held in L1 and returns the
 /// flops it did, or None where the CPU (or the OS) offers no AMX tiles: `uniop bench`'s tile peak,
-/// the compute limit of bf16 GEMMs on such CPUs (the f32 FMA probe is not: a tile does 16 times
-/// the multiply-adds of an AVX-512 FMA in the same cycles).
+/// the compute limit of bf16 GEMMs on such CPUs (the f32 FMA probe is not: a core's tile unit
+/// does 16 times the multiply-adds per cycle of its two AVX-512 FMA pipes).
 pub fn amx_probe(rounds: usize) -> Option<u64> {
     amx::probe(rounds).map(|(flops, _)| flops)
 }
