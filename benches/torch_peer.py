@@ -73,6 +73,13 @@ def swiglu(x):
     return F.silu(a) * b
 
 
+def intermediate(hidden):
+    """Llama's MLP width for a hidden size, as uniop's linear_silu_mul example takes it (8k/3
+    rounded up to a multiple of 256: 384 -> 1024, 4096 -> 11008)."""
+    width = -(-8 * hidden // 3)  # ceil(8k/3)
+    return -(-width // 256) * 256
+
+
 def kv_cache_inputs(shape, dt):
     """uniop's example: a quarter of the cache length appended per sequence at random positions."""
     b, h, s_max, d = shape
@@ -117,6 +124,11 @@ PEERS = {
     # uniop's example: weight [2k, k] (an up projection) with bias.
     "linear": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn((2 * shape[-1], shape[-1]), dtype=dt),
                                   torch.randn((2 * shape[-1],), dtype=dt)), F.linear),
+    # uniop's example: weights [n, k], Llama's intermediate size n for hidden size k; torch's
+    # HF LlamaMLP composite act_fn(gate_proj(x)) * up_proj(x).
+    "linear_silu_mul": (lambda shape, dt: (torch.randn(shape, dtype=dt), *(torch.randn((intermediate(shape[-1]), shape[-1]),
+                                                                                        dtype=dt) for _ in range(2))),
+                        lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu)),
     # Main shape is the table [V, H]; 2048 token ids.
     "embedding": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randint(0, shape[0], (2048,))),
                   lambda w, ids: F.embedding(ids, w)),
@@ -140,6 +152,7 @@ BACKWARD = {
     "attention_backward": ("attention", (0, 1, 2)),
     "matmul_backward": ("matmul", (0, 1)),
     "linear_backward": ("linear", (0, 1, 2)),
+    "linear_silu_mul_backward": ("linear_silu_mul", (0, 1, 2)),
     "cross_entropy_backward": ("cross_entropy", (0,)),
     "embedding_backward": ("embedding", (0,)),
 }
@@ -187,6 +200,10 @@ def gflop(op, shape):
         k = shape[-1]
         rows = math.prod(shape[:-1])
         return (2 if op == "linear" else 4) * rows * k * 2 * k / 1e9
+    if op in ("linear_silu_mul", "linear_silu_mul_backward"):
+        # Two products forward; the backward recomputes them and takes four more.
+        k = shape[-1]
+        return (4 if op == "linear_silu_mul" else 12) * math.prod(shape[:-1]) * k * intermediate(k) / 1e9
     if op in ("attention", "attention_backward"):
         b, h, s, d = shape
         # Forward: QKᵀ and PV. Backward: QKᵀ recomputed, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q, dS·K (the fused route of

@@ -453,6 +453,46 @@ uniopStatus uniopLinearBackward(void *workspace,
                                 uniopExecutor *executor,
                                 uniopStream stream);
 
+// Phase 1 of `linear_silu_mul(Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor y)`.
+//
+// y = silu(x @ gate_weight^T) * (x @ up_weight^T): HF LlamaMLP's act_fn(gate_proj(x)) * up_proj(x)
+// in one op (no biases). Weights [intermediate_size, hidden_size] (HF layout), x [...,
+// hidden_size]. Both products run as one GEMM (x packed once, f32 sums, silu*mul applied before
+// the single rounding).
+uniopStatus uniopLinearSiluMulGetWorkspaceSize(const uniopTensor *x,
+                                               const uniopTensor *gate_weight,
+                                               const uniopTensor *up_weight,
+                                               uniopTensor *y,
+                                               uint64_t *workspaceSize,
+                                               uniopExecutor **executor);
+
+// Phase 2 of `linear_silu_mul`: launches the executor from `uniopLinearSiluMulGetWorkspaceSize` on `stream`.
+uniopStatus uniopLinearSiluMul(void *workspace,
+                               uint64_t workspaceSize,
+                               uniopExecutor *executor,
+                               uniopStream stream);
+
+// Phase 1 of `linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
+//
+// Gradients of linear_silu_mul: with g = x @ gate_weight^T, u = x @ up_weight^T (recomputed, never
+// saved), dg = dy * u * silu'(g), du = dy * silu(g); dx = dg @ gate_weight + du @ up_weight,
+// dgate_weight = dg^T @ x, dup_weight = du^T @ x (summed over all leading dims of x).
+uniopStatus uniopLinearSiluMulBackwardGetWorkspaceSize(const uniopTensor *dy,
+                                                       const uniopTensor *x,
+                                                       const uniopTensor *gate_weight,
+                                                       const uniopTensor *up_weight,
+                                                       uniopTensor *dx,
+                                                       uniopTensor *dgate_weight,
+                                                       uniopTensor *dup_weight,
+                                                       uint64_t *workspaceSize,
+                                                       uniopExecutor **executor);
+
+// Phase 2 of `linear_silu_mul_backward`: launches the executor from `uniopLinearSiluMulBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopLinearSiluMulBackward(void *workspace,
+                                       uint64_t workspaceSize,
+                                       uniopExecutor *executor,
+                                       uniopStream stream);
+
 // Phase 1 of `log_softmax(Tensor x, int dim=-1) -> (Tensor y)`.
 //
 // x - max - log(sum(exp(x - max))) along dim, as torch.log_softmax. Any dim; f16/bf16 compute in

@@ -60,6 +60,12 @@ def silu_mul_ref(g, u):
     return F.silu(g.to(D)) * u.to(D)
 
 
+def gated_ref(x, gate_weight, up_weight):
+    """linear_silu_mul: silu(x · gate_weightᵀ) · (x · up_weightᵀ)."""
+    x = x.to(D)
+    return silu_mul_ref(F.linear(x, gate_weight.to(D)), F.linear(x, up_weight.to(D)))
+
+
 def attention_ref(q, k, v, causal):
     q, k, v = q.to(D), k.to(D), v.to(D)
     rep = q.shape[1] // k.shape[1]
@@ -209,6 +215,17 @@ def _cases():
         x, w, dy = _rand(4, 6, dtype=dt, strided=strided), torch.randn(5, 6).to(dt), torch.randn(4, 5).to(dt)
         b = torch.zeros(5)
         return (dy, x, w), lambda dy, x, w: _vjp(lambda x, w, b: F.linear(x, w, b), (x, w, b), (dy,), (0, 1, 2))
+
+    @case
+    def linear_silu_mul(dt, strided):
+        x, wg, wu = _rand(4, 6, dtype=dt, strided=strided), _rand(5, 6, dtype=dt, strided=strided), torch.randn(5, 6).to(dt)
+        return (x, wg, wu), gated_ref
+
+    @case
+    def linear_silu_mul_backward(dt, strided):
+        x, wg, wu = _rand(4, 6, dtype=dt, strided=strided), torch.randn(5, 6).to(dt), torch.randn(5, 6).to(dt)
+        dy = torch.randn(4, 5).to(dt)
+        return (dy, x, wg, wu), lambda dy, x, wg, wu: _vjp(gated_ref, (x, wg, wu), (dy,), (0, 1, 2))
 
     @case
     def attention(dt, strided):

@@ -617,6 +617,84 @@ pub extern "C" fn uniopLinearBackward(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
+/// Phase 1 of `linear_silu_mul(Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor y)`.
+///
+/// y = silu(x @ gate_weight^T) * (x @ up_weight^T): HF LlamaMLP's act_fn(gate_proj(x)) * up_proj(x)
+/// in one op (no biases). Weights [intermediate_size, hidden_size] (HF layout), x [...,
+/// hidden_size]. Both products run as one GEMM (x packed once, f32 sums, silu*mul applied before
+/// the single rounding).
+#[no_mangle]
+pub extern "C" fn uniopLinearSiluMulGetWorkspaceSize(
+    x: *const uniopTensor,
+    gate_weight: *const uniopTensor,
+    up_weight: *const uniopTensor,
+    y: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLinearSiluMulGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 3] =
+            [("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight)];
+        let attrs: [(&str, AttrValue); 0] = [];
+        let outputs = [("y", y as *const uniopTensor)];
+        plan("linear_silu_mul", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `linear_silu_mul`: launches the executor from `uniopLinearSiluMulGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLinearSiluMul(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
+///
+/// Gradients of linear_silu_mul: with g = x @ gate_weight^T, u = x @ up_weight^T (recomputed, never
+/// saved), dg = dy * u * silu'(g), du = dy * silu(g); dx = dg @ gate_weight + du @ up_weight,
+/// dgate_weight = dg^T @ x, dup_weight = du^T @ x (summed over all leading dims of x).
+#[no_mangle]
+pub extern "C" fn uniopLinearSiluMulBackwardGetWorkspaceSize(
+    dy: *const uniopTensor,
+    x: *const uniopTensor,
+    gate_weight: *const uniopTensor,
+    up_weight: *const uniopTensor,
+    dx: *mut uniopTensor,
+    dgate_weight: *mut uniopTensor,
+    dup_weight: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLinearSiluMulBackwardGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 4] =
+            [("dy", dy), ("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight)];
+        let attrs: [(&str, AttrValue); 0] = [];
+        let outputs = [
+            ("dx", dx as *const uniopTensor),
+            ("dgate_weight", dgate_weight as *const uniopTensor),
+            ("dup_weight", dup_weight as *const uniopTensor),
+        ];
+        plan("linear_silu_mul_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `linear_silu_mul_backward`: launches the executor from `uniopLinearSiluMulBackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLinearSiluMulBackward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
 /// Phase 1 of `log_softmax(Tensor x, int dim=-1) -> (Tensor y)`.
 ///
 /// x - max - log(sum(exp(x - max))) along dim, as torch.log_softmax. Any dim; f16/bf16 compute in

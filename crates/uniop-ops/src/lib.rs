@@ -39,6 +39,8 @@ pub mod gelu_backward;
 pub mod kv_cache_append;
 pub mod linear;
 pub mod linear_backward;
+pub mod linear_silu_mul;
+pub mod linear_silu_mul_backward;
 pub mod math;
 pub mod matmul;
 pub mod matmul_backward;
@@ -90,6 +92,8 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(matmul_backward::MatmulBackward),
         Box::new(linear::Linear),
         Box::new(linear_backward::LinearBackward),
+        Box::new(linear_silu_mul::LinearSiluMul),
+        Box::new(linear_silu_mul_backward::LinearSiluMulBackward),
         Box::new(embedding::Embedding),
         Box::new(embedding_backward::EmbeddingBackward),
         Box::new(cross_entropy::CrossEntropy),

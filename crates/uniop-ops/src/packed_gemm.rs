@@ -180,6 +180,8 @@ struct Scratch {
     b: LineBuf<u32>,
     /// f32 tiles carried between slices: `[row of the row block][NC]`.
     c: LineBuf<f32>,
+    /// Finished f32 sums of [`gemm_rows_pairs`]: `[row][packed column]`.
+    sums: LineBuf<f32>,
 }
 
 /// A scratch buffer of 4-byte elements that starts on a cache line, so that every 64-byte row of
@@ -338,13 +340,13 @@ pub(crate) unsafe fn gemm_rows_packed<E: Packed, O: GemmOut>(
         (rows, n, dst, lhs, rhs)
     };
     SCRATCH.with_borrow_mut(|s| {
-        let Scratch { a, b, c } = s;
+        let Scratch { a, b, c, .. } = s;
         b.grow(column_block_words::<E>(k, NC));
         let slice_words = micro.slice_words();
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
             // All of B's slices for these columns, packed once and reused by every row block.
-            pack_columns::<E>(b, rhs, k, (jc, nc), slice_words);
+            pack_columns::<E>(b, Columns::One(rhs), k, (jc, nc), slice_words);
             let packed = PackedBlock { nc, k, slice_words };
             multiply(rows.clone(), (jc, nc), k, dst, lhs, (b, packed), accumulate, micro, (a, c));
         }
@@ -366,19 +368,48 @@ fn column_block_words<E: Packed>(k: usize, nc: usize) -> usize {
     nc.next_multiple_of(NR) * k.div_ceil(E::PER_WORD)
 }
 
+/// The B of a product as its columns are packed: one matrix, or two with the same shape whose
+/// products are taken together in pairs of half panels — `HALF` columns of the first, then the
+/// same columns of the second — so that every tile holds both sums of its `HALF` outputs.
+#[derive(Clone, Copy)]
+enum Columns<E> {
+    One(Mat<E>),
+    Pairs(Mat<E>, Mat<E>),
+}
+
+/// Columns of each matrix in one half of a paired panel.
+pub(crate) const HALF: usize = NR / 2;
+
+impl<E> Columns<E> {
+    /// Packed columns for `nc` columns of each matrix: whole panels.
+    fn packed_width(&self, nc: usize) -> usize {
+        match self {
+            Columns::One(_) => nc.next_multiple_of(NR),
+            Columns::Pairs(..) => nc.div_ceil(HALF) * NR,
+        }
+    }
+}
+
 /// Packs columns `jc..jc + nc` of `rhs` (`k` deep), every slice of `slice_words`, into `out`.
 unsafe fn pack_columns<E: Packed>(
     out: &mut [u32],
-    rhs: Mat<E>,
+    rhs: Columns<E>,
     k: usize,
     (jc, nc): (usize, usize),
     slice_words: usize,
 ) {
     let (n_slices, slice) = slices::<E>(k, slice_words);
-    let slice_stride = nc.next_multiple_of(NR) * slice_words;
+    let slice_stride = rhs.packed_width(nc) * slice_words;
     for si in 0..n_slices {
         let (pc, kc) = slice(si);
-        pack::<E, NR>(&mut out[si * slice_stride..], rhs, pc, kc, jc, nc);
+        let out = &mut out[si * slice_stride..];
+        match rhs {
+            Columns::One(m) => pack::<E, NR>(out, NR, m, pc, kc, jc, nc),
+            Columns::Pairs(first, second) => {
+                pack::<E, HALF>(out, NR, first, pc, kc, jc, nc);
+                pack::<E, HALF>(&mut out[HALF..], NR, second, pc, kc, jc, nc);
+            }
+        }
     }
 }
 
@@ -404,7 +435,7 @@ impl PackedRhs {
         let slice_words = micro_kernel::<E>().slice_words();
         let mut at = 0;
         for (jc, nc) in blocks {
-            pack_columns::<E>(&mut self.words[at..], rhs, k, (jc, nc), slice_words);
+            pack_columns::<E>(&mut self.words[at..], Columns::One(rhs), k, (jc, nc), slice_words);
             at += column_block_words::<E>(k, nc);
         }
         (self.n, self.k, self.slice_words) = (n, k, slice_words);
@@ -438,6 +469,66 @@ pub(crate) unsafe fn gemm_rows_prepacked<E: Packed, O: GemmOut>(
             let b = (&rhs.words[at..], block);
             multiply(rows.clone(), (jc, NC.min(n - jc)), k, dst, lhs, b, accumulate, micro, (a, c));
             at += column_block_words::<E>(rhs.k, block.nc);
+        }
+    });
+}
+
+/// Output rows a [`gemm_rows_pairs`] product holds sums for at once (with 256 columns of each
+/// matrix, 128 × 512 f32: 256 KiB, in L2 beside the packed panels).
+const PAIR_ROWS: usize = 128;
+
+/// Whether [`gemm_rows_pairs`] is the way to take `lhs[rows] · first` and `lhs[rows] · second`
+/// (`k`-deep, `n` columns) here: not for the few rows that the skinny kernels stream the
+/// weights for, nor for bf16 on AMX where [`gemm_rows_packed`] would take a deep product
+/// transposed — pairing then packs B in full again, which is what transposing avoided.
+pub(crate) fn pairs_apply<E: Packed>(rows: usize, n: usize, k: usize) -> bool {
+    let transposed = micro_kernel::<E>() == Micro::Amx && k >= AMX_TRANSPOSED_MIN_K && rows <= n;
+    rows > crate::skinny::SKINNY_ROWS && !transposed
+}
+
+/// The products `lhs[rows] · first` and `lhs[rows] · second` (`k`-deep, `n` columns each; bf16
+/// or f32 operands, f32 sums) taken as one with [`Columns::Pairs`]: A is packed once for both,
+/// and each output row's sums are handed to `finish(row, first column, sums)` while they are in
+/// cache, `sums` holding them in pairs of `HALF`-column groups — columns `c..c + HALF` of the
+/// first product at `sums[2c..2c + HALF]`, of the second at `sums[2c + HALF..2c + 2 · HALF]`
+/// (`c` a multiple of `HALF`; the last group's columns past the block's end are padding). For
+/// a gated activation (`linear_silu_mul`), whose factors are two products of the same input.
+///
+/// # Safety
+/// As [`gemm_rows_packed`] for both products (without a destination).
+pub(crate) unsafe fn gemm_rows_pairs<E: Packed>(
+    rows: std::ops::Range<usize>,
+    n: usize,
+    k: usize,
+    lhs: Mat<E>,
+    (first, second): (Mat<E>, Mat<E>),
+    mut finish: impl FnMut(usize, usize, &[f32]),
+) {
+    if rows.is_empty() || n == 0 {
+        return;
+    }
+    let micro = micro_kernel::<E>();
+    let rhs = Columns::Pairs(first, second);
+    SCRATCH.with_borrow_mut(|s| {
+        let Scratch { a, b, c, sums } = s;
+        let nc_max = NC / 2;
+        b.grow(column_block_words::<E>(k, rhs.packed_width(nc_max)));
+        sums.grow(PAIR_ROWS * NC);
+        let slice_words = micro.slice_words();
+        for jc in (0..n).step_by(nc_max) {
+            let nc = nc_max.min(n - jc);
+            pack_columns::<E>(b, rhs, k, (jc, nc), slice_words);
+            let width = rhs.packed_width(nc);
+            let packed = PackedBlock { nc: width, k, slice_words };
+            for ic in rows.clone().step_by(PAIR_ROWS) {
+                let mc = PAIR_ROWS.min(rows.end - ic);
+                let dst = Dst { ptr: sums.as_mut_ptr(), rs: width as isize, cs: 1 };
+                let lhs = Mat { ptr: lhs.ptr.offset(ic as isize * lhs.rs), ..lhs };
+                multiply(0..mc, (0, width), k, dst, lhs, (b, packed), false, micro, (a, c));
+                for (r, row_sums) in sums.chunks_exact(width).take(mc).enumerate() {
+                    finish(ic + r, jc, row_sums);
+                }
+            }
         }
     });
 }
@@ -484,7 +575,7 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
         let mc = MC.min(rows.end - ic);
         for si in 0..n_slices {
             let (pc, kc) = slice(si);
-            pack::<E, MR>(a, Mat { ptr: lhs.ptr, rs: lhs.cs, cs: lhs.rs }, pc, kc, ic, mc);
+            pack::<E, MR>(a, MR, Mat { ptr: lhs.ptr, rs: lhs.cs, cs: lhs.rs }, pc, kc, ic, mc);
             // The walk's words, and B's panel stride (more when only B's leading part is walked).
             let words = kc.div_ceil(E::PER_WORD);
             let b_words = packed_slice(si).1.div_ceil(E::PER_WORD);
@@ -698,13 +789,27 @@ unsafe fn bits_or_zero<E: Packed>(m: Mat<E>, r: usize, c: usize, rows: usize, co
 
 /// Packs rows `k0..k0+kc` (the reduction index) × columns `c0..c0+cols` of `m` as `W`-column panels
 /// of `[word][column]` words (a bf16 word's low half: the even row), zero-padded to whole words and
-/// panels. B packs itself (`W = NR`); A packs its transpose (`W = MR`), so both micro-kernel
-/// operands come from one routine.
-unsafe fn pack<E: Packed, const W: usize>(out: &mut [u32], m: Mat<E>, k0: usize, kc: usize, c0: usize, cols: usize) {
+/// panels, each panel's rows `stride` words apart (`W`, or `NR` for the halves of a paired panel:
+/// [`Columns::Pairs`]). B packs itself (`W = NR`); A packs its transpose (`W = MR`), so both
+/// micro-kernel operands come from one routine.
+#[allow(clippy::too_many_arguments)]
+unsafe fn pack<E: Packed, const W: usize>(
+    out: &mut [u32],
+    stride: usize,
+    m: Mat<E>,
+    k0: usize,
+    kc: usize,
+    c0: usize,
+    cols: usize,
+) {
     let words = kc.div_ceil(E::PER_WORD);
     if words == 0 {
         return;
     }
+    let panels = cols.div_ceil(W);
+    // The first word of each panel's row `p`.
+    let row = |panel: usize, p: usize| (panel * words + p) * stride;
+    assert!(out.len() >= row(panels - 1, words - 1) + W, "packed panels overrun their buffer");
     let block = Mat { ptr: m.ptr.offset(k0 as isize * m.rs + c0 as isize * m.cs), ..m };
     let whole_panels = if kc.is_multiple_of(E::PER_WORD) { cols / W } else { 0 };
     let mut first_panel = 0;
@@ -713,24 +818,25 @@ unsafe fn pack<E: Packed, const W: usize>(out: &mut [u32], m: Mat<E>, k0: usize,
         // panels so each row is read once, in order (panel by panel, a 4 KiB row stride defeated
         // the prefetcher and the loads missed).
         for p in 0..words {
-            let row = block.ptr.offset((E::PER_WORD * p) as isize * m.rs);
+            let from = block.ptr.offset((E::PER_WORD * p) as isize * m.rs);
             for panel in 0..whole_panels {
-                E::row_words::<W>(&mut out[(panel * words + p) * W..][..W], row.add(panel * W), m.rs);
+                E::row_words::<W>(&mut out[row(panel, p)..][..W], from.add(panel * W), m.rs);
             }
         }
         first_panel = whole_panels;
     }
-    for (panel, chunk) in out.chunks_exact_mut(words * W).take(cols.div_ceil(W)).enumerate().skip(first_panel) {
+    for panel in first_panel..panels {
         let first = panel * W;
         if panel < whole_panels && m.rs == 1 {
             // Dense along k (x's rows, a transposed weight's columns): the panel is the transpose
             // of W lines of words.
             let lines = block.ptr.offset(first as isize * m.cs) as *const u8;
             let line_bytes = m.cs * std::mem::size_of::<E>() as isize;
-            crate::transpose::transpose_words(chunk.as_mut_ptr(), W, lines, line_bytes, W, words);
+            let to = out[row(panel, 0)..].as_mut_ptr();
+            crate::transpose::transpose_words(to, stride, lines, line_bytes, W, words);
         } else {
-            for (p, word) in chunk.chunks_exact_mut(W).enumerate() {
-                for (j, w) in word.iter_mut().enumerate() {
+            for p in 0..words {
+                for (j, w) in out[row(panel, p)..][..W].iter_mut().enumerate() {
                     *w = (0..E::PER_WORD).fold(0, |acc, e| {
                         acc | bits_or_zero(block, E::PER_WORD * p + e, first + j, kc, cols) << (16 * e)
                     });
@@ -1111,6 +1217,48 @@ mod tests {
         // Column-major A over more than one AMX row block: 16-row groups from pairs of k lines
         // and a ragged rest, ragged tile steps.
         check(800, 40, 33, true, false, true);
+    }
+
+    #[test]
+    fn paired_products_hand_every_output_both_sums_once() {
+        // Several row blocks and a ragged one, ragged half panels (n not a multiple of 16), two
+        // column blocks, k spanning several slices; k-dense (a weight) and row-major B.
+        for (m, k, n) in [(300, 70, 45), (40, 2100, 300), (33, 33, 16), (5, 9, 1)] {
+            for b_col_major in [true, false] {
+                pairs_case::<bf16>(m, k, n, b_col_major);
+                pairs_case::<f32>(m, k, n, b_col_major);
+            }
+        }
+    }
+
+    fn pairs_case<E: Packed>(m: usize, k: usize, n: usize, b_col_major: bool) {
+        let a = values::<E>(m * k, 7);
+        let (first, second) = (values::<E>(k * n, 8), values::<E>(k * n, 9));
+        let (brs, bcs) = if b_col_major { (1, k as isize) } else { (n as isize, 1) };
+        let at = |b: &[E], p: usize, j: usize| b[(p as isize * brs + j as isize * bcs) as usize].to_f64();
+        for micro in micro_kernels::<E>() {
+            FORCED.with(|f| f.set(Some(micro)));
+            let mut sums = [vec![f32::NAN; m * n], vec![f32::NAN; m * n]];
+            let lhs = Mat { ptr: a.as_ptr(), rs: k as isize, cs: 1 };
+            let b = |b: &[E]| Mat { ptr: b.as_ptr(), rs: brs, cs: bcs };
+            unsafe {
+                gemm_rows_pairs(0..m, n, k, lhs, (b(&first), b(&second)), |r, c, paired| {
+                    assert_eq!(c % HALF, 0, "a row's sums start on a group");
+                    for j in c..n.min(c + paired.len() / 2) {
+                        let (group, within) = ((j - c) / HALF, (j - c) % HALF);
+                        for (product, out) in sums.iter_mut().enumerate() {
+                            assert!(out[r * n + j].is_nan(), "({r}, {j}) handed over twice");
+                            out[r * n + j] = paired[2 * HALF * group + HALF * product + within];
+                        }
+                    }
+                });
+            }
+            let what = format!("{:?} {micro:?} {m}x{k}x{n} pairs", E::DTYPE);
+            let a_at = |i: usize, p: usize| a[i * k + p].to_f64();
+            assert_product(&sums[0], (m, k, n), (a_at, |p, j| at(&first, p, j)), |_| 0.0, &what);
+            assert_product(&sums[1], (m, k, n), (a_at, |p, j| at(&second, p, j)), |_| 0.0, &what);
+        }
+        FORCED.with(|f| f.set(None));
     }
 
     #[test]

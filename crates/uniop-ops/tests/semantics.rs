@@ -1031,6 +1031,85 @@ fn linear_backward_matches_finite_differences() {
     }
 }
 
+/// `linear_silu_mul` on each of its routes — few rows (the weights streamed), row bands of the
+/// paired GEMM over several of its row blocks, column bands, a strided weight — against its
+/// reference, and against `linear` then `silu_mul` (which round the products first) in every dtype.
+#[test]
+fn linear_silu_mul_is_linear_then_silu_mul_on_every_route() {
+    setup();
+    fn check<T: uniop::Element>(cast: impl Fn(f32) -> T, tol: f64) {
+        for (rows, k, n) in [(3, 40, 70), (300, 70, 45), (9, 100, 300), (130, 33, 200)] {
+            let values = |len, seed| rand_vec(len, seed).into_iter().map(&cast).collect::<Vec<T>>();
+            let (x, gate, up) = (values(rows * k, 131), values(n * k, 132), values(n * k, 133));
+            let tx = TensorRef::new(&x, &[rows, k]).unwrap();
+            let tg = TensorRef::new(&gate, &[n, k]).unwrap();
+            // The up weight read through a transposed [k, n] buffer: strides (1, k) over [n, k].
+            let up_t: Vec<T> = (0..k * n).map(|i| up[(i % n) * k + i / n]).collect();
+            let tu = TensorRef::strided(&up_t, &[n, k], &[1, n], 0).unwrap();
+            let fused = run_checked("linear_silu_mul", &[Some(tx.clone()), Some(tg.clone()), Some(tu.clone())], &[]);
+            let product = |w: TensorRef| -> Vec<T> {
+                let y = run_checked("linear", &[Some(tx.clone()), Some(w), None], &[]).remove(0);
+                y.into_iter().map(|v| cast(v as f32)).collect()
+            };
+            let (g, u) = (product(tg), product(tu));
+            let (tg, tu) = (TensorRef::new(&g, &[rows, n]).unwrap(), TensorRef::new(&u, &[rows, n]).unwrap());
+            let composite = run_checked("silu_mul", &[Some(tg), Some(tu)], &[]).remove(0);
+            for (a, b) in fused[0].iter().zip(&composite) {
+                assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{:?} {rows}x{k}x{n}: {a} vs {b}", T::DTYPE);
+            }
+        }
+    }
+    check(|v| v, 1e-5);
+    check(bf16::from_f32, 2e-2);
+    check(uniop::half::f16::from_f32, 4e-3);
+    let (x, w) = (rand_vec(2 * 4, 1), rand_vec(3 * 5, 2));
+    let (tx, tw) = (TensorRef::new(&x, &[2, 4]).unwrap(), TensorRef::new(&w, &[3, 5]).unwrap());
+    let err = plan_err("linear_silu_mul", &[Some(tx), Some(tw.clone()), Some(tw)], &[], vec![]);
+    assert_eq!(err.code(), ErrorCode::Shape);
+    assert_eq!(
+        err.message(),
+        "linear_silu_mul: argument 'gate_weight': expected shape [intermediate_size, 4] (x is [2, 4]), got shape [3, 5]"
+    );
+}
+
+#[test]
+fn linear_silu_mul_backward_matches_finite_differences() {
+    setup();
+    let (rows, k, n) = (4, 5, 3);
+    let (x, gate, up, dy) =
+        (rand_vec(rows * k, 141), rand_vec(n * k, 142), rand_vec(n * k, 143), rand_vec(rows * n, 144));
+    let grads = run_checked(
+        "linear_silu_mul_backward",
+        &[
+            Some(TensorRef::new(&dy, &[2, 2, n]).unwrap()),
+            Some(TensorRef::new(&x, &[2, 2, k]).unwrap()),
+            Some(TensorRef::new(&gate, &[n, k]).unwrap()),
+            Some(TensorRef::new(&up, &[n, k]).unwrap()),
+        ],
+        &[],
+    );
+    let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let inputs = [(f64s(&x), vec![2, 2, k]), (f64s(&gate), vec![n, k]), (f64s(&up), vec![n, k])];
+    for (wrt, name) in [(0, "dx"), (1, "dgate_weight"), (2, "dup_weight")] {
+        assert_close(&grads[wrt], &finite_difference("linear_silu_mul", &inputs, &[], &f64s(&dy), wrt), name);
+    }
+    let err = plan_err(
+        "linear_silu_mul_backward",
+        &[
+            Some(TensorRef::new(&dy, &[2, 2, n]).unwrap()),
+            Some(TensorRef::new(&x, &[2, 2, k]).unwrap()),
+            Some(TensorRef::new(&gate, &[n, k]).unwrap()),
+            Some(TensorRef::new(&up[..k * (n - 1)], &[n - 1, k]).unwrap()),
+        ],
+        &[],
+        vec![],
+    );
+    assert_eq!(
+        err.message(),
+        "linear_silu_mul_backward: argument 'up_weight': expected shape [3, 5], got shape [2, 5]"
+    );
+}
+
 #[test]
 fn cross_entropy_with_ignored_rows_and_its_gradient() {
     setup();

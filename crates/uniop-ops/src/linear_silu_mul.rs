@@ -1,0 +1,311 @@
+//! `linear_silu_mul(x, gate_weight, up_weight) = silu(x · gate_weightᵀ) · (x · up_weightᵀ)`: the
+//! gated half of HF's `LlamaMLP` (`act_fn(gate_proj(x)) * up_proj(x)`, before `down_proj`) as one
+//! op, as inference engines fuse it (vLLM's merged gate/up projection and `SiluAndMul`).
+//!
+//! Why one op rather than two [`linear`](crate::linear)s and a [`silu_mul`](crate::silu_mul):
+//! both products read the same `x`, and the activation needs both sums of an output at once.
+//! Taken as one packed GEMM whose B panels pair 16 columns of the gate weight with the same 16 of
+//! the up weight ([`gemm_rows_pairs`]), `x` is packed once for both products and silu·mul runs on
+//! the f32 sums while they are in cache, rounding once: no `[rows, intermediate]` gate and up
+//! tensors written and read back, no third pass. Where that GEMM does not serve (a few rows,
+//! whose products stream the weights; f16; f32 without AVX-512), the two products go through
+//! small chunks of scratch into the same epilogue.
+//!
+//! No biases: Llama, Mistral and Qwen MLPs have none (`mlp_bias=False`); a layer with them is two
+//! `linear`s and a `silu_mul`.
+
+use crate::linear::COLUMN_UNIT;
+use crate::math;
+use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
+use crate::packed_gemm::{gemm_rows_pairs, pairs_apply, Packed, HALF};
+use crate::skinny::Simd;
+use uniop::half::bf16;
+use uniop::layout::ShapeDisplay;
+use uniop::{
+    with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,
+    RefTensor, Result, Step, TensorMeta,
+};
+
+pub struct LinearSiluMul;
+
+/// `x` as `[rows, k]`, each weight `[n, k]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Dims {
+    pub rows: usize,
+    pub k: usize,
+    pub n: usize,
+}
+
+/// Checks `x` `[..., k]` against `gate_weight` and `up_weight` `[n, k]` (shared with the backward).
+pub(crate) fn dims(cx: &OpCx) -> Result<Dims> {
+    let dtype = cx.expect_dtype_in("x", DTYPES)?;
+    cx.expect_same_dtype("gate_weight", dtype, "x")?;
+    cx.expect_same_dtype("up_weight", dtype, "x")?;
+    cx.expect_min_rank("x", 1)?;
+    let (x, gate) = (cx.input("x").shape(), cx.input("gate_weight").shape());
+    let k = *x.last().unwrap();
+    if gate.len() != 2 || gate[1] != k {
+        return Err(cx.err(
+            ErrorCode::Shape,
+            "gate_weight",
+            format!("shape [intermediate_size, {k}] (x is {})", ShapeDisplay(x)),
+            format!("shape {}", ShapeDisplay(gate)),
+        ));
+    }
+    cx.expect_shape("up_weight", gate)?;
+    Ok(Dims { rows: x[..x.len() - 1].iter().product(), k, n: gate[0] })
+}
+
+/// Rows and columns of each product the generic route takes at a time (into block scratch).
+const CHUNK_ROWS: usize = 32;
+const CHUNK_COLS: usize = 256;
+
+/// Scratch bytes one block of the generic route uses: both products' chunks in the op's dtype
+/// (at most 4 bytes), then a chunk of paired f32 sums.
+pub(crate) const BLOCK_SCRATCH_BYTES: usize = 2 * CHUNK_ROWS * CHUNK_COLS * 4 + CHUNK_ROWS * 2 * CHUNK_COLS * 4;
+
+/// The op's three operands as matrices: `x` `[rows, k]` (contiguous) and the two weights read
+/// transposed (`[k, n]`, any strides).
+#[derive(Clone, Copy)]
+pub(crate) struct Operands<T> {
+    pub x: Mat<T>,
+    pub gate: Mat<T>,
+    pub up: Mat<T>,
+}
+
+impl<T: FloatElement> Operands<T> {
+    /// From a launch whose inputs start with `x`, `gate_weight`, `up_weight` at `first`.
+    pub fn of(args: &KernelArgs, first: usize, d: Dims) -> Operands<T> {
+        let mat = |i: usize| {
+            let t = args.input(first + i);
+            let s = t.layout().strides();
+            // SAFETY: the offset stays inside the bound storage (the executor checked the view).
+            let ptr = unsafe { t.storage::<T>().unwrap().as_ptr().add(t.layout().offset()) };
+            // x is contiguous [rows, k]; a weight [n, k] is read transposed.
+            if i == 0 {
+                Mat { ptr, rs: d.k as isize, cs: 1 }
+            } else {
+                Mat { ptr, rs: s[1] as isize, cs: s[0] as isize }
+            }
+        };
+        Operands { x: mat(0), gate: mat(1), up: mat(2) }
+    }
+}
+
+/// Both products for output rows `rows` × columns `cols`, handed to `finish(row, first column,
+/// sums)` in [`gemm_rows_pairs`]'s paired layout. `scratch` is this block's
+/// [`BLOCK_SCRATCH_BYTES`] (the generic route's).
+///
+/// # Safety
+/// `ops` valid for `d`'s extents.
+pub(crate) unsafe fn gate_up_rows<T: FloatElement>(
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
+    d: Dims,
+    ops: Operands<T>,
+    scratch: *mut u8,
+    mut finish: impl FnMut(usize, usize, &[f32]),
+) {
+    let from_col = |m: Mat<T>| Mat { ptr: m.ptr.offset(cols.start as isize * m.cs), ..m };
+    let (gate, up) = (from_col(ops.gate), from_col(ops.up));
+    let mut shifted = |r, c, sums: &[f32]| finish(r, cols.start + c, sums);
+    let n = cols.len();
+    if T::DTYPE == DType::BF16 && pairs_apply::<bf16>(rows.len(), n, d.k) {
+        let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const bf16, rs: m.rs, cs: m.cs };
+        return gemm_rows_pairs(rows, n, d.k, cast(ops.x), (cast(gate), cast(up)), &mut shifted);
+    }
+    if T::DTYPE == DType::F32 && <f32 as Packed>::level() == Simd::Avx512 && pairs_apply::<f32>(rows.len(), n, d.k) {
+        let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const f32, rs: m.rs, cs: m.cs };
+        return gemm_rows_pairs(rows, n, d.k, cast(ops.x), (cast(gate), cast(up)), &mut shifted);
+    }
+    // The generic route: each product's chunk into scratch, then paired like gemm_rows_pairs's.
+    let products = scratch as *mut T;
+    let chunk = CHUNK_ROWS * CHUNK_COLS;
+    let paired = std::slice::from_raw_parts_mut(scratch.add(2 * chunk * 4) as *mut f32, 2 * chunk);
+    for c0 in (0..n).step_by(CHUNK_COLS) {
+        let nc = CHUNK_COLS.min(n - c0);
+        let width = nc.div_ceil(HALF) * 2 * HALF;
+        // Row chunks of even sizes: a last chunk of one row would be a matrix-vector product,
+        // which the `gemm` crate sums in f16 for f16 (off by 40 units in the last place at k = 33).
+        let chunks = rows.len().div_ceil(CHUNK_ROWS);
+        for chunk_index in 0..chunks {
+            let r0 = rows.start + chunk_index * rows.len() / chunks;
+            let mr = rows.start + (chunk_index + 1) * rows.len() / chunks - r0;
+            let x = Mat { ptr: ops.x.ptr.offset(r0 as isize * ops.x.rs), ..ops.x };
+            for (i, w) in [gate, up].into_iter().enumerate() {
+                let dst = Dst { ptr: products.add(i * chunk), rs: nc as isize, cs: 1 };
+                gemm_rows(0..mr, nc, d.k, dst, x, Mat { ptr: w.ptr.offset(c0 as isize * w.cs), ..w }, false);
+            }
+            for r in 0..mr {
+                let row = &mut paired[..width];
+                for (half, product) in [products, products.add(chunk)].into_iter().enumerate() {
+                    let values = std::slice::from_raw_parts(product.add(r * nc), nc);
+                    for (group, values) in row.chunks_exact_mut(2 * HALF).zip(values.chunks(HALF)) {
+                        T::widen(values, &mut group[half * HALF..][..values.len()]);
+                    }
+                }
+                shifted(r0 + r, c0, row);
+            }
+        }
+    }
+}
+
+crate::simd_kernel! {
+/// `out[c] = silu(gate sum) · up sum` for one row of paired sums (layout: [`gemm_rows_pairs`]);
+/// `out` is as long as the row's outputs, which the sums may pad.
+pub(crate) fn silu_mul_pairs<T: FloatElement>(sums: &[f32], out: &mut [T]) {
+    for (group, out) in sums.chunks_exact(2 * HALF).zip(out.chunks_mut(HALF)) {
+        let (gate, up) = group.split_at(HALF);
+        let mut v = [0f32; HALF];
+        for i in 0..HALF {
+            v[i] = math::silu::<T>(gate[i]) * up[i];
+        }
+        if out.len() == HALF {
+            out.copy_from_slice(&T::narrow_lanes(&v));
+        } else {
+            for (o, &v) in out.iter_mut().zip(&v) {
+                *o = T::from_f32(v);
+            }
+        }
+    }
+}
+}
+
+/// How blocks share the output, as for `linear`: bands of rows, or bands of columns when the
+/// rows are too few to go around (decode) or the weights are the larger operand to pack.
+#[derive(Clone, Copy)]
+enum Bands {
+    Rows,
+    Columns,
+}
+
+fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands) {
+    let (rows, cols) = match bands {
+        Bands::Rows => (ctx.split(d.rows), 0..d.n),
+        Bands::Columns => (0..d.rows, column_band(ctx, d.n, COLUMN_UNIT)),
+    };
+    if cols.is_empty() || rows.is_empty() {
+        return;
+    }
+    let out = args.output(0);
+    let o = out.layout().offset();
+    let end = cols.end;
+    // SAFETY: this block's own share of the workspace (the plan sized it per block).
+    let scratch =
+        unsafe { args.workspace::<u8>(ctx.block_idx as usize * BLOCK_SCRATCH_BYTES, BLOCK_SCRATCH_BYTES) }.as_mut_ptr();
+    // SAFETY: x and out are contiguous (the plan asked for it), the weights any strided [n, k];
+    // this block owns output rows `rows` × columns `cols`.
+    unsafe {
+        gate_up_rows::<T>(rows, cols, d, Operands::of(args, 0, d), scratch, |r, c, sums| {
+            silu_mul_pairs(sums, out.slice_mut::<T>(o + r * d.n + c, (end - c).min(sums.len() / 2)));
+        });
+    }
+}
+
+/// How much more than a plain GEMM's (√k) the error of a result may grow here, for reference
+/// checks: each k-deep sum's error is multiplied by the other factor, itself a k-deep sum (√k-sized
+/// for unit-sized inputs). That matters where the tolerance is the sums' error: f32, and f16,
+/// whose products the `gemm` crate sums with f16 roundings on the way (its `linear` is off by 0.1
+/// at k = 4096). bf16 sums are f32 rounded once, so a bf16 result's error is its own rounding,
+/// relative to the result.
+fn other_factor(cx: &OpCx, d: Dims) -> f64 {
+    if cx.input("x").dtype == DType::BF16 {
+        1.0
+    } else {
+        (d.k.max(1) as f64).sqrt()
+    }
+}
+
+impl Op for LinearSiluMul {
+    fn schema(&self) -> &'static str {
+        "linear_silu_mul(Tensor x, Tensor gate_weight, Tensor up_weight) -> Tensor y"
+    }
+
+    fn doc(&self) -> &'static str {
+        "y = silu(x @ gate_weight^T) * (x @ up_weight^T): HF LlamaMLP's act_fn(gate_proj(x)) * up_proj(x) in one \
+         op (no biases). Weights [intermediate_size, hidden_size] (HF layout), x [..., hidden_size]. Both products \
+         run as one GEMM (x packed once, f32 sums, silu*mul applied before the single rounding)."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+
+    fn backward(&self) -> Option<&'static str> {
+        Some("linear_silu_mul_backward")
+    }
+
+    fn autocast(&self) -> uniop::Autocast {
+        uniop::Autocast::LowerPrecision
+    }
+
+    fn error_scale(&self, cx: &OpCx) -> f64 {
+        dims(cx).map_or(1.0, |d| (d.k.max(1) as f64).sqrt() * other_factor(cx, d))
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let d = dims(cx)?;
+        let mut shape = cx.input("x").shape().to_vec();
+        *shape.last_mut().unwrap() = d.n;
+        Ok(vec![TensorMeta::contiguous(cx.input("x").dtype, &shape)?])
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        let d = dims(cx)?;
+        let threads = uniop::runtime::Pool::global().threads();
+        // Both weights are B here: 2n columns to pack against the rows of x.
+        let columns = crate::packed_gemm::split_columns(cx.input("x").dtype, d.rows, 2 * d.n, threads);
+        let (bands, block_dim) = if (d.rows < 16 * threads || columns) && d.n >= 2 * COLUMN_UNIT {
+            (Bands::Columns, d.n.div_ceil(COLUMN_UNIT).min(threads))
+        } else {
+            (Bands::Rows, d.rows.div_ceil(16).clamp(1, threads))
+        };
+        let step = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
+            Step::new("linear_silu_mul", block_dim as u32, move |args, ctx| kernel::<T>(args, ctx, d, bands))
+        });
+        Ok(Plan::new(vec![step])
+            .workspace(block_dim * BLOCK_SCRATCH_BYTES)
+            .inputs_need(vec![LayoutNeed::Contiguous, LayoutNeed::Any, LayoutNeed::Any])
+            .outputs_need(vec![LayoutNeed::Contiguous]))
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let d = dims(cx)?;
+        let x = inputs[0].as_ref().unwrap();
+        let (gate, up) = reference_products(d, inputs, 0);
+        let y = gate.iter().zip(&up).map(|(&g, &u)| math::exact::silu(g) * u).collect();
+        let mut shape = x.shape.clone();
+        *shape.last_mut().unwrap() = d.n;
+        Ok(vec![RefTensor::new(&shape, y)])
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        // `shape` is x's; the weights map hidden_size k to Llama's intermediate size for it
+        // (8k/3 rounded up to a multiple of 256: 384 -> 1024, 4096 -> 11008).
+        let shape = shape.unwrap_or(&[2048, 4096]);
+        let k = shape.last().copied().unwrap_or(1);
+        let x = if shape.is_empty() { vec![1] } else { shape.to_vec() };
+        let n = (8 * k).div_ceil(3).next_multiple_of(256);
+        let weight = TensorMeta::contiguous(dtype, &[n, k])?;
+        Ok(Example {
+            inputs: vec![Some(TensorMeta::contiguous(dtype, &x)?), Some(weight.clone()), Some(weight)],
+            ..Default::default()
+        })
+    }
+}
+
+/// The gate and up products `[rows, n]` in f64, from reference inputs `x`, `gate_weight`,
+/// `up_weight` at positions `first..first + 3` (shared with the backward's reference).
+pub(crate) fn reference_products(d: Dims, inputs: &[Option<RefTensor>], first: usize) -> (Vec<f64>, Vec<f64>) {
+    let x = inputs[first].as_ref().unwrap();
+    let product = |w: &RefTensor| {
+        let mut y = vec![0.0; d.rows * d.n];
+        for r in 0..d.rows {
+            for j in 0..d.n {
+                y[r * d.n + j] = (0..d.k).map(|p| x.data[r * d.k + p] * w.data[j * d.k + p]).sum();
+            }
+        }
+        y
+    };
+    (product(inputs[first + 1].as_ref().unwrap()), product(inputs[first + 2].as_ref().unwrap()))
+}

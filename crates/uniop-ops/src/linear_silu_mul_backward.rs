@@ -1,0 +1,237 @@
+//! `linear_silu_mul_backward(dy, x, gate_weight, up_weight) -> (dx, dgate_weight, dup_weight)`,
+//! the gradient of [`linear_silu_mul`](crate::linear_silu_mul). With `g = x · gate_weightᵀ` and
+//! `u = x · up_weightᵀ`: `dg = dy · u · silu'(g)`, `du = dy · silu(g)`, then
+//! `dx = dg · gate_weight + du · up_weight`, `dgate_weight = dgᵀ · x`, `dup_weight = duᵀ · x`.
+//!
+//! Three launches, each block owning a band of what it writes (no atomics, deterministic): rows of
+//! `dg` and `du` into the workspace — `g` and `u` recomputed by the forward's paired GEMM and
+//! turned into gradients in its epilogue, so neither is ever stored (torch's autograd of the
+//! composite keeps both from the forward) —, then rows (or, for bf16 on AMX with few rows,
+//! columns) of `dx`, then rows of the two weight gradients.
+
+use crate::linear::COLUMN_UNIT;
+use crate::linear_silu_mul::BLOCK_SCRATCH_BYTES;
+use crate::linear_silu_mul::{dims as forward_dims, gate_up_rows, reference_products, Dims, Operands};
+use crate::math;
+use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
+use crate::packed_gemm::{split_columns, HALF as GROUP};
+use uniop::layout::ShapeDisplay;
+use uniop::{
+    with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,
+    RefTensor, Result, Step, TensorMeta,
+};
+
+pub struct LinearSiluMulBackward;
+
+fn dims(cx: &OpCx) -> Result<Dims> {
+    let d = forward_dims(cx)?;
+    cx.expect_same_dtype("dy", cx.input("x").dtype, "x")?;
+    let mut y = cx.input("x").shape().to_vec();
+    *y.last_mut().unwrap() = d.n;
+    cx.expect_shape("dy", &y)?;
+    Ok(d)
+}
+
+/// Where the workspace keeps things: `dg` then `du` (`[rows, n]` each, in the op's dtype) from
+/// element 0, and the gradient launch's per-block scratch from byte `scratch`.
+#[derive(Clone, Copy)]
+struct Workspace {
+    scratch: usize,
+}
+
+crate::simd_kernel! {
+/// `(dg, du)` for one row's outputs from its paired sums of `g` and `u` (layout:
+/// [`crate::packed_gemm::gemm_rows_pairs`]) and the upstream `dy`.
+fn silu_mul_grad_pairs<T: FloatElement>(sums: &[f32], dy: &[T], dg: &mut [T], du: &mut [T]) {
+    let groups = sums.chunks_exact(2 * GROUP).zip(dy.chunks(GROUP)).zip(dg.chunks_mut(GROUP).zip(du.chunks_mut(GROUP)));
+    for ((sums, dy), (dg, du)) in groups {
+        let (g, u) = sums.split_at(GROUP);
+        for i in 0..dy.len() {
+            let (a, b) = math::silu_mul_grad::<T>(dy[i].to_f32(), g[i], u[i]);
+            (dg[i], du[i]) = (T::from_f32(a), T::from_f32(b));
+        }
+    }
+}
+}
+
+/// Step 1: rows of `dg` and `du`.
+fn gradients_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, ws: Workspace) {
+    let rows = ctx.split(d.rows);
+    if rows.is_empty() || d.n == 0 {
+        return;
+    }
+    let dy = args.input(0);
+    let dys = &dy.storage::<T>().unwrap()[dy.layout().offset()..];
+    let band = rows.len() * d.n;
+    // SAFETY: this block's rows of dg and du, and its own scratch (the plan sized all of it).
+    let (dg, du, scratch) = unsafe {
+        (
+            args.workspace::<T>(rows.start * d.n, band),
+            args.workspace::<T>(d.rows * d.n + rows.start * d.n, band),
+            args.workspace::<u8>(ws.scratch + ctx.block_idx as usize * BLOCK_SCRATCH_BYTES, BLOCK_SCRATCH_BYTES),
+        )
+    };
+    let first = rows.start;
+    // SAFETY: dy and x contiguous (plan), weights any strided [n, k].
+    unsafe {
+        gate_up_rows::<T>(rows, 0..d.n, d, Operands::of(args, 1, d), scratch.as_mut_ptr(), |r, c, sums| {
+            let len = (d.n - c).min(sums.len() / 2);
+            let at = (r - first) * d.n + c;
+            silu_mul_grad_pairs(sums, &dys[r * d.n + c..][..len], &mut dg[at..][..len], &mut du[at..][..len]);
+        });
+    }
+}
+
+/// Step 2: `dx = dg · gate_weight + du · up_weight`, a band of rows or, where [`split_columns`]
+/// says so, of columns.
+fn dx_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, columns: bool) {
+    let (rows, cols) =
+        if columns { (0..d.rows, column_band(ctx, d.k, COLUMN_UNIT)) } else { (ctx.split(d.rows), 0..d.k) };
+    if rows.is_empty() || cols.is_empty() {
+        return;
+    }
+    let dx = args.output(0);
+    // SAFETY: dg and du, written by step 1, only read here.
+    let grads = unsafe { args.workspace::<T>(0, 2 * d.rows * d.n) }.as_ptr();
+    for (i, input) in [2, 3].into_iter().enumerate() {
+        let w = args.input(input);
+        let s = w.layout().strides();
+        // SAFETY: the weight [n, k] at any strides, dg/du and dx contiguous; this block owns dx
+        // rows `rows` × columns `cols`.
+        unsafe {
+            let w = w.storage::<T>().unwrap().as_ptr().add(w.layout().offset() + cols.start * s[1] as usize);
+            gemm_rows(
+                rows.clone(),
+                cols.len(),
+                d.n,
+                Dst { ptr: dx.as_mut_ptr::<T>().add(dx.layout().offset() + cols.start), rs: d.k as isize, cs: 1 },
+                Mat { ptr: grads.add(i * d.rows * d.n), rs: d.n as isize, cs: 1 },
+                Mat { ptr: w, rs: s[0] as isize, cs: s[1] as isize },
+                i == 1,
+            );
+        }
+    }
+}
+
+/// Step 3: rows of `dgate_weight = dgᵀ · x` and `dup_weight = duᵀ · x`, the two stacked as `2n`
+/// rows to share out.
+fn dweights_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims) {
+    let owned = ctx.split(2 * d.n);
+    let x = args.input(1);
+    // SAFETY: dg and du only read here.
+    let grads = unsafe { args.workspace::<T>(0, 2 * d.rows * d.n) }.as_ptr();
+    for i in 0..2 {
+        let part =
+            owned.start.clamp(i * d.n, (i + 1) * d.n) - i * d.n..owned.end.clamp(i * d.n, (i + 1) * d.n) - i * d.n;
+        let dw = args.output(1 + i);
+        // SAFETY: all contiguous; this block owns rows `part` of this weight's gradient.
+        unsafe {
+            gemm_rows(
+                part,
+                d.k,
+                d.rows,
+                Dst { ptr: dw.as_mut_ptr::<T>().add(dw.layout().offset()), rs: d.k as isize, cs: 1 },
+                Mat { ptr: grads.add(i * d.rows * d.n), rs: 1, cs: d.n as isize },
+                Mat { ptr: x.storage::<T>().unwrap().as_ptr().add(x.layout().offset()), rs: d.k as isize, cs: 1 },
+                false,
+            );
+        }
+    }
+}
+
+impl Op for LinearSiluMulBackward {
+    fn schema(&self) -> &'static str {
+        "linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor dx, Tensor \
+         dgate_weight, Tensor dup_weight)"
+    }
+
+    fn doc(&self) -> &'static str {
+        "Gradients of linear_silu_mul: with g = x @ gate_weight^T, u = x @ up_weight^T (recomputed, never saved), \
+         dg = dy * u * silu'(g), du = dy * silu(g); dx = dg @ gate_weight + du @ up_weight, dgate_weight = dg^T @ x, \
+         dup_weight = du^T @ x (summed over all leading dims of x)."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        DTYPES
+    }
+
+    /// As `linear_backward`'s, times the size of `dg` and `du`'s other factor (`u`, `silu(g)`:
+    /// k-deep sums, √k-sized for unit-sized inputs), which are rounded to the dtype before the
+    /// sums over n and rows.
+    fn error_scale(&self, cx: &OpCx) -> f64 {
+        dims(cx).map_or(1.0, |d| ((d.rows.max(d.n).max(d.k).max(1) * d.k.max(1)) as f64).sqrt())
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let d = dims(cx)?;
+        let dtype = cx.input("x").dtype;
+        let weight = TensorMeta::contiguous(dtype, &[d.n, d.k])?;
+        Ok(vec![TensorMeta::contiguous(dtype, cx.input("x").shape())?, weight.clone(), weight])
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        let d = dims(cx)?;
+        let dtype = cx.input("x").dtype;
+        let threads = uniop::runtime::Pool::global().threads();
+        let row_blocks = d.rows.div_ceil(16).clamp(1, threads);
+        let columns = split_columns(dtype, d.rows, d.k, threads);
+        let dx_blocks = if columns { d.k.div_ceil(COLUMN_UNIT).clamp(1, threads) } else { row_blocks };
+        let dw_blocks = (2 * d.n).div_ceil(16).clamp(1, threads) as u32;
+        let grads = (2 * d.rows).checked_mul(d.n).and_then(|e| e.checked_mul(dtype.size()));
+        let scratch = grads.and_then(|g| g.checked_next_multiple_of(64)).ok_or_else(|| {
+            let y = ShapeDisplay(cx.input("dy").shape());
+            cx.err(ErrorCode::Shape, "dy", "gradients whose workspace fits in memory", format!("shape {y}"))
+        })?;
+        let ws = Workspace { scratch };
+        let steps = with_float_dtype!(dtype, cx.op(), "x", |T| vec![
+            Step::new("linear_silu_mul_backward.gradients", row_blocks as u32, move |a, c| {
+                gradients_kernel::<T>(a, c, d, ws)
+            }),
+            Step::new("linear_silu_mul_backward.dx", dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)),
+            Step::new("linear_silu_mul_backward.dweights", dw_blocks, move |a, c| dweights_kernel::<T>(a, c, d)),
+        ]);
+        let needs = vec![LayoutNeed::Contiguous, LayoutNeed::Contiguous, LayoutNeed::Any, LayoutNeed::Any];
+        Ok(Plan::new(steps)
+            .workspace(scratch + row_blocks * BLOCK_SCRATCH_BYTES)
+            .inputs_need(needs)
+            .outputs_need(vec![LayoutNeed::Contiguous; 3]))
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let d = dims(cx)?;
+        let [dy, x, wg, wu] = [0, 1, 2, 3].map(|i| inputs[i].as_ref().unwrap());
+        let (g, u) = reference_products(d, inputs, 1);
+        let (dg, du): (Vec<f64>, Vec<f64>) =
+            (0..g.len()).map(|i| math::exact::silu_mul_grad(dy.data[i], g[i], u[i])).unzip();
+        let mut dx = vec![0.0; d.rows * d.k];
+        let mut dwg = vec![0.0; d.n * d.k];
+        let mut dwu = vec![0.0; d.n * d.k];
+        for r in 0..d.rows {
+            for j in 0..d.n {
+                let (a, b) = (dg[r * d.n + j], du[r * d.n + j]);
+                for p in 0..d.k {
+                    dx[r * d.k + p] += a * wg.data[j * d.k + p] + b * wu.data[j * d.k + p];
+                    dwg[j * d.k + p] += a * x.data[r * d.k + p];
+                    dwu[j * d.k + p] += b * x.data[r * d.k + p];
+                }
+            }
+        }
+        let w = [d.n, d.k];
+        Ok(vec![RefTensor::new(&x.shape, dx), RefTensor::new(&w, dwg), RefTensor::new(&w, dwu)])
+    }
+
+    /// x's shape, as for linear_silu_mul (the first input is the gradient of its output).
+    fn example_shape(&self, example: &Example) -> Vec<usize> {
+        example.input_shape(1)
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        let forward = crate::linear_silu_mul::LinearSiluMul.example(shape, dtype)?;
+        let x = forward.input_shape(0);
+        let mut y = x.clone();
+        *y.last_mut().unwrap() = forward.input_shape(1)[0];
+        let mut inputs = vec![Some(TensorMeta::contiguous(dtype, &y)?)];
+        inputs.extend(forward.inputs);
+        Ok(Example { inputs, ..Default::default() })
+    }
+}
