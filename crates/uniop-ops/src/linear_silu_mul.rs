@@ -17,7 +17,7 @@
 use crate::linear::COLUMN_UNIT;
 use crate::math;
 use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
-use crate::packed_gemm::{gemm_rows_pairs, pairs_apply, Packed, HALF};
+use crate::packed_gemm::{gemm_rows_pairs, pairs_apply, Packed, HALF, PAIRED_COLUMNS};
 use crate::skinny::Simd;
 use uniop::half::bf16;
 use uniop::layout::ShapeDisplay;
@@ -56,9 +56,10 @@ pub(crate) fn dims(cx: &OpCx) -> Result<Dims> {
     Ok(Dims { rows: x[..x.len() - 1].iter().product(), k, n: gate[0] })
 }
 
-/// Rows and columns of each product the generic route takes at a time (into block scratch).
+/// Rows and columns of each product the generic route takes at a time (into block scratch): as
+/// many columns as the paired GEMM hands over per row, so one epilogue serves both.
 const CHUNK_ROWS: usize = 32;
-const CHUNK_COLS: usize = 256;
+const CHUNK_COLS: usize = PAIRED_COLUMNS;
 
 /// Scratch bytes one block of the generic route uses: both products' chunks in the op's dtype
 /// (at most 4 bytes), then a chunk of paired f32 sums.
@@ -110,11 +111,11 @@ pub(crate) unsafe fn gate_up_rows<T: FloatElement>(
     let (gate, up) = (from_col(ops.gate), from_col(ops.up));
     let mut shifted = |r, c, sums: &[f32]| finish(r, cols.start + c, sums);
     let n = cols.len();
-    if T::DTYPE == DType::BF16 && pairs_apply::<bf16>(rows.len(), n, d.k) {
+    if T::DTYPE == DType::BF16 && pairs_apply(rows.len()) {
         let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const bf16, rs: m.rs, cs: m.cs };
         return gemm_rows_pairs(rows, n, d.k, cast(ops.x), (cast(gate), cast(up)), &mut shifted);
     }
-    if T::DTYPE == DType::F32 && <f32 as Packed>::level() == Simd::Avx512 && pairs_apply::<f32>(rows.len(), n, d.k) {
+    if T::DTYPE == DType::F32 && <f32 as Packed>::level() == Simd::Avx512 && pairs_apply(rows.len()) {
         let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const f32, rs: m.rs, cs: m.cs };
         return gemm_rows_pairs(rows, n, d.k, cast(ops.x), (cast(gate), cast(up)), &mut shifted);
     }
@@ -152,22 +153,18 @@ pub(crate) unsafe fn gate_up_rows<T: FloatElement>(
 
 crate::simd_kernel! {
 /// `out[c] = silu(gate sum) · up sum` for one row of paired sums (layout: [`gemm_rows_pairs`]);
-/// `out` is as long as the row's outputs, which the sums may pad.
+/// `out` is as long as the row's outputs (at most [`PAIRED_COLUMNS`]), which the sums may pad.
+/// The results are narrowed as one slice: lane by lane, bf16's rounding stayed scalar and took
+/// more time than the products.
 pub(crate) fn silu_mul_pairs<T: FloatElement>(sums: &[f32], out: &mut [T]) {
-    for (group, out) in sums.chunks_exact(2 * HALF).zip(out.chunks_mut(HALF)) {
+    let mut values = [0f32; PAIRED_COLUMNS];
+    for (group, v) in sums.chunks_exact(2 * HALF).zip(values.chunks_exact_mut(HALF)) {
         let (gate, up) = group.split_at(HALF);
-        let mut v = [0f32; HALF];
         for i in 0..HALF {
             v[i] = math::silu::<T>(gate[i]) * up[i];
         }
-        if out.len() == HALF {
-            out.copy_from_slice(&T::narrow_lanes(&v));
-        } else {
-            for (o, &v) in out.iter_mut().zip(&v) {
-                *o = T::from_f32(v);
-            }
-        }
     }
+    T::narrow(&values[..out.len()], out);
 }
 }
 

@@ -14,7 +14,7 @@ use crate::linear_silu_mul::BLOCK_SCRATCH_BYTES;
 use crate::linear_silu_mul::{dims as forward_dims, gate_up_rows, reference_products, Dims, Operands};
 use crate::math;
 use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
-use crate::packed_gemm::{split_columns, HALF as GROUP};
+use crate::packed_gemm::{split_columns, HALF as GROUP, PAIRED_COLUMNS};
 use uniop::layout::ShapeDisplay;
 use uniop::{
     with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,
@@ -41,16 +41,21 @@ struct Workspace {
 
 crate::simd_kernel! {
 /// `(dg, du)` for one row's outputs from its paired sums of `g` and `u` (layout:
-/// [`crate::packed_gemm::gemm_rows_pairs`]) and the upstream `dy`.
+/// [`crate::packed_gemm::gemm_rows_pairs`]) and the upstream `dy`, widened and narrowed as whole
+/// slices (as the forward's epilogue).
 fn silu_mul_grad_pairs<T: FloatElement>(sums: &[f32], dy: &[T], dg: &mut [T], du: &mut [T]) {
-    let groups = sums.chunks_exact(2 * GROUP).zip(dy.chunks(GROUP)).zip(dg.chunks_mut(GROUP).zip(du.chunks_mut(GROUP)));
-    for ((sums, dy), (dg, du)) in groups {
+    let len = dy.len();
+    let (mut d, mut dgs, mut dus) = ([0f32; PAIRED_COLUMNS], [0f32; PAIRED_COLUMNS], [0f32; PAIRED_COLUMNS]);
+    T::widen(dy, &mut d[..len]);
+    let groups = sums.chunks_exact(2 * GROUP).zip(d.chunks_exact(GROUP));
+    for ((sums, d), (dg, du)) in groups.zip(dgs.chunks_exact_mut(GROUP).zip(dus.chunks_exact_mut(GROUP))) {
         let (g, u) = sums.split_at(GROUP);
-        for i in 0..dy.len() {
-            let (a, b) = math::silu_mul_grad::<T>(dy[i].to_f32(), g[i], u[i]);
-            (dg[i], du[i]) = (T::from_f32(a), T::from_f32(b));
+        for i in 0..GROUP {
+            (dg[i], du[i]) = math::silu_mul_grad::<T>(d[i], g[i], u[i]);
         }
     }
+    T::narrow(&dgs[..len], dg);
+    T::narrow(&dus[..len], du);
 }
 }
 

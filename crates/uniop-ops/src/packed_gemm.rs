@@ -473,17 +473,23 @@ pub(crate) unsafe fn gemm_rows_prepacked<E: Packed, O: GemmOut>(
     });
 }
 
+/// Columns of each product that [`gemm_rows_pairs`] takes per column block, and so hands over per
+/// row at most: a whole block of packed columns.
+pub(crate) const PAIRED_COLUMNS: usize = NC / 2;
+
 /// Output rows a [`gemm_rows_pairs`] product holds sums for at once (with 256 columns of each
 /// matrix, 128 × 512 f32: 256 KiB, in L2 beside the packed panels).
 const PAIR_ROWS: usize = 128;
 
-/// Whether [`gemm_rows_pairs`] is the way to take `lhs[rows] · first` and `lhs[rows] · second`
-/// (`k`-deep, `n` columns) here: not for the few rows that the skinny kernels stream the
-/// weights for, nor for bf16 on AMX where [`gemm_rows_packed`] would take a deep product
-/// transposed — pairing then packs B in full again, which is what transposing avoided.
-pub(crate) fn pairs_apply<E: Packed>(rows: usize, n: usize, k: usize) -> bool {
-    let transposed = micro_kernel::<E>() == Micro::Amx && k >= AMX_TRANSPOSED_MIN_K && rows <= n;
-    rows > crate::skinny::SKINNY_ROWS && !transposed
+/// Whether [`gemm_rows_pairs`] is the way to take products of `rows` rows here: not for the few
+/// rows whose products the skinny kernels take by streaming the weights.
+///
+/// Deep bf16 products on AMX, which [`gemm_rows_packed`] would take transposed, are paired all
+/// the same: taken one by one (transposed) and combined after, TinyLlama-1.1B's gate/up at 512
+/// rows (2048 → 5632) ran 15.3 ms against the pair's 16.8, but any split of that route into
+/// chunks small enough for scratch copies the weights once per chunk (37 ms in 32-row chunks).
+pub(crate) fn pairs_apply(rows: usize) -> bool {
+    rows > crate::skinny::SKINNY_ROWS
 }
 
 /// The products `lhs[rows] · first` and `lhs[rows] · second` (`k`-deep, `n` columns each; bf16
@@ -511,12 +517,11 @@ pub(crate) unsafe fn gemm_rows_pairs<E: Packed>(
     let rhs = Columns::Pairs(first, second);
     SCRATCH.with_borrow_mut(|s| {
         let Scratch { a, b, c, sums } = s;
-        let nc_max = NC / 2;
-        b.grow(column_block_words::<E>(k, rhs.packed_width(nc_max)));
+        b.grow(column_block_words::<E>(k, rhs.packed_width(PAIRED_COLUMNS)));
         sums.grow(PAIR_ROWS * NC);
         let slice_words = micro.slice_words();
-        for jc in (0..n).step_by(nc_max) {
-            let nc = nc_max.min(n - jc);
+        for jc in (0..n).step_by(PAIRED_COLUMNS) {
+            let nc = PAIRED_COLUMNS.min(n - jc);
             pack_columns::<E>(b, rhs, k, (jc, nc), slice_words);
             let width = rhs.packed_width(nc);
             let packed = PackedBlock { nc: width, k, slice_words };
