@@ -62,8 +62,8 @@ const CHUNK_ROWS: usize = 32;
 const CHUNK_COLS: usize = PAIRED_COLUMNS;
 
 /// Scratch bytes one block of the generic route uses: both products' chunks in the op's dtype
-/// (at most 4 bytes), then a chunk of paired f32 sums.
-pub(crate) const BLOCK_SCRATCH_BYTES: usize = 2 * CHUNK_ROWS * CHUNK_COLS * 4 + CHUNK_ROWS * 2 * CHUNK_COLS * 4;
+/// (at most 4 bytes), then one row of them paired as f32 sums.
+pub(crate) const BLOCK_SCRATCH_BYTES: usize = (2 * CHUNK_ROWS * CHUNK_COLS + 2 * CHUNK_COLS) * 4;
 
 /// The op's three operands as matrices: `x` `[rows, k]` (contiguous) and the two weights read
 /// transposed (`[k, n]`, any strides).
@@ -122,7 +122,7 @@ pub(crate) unsafe fn gate_up_rows<T: FloatElement>(
     // The generic route: each product's chunk into scratch, then paired like gemm_rows_pairs's.
     let products = scratch as *mut T;
     let chunk = CHUNK_ROWS * CHUNK_COLS;
-    let paired = std::slice::from_raw_parts_mut(scratch.add(2 * chunk * 4) as *mut f32, 2 * chunk);
+    let paired = std::slice::from_raw_parts_mut(scratch.add(2 * chunk * 4) as *mut f32, 2 * CHUNK_COLS);
     for c0 in (0..n).step_by(CHUNK_COLS) {
         let nc = CHUNK_COLS.min(n - c0);
         let width = nc.div_ceil(HALF) * 2 * HALF;

@@ -1,14 +1,15 @@
 """Swap Hugging Face Llama's hot pieces for uniop ops, before or after a model is built.
 
 :func:`patch_llama` replaces ``LlamaRMSNorm.forward`` (uniop ``rms_norm``, HF's dtype rule kept),
-``LlamaMLP.forward`` (uniop's fused ``silu_mul`` between the projections, when the activation is
-SiLU) and ``modeling_llama.apply_rotary_pos_emb`` (uniop ``rope``). Methods are patched on the
+``LlamaMLP.forward`` (with SiLU: both projections and the activation as one ``linear_silu_mul``
+where uniop's GEMM is the faster one — see below —, else the projections around uniop's fused
+``silu_mul``) and ``modeling_llama.apply_rotary_pos_emb`` (uniop ``rope``). Methods are patched on the
 classes, so existing instances change too. Given a model, it also switches the model's attention
 to uniop's flash attention (registered with transformers as the ``"uniop"`` implementation; calls
 with a padding mask, dropout or softcap fall back to SDPA) and its linear layers (projections and
 ``lm_head``) to uniop ``linear``, which streams the weight at memory speed when there are few rows
 — decoding spends most of its time there — and, where uniop's GEMM is the faster one on this
-CPU (float32 with AVX-512; bfloat16 without AVX512-BF16), prefill-sized products too. It also
+CPU (float32 with AVX-512; bfloat16 with AMX or without AVX512-BF16), prefill-sized products too. It also
 makes transformers' ``DynamicLayer.update`` (the default KV cache) grow in place: the cache
 becomes a view of a buffer with room to spare, so a decode step writes its new rows instead of
 copying the whole cache with ``torch.cat`` (O(length) per layer and step).
@@ -45,7 +46,7 @@ def _is_silu(mlp):
 def _mlp_forward(original):
     def forward(self, x):
         if _is_silu(self):
-            return self.down_proj(unn.uniop_ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+            return self.down_proj(unn.gated(self, x, fuse=_on_uniop_gemm(x)))
         return original(self, x)
 
     return forward
@@ -79,8 +80,13 @@ def _all_rows_dtypes():
 _ALL_ROWS = _all_rows_dtypes()
 
 
+def _on_uniop_gemm(x):
+    """Whether products of ``x`` with a weight run faster on uniop's GEMM here."""
+    return x.dtype in _ALL_ROWS or x.numel() <= _FEW_ROWS * x.shape[-1]
+
+
 def _linear_forward(self, x):
-    if x.dtype in _ALL_ROWS or x.numel() <= _FEW_ROWS * x.shape[-1]:
+    if _on_uniop_gemm(x):
         return unn.uniop_ops.linear(x, self.weight, self.bias)
     return nn.functional.linear(x, self.weight, self.bias)
 

@@ -4,7 +4,8 @@ dtype rules, so a state dict loads into either and the modules drop into a Llama
 - :class:`RMSNorm` — ``LlamaRMSNorm``: ``weight``; output dtype is ``promote(weight, input)``, as
   HF's ``weight * x.to(input_dtype)`` (fp32 weight with bf16 input gives fp32).
 - :class:`SwiGLUMLP` — ``LlamaMLP``: ``gate_proj``, ``up_proj``, ``down_proj``;
-  ``down(silu(gate(x)) * up(x))`` with the activation fused in one uniop kernel.
+  ``down(silu(gate(x)) * up(x))`` with both projections and the activation in one uniop op
+  (``linear_silu_mul``; with biases, the activation alone).
 - :class:`RotaryEmbedding` — HF's default rope: ``forward(x, position_ids) -> (cos, sin)`` shaped
   ``[B, S, head_dim]`` in ``x``'s dtype; :func:`apply_rotary_pos_emb` applies them (HF signature).
 - :class:`Attention` — ``LlamaAttention``'s projections ``q_proj``/``k_proj``/``v_proj``/``o_proj``
@@ -46,7 +47,19 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
 
     def forward(self, x):
-        return self.down_proj(uniop_ops.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(gated(self, x))
+
+
+def gated(mlp, x, fuse=True):
+    """``silu(gate_proj(x)) * up_proj(x)`` for an MLP with HF's projection names: one
+    ``linear_silu_mul`` when ``fuse`` and both projections are bias-free ``nn.Linear`` layers (an
+    exact type: a wrapper such as a LoRA layer adds to its product), else the two projections
+    and ``silu_mul``."""
+    gate, up = mlp.gate_proj, mlp.up_proj
+    plain = type(gate) is nn.Linear and type(up) is nn.Linear and gate.bias is None and up.bias is None
+    if fuse and plain:
+        return uniop_ops.linear_silu_mul(x, gate.weight, up.weight)
+    return uniop_ops.silu_mul(gate(x), up(x))
 
 
 class RotaryEmbedding(nn.Module):
