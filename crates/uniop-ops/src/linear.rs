@@ -3,6 +3,7 @@
 //! is written first and the product accumulated onto it, so the output is touched once.
 
 use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
+use crate::packed_gemm::split_columns;
 use uniop::layout::ShapeDisplay;
 use uniop::{
     with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, KernelArgs, LayoutNeed, Op, OpCx, Plan, RefTensor,
@@ -19,17 +20,18 @@ pub(crate) struct Dims {
     pub n: usize,
 }
 
-/// Checks `x` `[..., k]` against `weight` `[n, k]` (shared with `linear_backward`).
-pub(crate) fn x_and_weight(cx: &OpCx) -> Result<Dims> {
+/// Checks `x` `[..., k]` against a weight `[n, k]` named `weight` (shared with `linear_backward`
+/// and `linear_silu_mul`).
+pub(crate) fn x_and_weight(cx: &OpCx, weight: &str) -> Result<Dims> {
     let dtype = cx.expect_dtype_in("x", DTYPES)?;
-    cx.expect_same_dtype("weight", dtype, "x")?;
+    cx.expect_same_dtype(weight, dtype, "x")?;
     cx.expect_min_rank("x", 1)?;
-    let (x, w) = (cx.input("x").shape(), cx.input("weight").shape());
+    let (x, w) = (cx.input("x").shape(), cx.input(weight).shape());
     let k = *x.last().unwrap();
     if w.len() != 2 || w[1] != k {
         return Err(cx.err(
             ErrorCode::Shape,
-            "weight",
+            weight,
             format!("shape [out_features, {k}] (x is {})", ShapeDisplay(x)),
             format!("shape {}", ShapeDisplay(w)),
         ));
@@ -38,7 +40,7 @@ pub(crate) fn x_and_weight(cx: &OpCx) -> Result<Dims> {
 }
 
 fn dims(cx: &OpCx) -> Result<Dims> {
-    let d = x_and_weight(cx)?;
+    let d = x_and_weight(cx, "weight")?;
     let dtype = cx.input("x").dtype;
     let w = cx.input("weight").shape();
     if let Some(b) = cx.optional_input("bias") {
@@ -58,12 +60,35 @@ fn dims(cx: &OpCx) -> Result<Dims> {
 }
 
 /// How blocks share the output: bands of rows, or — when there are too few rows to go around
-/// (decode: one token per sequence) — bands of output columns, each block streaming its share
-/// of the weight.
+/// (decode: one token per sequence), or a row band would pack more of the weight than it
+/// multiplies ([`split_columns`]) — bands of output columns, each block streaming or packing its
+/// share of the weight (shared with `linear_silu_mul`).
 #[derive(Clone, Copy)]
-enum Bands {
+pub(crate) enum Bands {
     Rows,
     Columns,
+}
+
+impl Bands {
+    /// The bands for a `dtype` product of `d`'s shape, and how many (one per pool thread at
+    /// most). `weight_columns`: the columns of the weights a row band packs (`n` per weight).
+    pub(crate) fn choose(dtype: DType, d: Dims, weight_columns: usize) -> (Bands, usize) {
+        let threads = uniop::runtime::Pool::global().threads();
+        let columns = split_columns(dtype, d.rows, weight_columns, threads);
+        if (d.rows < 16 * threads || columns) && d.n >= 2 * COLUMN_UNIT {
+            (Bands::Columns, d.n.div_ceil(COLUMN_UNIT).min(threads))
+        } else {
+            (Bands::Rows, d.rows.div_ceil(16).clamp(1, threads))
+        }
+    }
+
+    /// The output rows × columns that block `ctx` owns.
+    pub(crate) fn share(self, ctx: BlockCtx, d: Dims) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        match self {
+            Bands::Rows => (ctx.split(d.rows), 0..d.n),
+            Bands::Columns => (0..d.rows, column_band(ctx, d.n, COLUMN_UNIT)),
+        }
+    }
 }
 
 /// Output columns per unit of a column band (keeps bands on whole register tiles).
@@ -74,10 +99,7 @@ fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands) {
     let bias = args.optional_input(2);
     let ws = w.layout().strides();
     let (xp, wp) = (x.storage::<T>().unwrap().as_ptr(), w.storage::<T>().unwrap().as_ptr());
-    let (rows, cols) = match bands {
-        Bands::Rows => (ctx.split(d.rows), 0..d.n),
-        Bands::Columns => (0..d.rows, column_band(ctx, d.n, COLUMN_UNIT)),
-    };
+    let (rows, cols) = bands.share(ctx, d);
     if cols.is_empty() {
         return;
     }
@@ -139,13 +161,7 @@ impl Op for Linear {
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let d = dims(cx)?;
-        let threads = uniop::runtime::Pool::global().threads();
-        let columns = crate::packed_gemm::split_columns(cx.input("x").dtype, d.rows, d.n, threads);
-        let (bands, block_dim) = if (d.rows < 16 * threads || columns) && d.n >= 2 * COLUMN_UNIT {
-            (Bands::Columns, d.n.div_ceil(COLUMN_UNIT).min(threads))
-        } else {
-            (Bands::Rows, d.rows.div_ceil(16).clamp(1, threads))
-        };
+        let (bands, block_dim) = Bands::choose(cx.input("x").dtype, d, d.n);
         let step = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
             Step::new("linear", block_dim as u32, move |args, ctx| kernel::<T>(args, ctx, d, bands))
         });

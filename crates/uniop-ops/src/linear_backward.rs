@@ -16,7 +16,7 @@ use uniop::{
 pub struct LinearBackward;
 
 fn dims(cx: &OpCx) -> Result<Dims> {
-    let d = x_and_weight(cx)?;
+    let d = x_and_weight(cx, "weight")?;
     cx.expect_same_dtype("dy", cx.input("x").dtype, "x")?;
     let mut y = cx.input("x").shape().to_vec();
     *y.last_mut().unwrap() = d.n;

@@ -14,46 +14,25 @@
 //! No biases: Llama, Mistral and Qwen MLPs have none (`mlp_bias=False`); a layer with them is two
 //! `linear`s and a `silu_mul`.
 
-use crate::linear::COLUMN_UNIT;
+use crate::linear::{x_and_weight, Bands, Dims};
 use crate::math;
-use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
+use crate::matmul::{gemm_rows, Dst, Mat, DTYPES};
 use crate::packed_gemm::{gemm_rows_pairs, pairs_apply, Packed, HALF, PAIRED_COLUMNS};
 use crate::skinny::Simd;
 use uniop::half::bf16;
-use uniop::layout::ShapeDisplay;
 use uniop::{
-    with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,
-    RefTensor, Result, Step, TensorMeta,
+    with_float_dtype, BlockCtx, DType, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan, RefTensor,
+    Result, Step, TensorMeta,
 };
 
 pub struct LinearSiluMul;
 
-/// `x` as `[rows, k]`, each weight `[n, k]`.
-#[derive(Clone, Copy)]
-pub(crate) struct Dims {
-    pub rows: usize,
-    pub k: usize,
-    pub n: usize,
-}
-
 /// Checks `x` `[..., k]` against `gate_weight` and `up_weight` `[n, k]` (shared with the backward).
 pub(crate) fn dims(cx: &OpCx) -> Result<Dims> {
-    let dtype = cx.expect_dtype_in("x", DTYPES)?;
-    cx.expect_same_dtype("gate_weight", dtype, "x")?;
-    cx.expect_same_dtype("up_weight", dtype, "x")?;
-    cx.expect_min_rank("x", 1)?;
-    let (x, gate) = (cx.input("x").shape(), cx.input("gate_weight").shape());
-    let k = *x.last().unwrap();
-    if gate.len() != 2 || gate[1] != k {
-        return Err(cx.err(
-            ErrorCode::Shape,
-            "gate_weight",
-            format!("shape [intermediate_size, {k}] (x is {})", ShapeDisplay(x)),
-            format!("shape {}", ShapeDisplay(gate)),
-        ));
-    }
-    cx.expect_shape("up_weight", gate)?;
-    Ok(Dims { rows: x[..x.len() - 1].iter().product(), k, n: gate[0] })
+    let d = x_and_weight(cx, "gate_weight")?;
+    cx.expect_same_dtype("up_weight", cx.input("x").dtype, "x")?;
+    cx.expect_shape("up_weight", cx.input("gate_weight").shape())?;
+    Ok(d)
 }
 
 /// Rows and columns of each product the generic route takes at a time (into block scratch): as
@@ -168,19 +147,8 @@ pub(crate) fn silu_mul_pairs<T: FloatElement>(sums: &[f32], out: &mut [T]) {
 }
 }
 
-/// How blocks share the output, as for `linear`: bands of rows, or bands of columns when the
-/// rows are too few to go around (decode) or the weights are the larger operand to pack.
-#[derive(Clone, Copy)]
-enum Bands {
-    Rows,
-    Columns,
-}
-
 fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands) {
-    let (rows, cols) = match bands {
-        Bands::Rows => (ctx.split(d.rows), 0..d.n),
-        Bands::Columns => (0..d.rows, column_band(ctx, d.n, COLUMN_UNIT)),
-    };
+    let (rows, cols) = bands.share(ctx, d);
     if cols.is_empty() || rows.is_empty() {
         return;
     }
@@ -249,14 +217,8 @@ impl Op for LinearSiluMul {
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let d = dims(cx)?;
-        let threads = uniop::runtime::Pool::global().threads();
-        // Both weights are B here: 2n columns to pack against the rows of x.
-        let columns = crate::packed_gemm::split_columns(cx.input("x").dtype, d.rows, 2 * d.n, threads);
-        let (bands, block_dim) = if (d.rows < 16 * threads || columns) && d.n >= 2 * COLUMN_UNIT {
-            (Bands::Columns, d.n.div_ceil(COLUMN_UNIT).min(threads))
-        } else {
-            (Bands::Rows, d.rows.div_ceil(16).clamp(1, threads))
-        };
+        // A row band packs both weights: 2n columns.
+        let (bands, block_dim) = Bands::choose(cx.input("x").dtype, d, 2 * d.n);
         let step = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
             Step::new("linear_silu_mul", block_dim as u32, move |args, ctx| kernel::<T>(args, ctx, d, bands))
         });

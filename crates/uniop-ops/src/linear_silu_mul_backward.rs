@@ -9,9 +9,10 @@
 //! composite keeps both from the forward) —, then rows (or, for bf16 on AMX with few rows,
 //! columns) of `dx`, then rows of the two weight gradients.
 
+use crate::linear::Dims;
 use crate::linear::COLUMN_UNIT;
 use crate::linear_silu_mul::BLOCK_SCRATCH_BYTES;
-use crate::linear_silu_mul::{dims as forward_dims, gate_up_rows, reference_products, Dims, Operands};
+use crate::linear_silu_mul::{dims as forward_dims, gate_up_rows, reference_products, Operands};
 use crate::math;
 use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
 use crate::packed_gemm::{split_columns, HALF as GROUP, PAIRED_COLUMNS};

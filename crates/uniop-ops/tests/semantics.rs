@@ -1068,7 +1068,7 @@ fn linear_silu_mul_is_linear_then_silu_mul_on_every_route() {
     assert_eq!(err.code(), ErrorCode::Shape);
     assert_eq!(
         err.message(),
-        "linear_silu_mul: argument 'gate_weight': expected shape [intermediate_size, 4] (x is [2, 4]), got shape [3, 5]"
+        "linear_silu_mul: argument 'gate_weight': expected shape [out_features, 4] (x is [2, 4]), got shape [3, 5]"
     );
 }
 
