@@ -16,7 +16,7 @@
 
 use crate::linear::{x_and_weight, Bands, Dims};
 use crate::math;
-use crate::matmul::{gemm_rows, Dst, Mat, DTYPES};
+use crate::matmul::{gemm_rows, Dst, Mat, DTYPES, PACKED_F32_MAX_K};
 use crate::packed_gemm::{gemm_rows_pairs, pairs_apply, Packed, HALF, PAIRED_COLUMNS};
 use crate::skinny::Simd;
 use uniop::half::bf16;
@@ -36,8 +36,9 @@ pub(crate) fn dims(cx: &OpCx) -> Result<Dims> {
 }
 
 /// Rows and columns of each product the generic route takes at a time (into block scratch): as
-/// many columns as the paired GEMM hands over per row, so one epilogue serves both.
-const CHUNK_ROWS: usize = 32;
+/// many columns as the paired GEMM hands over per row, so one epilogue serves both; rows enough
+/// that an f32 product, which transposes its weight chunk first, does so once per 256 rows.
+const CHUNK_ROWS: usize = 256;
 const CHUNK_COLS: usize = PAIRED_COLUMNS;
 
 /// Scratch bytes one block of the generic route uses: both products' chunks in the op's dtype
@@ -94,7 +95,10 @@ pub(crate) unsafe fn gate_up_rows<T: FloatElement>(
         let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const bf16, rs: m.rs, cs: m.cs };
         return gemm_rows_pairs(rows, n, d.k, cast(ops.x), (cast(gate), cast(up)), &mut shifted);
     }
-    if T::DTYPE == DType::F32 && <f32 as Packed>::level() == Simd::Avx512 && pairs_apply(rows.len()) {
+    // f32 pairs where `gemm_rows` would run its packed kernel too (past that depth a column block
+    // of packed B leaves the cache).
+    let packed_f32 = <f32 as Packed>::level() == Simd::Avx512 && d.k <= PACKED_F32_MAX_K;
+    if T::DTYPE == DType::F32 && packed_f32 && pairs_apply(rows.len()) {
         let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const f32, rs: m.rs, cs: m.cs };
         return gemm_rows_pairs(rows, n, d.k, cast(ops.x), (cast(gate), cast(up)), &mut shifted);
     }

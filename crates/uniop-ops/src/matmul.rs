@@ -197,7 +197,7 @@ const ROW_MAJOR_B_MIN_ROWS: usize = 64;
 /// (alternated `uniop bench --ops linear`, 2 threads): faster than the transposed copy at k = 384
 /// (1.44 -> 1.40 ms), 1024 (11.4 -> 10.4) and 2048 (90 -> 83), slower at 4096 (660-680 -> 675-760 ms),
 /// where the packed B of a column block (k × 512 words, 8 MiB) no longer stays in cache.
-const PACKED_F32_MAX_K: usize = 2048;
+pub(crate) const PACKED_F32_MAX_K: usize = 2048;
 /// Words of B transposed at once: a column chunk of B stays this small whatever B's size.
 const ROW_MAJOR_B_CHUNK_WORDS: usize = 1 << 20;
 
