@@ -1032,13 +1032,14 @@ fn linear_backward_matches_finite_differences() {
 }
 
 /// `linear_silu_mul` on each of its routes — few rows (the weights streamed), row bands of the
-/// paired GEMM over several of its row blocks, column bands, a strided weight — against its
+/// paired GEMM over several of its row blocks, column bands, the generic route over several row
+/// chunks and past the f32 packed depth, a strided weight — against its
 /// reference, and against `linear` then `silu_mul` (which round the products first) in every dtype.
 #[test]
 fn linear_silu_mul_is_linear_then_silu_mul_on_every_route() {
     setup();
     fn check<T: uniop::Element>(cast: impl Fn(f32) -> T, tol: f64) {
-        for (rows, k, n) in [(3, 40, 70), (300, 70, 45), (9, 100, 300), (130, 33, 200)] {
+        for (rows, k, n) in [(3, 40, 70), (300, 70, 45), (9, 100, 300), (130, 33, 200), (600, 20, 40), (70, 2100, 40)] {
             let values = |len, seed| rand_vec(len, seed).into_iter().map(&cast).collect::<Vec<T>>();
             let (x, gate, up) = (values(rows * k, 131), values(n * k, 132), values(n * k, 133));
             let tx = TensorRef::new(&x, &[rows, k]).unwrap();
