@@ -105,7 +105,7 @@ fn dx_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, columns
         // SAFETY: the weight [n, k] at any strides, dg/du and dx contiguous; this block owns dx
         // rows `rows` × columns `cols`.
         unsafe {
-            let w = w.storage::<T>().unwrap().as_ptr().add(w.layout().offset() + cols.start * s[1] as usize);
+            let w = w.storage::<T>().unwrap().as_ptr().add(w.layout().offset() + cols.start * s[1]);
             gemm_rows(
                 rows.clone(),
                 cols.len(),
