@@ -808,7 +808,7 @@ unsafe fn pack<E: Packed, const W: usize>(
     cols: usize,
 ) {
     let words = kc.div_ceil(E::PER_WORD);
-    if words == 0 {
+    if words == 0 || cols == 0 {
         return;
     }
     let panels = cols.div_ceil(W);

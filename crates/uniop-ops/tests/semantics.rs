@@ -1063,6 +1063,14 @@ fn linear_silu_mul_is_linear_then_silu_mul_on_every_route() {
     check(|v| v, 1e-5);
     check(bf16::from_f32, 2e-2);
     check(uniop::half::f16::from_f32, 4e-3);
+    // Empty products (k = 0) run without error and give silu(0) · 0 = 0, on the paired route (6 rows)
+    // and the few-row one.
+    for rows in [6, 2] {
+        let (x, w) = (vec![bf16::ZERO; 0], vec![bf16::ZERO; 0]);
+        let tw = TensorRef::new(&w, &[40, 0]).unwrap();
+        let inputs = [Some(TensorRef::new(&x, &[rows, 0]).unwrap()), Some(tw.clone()), Some(tw)];
+        assert!(run_checked("linear_silu_mul", &inputs, &[])[0].iter().all(|&v| v == 0.0));
+    }
     let (x, w) = (rand_vec(2 * 4, 1), rand_vec(3 * 5, 2));
     let (tx, tw) = (TensorRef::new(&x, &[2, 4]).unwrap(), TensorRef::new(&w, &[3, 5]).unwrap());
     let err = plan_err("linear_silu_mul", &[Some(tx), Some(tw.clone()), Some(tw)], &[], vec![]);
