@@ -8,8 +8,8 @@
 //! the up weight ([`gemm_rows_pairs`]), `x` is packed once for both products and silu·mul runs on
 //! the f32 sums while they are in cache, rounding once: no `[rows, intermediate]` gate and up
 //! tensors written and read back, no third pass. Where that GEMM does not serve (a few rows,
-//! whose products stream the weights; f16; f32 without AVX-512), the two products go through
-//! small chunks of scratch into the same epilogue.
+//! whose products stream the weights; f16; f32 without AVX-512 or deeper than its packed kernel
+//! goes), the two products go through chunks of scratch into the same epilogue.
 //!
 //! No biases: Llama, Mistral and Qwen MLPs have none (`mlp_bias=False`); a layer with them is two
 //! `linear`s and a `silu_mul`.
