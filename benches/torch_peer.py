@@ -80,6 +80,12 @@ def intermediate(hidden):
     return -(-width // 256) * 256
 
 
+def gated_inputs(shape, dt):
+    """uniop's linear_silu_mul example: x and two weights [n, k], n Llama's intermediate size."""
+    weight = (intermediate(shape[-1]), shape[-1])
+    return torch.randn(shape, dtype=dt), torch.randn(weight, dtype=dt), torch.randn(weight, dtype=dt)
+
+
 def kv_cache_inputs(shape, dt):
     """uniop's example: a quarter of the cache length appended per sequence at random positions."""
     b, h, s_max, d = shape
@@ -124,11 +130,8 @@ PEERS = {
     # uniop's example: weight [2k, k] (an up projection) with bias.
     "linear": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn((2 * shape[-1], shape[-1]), dtype=dt),
                                   torch.randn((2 * shape[-1],), dtype=dt)), F.linear),
-    # uniop's example: weights [n, k], Llama's intermediate size n for hidden size k; torch's
-    # HF LlamaMLP composite act_fn(gate_proj(x)) * up_proj(x).
-    "linear_silu_mul": (lambda shape, dt: (torch.randn(shape, dtype=dt), *(torch.randn((intermediate(shape[-1]), shape[-1]),
-                                                                                        dtype=dt) for _ in range(2))),
-                        lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu)),
+    # torch's HF LlamaMLP composite act_fn(gate_proj(x)) * up_proj(x).
+    "linear_silu_mul": (gated_inputs, lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu)),
     # Main shape is the table [V, H]; 2048 token ids.
     "embedding": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randint(0, shape[0], (2048,))),
                   lambda w, ids: F.embedding(ids, w)),

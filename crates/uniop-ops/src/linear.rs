@@ -82,6 +82,14 @@ impl Bands {
         }
     }
 
+    /// The fewest output rows any of `blocks` blocks owns.
+    pub(crate) fn least_rows(self, d: Dims, blocks: usize) -> usize {
+        match self {
+            Bands::Rows => d.rows / blocks,
+            Bands::Columns => d.rows,
+        }
+    }
+
     /// The output rows × columns that block `ctx` owns.
     pub(crate) fn share(self, ctx: BlockCtx, d: Dims) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
         match self {

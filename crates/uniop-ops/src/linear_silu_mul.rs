@@ -73,9 +73,32 @@ impl<T: FloatElement> Operands<T> {
     }
 }
 
+/// Whether a block of `rows` rows of a `dtype` product `k` deep takes both products as one paired
+/// GEMM ([`gemm_rows_pairs`]) rather than the generic route.
+fn paired(dtype: DType, rows: usize, k: usize) -> bool {
+    pairs_apply(rows)
+        && match dtype {
+            DType::BF16 => true,
+            // f32 pairs where `gemm_rows` would run its packed kernel too (past that depth a column
+            // block of packed B leaves the cache).
+            DType::F32 => <f32 as Packed>::level() == Simd::Avx512 && k <= PACKED_F32_MAX_K,
+            _ => false,
+        }
+}
+
+/// Workspace bytes for `blocks` blocks of at least `least_rows` rows each (shared with the
+/// backward): the generic route's scratch per block, or none where every block pairs.
+pub(crate) fn scratch_bytes(dtype: DType, k: usize, blocks: usize, least_rows: usize) -> usize {
+    if paired(dtype, least_rows, k) {
+        0
+    } else {
+        blocks * BLOCK_SCRATCH_BYTES
+    }
+}
+
 /// Both products for output rows `rows` × columns `cols`, handed to `finish(row, first column,
-/// sums)` in [`gemm_rows_pairs`]'s paired layout. `scratch` is this block's
-/// [`BLOCK_SCRATCH_BYTES`] (the generic route's).
+/// sums)` in [`gemm_rows_pairs`]'s paired layout. `scratch` gives this block's
+/// [`BLOCK_SCRATCH_BYTES`], which only the generic route asks for.
 ///
 /// # Safety
 /// `ops` valid for `d`'s extents.
@@ -84,25 +107,22 @@ pub(crate) unsafe fn gate_up_rows<T: FloatElement>(
     cols: std::ops::Range<usize>,
     d: Dims,
     ops: Operands<T>,
-    scratch: *mut u8,
+    scratch: impl FnOnce() -> *mut u8,
     mut finish: impl FnMut(usize, usize, &[f32]),
 ) {
     let from_col = |m: Mat<T>| Mat { ptr: m.ptr.offset(cols.start as isize * m.cs), ..m };
     let (gate, up) = (from_col(ops.gate), from_col(ops.up));
     let mut shifted = |r, c, sums: &[f32]| finish(r, cols.start + c, sums);
     let n = cols.len();
-    if T::DTYPE == DType::BF16 && pairs_apply(rows.len()) {
-        let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const bf16, rs: m.rs, cs: m.cs };
-        return gemm_rows_pairs(rows, n, d.k, cast(ops.x), (cast(gate), cast(up)), &mut shifted);
-    }
-    // f32 pairs where `gemm_rows` would run its packed kernel too (past that depth a column block
-    // of packed B leaves the cache).
-    let packed_f32 = <f32 as Packed>::level() == Simd::Avx512 && d.k <= PACKED_F32_MAX_K;
-    if T::DTYPE == DType::F32 && packed_f32 && pairs_apply(rows.len()) {
-        let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const f32, rs: m.rs, cs: m.cs };
-        return gemm_rows_pairs(rows, n, d.k, cast(ops.x), (cast(gate), cast(up)), &mut shifted);
+    if paired(T::DTYPE, rows.len(), d.k) {
+        return if T::DTYPE == DType::BF16 {
+            gemm_rows_pairs::<bf16>(rows, n, d.k, ops.x.cast(), (gate.cast(), up.cast()), &mut shifted)
+        } else {
+            gemm_rows_pairs::<f32>(rows, n, d.k, ops.x.cast(), (gate.cast(), up.cast()), &mut shifted)
+        };
     }
     // The generic route: each product's chunk into scratch, then paired like gemm_rows_pairs's.
+    let scratch = scratch();
     let products = scratch as *mut T;
     let chunk = CHUNK_ROWS * CHUNK_COLS;
     let paired = std::slice::from_raw_parts_mut(scratch.add(2 * chunk * 4) as *mut f32, 2 * CHUNK_COLS);
@@ -160,8 +180,9 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Ban
     let o = out.layout().offset();
     let end = cols.end;
     // SAFETY: this block's own share of the workspace (the plan sized it per block).
-    let scratch =
-        unsafe { args.workspace::<u8>(ctx.block_idx as usize * BLOCK_SCRATCH_BYTES, BLOCK_SCRATCH_BYTES) }.as_mut_ptr();
+    let scratch = || {
+        unsafe { args.workspace::<u8>(ctx.block_idx as usize * BLOCK_SCRATCH_BYTES, BLOCK_SCRATCH_BYTES) }.as_mut_ptr()
+    };
     // SAFETY: x and out are contiguous (the plan asked for it), the weights any strided [n, k];
     // this block owns output rows `rows` × columns `cols`.
     unsafe {
@@ -226,8 +247,9 @@ impl Op for LinearSiluMul {
         let step = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
             Step::new("linear_silu_mul", block_dim as u32, move |args, ctx| kernel::<T>(args, ctx, d, bands))
         });
+        let least_rows = bands.least_rows(d, block_dim);
         Ok(Plan::new(vec![step])
-            .workspace(block_dim * BLOCK_SCRATCH_BYTES)
+            .workspace(scratch_bytes(cx.input("x").dtype, d.k, block_dim, least_rows))
             .inputs_need(vec![LayoutNeed::Contiguous, LayoutNeed::Any, LayoutNeed::Any])
             .outputs_need(vec![LayoutNeed::Contiguous]))
     }

@@ -11,8 +11,8 @@
 
 use crate::linear::Dims;
 use crate::linear::COLUMN_UNIT;
-use crate::linear_silu_mul::BLOCK_SCRATCH_BYTES;
 use crate::linear_silu_mul::{dims as forward_dims, gate_up_rows, reference_products, Operands};
+use crate::linear_silu_mul::{scratch_bytes, BLOCK_SCRATCH_BYTES};
 use crate::math;
 use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
 use crate::packed_gemm::{split_columns, HALF as GROUP, PAIRED_COLUMNS};
@@ -69,18 +69,19 @@ fn gradients_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, 
     let dy = args.input(0);
     let dys = &dy.storage::<T>().unwrap()[dy.layout().offset()..];
     let band = rows.len() * d.n;
-    // SAFETY: this block's rows of dg and du, and its own scratch (the plan sized all of it).
-    let (dg, du, scratch) = unsafe {
-        (
-            args.workspace::<T>(rows.start * d.n, band),
-            args.workspace::<T>(d.rows * d.n + rows.start * d.n, band),
-            args.workspace::<u8>(ws.scratch + ctx.block_idx as usize * BLOCK_SCRATCH_BYTES, BLOCK_SCRATCH_BYTES),
-        )
+    // SAFETY: this block's rows of dg and du.
+    let (dg, du) = unsafe {
+        (args.workspace::<T>(rows.start * d.n, band), args.workspace::<T>(d.rows * d.n + rows.start * d.n, band))
+    };
+    // SAFETY: this block's own scratch (the plan sized it where blocks take the generic route).
+    let scratch = || unsafe {
+        args.workspace::<u8>(ws.scratch + ctx.block_idx as usize * BLOCK_SCRATCH_BYTES, BLOCK_SCRATCH_BYTES)
+            .as_mut_ptr()
     };
     let first = rows.start;
     // SAFETY: dy and x contiguous (plan), weights any strided [n, k].
     unsafe {
-        gate_up_rows::<T>(rows, 0..d.n, d, Operands::of(args, 1, d), scratch.as_mut_ptr(), |r, c, sums| {
+        gate_up_rows::<T>(rows, 0..d.n, d, Operands::of(args, 1, d), scratch, |r, c, sums| {
             let len = (d.n - c).min(sums.len() / 2);
             let at = (r - first) * d.n + c;
             silu_mul_grad_pairs(sums, &dys[r * d.n + c..][..len], &mut dg[at..][..len], &mut du[at..][..len]);
@@ -198,7 +199,7 @@ impl Op for LinearSiluMulBackward {
         ]);
         let needs = vec![LayoutNeed::Contiguous, LayoutNeed::Contiguous, LayoutNeed::Any, LayoutNeed::Any];
         Ok(Plan::new(steps)
-            .workspace(scratch + row_blocks * BLOCK_SCRATCH_BYTES)
+            .workspace(scratch + scratch_bytes(dtype, d.k, row_blocks, d.rows / row_blocks))
             .inputs_need(needs)
             .outputs_need(vec![LayoutNeed::Contiguous; 3]))
     }

@@ -117,6 +117,20 @@ pub(crate) struct Dst<T> {
     pub cs: isize,
 }
 
+impl<T> Mat<T> {
+    /// The same matrix as elements of `U`: for generic code that has checked `T` is `U` (by dtype).
+    pub fn cast<U>(self) -> Mat<U> {
+        Mat { ptr: self.ptr as *const U, rs: self.rs, cs: self.cs }
+    }
+}
+
+impl<T> Dst<T> {
+    /// As [`Mat::cast`].
+    pub fn cast<U>(self) -> Dst<U> {
+        Dst { ptr: self.ptr as *mut U, rs: self.rs, cs: self.cs }
+    }
+}
+
 /// `dst[rows] = lhs[rows] · rhs` (`+=` with `accumulate`) for `k`-deep products and `n` columns,
 /// single-threaded: the SPMD block is the unit of parallelism.
 ///
@@ -147,24 +161,29 @@ pub(crate) unsafe fn gemm_rows<T: Element>(
         return;
     }
     if T::DTYPE == DType::BF16 {
-        let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const bf16, rs: m.rs, cs: m.cs };
-        let dst = Dst { ptr: dst.ptr as *mut bf16, rs: dst.rs, cs: dst.cs };
-        return crate::packed_gemm::gemm_rows_packed(rows, n, k, dst, cast(lhs), cast(rhs), accumulate);
+        let (dst, lhs, rhs) = (dst.cast::<bf16>(), lhs.cast::<bf16>(), rhs.cast::<bf16>());
+        return crate::packed_gemm::gemm_rows_packed(rows, n, k, dst, lhs, rhs, accumulate);
     }
     let simd = <f32 as Dots>::best();
     if T::DTYPE == DType::F32 && crate::skinny::applies(&rows, lhs, rhs) && simd != Simd::Scalar {
-        let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const f32, rs: m.rs, cs: m.cs };
-        let dst = Dst { ptr: dst.ptr as *mut f32, rs: dst.rs, cs: dst.cs };
-        return crate::skinny::skinny(rows, n, k, dst, cast(lhs), cast(rhs), accumulate, simd);
+        return crate::skinny::skinny(
+            rows,
+            n,
+            k,
+            dst.cast::<f32>(),
+            lhs.cast::<f32>(),
+            rhs.cast::<f32>(),
+            accumulate,
+            simd,
+        );
     }
     if T::DTYPE == DType::F32 && rhs.rs == 1 && rhs.cs != 1 && rows.len() >= ROW_MAJOR_B_MIN_ROWS {
-        let cast = |m: Mat<T>| Mat { ptr: m.ptr as *const f32, rs: m.rs, cs: m.cs };
-        let dst = Dst { ptr: dst.ptr as *mut f32, rs: dst.rs, cs: dst.cs };
+        let (dst, lhs, rhs) = (dst.cast::<f32>(), lhs.cast::<f32>(), rhs.cast::<f32>());
         if <f32 as Packed>::level() == Simd::Avx512 && k <= PACKED_F32_MAX_K {
             // Packing transposes B's k-dense lines straight into panels: one pass over B.
-            return crate::packed_gemm::gemm_rows_packed(rows, n, k, dst, cast(lhs), cast(rhs), accumulate);
+            return crate::packed_gemm::gemm_rows_packed(rows, n, k, dst, lhs, rhs, accumulate);
         }
-        return gemm_rows_with_row_major_b(rows, n, k, dst, cast(lhs), cast(rhs), accumulate, ROW_MAJOR_B_CHUNK_WORDS);
+        return gemm_rows_with_row_major_b(rows, n, k, dst, lhs, rhs, accumulate, ROW_MAJOR_B_CHUNK_WORDS);
     }
     let start = rows.start as isize;
     // gemm computes dst := alpha·dst + beta·lhs·rhs, reading dst only when asked to.

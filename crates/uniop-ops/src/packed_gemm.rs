@@ -320,8 +320,7 @@ pub(crate) unsafe fn gemm_rows_packed<E: Packed, O: GemmOut>(
         return crate::skinny::skinny(rows, n, k, dst, lhs, rhs, accumulate, micro.simd());
     }
     if E::DTYPE == DType::BF16 && crate::skinny::applies_to_lines(&rows, lhs, rhs) {
-        let cast = |m: Mat<E>| Mat { ptr: m.ptr as *const bf16, rs: m.rs, cs: m.cs };
-        return crate::skinny::skinny_lines(rows, n, k, dst, cast(lhs), cast(rhs), accumulate, micro.simd());
+        return crate::skinny::skinny_lines(rows, n, k, dst, lhs.cast(), rhs.cast(), accumulate, micro.simd());
     }
     let deep = k >= AMX_TRANSPOSED_MIN_K;
     let transposed = micro == Micro::Amx && deep && lhs.cs == 1 && rhs.rs == 1 && rhs.cs != 1 && rows.len() <= n;
