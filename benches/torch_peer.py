@@ -130,6 +130,9 @@ PEERS = {
     # uniop's example: weight [2k, k] (an up projection) with bias.
     "linear": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn((2 * shape[-1], shape[-1]), dtype=dt),
                                   torch.randn((2 * shape[-1],), dtype=dt)), F.linear),
+    # uniop's example: a square weight (an output projection) and the residual it joins.
+    "linear_add": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn((shape[-1], shape[-1]), dtype=dt),
+                                      torch.randn(shape, dtype=dt)), lambda x, w, r: r + F.linear(x, w)),
     # torch's HF LlamaMLP composite act_fn(gate_proj(x)) * up_proj(x).
     "linear_silu_mul": (gated_inputs, lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu)),
     # Main shape is the table [V, H]; 2048 token ids.
@@ -155,6 +158,7 @@ BACKWARD = {
     "attention_backward": ("attention", (0, 1, 2)),
     "matmul_backward": ("matmul", (0, 1)),
     "linear_backward": ("linear", (0, 1, 2)),
+    "linear_add_backward": ("linear_add", (0, 1, 2)),
     "linear_silu_mul_backward": ("linear_silu_mul", (0, 1, 2)),
     "cross_entropy_backward": ("cross_entropy", (0,)),
     "embedding_backward": ("embedding", (0,)),
@@ -203,6 +207,9 @@ def gflop(op, shape):
         k = shape[-1]
         rows = math.prod(shape[:-1])
         return (2 if op == "linear" else 4) * rows * k * 2 * k / 1e9
+    if op in ("linear_add", "linear_add_backward"):
+        k = shape[-1]
+        return (2 if op == "linear_add" else 4) * math.prod(shape[:-1]) * k * k / 1e9
     if op in ("linear_silu_mul", "linear_silu_mul_backward"):
         # Two products forward; the backward recomputes them and takes four more.
         k = shape[-1]

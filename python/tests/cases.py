@@ -217,6 +217,17 @@ def _cases():
         return (dy, x, w), lambda dy, x, w: _vjp(lambda x, w, b: F.linear(x, w, b), (x, w, b), (dy,), (0, 1, 2))
 
     @case
+    def linear_add(dt, strided):
+        x, w, r = _rand(4, 6, dtype=dt, strided=strided), _rand(5, 6, dtype=dt, strided=strided), _rand(4, 5, dtype=dt, strided=strided)
+        return (x, w, r), lambda x, w, r: r.to(D) + F.linear(x.to(D), w.to(D))
+
+    @case
+    def linear_add_backward(dt, strided):
+        x, w, dy = _rand(4, 6, dtype=dt, strided=strided), torch.randn(5, 6).to(dt), torch.randn(4, 5).to(dt)
+        r = torch.zeros(4, 5)
+        return (dy, x, w), lambda dy, x, w: _vjp(lambda x, w, r: r + F.linear(x, w), (x, w, r), (dy,), (0, 1, 2))
+
+    @case
     def linear_silu_mul(dt, strided):
         x, wg, wu = _rand(4, 6, dtype=dt, strided=strided), _rand(5, 6, dtype=dt, strided=strided), torch.randn(5, 6).to(dt)
         return (x, wg, wu), gated_ref

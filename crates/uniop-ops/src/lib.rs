@@ -38,6 +38,8 @@ pub mod gelu;
 pub mod gelu_backward;
 pub mod kv_cache_append;
 pub mod linear;
+pub mod linear_add;
+pub mod linear_add_backward;
 pub mod linear_backward;
 pub mod linear_silu_mul;
 pub mod linear_silu_mul_backward;
@@ -91,6 +93,8 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(matmul::Matmul),
         Box::new(matmul_backward::MatmulBackward),
         Box::new(linear::Linear),
+        Box::new(linear_add::LinearAdd),
+        Box::new(linear_add_backward::LinearAddBackward),
         Box::new(linear_backward::LinearBackward),
         Box::new(linear_silu_mul::LinearSiluMul),
         Box::new(linear_silu_mul_backward::LinearSiluMulBackward),

@@ -102,9 +102,17 @@ impl Bands {
 /// Output columns per unit of a column band (keeps bands on whole register tiles).
 pub(crate) const COLUMN_UNIT: usize = 32;
 
-fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands) {
+/// What the output holds before the product is accumulated onto it: `linear`'s optional bias
+/// (`[n]`, every row), or `linear_add`'s residual (`[rows, n]`, contiguous).
+#[derive(Clone, Copy)]
+pub(crate) enum Addend {
+    Bias,
+    Residual,
+}
+
+pub(crate) fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands, addend: Addend) {
     let (x, w, out) = (args.input(0), args.input(1), args.output(0));
-    let bias = args.optional_input(2);
+    let third = args.optional_input(2);
     let ws = w.layout().strides();
     let (xp, wp) = (x.storage::<T>().unwrap().as_ptr(), w.storage::<T>().unwrap().as_ptr());
     let (rows, cols) = bands.share(ctx, d);
@@ -112,11 +120,15 @@ fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands) {
         return;
     }
     let o = out.layout().offset();
-    if let Some(b) = &bias {
-        let bs = &b.storage::<T>().unwrap()[b.layout().offset() + cols.start..][..cols.len()];
+    if let Some(t) = &third {
+        let ts = &t.storage::<T>().unwrap()[t.layout().offset() + cols.start..];
         for r in rows.clone() {
+            let from = match addend {
+                Addend::Bias => 0,
+                Addend::Residual => r * d.n,
+            };
             // SAFETY: this block owns rows `rows` × columns `cols` of the (contiguous) output.
-            unsafe { out.slice_mut::<T>(o + r * d.n + cols.start, cols.len()) }.copy_from_slice(bs);
+            unsafe { out.slice_mut::<T>(o + r * d.n + cols.start, cols.len()) }.copy_from_slice(&ts[from..][..cols.len()]);
         }
     }
     // SAFETY: x and out are contiguous [rows, k] / [rows, n] (the plan asked for it); weight is any
@@ -129,9 +141,40 @@ fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands) {
             Dst { ptr: out.as_mut_ptr::<T>().add(o + cols.start), rs: d.n as isize, cs: 1 },
             Mat { ptr: xp.add(x.layout().offset()), rs: d.k as isize, cs: 1 },
             Mat { ptr: wp.add(w.layout().offset() + cols.start * ws[0]), rs: ws[1] as isize, cs: ws[0] as isize },
-            bias.is_some(),
+            third.is_some(),
         );
     }
+}
+
+/// `x`'s shape with its last dim `n`: the output's.
+pub(crate) fn output_shape(cx: &OpCx, d: Dims) -> Vec<usize> {
+    let mut shape = cx.input("x").shape().to_vec();
+    *shape.last_mut().unwrap() = d.n;
+    shape
+}
+
+/// The plan of `linear` and `linear_add` (step `name`; their third input: `addend`).
+pub(crate) fn plan(cx: &OpCx, d: Dims, addend: Addend, name: &'static str) -> Result<Plan> {
+    let (bands, block_dim) = Bands::choose(cx.input("x").dtype, d, d.n);
+    let step = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
+        Step::new(name, block_dim as u32, move |args, ctx| kernel::<T>(args, ctx, d, bands, addend))
+    });
+    Ok(Plan::new(vec![step])
+        .inputs_need(vec![LayoutNeed::Contiguous, LayoutNeed::Any, LayoutNeed::Contiguous])
+        .outputs_need(vec![LayoutNeed::Contiguous]))
+}
+
+/// f64 `x · weightᵀ` (inputs 0 and 1) plus `start(r, j)` at each output `(r, j)`.
+pub(crate) fn reference_rows(d: Dims, inputs: &[Option<RefTensor>], start: impl Fn(usize, usize) -> f64) -> Vec<f64> {
+    let (x, w) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
+    let mut y = vec![0.0; d.rows * d.n];
+    for r in 0..d.rows {
+        for j in 0..d.n {
+            let dot: f64 = (0..d.k).map(|p| x.data[r * d.k + p] * w.data[j * d.k + p]).sum();
+            y[r * d.n + j] = dot + start(r, j);
+        }
+    }
+    y
 }
 
 impl Op for Linear {
@@ -162,36 +205,17 @@ impl Op for Linear {
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let d = dims(cx)?;
-        let mut shape = cx.input("x").shape().to_vec();
-        *shape.last_mut().unwrap() = d.n;
-        Ok(vec![TensorMeta::contiguous(cx.input("x").dtype, &shape)?])
+        Ok(vec![TensorMeta::contiguous(cx.input("x").dtype, &output_shape(cx, d))?])
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
-        let d = dims(cx)?;
-        let (bands, block_dim) = Bands::choose(cx.input("x").dtype, d, d.n);
-        let step = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
-            Step::new("linear", block_dim as u32, move |args, ctx| kernel::<T>(args, ctx, d, bands))
-        });
-        Ok(Plan::new(vec![step])
-            .inputs_need(vec![LayoutNeed::Contiguous, LayoutNeed::Any, LayoutNeed::Contiguous])
-            .outputs_need(vec![LayoutNeed::Contiguous]))
+        plan(cx, dims(cx)?, Addend::Bias, "linear")
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let d = dims(cx)?;
-        let (x, w) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
-        let bias = inputs[2].as_ref();
-        let mut y = vec![0.0; d.rows * d.n];
-        for r in 0..d.rows {
-            for j in 0..d.n {
-                let dot: f64 = (0..d.k).map(|p| x.data[r * d.k + p] * w.data[j * d.k + p]).sum();
-                y[r * d.n + j] = dot + bias.map_or(0.0, |b| b.data[j]);
-            }
-        }
-        let mut shape = x.shape.clone();
-        *shape.last_mut().unwrap() = d.n;
-        Ok(vec![RefTensor::new(&shape, y)])
+        let y = reference_rows(d, inputs, |_, j| inputs[2].as_ref().map_or(0.0, |b| b.data[j]));
+        Ok(vec![RefTensor::new(&output_shape(cx, d), y)])
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {

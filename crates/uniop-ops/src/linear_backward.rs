@@ -15,7 +15,7 @@ use uniop::{
 
 pub struct LinearBackward;
 
-fn dims(cx: &OpCx) -> Result<Dims> {
+pub(crate) fn dims(cx: &OpCx) -> Result<Dims> {
     let d = x_and_weight(cx, "weight")?;
     cx.expect_same_dtype("dy", cx.input("x").dtype, "x")?;
     let mut y = cx.input("x").shape().to_vec();
@@ -45,8 +45,17 @@ fn dx_kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, columns: boo
     }
 }
 
-/// Step 2: rows of `dweight = dyᵀ · x` (`[n, rows] · [rows, k]`) and the same entries of `dbias`.
-fn dw_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims) {
+/// The backward's third return: `linear`'s `dbias` (`dy` summed over rows), or `linear_add`'s
+/// `dresidual` (`dy` itself).
+#[derive(Clone, Copy)]
+pub(crate) enum Third {
+    BiasSum,
+    ResidualCopy,
+}
+
+/// Step 2: rows of `dweight = dyᵀ · x` (`[n, rows] · [rows, k]`) and the same columns of the third
+/// return.
+fn dw_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, third: Third) {
     let (dy, x) = (args.input(0), args.input(1));
     let (dw, db) = (args.output(1), args.output(2));
     let dys = &dy.storage::<T>().unwrap()[dy.layout().offset()..];
@@ -62,6 +71,13 @@ fn dw_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims) {
             Mat { ptr: x.storage::<T>().unwrap().as_ptr().add(x.layout().offset()), rs: d.k as isize, cs: 1 },
             false,
         );
+        if let Third::ResidualCopy = third {
+            for r in 0..d.rows {
+                let row = &dys[r * d.n + owned.start..r * d.n + owned.end];
+                db.slice_mut::<T>(db.layout().offset() + r * d.n + owned.start, owned.len()).copy_from_slice(row);
+            }
+            return;
+        }
         // Row by row (contiguous reads), each column's sum still in row order.
         let mut sums = vec![0f32; owned.len()];
         for r in 0..d.rows {
@@ -105,36 +121,15 @@ impl Op for LinearBackward {
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
-        let d = dims(cx)?;
-        let threads = uniop::runtime::Pool::global().threads();
-        let columns = split_columns(cx.input("x").dtype, d.rows, d.k, threads);
-        let dx_blocks =
-            if columns { d.k.div_ceil(COLUMN_UNIT).clamp(1, threads) } else { d.rows.div_ceil(16).clamp(1, threads) };
-        let dw_blocks = d.n.div_ceil(16).clamp(1, threads) as u32;
-        let steps = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| vec![
-            Step::new("linear_backward.dx", dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)),
-            Step::new("linear_backward.dweight", dw_blocks, move |a, c| dw_kernel::<T>(a, c, d)),
-        ]);
-        Ok(Plan::new(steps).inputs_need(vec![LayoutNeed::Contiguous; 3]).outputs_need(vec![LayoutNeed::Contiguous; 3]))
+        plan(cx, dims(cx)?, Third::BiasSum, ["linear_backward.dx", "linear_backward.dweight"])
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let d = dims(cx)?;
-        let [dy, x, w] = [0, 1, 2].map(|i| inputs[i].as_ref().unwrap());
-        let mut dx = vec![0.0; d.rows * d.k];
-        let mut dw = vec![0.0; d.n * d.k];
-        let mut db = vec![0.0; d.n];
-        for r in 0..d.rows {
-            for j in 0..d.n {
-                let g = dy.data[r * d.n + j];
-                db[j] += g;
-                for p in 0..d.k {
-                    dx[r * d.k + p] += g * w.data[j * d.k + p];
-                    dw[j * d.k + p] += g * x.data[r * d.k + p];
-                }
-            }
-        }
-        Ok(vec![RefTensor::new(&x.shape, dx), RefTensor::new(&[d.n, d.k], dw), RefTensor::new(&[d.n], db)])
+        let (dx, dw) = reference(d, inputs);
+        let dy = &inputs[0].as_ref().unwrap().data;
+        let db = (0..d.n).map(|j| (0..d.rows).map(|r| dy[r * d.n + j]).sum()).collect();
+        Ok(vec![RefTensor::new(cx.input("x").shape(), dx), RefTensor::new(&[d.n, d.k], dw), RefTensor::new(&[d.n], db)])
     }
 
     /// x's shape, as for linear (the first input is the gradient of the `[.., 2k]` output).
@@ -144,18 +139,54 @@ impl Op for LinearBackward {
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
         // `shape` is x's, as for linear (weight [2k, k]).
-        let shape = shape.unwrap_or(&[2048, 4096]);
-        let k = shape.last().copied().unwrap_or(1);
-        let x = if shape.is_empty() { vec![1] } else { shape.to_vec() };
-        let mut y = x.clone();
-        *y.last_mut().unwrap() = 2 * k;
-        Ok(Example {
-            inputs: vec![
-                Some(TensorMeta::contiguous(dtype, &y)?),
-                Some(TensorMeta::contiguous(dtype, &x)?),
-                Some(TensorMeta::contiguous(dtype, &[2 * k, k])?),
-            ],
-            ..Default::default()
-        })
+        example(shape, dtype, 2)
     }
+}
+
+/// The plan of `linear_backward` and `linear_add_backward` (steps `names`).
+pub(crate) fn plan(cx: &OpCx, d: Dims, third: Third, names: [&'static str; 2]) -> Result<Plan> {
+    let threads = uniop::runtime::Pool::global().threads();
+    let columns = split_columns(cx.input("x").dtype, d.rows, d.k, threads);
+    let dx_blocks =
+        if columns { d.k.div_ceil(COLUMN_UNIT).clamp(1, threads) } else { d.rows.div_ceil(16).clamp(1, threads) };
+    let dw_blocks = d.n.div_ceil(16).clamp(1, threads) as u32;
+    let steps = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| vec![
+        Step::new(names[0], dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)),
+        Step::new(names[1], dw_blocks, move |a, c| dw_kernel::<T>(a, c, d, third)),
+    ]);
+    Ok(Plan::new(steps).inputs_need(vec![LayoutNeed::Contiguous; 3]).outputs_need(vec![LayoutNeed::Contiguous; 3]))
+}
+
+/// f64 `(dx, dweight)` of `dy`, `x`, `weight` (inputs 0–2).
+pub(crate) fn reference(d: Dims, inputs: &[Option<RefTensor>]) -> (Vec<f64>, Vec<f64>) {
+    let [dy, x, w] = [0, 1, 2].map(|i| inputs[i].as_ref().unwrap());
+    let mut dx = vec![0.0; d.rows * d.k];
+    let mut dw = vec![0.0; d.n * d.k];
+    for r in 0..d.rows {
+        for j in 0..d.n {
+            let g = dy.data[r * d.n + j];
+            for p in 0..d.k {
+                dx[r * d.k + p] += g * w.data[j * d.k + p];
+                dw[j * d.k + p] += g * x.data[r * d.k + p];
+            }
+        }
+    }
+    (dx, dw)
+}
+
+/// `dy`, `x`, `weight` for x of `shape` (or the default) and a weight `[out · k, k]`.
+pub(crate) fn example(shape: Option<&[usize]>, dtype: DType, out: usize) -> Result<Example> {
+    let shape = shape.unwrap_or(&[2048, 4096]);
+    let k = shape.last().copied().unwrap_or(1);
+    let x = if shape.is_empty() { vec![1] } else { shape.to_vec() };
+    let mut y = x.clone();
+    *y.last_mut().unwrap() = out * k;
+    Ok(Example {
+        inputs: vec![
+            Some(TensorMeta::contiguous(dtype, &y)?),
+            Some(TensorMeta::contiguous(dtype, &x)?),
+            Some(TensorMeta::contiguous(dtype, &[out * k, k])?),
+        ],
+        ..Default::default()
+    })
 }

@@ -1082,6 +1082,48 @@ fn linear_silu_mul_is_linear_then_silu_mul_on_every_route() {
 }
 
 #[test]
+fn linear_add_is_linear_then_add_with_its_gradients() {
+    setup();
+    fn check<T: uniop::Element>(cast: impl Fn(f32) -> T, tol: f64) {
+        // Few rows (column bands), row bands, and a depth past one packed slice.
+        for (rows, k, n) in [(3, 40, 200), (300, 70, 45), (130, 600, 96)] {
+            let values = |len, seed| rand_vec(len, seed).into_iter().map(&cast).collect::<Vec<T>>();
+            let (x, w, residual) = (values(rows * k, 151), values(n * k, 152), values(rows * n, 153));
+            let tx = TensorRef::new(&x, &[rows, k]).unwrap();
+            let tw = TensorRef::new(&w, &[n, k]).unwrap();
+            // The residual read through a transposed [n, rows] buffer: strides (1, rows).
+            let res_t: Vec<T> = (0..rows * n).map(|i| residual[(i % rows) * n + i / rows]).collect();
+            let tr = TensorRef::strided(&res_t, &[rows, n], &[1, rows], 0).unwrap();
+            let fused = run_checked("linear_add", &[Some(tx.clone()), Some(tw.clone()), Some(tr)], &[]).remove(0);
+            let product = run_checked("linear", &[Some(tx.clone()), Some(tw.clone()), None], &[]).remove(0);
+            for (i, (a, p)) in fused.iter().zip(&product).enumerate() {
+                let b = p + residual[i].to_f64();
+                assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{:?} {rows}x{k}x{n}: {a} vs {b}", T::DTYPE);
+            }
+            let dy = values(rows * n, 154);
+            let inputs = [Some(TensorRef::new(&dy, &[rows, n]).unwrap()), Some(tx), Some(tw)];
+            let grads = run_checked("linear_add_backward", &inputs, &[]);
+            let linear_grads = run_checked("linear_backward", &inputs, &[]);
+            assert_eq!(grads[..2], linear_grads[..2], "{:?}: dx and dweight are linear's", T::DTYPE);
+            assert!(grads[2].iter().zip(&dy).all(|(a, b)| *a == b.to_f64()), "dresidual is dy");
+        }
+    }
+    check(|v| v, 1e-5);
+    check(bf16::from_f32, 1e-2);
+    // f16 products are summed in f16 by the `gemm` crate: both sides carry that error at k = 600.
+    check(uniop::half::f16::from_f32, 1e-2);
+    let (x, w, r) = (rand_vec(2 * 4, 1), rand_vec(3 * 4, 2), rand_vec(2 * 4, 3));
+    let inputs = [
+        Some(TensorRef::new(&x, &[2, 4]).unwrap()),
+        Some(TensorRef::new(&w, &[3, 4]).unwrap()),
+        Some(TensorRef::new(&r, &[2, 4]).unwrap()),
+    ];
+    let err = plan_err("linear_add", &inputs, &[], vec![]);
+    assert_eq!(err.code(), ErrorCode::Shape);
+    assert_eq!(err.message(), "linear_add: argument 'residual': expected shape [2, 3], got shape [2, 4]");
+}
+
+#[test]
 fn linear_silu_mul_backward_matches_finite_differences() {
     setup();
     let (rows, k, n) = (4, 5, 3);

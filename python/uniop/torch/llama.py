@@ -3,7 +3,9 @@
 :func:`patch_llama` replaces ``LlamaRMSNorm.forward`` (uniop ``rms_norm``, HF's dtype rule kept),
 ``LlamaMLP.forward`` (with SiLU: both projections and the activation as one ``linear_silu_mul``
 where uniop's GEMM is the faster one — see below —, else the projections around uniop's fused
-``silu_mul``) and ``modeling_llama.apply_rotary_pos_emb`` (uniop ``rope``). Methods are patched on the
+``silu_mul``), ``LlamaDecoderLayer.forward`` (its two residual adds fused into the ops beside
+them: ``add_rms_norm`` after attention, ``linear_add`` for the MLP's down projection) and
+``modeling_llama.apply_rotary_pos_emb`` (uniop ``rope``). Methods are patched on the
 classes, so existing instances change too. Given a model, it also switches the model's attention
 to uniop's flash attention (registered with transformers as the ``"uniop"`` implementation; calls
 with a padding mask, dropout or softcap fall back to SDPA) and its linear layers (projections and
@@ -41,6 +43,24 @@ def _is_silu(mlp):
     return getattr(getattr(mlp, "config", None), "hidden_act", None) in ("silu", "swish") or isinstance(
         mlp.act_fn, nn.SiLU
     )
+
+
+def _layer_forward(original):
+    """``LlamaDecoderLayer.forward`` with its residual adds fused: the one after attention into the
+    post-attention RMSNorm (``add_rms_norm``), the one after the MLP into its down projection
+    (``linear_add``). Layers called other than as ``LlamaModel`` calls them (hidden states, the rest
+    by keyword), or with a replaced MLP, keep transformers' forward."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        mlp = self.mlp
+        if args or type(mlp) is not _modeling().LlamaMLP or not _is_silu(mlp):
+            return original(self, hidden_states, *args, **kwargs)
+        fuse = _on_uniop_gemm(hidden_states)
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        h, residual = unn.add_rms_norm(self.post_attention_layernorm, h, hidden_states)
+        return unn.linear_add(mlp.down_proj, unn.gated(mlp, h, fuse), residual, fuse)
+
+    return forward
 
 
 def _mlp_forward(original):
@@ -167,11 +187,13 @@ def patch_llama(model=None):
         _originals.update(
             rms_norm=m.LlamaRMSNorm.forward,
             mlp=m.LlamaMLP.forward,
+            layer=m.LlamaDecoderLayer.forward,
             rope=m.apply_rotary_pos_emb,
             cache_update=DynamicLayer.update,
         )
         m.LlamaRMSNorm.forward = unn.RMSNorm.forward
         m.LlamaMLP.forward = _mlp_forward(_originals["mlp"])
+        m.LlamaDecoderLayer.forward = _layer_forward(_originals["layer"])
         m.apply_rotary_pos_emb = unn.apply_rotary_pos_emb
         DynamicLayer.update = _growing_update
     if model is not None and all(patched is not model for patched, _, _ in _models):
@@ -195,6 +217,7 @@ def unpatch_llama():
         m = _modeling()
         m.LlamaRMSNorm.forward = _originals.pop("rms_norm")
         m.LlamaMLP.forward = _originals.pop("mlp")
+        m.LlamaDecoderLayer.forward = _originals.pop("layer")
         m.apply_rotary_pos_emb = _originals.pop("rope")
         from transformers.cache_utils import DynamicLayer
 

@@ -62,6 +62,31 @@ def gated(mlp, x, fuse=True):
     return uniop_ops.silu_mul(gate(x), up(x))
 
 
+def add_rms_norm(norm, x, residual):
+    """``(norm(residual + x), residual + x)`` for an :class:`RMSNorm` (or a patched ``LlamaRMSNorm``):
+    one ``add_rms_norm`` where it computes the same — weight and inputs of one dtype, and no
+    gradient recorded, as the fused op has no backward —, else the add and ``norm``."""
+    weight = norm.weight
+    same = type(norm).forward is RMSNorm.forward and weight.dtype == x.dtype == residual.dtype
+    recording = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad)
+    if same and not recording:
+        y, _, total = uniop_ops.add_rms_norm(x, residual, weight, norm.variance_epsilon)
+        return y, total
+    total = residual + x
+    return norm(total), total
+
+
+def linear_add(linear, x, residual, fuse=True):
+    """``residual + linear(x)``: one ``linear_add`` (the sum rounded once) when ``fuse`` and ``linear``
+    is a bias-free ``nn.Linear`` (an exact type, as for :func:`gated`) in the inputs' dtype outside
+    autocast (which would cast the residual too), else the layer and an add."""
+    plain = type(linear) is nn.Linear and linear.bias is None
+    same = linear.weight.dtype == x.dtype == residual.dtype and not torch.is_autocast_enabled(x.device.type)
+    if fuse and plain and same:
+        return uniop_ops.linear_add(x, linear.weight, residual)
+    return residual + linear(x)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables from positions (uniop's ``rope_cos_sin``: HF's default rope, mode 'half')."""
 
