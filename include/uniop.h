@@ -434,6 +434,43 @@ uniopStatus uniopLinear(void *workspace,
                         uniopExecutor *executor,
                         uniopStream stream);
 
+// Phase 1 of `linear_add(Tensor x, Tensor weight, Tensor residual) -> (Tensor y)`.
+//
+// y = residual + x @ weight^T, weight [out_features, in_features] (HF layout), x [...,
+// in_features], residual [..., out_features] (x's leading dims): a projection joining the residual
+// stream (HF Llama's `residual + down_proj(h)`) in one pass, the sum rounded once.
+uniopStatus uniopLinearAddGetWorkspaceSize(const uniopTensor *x,
+                                           const uniopTensor *weight,
+                                           const uniopTensor *residual,
+                                           uniopTensor *y,
+                                           uint64_t *workspaceSize,
+                                           uniopExecutor **executor);
+
+// Phase 2 of `linear_add`: launches the executor from `uniopLinearAddGetWorkspaceSize` on `stream`.
+uniopStatus uniopLinearAdd(void *workspace,
+                           uint64_t workspaceSize,
+                           uniopExecutor *executor,
+                           uniopStream stream);
+
+// Phase 1 of `linear_add_backward(Tensor dy, Tensor x, Tensor weight) -> (Tensor dx, Tensor dweight, Tensor dresidual)`.
+//
+// Gradients of linear_add: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of
+// x), dresidual = dy.
+uniopStatus uniopLinearAddBackwardGetWorkspaceSize(const uniopTensor *dy,
+                                                   const uniopTensor *x,
+                                                   const uniopTensor *weight,
+                                                   uniopTensor *dx,
+                                                   uniopTensor *dweight,
+                                                   uniopTensor *dresidual,
+                                                   uint64_t *workspaceSize,
+                                                   uniopExecutor **executor);
+
+// Phase 2 of `linear_add_backward`: launches the executor from `uniopLinearAddBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopLinearAddBackward(void *workspace,
+                                   uint64_t workspaceSize,
+                                   uniopExecutor *executor,
+                                   uniopStream stream);
+
 // Phase 1 of `linear_backward(Tensor dy, Tensor x, Tensor weight) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
 //
 // Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x),

@@ -578,6 +578,79 @@ pub extern "C" fn uniopLinear(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
+/// Phase 1 of `linear_add(Tensor x, Tensor weight, Tensor residual) -> (Tensor y)`.
+///
+/// y = residual + x @ weight^T, weight [out_features, in_features] (HF layout), x [...,
+/// in_features], residual [..., out_features] (x's leading dims): a projection joining the residual
+/// stream (HF Llama's `residual + down_proj(h)`) in one pass, the sum rounded once.
+#[no_mangle]
+pub extern "C" fn uniopLinearAddGetWorkspaceSize(
+    x: *const uniopTensor,
+    weight: *const uniopTensor,
+    residual: *const uniopTensor,
+    y: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLinearAddGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 3] = [("x", x), ("weight", weight), ("residual", residual)];
+        let attrs: [(&str, AttrValue); 0] = [];
+        let outputs = [("y", y as *const uniopTensor)];
+        plan("linear_add", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `linear_add`: launches the executor from `uniopLinearAddGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLinearAdd(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `linear_add_backward(Tensor dy, Tensor x, Tensor weight) -> (Tensor dx, Tensor dweight, Tensor dresidual)`.
+///
+/// Gradients of linear_add: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of
+/// x), dresidual = dy.
+#[no_mangle]
+pub extern "C" fn uniopLinearAddBackwardGetWorkspaceSize(
+    dy: *const uniopTensor,
+    x: *const uniopTensor,
+    weight: *const uniopTensor,
+    dx: *mut uniopTensor,
+    dweight: *mut uniopTensor,
+    dresidual: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLinearAddBackwardGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 3] = [("dy", dy), ("x", x), ("weight", weight)];
+        let attrs: [(&str, AttrValue); 0] = [];
+        let outputs = [
+            ("dx", dx as *const uniopTensor),
+            ("dweight", dweight as *const uniopTensor),
+            ("dresidual", dresidual as *const uniopTensor),
+        ];
+        plan("linear_add_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `linear_add_backward`: launches the executor from `uniopLinearAddBackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLinearAddBackward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
 /// Phase 1 of `linear_backward(Tensor dy, Tensor x, Tensor weight) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
 ///
 /// Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x),
