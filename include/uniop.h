@@ -150,8 +150,8 @@ uniopStatus uniopAdd(void *workspace,
 //
 // Fused residual add + RMSNorm (aclnn AddRmsNorm): sum = x + residual (rounded to the input
 // dtype), y = rms_norm(sum, weight, eps), rstd as rms_norm returns it. x and residual share shape
-// and dtype; weight as for rms_norm. The backward is rms_norm_backward on sum (and dsum flows to
-// both inputs).
+// and dtype; weight as for rms_norm. The backward is add_rms_norm_backward (rms_norm's on sum,
+// plus the gradient of sum itself, for both inputs).
 uniopStatus uniopAddRmsNormGetWorkspaceSize(const uniopTensor *x,
                                             const uniopTensor *residual,
                                             const uniopTensor *weight,
@@ -167,6 +167,28 @@ uniopStatus uniopAddRmsNorm(void *workspace,
                             uint64_t workspaceSize,
                             uniopExecutor *executor,
                             uniopStream stream);
+
+// Phase 1 of `add_rms_norm_backward(Tensor dy, Tensor dsum, Tensor sum, Tensor weight, Tensor rstd) -> (Tensor dx, Tensor dresidual, Tensor dweight)`.
+//
+// Gradients of add_rms_norm: dx = dresidual = rms_norm_backward's dx on sum + dsum, dweight as
+// rms_norm_backward's (dtype of weight), from the upstream gradients dy and dsum and the rstd and
+// sum the forward returned.
+uniopStatus uniopAddRmsNormBackwardGetWorkspaceSize(const uniopTensor *dy,
+                                                    const uniopTensor *dsum,
+                                                    const uniopTensor *sum,
+                                                    const uniopTensor *weight,
+                                                    const uniopTensor *rstd,
+                                                    uniopTensor *dx,
+                                                    uniopTensor *dresidual,
+                                                    uniopTensor *dweight,
+                                                    uint64_t *workspaceSize,
+                                                    uniopExecutor **executor);
+
+// Phase 2 of `add_rms_norm_backward`: launches the executor from `uniopAddRmsNormBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopAddRmsNormBackward(void *workspace,
+                                    uint64_t workspaceSize,
+                                    uniopExecutor *executor,
+                                    uniopStream stream);
 
 // Phase 1 of `argmax(Tensor x, int dim=-1, bool keepdim=False) -> (Tensor indices)`.
 //

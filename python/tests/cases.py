@@ -117,6 +117,20 @@ def _cases():
         return (_rand(5, 16, dtype=dt, strided=strided), torch.randn(5, 16).to(dt), torch.randn(16).to(dt)), ref
 
     @case
+    def add_rms_norm_backward(dt, strided):
+        total, w = torch.randn(5, 16).to(dt), torch.randn(16).to(dt)
+        dy, dsum = _rand(5, 16, dtype=dt, strided=strided), torch.randn(5, 16).to(dt)
+        rstd = _stat(rms_ref(total, w)[1], dt)
+
+        def ref(dy, dsum, total, w, rstd):
+            # The sum as x + 0: its gradient is dx and dresidual both.
+            zero = torch.zeros_like(total)
+            fwd = lambda x, r, w: (rms_ref(x + r, w)[0], x + r)  # noqa: E731
+            return _vjp(fwd, (total, zero, w), (dy, dsum), (0, 1, 2))
+
+        return (dy, dsum, total, w, rstd), ref
+
+    @case
     def rope(dt, strided):
         x = _rand(2, 3, 5, 8, dtype=dt, strided=strided)
         cos, sin = cos_sin_ref(torch.arange(5), 8)

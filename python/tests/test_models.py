@@ -193,8 +193,8 @@ def test_patch_llama_keeps_logits_and_greedy_tokens(dtype, tol):
 
 def test_patched_layers_fuse_residual_adds_and_train_like_transformers():
     """The patched decoder layer runs its residual adds inside add_rms_norm and linear_add (a
-    9-token prompt is few rows: uniop's GEMM on every CPU), and a training step through it gives
-    transformers' loss and gradients (where add_rms_norm, which has no backward, steps aside)."""
+    9-token prompt is few rows: uniop's GEMM on every CPU), and a training step through them gives
+    transformers' loss and gradients."""
     model = _tiny_llama().train()
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
 
@@ -207,13 +207,13 @@ def test_patched_layers_fuse_residual_adds_and_train_like_transformers():
     want_loss, want = step()
     try:
         ut.patch_llama(model)
-        with torch.no_grad(), torch.profiler.profile() as prof:
-            model(ids)
+        with torch.profiler.profile() as prof:
+            got_loss, got = step()
         ran = {e.name for e in prof.events()}
-        got_loss, got = step()
     finally:
         ut.unpatch_llama()
     assert {"uniop::add_rms_norm", "uniop::linear_add"} <= ran
+    assert {"uniop::add_rms_norm_backward", "uniop::linear_add_backward"} <= ran
     assert abs(got_loss - want_loss) < 1e-5
     for name, g in want.items():
         assert torch.allclose(got[name], g, atol=1e-5, rtol=1e-4), name

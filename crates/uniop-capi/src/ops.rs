@@ -48,8 +48,8 @@ pub extern "C" fn uniopAdd(
 ///
 /// Fused residual add + RMSNorm (aclnn AddRmsNorm): sum = x + residual (rounded to the input
 /// dtype), y = rms_norm(sum, weight, eps), rstd as rms_norm returns it. x and residual share shape
-/// and dtype; weight as for rms_norm. The backward is rms_norm_backward on sum (and dsum flows to
-/// both inputs).
+/// and dtype; weight as for rms_norm. The backward is add_rms_norm_backward (rms_norm's on sum,
+/// plus the gradient of sum itself, for both inputs).
 #[no_mangle]
 pub extern "C" fn uniopAddRmsNormGetWorkspaceSize(
     x: *const uniopTensor,
@@ -75,6 +75,49 @@ pub extern "C" fn uniopAddRmsNormGetWorkspaceSize(
 /// Phase 2 of `add_rms_norm`: launches the executor from `uniopAddRmsNormGetWorkspaceSize` on `stream`.
 #[no_mangle]
 pub extern "C" fn uniopAddRmsNorm(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `add_rms_norm_backward(Tensor dy, Tensor dsum, Tensor sum, Tensor weight, Tensor rstd) -> (Tensor dx, Tensor dresidual, Tensor dweight)`.
+///
+/// Gradients of add_rms_norm: dx = dresidual = rms_norm_backward's dx on sum + dsum, dweight as
+/// rms_norm_backward's (dtype of weight), from the upstream gradients dy and dsum and the rstd and
+/// sum the forward returned.
+#[no_mangle]
+pub extern "C" fn uniopAddRmsNormBackwardGetWorkspaceSize(
+    dy: *const uniopTensor,
+    dsum: *const uniopTensor,
+    sum: *const uniopTensor,
+    weight: *const uniopTensor,
+    rstd: *const uniopTensor,
+    dx: *mut uniopTensor,
+    dresidual: *mut uniopTensor,
+    dweight: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopAddRmsNormBackwardGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 5] =
+            [("dy", dy), ("dsum", dsum), ("sum", sum), ("weight", weight), ("rstd", rstd)];
+        let attrs: [(&str, AttrValue); 0] = [];
+        let outputs = [
+            ("dx", dx as *const uniopTensor),
+            ("dresidual", dresidual as *const uniopTensor),
+            ("dweight", dweight as *const uniopTensor),
+        ];
+        plan("add_rms_norm_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `add_rms_norm_backward`: launches the executor from `uniopAddRmsNormBackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopAddRmsNormBackward(
     workspace: *mut c_void,
     workspaceSize: u64,
     executor: *mut uniopExecutor,

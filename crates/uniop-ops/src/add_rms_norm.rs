@@ -113,11 +113,15 @@ impl Op for AddRmsNorm {
     fn doc(&self) -> &'static str {
         "Fused residual add + RMSNorm (aclnn AddRmsNorm): sum = x + residual (rounded to the input dtype), \
          y = rms_norm(sum, weight, eps), rstd as rms_norm returns it. x and residual share shape and dtype; \
-         weight as for rms_norm. The backward is rms_norm_backward on sum (and dsum flows to both inputs)."
+         weight as for rms_norm. The backward is add_rms_norm_backward (rms_norm's on sum, plus the gradient of sum          itself, for both inputs)."
     }
 
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
+    }
+
+    fn backward(&self) -> Option<&'static str> {
+        Some("add_rms_norm_backward")
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {

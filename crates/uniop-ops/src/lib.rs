@@ -53,6 +53,7 @@ pub mod permute_backward;
 
 pub mod add;
 pub mod add_rms_norm;
+pub mod add_rms_norm_backward;
 mod amx;
 pub mod argmax;
 pub mod cross_entropy;
@@ -105,6 +106,7 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(rms_norm::RmsNorm),
         Box::new(rms_norm_backward::RmsNormBackward),
         Box::new(add_rms_norm::AddRmsNorm),
+        Box::new(add_rms_norm_backward::AddRmsNormBackward),
         Box::new(rope::Rope),
         Box::new(rope_backward::RopeBackward),
         Box::new(rope_cos_sin::RopeCosSin),

@@ -11,7 +11,7 @@
 
 use crate::elementwise::{converts_with, narrow_step, widen_step, CHUNK, LANES};
 use crate::math;
-use crate::rms_norm::{norm_shape, KernelShape, DTYPES};
+use crate::rms_norm::{norm_shape, KernelShape, NormShape, DTYPES};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
     OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -19,20 +19,28 @@ use uniop::{
 
 pub struct RmsNormBackward;
 
-/// One row: `dx = rstd·dy·w − x·rstd³·mean(dy·w·x)`, and this row's `dy·x·rstd` added to the
+/// One row: `dx = rstd·dy·w − x·rstd³·mean(dy·w·x)` (plus `dsum`, the gradient reaching
+/// `add_rms_norm`'s sum directly, rounded once with it), and this row's `dy·x·rstd` added to the
 /// block's dweight partial. Steps of `LANES`, the last one padded with zeros.
 #[inline(always)]
-fn backward_row<T: FloatElement, W: FloatElement>(dy: &[T], x: &[T], w: &[W], rstd: f32, dx: &mut [T], dw: &mut [f32]) {
+fn backward_row<T: FloatElement, W: FloatElement>(
+    (dy, dsum): (&[T], Option<&[T]>),
+    x: &[T],
+    w: &[W],
+    rstd: f32,
+    dx: &mut [T],
+    dw: &mut [f32],
+) {
     if T::converts_natively() {
-        backward_row_as::<T, W, true>(dy, x, w, rstd, dx, dw)
+        backward_row_as::<T, W, true>((dy, dsum), x, w, rstd, dx, dw)
     } else {
-        backward_row_as::<T, W, false>(dy, x, w, rstd, dx, dw)
+        backward_row_as::<T, W, false>((dy, dsum), x, w, rstd, dx, dw)
     }
 }
 
 #[inline(always)]
 fn backward_row_as<T: FloatElement, W: FloatElement, const NATIVE: bool>(
-    dy: &[T],
+    (dy, dsum): (&[T], Option<&[T]>),
     x: &[T],
     w: &[W],
     rstd: f32,
@@ -61,10 +69,13 @@ fn backward_row_as<T: FloatElement, W: FloatElement, const NATIVE: bool>(
             widen_step::<_, NATIVE, LANES>(&x[start..end]),
             widen_step::<_, NATIVE, LANES>(&w[start..end]),
         ];
-        let mut out = [0f32; LANES];
+        let mut out: [f32; LANES] = match dsum {
+            Some(ds) => widen_step::<_, NATIVE, LANES>(&ds[start..end]),
+            None => [0.0; LANES],
+        };
         let mut gw: [f32; LANES] = widen_step::<_, NATIVE, LANES>(&dw[start..end]);
         for i in 0..LANES {
-            out[i] = rstd * d[i] * wv[i] - xv[i] * coeff;
+            out[i] += rstd * d[i] * wv[i] - xv[i] * coeff;
             gw[i] += d[i] * xv[i] * rstd;
         }
         narrow_step(&gw, &mut dw[start..end]);
@@ -72,9 +83,25 @@ fn backward_row_as<T: FloatElement, W: FloatElement, const NATIVE: bool>(
     }
 }
 
+/// Where the kernels find their tensors: `rms_norm_backward(dy, x, weight, rstd) -> (dx,
+/// dweight)`, or `add_rms_norm_backward(dy, dsum, sum, weight, rstd) -> (dx, dresidual,
+/// dweight)`, which adds `dsum` to dx and writes the result twice (returns never alias).
+#[derive(Clone, Copy)]
+pub(crate) struct Slots {
+    dsum: Option<usize>,
+    x: usize,
+    weight: usize,
+    rstd: usize,
+    dweight: usize,
+}
+
+const RMS_NORM: Slots = Slots { dsum: None, x: 1, weight: 2, rstd: 3, dweight: 1 };
+pub(crate) const ADD_RMS_NORM: Slots = Slots { dsum: Some(1), x: 2, weight: 3, rstd: 4, dweight: 2 };
+
 crate::simd_kernel! {
-fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape) {
-    let (dy, x, w, rstd) = (args.input(0), args.input(1), args.input(2), args.input(3));
+fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape, slots: Slots) {
+    let (dy, x, w, rstd) = (args.input(0), args.input(slots.x), args.input(slots.weight), args.input(slots.rstd));
+    let dsum = slots.dsum.map(|i| args.input(i));
     let dx = args.output(0);
     let w = &w.storage::<W>().expect("dtype dispatched")[w.layout().offset()..][..s.cols];
     let (dys, xs, rs) = (dy.storage::<T>().unwrap(), x.storage::<T>().unwrap(), rstd.storage::<f32>().unwrap());
@@ -84,16 +111,22 @@ fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx,
     for r in ctx.split(s.rows) {
         let (dyo, xo) = (dy.layout().outer_offset(r, s.inner_dims), x.layout().outer_offset(r, s.inner_dims));
         let r_std = rs[rstd.layout().offset_of_linear(r)];
-        // SAFETY: this block owns row r of dx.
+        let ds = dsum.as_ref().map(|t| &t.storage::<T>().unwrap()[t.layout().outer_offset(r, s.inner_dims)..][..s.cols]);
+        // SAFETY: this block owns row r of dx (and of dresidual).
         let dxrow = unsafe { dx.slice_mut::<T>(dx.layout().outer_offset(r, s.inner_dims), s.cols) };
-        backward_row(&dys[dyo..dyo + s.cols], &xs[xo..xo + s.cols], w, r_std, dxrow, partial);
+        backward_row((&dys[dyo..dyo + s.cols], ds), &xs[xo..xo + s.cols], w, r_std, dxrow, partial);
+        if slots.dsum.is_some() {
+            let dres = args.output(1);
+            // SAFETY: as dx's row.
+            unsafe { dres.slice_mut::<T>(dres.layout().outer_offset(r, s.inner_dims), s.cols) }.copy_from_slice(dxrow);
+        }
     }
 }
 }
 
 crate::simd_kernel! {
-fn dweight_kernel<W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, cols: usize, partials: usize) {
-    let dw = args.output(1);
+fn dweight_kernel<W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, cols: usize, partials: usize, slots: Slots) {
+    let dw = args.output(slots.dweight);
     let range = ctx.split(cols);
     let mut sum = [0f32; CHUNK];
     for start in range.clone().step_by(CHUNK) {
@@ -128,70 +161,18 @@ impl Op for RmsNormBackward {
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
-        let s = norm_shape(cx, "x", "weight")?;
-        cx.expect_same_dtype("dy", s.dtype, "x")?;
-        cx.expect_shape("dy", cx.input("x").shape())?;
-        let rstd = cx.input("rstd");
-        let want = cx.statistics_dtype();
-        if rstd.dtype != want {
-            return Err(cx.err(ErrorCode::DType, "rstd", format!("dtype {want} (as rms_norm returns it)"), rstd.dtype));
-        }
-        cx.expect_shape("rstd", &s.rstd_shape)?;
+        let s = check(cx, "x")?;
         let w = cx.input("weight");
         Ok(vec![TensorMeta::contiguous(s.dtype, cx.input("x").shape())?, TensorMeta::contiguous(w.dtype, w.shape())?])
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
-        let s = norm_shape(cx, "x", "weight")?;
-        let ks = KernelShape { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims, eps: 0.0, streaming: false };
-        let blocks = block_dim_for(s.rows, 3 * s.cols * s.dtype.size());
-        let reduce_blocks = block_dim_for(s.cols, 4 * blocks as usize);
-        let partials = blocks as usize;
-        let workspace = partials
-            .checked_mul(s.cols)
-            .and_then(|n| n.checked_mul(4))
-            .ok_or_else(|| cx.err(ErrorCode::Shape, "x", "a size whose workspace fits in memory", s.cols))?;
-        let weight_f32 = cx.input("weight").dtype == DType::F32;
-        let cols = s.cols;
-        let steps = with_float_dtype!(s.dtype, cx.op(), "x", |T| {
-            if weight_f32 {
-                vec![
-                    Step::new("rms_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, f32>(a, c, &ks)),
-                    Step::new("rms_norm_backward.dweight", reduce_blocks, move |a, c| {
-                        dweight_kernel::<f32>(a, c, cols, partials)
-                    }),
-                ]
-            } else {
-                vec![
-                    Step::new("rms_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, T>(a, c, &ks)),
-                    Step::new("rms_norm_backward.dweight", reduce_blocks, move |a, c| {
-                        dweight_kernel::<T>(a, c, cols, partials)
-                    }),
-                ]
-            }
-        });
-        let row = s.row_need();
-        Ok(Plan::new(steps)
-            .workspace(workspace)
-            .inputs_need(vec![row, row, LayoutNeed::Contiguous, LayoutNeed::Any])
-            .outputs_need(vec![row, LayoutNeed::Contiguous]))
+        plan(cx, "x", RMS_NORM, ["rms_norm_backward.dx", "rms_norm_backward.dweight"])
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
-        let s = norm_shape(cx, "x", "weight")?;
-        let [dy, x, w, rstd] = [0, 1, 2, 3].map(|i| inputs[i].as_ref().unwrap());
-        let n = s.cols;
-        let mut dx = vec![0.0; x.data.len()];
-        let mut dw = vec![0.0; n];
-        for r in 0..s.rows {
-            let (dyr, xr, rs) = (&dy.data[r * n..(r + 1) * n], &x.data[r * n..(r + 1) * n], rstd.data[r]);
-            let dot: f64 = (0..n).map(|i| dyr[i] * w.data[i] * xr[i]).sum();
-            for i in 0..n {
-                dx[r * n + i] = rs * dyr[i] * w.data[i] - xr[i] * rs.powi(3) * dot / n as f64;
-                dw[i] += dyr[i] * xr[i] * rs;
-            }
-        }
-        Ok(vec![RefTensor::new(&x.shape, dx), RefTensor::new(&w.shape, dw)])
+        let (dx, dw) = reference(cx, inputs, "x", RMS_NORM)?;
+        Ok(vec![RefTensor::new(cx.input("x").shape(), dx), RefTensor::new(cx.input("weight").shape(), dw)])
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
@@ -204,4 +185,78 @@ impl Op for RmsNormBackward {
         let rstd = TensorMeta::contiguous(DType::F32, &rstd_shape)?;
         Ok(Example { inputs: vec![Some(x.clone()), Some(x), Some(w), Some(rstd)], attrs: vec![], ..Default::default() })
     }
+}
+
+/// The checks both backward ops make of `dy`, `rstd` and the normed input `x` (`"x"` or `"sum"`).
+pub(crate) fn check(cx: &OpCx, x: &str) -> Result<NormShape> {
+    let s = norm_shape(cx, x, "weight")?;
+    cx.expect_same_dtype("dy", s.dtype, x)?;
+    cx.expect_shape("dy", cx.input(x).shape())?;
+    let rstd = cx.input("rstd");
+    let want = cx.statistics_dtype();
+    if rstd.dtype != want {
+        return Err(cx.err(ErrorCode::DType, "rstd", format!("dtype {want} (as the forward returns it)"), rstd.dtype));
+    }
+    cx.expect_shape("rstd", &s.rstd_shape)?;
+    Ok(s)
+}
+
+/// The plan of both backward ops (`x`: the normed input's name; steps `names`).
+pub(crate) fn plan(cx: &OpCx, x: &str, slots: Slots, names: [&'static str; 2]) -> Result<Plan> {
+    let s = norm_shape(cx, x, "weight")?;
+    let ks = KernelShape { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims, eps: 0.0, streaming: false };
+    let blocks = block_dim_for(s.rows, 3 * s.cols * s.dtype.size());
+    let reduce_blocks = block_dim_for(s.cols, 4 * blocks as usize);
+    let partials = blocks as usize;
+    let workspace = partials
+        .checked_mul(s.cols)
+        .and_then(|n| n.checked_mul(4))
+        .ok_or_else(|| cx.err(ErrorCode::Shape, x, "a size whose workspace fits in memory", s.cols))?;
+    let weight_f32 = cx.input("weight").dtype == DType::F32;
+    let cols = s.cols;
+    let steps = with_float_dtype!(s.dtype, cx.op(), x, |T| {
+        if weight_f32 {
+            vec![
+                Step::new(names[0], blocks, move |a, c| dx_kernel::<T, f32>(a, c, &ks, slots)),
+                Step::new(names[1], reduce_blocks, move |a, c| dweight_kernel::<f32>(a, c, cols, partials, slots)),
+            ]
+        } else {
+            vec![
+                Step::new(names[0], blocks, move |a, c| dx_kernel::<T, T>(a, c, &ks, slots)),
+                Step::new(names[1], reduce_blocks, move |a, c| dweight_kernel::<T>(a, c, cols, partials, slots)),
+            ]
+        }
+    });
+    let row = s.row_need();
+    // Row-addressed: dy, dsum, x; the weight contiguous; rstd any. Outputs: dx (dresidual) by rows.
+    let mut inputs = vec![row; slots.x + 1];
+    inputs.extend([LayoutNeed::Contiguous, LayoutNeed::Any]);
+    let mut outputs = vec![row; slots.dweight];
+    outputs.push(LayoutNeed::Contiguous);
+    Ok(Plan::new(steps).workspace(workspace).inputs_need(inputs).outputs_need(outputs))
+}
+
+/// f64 `(dx, dweight)` of both backward ops (`dx` with `dsum` added where there is one).
+pub(crate) fn reference(
+    cx: &OpCx,
+    inputs: &[Option<RefTensor>],
+    x: &str,
+    slots: Slots,
+) -> Result<(Vec<f64>, Vec<f64>)> {
+    let s = norm_shape(cx, x, "weight")?;
+    let [dy, x, w, rstd] = [0, slots.x, slots.weight, slots.rstd].map(|i| inputs[i].as_ref().unwrap());
+    let dsum = slots.dsum.map(|i| &inputs[i].as_ref().unwrap().data);
+    let n = s.cols;
+    let mut dx = vec![0.0; x.data.len()];
+    let mut dw = vec![0.0; n];
+    for r in 0..s.rows {
+        let (dyr, xr, rs) = (&dy.data[r * n..(r + 1) * n], &x.data[r * n..(r + 1) * n], rstd.data[r]);
+        let dot: f64 = (0..n).map(|i| dyr[i] * w.data[i] * xr[i]).sum();
+        for i in 0..n {
+            let direct = dsum.map_or(0.0, |d| d[r * n + i]);
+            dx[r * n + i] = rs * dyr[i] * w.data[i] - xr[i] * rs.powi(3) * dot / n as f64 + direct;
+            dw[i] += dyr[i] * xr[i] * rs;
+        }
+    }
+    Ok((dx, dw))
 }

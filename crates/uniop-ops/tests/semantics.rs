@@ -1082,6 +1082,35 @@ fn linear_silu_mul_is_linear_then_silu_mul_on_every_route() {
 }
 
 #[test]
+fn add_rms_norm_backward_is_rms_norm_backward_on_the_sum_plus_dsum() {
+    setup();
+    let (rows, cols) = (3, 70);
+    let (x, r, w) = (rand_vec(rows * cols, 161), rand_vec(rows * cols, 162), rand_vec(cols, 163));
+    let (dy, dsum) = (rand_vec(rows * cols, 164), rand_vec(rows * cols, 165));
+    fn t<'a>(v: &'a [f32], s: &[usize]) -> Option<TensorRef<'a>> {
+        Some(TensorRef::new(v, s).unwrap())
+    }
+    let fwd = run_checked("add_rms_norm", &[t(&x, &[rows, cols]), t(&r, &[rows, cols]), t(&w, &[cols])], &[]);
+    let (rstd, sum): (Vec<f32>, Vec<f32>) =
+        (fwd[1].iter().map(|&v| v as f32).collect(), fwd[2].iter().map(|&v| v as f32).collect());
+    let (td, ts, tw, tr) = (t(&dy, &[rows, cols]), t(&sum, &[rows, cols]), t(&w, &[cols]), t(&rstd, &[rows, 1]));
+    let grads =
+        run_checked("add_rms_norm_backward", &[td.clone(), t(&dsum, &[rows, cols]), ts.clone(), tw.clone(), tr.clone()], &[]);
+    let rms = run_checked("rms_norm_backward", &[td, ts, tw, tr], &[]);
+    assert_eq!(grads[0], grads[1], "dx and dresidual are one gradient");
+    let want: Vec<f64> = rms[0].iter().zip(&dsum).map(|(a, &b)| a + b as f64).collect();
+    assert_close(&grads[0], &want, "dx");
+    assert_eq!(grads[2], rms[1], "dweight is rms_norm_backward's");
+    let err = plan_err(
+        "add_rms_norm_backward",
+        &[t(&dy, &[rows, cols]), t(&dsum[..cols], &[1, cols]), t(&sum, &[rows, cols]), t(&w, &[cols]), t(&rstd, &[rows, 1])],
+        &[],
+        vec![],
+    );
+    assert_eq!(err.message(), "add_rms_norm_backward: argument 'dsum': expected shape [3, 70], got shape [1, 70]");
+}
+
+#[test]
 fn linear_add_is_linear_then_add_with_its_gradients() {
     setup();
     fn check<T: uniop::Element>(cast: impl Fn(f32) -> T, tol: f64) {

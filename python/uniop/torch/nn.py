@@ -64,12 +64,10 @@ def gated(mlp, x, fuse=True):
 
 def add_rms_norm(norm, x, residual):
     """``(norm(residual + x), residual + x)`` for an :class:`RMSNorm` (or a patched ``LlamaRMSNorm``):
-    one ``add_rms_norm`` where it computes the same — weight and inputs of one dtype, and no
-    gradient recorded, as the fused op has no backward —, else the add and ``norm``."""
+    one ``add_rms_norm`` where it computes the same (weight and inputs of one dtype), else the add
+    and ``norm``."""
     weight = norm.weight
-    same = type(norm).forward is RMSNorm.forward and weight.dtype == x.dtype == residual.dtype
-    recording = torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad)
-    if same and not recording:
+    if type(norm).forward is RMSNorm.forward and weight.dtype == x.dtype == residual.dtype:
         y, _, total = uniop_ops.add_rms_norm(x, residual, weight, norm.variance_epsilon)
         return y, total
     total = residual + x

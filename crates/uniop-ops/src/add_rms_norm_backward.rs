@@ -1,0 +1,61 @@
+//! `add_rms_norm_backward(dy, dsum, sum, weight, rstd) -> (dx, dresidual, dweight)`, the gradient
+//! of [`add_rms_norm`](crate::add_rms_norm): `rms_norm_backward` on `sum` with the gradient that
+//! reaches `sum` directly (the residual stream's) added to its dx in the same pass, rounded once;
+//! `x` and `residual` get the same gradient, written twice since returns never alias.
+
+use crate::rms_norm_backward::{check, plan, reference, ADD_RMS_NORM};
+use uniop::{DType, Example, Op, OpCx, Plan, RefTensor, Result, TensorMeta};
+
+pub struct AddRmsNormBackward;
+
+impl Op for AddRmsNormBackward {
+    fn schema(&self) -> &'static str {
+        "add_rms_norm_backward(Tensor dy, Tensor dsum, Tensor sum, Tensor weight, Tensor rstd) -> (Tensor dx, Tensor \
+         dresidual, Tensor dweight)"
+    }
+
+    fn doc(&self) -> &'static str {
+        "Gradients of add_rms_norm: dx = dresidual = rms_norm_backward's dx on sum + dsum, dweight as rms_norm_backward's \
+         (dtype of weight), from the upstream gradients dy and dsum and the rstd and sum the forward returned."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        crate::rms_norm::DTYPES
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let s = check(cx, "sum")?;
+        cx.expect_same_dtype("dsum", s.dtype, "sum")?;
+        cx.expect_shape("dsum", cx.input("sum").shape())?;
+        let (sum, w) = (TensorMeta::contiguous(s.dtype, cx.input("sum").shape())?, cx.input("weight"));
+        Ok(vec![sum.clone(), sum, TensorMeta::contiguous(w.dtype, w.shape())?])
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        self.infer(cx)?;
+        plan(cx, "sum", ADD_RMS_NORM, ["add_rms_norm_backward.dx", "add_rms_norm_backward.dweight"])
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let (dx, dw) = reference(cx, inputs, "sum", ADD_RMS_NORM)?;
+        let (shape, w) = (cx.input("sum").shape(), cx.input("weight").shape());
+        Ok(vec![RefTensor::new(shape, dx.clone()), RefTensor::new(shape, dx), RefTensor::new(w, dw)])
+    }
+
+    /// sum's shape, as add_rms_norm's example takes it (x's).
+    fn example_shape(&self, example: &Example) -> Vec<usize> {
+        example.input_shape(2)
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        let shape = shape.unwrap_or(&[4096, 4096]);
+        let split = shape.len().saturating_sub(1);
+        let x = TensorMeta::contiguous(dtype, shape)?;
+        let w = TensorMeta::contiguous(dtype, &shape[split..])?;
+        let mut rstd_shape = shape[..split].to_vec();
+        rstd_shape.push(1);
+        let rstd = TensorMeta::contiguous(DType::F32, &rstd_shape)?;
+        let inputs = vec![Some(x.clone()), Some(x.clone()), Some(x), Some(w), Some(rstd)];
+        Ok(Example { inputs, attrs: vec![], ..Default::default() })
+    }
+}
