@@ -149,6 +149,7 @@ PEERS = {
 # returns). A backward op's reported shape (uniop's `example_shape`) is its forward's main shape.
 BACKWARD = {
     "rms_norm_backward": ("rms_norm", (0, 1)),
+    "add_rms_norm_backward": ("add_rms_norm", (0, 1, 2)),
     "silu_mul_backward": ("silu_mul", (0, 1)),
     "swiglu_backward": ("swiglu", (0,)),
     "softmax_backward": ("softmax", (0,)),
@@ -179,8 +180,9 @@ def autograd_peer(name):
     def run(forward):
         def backward(*inputs):
             if not hasattr(backward, "out"):
-                backward.out = forward(*inputs)
-                backward.dout = torch.randn_like(backward.out)
+                out = forward(*inputs)
+                backward.out = out if isinstance(out, tuple) else (out,)
+                backward.dout = tuple(torch.randn_like(o) for o in backward.out)
             return torch.autograd.grad(backward.out, [inputs[i] for i in wrt], backward.dout, retain_graph=True)
         return backward
 

@@ -121,14 +121,16 @@ pub(crate) fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, band
     }
     let o = out.layout().offset();
     if let Some(t) = &third {
-        let ts = &t.storage::<T>().unwrap()[t.layout().offset() + cols.start..];
+        let ts = &t.storage::<T>().unwrap()[t.layout().offset()..];
         for r in rows.clone() {
-            let from = match addend {
-                Addend::Bias => 0,
-                Addend::Residual => r * d.n,
-            };
+            let from = cols.start
+                + match addend {
+                    Addend::Bias => 0,
+                    Addend::Residual => r * d.n,
+                };
             // SAFETY: this block owns rows `rows` × columns `cols` of the (contiguous) output.
-            unsafe { out.slice_mut::<T>(o + r * d.n + cols.start, cols.len()) }.copy_from_slice(&ts[from..][..cols.len()]);
+            unsafe { out.slice_mut::<T>(o + r * d.n + cols.start, cols.len()) }
+                .copy_from_slice(&ts[from..][..cols.len()]);
         }
     }
     // SAFETY: x and out are contiguous [rows, k] / [rows, n] (the plan asked for it); weight is any

@@ -1094,8 +1094,11 @@ fn add_rms_norm_backward_is_rms_norm_backward_on_the_sum_plus_dsum() {
     let (rstd, sum): (Vec<f32>, Vec<f32>) =
         (fwd[1].iter().map(|&v| v as f32).collect(), fwd[2].iter().map(|&v| v as f32).collect());
     let (td, ts, tw, tr) = (t(&dy, &[rows, cols]), t(&sum, &[rows, cols]), t(&w, &[cols]), t(&rstd, &[rows, 1]));
-    let grads =
-        run_checked("add_rms_norm_backward", &[td.clone(), t(&dsum, &[rows, cols]), ts.clone(), tw.clone(), tr.clone()], &[]);
+    let grads = run_checked(
+        "add_rms_norm_backward",
+        &[td.clone(), t(&dsum, &[rows, cols]), ts.clone(), tw.clone(), tr.clone()],
+        &[],
+    );
     let rms = run_checked("rms_norm_backward", &[td, ts, tw, tr], &[]);
     assert_eq!(grads[0], grads[1], "dx and dresidual are one gradient");
     let want: Vec<f64> = rms[0].iter().zip(&dsum).map(|(a, &b)| a + b as f64).collect();
@@ -1103,7 +1106,13 @@ fn add_rms_norm_backward_is_rms_norm_backward_on_the_sum_plus_dsum() {
     assert_eq!(grads[2], rms[1], "dweight is rms_norm_backward's");
     let err = plan_err(
         "add_rms_norm_backward",
-        &[t(&dy, &[rows, cols]), t(&dsum[..cols], &[1, cols]), t(&sum, &[rows, cols]), t(&w, &[cols]), t(&rstd, &[rows, 1])],
+        &[
+            t(&dy, &[rows, cols]),
+            t(&dsum[..cols], &[1, cols]),
+            t(&sum, &[rows, cols]),
+            t(&w, &[cols]),
+            t(&rstd, &[rows, 1]),
+        ],
         &[],
         vec![],
     );
