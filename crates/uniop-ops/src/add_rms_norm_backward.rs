@@ -24,7 +24,7 @@ impl Op for AddRmsNormBackward {
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
-        let s = check(cx, "sum")?;
+        let s = check(cx, "sum", "add_rms_norm")?;
         cx.expect_same_dtype("dsum", s.dtype, "sum")?;
         cx.expect_shape("dsum", cx.input("sum").shape())?;
         let (sum, w) = (TensorMeta::contiguous(s.dtype, cx.input("sum").shape())?, cx.input("weight"));

@@ -161,7 +161,7 @@ impl Op for RmsNormBackward {
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
-        let s = check(cx, "x")?;
+        let s = check(cx, "x", "rms_norm")?;
         let w = cx.input("weight");
         Ok(vec![TensorMeta::contiguous(s.dtype, cx.input("x").shape())?, TensorMeta::contiguous(w.dtype, w.shape())?])
     }
@@ -187,15 +187,16 @@ impl Op for RmsNormBackward {
     }
 }
 
-/// The checks both backward ops make of `dy`, `rstd` and the normed input `x` (`"x"` or `"sum"`).
-pub(crate) fn check(cx: &OpCx, x: &str) -> Result<NormShape> {
+/// The checks both backward ops make of `dy`, `rstd` and the normed input `x` (`"x"` or `"sum"`)
+/// of `forward` (the op whose gradient they take).
+pub(crate) fn check(cx: &OpCx, x: &str, forward: &str) -> Result<NormShape> {
     let s = norm_shape(cx, x, "weight")?;
     cx.expect_same_dtype("dy", s.dtype, x)?;
     cx.expect_shape("dy", cx.input(x).shape())?;
     let rstd = cx.input("rstd");
     let want = cx.statistics_dtype();
     if rstd.dtype != want {
-        return Err(cx.err(ErrorCode::DType, "rstd", format!("dtype {want} (as the forward returns it)"), rstd.dtype));
+        return Err(cx.err(ErrorCode::DType, "rstd", format!("dtype {want} (as {forward} returns it)"), rstd.dtype));
     }
     cx.expect_shape("rstd", &s.rstd_shape)?;
     Ok(s)
