@@ -110,7 +110,7 @@ pub(crate) enum Addend {
     Residual,
 }
 
-pub(crate) fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands, addend: Addend) {
+fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands, addend: Addend) {
     let (x, w, out) = (args.input(0), args.input(1), args.output(0));
     let third = args.optional_input(2);
     let ws = w.layout().strides();

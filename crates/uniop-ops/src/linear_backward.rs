@@ -60,7 +60,8 @@ fn dw_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, third: 
     let (dw, db) = (args.output(1), args.output(2));
     let dys = &dy.storage::<T>().unwrap()[dy.layout().offset()..];
     let owned = ctx.split(d.n);
-    // SAFETY: as above; this block owns dweight rows and dbias entries `owned`.
+    // SAFETY: as above; this block owns dweight rows `owned` and the third return's entries (dbias)
+    // or columns (dresidual) `owned`.
     unsafe {
         gemm_rows(
             owned.clone(),
