@@ -32,7 +32,6 @@ impl Op for AddRmsNormBackward {
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
-        self.infer(cx)?;
         plan(cx, "sum", ADD_RMS_NORM, ["add_rms_norm_backward.dx", "add_rms_norm_backward.dweight"])
     }
 
@@ -48,14 +47,6 @@ impl Op for AddRmsNormBackward {
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        let shape = shape.unwrap_or(&[4096, 4096]);
-        let split = shape.len().saturating_sub(1);
-        let x = TensorMeta::contiguous(dtype, shape)?;
-        let w = TensorMeta::contiguous(dtype, &shape[split..])?;
-        let mut rstd_shape = shape[..split].to_vec();
-        rstd_shape.push(1);
-        let rstd = TensorMeta::contiguous(DType::F32, &rstd_shape)?;
-        let inputs = vec![Some(x.clone()), Some(x.clone()), Some(x), Some(w), Some(rstd)];
-        Ok(Example { inputs, attrs: vec![], ..Default::default() })
+        crate::rms_norm_backward::example(shape, dtype, 3)
     }
 }

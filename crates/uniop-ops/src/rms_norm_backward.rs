@@ -176,14 +176,7 @@ impl Op for RmsNormBackward {
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        let shape = shape.unwrap_or(&[4096, 4096]);
-        let split = shape.len().saturating_sub(1);
-        let x = TensorMeta::contiguous(dtype, shape)?;
-        let w = TensorMeta::contiguous(dtype, &shape[split..])?;
-        let mut rstd_shape = shape[..split].to_vec();
-        rstd_shape.push(1);
-        let rstd = TensorMeta::contiguous(DType::F32, &rstd_shape)?;
-        Ok(Example { inputs: vec![Some(x.clone()), Some(x), Some(w), Some(rstd)], attrs: vec![], ..Default::default() })
+        example(shape, dtype, 2)
     }
 }
 
@@ -260,4 +253,19 @@ pub(crate) fn reference(
         }
     }
     Ok((dx, dw))
+}
+
+/// Inputs of both backward ops for a normed input of `shape` (or the default): `rows` tensors of
+/// that shape (dy, x; or dy, dsum, sum), the weight over its last dim, and `rstd`.
+pub(crate) fn example(shape: Option<&[usize]>, dtype: DType, rows: usize) -> Result<Example> {
+    let shape = shape.unwrap_or(&[4096, 4096]);
+    let split = shape.len().saturating_sub(1);
+    let x = TensorMeta::contiguous(dtype, shape)?;
+    let w = TensorMeta::contiguous(dtype, &shape[split..])?;
+    let mut rstd_shape = shape[..split].to_vec();
+    rstd_shape.push(1);
+    let rstd = TensorMeta::contiguous(DType::F32, &rstd_shape)?;
+    let mut inputs = vec![Some(x); rows];
+    inputs.extend([Some(w), Some(rstd)]);
+    Ok(Example { inputs, attrs: vec![], ..Default::default() })
 }
