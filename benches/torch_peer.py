@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = {"f32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "f16": torch.float16, "float16": torch.float16}
+          "f16": torch.float16, "float16": torch.float16, "i64": torch.int64, "int64": torch.int64,
+          "i32": torch.int32, "int32": torch.int32}
 
 
 def rms_norm(x, w, eps=1e-6):
@@ -95,6 +96,27 @@ def kv_cache_inputs(shape, dt):
             torch.randn((b, h, s_new, d), dtype=dt), positions)
 
 
+def cat_inputs(shape, dt):
+    """uniop's example: a KV-cache step, the past joined with half its length and one position
+    along the second-to-last dim."""
+    with_len = lambda n: torch.randn((*shape[:-2], n, shape[-1]), dtype=dt)  # noqa: E731
+    return with_len(shape[-2]), with_len(-(-shape[-2] // 2)), with_len(1)
+
+
+def permute_dims(rank):
+    """uniop's example dims: [B, S, H, D] <-> [B, H, S, D] for rank 4, else the last two swapped
+    (each its own inverse, so permute_backward's peer is the same permute)."""
+    return [0, 2, 1, 3] if rank == 4 else [*range(rank - 2), rank - 1, rank - 2]
+
+
+def rope_cos_sin(positions, dim=128, theta=10000.0):
+    """transformers' default rope tables (LlamaRotaryEmbedding): f32 angles and tables, `half` layout."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def kv_cache_append(k_cache, v_cache, k, v, positions):
     s_new = k.shape[2]
     for b, p in enumerate(positions):
@@ -141,6 +163,16 @@ PEERS = {
     "cross_entropy": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randint(0, shape[-1], shape[:-1])),
                       F.cross_entropy),
     "kv_cache_append": (kv_cache_inputs, kv_cache_append),
+    # uniop's example: b broadcast along a's leading dims (a per-channel scale).
+    "mul": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape[-1:], dtype=dt)), torch.mul),
+    "cat": (cat_inputs, lambda *ts: torch.cat(ts, dim=-2)),
+    # A contiguous copy, as uniop's permute returns (and its backward: the inverse permutation).
+    "permute": (lambda shape, dt: (torch.randn(shape, dtype=dt),),
+                lambda x: x.permute(permute_dims(x.dim())).contiguous()),
+    "permute_backward": (lambda shape, dt: (torch.randn(shape, dtype=dt),),
+                         lambda dout: dout.permute(permute_dims(dout.dim())).contiguous()),
+    # uniop's example: integer positions (`--dtypes i64` or i32), head dim 128, f32 tables.
+    "rope_cos_sin": (lambda shape, dt: (torch.arange(shape[-1], dtype=dt).expand(shape).contiguous(),), rope_cos_sin),
 }
 
 
@@ -309,6 +341,9 @@ def main():
     args = p.parse_args()
     if args.all:
         args.ops = ",".join(list(PEERS) + list(BACKWARD))
+    unknown = [op for op in args.ops.split(",") if op not in PEERS and op not in BACKWARD]
+    if unknown:
+        p.error(f"--ops: no torch peer for {', '.join(unknown)}; ops with one: {', '.join([*PEERS, *BACKWARD])}")
 
     # One op at a time: each round runs its `uniop bench` call (kernels and probes) and then the torch
     # peers straight after, and every figure is the best over the rounds. On a shared machine, phases

@@ -191,6 +191,54 @@ pub fn gelu_grad<T: Element>(x: f32, tanh_approx: bool) -> f32 {
     }
 }
 
+/// Largest |angle| [`sin_cos`] is written for: `k = round(a·2/π)` stays under 2²⁰, so its
+/// products with the two leading parts of π/2 (31 and 32 significant bits) are exact.
+pub const SIN_COS_MAX: f64 = 1.5e6;
+
+/// `(sin a, cos a)` in f64 for |a| ≤ [`SIN_COS_MAX`], within a few f64 ulps: rounded to f32
+/// they are libm's. Branch-free, so a loop over it vectorizes (std's `sin`/`cos` are libm calls
+/// per element: rope_cos_sin spent ~12 ns on each). `k = round(a·2/π)` comes out of the
+/// 1.5·2⁵² shift, which also leaves `k mod 4` (the quadrant) in the low mantissa bits; `a − k·π/2`
+/// is Cody–Waite with π/2 in three parts (the first two short enough that their products with
+/// `k` are exact); fdlibm's minimax polynomials take sin and cos on [−π/4, π/4], and the quadrant
+/// swaps and negates them.
+#[inline(always)]
+pub fn sin_cos(a: f64) -> (f64, f64) {
+    const SHIFT: f64 = 6_755_399_441_055_744.0; // 1.5 · 2^52
+    const PIO2_HI: f64 = 1.570_796_326_734_125_6;
+    const PIO2_MID: f64 = 6.077_100_506_303_966e-11;
+    const PIO2_LO: f64 = 2.022_266_248_711_166_5e-21;
+    const S: [f64; 6] = [
+        -1.666_666_666_666_663_2e-1,
+        8.333_333_333_322_49e-3,
+        -1.984_126_982_985_795e-4,
+        2.755_731_370_707_006_8e-6,
+        -2.505_076_025_340_686_3e-8,
+        1.589_690_995_211_55e-10,
+    ];
+    const C: [f64; 6] = [
+        4.166_666_666_666_66e-2,
+        -1.388_888_888_887_411e-3,
+        2.480_158_728_947_673e-5,
+        -2.755_731_435_139_066_3e-7,
+        2.087_572_321_298_175e-9,
+        -1.135_964_755_778_819_5e-11,
+    ];
+    let shifted = a.mul_add(std::f64::consts::FRAC_2_PI, SHIFT);
+    let quadrant = shifted.to_bits() & 3;
+    let k = shifted - SHIFT;
+    let r = ((a - k * PIO2_HI) - k * PIO2_MID) - k * PIO2_LO;
+    let z = r * r;
+    let horner =
+        |c: [f64; 6]| c[5].mul_add(z, c[4]).mul_add(z, c[3]).mul_add(z, c[2]).mul_add(z, c[1]).mul_add(z, c[0]);
+    let sin_r = (z * r).mul_add(horner(S), r);
+    let cos_r = (z * z).mul_add(horner(C), (-0.5f64).mul_add(z, 1.0));
+    // Quadrant q: sin a = (sin r, cos r, −sin r, −cos r)[q], cos a = (cos r, −sin r, −cos r, sin r)[q].
+    let (sin_a, cos_a) = if quadrant & 1 == 0 { (sin_r, cos_r) } else { (cos_r, sin_r) };
+    let negate = |v: f64, sign: u64| f64::from_bits(v.to_bits() ^ (sign & 2) << 62);
+    (negate(sin_a, quadrant), negate(cos_a, quadrant + 1))
+}
+
 /// f64 versions for references.
 pub mod exact {
     unsafe extern "C" {
@@ -234,6 +282,21 @@ pub mod exact {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn sin_cos_is_libms_to_a_few_ulps_over_its_range() {
+        // Every quadrant, both signs, the points next to multiples of π/2 and the range's ends.
+        let near_quarters = (0..1300).flat_map(|k| {
+            let q = k as f64 * std::f64::consts::FRAC_PI_2 * 731.0;
+            [q, q.next_up(), q.next_down(), -q]
+        });
+        let sweep = (0..20_000).map(|i| (i as f64 * 0.618_034).mul_add(75.0, -7.5e5));
+        for a in near_quarters.chain(sweep).chain([0.0, -0.0, super::SIN_COS_MAX, -super::SIN_COS_MAX]) {
+            let (s, c) = super::sin_cos(a);
+            assert!((s - a.sin()).abs() <= 4e-16, "sin {a}: {s} vs {}", a.sin());
+            assert!((c - a.cos()).abs() <= 4e-16, "cos {a}: {c} vs {}", a.cos());
+        }
+    }
+
     #[test]
     fn lanes_combine_to_their_sum_and_maximum() {
         let lanes: [f32; 64] = std::array::from_fn(|i| (i as f32 * 0.37).sin() * 100.0);

@@ -7,6 +7,7 @@
 //! angle. Layout of the last dim: `half` repeats the `dim/2` frequencies twice (`cat(freqs,
 //! freqs)`), `interleave` repeats each one in place (`repeat_interleave(2)`).
 
+use crate::math;
 use crate::rope::Mode;
 use uniop::{
     block_dim_for, with_float_dtype, AttrValue, BlockCtx, DType, Element, ErrorCode, Example, FloatElement, KernelArgs,
@@ -67,12 +68,21 @@ impl Table {
     }
 }
 
+crate::simd_kernel! {
+/// Each row's `dim / 2` angles take one [`math::sin_cos`] each, `LANES` at a time, and land in
+/// both columns of their frequency. A row whose angles pass [`math::SIN_COS_MAX`] (positions past
+/// ~1.5M at `inv_freq` 1) takes std's sin/cos instead.
 fn kernel<P: Element, T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, t: &Table) {
+    const LANES: usize = 16;
     let pos = args.input(0);
     let ps = pos.storage::<P>().expect("dtype dispatched");
     let (cos, sin) = (args.output(0), args.output(1));
+    let half = t.dim / 2;
+    let largest_freq = t.inv_freq.iter().fold(0f32, |m, &f| m.max(f));
+    let (mut c_lanes, mut s_lanes) = ([0f32; LANES], [0f32; LANES]);
     for row in ctx.split(pos.layout().numel()) {
-        let p = ps[pos.layout().offset_of_linear(row)].to_f64();
+        let p = ps[pos.layout().offset_of_linear(row)].to_f64() as f32;
+        let exact = (p.abs() * largest_freq) as f64 <= math::SIN_COS_MAX;
         // SAFETY: this block owns rows `split(positions)` of both tables.
         let (c, s) = unsafe {
             (
@@ -80,12 +90,33 @@ fn kernel<P: Element, T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, t: &Tab
                 sin.slice_mut::<T>(sin.layout().offset() + row * t.dim, t.dim),
             )
         };
-        for k in 0..t.dim {
-            let a = t.angle(p, k) as f64;
-            c[k] = T::from_f32(a.cos() as f32);
-            s[k] = T::from_f32(a.sin() as f32);
+        for j0 in (0..half).step_by(LANES) {
+            let w = LANES.min(half - j0);
+            let freqs = &t.inv_freq[j0..j0 + w];
+            if exact {
+                for ((f, cl), sl) in freqs.iter().zip(&mut c_lanes).zip(&mut s_lanes) {
+                    let (sv, cv) = math::sin_cos((p * f) as f64);
+                    (*cl, *sl) = (cv as f32, sv as f32);
+                }
+            } else {
+                for ((f, cl), sl) in freqs.iter().zip(&mut c_lanes).zip(&mut s_lanes) {
+                    let a = (p * f) as f64;
+                    (*cl, *sl) = (a.cos() as f32, a.sin() as f32);
+                }
+            }
+            for i in 0..w {
+                let (cv, sv) = (T::from_f32(c_lanes[i]), T::from_f32(s_lanes[i]));
+                let columns = match t.mode {
+                    Mode::Half => [j0 + i, j0 + i + half],
+                    Mode::Interleave => [2 * (j0 + i), 2 * (j0 + i) + 1],
+                };
+                for k in columns {
+                    (c[k], s[k]) = (cv, sv);
+                }
+            }
         }
     }
+}
 }
 
 fn step<P: Element>(cx: &OpCx, t: std::sync::Arc<Table>, block_dim: u32) -> Result<Step> {

@@ -793,6 +793,43 @@ fn rope_cos_sin_builds_hf_tables() {
     assert_eq!(err.code(), ErrorCode::DType);
 }
 
+/// rope_cos_sin's own sin/cos (a reduction by π/2 and polynomials, not libm) against libm on HF's
+/// f32 angles, rounded to f32: within one f32 ulp at positions up to ten million (past 1.5M at
+/// inv_freq 1 the kernel hands the row to std's sin/cos), negative positions, two thetas, both
+/// layouts, and a dim that is not a multiple of the kernel's 16 lanes.
+#[test]
+fn rope_cos_sin_matches_libm_at_long_positions() {
+    setup();
+    let positions: Vec<i64> =
+        vec![0, 1, 7, 1000, 4095, 65_537, 131_071, 500_000, 1_000_000, 1_499_999, 3_000_000, 10_000_000, -5, -123_456];
+    let tp = TensorRef::new(&positions, &[positions.len()]).unwrap();
+    let ulp = |v: f32| f32::from_bits(v.abs().to_bits() + 1) - v.abs();
+    for (dim, theta) in [(128usize, 10_000.0), (128, 500_000.0), (72, 10_000.0)] {
+        for mode in ["half", "interleave"] {
+            let attrs = [
+                ("dim", AttrValue::Int(dim as i64)),
+                ("theta", AttrValue::Float(theta)),
+                ("mode", AttrValue::from(mode)),
+            ];
+            let tables = run_checked("rope_cos_sin", &[Some(tp.clone())], &attrs);
+            for (r, &p) in positions.iter().enumerate() {
+                for k in 0..dim {
+                    let j = if mode == "half" { k % (dim / 2) } else { k / 2 };
+                    let inv_freq = (1.0 / theta.powf(2.0 * j as f64 / dim as f64)) as f32;
+                    let angle = (p as f32 * inv_freq) as f64;
+                    for (got, want) in [(tables[0][r * dim + k], angle.cos()), (tables[1][r * dim + k], angle.sin())] {
+                        let (got, want) = (got as f32, want as f32);
+                        assert!(
+                            (got - want).abs() <= ulp(want),
+                            "{mode}, theta {theta}, position {p}, column {k}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn embedding_gathers_rows_and_its_backward_scatters_with_padding() {
     setup();
