@@ -195,8 +195,8 @@ pub fn gelu_grad<T: Element>(x: f32, tanh_approx: bool) -> f32 {
 /// products with the two leading parts of π/2 (31 and 32 significant bits) are exact.
 pub const SIN_COS_MAX: f64 = 1.5e6;
 
-/// `(sin a, cos a)` in f64 for |a| ≤ [`SIN_COS_MAX`], within a few f64 ulps: rounded to f32
-/// they are libm's. Branch-free, so a loop over it vectorizes (std's `sin`/`cos` are libm calls
+/// `(sin a, cos a)` in f64 for |a| ≤ [`SIN_COS_MAX`], within a few f64 ulps of libm's (rounded
+/// to f32, within one f32 ulp: tested). Branch-free, so a loop over it vectorizes (std's `sin`/`cos` are libm calls
 /// per element: rope_cos_sin spent ~12 ns on each). `k = round(a·2/π)` comes out of the
 /// 1.5·2⁵² shift, which also leaves `k mod 4` (the quadrant) in the low mantissa bits; `a − k·π/2`
 /// is Cody–Waite with π/2 in three parts (the first two short enough that their products with

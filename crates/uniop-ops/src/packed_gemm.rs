@@ -405,6 +405,11 @@ unsafe fn pack_columns<E: Packed>(
     (jc, nc): (usize, usize),
     slice_words: usize,
 ) {
+    if k == 0 {
+        // Nothing to pack, and `out` may be a thread's scratch that no product has grown yet (a
+        // paired block's second half would then start past its end).
+        return;
+    }
     let (n_slices, slice) = slices::<E>(k, slice_words);
     let slice_stride = rhs.packed_width(nc) * slice_words;
     for si in 0..n_slices {
@@ -1241,6 +1246,18 @@ mod tests {
                 pairs_case::<f32>(m, k, n, b_col_major);
             }
         }
+    }
+
+    #[test]
+    fn empty_paired_products_on_a_fresh_thread_are_zero() {
+        // k = 0 on a thread whose scratch no product has grown yet (a pool worker's first job):
+        // nothing to pack, and every sum is 0.
+        std::thread::spawn(|| {
+            pairs_case::<bf16>(6, 0, 40, true);
+            pairs_case::<f32>(6, 0, 40, true);
+        })
+        .join()
+        .unwrap();
     }
 
     fn pairs_case<E: Packed>(m: usize, k: usize, n: usize, b_col_major: bool) {
