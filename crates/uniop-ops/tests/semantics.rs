@@ -1571,8 +1571,8 @@ fn causal_softmax_masks_bottom_right_and_softmax_backward_is_its_gradient() {
 /// Linears split by output columns across blocks: decode-shaped ones (a few rows, many outputs;
 /// in bf16 dot products straight from the weight), and ones with more rows than that but fewer
 /// than outputs per block (a prefill against an MLP weight: bf16 on AMX and f32 on AVX-512 split
-/// them by columns, and bf16 on AMX, at least 1024 deep, takes them transposed). Bias, ragged bands and blocks, the weight
-/// dense along k and a transposed view of it, f32 and bf16.
+/// them by columns, and bf16 on AMX, at least 1024 deep, takes them transposed). Bias, ragged
+/// bands and blocks, the weight dense along k and a transposed view of it, f32 and bf16.
 #[test]
 fn linear_split_by_columns_matches_the_reference() {
     setup();
