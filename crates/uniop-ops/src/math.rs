@@ -196,12 +196,12 @@ pub fn gelu_grad<T: Element>(x: f32, tanh_approx: bool) -> f32 {
 pub const SIN_COS_MAX: f64 = 1.5e6;
 
 /// `(sin a, cos a)` in f64 for |a| ≤ [`SIN_COS_MAX`], within a few f64 ulps of libm's (rounded
-/// to f32, within one f32 ulp: tested). Branch-free, so a loop over it vectorizes (std's `sin`/`cos` are libm calls
-/// per element: rope_cos_sin spent ~12 ns on each). `k = round(a·2/π)` comes out of the
-/// 1.5·2⁵² shift, which also leaves `k mod 4` (the quadrant) in the low mantissa bits; `a − k·π/2`
-/// is Cody–Waite with π/2 in three parts (the first two short enough that their products with
-/// `k` are exact); fdlibm's minimax polynomials take sin and cos on [−π/4, π/4], and the quadrant
-/// swaps and negates them.
+/// to f32, within one f32 ulp: tested). Branch-free, so a loop over it vectorizes (std's
+/// `sin`/`cos` are libm calls per element: rope_cos_sin spent ~12 ns on each). `k = round(a·2/π)`
+/// comes out of the 1.5·2⁵² shift, which also leaves `k mod 4` (the quadrant) in the low mantissa
+/// bits; `a − k·π/2` is Cody–Waite with π/2 in three parts (the first two short enough that their
+/// products with `k` are exact); fdlibm's minimax polynomials take sin and cos on [−π/4, π/4],
+/// and the quadrant swaps and negates them.
 #[inline(always)]
 pub fn sin_cos(a: f64) -> (f64, f64) {
     const SHIFT: f64 = 6_755_399_441_055_744.0; // 1.5 · 2^52

@@ -62,6 +62,14 @@ impl Table {
         }
     }
 
+    /// The two columns of frequency `j` (the inverse of [`Table::freq`]).
+    fn columns(&self, j: usize) -> [usize; 2] {
+        match self.mode {
+            Mode::Half => [j, j + self.dim / 2],
+            Mode::Interleave => [2 * j, 2 * j + 1],
+        }
+    }
+
     /// The f32 angle HF computes for `position` and column `k`.
     fn angle(&self, position: f64, k: usize) -> f32 {
         position as f32 * self.inv_freq[self.freq(k)]
@@ -106,11 +114,7 @@ fn kernel<P: Element, T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, t: &Tab
             }
             for i in 0..w {
                 let (cv, sv) = (T::from_f32(c_lanes[i]), T::from_f32(s_lanes[i]));
-                let columns = match t.mode {
-                    Mode::Half => [j0 + i, j0 + i + half],
-                    Mode::Interleave => [2 * (j0 + i), 2 * (j0 + i) + 1],
-                };
-                for k in columns {
+                for k in t.columns(j0 + i) {
                     (c[k], s[k]) = (cv, sv);
                 }
             }
