@@ -16,14 +16,26 @@ use uniop::{
 pub const CHUNK: usize = 64;
 
 /// Whether a kernel writing `bytes` in all (every output together) should write them past the
-/// cache with non-temporal stores: when they are at least as large as the last-level cache, they
-/// cannot stay there anyway, and skipping the read-for-ownership of each destination line removes
-/// a third of the memory traffic of a read-one-write-one kernel. Below that size ordinary stores
-/// win: the lines stay cached for the next op (and a repeated op), where streamed ones go to DRAM —
+/// cache with non-temporal stores: from [`streaming_threshold_bytes`] on, they cannot stay there
+/// anyway, and skipping the read-for-ownership of each destination line removes a third of the
+/// memory traffic of a read-one-write-one kernel. Below that size ordinary stores win: the lines
+/// stay cached for the next op (and a repeated op), where streamed ones go to DRAM —
 /// kv_cache_append writing 16 MiB of bf16 ran 0.60 ms streamed and 0.34–0.52 ms with ordinary
 /// stores on a 32 MiB L3 (Zen 4), while 32 MiB of f32 ran 1.21 ms streamed and 1.31–1.60 without.
 pub fn streams_bytes(bytes: usize) -> bool {
-    bytes >= last_level_cache_bytes()
+    bytes >= streaming_threshold_bytes()
+}
+
+/// Where streaming starts: the last-level cache's size, at most 32 MiB. A VM on a server socket
+/// sees the socket's whole L3 in sysfs (300 MiB on the 2-vCPU AMX Xeon), but shares it with cores
+/// it cannot see, so outputs far smaller than that already miss it. There, at 4096x4096, three
+/// alternations of every memory-bound op with the threshold at 32 MiB against 300 MiB: softmax
+/// f32 4.75 against 6.81 ms best, bf16 3.58 against 7.25; log_softmax f32 4.63 / 7.75; add f32
+/// 4.92 / 6.33, bf16 2.22 / 3.16; mul f32 2.81 / 5.68; rms_norm bf16 2.23 / 2.84; rope (1x32x2048x128)
+/// f32 2.69 / 3.33; silu and gelu (4096x11008) level within the noise (0.85–1.03). Rows of
+/// 2048x4096 crossed over at 16–32 MiB there as on Zen 4.
+pub(crate) fn streaming_threshold_bytes() -> usize {
+    last_level_cache_bytes().min(32 << 20)
 }
 
 /// Whether a kernel writing one tensor like `t` should stream it past the cache ([`streams_bytes`]).
@@ -33,7 +45,7 @@ pub fn streams(t: &TensorMeta) -> bool {
 
 /// The largest data cache CPU 0 reports (Linux sysfs), read once; 32 MiB where there is none to
 /// read (the L3 of the Zen 3/4 machines the kernels were tuned on).
-pub(crate) fn last_level_cache_bytes() -> usize {
+fn last_level_cache_bytes() -> usize {
     static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *BYTES.get_or_init(|| {
         let entries = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").into_iter().flatten().flatten();
@@ -755,9 +767,9 @@ mod tests {
     }
 
     #[test]
-    fn outputs_as_large_as_the_last_level_cache_stream() {
-        let llc = last_level_cache_bytes();
-        assert!(llc > 0, "a last-level cache of {llc} bytes");
-        assert!(streams_bytes(llc) && !streams_bytes(llc - 1));
+    fn outputs_stream_from_the_cache_size_up_to_32_mib() {
+        let (threshold, llc) = (streaming_threshold_bytes(), last_level_cache_bytes());
+        assert!(threshold > 0 && threshold <= llc && threshold <= 32 << 20, "threshold {threshold}, cache {llc}");
+        assert!(streams_bytes(threshold) && !streams_bytes(threshold - 1));
     }
 }

@@ -153,9 +153,10 @@ pub fn amx_probe(rounds: usize) -> Option<u64> {
 }
 
 /// The bytes a kernel writes from which it writes them past the cache with non-temporal stores:
-/// the size of this CPU's last-level cache (below it, results stay cached for the next op).
+/// the size of this CPU's last-level cache, at most 32 MiB (below it, results stay cached for the
+/// next op).
 pub fn streaming_threshold_bytes() -> usize {
-    elementwise::last_level_cache_bytes()
+    elementwise::streaming_threshold_bytes()
 }
 
 /// Registers the built-in ops in the global registry (idempotent, thread-safe).

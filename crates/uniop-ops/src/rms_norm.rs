@@ -75,34 +75,17 @@ pub(crate) fn check_eps(cx: &OpCx) -> Result<f32> {
     Ok(eps as f32)
 }
 
-/// Σ x² over a dense f32 slice with 32 independent lanes (two AVX-512 accumulators).
-#[inline(always)]
-pub(crate) fn sum_squares_f32(x: &[f32]) -> f32 {
-    let mut acc = [0f32; 32];
-    let chunks = x.chunks_exact(32);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for i in 0..32 {
-            acc[i] += c[i] * c[i];
-        }
-    }
-    for (a, v) in acc.iter_mut().zip(tail) {
-        *a += v * v;
-    }
-    math::sum_lanes(acc)
-}
-
 /// Elements per step: four AVX-512 registers of independent work, so the bf16/f16 conversions
 /// and the streaming stores of one step overlap with the arithmetic of the next.
 const LANES: usize = 64;
 
-/// Σ x² in f32. Half types are widened one register at a time, so the row never round-trips
-/// through memory as f32.
+/// Σ x² in f32, over `LANES` independent partial sums. Half types are widened one register at a
+/// time, so the row never round-trips through memory as f32. f32 rows take the same loop: a
+/// separate one with 32 lanes, which LLVM vectorized into a shuffle per load and a single
+/// accumulator, ran f32 rms_norm at half the speed of this one in cache (16x4096, one thread, AMX
+/// Xeon: 0.022 → 0.011 ms).
 #[inline(always)]
 pub(crate) fn sum_squares<T: FloatElement>(x: &[T]) -> f32 {
-    if let Some(f) = T::as_f32_slice(x) {
-        return sum_squares_f32(f);
-    }
     if T::converts_natively() {
         sum_squares_as::<T, true>(x)
     } else {
