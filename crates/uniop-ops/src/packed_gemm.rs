@@ -695,8 +695,7 @@ unsafe fn multiply_amx<E: Packed, O: GemmOut>(
                         (0, _) => tiles.zero(),
                         _ => tiles.load((carried.0, carried.1)),
                     }
-                    let a_next = a.as_ptr().wrapping_add((ir + BLOCK) * row_words);
-                    tiles.add_product(steps, (a.as_ptr().add(ir * row_words), 4 * row_words), b_panel, ragged, a_next);
+                    tiles.add_product(steps, (a.as_ptr().add(ir * row_words), 4 * row_words), b_panel, ragged);
                     if !last_slice {
                         tiles.store(carried);
                         continue;
