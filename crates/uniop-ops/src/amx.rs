@@ -105,12 +105,14 @@ impl Tiles {
     /// The last step's B rows come from `b_last` instead when given (a copy of a ragged end,
     /// zero-padded to 16 rows, so that no row past the walk's end is read).
     ///
-    /// A's tiles load with the T1 hint (`tileloaddt1`: from L2, without displacing L1): a block of
-    /// A is read once per B panel, while the panel's lines are read again by the next blocks of A
-    /// and stay in L1 only if A's stream passes it by. Loading A into L1 instead (plain loads
-    /// behind software prefetches two steps ahead, as this kernel did) ran 10-14% slower on one
-    /// core here: 1024³ 2.44-2.72 → 2.13-2.32 ms, linear [512,1024]·[2048,1024]ᵀ 2.80-2.97 →
-    /// 2.49-2.67, linear_silu_mul at the tiny Llama's [512,384] 1.11-1.20 → 0.95-1.04.
+    /// A's tiles load with the T1 cache hint (`tileloaddt1`: lines not expected to be reused from
+    /// L1 soon), without software prefetches. A block of A is read once per B panel and comes from
+    /// L2 either way. This kernel used to load A plainly behind 32 prefetches per step (A's lines
+    /// two steps ahead, into L1), and that ran 10-14% slower on one core here: 1024³ 2.44-2.72 →
+    /// 2.13-2.32 ms, linear [512,1024]·[2048,1024]ᵀ 2.80-2.97 → 2.49-2.67, linear_silu_mul at the
+    /// tiny Llama's [512,384] 1.11-1.20 → 0.95-1.04. The cause was not measured (no PMU counters
+    /// in this VM). The likely one: the prefetches took L1's line-fill buffers, which B's tile
+    /// loads need.
     ///
     /// # Safety
     /// A valid for 32 rows × `16 · steps` words, B for `16 · steps` rows (or one step fewer with
