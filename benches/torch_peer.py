@@ -87,6 +87,12 @@ def gated_inputs(shape, dt):
     return torch.randn(shape, dtype=dt), torch.randn(weight, dtype=dt), torch.randn(weight, dtype=dt)
 
 
+def gated_train(x, wg, wu):
+    """HF's LlamaMLP gate/up composite, returning its products as linear_silu_mul_train does."""
+    g, u = F.linear(x, wg), F.linear(x, wu)
+    return F.silu(g) * u, g, u
+
+
 def kv_cache_inputs(shape, dt):
     """uniop's example: a quarter of the cache length appended per sequence at random positions."""
     b, h, s_max, d = shape
@@ -157,6 +163,8 @@ PEERS = {
                                       torch.randn(shape, dtype=dt)), lambda x, w, r: r + F.linear(x, w)),
     # torch's HF LlamaMLP composite act_fn(gate_proj(x)) * up_proj(x).
     "linear_silu_mul": (gated_inputs, lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu)),
+    # The same, also returning the products (what autograd of the composite keeps for its backward).
+    "linear_silu_mul_train": (gated_inputs, gated_train),
     # Main shape is the table [V, H]; 2048 token ids.
     "embedding": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randint(0, shape[0], (2048,))),
                   lambda w, ids: F.embedding(ids, w)),
@@ -244,10 +252,10 @@ def gflop(op, shape):
     if op in ("linear_add", "linear_add_backward"):
         k = shape[-1]
         return (2 if op == "linear_add" else 4) * math.prod(shape[:-1]) * k * k / 1e9
-    if op in ("linear_silu_mul", "linear_silu_mul_backward"):
-        # Two products forward; the backward recomputes them and takes four more.
+    if op in ("linear_silu_mul", "linear_silu_mul_train", "linear_silu_mul_backward"):
+        # Two products forward; four in the backward (its example takes the saved products).
         k = shape[-1]
-        return (4 if op == "linear_silu_mul" else 12) * math.prod(shape[:-1]) * k * intermediate(k) / 1e9
+        return (8 if op == "linear_silu_mul_backward" else 4) * math.prod(shape[:-1]) * k * intermediate(k) / 1e9
     if op in ("attention", "attention_backward"):
         b, h, s, d = shape
         # Forward: QKᵀ and PV. Backward: QKᵀ recomputed, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q, dS·K (the fused route of

@@ -517,7 +517,8 @@ uniopStatus uniopLinearBackward(void *workspace,
 // y = silu(x @ gate_weight^T) * (x @ up_weight^T): HF LlamaMLP's act_fn(gate_proj(x)) * up_proj(x)
 // in one op (no biases). Weights [intermediate_size, hidden_size] (HF layout), x [...,
 // hidden_size]. Both products run as one GEMM (x packed once, f32 sums, silu*mul applied before
-// the single rounding).
+// the single rounding). Under autograd its backward recomputes the products; linear_silu_mul_train
+// returns them instead.
 uniopStatus uniopLinearSiluMulGetWorkspaceSize(const uniopTensor *x,
                                                const uniopTensor *gate_weight,
                                                const uniopTensor *up_weight,
@@ -531,15 +532,18 @@ uniopStatus uniopLinearSiluMul(void *workspace,
                                uniopExecutor *executor,
                                uniopStream stream);
 
-// Phase 1 of `linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
+// Phase 1 of `linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
 //
-// Gradients of linear_silu_mul: with g = x @ gate_weight^T, u = x @ up_weight^T (recomputed, never
-// saved), dg = dy * u * silu'(g), du = dy * silu(g); dx = dg @ gate_weight + du @ up_weight,
-// dgate_weight = dg^T @ x, dup_weight = du^T @ x (summed over all leading dims of x).
+// Gradients of linear_silu_mul (and linear_silu_mul_train): with g = x @ gate_weight^T, u = x @
+// up_weight^T (given as gate and up, both or neither, else recomputed), dg = dy * u * silu'(g), du
+// = dy * silu(g); dx = dg @ gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight =
+// du^T @ x (summed over all leading dims of x).
 uniopStatus uniopLinearSiluMulBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                        const uniopTensor *x,
                                                        const uniopTensor *gate_weight,
                                                        const uniopTensor *up_weight,
+                                                       const uniopTensor *gate,
+                                                       const uniopTensor *up,
                                                        uniopTensor *dx,
                                                        uniopTensor *dgate_weight,
                                                        uniopTensor *dup_weight,
@@ -551,6 +555,27 @@ uniopStatus uniopLinearSiluMulBackward(void *workspace,
                                        uint64_t workspaceSize,
                                        uniopExecutor *executor,
                                        uniopStream stream);
+
+// Phase 1 of `linear_silu_mul_train(Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor y, Tensor gate, Tensor up)`.
+//
+// linear_silu_mul for training: y as linear_silu_mul's, plus the products gate = x @ gate_weight^T
+// and up = x @ up_weight^T (rounded to x's dtype; not differentiable), which
+// linear_silu_mul_backward takes instead of recomputing them: four products in the backward
+// instead of six, for two [..., intermediate_size] tensors kept in between.
+uniopStatus uniopLinearSiluMulTrainGetWorkspaceSize(const uniopTensor *x,
+                                                    const uniopTensor *gate_weight,
+                                                    const uniopTensor *up_weight,
+                                                    uniopTensor *y,
+                                                    uniopTensor *gate,
+                                                    uniopTensor *up,
+                                                    uint64_t *workspaceSize,
+                                                    uniopExecutor **executor);
+
+// Phase 2 of `linear_silu_mul_train`: launches the executor from `uniopLinearSiluMulTrainGetWorkspaceSize` on `stream`.
+uniopStatus uniopLinearSiluMulTrain(void *workspace,
+                                    uint64_t workspaceSize,
+                                    uniopExecutor *executor,
+                                    uniopStream stream);
 
 // Phase 1 of `log_softmax(Tensor x, int dim=-1) -> (Tensor y)`.
 //

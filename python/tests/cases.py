@@ -247,10 +247,25 @@ def _cases():
         return (x, wg, wu), gated_ref
 
     @case
+    def linear_silu_mul_train(dt, strided):
+        x, wg, wu = _rand(4, 6, dtype=dt, strided=strided), _rand(5, 6, dtype=dt, strided=strided), torch.randn(5, 6).to(dt)
+
+        def ref(x, wg, wu):
+            g, u = F.linear(x.to(D), wg.to(D)), F.linear(x.to(D), wu.to(D))
+            return silu_mul_ref(g, u), g, u
+
+        return (x, wg, wu), ref
+
+    @case
     def linear_silu_mul_backward(dt, strided):
+        # With the products saved, as linear_silu_mul_train's autograd passes them (strided here:
+        # a transposed view of each); linear_silu_mul's gradcheck covers the recomputing route.
         x, wg, wu = _rand(4, 6, dtype=dt, strided=strided), torch.randn(5, 6).to(dt), torch.randn(5, 6).to(dt)
         dy = torch.randn(4, 5).to(dt)
-        return (dy, x, wg, wu), lambda dy, x, wg, wu: _vjp(gated_ref, (x, wg, wu), (dy,), (0, 1, 2))
+        products = [F.linear(x.to(D), w.to(D)).to(dt) for w in (wg, wu)]
+        if strided:
+            products = [p.t().contiguous().t() for p in products]
+        return (dy, x, wg, wu, *products), lambda dy, x, wg, wu, g, u: _vjp(gated_ref, (x, wg, wu), (dy,), (0, 1, 2))
 
     @case
     def attention(dt, strided):

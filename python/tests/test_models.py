@@ -73,6 +73,30 @@ def test_block_matches_plain_torch_values_and_grads():
         assert torch.allclose(got[name], g, atol=2e-5, rtol=1e-4), name
 
 
+def _uniop_ops_run(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages() if e.key.startswith("uniop::")}
+
+
+def test_mlp_keeps_its_products_only_where_autograd_records():
+    """SwiGLUMLP runs linear_silu_mul_train (whose backward takes the kept products) under autograd,
+    linear_silu_mul (nothing kept) without it; the gradients are plain torch's either way."""
+    torch.manual_seed(0)
+    mlp, x = unn.SwiGLUMLP(32, 64), torch.randn(3, 32)
+    with torch.no_grad():
+        ran = _uniop_ops_run(lambda: mlp(x))
+    assert "uniop::linear_silu_mul" in ran and "uniop::linear_silu_mul_train" not in ran, ran
+    ran = _uniop_ops_run(lambda: mlp(x).square().sum().backward())
+    assert {"uniop::linear_silu_mul_train", "uniop::linear_silu_mul_backward"} <= ran, ran
+    assert "uniop::linear_silu_mul" not in ran, ran
+    got = _grads(mlp)
+    mlp.zero_grad()
+    mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)).square().sum().backward()
+    for name, g in _grads(mlp).items():
+        assert torch.allclose(got[name], g, atol=1e-5, rtol=1e-4), name
+
+
 def test_torch_compile_fullgraph_no_graph_breaks():
     torch.manual_seed(0)
     block, x = Block(), torch.randn(2, 16, 64)

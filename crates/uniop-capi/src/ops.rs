@@ -738,7 +738,8 @@ pub extern "C" fn uniopLinearBackward(
 /// y = silu(x @ gate_weight^T) * (x @ up_weight^T): HF LlamaMLP's act_fn(gate_proj(x)) * up_proj(x)
 /// in one op (no biases). Weights [intermediate_size, hidden_size] (HF layout), x [...,
 /// hidden_size]. Both products run as one GEMM (x packed once, f32 sums, silu*mul applied before
-/// the single rounding).
+/// the single rounding). Under autograd its backward recomputes the products; linear_silu_mul_train
+/// returns them instead.
 #[no_mangle]
 pub extern "C" fn uniopLinearSiluMulGetWorkspaceSize(
     x: *const uniopTensor,
@@ -769,17 +770,20 @@ pub extern "C" fn uniopLinearSiluMul(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
+/// Phase 1 of `linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
 ///
-/// Gradients of linear_silu_mul: with g = x @ gate_weight^T, u = x @ up_weight^T (recomputed, never
-/// saved), dg = dy * u * silu'(g), du = dy * silu(g); dx = dg @ gate_weight + du @ up_weight,
-/// dgate_weight = dg^T @ x, dup_weight = du^T @ x (summed over all leading dims of x).
+/// Gradients of linear_silu_mul (and linear_silu_mul_train): with g = x @ gate_weight^T, u = x @
+/// up_weight^T (given as gate and up, both or neither, else recomputed), dg = dy * u * silu'(g), du
+/// = dy * silu(g); dx = dg @ gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight =
+/// du^T @ x (summed over all leading dims of x).
 #[no_mangle]
 pub extern "C" fn uniopLinearSiluMulBackwardGetWorkspaceSize(
     dy: *const uniopTensor,
     x: *const uniopTensor,
     gate_weight: *const uniopTensor,
     up_weight: *const uniopTensor,
+    gate: *const uniopTensor,
+    up: *const uniopTensor,
     dx: *mut uniopTensor,
     dgate_weight: *mut uniopTensor,
     dup_weight: *mut uniopTensor,
@@ -788,8 +792,8 @@ pub extern "C" fn uniopLinearSiluMulBackwardGetWorkspaceSize(
 ) -> uniopStatus {
     const F: &str = "uniopLinearSiluMulBackwardGetWorkspaceSize";
     guard(|| {
-        let inputs: [(&str, *const uniopTensor); 4] =
-            [("dy", dy), ("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight)];
+        let inputs: [(&str, *const uniopTensor); 6] =
+            [("dy", dy), ("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight), ("gate", gate), ("up", up)];
         let attrs: [(&str, AttrValue); 0] = [];
         let outputs = [
             ("dx", dx as *const uniopTensor),
@@ -803,6 +807,45 @@ pub extern "C" fn uniopLinearSiluMulBackwardGetWorkspaceSize(
 /// Phase 2 of `linear_silu_mul_backward`: launches the executor from `uniopLinearSiluMulBackwardGetWorkspaceSize` on `stream`.
 #[no_mangle]
 pub extern "C" fn uniopLinearSiluMulBackward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `linear_silu_mul_train(Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor y, Tensor gate, Tensor up)`.
+///
+/// linear_silu_mul for training: y as linear_silu_mul's, plus the products gate = x @ gate_weight^T
+/// and up = x @ up_weight^T (rounded to x's dtype; not differentiable), which
+/// linear_silu_mul_backward takes instead of recomputing them: four products in the backward
+/// instead of six, for two [..., intermediate_size] tensors kept in between.
+#[no_mangle]
+pub extern "C" fn uniopLinearSiluMulTrainGetWorkspaceSize(
+    x: *const uniopTensor,
+    gate_weight: *const uniopTensor,
+    up_weight: *const uniopTensor,
+    y: *mut uniopTensor,
+    gate: *mut uniopTensor,
+    up: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLinearSiluMulTrainGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 3] =
+            [("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight)];
+        let attrs: [(&str, AttrValue); 0] = [];
+        let outputs =
+            [("y", y as *const uniopTensor), ("gate", gate as *const uniopTensor), ("up", up as *const uniopTensor)];
+        plan("linear_silu_mul_train", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `linear_silu_mul_train`: launches the executor from `uniopLinearSiluMulTrainGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLinearSiluMulTrain(
     workspace: *mut c_void,
     workspaceSize: u64,
     executor: *mut uniopExecutor,

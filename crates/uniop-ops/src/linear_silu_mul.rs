@@ -13,6 +13,12 @@
 //!
 //! No biases: Llama, Mistral and Qwen MLPs have none (`mlp_bias=False`); a layer with them is two
 //! `linear`s and a `silu_mul`.
+//!
+//! Two ops share this file: `linear_silu_mul` returns `y` alone (inference: nothing else is
+//! written), `linear_silu_mul_train` also returns the two products, rounded to the dtype, for its
+//! backward to take instead of recomputing them — two of the backward's six products, at the cost
+//! of two `[rows, intermediate]` tensors kept from forward to backward, as torch's autograd of the
+//! composite keeps them.
 
 use crate::linear::{x_and_weight, Bands, Dims};
 use crate::math;
@@ -25,7 +31,16 @@ use uniop::{
     Result, Step, TensorMeta,
 };
 
-pub struct LinearSiluMul;
+pub struct LinearSiluMul {
+    returns_products: bool,
+}
+
+impl LinearSiluMul {
+    /// `linear_silu_mul`: `y` only.
+    pub const INFERENCE: LinearSiluMul = LinearSiluMul { returns_products: false };
+    /// `linear_silu_mul_train`: `y`, `gate` and `up`.
+    pub const TRAIN: LinearSiluMul = LinearSiluMul { returns_products: true };
+}
 
 /// Checks `x` `[..., k]` against `gate_weight` and `up_weight` `[n, k]` (shared with the backward).
 pub(crate) fn dims(cx: &OpCx) -> Result<Dims> {
@@ -171,7 +186,19 @@ pub(crate) fn silu_mul_pairs<T: FloatElement>(sums: &[f32], out: &mut [T]) {
 }
 }
 
-fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands) {
+crate::simd_kernel! {
+/// The gate and up products of one row's paired sums (layout: [`gemm_rows_pairs`]) narrowed into
+/// `gate` and `up`, as long as the row's outputs.
+fn unpair<T: FloatElement>(sums: &[f32], gate: &mut [T], up: &mut [T]) {
+    let groups = sums.chunks_exact(2 * HALF).zip(gate.chunks_mut(HALF).zip(up.chunks_mut(HALF)));
+    for (group, (gate, up)) in groups {
+        T::narrow(&group[..gate.len()], gate);
+        T::narrow(&group[HALF..][..up.len()], up);
+    }
+}
+}
+
+fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands, returns_products: bool) {
     let (rows, cols) = bands.share(ctx, d);
     if cols.is_empty() || rows.is_empty() {
         return;
@@ -179,15 +206,27 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Ban
     let out = args.output(0);
     let o = out.layout().offset();
     let end = cols.end;
+    let products = returns_products.then(|| {
+        [1, 2].map(|i| {
+            let t = args.output(i);
+            let offset = t.layout().offset();
+            (t, offset)
+        })
+    });
     // SAFETY: this block's own share of the workspace (the plan sized it per block).
     let scratch = || {
         unsafe { args.workspace::<u8>(ctx.block_idx as usize * BLOCK_SCRATCH_BYTES, BLOCK_SCRATCH_BYTES) }.as_mut_ptr()
     };
-    // SAFETY: x and out are contiguous (the plan asked for it), the weights any strided [n, k];
-    // this block owns output rows `rows` × columns `cols`.
+    // SAFETY: x and the outputs are contiguous (the plan asked for it), the weights any strided
+    // [n, k]; this block owns output rows `rows` × columns `cols` of every output.
     unsafe {
         gate_up_rows::<T>(rows, cols, d, Operands::of(args, 0, d), scratch, |r, c, sums| {
-            silu_mul_pairs(sums, out.slice_mut::<T>(o + r * d.n + c, (end - c).min(sums.len() / 2)));
+            let len = (end - c).min(sums.len() / 2);
+            silu_mul_pairs(sums, out.slice_mut::<T>(o + r * d.n + c, len));
+            if let Some([(gate, g), (up, u)]) = &products {
+                let at = r * d.n + c;
+                unpair(sums, gate.slice_mut::<T>(g + at, len), up.slice_mut::<T>(u + at, len));
+            }
         });
     }
 }
@@ -208,13 +247,25 @@ fn other_factor(cx: &OpCx, d: Dims) -> f64 {
 
 impl Op for LinearSiluMul {
     fn schema(&self) -> &'static str {
-        "linear_silu_mul(Tensor x, Tensor gate_weight, Tensor up_weight) -> Tensor y"
+        if self.returns_products {
+            "linear_silu_mul_train(Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor y, Tensor gate, Tensor up)"
+        } else {
+            "linear_silu_mul(Tensor x, Tensor gate_weight, Tensor up_weight) -> Tensor y"
+        }
     }
 
     fn doc(&self) -> &'static str {
-        "y = silu(x @ gate_weight^T) * (x @ up_weight^T): HF LlamaMLP's act_fn(gate_proj(x)) * up_proj(x) in one \
-         op (no biases). Weights [intermediate_size, hidden_size] (HF layout), x [..., hidden_size]. Both products \
-         run as one GEMM (x packed once, f32 sums, silu*mul applied before the single rounding)."
+        if self.returns_products {
+            "linear_silu_mul for training: y as linear_silu_mul's, plus the products gate = x @ gate_weight^T and \
+             up = x @ up_weight^T (rounded to x's dtype; not differentiable), which linear_silu_mul_backward takes \
+             instead of recomputing them: four products in the backward instead of six, for two [..., \
+             intermediate_size] tensors kept in between."
+        } else {
+            "y = silu(x @ gate_weight^T) * (x @ up_weight^T): HF LlamaMLP's act_fn(gate_proj(x)) * up_proj(x) in \
+             one op (no biases). Weights [intermediate_size, hidden_size] (HF layout), x [..., hidden_size]. Both \
+             products run as one GEMM (x packed once, f32 sums, silu*mul applied before the single rounding). \
+             Under autograd its backward recomputes the products; linear_silu_mul_train returns them instead."
+        }
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -237,21 +288,24 @@ impl Op for LinearSiluMul {
         let d = dims(cx)?;
         let mut shape = cx.input("x").shape().to_vec();
         *shape.last_mut().unwrap() = d.n;
-        Ok(vec![TensorMeta::contiguous(cx.input("x").dtype, &shape)?])
+        let y = TensorMeta::contiguous(cx.input("x").dtype, &shape)?;
+        Ok(vec![y; if self.returns_products { 3 } else { 1 }])
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let d = dims(cx)?;
         // A row band packs both weights: 2n columns.
         let (bands, block_dim) = Bands::choose(cx.input("x").dtype, d, 2 * d.n);
+        let returns_products = self.returns_products;
+        let name = if returns_products { "linear_silu_mul_train" } else { "linear_silu_mul" };
         let step = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
-            Step::new("linear_silu_mul", block_dim as u32, move |args, ctx| kernel::<T>(args, ctx, d, bands))
+            Step::new(name, block_dim as u32, move |args, ctx| kernel::<T>(args, ctx, d, bands, returns_products))
         });
         let least_rows = bands.least_rows(d, block_dim);
         Ok(Plan::new(vec![step])
             .workspace(scratch_bytes(cx.input("x").dtype, d.k, block_dim, least_rows))
             .inputs_need(vec![LayoutNeed::Contiguous, LayoutNeed::Any, LayoutNeed::Any])
-            .outputs_need(vec![LayoutNeed::Contiguous]))
+            .outputs_need(vec![LayoutNeed::Contiguous; if self.returns_products { 3 } else { 1 }]))
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
@@ -261,7 +315,11 @@ impl Op for LinearSiluMul {
         let y = gate.iter().zip(&up).map(|(&g, &u)| math::exact::silu(g) * u).collect();
         let mut shape = x.shape.clone();
         *shape.last_mut().unwrap() = d.n;
-        Ok(vec![RefTensor::new(&shape, y)])
+        let mut returns = vec![RefTensor::new(&shape, y)];
+        if self.returns_products {
+            returns.extend([RefTensor::new(&shape, gate), RefTensor::new(&shape, up)]);
+        }
+        Ok(returns)
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {

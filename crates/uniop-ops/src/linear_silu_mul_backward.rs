@@ -1,14 +1,17 @@
-//! `linear_silu_mul_backward(dy, x, gate_weight, up_weight) -> (dx, dgate_weight, dup_weight)`,
-//! the gradient of [`linear_silu_mul`](crate::linear_silu_mul). With `g = x · gate_weightᵀ` and
-//! `u = x · up_weightᵀ`: `dg = dy · u · silu'(g)`, `du = dy · silu(g)`, then
-//! `dx = dg · gate_weight + du · up_weight`, `dgate_weight = dgᵀ · x`, `dup_weight = duᵀ · x`.
+//! `linear_silu_mul_backward(dy, x, gate_weight, up_weight, gate=None, up=None) -> (dx,
+//! dgate_weight, dup_weight)`, the gradient of [`linear_silu_mul`](crate::linear_silu_mul). With
+//! `g = x · gate_weightᵀ` and `u = x · up_weightᵀ`: `dg = dy · u · silu'(g)`, `du = dy · silu(g)`,
+//! then `dx = dg · gate_weight + du · up_weight`, `dgate_weight = dgᵀ · x`, `dup_weight = duᵀ · x`.
 //!
-//! Three launches, each block owning a band of what it writes (no atomics, deterministic): rows of
-//! `dg` and `du` into the workspace — `g` and `u` recomputed by the forward's paired GEMM and
-//! turned into gradients in its epilogue, so neither is ever stored (torch's autograd of the
-//! composite keeps both from the forward) —, then rows (or, for bf16 on AMX with few rows,
-//! columns) of `dx`, then rows of the two weight gradients.
+//! Three launches, each block owning a band of what it writes (no atomics, deterministic): `dg`
+//! and `du` into the workspace, then rows (or, for bf16 on AMX with few rows, columns) of `dx`,
+//! then rows of the two weight gradients. The first launch takes `g` and `u` as given (`gate` and
+//! `up`, which `linear_silu_mul_train` returns) in one elementwise pass, or, when they were not
+//! kept (`linear_silu_mul`'s autograd, which keeps no `[rows, n]` tensor), recomputes them with
+//! the forward's paired GEMM and turns them into gradients in its epilogue: six products instead
+//! of four, for that memory.
 
+use crate::elementwise::{dense_input, dense_map, fence, streams_bytes};
 use crate::linear::Dims;
 use crate::linear::COLUMN_UNIT;
 use crate::linear_silu_mul::{dims as forward_dims, gate_up_rows, reference_products, Operands};
@@ -18,19 +21,41 @@ use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
 use crate::packed_gemm::{split_columns, HALF as GROUP, PAIRED_COLUMNS};
 use uniop::layout::ShapeDisplay;
 use uniop::{
-    with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,
-    RefTensor, Result, Step, TensorMeta,
+    block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
+    OpCx, Plan, RefTensor, Result, Step, TensorMeta,
 };
 
 pub struct LinearSiluMulBackward;
 
-fn dims(cx: &OpCx) -> Result<Dims> {
+/// The product dims, and whether the forward's products come saved (`gate` and `up`: both or
+/// neither, each shaped as `dy`).
+fn dims(cx: &OpCx) -> Result<(Dims, bool)> {
     let d = forward_dims(cx)?;
-    cx.expect_same_dtype("dy", cx.input("x").dtype, "x")?;
+    let dtype = cx.input("x").dtype;
+    cx.expect_same_dtype("dy", dtype, "x")?;
     let mut y = cx.input("x").shape().to_vec();
     *y.last_mut().unwrap() = d.n;
     cx.expect_shape("dy", &y)?;
-    Ok(d)
+    let saved = match (cx.optional_input("gate").is_some(), cx.optional_input("up").is_some()) {
+        (false, false) => false,
+        (true, true) => {
+            for name in ["gate", "up"] {
+                cx.expect_same_dtype(name, dtype, "x")?;
+                cx.expect_shape(name, &y)?;
+            }
+            true
+        }
+        (gate, _) => {
+            let (missing, given) = if gate { ("up", "gate") } else { ("gate", "up") };
+            return Err(cx.err(
+                ErrorCode::ParamNullptr,
+                missing,
+                format!("a tensor, as '{given}' is given (the saved products come as a pair)"),
+                "none",
+            ));
+        }
+    };
+    Ok((d, saved))
 }
 
 /// Where the workspace keeps things: `dg` then `du` (`[rows, n]` each, in the op's dtype) from
@@ -60,7 +85,25 @@ fn silu_mul_grad_pairs<T: FloatElement>(sums: &[f32], dy: &[T], dg: &mut [T], du
 }
 }
 
-/// Step 1: rows of `dg` and `du`.
+crate::simd_kernel! {
+/// Step 1 from the saved products: `dg` and `du` elementwise from `dy`, `gate` and `up` (inputs
+/// 0, 4 and 5), `len` elements each.
+fn saved_gradients_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, len: usize, streaming: bool) {
+    let range = ctx.split(len);
+    let ins = [0, 4, 5].map(|i| dense_input::<T>(args, i, range.clone()));
+    // SAFETY: this block's elements of dg and du.
+    let outs = unsafe {
+        [args.workspace::<T>(range.start, range.len()), args.workspace::<T>(len + range.start, range.len())]
+    };
+    dense_map(ins, outs, streaming, |[d, g, u]| {
+        let (dg, du) = math::silu_mul_grad::<T>(d, g, u);
+        [dg, du]
+    });
+    fence();
+}
+}
+
+/// Step 1 without them: rows of `dg` and `du` from the recomputed products.
 fn gradients_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, ws: Workspace) {
     let rows = ctx.split(d.rows);
     if rows.is_empty() || d.n == 0 {
@@ -148,14 +191,15 @@ fn dweights_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims) {
 
 impl Op for LinearSiluMulBackward {
     fn schema(&self) -> &'static str {
-        "linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor dx, Tensor \
-         dgate_weight, Tensor dup_weight)"
+        "linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, \
+         Tensor? up=None) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)"
     }
 
     fn doc(&self) -> &'static str {
-        "Gradients of linear_silu_mul: with g = x @ gate_weight^T, u = x @ up_weight^T (recomputed, never saved), \
-         dg = dy * u * silu'(g), du = dy * silu(g); dx = dg @ gate_weight + du @ up_weight, dgate_weight = dg^T @ x, \
-         dup_weight = du^T @ x (summed over all leading dims of x)."
+        "Gradients of linear_silu_mul (and linear_silu_mul_train): with g = x @ gate_weight^T, u = x @ \
+         up_weight^T (given as gate and up, both or neither, else recomputed), dg = dy * u * silu'(g), du = dy * \
+         silu(g); dx = dg @ gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ x (summed \
+         over all leading dims of x)."
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -166,18 +210,18 @@ impl Op for LinearSiluMulBackward {
     /// k-deep sums, √k-sized for unit-sized inputs), which are rounded to the dtype before the
     /// sums over n and rows.
     fn error_scale(&self, cx: &OpCx) -> f64 {
-        dims(cx).map_or(1.0, |d| ((d.rows.max(d.n).max(d.k).max(1) * d.k.max(1)) as f64).sqrt())
+        dims(cx).map_or(1.0, |(d, _)| ((d.rows.max(d.n).max(d.k).max(1) * d.k.max(1)) as f64).sqrt())
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
-        let d = dims(cx)?;
+        let (d, _) = dims(cx)?;
         let dtype = cx.input("x").dtype;
         let weight = TensorMeta::contiguous(dtype, &[d.n, d.k])?;
         Ok(vec![TensorMeta::contiguous(dtype, cx.input("x").shape())?, weight.clone(), weight])
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
-        let d = dims(cx)?;
+        let (d, saved) = dims(cx)?;
         let dtype = cx.input("x").dtype;
         let threads = uniop::runtime::Pool::global().threads();
         let row_blocks = d.rows.div_ceil(16).clamp(1, threads);
@@ -190,24 +234,47 @@ impl Op for LinearSiluMulBackward {
             cx.err(ErrorCode::Shape, "dy", "gradients whose workspace fits in memory", format!("shape {y}"))
         })?;
         let ws = Workspace { scratch };
+        let len = d.rows * d.n;
+        let streaming = streams_bytes(2 * len * dtype.size());
         let steps = with_float_dtype!(dtype, cx.op(), "x", |T| vec![
-            Step::new("linear_silu_mul_backward.gradients", row_blocks as u32, move |a, c| {
-                gradients_kernel::<T>(a, c, d, ws)
-            }),
+            if saved {
+                Step::new(
+                    "linear_silu_mul_backward.saved_gradients",
+                    block_dim_for(len, 5 * dtype.size()),
+                    move |a, c| saved_gradients_kernel::<T>(a, c, len, streaming),
+                )
+            } else {
+                Step::new("linear_silu_mul_backward.gradients", row_blocks as u32, move |a, c| {
+                    gradients_kernel::<T>(a, c, d, ws)
+                })
+            },
             Step::new("linear_silu_mul_backward.dx", dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)),
             Step::new("linear_silu_mul_backward.dweights", dw_blocks, move |a, c| dweights_kernel::<T>(a, c, d)),
         ]);
-        let needs = vec![LayoutNeed::Contiguous, LayoutNeed::Contiguous, LayoutNeed::Any, LayoutNeed::Any];
+        let needs = vec![
+            LayoutNeed::Contiguous,
+            LayoutNeed::Contiguous,
+            LayoutNeed::Any,
+            LayoutNeed::Any,
+            LayoutNeed::Contiguous,
+            LayoutNeed::Contiguous,
+        ];
+        let gradient_scratch = if saved { 0 } else { scratch_bytes(dtype, d.k, row_blocks, d.rows / row_blocks) };
         Ok(Plan::new(steps)
-            .workspace(scratch + scratch_bytes(dtype, d.k, row_blocks, d.rows / row_blocks))
+            .workspace(scratch + gradient_scratch)
             .inputs_need(needs)
             .outputs_need(vec![LayoutNeed::Contiguous; 3]))
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
-        let d = dims(cx)?;
+        let (d, saved) = dims(cx)?;
         let [dy, x, wg, wu] = [0, 1, 2, 3].map(|i| inputs[i].as_ref().unwrap());
-        let (g, u) = reference_products(d, inputs, 1);
+        let (g, u) = if saved {
+            let [g, u] = [4, 5].map(|i| inputs[i].as_ref().unwrap().data.clone());
+            (g, u)
+        } else {
+            reference_products(d, inputs, 1)
+        };
         let (dg, du): (Vec<f64>, Vec<f64>) =
             (0..g.len()).map(|i| math::exact::silu_mul_grad(dy.data[i], g[i], u[i])).unzip();
         let mut dx = vec![0.0; d.rows * d.k];
@@ -232,13 +299,17 @@ impl Op for LinearSiluMulBackward {
         example.input_shape(1)
     }
 
+    /// With the products saved, as `linear_silu_mul_train`'s autograd calls it (and torch's
+    /// autograd of the composite works: four products).
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        let forward = crate::linear_silu_mul::LinearSiluMul.example(shape, dtype)?;
+        let forward = crate::linear_silu_mul::LinearSiluMul::TRAIN.example(shape, dtype)?;
         let x = forward.input_shape(0);
         let mut y = x.clone();
         *y.last_mut().unwrap() = forward.input_shape(1)[0];
-        let mut inputs = vec![Some(TensorMeta::contiguous(dtype, &y)?)];
+        let y = TensorMeta::contiguous(dtype, &y)?;
+        let mut inputs = vec![Some(y.clone())];
         inputs.extend(forward.inputs);
+        inputs.extend([Some(y.clone()), Some(y)]);
         Ok(Example { inputs, ..Default::default() })
     }
 }

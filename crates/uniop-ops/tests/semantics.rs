@@ -1071,7 +1071,8 @@ fn linear_backward_matches_finite_differences() {
 /// `linear_silu_mul` on each of its routes — few rows (the weights streamed), row bands of the
 /// paired GEMM over several of its row blocks, column bands, the generic route over several row
 /// chunks and past the f32 packed depth, a strided weight — against its
-/// reference, and against `linear` then `silu_mul` (which round the products first) in every dtype.
+/// reference, and against `linear` then `silu_mul` (which round the products first) in every dtype;
+/// `linear_silu_mul_train`'s returns against the same.
 #[test]
 fn linear_silu_mul_is_linear_then_silu_mul_on_every_route() {
     setup();
@@ -1089,7 +1090,21 @@ fn linear_silu_mul_is_linear_then_silu_mul_on_every_route() {
                 let y = run_checked("linear", &[Some(tx.clone()), Some(w), None], &[]).remove(0);
                 y.into_iter().map(|v| cast(v as f32)).collect()
             };
+            // linear_silu_mul_train: the same y (the same kernel), and its products as linear's.
+            let train =
+                run_checked("linear_silu_mul_train", &[Some(tx.clone()), Some(tg.clone()), Some(tu.clone())], &[]);
+            assert_eq!(train[0], fused[0], "{:?} {rows}x{k}x{n}: linear_silu_mul_train's y", T::DTYPE);
             let (g, u) = (product(tg), product(tu));
+            for (saved, linear) in [(&train[1], &g), (&train[2], &u)] {
+                for (a, b) in saved.iter().zip(linear) {
+                    let b = b.to_f64();
+                    assert!(
+                        (a - b).abs() <= tol * (1.0 + b.abs()),
+                        "{:?} {rows}x{k}x{n}: product {a} vs {b}",
+                        T::DTYPE
+                    );
+                }
+            }
             let (tg, tu) = (TensorRef::new(&g, &[rows, n]).unwrap(), TensorRef::new(&u, &[rows, n]).unwrap());
             let composite = run_checked("silu_mul", &[Some(tg), Some(tu)], &[]).remove(0);
             for (a, b) in fused[0].iter().zip(&composite) {
@@ -1211,6 +1226,8 @@ fn linear_silu_mul_backward_matches_finite_differences() {
             Some(TensorRef::new(&x, &[2, 2, k]).unwrap()),
             Some(TensorRef::new(&gate, &[n, k]).unwrap()),
             Some(TensorRef::new(&up, &[n, k]).unwrap()),
+            None,
+            None,
         ],
         &[],
     );
@@ -1226,6 +1243,8 @@ fn linear_silu_mul_backward_matches_finite_differences() {
             Some(TensorRef::new(&x, &[2, 2, k]).unwrap()),
             Some(TensorRef::new(&gate, &[n, k]).unwrap()),
             Some(TensorRef::new(&up[..k * (n - 1)], &[n - 1, k]).unwrap()),
+            None,
+            None,
         ],
         &[],
         vec![],
@@ -1234,6 +1253,60 @@ fn linear_silu_mul_backward_matches_finite_differences() {
         err.message(),
         "linear_silu_mul_backward: argument 'up_weight': expected shape [3, 5], got shape [2, 5]"
     );
+}
+
+/// The backward with the forward's products given (from `linear_silu_mul_train`, on the few-row,
+/// paired and generic routes) gives the recomputing backward's gradients; the products come as a
+/// pair shaped as `dy`, or the call is refused.
+#[test]
+fn linear_silu_mul_backward_takes_the_saved_products() {
+    setup();
+    for (rows, k, n) in [(4, 5, 3), (150, 40, 70), (70, 2100, 40)] {
+        let (x, gate_w, up_w, dy) =
+            (rand_vec(rows * k, 151), rand_vec(n * k, 152), rand_vec(n * k, 153), rand_vec(rows * n, 154));
+        let (tx, tg, tu) = (
+            TensorRef::new(&x, &[rows, k]).unwrap(),
+            TensorRef::new(&gate_w, &[n, k]).unwrap(),
+            TensorRef::new(&up_w, &[n, k]).unwrap(),
+        );
+        let tdy = TensorRef::new(&dy, &[rows, n]).unwrap();
+        let saved: Vec<Vec<f32>> =
+            run_checked("linear_silu_mul_train", &[Some(tx.clone()), Some(tg.clone()), Some(tu.clone())], &[])
+                .into_iter()
+                .map(|v| v.into_iter().map(|e| e as f32).collect())
+                .collect();
+        let products = [1, 2].map(|i| Some(TensorRef::new(&saved[i], &[rows, n]).unwrap()));
+        let operands = [Some(tdy.clone()), Some(tx.clone()), Some(tg.clone()), Some(tu.clone())];
+        let recomputed = run_checked("linear_silu_mul_backward", &[&operands[..], &[None, None]].concat(), &[]);
+        let from_saved = run_checked("linear_silu_mul_backward", &[&operands[..], &products].concat(), &[]);
+        for (i, name) in ["dx", "dgate_weight", "dup_weight"].into_iter().enumerate() {
+            for (a, b) in from_saved[i].iter().zip(&recomputed[i]) {
+                assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{rows}x{k}x{n} {name}: {a} vs {b}");
+            }
+        }
+        // One product without the other.
+        let lone = [&operands[..], &[products[0].clone(), None]].concat();
+        let err = plan_err("linear_silu_mul_backward", &lone, &[], vec![]);
+        assert_eq!(err.code(), ErrorCode::ParamNullptr);
+        assert_eq!(
+            err.message(),
+            "linear_silu_mul_backward: argument 'up': expected a tensor, as 'gate' is given (the saved products \
+             come as a pair), got none"
+        );
+    }
+    // A product not shaped as dy.
+    let (dy, x, w, short) = (rand_vec(6, 155), rand_vec(8, 156), rand_vec(12, 157), rand_vec(3, 158));
+    let inputs = [
+        Some(TensorRef::new(&dy, &[2, 3]).unwrap()),
+        Some(TensorRef::new(&x, &[2, 4]).unwrap()),
+        Some(TensorRef::new(&w, &[3, 4]).unwrap()),
+        Some(TensorRef::new(&w, &[3, 4]).unwrap()),
+        Some(TensorRef::new(&short, &[1, 3]).unwrap()),
+        Some(TensorRef::new(&dy, &[2, 3]).unwrap()),
+    ];
+    let err = plan_err("linear_silu_mul_backward", &inputs, &[], vec![]);
+    assert_eq!(err.code(), ErrorCode::Shape);
+    assert_eq!(err.message(), "linear_silu_mul_backward: argument 'gate': expected shape [2, 3], got shape [1, 3]");
 }
 
 #[test]

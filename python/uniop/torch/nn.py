@@ -5,7 +5,8 @@ dtype rules, so a state dict loads into either and the modules drop into a Llama
   HF's ``weight * x.to(input_dtype)`` (fp32 weight with bf16 input gives fp32).
 - :class:`SwiGLUMLP` — ``LlamaMLP``: ``gate_proj``, ``up_proj``, ``down_proj``;
   ``down(silu(gate(x)) * up(x))`` with both projections and the activation in one uniop op
-  (``linear_silu_mul``; with biases, the activation alone).
+  (``linear_silu_mul``, or ``linear_silu_mul_train`` where autograd records it; with biases, the
+  activation alone).
 - :class:`RotaryEmbedding` — HF's default rope: ``forward(x, position_ids) -> (cos, sin)`` shaped
   ``[B, S, head_dim]`` in ``x``'s dtype; :func:`apply_rotary_pos_emb` applies them (HF signature).
 - :class:`Attention` — ``LlamaAttention``'s projections ``q_proj``/``k_proj``/``v_proj``/``o_proj``
@@ -54,10 +55,13 @@ def gated(mlp, x, fuse=True):
     """``silu(gate_proj(x)) * up_proj(x)`` for an MLP with HF's projection names: one
     ``linear_silu_mul`` when ``fuse`` and both projections are bias-free ``nn.Linear`` layers (an
     exact type: a wrapper such as a LoRA layer adds to its product), else the two projections
-    and ``silu_mul``."""
+    and ``silu_mul``. Where autograd records the call, ``linear_silu_mul_train`` instead: it keeps
+    the two products for the backward, which then takes four products rather than six."""
     gate, up = mlp.gate_proj, mlp.up_proj
     plain = type(gate) is nn.Linear and type(up) is nn.Linear and gate.bias is None and up.bias is None
     if fuse and plain:
+        if torch.is_grad_enabled() and (x.requires_grad or gate.weight.requires_grad or up.weight.requires_grad):
+            return uniop_ops.linear_silu_mul_train(x, gate.weight, up.weight)[0]
         return uniop_ops.linear_silu_mul(x, gate.weight, up.weight)
     return uniop_ops.silu_mul(gate(x), up(x))
 
