@@ -88,15 +88,22 @@ impl<T: FloatElement> Operands<T> {
     }
 }
 
+/// Depth up to which f32 products pair on AVX-512 CPUs: twice as deep as `gemm_rows` runs its
+/// packed kernel ([`PACKED_F32_MAX_K`], past which a column block of packed B leaves the cache),
+/// because the generic route costs more here than a `linear` does: each of its 256-row chunks
+/// transposes its weight chunk again. At k = 4096 (`uniop bench --ops linear_silu_mul --dtypes f32`,
+/// 6 alternations, best-of ms): [512, 4096] on one thread 884-1304 (median 938) generic against
+/// 799-1401 (882) paired, on two 450-583 (511) against 401-584 (483); [2048, 4096] on two over 4,
+/// 1787-2456 against 1565-2271.
+const PAIRED_F32_MAX_K: usize = 2 * PACKED_F32_MAX_K;
+
 /// Whether a block of `rows` rows of a `dtype` product `k` deep takes both products as one paired
 /// GEMM ([`gemm_rows_pairs`]) rather than the generic route.
 fn paired(dtype: DType, rows: usize, k: usize) -> bool {
     pairs_apply(rows)
         && match dtype {
             DType::BF16 => true,
-            // f32 pairs where `gemm_rows` would run its packed kernel too (past that depth a column
-            // block of packed B leaves the cache).
-            DType::F32 => <f32 as Packed>::level() == Simd::Avx512 && k <= PACKED_F32_MAX_K,
+            DType::F32 => <f32 as Packed>::level() == Simd::Avx512 && k <= PAIRED_F32_MAX_K,
             _ => false,
         }
 }
