@@ -121,11 +121,18 @@ pub fn sigmoid<T: Element>(x: f32) -> f32 {
     1.0 / (1.0 + exp_for::<T>(-x))
 }
 
+/// Below this gate, `silu_mul_grad` takes sigmoid as 0: it is under 1.6e-28 there, and the
+/// gradients it scales, under 1e-25 · |d · u|, would otherwise fall to subnormal numbers for a
+/// share of a wide gate's elements (|g| in the tens: gates of unnormalised inputs), each of which
+/// costs a microcode assist — silu_mul_backward over 2048 × 11008 bf16 gates of standard deviation
+/// 64 ran 135 ms against 11 at deviation 1 to 16.
+const SIGMOID_ZERO_BELOW: f32 = -64.0;
+
 /// Gradients of `silu(g) · u` for upstream `d`: returns `(d_g, d_u)`.
 /// d silu(g)/dg = s · (1 + g · (1 − s)) with s = sigmoid(g).
 #[inline(always)]
 pub fn silu_mul_grad<T: Element>(d: f32, g: f32, u: f32) -> (f32, f32) {
-    let s = sigmoid::<T>(g);
+    let s = if g < SIGMOID_ZERO_BELOW { 0.0 } else { sigmoid::<T>(g) };
     (d * u * s * (1.0 + g * (1.0 - s)), d * g * s)
 }
 
@@ -181,7 +188,11 @@ pub fn gelu_grad<T: Element>(x: f32, tanh_approx: bool) -> f32 {
         const B: [f32; 5] = [0.319_381_53, -0.356_563_78, 1.781_477_9, -1.821_256, 1.330_274_4];
         // φ(x) = e^(−x²/2 + ln(1/√(2π))): the normalization rides in exp's argument (one FMA).
         const LN_INV_SQRT_2PI: f32 = -0.918_938_5;
-        let pdf = exp_for::<T>((x * x).mul_add(-0.5, LN_INV_SQRT_2PI));
+        // Past |x| = 12, φ(x) < 2.2e-32 and x·φ(x) and the tail are taken as 0: as exp nears its
+        // floor, the tail's product would fall to a subnormal number, whose microcode assist made
+        // gelu_backward over 2048 × 11008 bf16 inputs of standard deviation 64 take 121 ms
+        // against 8 at deviation 1.
+        let pdf = if x.abs() > 12.0 { 0.0 } else { exp_for::<T>((x * x).mul_add(-0.5, LN_INV_SQRT_2PI)) };
         let t = 1.0 / 0.231_641_9f32.mul_add(x.abs(), 1.0);
         let t2 = t * t;
         let b = B[4].mul_add(t2, B[3].mul_add(t, B[2])).mul_add(t2, B[1].mul_add(t, B[0]));
