@@ -1803,6 +1803,52 @@ fn permute_reorders_dims_of_any_layout_and_rejects_non_permutations() {
     }
 }
 
+/// Permutes that keep the last dim in place copy whole rows in tiles (`permute::RowTiles`): tiles
+/// cut ragged at both sides' ends, several outer dims, a padded (strided) input, bf16 rows, and
+/// the backward undoing each, all element for element.
+#[test]
+fn permute_copies_rows_in_ragged_tiles_from_any_layout() {
+    setup();
+    // x[i0, i1, i2, i3, i4] over [2, 130, 3, 67, 16], permuted by [0, 3, 2, 1, 4]: the output's
+    // rows step along x's dim 1 (130: tiles of 64, 64, 2) and its neighbours in x along dim 3
+    // (67: 64, 3).
+    let shape = [2, 130, 3, 67, 16];
+    let dims = vec![0, 3, 2, 1, -1];
+    let numel: usize = shape.iter().product();
+    let x: Vec<f32> = (0..numel).map(|i| i as f32).collect();
+    let contiguous = TensorRef::new(&x[..numel], &shape).unwrap();
+    // The same values at padded strides (each dim-1 row set 20 elements apart beyond its 3216).
+    let row = 3 * 67 * 16 + 20;
+    let mut padded = vec![-1f32; 2 * 130 * row];
+    for (i, v) in x.iter().enumerate() {
+        padded[i / (3 * 67 * 16) * row + i % (3 * 67 * 16)] = *v;
+    }
+    let strided = TensorRef::strided(&padded, &shape, &[130 * row, row, 67 * 16, 16, 1], 0).unwrap();
+    let attrs = [("dims", AttrValue::Ints(dims.clone()))];
+    for input in [contiguous, strided] {
+        let out = run_checked("permute", &[Some(input)], &attrs);
+        for (o, v) in out[0].iter().enumerate() {
+            // out[i0, i3, i2, i1, i4] with out's shape [2, 67, 3, 130, 16].
+            let (i4, i1, i2, i3, i0) =
+                (o % 16, o / 16 % 130, o / (16 * 130) % 3, o / (16 * 130 * 3) % 67, o / (16 * 130 * 3 * 67));
+            let want = (((i0 * 130 + i1) * 3 + i2) * 67 + i3) * 16 + i4;
+            assert_eq!(*v, want as f64, "out[{i0}, {i3}, {i2}, {i1}, {i4}]");
+        }
+        let out_f32: Vec<f32> = out[0].iter().map(|&v| v as f32).collect();
+        let dout = TensorRef::new(&out_f32, &[2, 67, 3, 130, 16]).unwrap();
+        let dx = run_checked("permute_backward", &[Some(dout)], &attrs);
+        assert!(dx[0].iter().zip(&x).all(|(a, b)| *a == *b as f64), "permute_backward undoes permute");
+    }
+    // bf16 rows of 5 (10 bytes: tiles of 64 rows), HF's [B, S, H, D] -> [B, H, S, D].
+    let xb: Vec<bf16> = (0..3 * 100 * 7 * 5).map(|i| bf16::from_f32((i % 251) as f32)).collect();
+    let tb = TensorRef::new(&xb, &[3, 100, 7, 5]).unwrap();
+    let out = run_checked("permute", &[Some(tb)], &[("dims", AttrValue::Ints(vec![0, 2, 1, 3]))]);
+    for (o, v) in out[0].iter().enumerate() {
+        let (d, s, h, b) = (o % 5, o / 5 % 100, o / 500 % 7, o / 3500);
+        assert_eq!(*v, xb[((b * 100 + s) * 7 + h) * 5 + d].to_f64(), "out[{b}, {h}, {s}, {d}]");
+    }
+}
+
 /// A float64 call runs the op's f64 reference: exact to f64 rounding (here silu against its
 /// closed form), with f64 outputs. Mixing f64 with another floating dtype is not such a call and
 /// gets the op's usual dtype error.
