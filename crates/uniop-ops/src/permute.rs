@@ -2,12 +2,13 @@
 //! .contiguous()` in torch, aclnnPermute in CANN. The layout changes of attention, e.g. HF's
 //! `[B, S, H, D]` projections to `[B, H, S, D]` for a kernel or a cache that wants heads outer.
 //!
-//! The copy walks the output in order and reads `x` through its strides reordered by `dims`, so
-//! any input layout is read in place and every block writes one contiguous range.
+//! The copy reads `x` through its strides reordered by `dims`, so any input layout is read in
+//! place. Where the last dim stays last, rows are copied in tiles ([`uniop::RowTiles`]) so that
+//! reads and writes both run in order; otherwise the output is walked in order.
 
 use uniop::{
-    BlockCtx, DType, ErrorCode, Example, KernelArgs, Layout, Op, OpCx, Plan, RefTensor, Result, Step, StridedRuns,
-    TensorMeta,
+    BlockCtx, DType, ErrorCode, Example, KernelArgs, Layout, Op, OpCx, Plan, RefTensor, Result, RowTiles, Step,
+    StridedRuns, TensorMeta,
 };
 
 pub struct Permute;
@@ -67,104 +68,15 @@ fn permuted(layout: &Layout, order: &[usize]) -> Result<Layout> {
 fn kernel(args: &KernelArgs, ctx: BlockCtx, order: &[usize], elem_size: usize) {
     let (x, out) = (args.input(0), args.output(0));
     let source = permuted(x.layout(), order).expect("a permutation of a checked layout");
-    if let Some(tiles) = RowTiles::new(&source, elem_size) {
-        // SAFETY: as below; each block writes the rows of its own tiles.
-        unsafe { tiles.copy(out.as_mut_byte_ptr(), out.layout().offset(), x.as_ptr(), elem_size, ctx) };
+    if let Some(tiles) = RowTiles::new(out.layout(), &source, elem_size) {
+        // SAFETY: both layouts were checked against their buffers; each block writes the rows
+        // of its own tiles.
+        unsafe { tiles.copy(out.as_mut_byte_ptr(), x.as_ptr(), elem_size, ctx.split(tiles.items())) };
         return;
     }
     let runs = StridedRuns::<2>::new([out.layout(), &source]);
-    // SAFETY: both layouts were checked against their buffers; each block writes its own range
-    // of the output.
+    // SAFETY: as above; each block writes its own range of the output.
     unsafe { runs.copy(out.as_mut_byte_ptr(), x.as_ptr(), elem_size, ctx.split(out.meta().numel())) };
-}
-
-/// A permute that keeps the last dim in place, copied as a transpose of whole rows (runs of the
-/// last dim) in square-ish tiles. Walking the output in order reads one row from each step of
-/// the dim that moved outward: at HF's `[B, S, H, D]` → `[B, H, S, D]`, one 256-byte bf16 row
-/// every `H · D` elements (8 KiB), and the other way every `S · D` (512 KiB), a new page per row
-/// that the prefetchers never follow. In tiles of `T × T` rows, the reads run along `T`
-/// consecutive rows of the input as the writes run along `T` of the output (`uniop bench`, that
-/// shape, 2 threads: bf16 0.94 -> 0.69 ms, f32 2.03 -> 1.44 ms; the backward 1.11 -> 0.68 and
-/// 1.77 -> 1.45).
-struct RowTiles {
-    shape: Vec<usize>,
-    /// The source's strides (in elements) in output dim order, and its offset.
-    strides: Vec<usize>,
-    offset: usize,
-    /// The output dim just outside the row (`rank - 2`), and the one whose rows lie next to each
-    /// other in the input: the tile's two sides.
-    along_out: usize,
-    along_in: usize,
-    tile: usize,
-}
-
-impl RowTiles {
-    /// The tiling of a copy into a contiguous output from `source` (a view in output order), or
-    /// None where plain runs already read in order: a moved last dim, or the row's neighbours
-    /// in the output also its closest neighbours in the input.
-    fn new(source: &Layout, elem_size: usize) -> Option<RowTiles> {
-        let (shape, strides) = (source.shape(), source.strides());
-        let rank = shape.len();
-        if rank < 3 || strides[rank - 1] != 1 || shape.contains(&0) {
-            return None;
-        }
-        let along_out = rank - 2;
-        let along_in = (0..rank - 1).filter(|&d| shape[d] > 1).min_by_key(|&d| strides[d])?;
-        if along_in == along_out || shape[along_out] == 1 {
-            return None;
-        }
-        // About a page of each side's rows per tile line.
-        let tile = (4096 / (shape[rank - 1] * elem_size).max(1)).clamp(2, 64);
-        Some(RowTiles {
-            shape: shape.to_vec(),
-            strides: strides.to_vec(),
-            offset: source.offset(),
-            along_out,
-            along_in,
-            tile,
-        })
-    }
-
-    /// Copies this block's share of the tiles: `tile` steps of `along_in` (all of `along_out`)
-    /// for each index of the other dims.
-    ///
-    /// # Safety
-    /// `dst` (contiguous from `dst_offset`, in output order) and `src` must be the storages the
-    /// layouts describe; no other block writes this block's tiles.
-    unsafe fn copy(&self, dst: *mut u8, dst_offset: usize, src: *const u8, elem_size: usize, ctx: BlockCtx) {
-        let rank = self.shape.len();
-        let (a, b, t) = (self.along_in, self.along_out, self.tile);
-        let row_bytes = self.shape[rank - 1] * elem_size;
-        let mut out_strides = vec![0; rank];
-        let mut stride = 1;
-        for d in (0..rank).rev() {
-            out_strides[d] = stride;
-            stride *= self.shape[d];
-        }
-        let others: Vec<usize> = (0..rank - 1).filter(|&d| d != a && d != b).collect();
-        let a_tiles = self.shape[a].div_ceil(t);
-        let outer: usize = others.iter().map(|&d| self.shape[d]).product();
-        for item in ctx.split(outer * a_tiles) {
-            let (mut rest, a0) = (item / a_tiles, item % a_tiles * t);
-            let (mut from, mut to) = (self.offset, dst_offset);
-            for &d in others.iter().rev() {
-                let i = rest % self.shape[d];
-                rest /= self.shape[d];
-                from += i * self.strides[d];
-                to += i * out_strides[d];
-            }
-            let a_rows = a0..(a0 + t).min(self.shape[a]);
-            for b0 in (0..self.shape[b]).step_by(t) {
-                for i in a_rows.clone() {
-                    for j in b0..(b0 + t).min(self.shape[b]) {
-                        let s = from + i * self.strides[a] + j * self.strides[b];
-                        let o = to + i * out_strides[a] + j * out_strides[b];
-                        std::ptr::copy_nonoverlapping(src.add(s * elem_size), dst.add(o * elem_size), row_bytes);
-                    }
-                }
-            }
-        }
-    }
 }
 
 /// Output meta of a permute of tensor argument `arg` (`inverse`: by the inverse of `dims`).

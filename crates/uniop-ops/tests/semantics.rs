@@ -1499,6 +1499,26 @@ fn argmax_takes_the_first_maximum_and_nan_along_any_dim() {
     assert_eq!(argmax(&[6], &[("keepdim", AttrValue::Bool(true))]), [4]);
 }
 
+/// argmax wants a contiguous x, so a `[S, H, V]` buffer viewed as `[H, S, V]` is staged first:
+/// by the row-tiled copy (`uniop::RowTiles`), whose tiles are cut ragged at both ends here.
+#[test]
+fn argmax_of_a_permuted_view_is_staged_row_by_row() {
+    setup();
+    let (s, h, v) = (70, 9, 40);
+    let x: Vec<f32> = (0..s * h * v).map(|i| ((i * 7919) % 1009) as f32).collect();
+    let view = TensorRef::strided(&x, &[h, s, v], &[v, h * v, 1], 0).unwrap();
+    let entry = Registry::global().get("argmax").unwrap();
+    let meta = infer(&entry, &[Some(view.clone())], &[]).unwrap().remove(0);
+    let mut out = Tensor::with_meta(meta).unwrap();
+    uniop::call("argmax", &[Some(view)], &[], vec![out.view_mut()]).unwrap();
+    let got = out.view().to_vec::<i64>().unwrap();
+    for (head, row) in (0..h).flat_map(|head| (0..s).map(move |row| (head, row))) {
+        let values = &x[(row * h + head) * v..][..v];
+        let first_max = (0..v).fold(0, |best, i| if values[i] > values[best] { i } else { best });
+        assert_eq!(got[head * s + row], first_max as i64, "argmax of [{head}, {row}]");
+    }
+}
+
 #[test]
 fn argmax_of_long_rows_finds_ties_nans_and_signed_zeros_in_any_chunk() {
     setup();

@@ -14,7 +14,7 @@
 //! `rebind_*` calls swap tensor addresses (same dtype/shape/strides) without planning again.
 
 use crate::error::{Error, ErrorCode, Result};
-use crate::layout::{MetaRef, StridedRuns, TensorMeta};
+use crate::layout::{MetaRef, RowTiles, StridedRuns, TensorMeta};
 use crate::op::{block_dim_for, reference_plan, Bound, KernelArgs, LayoutNeed, Step};
 use crate::registry::{OpEntry, Registry};
 use crate::runtime::profiler::{self, LaunchKind};
@@ -677,6 +677,7 @@ fn copy_task(src: Bound, dst: Bound, step: &'static str, op: impl FnOnce() -> Ar
     let n = src.meta.numel();
     let size = src.meta.dtype.size();
     let runs = StridedRuns::<2>::new([&dst.meta.layout, &src.meta.layout]);
+    let tiles = RowTiles::new(&dst.meta.layout, &src.meta.layout, size);
     let block_num = copy_block_dim(&src.meta);
     let label = profiler::label(
         op,
@@ -687,9 +688,14 @@ fn copy_task(src: Bound, dst: Bound, step: &'static str, op: impl FnOnce() -> Ar
     );
     let (src_ptr, dst_ptr) = (SendPtr(src.ptr), SendPtr(dst.ptr));
     let kernel = Arc::new(move |ctx: BlockCtx| {
-        // SAFETY: both layouts were checked against their buffers; blocks copy disjoint
+        // SAFETY: both layouts were checked against their buffers; blocks copy disjoint rows or
         // element ranges of `dst`.
-        unsafe { runs.copy(dst_ptr.get(), src_ptr.get(), size, ctx.split(n)) }
+        unsafe {
+            match &tiles {
+                Some(tiles) => tiles.copy(dst_ptr.get(), src_ptr.get(), size, ctx.split(tiles.items())),
+                None => runs.copy(dst_ptr.get(), src_ptr.get(), size, ctx.split(n)),
+            }
+        }
     });
     Launch { block_num, kernel, label }
 }

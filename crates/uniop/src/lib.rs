@@ -28,7 +28,7 @@ pub use dtype::{DType, Element, FloatElement};
 pub use error::{Error, ErrorCode, Result};
 pub use executor::Executor;
 pub use half;
-pub use layout::{broadcast_shapes, Layout, MetaRef, Runs, StridedRuns, TensorMeta};
+pub use layout::{broadcast_shapes, Layout, MetaRef, RowTiles, Runs, StridedRuns, TensorMeta};
 pub use op::{block_dim_for, Autocast, Example, KernelArgs, LayoutNeed, Op, OpCx, OutputView, Plan, RefTensor, Step};
 pub use registry::{OpEntry, Registry};
 pub use runtime::{launch, BlockCtx, Event, Stream};
