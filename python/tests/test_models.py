@@ -97,11 +97,57 @@ def test_mlp_keeps_its_products_only_where_autograd_records():
         assert torch.allclose(got[name], g, atol=1e-5, rtol=1e-4), name
 
 
+def test_module_ops_skip_the_dispatcher_only_where_torch_need_not_see_the_call(monkeypatch):
+    """uniop.torch.nn's ops call uniop.<op> directly under no_grad (the same values as
+    torch.ops.uniop), and go through torch's dispatcher wherever torch has to see the call:
+    autograd, autocast, fake tensors, vmap, the profiler. Ops that write into an argument always
+    take the dispatcher."""
+    import uniop
+
+    direct_calls = []
+    real = uniop.rms_norm
+    monkeypatch.setattr(uniop, "rms_norm", lambda *a, **k: direct_calls.append(1) or real(*a, **k))
+    ops = unn._Ops()  # a fresh namespace picks up the spy
+    x, w = torch.randn(3, 16), torch.randn(16)
+
+    with torch.no_grad():
+        y = ops.rms_norm(x, w, 1e-6)
+    assert direct_calls and type(y[0]) is torch.Tensor
+    assert all(torch.equal(a, b) for a, b in zip(y, torch.ops.uniop.rms_norm(x, w, 1e-6)))
+
+    def dispatched(fn):
+        direct_calls.clear()
+        out = fn()
+        assert not direct_calls
+        return out
+
+    xg = x.clone().requires_grad_()
+    assert dispatched(lambda: ops.rms_norm(xg, w, 1e-6))[0].grad_fn is not None
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert dispatched(lambda: ops.rms_norm(x, w, 1e-6))[0].dtype == torch.float32
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.no_grad(), FakeTensorMode():
+        fake = dispatched(lambda: ops.rms_norm(torch.empty(3, 16), torch.empty(16), 1e-6))[0]
+    assert fake.shape == (3, 16)
+    with torch.no_grad():
+        batched = dispatched(lambda: torch.vmap(lambda r: ops.rms_norm(r, w, 1e-6)[0])(x))
+        assert torch.allclose(batched, y[0])
+        assert "uniop::rms_norm" in dispatched(lambda: _uniop_ops_run(lambda: ops.rms_norm(x, w, 1e-6)))
+    assert ops.kv_cache_append is torch.ops.uniop.kv_cache_append
+
+
 def test_torch_compile_fullgraph_no_graph_breaks():
     torch.manual_seed(0)
     block, x = Block(), torch.randn(2, 16, 64)
     explanation = torch._dynamo.explain(block)(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
+    with torch.no_grad():  # where eager calls skip the dispatcher, a trace must still see the ops
+        explanation = torch._dynamo.explain(block)(x)
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        traced = torch.jit.trace(block, x, check_trace=False)
+        assert "uniop::attention" in traced.inlined_graph.str()
+        assert torch.allclose(traced(x + 1), block(x + 1), atol=1e-5)
     compiled = torch.compile(block, fullgraph=True)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     eager_out = block(x1)
@@ -213,6 +259,41 @@ def test_patch_llama_keeps_logits_and_greedy_tokens(dtype, tol):
         clear = (top2[..., 0] - top2[..., 1]) > 2 * tol
         assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_patched_attention_runs_straight_through_and_keeps_transformers_for_masks():
+    """Under patch_llama, a plain call of LlamaAttention (no mask, the dynamic cache) runs the
+    projections, rope and uniop attention itself, never the attention interface; a padded batch
+    keeps transformers' forward (SDPA through the interface). Both match the unpatched model."""
+    from transformers import AttentionInterface
+
+    model = _tiny_llama()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    with torch.no_grad():
+        want_plain = model(ids).logits
+        want_padded = model(ids, attention_mask=mask).logits
+        want_tokens = model.generate(ids[:1], max_new_tokens=6, do_sample=False)
+    interface_calls = []
+    try:
+        ut.patch_llama(model)
+        from uniop.torch import llama
+
+        AttentionInterface.register(
+            llama.ATTENTION, lambda *a, **k: interface_calls.append(1) or llama._attention(*a, **k)
+        )
+        with torch.no_grad():
+            got_plain = model(ids).logits
+            tokens = model.generate(ids[:1], max_new_tokens=6, do_sample=False)
+            assert not interface_calls
+            got_padded = model(ids, attention_mask=mask).logits
+            assert interface_calls
+    finally:
+        ut.unpatch_llama()
+    assert torch.allclose(got_plain, want_plain, atol=1e-4)
+    assert torch.allclose(got_padded[mask.bool()], want_padded[mask.bool()], atol=1e-4)
+    assert torch.equal(tokens, want_tokens)
 
 
 def test_patched_layers_fuse_residual_adds_and_train_like_transformers():
