@@ -296,6 +296,39 @@ def test_patched_attention_runs_straight_through_and_keeps_transformers_for_mask
     assert torch.equal(tokens, want_tokens)
 
 
+@pytest.mark.parametrize(
+    "f32, bf16, vendor, want",
+    [
+        ("avx512", "avx512", "AuthenticAMD", {torch.float32}),
+        ("avx512", "amx", "GenuineIntel", {torch.bfloat16}),
+        ("avx512", "avx512", "GenuineIntel", set()),
+        ("avx2", "avx2", "AuthenticAMD", {torch.bfloat16}),
+        ("avx512", "amx", "", {torch.float32, torch.bfloat16}),
+    ],
+)
+def test_prefill_gemm_goes_where_it_is_faster(monkeypatch, f32, bf16, vendor, want):
+    """Which dtypes' prefill-sized linears patch_llama gives uniop's GEMM: float32 with AVX-512
+    except on Intel CPUs (where MKL runs AVX-512 too), bfloat16 with AMX or without AVX512-BF16."""
+    import uniop
+    from uniop.torch import llama
+
+    monkeypatch.setattr(uniop, "gemm_kernels", lambda: {"float32": f32, "bfloat16": bf16})
+    monkeypatch.setattr(llama, "_cpu_vendor", lambda: vendor)
+    assert llama._all_rows_dtypes() == want
+
+
+def test_cpu_vendor_reads_proc_cpuinfo():
+    from uniop.torch import llama
+
+    vendor = llama._cpu_vendor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            ids = {line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")}
+    except OSError:
+        ids = set()
+    assert vendor in ids if ids else vendor == ""
+
+
 def test_patched_layers_fuse_residual_adds_and_train_like_transformers():
     """The patched decoder layer runs its residual adds inside add_rms_norm and linear_add (a
     9-token prompt is few rows: uniop's GEMM on every CPU), and a training step through them gives

@@ -120,24 +120,42 @@ def _mlp_forward(original):
 
 # Up to this many rows uniop's linear (weight streamed by column bands, all cores) beats torch's
 # in every dtype. Past it, each dtype goes to the faster GEMM on this CPU, per
-# `uniop.gemm_kernels()`:
-# - float32: uniop's with AVX-512 (it ran the Llama prefill linears 1.02-1.31x torch's on an
-#   AVX-512 machine; the tiny Llama's fp32 prefill 1.03x -> 1.18x patched), torch's on AVX2
-#   only (there torch's ran a tiny-Llama layer's seven 512-row linears in 11.7 ms against
-#   uniop's 13.2, best of 12 alternations).
+# `uniop.gemm_kernels()` and the CPU's vendor:
+# - float32: uniop's with AVX-512 on CPUs other than Intel's, where torch's BLAS (MKL) does not
+#   take its AVX-512 kernels: on an AVX-512 EPYC uniop's ran the Llama prefill linears 1.02-1.31x
+#   torch's (the tiny Llama's fp32 prefill 1.03x -> 1.18x patched). On an Intel Xeon (AMX) MKL's
+#   ran them faster: the tiny Llama's fp32 prefill took 0.89x the time with torch's GEMM (median of
+#   8 alternated pairs), so prefill keeps torch's there. On AVX2 alone torch's too (it ran a
+#   tiny-Llama layer's seven 512-row linears in 11.7 ms against uniop's 13.2, best of 12
+#   alternations).
 # - bfloat16: uniop's where the CPU lacks AVX512-BF16: there torch's bf16 GEMM ran at ~20
 #   GFLOP/s and uniop's AVX2 one at ~134 (6.5-7.2x on the Llama shapes). With AVX512-BF16 both
 #   GEMMs use the pair instruction, run at par, and prefill keeps torch's. With AMX both use
 #   tiles, and uniop's ran the tiny Llama's four 512-row linears 1.03-1.17x oneDNN's in all
 #   (0.7-0.85x on 384 -> 1024, 1.2-1.4x on the others; alternated, medians), so prefill takes
-#   uniop's: bf16 prefill 1.07-1.17x -> 1.25-1.28x patched.
+#   uniop's: bf16 prefill 1.07-1.17x -> 1.25-1.28x patched (1.25x the speed of torch's GEMM
+#   route, median of 8 alternated pairs, at b5bb1e4).
 # - float16 keeps torch's.
 _FEW_ROWS = 16
 
 
+def _cpu_vendor():
+    """The CPU's vendor id from Linux's ``/proc/cpuinfo`` (``"GenuineIntel"``, ``"AuthenticAMD"``),
+    or ``""`` where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def _all_rows_dtypes():
     kernels = uniop.gemm_kernels()
-    return ({torch.float32} if kernels["float32"] == "avx512" else set()) | (
+    float32 = kernels["float32"] == "avx512" and _cpu_vendor() != "GenuineIntel"
+    return ({torch.float32} if float32 else set()) | (
         {torch.bfloat16} if kernels["bfloat16"] in ("avx2", "scalar", "amx") else set()
     )
 
