@@ -533,15 +533,27 @@ pub fn widen_step<T: FloatElement, const NATIVE: bool, const N: usize>(src: &[T]
     }
 }
 
-/// The first `dst.len()` (≤ `N`) lanes of a step, narrowed into `dst`.
+/// The first `dst.len()` (≤ `N`, a multiple of 8) lanes of a step, narrowed into `dst` — by the
+/// CPU's instruction when `NATIVE` (see [`to_f32`]; bf16's `vcvtneps2bf16`, where
+/// [`FloatElement::narrow_lanes`] rounds in integer ops and checks the CPU on every call: rope's
+/// head-dim-64 rows spent most of their time there).
 #[inline(always)]
-pub fn narrow_step<T: FloatElement, const N: usize>(src: &[f32; N], dst: &mut [T]) {
+pub fn narrow_step<T: FloatElement, const NATIVE: bool, const N: usize>(src: &[f32; N], dst: &mut [T]) {
+    let narrow = |whole: &mut [T; N]| {
+        if NATIVE {
+            // SAFETY: `NATIVE` only where `T::converts_natively()` (see `to_f32`).
+            unsafe { T::narrow_lanes_natively(src, whole) }
+        } else {
+            *whole = T::narrow_lanes(src);
+        }
+    };
     if dst.len() == N {
-        let whole: &mut [T; N] = dst.try_into().expect("a whole step");
-        *whole = T::narrow_lanes(src);
+        narrow(dst.try_into().expect("a whole step"));
     } else {
+        let mut whole = [T::default(); N];
+        narrow(&mut whole);
         let n = dst.len();
-        dst.copy_from_slice(&T::narrow_lanes(src)[..n]);
+        dst.copy_from_slice(&whole[..n]);
     }
 }
 

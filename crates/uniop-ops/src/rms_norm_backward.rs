@@ -78,8 +78,8 @@ fn backward_row_as<T: FloatElement, W: FloatElement, const NATIVE: bool>(
             out[i] += rstd * d[i] * wv[i] - xv[i] * coeff;
             gw[i] += d[i] * xv[i] * rstd;
         }
-        narrow_step(&gw, &mut dw[start..end]);
-        narrow_step(&out, &mut dx[start..end]);
+        narrow_step::<_, NATIVE, LANES>(&gw, &mut dw[start..end]);
+        narrow_step::<_, NATIVE, LANES>(&out, &mut dx[start..end]);
     }
 }
 

@@ -125,8 +125,8 @@ fn rotate_row<T: FloatElement, C: FloatElement, const N: usize, const NATIVE: bo
                 for k in 0..N {
                     (bo[k], bo2[k]) = rotate(bx[k], by[k], bc[k], bs[k], bc2[k], bs2[k], inverse);
                 }
-                narrow_step(&bo, &mut out[i..i + n]);
-                narrow_step(&bo2, &mut out[h + i..h + i + n]);
+                narrow_step::<_, NATIVE, N>(&bo, &mut out[i..i + n]);
+                narrow_step::<_, NATIVE, N>(&bo2, &mut out[h + i..h + i + n]);
             }
         }
         Mode::Interleave => {
@@ -141,7 +141,7 @@ fn rotate_row<T: FloatElement, C: FloatElement, const N: usize, const NATIVE: bo
                 for k in (0..N).step_by(2) {
                     (bo[k], bo[k + 1]) = rotate(bx[k], bx[k + 1], bc[k], bs[k], bc[k + 1], bs[k + 1], inverse);
                 }
-                narrow_step(&bo, &mut out[i..i + n]);
+                narrow_step::<_, NATIVE, N>(&bo, &mut out[i..i + n]);
             }
         }
     }

@@ -688,24 +688,30 @@ fn rope_matches_hf_rotate_half_on_bsnd_and_bnsd_layouts_and_inverts() {
 
 /// Rows step in the widest of 64, 32 and 16 lanes that divides the rotated span (a half in mode
 /// 'half'), else in padded 64-lane steps: every width, both modes, full and partial rotary, against
-/// the f64 reference (forward and backward).
+/// the f64 reference (forward and backward), in f32 and in bf16 (narrowed by the CPU's instruction
+/// where it has one, whole steps and padded ones alike).
 #[test]
 fn rope_steps_of_every_width_match_the_reference() {
     setup();
-    // (head dim, rotated dims): spans of 64, 32, 16 (and 48), and 40 (no width divides it).
-    for (d, r) in [(128, 128), (64, 64), (32, 32), (96, 96), (80, 80), (128, 64)] {
-        for (mode, interleave) in [("half", false), ("interleave", true)] {
-            let (s, n) = (3, 2);
-            let x = rand_vec(s * n * d, 81 + d as u64);
-            let (cos, sin) = rope_tables(s, r, interleave);
-            let tables = [TensorRef::new(&cos, &[s, 1, r]).unwrap(), TensorRef::new(&sin, &[s, 1, r]).unwrap()];
-            let attrs = [("mode", AttrValue::from(mode))];
-            for op in ["rope", "rope_backward"] {
-                let x = TensorRef::new(&x, &[s, n, d]).unwrap();
-                run_checked(op, &[Some(x), Some(tables[0].clone()), Some(tables[1].clone())], &attrs);
+    fn check<T: uniop::Element>(narrow: impl Fn(f32) -> T) {
+        // (head dim, rotated dims): spans of 64, 32, 16 (and 48), and 40 (no width divides it).
+        for (d, r) in [(128, 128), (64, 64), (32, 32), (96, 96), (80, 80), (128, 64)] {
+            for (mode, interleave) in [("half", false), ("interleave", true)] {
+                let (s, n) = (3, 2);
+                let x: Vec<T> = rand_vec(s * n * d, 81 + d as u64).into_iter().map(&narrow).collect();
+                let (cos, sin) = rope_tables(s, r, interleave);
+                let [cos, sin]: [Vec<T>; 2] = [cos, sin].map(|t| t.into_iter().map(&narrow).collect());
+                let tables = [TensorRef::new(&cos, &[s, 1, r]).unwrap(), TensorRef::new(&sin, &[s, 1, r]).unwrap()];
+                let attrs = [("mode", AttrValue::from(mode))];
+                for op in ["rope", "rope_backward"] {
+                    let x = TensorRef::new(&x, &[s, n, d]).unwrap();
+                    run_checked(op, &[Some(x), Some(tables[0].clone()), Some(tables[1].clone())], &attrs);
+                }
             }
         }
     }
+    check(|v| v);
+    check(bf16::from_f32);
 }
 
 #[test]
