@@ -890,7 +890,14 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (stat
             // Tiles inside the row's keys come packed from `panels` (not for decode-sized tiles,
             // which the GEMM runs as dot products without packing).
             let reused = panels_apply && j0 + TILE_KEYS <= t.len && rows > SKINNY_ROWS;
-            let (kb, vb) = (k.storage::<bf16>().ok(), v.storage::<bf16>().ok());
+            // By dtype, not by trying `storage::<bf16>()`: a failed one formats its error message.
+            let (kb, vb) = match k.dtype() {
+                DType::BF16 => (
+                    Some(k.storage::<bf16>().expect("dtype dispatched")),
+                    Some(v.storage::<bf16>().expect("v has q's dtype")),
+                ),
+                _ => (None, None),
+            };
             let tile_panels = reused.then(|| {
                 panels.tile((b, hkv), j0 / TILE_KEYS, |kp, vp| {
                     let (k0, v0) = (kr.at(b, hkv, j0), vr.at(b, hkv, j0));
