@@ -12,8 +12,8 @@ model's attention to uniop's flash attention (registered with transformers as th
 implementation; calls with a padding mask, dropout or softcap fall back to SDPA) and its linear
 layers (projections and ``lm_head``) to uniop ``linear``, which streams the weight at memory speed
 when there are few rows — decoding spends most of its time there — and, where uniop's GEMM is the
-faster one on this CPU (float32 with AVX-512; bfloat16 with AMX or without AVX512-BF16),
-prefill-sized products too. It also makes transformers' ``DynamicLayer.update`` (the default KV
+faster one on this CPU (float32 with AVX-512 on CPUs other than Intel's; bfloat16 with AMX or
+without AVX512-BF16), prefill-sized products too. It also makes transformers' ``DynamicLayer.update`` (the default KV
 cache) grow in place: the cache becomes a view of a buffer with room to spare, so a decode step
 writes its new rows instead of copying the whole cache with ``torch.cat`` (O(length) per layer and
 step). The ops themselves are called through :data:`uniop.torch.nn.uniop_ops`, which skips torch's
