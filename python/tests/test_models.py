@@ -317,16 +317,23 @@ def test_prefill_gemm_goes_where_it_is_faster(monkeypatch, f32, bf16, vendor, wa
     assert llama._all_rows_dtypes() == want
 
 
-def test_cpu_vendor_reads_proc_cpuinfo():
+def test_cpu_vendor_reads_proc_cpuinfo(monkeypatch):
+    """The vendor id from the first `vendor_id` line; "" where /proc/cpuinfo has none or cannot be read."""
+    import io
+
     from uniop.torch import llama
 
-    vendor = llama._cpu_vendor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            ids = {line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")}
-    except OSError:
-        ids = set()
-    assert vendor in ids if ids else vendor == ""
+    text = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nvendor_id\t: Other\n"
+    monkeypatch.setattr(llama, "open", lambda path: io.StringIO(text), raising=False)
+    assert llama._cpu_vendor() == "AuthenticAMD"
+    monkeypatch.setattr(llama, "open", lambda path: io.StringIO("processor\t: 0\n"), raising=False)
+    assert llama._cpu_vendor() == ""
+
+    def unreadable(path):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(llama, "open", unreadable, raising=False)
+    assert llama._cpu_vendor() == ""
 
 
 def test_patched_layers_fuse_residual_adds_and_train_like_transformers():

@@ -47,12 +47,12 @@ class _Ops:
     torch-made tensors; the direct one skips ``OpOverloadPacket.__call__``, the boxed stack and
     the dispatch tables, 2-3 µs a call with hot caches and 6-13 µs with cold ones (measured on a
     decode step's ops), which is how a decode step between weight reads finds them. Ops that write
-    into an argument (``Tensor(a!)``) always take the dispatcher, which bumps the argument's
-    version counter."""
+    into an argument (its schema's ``Tensor(a!)``) always take the dispatcher, which bumps the
+    argument's version counter."""
 
     def __getattr__(self, name):
         through_torch = getattr(torch.ops.uniop, name)
-        if "!" in uniop.op(name).schema:
+        if any(a["mutated"] for a in uniop.op(name).args):
             call = through_torch
         else:
             direct = getattr(uniop, name)
