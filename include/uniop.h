@@ -768,17 +768,20 @@ uniopStatus uniopRopeBackward(void *workspace,
                               uniopExecutor *executor,
                               uniopStream stream);
 
-// Phase 1 of `rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None) -> (Tensor cos, Tensor sin)`.
+// Phase 1 of `rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None, Tensor? inv_freq=None) -> (Tensor cos, Tensor sin)`.
 //
 // cos/sin tables for rope from integer positions (any shape; output [..., dim]), HF's default
 // rotary embedding: inv_freq = 1/theta^(2j/dim), angle = position * inv_freq in float32. mode
 // 'half' lays the dim/2 frequencies out twice (cat), 'interleave' repeats each in place. dtype:
-// float32 (default), float16, bfloat16.
+// float32 (default), float16, bfloat16. inv_freq (float32 [dim/2], optional) replaces
+// 1/theta^(2j/dim): a model's own table (HF's scaled ropes, or its default one as torch's pow
+// rounded it) gives its angles exactly.
 uniopStatus uniopRopeCosSinGetWorkspaceSize(const uniopTensor *positions,
                                             int64_t dim,
                                             double theta,
                                             const char *mode,
                                             const uniopDataType *dtype,
+                                            const uniopTensor *inv_freq,
                                             uniopTensor *cos,
                                             uniopTensor *sin,
                                             uint64_t *workspaceSize,

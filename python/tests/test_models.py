@@ -296,6 +296,57 @@ def test_patched_attention_runs_straight_through_and_keeps_transformers_for_mask
     assert torch.equal(tokens, want_tokens)
 
 
+def test_patched_rotary_tables_come_from_rope_cos_sin_of_the_models_own_frequencies(monkeypatch):
+    """Under patch_llama, LlamaRotaryEmbedding builds its tables with uniop rope_cos_sin from its
+    own inv_freq: the same shape and dtype as transformers' and the same values (the f32 angles are
+    the same; only cos/sin's last bit may differ) for the default rope, a linear-scaled and a llama3
+    one, and a table a ``.to(bfloat16)`` cast rounded. Dynamic and yarn ropes keep transformers'
+    forward, bit for bit."""
+    from transformers import LlamaConfig
+    from transformers.models.llama import modeling_llama as m
+
+    calls = []
+    real = unn.uniop_ops.rope_cos_sin
+    monkeypatch.setattr(unn.uniop_ops, "rope_cos_sin", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def rotary(**rope):
+        rope = {"rope_theta": 500000.0, **rope} if rope else {"rope_type": "default", "rope_theta": 10000.0}
+        cfg = LlamaConfig(hidden_size=512, num_attention_heads=4, max_position_embeddings=8192, rope_parameters=rope)
+        return m.LlamaRotaryEmbedding(cfg)
+
+    llama3 = dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=1024
+    )
+    pos = torch.tensor([[0, 1, 7, 511, 4000, 8191], [3, 2, 1, 0, 2047, 65537]])
+    cases = [  # (module, dtype of x, on uniop)
+        (rotary(), torch.float32, True),
+        (rotary(), torch.bfloat16, True),
+        (rotary(rope_type="linear", factor=4.0), torch.float32, True),
+        (rotary(**llama3), torch.float32, True),
+        (rotary().to(torch.bfloat16), torch.bfloat16, True),
+        (rotary(rope_type="dynamic", factor=2.0), torch.float32, False),
+        (rotary(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024), torch.float32, False),
+    ]
+    wants = [rot(torch.zeros(1, dtype=dtype), pos) for rot, dtype, _ in cases]
+    try:
+        ut.patch_llama()
+        with torch.no_grad():
+            for (rot, dtype, on_uniop), want in zip(cases, wants):
+                calls.clear()
+                got = rot(torch.zeros(1, dtype=dtype), pos)
+                assert bool(calls) == on_uniop, rot.rope_type
+                for g, w in zip(got, want):
+                    assert g.shape == w.shape and g.dtype == w.dtype
+                    if on_uniop:
+                        # One ulp of the f32 value (or of bf16, where rounding the f32 one may tip).
+                        tol = 1.2e-7 if dtype == torch.float32 else 8e-3
+                        torch.testing.assert_close(g, w, atol=tol, rtol=0)
+                    else:
+                        assert torch.equal(g, w)
+    finally:
+        ut.unpatch_llama()
+
+
 @pytest.mark.parametrize(
     "f32, bf16, vendor, want",
     [

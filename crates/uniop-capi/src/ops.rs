@@ -1221,12 +1221,14 @@ pub extern "C" fn uniopRopeBackward(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None) -> (Tensor cos, Tensor sin)`.
+/// Phase 1 of `rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None, Tensor? inv_freq=None) -> (Tensor cos, Tensor sin)`.
 ///
 /// cos/sin tables for rope from integer positions (any shape; output [..., dim]), HF's default
 /// rotary embedding: inv_freq = 1/theta^(2j/dim), angle = position * inv_freq in float32. mode
 /// 'half' lays the dim/2 frequencies out twice (cat), 'interleave' repeats each in place. dtype:
-/// float32 (default), float16, bfloat16.
+/// float32 (default), float16, bfloat16. inv_freq (float32 [dim/2], optional) replaces
+/// 1/theta^(2j/dim): a model's own table (HF's scaled ropes, or its default one as torch's pow
+/// rounded it) gives its angles exactly.
 #[no_mangle]
 pub extern "C" fn uniopRopeCosSinGetWorkspaceSize(
     positions: *const uniopTensor,
@@ -1234,6 +1236,7 @@ pub extern "C" fn uniopRopeCosSinGetWorkspaceSize(
     theta: f64,
     mode: *const c_char,
     dtype: *const uniopDataType,
+    inv_freq: *const uniopTensor,
     cos: *mut uniopTensor,
     sin: *mut uniopTensor,
     workspaceSize: *mut u64,
@@ -1241,7 +1244,7 @@ pub extern "C" fn uniopRopeCosSinGetWorkspaceSize(
 ) -> uniopStatus {
     const F: &str = "uniopRopeCosSinGetWorkspaceSize";
     guard(|| {
-        let inputs: [(&str, *const uniopTensor); 1] = [("positions", positions)];
+        let inputs: [(&str, *const uniopTensor); 2] = [("positions", positions), ("inv_freq", inv_freq)];
         let attrs: [(&str, AttrValue); 4] = [
             ("dim", AttrValue::Int(dim)),
             ("theta", AttrValue::Float(theta)),

@@ -1,11 +1,17 @@
-//! `rope_cos_sin(positions, dim, theta=10000, mode='half', dtype=None) -> (cos, sin)`: the tables
-//! `rope` takes, built the way HF's default rotary embedding builds them, so callers need no
+//! `rope_cos_sin(positions, dim, theta=10000, mode='half', dtype=None, inv_freq=None) -> (cos, sin)`:
+//! the tables `rope` takes, built the way HF's rotary embeddings build them, so callers need no
 //! Python math.
 //!
 //! `inv_freq[j] = 1 / theta^(2j/dim)` (rounded to f32), `angle = f32(position) · inv_freq[j]` in
 //! f32 — the same rounding steps as HF, which matter at long positions — then cos/sin of that
-//! angle. Layout of the last dim: `half` repeats the `dim/2` frequencies twice (`cat(freqs,
-//! freqs)`), `interleave` repeats each one in place (`repeat_interleave(2)`).
+//! angle. A given `inv_freq` (f32 `[dim/2]`) replaces the computed one: HF's scaled ropes (linear,
+//! llama3) are this formula with their own frequencies, and even HF's default table is not always
+//! ours bit for bit (torch's f32 `pow` is not correctly rounded: at head dim 128 it differs from
+//! the rounded exact value in ~19 of 64 frequencies by an ulp, which moves angles at position p by
+//! up to p·inv_freq·2⁻²³). Passing the model's own table gives its angles exactly.
+//!
+//! Layout of the last dim: `half` repeats the `dim/2` frequencies twice (`cat(freqs, freqs)`),
+//! `interleave` repeats each one in place (`repeat_interleave(2)`).
 
 use crate::math;
 use crate::rope::Mode;
@@ -19,6 +25,8 @@ pub struct RopeCosSin;
 struct Table {
     dim: usize,
     mode: Mode,
+    /// From `theta`; empty when the caller gives `inv_freq` (read at launch: plans are reused
+    /// across calls with other tensors).
     inv_freq: Vec<f32>,
     dtype: DType,
 }
@@ -49,6 +57,20 @@ fn table(cx: &OpCx) -> Result<Table> {
         return Err(cx.err(ErrorCode::DType, "dtype", "float32, float16 or bfloat16", dtype));
     }
     let dim = dim as usize;
+    if let Some(given) = cx.optional_input("inv_freq") {
+        if given.dtype != DType::F32 {
+            return Err(cx.err(ErrorCode::DType, "inv_freq", "dtype float32", given.dtype));
+        }
+        if given.shape() != [dim / 2] {
+            return Err(cx.err(
+                ErrorCode::Shape,
+                "inv_freq",
+                format!("shape [{}] (dim / 2)", dim / 2),
+                format!("shape {:?}", given.shape()),
+            ));
+        }
+        return Ok(Table { dim, mode, inv_freq: Vec::new(), dtype });
+    }
     let inv_freq = (0..dim / 2).map(|j| (1.0 / theta.powf(2.0 * j as f64 / dim as f64)) as f32).collect();
     Ok(Table { dim, mode, inv_freq, dtype })
 }
@@ -70,9 +92,9 @@ impl Table {
         }
     }
 
-    /// The f32 angle HF computes for `position` and column `k`.
-    fn angle(&self, position: f64, k: usize) -> f32 {
-        position as f32 * self.inv_freq[self.freq(k)]
+    /// The f32 angle HF computes for `position` and column `k` with frequencies `inv_freq`.
+    fn angle(&self, inv_freq: &[f32], position: f64, k: usize) -> f32 {
+        position as f32 * inv_freq[self.freq(k)]
     }
 }
 
@@ -86,7 +108,14 @@ fn kernel<P: Element, T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, t: &Tab
     let ps = pos.storage::<P>().expect("dtype dispatched");
     let (cos, sin) = (args.output(0), args.output(1));
     let half = t.dim / 2;
-    let largest_freq = t.inv_freq.iter().fold(0f32, |m, &f| m.max(f));
+    let given = args.optional_input(1);
+    let inv_freq = match &given {
+        // Dense (the plan asks for it), `dim / 2` long (checked when planned).
+        Some(f) => &f.storage::<f32>().expect("checked when planned")[f.layout().offset()..][..half],
+        None => &t.inv_freq[..],
+    };
+    // By magnitude: a caller's table may hold negative frequencies.
+    let largest_freq = inv_freq.iter().fold(0f32, |m, &f| m.max(f.abs()));
     let (mut c_lanes, mut s_lanes) = ([0f32; LANES], [0f32; LANES]);
     for row in ctx.split(pos.layout().numel()) {
         let p = ps[pos.layout().offset_of_linear(row)].to_f64() as f32;
@@ -100,7 +129,7 @@ fn kernel<P: Element, T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, t: &Tab
         };
         for j0 in (0..half).step_by(LANES) {
             let w = LANES.min(half - j0);
-            let freqs = &t.inv_freq[j0..j0 + w];
+            let freqs = &inv_freq[j0..j0 + w];
             if exact {
                 for ((f, cl), sl) in freqs.iter().zip(&mut c_lanes).zip(&mut s_lanes) {
                     let (sv, cv) = math::sin_cos((p * f) as f64);
@@ -131,13 +160,15 @@ fn step<P: Element>(cx: &OpCx, t: std::sync::Arc<Table>, block_dim: u32) -> Resu
 
 impl Op for RopeCosSin {
     fn schema(&self) -> &'static str {
-        "rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None) -> (Tensor cos, Tensor sin)"
+        "rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None, Tensor? inv_freq=None) -> (Tensor cos, Tensor sin)"
     }
 
     fn doc(&self) -> &'static str {
         "cos/sin tables for rope from integer positions (any shape; output [..., dim]), HF's default rotary \
          embedding: inv_freq = 1/theta^(2j/dim), angle = position * inv_freq in float32. mode 'half' lays the \
-         dim/2 frequencies out twice (cat), 'interleave' repeats each in place. dtype: float32 (default), float16, bfloat16."
+         dim/2 frequencies out twice (cat), 'interleave' repeats each in place. dtype: float32 (default), float16, bfloat16. \
+         inv_freq (float32 [dim/2], optional) replaces 1/theta^(2j/dim): a model's own table (HF's scaled ropes, or \
+         its default one as torch's pow rounded it) gives its angles exactly."
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -160,18 +191,23 @@ impl Op for RopeCosSin {
             DType::I32 => step::<i32>(cx, t, block_dim)?,
             _ => step::<i64>(cx, t, block_dim)?,
         };
-        Ok(Plan::new(vec![step]).outputs_need(vec![LayoutNeed::Contiguous; 2]))
+        Ok(Plan::new(vec![step])
+            .inputs_need(vec![LayoutNeed::Any, LayoutNeed::Contiguous])
+            .outputs_need(vec![LayoutNeed::Contiguous; 2]))
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let t = table(cx)?;
         let pos = inputs[0].as_ref().unwrap();
+        let given =
+            inputs.get(1).and_then(Option::as_ref).map(|f| f.data.iter().map(|&v| v as f32).collect::<Vec<_>>());
+        let inv_freq = given.as_deref().unwrap_or(&t.inv_freq);
         let mut shape = pos.shape.clone();
         shape.push(t.dim);
         let (mut c, mut s) = (Vec::new(), Vec::new());
         for &p in &pos.data {
             for k in 0..t.dim {
-                let a = t.angle(p, k) as f64;
+                let a = t.angle(inv_freq, p, k) as f64;
                 c.push(a.cos());
                 s.push(a.sin());
             }
@@ -182,7 +218,7 @@ impl Op for RopeCosSin {
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
         let positions = TensorMeta::contiguous(dtype, shape.unwrap_or(&[1, 2048]))?;
         Ok(Example {
-            inputs: vec![Some(positions)],
+            inputs: vec![Some(positions), None],
             attrs: vec![("dim".to_string(), AttrValue::Int(128))],
             ..Default::default()
         })

@@ -780,23 +780,65 @@ fn rope_cos_sin_builds_hf_tables() {
     let tp = TensorRef::new(&positions, &[6]).unwrap();
     for (mode, interleave) in [("half", false), ("interleave", true)] {
         let attrs = [("dim", AttrValue::Int(8)), ("mode", AttrValue::from(mode))];
-        let tables = run_checked("rope_cos_sin", &[Some(tp.clone())], &attrs);
+        let tables = run_checked("rope_cos_sin", &[Some(tp.clone()), None], &attrs);
         let (cos, sin) = rope_tables(6, 8, interleave);
         for (got, want) in tables[0].iter().zip(&cos).chain(tables[1].iter().zip(&sin)) {
             assert!((got - *want as f64).abs() < 1e-6, "{mode}: {got} vs {want}");
         }
     }
     let entry = Registry::global().get("rope_cos_sin").unwrap();
-    let bf =
-        infer(&entry, &[Some(tp.clone())], &[("dim", AttrValue::Int(4)), ("dtype", AttrValue::DType(DType::BF16))])
-            .unwrap();
+    let bf = infer(
+        &entry,
+        &[Some(tp.clone()), None],
+        &[("dim", AttrValue::Int(4)), ("dtype", AttrValue::DType(DType::BF16))],
+    )
+    .unwrap();
     assert_eq!((bf[0].dtype, bf[0].shape()), (DType::BF16, &[6usize, 4][..]));
-    let err = plan_err("rope_cos_sin", &[Some(tp)], &[("dim", AttrValue::Int(7))], vec![]);
+    let err = plan_err("rope_cos_sin", &[Some(tp), None], &[("dim", AttrValue::Int(7))], vec![]);
     assert_eq!(err.message(), "rope_cos_sin: argument 'dim': expected a positive even rotary dim, got 7");
     let fpos = [0f32; 3];
-    let err =
-        plan_err("rope_cos_sin", &[Some(TensorRef::new(&fpos, &[3]).unwrap())], &[("dim", AttrValue::Int(4))], vec![]);
+    let err = plan_err(
+        "rope_cos_sin",
+        &[Some(TensorRef::new(&fpos, &[3]).unwrap()), None],
+        &[("dim", AttrValue::Int(4))],
+        vec![],
+    );
     assert_eq!(err.code(), ErrorCode::DType);
+}
+
+/// A given `inv_freq` replaces theta's table: HF's scaled ropes pass their own frequencies (here
+/// a quarter of the default's, as linear scaling by 4 makes them), dense or strided, and the
+/// angles are `f32(position) · inv_freq[j]` exactly. A table of the wrong dtype or length is an
+/// error naming `inv_freq`.
+#[test]
+fn rope_cos_sin_takes_a_models_own_frequencies() {
+    setup();
+    let positions: Vec<i64> = vec![0, 1, 9, 4000, 131_071];
+    let tp = TensorRef::new(&positions, &[positions.len()]).unwrap();
+    let dim = 40usize;
+    let freqs: Vec<f32> = (0..dim / 2).map(|j| 0.25 / 10_000f32.powf(2.0 * j as f32 / dim as f32)).collect();
+    let spread: Vec<f32> = freqs.iter().flat_map(|&f| [f, f32::NAN]).collect();
+    let dense = TensorRef::new(&freqs, &[dim / 2]).unwrap();
+    let strided = TensorRef::strided(&spread, &[dim / 2], &[2], 0).unwrap();
+    for (given, mode) in [(dense.clone(), "half"), (strided, "interleave")] {
+        let attrs = [("dim", AttrValue::Int(dim as i64)), ("mode", AttrValue::from(mode))];
+        let tables = run_checked("rope_cos_sin", &[Some(tp.clone()), Some(given)], &attrs);
+        for (r, &p) in positions.iter().enumerate() {
+            for k in 0..dim {
+                let j = if mode == "half" { k % (dim / 2) } else { k / 2 };
+                let angle = (p as f32 * freqs[j]) as f64;
+                let (cos, sin) = (tables[0][r * dim + k], tables[1][r * dim + k]);
+                assert!((cos - angle.cos()).abs() < 1e-7 && (sin - angle.sin()).abs() < 1e-7, "{mode} {p} {k}");
+            }
+        }
+    }
+    let attrs = [("dim", AttrValue::Int(dim as i64))];
+    let short = TensorRef::new(&freqs[..4], &[4]).unwrap();
+    let err = plan_err("rope_cos_sin", &[Some(tp.clone()), Some(short)], &attrs, vec![]);
+    assert_eq!(err.message(), "rope_cos_sin: argument 'inv_freq': expected shape [20] (dim / 2), got shape [4]");
+    let wide: Vec<f64> = freqs.iter().map(|&f| f as f64).collect();
+    let err = plan_err("rope_cos_sin", &[Some(tp), Some(TensorRef::new(&wide, &[dim / 2]).unwrap())], &attrs, vec![]);
+    assert_eq!(err.message(), "rope_cos_sin: argument 'inv_freq': expected dtype float32, got float64");
 }
 
 /// rope_cos_sin's own sin/cos (a reduction by π/2 and polynomials, not libm) against libm on HF's
@@ -817,7 +859,7 @@ fn rope_cos_sin_matches_libm_at_long_positions() {
                 ("theta", AttrValue::Float(theta)),
                 ("mode", AttrValue::from(mode)),
             ];
-            let tables = run_checked("rope_cos_sin", &[Some(tp.clone())], &attrs);
+            let tables = run_checked("rope_cos_sin", &[Some(tp.clone()), None], &attrs);
             for (r, &p) in positions.iter().enumerate() {
                 for k in 0..dim {
                     let j = if mode == "half" { k % (dim / 2) } else { k / 2 };
