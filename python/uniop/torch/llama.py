@@ -131,7 +131,7 @@ def _rotary_forward(original):
         if not plain or x.device.type != "cpu" or inv_freq.device.type != "cpu" or position_ids.is_floating_point():
             return original(self, x, position_ids)
         inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
-        return unn.uniop_ops.rope_cos_sin(position_ids, 2 * inv_freq.numel(), 10000.0, "half", x.dtype, inv_freq)
+        return unn.uniop_ops.rope_cos_sin(position_ids, 2 * inv_freq.numel(), dtype=x.dtype, inv_freq=inv_freq)
 
     return forward
 
