@@ -300,8 +300,8 @@ def test_patched_rotary_tables_come_from_rope_cos_sin_of_the_models_own_frequenc
     """Under patch_llama, LlamaRotaryEmbedding builds its tables with uniop rope_cos_sin from its
     own inv_freq: the same shape and dtype as transformers' and the same values (the f32 angles are
     the same; only cos/sin's last bit may differ) for the default rope, a linear-scaled and a llama3
-    one, and a table a ``.to(bfloat16)`` cast rounded. Dynamic and yarn ropes keep transformers'
-    forward, bit for bit."""
+    one, and a table a ``.to(bfloat16)`` cast rounded. Dynamic and yarn ropes, and float64 tables
+    (not a rope_cos_sin dtype), keep transformers' forward, bit for bit."""
     from transformers import LlamaConfig
     from transformers.models.llama import modeling_llama as m
 
@@ -324,6 +324,7 @@ def test_patched_rotary_tables_come_from_rope_cos_sin_of_the_models_own_frequenc
         (rotary(rope_type="linear", factor=4.0), torch.float32, True),
         (rotary(**llama3), torch.float32, True),
         (rotary().to(torch.bfloat16), torch.bfloat16, True),
+        (rotary(), torch.float64, False),
         (rotary(rope_type="dynamic", factor=2.0), torch.float32, False),
         (rotary(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024), torch.float32, False),
     ]

@@ -116,19 +116,21 @@ def _attention_forward(original):
 # ``rope_cos_sin`` computes from the same table. Dynamic ropes (which rebuild ``inv_freq`` inside
 # the forward's decorator) and scaled ones (yarn, longrope) keep transformers' forward.
 _PLAIN_ROPES = ("default", "linear", "llama3")
+_ROPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # rope_cos_sin's table dtypes
 
 
 def _rotary_forward(original):
     """``LlamaRotaryEmbedding.forward`` as one uniop ``rope_cos_sin`` of the module's own
-    ``inv_freq`` (the same float32 angles, rounded the same way; a table that a
+    ``inv_freq`` (the same float32 angles, cos/sin within an ulp of transformers'; a table that a
     ``.to(torch.bfloat16)`` cast rounded is widened exactly, as transformers widens it) instead of
-    six torch ops: one decode position took ~35 µs in transformers' forward and ~4 in uniop's, 512
-    positions in bf16 ~120 and ~65 µs."""
+    six torch ops: one decode position took ~21-35 µs in transformers' forward and ~4 in uniop's,
+    512 positions in bf16 ~120 and ~65 µs."""
 
     def forward(self, x, position_ids):
         inv_freq = self.inv_freq
         plain = getattr(self, "rope_type", None) in _PLAIN_ROPES and getattr(self, "attention_scaling", None) == 1.0
-        if not plain or x.device.type != "cpu" or inv_freq.device.type != "cpu" or position_ids.is_floating_point():
+        on_cpu = x.device.type == inv_freq.device.type == "cpu"
+        if not plain or not on_cpu or x.dtype not in _ROPE_DTYPES or position_ids.is_floating_point():
             return original(self, x, position_ids)
         inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
         return unn.uniop_ops.rope_cos_sin(position_ids, 2 * inv_freq.numel(), dtype=x.dtype, inv_freq=inv_freq)
