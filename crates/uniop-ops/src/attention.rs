@@ -870,6 +870,13 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (stat
     // f32 runs on the packed f32 GEMM with the same panels where that GEMM exists (AVX-512); the
     // `gemm` crate would pack K and V on every product.
     let panels_apply = on_bf16_gemm || (T::DTYPE == DType::F32 && <f32 as Packed>::level() == Simd::Avx512);
+    // By dtype, not by trying `storage::<bf16>()`: a failed one formats its error message.
+    let (kb, vb) = match on_bf16_gemm {
+        true => {
+            (Some(k.storage::<bf16>().expect("dtype dispatched")), Some(v.storage::<bf16>().expect("v has q's dtype")))
+        }
+        false => (None, None),
+    };
     let mut panels = KV_PANELS.take();
     panels.head = None;
     for unit in ctx.split(g.units() * splits) {
@@ -890,14 +897,6 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (stat
             // Tiles inside the row's keys come packed from `panels` (not for decode-sized tiles,
             // which the GEMM runs as dot products without packing).
             let reused = panels_apply && j0 + TILE_KEYS <= t.len && rows > SKINNY_ROWS;
-            // By dtype, not by trying `storage::<bf16>()`: a failed one formats its error message.
-            let (kb, vb) = match k.dtype() {
-                DType::BF16 => (
-                    Some(k.storage::<bf16>().expect("dtype dispatched")),
-                    Some(v.storage::<bf16>().expect("v has q's dtype")),
-                ),
-                _ => (None, None),
-            };
             let tile_panels = reused.then(|| {
                 panels.tile((b, hkv), j0 / TILE_KEYS, |kp, vp| {
                     let (k0, v0) = (kr.at(b, hkv, j0), vr.at(b, hkv, j0));

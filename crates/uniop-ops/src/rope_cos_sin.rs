@@ -57,18 +57,9 @@ fn table(cx: &OpCx) -> Result<Table> {
         return Err(cx.err(ErrorCode::DType, "dtype", "float32, float16 or bfloat16", dtype));
     }
     let dim = dim as usize;
-    if let Some(given) = cx.optional_input("inv_freq") {
-        if given.dtype != DType::F32 {
-            return Err(cx.err(ErrorCode::DType, "inv_freq", "dtype float32", given.dtype));
-        }
-        if given.shape() != [dim / 2] {
-            return Err(cx.err(
-                ErrorCode::Shape,
-                "inv_freq",
-                format!("shape [{}] (dim / 2)", dim / 2),
-                format!("shape {:?}", given.shape()),
-            ));
-        }
+    if cx.optional_input("inv_freq").is_some() {
+        cx.expect_dtype_in("inv_freq", &[DType::F32])?;
+        cx.expect_shape("inv_freq", &[dim / 2])?;
         return Ok(Table { dim, mode, inv_freq: Vec::new(), dtype });
     }
     let inv_freq = (0..dim / 2).map(|j| (1.0 / theta.powf(2.0 * j as f64 / dim as f64)) as f32).collect();

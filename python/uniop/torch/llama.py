@@ -8,18 +8,18 @@ them: ``add_rms_norm`` after attention, ``linear_add`` for the MLP's down projec
 ``LlamaAttention.forward`` (plain calls on uniop attention run straight through, see
 :func:`_attention_forward`), ``LlamaRotaryEmbedding.forward`` (uniop ``rope_cos_sin`` of the
 module's own frequencies, see :func:`_rotary_forward`) and ``modeling_llama.apply_rotary_pos_emb``
-(uniop ``rope``). Methods
-are patched on the classes, so existing instances change too. Given a model, it also switches the
-model's attention to uniop's flash attention (registered with transformers as the ``"uniop"``
-implementation; calls with a padding mask, dropout or softcap fall back to SDPA) and its linear
-layers (projections and ``lm_head``) to uniop ``linear``, which streams the weight at memory speed
-when there are few rows — decoding spends most of its time there — and, where uniop's GEMM is the
-faster one on this CPU (float32 with AVX-512 on CPUs other than Intel's; bfloat16 with AMX or
-without AVX512-BF16), prefill-sized products too. It also makes transformers' ``DynamicLayer.update`` (the default KV
-cache) grow in place: the cache becomes a view of a buffer with room to spare, so a decode step
-writes its new rows instead of copying the whole cache with ``torch.cat`` (O(length) per layer and
-step). The ops themselves are called through :data:`uniop.torch.nn.uniop_ops`, which skips torch's
-dispatcher where it has nothing to do (inference under ``no_grad``).
+(uniop ``rope``). Methods are patched on the classes, so existing instances change too. Given a
+model, it also switches the model's attention to uniop's flash attention (registered with
+transformers as the ``"uniop"`` implementation; calls with a padding mask, dropout or softcap fall
+back to SDPA) and its linear layers (projections and ``lm_head``) to uniop ``linear``, which
+streams the weight at memory speed when there are few rows — decoding spends most of its time
+there — and, where uniop's GEMM is the faster one on this CPU (float32 with AVX-512 on CPUs other
+than Intel's; bfloat16 with AMX or without AVX512-BF16), prefill-sized products too. It also
+makes transformers' ``DynamicLayer.update`` (the default KV cache) grow in place: the cache
+becomes a view of a buffer with room to spare, so a decode step writes its new rows instead of
+copying the whole cache with ``torch.cat`` (O(length) per layer and step). The ops themselves are
+called through :data:`uniop.torch.nn.uniop_ops`, which skips torch's dispatcher where it has
+nothing to do (inference under ``no_grad``).
 :func:`unpatch_llama` restores all of it.
 """
 
