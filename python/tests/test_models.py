@@ -351,16 +351,16 @@ def test_patched_rotary_tables_come_from_rope_cos_sin_of_the_models_own_frequenc
 @pytest.mark.parametrize(
     "f32, bf16, vendor, want",
     [
-        ("avx512", "avx512", "AuthenticAMD", {torch.float32}),
+        ("avx512", "avx512", "AuthenticAMD", {torch.float32, torch.bfloat16}),
         ("avx512", "amx", "GenuineIntel", {torch.bfloat16}),
-        ("avx512", "avx512", "GenuineIntel", set()),
+        ("avx512", "avx512", "GenuineIntel", {torch.bfloat16}),
         ("avx2", "avx2", "AuthenticAMD", {torch.bfloat16}),
         ("avx512", "amx", "", {torch.float32, torch.bfloat16}),
     ],
 )
 def test_prefill_gemm_goes_where_it_is_faster(monkeypatch, f32, bf16, vendor, want):
     """Which dtypes' prefill-sized linears patch_llama gives uniop's GEMM: float32 with AVX-512
-    except on Intel CPUs (where MKL runs AVX-512 too), bfloat16 with AMX or without AVX512-BF16."""
+    except on Intel CPUs (where MKL runs AVX-512 too), bfloat16 everywhere."""
     import uniop
     from uniop.torch import llama
 

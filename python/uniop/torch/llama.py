@@ -13,8 +13,8 @@ model, it also switches the model's attention to uniop's flash attention (regist
 transformers as the ``"uniop"`` implementation; calls with a padding mask, dropout or softcap fall
 back to SDPA) and its linear layers (projections and ``lm_head``) to uniop ``linear``, which
 streams the weight at memory speed when there are few rows — decoding spends most of its time
-there — and, where uniop's GEMM is the faster one on this CPU (float32 with AVX-512 on CPUs other
-than Intel's; bfloat16 with AMX or without AVX512-BF16), prefill-sized products too. It also
+there — and prefill-sized products too in bfloat16, and in float32 where uniop's GEMM is the
+faster one on this CPU (with AVX-512 on CPUs other than Intel's). It also
 makes transformers' ``DynamicLayer.update`` (the default KV cache) grow in place: the cache
 becomes a view of a buffer with room to spare, so a decode step writes its new rows instead of
 copying the whole cache with ``torch.cat`` (O(length) per layer and step). The ops themselves are
@@ -157,13 +157,15 @@ def _mlp_forward(original):
 #   8 alternated pairs), so prefill keeps torch's there. On AVX2 alone torch's too (it ran a
 #   tiny-Llama layer's seven 512-row linears in 11.7 ms against uniop's 13.2, best of 12
 #   alternations).
-# - bfloat16: uniop's where the CPU lacks AVX512-BF16: there torch's bf16 GEMM ran at ~20
-#   GFLOP/s and uniop's AVX2 one at ~134 (6.5-7.2x on the Llama shapes). With AVX512-BF16 both
-#   GEMMs use the pair instruction, run at par, and prefill keeps torch's. With AMX both use
-#   tiles, and uniop's ran the tiny Llama's four 512-row linears 1.03-1.17x oneDNN's in all
-#   (0.7-0.85x on 384 -> 1024, 1.2-1.4x on the others; alternated, medians), so prefill takes
-#   uniop's: bf16 prefill 1.07-1.17x -> 1.25-1.28x patched (1.25x the speed of torch's GEMM
-#   route, median of 8 alternated pairs, at b5bb1e4).
+# - bfloat16: uniop's on every CPU. Without AVX512-BF16 torch's bf16 GEMM ran at ~20 GFLOP/s
+#   and uniop's AVX2 one at ~134 (6.5-7.2x on the Llama shapes). With AMX both use tiles, and
+#   uniop's ran the tiny Llama's four 512-row linears 1.03-1.17x oneDNN's in all (0.7-0.85x on
+#   384 -> 1024, 1.2-1.4x on the others; alternated, medians): bf16 prefill 1.25x the speed of
+#   torch's GEMM route (median of 8 alternated pairs, at b5bb1e4). With AVX512-BF16 alone (Zen 4)
+#   both GEMMs run the pair instruction at its peak (~440 GFLOP/s on 2 cores at the tiny Llama's
+#   512-row shapes, 1.01-1.05x for uniop's), and the MLP's fused gate/up (1.14x the two linears
+#   and the activation) and down-plus-residual products tip it: prefill 1.04x the speed of
+#   torch's GEMM route (median of 8 alternated pairs, all eight 1.03-1.07x).
 # - float16 keeps torch's.
 _FEW_ROWS = 16
 
@@ -184,9 +186,7 @@ def _cpu_vendor():
 def _all_rows_dtypes():
     kernels = uniop.gemm_kernels()
     float32 = kernels["float32"] == "avx512" and _cpu_vendor() != "GenuineIntel"
-    return ({torch.float32} if float32 else set()) | (
-        {torch.bfloat16} if kernels["bfloat16"] in ("avx2", "scalar", "amx") else set()
-    )
+    return {torch.bfloat16, torch.float32} if float32 else {torch.bfloat16}
 
 
 # Dtypes whose linears run on uniop at every row count.
