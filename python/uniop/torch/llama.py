@@ -13,7 +13,7 @@ model, it also switches the model's attention to uniop's flash attention (regist
 transformers as the ``"uniop"`` implementation; calls with a padding mask, dropout or softcap fall
 back to SDPA) and its linear layers (projections and ``lm_head``) to uniop ``linear``, which
 streams the weight at memory speed when there are few rows — decoding spends most of its time
-there —, and prefill-sized products too: in bfloat16 always, in float32 where uniop's GEMM is
+there — and prefill-sized products too: in bfloat16 always, in float32 where uniop's GEMM is
 the faster one on this CPU (with AVX-512 on CPUs other than Intel's). It also makes
 transformers' ``DynamicLayer.update`` (the default KV cache) grow in place: the cache becomes a
 view of a buffer with room to spare, so a decode step writes its new rows instead of copying
