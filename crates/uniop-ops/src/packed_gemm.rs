@@ -179,7 +179,7 @@ impl Packed for f32 {
 struct Scratch {
     /// Packed A block: `MC / MR` panels of `[words][MR]` words.
     a: LineBuf<u32>,
-    /// Packed B slice: `NC / NR` panels of `[words][NR]` words.
+    /// Packed B block: `NC / NR` panels of `[words][NR]` words, each as deep as the product.
     b: LineBuf<u32>,
     /// f32 tiles carried between slices: `[row of the row block][NC]`.
     c: LineBuf<f32>,
@@ -352,12 +352,11 @@ pub(crate) unsafe fn gemm_rows_packed<E: Packed, O: GemmOut>(
     SCRATCH.with_borrow_mut(|s| {
         let Scratch { a, b, c, .. } = s;
         b.grow(column_block_words::<E>(k, NC));
-        let slice_words = micro.slice_words();
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
             // All of B's slices for these columns, packed once and reused by every row block.
-            pack_columns::<E>(b, Columns::One(rhs), k, (jc, nc), slice_words);
-            let packed = PackedBlock { nc, k, slice_words };
+            pack_columns::<E>(b, Columns::One(rhs), k, (jc, nc));
+            let packed = PackedBlock::new::<E>(nc, k);
             multiply(rows.clone(), (jc, nc), k, dst, lhs, (b, packed), accumulate, micro, (a, c));
         }
     });
@@ -372,8 +371,7 @@ fn slices<E: Packed>(k: usize, slice_words: usize) -> (usize, impl Fn(usize) -> 
 }
 
 /// Words one column block of `nc` columns of a `k`-deep B takes packed: whole panels, each
-/// slice's words a column (every slice but the last has the full slice depth, which locates the
-/// slices).
+/// `k` deep.
 fn column_block_words<E: Packed>(k: usize, nc: usize) -> usize {
     nc.next_multiple_of(NR) * k.div_ceil(E::PER_WORD)
 }
@@ -400,30 +398,19 @@ impl<E> Columns<E> {
     }
 }
 
-/// Packs columns `jc..jc + nc` of `rhs` (`k` deep), every slice of `slice_words`, into `out`.
-unsafe fn pack_columns<E: Packed>(
-    out: &mut [u32],
-    rhs: Columns<E>,
-    k: usize,
-    (jc, nc): (usize, usize),
-    slice_words: usize,
-) {
+/// Packs columns `jc..jc + nc` of `rhs` (`k` deep) into `out` as whole panels, panel after panel,
+/// each `[word][NR]` for all `k` (see [`PackedBlock`]).
+unsafe fn pack_columns<E: Packed>(out: &mut [u32], rhs: Columns<E>, k: usize, (jc, nc): (usize, usize)) {
     if k == 0 {
         // Nothing to pack, and `out` may be a thread's scratch that no product has grown yet (a
         // paired block's second half would then start past its end).
         return;
     }
-    let (n_slices, slice) = slices::<E>(k, slice_words);
-    let slice_stride = rhs.packed_width(nc) * slice_words;
-    for si in 0..n_slices {
-        let (pc, kc) = slice(si);
-        let out = &mut out[si * slice_stride..];
-        match rhs {
-            Columns::One(m) => pack::<E, NR>(out, NR, m, pc, kc, jc, nc),
-            Columns::Pairs(first, second) => {
-                pack::<E, HALF>(out, NR, first, pc, kc, jc, nc);
-                pack::<E, HALF>(&mut out[HALF..], NR, second, pc, kc, jc, nc);
-            }
+    match rhs {
+        Columns::One(m) => pack::<E, NR>(out, NR, m, 0, k, jc, nc),
+        Columns::Pairs(first, second) => {
+            pack::<E, HALF>(out, NR, first, 0, k, jc, nc);
+            pack::<E, HALF>(&mut out[HALF..], NR, second, 0, k, jc, nc);
         }
     }
 }
@@ -436,7 +423,6 @@ pub(crate) struct PackedRhs {
     words: LineBuf<u32>,
     n: usize,
     k: usize,
-    slice_words: usize,
 }
 
 impl PackedRhs {
@@ -447,13 +433,12 @@ impl PackedRhs {
     pub unsafe fn pack<E: Packed>(&mut self, rhs: Mat<E>, n: usize, k: usize) {
         let blocks = (0..n).step_by(NC).map(|jc| (jc, NC.min(n - jc)));
         self.words.grow(blocks.clone().map(|(_, nc)| column_block_words::<E>(k, nc)).sum());
-        let slice_words = micro_kernel::<E>().slice_words();
         let mut at = 0;
         for (jc, nc) in blocks {
-            pack_columns::<E>(&mut self.words[at..], Columns::One(rhs), k, (jc, nc), slice_words);
+            pack_columns::<E>(&mut self.words[at..], Columns::One(rhs), k, (jc, nc));
             at += column_block_words::<E>(k, nc);
         }
-        (self.n, self.k, self.slice_words) = (n, k, slice_words);
+        (self.n, self.k) = (n, k);
     }
 }
 
@@ -480,7 +465,7 @@ pub(crate) unsafe fn gemm_rows_prepacked<E: Packed, O: GemmOut>(
         let Scratch { a, c, .. } = s;
         let mut at = 0;
         for jc in (0..n).step_by(NC) {
-            let block = PackedBlock { nc: NC.min(rhs.n - jc), k: rhs.k, slice_words: rhs.slice_words };
+            let block = PackedBlock::new::<E>(NC.min(rhs.n - jc), rhs.k);
             let b = (&rhs.words[at..], block);
             multiply(rows.clone(), (jc, NC.min(n - jc)), k, dst, lhs, b, accumulate, micro, (a, c));
             at += column_block_words::<E>(rhs.k, block.nc);
@@ -534,12 +519,11 @@ pub(crate) unsafe fn gemm_rows_pairs<E: Packed>(
         let Scratch { a, b, c, sums } = s;
         b.grow(column_block_words::<E>(k, rhs.packed_width(PAIRED_COLUMNS)));
         sums.grow(PAIR_ROWS * NC);
-        let slice_words = micro.slice_words();
         for jc in (0..n).step_by(PAIRED_COLUMNS) {
             let nc = PAIRED_COLUMNS.min(n - jc);
-            pack_columns::<E>(b, rhs, k, (jc, nc), slice_words);
+            pack_columns::<E>(b, rhs, k, (jc, nc));
             let width = rhs.packed_width(nc);
-            let packed = PackedBlock { nc: width, k, slice_words };
+            let packed = PackedBlock::new::<E>(width, k);
             for ic in rows.clone().step_by(PAIR_ROWS) {
                 let mc = PAIR_ROWS.min(rows.end - ic);
                 let dst = Dst { ptr: sums.as_mut_ptr(), rs: width as isize, cs: 1 };
@@ -553,14 +537,26 @@ pub(crate) unsafe fn gemm_rows_pairs<E: Packed>(
     });
 }
 
-/// How one column block of B lies packed (by [`pack_columns`]): its width and depth, which a
-/// product may walk only the leading part of, and the depth of its slices, which the product's
-/// slices follow.
+/// How one column block of B lies packed (by [`pack_columns`]): `nc` columns as whole panels,
+/// panel after panel, each `[word][NR]` words for the block's whole depth of `words` words. A
+/// product walks a panel slice by slice, each slice a contiguous run of it, and may walk only the
+/// leading part of the depth or of the columns. The layout does not depend on the slice depth, so
+/// one packing serves every micro-kernel.
 #[derive(Clone, Copy)]
 struct PackedBlock {
     nc: usize,
-    k: usize,
-    slice_words: usize,
+    words: usize,
+}
+
+impl PackedBlock {
+    fn new<E: Packed>(nc: usize, k: usize) -> PackedBlock {
+        PackedBlock { nc, words: k.div_ceil(E::PER_WORD) }
+    }
+
+    /// Where slice `si` (of `slice_words`-word slices) of the panel at column `jr` starts.
+    fn panel(self, jr: usize, si: usize, slice_words: usize) -> usize {
+        (jr / NR * self.words + si * slice_words) * NR
+    }
 }
 
 /// Rows `rows` of `dst`'s columns `jc..jc + nc` from `lhs`, `k` deep, and B's block packed in
@@ -584,23 +580,20 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
         #[cfg(not(target_arch = "x86_64"))]
         Micro::Amx => unreachable!("AMX is only detected on x86-64"),
     };
-    let (n_slices, slice) = slices::<E>(k, packed.slice_words);
-    let (_, packed_slice) = slices::<E>(packed.k, packed.slice_words);
-    a.grow(MC * packed.slice_words);
+    let slice_words = micro.slice_words();
+    let (n_slices, slice) = slices::<E>(k, slice_words);
+    a.grow(MC * slice_words);
     if n_slices > 1 {
         c.grow(MC * NC);
     }
-    let slice_stride = packed.nc.next_multiple_of(NR) * packed.slice_words;
     for ic in (rows.start..rows.end).step_by(MC) {
         let mc = MC.min(rows.end - ic);
         for si in 0..n_slices {
             let (pc, kc) = slice(si);
             pack::<E, MR>(a, MR, Mat { ptr: lhs.ptr, rs: lhs.cs, cs: lhs.rs }, pc, kc, ic, mc);
-            // The walk's words, and B's panel stride (more when only B's leading part is walked).
             let words = kc.div_ceil(E::PER_WORD);
-            let b_words = packed_slice(si).1.div_ceil(E::PER_WORD);
             for jr in (0..nc).step_by(NR) {
-                let b_panel = b.as_ptr().add(si * slice_stride + jr * b_words);
+                let b_panel = b.as_ptr().add(packed.panel(jr, si, slice_words));
                 for ir in (0..mc).step_by(MR) {
                     let a_panel = a.as_ptr().add(ir * words);
                     let c_tile = c.as_mut_ptr().wrapping_add(ir * NC + jr);
@@ -655,13 +648,12 @@ unsafe fn multiply_amx<E: Packed, O: GemmOut>(
     use std::arch::x86_64::*;
     #[repr(C, align(64))]
     struct Aligned<T>(T);
-    let (n_slices, slice) = slices::<E>(k, packed.slice_words);
-    let (_, packed_slice) = slices::<E>(packed.k, packed.slice_words);
-    a.grow(MC_AMX * (packed.slice_words + TILE_WORDS));
+    let slice_words = Micro::Amx.slice_words();
+    let (n_slices, slice) = slices::<E>(k, slice_words);
+    a.grow(MC_AMX * (slice_words + TILE_WORDS));
     if n_slices > 1 {
         c.grow(MC_AMX * NC);
     }
-    let slice_stride = packed.nc.next_multiple_of(NR) * packed.slice_words;
     let mut block = Aligned([[0f32; BLOCK]; BLOCK]);
     let mut transposed = Aligned([[0f32; BLOCK]; BLOCK]);
     // A ragged last step of B rows, zero-padded to a whole step.
@@ -674,10 +666,9 @@ unsafe fn multiply_amx<E: Packed, O: GemmOut>(
             let row_words = pack_word_rows(a, lhs, pc, kc, ic, mc);
             let words = kc.div_ceil(E::PER_WORD);
             let steps = words.div_ceil(TILE_WORDS);
-            let b_words = packed_slice(si).1.div_ceil(E::PER_WORD);
             let last_slice = si + 1 == n_slices;
             for jr in (0..nc).step_by(NR) {
-                let b_panel = b.as_ptr().add(si * slice_stride + jr * b_words);
+                let b_panel = b.as_ptr().add(packed.panel(jr, si, slice_words));
                 let ragged = (words % TILE_WORDS != 0).then(|| {
                     let done = (steps - 1) * TILE_WORDS;
                     let ragged = (words - done) * NR;
