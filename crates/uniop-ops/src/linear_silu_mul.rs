@@ -23,7 +23,7 @@
 use crate::linear::{x_and_weight, Bands, Dims};
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat, DTYPES, PACKED_F32_MAX_K};
-use crate::packed_gemm::{gemm_rows_pairs, pairs_apply, Packed, HALF, PAIRED_COLUMNS};
+use crate::packed_gemm::{gemm_rows_pairs, pairs_apply, Packed, PairedWeights, HALF, PAIRED_COLUMNS};
 use crate::skinny::Simd;
 use uniop::half::bf16;
 use uniop::{
@@ -60,13 +60,12 @@ const CHUNK_COLS: usize = PAIRED_COLUMNS;
 /// (at most 4 bytes), then one row of them paired as f32 sums.
 pub(crate) const BLOCK_SCRATCH_BYTES: usize = (2 * CHUNK_ROWS * CHUNK_COLS + 2 * CHUNK_COLS) * 4;
 
-/// The op's three operands as matrices: `x` `[rows, k]` (contiguous) and the two weights read
-/// transposed (`[k, n]`, any strides).
+/// The op's operands: `x` `[rows, k]` (contiguous) and the two weights, read transposed (`[k, n]`,
+/// any strides) or packed ahead as a pair (`linear_silu_mul_packed`).
 #[derive(Clone, Copy)]
 pub(crate) struct Operands<T> {
     pub x: Mat<T>,
-    pub gate: Mat<T>,
-    pub up: Mat<T>,
+    pub weights: PairedWeights<T>,
 }
 
 impl<T: FloatElement> Operands<T> {
@@ -84,7 +83,7 @@ impl<T: FloatElement> Operands<T> {
                 Mat { ptr, rs: s[1] as isize, cs: s[0] as isize }
             }
         };
-        Operands { x: mat(0), gate: mat(1), up: mat(2) }
+        Operands { x: mat(0), weights: PairedWeights::Weights(mat(1), mat(2)) }
     }
 }
 
@@ -132,17 +131,23 @@ pub(crate) unsafe fn gate_up_rows<T: FloatElement>(
     scratch: impl FnOnce() -> *mut u8,
     mut finish: impl FnMut(usize, usize, &[f32]),
 ) {
-    let from_col = |m: Mat<T>| Mat { ptr: m.ptr.offset(cols.start as isize * m.cs), ..m };
-    let (gate, up) = (from_col(ops.gate), from_col(ops.up));
     let mut shifted = |r, c, sums: &[f32]| finish(r, cols.start + c, sums);
     let n = cols.len();
-    if paired(T::DTYPE, rows.len(), d.k) {
+    // Weights packed ahead take the paired GEMM at any row count: they are packed for it.
+    let packed = matches!(ops.weights, PairedWeights::Packed(_));
+    if packed || paired(T::DTYPE, rows.len(), d.k) {
         return if T::DTYPE == DType::BF16 {
-            gemm_rows_pairs::<bf16>(rows, n, d.k, ops.x.cast(), (gate.cast(), up.cast()), &mut shifted)
+            let weights = ops.weights.cast::<bf16>().from_column(cols.start);
+            gemm_rows_pairs::<bf16>(rows, n, d.k, ops.x.cast(), weights, &mut shifted)
         } else {
-            gemm_rows_pairs::<f32>(rows, n, d.k, ops.x.cast(), (gate.cast(), up.cast()), &mut shifted)
+            debug_assert_eq!(T::DTYPE, DType::F32, "only bf16 and f32 pair");
+            let weights = ops.weights.cast::<f32>().from_column(cols.start);
+            gemm_rows_pairs::<f32>(rows, n, d.k, ops.x.cast(), weights, &mut shifted)
         };
     }
+    let PairedWeights::Weights(gate, up) = ops.weights else { unreachable!("packed weights pair above") };
+    let from_col = |m: Mat<T>| Mat { ptr: m.ptr.offset(cols.start as isize * m.cs), ..m };
+    let (gate, up) = (from_col(gate), from_col(up));
     // The generic route: each product's chunk into scratch, then paired like gemm_rows_pairs's.
     let scratch = scratch();
     let products = scratch as *mut T;

@@ -388,16 +388,6 @@ enum Columns<E> {
 /// Columns of each matrix in one half of a paired panel.
 pub(crate) const HALF: usize = NR / 2;
 
-impl<E> Columns<E> {
-    /// Packed columns for `nc` columns of each matrix: whole panels.
-    fn packed_width(&self, nc: usize) -> usize {
-        match self {
-            Columns::One(_) => nc.next_multiple_of(NR),
-            Columns::Pairs(..) => nc.div_ceil(HALF) * NR,
-        }
-    }
-}
-
 /// Packs columns `jc..jc + nc` of `rhs` (`k` deep) into `out` as whole panels, panel after panel,
 /// each `[word][NR]` for all `k` (see [`PackedBlock`]).
 unsafe fn pack_columns<E: Packed>(out: &mut [u32], rhs: Columns<E>, k: usize, (jc, nc): (usize, usize)) {
@@ -440,6 +430,124 @@ impl PackedRhs {
         }
         (self.n, self.k) = (n, k);
     }
+}
+
+/// Columns of each weight in one packed panel: [`NR`], or [`HALF`] of each of two paired ones.
+pub(crate) fn panel_columns(paired: bool) -> usize {
+    if paired {
+        HALF
+    } else {
+        NR
+    }
+}
+
+/// The `pack_weight` layout of a `[n, k]` weight (or a pair of them), as a tensor of the weight's
+/// dtype: `[panels, words, NR, per_word]`, `per_word` elements along k making one 32-bit word (2
+/// for bf16, 1 for 4-byte and wider types), each panel `NR` columns (or `HALF` of each weight of a
+/// pair), zero-padded to whole words and panels. It is the layout [`pack_columns`] gives a
+/// product's column blocks, so a product reads it in place.
+pub(crate) fn packed_weight_shape(elem_size: usize, n: usize, k: usize, paired: bool) -> [usize; 4] {
+    let per_word = (4 / elem_size).max(1);
+    [n.div_ceil(panel_columns(paired)), k.div_ceil(per_word), NR, per_word]
+}
+
+/// A weight packed ahead of its products (by [`pack_weight_panels`]): its words from `words` on,
+/// `n` columns (of each weight, when `paired`) `k` deep. Only its words' bits are read: a packed
+/// tensor of the weight's dtype need not be aligned to words.
+#[derive(Clone, Copy)]
+pub(crate) struct PackedWeight {
+    pub words: *const u8,
+    pub n: usize,
+    pub k: usize,
+    pub paired: bool,
+}
+
+impl PackedWeight {
+    /// The same weight from output column `c` (a multiple of the panel width) on.
+    pub(crate) fn from_column<E: Packed>(self, c: usize) -> PackedWeight {
+        debug_assert!(c.is_multiple_of(panel_columns(self.paired)));
+        let panel_words = NR * self.k.div_ceil(E::PER_WORD);
+        // SAFETY of later reads: the caller's column is inside the packed weight.
+        let bytes = 4 * (c / panel_columns(self.paired)) * panel_words;
+        PackedWeight { words: self.words.wrapping_add(bytes), n: self.n - c, ..self }
+    }
+
+    /// The packed words of the column block at `jc` (`width` packed columns), in place when they
+    /// are aligned, else copied into `scratch`.
+    ///
+    /// # Safety
+    /// The block lies inside the packed weight.
+    unsafe fn block<'a, E: Packed>(&self, jc: usize, width: usize, scratch: &'a mut LineBuf<u32>) -> &'a [u32] {
+        let len = width * self.k.div_ceil(E::PER_WORD);
+        if len == 0 {
+            return &[];
+        }
+        let start = self.from_column::<E>(jc).words;
+        if (start as usize).is_multiple_of(4) {
+            return std::slice::from_raw_parts(start as *const u32, len);
+        }
+        scratch.grow(len);
+        std::ptr::copy_nonoverlapping(start, scratch.as_mut_ptr() as *mut u8, 4 * len);
+        &scratch[..len]
+    }
+}
+
+/// Packs panels `panels` of `first` (`[k, n]` as read, any strides), paired with `second` when
+/// given, into `out` (that range of panels, in the layout of [`packed_weight_shape`]).
+///
+/// # Safety
+/// The weights valid for `k × n` elements at their strides; `out` writable for the panels' words.
+pub(crate) unsafe fn pack_weight_panels<E: Packed>(
+    out: *mut u8,
+    first: Mat<E>,
+    second: Option<Mat<E>>,
+    (n, k): (usize, usize),
+    panels: std::ops::Range<usize>,
+) {
+    let width = panel_columns(second.is_some());
+    let (jc, nc) = (panels.start * width, (panels.end * width).min(n).saturating_sub(panels.start * width));
+    let len = panels.len() * NR * k.div_ceil(E::PER_WORD);
+    if nc == 0 || len == 0 {
+        return;
+    }
+    let columns = second.map_or(Columns::One(first), |second| Columns::Pairs(first, second));
+    if (out as usize).is_multiple_of(4) {
+        // SAFETY: aligned, and writable for `len` words (the caller's panels).
+        return pack_columns::<E>(std::slice::from_raw_parts_mut(out as *mut u32, len), columns, k, (jc, nc));
+    }
+    SCRATCH.with_borrow_mut(|s| {
+        s.b.grow(len);
+        pack_columns::<E>(&mut s.b[..len], columns, k, (jc, nc));
+        std::ptr::copy_nonoverlapping(s.b.as_ptr() as *const u8, out, 4 * len);
+    });
+}
+
+/// [`gemm_rows_packed`] against a weight packed ahead ([`PackedWeight`], not paired):
+/// `dst[rows] = lhs[rows] · weightᵀ` over its `n` columns. Any rows go through the packed kernel:
+/// the few-row dot products stream an unpacked weight, which a packed one is not.
+///
+/// # Safety
+/// As [`gemm_rows_packed`]; `rhs` packed from elements of type `E`, valid for its extents.
+pub(crate) unsafe fn gemm_rows_packed_weight<E: Packed, O: GemmOut>(
+    rows: std::ops::Range<usize>,
+    dst: Dst<O>,
+    lhs: Mat<E>,
+    rhs: PackedWeight,
+    accumulate: bool,
+) {
+    debug_assert!(!rhs.paired);
+    if rows.is_empty() || rhs.n == 0 {
+        return;
+    }
+    let micro = micro_kernel::<E>();
+    SCRATCH.with_borrow_mut(|s| {
+        let Scratch { a, b, c, .. } = s;
+        for jc in (0..rhs.n).step_by(NC) {
+            let nc = NC.min(rhs.n - jc);
+            let block = (rhs.block::<E>(jc, nc.next_multiple_of(NR), b), PackedBlock::new::<E>(nc, rhs.k));
+            multiply(rows.clone(), (jc, nc), rhs.k, dst, lhs, block, accumulate, micro, (a, c));
+        }
+    });
 }
 
 /// [`gemm_rows_packed`] with a B packed beforehand: `dst[rows] = lhs[rows] · B[..k, ..n]`, the
@@ -501,40 +609,77 @@ pub(crate) fn pairs_apply(rows: usize) -> bool {
 /// a gated activation (`linear_silu_mul`), whose factors are two products of the same input.
 ///
 /// # Safety
-/// As [`gemm_rows_packed`] for both products (without a destination).
+/// As [`gemm_rows_packed`] for both products (without a destination); a packed pair (`Packed`)
+/// valid for its extents.
 pub(crate) unsafe fn gemm_rows_pairs<E: Packed>(
     rows: std::ops::Range<usize>,
     n: usize,
     k: usize,
     lhs: Mat<E>,
-    (first, second): (Mat<E>, Mat<E>),
+    weights: PairedWeights<E>,
     mut finish: impl FnMut(usize, usize, &[f32]),
 ) {
     if rows.is_empty() || n == 0 {
         return;
     }
     let micro = micro_kernel::<E>();
-    let rhs = Columns::Pairs(first, second);
     SCRATCH.with_borrow_mut(|s| {
         let Scratch { a, b, c, sums } = s;
-        b.grow(column_block_words::<E>(k, rhs.packed_width(PAIRED_COLUMNS)));
+        let mut unpacked = LineBuf::default();
         sums.grow(PAIR_ROWS * NC);
         for jc in (0..n).step_by(PAIRED_COLUMNS) {
             let nc = PAIRED_COLUMNS.min(n - jc);
-            pack_columns::<E>(b, rhs, k, (jc, nc));
-            let width = rhs.packed_width(nc);
+            let width = nc.div_ceil(HALF) * NR;
+            let words = match weights {
+                PairedWeights::Weights(first, second) => {
+                    b.grow(column_block_words::<E>(k, width));
+                    pack_columns::<E>(b, Columns::Pairs(first, second), k, (jc, nc));
+                    &b[..]
+                }
+                PairedWeights::Packed(w) => w.block::<E>(jc, width, &mut unpacked),
+            };
             let packed = PackedBlock::new::<E>(width, k);
             for ic in rows.clone().step_by(PAIR_ROWS) {
                 let mc = PAIR_ROWS.min(rows.end - ic);
                 let dst = Dst { ptr: sums.as_mut_ptr(), rs: width as isize, cs: 1 };
                 let lhs = Mat { ptr: lhs.ptr.offset(ic as isize * lhs.rs), ..lhs };
-                multiply(0..mc, (0, width), k, dst, lhs, (b, packed), false, micro, (a, c));
+                multiply(0..mc, (0, width), k, dst, lhs, (words, packed), false, micro, (a, c));
                 for (r, row_sums) in sums.chunks_exact(width).take(mc).enumerate() {
                     finish(ic + r, jc, row_sums);
                 }
             }
         }
     });
+}
+
+/// The two weights of [`gemm_rows_pairs`]: to pack block by block, or packed ahead as a pair.
+#[derive(Clone, Copy)]
+pub(crate) enum PairedWeights<E> {
+    Weights(Mat<E>, Mat<E>),
+    Packed(PackedWeight),
+}
+
+impl<E> PairedWeights<E> {
+    /// The same weights as elements of `U` (for generic code that has checked `E` is `U`).
+    pub(crate) fn cast<U>(self) -> PairedWeights<U> {
+        match self {
+            PairedWeights::Weights(first, second) => PairedWeights::Weights(first.cast(), second.cast()),
+            PairedWeights::Packed(w) => PairedWeights::Packed(w),
+        }
+    }
+}
+
+impl<E: Packed> PairedWeights<E> {
+    /// The same weights from output column `c` on (a multiple of [`HALF`]).
+    pub(crate) fn from_column(self, c: usize) -> PairedWeights<E> {
+        match self {
+            PairedWeights::Weights(first, second) => {
+                let shift = |m: Mat<E>| Mat { ptr: m.ptr.wrapping_offset(c as isize * m.cs), ..m };
+                PairedWeights::Weights(shift(first), shift(second))
+            }
+            PairedWeights::Packed(w) => PairedWeights::Packed(w.from_column::<E>(c)),
+        }
+    }
 }
 
 /// How one column block of B lies packed (by [`pack_columns`]): `nc` columns as whole panels,
@@ -1166,14 +1311,22 @@ mod tests {
             let mut out = start.clone();
             let dst = Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 };
             let (lhs, rhs) = (Mat { ptr: a.as_ptr(), rs: ars, cs: acs }, Mat { ptr: b.as_ptr(), rs: brs, cs: bcs });
-            // Two calls over row bands, as two SPMD blocks would make them: the first packs B
-            // itself, the second takes it packed beforehand (as attention's reused K/V tiles).
+            // Three calls over row bands, as SPMD blocks would make them: the first packs B itself,
+            // the second takes it packed beforehand (as attention's reused K/V tiles), the third
+            // packed ahead as a weight (`pack_weight`), in two column bands.
             FORCED.with(|f| f.set(Some(micro)));
             let mut packed = PackedRhs::default();
+            let (bands, weight) = ([0, m / 3, 2 * m / 3, m], PackedWeightBuf::pack(rhs, None, n, k, m % 2 == 1));
             unsafe {
-                gemm_rows_packed(0..m / 3, n, k, dst, lhs, rhs, accumulate);
+                gemm_rows_packed(bands[0]..bands[1], n, k, dst, lhs, rhs, accumulate);
                 packed.pack(rhs, n, k);
-                gemm_rows_prepacked(m / 3..m, (n, k), dst, lhs, &packed, accumulate);
+                gemm_rows_prepacked(bands[1]..bands[2], (n, k), dst, lhs, &packed, accumulate);
+                let split = if n > NR { NR } else { 0 };
+                for (c0, c1) in [(0, split), (split, n)] {
+                    let w = PackedWeight { n: c1, ..weight.view() }.from_column::<E>(c0);
+                    let dst = Dst { ptr: dst.ptr.add(c0), ..dst };
+                    gemm_rows_packed_weight(bands[2]..bands[3], dst, lhs, w, accumulate);
+                }
             }
             let start_at = |at: usize| if accumulate { start[at] as f64 } else { 0.0 };
             let what = format!("{:?} {micro:?} {m}x{k}x{n}", E::DTYPE);
@@ -1253,18 +1406,56 @@ mod tests {
         .unwrap();
     }
 
+    /// A weight packed by [`pack_weight_panels`] in two calls (as two blocks of the op), into a
+    /// buffer whose words are not aligned when `unaligned`.
+    struct PackedWeightBuf {
+        bytes: Vec<u8>,
+        at: usize,
+        n: usize,
+        k: usize,
+        paired: bool,
+    }
+
+    impl PackedWeightBuf {
+        fn pack<E: Packed>(first: Mat<E>, second: Option<Mat<E>>, n: usize, k: usize, unaligned: bool) -> Self {
+            let paired = second.is_some();
+            let [panels, words, lanes, per_word] = packed_weight_shape(std::mem::size_of::<E>(), n, k, paired);
+            assert_eq!(per_word, E::PER_WORD);
+            let panel_bytes = 4 * words * lanes;
+            let mut bytes = vec![0xa5u8; panels * panel_bytes + 8];
+            let at = (bytes.as_ptr() as usize).next_multiple_of(4) - bytes.as_ptr() as usize + 2 * unaligned as usize;
+            for part in [0..panels / 2, panels / 2..panels] {
+                let out = bytes[at + part.start * panel_bytes..].as_mut_ptr();
+                unsafe { pack_weight_panels::<E>(out, first, second, (n, k), part) };
+            }
+            PackedWeightBuf { bytes, at, n, k, paired }
+        }
+
+        fn view(&self) -> PackedWeight {
+            PackedWeight { words: self.bytes[self.at..].as_ptr(), n: self.n, k: self.k, paired: self.paired }
+        }
+    }
+
     fn pairs_case<E: Packed>(m: usize, k: usize, n: usize, b_col_major: bool) {
         let a = values::<E>(m * k, 7);
         let (first, second) = (values::<E>(k * n, 8), values::<E>(k * n, 9));
         let (brs, bcs) = if b_col_major { (1, k as isize) } else { (n as isize, 1) };
         let at = |b: &[E], p: usize, j: usize| b[(p as isize * brs + j as isize * bcs) as usize].to_f64();
-        for micro in micro_kernels::<E>() {
+        let b = |b: &[E]| Mat { ptr: b.as_ptr(), rs: brs, cs: bcs };
+        let weights = [false, true].map(|unaligned| {
+            PackedWeightBuf::pack(b(&first), Some(b(&second)), n, k, unaligned)
+        });
+        let sources = [
+            PairedWeights::Weights(b(&first), b(&second)),
+            PairedWeights::Packed(weights[0].view()),
+            PairedWeights::Packed(weights[1].view()),
+        ];
+        for (micro, source) in micro_kernels::<E>().flat_map(|micro| sources.map(|s| (micro, s))) {
             FORCED.with(|f| f.set(Some(micro)));
             let mut sums = [vec![f32::NAN; m * n], vec![f32::NAN; m * n]];
             let lhs = Mat { ptr: a.as_ptr(), rs: k as isize, cs: 1 };
-            let b = |b: &[E]| Mat { ptr: b.as_ptr(), rs: brs, cs: bcs };
             unsafe {
-                gemm_rows_pairs(0..m, n, k, lhs, (b(&first), b(&second)), |r, c, paired| {
+                gemm_rows_pairs(0..m, n, k, lhs, source, |r, c, paired| {
                     assert_eq!(c % HALF, 0, "a row's sums start on a group");
                     for j in c..n.min(c + paired.len() / 2) {
                         let (group, within) = ((j - c) / HALF, (j - c) % HALF);
@@ -1275,7 +1466,8 @@ mod tests {
                     }
                 });
             }
-            let what = format!("{:?} {micro:?} {m}x{k}x{n} pairs", E::DTYPE);
+            let packed = matches!(source, PairedWeights::Packed(_));
+            let what = format!("{:?} {micro:?} {m}x{k}x{n} pairs, packed ahead: {packed}", E::DTYPE);
             let a_at = |i: usize, p: usize| a[i * k + p].to_f64();
             assert_product(&sums[0], (m, k, n), (a_at, |p, j| at(&first, p, j)), |_| 0.0, &what);
             assert_product(&sums[1], (m, k, n), (a_at, |p, j| at(&second, p, j)), |_| 0.0, &what);
