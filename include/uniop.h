@@ -493,6 +493,25 @@ uniopStatus uniopLinearAddBackward(void *workspace,
                                    uniopExecutor *executor,
                                    uniopStream stream);
 
+// Phase 1 of `linear_add_packed(Tensor x, Tensor packed_weight, int out_features, Tensor residual) -> (Tensor y)`.
+//
+// linear_add with its weight packed ahead: y = residual + x @ weight^T for packed_weight =
+// pack_weight(weight), weight [out_features, in_features]; x [..., in_features], residual [...,
+// out_features]. bfloat16 and float32, for prefill-sized x.
+uniopStatus uniopLinearAddPackedGetWorkspaceSize(const uniopTensor *x,
+                                                 const uniopTensor *packed_weight,
+                                                 int64_t out_features,
+                                                 const uniopTensor *residual,
+                                                 uniopTensor *y,
+                                                 uint64_t *workspaceSize,
+                                                 uniopExecutor **executor);
+
+// Phase 2 of `linear_add_packed`: launches the executor from `uniopLinearAddPackedGetWorkspaceSize` on `stream`.
+uniopStatus uniopLinearAddPacked(void *workspace,
+                                 uint64_t workspaceSize,
+                                 uniopExecutor *executor,
+                                 uniopStream stream);
+
 // Phase 1 of `linear_backward(Tensor dy, Tensor x, Tensor weight) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
 //
 // Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x),
@@ -511,6 +530,25 @@ uniopStatus uniopLinearBackward(void *workspace,
                                 uint64_t workspaceSize,
                                 uniopExecutor *executor,
                                 uniopStream stream);
+
+// Phase 1 of `linear_packed(Tensor x, Tensor packed_weight, int out_features, Tensor? bias=None) -> (Tensor y)`.
+//
+// linear with its weight packed ahead: y = x @ weight^T + bias for packed_weight =
+// pack_weight(weight), weight [out_features, in_features]; x [..., in_features]; bias optional
+// [out_features]. bfloat16 and float32, for prefill-sized x (few rows are faster through linear).
+uniopStatus uniopLinearPackedGetWorkspaceSize(const uniopTensor *x,
+                                              const uniopTensor *packed_weight,
+                                              int64_t out_features,
+                                              const uniopTensor *bias,
+                                              uniopTensor *y,
+                                              uint64_t *workspaceSize,
+                                              uniopExecutor **executor);
+
+// Phase 2 of `linear_packed`: launches the executor from `uniopLinearPackedGetWorkspaceSize` on `stream`.
+uniopStatus uniopLinearPacked(void *workspace,
+                              uint64_t workspaceSize,
+                              uniopExecutor *executor,
+                              uniopStream stream);
 
 // Phase 1 of `linear_silu_mul(Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor y)`.
 //
@@ -555,6 +593,24 @@ uniopStatus uniopLinearSiluMulBackward(void *workspace,
                                        uint64_t workspaceSize,
                                        uniopExecutor *executor,
                                        uniopStream stream);
+
+// Phase 1 of `linear_silu_mul_packed(Tensor x, Tensor packed_weight, int out_features) -> (Tensor y)`.
+//
+// linear_silu_mul with its weights packed ahead: y = silu(x @ gate_weight^T) * (x @ up_weight^T)
+// for packed_weight = pack_weight(gate_weight, up_weight), out_features = intermediate_size.
+// bfloat16 and float32, for prefill-sized x (few rows are faster through linear_silu_mul).
+uniopStatus uniopLinearSiluMulPackedGetWorkspaceSize(const uniopTensor *x,
+                                                     const uniopTensor *packed_weight,
+                                                     int64_t out_features,
+                                                     uniopTensor *y,
+                                                     uint64_t *workspaceSize,
+                                                     uniopExecutor **executor);
+
+// Phase 2 of `linear_silu_mul_packed`: launches the executor from `uniopLinearSiluMulPackedGetWorkspaceSize` on `stream`.
+uniopStatus uniopLinearSiluMulPacked(void *workspace,
+                                     uint64_t workspaceSize,
+                                     uniopExecutor *executor,
+                                     uniopStream stream);
 
 // Phase 1 of `linear_silu_mul_train(Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor y, Tensor gate, Tensor up)`.
 //
@@ -659,6 +715,25 @@ uniopStatus uniopMul(void *workspace,
                      uint64_t workspaceSize,
                      uniopExecutor *executor,
                      uniopStream stream);
+
+// Phase 1 of `pack_weight(Tensor weight, Tensor? up_weight=None) -> (Tensor packed_weight)`.
+//
+// A linear weight [out_features, in_features] (HF layout) packed once for linear_packed /
+// linear_add_packed, or with up_weight (same shape) a gate/up pair for linear_silu_mul_packed:
+// [panels, words, 32, per_word] in the weight's dtype, per_word input features a 32-bit word (2
+// for bfloat16, 1 for float32), 32 output features a panel (16 of each weight for a pair),
+// zero-padded. Saves the GEMM re-packing the weight in every call; for prefill-sized products.
+uniopStatus uniopPackWeightGetWorkspaceSize(const uniopTensor *weight,
+                                            const uniopTensor *up_weight,
+                                            uniopTensor *packed_weight,
+                                            uint64_t *workspaceSize,
+                                            uniopExecutor **executor);
+
+// Phase 2 of `pack_weight`: launches the executor from `uniopPackWeightGetWorkspaceSize` on `stream`.
+uniopStatus uniopPackWeight(void *workspace,
+                            uint64_t workspaceSize,
+                            uniopExecutor *executor,
+                            uniopStream stream);
 
 // Phase 1 of `permute(Tensor x, int[] dims) -> (Tensor out)`.
 //

@@ -694,6 +694,42 @@ pub extern "C" fn uniopLinearAddBackward(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
+/// Phase 1 of `linear_add_packed(Tensor x, Tensor packed_weight, int out_features, Tensor residual) -> (Tensor y)`.
+///
+/// linear_add with its weight packed ahead: y = residual + x @ weight^T for packed_weight =
+/// pack_weight(weight), weight [out_features, in_features]; x [..., in_features], residual [...,
+/// out_features]. bfloat16 and float32, for prefill-sized x.
+#[no_mangle]
+pub extern "C" fn uniopLinearAddPackedGetWorkspaceSize(
+    x: *const uniopTensor,
+    packed_weight: *const uniopTensor,
+    out_features: i64,
+    residual: *const uniopTensor,
+    y: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLinearAddPackedGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 3] =
+            [("x", x), ("packed_weight", packed_weight), ("residual", residual)];
+        let attrs: [(&str, AttrValue); 1] = [("out_features", AttrValue::Int(out_features))];
+        let outputs = [("y", y as *const uniopTensor)];
+        plan("linear_add_packed", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `linear_add_packed`: launches the executor from `uniopLinearAddPackedGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLinearAddPacked(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
 /// Phase 1 of `linear_backward(Tensor dy, Tensor x, Tensor weight) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
 ///
 /// Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x),
@@ -725,6 +761,41 @@ pub extern "C" fn uniopLinearBackwardGetWorkspaceSize(
 /// Phase 2 of `linear_backward`: launches the executor from `uniopLinearBackwardGetWorkspaceSize` on `stream`.
 #[no_mangle]
 pub extern "C" fn uniopLinearBackward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `linear_packed(Tensor x, Tensor packed_weight, int out_features, Tensor? bias=None) -> (Tensor y)`.
+///
+/// linear with its weight packed ahead: y = x @ weight^T + bias for packed_weight =
+/// pack_weight(weight), weight [out_features, in_features]; x [..., in_features]; bias optional
+/// [out_features]. bfloat16 and float32, for prefill-sized x (few rows are faster through linear).
+#[no_mangle]
+pub extern "C" fn uniopLinearPackedGetWorkspaceSize(
+    x: *const uniopTensor,
+    packed_weight: *const uniopTensor,
+    out_features: i64,
+    bias: *const uniopTensor,
+    y: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLinearPackedGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 3] = [("x", x), ("packed_weight", packed_weight), ("bias", bias)];
+        let attrs: [(&str, AttrValue); 1] = [("out_features", AttrValue::Int(out_features))];
+        let outputs = [("y", y as *const uniopTensor)];
+        plan("linear_packed", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `linear_packed`: launches the executor from `uniopLinearPackedGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLinearPacked(
     workspace: *mut c_void,
     workspaceSize: u64,
     executor: *mut uniopExecutor,
@@ -807,6 +878,40 @@ pub extern "C" fn uniopLinearSiluMulBackwardGetWorkspaceSize(
 /// Phase 2 of `linear_silu_mul_backward`: launches the executor from `uniopLinearSiluMulBackwardGetWorkspaceSize` on `stream`.
 #[no_mangle]
 pub extern "C" fn uniopLinearSiluMulBackward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `linear_silu_mul_packed(Tensor x, Tensor packed_weight, int out_features) -> (Tensor y)`.
+///
+/// linear_silu_mul with its weights packed ahead: y = silu(x @ gate_weight^T) * (x @ up_weight^T)
+/// for packed_weight = pack_weight(gate_weight, up_weight), out_features = intermediate_size.
+/// bfloat16 and float32, for prefill-sized x (few rows are faster through linear_silu_mul).
+#[no_mangle]
+pub extern "C" fn uniopLinearSiluMulPackedGetWorkspaceSize(
+    x: *const uniopTensor,
+    packed_weight: *const uniopTensor,
+    out_features: i64,
+    y: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLinearSiluMulPackedGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 2] = [("x", x), ("packed_weight", packed_weight)];
+        let attrs: [(&str, AttrValue); 1] = [("out_features", AttrValue::Int(out_features))];
+        let outputs = [("y", y as *const uniopTensor)];
+        plan("linear_silu_mul_packed", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `linear_silu_mul_packed`: launches the executor from `uniopLinearSiluMulPackedGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLinearSiluMulPacked(
     workspace: *mut c_void,
     workspaceSize: u64,
     executor: *mut uniopExecutor,
@@ -1009,6 +1114,41 @@ pub extern "C" fn uniopMulGetWorkspaceSize(
 /// Phase 2 of `mul`: launches the executor from `uniopMulGetWorkspaceSize` on `stream`.
 #[no_mangle]
 pub extern "C" fn uniopMul(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `pack_weight(Tensor weight, Tensor? up_weight=None) -> (Tensor packed_weight)`.
+///
+/// A linear weight [out_features, in_features] (HF layout) packed once for linear_packed /
+/// linear_add_packed, or with up_weight (same shape) a gate/up pair for linear_silu_mul_packed:
+/// [panels, words, 32, per_word] in the weight's dtype, per_word input features a 32-bit word (2
+/// for bfloat16, 1 for float32), 32 output features a panel (16 of each weight for a pair),
+/// zero-padded. Saves the GEMM re-packing the weight in every call; for prefill-sized products.
+#[no_mangle]
+pub extern "C" fn uniopPackWeightGetWorkspaceSize(
+    weight: *const uniopTensor,
+    up_weight: *const uniopTensor,
+    packed_weight: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopPackWeightGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 2] = [("weight", weight), ("up_weight", up_weight)];
+        let attrs: [(&str, AttrValue); 0] = [];
+        let outputs = [("packed_weight", packed_weight as *const uniopTensor)];
+        plan("pack_weight", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `pack_weight`: launches the executor from `uniopPackWeightGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopPackWeight(
     workspace: *mut c_void,
     workspaceSize: u64,
     executor: *mut uniopExecutor,

@@ -41,12 +41,14 @@ pub mod linear;
 pub mod linear_add;
 pub mod linear_add_backward;
 pub mod linear_backward;
+pub mod linear_packed;
 pub mod linear_silu_mul;
 pub mod linear_silu_mul_backward;
 pub mod math;
 pub mod matmul;
 pub mod matmul_backward;
 pub mod mul;
+pub mod pack_weight;
 mod packed_gemm;
 pub mod permute;
 pub mod permute_backward;
@@ -100,6 +102,10 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(linear_silu_mul::LinearSiluMul::INFERENCE),
         Box::new(linear_silu_mul::LinearSiluMul::TRAIN),
         Box::new(linear_silu_mul_backward::LinearSiluMulBackward),
+        Box::new(pack_weight::PackWeight),
+        Box::new(linear_packed::LinearPacked::BIAS),
+        Box::new(linear_packed::LinearPacked::RESIDUAL),
+        Box::new(linear_silu_mul::LinearSiluMul::PACKED),
         Box::new(embedding::Embedding),
         Box::new(embedding_backward::EmbeddingBackward),
         Box::new(cross_entropy::CrossEntropy),
@@ -132,8 +138,8 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
 /// `"avx2"` or `"scalar"`. For f32 the level is that of the few-row kernel and, at `"avx512"`, of
 /// the packed kernel that runs products with a k-dense weight up to depth 2048; other f32 products
 /// run on the `gemm` crate, which picks its own. Frameworks use this to choose between their GEMM
-/// and uniop's (`uniop.torch.patch_llama` keeps torch's bf16 GEMM for prefill where torch's has
-/// the same instructions: pair products or AMX).
+/// and uniop's (`uniop.torch.patch_llama` keeps torch's f32 GEMM for prefill on Intel CPUs and on CPUs without
+/// AVX-512).
 pub fn gemm_kernels() -> [(&'static str, &'static str); 2] {
     use skinny::{Dots, Simd};
     let name = |s: Simd| match s {

@@ -3,7 +3,8 @@
 //! is written first and the product accumulated onto it, so the output is touched once.
 
 use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
-use crate::packed_gemm::split_columns;
+use crate::packed_gemm::{gemm_rows_packed_weight, split_columns, PackedWeight};
+use uniop::half::bf16;
 use uniop::layout::ShapeDisplay;
 use uniop::{
     with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, KernelArgs, LayoutNeed, Op, OpCx, Plan, RefTensor,
@@ -110,11 +111,17 @@ pub(crate) enum Addend {
     Residual,
 }
 
-fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands, addend: Addend) {
+/// The weight of a `linear` form: as given (`[n, k]`, any strides) or packed by `pack_weight`.
+#[derive(Clone, Copy, PartialEq)]
+pub(crate) enum WeightForm {
+    Given,
+    Packed,
+}
+
+fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands, addend: Addend, form: WeightForm) {
     let (x, w, out) = (args.input(0), args.input(1), args.output(0));
     let third = args.optional_input(2);
-    let ws = w.layout().strides();
-    let (xp, wp) = (x.storage::<T>().unwrap().as_ptr(), w.storage::<T>().unwrap().as_ptr());
+    let xp = x.storage::<T>().unwrap().as_ptr();
     let (rows, cols) = bands.share(ctx, d);
     if cols.is_empty() {
         return;
@@ -134,17 +141,27 @@ fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands, a
         }
     }
     // SAFETY: x and out are contiguous [rows, k] / [rows, n] (the plan asked for it); weight is any
-    // strided [n, k], read transposed; this block owns output rows `rows` × columns `cols`.
+    // strided [n, k], read transposed, or packed (contiguous); this block owns output rows `rows` ×
+    // columns `cols`.
     unsafe {
-        gemm_rows(
-            rows,
-            cols.len(),
-            d.k,
-            Dst { ptr: out.as_mut_ptr::<T>().add(o + cols.start), rs: d.n as isize, cs: 1 },
-            Mat { ptr: xp.add(x.layout().offset()), rs: d.k as isize, cs: 1 },
-            Mat { ptr: wp.add(w.layout().offset() + cols.start * ws[0]), rs: ws[1] as isize, cs: ws[0] as isize },
-            third.is_some(),
-        );
+        let dst = Dst { ptr: out.as_mut_ptr::<T>().add(o + cols.start), rs: d.n as isize, cs: 1 };
+        let lhs = Mat { ptr: xp.add(x.layout().offset()), rs: d.k as isize, cs: 1 };
+        let accumulate = third.is_some();
+        if form == WeightForm::Packed {
+            let packed = crate::pack_weight::packed_weight(args, 1, d, false);
+            let packed = PackedWeight { n: cols.end, ..packed };
+            return if T::DTYPE == DType::BF16 {
+                let packed = packed.from_column::<bf16>(cols.start);
+                gemm_rows_packed_weight::<bf16, bf16>(rows, dst.cast(), lhs.cast(), packed, accumulate)
+            } else {
+                debug_assert_eq!(T::DTYPE, DType::F32, "pack_weight packs bf16 and f32");
+                let packed = packed.from_column::<f32>(cols.start);
+                gemm_rows_packed_weight::<f32, f32>(rows, dst.cast(), lhs.cast(), packed, accumulate)
+            };
+        }
+        let (wp, ws) = (w.storage::<T>().unwrap().as_ptr(), w.layout().strides());
+        let rhs = Mat { ptr: wp.add(w.layout().offset() + cols.start * ws[0]), rs: ws[1] as isize, cs: ws[0] as isize };
+        gemm_rows(rows, cols.len(), d.k, dst, lhs, rhs, accumulate);
     }
 }
 
@@ -155,24 +172,33 @@ pub(crate) fn output_shape(cx: &OpCx, d: Dims) -> Vec<usize> {
     shape
 }
 
-/// The plan of `linear` and `linear_add` (step `name`; their third input: `addend`).
-pub(crate) fn plan(cx: &OpCx, d: Dims, addend: Addend, name: &'static str) -> Result<Plan> {
-    let (bands, block_dim) = Bands::choose(cx.input("x").dtype, d, d.n);
+/// The plan of `linear`, `linear_add` and their packed forms (step `name`; their third input:
+/// `addend`).
+pub(crate) fn plan(cx: &OpCx, d: Dims, addend: Addend, form: WeightForm, name: &'static str) -> Result<Plan> {
+    // A packed weight leaves a row band nothing to pack.
+    let packs = if form == WeightForm::Packed { 0 } else { d.n };
+    let (bands, block_dim) = Bands::choose(cx.input("x").dtype, d, packs);
     let step = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
-        Step::new(name, block_dim as u32, move |args, ctx| kernel::<T>(args, ctx, d, bands, addend))
+        Step::new(name, block_dim as u32, move |args, ctx| kernel::<T>(args, ctx, d, bands, addend, form))
     });
+    let weight = if form == WeightForm::Packed { LayoutNeed::Contiguous } else { LayoutNeed::Any };
     Ok(Plan::new(vec![step])
-        .inputs_need(vec![LayoutNeed::Contiguous, LayoutNeed::Any, LayoutNeed::Contiguous])
+        .inputs_need(vec![LayoutNeed::Contiguous, weight, LayoutNeed::Contiguous])
         .outputs_need(vec![LayoutNeed::Contiguous]))
 }
 
-/// f64 `x · weightᵀ` (inputs 0 and 1) plus `start(r, j)` at each output `(r, j)`.
-pub(crate) fn reference_rows(d: Dims, inputs: &[Option<RefTensor>], start: impl Fn(usize, usize) -> f64) -> Vec<f64> {
-    let (x, w) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
+/// f64 `x · weightᵀ` (`weight(j, p)`: output feature `j`, input feature `p`) plus `start(r, j)` at
+/// each output `(r, j)`.
+pub(crate) fn reference_rows(
+    d: Dims,
+    x: &RefTensor,
+    weight: impl Fn(usize, usize) -> f64,
+    start: impl Fn(usize, usize) -> f64,
+) -> Vec<f64> {
     let mut y = vec![0.0; d.rows * d.n];
     for r in 0..d.rows {
         for j in 0..d.n {
-            let dot: f64 = (0..d.k).map(|p| x.data[r * d.k + p] * w.data[j * d.k + p]).sum();
+            let dot: f64 = (0..d.k).map(|p| x.data[r * d.k + p] * weight(j, p)).sum();
             y[r * d.n + j] = dot + start(r, j);
         }
     }
@@ -211,12 +237,13 @@ impl Op for Linear {
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
-        plan(cx, dims(cx)?, Addend::Bias, "linear")
+        plan(cx, dims(cx)?, Addend::Bias, WeightForm::Given, "linear")
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let d = dims(cx)?;
-        let y = reference_rows(d, inputs, |_, j| inputs[2].as_ref().map_or(0.0, |b| b.data[j]));
+        let (x, w) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
+        let y = reference_rows(d, x, |j, p| w.data[j * d.k + p], |_, j| inputs[2].as_ref().map_or(0.0, |b| b.data[j]));
         Ok(vec![RefTensor::new(&output_shape(cx, d), y)])
     }
 

@@ -7,7 +7,7 @@
 //! band is in cache, and the sum is rounded once. In the tiny Llama's 512-token bf16 prefill the
 //! separate add cost about as much as the RMSNorm beside it.
 
-use crate::linear::{output_shape, x_and_weight, Addend, Dims};
+use crate::linear::{output_shape, x_and_weight, Addend, Dims, WeightForm};
 use crate::matmul::DTYPES;
 use uniop::{DType, Example, Op, OpCx, Plan, RefTensor, Result, TensorMeta};
 
@@ -53,13 +53,14 @@ impl Op for LinearAdd {
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
-        crate::linear::plan(cx, dims(cx)?, Addend::Residual, "linear_add")
+        crate::linear::plan(cx, dims(cx)?, Addend::Residual, WeightForm::Given, "linear_add")
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let d = dims(cx)?;
         let residual = inputs[2].as_ref().unwrap();
-        let y = crate::linear::reference_rows(d, inputs, |r, j| residual.data[r * d.n + j]);
+        let (x, w) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
+        let y = crate::linear::reference_rows(d, x, |j, p| w.data[j * d.k + p], |r, j| residual.data[r * d.n + j]);
         Ok(vec![RefTensor::new(&output_shape(cx, d), y)])
     }
 

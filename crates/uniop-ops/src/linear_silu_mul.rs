@@ -20,7 +20,7 @@
 //! of two `[rows, intermediate]` tensors kept from forward to backward, as torch's autograd of the
 //! composite keeps them.
 
-use crate::linear::{x_and_weight, Bands, Dims};
+use crate::linear::{reference_rows, x_and_weight, Bands, Dims};
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat, DTYPES, PACKED_F32_MAX_K};
 use crate::packed_gemm::{gemm_rows_pairs, pairs_apply, Packed, PairedWeights, HALF, PAIRED_COLUMNS};
@@ -31,15 +31,33 @@ use uniop::{
     Result, Step, TensorMeta,
 };
 
-pub struct LinearSiluMul {
-    returns_products: bool,
+pub struct LinearSiluMul(Form);
+
+#[derive(Clone, Copy, PartialEq)]
+enum Form {
+    /// `linear_silu_mul`: `y` only.
+    Inference,
+    /// `linear_silu_mul_train`: `y`, `gate` and `up`.
+    Train,
+    /// `linear_silu_mul_packed`: `y` only, the weights packed ahead as a pair by `pack_weight`.
+    Packed,
 }
 
 impl LinearSiluMul {
-    /// `linear_silu_mul`: `y` only.
-    pub const INFERENCE: LinearSiluMul = LinearSiluMul { returns_products: false };
-    /// `linear_silu_mul_train`: `y`, `gate` and `up`.
-    pub const TRAIN: LinearSiluMul = LinearSiluMul { returns_products: true };
+    pub const INFERENCE: LinearSiluMul = LinearSiluMul(Form::Inference);
+    pub const TRAIN: LinearSiluMul = LinearSiluMul(Form::Train);
+    pub const PACKED: LinearSiluMul = LinearSiluMul(Form::Packed);
+
+    fn dims(&self, cx: &OpCx) -> Result<Dims> {
+        match self.0 {
+            Form::Packed => crate::pack_weight::packed_dims(cx, true),
+            _ => dims(cx),
+        }
+    }
+
+    fn returns_products(&self) -> bool {
+        self.0 == Form::Train
+    }
 }
 
 /// Checks `x` `[..., k]` against `gate_weight` and `up_weight` `[n, k]` (shared with the backward).
@@ -84,6 +102,15 @@ impl<T: FloatElement> Operands<T> {
             }
         };
         Operands { x: mat(0), weights: PairedWeights::Weights(mat(1), mat(2)) }
+    }
+
+    /// From a `linear_silu_mul_packed` launch: `x`, then the packed pair.
+    fn packed(args: &KernelArgs, d: Dims) -> Operands<T> {
+        let x = args.input(0);
+        // SAFETY: the offset stays inside the bound storage (the executor checked the view).
+        let ptr = unsafe { x.storage::<T>().unwrap().as_ptr().add(x.layout().offset()) };
+        let weights = PairedWeights::Packed(crate::pack_weight::packed_weight(args, 1, d, true));
+        Operands { x: Mat { ptr, rs: d.k as isize, cs: 1 }, weights }
     }
 }
 
@@ -210,7 +237,7 @@ fn unpair<T: FloatElement>(sums: &[f32], gate: &mut [T], up: &mut [T]) {
 }
 }
 
-fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands, returns_products: bool) {
+fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands, form: Form) {
     let (rows, cols) = bands.share(ctx, d);
     if cols.is_empty() || rows.is_empty() {
         return;
@@ -218,7 +245,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Ban
     let out = args.output(0);
     let o = out.layout().offset();
     let end = cols.end;
-    let products = returns_products.then(|| {
+    let products = (form == Form::Train).then(|| {
         [1, 2].map(|i| {
             let t = args.output(i);
             let offset = t.layout().offset();
@@ -229,10 +256,15 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Ban
     let scratch = || {
         unsafe { args.workspace::<u8>(ctx.block_idx as usize * BLOCK_SCRATCH_BYTES, BLOCK_SCRATCH_BYTES) }.as_mut_ptr()
     };
+    let operands = match form {
+        Form::Packed => Operands::packed(args, d),
+        _ => Operands::of(args, 0, d),
+    };
     // SAFETY: x and the outputs are contiguous (the plan asked for it), the weights any strided
-    // [n, k]; this block owns output rows `rows` × columns `cols` of every output.
+    // [n, k] or packed (contiguous); this block owns output rows `rows` × columns `cols` of every
+    // output.
     unsafe {
-        gate_up_rows::<T>(rows, cols, d, Operands::of(args, 0, d), scratch, |r, c, sums| {
+        gate_up_rows::<T>(rows, cols, d, operands, scratch, |r, c, sums| {
             let len = (end - c).min(sums.len() / 2);
             silu_mul_pairs(sums, out.slice_mut::<T>(o + r * d.n + c, len));
             if let Some([(gate, g), (up, u)]) = &products {
@@ -259,33 +291,46 @@ fn other_factor(cx: &OpCx, d: Dims) -> f64 {
 
 impl Op for LinearSiluMul {
     fn schema(&self) -> &'static str {
-        if self.returns_products {
-            "linear_silu_mul_train(Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor y, Tensor gate, Tensor up)"
-        } else {
-            "linear_silu_mul(Tensor x, Tensor gate_weight, Tensor up_weight) -> Tensor y"
+        match self.0 {
+            Form::Inference => "linear_silu_mul(Tensor x, Tensor gate_weight, Tensor up_weight) -> Tensor y",
+            Form::Train => {
+                "linear_silu_mul_train(Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor y, Tensor gate, Tensor up)"
+            }
+            Form::Packed => "linear_silu_mul_packed(Tensor x, Tensor packed_weight, int out_features) -> Tensor y",
         }
     }
 
     fn doc(&self) -> &'static str {
-        if self.returns_products {
-            "linear_silu_mul for training: y as linear_silu_mul's, plus the products gate = x @ gate_weight^T and \
-             up = x @ up_weight^T (rounded to x's dtype; not differentiable), which linear_silu_mul_backward takes \
-             instead of recomputing them: four products in the backward instead of six, for two [..., \
-             intermediate_size] tensors kept in between."
-        } else {
-            "y = silu(x @ gate_weight^T) * (x @ up_weight^T): HF LlamaMLP's act_fn(gate_proj(x)) * up_proj(x) in \
-             one op (no biases). Weights [intermediate_size, hidden_size] (HF layout), x [..., hidden_size]. Both \
-             products run as one GEMM (x packed once, f32 sums, silu*mul applied before the single rounding). \
-             Under autograd its backward recomputes the products; linear_silu_mul_train returns them instead."
+        match self.0 {
+            Form::Inference => {
+                "y = silu(x @ gate_weight^T) * (x @ up_weight^T): HF LlamaMLP's act_fn(gate_proj(x)) * up_proj(x) in \
+                 one op (no biases). Weights [intermediate_size, hidden_size] (HF layout), x [..., hidden_size]. Both \
+                 products run as one GEMM (x packed once, f32 sums, silu*mul applied before the single rounding). \
+                 Under autograd its backward recomputes the products; linear_silu_mul_train returns them instead."
+            }
+            Form::Train => {
+                "linear_silu_mul for training: y as linear_silu_mul's, plus the products gate = x @ gate_weight^T and \
+                 up = x @ up_weight^T (rounded to x's dtype; not differentiable), which linear_silu_mul_backward takes \
+                 instead of recomputing them: four products in the backward instead of six, for two [..., \
+                 intermediate_size] tensors kept in between."
+            }
+            Form::Packed => {
+                "linear_silu_mul with its weights packed ahead: y = silu(x @ gate_weight^T) * (x @ up_weight^T) for \
+                 packed_weight = pack_weight(gate_weight, up_weight), out_features = intermediate_size. bfloat16 and \
+                 float32, for prefill-sized x (few rows are faster through linear_silu_mul)."
+            }
         }
     }
 
     fn dtypes(&self) -> &'static [DType] {
-        DTYPES
+        match self.0 {
+            Form::Packed => crate::pack_weight::DTYPES,
+            _ => DTYPES,
+        }
     }
 
     fn backward(&self) -> Option<&'static str> {
-        Some("linear_silu_mul_backward")
+        (self.0 != Form::Packed).then_some("linear_silu_mul_backward")
     }
 
     fn autocast(&self) -> uniop::Autocast {
@@ -293,42 +338,57 @@ impl Op for LinearSiluMul {
     }
 
     fn error_scale(&self, cx: &OpCx) -> f64 {
-        dims(cx).map_or(1.0, |d| (d.k.max(1) as f64).sqrt() * other_factor(cx, d))
+        self.dims(cx).map_or(1.0, |d| (d.k.max(1) as f64).sqrt() * other_factor(cx, d))
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
-        let d = dims(cx)?;
+        let d = self.dims(cx)?;
         let mut shape = cx.input("x").shape().to_vec();
         *shape.last_mut().unwrap() = d.n;
         let y = TensorMeta::contiguous(cx.input("x").dtype, &shape)?;
-        Ok(vec![y; if self.returns_products { 3 } else { 1 }])
+        Ok(vec![y; if self.returns_products() { 3 } else { 1 }])
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
-        let d = dims(cx)?;
-        // A row band packs both weights: 2n columns.
-        let (bands, block_dim) = Bands::choose(cx.input("x").dtype, d, 2 * d.n);
-        let returns_products = self.returns_products;
-        let name = if returns_products { "linear_silu_mul_train" } else { "linear_silu_mul" };
+        let d = self.dims(cx)?;
+        let form = self.0;
+        // A row band packs both weights (2n columns), unless they come packed.
+        let packs = if form == Form::Packed { 0 } else { 2 * d.n };
+        let (bands, block_dim) = Bands::choose(cx.input("x").dtype, d, packs);
+        let name = match form {
+            Form::Inference => "linear_silu_mul",
+            Form::Train => "linear_silu_mul_train",
+            Form::Packed => "linear_silu_mul_packed",
+        };
         let step = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
-            Step::new(name, block_dim as u32, move |args, ctx| kernel::<T>(args, ctx, d, bands, returns_products))
+            Step::new(name, block_dim as u32, move |args, ctx| kernel::<T>(args, ctx, d, bands, form))
         });
         let least_rows = bands.least_rows(d, block_dim);
+        // Packed weights always take the paired GEMM, which needs no scratch.
+        let workspace =
+            if form == Form::Packed { 0 } else { scratch_bytes(cx.input("x").dtype, d.k, block_dim, least_rows) };
+        let weights = if form == Form::Packed { LayoutNeed::Contiguous } else { LayoutNeed::Any };
         Ok(Plan::new(vec![step])
-            .workspace(scratch_bytes(cx.input("x").dtype, d.k, block_dim, least_rows))
-            .inputs_need(vec![LayoutNeed::Contiguous, LayoutNeed::Any, LayoutNeed::Any])
-            .outputs_need(vec![LayoutNeed::Contiguous; if self.returns_products { 3 } else { 1 }]))
+            .workspace(workspace)
+            .inputs_need(vec![LayoutNeed::Contiguous, weights, LayoutNeed::Any])
+            .outputs_need(vec![LayoutNeed::Contiguous; if self.returns_products() { 3 } else { 1 }]))
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
-        let d = dims(cx)?;
+        let d = self.dims(cx)?;
         let x = inputs[0].as_ref().unwrap();
-        let (gate, up) = reference_products(d, inputs, 0);
+        let (gate, up) = if self.0 == Form::Packed {
+            let weights = crate::pack_weight::unpacked(inputs[1].as_ref().unwrap(), true);
+            let product = |which| reference_rows(d, x, |j, p| weights(which, j, p), |_, _| 0.0);
+            (product(0), product(1))
+        } else {
+            reference_products(d, inputs, 0)
+        };
         let y = gate.iter().zip(&up).map(|(&g, &u)| math::exact::silu(g) * u).collect();
         let mut shape = x.shape.clone();
         *shape.last_mut().unwrap() = d.n;
         let mut returns = vec![RefTensor::new(&shape, y)];
-        if self.returns_products {
+        if self.returns_products() {
             returns.extend([RefTensor::new(&shape, gate), RefTensor::new(&shape, up)]);
         }
         Ok(returns)
@@ -339,13 +399,18 @@ impl Op for LinearSiluMul {
         // (8k/3 rounded up to a multiple of 256: 384 -> 1024, 4096 -> 11008).
         let shape = shape.unwrap_or(&[2048, 4096]);
         let k = shape.last().copied().unwrap_or(1);
-        let x = if shape.is_empty() { vec![1] } else { shape.to_vec() };
+        let x = Some(TensorMeta::contiguous(dtype, if shape.is_empty() { &[1] } else { shape })?);
         let n = (8 * k).div_ceil(3).next_multiple_of(256);
+        if self.0 == Form::Packed {
+            let packed = crate::packed_gemm::packed_weight_shape(dtype.size(), n, k, true);
+            return Ok(Example {
+                inputs: vec![x, Some(TensorMeta::contiguous(dtype, &packed)?)],
+                attrs: vec![("out_features".into(), uniop::AttrValue::Int(n as i64))],
+                ..Default::default()
+            });
+        }
         let weight = TensorMeta::contiguous(dtype, &[n, k])?;
-        Ok(Example {
-            inputs: vec![Some(TensorMeta::contiguous(dtype, &x)?), Some(weight.clone()), Some(weight)],
-            ..Default::default()
-        })
+        Ok(Example { inputs: vec![x, Some(weight.clone()), Some(weight)], ..Default::default() })
     }
 }
 
@@ -353,14 +418,6 @@ impl Op for LinearSiluMul {
 /// `up_weight` at positions `first..first + 3` (shared with the backward's reference).
 pub(crate) fn reference_products(d: Dims, inputs: &[Option<RefTensor>], first: usize) -> (Vec<f64>, Vec<f64>) {
     let x = inputs[first].as_ref().unwrap();
-    let product = |w: &RefTensor| {
-        let mut y = vec![0.0; d.rows * d.n];
-        for r in 0..d.rows {
-            for j in 0..d.n {
-                y[r * d.n + j] = (0..d.k).map(|p| x.data[r * d.k + p] * w.data[j * d.k + p]).sum();
-            }
-        }
-        y
-    };
+    let product = |w: &RefTensor| reference_rows(d, x, |j, p| w.data[j * d.k + p], |_, _| 0.0);
     (product(inputs[first + 1].as_ref().unwrap()), product(inputs[first + 2].as_ref().unwrap()))
 }

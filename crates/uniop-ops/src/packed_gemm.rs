@@ -1442,9 +1442,8 @@ mod tests {
         let (brs, bcs) = if b_col_major { (1, k as isize) } else { (n as isize, 1) };
         let at = |b: &[E], p: usize, j: usize| b[(p as isize * brs + j as isize * bcs) as usize].to_f64();
         let b = |b: &[E]| Mat { ptr: b.as_ptr(), rs: brs, cs: bcs };
-        let weights = [false, true].map(|unaligned| {
-            PackedWeightBuf::pack(b(&first), Some(b(&second)), n, k, unaligned)
-        });
+        let weights =
+            [false, true].map(|unaligned| PackedWeightBuf::pack(b(&first), Some(b(&second)), n, k, unaligned));
         let sources = [
             PairedWeights::Weights(b(&first), b(&second)),
             PairedWeights::Packed(weights[0].view()),

@@ -1973,3 +1973,94 @@ fn activation_gradients_hold_far_into_the_tails() {
     check(&wide, &d, &u, |v| v);
     check(&wide, &d, &u, bf16::from_f32);
 }
+
+/// `pack_weight` then the packed forms give exactly what `linear`, `linear_add` and
+/// `linear_silu_mul` give (the same panels reach the same micro-kernel), each also checked against
+/// its f64 reference by `run_checked`: a strided (transposed) weight, in_features odd (a padded
+/// word), out_features not a multiple of a panel, x with two leading dims.
+fn packed_forms_match_the_plain_ops<T: uniop::Element>() {
+    let (rows, k, n) = (100, 45, 70);
+    let values =
+        |len: usize, seed: u64| -> Vec<T> { rand_vec(len, seed).into_iter().map(|v| T::from_f64(v as f64)).collect() };
+    let (x, residual, bias) = (values(rows * k, 1), values(rows * n, 2), values(n, 3));
+    // The weight as a transposed view of a [k, n] buffer; up_weight dense.
+    let (w_t, up) = (values(k * n, 4), values(n * k, 5));
+    let weight = TensorRef::strided(&w_t, &[n, k], &[1, n], 0).unwrap();
+    let up = TensorRef::new(&up, &[n, k]).unwrap();
+    let x = TensorRef::new(&x, &[2, rows / 2, k]).unwrap();
+    let (residual, bias) =
+        (TensorRef::new(&residual, &[2, rows / 2, n]).unwrap(), TensorRef::new(&bias, &[n]).unwrap());
+    let pack = |inputs: &[Option<TensorRef>]| -> (Vec<T>, Vec<usize>) {
+        let entry = Registry::global().get("pack_weight").unwrap();
+        let shape = infer(&entry, inputs, &[]).unwrap()[0].shape().to_vec();
+        let words = run_checked("pack_weight", inputs, &[]).remove(0);
+        (words.into_iter().map(T::from_f64).collect(), shape)
+    };
+    let (single, single_shape) = pack(&[Some(weight.clone()), None]);
+    let (pair, pair_shape) = pack(&[Some(weight.clone()), Some(up.clone())]);
+    let single = TensorRef::new(&single, &single_shape).unwrap();
+    let pair = TensorRef::new(&pair, &pair_shape).unwrap();
+    let n_attr = [("out_features", AttrValue::Int(n as i64))];
+    let cases = [
+        (
+            "linear",
+            vec![Some(x.clone()), Some(weight.clone()), Some(bias.clone())],
+            "linear_packed",
+            vec![Some(x.clone()), Some(single.clone()), Some(bias)],
+        ),
+        (
+            "linear_add",
+            vec![Some(x.clone()), Some(weight.clone()), Some(residual.clone())],
+            "linear_add_packed",
+            vec![Some(x.clone()), Some(single), Some(residual)],
+        ),
+        (
+            "linear_silu_mul",
+            vec![Some(x.clone()), Some(weight), Some(up)],
+            "linear_silu_mul_packed",
+            vec![Some(x), Some(pair)],
+        ),
+    ];
+    for (plain, plain_inputs, packed, packed_inputs) in cases {
+        let want = run_checked(plain, &plain_inputs, &[]);
+        let got = run_checked(packed, &packed_inputs, &n_attr);
+        assert_eq!(got[0], want[0], "{packed} {:?} against {plain}", T::DTYPE);
+    }
+}
+
+#[test]
+fn packed_weights_give_the_plain_ops_results_and_refuse_mismatches() {
+    setup();
+    packed_forms_match_the_plain_ops::<bf16>();
+    packed_forms_match_the_plain_ops::<f32>();
+
+    let x = vec![bf16::ZERO; 4 * 45];
+    let x = TensorRef::new(&x, &[4, 45]).unwrap();
+    let packed = vec![bf16::ZERO; 3 * 23 * 32 * 2];
+    let packed = TensorRef::new(&packed, &[3, 23, 32, 2]).unwrap();
+    let with_n = |n: i64| [("out_features", AttrValue::Int(n))];
+    // 70 outputs fill 3 panels of 32; 100 need 4. A pair of 70 needs 5 panels of 16 of each.
+    let err = plan_err("linear_packed", &[Some(x.clone()), Some(packed.clone()), None], &with_n(100), vec![]);
+    assert_eq!(err.code(), ErrorCode::Shape);
+    assert_eq!(
+        err.message(),
+        "linear_packed: argument 'packed_weight': expected shape [4, 23, 32, 2] (pack_weight of a [out_features, \
+         in_features] weight, out_features 100, x [4, 45]), got shape [3, 23, 32, 2]"
+    );
+    let err = plan_err("linear_silu_mul_packed", &[Some(x.clone()), Some(packed.clone())], &with_n(70), vec![]);
+    assert!(err.message().contains("expected shape [5, 23, 32, 2] (pack_weight of a pair of"), "{err}");
+    let err = plan_err("linear_packed", &[Some(x.clone()), Some(packed.clone()), None], &with_n(-1), vec![]);
+    assert_eq!(err.code(), ErrorCode::ParamInvalid);
+    assert_eq!(err.message(), "linear_packed: argument 'out_features': expected out_features >= 0, got -1");
+    let residual = vec![bf16::ZERO; 4 * 69];
+    let residual = TensorRef::new(&residual, &[4, 69]).unwrap();
+    let err = plan_err("linear_add_packed", &[Some(x), Some(packed), Some(residual)], &with_n(70), vec![]);
+    assert_eq!(err.message(), "linear_add_packed: argument 'residual': expected shape [4, 70], got shape [4, 69]");
+    let halves = vec![uniop::half::f16::ZERO; 6];
+    let err = plan_err("pack_weight", &[Some(TensorRef::new(&halves, &[2, 3]).unwrap()), None], &[], vec![]);
+    assert_eq!(err.message(), "pack_weight: argument 'weight': expected dtype in {bfloat16, float32}, got float16");
+    let (w, up) = (vec![0f32; 6], vec![0f32; 6]);
+    let (w, up) = (TensorRef::new(&w, &[2, 3]).unwrap(), TensorRef::new(&up, &[3, 2]).unwrap());
+    let err = plan_err("pack_weight", &[Some(w), Some(up)], &[], vec![]);
+    assert_eq!(err.message(), "pack_weight: argument 'up_weight': expected shape [2, 3], got shape [3, 2]");
+}
