@@ -1,6 +1,6 @@
 """Tiny Llama on CPU, transformers' own modules vs uniop.torch.patch_llama, in one run.
 
-    .venv/bin/python benches/llama_patch.py [--layers 6] [--prompt 512] [--new 64] [--rounds 3]
+    .venv/bin/python benches/llama_patch.py [--layers 6] [--prompt 512] [--new 64] [--rounds 3] [--pack-weights]
 
 A random LlamaForCausalLM (hidden 384, GQA 6 query / 2 kv heads, built offline from a config):
 prefill of a prompt (time to the first token, ms) and greedy decode (the other tokens of
@@ -70,9 +70,15 @@ def main():
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="alternations of unpatched and patched; best kept")
+    p.add_argument(
+        "--pack-weights", action="store_true", help="patch_llama(pack_weights=True): prefill products on weights packed once"
+    )
     a = p.parse_args()
     ids = torch.randint(0, 8192, (1, a.prompt), generator=torch.Generator().manual_seed(1))
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, prompt {a.prompt}, new tokens {a.new}\n")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, prompt {a.prompt}, new tokens {a.new}, "
+        f"pack_weights {a.pack_weights}\n"
+    )
     print(
         "| dtype | version | prefill ms | decode tok/s | prefill speed-up | decode speed-up "
         "| prefill, median of rounds | decode, median of rounds |"
@@ -86,7 +92,7 @@ def main():
         prefill_ratios, decode_ratios = [], []
         for _ in range(a.rounds):
             unpatched = measure(model, ids, a.new, a.repeats)
-            ut.patch_llama(model)
+            ut.patch_llama(model, pack_weights=a.pack_weights)
             try:
                 this_round = measure(model, ids, a.new, a.repeats)
             finally:

@@ -90,6 +90,28 @@ def ce_ref(logits, target, ignore_index=-100):
     return F.nll_loss(lp, target, ignore_index=ignore_index), torch.logsumexp(logits.to(D), -1)
 
 
+def packed_ref(w, up=None):
+    """pack_weight's layout built with plain torch: `[panels, words, 32, per_word]`, `per_word`
+    input features a word (2 for bfloat16), 32 output features a panel (16 of each of a pair)."""
+    per_word = 2 if w.dtype == torch.bfloat16 else 1
+    width = 32 if up is None else 16
+    n, k = w.shape
+    words, panels = -(-k // per_word), -(-n // width)
+
+    def panel_rows(m):
+        m = F.pad(m, (0, words * per_word - k, 0, panels * width - n))
+        return m.reshape(panels, width, words, per_word)
+
+    parts = [panel_rows(w)] + ([] if up is None else [panel_rows(up)])
+    return torch.cat(parts, 1).permute(0, 2, 1, 3).contiguous()
+
+
+def _packable(dt):
+    """pack_weight packs bfloat16 and float32 (and float64 calls run its reference): float16 cases
+    take bfloat16."""
+    return torch.bfloat16 if dt == torch.float16 else dt
+
+
 def _cases():
     c = {}
 
@@ -266,6 +288,30 @@ def _cases():
         if strided:
             products = [p.t().contiguous().t() for p in products]
         return (dy, x, wg, wu, *products), lambda dy, x, wg, wu, g, u: _vjp(gated_ref, (x, wg, wu), (dy,), (0, 1, 2))
+
+    @case
+    def pack_weight(dt, strided):
+        dt = _packable(dt)
+        w, up = _rand(40, 9, dtype=dt, strided=strided), torch.randn(40, 9).to(dt)
+        return (w, up), lambda w, up: packed_ref(w, up)
+
+    @case
+    def linear_packed(dt, strided):
+        dt = _packable(dt)
+        x, w, b = _rand(4, 9, dtype=dt, strided=strided), torch.randn(40, 9).to(dt), torch.randn(40).to(dt)
+        return (x, packed_ref(w), 40, b), lambda x, packed, n, b: F.linear(x.to(D), w.to(D), b.to(D))
+
+    @case
+    def linear_add_packed(dt, strided):
+        dt = _packable(dt)
+        x, w, r = _rand(4, 9, dtype=dt, strided=strided), torch.randn(40, 9).to(dt), _rand(4, 40, dtype=dt, strided=strided)
+        return (x, packed_ref(w), 40, r), lambda x, packed, n, r: r.to(D) + F.linear(x.to(D), w.to(D))
+
+    @case
+    def linear_silu_mul_packed(dt, strided):
+        dt = _packable(dt)
+        x, wg, wu = _rand(4, 9, dtype=dt, strided=strided), torch.randn(40, 9).to(dt), torch.randn(40, 9).to(dt)
+        return (x, packed_ref(wg, wu), 40), lambda x, packed, n: gated_ref(x, wg, wu)
 
     @case
     def attention(dt, strided):

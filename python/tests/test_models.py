@@ -465,3 +465,47 @@ def test_patched_cache_grows_in_place_and_matches_concatenation():
     assert DynamicLayer.update is original
     keys, _ = layer.update(steps[2], steps[2])
     assert torch.equal(keys, torch.cat([want, steps[1], steps[2]], -2))
+
+
+def test_packed_weights_are_packed_once_follow_updates_and_keep_logits(monkeypatch):
+    """patch_llama(pack_weights=True): a bf16 prefill's products run the packed ops on weights
+    packed on first use, a second prefill packs nothing, an in-place weight update repacks that
+    weight, decode-sized calls keep the unpacked weights, the logits are the unpacked route's
+    (the same panels reach the same kernel) and unpatching drops the packed copies."""
+    import uniop
+    from uniop.torch import llama
+
+    model = _tiny_llama(torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
+    packs, packed_calls = [], []
+    real_pack = uniop.pack_weight
+    monkeypatch.setattr(uniop, "pack_weight", lambda *w: packs.append(len(w)) or real_pack(*w))
+    for name in ("linear_packed", "linear_add_packed", "linear_silu_mul_packed"):
+        real = getattr(unn.uniop_ops, name)
+        monkeypatch.setattr(unn.uniop_ops, name, lambda *a, _n=name, _r=real: packed_calls.append(_n) or _r(*a))
+    try:
+        ut.patch_llama(model)
+        with torch.no_grad():
+            want = model(ids).logits
+        assert packs == [] and packed_calls == []
+        ut.patch_llama(model, pack_weights=True)
+        with torch.no_grad():
+            got = model(ids).logits
+            # Per layer q, k, v, o, the gate/up pair and down_proj; lm_head (every position's logits).
+            assert sorted(packs) == sorted([1, 1, 1, 1, 2, 1] * 2 + [1])
+            assert sorted(set(packed_calls)) == ["linear_add_packed", "linear_packed", "linear_silu_mul_packed"]
+            model(ids)
+            assert len(packs) == 13, "a second prefill packed again"
+            model(ids[:, :3])  # 6 rows: decode-sized, unpacked weights
+            assert len(packs) == 13
+            down = model.model.layers[0].mlp.down_proj.weight
+            down.mul_(2)
+            doubled = model(ids).logits
+            assert len(packs) == 14, "the updated weight was not repacked"
+            llama._PACK["on"] = False
+            assert torch.equal(model(ids).logits, doubled)
+            down.div_(2)
+        assert torch.equal(got, want)
+    finally:
+        ut.unpatch_llama()
+    assert not any("_uniop_packed" in m.__dict__ or "_uniop_packed_pair" in m.__dict__ for m in model.modules())

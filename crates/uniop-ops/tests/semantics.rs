@@ -1974,9 +1974,9 @@ fn activation_gradients_hold_far_into_the_tails() {
     check(&wide, &d, &u, bf16::from_f32);
 }
 
-/// `pack_weight` then the packed forms give exactly what `linear`, `linear_add` and
-/// `linear_silu_mul` give (the same panels reach the same micro-kernel), each also checked against
-/// its f64 reference by `run_checked`: a strided (transposed) weight, in_features odd (a padded
+/// `pack_weight` then the packed forms give what `linear`, `linear_add` and `linear_silu_mul`
+/// give, in bf16 bit for bit (the same panels reach the same micro-kernel), each also checked
+/// against its f64 reference by `run_checked`: a strided (transposed) weight, in_features odd (a padded
 /// word), out_features not a multiple of a panel, x with two leading dims.
 fn packed_forms_match_the_plain_ops<T: uniop::Element>() {
     let (rows, k, n) = (100, 45, 70);
@@ -2024,7 +2024,11 @@ fn packed_forms_match_the_plain_ops<T: uniop::Element>() {
     for (plain, plain_inputs, packed, packed_inputs) in cases {
         let want = run_checked(plain, &plain_inputs, &[]);
         let got = run_checked(packed, &packed_inputs, &n_attr);
-        assert_eq!(got[0], want[0], "{packed} {:?} against {plain}", T::DTYPE);
+        // f32 products may take the `gemm` crate unpacked (CPUs without AVX-512): equal to the
+        // reference, not bit for bit to the packed kernel.
+        if T::DTYPE == DType::BF16 {
+            assert_eq!(got[0], want[0], "{packed} {:?} against {plain}", T::DTYPE);
+        }
     }
 }
 

@@ -69,10 +69,10 @@ def _layer_forward(original):
         mlp = self.mlp
         if args or type(mlp) is not _modeling().LlamaMLP or not _is_silu(mlp):
             return original(self, hidden_states, *args, **kwargs)
-        fuse = _on_uniop_gemm(hidden_states)
+        fuse, packed = _on_uniop_gemm(hidden_states), _packs(hidden_states)
         h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
         h, residual = unn.add_rms_norm(self.post_attention_layernorm, h, hidden_states)
-        return unn.linear_add(mlp.down_proj, unn.gated(mlp, h, fuse), residual, fuse)
+        return unn.linear_add(mlp.down_proj, unn.gated(mlp, h, fuse, packed), residual, fuse, packed)
 
     return forward
 
@@ -141,7 +141,7 @@ def _rotary_forward(original):
 def _mlp_forward(original):
     def forward(self, x):
         if _is_silu(self):
-            return self.down_proj(unn.gated(self, x, fuse=_on_uniop_gemm(x)))
+            return self.down_proj(unn.gated(self, x, fuse=_on_uniop_gemm(x), packed=_packs(x)))
         return original(self, x)
 
     return forward
@@ -198,7 +198,20 @@ def _on_uniop_gemm(x):
     return x.dtype in _ALL_ROWS or x.numel() <= _FEW_ROWS * x.shape[-1]
 
 
+# Whether prefill-sized products of patched models take weights packed once (patch_llama's
+# `pack_weights`).
+_PACK = {"on": False}
+
+
+def _packs(x):
+    """Whether products of ``x`` take weights packed ahead: asked for, prefill-sized (few rows
+    stream the unpacked weight faster) and on uniop's GEMM at every row count."""
+    return _PACK["on"] and x.dtype in _ALL_ROWS and x.numel() > _FEW_ROWS * x.shape[-1]
+
+
 def _linear_forward(self, x):
+    if unn._takes_packed(_packs(x), x, self):
+        return unn.uniop_ops.linear_packed(x, unn.packed_weight(self, self.weight), self.out_features, self.bias)
     if _on_uniop_gemm(x):
         return unn.uniop_ops.linear(x, self.weight, self.bias)
     return nn.functional.linear(x, self.weight, self.bias)
@@ -268,9 +281,16 @@ def _register_attention():
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
-def patch_llama(model=None):
+def patch_llama(model=None, pack_weights=False):
     """Routes Llama's RMSNorm, MLP and rotary embedding (and, given a model, its attention)
-    through uniop. Returns ``model``."""
+    through uniop. Returns ``model``.
+
+    ``pack_weights``: prefill-sized products (more than 16 rows, in a dtype that runs on uniop's
+    GEMM here) take their weights packed once by ``pack_weight`` instead of packing them in every
+    call (``linear_packed``, ``linear_add_packed``, ``linear_silu_mul_packed``), at the price of a
+    packed copy of every linear weight a prefill uses, made on first use and kept beside the
+    weight (repacked when the weight changes). Inference only: calls autograd records keep the
+    unpacked route. The setting holds for every patched model until ``unpatch_llama``."""
     m = _modeling()
     if model is not None and not any(isinstance(mod, m.LlamaDecoderLayer) for mod in model.modules()):
         raise TypeError(f"patch_llama: expected a transformers Llama model, got {type(model).__name__}")
@@ -293,6 +313,7 @@ def patch_llama(model=None):
         m.LlamaAttention.forward = _attention_forward(_originals["attention"])
         m.LlamaRotaryEmbedding.forward = _rotary_forward(_originals["rotary"])
         DynamicLayer.update = _growing_update
+    _PACK["on"] = bool(pack_weights)
     if model is not None and all(patched is not model for patched, _, _ in _models):
         _register_attention()
         linears = [mod for mod in model.modules() if type(mod) is nn.Linear]
@@ -305,11 +326,15 @@ def patch_llama(model=None):
 
 def unpatch_llama():
     """Restores transformers' own Llama implementations (and patched models' attention)."""
+    _PACK["on"] = False
     while _models:
         model, previous, linears = _models.pop()
         model.set_attn_implementation(previous)
         for mod in linears:
             del mod.forward
+        for mod in model.modules():
+            mod.__dict__.pop("_uniop_packed", None)
+            mod.__dict__.pop("_uniop_packed_pair", None)
     if _originals:
         m = _modeling()
         m.LlamaRMSNorm.forward = _originals.pop("rms_norm")

@@ -101,15 +101,47 @@ class SwiGLUMLP(nn.Module):
         return self.down_proj(gated(self, x))
 
 
-def gated(mlp, x, fuse=True):
+def packed_weight(owner, *weights):
+    """``uniop.pack_weight(*weights)`` (one weight, or a gate/up pair), packed on first use and
+    kept on ``owner`` (outside its state dict) until a weight changes: its storage, shape or
+    version counter (which in-place updates such as ``load_state_dict``'s ``copy_`` bump). The
+    packed copy is as large as the weights."""
+    key = tuple((w.data_ptr(), w._version, w.dtype, tuple(w.shape)) for w in weights)
+    slot = "_uniop_packed_pair" if len(weights) == 2 else "_uniop_packed"
+    cached = owner.__dict__.get(slot)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    packed = uniop.pack_weight(*weights)
+    owner.__dict__[slot] = (key, packed)
+    return packed
+
+
+def _takes_packed(packed, x, *layers):
+    """Whether a product of ``x`` goes through weights packed ahead: asked for (``packed``), no
+    autograd, tracing or other torch machinery needs to see the call, and the layers' weights
+    are in ``x``'s dtype, one ``pack_weight`` packs (bfloat16, float32)."""
+    return (
+        packed
+        and x.dtype in (torch.bfloat16, torch.float32)
+        and all(layer.weight.dtype == x.dtype for layer in layers)
+        and not _torch_must_see_the_call()
+    )
+
+
+def gated(mlp, x, fuse=True, packed=False):
     """``silu(gate_proj(x)) * up_proj(x)`` for an MLP with HF's projection names: one
     ``linear_silu_mul`` when ``fuse`` and both projections are bias-free ``nn.Linear`` layers (an
     exact type: a wrapper such as a LoRA layer adds to its product), else the two projections
     and ``silu_mul``. Where autograd records the call, ``linear_silu_mul_train`` instead: it keeps
-    the two products for the backward, which then takes four products rather than six."""
+    the two products for the backward, which then takes four products rather than six. With
+    ``packed`` (inference), ``linear_silu_mul_packed`` on the pair packed once
+    (:func:`packed_weight`)."""
     gate, up = mlp.gate_proj, mlp.up_proj
     plain = type(gate) is nn.Linear and type(up) is nn.Linear and gate.bias is None and up.bias is None
     if fuse and plain:
+        if _takes_packed(packed, x, gate, up):
+            weights = packed_weight(mlp, gate.weight, up.weight)
+            return uniop_ops.linear_silu_mul_packed(x, weights, gate.out_features)
         if torch.is_grad_enabled() and (x.requires_grad or gate.weight.requires_grad or up.weight.requires_grad):
             return uniop_ops.linear_silu_mul_train(x, gate.weight, up.weight)[0]
         return uniop_ops.linear_silu_mul(x, gate.weight, up.weight)
@@ -128,13 +160,17 @@ def add_rms_norm(norm, x, residual):
     return norm(total), total
 
 
-def linear_add(linear, x, residual, fuse=True):
+def linear_add(linear, x, residual, fuse=True, packed=False):
     """``residual + linear(x)``: one ``linear_add`` (the sum rounded once) when ``fuse`` and ``linear``
     is a bias-free ``nn.Linear`` (an exact type, as for :func:`gated`) in the inputs' dtype outside
-    autocast (which would cast the residual too), else the layer and an add."""
+    autocast (which would cast the residual too), else the layer and an add. With ``packed``
+    (inference), ``linear_add_packed`` on the weight packed once (:func:`packed_weight`)."""
     plain = type(linear) is nn.Linear and linear.bias is None
     same = linear.weight.dtype == x.dtype == residual.dtype and not torch.is_autocast_enabled(x.device.type)
     if fuse and plain and same:
+        if _takes_packed(packed, x, linear):
+            weight = packed_weight(linear, linear.weight)
+            return uniop_ops.linear_add_packed(x, weight, linear.out_features, residual)
         return uniop_ops.linear_add(x, linear.weight, residual)
     return residual + linear(x)
 
