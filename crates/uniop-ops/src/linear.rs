@@ -151,11 +151,11 @@ fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands, a
             let packed = crate::pack_weight::packed_weight(args, 1, d, false);
             let packed = PackedWeight { n: cols.end, ..packed };
             return if T::DTYPE == DType::BF16 {
-                let packed = packed.from_column::<bf16>(cols.start);
+                let packed = packed.columns_from::<bf16>(cols.start);
                 gemm_rows_packed_weight::<bf16, bf16>(rows, dst.cast(), lhs.cast(), packed, accumulate)
             } else {
                 debug_assert_eq!(T::DTYPE, DType::F32, "pack_weight packs bf16 and f32");
-                let packed = packed.from_column::<f32>(cols.start);
+                let packed = packed.columns_from::<f32>(cols.start);
                 gemm_rows_packed_weight::<f32, f32>(rows, dst.cast(), lhs.cast(), packed, accumulate)
             };
         }

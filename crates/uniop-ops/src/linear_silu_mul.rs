@@ -164,11 +164,11 @@ pub(crate) unsafe fn gate_up_rows<T: FloatElement>(
     let packed = matches!(ops.weights, PairedWeights::Packed(_));
     if packed || paired(T::DTYPE, rows.len(), d.k) {
         return if T::DTYPE == DType::BF16 {
-            let weights = ops.weights.cast::<bf16>().from_column(cols.start);
+            let weights = ops.weights.cast::<bf16>().columns_from(cols.start);
             gemm_rows_pairs::<bf16>(rows, n, d.k, ops.x.cast(), weights, &mut shifted)
         } else {
             debug_assert_eq!(T::DTYPE, DType::F32, "only bf16 and f32 pair");
-            let weights = ops.weights.cast::<f32>().from_column(cols.start);
+            let weights = ops.weights.cast::<f32>().columns_from(cols.start);
             gemm_rows_pairs::<f32>(rows, n, d.k, ops.x.cast(), weights, &mut shifted)
         };
     }

@@ -464,7 +464,7 @@ pub(crate) struct PackedWeight {
 
 impl PackedWeight {
     /// The same weight from output column `c` (a multiple of the panel width) on.
-    pub(crate) fn from_column<E: Packed>(self, c: usize) -> PackedWeight {
+    pub(crate) fn columns_from<E: Packed>(self, c: usize) -> PackedWeight {
         debug_assert!(c.is_multiple_of(panel_columns(self.paired)));
         let panel_words = NR * self.k.div_ceil(E::PER_WORD);
         // SAFETY of later reads: the caller's column is inside the packed weight.
@@ -482,7 +482,7 @@ impl PackedWeight {
         if len == 0 {
             return &[];
         }
-        let start = self.from_column::<E>(jc).words;
+        let start = self.columns_from::<E>(jc).words;
         if (start as usize).is_multiple_of(4) {
             return std::slice::from_raw_parts(start as *const u32, len);
         }
@@ -671,13 +671,13 @@ impl<E> PairedWeights<E> {
 
 impl<E: Packed> PairedWeights<E> {
     /// The same weights from output column `c` on (a multiple of [`HALF`]).
-    pub(crate) fn from_column(self, c: usize) -> PairedWeights<E> {
+    pub(crate) fn columns_from(self, c: usize) -> PairedWeights<E> {
         match self {
             PairedWeights::Weights(first, second) => {
                 let shift = |m: Mat<E>| Mat { ptr: m.ptr.wrapping_offset(c as isize * m.cs), ..m };
                 PairedWeights::Weights(shift(first), shift(second))
             }
-            PairedWeights::Packed(w) => PairedWeights::Packed(w.from_column::<E>(c)),
+            PairedWeights::Packed(w) => PairedWeights::Packed(w.columns_from::<E>(c)),
         }
     }
 }
@@ -1323,7 +1323,7 @@ mod tests {
                 gemm_rows_prepacked(bands[1]..bands[2], (n, k), dst, lhs, &packed, accumulate);
                 let split = if n > NR { NR } else { 0 };
                 for (c0, c1) in [(0, split), (split, n)] {
-                    let w = PackedWeight { n: c1, ..weight.view() }.from_column::<E>(c0);
+                    let w = PackedWeight { n: c1, ..weight.view() }.columns_from::<E>(c0);
                     let dst = Dst { ptr: dst.ptr.add(c0), ..dst };
                     gemm_rows_packed_weight(bands[2]..bands[3], dst, lhs, w, accumulate);
                 }
