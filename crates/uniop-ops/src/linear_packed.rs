@@ -108,11 +108,15 @@ impl Op for LinearPacked {
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        // `shape` is x's; the weight maps in_features to 2·in_features (an MLP up projection).
+        // `shape` is x's; as `linear`'s and `linear_add`'s examples, the weight maps in_features to
+        // 2·in_features (an MLP up projection) with a bias, or to in_features with a residual.
         let shape = shape.unwrap_or(&[2048, 4096]);
         let k = shape.last().copied().unwrap_or(1);
         let x = if shape.is_empty() { vec![1] } else { shape.to_vec() };
-        let n = 2 * k;
+        let n = match self.0 {
+            Addend::Bias => 2 * k,
+            Addend::Residual => k,
+        };
         let packed = crate::packed_gemm::packed_weight_shape(dtype.size(), n, k, false);
         let third = match self.0 {
             Addend::Bias => TensorMeta::contiguous(dtype, &[n])?,
