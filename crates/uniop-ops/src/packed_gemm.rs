@@ -3,14 +3,17 @@
 //! `[N, K]` layout — which it ran at 55–65% of its row-major speed for k ≥ 1000 (and which
 //! otherwise costs a transposed copy of the weight per row band before its own packing).
 //!
-//! The structure is the usual BLIS one: `KC`-deep slices of B are packed into 32-column panels,
-//! `MC`-row blocks of A into 8-row panels, and an 8 × 32 micro-kernel keeps its tile in 16
-//! registers while it walks a slice. Panels hold 32-bit *words*: one f32, or for bf16 a pair of
-//! consecutive-k elements, because AVX512-BF16's `vdpbf16ps` multiplies pairs and adds both
-//! products to an f32 lane — B panels store rows `2p` and `2p+1` interleaved per column and A
-//! panels store each row's `(2p, 2p+1)` pair as one word to broadcast. Packing a k-dense operand
-//! is then a transpose of words either way. Tiles deeper than one slice are carried between slices
-//! in an f32 scratch block, so the output (f32 or bf16) is rounded once.
+//! The structure is the usual BLIS one: B is packed into 32-column panels, `MC`-row blocks of A
+//! into 8-row panels, and an 8 × 32 micro-kernel keeps its tile in 16 registers while it walks a
+//! `KC`-deep slice of a B panel. B's panels are packed at the product's whole depth, so a slice is
+//! a contiguous run of its panel and the layout does not depend on the slice depth: a weight can be
+//! packed once, ahead of all its products (`pack_weight`, [`PackedWeight`]). Panels hold 32-bit
+//! *words*: one f32, or for bf16 a pair of consecutive-k elements, because AVX512-BF16's
+//! `vdpbf16ps` multiplies pairs and adds both products to an f32 lane — B panels store rows `2p`
+//! and `2p+1` interleaved per column and A panels store each row's `(2p, 2p+1)` pair as one word
+//! to broadcast. Packing a k-dense operand is then a transpose of words either way. Tiles deeper
+//! than one slice are carried between slices in an f32 scratch block, so the output (f32 or bf16)
+//! is rounded once.
 //!
 //! bf16 on CPUs with AMX runs on its tiles instead ([`crate::amx`]): the same B panels, whose
 //! `[word][32 columns]` rows are AMX's pair-interleaved layout already, times A packed as rows of
