@@ -152,6 +152,41 @@ static void test_matmul(uniopStream stream) {
   OK(uniopDestroyTensor(out[0]));
 }
 
+/* A weight [N, K] packed once (pack_weight: f32 gives [ceil(N/32), K, 32, 1]) and two products
+   against it (linear_packed, with a bias), then a packed shape that does not match out_features. */
+static void test_packed_weight(uniopStream stream) {
+  enum { M = 20, K = 9, N = 40, PANELS = (N + 31) / 32 };
+  float x[M * K], w[N * K], b[N], packed[PANELS * K * 32], y[M * N];
+  fill(x, M * K, 11);
+  fill(w, N * K, 12);
+  fill(b, N, 13);
+  int64_t xd[] = {M, K}, wd[] = {N, K}, bd[] = {N}, pd[] = {PANELS, K, 32, 1}, yd[] = {M, N};
+  uniopTensor *tw = dense(wd, 2, w), *tp = dense(pd, 4, packed);
+  uint64_t ws = 0;
+  uniopExecutor *exec = NULL;
+  OK(uniopPackWeightGetWorkspaceSize(tw, NULL, tp, &ws, &exec));
+  launch(uniopPackWeight, ws, exec, stream);
+  uniopTensor *tx = dense(xd, 2, x), *tb = dense(bd, 1, b), *ty = dense(yd, 2, y);
+  double want[M * N];
+  for (int i = 0; i < M; i++)
+    for (int j = 0; j < N; j++) {
+      double s = b[j];
+      for (int p = 0; p < K; p++) s += (double)x[i * K + p] * w[j * K + p];
+      want[i * N + j] = s;
+    }
+  /* The packed weight serves any number of products: two here, each its own two phases. */
+  for (int call = 0; call < 2; call++) {
+    memset(y, 0, sizeof y);
+    OK(uniopLinearPackedGetWorkspaceSize(tx, tp, N, tb, ty, &ws, &exec));
+    launch(uniopLinearPacked, ws, exec, stream);
+    expect_close(call ? "linear_packed (again)" : "linear_packed", y, want, M * N, 1e-5);
+  }
+  expect_error("linear_packed: out_features", uniopLinearPackedGetWorkspaceSize(tx, tp, N + 32, tb, ty, &ws, &exec),
+               UNIOP_ERROR_SHAPE, "argument 'packed_weight': expected shape [3, 9, 32, 1]");
+  uniopTensor *all[] = {tw, tp, tx, tb, ty};
+  for (int i = 0; i < 5; i++) OK(uniopDestroyTensor(all[i]));
+}
+
 /* HF's rotate-half RoPE on x [1, H, S, D] with cos/sin [S, D]. */
 static void test_rope(uniopStream stream) {
   enum { H = 2, S = 5, D = 8 };
@@ -688,6 +723,7 @@ int main(int argc, char **argv) {
   test_rms_norm(stream);
   test_swiglu(stream);
   test_matmul(stream);
+  test_packed_weight(stream);
   test_rope(stream);
   test_attention_and_kv_cache(stream);
   test_direct_call_and_events(stream);
