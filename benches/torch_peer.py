@@ -165,6 +165,15 @@ PEERS = {
     "linear_silu_mul": (gated_inputs, lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu)),
     # The same, also returning the products (what autograd of the composite keeps for its backward).
     "linear_silu_mul_train": (gated_inputs, gated_train),
+    # The packed forms (uniop's weight packed once by pack_weight, outside the timing) against torch's
+    # linear on the plain weight: torch eager has no packed CPU linear of its own (torch.compile's
+    # weight prepacking needs `freezing`, which this peer leaves off).
+    "linear_packed": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn((2 * shape[-1], shape[-1]), dtype=dt),
+                                         torch.randn((2 * shape[-1],), dtype=dt)), F.linear),
+    "linear_add_packed": (lambda shape, dt: (torch.randn(shape, dtype=dt),
+                                             torch.randn((shape[-1], shape[-1]), dtype=dt), torch.randn(shape, dtype=dt)),
+                          lambda x, w, r: r + F.linear(x, w)),
+    "linear_silu_mul_packed": (gated_inputs, lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu)),
     # Main shape is the table [V, H]; 2048 token ids.
     "embedding": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randint(0, shape[0], (2048,))),
                   lambda w, ids: F.embedding(ids, w)),
@@ -253,14 +262,14 @@ def gflop(op, shape):
     if op in ("matmul", "matmul_backward"):
         m, k = shape[-2:]
         return (2 if op == "matmul" else 4) * m * k * k * (math.prod(shape[:-2]) or 1) / 1e9
-    if op in ("linear", "linear_backward"):
+    if op in ("linear", "linear_packed", "linear_backward"):
         k = shape[-1]
         rows = math.prod(shape[:-1])
         return (2 if op == "linear" else 4) * rows * k * 2 * k / 1e9
-    if op in ("linear_add", "linear_add_backward"):
+    if op in ("linear_add", "linear_add_packed", "linear_add_backward"):
         k = shape[-1]
-        return (2 if op == "linear_add" else 4) * math.prod(shape[:-1]) * k * k / 1e9
-    if op in ("linear_silu_mul", "linear_silu_mul_train", "linear_silu_mul_backward"):
+        return (4 if op == "linear_add_backward" else 2) * math.prod(shape[:-1]) * k * k / 1e9
+    if op in ("linear_silu_mul", "linear_silu_mul_train", "linear_silu_mul_packed", "linear_silu_mul_backward"):
         # Two products forward; four in the backward (its example takes the saved products).
         k = shape[-1]
         return (8 if op == "linear_silu_mul_backward" else 4) * math.prod(shape[:-1]) * k * intermediate(k) / 1e9
