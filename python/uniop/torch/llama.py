@@ -291,7 +291,7 @@ def patch_llama(model=None, pack_weights=False):
     call (``linear_packed``, ``linear_add_packed``, ``linear_silu_mul_packed``), at the price of a
     packed copy of every linear weight a prefill uses, made on first use and kept beside the
     weight (repacked when the weight changes). Inference only: calls autograd records keep the
-    unpacked route. The setting holds for every patched model until ``unpatch_llama``."""
+    unpacked route. The setting of the latest call holds for every patched model."""
     m = _modeling()
     if model is not None and not any(isinstance(mod, m.LlamaDecoderLayer) for mod in model.modules()):
         raise TypeError(f"patch_llama: expected a transformers Llama model, got {type(model).__name__}")
