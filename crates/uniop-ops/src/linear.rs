@@ -42,22 +42,24 @@ pub(crate) fn x_and_weight(cx: &OpCx, weight: &str) -> Result<Dims> {
 
 fn dims(cx: &OpCx) -> Result<Dims> {
     let d = x_and_weight(cx, "weight")?;
-    let dtype = cx.input("x").dtype;
-    let w = cx.input("weight").shape();
+    check_bias(cx, d)?;
+    Ok(d)
+}
+
+/// Checks the optional `bias` against `x`'s dtype and `d.n` (shared with `linear_packed`).
+pub(crate) fn check_bias(cx: &OpCx, d: Dims) -> Result<()> {
     if let Some(b) = cx.optional_input("bias") {
-        if b.dtype != dtype {
-            return Err(cx.err(ErrorCode::DType, "bias", format!("dtype {dtype} (same as 'x')"), b.dtype));
-        }
-        if b.shape() != [w[0]] {
+        cx.expect_same_dtype("bias", cx.input("x").dtype, "x")?;
+        if b.shape() != [d.n] {
             return Err(cx.err(
                 ErrorCode::Shape,
                 "bias",
-                format!("shape [{}]", w[0]),
+                format!("shape [{}]", d.n),
                 format!("shape {}", ShapeDisplay(b.shape())),
             ));
         }
     }
-    Ok(d)
+    Ok(())
 }
 
 /// How blocks share the output: bands of rows, or — when there are too few rows to go around

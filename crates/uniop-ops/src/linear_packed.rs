@@ -5,9 +5,9 @@
 //! The packed tensor does not record how many output features it holds (its panels are padded to
 //! 32), so the ops take `out_features`, checked against the packed shape.
 
-use crate::linear::{output_shape, reference_rows, Addend, Dims, WeightForm};
+use crate::linear::{check_bias, output_shape, reference_rows, Addend, Dims, WeightForm};
 use crate::pack_weight::{packed_dims, unpacked, DTYPES};
-use uniop::{DType, ErrorCode, Example, Op, OpCx, Plan, RefTensor, Result, TensorMeta};
+use uniop::{DType, Example, Op, OpCx, Plan, RefTensor, Result, TensorMeta};
 
 pub struct LinearPacked(Addend);
 
@@ -20,23 +20,10 @@ impl LinearPacked {
 
 fn dims(cx: &OpCx, addend: Addend) -> Result<Dims> {
     let d = packed_dims(cx, false)?;
-    let dtype = cx.input("x").dtype;
     match addend {
-        Addend::Bias => {
-            if let Some(b) = cx.optional_input("bias") {
-                cx.expect_same_dtype("bias", dtype, "x")?;
-                if b.shape() != [d.n] {
-                    return Err(cx.err(
-                        ErrorCode::Shape,
-                        "bias",
-                        format!("shape [{}] (out_features)", d.n),
-                        format!("shape {}", uniop::layout::ShapeDisplay(b.shape())),
-                    ));
-                }
-            }
-        }
+        Addend::Bias => check_bias(cx, d)?,
         Addend::Residual => {
-            cx.expect_same_dtype("residual", dtype, "x")?;
+            cx.expect_same_dtype("residual", cx.input("x").dtype, "x")?;
             cx.expect_shape("residual", &output_shape(cx, d))?;
         }
     }
