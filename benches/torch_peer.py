@@ -265,7 +265,7 @@ def gflop(op, shape):
     if op in ("linear", "linear_packed", "linear_backward"):
         k = shape[-1]
         rows = math.prod(shape[:-1])
-        return (2 if op == "linear" else 4) * rows * k * 2 * k / 1e9
+        return (4 if op == "linear_backward" else 2) * rows * k * 2 * k / 1e9
     if op in ("linear_add", "linear_add_packed", "linear_add_backward"):
         k = shape[-1]
         return (4 if op == "linear_add_backward" else 2) * math.prod(shape[:-1]) * k * k / 1e9
