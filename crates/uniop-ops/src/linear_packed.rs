@@ -107,7 +107,8 @@ impl Op for LinearPacked {
         let packed = crate::packed_gemm::packed_weight_shape(dtype.size(), n, k, false);
         let third = match self.0 {
             Addend::Bias => TensorMeta::contiguous(dtype, &[n])?,
-            Addend::Residual => TensorMeta::contiguous(dtype, &output_shape_of(&x, n))?,
+            // n = k: the residual is shaped like x.
+            Addend::Residual => TensorMeta::contiguous(dtype, &x)?,
         };
         Ok(Example {
             inputs: vec![
@@ -119,11 +120,4 @@ impl Op for LinearPacked {
             ..Default::default()
         })
     }
-}
-
-/// `x`'s shape with its last dim `n`.
-fn output_shape_of(x: &[usize], n: usize) -> Vec<usize> {
-    let mut shape = x.to_vec();
-    *shape.last_mut().unwrap() = n;
-    shape
 }

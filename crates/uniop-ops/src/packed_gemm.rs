@@ -628,7 +628,6 @@ pub(crate) unsafe fn gemm_rows_pairs<E: Packed>(
     let micro = micro_kernel::<E>();
     SCRATCH.with_borrow_mut(|s| {
         let Scratch { a, b, c, sums } = s;
-        let mut unpacked = LineBuf::default();
         sums.grow(PAIR_ROWS * NC);
         for jc in (0..n).step_by(PAIRED_COLUMNS) {
             let nc = PAIRED_COLUMNS.min(n - jc);
@@ -639,7 +638,7 @@ pub(crate) unsafe fn gemm_rows_pairs<E: Packed>(
                     pack_columns::<E>(b, Columns::Pairs(first, second), k, (jc, nc));
                     &b[..]
                 }
-                PairedWeights::Packed(w) => w.block::<E>(jc, width, &mut unpacked),
+                PairedWeights::Packed(w) => w.block::<E>(jc, width, b),
             };
             let packed = PackedBlock::new::<E>(width, k);
             for ic in rows.clone().step_by(PAIR_ROWS) {

@@ -333,9 +333,7 @@ def unpatch_llama():
         model.set_attn_implementation(previous)
         for mod in linears:
             del mod.forward
-        for mod in model.modules():
-            mod.__dict__.pop("_uniop_packed", None)
-            mod.__dict__.pop("_uniop_packed_pair", None)
+        unn.drop_packed_weights(model)
     if _originals:
         m = _modeling()
         m.LlamaRMSNorm.forward = _originals.pop("rms_norm")

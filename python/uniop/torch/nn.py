@@ -116,6 +116,13 @@ def packed_weight(owner, *weights):
     return packed
 
 
+def drop_packed_weights(module):
+    """Drops the packed copies :func:`packed_weight` kept on ``module`` and its submodules."""
+    for mod in module.modules():
+        mod.__dict__.pop("_uniop_packed", None)
+        mod.__dict__.pop("_uniop_packed_pair", None)
+
+
 def _takes_packed(packed, x, *layers):
     """Whether a product of ``x`` goes through weights packed ahead: asked for (``packed``), no
     autograd, tracing or other torch machinery needs to see the call, and the layers' weights
