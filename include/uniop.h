@@ -207,20 +207,23 @@ uniopStatus uniopArgmax(void *workspace,
                         uniopExecutor *executor,
                         uniopStream stream);
 
-// Phase 1 of `attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None) -> (Tensor out, Tensor lse)`.
+// Phase 1 of `attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None) -> (Tensor out, Tensor lse)`.
 //
 // Scaled dot-product attention, flash-style (O(tile) memory, never the Sq x Sk scores). q [B, Hq,
 // Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, dense last dim); Hkv divides Hq
 // (GQA). kv_lens (int [B]) limits each batch row to its first keys (KV-cache decode). causal
 // aligns bottom-right: query i sees key j iff j <= i + len - Sq (torch is_causal when Sq == Sk).
-// scale defaults to 1/sqrt(D). lse: float32 log-sum-exp of the scaled scores per query (-inf, with
-// out = 0, for a query that sees no key).
+// scale defaults to 1/sqrt(D). mask (bool, broadcastable to [B, Hq, Sq, Sk], true = attend, as
+// SDPA's boolean attn_mask) hides keys on top of kv_lens and causal; hidden keys' K/V rows must be
+// finite. lse: float32 log-sum-exp of the scaled scores per query (-inf, with out = 0, for a query
+// that sees no key).
 uniopStatus uniopAttentionGetWorkspaceSize(const uniopTensor *q,
                                            const uniopTensor *k,
                                            const uniopTensor *v,
                                            const uniopTensor *kv_lens,
                                            bool causal,
                                            const double *scale,
+                                           const uniopTensor *mask,
                                            uniopTensor *out,
                                            uniopTensor *lse,
                                            uint64_t *workspaceSize,
@@ -232,7 +235,7 @@ uniopStatus uniopAttention(void *workspace,
                            uniopExecutor *executor,
                            uniopStream stream);
 
-// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None) -> (Tensor dq, Tensor dk, Tensor dv)`.
+// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None) -> (Tensor dq, Tensor dk, Tensor dv)`.
 //
 // Gradients of attention from its saved out and lse (same mask and scale rules). dk/dv sum over
 // the q heads of each kv-head group; keys past kv_lens get zero gradient. Deterministic (no
@@ -246,6 +249,7 @@ uniopStatus uniopAttentionBackwardGetWorkspaceSize(const uniopTensor *dout,
                                                    const uniopTensor *kv_lens,
                                                    bool causal,
                                                    const double *scale,
+                                                   const uniopTensor *mask,
                                                    uniopTensor *dq,
                                                    uniopTensor *dk,
                                                    uniopTensor *dv,

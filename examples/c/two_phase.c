@@ -231,7 +231,7 @@ static void test_attention_and_kv_cache(uniopStream stream) {
   uniopTensor *out[] = {dense(qd, 4, o), dense(ld, 3, lse)};
   uint64_t ws = 0;
   uniopExecutor *exec = NULL;
-  OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, out[0], out[1], &ws, &exec));
+  OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, NULL, out[0], out[1], &ws, &exec));
   launch(uniopAttention, ws, exec, stream);
   double want[H * S * D];
   double scale = 1.0 / sqrt((double)D);

@@ -159,14 +159,16 @@ pub extern "C" fn uniopArgmax(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None) -> (Tensor out, Tensor lse)`.
+/// Phase 1 of `attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None) -> (Tensor out, Tensor lse)`.
 ///
 /// Scaled dot-product attention, flash-style (O(tile) memory, never the Sq x Sk scores). q [B, Hq,
 /// Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, dense last dim); Hkv divides Hq
 /// (GQA). kv_lens (int [B]) limits each batch row to its first keys (KV-cache decode). causal
 /// aligns bottom-right: query i sees key j iff j <= i + len - Sq (torch is_causal when Sq == Sk).
-/// scale defaults to 1/sqrt(D). lse: float32 log-sum-exp of the scaled scores per query (-inf, with
-/// out = 0, for a query that sees no key).
+/// scale defaults to 1/sqrt(D). mask (bool, broadcastable to [B, Hq, Sq, Sk], true = attend, as
+/// SDPA's boolean attn_mask) hides keys on top of kv_lens and causal; hidden keys' K/V rows must be
+/// finite. lse: float32 log-sum-exp of the scaled scores per query (-inf, with out = 0, for a query
+/// that sees no key).
 #[no_mangle]
 pub extern "C" fn uniopAttentionGetWorkspaceSize(
     q: *const uniopTensor,
@@ -175,6 +177,7 @@ pub extern "C" fn uniopAttentionGetWorkspaceSize(
     kv_lens: *const uniopTensor,
     causal: bool,
     scale: *const f64,
+    mask: *const uniopTensor,
     out: *mut uniopTensor,
     lse: *mut uniopTensor,
     workspaceSize: *mut u64,
@@ -182,7 +185,8 @@ pub extern "C" fn uniopAttentionGetWorkspaceSize(
 ) -> uniopStatus {
     const F: &str = "uniopAttentionGetWorkspaceSize";
     guard(|| {
-        let inputs: [(&str, *const uniopTensor); 4] = [("q", q), ("k", k), ("v", v), ("kv_lens", kv_lens)];
+        let inputs: [(&str, *const uniopTensor); 5] =
+            [("q", q), ("k", k), ("v", v), ("kv_lens", kv_lens), ("mask", mask)];
         let attrs: [(&str, AttrValue); 2] =
             [("causal", AttrValue::Bool(causal)), ("scale", typed::optional(scale, |v| Ok(AttrValue::Float(v)))?)];
         let outputs = [("out", out as *const uniopTensor), ("lse", lse as *const uniopTensor)];
@@ -201,7 +205,7 @@ pub extern "C" fn uniopAttention(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None) -> (Tensor dq, Tensor dk, Tensor dv)`.
+/// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None) -> (Tensor dq, Tensor dk, Tensor dv)`.
 ///
 /// Gradients of attention from its saved out and lse (same mask and scale rules). dk/dv sum over
 /// the q heads of each kv-head group; keys past kv_lens get zero gradient. Deterministic (no
@@ -217,6 +221,7 @@ pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
     kv_lens: *const uniopTensor,
     causal: bool,
     scale: *const f64,
+    mask: *const uniopTensor,
     dq: *mut uniopTensor,
     dk: *mut uniopTensor,
     dv: *mut uniopTensor,
@@ -225,8 +230,16 @@ pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
 ) -> uniopStatus {
     const F: &str = "uniopAttentionBackwardGetWorkspaceSize";
     guard(|| {
-        let inputs: [(&str, *const uniopTensor); 7] =
-            [("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("kv_lens", kv_lens)];
+        let inputs: [(&str, *const uniopTensor); 8] = [
+            ("dout", dout),
+            ("q", q),
+            ("k", k),
+            ("v", v),
+            ("out", out),
+            ("lse", lse),
+            ("kv_lens", kv_lens),
+            ("mask", mask),
+        ];
         let attrs: [(&str, AttrValue); 2] =
             [("causal", AttrValue::Bool(causal)), ("scale", typed::optional(scale, |v| Ok(AttrValue::Float(v)))?)];
         let outputs =

@@ -39,6 +39,16 @@
 //! prefill need (the new queries are the last `Sq` positions). A query that sees no key
 //! (possible only when `len < Sq`) gets output 0 and `lse = -inf`.
 //!
+//! `mask` (bool, optional, broadcastable to `[B, Hq, Sq, Sk]`, true = attend: torch SDPA's
+//! boolean `attn_mask`) hides keys on top of `kv_lens` and `causal`: padded batches (Hugging
+//! Face's left-padded prompts and their decode steps), prefix-LM or document masks. It is applied
+//! to each score tile after its product (a hidden score becomes −∞ before the softmax), so the
+//! tiles and their skipping stay as they are; keys it hides still run through the products, and
+//! their K/V rows must hold finite numbers (a hidden key's probability is 0, as in SDPA, and 0 ·
+//! NaN is NaN). A query whose keys are all hidden gets output 0 and `lse = -inf`, like one that
+//! sees no key. AVX2's transposed tiles (`flash_avx2.rs`) take no mask; masked calls there run the
+//! GEMM tiles.
+//!
 //! `lse` (`[B, Hq, Sq]`, f32) is the log-sum-exp of each query's scaled scores, saved for
 //! [`attention_backward`](crate::attention_backward).
 
@@ -85,6 +95,8 @@ pub(crate) struct Geometry {
     pub scale: f32,
     pub scale_f64: f64,
     pub dtype: DType,
+    /// Whether a `mask` was given.
+    pub masked: bool,
 }
 
 impl Geometry {
@@ -294,7 +306,29 @@ fn expect_rank4(cx: &OpCx, arg: &str) -> Result<[usize; 4]> {
     })
 }
 
-/// Checks `q`, `k`, `v`, `kv_lens` and the attributes.
+/// Checks `mask` (when given): bool, of a rank up to 4, each dim `target`'s or 1 (aligned at the
+/// right, as torch broadcasts).
+fn check_mask(cx: &OpCx, target: [usize; 4], scale: f64) -> Result<()> {
+    let Some(mask) = cx.optional_input("mask") else { return Ok(()) };
+    cx.expect_dtype_in("mask", &[DType::Bool])?;
+    let shape = mask.shape();
+    let fits = shape.len() <= 4 && shape.iter().rev().zip(target.iter().rev()).all(|(&m, &t)| m == t || m == 1);
+    if !fits {
+        return Err(cx.err(
+            ErrorCode::Shape,
+            "mask",
+            format!("a shape broadcastable to [B, Hq, Sq, Sk] = {}", ShapeDisplay(&target)),
+            format!("shape {}", ShapeDisplay(shape)),
+        ));
+    }
+    if scale == 0.0 {
+        // A hidden score is −∞ before the scale is applied: 0 · −∞ hides nothing.
+        return Err(cx.err(ErrorCode::ParamInvalid, "scale", "a nonzero scale when a mask is given", scale));
+    }
+    Ok(())
+}
+
+/// Checks `q`, `k`, `v`, `kv_lens`, `mask` and the attributes.
 pub(crate) fn geometry(cx: &OpCx) -> Result<Geometry> {
     let dtype = cx.expect_dtype_in("q", DTYPES)?;
     cx.expect_same_dtype("k", dtype, "q")?;
@@ -323,6 +357,7 @@ pub(crate) fn geometry(cx: &OpCx) -> Result<Geometry> {
     if !scale.is_finite() {
         return Err(cx.err(ErrorCode::ParamInvalid, "scale", "a finite float or None (1/sqrt(head_dim))", scale));
     }
+    check_mask(cx, [batch, q_heads, q_len, kv_len], scale)?;
     let causal = matches!(cx.attr("causal"), AttrValue::Bool(true));
     Ok(Geometry {
         batch,
@@ -336,7 +371,67 @@ pub(crate) fn geometry(cx: &OpCx) -> Result<Geometry> {
         scale: scale as f32,
         scale_f64: scale,
         dtype,
+        masked: cx.optional_input("mask").is_some(),
     })
+}
+
+/// The optional boolean `mask` as the kernels read it: element `(b, h, i, j)` of its broadcast
+/// to `[B, Hq, Sq, Sk]` (broadcast dims have stride 0).
+#[derive(Clone, Copy)]
+pub(crate) struct MaskRows<'a> {
+    data: &'a [bool],
+    base: usize,
+    strides: [usize; 4],
+}
+
+impl<'a> MaskRows<'a> {
+    pub fn of(mask: Option<TensorRef<'a>>) -> Option<MaskRows<'a>> {
+        let mask = mask?;
+        let (shape, given) = (mask.shape(), mask.layout().strides());
+        let mut strides = [0; 4];
+        for (k, (&n, &st)) in shape.iter().rev().zip(given.iter().rev()).enumerate() {
+            strides[3 - k] = if n == 1 { 0 } else { st };
+        }
+        let data = mask.storage::<bool>().expect("mask checked bool");
+        Some(MaskRows { data, base: mask.layout().offset(), strides })
+    }
+
+    /// Sets the scores `s` of keys `j0..j0 + s.len()` that query `(b, h, i)` may not see to `hidden`.
+    #[inline(always)]
+    pub fn hide(&self, s: &mut [f32], (b, h, i): (usize, usize, usize), j0: usize, hidden: f32) {
+        let [sb, sh, si, sj] = self.strides;
+        let row = self.base + b * sb + h * sh + i * si + j0 * sj;
+        if sj == 1 {
+            let keeps = &self.data[row..row + s.len()];
+            for (v, &keep) in s.iter_mut().zip(keeps) {
+                *v = if keep { *v } else { hidden };
+            }
+        } else {
+            for (j, v) in s.iter_mut().enumerate() {
+                if !self.data[row + j * sj] {
+                    *v = hidden;
+                }
+            }
+        }
+    }
+}
+
+/// The raw score that a softmax with `scale` turns into −∞ (a hidden key).
+pub(crate) fn hidden_score(scale: f32) -> f32 {
+    if scale < 0.0 {
+        f32::INFINITY
+    } else {
+        f32::NEG_INFINITY
+    }
+}
+
+/// Whether element `(b, h, i, j)` of the f64 reference's `mask` (0 or 1, broadcast as
+/// [`MaskRows`]) lets the query see the key; every key when there is no mask.
+pub(crate) fn reference_keeps(mask: Option<&RefTensor>, at: [usize; 4]) -> bool {
+    let Some(mask) = mask else { return true };
+    let rank = mask.shape.len();
+    let index = mask.shape.iter().zip(&at[4 - rank..]).fold(0, |acc, (&n, &x)| acc * n + if n == 1 { 0 } else { x });
+    mask.data[index] != 0.0
 }
 
 /// Row addressing of a `[B, H, S, D]` view with a dense last dim.
@@ -494,7 +589,10 @@ fn online_softmax_row<T: FloatElement>(s: &mut [f32], p: Probabilities<'_>, scal
     let (sum, new_m) = match p {
         Probabilities::InPlace => {
             s[live..].fill(0.0);
-            let Some(new_m) = running_max(&s[..live], scale, *m) else { return };
+            let Some(new_m) = running_max(&s[..live], scale, *m) else {
+                s[..live].fill(0.0); // every visible key hidden by the mask: no probabilities
+                return;
+            };
             (exp_pass::<T, false, false>(&mut s[..live], &mut [], scale, new_m).0, new_m)
         }
         Probabilities::Bf16(p) if bf16::converts_natively() => bf16_probabilities::<T, true>(&mut s[..live], p, scale, *m),
@@ -758,6 +856,7 @@ pub(crate) struct ForwardArgs<'a> {
     pub k: TensorRef<'a>,
     pub v: TensorRef<'a>,
     pub lens: Option<TensorRef<'a>>,
+    pub mask: Option<MaskRows<'a>>,
     out: uniop::OutputView<'a>,
     lse: uniop::OutputView<'a>,
     /// Rows of q, k, v and out.
@@ -768,7 +867,8 @@ impl<'a> ForwardArgs<'a> {
     pub fn of(args: &'a KernelArgs) -> ForwardArgs<'a> {
         let (q, k, v, out) = (args.input(0), args.input(1), args.input(2), args.output(0));
         let rows = [q.layout(), k.layout(), v.layout(), out.layout()].map(Rows4::of);
-        ForwardArgs { q, k, v, lens: args.optional_input(3), out, lse: args.output(1), rows }
+        let (lens, mask) = (args.optional_input(3), MaskRows::of(args.optional_input(4)));
+        ForwardArgs { q, k, v, lens, mask, out, lse: args.output(1), rows }
     }
 
     /// Writes query `(b, h, i)`'s output row from its unnormalised sums `o` (scaled in place by
@@ -937,9 +1037,13 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (stat
                 unsafe { scores(st, TILE_KEYS, qt, d, rows, kp, n) };
             }
             for r in 0..rows {
-                let visible = g.visible(t.len, t.head_pos(r).1).saturating_sub(j0);
+                let (h, i) = t.head_pos(r);
+                let visible = g.visible(t.len, i).saturating_sub(j0);
                 let at = r * TILE_KEYS;
                 let s = &mut st[at..at + n];
+                if let Some(mask) = &fa.mask {
+                    mask.hide(&mut s[..visible.min(n)], (b, h, i), j0, hidden_score(g.scale));
+                }
                 let p = match on_bf16_gemm {
                     true => Probabilities::Bf16(&mut bf16_tile(kt)[at..at + n]),
                     false => Probabilities::InPlace,
@@ -1028,7 +1132,13 @@ unsafe fn out_lse<'a>(lse: &uniop::OutputView<'a>, g: Geometry, b: usize, h: usi
 
 /// f64 reference of the forward: per query, softmax over its visible keys. Also used by the
 /// backward's reference (it needs the probabilities).
-pub(crate) fn reference_probs(g: &Geometry, q: &RefTensor, k: &RefTensor, lens: Option<&RefTensor>) -> Vec<Vec<f64>> {
+pub(crate) fn reference_probs(
+    g: &Geometry,
+    q: &RefTensor,
+    k: &RefTensor,
+    lens: Option<&RefTensor>,
+    mask: Option<&RefTensor>,
+) -> Vec<Vec<f64>> {
     let (d, group) = (g.head_dim, g.group());
     let mut probs = Vec::with_capacity(g.batch * g.q_heads * g.q_len);
     for b in 0..g.batch {
@@ -1037,14 +1147,20 @@ pub(crate) fn reference_probs(g: &Geometry, q: &RefTensor, k: &RefTensor, lens: 
             for i in 0..g.q_len {
                 let qi = &q.data[((b * g.q_heads + h) * g.q_len + i) * d..][..d];
                 let visible = g.visible(len, i);
-                let s: Vec<f64> = (0..visible)
+                // Hidden keys (the mask) have no score; with none left the row is zeros, lse −∞.
+                let s: Vec<Option<f64>> = (0..visible)
                     .map(|j| {
                         let kj = &k.data[((b * g.kv_heads + h / group) * g.kv_len + j) * d..][..d];
-                        qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() * g.scale_f64
+                        reference_keeps(mask, [b, h, i, j])
+                            .then(|| qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() * g.scale_f64)
                     })
                     .collect();
-                let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+                let m = s.iter().flatten().copied().fold(f64::NEG_INFINITY, f64::max);
+                if m == f64::NEG_INFINITY {
+                    probs.push(vec![0.0; visible].into_iter().chain([f64::NEG_INFINITY]).collect());
+                    continue;
+                }
+                let e: Vec<f64> = s.iter().map(|v| v.map_or(0.0, |v| (v - m).exp())).collect();
                 let sum: f64 = e.iter().sum();
                 probs.push(e.iter().map(|v| v / sum).chain([m + sum.ln()]).collect());
             }
@@ -1055,16 +1171,18 @@ pub(crate) fn reference_probs(g: &Geometry, q: &RefTensor, k: &RefTensor, lens: 
 
 impl Op for Attention {
     fn schema(&self) -> &'static str {
-        "attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None) -> \
-         (Tensor out, Tensor lse)"
+        "attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None, \
+         Tensor? mask=None) -> (Tensor out, Tensor lse)"
     }
 
     fn doc(&self) -> &'static str {
         "Scaled dot-product attention, flash-style (O(tile) memory, never the Sq x Sk scores). q [B, Hq, Sq, D], \
          k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, dense last dim); Hkv divides Hq (GQA). kv_lens (int [B]) \
          limits each batch row to its first keys (KV-cache decode). causal aligns bottom-right: query i sees key j \
-         iff j <= i + len - Sq (torch is_causal when Sq == Sk). scale defaults to 1/sqrt(D). lse: float32 \
-         log-sum-exp of the scaled scores per query (-inf, with out = 0, for a query that sees no key)."
+         iff j <= i + len - Sq (torch is_causal when Sq == Sk). scale defaults to 1/sqrt(D). mask (bool, \
+         broadcastable to [B, Hq, Sq, Sk], true = attend, as SDPA's boolean attn_mask) hides keys on top of \
+         kv_lens and causal; hidden keys' K/V rows must be finite. lse: float32 log-sum-exp of the scaled scores \
+         per query (-inf, with out = 0, for a query that sees no key)."
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -1125,7 +1243,7 @@ impl Op for Attention {
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let g = geometry(cx)?;
         let [q, k, v] = [0, 1, 2].map(|i| inputs[i].as_ref().unwrap());
-        let probs = reference_probs(&g, q, k, inputs[3].as_ref());
+        let probs = reference_probs(&g, q, k, inputs[3].as_ref(), inputs.get(4).and_then(Option::as_ref));
         let dv = g.v_dim;
         let mut out = vec![0.0; g.batch * g.q_heads * g.q_len * dv];
         let mut lse = vec![0.0; probs.len()];
@@ -1157,6 +1275,7 @@ impl Op for Attention {
                 Some(TensorMeta::contiguous(dtype, &q)?),
                 Some(TensorMeta::contiguous(dtype, &kv)?),
                 Some(TensorMeta::contiguous(dtype, &kv)?),
+                None,
                 None,
             ],
             attrs: vec![("causal".into(), AttrValue::Bool(true))],

@@ -26,8 +26,9 @@
 //! are there).
 
 use crate::attention::{
-    bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, narrow_step, parts_for_even_share, row_len,
-    rows_of, scores, spreads_evenly, Geometry, Rows4, DIAGONAL_PIECE_ROWS, DTYPES, TILE_KEYS, TILE_ROWS, W,
+    bf16_scores, bf16_tile, carve, f32_rows, geometry, hidden_score, load_scaled, narrow_step, parts_for_even_share,
+    reference_keeps, row_len, rows_of, scores, spreads_evenly, Geometry, MaskRows, Rows4, DIAGONAL_PIECE_ROWS, DTYPES,
+    TILE_KEYS, TILE_ROWS, W,
 };
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
@@ -41,7 +42,7 @@ use uniop::{
 
 pub struct AttentionBackward;
 
-/// Flattened input positions (kv_lens is optional, last).
+/// Flattened input positions (kv_lens and mask are optional).
 const DOUT: usize = 0;
 const Q: usize = 1;
 const K: usize = 2;
@@ -49,6 +50,7 @@ const V: usize = 3;
 const OUT: usize = 4;
 const LSE: usize = 5;
 const KV_LENS: usize = 6;
+const MASK: usize = 7;
 
 fn checked_geometry(cx: &OpCx) -> Result<Geometry> {
     let g = geometry(cx)?;
@@ -119,6 +121,7 @@ pub(crate) struct BackwardArgs<'a> {
     pub k: TensorRef<'a>,
     pub v: TensorRef<'a>,
     pub lens: Option<TensorRef<'a>>,
+    pub mask: Option<MaskRows<'a>>,
     /// The contiguous `[B, Hq, Sq]` lse from its first element.
     pub lse: &'a [f32],
     pub dq: OutputView<'a>,
@@ -147,6 +150,7 @@ impl<'a> BackwardArgs<'a> {
             dv_rows: Rows4::of(dv.layout()),
             lse: &lse.storage::<f32>().expect("lse is f32")[lse.layout().offset()..],
             lens: args.optional_input(KV_LENS),
+            mask: MaskRows::of(args.optional_input(MASK)),
             dout,
             q,
             k,
@@ -155,6 +159,29 @@ impl<'a> BackwardArgs<'a> {
             dk,
             dv,
         }
+    }
+
+    /// How many of the scores `s` of query `(b, h, i)` (keys from `j0`, the first `visible` of
+    /// them unmasked by `kv_lens` and `causal`) enter the gradients: those, with the ones `mask`
+    /// hides set to −∞ (probability 0), or none for a query that saw no key (lse −∞, which would
+    /// turn a hidden score into NaN).
+    #[inline(always)]
+    fn live_keys(
+        &self,
+        s: &mut [f32],
+        (b, h, i): (usize, usize, usize),
+        j0: usize,
+        visible: usize,
+        lse: f32,
+        scale: f32,
+    ) -> usize {
+        let Some(mask) = &self.mask else { return visible };
+        if lse == f32::NEG_INFINITY {
+            return 0;
+        }
+        let live = visible.min(s.len());
+        mask.hide(&mut s[..live], (b, h, i), j0, hidden_score(scale));
+        live
     }
 }
 
@@ -688,6 +715,7 @@ fn dkv_kernel<T: FloatElement>(
                         let at_row = row_index(&g, b, h, i0 + r);
                         let visible = g.visible(len, i0 + r).saturating_sub(j0);
                         let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
+                        let visible = a.live_keys(s, (b, h, i0 + r), j0, visible, lse_s[at_row], score_scale);
                         let bf16_rows = if bf16_gemm {
                             let (p_row, ds_row) = (
                                 &mut bf16_tile(kt)[(at + r) * TILE_KEYS..],
@@ -865,6 +893,7 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
                 let at = row_index(&g, b, h, i);
                 let visible = g.visible(t.len, i).saturating_sub(j0);
                 let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
+                let visible = a.live_keys(s, (b, h, i), j0, visible, lse_s[at], score_scale);
                 let bf16_rows = bf16_gemm.then(|| (None, &mut bf16_tile(kt)[r * TILE_KEYS..][..n]));
                 probs_and_dscores_row::<T>(s, dp, bf16_rows, visible, score_scale, lse_s[at], delta[at]);
             }
@@ -909,7 +938,7 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
 impl Op for AttentionBackward {
     fn schema(&self) -> &'static str {
         "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, \
-         bool causal=False, float? scale=None) -> (Tensor dq, Tensor dk, Tensor dv)"
+         bool causal=False, float? scale=None, Tensor? mask=None) -> (Tensor dq, Tensor dk, Tensor dv)"
     }
 
     fn doc(&self) -> &'static str {
@@ -999,7 +1028,7 @@ impl Op for AttentionBackward {
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let g = checked_geometry(cx)?;
         let [dout, q, k, v, out, lse] = [DOUT, Q, K, V, OUT, LSE].map(|i| inputs[i].as_ref().unwrap());
-        let lens = inputs[KV_LENS].as_ref();
+        let (lens, mask) = (inputs[KV_LENS].as_ref(), inputs.get(MASK).and_then(Option::as_ref));
         let (d, dv, group) = (g.head_dim, g.v_dim, g.group());
         let mut dq = vec![0.0; q.data.len()];
         let mut dk = vec![0.0; k.data.len()];
@@ -1015,6 +1044,9 @@ impl Op for AttentionBackward {
                         (&q.data[row * d..][..d], &dout.data[row * dv..][..dv], &out.data[row * dv..][..dv]);
                     let delta: f64 = doi.iter().zip(oi).map(|(a, b)| a * b).sum();
                     for j in 0..g.visible(len, i) {
+                        if !reference_keeps(mask, [b, h, i, j]) || lse.data[row] == f64::NEG_INFINITY {
+                            continue;
+                        }
                         let (kj, vj) = (&k.data[(kv + j) * d..][..d], &v.data[(kv + j) * dv..][..dv]);
                         let s = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>();
                         let p = (s - lse.data[row]).exp();
@@ -1049,6 +1081,7 @@ impl Op for AttentionBackward {
                 t(&kv)?,
                 t(&q)?,
                 Some(TensorMeta::contiguous(DType::F32, &q[..3])?),
+                None,
                 None,
             ],
             attrs: vec![("causal".into(), AttrValue::Bool(true))],

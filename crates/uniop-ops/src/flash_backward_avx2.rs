@@ -44,9 +44,9 @@ const ROWS: usize = 128;
 const PANEL: usize = 16;
 
 /// Whether the backward runs these tiles: on CPUs whose best level is AVX2 (see
-/// [`avx2_best`](crate::flash_avx2::avx2_best)).
+/// [`avx2_best`](crate::flash_avx2::avx2_best)), without a `mask` (which the GEMM tiles apply).
 pub(crate) fn applies(g: &Geometry) -> bool {
-    crate::flash_avx2::avx2_best(g)
+    crate::flash_avx2::avx2_best(g) && !g.masked
 }
 
 /// Head dims of a `dQ` panel row: `d` rounded up to whole panels.

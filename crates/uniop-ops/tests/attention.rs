@@ -1,7 +1,8 @@
 //! attention / attention_backward semantics the generic registry tests cannot know: tiling
 //! across many tiles, GQA as repeated kv heads, the bottom-right causal alignment, decode with
-//! per-sequence cache lengths, HF's transposed layout read in place, gradients against finite
-//! differences, and the bad-input contract.
+//! per-sequence cache lengths, boolean masks (padded batches, broadcast and strided masks), HF's
+//! transposed layout read in place, gradients against finite differences, and the bad-input
+//! contract.
 
 mod common;
 
@@ -250,14 +251,120 @@ fn transposed_bshd_views_match_contiguous() {
 
 /// Runs `attention`, then `attention_backward` on the forward's own `out` and `lse` (both
 /// checked against their references); returns `[dq, dk, dv]`.
+/// Hugging Face's mask for a left-padded batch, `[B, 1, Sq, Sk]` (broadcast over the heads): batch
+/// row `b`'s first `pad[b]` keys are padding, hidden from every query; with `causal_in_mask` the
+/// causal mask (bottom-right, as `causal`) is part of it too.
+fn left_padding_mask(pad: &[usize], q_len: usize, kv_len: usize, causal_in_mask: bool) -> Vec<bool> {
+    let keep = |p: usize, i: usize, j: usize| j >= p && (!causal_in_mask || j <= i + kv_len - q_len);
+    pad.iter().flat_map(|&p| (0..q_len).flat_map(move |i| (0..kv_len).map(move |j| keep(p, i, j)))).collect()
+}
+
+/// Boolean masks against the f64 reference: a left-padded batch over two key tiles (the causal
+/// mask inside the boolean one, and given as `causal` beside it) in f32, bf16 and f16, whose
+/// padding queries see no key (output 0, lse −∞); a decode step of the padded batch over 1100
+/// keys (cut into key ranges on two or more threads); a random mask of the full shape with a
+/// negative scale; a `[Sq, Sk]` mask broadcast over batch and heads; a strided (transposed) mask.
+#[test]
+fn masked_attention_matches_reference() {
+    setup();
+    let (q_shape, kv_shape) = ([2, 4, 300, 16], [2, 2, 300, 16]);
+    let (q, k, v) = (rand_vec(2 * 4 * 300 * 16, 61), rand_vec(2 * 2 * 300 * 16, 62), rand_vec(2 * 2 * 300 * 16, 63));
+    let pad = [0, 37];
+    for (causal_in_mask, attrs) in [(true, causal(false)), (false, causal(true))] {
+        let mask = left_padding_mask(&pad, 300, 300, causal_in_mask);
+        let mask = Some(TensorRef::new(&mask, &[2, 1, 300, 300]).unwrap());
+        let outs = run_checked(
+            "attention",
+            &[view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), None, mask.clone()],
+            &attrs,
+        );
+        // Batch row 1's first 37 queries are padding: out 0, lse −∞ in every head.
+        for h in 0..4 {
+            let rows = (4 + h) * 300..(4 + h) * 300 + 37;
+            assert!(rows.clone().all(|r| outs[1][r] == f64::NEG_INFINITY), "padding queries' lse");
+            assert!(outs[0][rows.start * 16..rows.end * 16].iter().all(|&o| o == 0.0), "padding queries' out");
+        }
+        let (qb, kb, vb) = (bf16(&q, &q_shape), bf16(&k, &kv_shape), bf16(&v, &kv_shape));
+        run_checked("attention", &[Some(qb.view()), Some(kb.view()), Some(vb.view()), None, mask.clone()], &attrs);
+        let half = |x: &[f32], shape: &[usize]| {
+            Tensor::from_slice(&x.iter().map(|&v| uniop::half::f16::from_f32(v)).collect::<Vec<_>>(), shape).unwrap()
+        };
+        let (qh, kh, vh) = (half(&q, &q_shape), half(&k, &kv_shape), half(&v, &kv_shape));
+        run_checked("attention", &[Some(qh.view()), Some(kh.view()), Some(vh.view()), None, mask], &attrs);
+    }
+
+    let (dq_shape, dkv_shape) = ([2, 4, 1, 16], [2, 2, 1100, 16]);
+    let (dk, dv) = (rand_vec(2 * 2 * 1100 * 16, 64), rand_vec(2 * 2 * 1100 * 16, 65));
+    let mask = left_padding_mask(&[250, 0], 1, 1100, true);
+    let mask = Some(TensorRef::new(&mask, &[2, 1, 1, 1100]).unwrap());
+    let decode = [view(&q[..2 * 4 * 16], &dq_shape), view(&dk, &dkv_shape), view(&dv, &dkv_shape), None, mask];
+    run_checked("attention", &decode, &causal(false));
+    let (qb, kb, vb) = (bf16(&q[..2 * 4 * 16], &dq_shape), bf16(&dk, &dkv_shape), bf16(&dv, &dkv_shape));
+    run_checked("attention", &[Some(qb.view()), Some(kb.view()), Some(vb.view()), None, decode[4].clone()], &[]);
+
+    let random: Vec<bool> = rand_vec(2 * 4 * 300 * 300, 66).iter().map(|&x| x > 0.3).collect();
+    let full = Some(TensorRef::new(&random, &[2, 4, 300, 300]).unwrap());
+    let inputs = [view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), None, full];
+    run_checked("attention", &inputs, &[("scale", AttrValue::Float(-0.3))]);
+    let square = Some(TensorRef::new(&random[..300 * 300], &[300, 300]).unwrap());
+    run_checked("attention", &[inputs[0].clone(), inputs[1].clone(), inputs[2].clone(), None, square], &causal(true));
+    // The same [Sq, Sk] mask read through a transposed view of its [Sk, Sq] transpose.
+    let transposed: Vec<bool> = (0..300 * 300).map(|x| random[(x % 300) * 300 + x / 300]).collect();
+    let strided = Some(TensorRef::strided(&transposed, &[300, 300], &[1, 300], 0).unwrap());
+    let got = run_checked("attention", &[inputs[0].clone(), inputs[1].clone(), inputs[2].clone(), None, strided], &[]);
+    let square = Some(TensorRef::new(&random[..300 * 300], &[300, 300]).unwrap());
+    let want = run_checked("attention", &[inputs[0].clone(), inputs[1].clone(), inputs[2].clone(), None, square], &[]);
+    assert_eq!(got, want, "a strided mask reads the same elements");
+}
+
+/// Gradients through a mask: a left-padded batch over two key tiles (padding queries get zero
+/// gradients), and against central finite differences of the f64 forward with a mask that hides
+/// a query's every key.
+#[test]
+fn masked_attention_backward_matches_reference_and_finite_differences() {
+    setup();
+    let (q_shape, kv_shape) = ([2, 4, 300, 16], [2, 2, 300, 16]);
+    let (q, k, v) = (rand_vec(2 * 4 * 300 * 16, 71), rand_vec(2 * 2 * 300 * 16, 72), rand_vec(2 * 2 * 300 * 16, 73));
+    let dout = rand_vec(2 * 4 * 300 * 16, 74);
+    let mask = left_padding_mask(&[0, 37], 300, 300, true);
+    let mask = Some(TensorRef::new(&mask, &[2, 1, 300, 300]).unwrap());
+    let grads = backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), (None, mask), &[]);
+    assert!(grads[0][(4 * 300) * 16..(4 * 300 + 37) * 16].iter().all(|&g| g == 0.0), "padding queries' dq");
+
+    let (q_shape, kv_shape) = ([1, 2, 3, 4], [1, 1, 5, 4]);
+    let (q, k, v, dout) = (rand_vec(24, 81), rand_vec(20, 82), rand_vec(20, 83), rand_vec(24, 84));
+    // Query 0 of head 1 sees no key; the others lose one or two.
+    let mask: Vec<bool> = (0..2 * 3 * 5).map(|x| x != 7 && x != 11 && !(15..20).contains(&x)).collect();
+    let mask_view = Some(TensorRef::new(&mask, &[1, 2, 3, 5]).unwrap());
+    let grads = backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), (None, mask_view), &[]);
+    let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
+    let inputs = [
+        (f64s(&q), q_shape.to_vec()),
+        (f64s(&k), kv_shape.to_vec()),
+        (f64s(&v), kv_shape.to_vec()),
+        (vec![0.0], vec![1]),
+        (mask.iter().map(|&m| m as u8 as f64).collect(), vec![1, 2, 3, 5]),
+    ];
+    let dtypes = [DType::F32, DType::F32, DType::F32, DType::I64, DType::Bool];
+    for wrt in 0..3 {
+        let mut inputs = inputs.to_vec();
+        inputs[3] = (vec![5.0], vec![1]); // kv_lens: every key
+        let fd = finite_difference_typed("attention", &inputs, &dtypes, &[], &f64s(&dout), wrt);
+        assert_near(&grads[wrt], &fd, 1e-4, ["dq", "dk", "dv"][wrt]);
+    }
+}
+
 fn backward_after_forward(
     (q, k, v, dout): (&[f32], &[f32], &[f32], &[f32]),
     (q_shape, kv_shape): ([usize; 4], [usize; 4]),
-    lens: Option<TensorRef>,
+    (lens, mask): (Option<TensorRef>, Option<TensorRef>),
     attrs: &[(&str, AttrValue)],
 ) -> Vec<Vec<f64>> {
-    let fwd =
-        run_checked("attention", &[view(q, &q_shape), view(k, &kv_shape), view(v, &kv_shape), lens.clone()], attrs);
+    let fwd = run_checked(
+        "attention",
+        &[view(q, &q_shape), view(k, &kv_shape), view(v, &kv_shape), lens.clone(), mask.clone()],
+        attrs,
+    );
     let (out, lse): (Vec<f32>, Vec<f32>) =
         (fwd[0].iter().map(|&x| x as f32).collect(), fwd[1].iter().map(|&x| x as f32).collect());
     run_checked(
@@ -270,6 +377,7 @@ fn backward_after_forward(
             view(&out, &q_shape),
             view(&lse, &q_shape[..3]),
             lens,
+            mask,
         ],
         attrs,
     )
@@ -290,7 +398,7 @@ fn attention_backward_matches_finite_differences() {
     let grads = backward_after_forward(
         (&q, &k, &v, &dout),
         (q_shape, kv_shape),
-        Some(TensorRef::new(&lens, &[1]).unwrap()),
+        (Some(TensorRef::new(&lens, &[1]).unwrap()), None),
         &attrs,
     );
     let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
@@ -315,7 +423,7 @@ fn attention_backward_spans_many_tiles() {
     let (q_shape, kv_shape) = ([1, 4, 300, 16], [1, 2, 300, 16]);
     let n = 4 * 300 * 16;
     let (q, k, v, dout) = (rand_vec(n, 51), rand_vec(n / 2, 52), rand_vec(n / 2, 53), rand_vec(n, 54));
-    backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), None, &causal(true));
+    backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), (None, None), &causal(true));
 }
 
 /// With many (batch, kv head) pairs the dK/dV launch also sums dQ (one unit per pair, no separate
@@ -333,7 +441,7 @@ fn attention_backward_with_many_kv_heads_sums_dq_alongside_dk_dv() {
         backward_after_forward(
             (&q, &k, &v, &dout),
             (q_shape, kv_shape),
-            Some(TensorRef::new(&lens, &[4]).unwrap()),
+            (Some(TensorRef::new(&lens, &[4]).unwrap()), None),
             &causal(causal_mask),
         );
     }
@@ -376,6 +484,7 @@ fn attention_rejects_bad_inputs() {
     setup();
     let x = [0f32; 3 * 8 * 4];
     let lse = [0i32; 6];
+    let keep = [true; 8];
     let t = |shape: &[usize]| view(&x[..shape.iter().product::<usize>()], shape);
     let q = || t(&[1, 3, 2, 4]);
     let cases = [
@@ -403,6 +512,21 @@ fn attention_rejects_bad_inputs() {
             plan_err("attention", &[q(), q(), q(), None], &[("scale", f64::NAN.into())], vec![]),
             ErrorCode::ParamInvalid,
             "attention: argument 'scale': expected a finite float or None (1/sqrt(head_dim)), got NaN",
+        ),
+        (
+            plan_err("attention", &[q(), q(), q(), None, t(&[1, 1, 2, 2])], &[], vec![]),
+            ErrorCode::DType,
+            "attention: argument 'mask': expected dtype in {bool}, got float32",
+        ),
+        (
+            plan_err("attention", &[q(), q(), q(), None, Some(TensorRef::new(&keep, &[1, 2, 2, 2]).unwrap())], &[], vec![]),
+            ErrorCode::Shape,
+            "attention: argument 'mask': expected a shape broadcastable to [B, Hq, Sq, Sk] = [1, 3, 2, 2], got shape [1, 2, 2, 2]",
+        ),
+        (
+            plan_err("attention", &[q(), q(), q(), None, Some(TensorRef::new(&keep[..4], &[2, 2]).unwrap())], &[("scale", 0.0.into())], vec![]),
+            ErrorCode::ParamInvalid,
+            "attention: argument 'scale': expected a nonzero scale when a mask is given, got 0",
         ),
         (
             plan_err(

@@ -600,12 +600,14 @@ fn check_rebound(bound: &Bound, ptr: *const u8, len: usize) -> Result<()> {
     check_view(&bound.meta, ptr, len)
 }
 
-/// Per flattened tensor argument, its index among the caller's inputs (`None`: an in-place argument).
+/// Per flattened tensor argument, its index among the caller's inputs (`None`: an in-place argument,
+/// or an optional one left out).
 type InputSlots = Vec<Option<usize>>;
 
 /// Splits flattened inputs into per-argument groups as `OpEntry::bind` wants them, taking in-place
 /// arguments from `written`. A `Tensor[]` argument takes all tensors not claimed by the other
-/// arguments. Also returns, per flattened tensor slot, its index in `inputs` (`None`: in place).
+/// arguments; trailing `Tensor?` arguments may be left out (absent). Also returns, per flattened
+/// tensor slot, its index in `inputs` (`None`: in place, or left out).
 fn group_inputs(
     entry: &OpEntry,
     inputs: &[Option<TensorRef<'_>>],
@@ -635,6 +637,9 @@ fn group_inputs(
                         return Err(Error::arg(ErrorCode::ParamNullptr, entry.name(), &arg.name, "a tensor", "none"));
                     }
                 }
+                // Trailing optional tensors may be left out, as their schema defaults say: an
+                // op that gains one keeps its callers (the slot is unbound, as for `None`).
+                None if arg.ty.optional && arg.ty.base != crate::schema::BaseType::TensorList => slots.push(None),
                 None => {
                     return Err(Error::new(
                         ErrorCode::ParamInvalid,

@@ -197,7 +197,7 @@ impl Example {
 pub struct OpCx<'s> {
     pub schema: &'s OpSchema,
     /// One entry per tensor (a `Tensor[]` argument contributes several).
-    inputs: Vec<Option<TensorMeta>>,
+    pub(crate) inputs: Vec<Option<TensorMeta>>,
     /// For each tensor argument of the schema, its range in `inputs`.
     groups: Vec<Range<usize>>,
     /// One value per non-tensor argument, defaults filled in.
@@ -218,6 +218,13 @@ impl<'s> OpCx<'s> {
     ) -> Result<OpCx<'s>> {
         let op = schema.name.as_str();
         let tensor_args = schema.inputs().count();
+        let mut inputs = inputs;
+        // Trailing optional tensors may be left out (absent), as the executor allows.
+        let optional_tail =
+            schema.inputs().skip(inputs.len()).all(|a| a.ty.optional && a.ty.base != BaseType::TensorList);
+        if inputs.len() < tensor_args && optional_tail {
+            inputs.resize_with(tensor_args, Vec::new);
+        }
         if inputs.len() != tensor_args {
             let args: Vec<_> = schema.inputs().collect();
             return Err(Error::new(
