@@ -66,16 +66,24 @@ def gated_ref(x, gate_weight, up_weight):
     return silu_mul_ref(F.linear(x, gate_weight.to(D)), F.linear(x, up_weight.to(D)))
 
 
-def attention_ref(q, k, v, causal):
+def attention_ref(q, k, v, causal, mask=None):
     q, k, v = q.to(D), k.to(D), v.to(D)
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         sq, sk = s.shape[-2:]
-        mask = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+        s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq), float("-inf"))
+    if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def attention_mask(sq, sk):
+    """A boolean mask broadcast over batch and heads that hides every third key from the other
+    queries (each query keeps its own position, so none is left without keys)."""
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    return ((j % 3 != 1) | (i == j))[None, None]
 
 
 def causal_softmax_ref(x):
@@ -317,15 +325,18 @@ def _cases():
     def attention(dt, strided):
         q = _rand(1, 4, 6, 8, dtype=dt, strided=strided)
         k, v = torch.randn(1, 2, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt)
-        return (q, k, v, None, True), lambda q, k, v, lens, causal: attention_ref(q, k, v, causal)
+        mask = attention_mask(6, 6)
+        return (q, k, v, None, True, None, mask), lambda q, k, v, lens, causal, scale, m: attention_ref(q, k, v, causal, m)
 
     @case
     def attention_backward(dt, strided):
         q, k, v = torch.randn(1, 4, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt)
-        out, lse = attention_ref(q, k, v, True)
+        mask = attention_mask(6, 6)
+        out, lse = attention_ref(q, k, v, True, mask)
         dout = _rand(1, 4, 6, 8, dtype=dt, strided=strided)
-        return (dout, q, k, v, out.to(dt), _stat(lse, dt), None, True), lambda d, q, k, v, o, l, n, c: _vjp(
-            lambda q, k, v: attention_ref(q, k, v, True)[0], (q, k, v), (d,), (0, 1, 2)
+        args = (dout, q, k, v, out.to(dt), _stat(lse, dt), None, True, None, mask)
+        return args, lambda d, q, k, v, o, l, n, c, s, m: _vjp(
+            lambda q, k, v: attention_ref(q, k, v, True, m)[0], (q, k, v), (d,), (0, 1, 2)
         )
 
     @case

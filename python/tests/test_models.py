@@ -261,21 +261,26 @@ def test_patch_llama_keeps_logits_and_greedy_tokens(dtype, tol):
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_patched_attention_runs_straight_through_and_keeps_transformers_for_masks():
-    """Under patch_llama, a plain call of LlamaAttention (no mask, the dynamic cache) runs the
-    projections, rope and uniop attention itself, never the attention interface; a padded batch
-    keeps transformers' forward (SDPA through the interface). Both match the unpatched model."""
+def test_patched_attention_runs_straight_through_padded_batches_included():
+    """Under patch_llama, a plain call of LlamaAttention (the dynamic cache, no mask or the boolean
+    mask of a left-padded batch) runs the projections, rope and uniop attention itself, never the
+    attention interface; both match the unpatched model (the padded batch at its real positions),
+    and greedy generation of a left-padded batch gives the unpatched model's tokens. A float mask
+    (not transformers' SDPA kind) still goes through transformers' forward and the interface."""
     from transformers import AttentionInterface
 
     model = _tiny_llama()
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0  # left padding
+    generate = lambda: model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)  # noqa: E731
     with torch.no_grad():
         want_plain = model(ids).logits
         want_padded = model(ids, attention_mask=mask).logits
         want_tokens = model.generate(ids[:1], max_new_tokens=6, do_sample=False)
-    interface_calls = []
+        want_batch = generate()
+    interface_calls, masks_seen = [], []
+    ops_attention = ut.nn.uniop_ops.attention
     try:
         ut.patch_llama(model)
         from uniop.torch import llama
@@ -283,17 +288,27 @@ def test_patched_attention_runs_straight_through_and_keeps_transformers_for_mask
         AttentionInterface.register(
             llama.ATTENTION, lambda *a, **k: interface_calls.append(1) or llama._attention(*a, **k)
         )
+        ut.nn.uniop_ops.attention = lambda *a: masks_seen.append(a[6] is not None) or ops_attention(*a)
         with torch.no_grad():
             got_plain = model(ids).logits
             tokens = model.generate(ids[:1], max_new_tokens=6, do_sample=False)
-            assert not interface_calls
             got_padded = model(ids, attention_mask=mask).logits
+            batch = generate()
+            assert not interface_calls
+            assert any(masks_seen) and not all(masks_seen)
+            layer = model.model.layers[0].self_attn
+            x = torch.randn(1, 5, 64)
+            cos_sin = model.model.rotary_emb(x, torch.arange(5)[None])
+            float_mask = torch.zeros(1, 1, 5, 5)
+            layer(x, cos_sin, float_mask)
             assert interface_calls
     finally:
+        ut.nn.uniop_ops.attention = ops_attention
         ut.unpatch_llama()
     assert torch.allclose(got_plain, want_plain, atol=1e-4)
     assert torch.allclose(got_padded[mask.bool()], want_padded[mask.bool()], atol=1e-4)
     assert torch.equal(tokens, want_tokens)
+    assert torch.equal(batch, want_batch)
 
 
 def test_patched_rotary_tables_come_from_rope_cos_sin_of_the_models_own_frequencies(monkeypatch):

@@ -10,8 +10,9 @@ them: ``add_rms_norm`` after attention, ``linear_add`` for the MLP's down projec
 module's own frequencies, see :func:`_rotary_forward`) and ``modeling_llama.apply_rotary_pos_emb``
 (uniop ``rope``). Methods are patched on the classes, so existing instances change too. Given a
 model, it also switches the model's attention to uniop's flash attention (registered with
-transformers as the ``"uniop"`` implementation; calls with a padding mask, dropout or softcap fall
-back to SDPA) and its linear layers (projections and ``lm_head``) to uniop ``linear``, which
+transformers as the ``"uniop"`` implementation; padded batches pass transformers' boolean mask to
+uniop ``attention``'s ``mask``; calls with another kind of mask, dropout or softcap fall back to
+SDPA) and its linear layers (projections and ``lm_head``) to uniop ``linear``, which
 streams the weight at memory speed when there are few rows — decoding spends most of its time
 there — and prefill-sized products too: in bfloat16 always, in float32 where uniop's GEMM is
 the faster one on this CPU (with AVX-512 on CPUs other than Intel's). It also makes
@@ -83,13 +84,14 @@ def _attention_forward(original):
     projections, ``rope``, the cache update and ``attention``, without the attention-interface
     lookup, the interface's output copy and the deprecated-argument wrapper. In a tiny Llama's fp32
     decode step the attention module took ~330 µs a layer of which its ops took ~235; this path
-    decoded 1.02-1.06x faster (alternated in one process). Calls that need more — a mask, dropout,
-    another attention implementation or cache type, positional extras — keep transformers' forward."""
+    decoded 1.02-1.06x faster (alternated in one process). A padded batch's boolean mask goes to
+    ``attention``'s ``mask``. Calls that need more — another kind of mask, dropout, another attention
+    implementation or cache type, positional extras — keep transformers' forward."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
         plain = (
             not args
-            and attention_mask is None
+            and _takes_mask(attention_mask)
             and position_embeddings is not None
             and self.config._attn_implementation == ATTENTION
             and not (self.training and self.attention_dropout)
@@ -106,7 +108,7 @@ def _attention_forward(original):
         q, k = unn.apply_rotary_pos_emb(q, k, *position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        out = unn.uniop_ops.attention(q, k, v, None, self.is_causal, self.scaling)[0]
+        out = unn.uniop_ops.attention(q, k, v, None, self.is_causal, self.scaling, attention_mask)[0]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), None
 
     return forward
@@ -218,18 +220,26 @@ def _linear_forward(self, x):
     return nn.functional.linear(x, self.weight, self.bias)
 
 
+def _takes_mask(mask):
+    """Whether uniop ``attention`` takes transformers' attention mask as it is: none, or the boolean
+    4-D mask (true = attend) its SDPA mask builder makes for padded batches. Its causal part
+    repeats the causal flag, which the kernel also gets (so it skips the tiles above the diagonal)."""
+    return mask is None or (mask.dtype == torch.bool and mask.dim() == 4)
+
+
 def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' attention interface over uniop ``attention`` (GQA native, bottom-right causal,
-    which equals HF's causal prefill and its full-cache decode)."""
+    which equals HF's causal prefill and its full-cache decode; a padded batch's boolean mask as
+    ``mask``)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    unsupported = attention_mask is not None or dropout or kwargs.get("softcap") is not None
+    unsupported = not _takes_mask(attention_mask) or dropout or kwargs.get("softcap") is not None
     if unsupported or kwargs.get("cache") is not None or kwargs.get("output_attentions"):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    out = unn.uniop_ops.attention(query, key, value, None, bool(causal), scaling)[0]
+    out = unn.uniop_ops.attention(query, key, value, None, bool(causal), scaling, attention_mask)[0]
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -278,7 +288,8 @@ def _register_attention():
     from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(ATTENTION, _attention)
-    # The SDPA mask builder returns None for unpadded causal batches, which uniop handles itself.
+    # The SDPA mask builder returns None for unpadded causal batches, which uniop handles itself,
+    # and a boolean mask for padded ones, which uniop attention takes as its `mask`.
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
