@@ -1,13 +1,16 @@
 """Tiny Llama on CPU, transformers' own modules vs uniop.torch.patch_llama, in one run.
 
     .venv/bin/python benches/llama_patch.py [--layers 6] [--prompt 512] [--new 64] [--rounds 3] [--pack-weights]
+                                            [--batch 1]
 
 A random LlamaForCausalLM (hidden 384, GQA 6 query / 2 kv heads, built offline from a config):
 prefill of a prompt (time to the first token, ms) and greedy decode (the other tokens of
 model.generate with the KV cache, tokens/s), fp32 and bf16, unpatched and patched alternating for --rounds, best of --repeats each. Prints a markdown table with
 the patched/unpatched ratios — of the best figures over all rounds, and the median of each round's own ratio
 (the two versions measured back to back, so a slow phase of a shared machine lands in both) — and checks that
-both produce the same greedy tokens in fp32.
+both produce the same greedy tokens in fp32. With ``--batch N`` the prompts are a left-padded batch, as
+transformers pads batched generation: N prompts from --prompt tokens down to about half of it (decode tok/s
+then counts every sequence's tokens).
 """
 
 import argparse
@@ -43,17 +46,30 @@ def best(fn, repeats):
     return min(times), out
 
 
-def measure(model, ids, new, repeats):
+def prompts(batch, length):
+    """`batch` random prompts of `length` tokens down to about half of it, left-padded (pad token 0,
+    attention mask 0) to `length`."""
+    ids = torch.randint(0, 8192, (batch, length), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    for b in range(batch):
+        mask[b, : b * length // (2 * batch)] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def measure(model, prompt, new, repeats):
     """Prefill as time to the first token (`generate` of one token) and decode as the rate of the
     other `new - 1`, both through `generate`: a bare forward pass computes logits for every prompt
     position, which generate does not, so subtracting it would misstate the decode rate (by up to
     2x in bf16 when the lm_head GEMM is slow)."""
-    run = lambda n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)  # noqa: E731
+    ids, mask = prompt
+    run = lambda n: model.generate(  # noqa: E731
+        ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+    )
     with torch.inference_mode():
         run(new)  # warm-up
         prefill, _ = best(lambda: run(1), repeats)
         total, tokens = best(lambda: run(new), repeats)
-    return prefill * 1e3, (new - 1) / max(total - prefill, 1e-9), tokens
+    return prefill * 1e3, ids.shape[0] * (new - 1) / max(total - prefill, 1e-9), tokens
 
 
 def better(kept, new):
@@ -73,11 +89,12 @@ def main():
     p.add_argument(
         "--pack-weights", action="store_true", help="patch_llama(pack_weights=True): prefill products on weights packed once"
     )
+    p.add_argument("--batch", type=int, default=1, help="prompts in a left-padded batch")
     a = p.parse_args()
-    ids = torch.randint(0, 8192, (1, a.prompt), generator=torch.Generator().manual_seed(1))
+    prompt = prompts(a.batch, a.prompt)
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, prompt {a.prompt}, new tokens {a.new}, "
-        f"pack_weights {a.pack_weights}\n"
+        f"pack_weights {a.pack_weights}, batch {a.batch}\n"
     )
     print(
         "| dtype | version | prefill ms | decode tok/s | prefill speed-up | decode speed-up "
@@ -91,10 +108,10 @@ def main():
         base = patched = None
         prefill_ratios, decode_ratios = [], []
         for _ in range(a.rounds):
-            unpatched = measure(model, ids, a.new, a.repeats)
+            unpatched = measure(model, prompt, a.new, a.repeats)
             ut.patch_llama(model, pack_weights=a.pack_weights)
             try:
-                this_round = measure(model, ids, a.new, a.repeats)
+                this_round = measure(model, prompt, a.new, a.repeats)
             finally:
                 ut.unpatch_llama()
             prefill_ratios.append(unpatched[0] / this_round[0])

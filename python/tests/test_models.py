@@ -73,6 +73,40 @@ def test_block_matches_plain_torch_values_and_grads():
         assert torch.allclose(got[name], g, atol=2e-5, rtol=1e-4), name
 
 
+def test_attention_module_takes_a_padding_mask():
+    """unn.Attention with a tokenizer's [B, S] padding mask equals SDPA with the padding and causal
+    masks combined, values and gradients, at the real positions (left-padded ones get 0)."""
+    torch.manual_seed(0)
+    attn, x = unn.Attention(64, 4, 2), torch.randn(2, 10, 64, requires_grad=True)
+    cos, sin = unn.RotaryEmbedding(16)(x, torch.arange(10).expand(2, -1))
+    padding = torch.ones(2, 10, dtype=torch.long)
+    padding[1, :3] = 0
+    real = padding.bool()
+
+    def reference():
+        b, s, _ = x.shape
+        q = attn.q_proj(x).view(b, s, 4, 16).transpose(1, 2)
+        k = attn.k_proj(x).view(b, s, 2, 16).transpose(1, 2)
+        v = attn.v_proj(x).view(b, s, 2, 16).transpose(1, 2)
+        q, k = unn.apply_rotary_pos_emb(q, k, cos, sin)
+        mask = torch.ones(s, s, dtype=torch.bool).tril() & real[:, None, None, :]
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
+
+    got = attn(x, cos, sin, padding)
+    assert torch.all(got[1, :3] == 0)  # padding queries see no key; o_proj has no bias
+    got[real].square().sum().backward()
+    got_grads, got_dx = _grads(attn), x.grad.clone()
+    attn.zero_grad()
+    x.grad = None
+    want = reference()
+    want[real].square().sum().backward()
+    assert torch.allclose(got[real], want[real], atol=1e-5)
+    for name, g in _grads(attn).items():
+        assert torch.allclose(got_grads[name], g, atol=1e-5, rtol=1e-4), name
+    assert torch.allclose(got_dx[real], x.grad[real], atol=1e-5, rtol=1e-4)
+
+
 def _uniop_ops_run(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()

@@ -201,7 +201,11 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
 
 
 class Attention(nn.Module):
-    """Causal self-attention with GQA: ``forward(x [B, S, hidden], cos, sin) -> [B, S, hidden]``."""
+    """Causal self-attention with GQA: ``forward(x [B, S, hidden], cos, sin, attention_mask=None)
+    -> [B, S, hidden]``. ``attention_mask`` hides keys on top of the causal mask: a ``[B, S]``
+    padding mask (1 for tokens, 0 for padding, as tokenizers return it) or a boolean mask
+    broadcastable to ``[B, heads, S, S]`` (true = attend). A query left without keys (a left-padded
+    position) gets 0."""
 
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, head_dim=None, bias=False, dtype=None):
         super().__init__()
@@ -214,12 +218,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, kv, bias=bias, dtype=dtype)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=bias, dtype=dtype)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, attention_mask=None):
         b, s, _ = x.shape
+        mask = attention_mask
+        if mask is not None and mask.dim() == 2:
+            mask = mask.bool()[:, None, None, :]
         # [B, S, H, D] projections viewed as [B, H, S, D]: uniop reads the strides in place.
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = uniop_ops.attention(q, k, v, None, True)[0]
+        out = uniop_ops.attention(q, k, v, None, True, None, mask)[0]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
