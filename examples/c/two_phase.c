@@ -10,6 +10,7 @@
 #include "check.h"
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -218,8 +219,31 @@ static void test_rope(uniopStream stream) {
   OK(uniopDestroyTensor(out[0]));
 }
 
-/* Causal attention [1, H, S, D], then decode: append one token with kv_cache_append (in place)
- * and attend with kv_lens. */
+/* Causal attention of [1, H, S, D] q, k, v in double into `want`; where `keep` (S x S, or NULL for
+ * none) is false, query i does not see key j either (every query keeps at least one key). */
+static void attention_reference(const float *q, const float *k, const float *v, int H, int S, int D,
+                                const bool *keep, double *want) {
+  double scale = 1.0 / sqrt((double)D);
+  for (int h = 0; h < H; h++)
+    for (int i = 0; i < S; i++) {
+      double p[S], m = -INFINITY, sum = 0;
+      for (int j = 0; j <= i; j++) {
+        double s = 0;
+        for (int d = 0; d < D; d++) s += (double)q[(h * S + i) * D + d] * k[(h * S + j) * D + d];
+        p[j] = keep && !keep[i * S + j] ? -INFINITY : s * scale;
+        if (p[j] > m) m = p[j];
+      }
+      for (int j = 0; j <= i; j++) sum += (p[j] = exp(p[j] - m));
+      for (int d = 0; d < D; d++) {
+        double acc = 0;
+        for (int j = 0; j <= i; j++) acc += p[j] / sum * v[(h * S + j) * D + d];
+        want[(h * S + i) * D + d] = acc;
+      }
+    }
+}
+
+/* Causal attention [1, H, S, D], with a boolean mask broadcast over the heads too; then decode:
+ * append one token with kv_cache_append (in place) and attend with kv_lens. */
 static void test_attention_and_kv_cache(uniopStream stream) {
   enum { H = 2, S = 6, D = 8, SMAX = 8 };
   float q[H * S * D], k[H * S * D], v[H * S * D], o[H * S * D], lse[H * S];
@@ -234,24 +258,22 @@ static void test_attention_and_kv_cache(uniopStream stream) {
   OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, NULL, out[0], out[1], &ws, &exec));
   launch(uniopAttention, ws, exec, stream);
   double want[H * S * D];
-  double scale = 1.0 / sqrt((double)D);
-  for (int h = 0; h < H; h++)
-    for (int i = 0; i < S; i++) {
-      double p[S], m = -INFINITY, sum = 0;
-      for (int j = 0; j <= i; j++) {
-        double s = 0;
-        for (int d = 0; d < D; d++) s += (double)q[(h * S + i) * D + d] * k[(h * S + j) * D + d];
-        p[j] = s * scale;
-        if (p[j] > m) m = p[j];
-      }
-      for (int j = 0; j <= i; j++) sum += (p[j] = exp(p[j] - m));
-      for (int d = 0; d < D; d++) {
-        double acc = 0;
-        for (int j = 0; j <= i; j++) acc += p[j] / sum * v[(h * S + j) * D + d];
-        want[(h * S + i) * D + d] = acc;
-      }
-    }
+  attention_reference(q, k, v, H, S, D, NULL, want);
   expect_close("attention (causal)", o, want, H * S * D, 1e-5);
+
+  /* Keys 0 and 1 hidden from queries 2 and later (as a padded prefix would be), [1, 1, S, S]. */
+  bool keep[S * S];
+  for (int i = 0; i < S; i++)
+    for (int j = 0; j < S; j++) keep[i * S + j] = !(i >= 2 && j < 2);
+  int64_t md[] = {1, 1, S, S}, m_storage = S * S;
+  uniopTensor *mask = uniopCreateTensor(md, 4, UNIOP_BOOL, NULL, 0, UNIOP_FORMAT_ND, &m_storage, 1, keep);
+  CHECK(mask, "mask descriptor: %s", uniopGetRecentErrMsg());
+  OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, mask, out[0], out[1], &ws, &exec));
+  launch(uniopAttention, ws, exec, stream);
+  double want_masked[H * S * D];
+  attention_reference(q, k, v, H, S, D, keep, want_masked);
+  expect_close("attention (causal, boolean mask)", o, want_masked, H * S * D, 1e-5);
+  OK(uniopDestroyTensor(mask));
 
   /* Caches hold tokens 0..S-2; append token S-1 at position S-1, in place. */
   float kc[H * SMAX * D], vc[H * SMAX * D];
