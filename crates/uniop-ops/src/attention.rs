@@ -402,10 +402,7 @@ impl<'a> MaskRows<'a> {
         let [sb, sh, si, sj] = self.strides;
         let row = self.base + b * sb + h * sh + i * si + j0 * sj;
         if sj == 1 {
-            let keeps = &self.data[row..row + s.len()];
-            for (v, &keep) in s.iter_mut().zip(keeps) {
-                *v = if keep { *v } else { hidden };
-            }
+            hide_scores(s, &self.data[row..row + s.len()], hidden);
         } else {
             for (j, v) in s.iter_mut().enumerate() {
                 if !self.data[row + j * sj] {
@@ -414,6 +411,17 @@ impl<'a> MaskRows<'a> {
             }
         }
     }
+}
+
+crate::simd_kernel! {
+/// `s[j] = hidden` where `keeps[j]` is false: a vector select a step. Built for the CPU's vector
+/// level (the forward and backward bodies that call it are not): at the SSE2 baseline the select
+/// took ~2 instructions a score, a tenth of a bf16 forward at 4x6x512x64.
+fn hide_scores(s: &mut [f32], keeps: &[bool], hidden: f32) {
+    for (v, &keep) in s.iter_mut().zip(keeps) {
+        *v = if keep { *v } else { hidden };
+    }
+}
 }
 
 /// The raw score that a softmax with `scale` turns into −∞ (a hidden key).
