@@ -1251,7 +1251,7 @@ impl Op for Attention {
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let g = geometry(cx)?;
         let [q, k, v] = [0, 1, 2].map(|i| inputs[i].as_ref().unwrap());
-        let probs = reference_probs(&g, q, k, inputs[3].as_ref(), inputs.get(4).and_then(Option::as_ref));
+        let probs = reference_probs(&g, q, k, inputs[3].as_ref(), inputs[4].as_ref());
         let dv = g.v_dim;
         let mut out = vec![0.0; g.batch * g.q_heads * g.q_len * dv];
         let mut lse = vec![0.0; probs.len()];

@@ -1028,7 +1028,7 @@ impl Op for AttentionBackward {
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let g = checked_geometry(cx)?;
         let [dout, q, k, v, out, lse] = [DOUT, Q, K, V, OUT, LSE].map(|i| inputs[i].as_ref().unwrap());
-        let (lens, mask) = (inputs[KV_LENS].as_ref(), inputs.get(MASK).and_then(Option::as_ref));
+        let (lens, mask) = (inputs[KV_LENS].as_ref(), inputs[MASK].as_ref());
         let (d, dv, group) = (g.head_dim, g.v_dim, g.group());
         let mut dq = vec![0.0; q.data.len()];
         let mut dk = vec![0.0; k.data.len()];

@@ -41,7 +41,8 @@ pub trait Op: Send + Sync + 'static {
     /// Phase 1: kernel choice, workspace and layout needs. `cx` has passed `infer`.
     fn plan(&self, cx: &OpCx) -> Result<Plan>;
     /// The obviously-correct f64 computation used by tests and `uniop run`. Inputs arrive
-    /// contiguous (logical order) as [`RefTensor`]s, `None` for absent optional tensors. Returns
+    /// contiguous (logical order) as [`RefTensor`]s, one slot per tensor (absent optional ones,
+    /// left out by the caller included, are `None`). Returns
     /// the final values of every tensor the op writes: in-place arguments, then returns.
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>>;
     /// How much larger than one rounding of the output the kernel's error may legitimately be,
@@ -213,12 +214,11 @@ impl<'s> OpCx<'s> {
     /// `Tensor?`, any number for `Tensor[]`.
     pub(crate) fn bind(
         schema: &'s OpSchema,
-        inputs: Vec<Vec<TensorMeta>>,
+        mut inputs: Vec<Vec<TensorMeta>>,
         attrs: &[(&str, AttrValue)],
     ) -> Result<OpCx<'s>> {
         let op = schema.name.as_str();
         let tensor_args = schema.inputs().count();
-        let mut inputs = inputs;
         // Trailing optional tensors may be left out (absent), as the executor allows.
         let optional_tail =
             schema.inputs().skip(inputs.len()).all(|a| a.ty.optional && a.ty.base != BaseType::TensorList);

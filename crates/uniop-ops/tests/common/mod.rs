@@ -62,8 +62,10 @@ pub fn finite_difference_typed(
     let metas = inputs.iter().zip(dtypes).map(|((_, s), &d)| vec![TensorMeta::contiguous(d, s).unwrap()]).collect();
     let cx = entry.bind(metas, attrs).unwrap();
     let loss = |values: &[(Vec<f64>, Vec<usize>)]| -> f64 {
-        let refs: Vec<Option<uniop::RefTensor>> =
+        let mut refs: Vec<Option<uniop::RefTensor>> =
             values.iter().map(|(v, s)| Some(uniop::RefTensor::new(s, v.clone()))).collect();
+        // One slot per tensor argument, as the executor hands references (trailing optional ones absent).
+        refs.resize_with(refs.len().max(entry.schema.inputs().count()), || None);
         let out = entry.op.reference(&cx, &refs).unwrap().remove(0);
         out.data.iter().zip(dout).map(|(o, d)| o * d).sum()
     };
