@@ -43,9 +43,11 @@
 //! boolean `attn_mask`) hides keys on top of `kv_lens` and `causal`: padded batches (Hugging
 //! Face's left-padded prompts and their decode steps), prefix-LM or document masks. It is applied
 //! to each score tile after its product (a hidden score becomes −∞ before the softmax), so the
-//! tiles and their skipping stay as they are; keys it hides still run through the products, and
-//! their K/V rows must hold finite numbers (a hidden key's probability is 0, as in SDPA, and 0 ·
-//! NaN is NaN). A query whose keys are all hidden gets output 0 and `lse = -inf`, like one that
+//! tiles and their causal and `kv_lens` skipping stay as they are, and a tile whose keys it hides
+//! from every query of the tile is skipped whole (`MaskRows::tile_live`: a sliding window or a
+//! document mask costs the keys it shows). Hidden keys inside a live tile still run through the
+//! products, and their K/V rows must hold finite numbers (a hidden key's probability is 0, as in
+//! SDPA, and 0 · NaN is NaN). A query whose keys are all hidden gets output 0 and `lse = -inf`, like one that
 //! sees no key. AVX2's transposed tiles (`flash_avx2.rs`) take no mask; masked calls there run the
 //! GEMM tiles.
 //!
@@ -394,6 +396,31 @@ impl<'a> MaskRows<'a> {
         }
         let data = mask.storage::<bool>().expect("mask checked bool");
         Some(MaskRows { data, base: mask.layout().offset(), strides })
+    }
+
+    /// Whether query `(b, h, i)` may see any of `keys`.
+    #[inline(always)]
+    pub fn sees_any(&self, (b, h, i): (usize, usize, usize), keys: Range<usize>) -> bool {
+        let [sb, sh, si, sj] = self.strides;
+        let row = self.base + b * sb + h * sh + i * si;
+        match sj {
+            1 => self.data[row + keys.start..row + keys.end].contains(&true),
+            _ => keys.into_iter().any(|j| self.data[row + j * sj]),
+        }
+    }
+
+    /// Whether any query `(b, h, i)` of `queries` may see one of keys `j0..j0 + n` that `kv_lens`
+    /// (`len`, the row's key count) and `causal` leave it. A tile where none may is skipped
+    /// whole, products included: what makes a sliding window, a document mask or a padded
+    /// prefix cost the keys it shows rather than all of them.
+    pub fn tile_live(
+        &self,
+        g: &Geometry,
+        (b, len): (usize, usize),
+        mut queries: impl Iterator<Item = (usize, usize)>,
+        (j0, n): (usize, usize),
+    ) -> bool {
+        queries.any(|(h, i)| self.sees_any((b, h, i), j0..j0 + n.min(g.visible(len, i).saturating_sub(j0))))
     }
 
     /// Sets the scores `s` of keys `j0..j0 + s.len()` that query `(b, h, i)` may not see to `hidden`.
@@ -1002,6 +1029,9 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (stat
         let keys = split_keys(t.kv_end(&g), (split, splits));
         for j0 in keys.clone().step_by(TILE_KEYS) {
             let n = TILE_KEYS.min(keys.end - j0);
+            if fa.mask.is_some_and(|m| !m.tile_live(&g, (b, t.len), (0..rows).map(|r| t.head_pos(r)), (j0, n))) {
+                continue;
+            }
             // Tiles inside the row's keys come packed from `panels` (not for decode-sized tiles,
             // which the GEMM runs as dot products without packing).
             let reused = panels_apply && j0 + TILE_KEYS <= t.len && rows > SKINNY_ROWS;
@@ -1259,7 +1289,8 @@ impl Op for Attention {
             let (b, h) = (row / (g.q_heads * g.q_len), row / g.q_len % g.q_heads);
             let (weights, l) = p.split_at(p.len() - 1);
             lse[row] = l[0];
-            for (j, w) in weights.iter().enumerate() {
+            // Hidden keys (weight 0) are not read: their values may be anything.
+            for (j, w) in weights.iter().enumerate().filter(|(_, &w)| w != 0.0) {
                 let vj = &v.data[((b * g.kv_heads + h / g.group()) * g.kv_len + j) * dv..][..dv];
                 for (o, x) in out[row * dv..(row + 1) * dv].iter_mut().zip(vj) {
                     *o += w * x;
@@ -1338,7 +1369,7 @@ pub(crate) fn run_checked_forcing(
 
 #[cfg(test)]
 mod tests {
-    use super::{run_checked_forcing, KEY_SPLITS_FORCED};
+    use super::{run_checked_forcing, KEY_SPLITS_FORCED, TILE_KEYS};
     use uniop::half::bf16;
     use uniop::verify::Rng;
     use uniop::{AttrValue, Element, TensorRef};
@@ -1348,32 +1379,40 @@ mod tests {
     /// thread), 2, 3 and 5 ranges ([`key_splits`](super::key_splits)) — 5 leaves some ranges of the
     /// shorter row without keys, and 3 gives it one empty range; GQA groups of 3; causal and not;
     /// f32 and bf16. Every result is checked against the f64 reference.
+    ///
+    /// Then the same with batch row 0 left-padded by 520 keys (a `[B, 1, Sq, Sk]` mask, as
+    /// transformers passes in a padded batch's decode steps), the K/V rows of the two key tiles
+    /// the padding fills holding NaN: those tiles are hidden from every query, so they must be skipped, never read
+    /// (a tile run through the products would spread the NaN: 0 · NaN).
     #[test]
     fn decode_with_keys_cut_into_ranges_matches_reference() {
         let lens = [700i32, 301];
         let kv_shape = [2, 2, 700, 16];
         let mut rng = Rng::new(7);
         let mut values = |n: usize| (0..n).map(|_| bf16::from_f64(2.0 * rng.uniform()).to_f64()).collect::<Vec<_>>();
-        let mut cache = |n: usize| {
-            let mut x = values(n);
+        let cache = |mut x: Vec<f64>, pad: usize| {
             for (i, v) in x.iter_mut().enumerate() {
                 let (b, j) = (i / (2 * 700 * 16), i / 16 % 700);
-                if j >= lens[b] as usize {
+                if j >= lens[b] as usize || (b == 0 && j < pad / TILE_KEYS * TILE_KEYS) {
                     *v = f64::NAN;
                 }
             }
             x
         };
-        let (k, v) = (cache(2 * 2 * 700 * 16), cache(2 * 2 * 700 * 16));
-        for q_len in [1, 3] {
-            let q_shape = [2, 6, q_len, 16];
-            let q = values(q_shape.iter().product());
-            for causal in [false, true] {
-                let attrs = [("causal", AttrValue::Bool(causal))];
-                for splits in [1, 2, 3, 5] {
-                    let force = || KEY_SPLITS_FORCED.with(|f| f.set(Some(splits)));
-                    run_case::<f32>([&q, &k, &v], (q_shape, kv_shape), &lens, &attrs, &force);
-                    run_case::<bf16>([&q, &k, &v], (q_shape, kv_shape), &lens, &attrs, &force);
+        for pad in [0, 520] {
+            let (k, v) = (cache(values(2 * 2 * 700 * 16), pad), cache(values(2 * 2 * 700 * 16), pad));
+            for q_len in [1, 3] {
+                let q_shape = [2, 6, q_len, 16];
+                let q = values(q_shape.iter().product());
+                let keeps: Vec<bool> = (0..2 * q_len * 700).map(|x| x >= q_len * 700 || x % 700 >= pad).collect();
+                let mask = (pad > 0).then(|| (&keeps[..], [2, 1, q_len, 700]));
+                for causal in [false, true] {
+                    let attrs = [("causal", AttrValue::Bool(causal))];
+                    for splits in [1, 2, 3, 5] {
+                        let force = || KEY_SPLITS_FORCED.with(|f| f.set(Some(splits)));
+                        run_case::<f32>([&q, &k, &v], (q_shape, kv_shape), (&lens, mask), &attrs, &force);
+                        run_case::<bf16>([&q, &k, &v], (q_shape, kv_shape), (&lens, mask), &attrs, &force);
+                    }
                 }
             }
         }
@@ -1382,7 +1421,7 @@ mod tests {
     fn run_case<T: Element>(
         [q, k, v]: [&[f64]; 3],
         (q_shape, kv_shape): ([usize; 4], [usize; 4]),
-        lens: &[i32],
+        (lens, mask): (&[i32], Option<(&[bool], [usize; 4])>),
         attrs: &[(&str, AttrValue)],
         force: &(dyn Fn() + Sync),
     ) {
@@ -1393,6 +1432,7 @@ mod tests {
             Some(TensorRef::new(&k, &kv_shape).unwrap()),
             Some(TensorRef::new(&v, &kv_shape).unwrap()),
             Some(TensorRef::new(lens, &[2]).unwrap()),
+            mask.map(|(keeps, shape)| TensorRef::new(keeps, &shape).unwrap()),
         ];
         let outs = run_checked_forcing("attention", &inputs, attrs, force);
         assert!(outs.iter().flatten().all(|x| x.is_finite()), "{:?}: an output is not finite", T::DTYPE);

@@ -681,7 +681,8 @@ fn dkv_kernel<T: FloatElement>(
             for h in hkv * group..(hkv + 1) * group {
                 for (i0, rows) in query_pieces(&g, len, j0, (tr, diagonal_rows)).filter(|&(i0, _)| owns(h, i0)) {
                     let n = seen.min(g.visible(len, i0 + rows - 1).saturating_sub(j0));
-                    if n == 0 {
+                    let live = |m: &MaskRows<'_>| m.tile_live(&g, (b, len), (i0..i0 + rows).map(|i| (h, i)), (j0, n));
+                    if n == 0 || a.mask.as_ref().is_some_and(|m| !live(m)) {
                         continue;
                     }
                     let joins = |p: &PendingRows| p.h == h && p.first + p.rows == i0 && p.rows + rows <= pending_rows;
@@ -870,6 +871,9 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
         let kv_end = t.kv_end(&g);
         for j0 in (0..kv_end).step_by(TILE_KEYS) {
             let n = TILE_KEYS.min(kv_end - j0);
+            if a.mask.is_some_and(|m| !m.tile_live(&g, (b, t.len), (0..rows).map(|r| t.head_pos(r)), (j0, n))) {
+                continue;
+            }
             let kp = if bf16_gemm {
                 let (kb, vb) = (bf16_of(k).as_ptr(), bf16_of(v).as_ptr());
                 // SAFETY: K/V rows j0..j0+n of this head lie inside the checked views.
@@ -1132,7 +1136,7 @@ mod tests {
             let (q, k, v, dout) = (bf16_values(&q_shape, 1), cache(2), cache(3), bf16_values(&q_shape, 4));
             for causal in [true, false] {
                 let attrs = [("causal", AttrValue::Bool(causal))];
-                let case = ([&q[..], &k, &v, &dout], (q_shape, kv_shape), Some(&lens[..]));
+                let case = ([&q[..], &k, &v, &dout], (q_shape, kv_shape), (Some(&lens[..]), None));
                 for route in ROUTES {
                     for panels_off in [false, true] {
                         let force = || forcing(route, || F32_PANELS_OFF.with(|f| f.set(panels_off)));
@@ -1163,7 +1167,49 @@ mod tests {
             let routes = if batch == 1 { &ROUTES[..] } else { &ROUTES[..1] };
             for (&route, bf16_gemm) in routes.iter().flat_map(|r| [(r, true), (r, false)]) {
                 let force = || forcing(route, || BF16_GEMM_FORCED.with(|f| f.set(Some(bf16_gemm))));
-                backward_case::<bf16>(&causal, ([&q, &k, &v, &dout], (q_shape, kv_shape), None), &force);
+                backward_case::<bf16>(&causal, ([&q, &k, &v, &dout], (q_shape, kv_shape), (None, None)), &force);
+            }
+        }
+    }
+
+    /// Masks that hide whole tiles from some query tiles and not others, on every route and kernel
+    /// choice against the f64 references: a sliding window of 100 keys (causal, over 800 positions:
+    /// a query tile sees one or two key tiles of four), and a left-padded batch whose padding fills
+    /// batch row 1's first two key tiles, their K/V rows holding NaN: tiles hidden from every query
+    /// must be skipped, never read (a tile run through the products would spread the NaN).
+    #[test]
+    fn masks_skip_the_tiles_they_hide_whole() {
+        use crate::attention::TILE_KEYS;
+        let s = 800;
+        let (q_shape, kv_shape) = ([2, 4, s, 16], [2, 2, s, 16]);
+        let window: Vec<bool> = (0..s * s).map(|x| x % s + 100 > x / s).collect();
+        let pad = 2 * TILE_KEYS + 30;
+        let padding: Vec<bool> = (0..2 * s * s).map(|x| x < s * s || x % s >= pad).collect();
+        let poisoned = |mut x: Vec<f64>| {
+            let row_1 = 2 * s * 16; // batch row 1's first element
+            for h in 0..2 {
+                x[row_1 + h * s * 16..][..2 * TILE_KEYS * 16].fill(f64::NAN);
+            }
+            x
+        };
+        let (q, dout) = (bf16_values(&q_shape, 1), bf16_values(&q_shape, 4));
+        let (k, v) = (bf16_values(&kv_shape, 2), bf16_values(&kv_shape, 3));
+        let (k_nan, v_nan) = (poisoned(k.clone()), poisoned(v.clone()));
+        let causal = [("causal", AttrValue::Bool(true))];
+        let cases = [
+            ([&q[..], &k, &v, &dout], (q_shape, kv_shape), (None, Some((&window[..], [1, 1, s, s])))),
+            ([&q[..], &k_nan, &v_nan, &dout], (q_shape, kv_shape), (None, Some((&padding[..], [2, 1, s, s])))),
+        ];
+        for case in cases {
+            for route in ROUTES {
+                for panels_off in [false, true] {
+                    let force = || forcing(route, || F32_PANELS_OFF.with(|f| f.set(panels_off)));
+                    backward_case::<f32>(&causal, case, &force);
+                }
+                for bf16_gemm in [true, false] {
+                    let force = || forcing(route, || BF16_GEMM_FORCED.with(|f| f.set(Some(bf16_gemm))));
+                    backward_case::<bf16>(&causal, case, &force);
+                }
             }
         }
     }
@@ -1178,18 +1224,23 @@ mod tests {
         ROUTE_FORCED.with(|f| f.set(route));
     }
 
-    /// Inputs of one case: q, k, v, dout (f64 values), the q and kv shapes, `kv_lens`.
-    type Case<'a> = ([&'a [f64]; 4], ([usize; 4], [usize; 4]), Option<&'a [i32]>);
+    /// Inputs of one case: q, k, v, dout (f64 values), the q and kv shapes, `kv_lens` and `mask`.
+    type Case<'a> = ([&'a [f64]; 4], ([usize; 4], [usize; 4]), (Option<&'a [i32]>, Option<Mask<'a>>));
+
+    /// A boolean mask and its shape.
+    type Mask<'a> = (&'a [bool], [usize; 4]);
 
     /// Runs the forward and then the backward on `T` copies of the inputs (after `force`, which
     /// picks the backward's products), both checked against their f64 references; every gradient
     /// must be finite.
     fn backward_case<T: Element>(attrs: &[(&str, AttrValue)], case: Case<'_>, force: &(dyn Fn() + Sync)) {
-        let ([q, k, v, dout], (q_shape, kv_shape), lens) = case;
+        let ([q, k, v, dout], (q_shape, kv_shape), (lens, mask)) = case;
         let narrow = |x: &[f64]| x.iter().map(|&v| T::from_f64(v)).collect::<Vec<T>>();
         let (q, k, v, dout) = (narrow(q), narrow(k), narrow(v), narrow(dout));
         let lens_view = lens.and_then(|l| view(l, &[l.len()]));
-        let forward_inputs = [view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), lens_view.clone()];
+        let mask_view = mask.and_then(|(keeps, shape)| view(keeps, &shape));
+        let forward_inputs =
+            [view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), lens_view.clone(), mask_view.clone()];
         let fwd = run_checked_forcing("attention", &forward_inputs, attrs, force);
         let out = narrow(&fwd[0]);
         let lse: Vec<f32> = fwd[1].iter().map(|&x| x as f32).collect();
@@ -1201,6 +1252,7 @@ mod tests {
             view(&out, &q_shape),
             view(&lse, &q_shape[..3]),
             lens_view,
+            mask_view,
         ];
         let grads = run_checked_forcing("attention_backward", &inputs, attrs, force);
         assert!(grads.iter().flatten().all(|g| g.is_finite()), "{:?}: a gradient is not finite", T::DTYPE);
