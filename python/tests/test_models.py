@@ -317,10 +317,10 @@ def test_patched_attention_runs_straight_through_padded_batches_included():
     ops_attention = ut.nn.uniop_ops.attention
     try:
         ut.patch_llama(model)
-        from uniop.torch import llama
+        from uniop.torch import attention_interface, llama
 
         AttentionInterface.register(
-            llama.ATTENTION, lambda *a, **k: interface_calls.append(1) or llama._attention(*a, **k)
+            llama.ATTENTION, lambda *a, **k: interface_calls.append(1) or attention_interface.attention(*a, **k)
         )
         ut.nn.uniop_ops.attention = lambda *a: masks_seen.append(a[6] is not None) or ops_attention(*a)
         with torch.no_grad():
@@ -343,6 +343,51 @@ def test_patched_attention_runs_straight_through_padded_batches_included():
     assert torch.allclose(got_padded[mask.bool()], want_padded[mask.bool()], atol=1e-4)
     assert torch.equal(tokens, want_tokens)
     assert torch.equal(batch, want_batch)
+
+
+def test_registered_attention_runs_any_model_sliding_windows_included(monkeypatch):
+    """``register_attention()`` makes uniop attention a transformers attention implementation for
+    any model, no patching: a tiny Mistral whose sliding window (16 positions) is shorter than its
+    40-token prompts gives SDPA's logits (a left-padded batch's at its real positions too) and
+    greedy tokens under ``"uniop"``; every attention call runs uniop attention (none falls back
+    to SDPA), and the window reaches it as the mask (the last query does not see the first key)."""
+    import transformers.integrations.sdpa_attention as sdpa_module
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=16,
+    )
+    torch.manual_seed(0)
+    model = MistralForCausalLM(cfg).eval()
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding
+
+    def run():
+        with torch.no_grad():
+            plain, padded = model(ids).logits, model(ids, attention_mask=mask).logits
+            return plain, padded, model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+
+    model.set_attn_implementation("sdpa")
+    want = run()
+    masks_seen, fallbacks = [], []
+    real_attention, real_sdpa = unn.uniop_ops.attention, sdpa_module.sdpa_attention_forward
+    monkeypatch.setattr(unn.uniop_ops, "attention", lambda *a: masks_seen.append(a[6]) or real_attention(*a))
+    monkeypatch.setattr(sdpa_module, "sdpa_attention_forward", lambda *a, **k: fallbacks.append(1) or real_sdpa(*a, **k))
+    model.set_attn_implementation(ut.register_attention())
+    got = run()
+    assert masks_seen and not fallbacks
+    assert any(m is not None and m.shape[-2:] == (40, 40) and not m[0, :, -1, 0].any() for m in masks_seen)
+    assert torch.allclose(got[0], want[0], atol=1e-4)
+    assert torch.allclose(got[1][mask.bool()], want[1][mask.bool()], atol=1e-4)
+    assert torch.equal(got[2], want[2])
 
 
 def test_patched_rotary_tables_come_from_rope_cos_sin_of_the_models_own_frequencies(monkeypatch):

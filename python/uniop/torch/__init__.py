@@ -27,6 +27,7 @@ import torch
 import uniop as _uniop
 
 from . import nn  # noqa: F401  (uniop.torch.nn.RMSNorm, ...)
+from .attention_interface import register_attention  # noqa: F401
 from .llama import patch_llama, unpatch_llama  # noqa: F401
 
 NAMESPACE = "uniop"

@@ -35,8 +35,8 @@ from torch import nn
 import uniop
 
 from . import nn as unn
+from .attention_interface import ATTENTION, register_attention, takes_mask
 
-ATTENTION = "uniop"
 _originals = {}
 _models = []  # (model, its attention implementation before patching, its patched linears)
 
@@ -91,7 +91,7 @@ def _attention_forward(original):
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
         plain = (
             not args
-            and _takes_mask(attention_mask)
+            and takes_mask(attention_mask)
             and position_embeddings is not None
             and self.config._attn_implementation == ATTENTION
             and not (self.training and self.attention_dropout)
@@ -220,29 +220,6 @@ def _linear_forward(self, x):
     return nn.functional.linear(x, self.weight, self.bias)
 
 
-def _takes_mask(mask):
-    """Whether uniop ``attention`` takes transformers' attention mask as it is: none, or the boolean
-    4-D mask (true = attend) its SDPA mask builder makes for padded batches. Its causal part
-    repeats the causal flag, which the kernel also gets (so it skips the tiles above the diagonal)."""
-    return mask is None or (mask.dtype == torch.bool and mask.dim() == 4)
-
-
-def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' attention interface over uniop ``attention`` (GQA native, bottom-right causal,
-    which equals HF's causal prefill and its full-cache decode; a padded batch's boolean mask as
-    ``mask``)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    unsupported = not _takes_mask(attention_mask) or dropout or kwargs.get("softcap") is not None
-    if unsupported or kwargs.get("cache") is not None or kwargs.get("output_attentions"):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    out = unn.uniop_ops.attention(query, key, value, None, bool(causal), scaling, attention_mask)[0]
-    return out.transpose(1, 2).contiguous(), None
-
-
 # Room a growing cache layer reserves at least (positions), and its growth factor when full.
 _MIN_CAPACITY = 256
 _GROWTH = 2
@@ -283,16 +260,6 @@ def _take_over(keys, values, incoming):
     return kbuf, vbuf, kbuf[..., :length, :], vbuf[..., :length, :]
 
 
-def _register_attention():
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register(ATTENTION, _attention)
-    # The SDPA mask builder returns None for unpadded causal batches, which uniop handles itself,
-    # and a boolean mask for padded ones, which uniop attention takes as its `mask`.
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-
-
 def patch_llama(model=None, pack_weights=False):
     """Routes Llama's RMSNorm, MLP and rotary embedding (and, given a model, its attention)
     through uniop. Returns ``model``.
@@ -327,7 +294,7 @@ def patch_llama(model=None, pack_weights=False):
         DynamicLayer.update = _growing_update
     _PACK["on"] = bool(pack_weights)
     if model is not None and all(patched is not model for patched, _, _ in _models):
-        _register_attention()
+        register_attention()
         linears = [mod for mod in model.modules() if type(mod) is nn.Linear]
         _models.append((model, model.config._attn_implementation, linears))
         model.set_attn_implementation(ATTENTION)

@@ -1,0 +1,62 @@
+"""uniop flash attention as a transformers attention implementation, for any model.
+
+transformers looks a model's attention up by name (``config._attn_implementation``) in its
+``AttentionInterface`` and the mask builder in its ``AttentionMaskInterface``.
+:func:`register_attention` adds ``"uniop"`` to both: the attention is uniop ``attention`` (GQA
+read in place, bottom-right causal — HF's causal prefill and its decode over the whole cache —
+and transformers' boolean 4-D mask as its ``mask``), the mask builder is the one SDPA uses, so
+a model gets the masks SDPA would: ``None`` for an unpadded causal batch (uniop then runs plain
+causal), a boolean mask for padded batches, sliding windows (Mistral, Qwen2's windowed layers),
+chunked or bidirectional attention. The kernel skips the key tiles such a mask hides from a
+whole tile of queries, so a sliding window costs the keys it shows. Calls uniop does not cover
+(a float mask, dropout, softcap, returning the attention weights) run transformers' SDPA
+forward, as ``"sdpa"`` would.
+
+    import uniop.torch
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=uniop.torch.register_attention())
+
+:func:`uniop.torch.patch_llama` registers it and switches the Llama models it is given to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import nn as unn
+
+ATTENTION = "uniop"
+
+
+def register_attention():
+    """Registers uniop attention with transformers as the ``"uniop"`` attention implementation
+    (and SDPA's mask builder under the same name). Returns the name, for
+    ``from_pretrained(..., attn_implementation=...)`` or ``model.set_attn_implementation(...)``."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(ATTENTION, attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    return ATTENTION
+
+
+def takes_mask(mask):
+    """Whether uniop ``attention`` takes transformers' attention mask as it is: none, or the boolean
+    4-D mask (true = attend) its SDPA mask builder makes. Its causal part repeats the causal flag,
+    which the kernel also gets (so it skips the tiles above the diagonal)."""
+    return mask is None or (mask.dtype == torch.bool and mask.dim() == 4)
+
+
+def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' attention interface over uniop ``attention``: ``query`` ``[B, Hq, Sq, D]``,
+    ``key``/``value`` ``[B, Hkv, Sk, D]``; returns ``([B, Sq, Hq, D], None)``. Other keyword
+    arguments of the interface (``sliding_window``: the mask carries it) are not needed."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    unsupported = not takes_mask(attention_mask) or dropout or kwargs.get("softcap") is not None
+    if unsupported or kwargs.get("cache") is not None or kwargs.get("output_attentions"):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = unn.uniop_ops.attention(query, key, value, None, bool(causal), scaling, attention_mask)[0]
+    return out.transpose(1, 2).contiguous(), None
