@@ -10,7 +10,7 @@ them: ``add_rms_norm`` after attention, ``linear_add`` for the MLP's down projec
 module's own frequencies, see :func:`_rotary_forward`) and ``modeling_llama.apply_rotary_pos_emb``
 (uniop ``rope``). Methods are patched on the classes, so existing instances change too. Given a
 model, it also switches the model's attention to uniop's flash attention (registered with
-transformers as the ``"uniop"`` implementation; padded batches pass transformers' boolean mask to
+transformers as the ``"uniop"`` implementation by :func:`~uniop.torch.register_attention`; padded batches pass transformers' boolean mask to
 uniop ``attention``'s ``mask``; calls with another kind of mask, dropout or softcap fall back to
 SDPA) and its linear layers (projections and ``lm_head``) to uniop ``linear``, which
 streams the weight at memory speed when there are few rows — decoding spends most of its time

@@ -1,0 +1,119 @@
+"""Attention under boolean masks that hide whole tiles — sliding windows and document masks — and
+a model that uses one, through uniop and torch's SDPA in the same run.
+
+    .venv/bin/python benches/masked_attention.py [--shape 1,32,2048,128] [--window 512] [--docs 4]
+                                                 [--model-tokens 2048] [--model-window 256] [--skip-model]
+
+1. The op: `uniop.attention(q, k, v, causal=True, mask=M)` against plain causal (what the mask's
+   skipped tiles save) and against `scaled_dot_product_attention(q, k, v, attn_mask=M)` (SDPA given
+   the same mask), forward and backward (`torch.autograd.grad` through `torch.ops.uniop.attention`
+   and through SDPA), bf16 and f32. Masks: causal with a window of `--window` keys; `--docs`
+   documents of equal length, each causal within itself. Best of 2 rounds (3 for the backward).
+2. A model: a tiny random Mistral (hidden 384, 6 layers, 6 query / 2 kv heads, sliding window
+   `--model-window`) prefilling `--model-tokens` tokens under transformers' `"sdpa"` attention and
+   under `"uniop"` (`uniop.torch.register_attention()`; nothing else patched), alternated, best of 3.
+"""
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+import uniop
+import uniop.torch as ut
+
+
+def best_ms(f, calls, rounds=2):
+    f()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            f()
+        times.append((time.perf_counter() - t0) / calls * 1e3)
+    return min(times)
+
+
+def masks(seq, window, docs):
+    i = torch.arange(seq)
+    causal = i[None, :] <= i[:, None]
+    return {
+        f"causal, window {window}": causal & (i[None, :] > i[:, None] - window),
+        f"{docs} documents": causal & (i[None, :] * docs // seq == i[:, None] * docs // seq),
+    }
+
+
+def op_rows(shape, window, docs):
+    b, h, s, d = shape
+    print("| dtype | mask | pass | uniop masked ms | uniop causal ms | vs causal | SDPA masked ms | vs SDPA |")
+    print("|---|---|---|---|---|---|---|---|")
+    attention = torch.ops.uniop.attention
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = (torch.randn(b, h, s, d, dtype=dtype) for _ in range(3))
+        causal_fwd = best_ms(lambda: uniop.attention(q, k, v, None, True), 3)
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        out = attention(qq, kk, vv, None, True)[0]
+        grad = torch.randn_like(out)
+        causal_bwd = best_ms(lambda: torch.autograd.grad(out, (qq, kk, vv), grad, retain_graph=True), 1, rounds=3)
+        for name, m in masks(s, window, docs).items():
+            m = m[None, None]
+            ours = best_ms(lambda: uniop.attention(q, k, v, None, True, None, m), 3)
+            sdpa = best_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=m), 2)
+            print(f"| {dtype} | {name} | forward | {ours:.1f} | {causal_fwd:.1f} | {causal_fwd / ours:.2f}x "
+                  f"| {sdpa:.1f} | {sdpa / ours:.2f}x |", flush=True)
+            out_m = attention(qq, kk, vv, None, True, None, m)[0]
+            ours = best_ms(lambda: torch.autograd.grad(out_m, (qq, kk, vv), grad, retain_graph=True), 1, rounds=3)
+            out_s = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=m)
+            sdpa = best_ms(lambda: torch.autograd.grad(out_s, (qq, kk, vv), grad, retain_graph=True), 1, rounds=3)
+            print(f"| {dtype} | {name} | backward | {ours:.1f} | {causal_bwd:.1f} | {causal_bwd / ours:.2f}x "
+                  f"| {sdpa:.1f} | {sdpa / ours:.2f}x |", flush=True)
+
+
+def model_rows(tokens, window):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    print("\n| dtype | prefill tokens | window | sdpa ms | uniop attention ms | speed-up |")
+    print("|---|---|---|---|---|---|")
+    ids = torch.randint(0, 32000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        cfg = MistralConfig(
+            vocab_size=32000,
+            hidden_size=384,
+            intermediate_size=1024,
+            num_hidden_layers=6,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=max(4096, tokens),
+            sliding_window=window,
+        )
+        torch.manual_seed(0)
+        model = MistralForCausalLM(cfg).to(dtype).eval()
+        times = {}
+        for _ in range(3):
+            for impl in ("sdpa", ut.register_attention()):
+                model.set_attn_implementation(impl)
+                with torch.no_grad():
+                    times.setdefault(impl, []).append(best_ms(lambda: model(ids), 1, rounds=1))
+        theirs, ours = min(times["sdpa"]), min(times["uniop"])
+        print(f"| {dtype} | {tokens} | {window} | {theirs:.0f} | {ours:.0f} | {theirs / ours:.2f}x |", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="1,32,2048,128", help="B,H,S,D of q, k and v")
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--docs", type=int, default=4)
+    p.add_argument("--model-tokens", type=int, default=2048)
+    p.add_argument("--model-window", type=int, default=256)
+    p.add_argument("--skip-model", action="store_true")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}\n")
+    op_rows([int(x) for x in args.shape.split(",")], args.window, args.docs)
+    if not args.skip_model:
+        model_rows(args.model_tokens, args.model_window)
+
+
+if __name__ == "__main__":
+    main()
