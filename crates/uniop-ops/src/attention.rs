@@ -60,7 +60,7 @@ use crate::packed_gemm::{gemm_rows_packed, gemm_rows_prepacked, Packed, PackedRh
 use crate::skinny::Simd;
 use crate::skinny::SKINNY_ROWS;
 use std::ops::Range;
-use uniop::half::bf16;
+use uniop::half::{bf16, f16};
 use uniop::layout::ShapeDisplay;
 use uniop::{
     with_float_dtype, AttrValue, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
@@ -97,8 +97,8 @@ pub(crate) struct Geometry {
     pub scale: f32,
     pub scale_f64: f64,
     pub dtype: DType,
-    /// Whether a `mask` was given.
-    pub masked: bool,
+    /// The `mask`'s dtype when one was given: bool keeps keys, a float one is added to the scores.
+    pub mask: Option<DType>,
 }
 
 impl Geometry {
@@ -308,11 +308,11 @@ fn expect_rank4(cx: &OpCx, arg: &str) -> Result<[usize; 4]> {
     })
 }
 
-/// Checks `mask` (when given): bool, of a rank up to 4, each dim `target`'s or 1 (aligned at the
-/// right, as torch broadcasts).
+/// Checks `mask` (when given): bool or float, of a rank up to 4, each dim `target`'s or 1
+/// (aligned at the right, as torch broadcasts).
 fn check_mask(cx: &OpCx, target: [usize; 4], scale: f64) -> Result<()> {
     let Some(mask) = cx.optional_input("mask") else { return Ok(()) };
-    cx.expect_dtype_in("mask", &[DType::Bool])?;
+    cx.expect_dtype_in("mask", &[DType::Bool, DType::F32, DType::F16, DType::BF16])?;
     let shape = mask.shape();
     let fits = shape.len() <= 4 && shape.iter().rev().zip(target.iter().rev()).all(|(&m, &t)| m == t || m == 1);
     if !fits {
@@ -324,7 +324,8 @@ fn check_mask(cx: &OpCx, target: [usize; 4], scale: f64) -> Result<()> {
         ));
     }
     if scale == 0.0 {
-        // A hidden score is −∞ before the scale is applied: 0 · −∞ hides nothing.
+        // A hidden score is −∞ before the scale is applied (0 · −∞ hides nothing), a bias is
+        // added divided by the scale.
         return Err(cx.err(ErrorCode::ParamInvalid, "scale", "a nonzero scale when a mask is given", scale));
     }
     Ok(())
@@ -373,17 +374,26 @@ pub(crate) fn geometry(cx: &OpCx) -> Result<Geometry> {
         scale: scale as f32,
         scale_f64: scale,
         dtype,
-        masked: cx.optional_input("mask").is_some(),
+        mask: cx.optional_input("mask").map(|m| m.dtype),
     })
 }
 
-/// The optional boolean `mask` as the kernels read it: element `(b, h, i, j)` of its broadcast
-/// to `[B, Hq, Sq, Sk]` (broadcast dims have stride 0).
+/// The optional `mask` as the kernels read it: element `(b, h, i, j)` of its broadcast to
+/// `[B, Hq, Sq, Sk]` (broadcast dims have stride 0).
 #[derive(Clone, Copy)]
 pub(crate) struct MaskRows<'a> {
-    data: &'a [bool],
+    data: MaskData<'a>,
     base: usize,
     strides: [usize; 4],
+}
+
+/// A boolean mask's keeps, or a float mask's bias (added to the scaled scores; −∞ hides).
+#[derive(Clone, Copy)]
+enum MaskData<'a> {
+    Keeps(&'a [bool]),
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    Bf16(&'a [bf16]),
 }
 
 impl<'a> MaskRows<'a> {
@@ -394,18 +404,32 @@ impl<'a> MaskRows<'a> {
         for (k, (&n, &st)) in shape.iter().rev().zip(given.iter().rev()).enumerate() {
             strides[3 - k] = if n == 1 { 0 } else { st };
         }
-        let data = mask.storage::<bool>().expect("mask checked bool");
+        let checked = "mask dtype checked";
+        let data = match mask.dtype() {
+            DType::Bool => MaskData::Keeps(mask.storage::<bool>().expect(checked)),
+            DType::F32 => MaskData::F32(mask.storage::<f32>().expect(checked)),
+            DType::F16 => MaskData::F16(mask.storage::<f16>().expect(checked)),
+            _ => MaskData::Bf16(mask.storage::<bf16>().expect(checked)),
+        };
         Some(MaskRows { data, base: mask.layout().offset(), strides })
+    }
+
+    /// Where row `(b, h, i)` starts in the data, and its key stride.
+    fn row(&self, (b, h, i): (usize, usize, usize)) -> (usize, usize) {
+        let [sb, sh, si, sj] = self.strides;
+        (self.base + b * sb + h * sh + i * si, sj)
     }
 
     /// Whether query `(b, h, i)` may see any of `keys`.
     #[inline(always)]
-    pub fn sees_any(&self, (b, h, i): (usize, usize, usize), keys: Range<usize>) -> bool {
-        let [sb, sh, si, sj] = self.strides;
-        let row = self.base + b * sb + h * sh + i * si;
-        match sj {
-            1 => self.data[row + keys.start..row + keys.end].contains(&true),
-            _ => keys.into_iter().any(|j| self.data[row + j * sj]),
+    pub fn sees_any(&self, at: (usize, usize, usize), keys: Range<usize>) -> bool {
+        let (row, sj) = self.row(at);
+        match self.data {
+            MaskData::Keeps(d) if sj == 1 => d[row + keys.start..row + keys.end].contains(&true),
+            MaskData::Keeps(d) => keys.into_iter().any(|j| d[row + j * sj]),
+            MaskData::F32(d) => shows_any(d, row, sj, keys),
+            MaskData::F16(d) => shows_any(d, row, sj, keys),
+            MaskData::Bf16(d) => shows_any(d, row, sj, keys),
         }
     }
 
@@ -423,19 +447,41 @@ impl<'a> MaskRows<'a> {
         queries.any(|(h, i)| self.sees_any((b, h, i), j0..j0 + n.min(g.visible(len, i).saturating_sub(j0))))
     }
 
-    /// Sets the scores `s` of keys `j0..j0 + s.len()` that query `(b, h, i)` may not see to `hidden`.
+    /// Applies the mask to the raw scores `s` of query `(b, h, i)`, keys `j0..j0 + s.len()`, which
+    /// a softmax will multiply by `scale`: a hidden key's score becomes the one the softmax turns
+    /// into −∞; a bias is added divided by `scale` (so that it adds to the scaled score).
     #[inline(always)]
-    pub fn hide(&self, s: &mut [f32], (b, h, i): (usize, usize, usize), j0: usize, hidden: f32) {
-        let [sb, sh, si, sj] = self.strides;
-        let row = self.base + b * sb + h * sh + i * si + j0 * sj;
-        if sj == 1 {
-            hide_scores(s, &self.data[row..row + s.len()], hidden);
-        } else {
-            for (j, v) in s.iter_mut().enumerate() {
-                if !self.data[row + j * sj] {
-                    *v = hidden;
+    pub fn apply(&self, s: &mut [f32], at: (usize, usize, usize), j0: usize, scale: f32) {
+        let (row, sj) = self.row(at);
+        let (row, n) = (row + j0 * sj, s.len());
+        match self.data {
+            MaskData::Keeps(d) if sj == 1 => hide_scores(s, &d[row..row + n], hidden_score(scale)),
+            MaskData::Keeps(d) => {
+                for (j, v) in s.iter_mut().enumerate() {
+                    if !d[row + j * sj] {
+                        *v = hidden_score(scale);
+                    }
                 }
             }
+            MaskData::F32(d) => add_bias(s, d, (row, sj), scale.recip()),
+            MaskData::F16(d) => add_bias(s, d, (row, sj), scale.recip()),
+            MaskData::Bf16(d) => add_bias(s, d, (row, sj), scale.recip()),
+        }
+    }
+}
+
+/// Whether a bias row (from `row`, stride `sj`) leaves any of `keys` visible (above −∞).
+fn shows_any<T: FloatElement>(d: &[T], row: usize, sj: usize, keys: Range<usize>) -> bool {
+    keys.into_iter().any(|j| d[row + j * sj].to_f32() != f32::NEG_INFINITY)
+}
+
+/// `s[j] += bias[row + j·sj] · per_score`.
+fn add_bias<T: FloatElement>(s: &mut [f32], bias: &[T], (row, sj): (usize, usize), per_score: f32) {
+    if sj == 1 {
+        add_bias_row(s, &bias[row..row + s.len()], per_score);
+    } else {
+        for (j, v) in s.iter_mut().enumerate() {
+            *v += bias[row + j * sj].to_f32() * per_score;
         }
     }
 }
@@ -451,6 +497,15 @@ fn hide_scores(s: &mut [f32], keeps: &[bool], hidden: f32) {
 }
 }
 
+crate::simd_kernel! {
+/// `s[j] += bias[j] · per_score`, at the CPU's vector level like [`hide_scores`].
+fn add_bias_row<T: FloatElement>(s: &mut [f32], bias: &[T], per_score: f32) {
+    for (v, &b) in s.iter_mut().zip(bias) {
+        *v += b.to_f32() * per_score;
+    }
+}
+}
+
 /// The raw score that a softmax with `scale` turns into −∞ (a hidden key).
 pub(crate) fn hidden_score(scale: f32) -> f32 {
     if scale < 0.0 {
@@ -460,13 +515,18 @@ pub(crate) fn hidden_score(scale: f32) -> f32 {
     }
 }
 
-/// Whether element `(b, h, i, j)` of the f64 reference's `mask` (0 or 1, broadcast as
-/// [`MaskRows`]) lets the query see the key; every key when there is no mask.
-pub(crate) fn reference_keeps(mask: Option<&RefTensor>, at: [usize; 4]) -> bool {
-    let Some(mask) = mask else { return true };
+/// What element `(b, h, i, j)` of the f64 reference's `mask` (broadcast as [`MaskRows`]) adds to
+/// the query's scaled score for the key: a float mask's value; a boolean one's 0 (keep, 1) or −∞
+/// (hide, 0); 0 when there is no mask.
+pub(crate) fn reference_bias(g: &Geometry, mask: Option<&RefTensor>, at: [usize; 4]) -> f64 {
+    let Some(mask) = mask else { return 0.0 };
     let rank = mask.shape.len();
     let index = mask.shape.iter().zip(&at[4 - rank..]).fold(0, |acc, (&n, &x)| acc * n + if n == 1 { 0 } else { x });
-    mask.data[index] != 0.0
+    match (g.mask, mask.data[index]) {
+        (Some(DType::Bool), keep) if keep == 0.0 => f64::NEG_INFINITY,
+        (Some(DType::Bool), _) => 0.0,
+        (_, bias) => bias,
+    }
 }
 
 /// Row addressing of a `[B, H, S, D]` view with a dense last dim.
@@ -1080,7 +1140,7 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (stat
                 let at = r * TILE_KEYS;
                 let s = &mut st[at..at + n];
                 if let Some(mask) = &fa.mask {
-                    mask.hide(&mut s[..visible.min(n)], (b, h, i), j0, hidden_score(g.scale));
+                    mask.apply(&mut s[..visible.min(n)], (b, h, i), j0, g.scale);
                 }
                 let p = match on_bf16_gemm {
                     true => Probabilities::Bf16(&mut bf16_tile(kt)[at..at + n]),
@@ -1185,12 +1245,13 @@ pub(crate) fn reference_probs(
             for i in 0..g.q_len {
                 let qi = &q.data[((b * g.q_heads + h) * g.q_len + i) * d..][..d];
                 let visible = g.visible(len, i);
-                // Hidden keys (the mask) have no score; with none left the row is zeros, lse −∞.
+                // Hidden keys (the mask's −∞) have no score; with none left the row is zeros, lse −∞.
                 let s: Vec<Option<f64>> = (0..visible)
                     .map(|j| {
                         let kj = &k.data[((b * g.kv_heads + h / group) * g.kv_len + j) * d..][..d];
-                        reference_keeps(mask, [b, h, i, j])
-                            .then(|| qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() * g.scale_f64)
+                        let bias = reference_bias(g, mask, [b, h, i, j]);
+                        (bias != f64::NEG_INFINITY)
+                            .then(|| qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() * g.scale_f64 + bias)
                     })
                     .collect();
                 let m = s.iter().flatten().copied().fold(f64::NEG_INFINITY, f64::max);

@@ -26,9 +26,9 @@
 //! are there).
 
 use crate::attention::{
-    bf16_scores, bf16_tile, carve, f32_rows, geometry, hidden_score, load_scaled, narrow_step, parts_for_even_share,
-    reference_keeps, row_len, rows_of, scores, spreads_evenly, Geometry, MaskRows, Rows4, DIAGONAL_PIECE_ROWS, DTYPES,
-    TILE_KEYS, TILE_ROWS, W,
+    bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, narrow_step, parts_for_even_share, reference_bias,
+    row_len, rows_of, scores, spreads_evenly, Geometry, MaskRows, Rows4, DIAGONAL_PIECE_ROWS, DTYPES, TILE_KEYS,
+    TILE_ROWS, W,
 };
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
@@ -180,7 +180,7 @@ impl<'a> BackwardArgs<'a> {
             return 0;
         }
         let live = visible.min(s.len());
-        mask.hide(&mut s[..live], (b, h, i), j0, hidden_score(scale));
+        mask.apply(&mut s[..live], (b, h, i), j0, scale);
         live
     }
 }
@@ -1048,11 +1048,12 @@ impl Op for AttentionBackward {
                         (&q.data[row * d..][..d], &dout.data[row * dv..][..dv], &out.data[row * dv..][..dv]);
                     let delta: f64 = doi.iter().zip(oi).map(|(a, b)| a * b).sum();
                     for j in 0..g.visible(len, i) {
-                        if !reference_keeps(mask, [b, h, i, j]) || lse.data[row] == f64::NEG_INFINITY {
+                        let bias = reference_bias(&g, mask, [b, h, i, j]);
+                        if bias == f64::NEG_INFINITY || lse.data[row] == f64::NEG_INFINITY {
                             continue;
                         }
                         let (kj, vj) = (&k.data[(kv + j) * d..][..d], &v.data[(kv + j) * dv..][..dv]);
-                        let s = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>();
+                        let s = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() + bias;
                         let p = (s - lse.data[row]).exp();
                         let dp: f64 = doi.iter().zip(vj).map(|(a, b)| a * b).sum();
                         let ds = p * (dp - delta);
@@ -1176,7 +1177,8 @@ mod tests {
     /// choice against the f64 references: a sliding window of 100 keys (causal, over 800 positions:
     /// a query tile sees one or two key tiles of four), and a left-padded batch whose padding fills
     /// batch row 1's first two key tiles, their K/V rows holding NaN: tiles hidden from every query
-    /// must be skipped, never read (a tile run through the products would spread the NaN).
+    /// must be skipped, never read (a tile run through the products would spread the NaN); the
+    /// padding also as a float mask (−∞ hides).
     #[test]
     fn masks_skip_the_tiles_they_hide_whole() {
         use crate::attention::TILE_KEYS;
@@ -1196,10 +1198,17 @@ mod tests {
         let (k, v) = (bf16_values(&kv_shape, 2), bf16_values(&kv_shape, 3));
         let (k_nan, v_nan) = (poisoned(k.clone()), poisoned(v.clone()));
         let causal = [("causal", AttrValue::Bool(true))];
-        let cases = [
-            ([&q[..], &k, &v, &dout], (q_shape, kv_shape), (None, Some((&window[..], [1, 1, s, s])))),
-            ([&q[..], &k_nan, &v_nan, &dout], (q_shape, kv_shape), (None, Some((&padding[..], [2, 1, s, s])))),
+        // The padding again as a float mask: 0 to keep, −∞ to hide.
+        let padding_bias: Vec<f32> = padding.iter().map(|&keep| if keep { 0.0 } else { f32::NEG_INFINITY }).collect();
+        let masks = [
+            (MaskValues::Keeps(&window), [1, 1, s, s]),
+            (MaskValues::Keeps(&padding), [2, 1, s, s]),
+            (MaskValues::Bias(&padding_bias), [2, 1, s, s]),
         ];
+        let cases = masks.map(|mask| {
+            let (k, v) = if matches!(mask.1, [2, ..]) { (&k_nan, &v_nan) } else { (&k, &v) };
+            ([&q[..], k, v, &dout], (q_shape, kv_shape), (None, Some(mask)))
+        });
         for case in cases {
             for route in ROUTES {
                 for panels_off in [false, true] {
@@ -1227,8 +1236,14 @@ mod tests {
     /// Inputs of one case: q, k, v, dout (f64 values), the q and kv shapes, `kv_lens` and `mask`.
     type Case<'a> = ([&'a [f64]; 4], ([usize; 4], [usize; 4]), (Option<&'a [i32]>, Option<Mask<'a>>));
 
-    /// A boolean mask and its shape.
-    type Mask<'a> = (&'a [bool], [usize; 4]);
+    /// A mask (boolean, or a float bias) and its shape.
+    type Mask<'a> = (MaskValues<'a>, [usize; 4]);
+
+    #[derive(Clone, Copy)]
+    enum MaskValues<'a> {
+        Keeps(&'a [bool]),
+        Bias(&'a [f32]),
+    }
 
     /// Runs the forward and then the backward on `T` copies of the inputs (after `force`, which
     /// picks the backward's products), both checked against their f64 references; every gradient
@@ -1238,7 +1253,10 @@ mod tests {
         let narrow = |x: &[f64]| x.iter().map(|&v| T::from_f64(v)).collect::<Vec<T>>();
         let (q, k, v, dout) = (narrow(q), narrow(k), narrow(v), narrow(dout));
         let lens_view = lens.and_then(|l| view(l, &[l.len()]));
-        let mask_view = mask.and_then(|(keeps, shape)| view(keeps, &shape));
+        let mask_view = mask.and_then(|(values, shape)| match values {
+            MaskValues::Keeps(keeps) => view(keeps, &shape),
+            MaskValues::Bias(bias) => view(bias, &shape),
+        });
         let forward_inputs =
             [view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), lens_view.clone(), mask_view.clone()];
         let fwd = run_checked_forcing("attention", &forward_inputs, attrs, force);

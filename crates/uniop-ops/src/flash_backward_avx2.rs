@@ -46,7 +46,7 @@ const PANEL: usize = 16;
 /// Whether the backward runs these tiles: on CPUs whose best level is AVX2 (see
 /// [`avx2_best`](crate::flash_avx2::avx2_best)), without a `mask` (which the GEMM tiles apply).
 pub(crate) fn applies(g: &Geometry) -> bool {
-    crate::flash_avx2::avx2_best(g) && !g.masked
+    crate::flash_avx2::avx2_best(g) && g.mask.is_none()
 }
 
 /// Head dims of a `dQ` panel row: `d` rounded up to whole panels.

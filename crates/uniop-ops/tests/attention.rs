@@ -317,6 +317,76 @@ fn masked_attention_matches_reference() {
     assert_eq!(got, want, "a strided mask reads the same elements");
 }
 
+/// Float masks are added to the scaled scores (SDPA's float `attn_mask`; −∞ hides a key): one of
+/// only 0 and −∞ gives the boolean mask's results bit for bit (f32 and bf16 masks, the padded
+/// batch over two key tiles); an ALiBi-like bias (`−slope_h · (i − j)`, per head, with some keys at
+/// −∞) against the f64 reference in f32, bf16 (with a bf16 mask) and with a negative scale; its
+/// gradients against central finite differences of the f64 forward.
+#[test]
+fn float_masks_add_to_the_scaled_scores() {
+    setup();
+    let (q_shape, kv_shape) = ([2, 4, 300, 16], [2, 2, 300, 16]);
+    let (q, k, v) = (rand_vec(2 * 4 * 300 * 16, 91), rand_vec(2 * 2 * 300 * 16, 92), rand_vec(2 * 2 * 300 * 16, 93));
+    let keeps = left_padding_mask(&[0, 37], 300, 300, false);
+    let bias: Vec<f32> = keeps.iter().map(|&keep| if keep { 0.0 } else { f32::NEG_INFINITY }).collect();
+    let bias_bf16 = bf16(&bias, &[2, 1, 300, 300]);
+    let qkv = [view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), None];
+    let with = |mask: Option<TensorRef>| {
+        let inputs = [qkv[0].clone(), qkv[1].clone(), qkv[2].clone(), None, mask];
+        run_checked("attention", &inputs, &causal(true))
+    };
+    let want = with(Some(TensorRef::new(&keeps, &[2, 1, 300, 300]).unwrap()));
+    assert_eq!(with(view(&bias, &[2, 1, 300, 300])), want, "a 0/−∞ f32 mask is the boolean mask");
+    assert_eq!(with(Some(bias_bf16.view())), want, "a 0/−∞ bf16 mask is the boolean mask");
+
+    let (sq, sk) = (300, 300);
+    let alibi: Vec<f32> = (0..4 * sq * sk)
+        .map(|x| {
+            let (h, i, j) = (x / (sq * sk), x / sk % sq, x % sk);
+            if (i + j) % 7 == 3 && i != j {
+                f32::NEG_INFINITY
+            } else {
+                -(0.5f32).powi(h as i32 + 1) * (i as f32 - j as f32).abs()
+            }
+        })
+        .collect();
+    let alibi_view = || view(&alibi, &[1, 4, sq, sk]);
+    run_checked("attention", &[qkv[0].clone(), qkv[1].clone(), qkv[2].clone(), None, alibi_view()], &[]);
+    let scale = [("scale", AttrValue::Float(-0.3))];
+    run_checked("attention", &[qkv[0].clone(), qkv[1].clone(), qkv[2].clone(), None, alibi_view()], &scale);
+    let (qb, kb, vb, ab) =
+        (bf16(&q, &q_shape), bf16(&k, &kv_shape), bf16(&v, &kv_shape), bf16(&alibi, &[1, 4, sq, sk]));
+    run_checked(
+        "attention",
+        &[Some(qb.view()), Some(kb.view()), Some(vb.view()), None, Some(ab.view())],
+        &causal(true),
+    );
+    let dout = rand_vec(2 * 4 * 300 * 16, 94);
+    backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), (None, alibi_view()), &causal(true));
+
+    let (q_shape, kv_shape) = ([1, 2, 3, 4], [1, 1, 5, 4]);
+    let (q, k, v, dout) = (rand_vec(24, 95), rand_vec(20, 96), rand_vec(20, 97), rand_vec(24, 98));
+    // A finite bias on every key but two, which it hides.
+    let bias: Vec<f32> = (0..2 * 3 * 5)
+        .map(|x| if x == 4 || x == 22 { f32::NEG_INFINITY } else { 0.3 * (x % 4) as f32 - 0.5 })
+        .collect();
+    let grads =
+        backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), (None, view(&bias, &[1, 2, 3, 5])), &[]);
+    let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
+    let inputs = [
+        (f64s(&q), q_shape.to_vec()),
+        (f64s(&k), kv_shape.to_vec()),
+        (f64s(&v), kv_shape.to_vec()),
+        (vec![5.0], vec![1]), // kv_lens: every key
+        (f64s(&bias), vec![1, 2, 3, 5]),
+    ];
+    let dtypes = [DType::F32, DType::F32, DType::F32, DType::I64, DType::F32];
+    for wrt in 0..3 {
+        let fd = finite_difference_typed("attention", &inputs, &dtypes, &[], &f64s(&dout), wrt);
+        assert_near(&grads[wrt], &fd, 1e-4, ["dq", "dk", "dv"][wrt]);
+    }
+}
+
 /// Gradients through a mask: a left-padded batch over two key tiles (padding queries get zero
 /// gradients), and against central finite differences of the f64 forward with a mask that hides
 /// a query's every key.
@@ -512,9 +582,9 @@ fn attention_rejects_bad_inputs() {
             "attention: argument 'scale': expected a finite float or None (1/sqrt(head_dim)), got NaN",
         ),
         (
-            plan_err("attention", &[q(), q(), q(), None, t(&[1, 1, 2, 2])], &[], vec![]),
+            plan_err("attention", &[q(), q(), q(), None, Some(TensorRef::new(&[1i32; 4], &[2, 2]).unwrap())], &[], vec![]),
             ErrorCode::DType,
-            "attention: argument 'mask': expected dtype in {bool}, got float32",
+            "attention: argument 'mask': expected dtype in {bool, float32, float16, bfloat16}, got int32",
         ),
         (
             plan_err("attention", &[q(), q(), q(), None, Some(TensorRef::new(&keep, &[1, 2, 2, 2]).unwrap())], &[], vec![]),
