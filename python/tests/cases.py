@@ -74,16 +74,24 @@ def attention_ref(q, k, v, causal, mask=None):
     if causal:
         sq, sk = s.shape[-2:]
         s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq), float("-inf"))
-    if mask is not None:
+    if mask is not None and mask.dtype == torch.bool:
         s = s.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        s = s + mask.to(D)
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
-def attention_mask(sq, sk):
-    """A boolean mask broadcast over batch and heads that hides every third key from the other
-    queries (each query keeps its own position, so none is left without keys)."""
+def attention_mask(sq, sk, dtype=torch.bool):
+    """A mask broadcast over batch and heads that hides every third key from the other queries
+    (each query keeps its own position, so none is left without keys): boolean, or as a float
+    mask of ``dtype`` (SDPA's additive kind: −inf where hidden, an ALiBi-like −|i − j| / 4 where
+    kept)."""
     i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
-    return ((j % 3 != 1) | (i == j))[None, None]
+    keep = ((j % 3 != 1) | (i == j))[None, None]
+    if dtype == torch.bool:
+        return keep
+    bias = -(i - j).abs().to(dtype) / 4
+    return bias.masked_fill(~keep, float("-inf")).to(dtype)
 
 
 def causal_softmax_ref(x):
@@ -321,17 +329,18 @@ def _cases():
         x, wg, wu = _rand(4, 9, dtype=dt, strided=strided), torch.randn(40, 9).to(dt), torch.randn(40, 9).to(dt)
         return (x, packed_ref(wg, wu), 40), lambda x, packed, n: gated_ref(x, wg, wu)
 
+    # The strided variants carry a float mask of the inputs' dtype, the contiguous ones a boolean mask.
     @case
     def attention(dt, strided):
         q = _rand(1, 4, 6, 8, dtype=dt, strided=strided)
         k, v = torch.randn(1, 2, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt)
-        mask = attention_mask(6, 6)
+        mask = attention_mask(6, 6, dt if strided else torch.bool)
         return (q, k, v, None, True, None, mask), lambda q, k, v, lens, causal, scale, m: attention_ref(q, k, v, causal, m)
 
     @case
     def attention_backward(dt, strided):
         q, k, v = torch.randn(1, 4, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt)
-        mask = attention_mask(6, 6)
+        mask = attention_mask(6, 6, dt if strided else torch.bool)
         out, lse = attention_ref(q, k, v, True, mask)
         dout = _rand(1, 4, 6, 8, dtype=dt, strided=strided)
         args = (dout, q, k, v, out.to(dt), _stat(lse, dt), None, True, None, mask)

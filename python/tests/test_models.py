@@ -299,8 +299,9 @@ def test_patched_attention_runs_straight_through_padded_batches_included():
     """Under patch_llama, a plain call of LlamaAttention (the dynamic cache, no mask or the boolean
     mask of a left-padded batch) runs the projections, rope and uniop attention itself, never the
     attention interface; both match the unpatched model (the padded batch at its real positions),
-    and greedy generation of a left-padded batch gives the unpatched model's tokens. A float mask
-    (not transformers' SDPA kind) still goes through transformers' forward and the interface."""
+    and greedy generation of a left-padded batch gives the unpatched model's tokens. A call uniop
+    attention does not cover (dropout in training) still goes through transformers' forward and
+    the interface."""
     from transformers import AttentionInterface
 
     model = _tiny_llama()
@@ -333,8 +334,11 @@ def test_patched_attention_runs_straight_through_padded_batches_included():
             layer = model.model.layers[0].self_attn
             x = torch.randn(1, 5, 64)
             cos_sin = model.model.rotary_emb(x, torch.arange(5)[None])
-            float_mask = torch.zeros(1, 1, 5, 5)
-            layer(x, cos_sin, float_mask)
+            layer.attention_dropout = 0.5
+            layer.train()
+            layer(x, cos_sin, None)
+            layer.eval()
+            layer.attention_dropout = 0.0
             assert interface_calls
     finally:
         ut.nn.uniop_ops.attention = ops_attention
@@ -343,6 +347,35 @@ def test_patched_attention_runs_straight_through_padded_batches_included():
     assert torch.allclose(got_padded[mask.bool()], want_padded[mask.bool()], atol=1e-4)
     assert torch.equal(tokens, want_tokens)
     assert torch.equal(batch, want_batch)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)], ids=["f32", "bf16"])
+def test_patched_attention_takes_float_masks(monkeypatch, dtype, tol):
+    """A 4-D float mask (transformers 4.x's kind: 0 where a query sees a key, the dtype's lowest
+    value where not, here for a left-padded batch) goes to uniop attention as its ``mask`` under
+    patch_llama, straight through, and the logits at the real positions match the unpatched
+    model's given the same mask."""
+    model = _tiny_llama(dtype)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(4))
+    keep = torch.ones(2, 12, dtype=torch.bool)
+    keep[1, :5] = False  # left padding
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    sees = causal[None, None] & keep[:, None, None, :]
+    sees |= torch.eye(12, dtype=torch.bool)  # padding queries see themselves (no empty rows)
+    float_mask = torch.zeros(2, 1, 12, 12, dtype=dtype).masked_fill(~sees, torch.finfo(dtype).min)
+    with torch.no_grad():
+        want = model(ids, attention_mask=float_mask).logits.float()
+    masks_seen = []
+    real = unn.uniop_ops.attention
+    monkeypatch.setattr(unn.uniop_ops, "attention", lambda *a: masks_seen.append(a[6]) or real(*a))
+    try:
+        ut.patch_llama(model)
+        with torch.no_grad():
+            got = model(ids, attention_mask=float_mask).logits.float()
+    finally:
+        ut.unpatch_llama()
+    assert masks_seen and all(m is not None and m.dtype == dtype for m in masks_seen)
+    assert torch.allclose(got[keep], want[keep], atol=tol, rtol=tol)
 
 
 def test_registered_attention_runs_any_model_sliding_windows_included(monkeypatch):

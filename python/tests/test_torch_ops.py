@@ -309,6 +309,23 @@ def test_linear_without_bias_gets_no_bias_gradient():
     assert torch.allclose(x.grad, want_x, atol=1e-5)
 
 
+def test_an_argument_without_a_backward_gradient_that_requires_one_is_an_error():
+    """A tensor argument the backward op returns no gradient for (attention's float mask, rope's
+    cos/sin tables) that requires one: backward raises, naming the op, the argument and the
+    backward op, instead of leaving its gradient out (a silent zero). Not requiring one is fine."""
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    bias = torch.zeros(1, 1, 4, 4, requires_grad=True)
+    out = torch.ops.uniop.attention(q, k, v, None, True, None, bias)[0]
+    with pytest.raises(RuntimeError, match="uniop.attention: argument 'mask' requires a gradient, which attention_backward"):
+        out.sum().backward()
+    torch.ops.uniop.attention(q, k, v, None, True, None, bias.detach())[0].sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+    x = torch.randn(1, 2, 4, 8, requires_grad=True)
+    cos, sin = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="uniop.rope: argument 'cos' requires a gradient"):
+        torch.ops.uniop.rope(x, cos, sin).sum().backward()
+
+
 @pytest.mark.parametrize("name", ["rms_norm", "softmax", "matmul", "silu_mul", "embedding"])
 def test_zero_size(name):
     args, ref = CASES[name](torch.float32, False)

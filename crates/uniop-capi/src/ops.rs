@@ -165,11 +165,12 @@ pub extern "C" fn uniopArgmax(
 /// Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, dense last dim); Hkv divides Hq
 /// (GQA). kv_lens (int [B]) limits each batch row to its first keys (KV-cache decode). causal
 /// aligns bottom-right: query i sees key j iff j <= i + len - Sq (torch is_causal when Sq == Sk).
-/// scale defaults to 1/sqrt(D). mask (bool, broadcastable to [B, Hq, Sq, Sk], true = attend, as
-/// SDPA's boolean attn_mask) hides keys on top of kv_lens and causal (key tiles it hides from a
-/// whole query tile are skipped: a sliding window or a document mask costs the keys it shows);
-/// hidden keys' K/V rows must be finite. lse: float32 log-sum-exp of the scaled scores per query
-/// (-inf, with out = 0, for a query that sees no key).
+/// scale defaults to 1/sqrt(D). mask (broadcastable to [B, Hq, Sq, Sk], as SDPA's attn_mask: bool,
+/// true = attend; or float32/float16/bfloat16, added to the scaled scores, -inf hides) applies on
+/// top of kv_lens and causal (key tiles it hides from a whole query tile are skipped: a sliding
+/// window or a document mask costs the keys it shows); hidden keys' K/V rows must be finite. lse:
+/// float32 log-sum-exp of the scaled scores per query (-inf, with out = 0, for a query that sees no
+/// key).
 #[no_mangle]
 pub extern "C" fn uniopAttentionGetWorkspaceSize(
     q: *const uniopTensor,

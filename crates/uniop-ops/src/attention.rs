@@ -39,17 +39,20 @@
 //! prefill need (the new queries are the last `Sq` positions). A query that sees no key
 //! (possible only when `len < Sq`) gets output 0 and `lse = -inf`.
 //!
-//! `mask` (bool, optional, broadcastable to `[B, Hq, Sq, Sk]`, true = attend: torch SDPA's
-//! boolean `attn_mask`) hides keys on top of `kv_lens` and `causal`: padded batches (Hugging
-//! Face's left-padded prompts and their decode steps), prefix-LM or document masks. It is applied
-//! to each score tile after its product (a hidden score becomes −∞ before the softmax), so the
-//! tiles and their causal and `kv_lens` skipping stay as they are, and a tile whose keys it hides
-//! from every query of the tile is skipped whole (`MaskRows::tile_live`: a sliding window or a
-//! document mask costs the keys it shows). Hidden keys inside a live tile still run through the
-//! products, and their K/V rows must hold finite numbers (a hidden key's probability is 0, as in
-//! SDPA, and 0 · NaN is NaN). A query whose keys are all hidden gets output 0 and `lse = -inf`, like one that
-//! sees no key. AVX2's transposed tiles (`flash_avx2.rs`) take no mask; masked calls there run the
-//! GEMM tiles.
+//! `mask` (optional, broadcastable to `[B, Hq, Sq, Sk]`, torch SDPA's `attn_mask`) applies on top
+//! of `kv_lens` and `causal`. Boolean (true = attend), it hides keys: padded batches (Hugging
+//! Face's left-padded prompts and their decode steps), sliding windows, prefix-LM or document
+//! masks. Float (f32, f16, bf16), it is added to the scaled scores (−∞ hides): ALiBi and
+//! relative-position biases, transformers 4.x's padding masks; it gets no gradient. It is applied
+//! to each score tile after its product (a hidden score becomes −∞ before the softmax, a bias is
+//! added divided by the scale the softmax multiplies by), so the tiles and their causal and
+//! `kv_lens` skipping stay as they are, and a tile whose keys it hides from every query of the
+//! tile is skipped whole (`MaskRows::tile_live`: a sliding window or a document mask costs the
+//! keys it shows). Hidden keys inside a live tile still run through the products, and their K/V
+//! rows must hold finite numbers (a hidden key's probability is 0, as in SDPA, and 0 · NaN is
+//! NaN). A query whose keys are all hidden gets output 0 and `lse = -inf`, like one that sees no
+//! key. AVX2's transposed tiles (`flash_avx2.rs`) take no mask; masked calls there run the GEMM
+//! tiles.
 //!
 //! `lse` (`[B, Hq, Sq]`, f32) is the log-sum-exp of each query's scaled scores, saved for
 //! [`attention_backward`](crate::attention_backward).
@@ -1278,10 +1281,11 @@ impl Op for Attention {
         "Scaled dot-product attention, flash-style (O(tile) memory, never the Sq x Sk scores). q [B, Hq, Sq, D], \
          k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, dense last dim); Hkv divides Hq (GQA). kv_lens (int [B]) \
          limits each batch row to its first keys (KV-cache decode). causal aligns bottom-right: query i sees key j \
-         iff j <= i + len - Sq (torch is_causal when Sq == Sk). scale defaults to 1/sqrt(D). mask (bool, \
-         broadcastable to [B, Hq, Sq, Sk], true = attend, as SDPA's boolean attn_mask) hides keys on top of \
-         kv_lens and causal (key tiles it hides from a whole query tile are skipped: a sliding window or a \
-         document mask costs the keys it shows); hidden keys' K/V rows must be finite. lse: float32 log-sum-exp of the scaled scores \
+         iff j <= i + len - Sq (torch is_causal when Sq == Sk). scale defaults to 1/sqrt(D). mask (broadcastable \
+         to [B, Hq, Sq, Sk], as SDPA's attn_mask: bool, true = attend; or float32/float16/bfloat16, added to \
+         the scaled scores, -inf hides) applies on top of kv_lens and causal (key tiles it hides from a whole \
+         query tile are skipped: a sliding window or a document mask costs the keys it shows); hidden keys' K/V \
+         rows must be finite. lse: float32 log-sum-exp of the scaled scores \
          per query (-inf, with out = 0, for a query that sees no key)."
     }
 

@@ -89,6 +89,14 @@ class _BackwardWiring:
             if not (r.startswith("d") and r[1:] in fwd_args):
                 raise TypeError(f"uniop.torch: backward op {bwd.name} return '{r}' is not d<argument of {fwd.name}>")
             self.grad_of.append(fwd_args.index(r[1:]))
+        # Arguments the backward returns no gradient for: one that requires a gradient is an error,
+        # since leaving its gradient out would give the caller a wrong (zero) one without a word.
+        self.no_grad_message = {
+            i: f"uniop.{fwd.name}: argument '{n}' requires a gradient, which {bwd.name} does not compute "
+            f"(it returns {', '.join(bwd.returns)})"
+            for i, n in enumerate(fwd_args)
+            if i not in self.grad_of
+        }
         self.differentiable = {i for kind, i in self.sources if kind == "grad"}
         self.saved_args = sorted({i for kind, i in self.sources if kind == "arg"})
         self.saved_outs = sorted({i for kind, i in self.sources if kind == "out"})
@@ -175,6 +183,9 @@ def _register_autograd(native, backward_native):
         # One gradient per argument the caller passed; optional tensors that were None or left
         # out (linear's bias) get none.
         passed = len(ctx.needs_input_grad)
+        for i, message in wiring.no_grad_message.items():
+            if i < passed and ctx.needs_input_grad[i] and ctx.is_tensor[i]:
+                raise RuntimeError(message)
         grads_in = [None] * passed
         for g, i in zip(result, wiring.grad_of):
             if i < passed and ctx.needs_input_grad[i] and ctx.is_tensor[i]:

@@ -4,13 +4,13 @@ transformers looks a model's attention up by name (``config._attn_implementation
 ``AttentionInterface`` and the mask builder in its ``AttentionMaskInterface``.
 :func:`register_attention` adds ``"uniop"`` to both: the attention is uniop ``attention`` (GQA
 read in place, bottom-right causal — HF's causal prefill and its decode over the whole cache —
-and transformers' boolean 4-D mask as its ``mask``), the mask builder is the one SDPA uses, so
+and transformers' 4-D masks, boolean or float, as its ``mask``), the mask builder is the one SDPA uses, so
 a model gets the masks SDPA would: ``None`` for an unpadded causal batch (uniop then runs plain
 causal), a boolean mask for padded batches, sliding windows (Mistral, Qwen2's windowed layers),
 chunked or bidirectional attention. The kernel skips the key tiles such a mask hides from a
 whole tile of queries, so a sliding window costs the keys it shows. Calls uniop does not cover
-(a float mask, dropout, softcap, returning the attention weights) run transformers' SDPA
-forward, as ``"sdpa"`` would.
+(dropout, softcap, returning the attention weights, a mask of another rank or dtype) run
+transformers' SDPA forward, as ``"sdpa"`` would.
 
     import uniop.torch
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=uniop.torch.register_attention())
@@ -39,11 +39,16 @@ def register_attention():
     return ATTENTION
 
 
+_MASK_DTYPES = (torch.bool, torch.float32, torch.float16, torch.bfloat16)
+
+
 def takes_mask(mask):
-    """Whether uniop ``attention`` takes transformers' attention mask as it is: none, or the boolean
-    4-D mask (true = attend) its SDPA mask builder makes. Its causal part repeats the causal flag,
-    which the kernel also gets (so it skips the tiles above the diagonal)."""
-    return mask is None or (mask.dtype == torch.bool and mask.dim() == 4)
+    """Whether uniop ``attention`` takes transformers' attention mask as it is: none, or a 4-D mask
+    — the boolean one (true = attend) its SDPA mask builder makes, or a float one added to the
+    scores (transformers 4.x's, and its eager builder's: 0 or the dtype's lowest value). Its causal
+    part repeats the causal flag, which the kernel also gets (so it skips the tiles above the
+    diagonal)."""
+    return mask is None or (mask.dim() == 4 and mask.dtype in _MASK_DTYPES)
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):

@@ -10,9 +10,9 @@ them: ``add_rms_norm`` after attention, ``linear_add`` for the MLP's down projec
 module's own frequencies, see :func:`_rotary_forward`) and ``modeling_llama.apply_rotary_pos_emb``
 (uniop ``rope``). Methods are patched on the classes, so existing instances change too. Given a
 model, it also switches the model's attention to uniop's flash attention (registered with
-transformers as the ``"uniop"`` implementation by :func:`~uniop.torch.register_attention`; padded batches pass transformers' boolean mask to
-uniop ``attention``'s ``mask``; calls with another kind of mask, dropout or softcap fall back to
-SDPA) and its linear layers (projections and ``lm_head``) to uniop ``linear``, which
+transformers as the ``"uniop"`` implementation by :func:`~uniop.torch.register_attention`;
+transformers' 4-D masks, boolean or float, go to uniop ``attention``'s ``mask``; dropout and
+softcap fall back to SDPA) and its linear layers (projections and ``lm_head``) to uniop ``linear``, which
 streams the weight at memory speed when there are few rows — decoding spends most of its time
 there — and prefill-sized products too: in bfloat16 always, in float32 where uniop's GEMM is
 the faster one on this CPU (with AVX-512 on CPUs other than Intel's). It also makes
@@ -84,8 +84,9 @@ def _attention_forward(original):
     projections, ``rope``, the cache update and ``attention``, without the attention-interface
     lookup, the interface's output copy and the deprecated-argument wrapper. In a tiny Llama's fp32
     decode step the attention module took ~330 µs a layer of which its ops took ~235; this path
-    decoded 1.02-1.06x faster (alternated in one process). A padded batch's boolean mask goes to
-    ``attention``'s ``mask``. Calls that need more — another kind of mask, dropout, another attention
+    decoded 1.02-1.06x faster (alternated in one process). A padded batch's 4-D mask (boolean, or
+    float as transformers 4.x makes it) goes to ``attention``'s ``mask``. Calls that need more — a
+    mask of another rank or dtype, dropout, another attention
     implementation or cache type, positional extras — keep transformers' forward."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):

@@ -203,9 +203,9 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
 class Attention(nn.Module):
     """Causal self-attention with GQA: ``forward(x [B, S, hidden], cos, sin, attention_mask=None)
     -> [B, S, hidden]``. ``attention_mask`` hides keys on top of the causal mask: a ``[B, S]``
-    padding mask (1 for tokens, 0 for padding, as tokenizers return it) or a boolean mask
-    broadcastable to ``[B, heads, S, S]`` (true = attend). A query left without keys (a left-padded
-    position) gets 0."""
+    padding mask (1 for tokens, 0 for padding, as tokenizers return it) or a mask broadcastable to
+    ``[B, heads, S, S]``: boolean (true = attend) or float (added to the scaled scores, −inf hides;
+    no gradient flows to it). A query left without keys (a left-padded position) gets 0."""
 
     def __init__(self, hidden_size, num_heads, num_kv_heads=None, head_dim=None, bias=False, dtype=None):
         super().__init__()
