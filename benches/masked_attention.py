@@ -8,7 +8,9 @@ a model that uses one, through uniop and torch's SDPA in the same run.
    skipped tiles save) and against `scaled_dot_product_attention(q, k, v, attn_mask=M)` (SDPA given
    the same mask), forward and backward (`torch.autograd.grad` through `torch.ops.uniop.attention`
    and through SDPA), bf16 and f32. Masks: causal with a window of `--window` keys; `--docs`
-   documents of equal length, each causal within itself. Best of 2 rounds (3 for the backward).
+   documents of equal length, each causal within itself (boolean); ALiBi's causal biases (a float
+   mask of the inputs' dtype, which hides only the tiles above the diagonal: it costs what plain
+   causal does plus the bias). Best of 2 rounds (3 for the backward).
 2. A model: a tiny random Mistral (hidden 384, 6 layers, 6 query / 2 kv heads, sliding window
    `--model-window`) prefilling `--model-tokens` tokens under transformers' `"sdpa"` attention and
    under `"uniop"` (`uniop.torch.register_attention()`; nothing else patched), alternated, best of 3.
@@ -35,12 +37,17 @@ def best_ms(f, calls, rounds=2):
     return min(times)
 
 
-def masks(seq, window, docs):
+def masks(heads, seq, window, docs, dtype):
+    """Boolean `[1, 1, S, S]` masks, and ALiBi as a float `[1, H, S, S]` mask of `dtype` (causal:
+    −inf above the diagonal, −slope_h · (i − j) below, slopes 2^(−8(h+1)/H))."""
     i = torch.arange(seq)
     causal = i[None, :] <= i[:, None]
+    slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads)
+    alibi = -slopes[:, None, None] * (i[:, None] - i[None, :]).float()
     return {
-        f"causal, window {window}": causal & (i[None, :] > i[:, None] - window),
-        f"{docs} documents": causal & (i[None, :] * docs // seq == i[:, None] * docs // seq),
+        f"causal, window {window}": (causal & (i[None, :] > i[:, None] - window))[None, None],
+        f"{docs} documents": (causal & (i[None, :] * docs // seq == i[:, None] * docs // seq))[None, None],
+        "ALiBi (float)": alibi.masked_fill(~causal, float("-inf")).to(dtype)[None],
     }
 
 
@@ -56,8 +63,7 @@ def op_rows(shape, window, docs):
         out = attention(qq, kk, vv, None, True)[0]
         grad = torch.randn_like(out)
         causal_bwd = best_ms(lambda: torch.autograd.grad(out, (qq, kk, vv), grad, retain_graph=True), 1, rounds=3)
-        for name, m in masks(s, window, docs).items():
-            m = m[None, None]
+        for name, m in masks(h, s, window, docs, dtype).items():
             ours = best_ms(lambda: uniop.attention(q, k, v, None, True, None, m), 3)
             sdpa = best_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=m), 2)
             print(f"| {dtype} | {name} | forward | {ours:.1f} | {causal_fwd:.1f} | {causal_fwd / ours:.2f}x "
