@@ -252,10 +252,9 @@ def test_ddp_two_processes_match_single_process(tmp_path):
 transformers = pytest.importorskip("transformers")
 
 
-def _tiny_llama(dtype=torch.float32):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
+def _tiny_model(config_class, model_class, dtype=torch.float32, **config):
+    """A tiny random model (2 layers, GQA 4/2 heads, hidden 64) of a transformers architecture."""
+    cfg = config_class(
         vocab_size=256,
         hidden_size=64,
         intermediate_size=160,
@@ -263,9 +262,16 @@ def _tiny_llama(dtype=torch.float32):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=256,
+        **config,
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to(dtype).eval()
+    return model_class(cfg).to(dtype).eval()
+
+
+def _tiny_llama(dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _tiny_model(LlamaConfig, LlamaForCausalLM, dtype)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.15)], ids=["f32", "bf16"])
@@ -387,18 +393,7 @@ def test_registered_attention_runs_any_model_sliding_windows_included(monkeypatc
     import transformers.integrations.sdpa_attention as sdpa_module
     from transformers import MistralConfig, MistralForCausalLM
 
-    cfg = MistralConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        sliding_window=16,
-    )
-    torch.manual_seed(0)
-    model = MistralForCausalLM(cfg).eval()
+    model = _tiny_model(MistralConfig, MistralForCausalLM, sliding_window=16)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
     mask[1, :7] = 0  # left padding

@@ -526,7 +526,7 @@ pub(crate) fn reference_bias(g: &Geometry, mask: Option<&RefTensor>, at: [usize;
     let rank = mask.shape.len();
     let index = mask.shape.iter().zip(&at[4 - rank..]).fold(0, |acc, (&n, &x)| acc * n + if n == 1 { 0 } else { x });
     match (g.mask, mask.data[index]) {
-        (Some(DType::Bool), keep) if keep == 0.0 => f64::NEG_INFINITY,
+        (Some(DType::Bool), 0.0) => f64::NEG_INFINITY,
         (Some(DType::Bool), _) => 0.0,
         (_, bias) => bias,
     }
@@ -1484,10 +1484,13 @@ mod tests {
         }
     }
 
+    /// A boolean mask and its shape.
+    type Keeps<'a> = (&'a [bool], [usize; 4]);
+
     fn run_case<T: Element>(
         [q, k, v]: [&[f64]; 3],
         (q_shape, kv_shape): ([usize; 4], [usize; 4]),
-        (lens, mask): (&[i32], Option<(&[bool], [usize; 4])>),
+        (lens, mask): (&[i32], Option<Keeps<'_>>),
         attrs: &[(&str, AttrValue)],
         force: &(dyn Fn() + Sync),
     ) {

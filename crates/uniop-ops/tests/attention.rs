@@ -364,27 +364,12 @@ fn float_masks_add_to_the_scaled_scores() {
     let dout = rand_vec(2 * 4 * 300 * 16, 94);
     backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), (None, alibi_view()), &causal(true));
 
-    let (q_shape, kv_shape) = ([1, 2, 3, 4], [1, 1, 5, 4]);
-    let (q, k, v, dout) = (rand_vec(24, 95), rand_vec(20, 96), rand_vec(20, 97), rand_vec(24, 98));
     // A finite bias on every key but two, which it hides.
     let bias: Vec<f32> = (0..2 * 3 * 5)
         .map(|x| if x == 4 || x == 22 { f32::NEG_INFINITY } else { 0.3 * (x % 4) as f32 - 0.5 })
         .collect();
-    let grads =
-        backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), (None, view(&bias, &[1, 2, 3, 5])), &[]);
-    let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
-    let inputs = [
-        (f64s(&q), q_shape.to_vec()),
-        (f64s(&k), kv_shape.to_vec()),
-        (f64s(&v), kv_shape.to_vec()),
-        (vec![5.0], vec![1]), // kv_lens: every key
-        (f64s(&bias), vec![1, 2, 3, 5]),
-    ];
-    let dtypes = [DType::F32, DType::F32, DType::F32, DType::I64, DType::F32];
-    for wrt in 0..3 {
-        let fd = finite_difference_typed("attention", &inputs, &dtypes, &[], &f64s(&dout), wrt);
-        assert_near(&grads[wrt], &fd, 1e-4, ["dq", "dk", "dv"][wrt]);
-    }
+    let values = bias.iter().map(|&b| b as f64).collect();
+    small_masked_gradients_match_finite_differences(TensorRef::new(&bias, &[1, 2, 3, 5]).unwrap(), values, 95);
 }
 
 /// Gradients through a mask: a left-padded batch over two key tiles (padding queries get zero
@@ -401,21 +386,30 @@ fn masked_attention_backward_matches_reference_and_finite_differences() {
     let grads = backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), (None, mask), &[]);
     assert!(grads[0][(4 * 300) * 16..(4 * 300 + 37) * 16].iter().all(|&g| g == 0.0), "padding queries' dq");
 
-    let (q_shape, kv_shape) = ([1, 2, 3, 4], [1, 1, 5, 4]);
-    let (q, k, v, dout) = (rand_vec(24, 81), rand_vec(20, 82), rand_vec(20, 83), rand_vec(24, 84));
     // Query 0 of head 1 sees no key; the others lose one or two.
     let mask: Vec<bool> = (0..2 * 3 * 5).map(|x| x != 7 && x != 11 && !(15..20).contains(&x)).collect();
-    let mask_view = Some(TensorRef::new(&mask, &[1, 2, 3, 5]).unwrap());
-    let grads = backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), (None, mask_view), &[]);
+    let values = mask.iter().map(|&m| m as u8 as f64).collect();
+    small_masked_gradients_match_finite_differences(TensorRef::new(&mask, &[1, 2, 3, 5]).unwrap(), values, 81);
+}
+
+/// GQA with q `[1, 2, 3, 4]` and k/v `[1, 1, 5, 4]` (inputs from `seed` on) under a `[1, 2, 3, 5]`
+/// `mask` (`values`: its elements as f64): the gradients against central finite differences of
+/// the f64 forward.
+fn small_masked_gradients_match_finite_differences(mask: TensorRef<'_>, values: Vec<f64>, seed: u64) {
+    let (q_shape, kv_shape) = ([1, 2, 3, 4], [1, 1, 5, 4]);
+    let (q, k, v) = (rand_vec(24, seed), rand_vec(20, seed + 1), rand_vec(20, seed + 2));
+    let dout = rand_vec(24, seed + 3);
+    let dtype = mask.dtype();
+    let grads = backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), (None, Some(mask)), &[]);
     let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
     let inputs = [
         (f64s(&q), q_shape.to_vec()),
         (f64s(&k), kv_shape.to_vec()),
         (f64s(&v), kv_shape.to_vec()),
         (vec![5.0], vec![1]), // kv_lens: every key
-        (mask.iter().map(|&m| m as u8 as f64).collect(), vec![1, 2, 3, 5]),
+        (values, vec![1, 2, 3, 5]),
     ];
-    let dtypes = [DType::F32, DType::F32, DType::F32, DType::I64, DType::Bool];
+    let dtypes = [DType::F32, DType::F32, DType::F32, DType::I64, dtype];
     for wrt in 0..3 {
         let fd = finite_difference_typed("attention", &inputs, &dtypes, &[], &f64s(&dout), wrt);
         assert_near(&grads[wrt], &fd, 1e-4, ["dq", "dk", "dv"][wrt]);
