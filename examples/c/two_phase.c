@@ -219,10 +219,11 @@ static void test_rope(uniopStream stream) {
   OK(uniopDestroyTensor(out[0]));
 }
 
-/* Causal attention of [1, H, S, D] q, k, v in double into `want`; where `keep` (S x S, or NULL for
- * none) is false, query i does not see key j either (every query keeps at least one key). */
+/* Causal attention of [1, H, S, D] q, k, v in double into `want`, `bias` (S x S, or NULL for none)
+ * added to the scaled scores: where it is -INFINITY, query i does not see key j either (every query
+ * keeps at least one key). */
 static void attention_reference(const float *q, const float *k, const float *v, int H, int S, int D,
-                                const bool *keep, double *want) {
+                                const float *bias, double *want) {
   double scale = 1.0 / sqrt((double)D);
   for (int h = 0; h < H; h++)
     for (int i = 0; i < S; i++) {
@@ -230,7 +231,7 @@ static void attention_reference(const float *q, const float *k, const float *v, 
       for (int j = 0; j <= i; j++) {
         double s = 0;
         for (int d = 0; d < D; d++) s += (double)q[(h * S + i) * D + d] * k[(h * S + j) * D + d];
-        p[j] = keep && !keep[i * S + j] ? -INFINITY : s * scale;
+        p[j] = s * scale + (bias ? bias[i * S + j] : 0.0);
         if (p[j] > m) m = p[j];
       }
       for (int j = 0; j <= i; j++) sum += (p[j] = exp(p[j] - m));
@@ -242,8 +243,8 @@ static void attention_reference(const float *q, const float *k, const float *v, 
     }
 }
 
-/* Causal attention [1, H, S, D], with a boolean mask broadcast over the heads too; then decode:
- * append one token with kv_cache_append (in place) and attend with kv_lens. */
+/* Causal attention [1, H, S, D], with a boolean and a float mask broadcast over the heads too;
+ * then decode: append one token with kv_cache_append (in place) and attend with kv_lens. */
 static void test_attention_and_kv_cache(uniopStream stream) {
   enum { H = 2, S = 6, D = 8, SMAX = 8 };
   float q[H * S * D], k[H * S * D], v[H * S * D], o[H * S * D], lse[H * S];
@@ -261,19 +262,32 @@ static void test_attention_and_kv_cache(uniopStream stream) {
   attention_reference(q, k, v, H, S, D, NULL, want);
   expect_close("attention (causal)", o, want, H * S * D, 1e-5);
 
-  /* Keys 0 and 1 hidden from queries 2 and later (as a padded prefix would be), [1, 1, S, S]. */
+  /* Keys 0 and 1 hidden from queries 2 and later (as a padded prefix would be), [1, 1, S, S]: as a
+   * boolean mask, then as a float one that also adds an ALiBi-like -(i - j) / 4 to what it keeps. */
   bool keep[S * S];
+  float hidden[S * S], alibi[S * S];
   for (int i = 0; i < S; i++)
-    for (int j = 0; j < S; j++) keep[i * S + j] = !(i >= 2 && j < 2);
+    for (int j = 0; j < S; j++) {
+      keep[i * S + j] = !(i >= 2 && j < 2);
+      hidden[i * S + j] = keep[i * S + j] ? 0.0f : -INFINITY;
+      alibi[i * S + j] = keep[i * S + j] ? -0.25f * (float)(i - j) : -INFINITY;
+    }
   int64_t md[] = {1, 1, S, S}, m_storage = S * S;
-  uniopTensor *mask = uniopCreateTensor(md, 4, UNIOP_BOOL, NULL, 0, UNIOP_FORMAT_ND, &m_storage, 1, keep);
-  CHECK(mask, "mask descriptor: %s", uniopGetRecentErrMsg());
-  OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, mask, out[0], out[1], &ws, &exec));
-  launch(uniopAttention, ws, exec, stream);
-  double want_masked[H * S * D];
-  attention_reference(q, k, v, H, S, D, keep, want_masked);
-  expect_close("attention (causal, boolean mask)", o, want_masked, H * S * D, 1e-5);
-  OK(uniopDestroyTensor(mask));
+  uniopTensor *masks[] = {
+      uniopCreateTensor(md, 4, UNIOP_BOOL, NULL, 0, UNIOP_FORMAT_ND, &m_storage, 1, keep),
+      uniopCreateTensor(md, 4, UNIOP_FLOAT, NULL, 0, UNIOP_FORMAT_ND, &m_storage, 1, alibi),
+  };
+  const float *biases[] = {hidden, alibi};
+  const char *names[] = {"attention (causal, boolean mask)", "attention (causal, float mask)"};
+  for (int m = 0; m < 2; m++) {
+    CHECK(masks[m], "mask descriptor: %s", uniopGetRecentErrMsg());
+    OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, masks[m], out[0], out[1], &ws, &exec));
+    launch(uniopAttention, ws, exec, stream);
+    double want_masked[H * S * D];
+    attention_reference(q, k, v, H, S, D, biases[m], want_masked);
+    expect_close(names[m], o, want_masked, H * S * D, 1e-5);
+    OK(uniopDestroyTensor(masks[m]));
+  }
 
   /* Caches hold tokens 0..S-2; append token S-1 at position S-1, in place. */
   float kc[H * SMAX * D], vc[H * SMAX * D];
