@@ -4,13 +4,13 @@ transformers looks a model's attention up by name (``config._attn_implementation
 ``AttentionInterface`` and the mask builder in its ``AttentionMaskInterface``.
 :func:`register_attention` adds ``"uniop"`` to both: the attention is uniop ``attention`` (GQA
 read in place, bottom-right causal — HF's causal prefill and its decode over the whole cache —
-and transformers' 4-D masks, boolean or float, as its ``mask``), the mask builder is the one SDPA uses, so
-a model gets the masks SDPA would: ``None`` for an unpadded causal batch (uniop then runs plain
-causal), a boolean mask for padded batches, sliding windows (Mistral, Qwen2's windowed layers),
-chunked or bidirectional attention. The kernel skips the key tiles such a mask hides from a
-whole tile of queries, so a sliding window costs the keys it shows. Calls uniop does not cover
-(dropout, softcap, returning the attention weights, a mask of another rank or dtype) run
-transformers' SDPA forward, as ``"sdpa"`` would.
+and transformers' 4-D masks, boolean or float, as its ``mask``); the mask builder is the one
+SDPA uses, so a model gets the masks SDPA would: ``None`` for an unpadded causal batch (uniop
+then runs plain causal), a boolean mask for padded batches, sliding windows (Mistral, Qwen2's
+windowed layers), chunked or bidirectional attention. The kernel skips the key tiles such a mask
+hides from a whole tile of queries, so a sliding window costs the keys it shows. Calls uniop does
+not cover (dropout, softcap, returning the attention weights, a mask of another rank or dtype)
+run transformers' SDPA forward, as ``"sdpa"`` would.
 
     import uniop.torch
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=uniop.torch.register_attention())

@@ -12,10 +12,10 @@ module's own frequencies, see :func:`_rotary_forward`) and ``modeling_llama.appl
 model, it also switches the model's attention to uniop's flash attention (registered with
 transformers as the ``"uniop"`` implementation by :func:`~uniop.torch.register_attention`;
 transformers' 4-D masks, boolean or float, go to uniop ``attention``'s ``mask``; dropout and
-softcap fall back to SDPA) and its linear layers (projections and ``lm_head``) to uniop ``linear``, which
-streams the weight at memory speed when there are few rows — decoding spends most of its time
-there — and prefill-sized products too: in bfloat16 always, in float32 where uniop's GEMM is
-the faster one on this CPU (with AVX-512 on CPUs other than Intel's). It also makes
+softcap fall back to SDPA) and its linear layers (projections and ``lm_head``) to uniop
+``linear``, which streams the weight at memory speed when there are few rows — decoding spends
+most of its time there — and prefill-sized products too: in bfloat16 always, in float32 where
+uniop's GEMM is the faster one on this CPU (with AVX-512 on CPUs other than Intel's). It also makes
 transformers' ``DynamicLayer.update`` (the default KV cache) grow in place: the cache becomes a
 view of a buffer with room to spare, so a decode step writes its new rows instead of copying
 the whole cache with ``torch.cat`` (O(length) per layer and step). With ``pack_weights=True``,
@@ -86,8 +86,8 @@ def _attention_forward(original):
     decode step the attention module took ~330 µs a layer of which its ops took ~235; this path
     decoded 1.02-1.06x faster (alternated in one process). A padded batch's 4-D mask (boolean, or
     float as transformers 4.x makes it) goes to ``attention``'s ``mask``. Calls that need more — a
-    mask of another rank or dtype, dropout, another attention
-    implementation or cache type, positional extras — keep transformers' forward."""
+    mask of another rank or dtype, dropout, another attention implementation or cache type,
+    positional extras — keep transformers' forward."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
         plain = (
