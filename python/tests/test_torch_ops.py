@@ -12,7 +12,7 @@ import torch
 
 import uniop
 import uniop.torch  # noqa: F401  (registers torch.ops.uniop)
-from cases import CASES
+from cases import CASES, attention_mask
 
 TOL = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -307,6 +307,18 @@ def test_linear_without_bias_gets_no_bias_gradient():
     torch.ops.uniop.linear(x, w).sum().backward()
     want_x = torch.ones(3, 5) @ w.detach()
     assert torch.allclose(x.grad, want_x, atol=1e-5)
+
+
+def test_attention_with_a_float_mask_passes_opcheck_and_gradcheck():
+    """The generic opcheck and gradcheck run attention with the boolean mask (contiguous cases);
+    here the float kind (ALiBi-like biases, −inf holes): registration, fake kernel and the f64
+    backward against finite differences."""
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    bias = attention_mask(6, 6, torch.float32)
+    torch.library.opcheck(torch.ops.uniop.attention.default, (q, k, v, None, True, None, bias))
+    inputs = tuple(x.double().requires_grad_() for x in (q, k, v))
+    fn = lambda *qkv: torch.ops.uniop.attention(*qkv, None, True, None, bias.double())[0]  # noqa: E731
+    assert torch.autograd.gradcheck(fn, inputs)
 
 
 def test_an_argument_without_a_backward_gradient_that_requires_one_is_an_error():
