@@ -51,8 +51,9 @@
 //! keys it shows). Hidden keys inside a live tile still run through the products, and their K/V
 //! rows must hold finite numbers (a hidden key's probability is 0, as in SDPA, and 0 · NaN is
 //! NaN). A query whose keys are all hidden gets output 0 and `lse = -inf`, like one that sees no
-//! key. AVX2's transposed tiles (`flash_avx2.rs`) take no mask; masked calls there run the GEMM
-//! tiles.
+//! key. AVX2's transposed forward tiles (`flash_avx2.rs`) apply the mask the same way, band by
+//! band; the backward's (`flash_backward_avx2.rs`) take none: masked backward calls on AVX2 CPUs
+//! run the GEMM tiles.
 //!
 //! `lse` (`[B, Hq, Sq]`, f32) is the log-sum-exp of each query's scaled scores, saved for
 //! [`attention_backward`](crate::attention_backward).

@@ -18,11 +18,14 @@
 //! Work goes by bands of 16 tile rows; a band stops at the last key any of its rows sees, so
 //! under a causal mask the diagonal tile costs about half, and only keys some rows of the band
 //! do not see pay for a mask. Units go head by head, so one head's K and V are reread from L3.
+//! A boolean or float `mask` is applied to each band's scores after their product (through a
+//! copy of each row's column), and a band it hides a key tile from is skipped, as in the GEMM
+//! tiles (see [`crate::attention`]).
 //!
 //! f16 and bf16 K/V tiles are widened to f32 (cheap next to the products: each tile is widened
 //! once per unit); every product and the softmax are f32.
 
-use crate::attention::{carve, f32_rows, load_scaled, ForwardArgs, Geometry, QueryTile, Rows4};
+use crate::attention::{carve, f32_rows, load_scaled, ForwardArgs, Geometry, MaskRows, QueryTile, Rows4};
 use crate::math;
 use crate::skinny::{Dots, Simd};
 use std::arch::x86_64::*;
@@ -58,9 +61,9 @@ pub(crate) fn avx2_best(g: &Geometry) -> bool {
 }
 
 /// Whether the forward runs these tiles: on [`avx2_best`] CPUs, for tiles of at least one band
-/// of rows (fewer rows — decode — are dot products), without a `mask` (which the GEMM tiles apply).
+/// of rows (fewer rows — decode — are dot products).
 pub(crate) fn applies(g: &Geometry) -> bool {
-    avx2_best(g) && g.group() * g.tile_q() >= BAND && g.mask.is_none()
+    avx2_best(g) && g.group() * g.tile_q() >= BAND
 }
 
 /// f32 scratch of one block: `Qᵀ`, one band's `Sᵀ`, `Oᵀ`, running max and sum, a staging row
@@ -118,15 +121,22 @@ unsafe fn forward_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geo
             let (vp, vs) = f32_rows::<T>(&fa.v, vr, (b, hkv, j0), n, dv, vt);
             for band in (0..rp).step_by(BAND) {
                 let (seen, keys) = band_seen(&g, &t, band, (j0, n));
-                if keys == 0 {
+                // A band the mask hides this tile from is skipped like one that sees none of it.
+                let band_rows = band..(band + BAND).min(rows);
+                let live = |m: &MaskRows<'_>| m.tile_live(&g, (b, t.len), band_rows.map(|r| t.head_pos(r)), (j0, n));
+                if keys == 0 || fa.mask.as_ref().is_some_and(|m| !live(m)) {
                     continue;
                 }
                 let strip = |tile: &mut [f32], len: usize| tile[strip_at(band, len)..].as_mut_ptr();
                 // SAFETY: the AVX2 level was detected (`applies`); the band's strips hold d (Qᵀ),
                 // KEYS ≥ `keys` (Sᵀ) and dv (Oᵀ) rows of 16; K and V cover `n` ≥ `keys` rows.
+                unsafe { products(st.as_mut_ptr(), strip(qt, d), d, (kp, 1, ks), keys, false) };
+                if let Some(mask) = &fa.mask {
+                    mask_band(mask, &t, (b, band), (&seen, j0), st);
+                }
+                // SAFETY: as above.
                 unsafe {
                     let (s, o) = (st.as_mut_ptr(), strip(ot, dv));
-                    products(s, strip(qt, d), d, (kp, 1, ks), keys, false);
                     softmax_band(s, keys, &seen, &mut m[band..band + BAND], &mut l[band..band + BAND], o, dv);
                     products(o, s, keys, (vp, vs, 1), dv, true);
                 }
@@ -192,6 +202,31 @@ pub(crate) fn band_seen(g: &Geometry, t: &QueryTile, band: usize, (j0, n): (usiz
     }
     let most = *seen.iter().max().expect("a band has rows") as usize;
     (seen, most)
+}
+
+/// Applies `mask` to the band of tile rows from `band` held down the columns of its `Sᵀ` strip
+/// `s` (scores already scaled: Q is): row `x` over the first `seen[x]` keys from `j0`, through a
+/// contiguous copy of its column.
+#[inline(always)]
+fn mask_band(
+    mask: &MaskRows<'_>,
+    t: &QueryTile,
+    (b, band): (usize, usize),
+    (seen, j0): (&[u32; BAND], usize),
+    s: &mut [f32],
+) {
+    let mut column = [0f32; KEYS];
+    for (x, &keys) in seen.iter().enumerate().take(t.rows().saturating_sub(band)) {
+        let (h, i) = t.head_pos(band + x);
+        let column = &mut column[..keys as usize];
+        for (j, v) in column.iter_mut().enumerate() {
+            *v = s[j * BAND + x];
+        }
+        mask.apply(column, (b, h, i), j0, 1.0);
+        for (j, &v) in column.iter().enumerate() {
+            s[j * BAND + x] = v;
+        }
+    }
 }
 
 /// Where tile row `r`'s strip starts in a transposed tile of `len` rows per band: each band of
@@ -324,6 +359,14 @@ unsafe fn softmax_band(
             *sum += *p;
         }
     }
+    // A row whose scores are all −∞ so far (a mask hid every key it saw) has probabilities 0:
+    // `math::exp` clamps −∞ to a tiny positive value, which would make them equal weights.
+    if new_m.contains(&f32::NEG_INFINITY) {
+        for strip in s.chunks_exact_mut(BAND) {
+            strip.iter_mut().zip(&new_m).filter(|(_, &mx)| mx == f32::NEG_INFINITY).for_each(|(p, _)| *p = 0.0);
+        }
+        sums.iter_mut().zip(&new_m).filter(|(_, &mx)| mx == f32::NEG_INFINITY).for_each(|(sum, _)| *sum = 0.0);
+    }
     let alpha: [f32; BAND] =
         std::array::from_fn(|x| if new_m[x] == f32::NEG_INFINITY { 1.0 } else { math::exp(m[x] - new_m[x]) });
     for x in 0..BAND {
@@ -393,6 +436,58 @@ mod tests {
             }
             dense::<f16>([1, 6, 300, 20], 2, 40, causal);
             dense::<bf16>([1, 6, 300, 20], 2, 40, causal);
+        }
+    }
+
+    /// Masks on both kernels against the reference: a sliding window of 40 keys over 300
+    /// positions (causal; bands see one or two of the three key tiles), boolean and as a float mask
+    /// with an ALiBi-like bias; a left-padded batch whose padding fills batch row 1's first two key
+    /// tiles (of either kernel: 256 keys) with NaN K/V rows, which must be skipped, never read; GQA
+    /// groups of three (bands wrap across heads); f32 and bf16. In f32 the kernels agree.
+    #[test]
+    fn both_kernels_apply_masks_and_skip_the_tiles_they_hide() {
+        let (q_shape, kv_shape) = ([2, 6, 300, 20], [2, 2, 300, 20]);
+        let window: Vec<bool> = (0..300 * 300).map(|x| x % 300 + 40 > x / 300 && x % 300 <= x / 300).collect();
+        let alibi: Vec<f32> = window
+            .iter()
+            .enumerate()
+            .map(|(x, &keep)| if keep { -0.1 * (x / 300 - x % 300) as f32 } else { f32::NEG_INFINITY })
+            .collect();
+        let padding: Vec<bool> = (0..2 * 300).map(|x| x < 300 || x % 300 >= 260).collect();
+        let poison = |mut x: Vec<f32>| {
+            x[2 * 300 * 20..][..256 * 20].fill(f32::NAN); // batch row 1, kv head 0
+            x[3 * 300 * 20..][..256 * 20].fill(f32::NAN); // and kv head 1
+            x
+        };
+        let (q, k, v) =
+            (random::<f32>(&q_shape, 8, 2.0), random::<f32>(&kv_shape, 9, 2.0), random::<f32>(&kv_shape, 10, 2.0));
+        let (k_nan, v_nan) = (poison(k.clone()), poison(v.clone()));
+        let masks = [
+            (TensorRef::new(&window, &[300, 300]).unwrap(), &k, &v),
+            (TensorRef::new(&alibi, &[1, 1, 300, 300]).unwrap(), &k, &v),
+            (TensorRef::new(&padding, &[2, 1, 1, 300]).unwrap(), &k_nan, &v_nan),
+        ];
+        for (mask, k, v) in masks {
+            let runs: Vec<_> = kernels()
+                .into_iter()
+                .map(|transposed| {
+                    let inputs = [view(&q, &q_shape), view(k, &kv_shape), view(v, &kv_shape), None, Some(mask.clone())];
+                    run_forced(transposed, &inputs, true)
+                })
+                .collect();
+            if let [gemm, transposed] = &runs[..] {
+                for (a, b) in gemm.iter().flatten().zip(transposed.iter().flatten()) {
+                    // lse −∞ (a query the mask leaves without keys) on both.
+                    assert!(a == b || (a - b).abs() <= 1e-5 * (1.0 + a.abs()), "kernels disagree, {a} vs {b}");
+                }
+            }
+            let narrow = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+            let (qb, kb, vb) = (narrow(&q), narrow(k), narrow(v));
+            for transposed in kernels() {
+                let inputs =
+                    [view(&qb, &q_shape), view(&kb, &kv_shape), view(&vb, &kv_shape), None, Some(mask.clone())];
+                run_forced(transposed, &inputs, true);
+            }
         }
     }
 
