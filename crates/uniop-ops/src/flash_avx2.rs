@@ -441,9 +441,10 @@ mod tests {
 
     /// Masks on both kernels against the reference: a sliding window of 40 keys over 300
     /// positions (causal; bands see one or two of the three key tiles), boolean and as a float mask
-    /// with an ALiBi-like bias; a left-padded batch whose padding fills batch row 1's first two key
-    /// tiles (of either kernel: 256 keys) with NaN K/V rows, which must be skipped, never read; GQA
-    /// groups of three (bands wrap across heads); f32 and bf16. In f32 the kernels agree.
+    /// with an ALiBi-like bias; a left-padded batch (260 padding keys in batch row 1) whose first
+    /// 256 keys — one key tile of the GEMM kernel, two of these — hold NaN K/V rows, which must be
+    /// skipped, never read; GQA groups of three (bands wrap across heads); f32 and bf16. In f32
+    /// the kernels agree.
     #[test]
     fn both_kernels_apply_masks_and_skip_the_tiles_they_hide() {
         let (q_shape, kv_shape) = ([2, 6, 300, 20], [2, 2, 300, 20]);
