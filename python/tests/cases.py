@@ -91,7 +91,7 @@ def attention_mask(sq, sk, dtype=torch.bool):
     if dtype == torch.bool:
         return keep
     bias = -(i - j).abs().to(dtype) / 4
-    return bias.masked_fill(~keep, float("-inf")).to(dtype)
+    return bias.masked_fill(~keep, float("-inf"))
 
 
 def causal_softmax_ref(x):

@@ -1449,8 +1449,8 @@ mod tests {
     ///
     /// Then the same with batch row 0 left-padded by 520 keys (a `[B, 1, Sq, Sk]` mask, as
     /// transformers passes in a padded batch's decode steps), the K/V rows of the two key tiles
-    /// the padding fills holding NaN: those tiles are hidden from every query, so they must be skipped, never read
-    /// (a tile run through the products would spread the NaN: 0 · NaN).
+    /// the padding fills holding NaN: those tiles are hidden from every query, so they must be
+    /// skipped, never read (a tile run through the products would spread the NaN: 0 · NaN).
     #[test]
     fn decode_with_keys_cut_into_ranges_matches_reference() {
         let lens = [700i32, 301];
