@@ -215,10 +215,11 @@ uniopStatus uniopArgmax(void *workspace,
 // aligns bottom-right: query i sees key j iff j <= i + len - Sq (torch is_causal when Sq == Sk).
 // scale defaults to 1/sqrt(D). mask (broadcastable to [B, Hq, Sq, Sk], as SDPA's attn_mask: bool,
 // true = attend; or float32/float16/bfloat16, added to the scaled scores, -inf hides) applies on
-// top of kv_lens and causal (key tiles it hides from a whole query tile are skipped: a sliding
-// window or a document mask costs the keys it shows); hidden keys' K/V rows must be finite. lse:
-// float32 log-sum-exp of the scaled scores per query (-inf, with out = 0, for a query that sees no
-// key).
+// top of kv_lens and causal (key tiles it hides from a whole query tile are skipped, and the keys
+// up to the first one some query of a tile's product sees, in 32-key panels: a sliding window or a
+// document mask costs the keys it shows); the K/V rows of hidden keys it does not skip must be
+// finite. lse: float32 log-sum-exp of the scaled scores per query (-inf, with out = 0, for a query
+// that sees no key).
 uniopStatus uniopAttentionGetWorkspaceSize(const uniopTensor *q,
                                            const uniopTensor *k,
                                            const uniopTensor *v,

@@ -48,19 +48,23 @@
 //! added divided by the scale the softmax multiplies by), so the tiles and their causal and
 //! `kv_lens` skipping stay as they are, and a tile whose keys it hides from every query of the
 //! tile is skipped whole (`MaskRows::tile_live`: a sliding window or a document mask costs the
-//! keys it shows). Hidden keys inside a live tile still run through the products, and their K/V
-//! rows must hold finite numbers (a hidden key's probability is 0, as in SDPA, and 0 · NaN is
-//! NaN). A query whose keys are all hidden gets output 0 and `lse = -inf`, like one that sees no
-//! key. AVX2's transposed forward tiles (`flash_avx2.rs`) apply the mask the same way, band by
-//! band; the backward's (`flash_backward_avx2.rs`) take none: masked backward calls on AVX2 CPUs
-//! run the GEMM tiles.
+//! keys it shows). In a tile that is not skipped, the products start at the first key some row of
+//! the product may see, rounded down to a whole panel of 32 keys (`MaskRows::lead`; products go
+//! in pieces of 32 query rows where their first keys differ, `QueryTile::walks`): a window's
+//! leading edge and a padding that ends inside a tile cost what they show too. Hidden keys past
+//! that start still run through the products, and their K/V rows must hold finite numbers (a
+//! hidden key's probability is 0, as in SDPA, and 0 · NaN is NaN). A query whose keys are all
+//! hidden gets output 0 and `lse = -inf`, like one that sees no key. AVX2's transposed forward
+//! tiles (`flash_avx2.rs`) apply the mask the same way, band by band, skipping whole key tiles of
+//! their own but not a tile's first keys; the backward's (`flash_backward_avx2.rs`) take none:
+//! masked backward calls on AVX2 CPUs run the GEMM tiles.
 //!
 //! `lse` (`[B, Hq, Sq]`, f32) is the log-sum-exp of each query's scaled scores, saved for
 //! [`attention_backward`](crate::attention_backward).
 
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
-use crate::packed_gemm::{gemm_rows_packed, gemm_rows_prepacked, Packed, PackedRhs};
+use crate::packed_gemm::{gemm_rows_packed, gemm_rows_prepacked, Packed, PackedRhs, PREPACKED_STEP};
 use crate::skinny::Simd;
 use crate::skinny::SKINNY_ROWS;
 use std::ops::Range;
@@ -282,6 +286,36 @@ impl QueryTile {
         })
     }
 
+    /// [`QueryTile::pieces`] with the keys of the key tile each piece's products walk (from `j0`,
+    /// into `walks`): up to the keys its last row sees, and from the first key any of its rows may
+    /// see under `mask`, rounded down to a whole panel of the packed products
+    /// ([`PREPACKED_STEP`]). A sliding window or a left padding hides a key tile's first keys from
+    /// a tile's rows, the later rows more: with a mask, each piece goes in pieces of
+    /// [`DIAGONAL_PIECE_ROWS`] rows, and those starting on the same key join again.
+    pub fn walks(
+        &self,
+        g: &Geometry,
+        mask: Option<&MaskRows<'_>>,
+        (j0, n): (usize, usize),
+        walks: &mut Vec<(Range<usize>, Range<usize>)>,
+    ) {
+        walks.clear();
+        for (rows, seen) in self.pieces(g, j0, n) {
+            let Some(mask) = mask else {
+                walks.push((rows, 0..seen));
+                continue;
+            };
+            for r0 in rows.clone().step_by(DIAGONAL_PIECE_ROWS) {
+                let part = r0..(r0 + DIAGONAL_PIECE_ROWS).min(rows.end);
+                let lead = mask.lead(g, (self.b, self.len), part.clone().map(|r| self.head_pos(r)), (j0, n)).min(seen);
+                match walks.last_mut() {
+                    Some((joined, keys)) if joined.end == r0 && *keys == (lead..seen) => joined.end = part.end,
+                    _ => walks.push((part, lead..seen)),
+                }
+            }
+        }
+    }
+
     /// Copies the tile's rows of a `[B, Hq, Sq, width]` tensor into `dst` (`rows × width`) as they are.
     pub fn copy_rows<T: Copy>(&self, data: &[T], rows: Rows4, dst: &mut [T], width: usize) {
         for r in 0..self.rows() {
@@ -427,14 +461,22 @@ impl<'a> MaskRows<'a> {
     /// Whether query `(b, h, i)` may see any of `keys`.
     #[inline(always)]
     pub fn sees_any(&self, at: (usize, usize, usize), keys: Range<usize>) -> bool {
+        self.first_shown(at, keys).is_some()
+    }
+
+    /// The first of `keys` that query `(b, h, i)` may see.
+    #[inline(always)]
+    pub fn first_shown(&self, at: (usize, usize, usize), keys: Range<usize>) -> Option<usize> {
         let (row, sj) = self.row(at);
-        match self.data {
-            MaskData::Keeps(d) if sj == 1 => d[row + keys.start..row + keys.end].contains(&true),
-            MaskData::Keeps(d) => keys.into_iter().any(|j| d[row + j * sj]),
-            MaskData::F32(d) => shows_any(d, row, sj, keys),
-            MaskData::F16(d) => shows_any(d, row, sj, keys),
-            MaskData::Bf16(d) => shows_any(d, row, sj, keys),
-        }
+        let start = keys.start;
+        let offset = match self.data {
+            MaskData::Keeps(d) if sj == 1 => d[row + keys.start..row + keys.end].iter().position(|&keep| keep),
+            MaskData::Keeps(d) => keys.into_iter().position(|j| d[row + j * sj]),
+            MaskData::F32(d) => first_above_minus_infinity(d, row, sj, keys),
+            MaskData::F16(d) => first_above_minus_infinity(d, row, sj, keys),
+            MaskData::Bf16(d) => first_above_minus_infinity(d, row, sj, keys),
+        };
+        offset.map(|o| start + o)
     }
 
     /// Whether any query `(b, h, i)` of `queries` may see one of keys `j0..j0 + n` that `kv_lens`
@@ -449,6 +491,22 @@ impl<'a> MaskRows<'a> {
         (j0, n): (usize, usize),
     ) -> bool {
         queries.any(|(h, i)| self.sees_any((b, h, i), j0..j0 + n.min(g.visible(len, i).saturating_sub(j0))))
+    }
+
+    /// Where the products of `queries` `(h, i)` with keys `j0..j0 + n` may start: the first of those
+    /// keys any of them may see (within what `kv_lens` (`len`) and `causal` leave it), counted from
+    /// `j0` and rounded down to a whole panel of the packed products ([`PREPACKED_STEP`]); `n`
+    /// when none may. The keys before it are never read: a left padding's may hold NaN.
+    pub fn lead(
+        &self,
+        g: &Geometry,
+        (b, len): (usize, usize),
+        queries: impl Iterator<Item = (usize, usize)>,
+        (j0, n): (usize, usize),
+    ) -> usize {
+        let first =
+            |(h, i): (usize, usize)| self.first_shown((b, h, i), j0..j0 + n.min(g.visible(len, i).saturating_sub(j0)));
+        queries.filter_map(first).min().map_or(n, |j| (j - j0) / PREPACKED_STEP * PREPACKED_STEP)
     }
 
     /// Applies the mask to the raw scores `s` of query `(b, h, i)`, keys `j0..j0 + s.len()`, which
@@ -474,9 +532,10 @@ impl<'a> MaskRows<'a> {
     }
 }
 
-/// Whether a bias row (from `row`, stride `sj`) leaves any of `keys` visible (above −∞).
-fn shows_any<T: FloatElement>(d: &[T], row: usize, sj: usize, keys: Range<usize>) -> bool {
-    keys.into_iter().any(|j| d[row + j * sj].to_f32() != f32::NEG_INFINITY)
+/// Where the first of `keys` that a bias row (from `row`, stride `sj`) leaves visible (above −∞)
+/// lies among them.
+fn first_above_minus_infinity<T: FloatElement>(d: &[T], row: usize, sj: usize, keys: Range<usize>) -> Option<usize> {
+    keys.into_iter().position(|j| d[row + j * sj].to_f32() != f32::NEG_INFINITY)
 }
 
 /// `s[j] += bias[row + j·sj] · per_score`.
@@ -931,21 +990,21 @@ pub(crate) fn rows_of<E>(tile: &[E], width: usize) -> Mat<E> {
 }
 
 /// One product of a query tile on a packed key-tile panel, piece by piece (see
-/// [`QueryTile::pieces`]): `dst[rows] (+)= lhs[rows] · B`, walking `extent(keys)` of the panel for
-/// a piece whose last row sees `keys` keys.
+/// [`QueryTile::walks`]): `dst[rows] (+)= lhs[rows] · B`, walking `window(keys)` (columns, depth)
+/// of the panel for a piece that walks `keys` of it.
 ///
 /// # Safety
 /// As [`gemm_rows_prepacked`] for every piece.
 unsafe fn in_pieces<E: Packed>(
-    pieces: impl Iterator<Item = (Range<usize>, usize)>,
-    extent: impl Fn(usize) -> (usize, usize),
+    pieces: &[(Range<usize>, Range<usize>)],
+    window: impl Fn(Range<usize>) -> (Range<usize>, Range<usize>),
     dst: Dst<f32>,
     lhs: Mat<E>,
     rhs: &PackedRhs,
     accumulate: bool,
 ) {
-    for (rows, keys) in pieces {
-        gemm_rows_prepacked(rows, extent(keys), dst, lhs, rhs, accumulate);
+    for (rows, keys) in pieces.iter().filter(|(_, keys)| !keys.is_empty()) {
+        gemm_rows_prepacked(rows.clone(), window(keys.clone()), dst, lhs, rhs, accumulate);
     }
 }
 
@@ -1078,6 +1137,7 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (stat
     };
     let mut panels = KV_PANELS.take();
     panels.head = None;
+    let mut walks = Vec::new();
     for unit in ctx.split(g.units() * splits) {
         let (u, split) = (unit / splits, unit % splits);
         let t = g.query_tile(g.unit_by_head(u), lens.as_ref(), "attention");
@@ -1116,38 +1176,46 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (stat
                     }
                 })
             });
+            // Pieces of rows and the keys their products walk, past those a mask hides from all
+            // of a piece's rows (never read: a left padding's may be NaN). The panels' products go
+            // piece by piece; the others take all rows at once, from the first key any row sees.
+            t.walks(&g, fa.mask.as_ref(), (j0, n), &mut walks);
+            let lead = walks.iter().map(|(_, keys)| keys.start).min().unwrap_or(0);
+            if tile_panels.is_none() {
+                walks.clear();
+                walks.push((0..rows, lead..n));
+            }
             if let Some((kp, _)) = tile_panels {
                 // SAFETY: scratch tiles of this block.
                 unsafe {
-                    let (scores, pieces) =
-                        (Dst { ptr: st.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 }, t.pieces(&g, j0, n));
+                    let (scores, walks) = (Dst { ptr: st.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 }, &walks);
                     match on_bf16_gemm {
-                        true => in_pieces(pieces, |keys| (keys, d), scores, rows_of(bf16_tile(qt), d), kp, false),
-                        false => in_pieces(pieces, |keys| (keys, d), scores, rows_of(qt, d), kp, false),
+                        true => in_pieces(walks, |keys| (keys, 0..d), scores, rows_of(bf16_tile(qt), d), kp, false),
+                        false => in_pieces(walks, |keys| (keys, 0..d), scores, rows_of(qt, d), kp, false),
                     }
                 }
             } else if on_bf16_gemm {
                 let kb = kb.expect("dtype dispatched");
-                // SAFETY: K's rows j0..j0+n of this head lie inside the checked view.
+                // SAFETY: K's rows j0+lead..j0+n of this head lie inside the checked view.
                 unsafe {
-                    let kp = kb.as_ptr().add(kr.at(b, hkv, j0));
-                    bf16_scores(st, bf16_tile(qt), d, rows, (kp, kr.seq_stride()), n)
+                    let kp = kb.as_ptr().add(kr.at(b, hkv, j0 + lead));
+                    bf16_scores(&mut st[lead..], bf16_tile(qt), d, rows, (kp, kr.seq_stride()), n - lead)
                 };
             } else {
-                let kp = f32_rows::<T>(k, kr, (b, hkv, j0), n, d, kt);
-                // SAFETY: kp covers n rows of d elements (the views were checked when bound).
-                unsafe { scores(st, TILE_KEYS, qt, d, rows, kp, n) };
+                let kp = f32_rows::<T>(k, kr, (b, hkv, j0 + lead), n - lead, d, kt);
+                // SAFETY: kp covers n - lead rows of d elements (the views were checked when bound).
+                unsafe { scores(&mut st[lead..], TILE_KEYS, qt, d, rows, kp, n - lead) };
             }
-            for r in 0..rows {
+            for (r, lead) in walks.iter().flat_map(|(rows, keys)| rows.clone().map(|r| (r, keys.start))) {
                 let (h, i) = t.head_pos(r);
-                let visible = g.visible(t.len, i).saturating_sub(j0);
-                let at = r * TILE_KEYS;
-                let s = &mut st[at..at + n];
+                let visible = g.visible(t.len, i).saturating_sub(j0 + lead);
+                let at = r * TILE_KEYS + lead;
+                let s = &mut st[at..at + n - lead];
                 if let Some(mask) = &fa.mask {
-                    mask.apply(&mut s[..visible.min(n)], (b, h, i), j0, g.scale);
+                    mask.apply(&mut s[..visible.min(n - lead)], (b, h, i), j0 + lead, g.scale);
                 }
                 let p = match on_bf16_gemm {
-                    true => Probabilities::Bf16(&mut bf16_tile(kt)[at..at + n]),
+                    true => Probabilities::Bf16(&mut bf16_tile(kt)[at..at + n - lead]),
                     false => Probabilities::InPlace,
                 };
                 online_softmax_row::<T>(s, p, g.scale, visible, &mut mt[r], &mut lt[r], &mut ot[r * dv..(r + 1) * dv]);
@@ -1155,41 +1223,43 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (stat
             if let Some((_, vp)) = tile_panels {
                 // SAFETY: scratch tiles of this block.
                 unsafe {
-                    let (out, pieces) = (Dst { ptr: ot.as_mut_ptr(), rs: dv as isize, cs: 1 }, t.pieces(&g, j0, n));
+                    let (out, walks) = (Dst { ptr: ot.as_mut_ptr(), rs: dv as isize, cs: 1 }, &walks);
                     match on_bf16_gemm {
-                        true => in_pieces(pieces, |keys| (dv, keys), out, rows_of(bf16_tile(kt), TILE_KEYS), vp, true),
-                        false => in_pieces(pieces, |keys| (dv, keys), out, rows_of(st, TILE_KEYS), vp, true),
+                        true => {
+                            in_pieces(walks, |keys| (0..dv, keys), out, rows_of(bf16_tile(kt), TILE_KEYS), vp, true)
+                        }
+                        false => in_pieces(walks, |keys| (0..dv, keys), out, rows_of(st, TILE_KEYS), vp, true),
                     }
                 };
                 continue;
             }
             if on_bf16_gemm {
                 // P times V read in place, f32 sums.
-                let pb = bf16_tile(kt);
+                let pb = &bf16_tile(kt)[lead..];
                 let vb = vb.expect("dtype dispatched");
-                // SAFETY: V's rows j0..j0+n of this head lie inside the checked view; `ot` is ours.
+                // SAFETY: V's rows j0+lead..j0+n of this head lie inside the checked view; `ot` is ours.
                 unsafe {
                     gemm_rows_packed(
                         0..rows,
                         dv,
-                        n,
+                        n - lead,
                         Dst { ptr: ot.as_mut_ptr(), rs: dv as isize, cs: 1 },
                         Mat { ptr: pb.as_ptr(), rs: TILE_KEYS as isize, cs: 1 },
-                        Mat { ptr: vb.as_ptr().add(vr.at(b, hkv, j0)), rs: vr.seq_stride() as isize, cs: 1 },
+                        Mat { ptr: vb.as_ptr().add(vr.at(b, hkv, j0 + lead)), rs: vr.seq_stride() as isize, cs: 1 },
                         true,
                     )
                 };
                 continue;
             }
-            let vp = f32_rows::<T>(v, vr, (b, hkv, j0), n, dv, vt);
+            let vp = f32_rows::<T>(v, vr, (b, hkv, j0 + lead), n - lead, dv, vt);
             // SAFETY: as above; `ot` is this block's scratch.
             unsafe {
                 gemm_rows(
                     0..rows,
                     dv,
-                    n,
+                    n - lead,
                     Dst { ptr: ot.as_mut_ptr(), rs: dv as isize, cs: 1 },
-                    Mat { ptr: st.as_ptr(), rs: TILE_KEYS as isize, cs: 1 },
+                    Mat { ptr: st[lead..].as_ptr(), rs: TILE_KEYS as isize, cs: 1 },
                     Mat { ptr: vp.0, rs: vp.1 as isize, cs: 1 },
                     true,
                 );
@@ -1285,8 +1355,9 @@ impl Op for Attention {
          iff j <= i + len - Sq (torch is_causal when Sq == Sk). scale defaults to 1/sqrt(D). mask (broadcastable \
          to [B, Hq, Sq, Sk], as SDPA's attn_mask: bool, true = attend; or float32/float16/bfloat16, added to \
          the scaled scores, -inf hides) applies on top of kv_lens and causal (key tiles it hides from a whole \
-         query tile are skipped: a sliding window or a document mask costs the keys it shows); hidden keys' K/V \
-         rows must be finite. lse: float32 log-sum-exp of the scaled scores \
+         query tile are skipped, and the keys up to the first one some query of a tile's product sees, in \
+         32-key panels: a sliding window or a document mask costs the keys it shows); the K/V rows of hidden \
+         keys it does not skip must be finite. lse: float32 log-sum-exp of the scaled scores \
          per query (-inf, with out = 0, for a query that sees no key)."
     }
 
@@ -1436,8 +1507,8 @@ pub(crate) fn run_checked_forcing(
 
 #[cfg(test)]
 mod tests {
-    use super::{run_checked_forcing, KEY_SPLITS_FORCED, TILE_KEYS};
-    use uniop::half::bf16;
+    use super::{run_checked_forcing, KEY_SPLITS_FORCED, PREPACKED_STEP};
+    use uniop::half::{bf16, f16};
     use uniop::verify::Rng;
     use uniop::{AttrValue, Element, TensorRef};
 
@@ -1445,12 +1516,14 @@ mod tests {
     /// 301 keys, with NaN in the never-written slots past them, its keys cut into 1 (as on one
     /// thread), 2, 3 and 5 ranges ([`key_splits`](super::key_splits)) — 5 leaves some ranges of the
     /// shorter row without keys, and 3 gives it one empty range; GQA groups of 3; causal and not;
-    /// f32 and bf16. Every result is checked against the f64 reference.
+    /// f32, bf16 and f16. Every result is checked against the f64 reference.
     ///
-    /// Then the same with batch row 0 left-padded by 520 keys (a `[B, 1, Sq, Sk]` mask, as
+    /// Then the same with batch row 0 left-padded by 550 keys (a `[B, 1, Sq, Sk]` mask, as
     /// transformers passes in a padded batch's decode steps), the K/V rows of the two key tiles
-    /// the padding fills holding NaN: those tiles are hidden from every query, so they must be
-    /// skipped, never read (a tile run through the products would spread the NaN: 0 · NaN).
+    /// the padding fills and of the third's first panel ([`PREPACKED_STEP`] keys) holding NaN:
+    /// those keys are hidden from every query, so they must be skipped, never read (a product
+    /// over them would spread the NaN: 0 · NaN). Decode-sized tiles take K and V in place, not
+    /// from packed panels: the skip's other path.
     #[test]
     fn decode_with_keys_cut_into_ranges_matches_reference() {
         let lens = [700i32, 301];
@@ -1460,13 +1533,13 @@ mod tests {
         let cache = |mut x: Vec<f64>, pad: usize| {
             for (i, v) in x.iter_mut().enumerate() {
                 let (b, j) = (i / (2 * 700 * 16), i / 16 % 700);
-                if j >= lens[b] as usize || (b == 0 && j < pad / TILE_KEYS * TILE_KEYS) {
+                if j >= lens[b] as usize || (b == 0 && j < pad / PREPACKED_STEP * PREPACKED_STEP) {
                     *v = f64::NAN;
                 }
             }
             x
         };
-        for pad in [0, 520] {
+        for pad in [0, 550] {
             let (k, v) = (cache(values(2 * 2 * 700 * 16), pad), cache(values(2 * 2 * 700 * 16), pad));
             for q_len in [1, 3] {
                 let q_shape = [2, 6, q_len, 16];
@@ -1479,6 +1552,7 @@ mod tests {
                         let force = || KEY_SPLITS_FORCED.with(|f| f.set(Some(splits)));
                         run_case::<f32>([&q, &k, &v], (q_shape, kv_shape), (&lens, mask), &attrs, &force);
                         run_case::<bf16>([&q, &k, &v], (q_shape, kv_shape), (&lens, mask), &attrs, &force);
+                        run_case::<f16>([&q, &k, &v], (q_shape, kv_shape), (&lens, mask), &attrs, &force);
                     }
                 }
             }

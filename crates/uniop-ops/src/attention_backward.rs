@@ -34,6 +34,7 @@ use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
 use crate::packed_gemm::{gemm_rows_packed, gemm_rows_prepacked, Packed, PackedRhs};
 use crate::skinny::{Dots, Simd};
+use std::ops::Range;
 use uniop::half::bf16;
 use uniop::{
     with_float_dtype, AttrValue, BlockCtx, DType, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, OutputView,
@@ -320,27 +321,28 @@ struct Tiles<E> {
 /// A tile GEMM ([`gemm_rows`] or [`gemm_rows_packed`]) summing into f32.
 type TileGemm<E> = unsafe fn(std::ops::Range<usize>, usize, usize, Dst<f32>, Mat<E>, Mat<E>, bool);
 
-/// `dV += Pᵀ·dout`, `dK += dSᵀ·Q` (transposes are strides) over `rows` query rows and `n` keys.
+/// `dV += Pᵀ·dout`, `dK += dSᵀ·Q` (transposes are strides) over `rows` query rows, for `keys` of
+/// the key tile.
 ///
 /// # Safety
-/// Every pointer valid for `(rows, n, d, dv)` as laid out in [`Tiles`].
+/// Every pointer valid for `(rows, keys.end, d, dv)` as laid out in [`Tiles`].
 unsafe fn key_grad_products<E>(
     gemm: TileGemm<E>,
     t: Tiles<E>,
-    (rows, n, d, dv): (usize, usize, usize, usize),
+    (rows, keys, d, dv): (usize, Range<usize>, usize, usize),
     dv_acc: &mut [f32],
     dk_acc: &mut [f32],
 ) {
     let transposed = |ptr| Mat { ptr, rs: 1, cs: TILE_KEYS as isize };
     let sums = |ptr, width: usize| Dst { ptr, rs: width as isize, cs: 1 };
     unsafe {
-        gemm(0..n, dv, rows, sums(dv_acc.as_mut_ptr(), dv), transposed(t.p), t.dout, true);
-        gemm(0..n, d, rows, sums(dk_acc.as_mut_ptr(), d), transposed(t.ds), t.q, true);
+        gemm(keys.clone(), dv, rows, sums(dv_acc.as_mut_ptr(), dv), transposed(t.p), t.dout, true);
+        gemm(keys, d, rows, sums(dk_acc.as_mut_ptr(), d), transposed(t.ds), t.q, true);
     }
 }
 
 /// Query rows whose P and dS wait in the bf16 tiles for their dK/dV products: rows
-/// `first..first + rows` of head `h`, seeing at most `keys` keys of the key tile. Products over
+/// `first..first + rows` of head `h`, seeing `keys` of the key tile at most. Products over
 /// a few query rows are shallow (a causal diagonal piece is 32 deep), and each one loads and
 /// stores the key tile's f32 dK/dV sums (256 KiB at 256 keys × 128 × 2): consecutive pieces of a
 /// head go into one product instead.
@@ -349,7 +351,7 @@ struct PendingRows {
     h: usize,
     first: usize,
     rows: usize,
-    keys: usize,
+    keys: (usize, usize),
 }
 
 /// Query rows the bf16 P and dS tiles of the dK/dV launch hold ([`PendingRows`]).
@@ -509,21 +511,21 @@ thread_local! {
     pub(crate) static F32_PANELS_OFF: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// `S = Q·Kᵀ` and `dP = dout·Vᵀ` of one query piece on the key tile's panels, into the f32 score
-/// tiles (`[rows][TILE_KEYS]`).
+/// `S = Q·Kᵀ` and `dP = dout·Vᵀ` of one query piece on the key tile's panels for `keys` of it,
+/// into the f32 score tiles (`[rows][TILE_KEYS]`).
 ///
 /// # Safety
-/// `q` and `dout` valid for `rows × d` and `rows × dv`; the panels hold at least `n` keys.
+/// `q` and `dout` valid for `rows × d` and `rows × dv`; the panels hold at least `keys.end` keys.
 unsafe fn panel_scores<E: Packed>(
     q: Mat<E>,
     dout: Mat<E>,
     panels: &KeyPanels,
-    (rows, n, d, dv): (usize, usize, usize, usize),
+    (rows, keys, d, dv): (usize, Range<usize>, usize, usize),
     (st, dpt): (&mut [f32], &mut [f32]),
 ) {
     let sums = |t: &mut [f32]| Dst { ptr: t.as_mut_ptr(), rs: TILE_KEYS as isize, cs: 1 };
-    gemm_rows_prepacked(0..rows, (n, d), sums(st), q, &panels.k_t, false);
-    gemm_rows_prepacked(0..rows, (n, dv), sums(dpt), dout, &panels.v_t, false);
+    gemm_rows_prepacked(0..rows, (keys.clone(), 0..d), sums(st), q, &panels.k_t, false);
+    gemm_rows_prepacked(0..rows, (keys, 0..dv), sums(dpt), dout, &panels.v_t, false);
 }
 
 /// The query rows of one head that multiply the key tile starting at `j0`, as `(first row, rows)`
@@ -656,8 +658,8 @@ fn dkv_kernel<T: FloatElement>(
             let pending_rows = if bf16_gemm { KEY_GRAD_ROWS.min(g.q_len) } else { 0 };
             // dV += Pᵀ·dout, dK += dSᵀ·Q (scaled at the end) over the pending rows.
             let mut flush = |pending: &mut Option<PendingRows>, [qt, dot, st, dpt, kt, vt]: [&[f32]; 6]| {
-                let Some(PendingRows { h, first, rows, keys }) = pending.take() else { return };
-                let sizes = (rows, keys, d, dv);
+                let Some(PendingRows { h, first, rows, keys: (lead, keys) }) = pending.take() else { return };
+                let sizes = (rows, lead..keys, d, dv);
                 // SAFETY: the pending rows' P and dS lie in the tiles (or st/dpt), their Q and
                 // dout rows in place (or in qt/dot); the panels cover `keys` keys.
                 unsafe {
@@ -681,8 +683,10 @@ fn dkv_kernel<T: FloatElement>(
             for h in hkv * group..(hkv + 1) * group {
                 for (i0, rows) in query_pieces(&g, len, j0, (tr, diagonal_rows)).filter(|&(i0, _)| owns(h, i0)) {
                     let n = seen.min(g.visible(len, i0 + rows - 1).saturating_sub(j0));
-                    let live = |m: &MaskRows<'_>| m.tile_live(&g, (b, len), (i0..i0 + rows).map(|i| (h, i)), (j0, n));
-                    if n == 0 || a.mask.as_ref().is_some_and(|m| !live(m)) {
+                    // The piece's products start at the first key a mask lets any of its rows see.
+                    let lead =
+                        a.mask.as_ref().map_or(0, |m| m.lead(&g, (b, len), (i0..i0 + rows).map(|i| (h, i)), (j0, n)));
+                    if lead == n {
                         continue;
                     }
                     let joins = |p: &PendingRows| p.h == h && p.first + p.rows == i0 && p.rows + rows <= pending_rows;
@@ -690,7 +694,7 @@ fn dkv_kernel<T: FloatElement>(
                         flush(&mut pending, [qt, dot, st, dpt, kt, vt]);
                     }
                     let at = pending.map_or(0, |p: PendingRows| p.rows);
-                    let sizes = (rows, n, d, dv);
+                    let sizes = (rows, lead..n, d, dv);
                     // The bf16 GEMM reads the tile's Q and dout rows in place (one head's rows:
                     // one stride); f32 takes Q scaled (and f16 both widened) into scratch.
                     let bf16_rows = bf16_gemm.then(|| (in_place(q, qr, h, i0), in_place(dout, dr, h, i0)));
@@ -708,24 +712,27 @@ fn dkv_kernel<T: FloatElement>(
                         } else if products == Products::F32Panels {
                             panel_scores(q_f32, dout_f32, &key_panels, sizes, (st, dpt))
                         } else {
-                            scores(st, TILE_KEYS, qt, d, rows, kp, n);
-                            scores(dpt, TILE_KEYS, dot, dv, rows, vp, n);
+                            let (kp, vp) = (from_key(kp, lead), from_key(vp, lead));
+                            scores(&mut st[lead..], TILE_KEYS, qt, d, rows, kp, n - lead);
+                            scores(&mut dpt[lead..], TILE_KEYS, dot, dv, rows, vp, n - lead);
                         }
                     }
                     for r in 0..rows {
                         let at_row = row_index(&g, b, h, i0 + r);
-                        let visible = g.visible(len, i0 + r).saturating_sub(j0);
-                        let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
-                        let visible = a.live_keys(s, (b, h, i0 + r), j0, visible, lse_s[at_row], score_scale);
+                        let visible = g.visible(len, i0 + r).saturating_sub(j0 + lead);
+                        let (s, dp) = (&mut st[r * TILE_KEYS..][lead..n], &mut dpt[r * TILE_KEYS..][lead..n]);
+                        let visible = a.live_keys(s, (b, h, i0 + r), j0 + lead, visible, lse_s[at_row], score_scale);
                         let bf16_rows = if bf16_gemm {
                             let (p_row, ds_row) = (
                                 &mut bf16_tile(kt)[(at + r) * TILE_KEYS..],
                                 &mut bf16_tile(vt)[(at + r) * TILE_KEYS..],
                             );
-                            // Zeros up to the keys the pending rows' products may multiply.
-                            p_row[n..seen].fill(bf16::ZERO);
-                            ds_row[n..seen].fill(bf16::ZERO);
-                            Some((Some(&mut p_row[..n]), &mut ds_row[..n]))
+                            // Zeros over the keys the pending rows' products may multiply.
+                            for row in [&mut *p_row, &mut *ds_row] {
+                                row[..lead].fill(bf16::ZERO);
+                                row[n..seen].fill(bf16::ZERO);
+                            }
+                            Some((Some(&mut p_row[lead..n]), &mut ds_row[lead..n]))
                         } else {
                             None
                         };
@@ -743,6 +750,7 @@ fn dkv_kernel<T: FloatElement>(
                     if let Some(dq) = dq_sums(h, i0, rows) {
                         let dst = Dst { ptr: dq.as_mut_ptr(), rs: d as isize, cs: 1 };
                         let f32_ds = Mat { ptr: dpt.as_ptr(), rs: TILE_KEYS as isize, cs: 1 };
+                        let keys = lead..n;
                         // SAFETY: dS rows of this piece in the tiles; the panels (kp) cover n keys.
                         unsafe {
                             match products {
@@ -752,25 +760,26 @@ fn dkv_kernel<T: FloatElement>(
                                         rs: TILE_KEYS as isize,
                                         cs: 1,
                                     };
-                                    gemm_rows_prepacked(0..rows, (d, n), dst, ds, &key_panels.k, true)
+                                    gemm_rows_prepacked(0..rows, (0..d, keys), dst, ds, &key_panels.k, true)
                                 }
                                 Products::F32Panels => {
-                                    gemm_rows_prepacked(0..rows, (d, n), dst, f32_ds, &key_panels.k, true)
+                                    gemm_rows_prepacked(0..rows, (0..d, keys), dst, f32_ds, &key_panels.k, true)
                                 }
                                 Products::Rows => gemm_rows(
                                     0..rows,
                                     d,
-                                    n,
+                                    n - lead,
                                     dst,
-                                    f32_ds,
-                                    Mat { ptr: kp.0, rs: kp.1 as isize, cs: 1 },
+                                    Mat { ptr: dpt[lead..].as_ptr(), ..f32_ds },
+                                    Mat { ptr: from_key(kp, lead).0, rs: kp.1 as isize, cs: 1 },
                                     true,
                                 ),
                             }
                         }
                     }
-                    let joined = pending.unwrap_or(PendingRows { h, first: i0, rows: 0, keys: 0 });
-                    pending = Some(PendingRows { rows: joined.rows + rows, keys: joined.keys.max(n), ..joined });
+                    let joined = pending.unwrap_or(PendingRows { h, first: i0, rows: 0, keys: (lead, n) });
+                    let keys = (joined.keys.0.min(lead), joined.keys.1.max(n));
+                    pending = Some(PendingRows { rows: joined.rows + rows, keys, ..joined });
                 }
             }
             flush(&mut pending, [qt, dot, st, dpt, kt, vt]);
@@ -796,6 +805,11 @@ fn dkv_kernel<T: FloatElement>(
         }
     }
     KEY_PANELS.set(key_panels);
+}
+
+/// Rows `(pointer, row stride)` of K or V from their row `j` on.
+fn from_key((rows, stride): (*const f32, usize), j: usize) -> (*const f32, usize) {
+    (rows.wrapping_add(j * stride), stride)
 }
 
 /// Stores the `dK` and `dV` sums of `keys` keys of kv head `hkv` from key `j0` on (`[keys][D]`
@@ -857,6 +871,7 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
     let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
     let [qt, dot, st, dpt, dq_acc, kt, vt] = carve(ws, dq_tiles(&g, bf16_gemm));
     let score_scale = score_scale(&g, bf16_gemm);
+    let mut walks = Vec::new();
     for u in ctx.split(g.units()) {
         let t = g.query_tile(g.unit(u), lens.as_ref(), "attention_backward");
         let (b, hkv, rows) = (t.b, t.hkv, t.rows());
@@ -874,46 +889,50 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
             if a.mask.is_some_and(|m| !m.tile_live(&g, (b, t.len), (0..rows).map(|r| t.head_pos(r)), (j0, n))) {
                 continue;
             }
+            // The products start at the first key a mask lets any of the tile's rows see.
+            t.walks(&g, a.mask.as_ref(), (j0, n), &mut walks);
+            let lead = walks.iter().map(|(_, keys)| keys.start).min().unwrap_or(0);
             let kp = if bf16_gemm {
                 let (kb, vb) = (bf16_of(k).as_ptr(), bf16_of(v).as_ptr());
-                // SAFETY: K/V rows j0..j0+n of this head lie inside the checked views.
+                let (kb, vb) = (kb.wrapping_add(kr.at(b, hkv, j0 + lead)), vb.wrapping_add(vr.at(b, hkv, j0 + lead)));
+                // SAFETY: K/V rows j0+lead..j0+n of this head lie inside the checked views.
                 unsafe {
-                    bf16_scores(st, bf16_tile(qt), d, rows, (kb.add(kr.at(b, hkv, j0)), kr.seq_stride()), n);
-                    bf16_scores(dpt, bf16_tile(dot), dv, rows, (vb.add(vr.at(b, hkv, j0)), vr.seq_stride()), n);
+                    bf16_scores(&mut st[lead..], bf16_tile(qt), d, rows, (kb, kr.seq_stride()), n - lead);
+                    bf16_scores(&mut dpt[lead..], bf16_tile(dot), dv, rows, (vb, vr.seq_stride()), n - lead);
                 }
                 (std::ptr::null(), 0)
             } else {
-                let kp = f32_rows::<T>(k, kr, (b, hkv, j0), n, d, kt);
-                let vp = f32_rows::<T>(v, vr, (b, hkv, j0), n, dv, vt);
+                let kp = f32_rows::<T>(k, kr, (b, hkv, j0 + lead), n - lead, d, kt);
+                let vp = f32_rows::<T>(v, vr, (b, hkv, j0 + lead), n - lead, dv, vt);
                 // SAFETY: as in dkv_kernel.
                 unsafe {
-                    scores(st, TILE_KEYS, qt, d, rows, kp, n);
-                    scores(dpt, TILE_KEYS, dot, dv, rows, vp, n);
+                    scores(&mut st[lead..], TILE_KEYS, qt, d, rows, kp, n - lead);
+                    scores(&mut dpt[lead..], TILE_KEYS, dot, dv, rows, vp, n - lead);
                 }
                 kp
             };
             for r in 0..rows {
                 let (h, i) = t.head_pos(r);
                 let at = row_index(&g, b, h, i);
-                let visible = g.visible(t.len, i).saturating_sub(j0);
-                let (s, dp) = (&mut st[r * TILE_KEYS..][..n], &mut dpt[r * TILE_KEYS..][..n]);
-                let visible = a.live_keys(s, (b, h, i), j0, visible, lse_s[at], score_scale);
-                let bf16_rows = bf16_gemm.then(|| (None, &mut bf16_tile(kt)[r * TILE_KEYS..][..n]));
+                let visible = g.visible(t.len, i).saturating_sub(j0 + lead);
+                let (s, dp) = (&mut st[r * TILE_KEYS..][lead..n], &mut dpt[r * TILE_KEYS..][lead..n]);
+                let visible = a.live_keys(s, (b, h, i), j0 + lead, visible, lse_s[at], score_scale);
+                let bf16_rows = bf16_gemm.then(|| (None, &mut bf16_tile(kt)[r * TILE_KEYS..][lead..n]));
                 probs_and_dscores_row::<T>(s, dp, bf16_rows, visible, score_scale, lse_s[at], delta[at]);
             }
             // dQ += dS·K (the scale is applied once at the end).
             if bf16_gemm {
-                let dsb = bf16_tile(kt);
+                let dsb = &bf16_tile(kt)[lead..];
                 let kb = bf16_of(k).as_ptr();
                 // SAFETY: as above.
                 unsafe {
                     gemm_rows_packed(
                         0..rows,
                         d,
-                        n,
+                        n - lead,
                         Dst { ptr: dq_acc.as_mut_ptr(), rs: d as isize, cs: 1 },
                         Mat { ptr: dsb.as_ptr(), rs: TILE_KEYS as isize, cs: 1 },
-                        Mat { ptr: kb.add(kr.at(b, hkv, j0)), rs: kr.seq_stride() as isize, cs: 1 },
+                        Mat { ptr: kb.add(kr.at(b, hkv, j0 + lead)), rs: kr.seq_stride() as isize, cs: 1 },
                         true,
                     );
                 }
@@ -923,9 +942,9 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
                 gemm_rows(
                     0..rows,
                     d,
-                    n,
+                    n - lead,
                     Dst { ptr: dq_acc.as_mut_ptr(), rs: d as isize, cs: 1 },
-                    Mat { ptr: dpt.as_ptr(), rs: TILE_KEYS as isize, cs: 1 },
+                    Mat { ptr: dpt[lead..].as_ptr(), rs: TILE_KEYS as isize, cs: 1 },
                     Mat { ptr: kp.0, rs: kp.1 as isize, cs: 1 },
                     true,
                 );
@@ -1173,24 +1192,27 @@ mod tests {
         }
     }
 
-    /// Masks that hide whole tiles from some query tiles and not others, on every route and kernel
-    /// choice against the f64 references: a sliding window of 100 keys (causal, over 800 positions:
-    /// a query tile sees one or two key tiles of four), and a left-padded batch whose padding fills
-    /// batch row 1's first two key tiles, their K/V rows holding NaN: tiles hidden from every query
-    /// must be skipped, never read (a tile run through the products would spread the NaN); the
-    /// padding also as a float mask (−∞ hides).
+    /// Masks that hide whole tiles, or a tile's first keys, from some query tiles and not others,
+    /// on every route and kernel choice of the GEMM tiles against the f64 references: a sliding
+    /// window of 100 keys (causal, over 800 positions: a query tile sees one or two key tiles of
+    /// four, the first from a later key), and a left-padded batch whose padding fills batch row 1's
+    /// first two key tiles and the first 40 keys of the third, the K/V rows of the tiles and the
+    /// third's first panel ([`PREPACKED_STEP`] keys) holding NaN: keys hidden from every query of a
+    /// product must be skipped, never read (a product over them would spread the NaN); the padding
+    /// also as a float mask (−∞ hides).
     #[test]
-    fn masks_skip_the_tiles_they_hide_whole() {
+    fn masks_skip_the_keys_they_hide() {
         use crate::attention::TILE_KEYS;
+        use crate::packed_gemm::PREPACKED_STEP;
         let s = 800;
         let (q_shape, kv_shape) = ([2, 4, s, 16], [2, 2, s, 16]);
         let window: Vec<bool> = (0..s * s).map(|x| x % s + 100 > x / s).collect();
-        let pad = 2 * TILE_KEYS + 30;
+        let pad = 2 * TILE_KEYS + 40;
         let padding: Vec<bool> = (0..2 * s * s).map(|x| x < s * s || x % s >= pad).collect();
         let poisoned = |mut x: Vec<f64>| {
             let row_1 = 2 * s * 16; // batch row 1's first element
             for h in 0..2 {
-                x[row_1 + h * s * 16..][..2 * TILE_KEYS * 16].fill(f64::NAN);
+                x[row_1 + h * s * 16..][..(2 * TILE_KEYS + PREPACKED_STEP) * 16].fill(f64::NAN);
             }
             x
         };
@@ -1209,14 +1231,20 @@ mod tests {
             let (k, v) = if matches!(mask.1, [2, ..]) { (&k_nan, &v_nan) } else { (&k, &v) };
             ([&q[..], k, v, &dout], (q_shape, kv_shape), (None, Some(mask)))
         });
+        // The GEMM tiles, on any CPU: AVX2's transposed ones skip at their own key tiles.
+        fn gemm_tiles_and(force: impl Fn()) {
+            crate::flash_avx2::FORCED.with(|f| f.set(Some(false)));
+            force()
+        }
         for case in cases {
             for route in ROUTES {
                 for panels_off in [false, true] {
-                    let force = || forcing(route, || F32_PANELS_OFF.with(|f| f.set(panels_off)));
+                    let force = || forcing(route, || gemm_tiles_and(|| F32_PANELS_OFF.with(|f| f.set(panels_off))));
                     backward_case::<f32>(&causal, case, &force);
                 }
                 for bf16_gemm in [true, false] {
-                    let force = || forcing(route, || BF16_GEMM_FORCED.with(|f| f.set(Some(bf16_gemm))));
+                    let force =
+                        || forcing(route, || gemm_tiles_and(|| BF16_GEMM_FORCED.with(|f| f.set(Some(bf16_gemm)))));
                     backward_case::<bf16>(&causal, case, &force);
                 }
             }

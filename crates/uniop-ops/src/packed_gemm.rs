@@ -553,32 +553,63 @@ pub(crate) unsafe fn gemm_rows_packed_weight<E: Packed, O: GemmOut>(
     });
 }
 
-/// [`gemm_rows_packed`] with a B packed beforehand: `dst[rows] = lhs[rows] · B[..k, ..n]`, the
-/// leading `k × n` of `rhs` — all of it, or less: a causal attention tile whose queries see only
-/// the first keys of a key tile multiplies only those (`n` score columns, or `k` deep for dQ).
+/// Where the products of [`gemm_rows_prepacked`] may start inside the packed B: a multiple of
+/// this many columns (whole panels) and as many rows of its depth (whole words).
+pub(crate) const PREPACKED_STEP: usize = NR;
+
+/// [`gemm_rows_packed`] with a B packed beforehand: `dst[rows, cols] (+)= lhs[rows, depth] ·
+/// B[depth, cols]`, a window of `rhs` — all of it, or less: a causal attention tile whose queries
+/// see only the first keys of a key tile multiplies only those (the leading `cols` of the scores,
+/// or the leading `depth` of `P·V`), one whose mask hides a key tile's first keys from every
+/// query starts past them. `lhs` is addressed from column 0 (its columns `depth` are read), `dst`
+/// from column 0 (its columns `cols` are written).
 ///
 /// # Safety
 /// As [`gemm_rows_packed`]; `rhs` packed from elements of type `E`.
 pub(crate) unsafe fn gemm_rows_prepacked<E: Packed, O: GemmOut>(
     rows: std::ops::Range<usize>,
-    (n, k): (usize, usize),
+    (cols, depth): (std::ops::Range<usize>, std::ops::Range<usize>),
     dst: Dst<O>,
     lhs: Mat<E>,
     rhs: &PackedRhs,
     accumulate: bool,
 ) {
-    assert!(n <= rhs.n && k <= rhs.k, "{k} x {n} is not inside the packed {} x {}", rhs.k, rhs.n);
-    if rows.is_empty() || n == 0 {
+    assert!(
+        cols.end <= rhs.n && depth.end <= rhs.k,
+        "{depth:?} x {cols:?} is not inside the packed {} x {}",
+        rhs.k,
+        rhs.n
+    );
+    assert!(
+        cols.start.is_multiple_of(PREPACKED_STEP) && depth.start.is_multiple_of(PREPACKED_STEP),
+        "a prepacked product starts on whole panels and words, not at {depth:?} x {cols:?}"
+    );
+    if rows.is_empty() || cols.is_empty() {
         return;
     }
     let micro = micro_kernel::<E>();
+    let lhs = Mat { ptr: lhs.ptr.offset(depth.start as isize * lhs.cs), ..lhs };
+    let (k, from) = (depth.len(), depth.start / E::PER_WORD);
     SCRATCH.with_borrow_mut(|s| {
         let Scratch { a, c, .. } = s;
         let mut at = 0;
-        for jc in (0..n).step_by(NC) {
-            let block = PackedBlock::new::<E>(NC.min(rhs.n - jc), rhs.k);
-            let b = (&rhs.words[at..], block);
-            multiply(rows.clone(), (jc, NC.min(n - jc)), k, dst, lhs, b, accumulate, micro, (a, c));
+        for jc in (0..cols.end).step_by(NC) {
+            let block = PackedBlock { from, ..PackedBlock::new::<E>(NC.min(rhs.n - jc), rhs.k) };
+            let first = cols.start.max(jc);
+            if first < cols.end.min(jc + NC) {
+                let b = (&rhs.words[at + (first - jc) / NR * block.words * NR..], block);
+                multiply(
+                    rows.clone(),
+                    (first, cols.end.min(jc + NC) - first),
+                    k,
+                    dst,
+                    lhs,
+                    b,
+                    accumulate,
+                    micro,
+                    (a, c),
+                );
+            }
             at += column_block_words::<E>(rhs.k, block.nc);
         }
     });
@@ -693,16 +724,18 @@ impl<E: Packed> PairedWeights<E> {
 struct PackedBlock {
     nc: usize,
     words: usize,
+    /// The word of the depth a product starts from (see [`gemm_rows_prepacked`]).
+    from: usize,
 }
 
 impl PackedBlock {
     fn new<E: Packed>(nc: usize, k: usize) -> PackedBlock {
-        PackedBlock { nc, words: k.div_ceil(E::PER_WORD) }
+        PackedBlock { nc, words: k.div_ceil(E::PER_WORD), from: 0 }
     }
 
     /// Where slice `si` (of `slice_words`-word slices) of the panel at column `jr` starts.
     fn panel(self, jr: usize, si: usize, slice_words: usize) -> usize {
-        (jr / NR * self.words + si * slice_words) * NR
+        (jr / NR * self.words + self.from + si * slice_words) * NR
     }
 }
 
@@ -1282,6 +1315,7 @@ unsafe fn micro_portable<E: Packed>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::ops::Range;
 
     fn values<E: Packed>(n: usize, seed: u64) -> Vec<E> {
         let mut rng = uniop::verify::Rng::new(seed);
@@ -1322,7 +1356,7 @@ mod tests {
             unsafe {
                 gemm_rows_packed(bands[0]..bands[1], n, k, dst, lhs, rhs, accumulate);
                 packed.pack(rhs, n, k);
-                gemm_rows_prepacked(bands[1]..bands[2], (n, k), dst, lhs, &packed, accumulate);
+                gemm_rows_prepacked(bands[1]..bands[2], (0..n, 0..k), dst, lhs, &packed, accumulate);
                 let split = if n > NR { NR } else { 0 };
                 for (c0, c1) in [(0, split), (split, n)] {
                     let w = PackedWeight { n: c1, ..weight.view() }.columns_from::<E>(c0);
@@ -1535,40 +1569,63 @@ mod tests {
     }
 
     #[test]
-    fn prepacked_products_walk_a_leading_part_of_b() {
-        // (m, walked k × n, packed k × n): one slice and block with an odd walked depth, whose
-        // last pair's other half is a real element of B that A's zero padding must cancel; two
-        // slices and three column blocks packed, a part of each walked; one slice walked of three;
-        // a walk ending inside a 16-word tile step; AMX's deeper slices, one and part of the next
-        // walked of three. Past an even walked depth B holds NaN (as a KV cache past a row's length
-        // may): no kernel may read it.
+    fn prepacked_products_walk_a_window_of_b() {
+        // (m, walked depth × columns, packed k × n): one slice and block with an odd walked depth,
+        // whose last pair's other half is a real element of B that A's zero padding must cancel;
+        // two slices and three column blocks packed, a part of each walked; one slice walked of
+        // three; a walk ending inside a 16-word tile step; AMX's deeper slices, one and part of the
+        // next walked of three. Then the same walks started past leading panels and words (a mask
+        // hiding a key tile's first keys): from a later panel, a later column block, deep in the
+        // first slice, in the second. Past an even walked depth, before the walked depth and before
+        // the walked columns B holds NaN (as a KV cache past a row's length may), A too before the
+        // walked depth: no kernel may read it.
         let cases = [
-            (19, (7, 45), (9, 64)),
-            (40, (601, 530), (700, 1100)),
-            (17, (300, 33), (1100, 40)),
-            (35, (100, 50), (130, 64)),
-            (17, (2100, 33), (4200, 40)),
+            (19, (0..7, 0..45), (9, 64)),
+            (40, (0..601, 0..530), (700, 1100)),
+            (17, (0..300, 0..33), (1100, 40)),
+            (35, (0..100, 0..50), (130, 64)),
+            (17, (0..2100, 0..33), (4200, 40)),
+            (19, (0..7, 32..45), (9, 64)),
+            (40, (32..601, 544..1030), (700, 1100)),
+            (17, (256..300, 0..33), (1100, 40)),
+            (35, (64..100, 32..50), (130, 64)),
+            (17, (1024..2100, 0..33), (4200, 40)),
         ];
         for (m, walked, packed) in cases {
             for b_col_major in [false, true] {
-                leading_case::<bf16>(m, walked, packed, b_col_major);
-                leading_case::<f32>(m, walked, packed, b_col_major);
+                window_case::<bf16>(m, walked.clone(), packed, b_col_major);
+                window_case::<f32>(m, walked.clone(), packed, b_col_major);
             }
         }
     }
 
-    fn leading_case<E: Packed>(m: usize, (k, n): (usize, usize), (pk, pn): (usize, usize), b_col_major: bool) {
-        let (a, mut b) = (values::<E>(m * k, 5), values::<E>(pk * pn, 6));
+    fn window_case<E: Packed>(
+        m: usize,
+        (depth, cols): (Range<usize>, Range<usize>),
+        (pk, pn): (usize, usize),
+        b_col_major: bool,
+    ) {
+        let (k, n, nan) = (depth.end, cols.end, E::from_f64(f64::NAN));
+        let (mut a, mut b) = (values::<E>(m * k, 5), values::<E>(pk * pn, 6));
         let (brs, bcs) = if b_col_major { (1, pk as isize) } else { (pn as isize, 1) };
-        if k.is_multiple_of(2) {
-            for (p, j) in (k..pk).flat_map(|p| (0..pn).map(move |j| (p, j))) {
-                b[(p as isize * brs + j as isize * bcs) as usize] = E::from_f64(f64::NAN);
+        let b_index = |p: usize, j: usize| (p as isize * brs + j as isize * bcs) as usize;
+        let after = if k.is_multiple_of(2) { k } else { pk };
+        for (p, j) in (0..pk).flat_map(|p| (0..pn).map(move |j| (p, j))) {
+            if p < depth.start || p >= after || j < cols.start {
+                b[b_index(p, j)] = nan;
             }
         }
-        let b_at = |p: usize, j: usize| b[(p as isize * brs + j as isize * bcs) as usize].to_f64();
-        let mut out = vec![0f32; m * n];
+        for (i, p) in (0..m).flat_map(|i| (0..depth.start).map(move |p| (i, p))) {
+            a[i * k + p] = nan;
+        }
+        let untouched = 7.0;
+        let a_at = |i: usize, p: usize| if depth.contains(&p) { a[i * k + p].to_f64() } else { 0.0 };
+        let b_at =
+            |p: usize, j: usize| if depth.contains(&p) && cols.contains(&j) { b[b_index(p, j)].to_f64() } else { 0.0 };
+        let start = |at: usize| if cols.contains(&(at % n)) { 0.0 } else { untouched };
         for micro in micro_kernels::<E>() {
             FORCED.with(|f| f.set(Some(micro)));
+            let mut out = vec![untouched as f32; m * n];
             let mut packed = PackedRhs::default();
             unsafe {
                 packed.pack(Mat { ptr: b.as_ptr(), rs: brs, cs: bcs }, pn, pk);
@@ -1576,10 +1633,10 @@ mod tests {
                     Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 },
                     Mat { ptr: a.as_ptr(), rs: k as isize, cs: 1 },
                 );
-                gemm_rows_prepacked(0..m, (n, k), dst, lhs, &packed, false);
+                gemm_rows_prepacked(0..m, (cols.clone(), depth.clone()), dst, lhs, &packed, false);
             }
-            let what = format!("{:?} {micro:?} {k}x{n} of {pk}x{pn}", E::DTYPE);
-            assert_product(&out, (m, k, n), (|i, p| a[i * k + p].to_f64(), b_at), |_| 0.0, &what);
+            let what = format!("{:?} {micro:?} {depth:?} x {cols:?} of {pk}x{pn}", E::DTYPE);
+            assert_product(&out, (m, k, n), (a_at, b_at), start, &what);
         }
         FORCED.with(|f| f.set(None));
     }
