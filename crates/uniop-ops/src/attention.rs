@@ -51,13 +51,12 @@
 //! keys it shows). In a tile that is not skipped, the products start at the first key some row of
 //! the product may see, rounded down to a whole panel of 32 keys (`MaskRows::lead`,
 //! `QueryTile::walks`): a window's leading edge and a padding that ends inside a tile cost less
-//! of what they hide. Hidden keys past
-//! that start still run through the products, and their K/V rows must hold finite numbers (a
-//! hidden key's probability is 0, as in SDPA, and 0 · NaN is NaN). A query whose keys are all
-//! hidden gets output 0 and `lse = -inf`, like one that sees no key. AVX2's transposed forward
-//! tiles (`flash_avx2.rs`) apply the mask the same way, band by band, skipping whole key tiles of
-//! their own but not a tile's first keys; the backward's (`flash_backward_avx2.rs`) take none:
-//! masked backward calls on AVX2 CPUs run the GEMM tiles.
+//! of what they hide. Hidden keys past that start still run through the products, and their K/V
+//! rows must hold finite numbers (a hidden key's probability is 0, as in SDPA, and 0 · NaN is
+//! NaN). A query whose keys are all hidden gets output 0 and `lse = -inf`, like one that sees no
+//! key. AVX2's transposed forward tiles (`flash_avx2.rs`) apply the mask the same way, band by
+//! band, skipping whole key tiles of their own but not a tile's first keys; the backward's
+//! (`flash_backward_avx2.rs`) take none: masked backward calls on AVX2 CPUs run the GEMM tiles.
 //!
 //! `lse` (`[B, Hq, Sq]`, f32) is the log-sum-exp of each query's scaled scores, saved for
 //! [`attention_backward`](crate::attention_backward).

@@ -871,7 +871,6 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
     let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
     let [qt, dot, st, dpt, dq_acc, kt, vt] = carve(ws, dq_tiles(&g, bf16_gemm));
     let score_scale = score_scale(&g, bf16_gemm);
-    let mut walks = Vec::new();
     for u in ctx.split(g.units()) {
         let t = g.query_tile(g.unit(u), lens.as_ref(), "attention_backward");
         let (b, hkv, rows) = (t.b, t.hkv, t.rows());
@@ -886,12 +885,13 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
         let kv_end = t.kv_end(&g);
         for j0 in (0..kv_end).step_by(TILE_KEYS) {
             let n = TILE_KEYS.min(kv_end - j0);
-            if a.mask.is_some_and(|m| !m.tile_live(&g, (b, t.len), (0..rows).map(|r| t.head_pos(r)), (j0, n))) {
+            // The products start at the first key a mask lets any of the tile's rows see; a tile
+            // it hides from all of them is skipped.
+            let queries = (0..rows).map(|r| t.head_pos(r));
+            let lead = a.mask.as_ref().map_or(0, |m| m.lead(&g, (b, t.len), queries, (j0, n)));
+            if lead == n {
                 continue;
             }
-            // The products start at the first key a mask lets any of the tile's rows see.
-            t.walks(&g, a.mask.as_ref(), (j0, n), &mut walks);
-            let lead = walks.iter().map(|(_, keys)| keys.start).min().unwrap_or(0);
             let kp = if bf16_gemm {
                 let (kb, vb) = (bf16_of(k).as_ptr(), bf16_of(v).as_ptr());
                 let (kb, vb) = (kb.wrapping_add(kr.at(b, hkv, j0 + lead)), vb.wrapping_add(vr.at(b, hkv, j0 + lead)));

@@ -595,20 +595,10 @@ pub(crate) unsafe fn gemm_rows_prepacked<E: Packed, O: GemmOut>(
         let mut at = 0;
         for jc in (0..cols.end).step_by(NC) {
             let block = PackedBlock { from, ..PackedBlock::new::<E>(NC.min(rhs.n - jc), rhs.k) };
-            let first = cols.start.max(jc);
-            if first < cols.end.min(jc + NC) {
+            let (first, end) = (cols.start.max(jc), cols.end.min(jc + NC));
+            if first < end {
                 let b = (&rhs.words[at + (first - jc) / NR * block.words * NR..], block);
-                multiply(
-                    rows.clone(),
-                    (first, cols.end.min(jc + NC) - first),
-                    k,
-                    dst,
-                    lhs,
-                    b,
-                    accumulate,
-                    micro,
-                    (a, c),
-                );
+                multiply(rows.clone(), (first, end - first), k, dst, lhs, b, accumulate, micro, (a, c));
             }
             at += column_block_words::<E>(rhs.k, block.nc);
         }
