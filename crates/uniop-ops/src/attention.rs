@@ -447,16 +447,18 @@ impl<'a> MaskRows<'a> {
         (self.base + b * sb + h * sh + i * si, sj)
     }
 
-    /// Whether query `(b, h, i)` may see any of `keys`.
+    /// The first of keys `j0..j0 + n` that query `(b, h, i)` may see, of those `kv_lens` (`len`,
+    /// the row's key count) and `causal` leave it.
     #[inline(always)]
-    pub fn sees_any(&self, at: (usize, usize, usize), keys: Range<usize>) -> bool {
-        self.first_shown(at, keys).is_some()
-    }
-
-    /// The first of `keys` that query `(b, h, i)` may see.
-    #[inline(always)]
-    pub fn first_shown(&self, at: (usize, usize, usize), keys: Range<usize>) -> Option<usize> {
-        let (row, sj) = self.row(at);
+    fn first_shown(
+        &self,
+        g: &Geometry,
+        (b, len): (usize, usize),
+        (h, i): (usize, usize),
+        (j0, n): (usize, usize),
+    ) -> Option<usize> {
+        let keys = j0..j0 + n.min(g.visible(len, i).saturating_sub(j0));
+        let (row, sj) = self.row((b, h, i));
         let start = keys.start;
         let offset = match self.data {
             MaskData::Keeps(d) if sj == 1 => d[row + keys.start..row + keys.end].iter().position(|&keep| keep),
@@ -479,7 +481,7 @@ impl<'a> MaskRows<'a> {
         mut queries: impl Iterator<Item = (usize, usize)>,
         (j0, n): (usize, usize),
     ) -> bool {
-        queries.any(|(h, i)| self.sees_any((b, h, i), j0..j0 + n.min(g.visible(len, i).saturating_sub(j0))))
+        queries.any(|query| self.first_shown(g, (b, len), query, (j0, n)).is_some())
     }
 
     /// Where the products of `queries` `(h, i)` with keys `j0..j0 + n` may start: the first of those
@@ -493,9 +495,8 @@ impl<'a> MaskRows<'a> {
         queries: impl Iterator<Item = (usize, usize)>,
         (j0, n): (usize, usize),
     ) -> usize {
-        let first =
-            |(h, i): (usize, usize)| self.first_shown((b, h, i), j0..j0 + n.min(g.visible(len, i).saturating_sub(j0)));
-        queries.filter_map(first).min().map_or(n, |j| (j - j0) / PREPACKED_STEP * PREPACKED_STEP)
+        let first = queries.filter_map(|query| self.first_shown(g, (b, len), query, (j0, n))).min();
+        first.map_or(n, |j| (j - j0) / PREPACKED_STEP * PREPACKED_STEP)
     }
 
     /// Applies the mask to the raw scores `s` of query `(b, h, i)`, keys `j0..j0 + s.len()`, which
