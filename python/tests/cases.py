@@ -343,9 +343,12 @@ def _cases():
         mask = attention_mask(6, 6, dt if strided else torch.bool)
         out, lse = attention_ref(q, k, v, True, mask)
         dout = _rand(1, 4, 6, 8, dtype=dt, strided=strided)
-        args = (dout, q, k, v, out.to(dt), _stat(lse, dt), None, True, None, mask)
-        return args, lambda d, q, k, v, o, l, n, c, s, m: _vjp(
-            lambda q, k, v: attention_ref(q, k, v, True, m)[0], (q, k, v), (d,), (0, 1, 2)
+        # The float mask's gradient is asked for too (summed over the batch and heads it is
+        # broadcast along); a boolean mask has none.
+        args = (dout, q, k, v, out.to(dt), _stat(lse, dt), None, True, None, mask, strided)
+        wrt = (0, 1, 2, 3) if strided else (0, 1, 2)
+        return args, lambda d, q, k, v, o, l, n, c, s, m, needs_dmask: _vjp(
+            lambda q, k, v, m: attention_ref(q, k, v, True, m)[0], (q, k, v, m), (d,), wrt
         )
 
     @case

@@ -103,12 +103,16 @@ def test_gradcheck(name):
     args = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
     op = getattr(torch.ops.uniop, name)
     # Differentiate the arguments the backward op returns a gradient for (`d<arg>`); the others
-    # (rope's cos/sin tables, cross_entropy's targets) get none by design.
+    # (rope's cos/sin tables, cross_entropy's targets) get none by design; nor does a boolean
+    # tensor (attention's boolean mask, in place of its differentiable float kind).
     backward = uniop.op(uniop.op(name).backward)
     has_grad = {r[1:] for r in backward.returns if r.startswith("d")}
     diff = [i for i, a in enumerate(uniop.op(name).args) if a["name"] in has_grad]
     assert diff, f"{name}: no argument gets a gradient"
-    inputs = [a.detach().clone().requires_grad_(i in diff) if isinstance(a, torch.Tensor) else a for i, a in enumerate(args)]
+    inputs = [
+        a.detach().clone().requires_grad_(i in diff and a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+        for i, a in enumerate(args)
+    ]
     n_returns = len(uniop.op(name).returns)
     wired = {a["name"][1:] for a in backward.args if a["name"].startswith("d")}
     keep = [i for i, r in enumerate(uniop.op(name).returns) if r in wired]
@@ -312,30 +316,69 @@ def test_linear_without_bias_gets_no_bias_gradient():
 def test_attention_with_a_float_mask_passes_opcheck_and_gradcheck():
     """The generic opcheck and gradcheck run attention with the boolean mask (contiguous cases);
     here the float kind (ALiBi-like biases, −inf holes): registration, fake kernel and the f64
-    backward against finite differences."""
-    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    backward against finite differences — the mask's own gradient too, for a mask of the full
+    shape and one broadcast over the batch, heads and queries (summed over them)."""
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
     bias = attention_mask(6, 6, torch.float32)
     torch.library.opcheck(torch.ops.uniop.attention.default, (q, k, v, None, True, None, bias))
     inputs = tuple(x.double().requires_grad_() for x in (q, k, v))
     fn = lambda *qkv: torch.ops.uniop.attention(*qkv, None, True, None, bias.double())[0]  # noqa: E731
     assert torch.autograd.gradcheck(fn, inputs)
+    full = torch.randn(2, 4, 6, 6).masked_fill(~attention_mask(6, 6), float("-inf"))
+    for mask in (full, torch.randn(2, 1, 1, 6)):
+        inputs = tuple(x.double().requires_grad_() for x in (q, k, v, mask))
+        fn = lambda q, k, v, m: torch.ops.uniop.attention(q, k, v, None, True, None, m)[0]  # noqa: E731
+        assert torch.autograd.gradcheck(fn, inputs)
 
 
 def test_an_argument_without_a_backward_gradient_that_requires_one_is_an_error():
-    """A tensor argument the backward op returns no gradient for (attention's float mask, rope's
-    cos/sin tables) that requires one: backward raises, naming the op, the argument and the
-    backward op, instead of leaving its gradient out (a silent zero). Not requiring one is fine."""
-    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
-    bias = torch.zeros(1, 1, 4, 4, requires_grad=True)
-    out = torch.ops.uniop.attention(q, k, v, None, True, None, bias)[0]
-    with pytest.raises(RuntimeError, match="uniop.attention: argument 'mask' requires a gradient, which attention_backward"):
-        out.sum().backward()
-    torch.ops.uniop.attention(q, k, v, None, True, None, bias.detach())[0].sum().backward()
-    assert q.grad is not None and k.grad is not None and v.grad is not None
+    """A tensor argument the backward op returns no gradient for (rope's cos/sin tables) that
+    requires one: backward raises, naming the op, the argument and the backward op, instead of
+    leaving its gradient out (a silent zero). Not requiring one is fine."""
     x = torch.randn(1, 2, 4, 8, requires_grad=True)
     cos, sin = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="uniop.rope: argument 'cos' requires a gradient"):
         torch.ops.uniop.rope(x, cos, sin).sum().backward()
+    torch.ops.uniop.rope(x, cos.detach(), sin).sum().backward()
+    assert x.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_attention_float_mask_gradient_matches_sdpa(dtype, causal):
+    """A learned bias (T5's relative position bias, trained ALiBi slopes) as attention's float
+    mask gets SDPA's gradient: the same dq, dk, dv and dmask from torch's autograd through
+    ``F.scaled_dot_product_attention(attn_mask=bias)`` (GQA as repeated kv heads; the causal mask
+    folded into SDPA's), for masks of the full shape, shared by the batch, per key and per
+    query-and-key pair, over two key tiles. Only a mask that requires a gradient costs the extra
+    step: one that does not gets none computed (``needs_dmask`` false)."""
+    torch.manual_seed(0)
+    b, hq, hkv, s, d = 2, 4, 2, 300, 16
+    q, k, v = torch.randn(b, hq, s, d, dtype=dtype), torch.randn(b, hkv, s, d, dtype=dtype), torch.randn(b, hkv, s, d, dtype=dtype)
+    dout = torch.randn(b, hq, s, d, dtype=dtype)
+    hidden = torch.rand(s, s) < 0.1
+    hidden.fill_diagonal_(False)
+    for shape in [(b, hq, s, s), (hq, s, s), (b, 1, 1, s), (s, s)]:
+        bias = torch.randn(shape)
+        bias = bias.masked_fill(hidden, float("-inf")).to(dtype) if shape[-2] == s else bias.to(dtype)
+        xs = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        torch.ops.uniop.attention(*xs[:3], None, causal, None, xs[3])[0].backward(dout)
+        ref = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        mask = ref[3]
+        if causal:
+            mask = mask.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+        rep = hq // hkv
+        out = torch.nn.functional.scaled_dot_product_attention(
+            ref[0], ref[1].repeat_interleave(rep, 1), ref[2].repeat_interleave(rep, 1), attn_mask=mask
+        )
+        out.backward(dout)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        for name, got, want in zip(("dq", "dk", "dv", "dmask"), xs, ref):
+            assert got.grad.shape == want.grad.shape, name
+            err = (got.grad.double() - want.grad.double()).abs().max().item()
+            assert err <= tol * (1 + want.grad.double().abs().max().item()), f"{shape} {name}: {err}"
+    args = (dout, q, k, v, *torch.ops.uniop.attention(q, k, v, None, causal, None, bias), None, causal, None, bias)
+    assert uniop.attention_backward(*args)[3].numel() == 0, "no dmask unless asked for"
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "softmax", "matmul", "silu_mul", "embedding"])

@@ -208,10 +208,12 @@ pub extern "C" fn uniopAttention(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None) -> (Tensor dq, Tensor dk, Tensor dv)`.
+/// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)`.
 ///
 /// Gradients of attention from its saved out and lse (same mask and scale rules). dk/dv sum over
-/// the q heads of each kv-head group; keys past kv_lens get zero gradient. Deterministic (no
+/// the q heads of each kv-head group; keys past kv_lens get zero gradient. dmask is the gradient of
+/// a float mask (its shape and dtype: the score gradient summed over the dims the mask is broadcast
+/// along) when needs_dmask, else an empty tensor; it costs about 40% more. Deterministic (no
 /// atomics).
 #[no_mangle]
 pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
@@ -225,9 +227,11 @@ pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
     causal: bool,
     scale: *const f64,
     mask: *const uniopTensor,
+    needs_dmask: bool,
     dq: *mut uniopTensor,
     dk: *mut uniopTensor,
     dv: *mut uniopTensor,
+    dmask: *mut uniopTensor,
     workspaceSize: *mut u64,
     executor: *mut *mut uniopExecutor,
 ) -> uniopStatus {
@@ -243,10 +247,17 @@ pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
             ("kv_lens", kv_lens),
             ("mask", mask),
         ];
-        let attrs: [(&str, AttrValue); 2] =
-            [("causal", AttrValue::Bool(causal)), ("scale", typed::optional(scale, |v| Ok(AttrValue::Float(v)))?)];
-        let outputs =
-            [("dq", dq as *const uniopTensor), ("dk", dk as *const uniopTensor), ("dv", dv as *const uniopTensor)];
+        let attrs: [(&str, AttrValue); 3] = [
+            ("causal", AttrValue::Bool(causal)),
+            ("scale", typed::optional(scale, |v| Ok(AttrValue::Float(v)))?),
+            ("needs_dmask", AttrValue::Bool(needs_dmask)),
+        ];
+        let outputs = [
+            ("dq", dq as *const uniopTensor),
+            ("dk", dk as *const uniopTensor),
+            ("dv", dv as *const uniopTensor),
+            ("dmask", dmask as *const uniopTensor),
+        ];
         plan("attention_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })
 }

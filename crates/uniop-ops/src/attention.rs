@@ -573,13 +573,17 @@ pub(crate) fn hidden_score(scale: f32) -> f32 {
 /// (hide, 0); 0 when there is no mask.
 pub(crate) fn reference_bias(g: &Geometry, mask: Option<&RefTensor>, at: [usize; 4]) -> f64 {
     let Some(mask) = mask else { return 0.0 };
-    let rank = mask.shape.len();
-    let index = mask.shape.iter().zip(&at[4 - rank..]).fold(0, |acc, (&n, &x)| acc * n + if n == 1 { 0 } else { x });
-    match (g.mask, mask.data[index]) {
+    match (g.mask, mask.data[reference_mask_index(&mask.shape, at)]) {
         (Some(DType::Bool), 0.0) => f64::NEG_INFINITY,
         (Some(DType::Bool), _) => 0.0,
         (_, bias) => bias,
     }
+}
+
+/// Where element `(b, h, i, j)` of the mask's broadcast to `[B, Hq, Sq, Sk]` lies in the dense
+/// data of a mask of `shape` (rank 4 or less; size-1 dims broadcast).
+pub(crate) fn reference_mask_index(shape: &[usize], at: [usize; 4]) -> usize {
+    shape.iter().zip(&at[4 - shape.len()..]).fold(0, |acc, (&n, &x)| acc * n + if n == 1 { 0 } else { x })
 }
 
 /// Row addressing of a `[B, H, S, D]` view with a dense last dim.

@@ -27,9 +27,10 @@
 
 use crate::attention::{
     bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, narrow_step, parts_for_even_share, reference_bias,
-    row_len, rows_of, scores, spreads_evenly, Geometry, MaskRows, Rows4, DIAGONAL_PIECE_ROWS, DTYPES, TILE_KEYS,
-    TILE_ROWS, W,
+    reference_mask_index, row_len, rows_of, scores, spreads_evenly, Geometry, MaskRows, Rows4, DIAGONAL_PIECE_ROWS,
+    DTYPES, TILE_KEYS, TILE_ROWS, W,
 };
+use crate::attention_mask_grad::{mask_grad_kernel, MaskGrad};
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
 use crate::packed_gemm::{gemm_rows_packed, gemm_rows_prepacked, Packed, PackedRhs};
@@ -37,8 +38,8 @@ use crate::skinny::{Dots, Simd};
 use std::ops::Range;
 use uniop::half::bf16;
 use uniop::{
-    with_float_dtype, AttrValue, BlockCtx, DType, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, OutputView,
-    Plan, RefTensor, Result, Step, TensorMeta, TensorRef,
+    with_float_dtype, AttrValue, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
+    OutputView, Plan, RefTensor, Result, Step, TensorMeta, TensorRef,
 };
 
 pub struct AttentionBackward;
@@ -52,6 +53,23 @@ const OUT: usize = 4;
 const LSE: usize = 5;
 const KV_LENS: usize = 6;
 const MASK: usize = 7;
+
+/// The float mask whose gradient the call asks for (`needs_dmask`), or `None` when it asks for
+/// none. Asking without a float mask is an error: a boolean mask (or none) has no gradient.
+fn mask_grad<'c>(cx: &'c OpCx) -> Result<Option<&'c TensorMeta>> {
+    if !matches!(cx.attr("needs_dmask"), AttrValue::Bool(true)) {
+        return Ok(None);
+    }
+    match cx.optional_input("mask") {
+        Some(mask) if mask.dtype.is_float() => Ok(Some(mask)),
+        given => Err(cx.err(
+            ErrorCode::ParamInvalid,
+            "needs_dmask",
+            "false unless mask is a float mask (a boolean mask, or none, has no gradient)",
+            format!("true with {}", given.map_or("no mask".to_string(), |m| format!("a {} mask", m.dtype))),
+        )),
+    }
+}
 
 fn checked_geometry(cx: &OpCx) -> Result<Geometry> {
     let g = geometry(cx)?;
@@ -167,7 +185,7 @@ impl<'a> BackwardArgs<'a> {
     /// hides set to −∞ (probability 0), or none for a query that saw no key (lse −∞, which would
     /// turn a hidden score into NaN).
     #[inline(always)]
-    fn live_keys(
+    pub(crate) fn live_keys(
         &self,
         s: &mut [f32],
         (b, h, i): (usize, usize, usize),
@@ -201,7 +219,7 @@ crate::simd_kernel! {
 /// Scores come unscaled from the bf16 GEMM (`scale` applied here) or from a pre-scaled Q
 /// (`scale` 1); the exp is [`math::exp_for`] `T`, as the forward's. bf16 rows are rounded in
 /// registers, in the same pass (a pass of its own over the f32 rows took as long as this one).
-fn probs_and_dscores_row<T: FloatElement>(s: &mut [f32], dp: &mut [f32], bf16_rows: Bf16Rows<'_>, visible: usize, scale: f32, lse: f32, delta: f32) {
+pub(crate) fn probs_and_dscores_row<T: FloatElement>(s: &mut [f32], dp: &mut [f32], bf16_rows: Bf16Rows<'_>, visible: usize, scale: f32, lse: f32, delta: f32) {
     let live = visible.min(s.len());
     let step = |v: f32, d: f32| {
         let p = math::exp_for::<T>(v.mul_add(scale, -lse));
@@ -961,12 +979,15 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
 impl Op for AttentionBackward {
     fn schema(&self) -> &'static str {
         "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, \
-         bool causal=False, float? scale=None, Tensor? mask=None) -> (Tensor dq, Tensor dk, Tensor dv)"
+         bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False) -> (Tensor dq, Tensor dk, Tensor dv, \
+         Tensor dmask)"
     }
 
     fn doc(&self) -> &'static str {
         "Gradients of attention from its saved out and lse (same mask and scale rules). dk/dv sum over the q heads \
-         of each kv-head group; keys past kv_lens get zero gradient. Deterministic (no atomics)."
+         of each kv-head group; keys past kv_lens get zero gradient. dmask is the gradient of a float mask (its \
+         shape and dtype: the score gradient summed over the dims the mask is broadcast along) when needs_dmask, \
+         else an empty tensor; it costs about 40% more. Deterministic (no atomics)."
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -974,8 +995,16 @@ impl Op for AttentionBackward {
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
-        checked_geometry(cx)?;
-        ["q", "k", "v"].iter().map(|a| TensorMeta::contiguous(cx.input(a).dtype, cx.input(a).shape())).collect()
+        let g = checked_geometry(cx)?;
+        let mut metas: Vec<TensorMeta> = ["q", "k", "v"]
+            .iter()
+            .map(|a| TensorMeta::contiguous(cx.input(a).dtype, cx.input(a).shape()))
+            .collect::<Result<_>>()?;
+        metas.push(match mask_grad(cx)? {
+            Some(mask) => TensorMeta::contiguous(mask.dtype, mask.shape())?,
+            None => TensorMeta::contiguous(g.dtype, &[0])?,
+        });
+        Ok(metas)
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
@@ -1010,6 +1039,9 @@ impl Op for AttentionBackward {
             Some(s) => s.partial_dk,
             None => scratch_end,
         };
+        let dmask = mask_grad(cx)?.map(|mask| MaskGrad::of(mask.shape()));
+        let workspace =
+            dmask.map_or(workspace, |m| workspace.max(rows + blocks(m.units()) as usize * MaskGrad::scratch(&g)));
         let steps = with_float_dtype!(g.dtype, cx.op(), "q", |T| {
             let dkv = Step::new("attention_backward.dkv", blocks(dkv_units), move |a, c| {
                 #[cfg(target_arch = "x86_64")]
@@ -1041,11 +1073,18 @@ impl Op for AttentionBackward {
                     dq_kernel::<T>(a, c, g, (per_block, bf16_gemm))
                 })),
             }
+            if let Some(m) = dmask {
+                // Last: it reads only δ, and its scratch may reuse every other launch's.
+                let per_block = MaskGrad::scratch(&g);
+                steps.push(Step::new("attention_backward.dmask", blocks(m.units()), move |a, c| {
+                    mask_grad_kernel::<T>(a, c, g, m, per_block)
+                }));
+            }
             steps
         });
         let mut needs = vec![LayoutNeed::InnerContiguous; 5];
         needs.push(LayoutNeed::Contiguous);
-        Ok(Plan::new(steps).workspace(workspace * 4).inputs_need(needs).outputs_need(vec![LayoutNeed::Contiguous; 3]))
+        Ok(Plan::new(steps).workspace(workspace * 4).inputs_need(needs).outputs_need(vec![LayoutNeed::Contiguous; 4]))
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
@@ -1056,6 +1095,11 @@ impl Op for AttentionBackward {
         let mut dq = vec![0.0; q.data.len()];
         let mut dk = vec![0.0; k.data.len()];
         let mut dvv = vec![0.0; v.data.len()];
+        let wants_dmask = mask_grad(cx)?.is_some();
+        let mut dmask = match (mask, wants_dmask) {
+            (Some(mask), true) => RefTensor::new(&mask.shape, vec![0.0; mask.data.len()]),
+            _ => RefTensor::new(&[0], vec![]),
+        };
         let scale = g.scale_f64;
         for b in 0..g.batch {
             let len = lens.map_or(g.kv_len, |l| l.data[b] as usize);
@@ -1076,6 +1120,9 @@ impl Op for AttentionBackward {
                         let p = (s - lse.data[row]).exp();
                         let dp: f64 = doi.iter().zip(vj).map(|(a, b)| a * b).sum();
                         let ds = p * (dp - delta);
+                        if wants_dmask {
+                            dmask.data[reference_mask_index(&dmask.shape, [b, h, i, j])] += ds;
+                        }
                         for c in 0..d {
                             dq[row * d + c] += scale * ds * kj[c];
                             dk[(kv + j) * d + c] += scale * ds * qi[c];
@@ -1087,7 +1134,7 @@ impl Op for AttentionBackward {
                 }
             }
         }
-        Ok(vec![RefTensor::new(&q.shape, dq), RefTensor::new(&k.shape, dk), RefTensor::new(&v.shape, dvv)])
+        Ok(vec![RefTensor::new(&q.shape, dq), RefTensor::new(&k.shape, dk), RefTensor::new(&v.shape, dvv), dmask])
     }
 
     fn error_scale(&self, cx: &OpCx) -> f64 {

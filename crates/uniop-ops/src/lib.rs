@@ -24,6 +24,7 @@ macro_rules! simd_kernel {
 
 pub mod attention;
 pub mod attention_backward;
+mod attention_mask_grad;
 pub mod cast;
 pub mod cat;
 pub mod causal_softmax;

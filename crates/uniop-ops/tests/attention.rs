@@ -249,8 +249,6 @@ fn transposed_bshd_views_match_contiguous() {
     assert_eq!(got[0], want[0]);
 }
 
-/// Runs `attention`, then `attention_backward` on the forward's own `out` and `lse` (both
-/// checked against their references); returns `[dq, dk, dv]`.
 /// Hugging Face's mask for a left-padded batch, `[B, 1, Sq, Sk]` (broadcast over the heads): batch
 /// row `b`'s first `pad[b]` keys are padding, hidden from every query; with `causal_in_mask` the
 /// causal mask (bottom-right, as `causal`) is part of it too.
@@ -392,6 +390,71 @@ fn masked_attention_backward_matches_reference_and_finite_differences() {
     small_masked_gradients_match_finite_differences(TensorRef::new(&mask, &[1, 2, 3, 5]).unwrap(), values, 81);
 }
 
+/// A float mask's gradient (`needs_dmask`) against the f64 reference, summed over the dims the
+/// mask is broadcast along: a full `[B, Hq, Sq, Sk]` bias with hidden keys (two key tiles, five
+/// 64-row query tiles), one shared by the batch (`[Hq, Sq, Sk]`), a per-key padding bias
+/// `[B, 1, 1, Sk]` (summed over heads and queries), a per-query one `[Sq, 1]` (summed over keys:
+/// zero, as a softmax is blind to it) — causal and not, with cache lengths, GQA; bf16 with a
+/// bf16 mask, f16 with an f32 one.
+#[test]
+fn float_mask_gradients_sum_over_broadcast_dims() {
+    setup();
+    let (q_shape, kv_shape) = ([2, 4, 300, 16], [2, 2, 300, 16]);
+    let (q, k, v) = (rand_vec(2 * 4 * 300 * 16, 301), rand_vec(2 * 2 * 300 * 16, 302), rand_vec(2 * 2 * 300 * 16, 303));
+    let dout = rand_vec(2 * 4 * 300 * 16, 304);
+    let bias = |shape: &[usize], seed: u64| -> Vec<f32> {
+        let values = rand_vec(shape.iter().product(), seed);
+        values.iter().enumerate().map(|(x, &r)| if x % 11 == 5 { f32::NEG_INFINITY } else { 2.0 * r }).collect()
+    };
+    let lens = [300i64, 251];
+    let shapes: [&[usize]; 4] = [&[2, 4, 300, 300], &[4, 300, 300], &[2, 1, 1, 300], &[300, 1]];
+    for (n, shape) in shapes.into_iter().enumerate() {
+        let mask = bias(shape, 310 + n as u64);
+        for (c, lens) in [(true, None), (false, Some(TensorRef::new(&lens, &[2]).unwrap()))] {
+            let grads = backward_after_forward(
+                (&q, &k, &v, &dout),
+                (q_shape, kv_shape),
+                (lens, Some(TensorRef::new(&mask, shape).unwrap())),
+                &causal(c),
+            );
+            assert_eq!(grads[3].len(), mask.len(), "dmask has the mask's shape {shape:?}");
+            assert!(grads[3].iter().any(|&g| g != 0.0) || *shape == [300, 1], "dmask {shape:?} is not all zero");
+        }
+    }
+    let half = |x: &[f32], shape: &[usize]| {
+        Tensor::from_slice(&x.iter().map(|&v| uniop::half::f16::from_f32(v)).collect::<Vec<_>>(), shape).unwrap()
+    };
+    let full = bias(&[2, 4, 300, 300], 320);
+    let cases = [
+        (bf16 as fn(&[f32], &[usize]) -> Tensor, bf16(&full, &[2, 4, 300, 300])),
+        (half, Tensor::from_slice(&full, &[2, 4, 300, 300]).unwrap()),
+    ];
+    for (typed, mask) in cases {
+        let (q, k, v) = (typed(&q, &q_shape), typed(&k, &kv_shape), typed(&v, &kv_shape));
+        let inputs = [Some(q.view()), Some(k.view()), Some(v.view()), None, Some(mask.view())];
+        let fwd = run_checked("attention", &inputs, &causal(true));
+        let out = typed(&fwd[0].iter().map(|&x| x as f32).collect::<Vec<_>>(), &q_shape);
+        let lse: Vec<f32> = fwd[1].iter().map(|&x| x as f32).collect();
+        let dout = typed(&dout, &q_shape);
+        let attrs = [("causal", true.into()), ("needs_dmask", true.into())];
+        let grads = run_checked(
+            "attention_backward",
+            &[
+                Some(dout.view()),
+                Some(q.view()),
+                Some(k.view()),
+                Some(v.view()),
+                Some(out.view()),
+                view(&lse, &q_shape[..3]),
+                None,
+                Some(mask.view()),
+            ],
+            &attrs,
+        );
+        assert_eq!(grads[3].len(), full.len());
+    }
+}
+
 /// GQA with q `[1, 2, 3, 4]` and k/v `[1, 1, 5, 4]` (inputs from `seed` on) under a `[1, 2, 3, 5]`
 /// `mask` (`values`: its elements as f64): the gradients against central finite differences of
 /// the f64 forward.
@@ -410,12 +473,18 @@ fn small_masked_gradients_match_finite_differences(mask: TensorRef<'_>, values: 
         (values, vec![1, 2, 3, 5]),
     ];
     let dtypes = [DType::F32, DType::F32, DType::F32, DType::I64, dtype];
-    for wrt in 0..3 {
+    // A float mask's own gradient too (a boolean one has none).
+    let wrts = if dtype.is_float() { [0, 1, 2, 4].as_slice() } else { &[0, 1, 2] };
+    for &wrt in wrts {
         let fd = finite_difference_typed("attention", &inputs, &dtypes, &[], &f64s(&dout), wrt);
-        assert_near(&grads[wrt], &fd, 1e-4, ["dq", "dk", "dv"][wrt]);
+        let (got, name) = if wrt == 4 { (&grads[3], "dmask") } else { (&grads[wrt], ["dq", "dk", "dv"][wrt]) };
+        assert_near(got, &fd, 1e-4, name);
     }
 }
 
+/// Runs `attention`, then `attention_backward` on the forward's own `out` and `lse` (both
+/// checked against their references, with a float mask's gradient asked for); returns
+/// `[dq, dk, dv, dmask]`.
 fn backward_after_forward(
     (q, k, v, dout): (&[f32], &[f32], &[f32], &[f32]),
     (q_shape, kv_shape): ([usize; 4], [usize; 4]),
@@ -429,6 +498,9 @@ fn backward_after_forward(
     );
     let (out, lse): (Vec<f32>, Vec<f32>) =
         (fwd[0].iter().map(|&x| x as f32).collect(), fwd[1].iter().map(|&x| x as f32).collect());
+    // A float mask's gradient is asked for (and checked against the reference) too.
+    let needs_dmask = mask.as_ref().is_some_and(|m| m.dtype().is_float());
+    let attrs: Vec<_> = attrs.iter().cloned().chain([("needs_dmask", AttrValue::Bool(needs_dmask))]).collect();
     run_checked(
         "attention_backward",
         &[
@@ -441,7 +513,7 @@ fn backward_after_forward(
             lens,
             mask,
         ],
-        attrs,
+        &attrs,
     )
 }
 
@@ -546,7 +618,9 @@ fn attention_rejects_bad_inputs() {
     setup();
     let x = [0f32; 3 * 8 * 4];
     let lse = [0i32; 6];
+    let lse_f32 = [0f32; 6];
     let keep = [true; 8];
+    let keep_mask = || Some(TensorRef::new(&keep[..4], &[2, 2]).unwrap());
     let t = |shape: &[usize]| view(&x[..shape.iter().product::<usize>()], shape);
     let q = || t(&[1, 3, 2, 4]);
     let cases = [
@@ -599,6 +673,28 @@ fn attention_rejects_bad_inputs() {
             ),
             ErrorCode::DType,
             "attention_backward: argument 'lse': expected dtype in {float32}, got int32",
+        ),
+        (
+            plan_err(
+                "attention_backward",
+                &[q(), q(), q(), q(), q(), Some(TensorRef::new(&lse_f32, &[1, 3, 2]).unwrap()), None, keep_mask()],
+                &[("needs_dmask", true.into())],
+                vec![],
+            ),
+            ErrorCode::ParamInvalid,
+            "attention_backward: argument 'needs_dmask': expected false unless mask is a float mask (a boolean mask, \
+             or none, has no gradient), got true with a bool mask",
+        ),
+        (
+            plan_err(
+                "attention_backward",
+                &[q(), q(), q(), q(), q(), Some(TensorRef::new(&lse_f32, &[1, 3, 2]).unwrap()), None, None],
+                &[("needs_dmask", true.into())],
+                vec![],
+            ),
+            ErrorCode::ParamInvalid,
+            "attention_backward: argument 'needs_dmask': expected false unless mask is a float mask (a boolean mask, \
+             or none, has no gradient), got true with no mask",
         ),
     ];
     for (err, code, msg) in cases {

@@ -26,8 +26,10 @@ pub trait Op: Send + Sync + 'static {
     /// wire it by argument names, so its schema follows one convention: an argument `d<name>` is
     /// the gradient of this op's return `<name>`; any other argument is this op's argument or
     /// return of the same name; a return `d<name>` is the gradient of tensor argument `<name>`
-    /// (arguments without one get none). Returns whose gradient the backward does not take
-    /// (`rstd`, `lse`) are not differentiable.
+    /// (arguments without one get none); a `bool needs_d<name>` argument says whether the caller
+    /// wants that gradient (frontends pass whether `<name>` requires one), for a gradient that
+    /// costs extra work: when false the backward returns it empty (attention's float `mask`).
+    /// Returns whose gradient the backward does not take (`rstd`, `lse`) are not differentiable.
     fn backward(&self) -> Option<&'static str> {
         None
     }
@@ -163,7 +165,8 @@ pub(crate) fn reference_plan(entry: &Arc<OpEntry>, cx: &OpCx) -> Plan {
         // A reference rejects what `infer` let through only when the values are bad (an index
         // out of range): a kernel failure, reported like any kernel's.
         let values = entry.op.reference(&cx, &refs).unwrap_or_else(|e| panic!("{e}"));
-        for (i, v) in values.iter().enumerate() {
+        // An empty output has nothing to write (and its layout's offset may lie past its storage).
+        for (i, v) in values.iter().enumerate().filter(|(_, v)| !v.data.is_empty()) {
             let out = args.output(i);
             crate::dispatch_element!(out.meta().dtype, |T| {
                 // SAFETY: one block writes the whole (contiguous, staged if need be) output.

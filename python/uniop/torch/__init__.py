@@ -8,8 +8,9 @@ attaches, with no per-op code:
 - a fake kernel from the op's Rust ``infer`` (same shapes, dtypes and contiguous strides as the
   real kernel), so ``torch.compile`` traces through without graph breaks;
 - autograd from the op's backward op, wired by argument names (the convention documented on
-  ``uniop::Op::backward``: ``d<return>`` is a gradient in, ``d<arg>`` a gradient out, other
-  arguments are the forward's arguments or returns of the same name); returns the backward does
+  ``uniop::Op::backward``: ``d<return>`` is a gradient in, ``d<arg>`` a gradient out,
+  ``needs_d<arg>`` whether ``<arg>`` requires a gradient, other arguments are the forward's
+  arguments or returns of the same name); returns the backward does
   not take a gradient for (``rstd``, ``lse``) are marked non-differentiable;
 - autocast from the op's policy: GEMM-bound ops run in the region's lower precision, softmax-like
   reductions in float32, everything else in its inputs' dtype.
@@ -68,11 +69,14 @@ class _BackwardWiring:
     def __init__(self, fwd, bwd):
         fwd_args = [a["name"] for a in fwd.args]
         self.returns = list(fwd.returns)
-        self.sources = []  # per backward argument: ("grad", i) | ("arg", i) | ("out", i) | ("default", None)
+        # per backward argument: ("grad", i) | ("arg", i) | ("out", i) | ("needs", i) | ("default", None)
+        self.sources = []
         for a in bwd.args:
             name = a["name"]
             if name.startswith("d") and name[1:] in self.returns:
                 self.sources.append(("grad", self.returns.index(name[1:])))
+            elif name.startswith("needs_d") and name[7:] in fwd_args:
+                self.sources.append(("needs", fwd_args.index(name[7:])))
             elif name in fwd_args:
                 self.sources.append(("arg", fwd_args.index(name)))
             elif name in self.returns:
@@ -176,6 +180,8 @@ def _register_autograd(native, backward_native):
                 bwd_args.append(args_by_index[i])
             elif kind == "out":
                 bwd_args.append(outs[i])
+            elif kind == "needs":
+                bwd_args.append(i < len(ctx.needs_input_grad) and ctx.needs_input_grad[i] and ctx.is_tensor[i])
             else:
                 break  # the rest take their defaults
         result = backward_op(*bwd_args)
