@@ -2,7 +2,8 @@
 a model that uses one, through uniop and torch's SDPA in the same run.
 
     .venv/bin/python benches/masked_attention.py [--shape 1,32,2048,128] [--window 512] [--docs 4]
-                                                 [--model-tokens 2048] [--model-window 256] [--skip-model]
+                                                 [--bias-shape 4,8,512,64] [--model-tokens 2048]
+                                                 [--model-window 256] [--skip-model]
 
 1. The op: `uniop.attention(q, k, v, causal=True, mask=M)` against plain causal (what the mask's
    skipped tiles save) and against `scaled_dot_product_attention(q, k, v, attn_mask=M)` (SDPA given
@@ -11,7 +12,11 @@ a model that uses one, through uniop and torch's SDPA in the same run.
    documents of equal length, each causal within itself (boolean); ALiBi's causal biases (a float
    mask of the inputs' dtype, which hides only the tiles above the diagonal: it costs what plain
    causal does plus the bias). Best of 2 rounds (3 for the backward).
-2. A model: a tiny random Mistral (hidden 384, 6 layers, 6 query / 2 kv heads, sliding window
+2. A learned bias (`--bias-shape`, T5-encoder-like: bidirectional, a `[1, H, S, S]` float mask shared by
+   the batch, as T5's relative position bias): the backward with the bias requiring a gradient (dq,
+   dk, dv and dmask) against the same backward with a bias that requires none (what the dmask step
+   costs) and against SDPA's backward with `attn_mask` requiring a gradient. Best of 3.
+3. A model: a tiny random Mistral (hidden 384, 6 layers, 6 query / 2 kv heads, sliding window
    `--model-window`) prefilling `--model-tokens` tokens under transformers' `"sdpa"` attention and
    under `"uniop"` (`uniop.torch.register_attention()`; nothing else patched), alternated, best of 3.
 """
@@ -76,6 +81,28 @@ def op_rows(shape, window, docs):
                   f"| {sdpa:.1f} | {sdpa / ours:.2f}x |", flush=True)
 
 
+def bias_rows(shape):
+    b, h, s, d = shape
+    print("\n| dtype | shape | uniop backward with dmask ms | without ms | dmask's share | SDPA with dmask ms | vs SDPA |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = (torch.randn(b, h, s, d, dtype=dtype, requires_grad=True) for _ in range(3))
+        bias = torch.randn(1, h, s, s, dtype=dtype, requires_grad=True)
+        grad = torch.randn(b, h, s, d, dtype=dtype)
+
+        def backward(out, wrt):
+            return lambda: torch.autograd.grad(out, wrt, grad, retain_graph=True)
+
+        out = torch.ops.uniop.attention(q, k, v, None, False, None, bias)[0]
+        with_dmask = best_ms(backward(out, (q, k, v, bias)), 1, rounds=3)
+        out = torch.ops.uniop.attention(q, k, v, None, False, None, bias.detach())[0]
+        without = best_ms(backward(out, (q, k, v)), 1, rounds=3)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        sdpa = best_ms(backward(out, (q, k, v, bias)), 1, rounds=3)
+        print(f"| {dtype} | {b}x{h}x{s}x{d} | {with_dmask:.1f} | {without:.1f} | {with_dmask / without - 1:.0%} "
+              f"| {sdpa:.1f} | {sdpa / with_dmask:.2f}x |", flush=True)
+
+
 def model_rows(tokens, window):
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -110,6 +137,7 @@ def main():
     p.add_argument("--shape", default="1,32,2048,128", help="B,H,S,D of q, k and v")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--docs", type=int, default=4)
+    p.add_argument("--bias-shape", default="4,8,512,64", help="B,H,S,D of the learned-bias rows")
     p.add_argument("--model-tokens", type=int, default=2048)
     p.add_argument("--model-window", type=int, default=256)
     p.add_argument("--skip-model", action="store_true")
@@ -117,6 +145,7 @@ def main():
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}\n")
     op_rows([int(x) for x in args.shape.split(",")], args.window, args.docs)
+    bias_rows([int(x) for x in args.bias_shape.split(",")])
     if not args.skip_model:
         model_rows(args.model_tokens, args.model_window)
 

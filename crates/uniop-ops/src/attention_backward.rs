@@ -93,7 +93,7 @@ thread_local! {
 /// tiles' space, K and V read in place, P and dS rounded to bf16): where the CPU has
 /// AVX512-BF16's pair products. Elsewhere bf16 tiles are widened to f32 like f16's and run on
 /// the f32 GEMM — on AVX2 CPUs about twice as fast as the bf16 GEMM's widening micro-kernel.
-fn on_bf16_gemm(g: &Geometry) -> bool {
+pub(crate) fn on_bf16_gemm(g: &Geometry) -> bool {
     #[cfg(test)]
     if let Some(forced) = BF16_GEMM_FORCED.with(|f| f.get()) {
         return forced && g.dtype == DType::BF16;
@@ -129,7 +129,7 @@ fn block_scratch(g: &Geometry, bf16_gemm: bool) -> usize {
 }
 
 /// A bf16 input's elements (the kernel was dispatched for bf16).
-fn bf16_of<'a>(t: &uniop::TensorRef<'a>) -> &'a [bf16] {
+pub(crate) fn bf16_of<'a>(t: &uniop::TensorRef<'a>) -> &'a [bf16] {
     t.storage::<bf16>().expect("dtype dispatched")
 }
 
@@ -284,7 +284,7 @@ fn narrowed_grads<const WITH_P: bool, const NATIVE: bool>(
 
 /// The scale the scores still need, and `dK` with them: the bf16 GEMM's come unscaled (scaled as
 /// P is computed), the f32 path loads Q scaled.
-fn score_scale(g: &Geometry, bf16_gemm: bool) -> f32 {
+pub(crate) fn score_scale(g: &Geometry, bf16_gemm: bool) -> f32 {
     if bf16_gemm {
         g.scale
     } else {

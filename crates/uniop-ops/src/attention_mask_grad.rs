@@ -13,10 +13,11 @@
 //! its broadcast shape), walks every (batch, head, query, key) that maps into the tile, and sums
 //! there — no two units write one element, so the sums need no atomics and are deterministic.
 //! Two tile products per (query rows, key tile), as the split route's `dQ` launch (S and dP),
-//! on operands widened to f32: an extra ~40% of the backward's products, paid only when asked.
+//! on the bf16 GEMM for bf16 where the CPU has it, else on operands widened to f32: an extra 40%
+//! of the backward's products, paid only when asked.
 
-use crate::attention::{carve, f32_rows, row_len, scores, Geometry, TILE_KEYS};
-use crate::attention_backward::{probs_and_dscores_row, row_index, BackwardArgs};
+use crate::attention::{bf16_scores, bf16_tile, carve, f32_rows, row_len, scores, Geometry, TILE_KEYS};
+use crate::attention_backward::{bf16_of, on_bf16_gemm, probs_and_dscores_row, row_index, score_scale, BackwardArgs};
 use uniop::half::{bf16, f16};
 use uniop::{BlockCtx, DType, FloatElement, KernelArgs};
 
@@ -90,6 +91,8 @@ pub(crate) fn mask_grad_kernel<T: FloatElement>(
     let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
     let [qt, dot, kt, vt, st, dpt, sums] = carve(ws, MaskGrad::tiles(&g));
     let [mb, mh, mq, mk] = m.dims;
+    let bf16_gemm = on_bf16_gemm(&g);
+    let scale = score_scale(&g, bf16_gemm);
     let (qs, dos) = (a.q.storage::<T>().expect("dtype dispatched"), a.dout.storage::<T>().expect("dtype dispatched"));
     for u in ctx.split(m.units()) {
         let (bh, tile) = (u / (m.query_tiles() * m.key_tiles()), u % (m.query_tiles() * m.key_tiles()));
@@ -111,6 +114,12 @@ pub(crate) fn mask_grad_kernel<T: FloatElement>(
                     }
                     for r in 0..rows {
                         let (qa, da) = (a.q_rows.at(b, h, q0 + r), a.dout_rows.at(b, h, q0 + r));
+                        if bf16_gemm {
+                            // As they are, for the bf16 GEMM (the scale goes on the scores).
+                            bf16_tile(qt)[r * d..(r + 1) * d].copy_from_slice(&bf16_of(&a.q)[qa..qa + d]);
+                            bf16_tile(dot)[r * dv..(r + 1) * dv].copy_from_slice(&bf16_of(&a.dout)[da..da + dv]);
+                            continue;
+                        }
                         T::widen(&qs[qa..qa + d], &mut qt[r * d..(r + 1) * d]);
                         qt[r * d..(r + 1) * d].iter_mut().for_each(|x| *x *= g.scale);
                         T::widen(&dos[da..da + dv], &mut dot[r * dv..(r + 1) * dv]);
@@ -124,20 +133,41 @@ pub(crate) fn mask_grad_kernel<T: FloatElement>(
                         if lead == n {
                             continue;
                         }
-                        let kp = f32_rows::<T>(&a.k, a.k_rows, (b, hkv, k0 + lead), n - lead, d, kt);
-                        let vp = f32_rows::<T>(&a.v, a.v_rows, (b, hkv, k0 + lead), n - lead, dv, vt);
+                        let (ka, va) = (a.k_rows.at(b, hkv, k0 + lead), a.v_rows.at(b, hkv, k0 + lead));
                         // SAFETY: K/V rows k0+lead..k0+n of this head lie inside the checked views.
                         unsafe {
-                            scores(&mut st[lead..], TILE_KEYS, qt, d, rows, kp, n - lead);
-                            scores(&mut dpt[lead..], TILE_KEYS, dot, dv, rows, vp, n - lead);
+                            if bf16_gemm {
+                                let (kb, vb) = (bf16_of(&a.k)[ka..].as_ptr(), bf16_of(&a.v)[va..].as_ptr());
+                                bf16_scores(
+                                    &mut st[lead..],
+                                    bf16_tile(qt),
+                                    d,
+                                    rows,
+                                    (kb, a.k_rows.seq_stride()),
+                                    n - lead,
+                                );
+                                bf16_scores(
+                                    &mut dpt[lead..],
+                                    bf16_tile(dot),
+                                    dv,
+                                    rows,
+                                    (vb, a.v_rows.seq_stride()),
+                                    n - lead,
+                                );
+                            } else {
+                                let kp = f32_rows::<T>(&a.k, a.k_rows, (b, hkv, k0 + lead), n - lead, d, kt);
+                                let vp = f32_rows::<T>(&a.v, a.v_rows, (b, hkv, k0 + lead), n - lead, dv, vt);
+                                scores(&mut st[lead..], TILE_KEYS, qt, d, rows, kp, n - lead);
+                                scores(&mut dpt[lead..], TILE_KEYS, dot, dv, rows, vp, n - lead);
+                            }
                         }
                         for r in 0..rows {
                             let i = q0 + r;
                             let at = row_index(&g, b, h, i);
                             let visible = g.visible(len, i).saturating_sub(k0 + lead);
                             let (s, dp) = (&mut st[r * TILE_KEYS..][lead..n], &mut dpt[r * TILE_KEYS..][lead..n]);
-                            let visible = a.live_keys(s, (b, h, i), k0 + lead, visible, a.lse[at], 1.0);
-                            probs_and_dscores_row::<T>(s, dp, None, visible, 1.0, a.lse[at], delta[at]);
+                            let visible = a.live_keys(s, (b, h, i), k0 + lead, visible, a.lse[at], scale);
+                            probs_and_dscores_row::<T>(s, dp, None, visible, scale, a.lse[at], delta[at]);
                             // dp now holds dS; sum it into the mask element each score maps to.
                             let own_row = if mq == 1 { 0 } else { i - i0 };
                             let sum_row = &mut sums[own_row * TILE_KEYS..][..own_keys];
