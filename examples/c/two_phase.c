@@ -243,8 +243,34 @@ static void attention_reference(const float *q, const float *k, const float *v, 
     }
 }
 
-/* Causal attention [1, H, S, D], with a boolean and a float mask broadcast over the heads too;
- * then decode: append one token with kv_cache_append (in place) and attend with kv_lens. */
+/* The gradient of a float [S, S] mask broadcast over H heads (causal): the score gradient
+ * P * (dout . v - delta) of every head, summed, in double precision. */
+static void dmask_reference(const float *q, const float *k, const float *v, const float *dout, int H, int S,
+                            int D, const float *bias, double *want) {
+  double scale = 1.0 / sqrt((double)D);
+  for (int x = 0; x < S * S; x++) want[x] = 0.0;
+  for (int h = 0; h < H; h++)
+    for (int i = 0; i < S; i++) {
+      double p[S], dp[S], m = -INFINITY, sum = 0, delta = 0;
+      for (int j = 0; j <= i; j++) {
+        double s = 0;
+        for (int d = 0; d < D; d++) s += (double)q[(h * S + i) * D + d] * k[(h * S + j) * D + d];
+        p[j] = s * scale + bias[i * S + j];
+        if (p[j] > m) m = p[j];
+      }
+      for (int j = 0; j <= i; j++) sum += (p[j] = exp(p[j] - m));
+      for (int j = 0; j <= i; j++) {
+        p[j] /= sum;
+        dp[j] = 0;
+        for (int d = 0; d < D; d++) dp[j] += (double)dout[(h * S + i) * D + d] * v[(h * S + j) * D + d];
+        delta += p[j] * dp[j];
+      }
+      for (int j = 0; j <= i; j++) want[i * S + j] += p[j] * (dp[j] - delta);
+    }
+}
+
+/* Causal attention [1, H, S, D], with a boolean and a float mask broadcast over the heads too
+ * (and the float mask's gradient from attention_backward); then decode: append one token with kv_cache_append (in place) and attend with kv_lens. */
 static void test_attention_and_kv_cache(uniopStream stream) {
   enum { H = 2, S = 6, D = 8, SMAX = 8 };
   float q[H * S * D], k[H * S * D], v[H * S * D], o[H * S * D], lse[H * S];
@@ -288,6 +314,21 @@ static void test_attention_and_kv_cache(uniopStream stream) {
     expect_close(names[m], o, want_masked, H * S * D, 1e-5);
     OK(uniopDestroyTensor(masks[m]));
   }
+
+  /* o and lse are the float mask's forward: its gradient (needs_dmask), beside dq, dk and dv. */
+  float dout[H * S * D], dq[H * S * D], dk[H * S * D], dv[H * S * D], dmask[S * S];
+  fill(dout, H * S * D, 10);
+  uniopTensor *bias_t = uniopCreateTensor(md, 4, UNIOP_FLOAT, NULL, 0, UNIOP_FORMAT_ND, &m_storage, 1, alibi);
+  uniopTensor *grads[] = {dense(qd, 4, dout), dense(qd, 4, dq), dense(qd, 4, dk), dense(qd, 4, dv), dense(md, 4, dmask)};
+  CHECK(bias_t, "mask descriptor: %s", uniopGetRecentErrMsg());
+  OK(uniopAttentionBackwardGetWorkspaceSize(grads[0], in[0], in[1], in[2], out[0], out[1], NULL, true, NULL, bias_t,
+                                            true, grads[1], grads[2], grads[3], grads[4], &ws, &exec));
+  launch(uniopAttentionBackward, ws, exec, stream);
+  double want_dmask[S * S];
+  dmask_reference(q, k, v, dout, H, S, D, alibi, want_dmask);
+  expect_close("attention_backward dmask", dmask, want_dmask, S * S, 1e-5);
+  OK(uniopDestroyTensor(bias_t));
+  for (int g = 0; g < 5; g++) OK(uniopDestroyTensor(grads[g]));
 
   /* Caches hold tokens 0..S-2; append token S-1 at position S-1, in place. */
   float kc[H * SMAX * D], vc[H * SMAX * D];

@@ -1,6 +1,8 @@
-//! `attention_backward(dout, q, k, v, out, lse, kv_lens, causal, scale) -> (dq, dk, dv)`: the
-//! gradient of [`attention`](crate::attention), flash-style: probabilities are recomputed tile
-//! by tile from the saved `lse`, never stored whole.
+//! `attention_backward(dout, q, k, v, out, lse, kv_lens, causal, scale, mask, needs_dmask) ->
+//! (dq, dk, dv, dmask)`: the gradient of [`attention`](crate::attention), flash-style:
+//! probabilities are recomputed tile by tile from the saved `lse`, never stored whole. A float
+//! mask's own gradient, `dmask`, is a step of its own, run only when asked for
+//! ([`attention_mask_grad`](crate::attention_mask_grad)).
 //!
 //! With `P = exp(S − lse)`, `δ_i = Σ dout_i · out_i` and `dS = P ∘ (dout·Vᵀ − δ)`:
 //! `dV = Pᵀ·dout`, `dK = scale · dSᵀ·Q`, `dQ = scale · dS·K`.
