@@ -430,27 +430,8 @@ fn float_mask_gradients_sum_over_broadcast_dims() {
         (half, Tensor::from_slice(&full, &[2, 4, 300, 300]).unwrap()),
     ];
     for (typed, mask) in cases {
-        let (q, k, v) = (typed(&q, &q_shape), typed(&k, &kv_shape), typed(&v, &kv_shape));
-        let inputs = [Some(q.view()), Some(k.view()), Some(v.view()), None, Some(mask.view())];
-        let fwd = run_checked("attention", &inputs, &causal(true));
-        let out = typed(&fwd[0].iter().map(|&x| x as f32).collect::<Vec<_>>(), &q_shape);
-        let lse: Vec<f32> = fwd[1].iter().map(|&x| x as f32).collect();
-        let dout = typed(&dout, &q_shape);
-        let attrs = [("causal", true.into()), ("needs_dmask", true.into())];
-        let grads = run_checked(
-            "attention_backward",
-            &[
-                Some(dout.view()),
-                Some(q.view()),
-                Some(k.view()),
-                Some(v.view()),
-                Some(out.view()),
-                view(&lse, &q_shape[..3]),
-                None,
-                Some(mask.view()),
-            ],
-            &attrs,
-        );
+        let (q, k, v, dout) = (typed(&q, &q_shape), typed(&k, &kv_shape), typed(&v, &kv_shape), typed(&dout, &q_shape));
+        let grads = typed_backward_after_forward([&q, &k, &v, &dout], (None, Some(mask.view())), typed, &causal(true));
         assert_eq!(grads[3].len(), full.len());
     }
 }
@@ -491,24 +472,35 @@ fn backward_after_forward(
     (lens, mask): (Option<TensorRef>, Option<TensorRef>),
     attrs: &[(&str, AttrValue)],
 ) -> Vec<Vec<f64>> {
-    let fwd = run_checked(
-        "attention",
-        &[view(q, &q_shape), view(k, &kv_shape), view(v, &kv_shape), lens.clone(), mask.clone()],
-        attrs,
-    );
-    let (out, lse): (Vec<f32>, Vec<f32>) =
-        (fwd[0].iter().map(|&x| x as f32).collect(), fwd[1].iter().map(|&x| x as f32).collect());
+    let f32s = |x: &[f32], shape: &[usize]| Tensor::from_slice(x, shape).unwrap();
+    let (q, k, v, dout) = (f32s(q, &q_shape), f32s(k, &kv_shape), f32s(v, &kv_shape), f32s(dout, &q_shape));
+    typed_backward_after_forward([&q, &k, &v, &dout], (lens, mask), f32s, attrs)
+}
+
+/// [`backward_after_forward`] for q, k, v and dout of any one dtype, which `typed` makes from
+/// f32 values (the forward's out is passed back in it).
+fn typed_backward_after_forward(
+    [q, k, v, dout]: [&Tensor; 4],
+    (lens, mask): (Option<TensorRef>, Option<TensorRef>),
+    typed: impl Fn(&[f32], &[usize]) -> Tensor,
+    attrs: &[(&str, AttrValue)],
+) -> Vec<Vec<f64>> {
+    let fwd =
+        run_checked("attention", &[Some(q.view()), Some(k.view()), Some(v.view()), lens.clone(), mask.clone()], attrs);
+    let q_shape = q.view().shape().to_vec();
+    let out = typed(&fwd[0].iter().map(|&x| x as f32).collect::<Vec<_>>(), &q_shape);
+    let lse: Vec<f32> = fwd[1].iter().map(|&x| x as f32).collect();
     // A float mask's gradient is asked for (and checked against the reference) too.
     let needs_dmask = mask.as_ref().is_some_and(|m| m.dtype().is_float());
     let attrs: Vec<_> = attrs.iter().cloned().chain([("needs_dmask", AttrValue::Bool(needs_dmask))]).collect();
     run_checked(
         "attention_backward",
         &[
-            view(dout, &q_shape),
-            view(q, &q_shape),
-            view(k, &kv_shape),
-            view(v, &kv_shape),
-            view(&out, &q_shape),
+            Some(dout.view()),
+            Some(q.view()),
+            Some(k.view()),
+            Some(v.view()),
+            Some(out.view()),
             view(&lse, &q_shape[..3]),
             lens,
             mask,
@@ -594,23 +586,7 @@ fn attention_backward_bf16_spans_many_tiles() {
         bf16(&rand_vec(n / 2, 63), &kv_shape),
         bf16(&rand_vec(n, 64), &q_shape),
     );
-    let attrs = causal(true);
-    let fwd = run_checked("attention", &[Some(q.view()), Some(k.view()), Some(v.view()), None], &attrs);
-    let out = bf16(&fwd[0].iter().map(|&x| x as f32).collect::<Vec<_>>(), &q_shape);
-    let lse: Vec<f32> = fwd[1].iter().map(|&x| x as f32).collect();
-    run_checked(
-        "attention_backward",
-        &[
-            Some(dout.view()),
-            Some(q.view()),
-            Some(k.view()),
-            Some(v.view()),
-            Some(out.view()),
-            view(&lse, &q_shape[..3]),
-            None,
-        ],
-        &attrs,
-    );
+    typed_backward_after_forward([&q, &k, &v, &dout], (None, None), bf16, &causal(true));
 }
 
 #[test]
