@@ -213,8 +213,8 @@ pub extern "C" fn uniopAttention(
 /// Gradients of attention from its saved out and lse (same mask and scale rules). dk/dv sum over
 /// the q heads of each kv-head group; keys past kv_lens get zero gradient. dmask is the gradient of
 /// a float mask (its shape and dtype: the score gradient summed over the dims the mask is broadcast
-/// along) when needs_dmask, else an empty tensor; it costs about 40% more. Deterministic (no
-/// atomics).
+/// along) when needs_dmask, else an empty tensor; asking for it adds two tile products to the five
+/// (about half the time again). Deterministic (no atomics).
 #[no_mangle]
 pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
     dout: *const uniopTensor,

@@ -73,8 +73,9 @@ impl MaskGrad {
     }
 }
 
-/// The `dmask` step: one tile of the mask's elements per unit (see the module doc). `delta` is
-/// the δ rows the first step left at the workspace's start; `per_block` this step's scratch.
+/// The `dmask` step: one tile of the mask's elements per unit (see the module doc). It reads the
+/// δ rows the first step left at the workspace's start; `per_block` is its scratch per block,
+/// after them.
 pub(crate) fn mask_grad_kernel<T: FloatElement>(
     args: &KernelArgs,
     ctx: BlockCtx,
