@@ -379,6 +379,13 @@ def test_attention_float_mask_gradient_matches_sdpa(dtype, causal):
             assert err <= tol * (1 + want.grad.double().abs().max().item()), f"{shape} {name}: {err}"
     args = (dout, q, k, v, *torch.ops.uniop.attention(q, k, v, None, causal, None, bias), None, causal, None, bias)
     assert uniop.attention_backward(*args)[3].numel() == 0, "no dmask unless asked for"
+    # Autograd asks for it (the backward's dmask step runs) only when the mask requires a gradient.
+    for mask, wanted in ((bias.clone().requires_grad_(), True), (bias, False)):
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        with uniop.Profiler() as p:
+            torch.ops.uniop.attention(*xs, None, causal, None, mask)[0].backward(dout)
+        steps = {e["step"] for e in p.events()}
+        assert "attention_backward.delta" in steps and ("attention_backward.dmask" in steps) == wanted, steps
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "softmax", "matmul", "silu_mul", "embedding"])
