@@ -16,7 +16,7 @@
 //! on the bf16 GEMM for bf16 where the CPU has it, else on operands widened to f32: an extra 40%
 //! of the backward's products, paid only when asked.
 
-use crate::attention::{bf16_scores, bf16_tile, carve, f32_rows, row_len, scores, Geometry, TILE_KEYS};
+use crate::attention::{bf16_scores, bf16_tile, carve, f32_rows, load_scaled, row_len, scores, Geometry, TILE_KEYS};
 use crate::attention_backward::{bf16_of, on_bf16_gemm, probs_and_dscores_row, row_index, score_scale, BackwardArgs};
 use uniop::half::{bf16, f16};
 use uniop::{BlockCtx, DType, FloatElement, KernelArgs};
@@ -121,9 +121,8 @@ pub(crate) fn mask_grad_kernel<T: FloatElement>(
                             bf16_tile(dot)[r * dv..(r + 1) * dv].copy_from_slice(&bf16_of(&a.dout)[da..da + dv]);
                             continue;
                         }
-                        T::widen(&qs[qa..qa + d], &mut qt[r * d..(r + 1) * d]);
-                        qt[r * d..(r + 1) * d].iter_mut().for_each(|x| *x *= g.scale);
-                        T::widen(&dos[da..da + dv], &mut dot[r * dv..(r + 1) * dv]);
+                        load_scaled(qs, qa, &mut qt[r * d..(r + 1) * d], g.scale);
+                        load_scaled(dos, da, &mut dot[r * dv..(r + 1) * dv], 1.0);
                     }
                     for k0 in (keys.start..key_end).step_by(TILE_KEYS) {
                         let n = TILE_KEYS.min(key_end - k0);
