@@ -132,6 +132,10 @@ def kv_cache_append(k_cache, v_cache, k, v, positions):
 
 PEERS = {
     "rms_norm": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape[-1:], dtype=dt)), rms_norm),
+    # layer_norm's example: x, weight and bias over the last dim.
+    "layer_norm": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape[-1:], dtype=dt),
+                                      torch.randn(shape[-1:], dtype=dt)),
+                   lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b)),
     "silu": (lambda shape, dt: (torch.randn(shape, dtype=dt),), F.silu),
     "gelu": (lambda shape, dt: (torch.randn(shape, dtype=dt),), F.gelu),
     "add": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt)), lambda a, b: a + b),
@@ -199,6 +203,7 @@ PEERS = {
 BACKWARD = {
     "rms_norm_backward": ("rms_norm", (0, 1)),
     "add_rms_norm_backward": ("add_rms_norm", (0, 1, 2)),
+    "layer_norm_backward": ("layer_norm", (0, 1, 2)),
     "silu_mul_backward": ("silu_mul", (0, 1)),
     "swiglu_backward": ("swiglu", (0,)),
     "softmax_backward": ("softmax", (0,)),

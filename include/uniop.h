@@ -449,6 +449,53 @@ uniopStatus uniopKvCacheAppend(void *workspace,
                                uniopExecutor *executor,
                                uniopStream stream);
 
+// Phase 1 of `layer_norm(Tensor x, Tensor weight, Tensor? bias=None, float eps=1e-5) -> (Tensor y, Tensor mean, Tensor rstd)`.
+//
+// Layer normalization (torch.nn.functional.layer_norm): y = (x - mean) / sqrt(var + eps) * weight
+// + bias over the trailing dims matching weight's shape, var biased (divided by n). mean and rstd
+// (float32, normalized dims kept as 1) are returned for the backward. weight: same dtype as x, or
+// float32; bias (optional): weight's shape and dtype. f16/bf16 accumulate in float32; the variance
+// is summed around the mean (a second pass over the row in cache), so a large common offset costs
+// no precision.
+uniopStatus uniopLayerNormGetWorkspaceSize(const uniopTensor *x,
+                                           const uniopTensor *weight,
+                                           const uniopTensor *bias,
+                                           double eps,
+                                           uniopTensor *y,
+                                           uniopTensor *mean,
+                                           uniopTensor *rstd,
+                                           uint64_t *workspaceSize,
+                                           uniopExecutor **executor);
+
+// Phase 2 of `layer_norm`: launches the executor from `uniopLayerNormGetWorkspaceSize` on `stream`.
+uniopStatus uniopLayerNorm(void *workspace,
+                           uint64_t workspaceSize,
+                           uniopExecutor *executor,
+                           uniopStream stream);
+
+// Phase 1 of `layer_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
+//
+// Gradients of layer_norm: dx (dtype of x), dweight and dbias (dtype of weight; dbias = dy summed
+// over rows, to ignore when the layer has no bias), from the upstream gradient dy and the mean and
+// rstd saved by the forward. Deterministic: the dweight and dbias partials are per block, summed
+// in a fixed order.
+uniopStatus uniopLayerNormBackwardGetWorkspaceSize(const uniopTensor *dy,
+                                                   const uniopTensor *x,
+                                                   const uniopTensor *weight,
+                                                   const uniopTensor *mean,
+                                                   const uniopTensor *rstd,
+                                                   uniopTensor *dx,
+                                                   uniopTensor *dweight,
+                                                   uniopTensor *dbias,
+                                                   uint64_t *workspaceSize,
+                                                   uniopExecutor **executor);
+
+// Phase 2 of `layer_norm_backward`: launches the executor from `uniopLayerNormBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopLayerNormBackward(void *workspace,
+                                   uint64_t workspaceSize,
+                                   uniopExecutor *executor,
+                                   uniopStream stream);
+
 // Phase 1 of `linear(Tensor x, Tensor weight, Tensor? bias=None) -> (Tensor y)`.
 //
 // y = x @ weight^T + bias, weight [out_features, in_features] (torch.nn.functional.linear / HF

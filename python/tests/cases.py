@@ -42,6 +42,15 @@ def rms_ref(x, w, eps=1e-6):
     return x64 * rstd * w.to(D), rstd
 
 
+def layer_norm_ref(x, w, b, eps=1e-5):
+    """torch's layer_norm in float64, with its saved mean and rstd (normalized dim kept)."""
+    x64 = x.to(D)
+    mean = x64.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(x64.var(-1, unbiased=False, keepdim=True) + eps)
+    y = F.layer_norm(x64, x64.shape[-1:], w.to(D), None if b is None else b.to(D), eps)
+    return y, mean, rstd
+
+
 def rope_half_ref(x, cos, sin):
     x = x.to(D)
     d = x.shape[-1]
@@ -167,6 +176,23 @@ def _cases():
             return _vjp(fwd, (total, zero, w), (dy, dsum), (0, 1, 2))
 
         return (dy, dsum, total, w, rstd), ref
+
+    @case
+    def layer_norm(dt, strided):
+        # An offset of 8 on unit-spread rows: a variance taken as E[x²] − mean² would lose it.
+        x = _rand(6, 16, dtype=dt, strided=strided) + 8
+        return (x, torch.randn(16).to(dt), torch.randn(16).to(dt), 1e-5), layer_norm_ref
+
+    @case
+    def layer_norm_backward(dt, strided):
+        x, w, dy = _rand(6, 16, dtype=dt, strided=strided), torch.randn(16).to(dt), torch.randn(6, 16).to(dt)
+        _, mean, rstd = layer_norm_ref(x, w, None)
+        bias = torch.zeros(16, dtype=D)
+
+        def ref(dy, x, w, mean, rstd):
+            return _vjp(lambda x, w, b: layer_norm_ref(x, w, b)[0], (x, w, bias), (dy,), (0, 1, 2))
+
+        return (dy, x, w, _stat(mean, dt), _stat(rstd, dt)), ref
 
     @case
     def rope(dt, strided):

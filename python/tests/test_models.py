@@ -74,6 +74,38 @@ def test_block_matches_plain_torch_values_and_grads():
         assert torch.allclose(got[name], g, atol=2e-5, rtol=1e-4), name
 
 
+@pytest.mark.parametrize(
+    "x_dtype, param_dtype, affine, bias",
+    [
+        (torch.float32, torch.float32, True, True),
+        (torch.bfloat16, torch.bfloat16, True, True),
+        (torch.bfloat16, torch.float32, True, False),
+        (torch.float16, torch.float16, False, False),
+    ],
+)
+def test_layer_norm_module_matches_torch_layer_norm(x_dtype, param_dtype, affine, bias):
+    """unn.LayerNorm loads torch.nn.LayerNorm's state dict and gives its outputs (in the input's
+    dtype) and gradients, on GPT-2-like rows with a large common offset."""
+    torch.manual_seed(0)
+    ref = nn.LayerNorm(96, eps=1e-5, elementwise_affine=affine, bias=bias, dtype=param_dtype)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn_like(p))
+    ours = unn.LayerNorm(96, eps=1e-5, elementwise_affine=affine, bias=bias, dtype=param_dtype)
+    ours.load_state_dict(ref.state_dict())
+    x = (torch.randn(3, 7, 96) * 2 + 30).to(x_dtype)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    ys = [m(t) for m, t in zip((ours, ref), xs)]
+    assert ys[0].dtype == ys[1].dtype == x_dtype
+    tol = dict(atol=1e-5, rtol=1e-5) if x_dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(ys[0], ys[1], **tol)
+    dy = torch.randn_like(ys[0])
+    grads = [torch.autograd.grad(y, [t, *m.parameters()], dy) for y, t, m in zip(ys, xs, (ours, ref))]
+    for got, want in zip(*grads):
+        # Gradients summed over 21 rows (dweight, dbias) keep bf16/f16 roundings of each term.
+        torch.testing.assert_close(got, want, **(tol if x_dtype == torch.float32 else dict(atol=0.3, rtol=5e-2)))
+
+
 def test_attention_module_takes_a_padding_mask():
     """unn.Attention with a tokenizer's [B, S] padding mask equals SDPA with the padding and causal
     masks combined, values and gradients, at the real positions (left-padded ones get 0)."""

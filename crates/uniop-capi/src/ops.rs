@@ -614,6 +614,94 @@ pub extern "C" fn uniopKvCacheAppend(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
+/// Phase 1 of `layer_norm(Tensor x, Tensor weight, Tensor? bias=None, float eps=1e-5) -> (Tensor y, Tensor mean, Tensor rstd)`.
+///
+/// Layer normalization (torch.nn.functional.layer_norm): y = (x - mean) / sqrt(var + eps) * weight
+/// + bias over the trailing dims matching weight's shape, var biased (divided by n). mean and rstd
+/// (float32, normalized dims kept as 1) are returned for the backward. weight: same dtype as x, or
+/// float32; bias (optional): weight's shape and dtype. f16/bf16 accumulate in float32; the variance
+/// is summed around the mean (a second pass over the row in cache), so a large common offset costs
+/// no precision.
+#[no_mangle]
+pub extern "C" fn uniopLayerNormGetWorkspaceSize(
+    x: *const uniopTensor,
+    weight: *const uniopTensor,
+    bias: *const uniopTensor,
+    eps: f64,
+    y: *mut uniopTensor,
+    mean: *mut uniopTensor,
+    rstd: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLayerNormGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 3] = [("x", x), ("weight", weight), ("bias", bias)];
+        let attrs: [(&str, AttrValue); 1] = [("eps", AttrValue::Float(eps))];
+        let outputs = [
+            ("y", y as *const uniopTensor),
+            ("mean", mean as *const uniopTensor),
+            ("rstd", rstd as *const uniopTensor),
+        ];
+        plan("layer_norm", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `layer_norm`: launches the executor from `uniopLayerNormGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLayerNorm(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `layer_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
+///
+/// Gradients of layer_norm: dx (dtype of x), dweight and dbias (dtype of weight; dbias = dy summed
+/// over rows, to ignore when the layer has no bias), from the upstream gradient dy and the mean and
+/// rstd saved by the forward. Deterministic: the dweight and dbias partials are per block, summed
+/// in a fixed order.
+#[no_mangle]
+pub extern "C" fn uniopLayerNormBackwardGetWorkspaceSize(
+    dy: *const uniopTensor,
+    x: *const uniopTensor,
+    weight: *const uniopTensor,
+    mean: *const uniopTensor,
+    rstd: *const uniopTensor,
+    dx: *mut uniopTensor,
+    dweight: *mut uniopTensor,
+    dbias: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLayerNormBackwardGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 5] =
+            [("dy", dy), ("x", x), ("weight", weight), ("mean", mean), ("rstd", rstd)];
+        let attrs: [(&str, AttrValue); 0] = [];
+        let outputs = [
+            ("dx", dx as *const uniopTensor),
+            ("dweight", dweight as *const uniopTensor),
+            ("dbias", dbias as *const uniopTensor),
+        ];
+        plan("layer_norm_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `layer_norm_backward`: launches the executor from `uniopLayerNormBackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLayerNormBackward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
 /// Phase 1 of `linear(Tensor x, Tensor weight, Tensor? bias=None) -> (Tensor y)`.
 ///
 /// y = x @ weight^T + bias, weight [out_features, in_features] (torch.nn.functional.linear / HF

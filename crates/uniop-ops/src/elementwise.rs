@@ -254,6 +254,18 @@ pub unsafe fn store_natively<T: FloatElement>(src: &[f32; LANES], out: &mut [T],
     }
 }
 
+/// `LANES` results into `out` (`LANES` long), by the CPU's narrowing instruction when `NATIVE`
+/// (only where `T::converts_natively()`), past the cache when `streaming`.
+#[inline(always)]
+pub fn store_step<T: FloatElement, const NATIVE: bool>(src: &[f32; LANES], out: &mut [T], streaming: bool) {
+    if NATIVE {
+        // SAFETY: `NATIVE` only where `T::converts_natively()` (the caller's contract).
+        unsafe { store_natively(src, out, streaming) }
+    } else {
+        store_lanes(src, out, streaming)
+    }
+}
+
 /// Stores `LANES` results into a dense output run, streaming past the cache when asked.
 #[inline(always)]
 fn store_lanes<T: FloatElement>(src: &[f32; LANES], dst: &mut [T], streaming: bool) {

@@ -38,6 +38,8 @@ mod flash_backward_avx2;
 pub mod gelu;
 pub mod gelu_backward;
 pub mod kv_cache_append;
+pub mod layer_norm;
+pub mod layer_norm_backward;
 pub mod linear;
 pub mod linear_add;
 pub mod linear_add_backward;
@@ -115,6 +117,8 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(rms_norm_backward::RmsNormBackward),
         Box::new(add_rms_norm::AddRmsNorm),
         Box::new(add_rms_norm_backward::AddRmsNormBackward),
+        Box::new(layer_norm::LayerNorm),
+        Box::new(layer_norm_backward::LayerNormBackward),
         Box::new(rope::Rope),
         Box::new(rope_backward::RopeBackward),
         Box::new(rope_cos_sin::RopeCosSin),

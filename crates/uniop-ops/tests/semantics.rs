@@ -2068,3 +2068,119 @@ fn packed_weights_give_the_plain_ops_results_and_refuse_mismatches() {
     let err = plan_err("pack_weight", &[Some(w), Some(up)], &[], vec![]);
     assert_eq!(err.message(), "pack_weight: argument 'up_weight': expected shape [2, 3], got shape [3, 2]");
 }
+
+// ---------------------------------------------------------------- layer_norm
+
+/// layer_norm_backward's dx, dweight and dbias against central finite differences of the
+/// forward's f64 reference (an independent check of the formulas), with the kernel's mean and
+/// rstd fed through as autograd does.
+#[test]
+fn layer_norm_backward_matches_finite_differences() {
+    setup();
+    let (rows, cols) = (3, 70);
+    let (x, w, b, dy) = (rand_vec(rows * cols, 11), rand_vec(cols, 12), rand_vec(cols, 13), rand_vec(rows * cols, 14));
+    let (tx, tw, tb) = (
+        TensorRef::new(&x, &[rows, cols]).unwrap(),
+        TensorRef::new(&w, &[cols]).unwrap(),
+        TensorRef::new(&b, &[cols]).unwrap(),
+    );
+    let fwd = run_checked("layer_norm", &[Some(tx.clone()), Some(tw.clone()), Some(tb)], &[]);
+    let [mean, rstd] = [&fwd[1], &fwd[2]].map(|v| v.iter().map(|&v| v as f32).collect::<Vec<_>>());
+    let grads = run_checked(
+        "layer_norm_backward",
+        &[
+            Some(TensorRef::new(&dy, &[rows, cols]).unwrap()),
+            Some(tx),
+            Some(tw),
+            Some(TensorRef::new(&mean, &[rows, 1]).unwrap()),
+            Some(TensorRef::new(&rstd, &[rows, 1]).unwrap()),
+        ],
+        &[],
+    );
+    let f64s = |v: &[f32]| v.iter().map(|&v| v as f64).collect::<Vec<_>>();
+    let inputs = [(f64s(&x), vec![rows, cols]), (f64s(&w), vec![cols]), (f64s(&b), vec![cols])];
+    for (wrt, got) in grads.iter().enumerate() {
+        let want = finite_difference("layer_norm", &inputs, &[], &f64s(&dy), wrt);
+        for (i, (g, n)) in got.iter().zip(&want).enumerate() {
+            assert!((g - n).abs() <= 1e-3 * (1.0 + n.abs()), "gradient {wrt} [{i}]: {g} against {n}");
+        }
+    }
+}
+
+/// Rows of f32 activations around 1000 with a spread of 1: the variance is summed around the
+/// mean, so rstd keeps f32's precision (Σx²/n − mean² would lose about 0.1 of a variance of 1
+/// here), and y is off by what f32's mean carries (ulp(1000)/2 · rstd: relative to the reference's
+/// y near 0 that is large, which is why this test judges y by its absolute error).
+#[test]
+fn layer_norm_keeps_precision_under_a_large_offset() {
+    setup();
+    let (rows, cols) = (4, 4096);
+    let x: Vec<f32> = rand_vec(rows * cols, 21).iter().map(|v| 1000.0 + 3.4 * (v - 0.5)).collect();
+    let w = vec![1f32; cols];
+    let out = run_unchecked(
+        "layer_norm",
+        &[Some(TensorRef::new(&x, &[rows, cols]).unwrap()), Some(TensorRef::new(&w, &[cols]).unwrap())],
+        &[],
+    );
+    for r in 0..rows {
+        let row: Vec<f64> = x[r * cols..(r + 1) * cols].iter().map(|&v| v as f64).collect();
+        let mean = row.iter().sum::<f64>() / cols as f64;
+        let rstd = 1.0 / (row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / cols as f64 + 1e-5).sqrt();
+        assert!((out[2][r] - rstd).abs() < 1e-4 * rstd, "row {r}: rstd {} against {rstd}", out[2][r]);
+        for c in 0..cols {
+            let want = (row[c] - mean) * rstd;
+            assert!(
+                (out[0][r * cols + c] - want).abs() < 2e-4,
+                "y[{r}, {c}] = {} against {want}",
+                out[0][r * cols + c]
+            );
+        }
+    }
+}
+
+#[test]
+fn layer_norm_bad_inputs_name_the_argument() {
+    setup();
+    let (x, w4, w3) = ([0f32; 8], [0f32; 4], [0f32; 3]);
+    let b16 = [uniop::half::bf16::ZERO; 4];
+    let (mean, mean_wide) = ([0f32; 2], [0f32; 8]);
+    let tx = || Some(TensorRef::new(&x, &[2, 4]).unwrap());
+    let tw = || Some(TensorRef::new(&w4, &[4]).unwrap());
+    let cases: Vec<(uniop::Error, ErrorCode, &str)> = vec![
+        (
+            plan_err("layer_norm", &[tx(), tw(), Some(TensorRef::new(&w3, &[3]).unwrap())], &[], vec![]),
+            ErrorCode::Shape,
+            "layer_norm: argument 'bias': expected shape [4], got shape [3]",
+        ),
+        (
+            plan_err("layer_norm", &[tx(), tw(), Some(TensorRef::new(&b16, &[4]).unwrap())], &[], vec![]),
+            ErrorCode::DType,
+            "layer_norm: argument 'bias': expected dtype float32 (same as 'weight'), got bfloat16",
+        ),
+        (
+            plan_err("layer_norm", &[tx(), Some(TensorRef::new(&w3, &[3]).unwrap()), None], &[], vec![]),
+            ErrorCode::Shape,
+            "layer_norm: argument 'weight': expected a non-empty shape equal to trailing dims of x [2, 4], got [3]",
+        ),
+        (
+            plan_err(
+                "layer_norm_backward",
+                &[
+                    tx(),
+                    tx(),
+                    tw(),
+                    Some(TensorRef::new(&mean_wide, &[2, 4]).unwrap()),
+                    Some(TensorRef::new(&mean, &[2, 1]).unwrap()),
+                ],
+                &[],
+                vec![],
+            ),
+            ErrorCode::Shape,
+            "layer_norm_backward: argument 'mean': expected shape [2, 1], got shape [2, 4]",
+        ),
+    ];
+    for (err, code, message) in cases {
+        assert_eq!(err.code(), code, "{err}");
+        assert_eq!(err.message(), message);
+    }
+}

@@ -9,6 +9,8 @@ dtype rules, so a state dict loads into either and the modules drop into a Llama
   activation alone).
 - :class:`RotaryEmbedding` — HF's default rope: ``forward(x, position_ids) -> (cos, sin)`` shaped
   ``[B, S, head_dim]`` in ``x``'s dtype; :func:`apply_rotary_pos_emb` applies them (HF signature).
+- :class:`LayerNorm` — ``torch.nn.LayerNorm`` (GPT-2, BERT, Falcon, Phi): ``weight``, ``bias``;
+  output in the input's dtype, as torch's.
 - :class:`Attention` — ``LlamaAttention``'s projections ``q_proj``/``k_proj``/``v_proj``/``o_proj``
   with GQA, rope and uniop's flash attention (causal).
 """
@@ -87,6 +89,33 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class LayerNorm(nn.Module):
+    """``torch.nn.LayerNorm`` over the last dims (``normalized_shape``) on uniop's ``layer_norm``,
+    with its parameter names (``weight``, ``bias``) and its dtype rule: the output in the input's
+    dtype, float32 parameters taken as they are. Without ``elementwise_affine`` the weight is a
+    float32 ones buffer (``layer_norm`` takes a weight)."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, dtype=None):
+        super().__init__()
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        self.normalized_shape, self.eps, self.elementwise_affine = shape, eps, elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(shape, dtype=dtype))
+            self.bias = nn.Parameter(torch.zeros(shape, dtype=dtype)) if bias else None
+        else:
+            self.register_buffer("weight", torch.ones(shape), persistent=False)
+            self.bias = None
+
+    def forward(self, x):
+        weight, bias = self.weight, self.bias
+        if weight.dtype not in (x.dtype, torch.float32):
+            weight, bias = weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
+        return uniop_ops.layer_norm(x, weight, bias, self.eps)[0]
+
+    def extra_repr(self):
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
 class SwiGLUMLP(nn.Module):

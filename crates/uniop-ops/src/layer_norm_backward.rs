@@ -1,0 +1,236 @@
+//! `layer_norm_backward(dy, x, weight, mean, rstd) -> (dx, dweight, dbias)`, the gradient of
+//! [`layer_norm`](crate::layer_norm).
+//!
+//! With x̂ = (x − mean)·rstd, g = dy·w and n normalized elements per row:
+//! dx = rstd·(g − mean(g) − x̂·mean(g·x̂)), dweight = Σ_rows dy·x̂, dbias = Σ_rows dy.
+//!
+//! Two launches, as `rms_norm_backward`: each block computes dx for its rows and accumulates
+//! private f32 partials of dweight and dbias in the workspace (no atomics, deterministic); a second
+//! launch sums the partials column by column, in an order fixed by the plan.
+
+use crate::elementwise::{converts_with, store_step, widen_lanes, Aligned, CHUNK, LANES};
+use crate::math;
+use crate::rms_norm::{norm_shape, NormShape};
+use uniop::{
+    block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
+    OpCx, Plan, RefTensor, Result, Step, TensorMeta,
+};
+
+pub struct LayerNormBackward;
+
+/// One row: its dx, and its `dy·x̂` and `dy` added to the block's dweight and dbias partials.
+/// Steps of `LANES`, then a short tail element by element.
+#[inline(always)]
+fn backward_row<T: FloatElement, W: FloatElement, const NATIVE: bool>(
+    (dy, x, w): (&[T], &[T], &[W]),
+    (mean, rstd): (f32, f32),
+    dx: &mut [T],
+    (dw, db): (&mut [f32], &mut [f32]),
+) {
+    const { assert!(converts_with::<T, W>(), "weight in x's dtype or f32") };
+    let (n, tail) = (x.len(), x.len() / LANES * LANES);
+    let steps = || dy.chunks_exact(LANES).zip(x.chunks_exact(LANES)).zip(w.chunks_exact(LANES));
+    let widened = |c: &[T]| widen_lanes::<T, NATIVE, LANES>(c.try_into().expect("LANES elements"));
+    let (mut sum_g, mut sum_gx) = ([0f32; LANES], [0f32; LANES]);
+    for ((dc, xc), wc) in steps() {
+        let (d, xv, wv) = (widened(dc), widened(xc), widen_lanes::<W, NATIVE, LANES>(wc.try_into().expect("LANES")));
+        for i in 0..LANES {
+            let g = d[i] * wv[i];
+            sum_g[i] += g;
+            sum_gx[i] += g * (xv[i] - mean) * rstd;
+        }
+    }
+    let (mut tail_g, mut tail_gx) = (0.0, 0.0);
+    for i in tail..n {
+        let g = dy[i].to_f32() * w[i].to_f32();
+        (tail_g, tail_gx) = (tail_g + g, tail_gx + g * (x[i].to_f32() - mean) * rstd);
+    }
+    let mean_g = (math::sum_lanes(sum_g) + tail_g) / n as f32;
+    let mean_gx = (math::sum_lanes(sum_gx) + tail_gx) / n as f32;
+    let sums = dw.chunks_exact_mut(LANES).zip(db.chunks_exact_mut(LANES));
+    for ((((dc, xc), wc), dxc), (dwc, dbc)) in steps().zip(dx.chunks_exact_mut(LANES)).zip(sums) {
+        let (d, xv, wv) = (widened(dc), widened(xc), widen_lanes::<W, NATIVE, LANES>(wc.try_into().expect("LANES")));
+        let mut out = Aligned([0f32; LANES]);
+        for i in 0..LANES {
+            let xhat = (xv[i] - mean) * rstd;
+            out[i] = rstd * (d[i] * wv[i] - mean_g - xhat * mean_gx);
+            dwc[i] += d[i] * xhat;
+            dbc[i] += d[i];
+        }
+        store_step::<T, NATIVE>(&out, dxc, false);
+    }
+    for i in tail..n {
+        let (d, xhat) = (dy[i].to_f32(), (x[i].to_f32() - mean) * rstd);
+        dx[i] = T::from_f32(rstd * (d * w[i].to_f32() - mean_g - xhat * mean_gx));
+        dw[i] += d * xhat;
+        db[i] += d;
+    }
+}
+
+crate::simd_kernel! {
+fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &Rows) {
+    let (dy, x, w, mean, rstd) = (args.input(0), args.input(1), args.input(2), args.input(3), args.input(4));
+    let dx = args.output(0);
+    let w = &w.storage::<W>().expect("dtype dispatched")[w.layout().offset()..][..s.cols];
+    let (dys, xs) = (dy.storage::<T>().unwrap(), x.storage::<T>().unwrap());
+    let (means, rstds) = (mean.storage::<f32>().unwrap(), rstd.storage::<f32>().unwrap());
+    // SAFETY: block b owns partial row b of the workspace (dweight's, then dbias's).
+    let partial = unsafe { args.workspace::<f32>(ctx.block_idx as usize * 2 * s.cols, 2 * s.cols) };
+    partial.fill(0.0);
+    let (dw, db) = partial.split_at_mut(s.cols);
+    for r in ctx.split(s.rows) {
+        let (dyo, xo) = (dy.layout().outer_offset(r, s.inner_dims), x.layout().outer_offset(r, s.inner_dims));
+        let stats = (means[mean.layout().offset_of_linear(r)], rstds[rstd.layout().offset_of_linear(r)]);
+        // SAFETY: this block owns row r of dx.
+        let dxrow = unsafe { dx.slice_mut::<T>(dx.layout().outer_offset(r, s.inner_dims), s.cols) };
+        let rows = (&dys[dyo..dyo + s.cols], &xs[xo..xo + s.cols], w);
+        if T::converts_natively() {
+            backward_row::<T, W, true>(rows, stats, dxrow, (dw, db));
+        } else {
+            backward_row::<T, W, false>(rows, stats, dxrow, (dw, db));
+        }
+    }
+}
+}
+
+crate::simd_kernel! {
+/// Column ranges `split(cols)` of dweight and dbias: the blocks' partials summed in block order.
+fn reduce_kernel<W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, cols: usize, partials: usize) {
+    let range = ctx.split(cols);
+    for (output, part_offset) in [(1, 0), (2, cols)] {
+        let out = args.output(output);
+        let mut sum = [0f32; CHUNK];
+        for start in range.clone().step_by(CHUNK) {
+            let len = CHUNK.min(range.end - start);
+            sum[..len].fill(0.0);
+            for p in 0..partials {
+                // SAFETY: the first launch has finished; every block of this one only reads.
+                let part: &[f32] = unsafe { args.workspace::<f32>(p * 2 * cols + part_offset + start, len) };
+                sum.iter_mut().zip(part).for_each(|(acc, v)| *acc += v);
+            }
+            // SAFETY: blocks own disjoint column ranges of the (contiguous) dweight and dbias.
+            W::narrow(&sum[..len], unsafe { out.slice_mut::<W>(out.layout().offset() + start, len) });
+        }
+    }
+}
+}
+
+/// Plan-time constants of the dx kernel.
+#[derive(Clone, Copy)]
+struct Rows {
+    rows: usize,
+    cols: usize,
+    inner_dims: usize,
+}
+
+/// The checks of the backward's tensors: the forward's x and weight, dy like x, and mean and rstd
+/// as the forward returns them.
+fn check(cx: &OpCx) -> Result<NormShape> {
+    let s = norm_shape(cx, "x", "weight")?;
+    cx.expect_same_dtype("dy", s.dtype, "x")?;
+    cx.expect_shape("dy", cx.input("x").shape())?;
+    let want = cx.statistics_dtype();
+    for stat in ["mean", "rstd"] {
+        let t = cx.input(stat);
+        if t.dtype != want {
+            return Err(cx.err(ErrorCode::DType, stat, format!("dtype {want} (as layer_norm returns it)"), t.dtype));
+        }
+        cx.expect_shape(stat, &s.rstd_shape)?;
+    }
+    Ok(s)
+}
+
+impl Op for LayerNormBackward {
+    fn schema(&self) -> &'static str {
+        "layer_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor dx, Tensor \
+         dweight, Tensor dbias)"
+    }
+
+    fn doc(&self) -> &'static str {
+        "Gradients of layer_norm: dx (dtype of x), dweight and dbias (dtype of weight; dbias = dy summed over \
+         rows, to ignore when the layer has no bias), from the upstream gradient dy and the mean and rstd saved \
+         by the forward. Deterministic: the dweight and dbias partials are per block, summed in a fixed order."
+    }
+
+    fn dtypes(&self) -> &'static [DType] {
+        crate::rms_norm::DTYPES
+    }
+
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        let s = check(cx)?;
+        let w = cx.input("weight");
+        let param = TensorMeta::contiguous(w.dtype, w.shape())?;
+        Ok(vec![TensorMeta::contiguous(s.dtype, cx.input("x").shape())?, param.clone(), param])
+    }
+
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        let s = check(cx)?;
+        let rows = Rows { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims };
+        let blocks = block_dim_for(s.rows, 3 * s.cols * s.dtype.size());
+        let reduce_blocks = block_dim_for(s.cols, 8 * blocks as usize);
+        let partials = blocks as usize;
+        let workspace = partials
+            .checked_mul(2 * s.cols)
+            .and_then(|n| n.checked_mul(4))
+            .ok_or_else(|| cx.err(ErrorCode::Shape, "x", "a size whose workspace fits in memory", s.cols))?;
+        let cols = s.cols;
+        let steps = with_float_dtype!(s.dtype, cx.op(), "x", |T| {
+            if cx.input("weight").dtype == DType::F32 {
+                vec![
+                    Step::new("layer_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, f32>(a, c, &rows)),
+                    Step::new("layer_norm_backward.dweight", reduce_blocks, move |a, c| {
+                        reduce_kernel::<f32>(a, c, cols, partials)
+                    }),
+                ]
+            } else {
+                vec![
+                    Step::new("layer_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, T>(a, c, &rows)),
+                    Step::new("layer_norm_backward.dweight", reduce_blocks, move |a, c| {
+                        reduce_kernel::<T>(a, c, cols, partials)
+                    }),
+                ]
+            }
+        });
+        let row = s.row_need();
+        Ok(Plan::new(steps)
+            .workspace(workspace)
+            .inputs_need(vec![row, row, LayoutNeed::Contiguous, LayoutNeed::Any, LayoutNeed::Any])
+            .outputs_need(vec![row, LayoutNeed::Contiguous, LayoutNeed::Contiguous]))
+    }
+
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        let s = check(cx)?;
+        let [dy, x, w, mean, rstd] = [0, 1, 2, 3, 4].map(|i| inputs[i].as_ref().unwrap());
+        let n = s.cols;
+        let (mut dx, mut dw, mut db) = (vec![0.0; x.data.len()], vec![0.0; n], vec![0.0; n]);
+        for r in 0..s.rows {
+            let (dyr, xr) = (&dy.data[r * n..(r + 1) * n], &x.data[r * n..(r + 1) * n]);
+            let xhat: Vec<f64> = xr.iter().map(|v| (v - mean.data[r]) * rstd.data[r]).collect();
+            let g: Vec<f64> = (0..n).map(|i| dyr[i] * w.data[i]).collect();
+            let mean_g = g.iter().sum::<f64>() / n as f64;
+            let mean_gx = (0..n).map(|i| g[i] * xhat[i]).sum::<f64>() / n as f64;
+            for i in 0..n {
+                dx[r * n + i] = rstd.data[r] * (g[i] - mean_g - xhat[i] * mean_gx);
+                dw[i] += dyr[i] * xhat[i];
+                db[i] += dyr[i];
+            }
+        }
+        let w_shape = cx.input("weight").shape();
+        Ok(vec![RefTensor::new(cx.input("x").shape(), dx), RefTensor::new(w_shape, dw), RefTensor::new(w_shape, db)])
+    }
+
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        let shape = shape.unwrap_or(&[4096, 4096]);
+        let split = shape.len().saturating_sub(1);
+        let x = TensorMeta::contiguous(dtype, shape)?;
+        let w = TensorMeta::contiguous(dtype, &shape[split..])?;
+        let mut stat_shape = shape[..split].to_vec();
+        stat_shape.push(1);
+        let stat = TensorMeta::contiguous(DType::F32, &stat_shape)?;
+        Ok(Example {
+            inputs: vec![Some(x.clone()), Some(x), Some(w), Some(stat.clone()), Some(stat)],
+            attrs: vec![],
+            ..Default::default()
+        })
+    }
+}
