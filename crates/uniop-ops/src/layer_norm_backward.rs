@@ -8,7 +8,7 @@
 //! private f32 partials of dweight and dbias in the workspace (no atomics, deterministic); a second
 //! launch sums the partials column by column, in an order fixed by the plan.
 
-use crate::elementwise::{converts_with, store_step, widen_lanes, Aligned, CHUNK, LANES};
+use crate::elementwise::{converts_with, fence, store_step, streams_bytes, widen_lanes, Aligned, CHUNK, LANES};
 use crate::math;
 use crate::rms_norm::{norm_shape, NormShape};
 use uniop::{
@@ -24,7 +24,7 @@ pub struct LayerNormBackward;
 fn backward_row<T: FloatElement, W: FloatElement, const NATIVE: bool>(
     (dy, x, w): (&[T], &[T], &[W]),
     (mean, rstd): (f32, f32),
-    dx: &mut [T],
+    (dx, streaming): (&mut [T], bool),
     (dw, db): (&mut [f32], &mut [f32]),
 ) {
     const { assert!(converts_with::<T, W>(), "weight in x's dtype or f32") };
@@ -57,7 +57,7 @@ fn backward_row<T: FloatElement, W: FloatElement, const NATIVE: bool>(
             dwc[i] += d[i] * xhat;
             dbc[i] += d[i];
         }
-        store_step::<T, NATIVE>(&out, dxc, false);
+        store_step::<T, NATIVE>(&out, dxc, streaming);
     }
     for i in tail..n {
         let (d, xhat) = (dy[i].to_f32(), (x[i].to_f32() - mean) * rstd);
@@ -85,11 +85,12 @@ fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx,
         let dxrow = unsafe { dx.slice_mut::<T>(dx.layout().outer_offset(r, s.inner_dims), s.cols) };
         let rows = (&dys[dyo..dyo + s.cols], &xs[xo..xo + s.cols], w);
         if T::converts_natively() {
-            backward_row::<T, W, true>(rows, stats, dxrow, (dw, db));
+            backward_row::<T, W, true>(rows, stats, (dxrow, s.streaming), (dw, db));
         } else {
-            backward_row::<T, W, false>(rows, stats, dxrow, (dw, db));
+            backward_row::<T, W, false>(rows, stats, (dxrow, s.streaming), (dw, db));
         }
     }
+    fence();
 }
 }
 
@@ -121,6 +122,8 @@ struct Rows {
     rows: usize,
     cols: usize,
     inner_dims: usize,
+    /// Whether dx is written with non-temporal stores.
+    streaming: bool,
 }
 
 /// The checks of the backward's tensors: the forward's x and weight, dy like x, and mean and rstd
@@ -165,7 +168,8 @@ impl Op for LayerNormBackward {
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let s = check(cx)?;
-        let rows = Rows { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims };
+        let streaming = streams_bytes(s.rows * s.cols * s.dtype.size());
+        let rows = Rows { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims, streaming };
         let blocks = block_dim_for(s.rows, 3 * s.cols * s.dtype.size());
         let reduce_blocks = block_dim_for(s.cols, 8 * blocks as usize);
         let partials = blocks as usize;
