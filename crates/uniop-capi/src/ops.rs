@@ -616,12 +616,12 @@ pub extern "C" fn uniopKvCacheAppend(
 
 /// Phase 1 of `layer_norm(Tensor x, Tensor weight, Tensor? bias=None, float eps=1e-5) -> (Tensor y, Tensor mean, Tensor rstd)`.
 ///
-/// Layer normalization (torch.nn.functional.layer_norm): y = (x - mean) / sqrt(var + eps) * weight
-/// + bias over the trailing dims matching weight's shape, var biased (divided by n). mean and rstd
-/// (float32, normalized dims kept as 1) are returned for the backward. weight: same dtype as x, or
-/// float32; bias (optional): weight's shape and dtype. f16/bf16 accumulate in float32; the variance
-/// is summed around the mean (a second pass over the row in cache), so a large common offset costs
-/// no precision.
+/// Layer normalization (torch.nn.functional.layer_norm): y = (x - mean) / sqrt(var + eps) * weight,
+/// plus bias, over the trailing dims matching weight's shape, var biased (divided by n). mean and
+/// rstd (float32, normalized dims kept as 1) are returned for the backward. weight: same dtype as
+/// x, or float32; bias (optional): weight's shape and dtype. f16/bf16 accumulate in float32; the
+/// variance is summed around the mean (a second pass over the row in cache), so a large common
+/// offset costs no precision.
 #[no_mangle]
 pub extern "C" fn uniopLayerNormGetWorkspaceSize(
     x: *const uniopTensor,

@@ -188,7 +188,7 @@ impl Op for LayerNorm {
     }
 
     fn doc(&self) -> &'static str {
-        "Layer normalization (torch.nn.functional.layer_norm): y = (x - mean) / sqrt(var + eps) * weight + bias \
+        "Layer normalization (torch.nn.functional.layer_norm): y = (x - mean) / sqrt(var + eps) * weight, plus bias, \
          over the trailing dims matching weight's shape, var biased (divided by n). mean and rstd (float32, \
          normalized dims kept as 1) are returned for the backward. weight: same dtype as x, or float32; bias \
          (optional): weight's shape and dtype. f16/bf16 accumulate in float32; the variance is summed around \

@@ -224,17 +224,9 @@ impl Op for LayerNormBackward {
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        let shape = shape.unwrap_or(&[4096, 4096]);
-        let split = shape.len().saturating_sub(1);
-        let x = TensorMeta::contiguous(dtype, shape)?;
-        let w = TensorMeta::contiguous(dtype, &shape[split..])?;
-        let mut stat_shape = shape[..split].to_vec();
-        stat_shape.push(1);
-        let stat = TensorMeta::contiguous(DType::F32, &stat_shape)?;
-        Ok(Example {
-            inputs: vec![Some(x.clone()), Some(x), Some(w), Some(stat.clone()), Some(stat)],
-            attrs: vec![],
-            ..Default::default()
-        })
+        // rms_norm_backward's (dy, x, weight, rstd), and the mean shaped like rstd.
+        let mut example = crate::rms_norm_backward::example(shape, dtype, 2)?;
+        example.inputs.push(example.inputs[3].clone());
+        Ok(example)
     }
 }
