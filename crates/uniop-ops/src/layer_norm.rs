@@ -60,8 +60,8 @@ fn row_stats<T: FloatElement, const NATIVE: bool>(x: &[T], eps: f32) -> (f32, f3
     (mean, 1.0 / ((math::sum_lanes(acc) + tail_sum) / x.len() as f32 + eps).sqrt())
 }
 
-/// `y = (x − mean) · rstd · w + b` over one row (`b` all zeros when `BIAS` is false: pass the
-/// weight); `streaming` writes whole steps past the cache.
+/// `y = (x − mean) · rstd · w + b` over one row; `b` is read only when `BIAS` (callers without a
+/// bias pass the weight in its place); `streaming` writes whole steps past the cache.
 #[inline(always)]
 fn normalize_row<T: FloatElement, const NATIVE: bool, const BIAS: bool>(
     x: &[T],
