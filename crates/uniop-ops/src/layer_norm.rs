@@ -25,7 +25,7 @@ pub struct LayerNorm;
 
 /// The checks of the forward's tensors: x and weight as `rms_norm`'s, and the bias (when given)
 /// of the weight's shape and dtype.
-pub(crate) fn layer_norm_shape(cx: &OpCx) -> Result<NormShape> {
+fn layer_norm_shape(cx: &OpCx) -> Result<NormShape> {
     let s = norm_shape(cx, "x", "weight")?;
     if cx.optional_input("bias").is_some() {
         let w = cx.input("weight");

@@ -8,9 +8,10 @@
 //! private f32 partials of dweight and dbias in the workspace (no atomics, deterministic); a second
 //! launch sums the partials column by column, in an order fixed by the plan.
 
-use crate::elementwise::{converts_with, fence, store_step, streams_bytes, widen_lanes, Aligned, CHUNK, LANES};
+use crate::elementwise::{converts_with, fence, store_step, streams_bytes, widen_lanes, Aligned, LANES};
 use crate::math;
-use crate::rms_norm::{norm_shape, NormShape};
+use crate::rms_norm::NormShape;
+use crate::rms_norm_backward::{check_statistic, sum_partials};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
     OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -94,28 +95,6 @@ fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx,
 }
 }
 
-crate::simd_kernel! {
-/// Column ranges `split(cols)` of dweight and dbias: the blocks' partials summed in block order.
-fn reduce_kernel<W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, cols: usize, partials: usize) {
-    let range = ctx.split(cols);
-    for (output, part_offset) in [(1, 0), (2, cols)] {
-        let out = args.output(output);
-        let mut sum = [0f32; CHUNK];
-        for start in range.clone().step_by(CHUNK) {
-            let len = CHUNK.min(range.end - start);
-            sum[..len].fill(0.0);
-            for p in 0..partials {
-                // SAFETY: the first launch has finished; every block of this one only reads.
-                let part: &[f32] = unsafe { args.workspace::<f32>(p * 2 * cols + part_offset + start, len) };
-                sum.iter_mut().zip(part).for_each(|(acc, v)| *acc += v);
-            }
-            // SAFETY: blocks own disjoint column ranges of the (contiguous) dweight and dbias.
-            W::narrow(&sum[..len], unsafe { out.slice_mut::<W>(out.layout().offset() + start, len) });
-        }
-    }
-}
-}
-
 /// Plan-time constants of the dx kernel.
 #[derive(Clone, Copy)]
 struct Rows {
@@ -126,20 +105,11 @@ struct Rows {
     streaming: bool,
 }
 
-/// The checks of the backward's tensors: the forward's x and weight, dy like x, and mean and rstd
-/// as the forward returns them.
+/// The checks of the backward's tensors: rms_norm_backward's (x, weight, dy, rstd), and the mean
+/// like rstd.
 fn check(cx: &OpCx) -> Result<NormShape> {
-    let s = norm_shape(cx, "x", "weight")?;
-    cx.expect_same_dtype("dy", s.dtype, "x")?;
-    cx.expect_shape("dy", cx.input("x").shape())?;
-    let want = cx.statistics_dtype();
-    for stat in ["mean", "rstd"] {
-        let t = cx.input(stat);
-        if t.dtype != want {
-            return Err(cx.err(ErrorCode::DType, stat, format!("dtype {want} (as layer_norm returns it)"), t.dtype));
-        }
-        cx.expect_shape(stat, &s.rstd_shape)?;
-    }
+    let s = crate::rms_norm_backward::check(cx, "x", "layer_norm")?;
+    check_statistic(cx, "mean", &s, "layer_norm")?;
     Ok(s)
 }
 
@@ -183,14 +153,14 @@ impl Op for LayerNormBackward {
                 vec![
                     Step::new("layer_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, f32>(a, c, &rows)),
                     Step::new("layer_norm_backward.dweight", reduce_blocks, move |a, c| {
-                        reduce_kernel::<f32>(a, c, cols, partials)
+                        sum_partials::<f32>(a, c, cols, partials, &[1, 2])
                     }),
                 ]
             } else {
                 vec![
                     Step::new("layer_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, T>(a, c, &rows)),
                     Step::new("layer_norm_backward.dweight", reduce_blocks, move |a, c| {
-                        reduce_kernel::<T>(a, c, cols, partials)
+                        sum_partials::<T>(a, c, cols, partials, &[1, 2])
                     }),
                 ]
             }

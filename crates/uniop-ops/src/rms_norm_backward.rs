@@ -125,23 +125,25 @@ fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx,
 }
 
 crate::simd_kernel! {
-fn dweight_kernel<W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, cols: usize, partials: usize, slots: Slots) {
-    let dw = args.output(slots.dweight);
+/// Column ranges `split(cols)` of the parameter gradients `outputs` (dweight; layer_norm's dbias
+/// after it): each block of the first launch left one partial row per output, `[block][output]`
+/// rows of `cols` f32 at the workspace's start, summed here in block order.
+pub(crate) fn sum_partials<W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, cols: usize, partials: usize, outputs: &[usize]) {
     let range = ctx.split(cols);
-    let mut sum = [0f32; CHUNK];
-    for start in range.clone().step_by(CHUNK) {
-        let len = CHUNK.min(range.end - start);
-        sum[..len].fill(0.0);
-        for p in 0..partials {
-            // SAFETY: the first launch has finished; every block of this one only reads.
-            let part: &[f32] = unsafe { args.workspace::<f32>(p * cols + start, len) };
-            for (acc, v) in sum.iter_mut().zip(part) {
-                *acc += v;
+    for (k, &output) in outputs.iter().enumerate() {
+        let out = args.output(output);
+        let mut sum = [0f32; CHUNK];
+        for start in range.clone().step_by(CHUNK) {
+            let len = CHUNK.min(range.end - start);
+            sum[..len].fill(0.0);
+            for p in 0..partials {
+                // SAFETY: the first launch has finished; every block of this one only reads.
+                let part: &[f32] = unsafe { args.workspace::<f32>((p * outputs.len() + k) * cols + start, len) };
+                sum.iter_mut().zip(part).for_each(|(acc, v)| *acc += v);
             }
+            // SAFETY: blocks own disjoint column ranges of the (contiguous) outputs.
+            W::narrow(&sum[..len], unsafe { out.slice_mut::<W>(out.layout().offset() + start, len) });
         }
-        // SAFETY: blocks own disjoint column ranges of the (contiguous) dweight.
-        let out = unsafe { dw.slice_mut::<W>(dw.layout().offset() + start, len) };
-        W::narrow(&sum[..len], out);
     }
 }
 }
@@ -186,13 +188,19 @@ pub(crate) fn check(cx: &OpCx, x: &str, forward: &str) -> Result<NormShape> {
     let s = norm_shape(cx, x, "weight")?;
     cx.expect_same_dtype("dy", s.dtype, x)?;
     cx.expect_shape("dy", cx.input(x).shape())?;
-    let rstd = cx.input("rstd");
-    let want = cx.statistics_dtype();
-    if rstd.dtype != want {
-        return Err(cx.err(ErrorCode::DType, "rstd", format!("dtype {want} (as {forward} returns it)"), rstd.dtype));
-    }
-    cx.expect_shape("rstd", &s.rstd_shape)?;
+    check_statistic(cx, "rstd", &s, forward)?;
     Ok(s)
+}
+
+/// A statistic the forward saved for the backward (`rstd`, layer_norm's `mean`): f32 (f64 in f64
+/// calls), shaped like the normed input with the normalized dims kept as 1.
+pub(crate) fn check_statistic(cx: &OpCx, name: &str, s: &NormShape, forward: &str) -> Result<()> {
+    let t = cx.input(name);
+    let want = cx.statistics_dtype();
+    if t.dtype != want {
+        return Err(cx.err(ErrorCode::DType, name, format!("dtype {want} (as {forward} returns it)"), t.dtype));
+    }
+    cx.expect_shape(name, &s.rstd_shape)
 }
 
 /// The plan of both backward ops (`x`: the normed input's name; steps `names`).
@@ -212,12 +220,16 @@ pub(crate) fn plan(cx: &OpCx, x: &str, slots: Slots, names: [&'static str; 2]) -
         if weight_f32 {
             vec![
                 Step::new(names[0], blocks, move |a, c| dx_kernel::<T, f32>(a, c, &ks, slots)),
-                Step::new(names[1], reduce_blocks, move |a, c| dweight_kernel::<f32>(a, c, cols, partials, slots)),
+                Step::new(names[1], reduce_blocks, move |a, c| {
+                    sum_partials::<f32>(a, c, cols, partials, &[slots.dweight])
+                }),
             ]
         } else {
             vec![
                 Step::new(names[0], blocks, move |a, c| dx_kernel::<T, T>(a, c, &ks, slots)),
-                Step::new(names[1], reduce_blocks, move |a, c| dweight_kernel::<T>(a, c, cols, partials, slots)),
+                Step::new(names[1], reduce_blocks, move |a, c| {
+                    sum_partials::<T>(a, c, cols, partials, &[slots.dweight])
+                }),
             ]
         }
     });
