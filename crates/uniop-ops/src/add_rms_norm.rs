@@ -8,7 +8,7 @@
 
 use crate::elementwise::{converts_per_element, fence, store_natively, streams_bytes, to_f32, Aligned, LANES};
 use crate::math;
-use crate::rms_norm::{check_eps, norm_shape, reference_rows, scale_row, weight_f32, KernelShape, DTYPES};
+use crate::rms_norm::{check_eps, norm_shape, param_f32, reference_rows, scale_row, KernelShape, DTYPES};
 use uniop::{
     block_dim_for, dispatch_element, with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs,
     LayoutNeed, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -93,7 +93,8 @@ fn kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s:
     let (xs, rs) = (x.storage::<T>().expect("dtype dispatched"), r.storage::<T>().expect("dtype dispatched"));
     let (y, rstd_out, sum) = (args.output(0), args.output(1), args.output(2));
     let cols = s.cols;
-    let wf = weight_f32::<W>(args, 2, ctx, cols);
+    // SAFETY: block b owns workspace row b (reserved when the weight is not f32).
+    let wf = unsafe { param_f32::<W>(args, 2, ctx.block_idx as usize, cols) };
     // SAFETY: each block writes only the rstd entries of its own rows (below).
     let rstd_ptr = unsafe { rstd_out.as_mut_ptr::<f32>() };
     for row in ctx.split(s.rows) {

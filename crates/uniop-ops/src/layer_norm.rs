@@ -15,7 +15,7 @@
 
 use crate::elementwise::{fence, store_step, streams_bytes, widen_lanes, Ahead, Aligned, LANES};
 use crate::math;
-use crate::rms_norm::{check_eps, norm_shape, weight_f32, NormShape};
+use crate::rms_norm::{check_eps, norm_shape, param_f32, NormShape};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,
     RefTensor, Result, Step, TensorMeta,
@@ -97,8 +97,11 @@ fn forward_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: Bloc
     let (y, mean_out, rstd_out) = (args.output(0), args.output(1), args.output(2));
     let cols = s.cols;
     let xs = x.storage::<T>().expect("dtype dispatched");
-    let w = weight_f32::<W>(args, 1, ctx, cols);
-    let b = s.bias.then(|| bias_f32::<W>(args, ctx, cols));
+    let (block, blocks) = (ctx.block_idx as usize, ctx.block_num as usize);
+    // SAFETY: block b owns workspace rows b (its widened weight) and `blocks + b` (its widened
+    // bias), reserved when the parameters are not f32.
+    let w = unsafe { param_f32::<W>(args, 1, block, cols) };
+    let b = s.bias.then(|| unsafe { param_f32::<W>(args, 2, blocks + block, cols) });
     // SAFETY: each block writes only the mean and rstd entries of its own rows (below).
     let (mean_ptr, rstd_ptr) = unsafe { (mean_out.as_mut_ptr::<f32>(), rstd_out.as_mut_ptr::<f32>()) };
     let rows = ctx.split(s.rows);
@@ -128,24 +131,6 @@ fn forward_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: Bloc
     }
     fence();
 }
-}
-
-/// The bias (input 2) as f32: borrowed when it is f32, else widened once per block into workspace
-/// row `block_num + block_idx` (after the weights' rows; see [`weight_f32`]).
-#[inline(always)]
-fn bias_f32<W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, cols: usize) -> &[f32] {
-    let blocks = ctx.block_num as usize;
-    let b = args.input(2);
-    let b = &b.storage::<W>().expect("dtype dispatched")[b.layout().offset()..][..cols];
-    match W::as_f32_slice(b) {
-        Some(bf) => bf,
-        None => {
-            // SAFETY: block b owns workspace row `blocks + b`.
-            let scratch = unsafe { args.workspace::<f32>((blocks + ctx.block_idx as usize) * cols, cols) };
-            W::widen(b, scratch);
-            scratch
-        }
-    }
 }
 
 /// Plan-time constants of the forward kernel.

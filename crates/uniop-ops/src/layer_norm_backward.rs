@@ -8,9 +8,9 @@
 //! private f32 partials of dweight and dbias in the workspace (no atomics, deterministic); a second
 //! launch sums the partials column by column, in an order fixed by the plan.
 
-use crate::elementwise::{converts_with, fence, store_step, streams_bytes, widen_lanes, Aligned, LANES};
+use crate::elementwise::{fence, store_step, streams_bytes, widen_lanes, Ahead, Aligned, LANES};
 use crate::math;
-use crate::rms_norm::NormShape;
+use crate::rms_norm::{param_f32, KernelShape, NormShape};
 use crate::rms_norm_backward::{check_statistic, sum_partials};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
@@ -20,21 +20,24 @@ use uniop::{
 pub struct LayerNormBackward;
 
 /// One row: its dx, and its `dy·x̂` and `dy` added to the block's dweight and dbias partials.
-/// Steps of `LANES`, then a short tail element by element.
+/// Steps of `LANES`, then a short tail element by element; the weights in f32. The second pass
+/// reads the row from the cache, so it prefetches `next` (the next row's dy and x, see [`Ahead`]).
 #[inline(always)]
-fn backward_row<T: FloatElement, W: FloatElement, const NATIVE: bool>(
-    (dy, x, w): (&[T], &[T], &[W]),
+fn backward_row<T: FloatElement, const NATIVE: bool>(
+    (dy, x, w): (&[T], &[T], &[f32]),
+    next: (&[T], &[T]),
     (mean, rstd): (f32, f32),
     (dx, streaming): (&mut [T], bool),
     (dw, db): (&mut [f32], &mut [f32]),
 ) {
-    const { assert!(converts_with::<T, W>(), "weight in x's dtype or f32") };
     let (n, tail) = (x.len(), x.len() / LANES * LANES);
     let steps = || dy.chunks_exact(LANES).zip(x.chunks_exact(LANES)).zip(w.chunks_exact(LANES));
     let widened = |c: &[T]| widen_lanes::<T, NATIVE, LANES>(c.try_into().expect("LANES elements"));
+    // Weights copied, not borrowed, as in `rms_norm_backward` (the partials' stores could alias them).
+    let weights = |c: &[f32]| <[f32; LANES]>::try_from(c).expect("LANES elements");
     let (mut sum_g, mut sum_gx) = ([0f32; LANES], [0f32; LANES]);
     for ((dc, xc), wc) in steps() {
-        let (d, xv, wv) = (widened(dc), widened(xc), widen_lanes::<W, NATIVE, LANES>(wc.try_into().expect("LANES")));
+        let (d, xv, wv) = (widened(dc), widened(xc), weights(wc));
         for i in 0..LANES {
             let g = d[i] * wv[i];
             sum_g[i] += g;
@@ -43,14 +46,17 @@ fn backward_row<T: FloatElement, W: FloatElement, const NATIVE: bool>(
     }
     let (mut tail_g, mut tail_gx) = (0.0, 0.0);
     for i in tail..n {
-        let g = dy[i].to_f32() * w[i].to_f32();
+        let g = dy[i].to_f32() * w[i];
         (tail_g, tail_gx) = (tail_g + g, tail_gx + g * (x[i].to_f32() - mean) * rstd);
     }
     let mean_g = (math::sum_lanes(sum_g) + tail_g) / n as f32;
     let mean_gx = (math::sum_lanes(sum_gx) + tail_gx) / n as f32;
     let sums = dw.chunks_exact_mut(LANES).zip(db.chunks_exact_mut(LANES));
+    let (mut next_dy, mut next_x) = (Ahead::new(next.0, tail / LANES), Ahead::new(next.1, tail / LANES));
     for ((((dc, xc), wc), dxc), (dwc, dbc)) in steps().zip(dx.chunks_exact_mut(LANES)).zip(sums) {
-        let (d, xv, wv) = (widened(dc), widened(xc), widen_lanes::<W, NATIVE, LANES>(wc.try_into().expect("LANES")));
+        next_dy.step();
+        next_x.step();
+        let (d, xv, wv) = (widened(dc), widened(xc), weights(wc));
         let mut out = Aligned([0f32; LANES]);
         for i in 0..LANES {
             let xhat = (xv[i] - mean) * rstd;
@@ -62,47 +68,38 @@ fn backward_row<T: FloatElement, W: FloatElement, const NATIVE: bool>(
     }
     for i in tail..n {
         let (d, xhat) = (dy[i].to_f32(), (x[i].to_f32() - mean) * rstd);
-        dx[i] = T::from_f32(rstd * (d * w[i].to_f32() - mean_g - xhat * mean_gx));
+        dx[i] = T::from_f32(rstd * (d * w[i] - mean_g - xhat * mean_gx));
         dw[i] += d * xhat;
         db[i] += d;
     }
 }
 
 crate::simd_kernel! {
-fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &Rows) {
-    let (dy, x, w, mean, rstd) = (args.input(0), args.input(1), args.input(2), args.input(3), args.input(4));
+fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape) {
+    let (dy, x, mean, rstd) = (args.input(0), args.input(1), args.input(3), args.input(4));
     let dx = args.output(0);
-    let w = &w.storage::<W>().expect("dtype dispatched")[w.layout().offset()..][..s.cols];
-    let (dys, xs) = (dy.storage::<T>().unwrap(), x.storage::<T>().unwrap());
+    let (block, blocks) = (ctx.block_idx as usize, ctx.block_num as usize);
+    // SAFETY: block b owns workspace row `2·blocks + b` (its widened weight, after the partials).
+    let w = unsafe { param_f32::<W>(args, 2, 2 * blocks + block, s.cols) };
     let (means, rstds) = (mean.storage::<f32>().unwrap(), rstd.storage::<f32>().unwrap());
     // SAFETY: block b owns partial row b of the workspace (dweight's, then dbias's).
-    let partial = unsafe { args.workspace::<f32>(ctx.block_idx as usize * 2 * s.cols, 2 * s.cols) };
+    let partial = unsafe { args.workspace::<f32>(block * 2 * s.cols, 2 * s.cols) };
     partial.fill(0.0);
     let (dw, db) = partial.split_at_mut(s.cols);
-    for r in ctx.split(s.rows) {
-        let (dyo, xo) = (dy.layout().outer_offset(r, s.inner_dims), x.layout().outer_offset(r, s.inner_dims));
+    let rows = ctx.split(s.rows);
+    for r in rows.clone() {
+        let [dyr, xr, next_dy, next_x] = [(&dy, r), (&x, r), (&dy, r + 1), (&x, r + 1)].map(|(t, r)| s.row::<T>(t, r, &rows));
         let stats = (means[mean.layout().offset_of_linear(r)], rstds[rstd.layout().offset_of_linear(r)]);
         // SAFETY: this block owns row r of dx.
         let dxrow = unsafe { dx.slice_mut::<T>(dx.layout().outer_offset(r, s.inner_dims), s.cols) };
-        let rows = (&dys[dyo..dyo + s.cols], &xs[xo..xo + s.cols], w);
         if T::converts_natively() {
-            backward_row::<T, W, true>(rows, stats, (dxrow, s.streaming), (dw, db));
+            backward_row::<T, true>((dyr, xr, w), (next_dy, next_x), stats, (dxrow, s.streaming), (dw, db));
         } else {
-            backward_row::<T, W, false>(rows, stats, (dxrow, s.streaming), (dw, db));
+            backward_row::<T, false>((dyr, xr, w), (next_dy, next_x), stats, (dxrow, s.streaming), (dw, db));
         }
     }
     fence();
 }
-}
-
-/// Plan-time constants of the dx kernel.
-#[derive(Clone, Copy)]
-struct Rows {
-    rows: usize,
-    cols: usize,
-    inner_dims: usize,
-    /// Whether dx is written with non-temporal stores.
-    streaming: bool,
 }
 
 /// The checks of the backward's tensors: rms_norm_backward's (x, weight, dy, rstd), and the mean
@@ -139,13 +136,15 @@ impl Op for LayerNormBackward {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let s = check(cx)?;
         let streaming = streams_bytes(s.rows * s.cols * s.dtype.size());
-        let rows = Rows { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims, streaming };
+        let rows = KernelShape { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims, eps: 0.0, streaming };
         let blocks = block_dim_for(s.rows, 3 * s.cols * s.dtype.size());
         let reduce_blocks = block_dim_for(s.cols, 8 * blocks as usize);
         let partials = blocks as usize;
+        // [block][dweight | dbias] partials, then the blocks' widened weights (when not f32).
+        let per_block = if cx.input("weight").dtype == DType::F32 { 2 } else { 3 };
         let workspace = partials
-            .checked_mul(2 * s.cols)
-            .and_then(|n| n.checked_mul(4))
+            .checked_mul(s.cols)
+            .and_then(|n| n.checked_mul(4 * per_block))
             .ok_or_else(|| cx.err(ErrorCode::Shape, "x", "a size whose workspace fits in memory", s.cols))?;
         let cols = s.cols;
         let steps = with_float_dtype!(s.dtype, cx.op(), "x", |T| {

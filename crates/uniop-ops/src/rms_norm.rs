@@ -13,9 +13,10 @@ use crate::elementwise::{
     converts_per_element, copy_streaming, fence, store_natively, streams_bytes, to_f32, widen_lanes, Ahead, Aligned,
 };
 use crate::math;
+use std::ops::Range;
 use uniop::{
-    block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
-    OpCx, Plan, RefTensor, Result, Step, TensorMeta,
+    block_dim_for, with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, FloatElement, KernelArgs,
+    LayoutNeed, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta, TensorRef,
 };
 
 pub struct RmsNorm;
@@ -166,17 +167,28 @@ fn scale_row_as<T: FloatElement, const NATIVE: bool>(
     }
 }
 
-/// Input `i` (the weight, contiguous) as f32: borrowed when it is f32, else widened once per
-/// block into workspace row `block_idx` (plans with a non-f32 weight reserve `blocks · cols` f32).
+/// Input `i` (a weight or bias, contiguous, `cols` long) as f32: borrowed when it is f32, else
+/// widened once per block into workspace row `scratch_row` (of `cols` f32), which the caller's
+/// block owns and its plan reserves. Kernels then read f32 parameters straight from the cache
+/// instead of widening them on every row.
+///
+/// # Safety
+/// No other block may use workspace row `scratch_row` during the launch, and the plan's workspace
+/// must hold it.
 #[inline(always)]
-pub(crate) fn weight_f32<W: FloatElement>(args: &KernelArgs, i: usize, ctx: BlockCtx, cols: usize) -> &[f32] {
+pub(crate) unsafe fn param_f32<W: FloatElement>(
+    args: &KernelArgs,
+    i: usize,
+    scratch_row: usize,
+    cols: usize,
+) -> &[f32] {
     let w = args.input(i);
     let w = &w.storage::<W>().expect("dtype dispatched")[w.layout().offset()..][..cols];
     match W::as_f32_slice(w) {
         Some(wf) => wf,
         None => {
-            // SAFETY: block b owns workspace row b.
-            let scratch = unsafe { args.workspace::<f32>(ctx.block_idx as usize * cols, cols) };
+            // SAFETY: the caller's contract.
+            let scratch = unsafe { args.workspace::<f32>(scratch_row * cols, cols) };
             W::widen(w, scratch);
             scratch
         }
@@ -204,23 +216,17 @@ fn forward_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: Bloc
     let x = args.input(0);
     let (y, rstd_out) = (args.output(0), args.output(1));
     let cols = s.cols;
-    let xs = x.storage::<T>().expect("dtype dispatched");
-    let wf = weight_f32::<W>(args, 1, ctx, cols);
+    // SAFETY: block b owns workspace row b (reserved when the weight is not f32).
+    let wf = unsafe { param_f32::<W>(args, 1, ctx.block_idx as usize, cols) };
     // SAFETY: each block writes only the rstd entries of its own rows (below).
     let rstd_ptr = unsafe { rstd_out.as_mut_ptr::<f32>() };
     let rows = ctx.split(s.rows);
     for r in rows.clone() {
-        let xo = x.layout().outer_offset(r, s.inner_dims);
-        let row = &xs[xo..xo + cols];
+        let row = s.row::<T>(&x, r, &rows);
         // Half-precision rows: the next row is fetched while this one is scaled, so DRAM keeps
         // streaming through the compute-only second pass (bf16 went from ~2.8 to ~2.35 ms at
         // 4096²). f32 rows already saturate DRAM and gained nothing.
-        let next = if r + 1 < rows.end && T::DTYPE != DType::F32 {
-            let no = x.layout().outer_offset(r + 1, s.inner_dims);
-            &xs[no..no + cols]
-        } else {
-            &[]
-        };
+        let next = if T::DTYPE != DType::F32 { s.row::<T>(&x, r + 1, &rows) } else { &[] };
         let rstd = 1.0 / (sum_squares(row) / cols as f32 + s.eps).sqrt();
         // SAFETY: this block owns rows `split(rows)` of y and rstd.
         unsafe {
@@ -242,6 +248,18 @@ pub(crate) struct KernelShape {
     pub eps: f32,
     /// Whether outputs are written with non-temporal stores.
     pub streaming: bool,
+}
+
+impl KernelShape {
+    /// Row `r` of `t` (one of the row-addressed tensors); empty past the block's `rows`, where a
+    /// kernel asks for the row after its last one (to prefetch).
+    #[inline(always)]
+    pub fn row<'a, T: Element>(&self, t: &TensorRef<'a>, r: usize, rows: &Range<usize>) -> &'a [T] {
+        if r >= rows.end {
+            return &[];
+        }
+        &t.storage::<T>().expect("dtype dispatched")[t.layout().outer_offset(r, self.inner_dims)..][..self.cols]
+    }
 }
 
 impl Op for RmsNorm {

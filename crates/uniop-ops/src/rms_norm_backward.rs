@@ -9,9 +9,9 @@
 //!
 //! [`rms_norm`]: crate::rms_norm
 
-use crate::elementwise::{converts_with, narrow_step, widen_step, CHUNK, LANES};
+use crate::elementwise::{fence, store_step, streams_bytes, widen_lanes, Ahead, Aligned, CHUNK, LANES};
 use crate::math;
-use crate::rms_norm::{norm_shape, KernelShape, NormShape, DTYPES};
+use crate::rms_norm::{norm_shape, param_f32, KernelShape, NormShape, DTYPES};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
     OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -19,67 +19,72 @@ use uniop::{
 
 pub struct RmsNormBackward;
 
+/// One row's dy, dsum (add_rms_norm's only), x and weights.
+type RowInputs<'a, T> = (&'a [T], Option<&'a [T]>, &'a [T], &'a [f32]);
+
 /// One row: `dx = rstd·dy·w − x·rstd³·mean(dy·w·x)` (plus `dsum`, the gradient reaching
-/// `add_rms_norm`'s sum directly, rounded once with it), and this row's `dy·x·rstd` added to the
-/// block's dweight partial. Steps of `LANES`, the last one padded with zeros.
+/// `add_rms_norm`'s sum directly, rounded once with it; written to `dres` as well where there is
+/// one), and this row's `dy·x·rstd` added to the block's dweight partial. Steps of `LANES`, then a
+/// short tail element by element. The second pass reads the row from the cache, so it prefetches
+/// `next` (the next row's dy, x and dsum, see [`Ahead`]).
 #[inline(always)]
-fn backward_row<T: FloatElement, W: FloatElement>(
-    (dy, dsum): (&[T], Option<&[T]>),
-    x: &[T],
-    w: &[W],
-    rstd: f32,
-    dx: &mut [T],
+fn backward_row<T: FloatElement>(
+    (dy, dsum, x, w): RowInputs<T>,
+    (rstd, next): (f32, [&[T]; 3]),
+    (dx, dres, streaming): (&mut [T], Option<&mut [T]>, bool),
     dw: &mut [f32],
 ) {
     if T::converts_natively() {
-        backward_row_as::<T, W, true>((dy, dsum), x, w, rstd, dx, dw)
+        backward_row_as::<T, true>((dy, dsum, x, w), (rstd, next), (dx, dres, streaming), dw)
     } else {
-        backward_row_as::<T, W, false>((dy, dsum), x, w, rstd, dx, dw)
+        backward_row_as::<T, false>((dy, dsum, x, w), (rstd, next), (dx, dres, streaming), dw)
     }
 }
 
 #[inline(always)]
-fn backward_row_as<T: FloatElement, W: FloatElement, const NATIVE: bool>(
-    (dy, dsum): (&[T], Option<&[T]>),
-    x: &[T],
-    w: &[W],
-    rstd: f32,
-    dx: &mut [T],
+fn backward_row_as<T: FloatElement, const NATIVE: bool>(
+    (dy, dsum, x, w): RowInputs<T>,
+    (rstd, next): (f32, [&[T]; 3]),
+    (dx, mut dres, streaming): (&mut [T], Option<&mut [T]>, bool),
     dw: &mut [f32],
 ) {
-    const { assert!(converts_with::<T, W>(), "weight in x's dtype or f32") };
-    let n = x.len();
+    let (n, tail) = (x.len(), x.len() / LANES * LANES);
+    let step = |row: &[T], at: usize| widen_lanes::<T, NATIVE, LANES>(row[at..at + LANES].try_into().expect("LANES"));
+    // A copy, not a borrow: with the weights in memory, the compiler must assume the dweight
+    // stores may alias them and reloads them (f32 ran 5.8 -> 7.1 ms at 4096x4096).
+    let weights = |at: usize| -> [f32; LANES] { w[at..at + LANES].try_into().expect("LANES") };
     let mut dot = [0f32; LANES];
-    for start in (0..n).step_by(LANES) {
-        let end = (start + LANES).min(n);
-        let [d, xv, wv]: [[f32; LANES]; 3] = [
-            widen_step::<_, NATIVE, LANES>(&dy[start..end]),
-            widen_step::<_, NATIVE, LANES>(&x[start..end]),
-            widen_step::<_, NATIVE, LANES>(&w[start..end]),
-        ];
+    for at in (0..tail).step_by(LANES) {
+        let (d, xv, wv) = (step(dy, at), step(x, at), weights(at));
         for i in 0..LANES {
             dot[i] += d[i] * wv[i] * xv[i];
         }
     }
-    let coeff = rstd * rstd * rstd * math::sum_lanes(dot) / n as f32;
-    for start in (0..n).step_by(LANES) {
-        let end = (start + LANES).min(n);
-        let [d, xv, wv]: [[f32; LANES]; 3] = [
-            widen_step::<_, NATIVE, LANES>(&dy[start..end]),
-            widen_step::<_, NATIVE, LANES>(&x[start..end]),
-            widen_step::<_, NATIVE, LANES>(&w[start..end]),
-        ];
-        let mut out: [f32; LANES] = match dsum {
-            Some(ds) => widen_step::<_, NATIVE, LANES>(&ds[start..end]),
-            None => [0.0; LANES],
-        };
-        let mut gw: [f32; LANES] = widen_step::<_, NATIVE, LANES>(&dw[start..end]);
+    let tail_dot: f32 = (tail..n).map(|i| dy[i].to_f32() * w[i] * x[i].to_f32()).sum();
+    let coeff = rstd * rstd * rstd * (math::sum_lanes(dot) + tail_dot) / n as f32;
+    let mut ahead = next.map(|row| Ahead::new(row, tail / LANES));
+    for at in (0..tail).step_by(LANES) {
+        ahead.iter_mut().for_each(Ahead::step);
+        let (d, xv, wv) = (step(dy, at), step(x, at), weights(at));
+        let mut out = Aligned(dsum.map_or([0.0; LANES], |ds| step(ds, at)));
+        let gw = &mut dw[at..at + LANES];
         for i in 0..LANES {
             out[i] += rstd * d[i] * wv[i] - xv[i] * coeff;
             gw[i] += d[i] * xv[i] * rstd;
         }
-        narrow_step::<_, NATIVE, LANES>(&gw, &mut dw[start..end]);
-        narrow_step::<_, NATIVE, LANES>(&out, &mut dx[start..end]);
+        store_step::<T, NATIVE>(&out, &mut dx[at..at + LANES], streaming);
+        if let Some(dres) = dres.as_deref_mut() {
+            store_step::<T, NATIVE>(&out, &mut dres[at..at + LANES], streaming);
+        }
+    }
+    for i in tail..n {
+        let (d, xv) = (dy[i].to_f32(), x[i].to_f32());
+        let direct = dsum.map_or(0.0, |ds| ds[i].to_f32());
+        dx[i] = T::from_f32(direct + rstd * d * w[i] - xv * coeff);
+        if let Some(dres) = dres.as_deref_mut() {
+            dres[i] = dx[i];
+        }
+        dw[i] += d * xv * rstd;
     }
 }
 
@@ -100,27 +105,29 @@ pub(crate) const ADD_RMS_NORM: Slots = Slots { dsum: Some(1), x: 2, weight: 3, r
 
 crate::simd_kernel! {
 fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape, slots: Slots) {
-    let (dy, x, w, rstd) = (args.input(0), args.input(slots.x), args.input(slots.weight), args.input(slots.rstd));
+    let (dy, x, rstd) = (args.input(0), args.input(slots.x), args.input(slots.rstd));
     let dsum = slots.dsum.map(|i| args.input(i));
-    let dx = args.output(0);
-    let w = &w.storage::<W>().expect("dtype dispatched")[w.layout().offset()..][..s.cols];
-    let (dys, xs, rs) = (dy.storage::<T>().unwrap(), x.storage::<T>().unwrap(), rstd.storage::<f32>().unwrap());
+    let (dx, dres) = (args.output(0), slots.dsum.map(|_| args.output(1)));
+    let (block, blocks) = (ctx.block_idx as usize, ctx.block_num as usize);
+    // SAFETY: block b owns workspace row `blocks + b` (its widened weight, after the partials).
+    let w = unsafe { param_f32::<W>(args, slots.weight, blocks + block, s.cols) };
+    let rs = rstd.storage::<f32>().unwrap();
     // SAFETY: block b owns partial row b of the workspace.
-    let partial = unsafe { args.workspace::<f32>(ctx.block_idx as usize * s.cols, s.cols) };
+    let partial = unsafe { args.workspace::<f32>(block * s.cols, s.cols) };
     partial.fill(0.0);
-    for r in ctx.split(s.rows) {
-        let (dyo, xo) = (dy.layout().outer_offset(r, s.inner_dims), x.layout().outer_offset(r, s.inner_dims));
-        let r_std = rs[rstd.layout().offset_of_linear(r)];
-        let ds = dsum.as_ref().map(|t| &t.storage::<T>().unwrap()[t.layout().outer_offset(r, s.inner_dims)..][..s.cols]);
+    let rows = ctx.split(s.rows);
+    for r in rows.clone() {
+        let [dyr, xr, next_dy, next_x] = [(&dy, r), (&x, r), (&dy, r + 1), (&x, r + 1)].map(|(t, r)| s.row::<T>(t, r, &rows));
+        let (dsr, next_ds) = dsum.as_ref().map_or((None, &[][..]), |t| (Some(s.row::<T>(t, r, &rows)), s.row(t, r + 1, &rows)));
+        let (inputs, next) = ((dyr, dsr, xr, w), [next_dy, next_x, next_ds]);
+        let stats = (rs[rstd.layout().offset_of_linear(r)], next);
         // SAFETY: this block owns row r of dx (and of dresidual).
         let dxrow = unsafe { dx.slice_mut::<T>(dx.layout().outer_offset(r, s.inner_dims), s.cols) };
-        backward_row((&dys[dyo..dyo + s.cols], ds), &xs[xo..xo + s.cols], w, r_std, dxrow, partial);
-        if slots.dsum.is_some() {
-            let dres = args.output(1);
-            // SAFETY: as dx's row.
-            unsafe { dres.slice_mut::<T>(dres.layout().outer_offset(r, s.inner_dims), s.cols) }.copy_from_slice(dxrow);
-        }
+        // SAFETY: as dx's row.
+        let dres = dres.as_ref().map(|t| unsafe { t.slice_mut::<T>(t.layout().outer_offset(r, s.inner_dims), s.cols) });
+        backward_row(inputs, stats, (dxrow, dres, s.streaming), partial);
     }
+    fence();
 }
 }
 
@@ -206,15 +213,25 @@ pub(crate) fn check_statistic(cx: &OpCx, name: &str, s: &NormShape, forward: &st
 /// The plan of both backward ops (`x`: the normed input's name; steps `names`).
 pub(crate) fn plan(cx: &OpCx, x: &str, slots: Slots, names: [&'static str; 2]) -> Result<Plan> {
     let s = norm_shape(cx, x, "weight")?;
-    let ks = KernelShape { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims, eps: 0.0, streaming: false };
+    // dx (and dresidual) past the cache when they cannot stay there.
+    let written = s.rows * s.cols * s.dtype.size() * (1 + slots.dsum.is_some() as usize);
+    let ks = KernelShape {
+        rows: s.rows,
+        cols: s.cols,
+        inner_dims: s.inner_dims,
+        eps: 0.0,
+        streaming: streams_bytes(written),
+    };
     let blocks = block_dim_for(s.rows, 3 * s.cols * s.dtype.size());
     let reduce_blocks = block_dim_for(s.cols, 4 * blocks as usize);
     let partials = blocks as usize;
+    let weight_f32 = cx.input("weight").dtype == DType::F32;
+    // The blocks' dweight partials, then their widened weights (when not f32).
+    let per_block = if weight_f32 { 1 } else { 2 };
     let workspace = partials
         .checked_mul(s.cols)
-        .and_then(|n| n.checked_mul(4))
+        .and_then(|n| n.checked_mul(4 * per_block))
         .ok_or_else(|| cx.err(ErrorCode::Shape, x, "a size whose workspace fits in memory", s.cols))?;
-    let weight_f32 = cx.input("weight").dtype == DType::F32;
     let cols = s.cols;
     let steps = with_float_dtype!(s.dtype, cx.op(), x, |T| {
         if weight_f32 {

@@ -271,6 +271,30 @@ fn rms_norm_backward_is_deterministic() {
     assert_eq!(a, b);
 }
 
+/// The norm backwards with dx (and add_rms_norm's dresidual) past the streaming threshold,
+/// written with non-temporal stores, in f32 and bf16: long rows (a partial 64-lane step ends
+/// each; few of them, so dweight's f32 sums stay short), the next row prefetched across row ends,
+/// every output against the f64 references.
+#[test]
+fn norm_backwards_stream_a_big_dx() {
+    fn run_all<T: uniop::Element>(rows: usize, cols: usize, widen: impl Fn(Vec<f32>) -> Vec<T>) {
+        let [dy, x, dsum] = [161, 162, 163].map(|seed| widen(rand_vec(rows * cols, seed)));
+        let w = widen(rand_vec(cols, 164));
+        let [mean, rstd] = [165, 166].map(|seed| rand_vec(rows, seed));
+        let [dy, x, dsum] = [&dy, &x, &dsum].map(|v| Some(TensorRef::new(v, &[rows, cols]).unwrap()));
+        let [mean, rstd] = [&mean, &rstd].map(|v| Some(TensorRef::new(v, &[rows, 1]).unwrap()));
+        let w = Some(TensorRef::new(&w, &[cols]).unwrap());
+        run_checked("rms_norm_backward", &[dy.clone(), x.clone(), w.clone(), rstd.clone()], &[]);
+        run_checked("add_rms_norm_backward", &[dy.clone(), dsum, x.clone(), w.clone(), rstd.clone()], &[]);
+        run_checked("layer_norm_backward", &[dy, x, w, mean, rstd], &[]);
+    }
+    setup();
+    let cols = 40_013;
+    let rows = uniop_ops::streaming_threshold_bytes() / (2 * cols) + 1; // bf16 dx just past the threshold
+    run_all(rows, cols, |v| v);
+    run_all(rows, cols, |v| v.into_iter().map(bf16::from_f32).collect());
+}
+
 // ---------------------------------------------------------------- bad input
 
 #[test]
