@@ -31,13 +31,12 @@ fn backward_row<T: FloatElement, const NATIVE: bool>(
     (dw, db): (&mut [f32], &mut [f32]),
 ) {
     let (n, tail) = (x.len(), x.len() / LANES * LANES);
-    let steps = || dy.chunks_exact(LANES).zip(x.chunks_exact(LANES)).zip(w.chunks_exact(LANES));
-    let widened = |c: &[T]| widen_lanes::<T, NATIVE, LANES>(c.try_into().expect("LANES elements"));
+    let step = |row: &[T], at: usize| widen_lanes::<T, NATIVE, LANES>(row[at..at + LANES].try_into().expect("LANES"));
     // Weights copied, not borrowed, as in `rms_norm_backward` (the partials' stores could alias them).
-    let weights = |c: &[f32]| <[f32; LANES]>::try_from(c).expect("LANES elements");
+    let weights = |at: usize| -> [f32; LANES] { w[at..at + LANES].try_into().expect("LANES") };
     let (mut sum_g, mut sum_gx) = ([0f32; LANES], [0f32; LANES]);
-    for ((dc, xc), wc) in steps() {
-        let (d, xv, wv) = (widened(dc), widened(xc), weights(wc));
+    for at in (0..tail).step_by(LANES) {
+        let (d, xv, wv) = (step(dy, at), step(x, at), weights(at));
         for i in 0..LANES {
             let g = d[i] * wv[i];
             sum_g[i] += g;
@@ -51,20 +50,24 @@ fn backward_row<T: FloatElement, const NATIVE: bool>(
     }
     let mean_g = (math::sum_lanes(sum_g) + tail_g) / n as f32;
     let mean_gx = (math::sum_lanes(sum_gx) + tail_gx) / n as f32;
-    let sums = dw.chunks_exact_mut(LANES).zip(db.chunks_exact_mut(LANES));
-    let (mut next_dy, mut next_x) = (Ahead::new(next.0, tail / LANES), Ahead::new(next.1, tail / LANES));
-    for ((((dc, xc), wc), dxc), (dwc, dbc)) in steps().zip(dx.chunks_exact_mut(LANES)).zip(sums) {
-        next_dy.step();
-        next_x.step();
-        let (d, xv, wv) = (widened(dc), widened(xc), weights(wc));
+    let mut ahead = [next.0, next.1].map(|row| Ahead::new(row, tail / LANES));
+    for at in (0..tail).step_by(LANES) {
+        ahead.iter_mut().for_each(Ahead::step);
+        let (d, xv, wv) = (step(dy, at), step(x, at), weights(at));
+        // Both partials loaded before either is stored: their rows lie a multiple of 4 KiB apart,
+        // so a dbias load behind a dweight store would wait on it (4K aliasing).
+        let (dwc, dbc) = (&mut dw[at..at + LANES], &mut db[at..at + LANES]);
+        let (mut gw, mut gb): ([f32; LANES], [f32; LANES]) = (dwc.try_into().unwrap(), dbc.try_into().unwrap());
         let mut out = Aligned([0f32; LANES]);
         for i in 0..LANES {
             let xhat = (xv[i] - mean) * rstd;
             out[i] = rstd * (d[i] * wv[i] - mean_g - xhat * mean_gx);
-            dwc[i] += d[i] * xhat;
-            dbc[i] += d[i];
+            gw[i] += d[i] * xhat;
+            gb[i] += d[i];
         }
-        store_step::<T, NATIVE>(&out, dxc, streaming);
+        dwc.copy_from_slice(&gw);
+        dbc.copy_from_slice(&gb);
+        store_step::<T, NATIVE>(&out, &mut dx[at..at + LANES], streaming);
     }
     for i in tail..n {
         let (d, xhat) = (dy[i].to_f32(), (x[i].to_f32() - mean) * rstd);
