@@ -35,9 +35,10 @@ fn layer_norm_shape(cx: &OpCx) -> Result<NormShape> {
     Ok(s)
 }
 
-/// `(mean, rstd)` of one row, each pass over `LANES` partial sums (a short tail added after).
+/// `(mean, rstd)` of one row, each pass over `LANES` partial sums (a short tail added after). The
+/// second pass reads the row from the cache, so it prefetches `next` (see [`Ahead`]).
 #[inline(always)]
-fn row_stats<T: FloatElement, const NATIVE: bool>(x: &[T], eps: f32) -> (f32, f32) {
+fn row_stats<T: FloatElement, const NATIVE: bool>(x: &[T], next: &[T], eps: f32) -> (f32, f32) {
     let (steps, tail) = (x.chunks_exact(LANES), x.len() / LANES * LANES);
     let widened = |c: &[T]| widen_lanes::<T, NATIVE, LANES>(c.try_into().expect("LANES elements"));
     let mut acc = [0f32; LANES];
@@ -50,7 +51,9 @@ fn row_stats<T: FloatElement, const NATIVE: bool>(x: &[T], eps: f32) -> (f32, f3
     let tail_sum: f32 = x[tail..].iter().map(|v| v.to_f32()).sum();
     let mean = (math::sum_lanes(acc) + tail_sum) / x.len() as f32;
     let mut acc = [0f32; LANES];
+    let mut ahead = Ahead::new(next, steps.len());
     for c in steps {
+        ahead.step();
         let v = widened(c);
         for i in 0..LANES {
             acc[i] += (v[i] - mean) * (v[i] - mean);
@@ -114,8 +117,14 @@ fn forward_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: Bloc
         } else {
             &[]
         };
+        // The next row comes in over both passes that read this one from the cache.
+        let (next_early, next) = next.split_at(next.len() / 2);
         let native = T::converts_natively();
-        let stats = if native { row_stats::<T, true>(row, s.eps) } else { row_stats::<T, false>(row, s.eps) };
+        let stats = if native {
+            row_stats::<T, true>(row, next_early, s.eps)
+        } else {
+            row_stats::<T, false>(row, next_early, s.eps)
+        };
         // SAFETY: this block owns rows `split(rows)` of y, mean and rstd.
         unsafe {
             *mean_ptr.add(mean_out.layout().offset_of_linear(r)) = stats.0;
