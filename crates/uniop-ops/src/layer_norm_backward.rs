@@ -139,7 +139,7 @@ impl Op for LayerNormBackward {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let s = check(cx)?;
         let streaming = streams_bytes(s.rows * s.cols * s.dtype.size());
-        let rows = KernelShape { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims, eps: 0.0, streaming };
+        let ks = KernelShape { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims, eps: 0.0, streaming };
         let blocks = block_dim_for(s.rows, 3 * s.cols * s.dtype.size());
         let reduce_blocks = block_dim_for(s.cols, 8 * blocks as usize);
         let partials = blocks as usize;
@@ -153,14 +153,14 @@ impl Op for LayerNormBackward {
         let steps = with_float_dtype!(s.dtype, cx.op(), "x", |T| {
             if cx.input("weight").dtype == DType::F32 {
                 vec![
-                    Step::new("layer_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, f32>(a, c, &rows)),
+                    Step::new("layer_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, f32>(a, c, &ks)),
                     Step::new("layer_norm_backward.dweight", reduce_blocks, move |a, c| {
                         sum_partials::<f32>(a, c, cols, partials, &[1, 2])
                     }),
                 ]
             } else {
                 vec![
-                    Step::new("layer_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, T>(a, c, &rows)),
+                    Step::new("layer_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, T>(a, c, &ks)),
                     Step::new("layer_norm_backward.dweight", reduce_blocks, move |a, c| {
                         sum_partials::<T>(a, c, cols, partials, &[1, 2])
                     }),
