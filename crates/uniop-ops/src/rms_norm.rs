@@ -173,8 +173,8 @@ fn scale_row_as<T: FloatElement, const NATIVE: bool>(
 /// instead of widening them on every row.
 ///
 /// # Safety
-/// No other block may use workspace row `scratch_row` during the launch, and the plan's workspace
-/// must hold it.
+/// No other block may use workspace row `scratch_row` during the launch (a row past the plan's
+/// workspace panics in [`KernelArgs::workspace`]).
 #[inline(always)]
 pub(crate) unsafe fn param_f32<W: FloatElement>(
     args: &KernelArgs,

@@ -120,12 +120,12 @@ fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx,
         let [dyr, xr, next_dy, next_x] = [(&dy, r), (&x, r), (&dy, r + 1), (&x, r + 1)].map(|(t, r)| s.row::<T>(t, r, &rows));
         let (dsr, next_ds) = dsum.as_ref().map_or((None, &[][..]), |t| (Some(s.row::<T>(t, r, &rows)), s.row(t, r + 1, &rows)));
         let (inputs, next) = ((dyr, dsr, xr, w), [next_dy, next_x, next_ds]);
-        let stats = (rs[rstd.layout().offset_of_linear(r)], next);
+        let r_std = rs[rstd.layout().offset_of_linear(r)];
         // SAFETY: this block owns row r of dx (and of dresidual).
         let dxrow = unsafe { dx.slice_mut::<T>(dx.layout().outer_offset(r, s.inner_dims), s.cols) };
         // SAFETY: as dx's row.
         let dres = dres.as_ref().map(|t| unsafe { t.slice_mut::<T>(t.layout().outer_offset(r, s.inner_dims), s.cols) });
-        backward_row(inputs, stats, (dxrow, dres, s.streaming), partial);
+        backward_row(inputs, (r_std, next), (dxrow, dres, s.streaming), partial);
     }
     fence();
 }
