@@ -15,7 +15,7 @@
 
 use crate::elementwise::{fence, store_step, streams_bytes, widen_lanes, Ahead, Aligned, LANES};
 use crate::math;
-use crate::rms_norm::{check_eps, norm_shape, param_f32, NormShape};
+use crate::rms_norm::{check_eps, norm_shape, param_f32, KernelShape, NormShape};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,
     RefTensor, Result, Step, TensorMeta,
@@ -95,29 +95,22 @@ fn normalize_row<T: FloatElement, const NATIVE: bool, const BIAS: bool>(
 crate::simd_kernel! {
 /// Rows `split(rows)`: statistics, then the normalized row. The weight and bias are widened to
 /// f32 once per block (into the workspace) when they are not f32 already.
-fn forward_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &RowShape) {
+fn forward_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape, bias: bool) {
     let x = args.input(0);
     let (y, mean_out, rstd_out) = (args.output(0), args.output(1), args.output(2));
     let cols = s.cols;
-    let xs = x.storage::<T>().expect("dtype dispatched");
     let (block, blocks) = (ctx.block_idx as usize, ctx.block_num as usize);
     // SAFETY: block b owns workspace rows b (its widened weight) and `blocks + b` (its widened
     // bias), reserved when the parameters are not f32.
     let w = unsafe { param_f32::<W>(args, 1, block, cols) };
-    let b = s.bias.then(|| unsafe { param_f32::<W>(args, 2, blocks + block, cols) });
+    let b = bias.then(|| unsafe { param_f32::<W>(args, 2, blocks + block, cols) });
     // SAFETY: each block writes only the mean and rstd entries of its own rows (below).
     let (mean_ptr, rstd_ptr) = unsafe { (mean_out.as_mut_ptr::<f32>(), rstd_out.as_mut_ptr::<f32>()) };
     let rows = ctx.split(s.rows);
     for r in rows.clone() {
-        let xo = x.layout().outer_offset(r, s.inner_dims);
-        let row = &xs[xo..xo + cols];
-        let next = if r + 1 < rows.end {
-            let no = x.layout().outer_offset(r + 1, s.inner_dims);
-            &xs[no..no + cols]
-        } else {
-            &[]
-        };
+        let row = s.row::<T>(&x, r, &rows);
         // The next row comes in over both passes that read this one from the cache.
+        let next = s.row::<T>(&x, r + 1, &rows);
         let (next_early, next) = next.split_at(next.len() / 2);
         let native = T::converts_natively();
         let stats = if native {
@@ -140,18 +133,6 @@ fn forward_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: Bloc
     }
     fence();
 }
-}
-
-/// Plan-time constants of the forward kernel.
-#[derive(Clone, Copy)]
-struct RowShape {
-    rows: usize,
-    cols: usize,
-    inner_dims: usize,
-    eps: f32,
-    bias: bool,
-    /// Whether y is written with non-temporal stores.
-    streaming: bool,
 }
 
 /// f64 LayerNorm of `rows × cols` values: `(y, mean, rstd)`.
@@ -208,23 +189,17 @@ impl Op for LayerNorm {
         let s = layer_norm_shape(cx)?;
         let bias = cx.optional_input("bias").is_some();
         let weight_f32 = cx.input("weight").dtype == DType::F32;
-        let rs = RowShape {
-            rows: s.rows,
-            cols: s.cols,
-            inner_dims: s.inner_dims,
-            eps: check_eps(cx)?,
-            bias,
-            streaming: streams_bytes(s.rows * s.cols * s.dtype.size()),
-        };
+        let streaming = streams_bytes(s.rows * s.cols * s.dtype.size());
+        let ks = KernelShape { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims, eps: check_eps(cx)?, streaming };
         let block_dim = block_dim_for(s.rows, 2 * s.cols * s.dtype.size());
         // Widened weight (and bias) rows, one per block each, when they are not f32.
         let widened = if weight_f32 { 0 } else { 1 + bias as usize };
         let workspace = widened * block_dim as usize * s.cols * 4;
         let step = with_float_dtype!(s.dtype, cx.op(), "x", |T| {
             if weight_f32 {
-                Step::new("layer_norm", block_dim, move |a, c| forward_kernel::<T, f32>(a, c, &rs))
+                Step::new("layer_norm", block_dim, move |a, c| forward_kernel::<T, f32>(a, c, &ks, bias))
             } else {
-                Step::new("layer_norm", block_dim, move |a, c| forward_kernel::<T, T>(a, c, &rs))
+                Step::new("layer_norm", block_dim, move |a, c| forward_kernel::<T, T>(a, c, &ks, bias))
             }
         });
         Ok(Plan::new(vec![step])
