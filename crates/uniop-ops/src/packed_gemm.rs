@@ -1504,11 +1504,13 @@ mod tests {
     fn few_rows_with_k_contiguous_operands_take_dot_products() {
         // Row bands of at most SKINNY_ROWS with A row-major and B column-major (a weight in
         // [N, K] layout) run the dot-product path: k under, at and over one 32-wide step, column
-        // counts not a multiple of 4, accumulate; m = 7 splits into a 2-row and a 5-row band.
+        // counts not a multiple of 4, accumulate; m = 7 splits into a 2-row and a 5-row band;
+        // several runs of RUN columns, the last ragged.
         check(1, 700, 45, false, true, false);
         check(3, 32, 9, false, true, true);
         check(4, 1, 5, false, true, false);
         check(7, 95, 66, false, true, false);
+        check(2, 384, 2 * crate::skinny::RUN + 7, false, true, true);
     }
 
     #[test]

@@ -37,13 +37,18 @@ impl Simd {
     }
 }
 
-/// An element type with SIMD kernels for `R × 4` dot products.
+/// Weight rows (output columns) one [`Dots::dots`] call multiplies at most. A call per group of
+/// four rows cost a call, a setup and a reduction of its sums through memory per 3 KiB of a
+/// bf16 weight; a run of them amortizes that and keeps the reductions in registers.
+pub(crate) const RUN: usize = 64;
+
+/// An element type with SIMD kernels for `R × RUN` dot products.
 pub(crate) trait Dots: GemmOut {
     /// The best [`Simd`] level this CPU runs for this type.
     fn best() -> Simd;
 
-    /// `a[i] · b[j]` over `k` elements, f32 sums, at level `simd`. `ahead` is how many bytes
-    /// past the `b` rows the next call's rows start (a kernel may prefetch there).
+    /// `a[i] · b_j` over `k` elements for the `cols` (at most [`RUN`]) rows `b_j` that start at
+    /// `b.0` and follow each other every `b.1` elements, f32 sums in `[i][j]`, at level `simd`.
     ///
     /// # Safety
     /// Only at a level the CPU has (`simd` at or below [`Dots::best`]); every pointer valid for
@@ -51,22 +56,35 @@ pub(crate) trait Dots: GemmOut {
     unsafe fn dots<const R: usize>(
         simd: Simd,
         a: [*const Self; R],
-        b: [*const Self; 4],
+        b: (*const Self, isize),
         k: usize,
-        ahead: usize,
-    ) -> [[f32; 4]; R] {
+        cols: usize,
+    ) -> [[f32; RUN]; R] {
+        debug_assert!(cols <= RUN);
         match simd {
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx512 => Self::dots_avx512(a, b, k),
+            Simd::Avx512 => {
+                let mut sums = [[0f32; RUN]; R];
+                for g in (0..cols).step_by(4) {
+                    let four = Self::dots_avx512(a, four_rows(b, g, cols), k);
+                    for (row, four) in sums.iter_mut().zip(&four) {
+                        row[g..g + 4].copy_from_slice(four);
+                    }
+                }
+                sums
+            }
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 => Self::dots_avx2(a, b, k, ahead),
+            Simd::Avx2 => Self::dots_avx2(a, b, k, cols),
             _ => std::array::from_fn(|i| {
-                std::array::from_fn(|j| (0..k).map(|p| (*a[i].add(p)).to_f32() * (*b[j].add(p)).to_f32()).sum())
+                std::array::from_fn(|j| {
+                    let bj = b.0.offset(j.min(cols - 1) as isize * b.1);
+                    (0..k).map(|p| (*a[i].add(p)).to_f32() * (*bj.add(p)).to_f32()).sum()
+                })
             }),
         }
     }
 
-    /// [`Dots::dots`] with AVX-512.
+    /// `a[i] · b[j]` for four rows `b` with AVX-512.
     ///
     /// # Safety
     /// As [`Dots::dots`].
@@ -80,10 +98,16 @@ pub(crate) trait Dots: GemmOut {
     #[cfg(target_arch = "x86_64")]
     unsafe fn dots_avx2<const R: usize>(
         a: [*const Self; R],
-        b: [*const Self; 4],
+        b: (*const Self, isize),
         k: usize,
-        ahead: usize,
-    ) -> [[f32; 4]; R];
+        cols: usize,
+    ) -> [[f32; RUN]; R];
+}
+
+/// Rows `g..g + 4` of the `cols` rows at `b` (first row, row stride), the last repeated past `cols`.
+#[inline(always)]
+unsafe fn four_rows<T>(b: (*const T, isize), g: usize, cols: usize) -> [*const T; 4] {
+    std::array::from_fn(|j| b.0.offset((g + j).min(cols - 1) as isize * b.1))
 }
 
 /// `dst[rows] = lhs[rows] · rhs` (`+=` with `accumulate`), dot products at level `simd`.
@@ -104,18 +128,16 @@ pub(crate) unsafe fn skinny<I: Dots, O: GemmOut>(
     debug_assert!(applies(&rows, lhs, rhs));
     let a: [*const I; SKINNY_ROWS] =
         std::array::from_fn(|i| lhs.ptr.offset((rows.start + i.min(rows.len() - 1)) as isize * lhs.rs));
-    // The next group of four weight rows starts this many bytes after the current one.
-    let ahead = 4 * rhs.cs as usize * std::mem::size_of::<I>();
     let mut c = 0;
     while c < n {
-        let cols = 4.min(n - c);
-        let b = std::array::from_fn(|j| rhs.ptr.offset((c + j.min(cols - 1)) as isize * rhs.cs));
+        let cols = RUN.min(n - c);
+        let b = (rhs.ptr.offset(c as isize * rhs.cs), rhs.cs);
         let out = (dst, (rows.start, c), cols, accumulate);
         match rows.len() {
-            1 => store_sums(&I::dots::<1>(simd, [a[0]], b, k, ahead), out),
-            2 => store_sums(&I::dots::<2>(simd, [a[0], a[1]], b, k, ahead), out),
-            3 => store_sums(&I::dots::<3>(simd, [a[0], a[1], a[2]], b, k, ahead), out),
-            _ => store_sums(&I::dots::<4>(simd, a, b, k, ahead), out),
+            1 => store_sums(&I::dots::<1>(simd, [a[0]], b, k, cols), out),
+            2 => store_sums(&I::dots::<2>(simd, [a[0], a[1]], b, k, cols), out),
+            3 => store_sums(&I::dots::<3>(simd, [a[0], a[1], a[2]], b, k, cols), out),
+            _ => store_sums(&I::dots::<4>(simd, a, b, k, cols), out),
         }
         c += cols;
     }
@@ -394,24 +416,24 @@ impl Dots for bf16 {
         sums_of_fours(&acc)
     }
 
-    /// 8 lanes per FMA, each bf16 widened by a 16-bit shift (exact). The weight rows a call
+    /// 8 lanes per FMA, each bf16 widened by a 16-bit shift (exact). The weight rows a group
     /// reads are short in decode-sized products (768 bytes for k = 384), four of them
     /// interleaved: too little of each for the hardware prefetcher to ramp up, so the loop
-    /// prefetches the next group of rows (`ahead` bytes on) as it goes.
+    /// prefetches the next group of rows as it goes.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn dots_avx2<const R: usize>(
         a: [*const bf16; R],
-        b: [*const bf16; 4],
+        b: (*const bf16, isize),
         k: usize,
-        ahead: usize,
-    ) -> [[f32; 4]; R] {
+        cols: usize,
+    ) -> [[f32; RUN]; R] {
         use std::arch::x86_64::*;
         let load = |ptr: *const uniop::half::bf16, p: usize| {
             let halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(ptr.add(p) as *const __m128i));
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(halves))
         };
-        avx2_dots(a, b, k, Some(ahead), load)
+        avx2_dots(a, b, k, cols, true, load)
     }
 }
 
@@ -450,12 +472,12 @@ impl Dots for f32 {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn dots_avx2<const R: usize>(
         a: [*const f32; R],
-        b: [*const f32; 4],
+        b: (*const f32, isize),
         k: usize,
-        _ahead: usize,
-    ) -> [[f32; 4]; R] {
+        cols: usize,
+    ) -> [[f32; RUN]; R] {
         use std::arch::x86_64::*;
-        avx2_dots(a, b, k, None, |ptr: *const f32, p: usize| _mm256_loadu_ps(ptr.add(p)))
+        avx2_dots(a, b, k, cols, false, |ptr: *const f32, p: usize| _mm256_loadu_ps(ptr.add(p)))
     }
 }
 
@@ -488,9 +510,10 @@ unsafe fn sums_of_fours<const R: usize>(acc: &[[std::arch::x86_64::__m512; 4]; R
     sums
 }
 
-/// The AVX2 dot products for any element `load` widens 8 at a time to f32, prefetching `ahead`
-/// bytes past the `b` rows once per 64 bytes read when given; the last `k % 8` products are
-/// summed in scalar code (AVX2 has no masked 16-bit loads).
+/// The AVX2 dot products for any element `load` widens 8 at a time to f32, a group of four `b`
+/// rows at a time, prefetching the next group once per 64 bytes read when `prefetch`; the last
+/// `k % 8` products are summed in scalar code (AVX2 has no masked 16-bit loads). Plain loops
+/// build the register arrays: `map` and its closures, compiled without AVX2, stay out of line.
 ///
 /// # Safety
 /// As [`Dots::dots`], on a CPU with AVX2 and FMA.
@@ -498,37 +521,46 @@ unsafe fn sums_of_fours<const R: usize>(acc: &[[std::arch::x86_64::__m512; 4]; R
 #[target_feature(enable = "avx2,fma")]
 unsafe fn avx2_dots<T: GemmOut, const R: usize>(
     a: [*const T; R],
-    b: [*const T; 4],
+    b: (*const T, isize),
     k: usize,
-    ahead: Option<usize>,
+    cols: usize,
+    prefetch: bool,
     load: impl Fn(*const T, usize) -> std::arch::x86_64::__m256,
-) -> [[f32; 4]; R] {
+) -> [[f32; RUN]; R] {
     use std::arch::x86_64::*;
-    let mut acc = [[_mm256_setzero_ps(); 4]; R];
+    let mut sums = [[0f32; RUN]; R];
+    // The next group of four rows starts this many bytes on.
+    let ahead = 4 * b.1 * std::mem::size_of::<T>() as isize;
     let whole = k / 8 * 8;
-    for p in (0..whole).step_by(8) {
-        if let Some(ahead) = ahead.filter(|_| (p * std::mem::size_of::<T>()).is_multiple_of(64)) {
-            for &ptr in &b {
-                _mm_prefetch::<_MM_HINT_T0>((ptr.add(p) as *const i8).wrapping_add(ahead));
+    for g in (0..cols).step_by(4) {
+        let rows = four_rows(b, g, cols);
+        let mut acc = [[_mm256_setzero_ps(); 4]; R];
+        for p in (0..whole).step_by(8) {
+            if prefetch && (p * std::mem::size_of::<T>()).is_multiple_of(64) {
+                for &ptr in &rows {
+                    _mm_prefetch::<_MM_HINT_T0>((ptr.add(p) as *const i8).wrapping_offset(ahead));
+                }
+            }
+            let mut bv = [_mm256_setzero_ps(); 4];
+            for (v, &ptr) in bv.iter_mut().zip(&rows) {
+                *v = load(ptr, p);
+            }
+            for (acc, &ai) in acc.iter_mut().zip(&a) {
+                let av = load(ai, p);
+                for (acc, &bv) in acc.iter_mut().zip(&bv) {
+                    *acc = _mm256_fmadd_ps(av, bv, *acc);
+                }
             }
         }
-        let bv = b.map(|ptr| load(ptr, p));
-        for (acc, &ai) in acc.iter_mut().zip(&a) {
-            let av = load(ai, p);
-            for (acc, &bv) in acc.iter_mut().zip(&bv) {
-                *acc = _mm256_fmadd_ps(av, bv, *acc);
+        for ((sums, acc), &ai) in sums.iter_mut().zip(&acc).zip(&a) {
+            // Two rounds of pairwise adds leave each 128-bit lane holding partial sums of all
+            // four registers, in order; the lanes are then added.
+            let s = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+            let four = &mut sums[g..g + 4];
+            _mm_storeu_ps(four.as_mut_ptr(), _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s)));
+            for (s, &bj) in four.iter_mut().zip(&rows) {
+                *s += (whole..k).map(|p| (*ai.add(p)).to_f32() * (*bj.add(p)).to_f32()).sum::<f32>();
             }
-        }
-    }
-    let sum = |v: __m256| {
-        let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-        _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)))
-    };
-    let mut sums = acc.map(|row| row.map(sum));
-    for (row, &ai) in sums.iter_mut().zip(&a) {
-        for (s, &bj) in row.iter_mut().zip(&b) {
-            *s += (whole..k).map(|p| (*ai.add(p)).to_f32() * (*bj.add(p)).to_f32()).sum::<f32>();
         }
     }
     sums
@@ -571,11 +603,17 @@ mod tests {
 
     /// f32 rows × an `[n, k]` weight, against f64 sums, at every SIMD level this CPU has: every
     /// row count, k under / at / over one 8- and 16-lane step, a column count not a multiple of 4,
-    /// and accumulation.
+    /// several runs of [`RUN`] columns (the last ragged), and accumulation.
     #[test]
     fn f32_dot_products_match_f64() {
         for simd in Simd::up_to(f32::best()) {
-            for (m, k, n, accumulate) in [(1, 5, 7, false), (2, 16, 4, true), (3, 37, 9, false), (4, 300, 13, true)] {
+            for (m, k, n, accumulate) in [
+                (1, 5, 7, false),
+                (2, 16, 4, true),
+                (3, 37, 9, false),
+                (4, 300, 13, true),
+                (1, 384, 2 * RUN + 7, false),
+            ] {
                 WeightCase::new(m, k, n).check(0..m, accumulate, |dst, lhs, rhs| {
                     // SAFETY: WeightCase's buffers hold the extents it describes; `simd` runs here.
                     unsafe { skinny(0..m, n, k, dst, lhs, rhs, accumulate, simd) }
