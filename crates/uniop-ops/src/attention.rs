@@ -839,8 +839,8 @@ struct ExpSums {
 impl ExpSums {
     /// One step of [`exp_pass`]: the first `lanes` of `x`. A method, not a closure: a closure
     /// keeps the (baseline) target features of the function that defines it, and where LLVM left
-    /// it out of line, its `mul_add` became a call to libm's `fmaf` per lane — a third of bf16
-    /// decode attention's time on AVX2 (Zen 3).
+    /// it out of line, its `mul_add` became a call per lane to compiler-builtins' `fmaf` — a third of
+    /// bf16 decode attention's time on AVX2 (Zen 3).
     #[inline(always)]
     fn step<T: FloatElement, const NARROW: bool, const NATIVE: bool>(
         &mut self,

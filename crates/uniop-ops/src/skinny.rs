@@ -75,12 +75,16 @@ pub(crate) trait Dots: GemmOut {
             }
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => Self::dots_avx2(a, b, k, cols),
-            _ => std::array::from_fn(|i| {
-                std::array::from_fn(|j| {
-                    let bj = b.0.offset(j.min(cols - 1) as isize * b.1);
-                    (0..k).map(|p| (*a[i].add(p)).to_f32() * (*bj.add(p)).to_f32()).sum()
-                })
-            }),
+            _ => {
+                let mut sums = [[0f32; RUN]; R];
+                for (row, &ai) in sums.iter_mut().zip(&a) {
+                    for (j, sum) in row[..cols].iter_mut().enumerate() {
+                        let bj = b.0.offset(j as isize * b.1);
+                        *sum = (0..k).map(|p| (*ai.add(p)).to_f32() * (*bj.add(p)).to_f32()).sum();
+                    }
+                }
+                sums
+            }
         }
     }
 
