@@ -416,14 +416,16 @@ unsafe fn dq_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry
     }
 }
 
-/// `p ← exp(s − lse)` on the first `seen` lanes (0 after: masked keys) and `ds ← p ∘ (dp − δ)`,
-/// in place over one strip row.
+/// `p ← exp(s − lse)` and `ds ← p ∘ (dp − δ)` on the first `seen` lanes, both 0 after (masked
+/// keys), in place over one strip row. The masked lanes are selected, not multiplied by p = 0:
+/// past a sequence's `kv_lens` the cache may hold anything (NaN), and 0 · NaN would carry it
+/// into dK.
 #[inline(always)]
 fn score_grads(p: &mut [f32; BAND], ds: &mut [f32; BAND], seen: usize, lse: f32, delta: f32) {
     for lane in 0..BAND {
         let x = if lane < seen { math::exp(p[lane] - lse) } else { 0.0 };
         p[lane] = x;
-        ds[lane] = x * (ds[lane] - delta);
+        ds[lane] = if lane < seen { x * (ds[lane] - delta) } else { 0.0 };
     }
 }
 
