@@ -399,8 +399,9 @@ unsafe fn dq_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry
                     let p: &[f32; BAND] = (&st[j * BAND..][..BAND]).try_into().expect("a strip row");
                     let ds: &mut [f32; BAND] = (&mut dpt[j * BAND..][..BAND]).try_into().expect("a strip row");
                     for x in 0..BAND {
-                        let v = if (j as u32) < seen[x] { math::exp(p[x] - band_lse[x]) } else { 0.0 };
-                        ds[x] = v * (ds[x] - band_delta[x]);
+                        // Masked lanes selected to 0, as in `score_grads` (0 · a non-finite V is NaN).
+                        let seen = (j as u32) < seen[x];
+                        ds[x] = if seen { math::exp(p[x] - band_lse[x]) * (ds[x] - band_delta[x]) } else { 0.0 };
                     }
                 }
                 // SAFETY: as above.
