@@ -6,10 +6,8 @@
 //! Deterministic: blocks write per-row losses, a second one-block launch sums them in row order.
 //! A target outside `[0, C)` (and not `ignore_index`) fails the launch with a runtime error.
 
-use crate::elementwise::{for_lanes, Ahead, LANES};
 use crate::embedding::{checked_row, index_at, INDEX_DTYPES};
-use crate::math;
-use crate::softmax::row_max;
+use crate::softmax::{exp_total, row_max};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
     Plan, RefTensor, Result, Step, TensorMeta,
@@ -53,19 +51,16 @@ pub(crate) fn target_of<I: Element>(
     (t != g.ignore).then(|| checked_row(op, "target", t, r, g.classes))
 }
 
-/// Log-sum-exp of one row; its exp pass prefetches `next` (see [`Ahead`]).
+/// Log-sum-exp of one row by softmax's exp pass (which prefetches `next`).
+///
+/// Its exps are [`math::exp_for`](crate::math::exp_for) the logits' type, as in the backward: for
+/// f16/bf16 logits the coarse exp's 1e-5 relative error moves `lse` by about 1e-5, where the
+/// logits' own rounding moves it by up to |x|·2⁻⁹ (bf16). The full exp is most of the pass's ops:
+/// 2048 × 32000 bf16 logits on Zen 3 (AVX2), two threads, 24.4 → 18.0 ms with the coarse one.
 #[inline(always)]
 pub(crate) fn log_sum_exp<T: FloatElement>(row: &[T], next: &[T]) -> f32 {
     let m = row_max(row);
-    let mut acc = [0f32; LANES];
-    let mut ahead = Ahead::new(next, row.len().div_ceil(LANES));
-    for_lanes([row], f32::NEG_INFINITY, |[b]| {
-        ahead.step();
-        for (a, &v) in acc.iter_mut().zip(b) {
-            *a += math::exp(v - m);
-        }
-    });
-    m + math::sum_lanes(acc).ln()
+    m + exp_total(row, m, next).ln()
 }
 
 crate::simd_kernel! {

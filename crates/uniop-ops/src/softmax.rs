@@ -163,9 +163,10 @@ pub(crate) fn exp_into<T: FloatElement>(row: &[T], out: &mut [f32], m: f32, next
     exp_sum::<T, true>(row, out, m, next)
 }
 
-/// `Σ exp(row − m)` alone, for log_softmax (which needs no exps kept: 4 bytes a lane not written).
+/// `Σ exp(row − m)` alone, for log_softmax and cross_entropy (which need no exps kept: 4 bytes a
+/// lane not written).
 #[inline(always)]
-fn exp_total<T: FloatElement>(row: &[T], m: f32, next: &[T]) -> f32 {
+pub(crate) fn exp_total<T: FloatElement>(row: &[T], m: f32, next: &[T]) -> f32 {
     exp_sum::<T, false>(row, &mut [], m, next)
 }
 
