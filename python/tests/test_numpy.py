@@ -154,6 +154,12 @@ def test_signatures_and_docstrings_come_from_the_schema():
         (lambda: uniop.cat([]), "param-invalid", "needs at least one tensor"),
         (lambda: uniop.cat([np.ones((2, 3), np.float32), np.ones((2, 2), np.float32)]), "shape", "'tensors\\[1\\]'"),
         (lambda: uniop.load_library("/nonexistent/libx.so"), "param-invalid", "cannot be loaded"),
+        # Tables of 2**62 float32 (2**64 bytes: a size that wraps) for one position.
+        (
+            lambda: uniop.rope_cos_sin(np.zeros(1, np.int64), 2**62),
+            "shape",
+            r"rope_cos_sin: argument 'dim': expected a rotary dim for which the tables \[1, dim\] have a size",
+        ),
         # A stride-0 view of one element whose output (2**62 bytes) NumPy cannot allocate.
         (
             lambda: uniop.silu(np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (2**60,), (0,))),

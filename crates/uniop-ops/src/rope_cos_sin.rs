@@ -15,6 +15,7 @@
 
 use crate::math;
 use crate::rope::Mode;
+use uniop::layout::ShapeDisplay;
 use uniop::{
     block_dim_for, with_float_dtype, AttrValue, BlockCtx, DType, Element, ErrorCode, Example, FloatElement, KernelArgs,
     LayoutNeed, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -31,7 +32,8 @@ struct Table {
     dtype: DType,
 }
 
-fn table(cx: &OpCx) -> Result<Table> {
+/// The checked arguments, without the frequency table ([`table`] builds it; `infer` needs none).
+fn checked(cx: &OpCx) -> Result<Table> {
     let pos = cx.input("positions");
     if !matches!(pos.dtype, DType::I32 | DType::I64) {
         return Err(cx.err(ErrorCode::DType, "positions", "dtype int32 or int64", pos.dtype));
@@ -60,10 +62,30 @@ fn table(cx: &OpCx) -> Result<Table> {
     if cx.optional_input("inv_freq").is_some() {
         cx.expect_dtype_in("inv_freq", &[DType::F32])?;
         cx.expect_shape("inv_freq", &[dim / 2])?;
-        return Ok(Table { dim, mode, inv_freq: Vec::new(), dtype });
     }
-    let inv_freq = (0..dim / 2).map(|j| (1.0 / theta.powf(2.0 * j as f64 / dim as f64)) as f32).collect();
-    Ok(Table { dim, mode, inv_freq, dtype })
+    Ok(Table { dim, mode, inv_freq: Vec::new(), dtype })
+}
+
+/// [`checked`] with the frequencies from `theta` when the caller gives no `inv_freq`. The table is
+/// allocated fallibly: `dim` comes from the caller, and a dim no output could hold (its tables
+/// are `dim / 2` times larger still per position) must be an error, not an abort.
+fn table(cx: &OpCx) -> Result<Table> {
+    let mut t = checked(cx)?;
+    if cx.optional_input("inv_freq").is_some() {
+        return Ok(t);
+    }
+    let (half, theta) = (t.dim / 2, cx.float("theta"));
+    t.inv_freq.try_reserve_exact(half).map_err(|_| {
+        let bytes = half as u128 * 4;
+        cx.err(
+            ErrorCode::Runtime,
+            "dim",
+            format!("a rotary dim whose {bytes}-byte frequency table fits in memory"),
+            t.dim,
+        )
+    })?;
+    t.inv_freq.extend((0..half).map(|j| (1.0 / theta.powf(2.0 * j as f64 / t.dim as f64)) as f32));
+    Ok(t)
 }
 
 impl Table {
@@ -167,10 +189,13 @@ impl Op for RopeCosSin {
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
-        let t = table(cx)?;
-        let mut shape = cx.input("positions").shape().to_vec();
-        shape.push(t.dim);
-        let meta = TensorMeta::contiguous(t.dtype, &shape)?;
+        let t = checked(cx)?;
+        let positions = cx.input("positions").shape();
+        let shape = [positions, &[t.dim]].concat();
+        let meta = TensorMeta::contiguous(t.dtype, &shape).map_err(|_| {
+            let tables = format!("{}", ShapeDisplay(&[positions, &[0]].concat())).replace("0]", "dim]");
+            cx.err(ErrorCode::Shape, "dim", format!("a rotary dim for which the tables {tables} have a size"), t.dim)
+        })?;
         Ok(vec![meta.clone(), meta])
     }
 

@@ -406,8 +406,9 @@ fn size_overflow_is_a_shape_error() {
     setup();
     let e = Tensor::empty(DType::F32, &[1 << 40, 1 << 40]).unwrap_err();
     assert_eq!(e.code(), ErrorCode::Shape);
-    let meta = TensorMeta::contiguous(DType::F32, &[usize::MAX / 4, 2]).unwrap();
-    assert_eq!(meta.contiguous_bytes().unwrap_err().code(), ErrorCode::Shape);
+    // Countable elements whose bytes are not: refused when the description is made.
+    let e = TensorMeta::contiguous(DType::F32, &[usize::MAX / 4, 2]).unwrap_err();
+    assert_eq!(e.code(), ErrorCode::Shape);
 }
 
 /// Executors: workspace too small, single-use reuse, repeatable relaunch with rebinding.
@@ -818,8 +819,17 @@ fn rope_cos_sin_builds_hf_tables() {
     )
     .unwrap();
     assert_eq!((bf[0].dtype, bf[0].shape()), (DType::BF16, &[6usize, 4][..]));
-    let err = plan_err("rope_cos_sin", &[Some(tp), None], &[("dim", AttrValue::Int(7))], vec![]);
+    let err = plan_err("rope_cos_sin", &[Some(tp.clone()), None], &[("dim", AttrValue::Int(7))], vec![]);
     assert_eq!(err.message(), "rope_cos_sin: argument 'dim': expected a positive even rotary dim, got 7");
+    // A dim whose tables no memory holds is an error, not a panic (its frequency table was built
+    // before the output's size was checked, and overflowed the allocator's capacity).
+    let err = plan_err("rope_cos_sin", &[Some(tp.clone()), None], &[("dim", AttrValue::Int(1 << 62))], vec![]);
+    assert_eq!(
+        err.message(),
+        "rope_cos_sin: argument 'dim': expected a rotary dim for which the tables [6, dim] have a size, got \
+         4611686018427387904"
+    );
+    assert_eq!(err.code(), ErrorCode::Shape);
     let fpos = [0f32; 3];
     let err = plan_err(
         "rope_cos_sin",

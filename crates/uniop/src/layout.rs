@@ -299,8 +299,12 @@ pub struct TensorMeta {
 }
 
 impl TensorMeta {
+    /// A dense tensor's description; an error when its element count or its byte size overflows
+    /// (no buffer could hold it, and sizes computed from it later would wrap).
     pub fn contiguous(dtype: DType, shape: &[usize]) -> Result<TensorMeta> {
-        Ok(TensorMeta { dtype, layout: Layout::contiguous(shape)? })
+        let meta = TensorMeta { dtype, layout: Layout::contiguous(shape)? };
+        meta.contiguous_bytes()?;
+        Ok(meta)
     }
     /// The same description, borrowed.
     pub fn as_meta_ref(&self) -> MetaRef<'_> {
@@ -636,6 +640,11 @@ mod tests {
         assert!(e.message().contains("overflows"), "{e}");
         let e = Layout::strided(&[2, 2], &[usize::MAX, 1], 0).unwrap_err();
         assert_eq!(e.code(), ErrorCode::Shape);
+        // Elements that can be counted but not stored: 2⁶² f32 are 2⁶⁴ bytes.
+        let e = TensorMeta::contiguous(DType::F32, &[1 << 62]).unwrap_err();
+        assert_eq!(e.code(), ErrorCode::Shape);
+        assert!(e.message().contains("byte size"), "{e}");
+        assert!(TensorMeta::contiguous(DType::U8, &[1 << 62]).is_ok(), "2⁶² bytes have a size");
     }
 
     #[test]
