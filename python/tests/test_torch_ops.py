@@ -423,6 +423,10 @@ def test_errors_are_uniop_errors_not_crashes():
     with pytest.raises(uniop.UniopError, match="rms_norm: argument 'weight'") as e:
         torch.ops.uniop.rms_norm(torch.randn(4, 8), torch.randn(7))
     assert e.value.code == 161004 and e.value.code_name == "shape"
+    # torch's argument parser turns a None for a `Tensor` argument into an undefined tensor.
+    with pytest.raises(uniop.UniopError, match="rms_norm: argument 'weight': expected a tensor, got None") as e:
+        torch.ops.uniop.rms_norm(torch.randn(4, 8), None)
+    assert e.value.code_name == "param-nullptr"
     with pytest.raises(uniop.UniopError, match="dtype") as e:
         uniop.softmax(torch.zeros(3, 4, dtype=torch.int32))
     assert e.value.code_name == "dtype"

@@ -246,6 +246,11 @@ struct TensorIo {
 const TensorIo kTensorIo{&make_py_tensor, &read_py_tensor};
 constexpr const char* kTensorIoName = "uniop.torch.tensor_io.v1";
 
+// Whether an argument is missing: None, or the undefined tensor torch's argument parser makes of a
+// None given for a `Tensor` argument. The core gets either as no value and refuses it with its
+// usual error when the argument is required (the undefined tensor has no strides to read).
+bool absent(const c10::IValue& v) { return v.isNone() || (v.isTensor() && !v.toTensor().defined()); }
+
 class CpuKernel final : public c10::OperatorKernel {
  public:
   CpuKernel(const void* op, std::vector<ArgClass> classes) : op_(op), classes_(std::move(classes)) {}
@@ -270,7 +275,7 @@ class CpuKernel final : public c10::OperatorKernel {
       const c10::IValue& v = (*stack)[first + i];
       if (classes_[i] == ArgClass::TensorList && v.isTensorList()) {
         for (const at::Tensor& t : v.toTensorList()) storage.tensors.push_back(checked_view(t, false, schema, i));
-      } else if ((classes_[i] == ArgClass::Tensor || classes_[i] == ArgClass::MutatedTensor) && v.isTensor()) {
+      } else if ((classes_[i] == ArgClass::Tensor || classes_[i] == ArgClass::MutatedTensor) && !absent(v)) {
         storage.tensors.push_back(checked_view(v.toTensor(), classes_[i] == ArgClass::MutatedTensor, schema, i));
       }
     }
@@ -279,7 +284,7 @@ class CpuKernel final : public c10::OperatorKernel {
     for (size_t i = 0; i < num_args; ++i) {
       const c10::IValue& v = (*stack)[first + i];
       BoxedValue& out = values[i];
-      if (v.isNone()) continue;  // kNone
+      if (absent(v)) continue;  // kNone
       switch (classes_[i]) {
         case ArgClass::Tensor:
         case ArgClass::MutatedTensor:
