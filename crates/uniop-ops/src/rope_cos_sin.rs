@@ -15,7 +15,6 @@
 
 use crate::math;
 use crate::rope::Mode;
-use uniop::layout::ShapeDisplay;
 use uniop::{
     block_dim_for, with_float_dtype, AttrValue, BlockCtx, DType, Element, ErrorCode, Example, FloatElement, KernelArgs,
     LayoutNeed, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -66,9 +65,9 @@ fn checked(cx: &OpCx) -> Result<Table> {
     Ok(Table { dim, mode, inv_freq: Vec::new(), dtype })
 }
 
-/// [`checked`] with the frequencies from `theta` when the caller gives no `inv_freq`. The table is
-/// allocated fallibly: `dim` comes from the caller, and a dim no output could hold (its tables
-/// are `dim / 2` times larger still per position) must be an error, not an abort.
+/// [`checked`] with the frequencies from `theta` when the caller gives no `inv_freq`. The table
+/// (`dim / 2` f32) is reserved fallibly: `dim` comes from the caller, and `infer` only checks that
+/// the tables have a size, so a table that cannot be allocated must be an error, not an abort.
 fn table(cx: &OpCx) -> Result<Table> {
     let mut t = checked(cx)?;
     if cx.optional_input("inv_freq").is_some() {
@@ -193,8 +192,9 @@ impl Op for RopeCosSin {
         let positions = cx.input("positions").shape();
         let shape = [positions, &[t.dim]].concat();
         let meta = TensorMeta::contiguous(t.dtype, &shape).map_err(|_| {
-            let tables = format!("{}", ShapeDisplay(&[positions, &[0]].concat())).replace("0]", "dim]");
-            cx.err(ErrorCode::Shape, "dim", format!("a rotary dim for which the tables {tables} have a size"), t.dim)
+            let dims: Vec<String> = positions.iter().map(usize::to_string).chain(["dim".to_string()]).collect();
+            let tables = dims.join(", ");
+            cx.err(ErrorCode::Shape, "dim", format!("a rotary dim for which the tables [{tables}] have a size"), t.dim)
         })?;
         Ok(vec![meta.clone(), meta])
     }
