@@ -160,6 +160,12 @@ def test_signatures_and_docstrings_come_from_the_schema():
             "shape",
             r"rope_cos_sin: argument 'dim': expected a rotary dim for which the tables \[1, dim\] have a size",
         ),
+        # No positions: empty tables, but a frequency table (2**57 float32) that no memory holds.
+        (
+            lambda: uniop.rope_cos_sin(np.zeros(0, np.int64), 2**58),
+            "runtime",
+            r"rope_cos_sin: argument 'dim': expected a rotary dim whose 576460752303423488-byte frequency table",
+        ),
         # A stride-0 view of one element whose output (2**62 bytes) NumPy cannot allocate.
         (
             lambda: uniop.silu(np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (2**60,), (0,))),

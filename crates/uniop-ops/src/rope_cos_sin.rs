@@ -67,7 +67,8 @@ fn checked(cx: &OpCx) -> Result<Table> {
 
 /// [`checked`] with the frequencies from `theta` when the caller gives no `inv_freq`. The table
 /// (`dim / 2` f32) is reserved fallibly: `dim` comes from the caller, and `infer` only checks that
-/// the tables have a size, so a table that cannot be allocated must be an error, not an abort.
+/// the tables have a size — any dim does for no positions — so a table that cannot be allocated
+/// must be an error, not an abort.
 fn table(cx: &OpCx) -> Result<Table> {
     let mut t = checked(cx)?;
     if cx.optional_input("inv_freq").is_some() {
