@@ -1195,8 +1195,8 @@ uniopStatus uniopDestroyTensorList(const uniopTensorList *list);
 
 // Phase 1 by op name: binds `inputs` (the tensors the op reads, schema order; NULL for an
 // absent optional), `attrs` (`"name=value, ..."`, may be NULL) and `outputs` (tensors the op
-// updates in place, then its returns), checks them, plans, and returns the workspace size and a
-// single-use executor.
+// updates in place, then its returns, each in memory of its own), checks them, plans, and
+// returns the workspace size and a single-use executor.
 uniopStatus uniopOpGetWorkspaceSize(const char *opName,
                                     const uniopTensor *const *inputs,
                                     uint64_t numInputs,

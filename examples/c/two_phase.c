@@ -546,6 +546,18 @@ static void test_bad_inputs(uniopStream stream) {
   expect_error("unknown attribute", uniopOpGetWorkspaceSize("rms_norm", (const uniopTensor *const *)ok_in, 2, "epz=1",
                                                           (const uniopTensor *const *)outs, 2, &ws, &ex),
                UNIOP_ERROR_PARAM_INVALID, "epz");
+  /* An output must own its memory: not the input's (aclnn's out-of-place calls), and no element shared. */
+  int64_t rows_shared[] = {0, 1};
+  uniopTensor *y_over_x = dense(xd, 2, x), *y_broadcast = tensor(xd, 2, rows_shared, y, 4);
+  uniopTensor *over_x[] = {y_over_x, tr}, *broadcast_out[] = {y_broadcast, tr};
+  expect_error("output over an input", uniopOpGetWorkspaceSize("rms_norm", (const uniopTensor *const *)ok_in, 2, NULL,
+                                                             (const uniopTensor *const *)over_x, 2, &ws, &ex),
+               UNIOP_ERROR_PARAM_INVALID, "argument 'y': expected memory of its own, got memory shared with 'x'");
+  expect_error("broadcast output", uniopOpGetWorkspaceSize("rms_norm", (const uniopTensor *const *)ok_in, 2, NULL,
+                                                         (const uniopTensor *const *)broadcast_out, 2, &ws, &ex),
+               UNIOP_ERROR_PARAM_INVALID, "no two elements share memory");
+  OK(uniopDestroyTensor(y_over_x));
+  OK(uniopDestroyTensor(y_broadcast));
 
   int64_t neg[] = {4, -1};
   expect_no_handle("negative stride", uniopCreateTensor(xd, 2, UNIOP_FLOAT, neg, 0, UNIOP_FORMAT_ND, &eight, 1, x),

@@ -17,6 +17,8 @@
 // Signatures follow aclnn/AscendCL (aclCreateTensor takes nine arguments).
 #![allow(clippy::too_many_arguments)]
 
+#[cfg(test)]
+mod bad_input_sweep;
 mod handles;
 mod ops;
 mod runtime;

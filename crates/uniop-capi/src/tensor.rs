@@ -340,8 +340,8 @@ pub(crate) fn plan<I: Display, O: Display>(
 
 /// Phase 1 by op name: binds `inputs` (the tensors the op reads, schema order; NULL for an
 /// absent optional), `attrs` (`"name=value, ..."`, may be NULL) and `outputs` (tensors the op
-/// updates in place, then its returns), checks them, plans, and returns the workspace size and a
-/// single-use executor.
+/// updates in place, then its returns, each in memory of its own), checks them, plans, and
+/// returns the workspace size and a single-use executor.
 #[no_mangle]
 pub extern "C" fn uniopOpGetWorkspaceSize(
     opName: *const c_char,

@@ -510,6 +510,57 @@ fn executor_rebinds_memory_of_the_planned_layout() {
     check(&x2, &y2, &rstd2);
 }
 
+/// An output may not share memory with an input or another output (dense tensors are compared,
+/// as torch does for `out=`), nor have elements that share memory — checked when planning, and
+/// at launch for memory rebound since.
+#[test]
+fn outputs_own_their_memory() {
+    setup();
+    let (rows, cols) = (4, 8);
+    let mut buf = rand_vec(rows * cols + cols, 7);
+    let (w, mut rstd) = (rand_vec(cols, 8), vec![0f32; rows]);
+    let x_ptr = buf.as_mut_ptr();
+    let bytes = 4 * rows * cols;
+    // SAFETY (all): views of `buf`, alive while they are used; the point is that they overlap.
+    let x =
+        unsafe { TensorRef::from_raw(x_ptr.cast(), bytes, TensorMeta::contiguous(DType::F32, &[rows, cols]).unwrap()) }
+            .unwrap();
+    let inputs = [Some(x), Some(TensorRef::new(&w, &[cols]).unwrap())];
+    let out_at = |at: usize| unsafe {
+        TensorMut::from_raw(x_ptr.add(at).cast(), bytes, TensorMeta::contiguous(DType::F32, &[rows, cols]).unwrap())
+            .unwrap()
+    };
+    let rstd_ptr = rstd.as_mut_ptr();
+    let rstd_out = || unsafe {
+        TensorMut::from_raw(rstd_ptr.cast(), 4 * rows, TensorMeta::contiguous(DType::F32, &[rows, 1]).unwrap()).unwrap()
+    };
+    // y over x itself, and over x shifted by one row: both share memory with x.
+    for at in [0, cols] {
+        let err = Executor::by_name("rms_norm", &inputs, &[], vec![out_at(at), rstd_out()]).err().unwrap();
+        assert_eq!(err.code(), ErrorCode::ParamInvalid);
+        assert_eq!(err.message(), "rms_norm: argument 'y': expected memory of its own, got memory shared with 'x'");
+    }
+    // A broadcast output: every row the same memory.
+    let mut row = vec![0f32; cols];
+    let broadcast = TensorMut::strided(&mut row, &[rows, cols], &[0, 1], 0).unwrap();
+    let err = Executor::by_name("rms_norm", &inputs, &[], vec![broadcast, rstd_out()]).err().unwrap();
+    assert_eq!(err.code(), ErrorCode::ParamInvalid);
+    assert_eq!(
+        err.message(),
+        "rms_norm: argument 'y': expected a layout in which no two elements share memory, got shape [4, 8] with strides [0, 1]"
+    );
+    // Apart at planning, rebound over the input afterwards: the launch refuses.
+    let mut y = vec![0f32; rows * cols];
+    let outs = vec![TensorMut::new(&mut y, &[rows, cols]).unwrap(), rstd_out()];
+    let mut exec = Executor::by_name("rms_norm", &inputs, &[], outs).unwrap();
+    exec.set_repeatable();
+    let mut ws = vec![0u8; exec.workspace_size()];
+    exec.run(&mut ws, Stream::default_stream()).unwrap();
+    unsafe { exec.rebind_output_memory(0, x_ptr.add(cols).cast(), bytes).unwrap() };
+    let err = exec.run(&mut ws, Stream::default_stream()).unwrap_err();
+    assert_eq!(err.message(), "rms_norm: argument 'y': expected memory of its own, got memory shared with 'x'");
+}
+
 // ---------------------------------------------------------------- gradients vs finite differences
 
 #[test]

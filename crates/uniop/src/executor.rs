@@ -14,7 +14,7 @@
 //! `rebind_*` calls swap tensor addresses (same dtype/shape/strides) without planning again.
 
 use crate::error::{Error, ErrorCode, Result};
-use crate::layout::{MetaRef, RowTiles, StridedRuns, TensorMeta};
+use crate::layout::{MetaRef, RowTiles, ShapeDisplay, StridedRuns, TensorMeta};
 use crate::op::{block_dim_for, reference_plan, Bound, KernelArgs, LayoutNeed, Step};
 use crate::registry::{OpEntry, Registry};
 use crate::runtime::profiler::{self, LaunchKind};
@@ -25,6 +25,7 @@ use crate::tensor::{check_view, TensorMut, TensorRef};
 use rustc_hash::FxHashMap;
 use std::cell::RefCell;
 use std::marker::PhantomData;
+use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
 const WS_ALIGN: usize = 64;
@@ -63,6 +64,10 @@ struct Planned {
     workspace_size: usize,
     /// Every task of a launch (staging copies and steps) is one block: see [`Executor::launch`].
     single_block: bool,
+    /// Per kernel input slot and per output, the bytes from its pointer that a dense tensor
+    /// covers (see [`Executor::check_apart`]); `None` for other layouts.
+    dense_inputs: Vec<Option<Range<usize>>>,
+    dense_outputs: Vec<Option<Range<usize>>>,
     /// The op's name and its tensors as the profiler shows them (built on the first profiled launch).
     profiled: OnceLock<(Arc<str>, Arc<str>, u64)>,
 }
@@ -142,7 +147,7 @@ impl<'a> Executor<'a> {
             .into_iter()
             .map(|mut t| Bound { ptr: t.as_mut_ptr(), len: t.byte_len(), meta: t.meta().clone() })
             .collect();
-        Ok(Executor {
+        let exec = Executor {
             planned,
             inputs: bound_inputs,
             outputs: bound_outputs,
@@ -150,7 +155,50 @@ impl<'a> Executor<'a> {
             launched: false,
             bound_args: None,
             _life: PhantomData,
-        })
+        };
+        exec.check_apart()?;
+        Ok(exec)
+    }
+
+    /// Refuses an output sharing memory with an input or another output, for tensors laid out
+    /// densely (torch's rule for `out=` tensors; other layouts are not compared). A kernel would
+    /// overwrite what it has still to read, or two would race — wrong values, not an error,
+    /// without this check. Checked when planning and again at each launch, after any rebinding
+    /// (rebinding one tensor at a time may pass through states that overlap).
+    fn check_apart(&self) -> Result<()> {
+        let span = |ptr: *mut u8, range: &Option<Range<usize>>| {
+            range.as_ref().filter(|r| !r.is_empty()).map(|r| ptr as usize + r.start..ptr as usize + r.end)
+        };
+        let overlap = |a: &Range<usize>, b: &Range<usize>| a.start < b.end && b.start < a.end;
+        let planned = &*self.planned;
+        for (o, out) in self.outputs.iter().enumerate() {
+            let Some(written) = span(out.ptr, &planned.dense_outputs[o]) else { continue };
+            // (is an input, its index): named only for the error.
+            let read = self
+                .inputs
+                .iter()
+                .zip(&planned.dense_inputs)
+                .enumerate()
+                .filter_map(|(k, (b, r))| Some(((true, k), span(b.as_ref()?.ptr, r)?)));
+            let others = self.outputs[..o]
+                .iter()
+                .zip(&planned.dense_outputs)
+                .enumerate()
+                .filter_map(|(p, (b, r))| Some(((false, p), span(b.ptr, r)?)));
+            if let Some(((is_input, i), _)) = read.chain(others).find(|(_, r)| overlap(&written, r)) {
+                let schema = &planned.entry.schema;
+                let name =
+                    if is_input { input_name(&planned.entry, i, planned.slots.len()) } else { schema.output_name(i) };
+                return Err(Error::arg(
+                    ErrorCode::ParamInvalid,
+                    self.op(),
+                    &schema.output_name(o),
+                    "memory of its own",
+                    format!("memory shared with '{name}'"),
+                ));
+            }
+        }
+        Ok(())
     }
 
     pub fn op(&self) -> &str {
@@ -349,6 +397,7 @@ impl<'a> Executor<'a> {
                 "a null pointer",
             ));
         }
+        self.check_apart()?;
         self.launched = true;
         // With no workspace, staged views are all empty: give them an aligned dangling pointer.
         let base = if self.planned.workspace_size == 0 {
@@ -477,8 +526,27 @@ fn plan_call(
             ));
         }
     }
+    for (i, out) in outputs.iter().enumerate() {
+        let layout = &out.meta().layout;
+        if !layout.is_non_overlapping() {
+            return Err(Error::arg(
+                ErrorCode::ParamInvalid,
+                op,
+                &entry.schema.output_name(i),
+                "a layout in which no two elements share memory",
+                format!("shape {} with strides {:?}", ShapeDisplay(layout.shape()), layout.strides()),
+            ));
+        }
+    }
     let plan = if cx.by_reference { reference_plan(entry, &cx) } else { entry.op.plan(&cx)? };
     drop(cx);
+    let dense_bytes = |meta: &TensorMeta| {
+        let size = meta.dtype.size();
+        meta.layout.dense_range().map(|r| r.start * size..r.end * size)
+    };
+    let dense_inputs =
+        slots.iter().map(|slot| slot.and_then(|k| inputs[k].as_ref()).and_then(|t| dense_bytes(t.meta()))).collect();
+    let dense_outputs = outputs.iter().map(|t| dense_bytes(t.meta())).collect();
 
     let mut staging = Vec::new();
     let mut at = align_up(plan.workspace);
@@ -516,6 +584,8 @@ fn plan_call(
         op_workspace: plan.workspace,
         workspace_size,
         single_block,
+        dense_inputs,
+        dense_outputs,
         profiled: OnceLock::new(),
     })
 }
@@ -657,6 +727,25 @@ fn group_inputs(
         ));
     }
     Ok((groups, slots))
+}
+
+/// The name of kernel input slot `k` of `slots` (schema order): the argument's, indexed for an
+/// item of a list.
+fn input_name(entry: &OpEntry, k: usize, slots: usize) -> String {
+    let list_len = entry.schema.list_len(slots, true);
+    let mut at = 0;
+    for arg in entry.schema.inputs() {
+        let n = if arg.ty.base == crate::schema::BaseType::TensorList { list_len } else { 1 };
+        if k < at + n {
+            return if arg.ty.base == crate::schema::BaseType::TensorList {
+                format!("{}[{}]", arg.name, k - at)
+            } else {
+                arg.name.clone()
+            };
+        }
+        at += n;
+    }
+    format!("input {k}")
 }
 
 /// Enqueues `tasks` on `stream`; returns the first and last task numbers (they are consecutive

@@ -187,6 +187,36 @@ impl Layout {
         true
     }
 
+    /// No two elements share an address: taken in order of stride, each dim's stride reaches past
+    /// every offset the smaller-strided dims span. Exact for every permuted, sliced, padded or
+    /// broadcast layout; an interleaving of dims that happens not to collide fails it too (no
+    /// framework makes one).
+    pub fn is_non_overlapping(&self) -> bool {
+        if self.is_empty() {
+            return true;
+        }
+        let mut dims: smallvec::SmallVec<[(usize, usize); 8]> =
+            self.shape().iter().zip(self.strides()).filter(|(&d, _)| d > 1).map(|(&d, &s)| (s, d)).collect();
+        dims.sort_unstable();
+        // One past the largest offset the dims so far reach; a valid layout's extent fits a usize.
+        let mut span = 1usize;
+        for (stride, size) in dims {
+            if stride < span {
+                return false;
+            }
+            span += stride * (size - 1);
+        }
+        true
+    }
+
+    /// The elements, in some order, fill `[offset, storage_extent)` exactly (contiguous up to a
+    /// permutation of dims): the range of storage elements they cover, `None` when they do not.
+    pub fn dense_range(&self) -> Option<std::ops::Range<usize>> {
+        let extent = self.storage_extent().ok()?;
+        (self.is_empty() || (self.is_non_overlapping() && extent - self.offset == self.numel()))
+            .then_some(self.offset.min(extent)..extent)
+    }
+
     /// The last dimension is dense (stride 1, or size ≤ 1), so each row is a plain slice.
     pub fn is_inner_contiguous(&self) -> bool {
         match (self.shape().last(), self.strides().last()) {
@@ -622,6 +652,24 @@ mod tests {
     }
 
     #[test]
+    fn overlapping_and_dense_layouts() {
+        let l = |shape: &[usize], strides: &[usize], offset| Layout::strided(shape, strides, offset).unwrap();
+        // Permuted, padded and sliced layouts, and size-1 dims of any stride, do not overlap.
+        assert!(l(&[4, 3], &[1, 4], 0).is_non_overlapping());
+        assert!(l(&[4, 3], &[5, 1], 2).is_non_overlapping());
+        assert!(l(&[4, 1, 3], &[3, 0, 1], 0).is_non_overlapping());
+        // A broadcast dim, and strides too small for the dim below, do.
+        assert!(!l(&[4, 3], &[0, 1], 0).is_non_overlapping());
+        assert!(!l(&[2, 2], &[1, 1], 0).is_non_overlapping());
+        assert!(!l(&[3, 4], &[3, 1], 0).is_non_overlapping());
+        // Dense: contiguous up to a permutation of dims, from its offset.
+        assert_eq!(l(&[4, 3], &[1, 4], 2).dense_range(), Some(2..14));
+        assert_eq!(l(&[4, 3], &[5, 1], 0).dense_range(), None);
+        assert_eq!(l(&[4, 3], &[0, 1], 0).dense_range(), None);
+        assert_eq!(l(&[4, 0], &[1, 4], 7).dense_range(), Some(0..0));
+    }
+
+    #[test]
     fn contiguous_and_extent() {
         let l = Layout::contiguous(&[2, 3, 4]).unwrap();
         assert_eq!(l.strides(), &[12, 4, 1]);
@@ -734,6 +782,21 @@ mod tests {
             let mut got = runs_offsets(&l, 0, cut);
             got.extend(runs_offsets(&l, cut, n));
             prop_assert_eq!(got, all);
+        }
+
+        /// A layout passing the test has distinct offsets; one with distinct offsets fails it only
+        /// when it interleaves dims, and a dense one covers exactly its range.
+        #[test]
+        fn non_overlap_test_is_sound_and_dense_ranges_are_exact(l in arb_layout()) {
+            let mut offsets = linear_offsets(&l);
+            offsets.sort_unstable();
+            let distinct = offsets.windows(2).all(|w| w[0] < w[1]);
+            if l.is_non_overlapping() {
+                prop_assert!(distinct, "{l:?}");
+            }
+            if let Some(range) = l.dense_range() {
+                prop_assert_eq!(offsets, range.collect::<Vec<_>>());
+            }
         }
 
         #[test]

@@ -326,7 +326,7 @@ pub fn random_inputs(
 }
 
 /// Positions of in-place (`Tensor(a!)`) arguments among `n` flattened tensor arguments.
-fn in_place_positions(entry: &OpEntry, n: usize) -> Vec<usize> {
+pub fn in_place_positions(entry: &OpEntry, n: usize) -> Vec<usize> {
     let list_len = entry.schema.list_len(n, true);
     let mut at = 0;
     let mut positions = Vec::new();
