@@ -159,7 +159,7 @@ impl Sweep {
         self.failures.push(format!("{} [{case}]: {what}", self.op));
     }
 
-    /// Whether `status` keeps the contract; `Err` carries the failure already recorded.
+    /// Whether the call succeeded; an error status that breaks the contract is recorded.
     fn status_ok(&mut self, case: &str, func: &str, status: uniopStatus) -> bool {
         if status == UNIOP_SUCCESS {
             return true;
@@ -208,7 +208,7 @@ impl Sweep {
             handles.push(t);
             outs.push(t as *const uniopTensor);
         }
-        let outcome = self.plan_and_launch(case, call, &ins, &outs);
+        let ran = self.plan_and_launch(case, call, &ins, &outs);
         for t in handles {
             assert_eq!(uniopDestroyTensor(t), UNIOP_SUCCESS);
         }
@@ -226,9 +226,10 @@ impl Sweep {
                 self.fail(case, format!("wrote outside output {o}'s storage"));
             }
         }
-        match outcome {
-            true => Outcome::Ran(out_bufs.iter().map(|b| b.data().to_vec()).collect()),
-            false => Outcome::Refused,
+        if ran {
+            Outcome::Ran(out_bufs.iter().map(|b| b.data().to_vec()).collect())
+        } else {
+            Outcome::Refused
         }
     }
 
