@@ -242,6 +242,14 @@ def _plugin_path():
     return ROOT / "target" / "release" / "libuniop_plugin_example.so"
 
 
+def run_python_ok(code):
+    """Runs `code` in a fresh interpreter, which must exit 0 and print "ok"; returns the result."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+    return out
+
+
 def test_plugin_ops_appear_as_functions_and_torch_ops():
     """In a fresh process: plugins stay loaded for the life of the process."""
     code = f"""
@@ -259,9 +267,7 @@ except uniop.UniopError as e:
     assert "already" in str(e), e
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    run_python_ok(code)
 
 
 def test_numpy_only_without_torch():
@@ -273,9 +279,29 @@ def test_numpy_only_without_torch():
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=os.environ)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "ok"
+    run_python_ok(code)
+
+
+def test_data_errors_in_kernels_print_nothing():
+    """An index or position the kernel refuses (embedding, cross_entropy, kv_cache_append) raises
+    UniopError and writes nothing to stderr: it is the caller's error, not a panic."""
+    code = (
+        "import numpy as np, uniop\n"
+        "table, new = np.ones((4, 3), np.float32), np.ones((1, 1, 1, 4), np.float32)\n"
+        "kc, vc = np.zeros((1, 1, 2, 4), np.float32), np.zeros((1, 1, 2, 4), np.float32)\n"
+        "calls = [lambda: uniop.embedding(table, np.array([1, 7])),\n"
+        "         lambda: uniop.cross_entropy(table, np.array([0, 1, 2, 9]))[0],\n"
+        "         lambda: uniop.kv_cache_append(kc, vc, new, new, np.array([5]))]\n"
+        "for call in calls:\n"
+        "    try:\n"
+        "        call()\n"
+        "        raise SystemExit('accepted a bad index')\n"
+        "    except uniop.UniopError as e:\n"
+        "        assert e.code_name == 'runtime' and 'expected values in' in str(e), e\n"
+        "        assert 'panicked' not in str(e), e\n"
+        "print('ok')\n"
+    )
+    assert run_python_ok(code).stderr == ""
 
 
 def test_gemm_kernels_name_what_the_cpu_has():

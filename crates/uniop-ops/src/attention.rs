@@ -610,7 +610,7 @@ impl Rows4 {
 }
 
 /// Key count of batch row `b`: `kv_lens[b]` when given, else all `kv_len` keys.
-/// Panics (a launch error naming the argument) on a length outside `[0, kv_len]`.
+/// Refuses the launch (a runtime error naming the argument) on a length outside `[0, kv_len]`.
 pub(crate) fn row_len(lens: Option<&TensorRef<'_>>, b: usize, kv_len: usize, op: &str) -> usize {
     let Some(lens) = lens else { return kv_len };
     let at = lens.layout().offset_of_linear(b);
@@ -619,7 +619,9 @@ pub(crate) fn row_len(lens: Option<&TensorRef<'_>>, b: usize, kv_len: usize, op:
         _ => lens.storage::<i64>().expect("dtype checked")[at],
     };
     if len < 0 || len as usize > kv_len {
-        panic!("{op}: argument 'kv_lens': expected values in [0, {kv_len}] (the cache length of k), got {len} at position {b}");
+        uniop::refuse_launch(format!(
+            "{op}: argument 'kv_lens': expected values in [0, {kv_len}] (the cache length of k), got {len} at position {b}"
+        ));
     }
     len as usize
 }

@@ -38,7 +38,8 @@ pub(crate) fn rows(cx: &OpCx) -> Result<Rows> {
     })
 }
 
-/// The target class of row `r`, or `None` when the row is ignored (panics when out of range).
+/// The target class of row `r`, or `None` when the row is ignored (refuses the launch when out
+/// of range).
 #[inline(always)]
 pub(crate) fn target_of<I: Element>(
     op: &str,

@@ -31,11 +31,13 @@ pub(crate) fn index_at<I: Element>(indices: &uniop::TensorRef<'_>, data: &[I], i
     data[indices.layout().offset_of_linear(i)].to_f64() as i64
 }
 
-/// Panics (caught by the runtime and reported as a launch error) on an out-of-range index.
+/// Refuses the launch (a runtime error, see [`uniop::refuse_launch`]) on an out-of-range index.
 #[inline(always)]
 pub(crate) fn checked_row(op: &str, arg: &str, index: i64, position: usize, rows: usize) -> usize {
     if index < 0 || index as usize >= rows {
-        panic!("{op}: argument '{arg}': expected values in [0, {rows}), got {index} at position {position}");
+        uniop::refuse_launch(format!(
+            "{op}: argument '{arg}': expected values in [0, {rows}), got {index} at position {position}"
+        ));
     }
     index as usize
 }

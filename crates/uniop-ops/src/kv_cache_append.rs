@@ -88,7 +88,7 @@ fn kernel<E: Element, P: Element>(args: &KernelArgs, ctx: BlockCtx, dims: Dims, 
     let starts: Vec<usize> = (0..dims.b)
         .map(|b| {
             let p = pos_data[positions.layout().offset_of_linear(b)].to_i64();
-            start_row(p, b, dims).unwrap_or_else(|msg| panic!("{msg}"))
+            start_row(p, b, dims).unwrap_or_else(|message| uniop::refuse_launch(message))
         })
         .collect();
     for (cache_index, new_index) in [(0, 2), (1, 3)] {

@@ -31,7 +31,7 @@ pub use half;
 pub use layout::{broadcast_shapes, Layout, MetaRef, RowTiles, Runs, StridedRuns, TensorMeta};
 pub use op::{block_dim_for, Autocast, Example, KernelArgs, LayoutNeed, Op, OpCx, OutputView, Plan, RefTensor, Step};
 pub use registry::{OpEntry, Registry};
-pub use runtime::{launch, BlockCtx, Event, Stream};
+pub use runtime::{launch, refuse_launch, BlockCtx, Event, Stream};
 pub use schema::{AttrValue, OpSchema};
 pub use tensor::{Tensor, TensorMut, TensorRef};
 

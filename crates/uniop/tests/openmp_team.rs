@@ -6,7 +6,7 @@ use std::ffi::c_int;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use uniop::runtime::pool::KernelFn;
-use uniop::runtime::{launch, BlockCtx, Pool, Stream};
+use uniop::runtime::{launch, BlockCtx, KernelStop, Pool, Stream};
 
 /// `omp_get_level` of the loaded libgomp: the number of enclosing parallel regions of the caller.
 fn openmp_level() -> c_int {
@@ -60,7 +60,7 @@ fn launches_share_a_loaded_openmp_team_and_stream_workers_keep_their_own() {
             panic!("block five failed");
         }
     });
-    assert_eq!(pool.run(&failing, 64).unwrap_err(), "block five failed");
+    assert_eq!(pool.run(&failing, 64).unwrap_err(), KernelStop::Panicked("block five failed".into()));
     assert_eq!(blocks_in_parallel_region(64, |kernel| pool.run(&kernel, 64).unwrap()), 64);
 
     // A stream worker would open a second team: its launches keep uniop's own workers.

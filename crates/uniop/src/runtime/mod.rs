@@ -6,7 +6,7 @@ pub mod profiler;
 pub mod stream;
 
 pub use alloc::{Allocator, DeviceBuffer, MemPolicy, MemStats};
-pub use pool::{BlockCtx, Pool};
+pub use pool::{refuse_launch, BlockCtx, KernelStop, Pool};
 pub use profiler::{LaunchEvent, LaunchKind, Profile};
 pub use stream::{Event, Stream};
 

@@ -55,7 +55,7 @@ struct Job {
     block_num: u32,
     next: AtomicU32,
     done: AtomicU32,
-    panic: Mutex<Option<String>>,
+    stop: Mutex<Option<KernelStop>>,
 }
 
 impl Job {
@@ -67,10 +67,38 @@ impl Job {
             }
             let ctx = BlockCtx { block_idx: idx, block_num: self.block_num };
             if let Err(payload) = catch_unwind(AssertUnwindSafe(|| (self.kernel)(ctx))) {
-                self.panic.lock().unwrap().get_or_insert_with(|| panic_message(&*payload));
+                self.stop.lock().unwrap().get_or_insert_with(|| stop_of(payload));
             }
             self.done.fetch_add(1, Ordering::Release);
         }
+    }
+}
+
+/// Why a launch's blocks stopped early.
+#[derive(Debug, PartialEq)]
+pub enum KernelStop {
+    /// [`refuse_launch`]: the data is wrong; the message says how.
+    Refused(String),
+    /// A panic: a bug in the kernel.
+    Panicked(String),
+}
+
+/// The payload [`refuse_launch`] unwinds with.
+struct Refusal(String);
+
+/// Stops the calling kernel block because its data is wrong — an index past a table, a length
+/// past a cache: values phase 1 cannot see. The launch fails with a `Runtime` error carrying
+/// `message`, which should name the op, the argument, what was expected and what was found.
+/// Unlike `panic!` it skips the panic hook, so nothing is printed to stderr: the error is the
+/// caller's to handle, not a bug to report.
+pub fn refuse_launch(message: String) -> ! {
+    std::panic::resume_unwind(Box::new(Refusal(message)))
+}
+
+fn stop_of(payload: Box<dyn std::any::Any + Send>) -> KernelStop {
+    match payload.downcast::<Refusal>() {
+        Ok(refusal) => KernelStop::Refused(refusal.0),
+        Err(payload) => KernelStop::Panicked(panic_message(&*payload)),
     }
 }
 
@@ -248,23 +276,23 @@ impl Pool {
         self.openmp.get()
     }
 
-    /// Runs blocks `0..block_num` of `kernel` and returns when all have finished. A panic in any
-    /// block is caught and returned as its message.
-    pub fn run(&self, kernel: &KernelFn, block_num: u32) -> Result<(), String> {
+    /// Runs blocks `0..block_num` of `kernel` and returns when all have finished. A block that
+    /// panics or refuses its data stops the launch with the first such stop.
+    pub fn run(&self, kernel: &KernelFn, block_num: u32) -> Result<(), KernelStop> {
         if block_num == 0 {
             return Ok(());
         }
         if block_num == 1 {
             // Nothing to share: run it here without publishing a job (an allocation and a lock).
             let ctx = BlockCtx { block_idx: 0, block_num: 1 };
-            return catch_unwind(AssertUnwindSafe(|| kernel(ctx))).map_err(|payload| panic_message(&*payload));
+            return catch_unwind(AssertUnwindSafe(|| kernel(ctx))).map_err(stop_of);
         }
         let job = Arc::new(Job {
             kernel: kernel.clone(),
             block_num,
             next: AtomicU32::new(0),
             done: AtomicU32::new(0),
-            panic: Mutex::new(None),
+            stop: Mutex::new(None),
         });
         let openmp = if block_num > 1 { self.openmp_team() } else { None };
         let helped = openmp.is_some() || self.workers > 0;
@@ -295,8 +323,8 @@ impl Pool {
             }
             self.busy.store(false, Ordering::Release);
         }
-        let panic = job.panic.lock().unwrap().take();
-        panic.map_or(Ok(()), Err)
+        let stop = job.stop.lock().unwrap().take();
+        stop.map_or(Ok(()), Err)
     }
 }
 
@@ -373,7 +401,9 @@ mod tests {
                 panic!("block three failed");
             }
         });
-        assert_eq!(pool.run(&kernel, 8).unwrap_err(), "block three failed");
+        assert_eq!(pool.run(&kernel, 8).unwrap_err(), KernelStop::Panicked("block three failed".into()));
+        let refusing: KernelFn = Arc::new(|ctx: BlockCtx| refuse_launch(format!("block {} refused", ctx.block_idx)));
+        assert_eq!(pool.run(&refusing, 1).unwrap_err(), KernelStop::Refused("block 0 refused".into()));
         // The pool keeps working afterwards.
         let ok: KernelFn = Arc::new(|_| {});
         pool.run(&ok, 8).unwrap();

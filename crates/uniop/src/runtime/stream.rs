@@ -11,7 +11,7 @@
 //! stream that waits for it. Those are detected by walking the wait graph before blocking and
 //! reported as a runtime error instead of hanging.
 
-use super::pool::{panic_message, BlockCtx, KernelFn, Pool};
+use super::pool::{panic_message, BlockCtx, KernelFn, KernelStop, Pool};
 use super::profiler::{self, Label, LaunchKind};
 use crate::error::{Error, Result};
 use std::cell::RefCell;
@@ -32,14 +32,18 @@ pub(crate) struct Launch {
 }
 
 impl Launch {
-    /// Runs every block on `pool` (the calling thread included); a kernel panic becomes an error.
+    /// Runs every block on `pool` (the calling thread included); a kernel's panic or refusal
+    /// becomes an error.
     fn run(&self, pool: &Pool, stream: u64) -> Result<()> {
         let start = self.label.as_ref().map(|_| Instant::now());
         let result = pool.run(&self.kernel, self.block_num);
         if let (Some(label), Some(start)) = (&self.label, start) {
             profiler::record(label, stream, start, Instant::now());
         }
-        result.map_err(|m| Error::runtime(format!("kernel panicked on stream {stream}: {m}")))
+        result.map_err(|stop| match stop {
+            KernelStop::Refused(message) => Error::runtime(message),
+            KernelStop::Panicked(m) => Error::runtime(format!("kernel panicked on stream {stream}: {m}")),
+        })
     }
 }
 
