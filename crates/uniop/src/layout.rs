@@ -784,8 +784,8 @@ mod tests {
             prop_assert_eq!(got, all);
         }
 
-        /// A layout passing the test has distinct offsets; one with distinct offsets fails it only
-        /// when it interleaves dims, and a dense one covers exactly its range.
+        /// A layout passing the non-overlap test has distinct offsets (the test is sound), and a
+        /// dense one's offsets are exactly its range.
         #[test]
         fn non_overlap_test_is_sound_and_dense_ranges_are_exact(l in arb_layout()) {
             let mut offsets = linear_offsets(&l);
