@@ -108,17 +108,7 @@ struct Sweep {
 }
 
 fn code_of(dtype: DType) -> uniopDataType {
-    match dtype {
-        DType::F32 => UNIOP_FLOAT,
-        DType::F16 => UNIOP_FLOAT16,
-        DType::BF16 => UNIOP_BF16,
-        DType::F64 => UNIOP_DOUBLE,
-        DType::I8 => UNIOP_INT8,
-        DType::I32 => UNIOP_INT32,
-        DType::I64 => UNIOP_INT64,
-        DType::U8 => UNIOP_UINT8,
-        DType::Bool => UNIOP_BOOL,
-    }
+    crate::tensor::DTYPE_CODES.iter().find(|(_, d)| *d == dtype).expect("every dtype has a UNIOP_* code").0
 }
 
 fn describe(meta: &TensorMeta, data: *mut u8, storage_bytes: usize) -> *mut uniopTensor {

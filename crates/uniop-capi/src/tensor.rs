@@ -41,27 +41,30 @@ pub struct uniopExecutor {
     exec: Executor<'static>,
 }
 
+/// Each `UNIOP_*` data type with the dtype it names: the one table both directions read.
+pub(crate) const DTYPE_CODES: [(uniopDataType, DType); 9] = [
+    (UNIOP_FLOAT, DType::F32),
+    (UNIOP_FLOAT16, DType::F16),
+    (UNIOP_BF16, DType::BF16),
+    (UNIOP_DOUBLE, DType::F64),
+    (UNIOP_INT8, DType::I8),
+    (UNIOP_INT32, DType::I32),
+    (UNIOP_INT64, DType::I64),
+    (UNIOP_UINT8, DType::U8),
+    (UNIOP_BOOL, DType::Bool),
+];
+
 pub(crate) fn dtype_of(code: uniopDataType, func: &str, arg: &str) -> Result<DType> {
-    Ok(match code {
-        UNIOP_FLOAT => DType::F32,
-        UNIOP_FLOAT16 => DType::F16,
-        UNIOP_BF16 => DType::BF16,
-        UNIOP_DOUBLE => DType::F64,
-        UNIOP_INT8 => DType::I8,
-        UNIOP_INT32 => DType::I32,
-        UNIOP_INT64 => DType::I64,
-        UNIOP_UINT8 => DType::U8,
-        UNIOP_BOOL => DType::Bool,
-        other => {
-            return Err(Error::arg(
-                ErrorCode::DType,
-                func,
-                arg,
-                "a UNIOP_* data type (FLOAT, FLOAT16, BF16, DOUBLE, INT8, INT32, INT64, UINT8, BOOL)",
-                other,
-            ))
-        }
-    })
+    match DTYPE_CODES.iter().find(|(c, _)| *c == code) {
+        Some(&(_, dtype)) => Ok(dtype),
+        None => Err(Error::arg(
+            ErrorCode::DType,
+            func,
+            arg,
+            "a UNIOP_* data type (FLOAT, FLOAT16, BF16, DOUBLE, INT8, INT32, INT64, UINT8, BOOL)",
+            code,
+        )),
+    }
 }
 
 /// `n` non-negative int64 values at `ptr` as sizes (`arg` names them in errors).

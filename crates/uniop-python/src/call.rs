@@ -737,16 +737,13 @@ fn bind_metas<'e>(
     in_place: &[Imported],
     attrs: &[(&str, AttrValue)],
 ) -> uniop::Result<OpCx<'e>> {
-    let list_len = entry.schema.list_len(inputs.len(), false);
-    let mut inputs = inputs.iter();
-    let mut in_place = in_place.iter();
     let mut flat = Vec::new();
-    for arg in entry.schema.inputs() {
+    let (mut read, mut in_place) = (inputs.iter(), in_place.iter());
+    for (arg, take) in entry.schema.tensor_args(inputs.len(), false) {
         if arg.ty.mutated.is_some() {
             flat.push(in_place.next().map(Imported::meta).transpose()?);
         } else {
-            let take = if arg.ty.base == BaseType::TensorList { list_len } else { 1 };
-            for t in inputs.by_ref().take(take) {
+            for t in read.by_ref().take(take) {
                 flat.push(t.as_ref().map(Imported::meta).transpose()?);
             }
         }

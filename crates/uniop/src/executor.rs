@@ -684,18 +684,16 @@ fn group_inputs(
     written: &[&TensorMeta],
 ) -> Result<(Vec<Vec<TensorMeta>>, InputSlots)> {
     let args = entry.schema.inputs().filter(|a| a.ty.mutated.is_none()).count();
-    let list_len = entry.schema.list_len(inputs.len(), false);
     let mut groups = Vec::with_capacity(entry.schema.inputs().count());
     let mut slots = Vec::with_capacity(inputs.len() + written.len());
     let mut it = inputs.iter().enumerate();
     let mut written = written.iter();
-    for arg in entry.schema.inputs() {
+    for (arg, take) in entry.schema.tensor_args(inputs.len(), false) {
         if arg.ty.mutated.is_some() {
             groups.push(vec![(*written.next().expect("one written tensor per in-place argument")).clone()]);
             slots.push(None);
             continue;
         }
-        let take = if arg.ty.base == crate::schema::BaseType::TensorList { list_len } else { 1 };
         let mut group = Vec::new();
         for _ in 0..take {
             let next = it.next();
@@ -732,10 +730,8 @@ fn group_inputs(
 /// The name of kernel input slot `k` of `slots` (schema order): the argument's, indexed for an
 /// item of a list.
 fn input_name(entry: &OpEntry, k: usize, slots: usize) -> String {
-    let list_len = entry.schema.list_len(slots, true);
     let mut at = 0;
-    for arg in entry.schema.inputs() {
-        let n = if arg.ty.base == crate::schema::BaseType::TensorList { list_len } else { 1 };
+    for (arg, n) in entry.schema.tensor_args(slots, true) {
         if k < at + n {
             return if arg.ty.base == crate::schema::BaseType::TensorList {
                 format!("{}[{}]", arg.name, k - at)

@@ -315,16 +315,10 @@ impl<'s> OpCx<'s> {
     /// arguments leave.
     /// Splits flattened metas into per-argument groups (see [`OpEntry::bind_flat`]).
     pub(crate) fn group_flat(schema: &OpSchema, metas: Vec<Option<TensorMeta>>) -> Result<Vec<Vec<TensorMeta>>> {
-        let list_len = schema.list_len(metas.len(), true);
         let given = metas.len();
         let mut metas = metas.into_iter();
-        let groups = schema
-            .inputs()
-            .map(|arg| {
-                let take = if arg.ty.base == BaseType::TensorList { list_len } else { 1 };
-                metas.by_ref().take(take).flatten().collect()
-            })
-            .collect();
+        let groups =
+            schema.tensor_args(given, true).map(|(_, take)| metas.by_ref().take(take).flatten().collect()).collect();
         if metas.next().is_some() {
             let want = schema.inputs().count();
             return Err(Error::new(

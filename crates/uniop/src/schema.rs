@@ -218,12 +218,16 @@ impl OpSchema {
         self.args.iter().filter(|a| !a.ty.is_tensor())
     }
 
-    /// How many tensors a `Tensor[]` argument takes when `n` tensors are passed flat for the
-    /// tensor arguments (all of them with `with_in_place`, else those the op only reads): what
-    /// the other arguments leave, one each.
-    pub fn list_len(&self, n: usize, with_in_place: bool) -> usize {
-        let args = self.inputs().filter(|a| with_in_place || a.ty.mutated.is_none()).count();
-        (n + 1).saturating_sub(args)
+    /// Tensor arguments in declaration order, each with how many of `n` tensors passed flat it
+    /// takes: one, or for a `Tensor[]` what the other arguments leave. The `n` tensors stand for
+    /// all tensor arguments with `with_in_place`, else only those the op reads (callers bind
+    /// in-place arguments from elsewhere; those still come with a count of one). Every walk over
+    /// flattened tensors (binding, naming a slot, finding the in-place ones) goes through this, so
+    /// they agree on where a list's items are.
+    pub fn tensor_args(&self, n: usize, with_in_place: bool) -> impl Iterator<Item = (&Arg, usize)> {
+        let counted = self.inputs().filter(|a| with_in_place || a.ty.mutated.is_none()).count();
+        let list_len = (n + 1).saturating_sub(counted);
+        self.inputs().map(move |a| (a, if a.ty.base == BaseType::TensorList { list_len } else { 1 }))
     }
 
     /// Tensor arguments the op writes in place (`Tensor(a!)`), in declaration order. Callers

@@ -327,14 +327,13 @@ pub fn random_inputs(
 
 /// Positions of in-place (`Tensor(a!)`) arguments among `n` flattened tensor arguments.
 pub fn in_place_positions(entry: &OpEntry, n: usize) -> Vec<usize> {
-    let list_len = entry.schema.list_len(n, true);
     let mut at = 0;
     let mut positions = Vec::new();
-    for arg in entry.schema.inputs() {
+    for (arg, take) in entry.schema.tensor_args(n, true) {
         if arg.ty.mutated.is_some() {
             positions.push(at);
         }
-        at += if arg.ty.base == crate::schema::BaseType::TensorList { list_len } else { 1 };
+        at += take;
     }
     positions
 }
