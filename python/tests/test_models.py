@@ -229,6 +229,109 @@ def test_torch_compile_fullgraph_no_graph_breaks():
         assert torch.allclose(g, eager[name], atol=1e-5, rtol=1e-4), name
 
 
+def test_torch_compile_dynamic_shapes_compile_once():
+    """Under dynamic shapes a uniop block compiles once for every batch size and sequence length,
+    forward and backward, and twice under torch.compile's default: the fake kernels keep sizes symbolic (uniop.torch.symbolic), where a
+    size read as a number made torch compile again for each new one."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    block = Block()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, backend=counter, fullgraph=True, dynamic=True)
+    frames = None
+    for batch, seq in ((2, 8), (3, 12), (2, 21)):
+        x = torch.randn(batch, seq, 64)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        eager_out = block(x1)
+        eager_out.sum().backward()
+        eager = _grads(block)
+        block.zero_grad()
+        out = compiled(x2)
+        out.sum().backward()
+        assert torch.allclose(out, eager_out, atol=1e-5)
+        assert torch.allclose(x2.grad, x1.grad, atol=1e-5)
+        for name, g in _grads(block).items():
+            assert torch.allclose(g, eager[name], atol=1e-5, rtol=1e-4), name
+        block.zero_grad()
+        frames = frames or counter.frame_count
+    assert counter.frame_count == frames, f"compiled {counter.frame_count - frames} more times for new sizes"
+    # torch.compile's default: a size seen to change is made a symbol, so a second graph serves
+    # every later length (it was one graph per length, up to the recompile limit, then eager).
+    torch._dynamo.reset()  # forget the sizes earlier compiles of this code saw change
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for seq in (8, 12, 16, 20, 24):
+            x = torch.randn(2, seq, 64)
+            assert torch.allclose(compiled(x), block(x), atol=1e-5)
+    assert counter.frame_count == 2
+
+
+class ShapeMix(nn.Module):
+    """Ops whose output sizes follow their inputs' in different ways: halved (swiglu), summed
+    (cat), broadcast (matmul's batch), kept (rms_norm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(10))
+
+    def forward(self, x, y, a, b):
+        halves = torch.ops.uniop.swiglu(x, -1)
+        joined = torch.ops.uniop.cat([x, y], 1)
+        product = torch.ops.uniop.matmul(a, b)
+        return halves, joined, torch.ops.uniop.rms_norm(product, self.weight, 1e-6)[0]
+
+
+def test_torch_export_with_dynamic_dims(tmp_path):
+    """torch.export with Dims on uniop ops: output sizes are expressions of the inputs' (not the
+    example's numbers), and the exported program, saved and loaded, runs at other sizes."""
+    from torch.export import Dim
+
+    torch.manual_seed(0)
+    model = ShapeMix()
+    seq, other, half, batch = Dim("seq", max=64), Dim("other", max=64), Dim("half", max=32), Dim("batch", max=64)
+    example = (torch.randn(3, 5, 8), torch.randn(3, 7, 8), torch.randn(4, 6, 8), torch.randn(1, 8, 10))
+    dims = {"x": {1: seq, 2: 2 * half}, "y": {1: other, 2: 2 * half}, "a": {0: batch}, "b": None}
+    program = torch.export.export(model, example, dynamic_shapes=dims)
+    outputs = next(n for n in program.graph.nodes if n.op == "output").args[0]
+    shapes = [tuple(str(d) for d in o.meta["val"].shape) for o in outputs]
+    assert all(not d.isdigit() for d in (shapes[0][1], shapes[0][2], shapes[1][1], shapes[1][2], shapes[2][0])), shapes
+    assert "+" in shapes[1][1], shapes  # seq + other
+    torch.export.save(program, tmp_path / "shape_mix.pt2")
+    loaded = torch.export.load(tmp_path / "shape_mix.pt2")
+    sizes = (torch.randn(3, 9, 12), torch.randn(3, 2, 12), torch.randn(7, 6, 8), torch.randn(1, 8, 10))
+    for got, want in zip(loaded.module()(*sizes), model(*sizes)):
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6)
+
+
+def test_sizes_an_op_rounds_stay_static_under_dynamic_shapes():
+    """pack_weight's panel count rounds up (panels of 32): no fitted expression holds for every
+    size, so its sizes are specialized — compiled again for a new one, and refused as a Dim by
+    torch.export — never given a wrong shape."""
+    from torch.export import Dim
+
+    def pack(w):
+        return torch.ops.uniop.pack_weight(w)
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(pack, backend=counter, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        for rows in (64, 65, 96):
+            w = torch.randn(rows, 16)
+            assert torch.equal(compiled(w), pack(w)), rows
+    assert counter.frame_count == 3  # one graph per size: a fitted floor(rows / 32) would serve all
+
+    class Pack(nn.Module):
+        def forward(self, w):
+            return pack(w)
+
+    with pytest.raises(torch._dynamo.exc.UserError, match="specialized"):
+        torch.export.export(Pack(), (torch.randn(64, 16),), dynamic_shapes={"w": {0: Dim("rows", max=512)}})
+
+
 class LearnedBiasAttention(torch.nn.Module):
     """T5's encoder attention in small: a learned relative position bias per head, shared by the
     batch, passed to attention as its float mask."""
@@ -369,6 +472,31 @@ def test_patch_llama_keeps_logits_and_greedy_tokens(dtype, tol):
         clear = (top2[..., 0] - top2[..., 1]) > 2 * tol
         assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_patched_llama_compiles_with_dynamic_shapes():
+    """A patched Llama's forward under torch.compile(dynamic=True) generates the unpatched
+    model's greedy tokens, with one graph for the prompt and one for every decode step (the cache
+    keeps growing): the cache update is transformers' own while traced, the uniop ops' sizes
+    stay symbolic."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = _tiny_llama()
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    generate = lambda: model.generate(ids, max_new_tokens=8, do_sample=False)  # noqa: E731
+    with torch.no_grad():
+        want = generate()
+    counter = CompileCounterWithBackend("aot_eager")
+    try:
+        ut.patch_llama(model)
+        model.forward = torch.compile(model.forward, backend=counter, dynamic=True)
+        with torch.no_grad():
+            got = generate()
+    finally:
+        del model.forward
+        ut.unpatch_llama()
+    assert torch.equal(got, want)
+    assert counter.frame_count <= 3, counter.frame_count
 
 
 def test_patched_attention_runs_straight_through_padded_batches_included():

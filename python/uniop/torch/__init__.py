@@ -6,7 +6,8 @@ attaches, with no per-op code:
 
 - a CPU kernel: the uniop call itself (outputs allocated by torch, never aliasing inputs);
 - a fake kernel from the op's Rust ``infer`` (same shapes, dtypes and contiguous strides as the
-  real kernel), so ``torch.compile`` traces through without graph breaks;
+  real kernel), so ``torch.compile`` traces through without graph breaks; sizes that are symbols
+  (``dynamic=True``, ``torch.export``'s ``Dim``) stay symbols (:mod:`uniop.torch.symbolic`);
 - autograd from the op's backward op, wired by argument names (the convention documented on
   ``uniop::Op::backward``: ``d<return>`` is a gradient in, ``d<arg>`` a gradient out,
   ``needs_d<arg>`` whether ``<arg>`` requires a gradient, other arguments are the forward's
@@ -28,6 +29,7 @@ import torch
 import uniop as _uniop
 
 from . import nn  # noqa: F401  (uniop.torch.nn.RMSNorm, ...)
+from . import symbolic
 from .attention_interface import register_attention  # noqa: F401
 from .llama import patch_llama, unpatch_llama  # noqa: F401
 
@@ -55,7 +57,8 @@ def _first_tensor(args):
 def _fake_kernel(native):
     def fake(*args, **kwargs):
         like = _first_tensor(list(args) + list(kwargs.values()))
-        outs = [torch.empty(shape, dtype=_dtype(dt), device=like.device) for shape, dt in native.infer(*args, **kwargs)]
+        shapes = symbolic.infer(native, args, kwargs)
+        outs = [torch.empty(shape, dtype=_dtype(dt), device=like.device) for shape, dt in shapes]
         if not outs:
             return None
         return outs[0] if len(outs) == 1 else tuple(outs)

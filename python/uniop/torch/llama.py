@@ -27,8 +27,6 @@ nothing to do (inference under ``no_grad``).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -45,13 +43,6 @@ def _modeling():
     from transformers.models.llama import modeling_llama
 
     return modeling_llama
-
-
-@functools.cache
-def _dynamic_cache():
-    from transformers.cache_utils import DynamicCache
-
-    return DynamicCache
 
 
 def _is_silu(mlp):
@@ -88,6 +79,7 @@ def _attention_forward(original):
     float as transformers 4.x makes it) goes to ``attention``'s ``mask``. Calls that need more — a
     mask of another rank or dtype, dropout, another attention implementation or cache type,
     positional extras — keep transformers' forward."""
+    from transformers.cache_utils import DynamicCache
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
         plain = (
@@ -100,7 +92,7 @@ def _attention_forward(original):
         )
         # transformers 5 passes the cache as `cache`, 4.x as `past_key_value(s)`.
         cache = kwargs.get("cache", kwargs.get("past_key_values", kwargs.get("past_key_value")))
-        if not plain or not (cache is None or type(cache) is _dynamic_cache()):
+        if not plain or not (cache is None or type(cache) is DynamicCache):
             return original(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         b, s, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
@@ -229,7 +221,11 @@ _GROWTH = 2
 def _growing_update(self, key_states, value_states, *args, **kwargs):
     """``DynamicLayer.update`` writing into reserved room: the keys/values returned (and kept on
     the layer) are views of larger buffers. Anything else that replaced ``keys``/``values`` since
-    (``crop``, beam reordering, ``reset``) is taken over on the next update."""
+    (``crop``, beam reordering, ``reset``) is taken over on the next update. Traced by
+    ``torch.compile``, it is transformers' update: a graph cannot write into room a previous call
+    reserved (AOTAutograd fails on the views of it that come in as graph inputs)."""
+    if torch.compiler.is_compiling():
+        return _originals["cache_update"](self, key_states, value_states, *args, **kwargs)
     if not self.is_initialized:
         self.lazy_initialization(key_states, value_states)
     room = getattr(self, "_uniop_room", None)
