@@ -215,7 +215,11 @@ def test_torch_compile_fullgraph_no_graph_breaks():
         traced = torch.jit.trace(block, x, check_trace=False)
         assert "uniop::attention" in traced.inlined_graph.str()
         assert torch.allclose(traced(x + 1), block(x + 1), atol=1e-5)
-    compiled = torch.compile(block, fullgraph=True)
+    _matches_eager(torch.compile(block, fullgraph=True), block, x)
+
+
+def _matches_eager(compiled, block, x):
+    """`compiled(x)`'s output and gradients (input and parameters) are eager `block`'s."""
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     eager_out = block(x1)
     eager_out.sum().backward()
@@ -227,12 +231,14 @@ def test_torch_compile_fullgraph_no_graph_breaks():
     assert torch.allclose(x2.grad, x1.grad, atol=1e-5)
     for name, g in _grads(block).items():
         assert torch.allclose(g, eager[name], atol=1e-5, rtol=1e-4), name
+    block.zero_grad()
 
 
 def test_torch_compile_dynamic_shapes_compile_once():
     """Under dynamic shapes a uniop block compiles once for every batch size and sequence length,
-    forward and backward, and twice under torch.compile's default: the fake kernels keep sizes symbolic (uniop.torch.symbolic), where a
-    size read as a number made torch compile again for each new one."""
+    forward and backward, and twice under torch.compile's default: the fake kernels keep sizes
+    symbolic (uniop.torch.symbolic), where a size read as a number made torch compile again for
+    each new one."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch.manual_seed(0)
@@ -241,19 +247,7 @@ def test_torch_compile_dynamic_shapes_compile_once():
     compiled = torch.compile(block, backend=counter, fullgraph=True, dynamic=True)
     frames = None
     for batch, seq in ((2, 8), (3, 12), (2, 21)):
-        x = torch.randn(batch, seq, 64)
-        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-        eager_out = block(x1)
-        eager_out.sum().backward()
-        eager = _grads(block)
-        block.zero_grad()
-        out = compiled(x2)
-        out.sum().backward()
-        assert torch.allclose(out, eager_out, atol=1e-5)
-        assert torch.allclose(x2.grad, x1.grad, atol=1e-5)
-        for name, g in _grads(block).items():
-            assert torch.allclose(g, eager[name], atol=1e-5, rtol=1e-4), name
-        block.zero_grad()
+        _matches_eager(compiled, block, torch.randn(batch, seq, 64))
         frames = frames or counter.frame_count
     assert counter.frame_count == frames, f"compiled {counter.frame_count - frames} more times for new sizes"
     # torch.compile's default: a size seen to change is made a symbol, so a second graph serves
