@@ -151,8 +151,11 @@ def _fitted(native, args, kwargs):
         # panels of 32) agrees with a fitted floor on every multiple of the current size.
         for by in (1, -1):
             probes += runs_at([{**hint, **{r: hint[r] + by for r in unit}}]) or []
-    if len(units) > 1:
-        probes += runs_at([{**hint, **{s: 2 * hint[s] for unit in units for s in unit}}]) or []
+    if len(units) > 1:  # all at once: sizes that multiply two symbols do not add up
+        joint = runs_at([{**hint, **{s: 2 * hint[s] for unit in units for s in unit}}])
+        if joint is None:
+            raise _Unfit
+        probes += joint
 
     # Per output size: its slope in each unit (from the run that doubled it alone; a unit's sizes
     # are equal, so its first symbol stands for it) and its offset; the size is
