@@ -9,7 +9,7 @@ refused the op ("your code specialized it to be a constant").
 What it does, with no per-op code: ``infer`` runs on the sizes the symbols have now, then with one
 symbol at a time at two and three times its value and one above and below it, then with all of
 them doubled at once. Each output size is fitted as ``offset + Σ floor(a_s · s)``, with each slope
-``a_s`` a whole number or one over one (``swiglu`` halves its last dim, ``cat`` adds two sizes),
+``a_s`` a whole number or one over a whole number (``swiglu`` halves its last dim, ``cat`` adds two sizes),
 and must reproduce every run; it is then built from the symbols with SymInt arithmetic, so torch
 carries it. All uniop ops' output sizes have that form except ``pack_weight``'s panel count (rows
 over 32, rounded up: the runs one off a multiple tell it from a floor); for those, and for a symbol
@@ -30,7 +30,7 @@ from fractions import Fraction
 import sympy
 import torch
 
-_SCALES = (2, 3)
+_SCALES = (2, 3)  # a symbol's probe sizes, as multiples of its value: a slope and its check
 
 
 class _Meta:
