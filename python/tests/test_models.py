@@ -279,7 +279,8 @@ class ShapeMix(nn.Module):
 
 def test_torch_export_with_dynamic_dims(tmp_path):
     """torch.export with Dims on uniop ops: output sizes are expressions of the inputs' (not the
-    example's numbers), and the exported program, saved and loaded, runs at other sizes."""
+    example's numbers), and the exported program, saved and loaded, runs at other sizes; so does
+    an exported Llama block."""
     from torch.export import Dim
 
     torch.manual_seed(0)
@@ -297,6 +298,13 @@ def test_torch_export_with_dynamic_dims(tmp_path):
     sizes = (torch.randn(3, 9, 12), torch.randn(3, 2, 12), torch.randn(7, 6, 8), torch.randn(1, 8, 10))
     for got, want in zip(loaded.module()(*sizes), model(*sizes)):
         assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6)
+    # A whole Llama block (rope tables, rope, GQA attention, the fused MLP) by batch and length.
+    block = Block().eval()
+    batch, seq = Dim("batch", max=16), Dim("seq", max=512)
+    program = torch.export.export(block, (torch.randn(2, 8, 64),), dynamic_shapes={"x": {0: batch, 1: seq}})
+    with torch.no_grad():
+        for x in (torch.randn(3, 17, 64), torch.randn(1, 40, 64)):
+            assert torch.allclose(program.module()(x), block(x), atol=1e-5)
 
 
 def test_sizes_an_op_rounds_stay_static_under_dynamic_shapes():
