@@ -66,19 +66,19 @@ def infer(native, args, kwargs):
     """``native.infer``'s ``[(shape, dtype_name), ...]``, with sizes of ``torch.SymInt`` where
     they follow the inputs' symbols."""
     values = [*args, *kwargs.values()]
-    if any(isinstance(d, torch.SymInt) for a in values for t in _tensors(a) for d in _sizes(t)):
+    nodes = [d.node for a in values for t in _tensors(a) for d in _sizes(t) if isinstance(d, torch.SymInt)]
+    if nodes and not any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in values):
+        # (A symbolic attribute is left to infer, which reads attributes as numbers.)
         try:
-            return _fitted(native, args, kwargs)
+            return _fitted(native, args, kwargs, nodes)
         except _Unfit:
             pass
     return native.infer(*args, **kwargs)
 
 
-def _fitted(native, args, kwargs):
-    values = [*args, *kwargs.values()]
-    if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in values):
-        raise _Unfit  # a symbolic attribute: infer reads attributes as numbers
-    nodes = [d.node for a in values for t in _tensors(a) for d in _sizes(t) if isinstance(d, torch.SymInt)]
+def _fitted(native, args, kwargs, nodes):
+    """The fit described above, for the arguments whose sizes and strides hold the symbolic
+    `nodes`; raises `_Unfit` where the sizes are left to be specialized."""
     shape_env = nodes[0].shape_env
     symbols = sorted({s for n in nodes for s in n.expr.free_symbols}, key=str)
     # Backed symbols' current values (renamed from var_to_val in torch 2.10); unbacked ones have none.
