@@ -115,3 +115,26 @@ def test_equal_sizes_the_op_ties_are_probed_together(width):
     tensors, outputs = fitted(rule, (3, width), (4, width))
     assert is_symbolic(outputs) == [[True, True]]
     holds_everywhere(rule, tensors, outputs)
+
+
+def test_sizes_the_op_refuses_raise_its_error():
+    """Inputs the op refuses at their current sizes get the op's own error (uniop's UniopError for
+    a real op), not a fit: the probes never hide a bad call."""
+
+    def rule(x, w):
+        if x[-1] != w[0]:
+            raise ValueError("rms_norm: argument 'weight': expected a shape equal to trailing dims of x")
+        return [x]
+
+    with pytest.raises(ValueError, match="argument 'weight'"):
+        fitted(rule, (3, 8), (5,))
+
+    import uniop
+
+    class Norm(torch.nn.Module):
+        def forward(self, x, w):
+            return torch.ops.uniop.rms_norm(x, w, 1e-6)[0]
+
+    rows = torch.export.Dim("rows")
+    with pytest.raises(uniop.UniopError, match="rms_norm: argument 'weight'"):
+        torch.export.export(Norm(), (torch.randn(3, 8), torch.randn(5)), dynamic_shapes={"x": {0: rows}, "w": None})
