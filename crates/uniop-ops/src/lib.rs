@@ -74,6 +74,8 @@ pub mod silu_mul;
 pub mod silu_mul_backward;
 mod skinny;
 pub mod softmax;
+#[cfg(target_arch = "x86_64")]
+mod softmax_avx2;
 pub mod softmax_backward;
 pub mod swiglu;
 pub mod swiglu_backward;

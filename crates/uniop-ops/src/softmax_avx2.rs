@@ -1,0 +1,349 @@
+//! Softmax's row passes on AVX2 CPUs without AVX-512, for f32 and bf16 rows: the maximum, the
+//! exps and their sum, and the scaled, narrowed store, with every value in registers.
+//!
+//! Why a second form: the generic passes in `softmax.rs` work in steps of
+//! [`LANES`](crate::elementwise::LANES) (four AVX-512 registers), and were tuned where a step's
+//! values fit the register file. Built for AVX2 (16 registers of 8 lanes) the exp pass kept its
+//! row pointer on the stack and reloaded its eight constants every 16 elements, and the streaming
+//! store pass staged each step through two stack arrays before copying it out. Here the exp pass
+//! takes 32 elements an iteration (two 16-lane halves with two sums), its constants hoisted, and
+//! the store pass narrows 16 lanes in registers and writes them with one 32-byte store (streamed
+//! when asked). Softmax, causal_softmax, cross_entropy and embedding_backward's row scaling go
+//! through these where they apply ([`applies`]); f16 rows, and AVX-512 CPUs, keep the generic
+//! passes.
+//!
+//! The arithmetic is the generic passes' own: [`math::exp`]'s and [`math::exp_coarse`]'s
+//! formulas (chosen by the element type, as [`math::exp_for`]), bf16's round-to-nearest-even with
+//! NaNs kept quiet. Sums are taken in a different order, so results may differ in the last bit.
+
+use crate::elementwise::Ahead;
+use crate::math;
+use std::arch::x86_64::*;
+use uniop::half::bf16;
+use uniop::{DType, FloatElement};
+
+/// Elements per exp-pass iteration: two halves of 16 lanes, one 64-byte line of bf16.
+const STEP: usize = 32;
+
+/// Whether the passes here run for rows of `T`: f32 or bf16, on a CPU with AVX2 and FMA but no
+/// AVX-512 (whose generic passes are the tuned ones).
+#[inline(always)]
+pub(crate) fn applies<T: FloatElement>() -> bool {
+    matches!(T::DTYPE, DType::F32 | DType::BF16)
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && !std::arch::is_x86_feature_detected!("avx512f")
+}
+
+/// An element type whose rows the passes here read and write, 8 lanes at a time.
+trait Row: FloatElement {
+    /// The 8 elements at `p`, widened to f32.
+    unsafe fn load8(p: *const Self) -> __m256;
+    /// 16 f32 lanes narrowed to `Self` and stored at `p`; past the cache when `streaming`, where
+    /// `p` must be 32-byte aligned.
+    unsafe fn store16(p: *mut Self, low: __m256, high: __m256, streaming: bool);
+}
+
+impl Row for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn store16(p: *mut f32, low: __m256, high: __m256, streaming: bool) {
+        if streaming {
+            _mm256_stream_ps(p, low);
+            _mm256_stream_ps(p.add(8), high);
+        } else {
+            _mm256_storeu_ps(p, low);
+            _mm256_storeu_ps(p.add(8), high);
+        }
+    }
+}
+
+impl Row for bf16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const bf16) -> __m256 {
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))))
+    }
+    #[inline(always)]
+    unsafe fn store16(p: *mut bf16, low: __m256, high: __m256, streaming: bool) {
+        // packus packs within 128-bit halves ([low 0-3, high 0-3 | low 4-7, high 4-7]); the
+        // permute puts the four quarters back in order.
+        let packed = _mm256_packus_epi32(bf16_bits(low), bf16_bits(high));
+        let v = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
+        if streaming {
+            _mm256_stream_si256(p as *mut __m256i, v);
+        } else {
+            _mm256_storeu_si256(p as *mut __m256i, v);
+        }
+    }
+}
+
+/// The bf16 bits of 8 f32 lanes (in the low halves of 32-bit lanes, so `packus` cannot
+/// saturate), rounded to nearest even; NaNs stay NaNs, quieted (as `FloatElement::from_f32`).
+#[inline(always)]
+unsafe fn bf16_bits(v: __m256) -> __m256i {
+    let bits = _mm256_castps_si256(v);
+    let top = _mm256_srli_epi32::<16>(bits);
+    let lsb = _mm256_and_si256(top, _mm256_set1_epi32(1));
+    let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb));
+    let quiet_nan = _mm256_or_si256(top, _mm256_set1_epi32(0x40));
+    let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+    _mm256_blendv_epi8(rounded, quiet_nan, nan)
+}
+
+/// e^x for 8 lanes of `x ≤ 0` (or NaN, kept): [`math::exp_coarse`]'s formula when `COARSE`, else
+/// [`math::exp`]'s. The upper clamp of the scalar forms is left out: every caller subtracts its
+/// row's maximum first.
+#[inline(always)]
+unsafe fn exp8<const COARSE: bool>(x: __m256) -> __m256 {
+    let c = _mm256_set1_ps;
+    let shift = c(12_582_912.0); // 1.5·2²³
+                                 // max(lo, x) returns x where x is NaN.
+    let x = _mm256_max_ps(c(if COARSE { -86.0 } else { -87.0 }), x);
+    let shifted = _mm256_fmadd_ps(x, c(std::f32::consts::LOG2_E), shift);
+    let k = _mm256_sub_ps(shifted, shift);
+    let k_bits = _mm256_sub_epi32(_mm256_castps_si256(shifted), _mm256_castps_si256(shift));
+    if COARSE {
+        let r = _mm256_fnmadd_ps(k, c(std::f32::consts::LN_2), x);
+        let r2 = _mm256_mul_ps(r, r);
+        let q = _mm256_fmadd_ps(c(4.127_732e-2), r2, _mm256_fmadd_ps(c(1.675_342_8e-1), r, c(0.500_051_1)));
+        let p = _mm256_add_ps(_mm256_fmadd_ps(q, r2, r), c(1.0));
+        _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32::<23>(k_bits)))
+    } else {
+        let r = _mm256_fnmadd_ps(k, c(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(k, c(-2.121_944_4e-4), r);
+        let r2 = _mm256_mul_ps(r, r);
+        let lo = _mm256_fmadd_ps(c(1.666_666_5e-1), r, c(0.5));
+        let mid = _mm256_fmadd_ps(c(8.333_452e-3), r, c(4.166_579_6e-2));
+        let hi = _mm256_fmadd_ps(c(1.987_569_1e-4), r, c(1.398_199_9e-3));
+        let p = _mm256_fmadd_ps(_mm256_fmadd_ps(hi, r2, mid), r2, lo);
+        let y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), c(1.0));
+        let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(k_bits, _mm256_set1_epi32(127)));
+        _mm256_mul_ps(y, _mm256_castsi256_ps(scale))
+    }
+}
+
+/// The sum of `v`'s 8 lanes.
+#[inline(always)]
+unsafe fn sum8(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+}
+
+/// `row`'s maximum (NaN elements skipped), as `softmax::row_max`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn row_max_in<T: Row>(row: &[T]) -> f32 {
+    let p = row.as_ptr();
+    let mut mx = [_mm256_set1_ps(f32::NEG_INFINITY); 4];
+    let whole = row.len() / STEP * STEP;
+    for i in (0..whole).step_by(STEP) {
+        for (j, m) in mx.iter_mut().enumerate() {
+            // max(a, m) keeps m where a is NaN.
+            *m = _mm256_max_ps(T::load8(p.add(i + 8 * j)), *m);
+        }
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_max_ps(_mm256_max_ps(mx[0], mx[1]), _mm256_max_ps(mx[2], mx[3])));
+    let tail = row[whole..].iter().map(|v| v.to_f32());
+    lanes.into_iter().chain(tail).fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
+}
+
+/// `Σ exp(row − m)`, the exps stored in `out` when `STORE`; prefetches `next` as it goes (see
+/// `softmax::exp_into`).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_sum_in<T: Row, const STORE: bool>(row: &[T], out: &mut [f32], m: f32, next: &[T]) -> f32 {
+    const { assert!(STEP == 32) };
+    let coarse = T::DTYPE.size() == 2;
+    let (p, o) = (row.as_ptr(), out.as_mut_ptr());
+    let whole = row.len() / STEP * STEP;
+    let mut ahead = Ahead::new(next, whole / STEP);
+    let mb = _mm256_set1_ps(m);
+    let mut acc = [_mm256_setzero_ps(); 2];
+    for i in (0..whole).step_by(STEP) {
+        ahead.step();
+        for half in [i, i + 16] {
+            for (j, a) in acc.iter_mut().enumerate() {
+                let x = _mm256_sub_ps(T::load8(p.add(half + 8 * j)), mb);
+                let e = if coarse { exp8::<true>(x) } else { exp8::<false>(x) };
+                *a = _mm256_add_ps(*a, e);
+                if STORE {
+                    _mm256_storeu_ps(o.add(half + 8 * j), e);
+                }
+            }
+        }
+    }
+    let mut sum = sum8(_mm256_add_ps(acc[0], acc[1]));
+    for (k, v) in row.iter().enumerate().skip(whole) {
+        let e = math::exp_for::<T>(v.to_f32() - m);
+        sum += e;
+        if STORE {
+            out[k] = e;
+        }
+    }
+    sum
+}
+
+/// `out = src · scale`, narrowed to `T`; past the cache when `streaming` and `out` is 32-byte
+/// aligned (as rows of an aligned tensor are; otherwise with ordinary stores).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scale_in<T: Row>(src: &[f32], out: &mut [T], scale: f32, streaming: bool) {
+    let streaming = streaming && (out.as_ptr() as usize).is_multiple_of(32);
+    let (s, o) = (src.as_ptr(), out.as_mut_ptr());
+    let whole = src.len() / 16 * 16;
+    let sc = _mm256_set1_ps(scale);
+    for i in (0..whole).step_by(16) {
+        let low = _mm256_mul_ps(_mm256_loadu_ps(s.add(i)), sc);
+        let high = _mm256_mul_ps(_mm256_loadu_ps(s.add(i + 8)), sc);
+        T::store16(o.add(i), low, high, streaming);
+    }
+    for (o, &v) in out[whole..].iter_mut().zip(&src[whole..]) {
+        *o = T::from_f32(v * scale);
+    }
+}
+
+/// `slice` as a slice of `U`, which is `T` (checked by dtype).
+#[inline(always)]
+fn same<T: FloatElement, U: FloatElement>(slice: &[T]) -> &[U] {
+    assert!(T::DTYPE == U::DTYPE);
+    // SAFETY: T and U are the same type (one FloatElement per dtype).
+    unsafe { std::slice::from_raw_parts(slice.as_ptr() as *const U, slice.len()) }
+}
+
+/// [`same`] for a mutable slice.
+#[inline(always)]
+fn same_mut<T: FloatElement, U: FloatElement>(slice: &mut [T]) -> &mut [U] {
+    assert!(T::DTYPE == U::DTYPE);
+    // SAFETY: as in `same`.
+    unsafe { std::slice::from_raw_parts_mut(slice.as_mut_ptr() as *mut U, slice.len()) }
+}
+
+/// `row`'s maximum. Only where [`applies`]`::<T>()`.
+#[inline(always)]
+pub(crate) fn row_max<T: FloatElement>(row: &[T]) -> f32 {
+    debug_assert!(applies::<T>());
+    // SAFETY (each arm): the caller checked `applies`: the CPU has AVX2 and FMA.
+    match T::DTYPE {
+        DType::BF16 => unsafe { row_max_in::<bf16>(same(row)) },
+        _ => unsafe { row_max_in::<f32>(same(row)) },
+    }
+}
+
+/// `Σ exp(row − m)`, the exps stored in `out` (as long as `row`) when `STORE`. Only where
+/// [`applies`]`::<T>()`.
+#[inline(always)]
+pub(crate) fn exp_sum<T: FloatElement, const STORE: bool>(row: &[T], out: &mut [f32], m: f32, next: &[T]) -> f32 {
+    debug_assert!(applies::<T>());
+    if STORE {
+        assert_eq!(out.len(), row.len());
+    }
+    // SAFETY (each arm): as in `row_max`; `out` is as long as `row` where it is written.
+    match T::DTYPE {
+        DType::BF16 => unsafe { exp_sum_in::<bf16, STORE>(same(row), out, m, same(next)) },
+        _ => unsafe { exp_sum_in::<f32, STORE>(same(row), out, m, same(next)) },
+    }
+}
+
+/// `out = src · scale`, narrowed to `T` (`out` as long as `src`). Only where [`applies`]`::<T>()`.
+#[inline(always)]
+pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32, streaming: bool) {
+    debug_assert!(applies::<T>());
+    assert_eq!(src.len(), out.len());
+    // SAFETY (each arm): as in `row_max`; the lengths are equal.
+    match T::DTYPE {
+        DType::BF16 => unsafe { scale_in::<bf16>(src, same_mut(out), scale, streaming) },
+        _ => unsafe { scale_in::<f32>(src, same_mut(out), scale, streaming) },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::elementwise::Aligned;
+
+    /// Row lengths around the step sizes (16-lane stores, 32-element exp steps) and a long one.
+    const LENGTHS: &[usize] = &[0, 1, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 100, 4101];
+
+    /// Values spread over ±`spread` (deterministic), as `T`.
+    fn row<T: FloatElement>(n: usize, spread: f32, seed: u32) -> Vec<T> {
+        let mut state = seed.wrapping_mul(2_654_435_761) | 1;
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                T::from_f32((state as f32 / u32::MAX as f32 * 2.0 - 1.0) * spread)
+            })
+            .collect()
+    }
+
+    fn check_passes<T: FloatElement>(exp_tolerance: f64) {
+        for &n in LENGTHS {
+            for spread in [1.0, 30.0, 200.0] {
+                let x: Vec<T> = row(n, spread, n as u32 + spread as u32);
+                let wide: Vec<f64> = x.iter().map(|v| v.to_f32() as f64).collect();
+                let m = row_max(&x);
+                assert_eq!(m as f64, wide.iter().cloned().fold(f64::NEG_INFINITY, f64::max), "max, n {n}");
+                let mut exps = vec![0f32; n];
+                let next: Vec<T> = row(n, 1.0, 7);
+                let sum = exp_sum::<T, true>(&x, &mut exps, m, &next);
+                // The kernels subtract in f32, as here; the exps are then compared with f64's.
+                let want: Vec<f64> = x.iter().map(|v| ((v.to_f32() - m) as f64).exp()).collect();
+                for (k, (&e, &w)) in exps.iter().zip(&want).enumerate() {
+                    // Relative, except where e^x falls below f32's normal range (the clamp).
+                    assert!((e as f64 - w).abs() <= exp_tolerance * w + 1e-37, "exp {k} of {n}: {e} vs {w}");
+                }
+                let want_sum: f64 = want.iter().sum();
+                assert!((sum as f64 - want_sum).abs() <= 1e-5 * want_sum, "sum, n {n}: {sum} vs {want_sum}");
+                assert_eq!(exp_sum::<T, false>(&x, &mut [], m, &[]).to_bits(), sum.to_bits());
+            }
+        }
+    }
+
+    #[test]
+    fn max_exps_and_sums_match_f64() {
+        if !applies::<f32>() {
+            return; // an AVX-512 CPU (or one without AVX2): the generic passes run there
+        }
+        check_passes::<f32>(4e-7);
+        check_passes::<bf16>(1.2e-5);
+    }
+
+    /// `scale_into` stores exactly what the scalar narrowing gives, streamed or not, at an
+    /// aligned and a misaligned destination (the latter with ordinary stores).
+    fn check_scale<T: FloatElement>() {
+        for &n in LENGTHS {
+            let mut src: Vec<f32> = row::<f32>(n, 3.0, n as u32);
+            if n > 20 {
+                src[3] = f32::NAN;
+                src[17] = f32::from_bits(0x7f80_0001); // a signalling NaN, quieted
+                src[18] = f32::INFINITY;
+                src[19] = 1.0 + f32::EPSILON * 96.0; // a rounding tie's neighbour in bf16
+            }
+            let want: Vec<u32> = src.iter().map(|&v| T::from_f32(v * 0.37).to_f32().to_bits()).collect();
+            for streaming in [false, true] {
+                for misalign in [0, 1] {
+                    let mut backing = vec![Aligned([0u8; 64]); (n + 64) * T::DTYPE.size() / 64 + 1];
+                    let bytes = backing.as_mut_ptr() as *mut T;
+                    // SAFETY: the backing holds n + 1 + slack elements of T, zeroed (a valid T).
+                    let out = unsafe { std::slice::from_raw_parts_mut(bytes.add(misalign), n) };
+                    scale_into(&src, out, 0.37, streaming);
+                    let got: Vec<u32> = out.iter().map(|v| v.to_f32().to_bits()).collect();
+                    assert_eq!(got, want, "n {n}, streaming {streaming}, misalign {misalign}");
+                }
+            }
+            crate::elementwise::fence();
+        }
+    }
+
+    #[test]
+    fn scaled_stores_equal_the_scalar_narrowing() {
+        if !applies::<f32>() {
+            return;
+        }
+        check_scale::<f32>();
+        check_scale::<bf16>();
+    }
+}
