@@ -19,6 +19,7 @@
 use crate::elementwise::Ahead;
 use crate::math;
 use std::arch::x86_64::*;
+use uniop::dtype::bf16x16_avx2;
 use uniop::half::bf16;
 use uniop::{DType, FloatElement};
 
@@ -68,29 +69,13 @@ impl Row for bf16 {
     }
     #[inline(always)]
     unsafe fn store16(p: *mut bf16, low: __m256, high: __m256, streaming: bool) {
-        // packus packs within 128-bit halves ([low 0-3, high 0-3 | low 4-7, high 4-7]); the
-        // permute puts the four quarters back in order.
-        let packed = _mm256_packus_epi32(bf16_bits(low), bf16_bits(high));
-        let v = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
+        let v = bf16x16_avx2(low, high);
         if streaming {
             _mm256_stream_si256(p as *mut __m256i, v);
         } else {
             _mm256_storeu_si256(p as *mut __m256i, v);
         }
     }
-}
-
-/// The bf16 bits of 8 f32 lanes (in the low halves of 32-bit lanes, so `packus` cannot
-/// saturate), rounded to nearest even; NaNs stay NaNs, quieted (as `FloatElement::from_f32`).
-#[inline(always)]
-unsafe fn bf16_bits(v: __m256) -> __m256i {
-    let bits = _mm256_castps_si256(v);
-    let top = _mm256_srli_epi32::<16>(bits);
-    let lsb = _mm256_and_si256(top, _mm256_set1_epi32(1));
-    let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb));
-    let quiet_nan = _mm256_or_si256(top, _mm256_set1_epi32(0x40));
-    let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
-    _mm256_blendv_epi8(rounded, quiet_nan, nan)
 }
 
 /// e^x for 8 lanes of `x ≤ 0` (or NaN, kept): [`math::exp_coarse`]'s formula when `COARSE`, else

@@ -638,14 +638,24 @@ unsafe fn narrow_by_sixteen(src: &[f32], dst: &mut [bf16], sixteen: impl Fn(*con
 #[target_feature(enable = "avx2")]
 #[inline]
 unsafe fn narrow_bf16_avx2(src: &[f32], dst: &mut [bf16]) {
-    use std::arch::x86_64::{_mm256_loadu_ps, _mm256_packus_epi32, _mm256_permute4x64_epi64};
-    narrow_by_sixteen(src, dst, |at| {
-        let low = bf16_bits_avx2(_mm256_loadu_ps(at));
-        let high = bf16_bits_avx2(_mm256_loadu_ps(at.add(8)));
-        // packus packs within 128-bit halves ([low 0-3, high 0-3 | low 4-7, high 4-7]); the
-        // permute puts the four quarters back in order.
-        _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(low, high))
-    });
+    use std::arch::x86_64::_mm256_loadu_ps;
+    narrow_by_sixteen(src, dst, |at| bf16x16_avx2(_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))));
+}
+
+/// 16 f32 lanes (`low`, then `high`) as 16 bf16 in one register, rounded as [`f32_to_bf16_bits`]
+/// (NaNs kept, quieted): [`narrow_bf16_avx2`]'s step, public for AVX2 kernels that keep their
+/// results in registers (uniop-ops' softmax row passes).
+///
+/// # Safety
+/// Only on CPUs with AVX2 (a caller built without the feature must check it).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub fn bf16x16_avx2(low: std::arch::x86_64::__m256, high: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::{_mm256_packus_epi32, _mm256_permute4x64_epi64};
+    // packus packs within 128-bit halves ([low 0-3, high 0-3 | low 4-7, high 4-7]); the
+    // permute puts the four quarters back in order.
+    _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(bf16_bits_avx2(low), bf16_bits_avx2(high)))
 }
 
 /// The bf16 bits of 8 f32 lanes, in the low halves of 32-bit lanes (so `packus` cannot saturate).
