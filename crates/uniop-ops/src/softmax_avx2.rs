@@ -140,7 +140,6 @@ unsafe fn row_max_in<T: Row>(row: &[T]) -> f32 {
 /// `softmax::exp_into`).
 #[target_feature(enable = "avx2,fma")]
 unsafe fn exp_sum_in<T: Row, const STORE: bool>(row: &[T], out: &mut [f32], m: f32, next: &[T]) -> f32 {
-    const { assert!(STEP == 32) };
     let coarse = T::DTYPE.size() == 2;
     let (p, o) = (row.as_ptr(), out.as_mut_ptr());
     let whole = row.len() / STEP * STEP;
@@ -149,7 +148,7 @@ unsafe fn exp_sum_in<T: Row, const STORE: bool>(row: &[T], out: &mut [f32], m: f
     let mut acc = [_mm256_setzero_ps(); 2];
     for i in (0..whole).step_by(STEP) {
         ahead.step();
-        for half in [i, i + 16] {
+        for half in (i..i + STEP).step_by(16) {
             for (j, a) in acc.iter_mut().enumerate() {
                 let x = _mm256_sub_ps(T::load8(p.add(half + 8 * j)), mb);
                 let e = if coarse { exp8::<true>(x) } else { exp8::<false>(x) };
