@@ -84,8 +84,9 @@ impl Row for bf16 {
 #[inline(always)]
 unsafe fn exp8<const COARSE: bool>(x: __m256) -> __m256 {
     let c = _mm256_set1_ps;
-    let shift = c(12_582_912.0); // 1.5·2²³
-                                 // max(lo, x) returns x where x is NaN.
+    // 1.5·2²³: adding it rounds x·log2 e to an integer k, left in the low mantissa bits.
+    let shift = c(12_582_912.0);
+    // max(lo, x) returns x where x is NaN.
     let x = _mm256_max_ps(c(if COARSE { -86.0 } else { -87.0 }), x);
     let shifted = _mm256_fmadd_ps(x, c(std::f32::consts::LOG2_E), shift);
     let k = _mm256_sub_ps(shifted, shift);
@@ -296,7 +297,8 @@ mod tests {
     }
 
     /// `scale_into` stores exactly what the scalar narrowing gives, streamed or not, at an
-    /// aligned and a misaligned destination (the latter with ordinary stores).
+    /// aligned and a misaligned destination (the latter with ordinary stores). The scale is exact
+    /// (0.5), so chosen inputs land on bf16 rounding ties.
     fn check_scale<T: FloatElement>() {
         for &n in LENGTHS {
             let mut src: Vec<f32> = row::<f32>(n, 3.0, n as u32);
@@ -304,16 +306,18 @@ mod tests {
                 src[3] = f32::NAN;
                 src[17] = f32::from_bits(0x7f80_0001); // a signalling NaN, quieted
                 src[18] = f32::INFINITY;
-                src[19] = 1.0 + f32::EPSILON * 96.0; // a rounding tie's neighbour in bf16
+                // Halved, bf16 rounding ties: to even downwards (1), and upwards (1 + 2⁻⁶).
+                src[19] = 2.0 * (1.0 + 2f32.powi(-8));
+                src[20] = 2.0 * (1.0 + 3.0 * 2f32.powi(-8));
             }
-            let want: Vec<u32> = src.iter().map(|&v| T::from_f32(v * 0.37).to_f32().to_bits()).collect();
+            let want: Vec<u32> = src.iter().map(|&v| T::from_f32(v * 0.5).to_f32().to_bits()).collect();
             for streaming in [false, true] {
                 for misalign in [0, 1] {
                     let mut backing = vec![Aligned([0u8; 64]); (n + 64) * T::DTYPE.size() / 64 + 1];
                     let bytes = backing.as_mut_ptr() as *mut T;
                     // SAFETY: the backing holds n + 1 + slack elements of T, zeroed (a valid T).
                     let out = unsafe { std::slice::from_raw_parts_mut(bytes.add(misalign), n) };
-                    scale_into(&src, out, 0.37, streaming);
+                    scale_into(&src, out, 0.5, streaming);
                     let got: Vec<u32> = out.iter().map(|v| v.to_f32().to_bits()).collect();
                     assert_eq!(got, want, "n {n}, streaming {streaming}, misalign {misalign}");
                 }
