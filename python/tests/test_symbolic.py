@@ -11,6 +11,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
+import uniop
 from uniop.torch import symbolic
 
 
@@ -128,8 +129,6 @@ def test_sizes_the_op_refuses_raise_its_error():
 
     with pytest.raises(ValueError, match="argument 'weight'"):
         fitted(rule, (3, 8), (5,))
-
-    import uniop
 
     class Norm(torch.nn.Module):
         def forward(self, x, w):

@@ -30,10 +30,14 @@ const STEP: usize = 32;
 /// AVX-512 (whose generic passes are the tuned ones).
 #[inline(always)]
 pub(crate) fn applies<T: FloatElement>() -> bool {
-    matches!(T::DTYPE, DType::F32 | DType::BF16)
-        && std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && !std::arch::is_x86_feature_detected!("avx512f")
+    matches!(T::DTYPE, DType::F32 | DType::BF16) && can_run() && !std::arch::is_x86_feature_detected!("avx512f")
+}
+
+/// Whether this CPU can run the passes here (AVX2 and FMA): what their safety needs. Tests run
+/// them wherever it can, AVX-512 CPUs included, though kernels there take the generic passes.
+#[inline(always)]
+fn can_run() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
 /// An element type whose rows the passes here read and write, 8 lanes at a time.
@@ -205,22 +209,22 @@ fn same_mut<T: FloatElement, U: FloatElement>(slice: &mut [T]) -> &mut [U] {
     unsafe { std::slice::from_raw_parts_mut(slice.as_mut_ptr() as *mut U, slice.len()) }
 }
 
-/// `row`'s maximum. Only where [`applies`]`::<T>()`.
+/// `row`'s maximum. Only for f32 and bf16 rows (see [`applies`]).
 #[inline(always)]
 pub(crate) fn row_max<T: FloatElement>(row: &[T]) -> f32 {
-    debug_assert!(applies::<T>());
-    // SAFETY (each arm): the caller checked `applies`: the CPU has AVX2 and FMA.
+    assert!(can_run());
+    // SAFETY (each arm): the CPU has AVX2 and FMA (asserted just above).
     match T::DTYPE {
         DType::BF16 => unsafe { row_max_in::<bf16>(same(row)) },
         _ => unsafe { row_max_in::<f32>(same(row)) },
     }
 }
 
-/// `Σ exp(row − m)`, the exps stored in `out` (as long as `row`) when `STORE`. Only where
-/// [`applies`]`::<T>()`.
+/// `Σ exp(row − m)`, the exps stored in `out` (as long as `row`) when `STORE`. Only for f32
+/// and bf16 rows (see [`applies`]).
 #[inline(always)]
 pub(crate) fn exp_sum<T: FloatElement, const STORE: bool>(row: &[T], out: &mut [f32], m: f32, next: &[T]) -> f32 {
-    debug_assert!(applies::<T>());
+    assert!(can_run());
     if STORE {
         assert_eq!(out.len(), row.len());
     }
@@ -231,10 +235,11 @@ pub(crate) fn exp_sum<T: FloatElement, const STORE: bool>(row: &[T], out: &mut [
     }
 }
 
-/// `out = src · scale`, narrowed to `T` (`out` as long as `src`). Only where [`applies`]`::<T>()`.
+/// `out = src · scale`, narrowed to `T` (`out` as long as `src`). Only for f32 and bf16 rows (see
+/// [`applies`]).
 #[inline(always)]
 pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32, streaming: bool) {
-    debug_assert!(applies::<T>());
+    assert!(can_run());
     assert_eq!(src.len(), out.len());
     // SAFETY (each arm): as in `row_max`; the lengths are equal.
     match T::DTYPE {
@@ -289,8 +294,8 @@ mod tests {
 
     #[test]
     fn max_exps_and_sums_match_f64() {
-        if !applies::<f32>() {
-            return; // an AVX-512 CPU (or one without AVX2): the generic passes run there
+        if !can_run() {
+            return; // no AVX2 and FMA: the generic passes are all there is
         }
         check_passes::<f32>(4e-7);
         check_passes::<bf16>(1.2e-5);
@@ -328,7 +333,7 @@ mod tests {
 
     #[test]
     fn scaled_stores_equal_the_scalar_narrowing() {
-        if !applies::<f32>() {
+        if !can_run() {
             return;
         }
         check_scale::<f32>();
