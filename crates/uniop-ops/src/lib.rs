@@ -68,14 +68,14 @@ pub mod rms_norm_backward;
 pub mod rope;
 pub mod rope_backward;
 pub mod rope_cos_sin;
+#[cfg(target_arch = "x86_64")]
+mod rows_avx2;
 pub mod sample;
 pub mod silu;
 pub mod silu_mul;
 pub mod silu_mul_backward;
 mod skinny;
 pub mod softmax;
-#[cfg(target_arch = "x86_64")]
-mod softmax_avx2;
 pub mod softmax_backward;
 pub mod swiglu;
 pub mod swiglu_backward;

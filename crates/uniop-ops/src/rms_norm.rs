@@ -87,6 +87,10 @@ const LANES: usize = 64;
 /// Xeon: 0.022 → 0.011 ms).
 #[inline(always)]
 pub(crate) fn sum_squares<T: FloatElement>(x: &[T]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::rows_avx2::applies::<T>() {
+        return crate::rows_avx2::sum_squares(x);
+    }
     if T::converts_natively() {
         sum_squares_as::<T, true>(x)
     } else {
@@ -111,6 +115,10 @@ fn sum_squares_as<T: FloatElement, const NATIVE: bool>(x: &[T]) -> f32 {
 /// `y = x · rstd · w`, one register at a time; `streaming` writes y past the cache.
 #[inline(always)]
 pub(crate) fn scale_row<T: FloatElement>(x: &[T], next: &[T], w: &[f32], y: &mut [T], rstd: f32, streaming: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::rows_avx2::applies::<T>() {
+        return crate::rows_avx2::scale_weighted(x, next, w, y, rstd, streaming);
+    }
     if T::converts_natively() {
         scale_row_as::<T, true>(x, next, w, y, rstd, streaming)
     } else {

@@ -83,8 +83,8 @@ pub(crate) enum Kind {
 #[inline(always)]
 pub(crate) fn row_max<T: FloatElement>(row: &[T]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if crate::softmax_avx2::applies::<T>() {
-        return crate::softmax_avx2::row_max(row);
+    if crate::rows_avx2::applies::<T>() {
+        return crate::rows_avx2::row_max(row);
     }
     let mut mx = [f32::NEG_INFINITY; LANES];
     for_lanes([row], f32::NEG_INFINITY, |[b]| {
@@ -100,8 +100,8 @@ pub(crate) fn row_max<T: FloatElement>(row: &[T]) -> f32 {
 #[inline(always)]
 pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32, streaming: bool) {
     #[cfg(target_arch = "x86_64")]
-    if crate::softmax_avx2::applies::<T>() {
-        return crate::softmax_avx2::scale_into(src, out, scale, streaming);
+    if crate::rows_avx2::applies::<T>() {
+        return crate::rows_avx2::scale_into(src, out, scale, streaming);
     }
     if T::converts_natively() {
         // Whole steps narrowed by the CPU's instruction (a loop of its own: see `dense_map`). In
@@ -184,8 +184,8 @@ pub(crate) fn exp_total<T: FloatElement>(row: &[T], m: f32, next: &[T]) -> f32 {
 #[inline(always)]
 fn exp_sum<T: FloatElement, const STORE: bool>(row: &[T], out: &mut [f32], m: f32, next: &[T]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if crate::softmax_avx2::applies::<T>() {
-        return crate::softmax_avx2::exp_sum::<T, STORE>(row, out, m, next);
+    if crate::rows_avx2::applies::<T>() {
+        return crate::rows_avx2::exp_sum::<T, STORE>(row, out, m, next);
     }
     if T::converts_natively() {
         exp_sum_as::<T, STORE, true>(row, out, m, next)

@@ -1,20 +1,22 @@
-//! Softmax's row passes on AVX2 CPUs without AVX-512, for f32 and bf16 rows: the maximum, the
-//! exps and their sum, and the scaled, narrowed store, with every value in registers.
+//! Row passes on AVX2 CPUs without AVX-512, for f32 and bf16 rows, with every value in
+//! registers: softmax's (the maximum, the exps and their sum, the scaled store) and RMSNorm's
+//! (the sum of squares, the residual add that feeds it, the weighted store).
 //!
-//! Why a second form: the generic passes in `softmax.rs` work in steps of
-//! [`LANES`](crate::elementwise::LANES) (four AVX-512 registers), and were tuned where a step's
-//! values fit the register file. Built for AVX2 (16 registers of 8 lanes) the exp pass kept its
-//! row pointer on the stack and reloaded its eight constants every 16 elements, and the streaming
-//! store pass staged each step through two stack arrays before copying it out. Here the exp pass
-//! takes 32 elements an iteration (two 16-lane halves with two sums), its constants hoisted, and
-//! the store pass narrows 16 lanes in registers and writes them with one 32-byte store (streamed
-//! when asked). Softmax, causal_softmax, cross_entropy and embedding_backward's row scaling go
-//! through these where they apply ([`applies`]); f16 rows, and AVX-512 CPUs, keep the generic
-//! passes.
+//! Why a second form: the generic passes (`softmax.rs`, `rms_norm.rs`, `add_rms_norm.rs`) work
+//! in steps of [`LANES`](crate::elementwise::LANES) (four AVX-512 registers), and were tuned where
+//! a step's values fit the register file. Built for AVX2 (16 registers of 8 lanes) the exp pass
+//! kept its row pointer on the stack and reloaded its eight constants every 16 elements, and the
+//! streaming stores staged each step through two stack arrays (f32 results, then narrowed ones)
+//! before copying them out 16 bytes at a time. Here the passes take 32 elements an iteration (two
+//! 16-lane halves), constants hoisted, and every store narrows 16 lanes in registers and writes
+//! them with one 32-byte store (streamed when asked). Softmax, causal_softmax, cross_entropy,
+//! embedding_backward's row scaling, rms_norm and add_rms_norm go through these where they apply
+//! ([`applies`]); f16 rows, and AVX-512 CPUs, keep the generic passes.
 //!
 //! The arithmetic is the generic passes' own: [`math::exp`]'s and [`math::exp_coarse`]'s
 //! formulas (chosen by the element type, as [`math::exp_for`]), bf16's round-to-nearest-even with
-//! NaNs kept quiet. Sums are taken in a different order, so results may differ in the last bit.
+//! NaNs kept quiet, `x · rstd · w` in that order. Sums are taken in a different order (and squares
+//! summed with FMA), so they may differ in the last bit.
 
 use crate::elementwise::Ahead;
 use crate::math;
@@ -23,7 +25,7 @@ use uniop::dtype::bf16x16_avx2;
 use uniop::half::bf16;
 use uniop::{DType, FloatElement};
 
-/// Elements per exp-pass iteration: two halves of 16 lanes, one 64-byte line of bf16.
+/// Elements per iteration: two halves of 16 lanes, one 64-byte line of bf16.
 const STEP: usize = 32;
 
 /// Whether the passes here run for rows of `T`: f32 or bf16, on a CPU with AVX2 and FMA but no
@@ -47,6 +49,9 @@ trait Row: FloatElement {
     /// 16 f32 lanes narrowed to `Self` and stored at `p`; past the cache when `streaming`, where
     /// `p` must be 32-byte aligned.
     unsafe fn store16(p: *mut Self, low: __m256, high: __m256, streaming: bool);
+    /// 16 f32 lanes narrowed to `Self` and stored at `p` (ordinary stores), returned as stored:
+    /// rounded to `Self`, widened back.
+    unsafe fn store16_rounded(p: *mut Self, low: __m256, high: __m256) -> [__m256; 2];
 }
 
 impl Row for f32 {
@@ -64,12 +69,17 @@ impl Row for f32 {
             _mm256_storeu_ps(p.add(8), high);
         }
     }
+    #[inline(always)]
+    unsafe fn store16_rounded(p: *mut f32, low: __m256, high: __m256) -> [__m256; 2] {
+        Self::store16(p, low, high, false);
+        [low, high]
+    }
 }
 
 impl Row for bf16 {
     #[inline(always)]
     unsafe fn load8(p: *const bf16) -> __m256 {
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))))
+        widen8(_mm_loadu_si128(p as *const __m128i))
     }
     #[inline(always)]
     unsafe fn store16(p: *mut bf16, low: __m256, high: __m256, streaming: bool) {
@@ -80,6 +90,18 @@ impl Row for bf16 {
             _mm256_storeu_si256(p as *mut __m256i, v);
         }
     }
+    #[inline(always)]
+    unsafe fn store16_rounded(p: *mut bf16, low: __m256, high: __m256) -> [__m256; 2] {
+        let v = bf16x16_avx2(low, high);
+        _mm256_storeu_si256(p as *mut __m256i, v);
+        [widen8(_mm256_castsi256_si128(v)), widen8(_mm256_extracti128_si256::<1>(v))]
+    }
+}
+
+/// 8 bf16 as f32 lanes.
+#[inline(always)]
+unsafe fn widen8(eight: __m128i) -> __m256 {
+    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(eight)))
 }
 
 /// e^x for 8 lanes of `x ≤ 0` (or NaN, kept): [`math::exp_coarse`]'s formula when `COARSE`, else
@@ -193,6 +215,74 @@ unsafe fn scale_in<T: Row>(src: &[f32], out: &mut [T], scale: f32, streaming: bo
     }
 }
 
+/// `Σ v²` of four 8-lane groups at `p` into `acc` (group `j` into `acc[j]`): the one order in
+/// which [`sum_squares_in`] and [`add_in`] sum, so add_rms_norm's squares equal rms_norm's of
+/// the same stored row.
+#[inline(always)]
+unsafe fn square_step(acc: &mut [__m256; 4], groups: [__m256; 4]) {
+    for (a, v) in acc.iter_mut().zip(groups) {
+        *a = _mm256_fmadd_ps(v, v, *a);
+    }
+}
+
+/// The sum of `acc`'s lanes and of the squares of `tail`'s elements.
+#[inline(always)]
+unsafe fn total<T: Row>(acc: [__m256; 4], tail: &[T]) -> f32 {
+    let lanes = sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    lanes + tail.iter().map(|v| v.to_f32() * v.to_f32()).sum::<f32>()
+}
+
+/// `Σ x²` over `row`, as `rms_norm::sum_squares`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn sum_squares_in<T: Row>(row: &[T]) -> f32 {
+    let p = row.as_ptr();
+    let whole = row.len() / STEP * STEP;
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for i in (0..whole).step_by(STEP) {
+        square_step(&mut acc, [0, 1, 2, 3].map(|j| T::load8(p.add(i + 8 * j))));
+    }
+    total(acc, &row[whole..])
+}
+
+/// `out = a + b`, rounded to `T`, and `Σ out²` of the stored values, as add_rms_norm's `add_row`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn add_in<T: Row>(a: &[T], b: &[T], out: &mut [T]) -> f32 {
+    let (pa, pb, po) = (a.as_ptr(), b.as_ptr(), out.as_mut_ptr());
+    let whole = a.len() / STEP * STEP;
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for i in (0..whole).step_by(STEP) {
+        let sum = |k: usize| _mm256_add_ps(T::load8(pa.add(k)), T::load8(pb.add(k)));
+        let [s0, s1] = T::store16_rounded(po.add(i), sum(i), sum(i + 8));
+        let [s2, s3] = T::store16_rounded(po.add(i + 16), sum(i + 16), sum(i + 24));
+        square_step(&mut acc, [s0, s1, s2, s3]);
+    }
+    for k in whole..a.len() {
+        out[k] = T::from_f32(a[k].to_f32() + b[k].to_f32());
+    }
+    total(acc, &out[whole..])
+}
+
+/// `y = x · rstd · w`, narrowed to `T`, prefetching `next`; past the cache when `streaming` and
+/// `y` is 32-byte aligned. As `rms_norm::scale_row`, in the same order (bit for bit).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scale_weighted_in<T: Row>(x: &[T], next: &[T], w: &[f32], y: &mut [T], rstd: f32, streaming: bool) {
+    let streaming = streaming && (y.as_ptr() as usize).is_multiple_of(32);
+    let (px, pw, py) = (x.as_ptr(), w.as_ptr(), y.as_mut_ptr());
+    let whole = x.len() / 16 * 16;
+    let mut ahead = Ahead::new(next, whole / STEP);
+    let r = _mm256_set1_ps(rstd);
+    for i in (0..whole).step_by(16) {
+        if i % STEP == 0 {
+            ahead.step();
+        }
+        let scaled = |k: usize| _mm256_mul_ps(_mm256_mul_ps(T::load8(px.add(k)), r), _mm256_loadu_ps(pw.add(k)));
+        T::store16(py.add(i), scaled(i), scaled(i + 8), streaming);
+    }
+    for k in whole..x.len() {
+        y[k] = T::from_f32(x[k].to_f32() * rstd * w[k]);
+    }
+}
+
 /// `slice` as a slice of `U`, which is `T` (checked by dtype).
 #[inline(always)]
 fn same<T: FloatElement, U: FloatElement>(slice: &[T]) -> &[U] {
@@ -245,6 +335,43 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
     match T::DTYPE {
         DType::BF16 => unsafe { scale_in::<bf16>(src, same_mut(out), scale, streaming) },
         _ => unsafe { scale_in::<f32>(src, same_mut(out), scale, streaming) },
+    }
+}
+
+/// `Σ x²` over `row`. Only for f32 and bf16 rows (see [`applies`]).
+#[inline(always)]
+pub(crate) fn sum_squares<T: FloatElement>(row: &[T]) -> f32 {
+    assert!(can_run());
+    // SAFETY (each arm): as in `row_max`.
+    match T::DTYPE {
+        DType::BF16 => unsafe { sum_squares_in::<bf16>(same(row)) },
+        _ => unsafe { sum_squares_in::<f32>(same(row)) },
+    }
+}
+
+/// `out = a + b` rounded to `T`, returning `Σ out²` (all three as long). Only for f32 and bf16
+/// rows (see [`applies`]).
+#[inline(always)]
+pub(crate) fn add_squares<T: FloatElement>(a: &[T], b: &[T], out: &mut [T]) -> f32 {
+    assert!(can_run());
+    assert!(a.len() == b.len() && a.len() == out.len());
+    // SAFETY (each arm): as in `row_max`; the lengths are equal.
+    match T::DTYPE {
+        DType::BF16 => unsafe { add_in::<bf16>(same(a), same(b), same_mut(out)) },
+        _ => unsafe { add_in::<f32>(same(a), same(b), same_mut(out)) },
+    }
+}
+
+/// `y = x · rstd · w` narrowed to `T` (`x`, `w` and `y` as long), prefetching `next`. Only for
+/// f32 and bf16 rows (see [`applies`]).
+#[inline(always)]
+pub(crate) fn scale_weighted<T: FloatElement>(x: &[T], next: &[T], w: &[f32], y: &mut [T], rstd: f32, streaming: bool) {
+    assert!(can_run());
+    assert!(x.len() == w.len() && x.len() == y.len());
+    // SAFETY (each arm): as in `row_max`; the lengths are equal.
+    match T::DTYPE {
+        DType::BF16 => unsafe { scale_weighted_in::<bf16>(same(x), same(next), w, same_mut(y), rstd, streaming) },
+        _ => unsafe { scale_weighted_in::<f32>(same(x), same(next), w, same_mut(y), rstd, streaming) },
     }
 }
 
@@ -315,20 +442,69 @@ mod tests {
                 src[19] = 2.0 * (1.0 + 2f32.powi(-8));
                 src[20] = 2.0 * (1.0 + 3.0 * 2f32.powi(-8));
             }
-            let want: Vec<u32> = src.iter().map(|&v| T::from_f32(v * 0.5).to_f32().to_bits()).collect();
-            for streaming in [false, true] {
-                for misalign in [0, 1] {
-                    let mut backing = vec![Aligned([0u8; 64]); (n + 64) * T::DTYPE.size() / 64 + 1];
-                    let bytes = backing.as_mut_ptr() as *mut T;
-                    // SAFETY: the backing holds n + 1 + slack elements of T, zeroed (a valid T).
-                    let out = unsafe { std::slice::from_raw_parts_mut(bytes.add(misalign), n) };
-                    scale_into(&src, out, 0.5, streaming);
-                    let got: Vec<u32> = out.iter().map(|v| v.to_f32().to_bits()).collect();
-                    assert_eq!(got, want, "n {n}, streaming {streaming}, misalign {misalign}");
-                }
-            }
-            crate::elementwise::fence();
+            let want = bits(src.iter().map(|&v| T::from_f32(v * 0.5)));
+            each_destination::<T>(n, want, |out, streaming| scale_into(&src, out, 0.5, streaming));
         }
+    }
+
+    /// Runs `store` into a zeroed destination of `n` elements, streamed and not, 32-byte aligned
+    /// and one element past that (where the stores are ordinary ones), and checks that it holds
+    /// `want` (the values' f32 bits) each time.
+    fn each_destination<T: FloatElement>(n: usize, want: Vec<u32>, mut store: impl FnMut(&mut [T], bool)) {
+        for streaming in [false, true] {
+            for misalign in [0, 1] {
+                let mut backing = vec![Aligned([0u8; 64]); (n + 64) * T::DTYPE.size() / 64 + 1];
+                let bytes = backing.as_mut_ptr() as *mut T;
+                // SAFETY: the backing holds n + 1 + slack elements of T, zeroed (a valid T).
+                let out = unsafe { std::slice::from_raw_parts_mut(bytes.add(misalign), n) };
+                store(out, streaming);
+                crate::elementwise::fence();
+                let got: Vec<u32> = out.iter().map(|v| v.to_f32().to_bits()).collect();
+                assert_eq!(got, want, "n {n}, streaming {streaming}, misalign {misalign}");
+            }
+        }
+    }
+
+    fn bits<T: FloatElement>(values: impl IntoIterator<Item = T>) -> Vec<u32> {
+        values.into_iter().map(|v| v.to_f32().to_bits()).collect()
+    }
+
+    /// RMSNorm's passes: the sum of squares against f64's; the residual add stores the scalar
+    /// rounding of each sum and returns exactly `sum_squares` of what it stored; the weighted
+    /// store equals the scalar `T::from_f32(x · rstd · w)` bit for bit (NaN and ∞ weights too).
+    fn check_norm_passes<T: FloatElement>() {
+        for &n in LENGTHS {
+            let (a, b): (Vec<T>, Vec<T>) = (row(n, 3.0, n as u32), row(n, 3.0, n as u32 + 1));
+            let want: f64 = a.iter().map(|v| (v.to_f32() as f64).powi(2)).sum();
+            let squares = sum_squares(&a);
+            assert!((squares as f64 - want).abs() <= 1e-5 * want, "squares, n {n}: {squares} vs {want}");
+
+            let mut sum = vec![T::default(); n];
+            let sum_squares_returned = add_squares(&a, &b, &mut sum);
+            assert_eq!(
+                bits(sum.iter().copied()),
+                bits(a.iter().zip(&b).map(|(x, y)| T::from_f32(x.to_f32() + y.to_f32())))
+            );
+            assert_eq!(sum_squares_returned.to_bits(), sum_squares(&sum).to_bits(), "add's squares, n {n}");
+
+            let mut w: Vec<f32> = row(n, 2.0, 99);
+            if n > 20 {
+                w[5] = f32::NAN;
+                w[17] = f32::INFINITY;
+            }
+            let rstd = 0.37;
+            let want = bits(a.iter().zip(&w).map(|(x, w)| T::from_f32(x.to_f32() * rstd * w)));
+            each_destination::<T>(n, want, |out, streaming| scale_weighted(&a, &b, &w, out, rstd, streaming));
+        }
+    }
+
+    #[test]
+    fn norm_passes_match_f64_and_the_scalar_forms() {
+        if !can_run() {
+            return;
+        }
+        check_norm_passes::<f32>();
+        check_norm_passes::<bf16>();
     }
 
     #[test]
