@@ -86,7 +86,7 @@ pub(crate) fn geometry(cx: &OpCx, x: &str) -> Result<Geometry> {
 /// The rotation of one pair `(a, b)` by `(cos_a, sin_a)`, `(cos_b, sin_b)`; `inverse` applies
 /// its transpose (the gradient).
 #[inline(always)]
-fn rotate(a: f32, b: f32, ca: f32, sa: f32, cb: f32, sb: f32, inverse: bool) -> (f32, f32) {
+pub(crate) fn rotate(a: f32, b: f32, ca: f32, sa: f32, cb: f32, sb: f32, inverse: bool) -> (f32, f32) {
     if inverse {
         (a * ca + b * sb, b * cb - a * sa)
     } else {
@@ -98,7 +98,7 @@ fn rotate(a: f32, b: f32, ca: f32, sa: f32, cb: f32, sb: f32, inverse: bool) -> 
 /// the last step padded when `N` does not divide the rotated span); widened by the CPU's
 /// instruction when `NATIVE` (only where `T::converts_natively()`: see `elementwise::to_f32`).
 #[inline(always)]
-fn rotate_row<T: FloatElement, C: FloatElement, const N: usize, const NATIVE: bool>(
+pub(crate) fn rotate_row<T: FloatElement, C: FloatElement, const N: usize, const NATIVE: bool>(
     x: &[T],
     cos: &[C],
     sin: &[C],
@@ -166,12 +166,19 @@ pub(crate) fn kernel<T: FloatElement, C: FloatElement, const N: usize>(
     let walk = StridedRuns::<4>::new([&rows[0], &rows[1], &rows[2], &rows[3]]);
     let steps = walk.inner_strides();
     let range = ctx.split(g.rows);
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = crate::rows_avx2::applies::<T>();
     for (starts, len) in walk.runs(range.start, range.end) {
         for j in 0..len {
             let [xo, oo, co, so] = std::array::from_fn(|k| starts[k] + j * steps[k]);
             // SAFETY: this block owns rows `split(rows)` of out.
             let dst = unsafe { out.slice_mut::<T>(oo, g.d) };
             let (x, cos, sin) = (&xs[xo..xo + g.d], &cs[co..co + g.r], &ss[so..so + g.r]);
+            #[cfg(target_arch = "x86_64")]
+            if avx2 {
+                crate::rows_avx2::rotate(x, cos, sin, dst, g.mode, inverse);
+                continue;
+            }
             if T::converts_natively() {
                 rotate_row::<T, C, N, true>(x, cos, sin, dst, g.mode, inverse);
             } else {

@@ -20,6 +20,7 @@
 
 use crate::elementwise::Ahead;
 use crate::math;
+use crate::rope::{self, Mode};
 use std::arch::x86_64::*;
 use uniop::dtype::bf16x16_avx2;
 use uniop::half::bf16;
@@ -283,6 +284,74 @@ unsafe fn scale_weighted_in<T: Row>(x: &[T], next: &[T], w: &[f32], y: &mut [T],
     }
 }
 
+/// One row of rope (`x`, `out`: the head dim; `cos`, `sin`: the rotary dim), as
+/// `rope::rotate_row`: 16 elements of a rotated span an iteration, in [`rope::rotate`]'s
+/// arithmetic lane by lane (bit for bit). Mode `half` rotates 8-lane groups of the two halves
+/// against each other; `interleave` swaps each 8-lane group's pairs in the register and takes
+/// `x·cos ∓ swapped·sin` with one `addsub`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rotate_in<T: Row, C: Row>(x: &[T], cos: &[C], sin: &[C], out: &mut [T], mode: Mode, inverse: bool) {
+    let r = cos.len();
+    let (px, pc, ps, po) = (x.as_ptr(), cos.as_ptr(), sin.as_ptr(), out.as_mut_ptr());
+    let mul = |a, b| _mm256_mul_ps(a, b);
+    match mode {
+        Mode::Half => {
+            let h = r / 2;
+            let whole = h / 16 * 16;
+            for i in (0..whole).step_by(16) {
+                let pair = |g: usize| {
+                    let (a, b) = (T::load8(px.add(g)), T::load8(px.add(h + g)));
+                    let (ca, sa) = (C::load8(pc.add(g)), C::load8(ps.add(g)));
+                    let (cb, sb) = (C::load8(pc.add(h + g)), C::load8(ps.add(h + g)));
+                    if inverse {
+                        [_mm256_add_ps(mul(a, ca), mul(b, sb)), _mm256_sub_ps(mul(b, cb), mul(a, sa))]
+                    } else {
+                        [_mm256_sub_ps(mul(a, ca), mul(b, sa)), _mm256_add_ps(mul(b, cb), mul(a, sb))]
+                    }
+                };
+                let ([low, low2], [high, high2]) = (pair(i), pair(i + 8));
+                T::store16(po.add(i), low, high, false);
+                T::store16(po.add(h + i), low2, high2, false);
+            }
+            for k in whole..h {
+                let [a, b] = [x[k], x[h + k]].map(|v| v.to_f32());
+                let [ca, sa, cb, sb] = [cos[k], sin[k], cos[h + k], sin[h + k]].map(|v| v.to_f32());
+                let (o, o2) = rope::rotate(a, b, ca, sa, cb, sb, inverse);
+                (out[k], out[h + k]) = (T::from_f32(o), T::from_f32(o2));
+            }
+        }
+        Mode::Interleave => {
+            let whole = r / 16 * 16;
+            // Swaps each pair of lanes: [a, b, …] → [b, a, …].
+            const SWAP: i32 = 0b10_11_00_01;
+            let negate = _mm256_set1_ps(-0.0);
+            for i in (0..whole).step_by(16) {
+                let group = |g: usize| {
+                    let (v, c, s) = (T::load8(px.add(g)), C::load8(pc.add(g)), C::load8(ps.add(g)));
+                    let swapped = _mm256_permute_ps::<SWAP>(v);
+                    // Even lanes take `p − q`, odd ones `p + q`: forward, a·ca − b·sa and
+                    // b·cb + a·sb; inverse (q negated, each lane's partner's sine), a·ca + b·sb
+                    // and b·cb − a·sa.
+                    let q = if inverse {
+                        _mm256_xor_ps(mul(swapped, _mm256_permute_ps::<SWAP>(s)), negate)
+                    } else {
+                        mul(swapped, s)
+                    };
+                    _mm256_addsub_ps(mul(v, c), q)
+                };
+                T::store16(po.add(i), group(i), group(i + 8), false);
+            }
+            for k in (whole..r).step_by(2) {
+                let [a, b] = [x[k], x[k + 1]].map(|v| v.to_f32());
+                let [ca, sa, cb, sb] = [cos[k], sin[k], cos[k + 1], sin[k + 1]].map(|v| v.to_f32());
+                let (o, o2) = rope::rotate(a, b, ca, sa, cb, sb, inverse);
+                (out[k], out[k + 1]) = (T::from_f32(o), T::from_f32(o2));
+            }
+        }
+    }
+    out[r..].copy_from_slice(&x[r..]);
+}
+
 /// `slice` as a slice of `U`, which is `T` (checked by dtype).
 #[inline(always)]
 fn same<T: FloatElement, U: FloatElement>(slice: &[T]) -> &[U] {
@@ -372,6 +441,31 @@ pub(crate) fn scale_weighted<T: FloatElement>(x: &[T], next: &[T], w: &[f32], y:
     match T::DTYPE {
         DType::BF16 => unsafe { scale_weighted_in::<bf16>(same(x), same(next), w, same_mut(y), rstd, streaming) },
         _ => unsafe { scale_weighted_in::<f32>(same(x), same(next), w, same_mut(y), rstd, streaming) },
+    }
+}
+
+/// One row of rope, as `rope::rotate_row` (`x` and `out` as long, `cos` and `sin` as long and no
+/// longer). Only for f32 and bf16 rows (see [`applies`]), with `cos`/`sin` in `T` or f32.
+#[inline(always)]
+pub(crate) fn rotate<T: FloatElement, C: FloatElement>(
+    x: &[T],
+    cos: &[C],
+    sin: &[C],
+    out: &mut [T],
+    mode: Mode,
+    inverse: bool,
+) {
+    assert!(can_run());
+    assert!(x.len() == out.len() && cos.len() == sin.len() && cos.len() <= x.len() && cos.len().is_multiple_of(2));
+    // SAFETY (each arm): as in `row_max`; the lengths are as `rotate_in` reads and writes them.
+    match (T::DTYPE, C::DTYPE) {
+        (DType::BF16, DType::BF16) => unsafe {
+            rotate_in::<bf16, bf16>(same(x), same(cos), same(sin), same_mut(out), mode, inverse)
+        },
+        (DType::BF16, _) => unsafe {
+            rotate_in::<bf16, f32>(same(x), same(cos), same(sin), same_mut(out), mode, inverse)
+        },
+        _ => unsafe { rotate_in::<f32, f32>(same(x), same(cos), same(sin), same_mut(out), mode, inverse) },
     }
 }
 
@@ -496,6 +590,38 @@ mod tests {
             let want = bits(a.iter().zip(&w).map(|(x, w)| T::from_f32(x.to_f32() * rstd * w)));
             each_destination::<T>(n, want, |out, streaming| scale_weighted(&a, &b, &w, out, rstd, streaming));
         }
+    }
+
+    /// Rope's pass gives the generic row's bits, for both modes, both directions, cos/sin in `T`
+    /// and in f32, rotary dims around the 16-lane steps, partial rotary (pass-through) included.
+    fn check_rotate<T: FloatElement, C: FloatElement>() {
+        for r in [0, 2, 14, 16, 18, 30, 32, 34, 64, 96, 128, 130] {
+            for d in [r, r + 6] {
+                let x: Vec<T> = row(d, 4.0, (r + d) as u32);
+                let (cos, sin): (Vec<C>, Vec<C>) = (row(r, 1.0, 3), row(r, 1.0, 5));
+                for mode in [Mode::Half, Mode::Interleave] {
+                    for inverse in [false, true] {
+                        let mut want = vec![T::default(); d];
+                        rope::rotate_row::<T, C, { crate::elementwise::LANES }, false>(
+                            &x, &cos, &sin, &mut want, mode, inverse,
+                        );
+                        let mut got = vec![T::default(); d];
+                        rotate(&x, &cos, &sin, &mut got, mode, inverse);
+                        assert_eq!(bits(got), bits(want), "r {r}, d {d}, {mode:?}, inverse {inverse}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rope_rows_match_the_generic_ones() {
+        if !can_run() {
+            return;
+        }
+        check_rotate::<f32, f32>();
+        check_rotate::<bf16, bf16>();
+        check_rotate::<bf16, f32>();
     }
 
     #[test]
