@@ -1,22 +1,25 @@
 //! Row passes on AVX2 CPUs without AVX-512, for f32 and bf16 rows, with every value in
-//! registers: softmax's (the maximum, the exps and their sum, the scaled store) and RMSNorm's
-//! (the sum of squares, the residual add that feeds it, the weighted store).
+//! registers: softmax's (the maximum, the exps and their sum, the scaled store), RMSNorm's (the
+//! sum of squares, the residual add that feeds it, the weighted store), rope's rows, and
+//! `silu(gate) · up` over dense runs (silu_mul, swiglu).
 //!
-//! Why a second form: the generic passes (`softmax.rs`, `rms_norm.rs`, `add_rms_norm.rs`) work
-//! in steps of [`LANES`](crate::elementwise::LANES) (four AVX-512 registers), and were tuned where
-//! a step's values fit the register file. Built for AVX2 (16 registers of 8 lanes) the exp pass
-//! kept its row pointer on the stack and reloaded its eight constants every 16 elements, and the
-//! streaming stores staged each step through two stack arrays (f32 results, then narrowed ones)
-//! before copying them out 16 bytes at a time. Here the passes take 32 elements an iteration (two
-//! 16-lane halves), constants hoisted, and every store narrows 16 lanes in registers and writes
-//! them with one 32-byte store (streamed when asked). Softmax, causal_softmax, cross_entropy,
-//! embedding_backward's row scaling, rms_norm and add_rms_norm go through these where they apply
-//! ([`applies`]); f16 rows, and AVX-512 CPUs, keep the generic passes.
+//! Why a second form: the generic passes work in steps of [`LANES`](crate::elementwise::LANES)
+//! (four AVX-512 registers), and were tuned where a step's values fit the register file. Built for
+//! AVX2 (16 registers of 8 lanes) the exp pass kept its row pointer on the stack and reloaded its
+//! eight constants every 16 elements, rope's steps (six operands of 64 lanes) spilled throughout,
+//! and the streaming stores staged each step through two stack arrays (f32 results, then narrowed
+//! ones) before copying them out 16 bytes at a time. Here the passes take 16 or 32 elements an
+//! iteration (two or four 8-lane chains), constants hoisted, and every store narrows 16 lanes in
+//! registers and writes them with one 32-byte store (streamed when asked). Softmax, causal_softmax, cross_entropy,
+//! embedding_backward's row scaling, rms_norm, add_rms_norm, rope, rope_backward, silu_mul and
+//! swiglu go through these where they apply ([`applies`]); f16 rows, and AVX-512 CPUs, keep the
+//! generic passes.
 //!
 //! The arithmetic is the generic passes' own: [`math::exp`]'s and [`math::exp_coarse`]'s
 //! formulas (chosen by the element type, as [`math::exp_for`]), bf16's round-to-nearest-even with
-//! NaNs kept quiet, `x · rstd · w` in that order. Sums are taken in a different order (and squares
-//! summed with FMA), so they may differ in the last bit.
+//! NaNs kept quiet, `x · rstd · w` in that order, rope's rotation and `x / (1 + e^−x)` lane by
+//! lane. Sums are taken in a different order (and squares summed with FMA), so they may differ in
+//! the last bit.
 
 use crate::elementwise::Ahead;
 use crate::math;
@@ -105,16 +108,17 @@ unsafe fn widen8(eight: __m128i) -> __m256 {
     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(eight)))
 }
 
-/// e^x for 8 lanes of `x ≤ 0` (or NaN, kept): [`math::exp_coarse`]'s formula when `COARSE`, else
-/// [`math::exp`]'s. The upper clamp of the scalar forms is left out: every caller subtracts its
-/// row's maximum first.
+/// e^x for 8 lanes (NaN kept): [`math::exp_coarse`]'s formula when `COARSE`, else
+/// [`math::exp`]'s, bit for bit. The upper clamp of the scalar forms only when `HIGH`: softmax's
+/// callers subtract their row's maximum first (`x ≤ 0`).
 #[inline(always)]
-unsafe fn exp8<const COARSE: bool>(x: __m256) -> __m256 {
+unsafe fn exp8<const COARSE: bool, const HIGH: bool>(x: __m256) -> __m256 {
     let c = _mm256_set1_ps;
     // 1.5·2²³: adding it rounds x·log2 e to an integer k, left in the low mantissa bits.
     let shift = c(12_582_912.0);
-    // max(lo, x) returns x where x is NaN.
+    // max(lo, x) and min(hi, x) return x where x is NaN.
     let x = _mm256_max_ps(c(if COARSE { -86.0 } else { -87.0 }), x);
+    let x = if HIGH { _mm256_min_ps(c(88.0), x) } else { x };
     let shifted = _mm256_fmadd_ps(x, c(std::f32::consts::LOG2_E), shift);
     let k = _mm256_sub_ps(shifted, shift);
     let k_bits = _mm256_sub_epi32(_mm256_castps_si256(shifted), _mm256_castps_si256(shift));
@@ -179,7 +183,7 @@ unsafe fn exp_sum_in<T: Row, const STORE: bool>(row: &[T], out: &mut [f32], m: f
         for half in (i..i + STEP).step_by(16) {
             for (j, a) in acc.iter_mut().enumerate() {
                 let x = _mm256_sub_ps(T::load8(p.add(half + 8 * j)), mb);
-                let e = if coarse { exp8::<true>(x) } else { exp8::<false>(x) };
+                let e = if coarse { exp8::<true, false>(x) } else { exp8::<false, false>(x) };
                 *a = _mm256_add_ps(*a, e);
                 if STORE {
                     _mm256_storeu_ps(o.add(half + 8 * j), e);
@@ -352,6 +356,38 @@ unsafe fn rotate_in<T: Row, C: Row>(x: &[T], cos: &[C], sin: &[C], out: &mut [T]
     out[r..].copy_from_slice(&x[r..]);
 }
 
+/// `silu(g) · u` for 8 lanes, as `math::silu::<T>(g) * u` with `math::exp_for::<T>` chosen by
+/// `COARSE` (bit for bit).
+#[inline(always)]
+unsafe fn silu_mul8<const COARSE: bool>(g: __m256, u: __m256) -> __m256 {
+    let e = exp8::<COARSE, true>(_mm256_xor_ps(g, _mm256_set1_ps(-0.0)));
+    _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0), e)), u)
+}
+
+/// `out = silu(gate) · up`, narrowed to `T`, 16 elements an iteration (two independent chains);
+/// past the cache when `streaming` and `out` is 32-byte aligned.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_mul_in<T: Row>(gate: &[T], up: &[T], out: &mut [T], streaming: bool) {
+    let streaming = streaming && (out.as_ptr() as usize).is_multiple_of(32);
+    let coarse = T::DTYPE.size() == 2;
+    let (pg, pu, po) = (gate.as_ptr(), up.as_ptr(), out.as_mut_ptr());
+    let whole = gate.len() / 16 * 16;
+    for i in (0..whole).step_by(16) {
+        let lanes = |k: usize| {
+            let (g, u) = (T::load8(pg.add(k)), T::load8(pu.add(k)));
+            if coarse {
+                silu_mul8::<true>(g, u)
+            } else {
+                silu_mul8::<false>(g, u)
+            }
+        };
+        T::store16(po.add(i), lanes(i), lanes(i + 8), streaming);
+    }
+    for k in whole..gate.len() {
+        out[k] = T::from_f32(math::silu::<T>(gate[k].to_f32()) * up[k].to_f32());
+    }
+}
+
 /// `slice` as a slice of `U`, which is `T` (checked by dtype).
 #[inline(always)]
 fn same<T: FloatElement, U: FloatElement>(slice: &[T]) -> &[U] {
@@ -466,6 +502,19 @@ pub(crate) fn rotate<T: FloatElement, C: FloatElement>(
             rotate_in::<bf16, f32>(same(x), same(cos), same(sin), same_mut(out), mode, inverse)
         },
         _ => unsafe { rotate_in::<f32, f32>(same(x), same(cos), same(sin), same_mut(out), mode, inverse) },
+    }
+}
+
+/// `out = silu(gate) · up` narrowed to `T` (all three as long), past the cache when `streaming`.
+/// Only for f32 and bf16 (see [`applies`]).
+#[inline(always)]
+pub(crate) fn silu_mul<T: FloatElement>(gate: &[T], up: &[T], out: &mut [T], streaming: bool) {
+    assert!(can_run());
+    assert!(gate.len() == up.len() && gate.len() == out.len());
+    // SAFETY (each arm): as in `row_max`; the lengths are equal.
+    match T::DTYPE {
+        DType::BF16 => unsafe { silu_mul_in::<bf16>(same(gate), same(up), same_mut(out), streaming) },
+        _ => unsafe { silu_mul_in::<f32>(same(gate), same(up), same_mut(out), streaming) },
     }
 }
 
@@ -622,6 +671,31 @@ mod tests {
         check_rotate::<f32, f32>();
         check_rotate::<bf16, bf16>();
         check_rotate::<bf16, f32>();
+    }
+
+    /// `silu_mul` gives the scalar map's bits (`math::silu::<T>(g) * u`, narrowed), gates past
+    /// both exp clamps, NaN and ±∞ included; streamed and not, aligned and not.
+    fn check_silu_mul<T: FloatElement>() {
+        for &n in LENGTHS {
+            let mut gate: Vec<T> = row(n, 120.0, n as u32);
+            if n > 20 {
+                for (k, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 89.0, -89.0].into_iter().enumerate() {
+                    gate[3 * k] = T::from_f32(v);
+                }
+            }
+            let up: Vec<T> = row(n, 2.0, n as u32 + 9);
+            let want = bits(gate.iter().zip(&up).map(|(g, u)| T::from_f32(math::silu::<T>(g.to_f32()) * u.to_f32())));
+            each_destination::<T>(n, want, |out, streaming| silu_mul(&gate, &up, out, streaming));
+        }
+    }
+
+    #[test]
+    fn silu_mul_matches_the_scalar_map() {
+        if !can_run() {
+            return;
+        }
+        check_silu_mul::<f32>();
+        check_silu_mul::<bf16>();
     }
 
     #[test]
