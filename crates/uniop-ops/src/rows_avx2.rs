@@ -220,7 +220,7 @@ unsafe fn scale_in<T: Row>(src: &[f32], out: &mut [T], scale: f32, streaming: bo
     }
 }
 
-/// `Σ v²` of four 8-lane groups at `p` into `acc` (group `j` into `acc[j]`): the one order in
+/// The squares of four 8-lane groups added into `acc` (group `j` into `acc[j]`): the one order in
 /// which [`sum_squares_in`] and [`add_in`] sum, so add_rms_norm's squares equal rms_norm's of
 /// the same stored row.
 #[inline(always)]
