@@ -292,7 +292,8 @@ unsafe fn scale_weighted_in<T: Row>(x: &[T], next: &[T], w: &[f32], y: &mut [T],
 /// `rope::rotate_row`: 16 elements of a rotated span an iteration, in [`rope::rotate`]'s
 /// arithmetic lane by lane (bit for bit). Mode `half` rotates 8-lane groups of the two halves
 /// against each other; `interleave` swaps each 8-lane group's pairs in the register and takes
-/// `x·cos ∓ swapped·sin` with one `addsub`.
+/// `x·cos ∓ swapped·sin` with one `addsub` (its inverse with an add, a subtract and a blend: a
+/// negated product would flip the sign of NaN results).
 #[target_feature(enable = "avx2,fma")]
 unsafe fn rotate_in<T: Row, C: Row>(x: &[T], cos: &[C], sin: &[C], out: &mut [T], mode: Mode, inverse: bool) {
     let r = cos.len();
@@ -328,20 +329,21 @@ unsafe fn rotate_in<T: Row, C: Row>(x: &[T], cos: &[C], sin: &[C], out: &mut [T]
             let whole = r / 16 * 16;
             // Swaps each pair of lanes: [a, b, …] → [b, a, …].
             const SWAP: i32 = 0b10_11_00_01;
-            let negate = _mm256_set1_ps(-0.0);
+            // Takes the odd lanes from the second operand.
+            const ODD: i32 = 0b1010_1010;
             for i in (0..whole).step_by(16) {
                 let group = |g: usize| {
                     let (v, c, s) = (T::load8(px.add(g)), C::load8(pc.add(g)), C::load8(ps.add(g)));
                     let swapped = _mm256_permute_ps::<SWAP>(v);
-                    // Even lanes take `p − q`, odd ones `p + q`: forward, a·ca − b·sa and
-                    // b·cb + a·sb; inverse (q negated, each lane's partner's sine), a·ca + b·sb
-                    // and b·cb − a·sa.
-                    let q = if inverse {
-                        _mm256_xor_ps(mul(swapped, _mm256_permute_ps::<SWAP>(s)), negate)
+                    if inverse {
+                        // With each lane's partner's sine: even lanes a·ca + b·sb, odd ones
+                        // b·cb − a·sa.
+                        let (p, q) = (mul(v, c), mul(swapped, _mm256_permute_ps::<SWAP>(s)));
+                        _mm256_blend_ps::<ODD>(_mm256_add_ps(p, q), _mm256_sub_ps(p, q))
                     } else {
-                        mul(swapped, s)
-                    };
-                    _mm256_addsub_ps(mul(v, c), q)
+                        // `addsub`: even lanes a·ca − b·sa, odd ones b·cb + a·sb.
+                        _mm256_addsub_ps(mul(v, c), mul(swapped, s))
+                    }
                 };
                 T::store16(po.add(i), group(i), group(i + 8), false);
             }
