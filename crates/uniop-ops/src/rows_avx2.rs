@@ -10,10 +10,10 @@
 //! and the streaming stores staged each step through two stack arrays (f32 results, then narrowed
 //! ones) before copying them out 16 bytes at a time. Here the passes take 16 or 32 elements an
 //! iteration (two or four 8-lane chains), constants hoisted, and every store narrows 16 lanes in
-//! registers and writes them with one 32-byte store (streamed when asked). Softmax, causal_softmax, cross_entropy,
-//! embedding_backward's row scaling, rms_norm, add_rms_norm, rope, rope_backward, silu_mul and
-//! swiglu go through these where they apply ([`applies`]); f16 rows, and AVX-512 CPUs, keep the
-//! generic passes.
+//! registers and writes them with one 32-byte store (streamed when asked). Softmax,
+//! causal_softmax, cross_entropy, embedding_backward's row scaling, rms_norm, add_rms_norm, rope,
+//! rope_backward, silu_mul and swiglu go through these where they apply ([`applies`]); f16 rows,
+//! and AVX-512 CPUs, keep the generic passes.
 //!
 //! The arithmetic is the generic passes' own: [`math::exp`]'s and [`math::exp_coarse`]'s
 //! formulas (chosen by the element type, as [`math::exp_for`]), bf16's round-to-nearest-even with
