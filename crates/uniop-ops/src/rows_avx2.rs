@@ -299,6 +299,14 @@ unsafe fn rotate_in<T: Row, C: Row>(x: &[T], cos: &[C], sin: &[C], out: &mut [T]
     let r = cos.len();
     let (px, pc, ps, po) = (x.as_ptr(), cos.as_ptr(), sin.as_ptr(), out.as_mut_ptr());
     let mul = |a, b| _mm256_mul_ps(a, b);
+    // The pair (j, k) rotated by the scalar rotation: the spans' tails past the last whole step.
+    // `out` is passed, not captured, so no borrow of it outlives the vector loops' pointer writes.
+    let rotate_pair = |out: &mut [T], j: usize, k: usize| {
+        let [a, b] = [x[j], x[k]].map(|v| v.to_f32());
+        let [ca, sa, cb, sb] = [cos[j], sin[j], cos[k], sin[k]].map(|v| v.to_f32());
+        let (o, o2) = rope::rotate(a, b, ca, sa, cb, sb, inverse);
+        (out[j], out[k]) = (T::from_f32(o), T::from_f32(o2));
+    };
     match mode {
         Mode::Half => {
             let h = r / 2;
@@ -319,10 +327,7 @@ unsafe fn rotate_in<T: Row, C: Row>(x: &[T], cos: &[C], sin: &[C], out: &mut [T]
                 T::store16(po.add(h + i), low2, high2, false);
             }
             for k in whole..h {
-                let [a, b] = [x[k], x[h + k]].map(|v| v.to_f32());
-                let [ca, sa, cb, sb] = [cos[k], sin[k], cos[h + k], sin[h + k]].map(|v| v.to_f32());
-                let (o, o2) = rope::rotate(a, b, ca, sa, cb, sb, inverse);
-                (out[k], out[h + k]) = (T::from_f32(o), T::from_f32(o2));
+                rotate_pair(out, k, h + k);
             }
         }
         Mode::Interleave => {
@@ -348,10 +353,7 @@ unsafe fn rotate_in<T: Row, C: Row>(x: &[T], cos: &[C], sin: &[C], out: &mut [T]
                 T::store16(po.add(i), group(i), group(i + 8), false);
             }
             for k in (whole..r).step_by(2) {
-                let [a, b] = [x[k], x[k + 1]].map(|v| v.to_f32());
-                let [ca, sa, cb, sb] = [cos[k], sin[k], cos[k + 1], sin[k + 1]].map(|v| v.to_f32());
-                let (o, o2) = rope::rotate(a, b, ca, sa, cb, sb, inverse);
-                (out[k], out[k + 1]) = (T::from_f32(o), T::from_f32(o2));
+                rotate_pair(out, k, k + 1);
             }
         }
     }
