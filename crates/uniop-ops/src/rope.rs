@@ -11,7 +11,7 @@
 //! same layout as the rotated part of `x` (HF's `cat(freqs, freqs)` for `half`,
 //! `repeat_interleave` for `interleave`) — `rope_cos_sin` builds them.
 
-use crate::elementwise::{converts_with, narrow_step, widen_step, LANES};
+use crate::elementwise::{converts_with, fence, narrow_step, streams_bytes, widen_step, LANES};
 use uniop::layout::ShapeDisplay;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, Layout, LayoutNeed,
@@ -149,12 +149,15 @@ pub(crate) fn rotate_row<T: FloatElement, C: FloatElement, const N: usize, const
 }
 
 crate::simd_kernel! {
-/// Input 0 is rotated into output 0 with inputs 1 (cos) and 2 (sin), row by row.
+/// Input 0 is rotated into output 0 with inputs 1 (cos) and 2 (sin), row by row. `streaming`
+/// (an output past the last-level cache) writes the rows past the cache where the AVX2 rows run;
+/// the generic rows keep ordinary stores.
 pub(crate) fn kernel<T: FloatElement, C: FloatElement, const N: usize>(
     args: &KernelArgs,
     ctx: BlockCtx,
     g: Geometry,
     inverse: bool,
+    streaming: bool,
 ) {
     let (x, cos, sin) = (args.input(0), args.input(1), args.input(2));
     let out = args.output(0);
@@ -176,7 +179,7 @@ pub(crate) fn kernel<T: FloatElement, C: FloatElement, const N: usize>(
             let (x, cos, sin) = (&xs[xo..xo + g.d], &cs[co..co + g.r], &ss[so..so + g.r]);
             #[cfg(target_arch = "x86_64")]
             if avx2 {
-                crate::rows_avx2::rotate(x, cos, sin, dst, g.mode, inverse);
+                crate::rows_avx2::rotate(x, cos, sin, dst, g.mode, inverse, streaming);
                 continue;
             }
             if T::converts_natively() {
@@ -186,6 +189,7 @@ pub(crate) fn kernel<T: FloatElement, C: FloatElement, const N: usize>(
             }
         }
     }
+    fence();
 }
 }
 
@@ -207,12 +211,18 @@ pub(crate) fn plan(cx: &OpCx, x: &str, inverse: bool) -> Result<Plan> {
     let g = geometry(cx, x)?;
     let block_dim = block_dim_for(g.rows, 2 * g.d * g.dtype.size());
     let cos_f32 = cx.input("cos").dtype == DType::F32;
+    let streaming = streams_bytes(2 * g.rows * g.d * g.dtype.size());
     let step = with_float_dtype!(g.dtype, cx.op(), x, |T| {
         // The kernel for this row width, with cos/sin read as f32 or as x's type.
-        fn step<T: FloatElement, C: FloatElement, const N: usize>(g: Geometry, inverse: bool, blocks: u32) -> Step {
-            Step::new("rope", blocks, move |a, c| kernel::<T, C, N>(a, c, g, inverse))
+        fn step<T: FloatElement, C: FloatElement, const N: usize>(
+            g: Geometry,
+            inverse: bool,
+            streaming: bool,
+            blocks: u32,
+        ) -> Step {
+            Step::new("rope", blocks, move |a, c| kernel::<T, C, N>(a, c, g, inverse, streaming))
         }
-        let pick = |n: usize| -> fn(Geometry, bool, u32) -> Step {
+        let pick = |n: usize| -> fn(Geometry, bool, bool, u32) -> Step {
             match (cos_f32, n) {
                 (true, 32) => step::<T, f32, 32>,
                 (true, 16) => step::<T, f32, 16>,
@@ -222,7 +232,7 @@ pub(crate) fn plan(cx: &OpCx, x: &str, inverse: bool) -> Result<Plan> {
                 (false, _) => step::<T, T, LANES>,
             }
         };
-        pick(step_lanes(&g))(g, inverse, block_dim)
+        pick(step_lanes(&g))(g, inverse, streaming, block_dim)
     });
     Ok(Plan::new(vec![step])
         .inputs_need(vec![LayoutNeed::InnerContiguous; 3])

@@ -293,10 +293,21 @@ unsafe fn scale_weighted_in<T: Row>(x: &[T], next: &[T], w: &[f32], y: &mut [T],
 /// arithmetic lane by lane (bit for bit). Mode `half` rotates 8-lane groups of the two halves
 /// against each other; `interleave` swaps each 8-lane group's pairs in the register and takes
 /// `x·cos ∓ swapped·sin` with one `addsub` (its inverse with an add, a subtract and a blend: a
-/// negated product would flip the sign of NaN results).
+/// negated product would flip the sign of NaN results). Past the cache when `streaming` and every
+/// 16-element store lands 32-byte aligned (`out` aligned; in mode `half`, the second half too).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn rotate_in<T: Row, C: Row>(x: &[T], cos: &[C], sin: &[C], out: &mut [T], mode: Mode, inverse: bool) {
+unsafe fn rotate_in<T: Row, C: Row>(
+    x: &[T],
+    cos: &[C],
+    sin: &[C],
+    out: &mut [T],
+    mode: Mode,
+    inverse: bool,
+    streaming: bool,
+) {
     let r = cos.len();
+    let second_half_aligned = mode == Mode::Interleave || (r / 2 * size_of::<T>()).is_multiple_of(32);
+    let streaming = streaming && (out.as_ptr() as usize).is_multiple_of(32) && second_half_aligned;
     let (px, pc, ps, po) = (x.as_ptr(), cos.as_ptr(), sin.as_ptr(), out.as_mut_ptr());
     let mul = |a, b| _mm256_mul_ps(a, b);
     // The pair (j, k) rotated by the scalar rotation: the spans' tails past the last whole step.
@@ -323,8 +334,8 @@ unsafe fn rotate_in<T: Row, C: Row>(x: &[T], cos: &[C], sin: &[C], out: &mut [T]
                     }
                 };
                 let ([low, low2], [high, high2]) = (pair(i), pair(i + 8));
-                T::store16(po.add(i), low, high, false);
-                T::store16(po.add(h + i), low2, high2, false);
+                T::store16(po.add(i), low, high, streaming);
+                T::store16(po.add(h + i), low2, high2, streaming);
             }
             for k in whole..h {
                 rotate_pair(out, k, h + k);
@@ -350,7 +361,7 @@ unsafe fn rotate_in<T: Row, C: Row>(x: &[T], cos: &[C], sin: &[C], out: &mut [T]
                         _mm256_addsub_ps(mul(v, c), mul(swapped, s))
                     }
                 };
-                T::store16(po.add(i), group(i), group(i + 8), false);
+                T::store16(po.add(i), group(i), group(i + 8), streaming);
             }
             for k in (whole..r).step_by(2) {
                 rotate_pair(out, k, k + 1);
@@ -485,7 +496,8 @@ pub(crate) fn scale_weighted<T: FloatElement>(x: &[T], next: &[T], w: &[f32], y:
 }
 
 /// One row of rope, as `rope::rotate_row` (`x` and `out` as long, `cos` and `sin` as long and no
-/// longer). Only for f32 and bf16 rows (see [`applies`]), with `cos`/`sin` in `T` or f32.
+/// longer), past the cache when `streaming` (where the stores align). Only for f32 and bf16 rows
+/// (see [`applies`]), with `cos`/`sin` in `T` or f32.
 #[inline(always)]
 pub(crate) fn rotate<T: FloatElement, C: FloatElement>(
     x: &[T],
@@ -494,18 +506,19 @@ pub(crate) fn rotate<T: FloatElement, C: FloatElement>(
     out: &mut [T],
     mode: Mode,
     inverse: bool,
+    streaming: bool,
 ) {
     assert!(can_run());
     assert!(x.len() == out.len() && cos.len() == sin.len() && cos.len() <= x.len() && cos.len().is_multiple_of(2));
     // SAFETY (each arm): as in `row_max`; the lengths are as `rotate_in` reads and writes them.
     match (T::DTYPE, C::DTYPE) {
         (DType::BF16, DType::BF16) => unsafe {
-            rotate_in::<bf16, bf16>(same(x), same(cos), same(sin), same_mut(out), mode, inverse)
+            rotate_in::<bf16, bf16>(same(x), same(cos), same(sin), same_mut(out), mode, inverse, streaming)
         },
         (DType::BF16, _) => unsafe {
-            rotate_in::<bf16, f32>(same(x), same(cos), same(sin), same_mut(out), mode, inverse)
+            rotate_in::<bf16, f32>(same(x), same(cos), same(sin), same_mut(out), mode, inverse, streaming)
         },
-        _ => unsafe { rotate_in::<f32, f32>(same(x), same(cos), same(sin), same_mut(out), mode, inverse) },
+        _ => unsafe { rotate_in::<f32, f32>(same(x), same(cos), same(sin), same_mut(out), mode, inverse, streaming) },
     }
 }
 
@@ -646,7 +659,8 @@ mod tests {
     }
 
     /// Rope's pass gives the generic row's bits, for both modes, both directions, cos/sin in `T`
-    /// and in f32, rotary dims around the 16-lane steps, partial rotary (pass-through) included.
+    /// and in f32, rotary dims around the 16-lane steps, partial rotary (pass-through) included,
+    /// streamed and not, aligned and not.
     fn check_rotate<T: FloatElement, C: FloatElement>() {
         for r in [0, 2, 14, 16, 18, 30, 32, 34, 64, 96, 128, 130] {
             for d in [r, r + 6] {
@@ -658,9 +672,8 @@ mod tests {
                         rope::rotate_row::<T, C, { crate::elementwise::LANES }, false>(
                             &x, &cos, &sin, &mut want, mode, inverse,
                         );
-                        let mut got = vec![T::default(); d];
-                        rotate(&x, &cos, &sin, &mut got, mode, inverse);
-                        assert_eq!(bits(got), bits(want), "r {r}, d {d}, {mode:?}, inverse {inverse}");
+                        let store = |out: &mut [T], streaming| rotate(&x, &cos, &sin, out, mode, inverse, streaming);
+                        each_destination::<T>(d, bits(want), store);
                     }
                 }
             }
