@@ -310,8 +310,9 @@ def plot(rows, path):
 def uniop_bench(args, op):
     """`uniop bench` for one op (every dtype asked for), with its own bandwidth and FMA probes."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        shape = ["--shape", args.shape] if args.shape else []
         subprocess.run([args.uniop, "bench", "--ops", op, "--dtypes", args.dtypes, "--iters", str(args.iters),
-                        "--json", f.name], check=True, stdout=sys.stderr)
+                        *shape, "--json", f.name], check=True, stdout=sys.stderr)
         return json.load(open(f.name))
 
 
@@ -366,6 +367,8 @@ def main():
     p.add_argument("--png")
     p.add_argument("--dtypes", default="f32,bf16")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--shape", help="main input shape of every op, as `uniop bench --shape` (e.g. 1x32x2048x128: "
+                   "rms_norm over 128-wide heads, QK-norm); default: each op's representative shape")
     p.add_argument("--rounds", type=int, default=3, help="alternations of uniop and torch per op; best kept")
     p.add_argument("--uniop", default=os.path.join(ROOT, "target", "release", "uniop"))
     args = p.parse_args()

@@ -15,8 +15,8 @@ use crate::elementwise::{
 use crate::math;
 use std::ops::Range;
 use uniop::{
-    block_dim_for, with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, FloatElement, KernelArgs,
-    LayoutNeed, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta, TensorRef,
+    block_dim_for, with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, FloatElement, KernelArgs, Layout,
+    LayoutNeed, Op, OpCx, Plan, RefTensor, Result, Runs, Step, StridedRuns, TensorMeta, TensorRef,
 };
 
 pub struct RmsNorm;
@@ -218,8 +218,9 @@ pub(crate) fn reference_rows(x: &[f64], w: &[f64], rows: usize, cols: usize, eps
 }
 
 crate::simd_kernel! {
-/// Rows `split(rows)`: reduce the row, then scale it into y. The weight is widened to f32 once
-/// per block (into the workspace) when it is not f32 already.
+/// Rows `split(rows)`, a group at a time ([`KernelShape::group`]): reduce each row of the
+/// group, then scale each into y. The weight is widened to f32 once per block (into the
+/// workspace) when it is not f32 already.
 fn forward_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape) {
     let x = args.input(0);
     let (y, rstd_out) = (args.output(0), args.output(1));
@@ -228,23 +229,91 @@ fn forward_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: Bloc
     let wf = unsafe { param_f32::<W>(args, 1, ctx.block_idx as usize, cols) };
     // SAFETY: each block writes only the rstd entries of its own rows (below).
     let rstd_ptr = unsafe { rstd_out.as_mut_ptr::<f32>() };
-    let rows = ctx.split(s.rows);
-    for r in rows.clone() {
-        let row = s.row::<T>(&x, r, &rows);
-        // Half-precision rows: the next row is fetched while this one is scaled, so DRAM keeps
-        // streaming through the compute-only second pass (bf16 went from ~2.8 to ~2.35 ms at
-        // 4096²). f32 rows already saturate DRAM and gained nothing.
-        let next = if T::DTYPE != DType::F32 { s.row::<T>(&x, r + 1, &rows) } else { &[] };
-        let rstd = 1.0 / (sum_squares(row) / cols as f32 + s.eps).sqrt();
-        // SAFETY: this block owns rows `split(rows)` of y and rstd.
-        unsafe {
-            *rstd_ptr.add(rstd_out.layout().offset_of_linear(r)) = rstd;
-            let yrow = y.slice_mut::<T>(y.layout().outer_offset(r, s.inner_dims), cols);
-            scale_row(row, next, wf, yrow, rstd, s.streaming);
+    let xs = x.storage::<T>().expect("dtype dispatched");
+    let walk = s.row_walk([x.layout(), y.layout(), rstd_out.layout()]);
+    let mut groups = RowGroups::new(&walk, ctx.split(s.rows), s.group::<T>());
+    let mut group = groups.next();
+    while let Some(rows) = group {
+        let ahead = groups.next();
+        let mut rstd = [0f32; MAX_GROUP];
+        for (j, [xo, ..]) in rows.offsets().iter().enumerate() {
+            rstd[j] = 1.0 / (sum_squares(&xs[*xo..*xo + cols]) / cols as f32 + s.eps).sqrt();
         }
+        for (j, [xo, yo, ro]) in rows.offsets().iter().enumerate() {
+            // Half-precision rows: the matching row of the next group is fetched while this one is
+            // scaled, so DRAM keeps streaming through the compute-only second pass (bf16 went from
+            // ~2.8 to ~2.35 ms at 4096²). f32 rows already saturate DRAM and gained nothing.
+            let next = match ahead.as_ref().and_then(|a| a.offsets().get(j)) {
+                Some([next, ..]) if T::DTYPE != DType::F32 => &xs[*next..*next + cols],
+                _ => &[],
+            };
+            // SAFETY: this block owns rows `split(rows)` of y and rstd.
+            unsafe {
+                *rstd_ptr.add(*ro) = rstd[j];
+                scale_row(&xs[*xo..*xo + cols], next, wf, y.slice_mut::<T>(*yo, cols), rstd[j], s.streaming);
+            }
+        }
+        group = ahead;
     }
     fence();
 }
+}
+
+/// The most rows a row kernel takes together ([`KernelShape::group`]).
+pub(crate) const MAX_GROUP: usize = 8;
+
+/// Rows `range` of a [`StridedRuns`] walk over row starts, `size` rows at a time.
+pub(crate) struct RowGroups<'a, const N: usize> {
+    runs: Runs<'a, N>,
+    steps: [usize; N],
+    run: ([usize; N], usize),
+    taken: usize,
+    size: usize,
+}
+
+/// One group of rows: each row's start in every operand of the walk.
+pub(crate) struct RowGroup<const N: usize> {
+    starts: [[usize; N]; MAX_GROUP],
+    len: usize,
+}
+
+impl<const N: usize> RowGroup<N> {
+    pub fn offsets(&self) -> &[[usize; N]] {
+        &self.starts[..self.len]
+    }
+}
+
+impl<'a, const N: usize> RowGroups<'a, N> {
+    pub fn new(walk: &'a StridedRuns<N>, range: Range<usize>, size: usize) -> Self {
+        let size = size.clamp(1, MAX_GROUP);
+        RowGroups {
+            runs: walk.runs(range.start, range.end),
+            steps: walk.inner_strides(),
+            run: ([0; N], 0),
+            taken: 0,
+            size,
+        }
+    }
+}
+
+impl<const N: usize> Iterator for RowGroups<'_, N> {
+    type Item = RowGroup<N>;
+
+    #[inline(always)]
+    fn next(&mut self) -> Option<RowGroup<N>> {
+        let mut group = RowGroup { starts: [[0; N]; MAX_GROUP], len: 0 };
+        while group.len < self.size {
+            if self.taken == self.run.1 {
+                match self.runs.next() {
+                    Some(run) => (self.run, self.taken) = (run, 0),
+                    None => break,
+                }
+            }
+            group.starts[group.len] = std::array::from_fn(|k| self.run.0[k] + self.taken * self.steps[k]);
+            (group.len, self.taken) = (group.len + 1, self.taken + 1);
+        }
+        (group.len > 0).then_some(group)
+    }
 }
 
 /// Plan-time constants of the row kernels.
@@ -259,6 +328,22 @@ pub(crate) struct KernelShape {
 }
 
 impl KernelShape {
+    /// Rows of `T` a row kernel takes together: their reductions, each ending in a chain of
+    /// dependent steps (the horizontal sum, a square root, a division), overlap where one short
+    /// row's would stall the core — RMSNorm over 128-wide heads (QK-norm) ran at half the
+    /// bandwidth of 4096-wide rows. As many rows as fill 4 KiB, at most [`MAX_GROUP`]; long rows
+    /// go one at a time.
+    pub fn group<T: Element>(&self) -> usize {
+        (4096 / (self.cols * size_of::<T>()).max(1)).clamp(1, MAX_GROUP)
+    }
+
+    /// A walk over the starts of the rows of `layouts` (each with this shape's rows and
+    /// `inner_dims` normalized dims).
+    pub fn row_walk<const N: usize>(&self, layouts: [&Layout; N]) -> StridedRuns<N> {
+        let outer = layouts.map(|l| l.outer_layout(self.inner_dims));
+        StridedRuns::new(std::array::from_fn(|k| &outer[k]))
+    }
+
     /// Row `r` of `t` (one of the row-addressed tensors); empty past the block's `rows`, where a
     /// kernel asks for the row after its last one (to prefetch).
     #[inline(always)]

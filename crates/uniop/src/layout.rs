@@ -275,7 +275,15 @@ impl Layout {
     /// start of one row. Walking it with [`StridedRuns`] yields row offsets without a division
     /// per row.
     pub fn rows_layout(&self) -> Layout {
-        let lead = self.rank().saturating_sub(1);
+        self.outer_layout(1)
+    }
+
+    /// This layout without its last `inner_dims` dims: each element stands for the start of one
+    /// slice over them (a row of a norm over several trailing dims), walked as [`rows_layout`]'s.
+    ///
+    /// [`rows_layout`]: Layout::rows_layout
+    pub fn outer_layout(&self, inner_dims: usize) -> Layout {
+        let lead = self.rank().saturating_sub(inner_dims);
         Layout::from_parts(&self.shape()[..lead], &self.strides()[..lead], self.offset)
     }
 
