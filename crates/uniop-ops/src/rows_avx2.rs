@@ -25,7 +25,7 @@ use crate::elementwise::Ahead;
 use crate::math;
 use crate::rope::{self, Mode};
 use std::arch::x86_64::*;
-use uniop::dtype::bf16x16_avx2;
+use uniop::dtype::{bf16x16_avx2, bf16x16_in_lanes_avx2};
 use uniop::half::bf16;
 use uniop::{DType, FloatElement};
 
@@ -56,6 +56,13 @@ trait Row: FloatElement {
     /// 16 f32 lanes narrowed to `Self` and stored at `p` (ordinary stores), returned as stored:
     /// rounded to `Self`, widened back.
     unsafe fn store16_rounded(p: *mut Self, low: __m256, high: __m256) -> [__m256; 2];
+    /// The 16 elements at `p`, widened to f32 in an order of lanes [`Row::store16_in_lanes`]
+    /// undoes (bf16: each 128-bit half's low and high four, one unpack each, no cross-lane
+    /// shuffle), for passes where each result lane takes the same lane of every operand.
+    unsafe fn load16_in_lanes(p: *const Self) -> [__m256; 2];
+    /// Lanes of [`Row::load16_in_lanes`]'s order narrowed and stored at `p` in element order; past
+    /// the cache when `streaming`, where `p` must be 32-byte aligned.
+    unsafe fn store16_in_lanes(p: *mut Self, low: __m256, high: __m256, streaming: bool);
 }
 
 impl Row for f32 {
@@ -78,6 +85,14 @@ impl Row for f32 {
         Self::store16(p, low, high, false);
         [low, high]
     }
+    #[inline(always)]
+    unsafe fn load16_in_lanes(p: *const f32) -> [__m256; 2] {
+        [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]
+    }
+    #[inline(always)]
+    unsafe fn store16_in_lanes(p: *mut f32, low: __m256, high: __m256, streaming: bool) {
+        Self::store16(p, low, high, streaming)
+    }
 }
 
 impl Row for bf16 {
@@ -87,18 +102,34 @@ impl Row for bf16 {
     }
     #[inline(always)]
     unsafe fn store16(p: *mut bf16, low: __m256, high: __m256, streaming: bool) {
-        let v = bf16x16_avx2(low, high);
-        if streaming {
-            _mm256_stream_si256(p as *mut __m256i, v);
-        } else {
-            _mm256_storeu_si256(p as *mut __m256i, v);
-        }
+        store_bf16x16(p, bf16x16_avx2(low, high), streaming)
+    }
+    #[inline(always)]
+    unsafe fn load16_in_lanes(p: *const bf16) -> [__m256; 2] {
+        let v = _mm256_loadu_si256(p as *const __m256i);
+        let zero = _mm256_setzero_si256();
+        // A bf16 is the top half of its f32: below it, zeros.
+        [_mm256_unpacklo_epi16(zero, v), _mm256_unpackhi_epi16(zero, v)].map(|f| _mm256_castsi256_ps(f))
+    }
+    #[inline(always)]
+    unsafe fn store16_in_lanes(p: *mut bf16, low: __m256, high: __m256, streaming: bool) {
+        store_bf16x16(p, bf16x16_in_lanes_avx2(low, high), streaming)
     }
     #[inline(always)]
     unsafe fn store16_rounded(p: *mut bf16, low: __m256, high: __m256) -> [__m256; 2] {
         let v = bf16x16_avx2(low, high);
         _mm256_storeu_si256(p as *mut __m256i, v);
         [widen8(_mm256_castsi256_si128(v)), widen8(_mm256_extracti128_si256::<1>(v))]
+    }
+}
+
+/// 16 bf16 stored at `p`; past the cache when `streaming` (`p` 32-byte aligned).
+#[inline(always)]
+unsafe fn store_bf16x16(p: *mut bf16, v: __m256i, streaming: bool) {
+    if streaming {
+        _mm256_stream_si256(p as *mut __m256i, v);
+    } else {
+        _mm256_storeu_si256(p as *mut __m256i, v);
     }
 }
 
@@ -380,23 +411,20 @@ unsafe fn silu_mul8<const COARSE: bool>(g: __m256, u: __m256) -> __m256 {
 }
 
 /// `out = silu(gate) · up`, narrowed to `T`, 16 elements an iteration (two independent chains);
-/// past the cache when `streaming` and `out` is 32-byte aligned.
+/// past the cache when `streaming` and `out` is 32-byte aligned. The lanes go in
+/// [`Row::load16_in_lanes`]'s order: for bf16, four fewer widening steps and no cross-lane
+/// shuffle per 16 elements, on a loop bound by its arithmetic (64x4096 bf16 in cache, one thread,
+/// 0.181 -> 0.163 ms best of three alternations).
 #[target_feature(enable = "avx2,fma")]
 unsafe fn silu_mul_in<T: Row>(gate: &[T], up: &[T], out: &mut [T], streaming: bool) {
     let streaming = streaming && (out.as_ptr() as usize).is_multiple_of(32);
     let coarse = T::DTYPE.size() == 2;
     let (pg, pu, po) = (gate.as_ptr(), up.as_ptr(), out.as_mut_ptr());
     let whole = gate.len() / 16 * 16;
+    let lanes = |g, u| if coarse { silu_mul8::<true>(g, u) } else { silu_mul8::<false>(g, u) };
     for i in (0..whole).step_by(16) {
-        let lanes = |k: usize| {
-            let (g, u) = (T::load8(pg.add(k)), T::load8(pu.add(k)));
-            if coarse {
-                silu_mul8::<true>(g, u)
-            } else {
-                silu_mul8::<false>(g, u)
-            }
-        };
-        T::store16(po.add(i), lanes(i), lanes(i + 8), streaming);
+        let ([g0, g1], [u0, u1]) = (T::load16_in_lanes(pg.add(i)), T::load16_in_lanes(pu.add(i)));
+        T::store16_in_lanes(po.add(i), lanes(g0, u0), lanes(g1, u1), streaming);
     }
     for k in whole..gate.len() {
         out[k] = T::from_f32(math::silu::<T>(gate[k].to_f32()) * up[k].to_f32());

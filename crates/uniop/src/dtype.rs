@@ -652,10 +652,26 @@ unsafe fn narrow_bf16_avx2(src: &[f32], dst: &mut [bf16]) {
 #[target_feature(enable = "avx2")]
 #[inline]
 pub fn bf16x16_avx2(low: std::arch::x86_64::__m256, high: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256i {
-    use std::arch::x86_64::{_mm256_packus_epi32, _mm256_permute4x64_epi64};
-    // packus packs within 128-bit halves ([low 0-3, high 0-3 | low 4-7, high 4-7]); the
-    // permute puts the four quarters back in order.
-    _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(bf16_bits_avx2(low), bf16_bits_avx2(high)))
+    // The in-lane pack gives [low 0-3, high 0-3 | low 4-7, high 4-7]; the permute puts the four
+    // quarters back in order.
+    std::arch::x86_64::_mm256_permute4x64_epi64::<0b11_01_10_00>(bf16x16_in_lanes_avx2(low, high))
+}
+
+/// 16 f32 lanes as 16 bf16, rounded as [`bf16x16_avx2`], packed within each 128-bit half:
+/// `[low 0-3, high 0-3 | low 4-7, high 4-7]`. It undoes the widening of one 16-element register by
+/// `unpacklo_epi16`/`unpackhi_epi16` (each half's low and high four), so an elementwise kernel
+/// that widens that way stores without a cross-lane shuffle.
+///
+/// # Safety
+/// Only on CPUs with AVX2 (a caller built without the feature must check it).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub fn bf16x16_in_lanes_avx2(
+    low: std::arch::x86_64::__m256,
+    high: std::arch::x86_64::__m256,
+) -> std::arch::x86_64::__m256i {
+    std::arch::x86_64::_mm256_packus_epi32(bf16_bits_avx2(low), bf16_bits_avx2(high))
 }
 
 /// The bf16 bits of 8 f32 lanes, in the low halves of 32-bit lanes (so `packus` cannot saturate).
