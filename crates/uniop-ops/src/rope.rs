@@ -211,7 +211,7 @@ pub(crate) fn plan(cx: &OpCx, x: &str, inverse: bool) -> Result<Plan> {
     let g = geometry(cx, x)?;
     let block_dim = block_dim_for(g.rows, 2 * g.d * g.dtype.size());
     let cos_f32 = cx.input("cos").dtype == DType::F32;
-    let streaming = streams_bytes(2 * g.rows * g.d * g.dtype.size());
+    let streaming = streams_bytes(g.rows * g.d * g.dtype.size());
     let step = with_float_dtype!(g.dtype, cx.op(), x, |T| {
         // The kernel for this row width, with cos/sin read as f32 or as x's type.
         fn step<T: FloatElement, C: FloatElement, const N: usize>(
