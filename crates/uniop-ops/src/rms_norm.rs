@@ -5,9 +5,10 @@
 //! broadcasts against `x` and feeds `rms_norm_backward` directly. `weight` may be the dtype of `x`
 //! or f32 (mixed precision: f32 master weights with bf16 activations).
 //!
-//! Kernel: one row per iteration, each block owns a contiguous range of rows. A row is read twice
-//! (sum of squares, then scale), but the second read hits L1/L2, so the op moves each byte of DRAM
-//! once — it is bandwidth-bound by design.
+//! Kernel: each block owns a contiguous range of rows and takes them a group at a time — one row
+//! when rows are 4 KiB or longer, up to 8 shorter ones (see `KernelShape::group`). A row is read
+//! twice (sum of squares, then scale), but the second read hits L1/L2, so the op moves each byte
+//! of DRAM once — it is bandwidth-bound by design.
 
 use crate::elementwise::{
     converts_per_element, copy_streaming, fence, store_natively, streams_bytes, to_f32, widen_lanes, Ahead, Aligned,
