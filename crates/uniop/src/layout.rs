@@ -280,6 +280,7 @@ impl Layout {
 
     /// This layout without its last `inner_dims` dims: each element stands for the start of one
     /// slice over them (a row of a norm over several trailing dims), walked as [`rows_layout`]'s.
+    /// With `inner_dims` at or past the rank no dims are left: the whole tensor is one slice.
     ///
     /// [`rows_layout`]: Layout::rows_layout
     pub fn outer_layout(&self, inner_dims: usize) -> Layout {
@@ -701,6 +702,17 @@ mod tests {
         assert_eq!(e.code(), ErrorCode::Shape);
         assert!(e.message().contains("byte size"), "{e}");
         assert!(TensorMeta::contiguous(DType::U8, &[1 << 62]).is_ok(), "2⁶² bytes have a size");
+    }
+
+    #[test]
+    fn outer_layout_drops_the_inner_dims_and_keeps_the_offset() {
+        let l = Layout::strided(&[2, 3, 4], &[20, 5, 1], 7).unwrap();
+        let outer = l.outer_layout(2);
+        assert_eq!((outer.shape(), outer.strides(), outer.offset()), (&[2][..], &[20][..], 7));
+        assert_eq!(l.outer_layout(1).shape(), l.rows_layout().shape());
+        assert_eq!(l.outer_layout(0).strides(), l.strides());
+        let whole = l.outer_layout(5);
+        assert_eq!((whole.rank(), whole.numel(), whole.offset()), (0, 1, 7));
     }
 
     #[test]
