@@ -141,7 +141,8 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
 
 /// The instruction sets the GEMM kernels run with on this CPU, per operand dtype:
 /// `[("bfloat16", level), ("float32", level)]`, level `"amx"` (bf16 only: AMX tiles, with
-/// AVX512-BF16 for few-row products), `"avx512"` (for bf16: with AVX512-BF16's pair products),
+/// AVX512-BF16 for few-row products), `"avx512"` (for bf16: AVX512-BF16's pair products, or on
+/// Intel cores without AMX the pairs widened for FMAs, which run there at twice `vdpbf16ps`'s rate),
 /// `"avx2"` or `"scalar"`. For f32 the level is that of the few-row kernel and, at `"avx512"`, of
 /// the packed kernel that runs products with a k-dense weight up to depth 2048; other f32 products
 /// run on the `gemm` crate, which picks its own. Frameworks use this to choose between their GEMM

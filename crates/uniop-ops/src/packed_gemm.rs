@@ -15,6 +15,10 @@
 //! than one slice are carried between slices in an f32 scratch block, so the output (f32 or bf16)
 //! is rounded once.
 //!
+//! On Intel cores without AMX, whose `vdpbf16ps` issues at half their FMA rate, bf16 runs the same
+//! panels through FMAs instead ([`Micro::WidenedFma`]): B's pair words are widened in registers,
+//! A's block once per slice, and each pair's two products are two FMAs.
+//!
 //! bf16 on CPUs with AMX runs on its tiles instead ([`crate::amx`]): the same B panels, whose
 //! `[word][32 columns]` rows are AMX's pair-interleaved layout already, times A packed as rows of
 //! words, 32 × 32 output blocks at a time — several times the `vdpbf16ps` kernel's throughput.
@@ -237,6 +241,8 @@ thread_local! {
 enum Micro {
     Amx,
     Simd(Simd),
+    /// bf16 pair words widened to f32 and multiplied with FMAs, on AVX-512 ([`bf16_on_fma`]).
+    WidenedFma,
 }
 
 impl Micro {
@@ -244,14 +250,14 @@ impl Micro {
     fn slice_words(self) -> usize {
         match self {
             Micro::Amx => KC_AMX_WORDS,
-            Micro::Simd(_) => KC_WORDS,
+            Micro::Simd(_) | Micro::WidenedFma => KC_WORDS,
         }
     }
 
     /// The SIMD level of the few-row dot products, which AMX products hand their skinny cases to.
     fn simd(self) -> Simd {
         match self {
-            Micro::Amx => Simd::Avx512,
+            Micro::Amx | Micro::WidenedFma => Simd::Avx512,
             Micro::Simd(simd) => simd,
         }
     }
@@ -260,6 +266,28 @@ impl Micro {
 /// Whether bf16 products run on AMX tiles here (they need AVX512-BF16's conversions too).
 pub(crate) fn bf16_on_amx() -> bool {
     <bf16 as Packed>::level() == Simd::Avx512 && crate::amx::available()
+}
+
+/// Whether bf16 products multiply their pairs as f32 FMAs ([`Micro::WidenedFma`]) rather than
+/// with `vdpbf16ps`: on Intel cores without AMX. Their `vdpbf16ps` issues at half the rate of
+/// their two 512-bit FMA pipes, so its 32 products per instruction bring no more than an FMA's
+/// 16 (one Xeon core: ~90 GFLOP/s against ~170; 2048x4096 bf16 `linear` ran at 161 GFLOP/s on two
+/// cores, f32's at 286). Zen 4 runs `vdpbf16ps` at twice its FMA rate and keeps it.
+pub(crate) fn bf16_on_fma() -> bool {
+    static INTEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    <bf16 as Packed>::level() == Simd::Avx512 && !bf16_on_amx() && *INTEL.get_or_init(intel)
+}
+
+/// Whether the CPU's vendor id (CPUID leaf 0: EBX, EDX, ECX) is Intel's.
+#[cfg(target_arch = "x86_64")]
+fn intel() -> bool {
+    let leaf0 = std::arch::x86_64::__cpuid(0);
+    [leaf0.ebx, leaf0.edx, leaf0.ecx].map(u32::to_le_bytes).concat() == *b"GenuineIntel"
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn intel() -> bool {
+    false
 }
 
 /// The least depth at which AMX takes a product of k-dense operands transposed: each 32 × 32
@@ -287,9 +315,10 @@ pub(crate) fn split_columns(dtype: DType, rows: usize, n: usize, threads: usize)
 #[cfg(test)]
 fn micro_kernels<E: Packed>() -> impl Iterator<Item = Micro> {
     let amx = (E::PER_WORD == 2 && bf16_on_amx()).then_some(Micro::Amx);
+    let fma = (E::PER_WORD == 2 && E::level() == Simd::Avx512).then_some(Micro::WidenedFma);
     // f32 has no AVX2 packed kernel.
     let simd = Simd::up_to(E::level()).filter(|&s| s != Simd::Avx2 || E::PER_WORD == 2);
-    amx.into_iter().chain(simd.map(Micro::Simd))
+    amx.into_iter().chain(fma).chain(simd.map(Micro::Simd))
 }
 
 #[cfg(test)]
@@ -306,6 +335,8 @@ fn micro_kernel<E: Packed>() -> Micro {
     }
     if E::PER_WORD == 2 && bf16_on_amx() {
         Micro::Amx
+    } else if E::PER_WORD == 2 && bf16_on_fma() {
+        Micro::WidenedFma
     } else {
         Micro::Simd(E::level())
     }
@@ -747,12 +778,15 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
         #[cfg(target_arch = "x86_64")]
         Micro::Amx => return multiply_amx::<E, O>(rows, (jc, nc), k, dst, lhs, (b, packed), accumulate, (a, c)),
         Micro::Simd(simd) => simd,
+        Micro::WidenedFma => Simd::Avx512,
         #[cfg(not(target_arch = "x86_64"))]
         Micro::Amx => unreachable!("AMX is only detected on x86-64"),
     };
     let slice_words = micro.slice_words();
     let (n_slices, slice) = slices::<E>(k, slice_words);
-    a.grow(MC * slice_words);
+    // A's packed block, then (for the widened kernel) the same block as f32 pairs after it.
+    let block_words = MC * slice_words;
+    a.grow(if micro == Micro::WidenedFma { 3 * block_words } else { block_words });
     if n_slices > 1 {
         c.grow(MC * NC);
     }
@@ -762,6 +796,14 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
             let (pc, kc) = slice(si);
             pack::<E, MR>(a, MR, Mat { ptr: lhs.ptr, rs: lhs.cs, cs: lhs.rs }, pc, kc, ic, mc);
             let words = kc.div_ceil(E::PER_WORD);
+            if micro == Micro::WidenedFma {
+                // Once per block, not in the micro-kernel: every B panel of the block reuses it.
+                let (packed_a, wide) = a.split_at_mut(block_words);
+                let panels_words = mc.next_multiple_of(MR) * words;
+                for (word, pair) in packed_a[..panels_words].iter().zip(wide.chunks_exact_mut(2)) {
+                    pair.copy_from_slice(&E::widen(*word).map(f32::to_bits));
+                }
+            }
             for jr in (0..nc).step_by(NR) {
                 let b_panel = b.as_ptr().add(packed.panel(jr, si, slice_words));
                 for ir in (0..mc).step_by(MR) {
@@ -775,7 +817,10 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
                     let carried = (si > 0).then_some(c_tile as *const f32);
                     let out =
                         Dst { ptr: dst.ptr.offset((ic + ir) as isize * dst.rs + (jc + jr) as isize * dst.cs), ..dst };
-                    if simd == Simd::Avx512 {
+                    if micro == Micro::WidenedFma {
+                        let a_pairs = a.as_ptr().add(block_words + 2 * ir * words) as *const f32;
+                        micro_avx512_bf16_fma(words, a_pairs, b_panel, carried, sink, c_tile, out);
+                    } else if simd == Simd::Avx512 {
                         E::micro_avx512(words, a_panel, b_panel, carried, sink, c_tile, out);
                     } else {
                         let mut tile = [[0f32; NR]; MR];
@@ -1085,6 +1130,47 @@ unsafe fn micro_avx512_bf16<O: GemmOut>(
     micro_avx512(words, a, b, carried, sink, c_tile, out, dot)
 }
 
+/// The same sums as [`micro_avx512_bf16`] with FMAs ([`Micro::WidenedFma`]): each step's two B
+/// vectors of pair words are widened in registers (a bf16 pair's low element is its word shifted
+/// left by 16, its high one the word with the low half cleared), and `a_pairs` holds A's words
+/// already widened, `[word][MR][even, odd]`, so its values are broadcast straight from memory:
+/// 32 FMAs and four other vector ops per step of two k.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn micro_avx512_bf16_fma<O: GemmOut>(
+    words: usize,
+    a_pairs: *const f32,
+    b: *const u32,
+    carried: Option<*const f32>,
+    sink: Sink,
+    c_tile: *mut f32,
+    out: Dst<O>,
+) {
+    use std::arch::x86_64::*;
+    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    if let Some(c) = carried {
+        for (i, row) in acc.iter_mut().enumerate() {
+            row[0] = _mm512_loadu_ps(c.add(i * NC));
+            row[1] = _mm512_loadu_ps(c.add(i * NC + 16));
+        }
+    }
+    for p in 0..words {
+        let bp = b.add(p * NR);
+        let halves = [_mm512_loadu_si512(bp as *const __m512i), _mm512_loadu_si512(bp.add(16) as *const __m512i)];
+        let even = halves.map(|h| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h)));
+        let odd = halves.map(|h| _mm512_castsi512_ps(_mm512_and_si512(h, high)));
+        let ap = a_pairs.add(2 * p * MR);
+        for (i, row) in acc.iter_mut().enumerate() {
+            let (a_even, a_odd) = (_mm512_set1_ps(*ap.add(2 * i)), _mm512_set1_ps(*ap.add(2 * i + 1)));
+            for h in 0..2 {
+                row[h] = _mm512_fmadd_ps(a_odd, odd[h], _mm512_fmadd_ps(a_even, even[h], row[h]));
+            }
+        }
+    }
+    store_avx512(&acc, sink, c_tile, out);
+}
+
 /// The same for f32 words, with FMAs.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
@@ -1200,6 +1286,19 @@ unsafe fn store_avx512<O: GemmOut>(
 unsafe fn micro_avx512_bf16<O: GemmOut>(
     _: usize,
     _: *const u32,
+    _: *const u32,
+    _: Option<*const f32>,
+    _: Sink,
+    _: *mut f32,
+    _: Dst<O>,
+) {
+    unreachable!("only selected when the CPU has AVX512-BF16")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn micro_avx512_bf16_fma<O: GemmOut>(
+    _: usize,
+    _: *const f32,
     _: *const u32,
     _: Option<*const f32>,
     _: Sink,
