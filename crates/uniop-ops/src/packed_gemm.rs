@@ -1406,6 +1406,22 @@ mod tests {
     use super::*;
     use std::ops::Range;
 
+    /// The vendor id read from CPUID's registers (their order is EBX, EDX, ECX) is the one Linux
+    /// names, so [`bf16_on_fma`] picks FMAs on Intel's cores and only there.
+    #[test]
+    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+    fn intel_is_the_vendor_linux_names() {
+        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").expect("/proc/cpuinfo");
+        let vendor = cpuinfo
+            .lines()
+            .find_map(|line| line.strip_prefix("vendor_id"))
+            .map(|v| v.trim_start_matches([' ', '\t', ':']));
+        assert_eq!(intel(), vendor.map(str::trim) == Some("GenuineIntel"), "vendor_id {vendor:?}");
+        if intel() && !bf16_on_amx() && <bf16 as Packed>::level() == Simd::Avx512 {
+            assert_eq!(micro_kernel::<bf16>(), Micro::WidenedFma);
+        }
+    }
+
     fn values<E: Packed>(n: usize, seed: u64) -> Vec<E> {
         let mut rng = uniop::verify::Rng::new(seed);
         (0..n).map(|_| E::from_f64(rng.uniform())).collect()
