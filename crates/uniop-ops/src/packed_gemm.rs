@@ -818,7 +818,7 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
                     let out =
                         Dst { ptr: dst.ptr.offset((ic + ir) as isize * dst.rs + (jc + jr) as isize * dst.cs), ..dst };
                     if micro == Micro::WidenedFma {
-                        let a_pairs = a.as_ptr().add(block_words + 2 * ir * words) as *const f32;
+                        let a_pairs = a.as_ptr().add(block_words + 2 * ir * words);
                         micro_avx512_bf16_fma(words, a_pairs, b_panel, carried, sink, c_tile, out);
                     } else if simd == Simd::Avx512 {
                         E::micro_avx512(words, a_panel, b_panel, carried, sink, c_tile, out);
@@ -1139,7 +1139,7 @@ unsafe fn micro_avx512_bf16<O: GemmOut>(
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn micro_avx512_bf16_fma<O: GemmOut>(
     words: usize,
-    a_pairs: *const f32,
+    a_pairs: *const u32,
     b: *const u32,
     carried: Option<*const f32>,
     sink: Sink,
@@ -1148,13 +1148,8 @@ unsafe fn micro_avx512_bf16_fma<O: GemmOut>(
 ) {
     use std::arch::x86_64::*;
     let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
-    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-    if let Some(c) = carried {
-        for (i, row) in acc.iter_mut().enumerate() {
-            row[0] = _mm512_loadu_ps(c.add(i * NC));
-            row[1] = _mm512_loadu_ps(c.add(i * NC + 16));
-        }
-    }
+    let mut acc = start_tile(carried);
+    let a_pairs = a_pairs as *const f32;
     for p in 0..words {
         let bp = b.add(p * NR);
         let halves = [_mm512_loadu_si512(bp as *const __m512i), _mm512_loadu_si512(bp.add(16) as *const __m512i)];
@@ -1209,13 +1204,7 @@ unsafe fn micro_avx512<O: GemmOut>(
     ) -> std::arch::x86_64::__m512,
 ) {
     use std::arch::x86_64::*;
-    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-    if let Some(c) = carried {
-        for (i, row) in acc.iter_mut().enumerate() {
-            row[0] = _mm512_loadu_ps(c.add(i * NC));
-            row[1] = _mm512_loadu_ps(c.add(i * NC + 16));
-        }
-    }
+    let mut acc = start_tile(carried);
     for p in 0..words {
         let bp = b.add(p * NR);
         let b0 = _mm512_loadu_si512(bp as *const __m512i);
@@ -1227,6 +1216,22 @@ unsafe fn micro_avx512<O: GemmOut>(
         }
     }
     store_avx512(&acc, sink, c_tile, out);
+}
+
+/// A tile's registers at its first step: the sums `carried` from earlier slices, or zeros.
+/// Inlined into the AVX-512 micro-kernels, which bring the target features.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn start_tile(carried: Option<*const f32>) -> [[std::arch::x86_64::__m512; 2]; MR] {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+    if let Some(c) = carried {
+        for (i, row) in acc.iter_mut().enumerate() {
+            row[0] = _mm512_loadu_ps(c.add(i * NC));
+            row[1] = _mm512_loadu_ps(c.add(i * NC + 16));
+        }
+    }
+    acc
 }
 
 /// Writes a finished `MR × NR` tile held in registers to `sink`: vector stores for scratch tiles
@@ -1282,44 +1287,27 @@ unsafe fn store_avx512<O: GemmOut>(
     }
 }
 
+/// Off x86-64 no AVX-512 micro-kernel is ever selected (the levels come from CPU detection); these
+/// stand in for them so that the callers read the same on every target.
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn micro_avx512_bf16<O: GemmOut>(
-    _: usize,
-    _: *const u32,
-    _: *const u32,
-    _: Option<*const f32>,
-    _: Sink,
-    _: *mut f32,
-    _: Dst<O>,
-) {
-    unreachable!("only selected when the CPU has AVX512-BF16")
+macro_rules! unreachable_micro_kernels {
+    ($($name:ident),*) => {$(
+        unsafe fn $name<O: GemmOut>(
+            _: usize,
+            _: *const u32,
+            _: *const u32,
+            _: Option<*const f32>,
+            _: Sink,
+            _: *mut f32,
+            _: Dst<O>,
+        ) {
+            unreachable!("AVX-512 micro-kernels are only selected on x86-64 CPUs that have them")
+        }
+    )*};
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn micro_avx512_bf16_fma<O: GemmOut>(
-    _: usize,
-    _: *const f32,
-    _: *const u32,
-    _: Option<*const f32>,
-    _: Sink,
-    _: *mut f32,
-    _: Dst<O>,
-) {
-    unreachable!("only selected when the CPU has AVX512-BF16")
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn micro_avx512_f32<O: GemmOut>(
-    _: usize,
-    _: *const u32,
-    _: *const u32,
-    _: Option<*const f32>,
-    _: Sink,
-    _: *mut f32,
-    _: Dst<O>,
-) {
-    unreachable!("only selected when the CPU has AVX-512")
-}
+unreachable_micro_kernels!(micro_avx512_bf16, micro_avx512_bf16_fma, micro_avx512_f32);
 
 /// The same sums as [`micro_avx512_bf16`] with AVX2 and FMA, into `tile`. Sixteen registers hold
 /// a 4 × 16 part of the tile at a time (8 sums, the 16 columns' even and odd halves, one row's
