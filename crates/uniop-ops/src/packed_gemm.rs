@@ -797,6 +797,7 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
             pack::<E, MR>(a, MR, Mat { ptr: lhs.ptr, rs: lhs.cs, cs: lhs.rs }, pc, kc, ic, mc);
             let words = kc.div_ceil(E::PER_WORD);
             if micro == Micro::WidenedFma {
+                debug_assert_eq!(E::PER_WORD, 2, "only bf16 pairs are widened for FMAs");
                 // Once per block, not in the micro-kernel: every B panel of the block reuses it.
                 let (packed_a, wide) = a.split_at_mut(block_words);
                 let panels_words = mc.next_multiple_of(MR) * words;
