@@ -234,6 +234,59 @@ def _matches_eager(compiled, block, x):
     block.zero_grad()
 
 
+class EveryModule(nn.Module):
+    """Each uniop.torch.nn module, an attention padding mask and an MLP with biases included."""
+
+    def __init__(self, hidden=64, heads=4):
+        super().__init__()
+        self.rope = unn.RotaryEmbedding(hidden // heads)
+        self.norm, self.layer_norm = unn.RMSNorm(hidden), unn.LayerNorm(hidden)
+        self.attn = unn.Attention(hidden, heads, 2)
+        self.mlp, self.biased_mlp = unn.SwiGLUMLP(hidden, 96), unn.SwiGLUMLP(hidden, 96, bias=True)
+
+    def forward(self, x, padding):
+        cos, sin = self.rope(x, torch.arange(x.shape[1]).expand(x.shape[0], -1))
+        x = x + self.attn(self.norm(x), cos, sin, padding)
+        return self.biased_mlp(self.layer_norm(x + self.mlp(x)))
+
+
+def test_fx_symbolic_trace_records_the_ops_and_decides_per_run():
+    """torch.fx.symbolic_trace of uniop.torch.nn's modules, with autograd on or off while tracing,
+    records the uniop ops and, as single nodes, the helpers that decide from their inputs (dtype
+    rules, the MLP's autograd variant, the mask's kind). The traced module gives eager's values and
+    gradients at other sizes, runs the MLP variant autograd asks for on each run, and keeps
+    RMSNorm's dtype rule for an input dtype it was not traced with."""
+    torch.manual_seed(0)
+    model = EveryModule()
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            traced = torch.fx.symbolic_trace(model)
+        called = {getattr(n.target, "__name__", "") for n in traced.graph.nodes if n.op == "call_function"}
+        wanted = {"rope_cos_sin", "rope", "attention", "silu_mul", "_rms_norm", "_layer_norm", "_linear_silu_mul"}
+        assert wanted | {"_key_mask"} <= called, called
+        for batch, seq in ((2, 10), (3, 7)):
+            x = torch.randn(batch, seq, 64)
+            padding = torch.ones(batch, seq, dtype=torch.long)
+            padding[-1, :2] = 0
+            xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+            outs = [m(t, padding) for m, t in zip((traced, model), xs)]
+            grads = []
+            for out, t in zip(outs, xs):
+                out.square().sum().backward()
+                grads.append((t.grad, _grads(model)))
+                model.zero_grad()
+            torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+        with torch.no_grad():
+            assert "uniop::linear_silu_mul_train" not in _uniop_ops_run(lambda: traced(x, padding))
+        assert "uniop::linear_silu_mul_train" in _uniop_ops_run(lambda: traced(x, padding))
+    norm = unn.RMSNorm(64)
+    x = torch.randn(3, 64)
+    y = torch.fx.symbolic_trace(norm)(x.bfloat16())
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, norm(x.bfloat16()), atol=0, rtol=0)
+
+
 def test_torch_compile_dynamic_shapes_compile_once():
     """Under dynamic shapes a uniop block compiles once for every batch size and sequence length,
     forward and backward, and twice under torch.compile's default: the fake kernels keep sizes
