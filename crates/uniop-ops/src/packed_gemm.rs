@@ -16,8 +16,9 @@
 //! is rounded once.
 //!
 //! On Intel cores without AMX, whose `vdpbf16ps` issues at half their FMA rate, bf16 runs the same
-//! panels through FMAs instead ([`Micro::WidenedFma`]): B's pair words are widened in registers,
-//! A's block once per slice, and each pair's two products are two FMAs.
+//! panels through FMAs instead ([`Micro::WidenedFma`]): A's block is widened to f32 once per
+//! slice, each B panel's slice once before the row panels that read it, and the f32 micro-kernel
+//! multiplies them.
 //!
 //! bf16 on CPUs with AMX runs on its tiles instead ([`crate::amx`]): the same B panels, whose
 //! `[word][32 columns]` rows are AMX's pair-interleaved layout already, times A packed as rows of
@@ -184,7 +185,8 @@ impl Packed for f32 {
 
 #[derive(Default)]
 struct Scratch {
-    /// Packed A block: `MC / MR` panels of `[words][MR]` words.
+    /// Packed A block: `MC / MR` panels of `[words][MR]` words (twice as many rows for the widened
+    /// kernel, and the block and one B panel's slice widened after them).
     a: LineBuf<u32>,
     /// Packed B block: `NC / NR` panels of `[words][NR]` words, each as deep as the product.
     b: LineBuf<u32>,
@@ -250,7 +252,20 @@ impl Micro {
     fn slice_words(self) -> usize {
         match self {
             Micro::Amx => KC_AMX_WORDS,
-            Micro::Simd(_) | Micro::WidenedFma => KC_WORDS,
+            Micro::Simd(_) => KC_WORDS,
+            // Widened, a slice's B panel is as large as an f32 one of KC_WORDS (32 KiB).
+            Micro::WidenedFma => KC_WORDS / 2,
+        }
+    }
+
+    /// Rows of A per packed block.
+    fn block_rows(self) -> usize {
+        match self {
+            // Each widened B panel slice then serves 16 row panels: at 8, widening it took 13% of
+            // the product's time, and 1024x4096 bf16 `linear_packed` ran 135 -> 141-144 GFLOP/s on
+            // one core (256x512: 148 -> 155).
+            Micro::WidenedFma => 2 * MC,
+            Micro::Amx | Micro::Simd(_) => MC,
         }
     }
 
@@ -784,29 +799,35 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
     };
     let slice_words = micro.slice_words();
     let (n_slices, slice) = slices::<E>(k, slice_words);
-    // A's packed block, then (for the widened kernel) the same block as f32 pairs after it.
-    let block_words = MC * slice_words;
-    a.grow(if micro == Micro::WidenedFma { 3 * block_words } else { block_words });
+    // A's packed block, then for the widened kernel the same block as f32 and one B panel's slice
+    // as f32 after it.
+    let block_rows = micro.block_rows();
+    let block_words = block_rows * slice_words;
+    let wide_b_at = 3 * block_words;
+    a.grow(if micro == Micro::WidenedFma { wide_b_at + 2 * slice_words * NR } else { block_words });
     if n_slices > 1 {
-        c.grow(MC * NC);
+        c.grow(block_rows * NC);
     }
-    for ic in (rows.start..rows.end).step_by(MC) {
-        let mc = MC.min(rows.end - ic);
+    for ic in (rows.start..rows.end).step_by(block_rows) {
+        let mc = block_rows.min(rows.end - ic);
         for si in 0..n_slices {
             let (pc, kc) = slice(si);
             pack::<E, MR>(a, MR, Mat { ptr: lhs.ptr, rs: lhs.cs, cs: lhs.rs }, pc, kc, ic, mc);
             let words = kc.div_ceil(E::PER_WORD);
             if micro == Micro::WidenedFma {
                 debug_assert_eq!(E::PER_WORD, 2, "only bf16 pairs are widened for FMAs");
-                // Once per block, not in the micro-kernel: every B panel of the block reuses it.
+                // Once per block, not per B panel: every panel of the block reuses it.
                 let (packed_a, wide) = a.split_at_mut(block_words);
-                let panels_words = mc.next_multiple_of(MR) * words;
-                for (word, pair) in packed_a[..panels_words].iter().zip(wide.chunks_exact_mut(2)) {
-                    pair.copy_from_slice(&E::widen(*word).map(f32::to_bits));
-                }
+                widen_pair_rows::<MR>(&packed_a[..mc.next_multiple_of(MR) * words], wide);
             }
             for jr in (0..nc).step_by(NR) {
-                let b_panel = b.as_ptr().add(packed.panel(jr, si, slice_words));
+                let mut b_panel = b.as_ptr().add(packed.panel(jr, si, slice_words));
+                if micro == Micro::WidenedFma {
+                    // Once per panel slice, ahead of the row panels that all read it from L1.
+                    let wide_b = &mut a[wide_b_at..];
+                    widen_pair_rows::<NR>(std::slice::from_raw_parts(b_panel, words * NR), wide_b);
+                    b_panel = wide_b.as_ptr();
+                }
                 for ir in (0..mc).step_by(MR) {
                     let a_panel = a.as_ptr().add(ir * words);
                     let c_tile = c.as_mut_ptr().wrapping_add(ir * NC + jr);
@@ -819,8 +840,8 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
                     let out =
                         Dst { ptr: dst.ptr.offset((ic + ir) as isize * dst.rs + (jc + jr) as isize * dst.cs), ..dst };
                     if micro == Micro::WidenedFma {
-                        let a_pairs = a.as_ptr().add(block_words + 2 * ir * words);
-                        micro_avx512_bf16_fma(words, a_pairs, b_panel, carried, sink, c_tile, out);
+                        let a_wide = a.as_ptr().add(block_words + 2 * ir * words);
+                        micro_avx512_widened(2 * words, a_wide, b_panel, carried, sink, c_tile, out);
                     } else if simd == Simd::Avx512 {
                         E::micro_avx512(words, a_panel, b_panel, carried, sink, c_tile, out);
                     } else {
@@ -1131,16 +1152,14 @@ unsafe fn micro_avx512_bf16<O: GemmOut>(
     micro_avx512(words, a, b, carried, sink, c_tile, out, dot)
 }
 
-/// The same sums as [`micro_avx512_bf16`] with FMAs ([`Micro::WidenedFma`]): each step's two B
-/// vectors of pair words are widened in registers (a bf16 pair's low element is its word shifted
-/// left by 16, its high one the word with the low half cleared), and `a_pairs` holds A's words
-/// already widened, `[word][MR][even, odd]`, so its values are broadcast straight from memory:
-/// 32 FMAs and four other vector ops per step of two k.
+/// The same sums as [`micro_avx512_bf16`] with FMAs ([`Micro::WidenedFma`]), over bf16 pairs
+/// widened beforehand by [`widen_pair_rows`]: `a` and `b` hold f32 rows, `values` of them (two per
+/// pair word), so this is the f32 kernel, with AVX512-BF16 for a bf16 output's rounding.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn micro_avx512_bf16_fma<O: GemmOut>(
-    words: usize,
-    a_pairs: *const u32,
+unsafe fn micro_avx512_widened<O: GemmOut>(
+    values: usize,
+    a: *const u32,
     b: *const u32,
     carried: Option<*const f32>,
     sink: Sink,
@@ -1148,23 +1167,36 @@ unsafe fn micro_avx512_bf16_fma<O: GemmOut>(
     out: Dst<O>,
 ) {
     use std::arch::x86_64::*;
-    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
-    let mut acc = start_tile(carried);
-    let a_pairs = a_pairs as *const f32;
-    for p in 0..words {
-        let bp = b.add(p * NR);
-        let halves = [_mm512_loadu_si512(bp as *const __m512i), _mm512_loadu_si512(bp.add(16) as *const __m512i)];
-        let even = halves.map(|h| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(h)));
-        let odd = halves.map(|h| _mm512_castsi512_ps(_mm512_and_si512(h, high)));
-        let ap = a_pairs.add(2 * p * MR);
-        for (i, row) in acc.iter_mut().enumerate() {
-            let (a_even, a_odd) = (_mm512_set1_ps(*ap.add(2 * i)), _mm512_set1_ps(*ap.add(2 * i + 1)));
-            for h in 0..2 {
-                row[h] = _mm512_fmadd_ps(a_odd, odd[h], _mm512_fmadd_ps(a_even, even[h], row[h]));
-            }
+    let fma = |acc, a: __m512i, b: __m512i| _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
+    micro_avx512(values, a, b, carried, sink, c_tile, out, fma)
+}
+
+/// Widens rows of `W` bf16 pair words (`[pair][W]`, a packed panel's layout; `W` a multiple of
+/// 8) into f32 rows `[2·pair + (0 even, 1 odd)][W]`, the layout of an f32 panel twice as deep: a
+/// pair's even element is its word shifted left by 16, its odd one the word with the low half
+/// cleared. Written with vector intrinsics: LLVM made the plain loop's stores scatters.
+///
+/// # Safety
+/// The CPU has AVX2 (the widened kernel's CPUs have AVX-512); `out` holds twice `words`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn widen_pair_rows<const W: usize>(words: &[u32], out: &mut [u32]) {
+    use std::arch::x86_64::*;
+    assert!(W.is_multiple_of(8) && out.len() >= 2 * words.len());
+    let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+    for (p, row) in words.chunks_exact(W).enumerate() {
+        let (even, odd) = (out.as_mut_ptr().add(2 * p * W), out.as_mut_ptr().add((2 * p + 1) * W));
+        for c in (0..W).step_by(8) {
+            let v = _mm256_loadu_si256(row.as_ptr().add(c) as *const __m256i);
+            _mm256_storeu_si256(even.add(c) as *mut __m256i, _mm256_slli_epi32::<16>(v));
+            _mm256_storeu_si256(odd.add(c) as *mut __m256i, _mm256_and_si256(v, high));
         }
     }
-    store_avx512(&acc, sink, c_tile, out);
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn widen_pair_rows<const W: usize>(_: &[u32], _: &mut [u32]) {
+    unreachable!("the widened kernel runs on x86-64 only")
 }
 
 /// The same for f32 words, with FMAs.
@@ -1308,7 +1340,7 @@ macro_rules! unreachable_micro_kernels {
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unreachable_micro_kernels!(micro_avx512_bf16, micro_avx512_bf16_fma, micro_avx512_f32);
+unreachable_micro_kernels!(micro_avx512_bf16, micro_avx512_widened, micro_avx512_f32);
 
 /// The same sums as [`micro_avx512_bf16`] with AVX2 and FMA, into `tile`. Sixteen registers hold
 /// a 4 × 16 part of the tile at a time (8 sums, the 16 columns' even and odd halves, one row's
