@@ -1154,7 +1154,8 @@ unsafe fn micro_avx512_bf16<O: GemmOut>(
 
 /// The same sums as [`micro_avx512_bf16`] with FMAs ([`Micro::WidenedFma`]), over bf16 pairs
 /// widened beforehand by [`widen_pair_rows`]: `a` and `b` hold f32 rows, `values` of them (two per
-/// pair word), so this is the f32 kernel, with AVX512-BF16 for a bf16 output's rounding.
+/// pair word), so this is [`micro_avx512_f32`], compiled with AVX512-BF16 for a bf16 output's
+/// rounding (the f32 one runs on AVX-512 CPUs without it).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn micro_avx512_widened<O: GemmOut>(
@@ -1166,9 +1167,7 @@ unsafe fn micro_avx512_widened<O: GemmOut>(
     c_tile: *mut f32,
     out: Dst<O>,
 ) {
-    use std::arch::x86_64::*;
-    let fma = |acc, a: __m512i, b: __m512i| _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
-    micro_avx512(values, a, b, carried, sink, c_tile, out, fma)
+    micro_avx512(values, a, b, carried, sink, c_tile, out, f32_product)
 }
 
 /// Widens rows of `W` bf16 pair words (`[pair][W]`, a packed panel's layout; `W` a multiple of
@@ -1211,9 +1210,20 @@ unsafe fn micro_avx512_f32<O: GemmOut>(
     c_tile: *mut f32,
     out: Dst<O>,
 ) {
+    micro_avx512(words, a, b, carried, sink, c_tile, out, f32_product)
+}
+
+/// One step's product of f32 words: `acc + a ⊗ b` as an FMA.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn f32_product(
+    acc: std::arch::x86_64::__m512,
+    a: std::arch::x86_64::__m512i,
+    b: std::arch::x86_64::__m512i,
+) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
-    let fma = |acc, a: __m512i, b: __m512i| _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
-    micro_avx512(words, a, b, carried, sink, c_tile, out, fma)
+    // SAFETY: inlined only into the two f32-word kernels above, which bring AVX-512.
+    unsafe { _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc) }
 }
 
 /// `carried + Σ_p a[p] ⊗ b[p]` with `product(acc, a word broadcast, 16 b words)` per step, then
