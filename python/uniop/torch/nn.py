@@ -107,11 +107,12 @@ class RMSNorm(nn.Module):
 
 @torch.fx.wrap
 def _rms_norm(x, weight, eps):
-    """:class:`RMSNorm`'s output: in ``promote(weight, x)``, as HF's ``weight * x.to(input_dtype)``."""
+    """:class:`RMSNorm`'s output: in ``promote(weight, x)``, as HF's ``weight * x.to(input_dtype)``
+    (the weight's own dtype, before it is cast to ``x``'s for the op)."""
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
     if weight.dtype not in (x.dtype, torch.float32):
         weight = weight.to(x.dtype)
     y = uniop_ops.rms_norm(x, weight, eps)[0]
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
