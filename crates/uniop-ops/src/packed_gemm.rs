@@ -261,9 +261,9 @@ impl Micro {
     /// Rows of A per packed block.
     fn block_rows(self) -> usize {
         match self {
-            // Each widened B panel slice then serves 16 row panels: at 8, widening it took 13% of
-            // the product's time, and 1024x4096 bf16 `linear_packed` ran 135 -> 141-144 GFLOP/s on
-            // one core (256x512: 148 -> 155).
+            // Each widened B panel slice then serves 16 row panels: at 8 (64 rows), widening it took
+            // 13% of the product's time, and 1024x4096 bf16 `linear_packed` ran 135 -> 141-144
+            // GFLOP/s on one core (256x512: 148 -> 155).
             Micro::WidenedFma => 2 * MC,
             Micro::Amx | Micro::Simd(_) => MC,
         }
