@@ -214,8 +214,11 @@ pub(crate) unsafe fn gemm_rows<T: Element>(
 const ROW_MAJOR_B_MIN_ROWS: usize = 64;
 /// Depth up to which an f32 product with a k-dense B runs the packed kernel on AVX-512 CPUs
 /// (alternated `uniop bench --ops linear`, 2 threads): faster than the transposed copy at k = 384
-/// (1.44 -> 1.40 ms), 1024 (11.4 -> 10.4) and 2048 (90 -> 83), slower at 4096 (660-680 -> 675-760 ms),
-/// where the packed B of a column block (k × 512 words, 8 MiB) no longer stays in cache.
+/// (1.44 -> 1.40 ms), 1024 (11.4 -> 10.4) and 2048 (90 -> 83), slower at 4096 (660-680 -> 675-760 ms).
+/// Since deep f32 products add their sums in the output slice by slice (`packed_gemm::multiply`), B's
+/// packed column block (k × 512 words, 8 MiB at 4096) need not stay in cache, but at k = 4096 the
+/// packed kernel still ran 4% slower on one core (x 1024 x 4096, weight 8192 x 4096: 487-496 ms against
+/// 468-476).
 pub(crate) const PACKED_F32_MAX_K: usize = 2048;
 /// Words of B transposed at once: a column chunk of B stays this small whatever B's size.
 const ROW_MAJOR_B_CHUNK_WORDS: usize = 1 << 20;
