@@ -1591,9 +1591,9 @@ mod tests {
 
     #[test]
     fn paired_products_hand_every_output_both_sums_once() {
-        // Several row blocks and a ragged one, ragged half panels (n not a multiple of 16), two
-        // column blocks, k spanning several slices; k-dense (a weight) and row-major B.
-        for (m, k, n) in [(300, 70, 45), (40, 2100, 300), (33, 33, 16), (5, 9, 1)] {
+        // Several row chunks (PAIR_ROWS) and a ragged one, ragged half panels (n not a multiple of
+        // 16), two column blocks, k spanning several slices; k-dense (a weight) and row-major B.
+        for (m, k, n) in [(1100, 300, 45), (40, 2100, 300), (33, 33, 16), (5, 9, 1)] {
             for b_col_major in [true, false] {
                 pairs_case::<bf16>(m, k, n, b_col_major);
                 pairs_case::<f32>(m, k, n, b_col_major);
