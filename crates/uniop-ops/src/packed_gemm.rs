@@ -780,8 +780,8 @@ impl PackedBlock {
 }
 
 /// Rows `rows` of `dst`'s columns `jc..jc + nc` from `lhs`, `k` deep, and B's block packed in
-/// `b`: packs A a row block at a time into `a`, carries deep tiles in `c` (or, for f32 rows, in
-/// the output).
+/// `b`: packs A a row block at a time into `a`, carries deep tiles in `c` (or, for f32 outputs
+/// with dense rows, in the output).
 #[allow(clippy::too_many_arguments)]
 unsafe fn multiply<E: Packed, O: GemmOut>(
     rows: std::ops::Range<usize>,
