@@ -25,7 +25,7 @@ use crate::elementwise::Ahead;
 use crate::math;
 use crate::rope::{self, Mode};
 use std::arch::x86_64::*;
-use uniop::dtype::{bf16x16_avx2, bf16x16_in_lanes_avx2};
+use uniop::dtype::{bf16x16_avx2, bf16x16_even_odd_avx2};
 use uniop::half::bf16;
 use uniop::{DType, FloatElement};
 
@@ -57,7 +57,7 @@ trait Row: FloatElement {
     /// rounded to `Self`, widened back.
     unsafe fn store16_rounded(p: *mut Self, low: __m256, high: __m256) -> [__m256; 2];
     /// The 16 elements at `p`, widened to f32 in an order of lanes [`Row::store16_in_lanes`]
-    /// undoes (bf16: each 128-bit half's low and high four, one unpack each, no cross-lane
+    /// undoes (bf16: the even elements, by one shift, and the odd ones, by one mask — no
     /// shuffle), for passes where each result lane takes the same lane of every operand.
     unsafe fn load16_in_lanes(p: *const Self) -> [__m256; 2];
     /// Lanes of [`Row::load16_in_lanes`]'s order narrowed and stored at `p` in element order; past
@@ -107,13 +107,14 @@ impl Row for bf16 {
     #[inline(always)]
     unsafe fn load16_in_lanes(p: *const bf16) -> [__m256; 2] {
         let v = _mm256_loadu_si256(p as *const __m256i);
-        let zero = _mm256_setzero_si256();
-        // A bf16 is the top half of its f32: below it, zeros.
-        [_mm256_unpacklo_epi16(zero, v), _mm256_unpackhi_epi16(zero, v)].map(|f| _mm256_castsi256_ps(f))
+        // A bf16 is the top half of its f32: below it, zeros. Element 2j is the low half of
+        // 32-bit lane j, element 2j + 1 its high half.
+        let high_half = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+        [_mm256_slli_epi32::<16>(v), _mm256_and_si256(v, high_half)].map(|f| _mm256_castsi256_ps(f))
     }
     #[inline(always)]
     unsafe fn store16_in_lanes(p: *mut bf16, low: __m256, high: __m256, streaming: bool) {
-        store_bf16x16(p, bf16x16_in_lanes_avx2(low, high), streaming)
+        store_bf16x16(p, bf16x16_even_odd_avx2(low, high), streaming)
     }
     #[inline(always)]
     unsafe fn store16_rounded(p: *mut bf16, low: __m256, high: __m256) -> [__m256; 2] {
@@ -322,7 +323,9 @@ unsafe fn scale_weighted_in<T: Row>(x: &[T], next: &[T], w: &[f32], y: &mut [T],
 /// One row of rope (`x`, `out`: the head dim; `cos`, `sin`: the rotary dim), as
 /// `rope::rotate_row`: 16 elements of a rotated span an iteration, in [`rope::rotate`]'s
 /// arithmetic lane by lane (bit for bit). Mode `half` rotates 8-lane groups of the two halves
-/// against each other; `interleave` swaps each 8-lane group's pairs in the register and takes
+/// against each other, in [`Row::load16_in_lanes`]'s order where `cos`/`sin` are of `x`'s type
+/// (bf16 `[1, 32, 2048, 128]`, Zen 3: two threads 1.48–1.52 → 1.22–1.51 ms, one thread 2.91–2.98
+/// → 2.43–2.62, bound by the widening's and narrowing's shifts and shuffles); `interleave` swaps each 8-lane group's pairs in the register and takes
 /// `x·cos ∓ swapped·sin` with one `addsub` (its inverse with an add, a subtract and a blend: a
 /// negated product would flip the sign of NaN results). Past the cache when `streaming` and every
 /// 16-element store lands 32-byte aligned (`out` aligned; in mode `half`, the second half too).
@@ -353,20 +356,38 @@ unsafe fn rotate_in<T: Row, C: Row>(
         Mode::Half => {
             let h = r / 2;
             let whole = h / 16 * 16;
-            for i in (0..whole).step_by(16) {
-                let pair = |g: usize| {
-                    let (a, b) = (T::load8(px.add(g)), T::load8(px.add(h + g)));
-                    let (ca, sa) = (C::load8(pc.add(g)), C::load8(ps.add(g)));
-                    let (cb, sb) = (C::load8(pc.add(h + g)), C::load8(ps.add(h + g)));
-                    if inverse {
-                        [_mm256_add_ps(mul(a, ca), mul(b, sb)), _mm256_sub_ps(mul(b, cb), mul(a, sa))]
-                    } else {
-                        [_mm256_sub_ps(mul(a, ca), mul(b, sa)), _mm256_add_ps(mul(b, cb), mul(a, sb))]
-                    }
-                };
-                let ([low, low2], [high, high2]) = (pair(i), pair(i + 8));
-                T::store16(po.add(i), low, high, streaming);
-                T::store16(po.add(h + i), low2, high2, streaming);
+            let rotate = |[a, b, ca, sa, cb, sb]: [__m256; 6]| {
+                if inverse {
+                    [_mm256_add_ps(mul(a, ca), mul(b, sb)), _mm256_sub_ps(mul(b, cb), mul(a, sa))]
+                } else {
+                    [_mm256_sub_ps(mul(a, ca), mul(b, sa)), _mm256_add_ps(mul(b, cb), mul(a, sb))]
+                }
+            };
+            if T::DTYPE == C::DTYPE {
+                // Every operand in the same order of lanes, so the cheaper in-lane widening.
+                let pc = pc as *const T;
+                let ps = ps as *const T;
+                for i in (0..whole).step_by(16) {
+                    let (a, b) = (T::load16_in_lanes(px.add(i)), T::load16_in_lanes(px.add(h + i)));
+                    let (ca, sa) = (T::load16_in_lanes(pc.add(i)), T::load16_in_lanes(ps.add(i)));
+                    let (cb, sb) = (T::load16_in_lanes(pc.add(h + i)), T::load16_in_lanes(ps.add(h + i)));
+                    let [low, low2] = rotate([a[0], b[0], ca[0], sa[0], cb[0], sb[0]]);
+                    let [high, high2] = rotate([a[1], b[1], ca[1], sa[1], cb[1], sb[1]]);
+                    T::store16_in_lanes(po.add(i), low, high, streaming);
+                    T::store16_in_lanes(po.add(h + i), low2, high2, streaming);
+                }
+            } else {
+                for i in (0..whole).step_by(16) {
+                    let pair = |g: usize| {
+                        let (a, b) = (T::load8(px.add(g)), T::load8(px.add(h + g)));
+                        let (ca, sa) = (C::load8(pc.add(g)), C::load8(ps.add(g)));
+                        let (cb, sb) = (C::load8(pc.add(h + g)), C::load8(ps.add(h + g)));
+                        rotate([a, b, ca, sa, cb, sb])
+                    };
+                    let ([low, low2], [high, high2]) = (pair(i), pair(i + 8));
+                    T::store16(po.add(i), low, high, streaming);
+                    T::store16(po.add(h + i), low2, high2, streaming);
+                }
             }
             for k in whole..h {
                 rotate_pair(out, k, h + k);
@@ -412,9 +433,10 @@ unsafe fn silu_mul8<const COARSE: bool>(g: __m256, u: __m256) -> __m256 {
 
 /// `out = silu(gate) · up`, narrowed to `T`, 16 elements an iteration (two independent chains);
 /// past the cache when `streaming` and `out` is 32-byte aligned. The lanes go in
-/// [`Row::load16_in_lanes`]'s order: for bf16, four fewer widening steps and no cross-lane
-/// shuffle per 16 elements, on a loop bound by its arithmetic (64x4096 bf16 in cache, one thread,
-/// 0.181 -> 0.163 ms best of three alternations).
+/// [`Row::load16_in_lanes`]'s order: for bf16, two ops to widen 16 elements instead of four and
+/// no cross-lane shuffle, on a loop bound by its arithmetic (64x4096 bf16 in cache, one thread,
+/// 0.181 -> 0.163 ms best of three alternations, in an unpacking order that the even/odd one
+/// replaced: 8x4096, 10.1 -> 10.5 GB/s).
 #[target_feature(enable = "avx2,fma")]
 unsafe fn silu_mul_in<T: Row>(gate: &[T], up: &[T], out: &mut [T], streaming: bool) {
     let streaming = streaming && (out.as_ptr() as usize).is_multiple_of(32);

@@ -652,26 +652,31 @@ unsafe fn narrow_bf16_avx2(src: &[f32], dst: &mut [bf16]) {
 #[target_feature(enable = "avx2")]
 #[inline]
 pub fn bf16x16_avx2(low: std::arch::x86_64::__m256, high: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::{_mm256_packus_epi32, _mm256_permute4x64_epi64};
     // The in-lane pack gives [low 0-3, high 0-3 | low 4-7, high 4-7]; the permute puts the four
     // quarters back in order.
-    std::arch::x86_64::_mm256_permute4x64_epi64::<0b11_01_10_00>(bf16x16_in_lanes_avx2(low, high))
+    _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(bf16_bits_avx2(low), bf16_bits_avx2(high)))
 }
 
-/// 16 f32 lanes as 16 bf16, rounded as [`bf16x16_avx2`], packed within each 128-bit half:
-/// `[low 0-3, high 0-3 | low 4-7, high 4-7]`. It undoes the widening of one 16-element register by
-/// `unpacklo_epi16`/`unpackhi_epi16` (each half's low and high four), so an elementwise kernel
-/// that widens that way stores without a cross-lane shuffle.
+/// 16 f32 lanes as 16 bf16, rounded as [`bf16x16_avx2`]: `even` holds elements 0, 2, …, 14 and
+/// `odd` elements 1, 3, …, 15. It undoes the widening of one 16-element register by a shift left
+/// (the even elements) and a mask (the odd ones), so an elementwise kernel that widens that way
+/// stores with one shift, one `and` and one `or`, and no shuffle: on Zen 3 shifts and shuffles
+/// share two of the four vector pipes, where they bound the bf16 loops with little arithmetic
+/// (rope).
 ///
 /// # Safety
 /// Only on CPUs with AVX2 (a caller built without the feature must check it).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
-pub fn bf16x16_in_lanes_avx2(
-    low: std::arch::x86_64::__m256,
-    high: std::arch::x86_64::__m256,
+pub fn bf16x16_even_odd_avx2(
+    even: std::arch::x86_64::__m256,
+    odd: std::arch::x86_64::__m256,
 ) -> std::arch::x86_64::__m256i {
-    std::arch::x86_64::_mm256_packus_epi32(bf16_bits_avx2(low), bf16_bits_avx2(high))
+    use std::arch::x86_64::{_mm256_and_si256, _mm256_or_si256, _mm256_set1_epi32, _mm256_srli_epi32};
+    let high_half = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+    _mm256_or_si256(_mm256_srli_epi32::<16>(bf16_high_avx2(even)), _mm256_and_si256(bf16_high_avx2(odd), high_half))
 }
 
 /// The bf16 bits of 8 f32 lanes, in the low halves of 32-bit lanes (so `packus` cannot saturate).
@@ -679,15 +684,26 @@ pub fn bf16x16_in_lanes_avx2(
 #[target_feature(enable = "avx2")]
 #[inline]
 fn bf16_bits_avx2(v: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256i {
+    std::arch::x86_64::_mm256_srli_epi32::<16>(bf16_high_avx2(v))
+}
+
+/// The bf16 bits of 8 f32 lanes, rounded as [`f32_to_bf16_bits`], in the high halves of 32-bit
+/// lanes (the low halves are left over from the rounding). The rounding adds `0x7fff` plus the
+/// lowest kept bit, that bit found by a compare rather than a shift (see
+/// [`bf16x16_even_odd_avx2`]); NaNs keep their high half, quieted.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn bf16_high_avx2(v: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::{
-        _mm256_add_epi32, _mm256_and_si256, _mm256_blendv_epi8, _mm256_castps_si256, _mm256_cmp_ps, _mm256_or_si256,
-        _mm256_set1_epi32, _mm256_srli_epi32, _CMP_UNORD_Q,
+        _mm256_add_epi32, _mm256_and_si256, _mm256_blendv_epi8, _mm256_castps_si256, _mm256_cmp_ps, _mm256_cmpeq_epi32,
+        _mm256_or_si256, _mm256_set1_epi32, _mm256_setzero_si256, _CMP_UNORD_Q,
     };
     let bits = _mm256_castps_si256(v);
-    let top = _mm256_srli_epi32::<16>(bits);
-    let lsb = _mm256_and_si256(top, _mm256_set1_epi32(1));
-    let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb));
-    let quiet_nan = _mm256_or_si256(top, _mm256_set1_epi32(0x40));
+    // −1 where the lowest kept bit is 0: `bits + 0x8000 − 1`, else `bits + 0x8000`.
+    let even_kept = _mm256_cmpeq_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x1_0000)), _mm256_setzero_si256());
+    let rounded = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x8000)), even_kept);
+    let quiet_nan = _mm256_or_si256(bits, _mm256_set1_epi32(0x40_0000));
     let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
     _mm256_blendv_epi8(rounded, quiet_nan, nan)
 }
@@ -918,23 +934,40 @@ mod tests {
         v
     }
 
-    /// The AVX2 narrowing, called directly so that AVX-512 machines (which route around it)
-    /// check it too: bit for bit the scalar conversion on the awkward values, on pseudo-random bit
-    /// patterns of both signs and on NaNs with payloads that plain rounding would carry into inf.
+    /// The AVX2 narrowings, called directly so that AVX-512 machines (which route around them)
+    /// check them too: bit for bit the scalar conversion on the awkward values, on pseudo-random
+    /// bit patterns of both signs, on ties to either side and on NaNs with payloads that plain
+    /// rounding would carry into inf or past the sign bit. The even/odd form takes each 16 values
+    /// split into its even and odd elements, as its callers widen them.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_bf16_narrowing_matches_the_scalar_one() {
+        use std::arch::x86_64::{__m256i, _mm256_loadu_ps, _mm256_storeu_si256};
         if !std::arch::is_x86_feature_detected!("avx2") {
             return;
         }
         let mut src = awkward_f32s();
         src.extend((0..4099u32).map(|i| f32::from_bits(i.wrapping_mul(0x9e37_79b9))));
-        src.extend([0x7f80_0001u32, 0xff80_7fff, 0x7fc0_0000, 0x7f7f_ffff].map(f32::from_bits));
+        let edges = [0x7f80_0001u32, 0xff80_7fff, 0x7fc0_0000, 0x7f7f_ffff, 0x7fff_ffff, 0xffff_8000];
+        src.extend(edges.into_iter().chain([0x3f80_8000, 0x3f81_8000, 0xbf80_8000, 0xbf81_8000]).map(f32::from_bits));
+        let want = |v: &f32| f32_to_bf16_bits(*v);
         let mut bulk = vec![bf16::ZERO; src.len()];
         // SAFETY: AVX2 was detected above.
         unsafe { narrow_bf16_avx2(&src, &mut bulk) };
         for (v, b) in src.iter().zip(&bulk) {
-            assert_eq!(b.to_bits(), f32_to_bf16_bits(*v), "{v:e} ({:#010x})", v.to_bits());
+            assert_eq!(b.to_bits(), want(v), "{v:e} ({:#010x})", v.to_bits());
+        }
+        // Padded to whole sixteens, so the edge values at the end are checked here too.
+        src.resize(src.len().next_multiple_of(16), 0.0);
+        for sixteen in src.chunks_exact(16) {
+            let [even, odd]: [Vec<f32>; 2] = [0, 1].map(|k| sixteen.iter().skip(k).step_by(2).copied().collect());
+            let mut got = [0u16; 16];
+            // SAFETY: AVX2 was detected above; each Vec holds 8 f32, `got` 16 bf16.
+            unsafe {
+                let bits = bf16x16_even_odd_avx2(_mm256_loadu_ps(even.as_ptr()), _mm256_loadu_ps(odd.as_ptr()));
+                _mm256_storeu_si256(got.as_mut_ptr() as *mut __m256i, bits);
+            }
+            assert_eq!(got.to_vec(), sixteen.iter().map(want).collect::<Vec<_>>(), "{sixteen:?}");
         }
     }
 
