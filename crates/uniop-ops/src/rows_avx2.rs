@@ -324,8 +324,9 @@ unsafe fn scale_weighted_in<T: Row>(x: &[T], next: &[T], w: &[f32], y: &mut [T],
 /// `rope::rotate_row`: 16 elements of a rotated span an iteration, in [`rope::rotate`]'s
 /// arithmetic lane by lane (bit for bit). Mode `half` rotates 8-lane groups of the two halves
 /// against each other, in [`Row::load16_in_lanes`]'s order where `cos`/`sin` are of `x`'s type
-/// (bf16 `[1, 32, 2048, 128]`, Zen 3: two threads 1.48–1.52 → 1.22–1.51 ms, one thread 2.91–2.98
-/// → 2.43–2.62, bound by the widening's and narrowing's shifts and shuffles); `interleave` swaps each 8-lane group's pairs in the register and takes
+/// (bf16 `[1, 32, 2048, 128]`, Zen 3: two threads 1.48–1.52 → 1.22–1.51 ms, one thread
+/// 2.91–2.98 → 2.43–2.62; the loop was bound by its widening's and narrowing's shifts and
+/// shuffles). `interleave` swaps each 8-lane group's pairs in the register and takes
 /// `x·cos ∓ swapped·sin` with one `addsub` (its inverse with an add, a subtract and a blend: a
 /// negated product would flip the sign of NaN results). Past the cache when `streaming` and every
 /// 16-element store lands 32-byte aligned (`out` aligned; in mode `half`, the second half too).
@@ -364,7 +365,7 @@ unsafe fn rotate_in<T: Row, C: Row>(
                 }
             };
             if T::DTYPE == C::DTYPE {
-                // Every operand in the same order of lanes, so the cheaper in-lane widening.
+                // Every operand widened in the same order of lanes (for bf16 the cheaper one).
                 let pc = pc as *const T;
                 let ps = ps as *const T;
                 for i in (0..whole).step_by(16) {
