@@ -63,9 +63,13 @@ trait Row: FloatElement {
     /// Lanes of [`Row::load16_in_lanes`]'s order narrowed and stored at `p` in element order; past
     /// the cache when `streaming`, where `p` must be 32-byte aligned.
     unsafe fn store16_in_lanes(p: *mut Self, low: __m256, high: __m256, streaming: bool);
+    /// Whether [`Row::load16_in_lanes`] gives the even elements, then the odd ones: each pair
+    /// `(2j, 2j + 1)` is then lane `j` of the two registers.
+    const EVEN_ODD: bool;
 }
 
 impl Row for f32 {
+    const EVEN_ODD: bool = false;
     #[inline(always)]
     unsafe fn load8(p: *const f32) -> __m256 {
         _mm256_loadu_ps(p)
@@ -96,6 +100,7 @@ impl Row for f32 {
 }
 
 impl Row for bf16 {
+    const EVEN_ODD: bool = true;
     #[inline(always)]
     unsafe fn load8(p: *const bf16) -> __m256 {
         widen8(_mm_loadu_si128(p as *const __m128i))
@@ -326,8 +331,10 @@ unsafe fn scale_weighted_in<T: Row>(x: &[T], next: &[T], w: &[f32], y: &mut [T],
 /// against each other, in [`Row::load16_in_lanes`]'s order where `cos`/`sin` are of `x`'s type
 /// (bf16 `[1, 32, 2048, 128]`, Zen 3: two threads 1.48–1.52 → 1.22–1.51 ms, one thread
 /// 2.91–2.98 → 2.43–2.62; the loop was bound by its widening's and narrowing's shifts and
-/// shuffles). `interleave` swaps each 8-lane group's pairs in the register and takes
-/// `x·cos ∓ swapped·sin` with one `addsub` (its inverse with an add, a subtract and a blend: a
+/// shuffles). `interleave` in bf16 with bf16 tables takes the even elements against the odd ones
+/// in that order, as mode `half` its halves (in cache, one thread, `[1, 8, 64, 128]`: 0.025 → 0.020
+/// ms, its inverse 0.028 → 0.020); otherwise it swaps each 8-lane group's pairs in the register and
+/// takes `x·cos ∓ swapped·sin` with one `addsub` (its inverse with an add, a subtract and a blend: a
 /// negated product would flip the sign of NaN results). Past the cache when `streaming` and every
 /// 16-element store lands 32-byte aligned (`out` aligned; in mode `half`, the second half too).
 #[target_feature(enable = "avx2,fma")]
@@ -353,21 +360,21 @@ unsafe fn rotate_in<T: Row, C: Row>(
         let (o, o2) = rope::rotate(a, b, ca, sa, cb, sb, inverse);
         (out[j], out[k]) = (T::from_f32(o), T::from_f32(o2));
     };
+    // Pairs (a, b) of 8 lanes each rotated by their own cos and sin.
+    let rotate = |[a, b, ca, sa, cb, sb]: [__m256; 6]| {
+        if inverse {
+            [_mm256_add_ps(mul(a, ca), mul(b, sb)), _mm256_sub_ps(mul(b, cb), mul(a, sa))]
+        } else {
+            [_mm256_sub_ps(mul(a, ca), mul(b, sa)), _mm256_add_ps(mul(b, cb), mul(a, sb))]
+        }
+    };
     match mode {
         Mode::Half => {
             let h = r / 2;
             let whole = h / 16 * 16;
-            let rotate = |[a, b, ca, sa, cb, sb]: [__m256; 6]| {
-                if inverse {
-                    [_mm256_add_ps(mul(a, ca), mul(b, sb)), _mm256_sub_ps(mul(b, cb), mul(a, sa))]
-                } else {
-                    [_mm256_sub_ps(mul(a, ca), mul(b, sa)), _mm256_add_ps(mul(b, cb), mul(a, sb))]
-                }
-            };
             if T::DTYPE == C::DTYPE {
                 // Every operand widened in the same order of lanes (for bf16 the cheaper one).
-                let pc = pc as *const T;
-                let ps = ps as *const T;
+                let (pc, ps) = (pc as *const T, ps as *const T);
                 for i in (0..whole).step_by(16) {
                     let (a, b) = (T::load16_in_lanes(px.add(i)), T::load16_in_lanes(px.add(h + i)));
                     let (ca, sa) = (T::load16_in_lanes(pc.add(i)), T::load16_in_lanes(ps.add(i)));
@@ -392,6 +399,21 @@ unsafe fn rotate_in<T: Row, C: Row>(
             }
             for k in whole..h {
                 rotate_pair(out, k, h + k);
+            }
+        }
+        Mode::Interleave if T::EVEN_ODD && T::DTYPE == C::DTYPE => {
+            // The even and odd elements in two registers: each pair is one lane of both, rotated
+            // as in mode `half`, with no permute.
+            let whole = r / 16 * 16;
+            let (pc, ps) = (pc as *const T, ps as *const T);
+            for i in (0..whole).step_by(16) {
+                let [a, b] = T::load16_in_lanes(px.add(i));
+                let ([ca, cb], [sa, sb]) = (T::load16_in_lanes(pc.add(i)), T::load16_in_lanes(ps.add(i)));
+                let [even, odd] = rotate([a, b, ca, sa, cb, sb]);
+                T::store16_in_lanes(po.add(i), even, odd, streaming);
+            }
+            for k in (whole..r).step_by(2) {
+                rotate_pair(out, k, k + 1);
             }
         }
         Mode::Interleave => {
