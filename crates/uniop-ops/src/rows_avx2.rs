@@ -401,42 +401,39 @@ unsafe fn rotate_in<T: Row, C: Row>(
                 rotate_pair(out, k, h + k);
             }
         }
-        Mode::Interleave if T::EVEN_ODD && T::DTYPE == C::DTYPE => {
-            // The even and odd elements in two registers: each pair is one lane of both, rotated
-            // as in mode `half`, with no permute.
-            let whole = r / 16 * 16;
-            let (pc, ps) = (pc as *const T, ps as *const T);
-            for i in (0..whole).step_by(16) {
-                let [a, b] = T::load16_in_lanes(px.add(i));
-                let ([ca, cb], [sa, sb]) = (T::load16_in_lanes(pc.add(i)), T::load16_in_lanes(ps.add(i)));
-                let [even, odd] = rotate([a, b, ca, sa, cb, sb]);
-                T::store16_in_lanes(po.add(i), even, odd, streaming);
-            }
-            for k in (whole..r).step_by(2) {
-                rotate_pair(out, k, k + 1);
-            }
-        }
         Mode::Interleave => {
             let whole = r / 16 * 16;
-            // Swaps each pair of lanes: [a, b, …] → [b, a, …].
-            const SWAP: i32 = 0b10_11_00_01;
-            // Takes the odd lanes from the second operand.
-            const ODD: i32 = 0b1010_1010;
-            for i in (0..whole).step_by(16) {
-                let group = |g: usize| {
-                    let (v, c, s) = (T::load8(px.add(g)), C::load8(pc.add(g)), C::load8(ps.add(g)));
-                    let swapped = _mm256_permute_ps::<SWAP>(v);
-                    if inverse {
-                        // With each lane's partner's sine: even lanes a·ca + b·sb, odd ones
-                        // b·cb − a·sa.
-                        let (p, q) = (mul(v, c), mul(swapped, _mm256_permute_ps::<SWAP>(s)));
-                        _mm256_blend_ps::<ODD>(_mm256_add_ps(p, q), _mm256_sub_ps(p, q))
-                    } else {
-                        // `addsub`: even lanes a·ca − b·sa, odd ones b·cb + a·sb.
-                        _mm256_addsub_ps(mul(v, c), mul(swapped, s))
-                    }
-                };
-                T::store16(po.add(i), group(i), group(i + 8), streaming);
+            if T::EVEN_ODD && T::DTYPE == C::DTYPE {
+                // The even and odd elements in two registers: each pair is one lane of both,
+                // rotated as in mode `half`, with no permute.
+                let (pc, ps) = (pc as *const T, ps as *const T);
+                for i in (0..whole).step_by(16) {
+                    let [a, b] = T::load16_in_lanes(px.add(i));
+                    let ([ca, cb], [sa, sb]) = (T::load16_in_lanes(pc.add(i)), T::load16_in_lanes(ps.add(i)));
+                    let [even, odd] = rotate([a, b, ca, sa, cb, sb]);
+                    T::store16_in_lanes(po.add(i), even, odd, streaming);
+                }
+            } else {
+                // Swaps each pair of lanes: [a, b, …] → [b, a, …].
+                const SWAP: i32 = 0b10_11_00_01;
+                // Takes the odd lanes from the second operand.
+                const ODD: i32 = 0b1010_1010;
+                for i in (0..whole).step_by(16) {
+                    let group = |g: usize| {
+                        let (v, c, s) = (T::load8(px.add(g)), C::load8(pc.add(g)), C::load8(ps.add(g)));
+                        let swapped = _mm256_permute_ps::<SWAP>(v);
+                        if inverse {
+                            // With each lane's partner's sine: even lanes a·ca + b·sb, odd ones
+                            // b·cb − a·sa.
+                            let (p, q) = (mul(v, c), mul(swapped, _mm256_permute_ps::<SWAP>(s)));
+                            _mm256_blend_ps::<ODD>(_mm256_add_ps(p, q), _mm256_sub_ps(p, q))
+                        } else {
+                            // `addsub`: even lanes a·ca − b·sa, odd ones b·cb + a·sb.
+                            _mm256_addsub_ps(mul(v, c), mul(swapped, s))
+                        }
+                    };
+                    T::store16(po.add(i), group(i), group(i + 8), streaming);
+                }
             }
             for k in (whole..r).step_by(2) {
                 rotate_pair(out, k, k + 1);
