@@ -499,8 +499,10 @@ uniopStatus uniopLayerNormBackward(void *workspace,
 // Phase 1 of `linear(Tensor x, Tensor weight, Tensor? bias=None) -> (Tensor y)`.
 //
 // y = x @ weight^T + bias, weight [out_features, in_features] (torch.nn.functional.linear / HF
-// layout); x [..., in_features]; bias optional [out_features]. float32/float16 via the gemm crate,
-// bfloat16 via uniop's AVX512-BF16 kernel.
+// layout); x [..., in_features]; bias optional [out_features]. bfloat16 via uniop's packed GEMM
+// (AVX512-BF16, AMX tiles, or FMAs on widened pairs; float32 sums); float32 via it too on
+// AVX-512/AVX2 CPUs (64 rows or more, in_features up to 2048), else via the gemm crate, as
+// float16; few rows run as dot products.
 uniopStatus uniopLinearGetWorkspaceSize(const uniopTensor *x,
                                         const uniopTensor *weight,
                                         const uniopTensor *bias,
@@ -727,8 +729,9 @@ uniopStatus uniopLogSoftmaxBackward(void *workspace,
 //
 // Batched matrix product a [..., M, K] x b [..., K, N] -> [..., M, N]; batch dims broadcast
 // (torch.matmul for rank >= 2); any strides, so transposed operands cost nothing. float32 and
-// float16 (float32 accumulation) via the gemm crate, bfloat16 via uniop's AVX512-BF16 kernel
-// (float32 sums), inside uniop's SPMD blocks.
+// float16 (float32 accumulation) via the gemm crate, float32 with b dense along K via uniop's
+// packed GEMM on AVX-512/AVX2 CPUs, bfloat16 via uniop's packed GEMM (AVX512-BF16, AMX tiles, or
+// FMAs on widened pairs; float32 sums), inside uniop's SPMD blocks.
 uniopStatus uniopMatmulGetWorkspaceSize(const uniopTensor *a,
                                         const uniopTensor *b,
                                         uniopTensor *out,

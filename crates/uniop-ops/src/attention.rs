@@ -64,8 +64,8 @@
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
 use crate::packed_gemm::{gemm_rows_packed, gemm_rows_prepacked, Packed, PackedRhs, PREPACKED_STEP};
-use crate::skinny::Simd;
 use crate::skinny::SKINNY_ROWS;
+use crate::skinny::{Dots, Simd};
 use std::ops::Range;
 use uniop::half::{bf16, f16};
 use uniop::layout::ShapeDisplay;
@@ -1143,7 +1143,7 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (stat
     let on_bf16_gemm = T::DTYPE == DType::BF16;
     // f32 runs on the packed f32 GEMM with the same panels where that GEMM exists (AVX-512); the
     // `gemm` crate would pack K and V on every product.
-    let panels_apply = on_bf16_gemm || (T::DTYPE == DType::F32 && <f32 as Packed>::level() == Simd::Avx512);
+    let panels_apply = on_bf16_gemm || (T::DTYPE == DType::F32 && <f32 as Dots>::best() == Simd::Avx512);
     // By dtype, not by trying `storage::<bf16>()`: a failed one formats its error message.
     let (kb, vb) = match on_bf16_gemm {
         true => {

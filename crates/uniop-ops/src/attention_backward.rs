@@ -519,7 +519,7 @@ impl Products {
         }
         match bf16_gemm {
             true => Products::Bf16Panels,
-            false if <f32 as Packed>::level() == Simd::Avx512 => Products::F32Panels,
+            false if <f32 as Dots>::best() == Simd::Avx512 => Products::F32Panels,
             false => Products::Rows,
         }
     }

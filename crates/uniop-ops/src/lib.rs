@@ -143,11 +143,11 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
 /// `[("bfloat16", level), ("float32", level)]`, level `"amx"` (bf16 only: AMX tiles, with
 /// AVX512-BF16 for few-row products), `"avx512"` (for bf16: AVX512-BF16's pair products, or on
 /// Intel cores without AMX the pairs widened for FMAs, which run there at twice `vdpbf16ps`'s rate),
-/// `"avx2"` or `"scalar"`. For f32 the level is that of the few-row kernel and, at `"avx512"`, of
-/// the packed kernel that runs products with a k-dense weight up to depth 2048; other f32 products
-/// run on the `gemm` crate, which picks its own. Frameworks use this to choose between their GEMM
-/// and uniop's (`uniop.torch.patch_llama` keeps torch's f32 GEMM for prefill on Intel CPUs and on CPUs without
-/// AVX-512).
+/// `"avx2"` (bf16 pairs widened for FMAs) or `"scalar"`. For f32 the level is that of the few-row
+/// kernel and, at `"avx512"` and `"avx2"`, of the packed kernel that runs products with a k-dense
+/// weight up to depth 2048; other f32 products run on the `gemm` crate, which picks its own.
+/// Frameworks use this to choose between their GEMM and uniop's (`uniop.torch.patch_llama` keeps
+/// torch's f32 GEMM for prefill on Intel CPUs and on CPUs without AVX-512).
 pub fn gemm_kernels() -> [(&'static str, &'static str); 2] {
     use skinny::{Dots, Simd};
     let name = |s: Simd| match s {

@@ -214,7 +214,9 @@ impl Op for Linear {
 
     fn doc(&self) -> &'static str {
         "y = x @ weight^T + bias, weight [out_features, in_features] (torch.nn.functional.linear / HF layout); x \
-         [..., in_features]; bias optional [out_features]. float32/float16 via the gemm crate, bfloat16 via uniop's AVX512-BF16 kernel."
+         [..., in_features]; bias optional [out_features]. bfloat16 via uniop's packed GEMM (AVX512-BF16, AMX \
+         tiles, or FMAs on widened pairs; float32 sums); float32 via it too on AVX-512/AVX2 CPUs (64 rows or more, \
+         in_features up to 2048), else via the gemm crate, as float16; few rows run as dot products."
     }
 
     fn dtypes(&self) -> &'static [DType] {

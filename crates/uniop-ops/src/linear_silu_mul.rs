@@ -23,8 +23,8 @@
 use crate::linear::{reference_rows, x_and_weight, Bands, Dims};
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat, DTYPES, PACKED_F32_MAX_K};
-use crate::packed_gemm::{gemm_rows_pairs, pairs_apply, Packed, PairedWeights, HALF, PAIRED_COLUMNS};
-use crate::skinny::Simd;
+use crate::packed_gemm::{gemm_rows_pairs, pairs_apply, PairedWeights, HALF, PAIRED_COLUMNS};
+use crate::skinny::{Dots, Simd};
 use uniop::half::bf16;
 use uniop::{
     with_float_dtype, BlockCtx, DType, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan, RefTensor,
@@ -114,7 +114,7 @@ impl<T: FloatElement> Operands<T> {
     }
 }
 
-/// Depth up to which f32 products pair on AVX-512 CPUs: twice as deep as `gemm_rows` runs its
+/// Depth up to which f32 products pair on AVX-512 and AVX2 CPUs: twice as deep as `gemm_rows` runs its
 /// packed kernel ([`PACKED_F32_MAX_K`], past which a column block of packed B leaves the cache),
 /// because the generic route costs more here than a `linear` does: each of its 256-row chunks
 /// transposes its weight chunk again. At k = 4096 (`uniop bench --ops linear_silu_mul --dtypes f32`,
@@ -129,7 +129,7 @@ fn paired(dtype: DType, rows: usize, k: usize) -> bool {
     pairs_apply(rows)
         && match dtype {
             DType::BF16 => true,
-            DType::F32 => <f32 as Packed>::level() == Simd::Avx512 && k <= PAIRED_F32_MAX_K,
+            DType::F32 => <f32 as Dots>::best() != Simd::Scalar && k <= PAIRED_F32_MAX_K,
             _ => false,
         }
 }

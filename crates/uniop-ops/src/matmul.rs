@@ -5,9 +5,9 @@
 //! Kernels: the `gemm` crate (f32, f16 with f32 accumulation) called single-threaded inside
 //! uniop's SPMD blocks, each block owning a band of rows of one batch — the pool stays the only
 //! source of parallelism (no second thread pool spinning on the same cores). bf16 runs our own
-//! AVX512-BF16 kernel ([`crate::packed_gemm`]; the `gemm` crate has none), f32 sums rounded once.
+//! packed kernel ([`crate::packed_gemm`]; the `gemm` crate has none), f32 sums rounded once, and so
+//! do f32 products whose B is dense along k (HF-layout weights) on AVX-512 and AVX2 CPUs.
 
-use crate::packed_gemm::Packed;
 use crate::skinny::{Dots, Simd};
 use uniop::half::bf16;
 use uniop::layout::ShapeDisplay;
@@ -179,7 +179,7 @@ pub(crate) unsafe fn gemm_rows<T: Element>(
     }
     if T::DTYPE == DType::F32 && rhs.rs == 1 && rhs.cs != 1 && rows.len() >= ROW_MAJOR_B_MIN_ROWS {
         let (dst, lhs, rhs) = (dst.cast::<f32>(), lhs.cast::<f32>(), rhs.cast::<f32>());
-        if <f32 as Packed>::level() == Simd::Avx512 && k <= PACKED_F32_MAX_K {
+        if <f32 as Dots>::best() != Simd::Scalar && k <= PACKED_F32_MAX_K {
             // Packing transposes B's k-dense lines straight into panels: one pass over B.
             return crate::packed_gemm::gemm_rows_packed(rows, n, k, dst, lhs, rhs, accumulate);
         }
@@ -212,7 +212,7 @@ pub(crate) unsafe fn gemm_rows<T: Element>(
 
 /// Rows that share a transposed copy of B, at least (below, the copy would cost more than it saves).
 const ROW_MAJOR_B_MIN_ROWS: usize = 64;
-/// Depth up to which an f32 product with a k-dense B runs the packed kernel on AVX-512 CPUs
+/// Depth up to which an f32 product with a k-dense B runs the packed kernel on AVX-512 and AVX2 CPUs
 /// (alternated `uniop bench --ops linear`, 2 threads): faster than the transposed copy at k = 384
 /// (1.44 -> 1.40 ms), 1024 (11.4 -> 10.4) and 2048 (90 -> 83), slower at 4096 (660-680 -> 675-760 ms).
 /// Since deep f32 products add their sums in the output slice by slice (`packed_gemm::multiply`), B's
@@ -299,8 +299,9 @@ impl Op for Matmul {
     fn doc(&self) -> &'static str {
         "Batched matrix product a [..., M, K] x b [..., K, N] -> [..., M, N]; batch dims broadcast (torch.matmul \
          for rank >= 2); any strides, so transposed operands cost nothing. float32 and float16 (float32 \
-         accumulation) via the gemm crate, bfloat16 via uniop's AVX512-BF16 kernel (float32 sums), inside uniop's SPMD \
-         blocks."
+         accumulation) via the gemm crate, float32 with b dense along K via uniop's packed GEMM on AVX-512/AVX2 \
+         CPUs, bfloat16 via uniop's packed GEMM (AVX512-BF16, AMX tiles, or FMAs on widened pairs; float32 sums), \
+         inside uniop's SPMD blocks."
     }
 
     fn dtypes(&self) -> &'static [DType] {

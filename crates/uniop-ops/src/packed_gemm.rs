@@ -1,6 +1,6 @@
 //! Packed GEMM with f32 sums, our own for two cases the `gemm` crate serves badly: bf16 operands
-//! (it has no bf16 path) and, on AVX-512 CPUs, f32 with B dense along k — a weight in HF's
-//! `[N, K]` layout — which it ran at 55–65% of its row-major speed for k ≥ 1000 (and which
+//! (it has no bf16 path) and, on AVX-512 and AVX2 CPUs, f32 with B dense along k — a weight in
+//! HF's `[N, K]` layout — which it ran at 55–65% of its row-major speed for k ≥ 1000 (and which
 //! otherwise costs a transposed copy of the weight per row band before its own packing).
 //!
 //! The structure is the usual BLIS one: B is packed into 32-column panels, `MC`-row blocks of A
@@ -15,21 +15,22 @@
 //! than one slice are carried between slices in an f32 scratch block, so the output (f32 or bf16)
 //! is rounded once.
 //!
-//! On Intel cores without AMX, whose `vdpbf16ps` issues at half their FMA rate, bf16 runs the same
-//! panels through FMAs instead ([`Micro::WidenedFma`]): A's block is widened to f32 once per
-//! slice, each B panel's slice once before the row panels that read it, and the f32 micro-kernel
-//! multiplies them.
+//! On Intel cores without AMX, whose `vdpbf16ps` issues at half their FMA rate, and on CPUs
+//! without AVX512-BF16, bf16 runs the same panels through FMAs instead ([`Micro::Widened`]): A's
+//! block is widened to f32 once per slice, each B panel's slice once before the row panels that
+//! read it, and the f32 micro-kernel of the CPU's level multiplies them.
 //!
 //! bf16 on CPUs with AMX runs on its tiles instead ([`crate::amx`]): the same B panels, whose
 //! `[word][32 columns]` rows are AMX's pair-interleaved layout already, times A packed as rows of
 //! words, 32 × 32 output blocks at a time — several times the `vdpbf16ps` kernel's throughput.
 //!
-//! bf16 on machines without AVX512-BF16 runs an AVX2 micro-kernel (or, without AVX2, a portable
-//! one) over the same packed panels: the same f32 sums, each pair widened to f32 by shifts and
-//! multiplied with FMAs, so packing, blocking and edge handling are one code path. f32 is routed
-//! here only on AVX-512 CPUs (elsewhere the `gemm` crate runs it); the portable micro-kernel
-//! covers its packing in tests. Scratch lives in per-thread buffers reused across calls, like the
-//! `gemm` crate's.
+//! On AVX2 the f32 micro-kernel walks its 8 × 32 tile in four 4 × 16 parts (16 registers do not
+//! hold the whole tile). Widening once per block instead of per step (the AVX2 kernel used to
+//! widen each pair word it multiplied) runs bf16 as fast as f32 there: a 1024-deep `linear` of 512
+//! rows took 36–39 ms on one Zen 3 core before, 26–27 after. Below AVX2 a portable micro-kernel
+//! multiplies the words, bf16 pairs included; it covers the packing in tests, and f32 products go
+//! to the `gemm` crate on such CPUs. Scratch lives in per-thread buffers reused across calls, like
+//! the `gemm` crate's.
 
 use crate::matmul::{Dst, Mat};
 use crate::skinny::{Dots, Simd};
@@ -93,13 +94,11 @@ impl GemmOut for bf16 {
 }
 
 /// Operand element types: how `PER_WORD` consecutive-k elements become one packed 32-bit word,
-/// and the AVX-512 micro-kernel that multiplies such words.
+/// and the AVX-512 micro-kernel that multiplies such words. Their micro-kernel level is
+/// [`Dots::best`].
 pub(crate) trait Packed: Element + Dots {
     /// Elements along k per packed word: 2 for bf16 (a `vdpbf16ps` pair), 1 for f32.
     const PER_WORD: usize;
-    /// The micro-kernel level this type runs here: [`Dots::best`], except that f32 has no AVX2
-    /// packed kernel (the `gemm` crate serves f32 on such CPUs).
-    fn level() -> Simd;
     /// The element's bits in the low part of a word.
     fn bits(self) -> u32;
     /// A word's elements as f32 (f32's second is 0): the portable micro-kernel's operands.
@@ -128,9 +127,6 @@ pub(crate) trait Packed: Element + Dots {
 
 impl Packed for bf16 {
     const PER_WORD: usize = 2;
-    fn level() -> Simd {
-        <bf16 as Dots>::best()
-    }
     fn bits(self) -> u32 {
         self.to_bits() as u32
     }
@@ -155,12 +151,6 @@ impl Packed for bf16 {
 
 impl Packed for f32 {
     const PER_WORD: usize = 1;
-    fn level() -> Simd {
-        match <f32 as Dots>::best() {
-            Simd::Avx512 => Simd::Avx512,
-            _ => Simd::Scalar,
-        }
-    }
     fn bits(self) -> u32 {
         self.to_bits()
     }
@@ -243,8 +233,9 @@ thread_local! {
 enum Micro {
     Amx,
     Simd(Simd),
-    /// bf16 pair words widened to f32 and multiplied with FMAs, on AVX-512 ([`bf16_on_fma`]).
-    WidenedFma,
+    /// bf16 pair words widened to f32 and multiplied with the f32 micro-kernel of this level: on
+    /// AVX-512 Intel cores without AMX ([`bf16_on_fma`]) and on CPUs whose best is AVX2.
+    Widened(Simd),
 }
 
 impl Micro {
@@ -254,7 +245,7 @@ impl Micro {
             Micro::Amx => KC_AMX_WORDS,
             Micro::Simd(_) => KC_WORDS,
             // Widened, a slice's B panel is as large as an f32 one of KC_WORDS (32 KiB).
-            Micro::WidenedFma => KC_WORDS / 2,
+            Micro::Widened(_) => KC_WORDS / 2,
         }
     }
 
@@ -264,7 +255,7 @@ impl Micro {
             // Each widened B panel slice then serves 16 row panels: at 8 (64 rows), widening it took
             // 13% of the product's time, and 1024x4096 bf16 `linear_packed` ran 135 -> 141-144
             // GFLOP/s on one core (256x512: 148 -> 155).
-            Micro::WidenedFma => 2 * MC,
+            Micro::Widened(_) => 2 * MC,
             Micro::Amx | Micro::Simd(_) => MC,
         }
     }
@@ -272,25 +263,25 @@ impl Micro {
     /// The SIMD level of the few-row dot products, which AMX products hand their skinny cases to.
     fn simd(self) -> Simd {
         match self {
-            Micro::Amx | Micro::WidenedFma => Simd::Avx512,
-            Micro::Simd(simd) => simd,
+            Micro::Amx => Simd::Avx512,
+            Micro::Simd(simd) | Micro::Widened(simd) => simd,
         }
     }
 }
 
 /// Whether bf16 products run on AMX tiles here (they need AVX512-BF16's conversions too).
 pub(crate) fn bf16_on_amx() -> bool {
-    <bf16 as Packed>::level() == Simd::Avx512 && crate::amx::available()
+    <bf16 as Dots>::best() == Simd::Avx512 && crate::amx::available()
 }
 
-/// Whether bf16 products multiply their pairs as f32 FMAs ([`Micro::WidenedFma`]) rather than
+/// Whether bf16 products multiply their pairs as f32 FMAs ([`Micro::Widened`]) rather than
 /// with `vdpbf16ps`: on Intel cores without AMX. Their `vdpbf16ps` issues at half the rate of
 /// their two 512-bit FMA pipes, so its 32 products per instruction bring no more than an FMA's
 /// 16 (one Xeon core: ~90 GFLOP/s against ~170; 2048x4096 bf16 `linear` ran at 161 GFLOP/s on two
 /// cores, f32's at 286). Zen 4 runs `vdpbf16ps` at twice its FMA rate and keeps it.
 pub(crate) fn bf16_on_fma() -> bool {
     static INTEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    <bf16 as Packed>::level() == Simd::Avx512 && !bf16_on_amx() && *INTEL.get_or_init(intel)
+    <bf16 as Dots>::best() == Simd::Avx512 && !bf16_on_amx() && *INTEL.get_or_init(intel)
 }
 
 /// Whether the CPU's vendor id (CPUID leaf 0: EBX, EDX, ECX) is Intel's.
@@ -311,7 +302,7 @@ fn intel() -> bool {
 const AMX_TRANSPOSED_MIN_K: usize = 1024;
 
 /// Whether `threads` blocks should split a `dtype` product of `rows` rows and `n` columns by
-/// columns rather than rows. bf16 on AMX and f32 on AVX-512 pack B (or copy it, transposed) in
+/// columns rather than rows. bf16 on AMX and f32 on AVX-512 or AVX2 pack B (or copy it, transposed) in
 /// every block that multiplies it, which costs as much as a fifth of the products when the rows
 /// are few against the columns; bands of columns give each block only its share to pack. f32
 /// on 2 threads of an AMX Xeon, row bands' time over column bands' (median of 6 alternated
@@ -320,7 +311,7 @@ const AMX_TRANSPOSED_MIN_K: usize = 1024;
 pub(crate) fn split_columns(dtype: DType, rows: usize, n: usize, threads: usize) -> bool {
     let packs_per_block = match dtype {
         DType::BF16 => bf16_on_amx(),
-        DType::F32 => <f32 as Packed>::level() == Simd::Avx512,
+        DType::F32 => <f32 as Dots>::best() != Simd::Scalar,
         _ => false,
     };
     packs_per_block && rows <= n / threads
@@ -329,11 +320,12 @@ pub(crate) fn split_columns(dtype: DType, rows: usize, n: usize, threads: usize)
 /// The micro-kernels this CPU runs for `E`, best first: what a test can force here.
 #[cfg(test)]
 fn micro_kernels<E: Packed>() -> impl Iterator<Item = Micro> {
-    let amx = (E::PER_WORD == 2 && bf16_on_amx()).then_some(Micro::Amx);
-    let fma = (E::PER_WORD == 2 && E::level() == Simd::Avx512).then_some(Micro::WidenedFma);
-    // f32 has no AVX2 packed kernel.
-    let simd = Simd::up_to(E::level()).filter(|&s| s != Simd::Avx2 || E::PER_WORD == 2);
-    amx.into_iter().chain(fma).chain(simd.map(Micro::Simd))
+    let pairs = E::PER_WORD == 2;
+    let amx = (pairs && bf16_on_amx()).then_some(Micro::Amx);
+    // Pairs widen for the f32 kernel of each vector level; AVX2 has no pair-word kernel of its own.
+    let widened = Simd::up_to(E::best()).filter(move |&s| pairs && s != Simd::Scalar).map(Micro::Widened);
+    let simd = Simd::up_to(E::best()).filter(move |&s| !pairs || s != Simd::Avx2).map(Micro::Simd);
+    amx.into_iter().chain(widened).chain(simd)
 }
 
 #[cfg(test)]
@@ -350,10 +342,10 @@ fn micro_kernel<E: Packed>() -> Micro {
     }
     if E::PER_WORD == 2 && bf16_on_amx() {
         Micro::Amx
-    } else if E::PER_WORD == 2 && bf16_on_fma() {
-        Micro::WidenedFma
+    } else if E::PER_WORD == 2 && (bf16_on_fma() || E::best() == Simd::Avx2) {
+        Micro::Widened(E::best())
     } else {
-        Micro::Simd(E::level())
+        Micro::Simd(E::best())
     }
 }
 
@@ -798,7 +790,7 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
         #[cfg(target_arch = "x86_64")]
         Micro::Amx => return multiply_amx::<E, O>(rows, (jc, nc), k, dst, lhs, (b, packed), accumulate, (a, c)),
         Micro::Simd(simd) => simd,
-        Micro::WidenedFma => Simd::Avx512,
+        Micro::Widened(simd) => simd,
         #[cfg(not(target_arch = "x86_64"))]
         Micro::Amx => unreachable!("AMX is only detected on x86-64"),
     };
@@ -806,10 +798,11 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
     let (n_slices, slice) = slices::<E>(k, slice_words);
     // A's packed block, then for the widened kernel the same block as f32 and one B panel's slice
     // as f32 after it.
+    let widened = matches!(micro, Micro::Widened(_));
     let block_rows = micro.block_rows();
     let block_words = block_rows * slice_words;
     let wide_b_at = 3 * block_words;
-    a.grow(if micro == Micro::WidenedFma { wide_b_at + 2 * slice_words * NR } else { block_words });
+    a.grow(if widened { wide_b_at + 2 * slice_words * NR } else { block_words });
     // A deep product into f32 rows adds each slice's sums to the output, slice after slice, and so
     // multiplies every row block by one B slice (512 KiB for f32) while it is in L2. Carrying the
     // sums in the scratch block instead walks B's whole depth for each row block — 8 MiB at
@@ -830,7 +823,7 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
         let (pc, kc) = slice(si);
         pack::<E, MR>(a, MR, Mat { ptr: lhs.ptr, rs: lhs.cs, cs: lhs.rs }, pc, kc, ic, mc);
         let words = kc.div_ceil(E::PER_WORD);
-        if micro == Micro::WidenedFma {
+        if widened {
             debug_assert_eq!(E::PER_WORD, 2, "only bf16 pairs are widened for FMAs");
             // Once per block, not per B panel: every panel of the block reuses it.
             let (packed_a, wide) = a.split_at_mut(block_words);
@@ -838,7 +831,7 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
         }
         for jr in (0..nc).step_by(NR) {
             let mut b_panel = b.as_ptr().add(packed.panel(jr, si, slice_words));
-            if micro == Micro::WidenedFma {
+            if widened {
                 // Once per panel slice, ahead of the row panels that all read it from L1.
                 let wide_b = &mut a[wide_b_at..];
                 widen_pair_rows::<NR>(std::slice::from_raw_parts(b_panel, words * NR), wide_b);
@@ -861,19 +854,21 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
                     // fetched during its k loop, not after it (2% at k = 4096).
                     prefetch_rows(out, tile_rows);
                 }
-                if micro == Micro::WidenedFma {
+                if widened {
                     let a_wide = a.as_ptr().add(block_words + 2 * ir * words);
-                    micro_avx512_widened(2 * words, a_wide, b_panel, carried, sink, c_tile, out);
+                    if simd == Simd::Avx512 {
+                        micro_avx512_widened(2 * words, a_wide, b_panel, carried, sink, c_tile, out);
+                    } else {
+                        micro_avx2(2 * words, a_wide, b_panel, carried, sink, c_tile, out);
+                    }
                 } else if simd == Simd::Avx512 {
                     E::micro_avx512(words, a_panel, b_panel, carried, sink, c_tile, out);
+                } else if simd == Simd::Avx2 {
+                    debug_assert_eq!(E::PER_WORD, 1, "AVX2 multiplies bf16 pairs widened");
+                    micro_avx2(words, a_panel, b_panel, carried, sink, c_tile, out);
                 } else {
                     let mut tile = [[0f32; NR]; MR];
-                    if simd == Simd::Avx2 {
-                        debug_assert_eq!(E::PER_WORD, 2, "only bf16 has an AVX2 packed kernel");
-                        micro_avx2(words, a_panel, b_panel, carried, &mut tile);
-                    } else {
-                        micro_portable::<E>(words, a_panel, b_panel, carried, &mut tile);
-                    }
+                    micro_portable::<E>(words, a_panel, b_panel, carried, &mut tile);
                     finish(&tile, sink, c_tile, out);
                 }
             }
@@ -1187,7 +1182,7 @@ unsafe fn micro_avx512_bf16<O: GemmOut>(
     micro_avx512(words, a, b, carried, sink, c_tile, out, dot)
 }
 
-/// The same sums as [`micro_avx512_bf16`] with FMAs ([`Micro::WidenedFma`]), over bf16 pairs
+/// The same sums as [`micro_avx512_bf16`] with FMAs ([`Micro::Widened`]), over bf16 pairs
 /// widened beforehand by [`widen_pair_rows`]: `a` and `b` hold f32 rows, `values` of them (two per
 /// pair word), so this is [`micro_avx512_f32`], compiled with AVX512-BF16 for a bf16 output's
 /// rounding (the f32 one runs on AVX-512 CPUs without it).
@@ -1211,7 +1206,7 @@ unsafe fn micro_avx512_widened<O: GemmOut>(
 /// cleared. Written with vector intrinsics: LLVM made the plain loop's stores scatters.
 ///
 /// # Safety
-/// The CPU has AVX2 (the widened kernel's CPUs have AVX-512); `out` holds twice `words`.
+/// The CPU has AVX2 (every widened kernel's CPU does); `out` holds twice `words`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn widen_pair_rows<const W: usize>(words: &[u32], out: &mut [u32]) {
@@ -1387,26 +1382,30 @@ macro_rules! unreachable_micro_kernels {
 #[cfg(not(target_arch = "x86_64"))]
 unreachable_micro_kernels!(micro_avx512_bf16, micro_avx512_widened, micro_avx512_f32);
 
-/// The same sums as [`micro_avx512_bf16`] with AVX2 and FMA, into `tile`. Sixteen registers hold
-/// a 4 × 16 part of the tile at a time (8 sums, the 16 columns' even and odd halves, one row's
-/// pair), so the tile is walked in four parts, each over all pairs; a part's packed B columns
-/// (16 KiB for a full slice) stay in L1 meanwhile. A pair word widens exactly: its low bf16 is
-/// the word shifted left by 16, its high one the word with the low half cleared.
+/// The f32 sums of [`micro_avx512_f32`] with AVX2 and FMA (bf16 pairs come here widened, see
+/// [`Micro::Widened`]). Sixteen registers hold a 4 × 16 part of the tile at a time (8 sums, one B
+/// row's 16 columns in two registers, and a broadcast A element), so the tile is walked in four
+/// parts, each over all words; a part's packed B columns (16 KiB for a full slice) stay in L1
+/// meanwhile. Each finished part goes to `sink` with vector stores where the tile is whole and the
+/// output row-major (the scalar [`finish`] of every f32 tile took a fifth of a 384-deep product's
+/// time), else through [`finish`] once the tile is complete.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn micro_avx2(
-    pairs: usize,
+#[allow(clippy::too_many_arguments)]
+unsafe fn micro_avx2<O: GemmOut>(
+    words: usize,
     a: *const u32,
     b: *const u32,
     carried: Option<*const f32>,
-    tile: &mut [[f32; NR]; MR],
+    sink: Sink,
+    c_tile: *mut f32,
+    out: Dst<O>,
 ) {
     use std::arch::x86_64::*;
     const ROWS: usize = 4;
     const COLS: usize = 16;
-    let high = _mm256_set1_epi32(0xffff_0000_u32 as i32);
-    let even = |w: __m256i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w));
-    let odd = |w: __m256i| _mm256_castsi256_ps(_mm256_and_si256(w, high));
+    let whole_rows = matches!(sink, Sink::Output { rows: MR, cols: NR, .. }) && out.cs == 1;
+    let mut edge_tile = [[0f32; NR]; MR];
     for r0 in (0..MR).step_by(ROWS) {
         for c0 in (0..NR).step_by(COLS) {
             let mut acc = [[_mm256_setzero_ps(); 2]; ROWS];
@@ -1417,28 +1416,72 @@ unsafe fn micro_avx2(
                     }
                 }
             }
-            for p in 0..pairs {
-                let bp = b.add(p * NR + c0) as *const __m256i;
-                let (w0, w1) = (_mm256_loadu_si256(bp), _mm256_loadu_si256(bp.add(1)));
-                let (be0, bo0, be1, bo1) = (even(w0), odd(w0), even(w1), odd(w1));
+            for p in 0..words {
+                let bp = b.add(p * NR + c0) as *const f32;
+                let ap = a.add(p * MR + r0) as *const f32;
+                let (b0, b1) = (_mm256_loadu_ps(bp), _mm256_loadu_ps(bp.add(8)));
                 for (i, row) in acc.iter_mut().enumerate() {
-                    let word = _mm256_set1_epi32(*a.add(p * MR + r0 + i) as i32);
-                    let (ae, ao) = (even(word), odd(word));
-                    row[0] = _mm256_fmadd_ps(ao, bo0, _mm256_fmadd_ps(ae, be0, row[0]));
-                    row[1] = _mm256_fmadd_ps(ao, bo1, _mm256_fmadd_ps(ae, be1, row[1]));
+                    let ai = _mm256_broadcast_ss(&*ap.add(i));
+                    row[0] = _mm256_fmadd_ps(ai, b0, row[0]);
+                    row[1] = _mm256_fmadd_ps(ai, b1, row[1]);
                 }
             }
-            for (i, row) in acc.iter().enumerate() {
-                for (h, &v) in row.iter().enumerate() {
-                    _mm256_storeu_ps(tile[r0 + i].as_mut_ptr().add(c0 + 8 * h), v);
+            for (i, &[lo, hi]) in acc.iter().enumerate() {
+                let (r, c) = (r0 + i, c0);
+                match sink {
+                    Sink::Scratch => {
+                        _mm256_storeu_ps(c_tile.add(r * NC + c), lo);
+                        _mm256_storeu_ps(c_tile.add(r * NC + c + 8), hi);
+                    }
+                    Sink::Output { accumulate, .. } if whole_rows && O::IS_BF16 => {
+                        let o = out.ptr.offset(r as isize * out.rs).add(c) as *mut __m256i;
+                        let (lo, hi) = if accumulate {
+                            let old = _mm256_loadu_si256(o);
+                            let widen =
+                                |h: __m128i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)));
+                            (
+                                _mm256_add_ps(lo, widen(_mm256_castsi256_si128(old))),
+                                _mm256_add_ps(hi, widen(_mm256_extracti128_si256::<1>(old))),
+                            )
+                        } else {
+                            (lo, hi)
+                        };
+                        _mm256_storeu_si256(o, uniop::dtype::bf16x16_avx2(lo, hi));
+                    }
+                    Sink::Output { accumulate, .. } if whole_rows => {
+                        let o = out.ptr.offset(r as isize * out.rs).add(c) as *mut f32;
+                        let (lo, hi) = if accumulate {
+                            (_mm256_add_ps(lo, _mm256_loadu_ps(o)), _mm256_add_ps(hi, _mm256_loadu_ps(o.add(8))))
+                        } else {
+                            (lo, hi)
+                        };
+                        _mm256_storeu_ps(o, lo);
+                        _mm256_storeu_ps(o.add(8), hi);
+                    }
+                    Sink::Output { .. } => {
+                        _mm256_storeu_ps(edge_tile[r].as_mut_ptr().add(c), lo);
+                        _mm256_storeu_ps(edge_tile[r].as_mut_ptr().add(c + 8), hi);
+                    }
                 }
             }
         }
     }
+    if matches!(sink, Sink::Output { .. }) && !whole_rows {
+        finish(&edge_tile, sink, c_tile, out);
+    }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn micro_avx2(_: usize, _: *const u32, _: *const u32, _: Option<*const f32>, _: &mut [[f32; NR]; MR]) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn micro_avx2<O: GemmOut>(
+    _: usize,
+    _: *const u32,
+    _: *const u32,
+    _: Option<*const f32>,
+    _: Sink,
+    _: *mut f32,
+    _: Dst<O>,
+) {
     unreachable!("only selected when the CPU has AVX2")
 }
 
@@ -1483,8 +1526,8 @@ mod tests {
             .find_map(|line| line.strip_prefix("vendor_id"))
             .map(|v| v.trim_start_matches([' ', '\t', ':']));
         assert_eq!(intel(), vendor.map(str::trim) == Some("GenuineIntel"), "vendor_id {vendor:?}");
-        if intel() && !bf16_on_amx() && <bf16 as Packed>::level() == Simd::Avx512 {
-            assert_eq!(micro_kernel::<bf16>(), Micro::WidenedFma);
+        if intel() && !bf16_on_amx() && <bf16 as Dots>::best() == Simd::Avx512 {
+            assert_eq!(micro_kernel::<bf16>(), Micro::Widened(Simd::Avx512));
         }
     }
 

@@ -2109,8 +2109,8 @@ fn packed_forms_match_the_plain_ops<T: uniop::Element>() {
     for (plain, plain_inputs, packed, packed_inputs) in cases {
         let want = run_checked(plain, &plain_inputs, &[]);
         let got = run_checked(packed, &packed_inputs, &n_attr);
-        // f32 products may take the `gemm` crate unpacked (CPUs without AVX-512): equal to the
-        // reference, not bit for bit to the packed kernel.
+        // The plain f32 products take the `gemm` crate (B row-major: the weight is a transposed view):
+        // equal to the reference, not bit for bit to the packed kernel.
         if T::DTYPE == DType::BF16 {
             assert_eq!(got[0], want[0], "{packed} {:?} against {plain}", T::DTYPE);
         }
