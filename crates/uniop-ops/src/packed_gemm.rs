@@ -1360,7 +1360,7 @@ unsafe fn store_avx512<O: GemmOut>(
     }
 }
 
-/// Off x86-64 no AVX-512 micro-kernel is ever selected (the levels come from CPU detection); these
+/// Off x86-64 no AVX-512 or AVX2 micro-kernel is ever selected (the levels come from CPU detection); these
 /// stand in for them so that the callers read the same on every target.
 #[cfg(not(target_arch = "x86_64"))]
 macro_rules! unreachable_micro_kernels {
@@ -1374,13 +1374,13 @@ macro_rules! unreachable_micro_kernels {
             _: *mut f32,
             _: Dst<O>,
         ) {
-            unreachable!("AVX-512 micro-kernels are only selected on x86-64 CPUs that have them")
+            unreachable!("x86-64 micro-kernels are only selected on CPUs that have their instructions")
         }
     )*};
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unreachable_micro_kernels!(micro_avx512_bf16, micro_avx512_widened, micro_avx512_f32);
+unreachable_micro_kernels!(micro_avx512_bf16, micro_avx512_widened, micro_avx512_f32, micro_avx2);
 
 /// The f32 sums of [`micro_avx512_f32`] with AVX2 and FMA (bf16 pairs come here widened, see
 /// [`Micro::Widened`]). Sixteen registers hold a 4 × 16 part of the tile at a time (8 sums, one B
@@ -1469,20 +1469,6 @@ unsafe fn micro_avx2<O: GemmOut>(
     if matches!(sink, Sink::Output { .. }) && !whole_rows {
         finish(&edge_tile, sink, c_tile, out);
     }
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-#[allow(clippy::too_many_arguments)]
-unsafe fn micro_avx2<O: GemmOut>(
-    _: usize,
-    _: *const u32,
-    _: *const u32,
-    _: Option<*const f32>,
-    _: Sink,
-    _: *mut f32,
-    _: Dst<O>,
-) {
-    unreachable!("only selected when the CPU has AVX2")
 }
 
 /// The same sums as [`micro_avx512`] in plain Rust.

@@ -150,11 +150,12 @@ def _mlp_forward(original):
 #   take its AVX-512 kernels: on an AVX-512 EPYC uniop's ran the Llama prefill linears 1.02-1.31x
 #   torch's (the tiny Llama's fp32 prefill 1.03x -> 1.18x patched). On an Intel Xeon (AMX) MKL's
 #   ran them faster: the tiny Llama's fp32 prefill took 0.89x the time with torch's GEMM (median of
-#   8 alternated pairs), so prefill keeps torch's there. On AVX2 alone torch's too (it ran a
-#   tiny-Llama layer's seven 512-row linears in 11.7 ms against uniop's 13.2, best of 12
-#   alternations).
-# - bfloat16: uniop's on every CPU. Without AVX512-BF16 torch's bf16 GEMM ran at ~20 GFLOP/s
-#   and uniop's AVX2 one at ~134 (6.5-7.2x on the Llama shapes). With AMX both use tiles, and
+#   8 alternated pairs), so prefill keeps torch's there. On AVX2 alone torch's too: it ran a
+#   tiny-Llama layer's seven 512-row linears in 11.7 ms against the `gemm` crate's 13.2 (best of 12
+#   alternations), and level with uniop's own AVX2 kernel since (0.95-0.99x), which did not speed
+#   up the patched fp32 prefill either.
+# - bfloat16: uniop's on every CPU. Without AVX512-BF16 torch's bf16 GEMM ran at ~17-20 GFLOP/s
+#   and uniop's AVX2 one at ~146 (7.9-8.5x on the Llama shapes). With AMX both use tiles, and
 #   uniop's ran the tiny Llama's four 512-row linears 1.03-1.17x oneDNN's in all (0.7-0.85x on
 #   384 -> 1024, 1.2-1.4x on the others; alternated, medians): bf16 prefill 1.25x the speed of
 #   torch's GEMM route (median of 8 alternated pairs, at b5bb1e4). With AVX512-BF16 alone (Zen 4)
