@@ -27,7 +27,7 @@
 //! On AVX2 the f32 micro-kernel walks its 8 × 32 tile in four 4 × 16 parts (16 registers do not
 //! hold the whole tile). Widening once per block instead of per step (the AVX2 kernel used to
 //! widen each pair word it multiplied) runs bf16 as fast as f32 there: a 1024-deep `linear` of 512
-//! rows took 36–39 ms on one Zen 3 core before, 26–27 after. Below AVX2 a portable micro-kernel
+//! rows and 2048 columns took 36–39 ms on one Zen 3 core before, 26–27 after. Below AVX2 a portable micro-kernel
 //! multiplies the words, bf16 pairs included; it covers the packing in tests, and f32 products go
 //! to the `gemm` crate on such CPUs. Scratch lives in per-thread buffers reused across calls, like
 //! the `gemm` crate's.
