@@ -1843,31 +1843,50 @@ mod tests {
         FORCED.with(|f| f.set(None));
     }
 
+    /// [`gemm_rows_packed`] into a bf16 output, for every micro-kernel the CPU has, into a
+    /// row-major output (whole tiles take the kernels' vector stores) and a column-major one
+    /// (element by element): each element is its f32 sum (plus the old output when accumulating)
+    /// rounded once.
     fn bf16_output_case(m: usize, k: usize, n: usize, accumulate: bool, b_col_major: bool) {
         let (a, b) = (values::<bf16>(m * k, 3), values::<bf16>(k * n, 4));
         let (brs, bcs) = if b_col_major { (1, k) } else { (n, 1) };
         let start: Vec<bf16> = (0..m * n).map(|i| bf16::from_f32((i % 5) as f32 - 2.0)).collect();
-        let mut out = start.clone();
-        let dst = Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 };
-        unsafe {
-            gemm_rows_packed(
-                0..m,
-                n,
-                k,
-                dst,
-                Mat { ptr: a.as_ptr(), rs: k as isize, cs: 1 },
-                Mat { ptr: b.as_ptr(), rs: brs as isize, cs: bcs as isize },
-                accumulate,
-            )
-        };
-        for i in 0..m {
-            for j in 0..n {
-                let want: f64 = (0..k).map(|p| a[i * k + p].to_f64() * b[p * brs + j * bcs].to_f64()).sum::<f64>()
-                    + if accumulate { start[i * n + j].to_f64() } else { 0.0 };
-                // One rounding of an f32 sum: within a bf16 ulp (plus the f32 sum's own error).
-                let what = format!("{m}x{k}x{n} (B column-major: {b_col_major}) at ({i}, {j})");
-                assert!((out[i * n + j].to_f64() - want).abs() <= 2f64.powi(-8) * want.abs() + 1e-4, "{what}");
+        for micro in micro_kernels::<bf16>() {
+            for out_col_major in [false, true] {
+                // Output element (i, j) lives at i·rs + j·cs.
+                let (rs, cs) = if out_col_major { (1, m) } else { (n, 1) };
+                let mut out = vec![bf16::ZERO; m * n];
+                for (at, &v) in start.iter().enumerate() {
+                    out[at / n * rs + at % n * cs] = v;
+                }
+                FORCED.with(|f| f.set(Some(micro)));
+                unsafe {
+                    gemm_rows_packed(
+                        0..m,
+                        n,
+                        k,
+                        Dst { ptr: out.as_mut_ptr(), rs: rs as isize, cs: cs as isize },
+                        Mat { ptr: a.as_ptr(), rs: k as isize, cs: 1 },
+                        Mat { ptr: b.as_ptr(), rs: brs as isize, cs: bcs as isize },
+                        accumulate,
+                    )
+                };
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f64 =
+                            (0..k).map(|p| a[i * k + p].to_f64() * b[p * brs + j * bcs].to_f64()).sum::<f64>()
+                                + if accumulate { start[i * n + j].to_f64() } else { 0.0 };
+                        // One rounding of an f32 sum: within a bf16 ulp (plus the f32 sum's own error).
+                        let what = format!(
+                            "{micro:?} {m}x{k}x{n} (B column-major: {b_col_major}, output column-major: \
+                             {out_col_major}) at ({i}, {j})"
+                        );
+                        let got = out[i * rs + j * cs].to_f64();
+                        assert!((got - want).abs() <= 2f64.powi(-8) * want.abs() + 1e-4, "{what}");
+                    }
+                }
             }
         }
+        FORCED.with(|f| f.set(None));
     }
 }
