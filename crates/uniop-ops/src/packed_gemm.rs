@@ -1433,30 +1433,13 @@ unsafe fn micro_avx2<O: GemmOut>(
                         _mm256_storeu_ps(c_tile.add(r * NC + c), lo);
                         _mm256_storeu_ps(c_tile.add(r * NC + c + 8), hi);
                     }
-                    Sink::Output { accumulate, .. } if whole_rows && O::IS_BF16 => {
-                        let o = out.ptr.offset(r as isize * out.rs).add(c) as *mut __m256i;
-                        let (lo, hi) = if accumulate {
-                            let old = _mm256_loadu_si256(o);
-                            let widen =
-                                |h: __m128i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)));
-                            (
-                                _mm256_add_ps(lo, widen(_mm256_castsi256_si128(old))),
-                                _mm256_add_ps(hi, widen(_mm256_extracti128_si256::<1>(old))),
-                            )
-                        } else {
-                            (lo, hi)
-                        };
-                        _mm256_storeu_si256(o, uniop::dtype::bf16x16_avx2(lo, hi));
-                    }
                     Sink::Output { accumulate, .. } if whole_rows => {
-                        let o = out.ptr.offset(r as isize * out.rs).add(c) as *mut f32;
-                        let (lo, hi) = if accumulate {
-                            (_mm256_add_ps(lo, _mm256_loadu_ps(o)), _mm256_add_ps(hi, _mm256_loadu_ps(o.add(8))))
+                        let o = out.ptr.offset(r as isize * out.rs).add(c);
+                        if O::IS_BF16 {
+                            add_store16(o as *mut uniop::half::bf16, [lo, hi], accumulate);
                         } else {
-                            (lo, hi)
-                        };
-                        _mm256_storeu_ps(o, lo);
-                        _mm256_storeu_ps(o.add(8), hi);
+                            add_store16(o as *mut f32, [lo, hi], accumulate);
+                        }
                     }
                     Sink::Output { .. } => {
                         _mm256_storeu_ps(edge_tile[r].as_mut_ptr().add(c), lo);
@@ -1469,6 +1452,17 @@ unsafe fn micro_avx2<O: GemmOut>(
     if matches!(sink, Sink::Output { .. }) && !whole_rows {
         finish(&edge_tile, sink, c_tile, out);
     }
+}
+
+/// Stores 16 sums at `o` (adding them to what it holds when `accumulate`), narrowed to `R`.
+/// Inlined into [`micro_avx2`], which brings AVX2.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn add_store16<R: crate::rows_avx2::Row>(o: *mut R, [lo, hi]: [std::arch::x86_64::__m256; 2], accumulate: bool) {
+    use std::arch::x86_64::_mm256_add_ps;
+    let (lo, hi) =
+        if accumulate { (_mm256_add_ps(lo, R::load8(o)), _mm256_add_ps(hi, R::load8(o.add(8)))) } else { (lo, hi) };
+    R::store16(o, lo, hi, false);
 }
 
 /// The same sums as [`micro_avx512`] in plain Rust.

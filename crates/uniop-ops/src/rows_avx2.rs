@@ -46,8 +46,9 @@ fn can_run() -> bool {
     std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }
 
-/// An element type whose rows the passes here read and write, 8 lanes at a time.
-trait Row: FloatElement {
+/// An element type whose rows the passes here (and the AVX2 GEMM's output tiles) read and write,
+/// 8 lanes at a time.
+pub(crate) trait Row: FloatElement {
     /// The 8 elements at `p`, widened to f32.
     unsafe fn load8(p: *const Self) -> __m256;
     /// 16 f32 lanes narrowed to `Self` and stored at `p`; past the cache when `streaming`, where
