@@ -90,13 +90,9 @@ def test_opcheck(name):
     torch.library.opcheck(getattr(torch.ops.uniop, name).default, args)
 
 
-@pytest.mark.parametrize(
-    "name", [n for n in sorted(CASES) if uniop.op(n).backward], ids=lambda n: f"{n}->{uniop.op(n).backward}"
-)
-def test_gradcheck(name):
-    """Numerical vs analytical Jacobian in float64 with torch's default steps and tolerances.
-    uniop runs float64 calls through each op's f64 reference (forward and backward op alike), so
-    this checks the backward op's formula against finite differences of the forward's."""
+def _differentiable_call(name):
+    """The float64 case of op `name` as `fn(*inputs)`, with `inputs` requiring a gradient where the
+    backward op returns one, and `fn` returning the outputs that backward op takes a gradient of."""
     torch.manual_seed(0)
     args, _ = CASES[name](torch.float64, False)
     # Cases keep some tables in float32 (rope's cos/sin); here every floating tensor is float64.
@@ -121,7 +117,75 @@ def test_gradcheck(name):
         out = _tuple(op(*xs)) if n_returns > 1 else (op(*xs),)
         return tuple(out[i] for i in keep)
 
+    return fn, inputs
+
+
+WITH_BACKWARD = [n for n in sorted(CASES) if uniop.op(n).backward]
+
+
+@pytest.mark.parametrize("name", WITH_BACKWARD, ids=lambda n: f"{n}->{uniop.op(n).backward}")
+def test_gradcheck(name):
+    """Numerical vs analytical Jacobian in float64 with torch's default steps and tolerances.
+    uniop runs float64 calls through each op's f64 reference (forward and backward op alike), so
+    this checks the backward op's formula against finite differences of the forward's."""
+    fn, inputs = _differentiable_call(name)
     assert torch.autograd.gradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("name", WITH_BACKWARD)
+def test_torch_func_vjp_matches_autograd(name):
+    """torch.func's transforms record a call at their own autograd level: ``torch.func.vjp`` of
+    every op with a backward gives the gradients eager autograd gives (which gradcheck checks)."""
+    fn, inputs = _differentiable_call(name)
+    grad_at = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and a.requires_grad]
+    outs = fn(*inputs)
+    torch.manual_seed(1)
+    cotangents = tuple(torch.randn_like(o) for o in outs)
+    want = torch.autograd.grad(outs, [inputs[i] for i in grad_at], cotangents)
+
+    def of_grad_args(*xs):
+        full = list(inputs)
+        for i, x in zip(grad_at, xs):
+            full[i] = x
+        return fn(*full)
+
+    _, vjp = torch.func.vjp(of_grad_args, *[inputs[i].detach() for i in grad_at])
+    for i, got, w in zip(grad_at, vjp(cotangents), want):
+        torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12, msg=f"{name}: gradient of argument {i}")
+
+
+def test_torch_func_per_sample_gradients_match_torch():
+    """vmap of grad — per-sample gradients — through uniop ops, against the same model on torch
+    ops; and jacrev of softmax against torch's."""
+    torch.manual_seed(0)
+    f64 = torch.float64
+    x, w, proj = torch.randn(6, 4, 16, dtype=f64), torch.rand(16, dtype=f64) + 0.5, torch.randn(8, 16, dtype=f64)
+
+    def loss(ops, params, xb):
+        norm_w, proj_w = params
+        h = ops["norm"](xb, norm_w)
+        return ops["softmax"](ops["linear"](h, proj_w)).pow(2).sum()
+
+    uniop_ops = {
+        "norm": lambda a, b: torch.ops.uniop.rms_norm(a, b)[0],
+        "linear": torch.ops.uniop.linear,
+        "softmax": lambda a: torch.ops.uniop.softmax(a, -1),
+    }
+    torch_ops = {
+        "norm": lambda a, b: torch.nn.functional.rms_norm(a, (16,), b, 1e-6),
+        "linear": torch.nn.functional.linear,
+        "softmax": lambda a: torch.softmax(a, -1),
+    }
+    per_sample = {
+        kind: torch.vmap(torch.func.grad(lambda p, xb, ops=ops: loss(ops, p, xb)), in_dims=(None, 0))((w, proj), x)
+        for kind, ops in (("uniop", uniop_ops), ("torch", torch_ops))
+    }
+    for got, want in zip(per_sample["uniop"], per_sample["torch"]):
+        assert got.shape == (6, *want.shape[1:])
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    row = x[0, 0]
+    jacobians = [torch.func.jacrev(ops["softmax"])(row) for ops in (uniop_ops, torch_ops)]
+    torch.testing.assert_close(*jacobians, rtol=1e-10, atol=1e-12)
 
 
 def test_non_differentiable_returns_are_marked():

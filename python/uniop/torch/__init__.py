@@ -71,6 +71,12 @@ class _BackwardWiring:
 
     def __init__(self, fwd, bwd):
         fwd_args = [a["name"] for a in fwd.args]
+        for a in fwd.args:
+            if a["type"].startswith("Tensor["):
+                raise TypeError(
+                    f"uniop.torch: {fwd.name} takes a list of tensors ('{a['name']}'), whose elements an "
+                    f"autograd.Function cannot differentiate: its backward op {bwd.name} cannot be wired"
+                )
         self.returns = list(fwd.returns)
         # per backward argument: ("grad", i) | ("arg", i) | ("out", i) | ("needs", i) | ("default", None)
         self.sources = []
@@ -112,6 +118,7 @@ class _BackwardWiring:
 _PLAIN_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU) | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU)
 _grad_enabled = torch._C.is_grad_enabled
 _any_requires_grad = torch._C._any_requires_grad
+_single_level_functions_allowed = torch._functorch.utils.enable_single_level_autograd_function
 
 
 def _load_cpp_kernels():
@@ -149,11 +156,64 @@ def cpp_kernels_loaded():
     return _cpp_kernels is not None
 
 
+class _KeywordOnly:
+    """A call's keyword-only arguments, carried through ``autograd.Function.apply`` (which passes
+    positional ones only) as its last argument."""
+
+    __slots__ = ("kwargs",)
+
+    def __init__(self, kwargs):
+        self.kwargs = kwargs
+
+
+def _autograd_kernel(op, setup_context, backward):
+    """``op``'s generic Autograd kernel, ``kernel(keyset, *args, **kwargs)``: a call with no
+    gradient to record goes below autograd; one with a gradient to record goes through a
+    single-level ``autograd.Function`` that records it at the autograd level the dispatcher is at.
+
+    Why not torch.library.register_autograd's kernel: it applies a plain ``autograd.Function``,
+    which under torch.func's transforms (``grad``, ``vjp``, ``jacrev``, ``vmap`` of a gradient)
+    asks to be run as a transform of its own, one level above the dispatcher; from inside an
+    Autograd kernel that fails. The dispatcher has already peeled the transforms' levels off down
+    to this one, so recording the call here is all a transform needs — as functorch itself
+    records a Function's backward. ``forward`` calls the op again: ``apply`` runs it with grad mode
+    off, so that call goes below autograd, and on through the levels under this one.
+    """
+    schema = op._schema
+
+    class Function(torch.autograd.function._SingleLevelFunction):
+        @staticmethod
+        def forward(*args):
+            *args, keyword_only = args
+            return op(*args, **keyword_only.kwargs)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            *args, keyword_only = inputs
+            ctx.passed = len(args)
+            # The dispatcher drops arguments equal to their defaults; the backward may need them.
+            setup_context(ctx, torch._library.utils.fill_defaults(schema, args, keyword_only.kwargs)[0], output)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return (*backward(ctx, *grads), None)
+
+    def kernel(keyset, *args, **kwargs):
+        if _grad_enabled() and _any_requires_grad(*args):
+            with _single_level_functions_allowed():
+                return Function.apply(*args, _KeywordOnly(kwargs))
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    return kernel
+
+
 def _register_autograd(native, backward_native):
     wiring = _BackwardWiring(native, backward_native)
     backward_op = getattr(torch.ops.uniop, backward_native.name).default
 
     def setup_context(ctx, inputs, output):
+        # `inputs` has every argument, defaults filled in; `ctx.passed` counts those the caller gave.
         outs = (output,) if len(wiring.returns) == 1 else tuple(output)
         tensors, plain = [], {}
         for i in wiring.saved_args:
@@ -191,7 +251,7 @@ def _register_autograd(native, backward_native):
         result = (result,) if isinstance(result, torch.Tensor) else result
         # One gradient per argument the caller passed; optional tensors that were None or left
         # out (linear's bias) get none.
-        passed = len(ctx.needs_input_grad)
+        passed = ctx.passed
         for i, message in wiring.no_grad_message.items():
             if i < passed and ctx.needs_input_grad[i] and ctx.is_tensor[i]:
                 raise RuntimeError(message)
@@ -202,14 +262,12 @@ def _register_autograd(native, backward_native):
         return tuple(grads_in)
 
     op = getattr(torch.ops.uniop, native.name).default
-    # torch.library.register_autograd's kernel, plus a fast path in front of it: a call whose
-    # tensors are plain CPU tensors none of which needs a gradient goes straight to the uniop
-    # kernel — exactly where the generic kernel's redispatch below autograd would land, minus a
-    # second trip through the dispatcher (8.2 -> 5.5 µs for rms_norm on a tiny tensor). Any other
-    # dispatch key set (fake tensors, modes, functionalization, vmap) takes the generic route.
-    # make_autograd_impl is private, but it is the very function register_autograd calls to build
-    # that kernel (torch 2.4 on); register_autograd itself gives no handle to wrap.
-    generic = torch._library.autograd.make_autograd_impl(op, torch._library.autograd.Info(backward, setup_context))
+    # The generic kernel below, plus a fast path in front of it: a call whose tensors are plain CPU
+    # tensors none of which needs a gradient goes straight to the uniop kernel — exactly where the
+    # generic kernel's redispatch below autograd would land, minus a second trip through the
+    # dispatcher (8.2 -> 5.5 µs for rms_norm on a tiny tensor). Any other dispatch key set (fake
+    # tensors, modes, functionalization, vmap, torch.func) takes the generic route.
+    generic = _autograd_kernel(op, setup_context, backward)
 
     if _cpp_kernels is not None:
         # The same fast path in C++ (csrc/autograd_kernel.cpp): no Python at all for it.

@@ -12,8 +12,9 @@
 //   the GIL, so threads calling ops run in parallel.
 // - AutogradKernel sends a call that needs no gradient (inference, no_grad, tensors without
 //   requires_grad) below autograd in C++; every other call (a gradient is needed, fake tensors,
-//   modes, functionalization) goes to the generic Python kernel torch.library builds from the
-//   op's backward (uniop/torch/__init__.py), with the arguments and key set it would have had.
+//   modes, functionalization, torch.func) goes to the generic Python kernel uniop.torch builds from
+//   the op's backward (`_autograd_kernel` in uniop/torch/__init__.py), with the arguments and key
+//   set it would have had.
 //
 // Both are generic over the registry: one functor type each, one instance per op, no per-op code.
 // Built against the installed torch by `python -m uniop.torch.build_kernels` (scripts/python-env.sh).
@@ -407,7 +408,7 @@ bool requires_grad(const c10::IValue& value) {
 
 class AutogradKernel final : public c10::OperatorKernel {
  public:
-  // `generic` is torch.library's autograd kernel for this op: generic(keyset, *args, **kwargs).
+  // `generic` is uniop.torch's generic autograd kernel for this op: generic(keyset, *args, **kwargs).
   // It is held for the life of the process and deliberately never released: the dispatcher may
   // destroy this functor after the interpreter has finalized, when no reference may be dropped.
   explicit AutogradKernel(py::object generic) : generic_(generic.release().ptr()) {}
