@@ -188,6 +188,50 @@ def test_torch_func_per_sample_gradients_match_torch():
     torch.testing.assert_close(*jacobians, rtol=1e-10, atol=1e-12)
 
 
+WITHOUT_BACKWARD = [
+    n for n in sorted(CASES) if not uniop.op(n).backward and not any(a["mutated"] for a in uniop.op(n).args)
+]
+
+
+@pytest.mark.parametrize("name", WITHOUT_BACKWARD)
+def test_differentiating_an_op_without_a_backward_is_an_error(name):
+    """An op without a backward op (the backward ops included: no double backward) raises when a
+    gradient is asked through it — eagerly and under torch.func — instead of torch's default of a
+    warning and a missing or zero gradient. Calls that record nothing are unaffected."""
+    torch.manual_seed(0)
+    args, _ = CASES[name](torch.float32, False)
+    op = getattr(torch.ops.uniop, name)
+    # The floating tensors, at the top level or in a Tensor[] argument (cat's), as (argument, item).
+    floating = [
+        (i, j)
+        for i, a in enumerate(args)
+        for j, t in enumerate(a if isinstance(a, list) else [a])
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+
+    def call_with(replace):
+        full = [list(a) if isinstance(a, list) else a for a in args]
+        for (i, j), t in replace.items():
+            if isinstance(full[i], list):
+                full[i][j] = t
+            else:
+                full[i] = t
+        return [o for o in _tuple(op(*full)) if o.is_floating_point()]
+
+    def at(i, j):
+        return args[i][j] if isinstance(args[i], list) else args[i]
+
+    leaves = {ij: at(*ij).detach().clone().requires_grad_() for ij in floating}
+    outs = call_with(leaves)
+    if not (floating and outs):
+        pytest.skip(f"{name}'s case has no floating tensor to differentiate or none to differentiate through")
+    message = f"derivative for uniop::{name} is not implemented"
+    with pytest.raises(RuntimeError, match=message):
+        torch.autograd.grad(sum(o.sum() for o in outs), list(leaves.values()))
+    with pytest.raises(RuntimeError, match=message):
+        torch.func.grad(lambda x: call_with({floating[0]: x})[0].sum())(at(*floating[0]))
+
+
 def test_non_differentiable_returns_are_marked():
     x = torch.randn(3, 8, requires_grad=True)
     y, rstd = torch.ops.uniop.rms_norm(x, torch.ones(8))

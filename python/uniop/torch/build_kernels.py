@@ -6,7 +6,7 @@ A C++ extension binds to one torch build (its C++ ABI and symbols change between
 it cannot ship inside uniop's abi3 wheel: ``scripts/python-env.sh`` runs this after installing
 torch, and again whenever torch changes. The module lands next to this file with a stamp naming
 the torch version it was built for; ``import uniop.torch`` loads it only when the stamp matches
-and otherwise keeps the pure-Python kernels (correct, ~2 µs slower per call), saying so once.
+(and the module is newer than its source) and otherwise keeps the pure-Python kernels (correct, ~2 µs slower per call), saying so once.
 
 Plain g++ with the flags torch's own ``cpp_extension`` uses — no ninja or setuptools needed.
 """
@@ -32,12 +32,20 @@ def module_path() -> Path:
 
 
 def built_for_this_torch() -> bool:
-    return module_path().exists() and STAMP.exists() and STAMP.read_text().strip() == torch.__version__
+    """Whether the module is built for the installed torch from the current source (a module older
+    than its source may lack a function ``uniop.torch`` calls)."""
+    out = module_path()
+    return (
+        out.exists()
+        and STAMP.exists()
+        and STAMP.read_text().strip() == torch.__version__
+        and (not SOURCE.exists() or out.stat().st_mtime >= SOURCE.stat().st_mtime)
+    )
 
 
 def build(force: bool = False) -> Path:
     out = module_path()
-    if built_for_this_torch() and not force and out.stat().st_mtime >= SOURCE.stat().st_mtime:
+    if built_for_this_torch() and not force:
         return out
     import torch.utils.cpp_extension as cpp_extension  # slow to import: only when building
 

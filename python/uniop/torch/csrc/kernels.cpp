@@ -19,6 +19,7 @@
 // Both are generic over the registry: one functor type each, one instance per op, no per-op code.
 // Built against the installed torch by `python -m uniop.torch.build_kernels` (scripts/python-env.sh).
 #include <ATen/DLConvertor.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/dlpack.h>
@@ -507,6 +508,17 @@ void register_autograd(const std::string& ns, const std::string& name, py::objec
   keep(std::move(lib));
 }
 
+// An op without a backward op gets torch's not-implemented autograd kernel: differentiating through it
+// (backward, double backward through a backward op, forward AD) raises "the derivative for
+// 'uniop::<op>' is not implemented". Without a kernel, torch's default fallback only warns and lets the
+// gradient through as none or zero.
+void register_no_backward(const std::string& ns, const std::string& name) {
+  auto lib =
+      std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::Autograd, __FILE__, __LINE__);
+  lib->impl(name.c_str(), torch::autograd::autogradNotImplementedFallback());
+  keep(std::move(lib));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_kernels, m) {
@@ -517,6 +529,8 @@ PYBIND11_MODULE(_kernels, m) {
         "False when the schema has an argument type it does not convert.");
   m.def("register_autograd", &register_autograd, py::arg("namespace"), py::arg("name"), py::arg("generic"),
         "Registers the C++ Autograd kernel for namespace::name; calls needing autograd go to `generic`.");
+  m.def("register_no_backward", &register_no_backward, py::arg("namespace"), py::arg("name"),
+        "Registers torch's not-implemented Autograd kernel for namespace::name, an op without a backward.");
   m.def(
       "tensor_io", [] { return py::capsule(const_cast<TensorIo*>(&kTensorIo), kTensorIoName); },
       "The functions uniop.<op> makes torch outputs and reads torch inputs with, for "
