@@ -154,6 +154,23 @@ def test_torch_func_vjp_matches_autograd(name):
         torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12, msg=f"{name}: gradient of argument {i}")
 
 
+@pytest.mark.parametrize("name", WITH_BACKWARD)
+def test_forward_mode_ad_is_refused_not_dropped(name):
+    """An op with a backward op has no forward-mode rule: a tangent through it (torch.func.jvp, or a
+    dual tensor of torch.autograd.forward_ad in eager) raises, instead of leaving as a zero tangent."""
+    fn, inputs = _differentiable_call(name)
+    i = next(i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and a.requires_grad)
+    primals = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
+
+    def of_one(x):
+        return fn(*primals[:i], x, *primals[i + 1 :])
+
+    with pytest.raises(NotImplementedError, match=f"uniop.{name}: forward-mode AD"):
+        torch.func.jvp(of_one, (primals[i],), (torch.ones_like(primals[i]),))
+    with torch.autograd.forward_ad.dual_level(), pytest.raises(NotImplementedError, match=f"uniop.{name}: forward"):
+        of_one(torch.autograd.forward_ad.make_dual(primals[i], torch.ones_like(primals[i])))
+
+
 def test_torch_func_per_sample_gradients_match_torch():
     """vmap of grad — per-sample gradients — through uniop ops, against the same model on torch
     ops; and jacrev of softmax against torch's."""

@@ -121,6 +121,29 @@ _any_requires_grad = torch._C._any_requires_grad
 _single_level_functions_allowed = torch._functorch.utils.enable_single_level_autograd_function
 
 
+def _tensors_in(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from _tensors_in(a)
+
+
+def _carries_tangents(args):
+    """Whether a tensor argument has a forward-mode tangent (``torch.autograd.forward_ad``,
+    ``torch.func.jvp``) at the current dual level; none exists outside a ``dual_level``."""
+    if torch.autograd.forward_ad._current_level < 0:
+        return False
+    return any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in _tensors_in(args))
+
+
+def _refuse_forward_ad(op):
+    raise NotImplementedError(
+        f"uniop.{op._opname}: forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad) is not "
+        "supported: the op has a backward op (reverse mode) and no forward-mode rule"
+    )
+
+
 def _load_cpp_kernels():
     """uniop's C++ CPU and Autograd kernels when built for this torch (``python -m
     uniop.torch.build_kernels``), else None: the Python kernels do the same work, 2-4 µs slower
@@ -200,6 +223,8 @@ def _autograd_kernel(op, setup_context, backward):
             return (*backward(ctx, *grads), None)
 
     def kernel(keyset, *args, **kwargs):
+        if _carries_tangents(args):
+            _refuse_forward_ad(op)
         if _grad_enabled() and _any_requires_grad(*args):
             with _single_level_functions_allowed():
                 return Function.apply(*args, _KeywordOnly(kwargs))
@@ -276,7 +301,7 @@ def _register_autograd(native, backward_native):
         return
 
     def kernel(keyset, *args, **kwargs):
-        if keyset == _PLAIN_CPU and not (_grad_enabled() and _any_requires_grad(*args)):
+        if keyset == _PLAIN_CPU and not (_grad_enabled() and _any_requires_grad(*args)) and not _carries_tangents(args):
             return native(*args, **kwargs)
         return generic(keyset, *args, **kwargs)
 

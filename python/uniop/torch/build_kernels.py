@@ -6,7 +6,8 @@ A C++ extension binds to one torch build (its C++ ABI and symbols change between
 it cannot ship inside uniop's abi3 wheel: ``scripts/python-env.sh`` runs this after installing
 torch, and again whenever torch changes. The module lands next to this file with a stamp naming
 the torch version it was built for; ``import uniop.torch`` loads it only when the stamp matches
-(and the module is newer than its source) and otherwise keeps the pure-Python kernels (correct, ~2 µs slower per call), saying so once.
+(and the module is newer than its source) and otherwise keeps the pure-Python kernels (correct,
+~2 µs slower per call), saying so once.
 
 Plain g++ with the flags torch's own ``cpp_extension`` uses — no ninja or setuptools needed.
 """

@@ -11,10 +11,10 @@
 //   whose blocks are uniop's caching allocator's. No Python runs, and torch has already released
 //   the GIL, so threads calling ops run in parallel.
 // - AutogradKernel sends a call that needs no gradient (inference, no_grad, tensors without
-//   requires_grad) below autograd in C++; every other call (a gradient is needed, fake tensors,
-//   modes, functionalization, torch.func) goes to the generic Python kernel uniop.torch builds from
-//   the op's backward (`_autograd_kernel` in uniop/torch/__init__.py), with the arguments and key
-//   set it would have had.
+//   requires_grad) and carries no forward-mode tangent below autograd in C++; every other call (a
+//   gradient is needed, a tangent to refuse, fake tensors, modes, functionalization, torch.func)
+//   goes to the generic Python kernel uniop.torch builds from the op's backward (`_autograd_kernel`
+//   in uniop/torch/__init__.py), with the arguments and key set it would have had.
 //
 // Both are generic over the registry: one functor type each, one instance per op, no per-op code.
 // Built against the installed torch by `python -m uniop.torch.build_kernels` (scripts/python-env.sh).
@@ -391,18 +391,34 @@ bool classify(const c10::FunctionSchema& schema, std::vector<ArgClass>* classes)
 constexpr c10::DispatchKeySet kPlainCpu =
     c10::DispatchKeySet(c10::DispatchKey::CPU) | c10::DispatchKeySet(c10::DispatchKey::AutogradCPU);
 
-bool requires_grad(const c10::IValue& value) {
-  if (value.isTensor()) return value.toTensor().requires_grad();
+// Whether any tensor in an argument (a tensor, Tensor[] or Tensor?[]) satisfies `pred`.
+template <class Pred>
+bool any_tensor(const c10::IValue& value, const Pred& pred) {
+  if (value.isTensor()) return pred(value.toTensor());
   if (value.isTensorList()) {
     for (const at::Tensor& t : value.toTensorList()) {
-      if (t.requires_grad()) return true;
+      if (pred(t)) return true;
     }
     return false;
   }
   if (value.isList()) {  // Tensor?[]
     for (const c10::IValue& item : value.toListRef()) {
-      if (requires_grad(item)) return true;
+      if (any_tensor(item, pred)) return true;
     }
+  }
+  return false;
+}
+
+// Whether autograd has work in a call: a gradient to record (grad mode on and a tensor requiring
+// one) or a forward-mode tangent to carry (at level 0, where torch.autograd.forward_ad and an
+// unnested torch.func.jvp put theirs; forward AD ignores grad mode).
+bool autograd_has_work(const torch::jit::Stack& stack, size_t num_args) {
+  const bool grad_mode = c10::GradMode::is_enabled();
+  const auto needs = [grad_mode](const at::Tensor& t) {
+    return t.defined() && ((grad_mode && t.requires_grad()) || t._fw_grad(/*level=*/0).defined());
+  };
+  for (size_t i = stack.size() - num_args; i < stack.size(); ++i) {
+    if (any_tensor(stack[i], needs)) return true;
   }
   return false;
 }
@@ -416,7 +432,7 @@ class AutogradKernel final : public c10::OperatorKernel {
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
     const size_t num_args = op.schema().arguments().size();
-    if (keyset == kPlainCpu && !(c10::GradMode::is_enabled() && any_requires_grad(*stack, num_args))) {
+    if (keyset == kPlainCpu && !autograd_has_work(*stack, num_args)) {
       op.redispatchBoxed(keyset & c10::after_autograd_keyset, stack);
       return;
     }
@@ -424,13 +440,6 @@ class AutogradKernel final : public c10::OperatorKernel {
   }
 
  private:
-  static bool any_requires_grad(const torch::jit::Stack& stack, size_t num_args) {
-    for (size_t i = stack.size() - num_args; i < stack.size(); ++i) {
-      if (requires_grad(stack[i])) return true;
-    }
-    return false;
-  }
-
   void call_generic(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack,
                     size_t num_args) {
     const auto& schema = op.schema();
