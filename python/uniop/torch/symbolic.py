@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-import sympy
 import torch
 
 _SCALES = (2, 3)  # a symbol's probe sizes, as multiples of its value: a slope and its check
@@ -88,6 +87,9 @@ def _fitted(native, args, kwargs, nodes):
     if any(s not in known for s in symbols):
         raise _Unfit
     hint = {s: int(known[s]) for s in symbols}
+    # Imported here, not with the module: sympy takes ~0.6 s to import and is needed only while
+    # torch traces with symbolic sizes, by which time torch has imported it.
+    import sympy
 
     def run(at):
         exact = {s: sympy.Integer(v) for s, v in at.items()}
