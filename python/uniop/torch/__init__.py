@@ -155,9 +155,8 @@ def _load_cpp_kernels():
 
     if not build_kernels.built_for_this_torch():
         warnings.warn(
-            f"uniop.torch: the C++ kernels are not built for torch {torch.__version__} from the current "
-            "source; using the "
-            "Python ones (2-4 µs slower per call). Build them: python -m uniop.torch.build_kernels",
+            f"uniop.torch: the C++ kernels are not built for torch {torch.__version__} from the current source; "
+            "using the Python ones (2-4 µs slower per call). Build them: python -m uniop.torch.build_kernels",
             stacklevel=3,
         )
         return None
@@ -288,15 +287,16 @@ def _register_autograd(native, backward_native):
         return tuple(grads_in)
 
     op = getattr(torch.ops.uniop, native.name).default
-    # The generic kernel below, plus a fast path in front of it: a call whose tensors are plain CPU
-    # tensors none of which needs a gradient goes straight to the uniop kernel — exactly where the
-    # generic kernel's redispatch below autograd would land, minus a second trip through the
-    # dispatcher (8.2 -> 5.5 µs for rms_norm on a tiny tensor). Any other dispatch key set (fake
-    # tensors, modes, functionalization, vmap, torch.func) takes the generic route.
+    # `_autograd_kernel`'s generic kernel, plus a fast path in front of it: a call whose tensors are
+    # plain CPU tensors none of which needs a gradient or carries a tangent goes straight to the
+    # uniop kernel — exactly where the generic kernel's redispatch below autograd would land, minus
+    # a second trip through the dispatcher (8.2 -> 5.5 µs for rms_norm on a tiny tensor). Any other
+    # dispatch key set (fake tensors, modes, functionalization, vmap, torch.func) takes the generic
+    # route.
     generic = _autograd_kernel(op, setup_context, backward)
 
     if _cpp_kernels is not None:
-        # The same fast path in C++ (csrc/autograd_kernel.cpp): no Python at all for it.
+        # The same fast path in C++ (csrc/kernels.cpp's AutogradKernel): no Python at all for it.
         _cpp_kernels.register_autograd(NAMESPACE, native.name, generic)
         return
 
