@@ -121,20 +121,15 @@ _any_requires_grad = torch._C._any_requires_grad
 _single_level_functions_allowed = torch._functorch.utils.enable_single_level_autograd_function
 
 
-def _tensors_in(args):
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from _tensors_in(a)
+_forward_ad = torch.autograd.forward_ad
 
 
 def _carries_tangents(args):
     """Whether a tensor argument has a forward-mode tangent (``torch.autograd.forward_ad``,
     ``torch.func.jvp``) at the current dual level; none exists outside a ``dual_level``."""
-    if torch.autograd.forward_ad._current_level < 0:
+    if _forward_ad._current_level < 0:
         return False
-    return any(torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in _tensors_in(args))
+    return any(_forward_ad.unpack_dual(t).tangent is not None for a in args for t in symbolic._tensors(a))
 
 
 def _refuse_forward_ad(op):
