@@ -240,6 +240,11 @@ def _cases():
         return (_rand(3, 9, dtype=dt, strided=strided),), lambda x: F.silu(x.to(D))
 
     @case
+    def silu_backward(dt, strided):
+        dy, x = _rand(3, 9, dtype=dt, strided=strided), (4 * torch.randn(3, 9)).to(dt)
+        return (dy, x), lambda dy, x: _vjp(F.silu, (x,), (dy,), (0,))
+
+    @case
     def gelu(dt, strided):
         return (_rand(3, 9, dtype=dt, strided=strided), "tanh"), lambda x, a: F.gelu(x.to(D), approximate=a)
 
@@ -410,12 +415,32 @@ def _cases():
         return (_rand(4, 6, dtype=dt, strided=strided), torch.randn(6).to(dt)), lambda a, b: a.to(D) + b.to(D)
 
     @case
+    def add_backward(dt, strided):
+        # a broadcasts over the batch and along the rows, b along the columns.
+        a, b, dout = torch.randn(4, 1).to(dt), torch.randn(2, 1, 6).to(dt), _rand(2, 4, 6, dtype=dt, strided=strided)
+        return (dout, a, b, -0.5), lambda d, a, b, alpha: _vjp(lambda a, b: a + alpha * b, (a, b), (d,), (0, 1))
+
+    @case
     def mul(dt, strided):
         return (_rand(4, 6, dtype=dt, strided=strided), torch.randn(4, 1).to(dt)), lambda a, b: a.to(D) * b.to(D)
 
     @case
+    def mul_backward(dt, strided):
+        a, b, dout = torch.randn(3, 1, 6).to(dt), torch.randn(4, 1).to(dt), _rand(3, 4, 6, dtype=dt, strided=strided)
+        return (dout, a, b), lambda d, a, b: _vjp(torch.mul, (a, b), (d,), (0, 1))
+
+    @case
     def cast(dt, strided):
-        return (_rand(3, 5, dtype=dt, strided=strided), torch.float32), lambda x, d: x.to(D)
+        # float64 calls (the gradient checks) cast to float64: the derivative of a rounding to
+        # float32 is not what finite differences in float64 can check.
+        to = D if dt == D else torch.float32
+        return (_rand(3, 5, dtype=dt, strided=strided), to), lambda x, d: x.to(D)
+
+    @case
+    def cast_backward(dt, strided):
+        # The gradient comes back in the argument's dtype, rounded once.
+        x = torch.randn(3, 5).to(torch.bfloat16 if dt == torch.float32 else torch.float32)
+        return (_rand(3, 5, dtype=dt, strided=strided), x), lambda dy, x: dy.to(x.dtype).to(D)
 
     @case
     def sample(dt, strided):

@@ -171,6 +171,38 @@ def test_forward_mode_ad_is_refused_not_dropped(name):
         of_one(torch.autograd.forward_ad.make_dual(primals[i], torch.ones_like(primals[i])))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_elementwise_ops_train_like_torch(dtype):
+    """add (keyword alpha), mul, silu and cast in one graph with broadcast operands — a per-channel
+    weight, a per-row scale, a bias — run on uniop's kernels (not the float64 reference) give
+    torch's gradients for every input."""
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 5, 16, dtype=dtype), torch.randn(16, dtype=dtype)
+    scale, bias = torch.randn(3, 5, 1, dtype=dtype), torch.randn(5, 16, dtype=dtype)
+
+    def model(ops, x, w, scale, bias):
+        h = ops["mul"](ops["silu"](ops["mul"](x, w)), scale)
+        return ops["cast"](ops["add"](h, bias, alpha=-0.5), torch.float32)
+
+    uniop_ops = {
+        "mul": torch.ops.uniop.mul,
+        "silu": torch.ops.uniop.silu,
+        "add": torch.ops.uniop.add,
+        "cast": torch.ops.uniop.cast,
+    }
+    torch_ops = {"mul": torch.mul, "silu": torch.nn.functional.silu, "add": torch.add, "cast": torch.Tensor.to}
+    inputs = (x, w, scale, bias)
+    cotangent = torch.randn(3, 5, 16)
+    grads = {}
+    for kind, ops in (("uniop", uniop_ops), ("torch", torch_ops)):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        model(ops, *leaves).backward(cotangent)
+        grads[kind] = [t.grad for t in leaves]
+    for name, got, want in zip(("x", "w", "scale", "bias"), grads["uniop"], grads["torch"]):
+        assert got.dtype == dtype and got.shape == want.shape, name
+        torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype], msg=name)
+
+
 def test_torch_func_per_sample_gradients_match_torch():
     """vmap of grad — per-sample gradients — through uniop ops, against the same model on torch
     ops; and jacrev of softmax against torch's."""

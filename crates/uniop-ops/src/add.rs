@@ -38,6 +38,10 @@ impl Op for Add {
         DTYPES
     }
 
+    fn backward(&self) -> Option<&'static str> {
+        Some("add_backward")
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let dtype = cx.expect_dtype_in("a", DTYPES)?;
         cx.expect_same_dtype("b", dtype, "a")?;

@@ -84,6 +84,40 @@ fn is_half_or_f32(d: DType) -> bool {
     matches!(d, DType::F32 | DType::F16 | DType::BF16)
 }
 
+/// The plan converting input 0 to dtype `to` into output 0: cast's, and cast_backward's (which
+/// converts a gradient back to its argument's dtype). `names`: the arguments giving the source
+/// and the target dtype, for errors.
+pub(crate) fn conversion_plan(cx: &OpCx, (source, dtype): (&str, &str), to: DType) -> Result<Plan> {
+    let x = cx.input(source);
+    let (from, n) = (x.dtype, x.numel());
+    let block_dim = block_dim_for(n, from.size() + to.size());
+    let streaming = elementwise::streams(&TensorMeta::contiguous(to, x.shape())?);
+    let step = if is_half_or_f32(from) && is_half_or_f32(to) {
+        uniop::with_float_dtype!(from, cx.op(), source, |S| uniop::with_float_dtype!(to, cx.op(), dtype, |D| {
+            Step::new("cast", block_dim, move |args, ctx| float_kernel::<S, D>(args, ctx, n, streaming))
+        }))
+    } else {
+        dispatch_element!(from, |S| dispatch_element!(to, |D| {
+            Step::new("cast", block_dim, move |args, ctx| kernel::<S, D>(args, ctx, n, streaming))
+        }))
+    };
+    Ok(Plan::new(vec![step]).inputs_need(vec![LayoutNeed::Contiguous]).outputs_need(vec![LayoutNeed::Contiguous]))
+}
+
+/// The f64 reference of converting `x` from dtype `from` to `to`, by the rules in the module doc.
+pub(crate) fn reference_conversion(x: &RefTensor, from: DType, to: DType) -> RefTensor {
+    let y = dispatch_element!(to, |D| {
+        x.data
+            .iter()
+            .map(|&v| {
+                let d: D = if is_integral(from) && is_integral(to) { D::from_i64(v as i64) } else { D::from_f64(v) };
+                d.to_f64()
+            })
+            .collect()
+    });
+    RefTensor::new(&x.shape, y)
+}
+
 impl Op for Cast {
     fn schema(&self) -> &'static str {
         "cast(Tensor x, ScalarType dtype) -> Tensor y"
@@ -99,40 +133,20 @@ impl Op for Cast {
         DTYPES
     }
 
+    fn backward(&self) -> Option<&'static str> {
+        Some("cast_backward")
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         Ok(vec![TensorMeta::contiguous(target(cx)?, cx.input("x").shape())?])
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
-        let x = cx.input("x");
-        let (from, to, n) = (x.dtype, target(cx)?, x.numel());
-        let block_dim = block_dim_for(n, from.size() + to.size());
-        let streaming = elementwise::streams(&TensorMeta::contiguous(to, x.shape())?);
-        let step = if is_half_or_f32(from) && is_half_or_f32(to) {
-            uniop::with_float_dtype!(from, cx.op(), "x", |S| uniop::with_float_dtype!(to, cx.op(), "dtype", |D| {
-                Step::new("cast", block_dim, move |args, ctx| float_kernel::<S, D>(args, ctx, n, streaming))
-            }))
-        } else {
-            dispatch_element!(from, |S| dispatch_element!(to, |D| {
-                Step::new("cast", block_dim, move |args, ctx| kernel::<S, D>(args, ctx, n, streaming))
-            }))
-        };
-        Ok(Plan::new(vec![step]).inputs_need(vec![LayoutNeed::Contiguous]).outputs_need(vec![LayoutNeed::Contiguous]))
+        conversion_plan(cx, ("x", "dtype"), target(cx)?)
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
-        let (x, from, to) = (inputs[0].as_ref().unwrap(), cx.input("x").dtype, target(cx)?);
-        let y = dispatch_element!(to, |D| {
-            x.data
-                .iter()
-                .map(|&v| {
-                    let d: D =
-                        if is_integral(from) && is_integral(to) { D::from_i64(v as i64) } else { D::from_f64(v) };
-                    d.to_f64()
-                })
-                .collect()
-        });
-        Ok(vec![RefTensor::new(&x.shape, y)])
+        Ok(vec![reference_conversion(inputs[0].as_ref().unwrap(), cx.input("x").dtype, target(cx)?)])
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {

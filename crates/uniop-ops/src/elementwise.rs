@@ -607,10 +607,16 @@ fn dense_run<const N: usize>(strides: [usize; N]) -> bool {
     strides[0] == 1 && strides[1..].iter().all(|&s| s <= 1)
 }
 
-crate::simd_kernel! {
-/// `out = f(x)` elementwise over this block's share of the output.
+/// `out = f(x)` elementwise over this block's share of the output (input 0 to output 0).
+#[inline(always)]
 pub fn unary<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, f: &F, streaming: bool) {
-    let (x, out) = (args.input(0), args.output(0));
+    unary_at::<T, F>(args, ctx, 0, 0, f, streaming)
+}
+
+crate::simd_kernel! {
+/// [`unary`] from input `x` to output `o`: for ops with several inputs or outputs.
+pub fn unary_at<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, x: usize, o: usize, f: &F, streaming: bool) {
+    let (x, out) = (args.input(x), args.output(o));
     let runs = StridedRuns::<2>::new([out.layout(), x.layout()]);
     let range = ctx.split(runs.numel());
     let data = x.storage::<T>().expect("dtype dispatched at plan time");
@@ -651,10 +657,23 @@ pub fn unary<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, f: &F, 
 }
 }
 
-crate::simd_kernel! {
-/// `out = f(a, b)` elementwise, `a` and `b` broadcast to the output's shape.
+/// `out = f(a, b)` elementwise, `a` and `b` (inputs 0 and 1) broadcast to the output's shape.
+#[inline(always)]
 pub fn binary<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, f: &F, streaming: bool) {
-    let (a, b, out) = (args.input(0), args.input(1), args.output(0));
+    binary_at::<T, F>(args, ctx, [0, 1], 0, f, streaming)
+}
+
+crate::simd_kernel! {
+/// [`binary`] of inputs `[a, b]` into output `o`: for ops with more inputs or outputs.
+pub fn binary_at<T: FloatElement, F: Map2>(
+    args: &KernelArgs,
+    ctx: BlockCtx,
+    ab: [usize; 2],
+    o: usize,
+    f: &F,
+    streaming: bool,
+) {
+    let (a, b, out) = (args.input(ab[0]), args.input(ab[1]), args.output(o));
     let shape = out.layout().shape();
     let la = broadcast(a.layout(), shape);
     let lb = broadcast(b.layout(), shape);

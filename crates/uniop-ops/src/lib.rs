@@ -25,7 +25,9 @@ macro_rules! simd_kernel {
 pub mod attention;
 pub mod attention_backward;
 mod attention_mask_grad;
+mod broadcast_grad;
 pub mod cast;
+pub mod cast_backward;
 pub mod cat;
 pub mod causal_softmax;
 mod elementwise;
@@ -51,12 +53,14 @@ pub mod math;
 pub mod matmul;
 pub mod matmul_backward;
 pub mod mul;
+pub mod mul_backward;
 pub mod pack_weight;
 mod packed_gemm;
 pub mod permute;
 pub mod permute_backward;
 
 pub mod add;
+pub mod add_backward;
 pub mod add_rms_norm;
 pub mod add_rms_norm_backward;
 mod amx;
@@ -72,6 +76,7 @@ pub mod rope_cos_sin;
 mod rows_avx2;
 pub mod sample;
 pub mod silu;
+pub mod silu_backward;
 pub mod silu_mul;
 pub mod silu_mul_backward;
 mod skinny;
@@ -88,9 +93,13 @@ use uniop::{Op, Registry};
 pub fn builtin_ops() -> Vec<Box<dyn Op>> {
     vec![
         Box::new(add::Add),
+        Box::new(add_backward::AddBackward),
         Box::new(silu::Silu),
+        Box::new(silu_backward::SiluBackward),
         Box::new(mul::Mul),
+        Box::new(mul_backward::MulBackward),
         Box::new(cast::Cast),
+        Box::new(cast_backward::CastBackward),
         Box::new(cat::Cat),
         Box::new(permute::Permute),
         Box::new(permute_backward::PermuteBackward),

@@ -132,12 +132,23 @@ pub fn sigmoid<T: Element>(x: f32) -> f32 {
     }
 }
 
+/// d silu(g)/dg = s · (1 + g · (1 − s)) with s = sigmoid(g), given s.
+#[inline(always)]
+fn silu_grad_of(g: f32, s: f32) -> f32 {
+    s * (1.0 + g * (1.0 - s))
+}
+
+/// d silu(x)/dx, for a result stored as `T`.
+#[inline(always)]
+pub fn silu_grad<T: Element>(x: f32) -> f32 {
+    silu_grad_of(x, sigmoid::<T>(x))
+}
+
 /// Gradients of `silu(g) · u` for upstream `d`: returns `(d_g, d_u)`.
-/// d silu(g)/dg = s · (1 + g · (1 − s)) with s = sigmoid(g).
 #[inline(always)]
 pub fn silu_mul_grad<T: Element>(d: f32, g: f32, u: f32) -> (f32, f32) {
     let s = sigmoid::<T>(g);
-    (d * u * s * (1.0 + g * (1.0 - s)), d * g * s)
+    (d * u * silu_grad_of(g, s), d * g * s)
 }
 
 /// `|erf(x)|` = |x|·P(x²)/Q(x²) for |x| ≤ 4 (beyond, 1 in f32), branch-free; absolute error
@@ -289,9 +300,12 @@ pub mod exact {
     pub fn silu(x: f64) -> f64 {
         x * sigmoid(x)
     }
+    pub fn silu_grad(x: f64) -> f64 {
+        let s = sigmoid(x);
+        s * (1.0 + x * (1.0 - s))
+    }
     pub fn silu_mul_grad(d: f64, g: f64, u: f64) -> (f64, f64) {
-        let s = sigmoid(g);
-        (d * u * s * (1.0 + g * (1.0 - s)), d * g * s)
+        (d * u * silu_grad(g), d * g * sigmoid(g))
     }
 }
 

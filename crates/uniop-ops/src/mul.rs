@@ -31,6 +31,10 @@ impl Op for Mul {
         DTYPES
     }
 
+    fn backward(&self) -> Option<&'static str> {
+        Some("mul_backward")
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let dtype = cx.expect_dtype_in("a", DTYPES)?;
         cx.expect_same_dtype("b", dtype, "a")?;

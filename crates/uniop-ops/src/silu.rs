@@ -32,6 +32,10 @@ impl Op for Silu {
         DTYPES
     }
 
+    fn backward(&self) -> Option<&'static str> {
+        Some("silu_backward")
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let dtype = cx.expect_dtype_in("x", DTYPES)?;
         Ok(vec![TensorMeta::contiguous(dtype, cx.input("x").shape())?])

@@ -1024,6 +1024,55 @@ fn matmul_backward_sums_over_broadcast_batches() {
     assert_close(&grads[1], &finite_difference("matmul", &inputs, &[], &f64s(&d), 1), "db");
 }
 
+/// add's and mul's gradients sum over the dims each operand was broadcast along, in every pattern
+/// the kernel walks differently — a weight over rows (summed across rows), a per-row scale (summed
+/// along rows), a middle dim, a missing leading dim, both operands broadcast, a strided `dout` —
+/// and match finite differences of the forward; a gradient not asked for comes back empty.
+#[test]
+fn add_and_mul_gradients_sum_over_broadcast_dims() {
+    setup();
+    let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let patterns: [(&[usize], &[usize]); 7] = [
+        (&[2, 3, 70], &[70]),
+        (&[2, 3, 70], &[2, 3, 1]),
+        (&[2, 3, 70], &[2, 1, 70]),
+        (&[3, 1], &[1, 70]),
+        (&[1], &[4, 5]),
+        (&[2, 3, 70], &[2, 3, 70]),
+        (&[0, 5], &[5]),
+    ];
+    for (seed, (a_shape, b_shape)) in patterns.into_iter().enumerate() {
+        let out_shape = uniop::broadcast_shapes(a_shape, b_shape).unwrap();
+        let numel = |s: &[usize]| s.iter().product::<usize>();
+        let seed = 10 * seed as u64;
+        let (a, b) = (rand_vec(numel(a_shape), seed), rand_vec(numel(b_shape), seed + 1));
+        // dout read through a view that skips every other element of its last dim.
+        let mut dout_strides = vec![0; out_shape.len()];
+        let mut stride = 2;
+        for d in (0..out_shape.len()).rev() {
+            dout_strides[d] = stride;
+            stride *= out_shape[d];
+        }
+        let dout_store = rand_vec(2 * numel(&out_shape), seed + 2);
+        let dout = TensorRef::strided(&dout_store, &out_shape, &dout_strides, 0).unwrap();
+        let (inputs, dout_values) = ([(f64s(&a), a_shape.to_vec()), (f64s(&b), b_shape.to_vec())], dout.to_f64_vec());
+        let views =
+            [Some(dout), Some(TensorRef::new(&a, a_shape).unwrap()), Some(TensorRef::new(&b, b_shape).unwrap())];
+        let what = format!("a {a_shape:?}, b {b_shape:?}");
+        for (op, attrs) in [("add", vec![("alpha", AttrValue::Float(-0.5))]), ("mul", vec![])] {
+            let grads = run_checked(&format!("{op}_backward"), &views, &attrs);
+            for (wrt, grad) in grads.iter().enumerate() {
+                let fd = finite_difference(op, &inputs, &attrs, &dout_values, wrt);
+                assert_close(grad, &fd, &format!("{op}_backward d{} for {what}", ["a", "b"][wrt]));
+            }
+            let only_db = [attrs.clone(), vec![("needs_da", AttrValue::Bool(false))]].concat();
+            let grads = run_checked(&format!("{op}_backward"), &views, &only_db);
+            assert!(grads[0].is_empty(), "{op}_backward: da not asked for, {what}");
+            assert_eq!(grads[1].len(), numel(b_shape), "{op}_backward: db, {what}");
+        }
+    }
+}
+
 #[test]
 fn matmul_broadcasts_batches_and_takes_transposed_operands() {
     setup();

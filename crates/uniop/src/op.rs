@@ -109,23 +109,38 @@ impl RefTensor {
     }
 
     /// Value at logical index `i` of a tensor broadcast to `shape` (trailing-aligned).
-    pub fn broadcast_get(&self, shape: &[usize], mut i: usize) -> f64 {
-        let lead = shape.len() - self.shape.len();
-        let mut off = 0;
-        let mut stride = 1;
-        for d in (0..shape.len()).rev() {
-            let idx = i % shape[d];
-            i /= shape[d];
-            if d >= lead {
-                let own = self.shape[d - lead];
-                if own != 1 {
-                    off += idx * stride;
-                }
-                stride *= own;
-            }
-        }
-        self.data[off]
+    pub fn broadcast_get(&self, shape: &[usize], i: usize) -> f64 {
+        self.data[broadcast_offset(&self.shape, shape, i)]
     }
+
+    /// This tensor summed over the dims along which a tensor of `shape` broadcasts to it: the
+    /// gradient of an operand that broadcasting stretched (torch's `sum_to_size`).
+    pub fn sum_to(&self, shape: &[usize]) -> RefTensor {
+        let mut data = vec![0.0; shape.iter().product()];
+        for (i, &v) in self.data.iter().enumerate() {
+            data[broadcast_offset(shape, &self.shape, i)] += v;
+        }
+        RefTensor::new(shape, data)
+    }
+}
+
+/// The offset, in a contiguous tensor of shape `own`, of logical index `i` of it broadcast to `shape`.
+fn broadcast_offset(own: &[usize], shape: &[usize], mut i: usize) -> usize {
+    let lead = shape.len() - own.len();
+    let mut off = 0;
+    let mut stride = 1;
+    for d in (0..shape.len()).rev() {
+        let idx = i % shape[d];
+        i /= shape[d];
+        if d >= lead {
+            let size = own[d - lead];
+            if size != 1 {
+                off += idx * stride;
+            }
+            stride *= size;
+        }
+    }
+    off
 }
 
 /// Whether a call of `op` with these tensors (inputs, then in-place arguments) runs the op's f64

@@ -209,8 +209,10 @@ def _autograd_kernel(op, setup_context, backward):
         def setup_context(ctx, inputs, output):
             *args, keyword_only = inputs
             ctx.passed = len(args)
-            # The dispatcher drops arguments equal to their defaults; the backward may need them.
-            setup_context(ctx, torch._library.utils.fill_defaults(schema, args, keyword_only.kwargs)[0], output)
+            # The dispatcher drops arguments equal to their defaults; the backward may need them, and
+            # keyword-only ones (add's alpha) too: every argument, in the schema's order.
+            positional, keyword = torch._library.utils.fill_defaults(schema, args, keyword_only.kwargs)
+            setup_context(ctx, (*positional, *keyword.values()), output)
 
         @staticmethod
         def backward(ctx, *grads):
