@@ -184,6 +184,9 @@ PEERS = {
     "cross_entropy": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randint(0, shape[-1], shape[:-1])),
                       F.cross_entropy),
     "kv_cache_append": (kv_cache_inputs, kv_cache_append),
+    # add_backward's example: b broadcast along a's leading dims (a bias), alpha -0.5.
+    "add_broadcast": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape[-1:], dtype=dt)),
+                      lambda a, b: torch.add(a, b, alpha=-0.5)),
     # uniop's example: b broadcast along a's leading dims (a per-channel scale).
     "mul": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape[-1:], dtype=dt)), torch.mul),
     "cat": (cat_inputs, lambda *ts: torch.cat(ts, dim=-2)),
@@ -217,6 +220,10 @@ BACKWARD = {
     "linear_silu_mul_backward": ("linear_silu_mul", (0, 1, 2)),
     "cross_entropy_backward": ("cross_entropy", (0,)),
     "embedding_backward": ("embedding", (0,)),
+    "silu_backward": ("silu", (0,)),
+    "add_backward": ("add_broadcast", (0, 1)),
+    "mul_backward": ("mul", (0, 1)),
+    "cast_backward": ("cast", (0,)),
 }
 
 

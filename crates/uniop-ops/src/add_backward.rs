@@ -44,15 +44,18 @@ impl Op for AddBackward {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let grads = self.infer(cx)?;
         let alpha = cx.float("alpha") as f32;
-        let mut steps = Vec::new();
+        let (mut steps, mut workspace) = (Vec::new(), 0);
         with_float_dtype!(grads[0].dtype, cx.op(), "dout", |T| {
             for (o, (operand, scale)) in [("a", 1.0), ("b", alpha)].into_iter().enumerate() {
                 if broadcast_grad::needs(cx, operand) {
-                    steps.push(broadcast_grad::step::<T, _>("add_backward", cx, &grads[o], None, o, Scaled(scale)));
+                    let (more, bytes) =
+                        broadcast_grad::steps::<T, _>("add_backward", cx, &grads[o], None, o, Scaled(scale));
+                    steps.extend(more);
+                    workspace = workspace.max(bytes);
                 }
             }
         });
-        Ok(Plan::new(steps))
+        Ok(Plan::new(steps).workspace(workspace))
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {

@@ -4,17 +4,20 @@
 //! `sum_to_size`; here it is one pass that maps and sums, never materialising the mapped tensor.
 //!
 //! An operand of the output's own shape needs no sum: its gradient is the elementwise kernel
-//! ([`elementwise::unary_at`], [`elementwise::binary_at`]), which [`Reduction::of`] tells the
-//! backward ops to take. Otherwise the output's dims split into *kept* ones (the operand has them
-//! at full size) and *reduced* ones; each block owns a range of the gradient's elements
-//! (deterministic, no atomics) and sums in f32 lanes, in the order that reads memory in runs:
+//! ([`elementwise::unary_at`], [`elementwise::binary_at`]). Otherwise the output's dims split into
+//! *kept* ones (the operand has them at full size) and *reduced* ones, and [`steps`] picks the
+//! order that reads memory in runs. Every route sums in f32 and is deterministic (no atomics):
 //! - along: the innermost output dim is reduced (a `[.., S, 1]` scale's gradient over `[.., S, H]`):
-//!   each gradient element sums runs of its own elements, as a dot product does;
-//! - across: the innermost output dim is kept (a `[H]` weight's gradient over `[.., H]` rows):
-//!   chunks of [`CHUNK`] neighbouring gradient elements are summed as vectors, one reduced row at
-//!   a time, so each row is read in [`CHUNK`]-long runs.
+//!   blocks split the gradient's elements, each summing runs of its own elements as a dot
+//!   product does;
+//! - partials: the innermost output dim is kept and the gradient is small (a `[H]` bias's over
+//!   `[.., H]` rows): blocks split the reduced rows, each summing whole rows — memory in order —
+//!   into an f32 partial of the whole gradient in the workspace; a second launch adds the partials;
+//! - across: the same with a gradient too large for partials: blocks split the gradient's elements,
+//!   summing strips of [`STRIP`] of them as vectors, one reduced row at a time.
 
 use crate::elementwise::{self, broadcast, Map1, Map2, CHUNK};
+use std::ops::Range;
 use uniop::{
     block_dim_for, AttrValue, BlockCtx, DType, Element, Example, FloatElement, KernelArgs, Layout, OpCx, RefTensor,
     Result, Step, StridedRuns, TensorMeta,
@@ -81,55 +84,118 @@ impl<F: Map2> Map1 for OfDout<F> {
     }
 }
 
-/// The step writing output `o`, the gradient (of shape `grad`) of one operand:
+/// How one operand's gradient is computed, decided from the shapes at plan time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route {
+    /// The operand has the output's shape: elementwise.
+    Elementwise,
+    /// Blocks split the gradient's elements (the along or across order of [`sum_to`]).
+    Direct,
+    /// Blocks split the reduced rows into `parts` partial sums ([`sum_rows_into_partials`],
+    /// then [`add_partials`]).
+    Partials { parts: u32 },
+}
+
+/// The largest gradient the partials route sums (f32 elements per block's partial, 64 KiB: in L2
+/// while the block reads its rows). Past it, rows are long enough for the across order's strips.
+const PARTIAL_MAX: usize = 16 * 1024;
+
+/// Whether the innermost dim of `out` of more than one element is one that an operand of shape
+/// `grad` was broadcast along.
+fn reduces_innermost(grad: &[usize], out: &[usize]) -> bool {
+    let lead = out.len() - grad.len();
+    let inner = out.iter().rposition(|&size| size != 1);
+    inner.is_some_and(|d| d.checked_sub(lead).map_or(1, |g| grad[g]) != out[d])
+}
+
+fn route(grad: &[usize], out: &[usize], block_dim: u32) -> Route {
+    let (grad_numel, out_numel) = (grad.iter().product::<usize>(), out.iter().product::<usize>());
+    if grad == out {
+        return Route::Elementwise;
+    }
+    let rows = out_numel / grad_numel.max(1);
+    if grad_numel == 0 || grad_numel > PARTIAL_MAX || rows < 2 || reduces_innermost(grad, out) {
+        return Route::Direct;
+    }
+    Route::Partials { parts: block_dim.min(rows as u32) }
+}
+
+/// The steps writing output `o`, the gradient (of shape `grad`) of one operand:
 /// `Σ f(dout, other)` over the dims the operand was broadcast along — elementwise where it was
-/// not. `other`: the input `f` reads beside `dout`, if any (`f` sees 0 otherwise).
-pub fn step<T: FloatElement, F: Map2>(
+/// not — and the workspace bytes they use. `other`: the input `f` reads beside `dout`, if any (`f`
+/// sees 0 otherwise). Steps of several gradients may share the workspace: each launch completes
+/// before the next starts.
+pub fn steps<T: FloatElement, F: Map2>(
     name: &'static str,
     cx: &OpCx,
     grad: &TensorMeta,
     other: Option<usize>,
     o: usize,
     f: F,
-) -> Step {
+) -> (Vec<Step>, usize) {
     let dout = cx.input("dout");
     let block_dim = block_dim_for(dout.numel(), 3 * dout.dtype.size());
-    if grad.shape() != dout.shape() {
-        // Blocks split the gradient's elements, so no more of them than there are elements.
-        let block_dim = block_dim.min(grad.numel().max(1) as u32);
-        return Step::new(name, block_dim, move |args, ctx| sum_to::<T, F>(args, ctx, DOUT, other, o, &f));
-    }
     let streaming = elementwise::streams(grad);
-    match other {
-        Some(x) => Step::new(name, block_dim, move |args, ctx| {
-            elementwise::binary_at::<T, F>(args, ctx, [DOUT, x], o, &f, streaming)
-        }),
-        None => {
-            let f = OfDout(f);
-            Step::new(name, block_dim, move |args, ctx| {
-                elementwise::unary_at::<T, _>(args, ctx, DOUT, o, &f, streaming)
-            })
+    let operands = Operands { dout: DOUT, other, o };
+    match route(grad.shape(), dout.shape(), block_dim) {
+        Route::Elementwise => {
+            let step = match other {
+                Some(x) => Step::new(name, block_dim, move |args, ctx| {
+                    elementwise::binary_at::<T, F>(args, ctx, [DOUT, x], o, &f, streaming)
+                }),
+                None => {
+                    let f = OfDout(f);
+                    Step::new(name, block_dim, move |args, ctx| {
+                        elementwise::unary_at::<T, _>(args, ctx, DOUT, o, &f, streaming)
+                    })
+                }
+            };
+            (vec![step], 0)
+        }
+        Route::Direct => {
+            // Blocks split the gradient's elements, so no more of them than there are elements.
+            let block_dim = block_dim.min(grad.numel().max(1) as u32);
+            (vec![Step::new(name, block_dim, move |args, ctx| sum_to::<T, F>(args, ctx, operands, &f))], 0)
+        }
+        Route::Partials { parts } => {
+            let len = grad.numel();
+            let sums = Step::new(name, parts, move |args, ctx| sum_rows_into_partials::<T, F>(args, ctx, operands, &f));
+            let block_dim = block_dim_for(len, 4 * parts as usize);
+            let total = Step::new(name, block_dim, move |args, ctx| add_partials::<T>(args, ctx, o, parts as usize));
+            (vec![sums, total], parts as usize * len * std::mem::size_of::<f32>())
         }
     }
+}
+
+/// The kernel arguments of one gradient: input `dout`, the input `other` read beside it (if
+/// any), output `o`.
+#[derive(Clone, Copy, Debug)]
+pub struct Operands {
+    dout: usize,
+    other: Option<usize>,
+    o: usize,
 }
 
 /// The output's index space split for one operand's gradient: `kept` walks the gradient's
 /// elements (layouts of gradient, `dout`, `other`), `reduced` the output positions that each
 /// gradient element sums (layouts of `dout`, `other`, offsets relative to the kept ones).
-struct Split {
+struct Split<'a, T> {
     kept: StridedRuns<3>,
     reduced: StridedRuns<2>,
-    /// Whether the innermost output dim (of more than one element) is a reduced one.
-    reduces_innermost: bool,
+    dout: &'a [T],
+    other: Option<&'a [T]>,
 }
 
-impl Split {
-    fn new(grad: &Layout, dout: &Layout, other: &Layout) -> Split {
+impl<'a, T: FloatElement> Split<'a, T> {
+    fn new(args: &'a KernelArgs, operands: Operands) -> Split<'a, T> {
+        let (dy, out) = (args.input(operands.dout), args.output(operands.o));
+        let (dout, grad) = (dy.layout(), out.layout());
         let shape = dout.shape();
+        // Without an `other`, its walk reads `dout`'s offsets and they go unused.
+        let other = operands.other.map_or_else(|| dout.clone(), |i| broadcast(args.input(i).layout(), shape));
         let lead = shape.len() - grad.rank();
         let mut kept: [(Vec<usize>, Vec<usize>); 3] = Default::default();
         let mut reduced: [(Vec<usize>, Vec<usize>); 2] = Default::default();
-        let mut reduces_innermost = false;
         for (d, &size) in shape.iter().enumerate() {
             let own = d.checked_sub(lead).map_or(1, |g| grad.shape()[g]);
             if own == size {
@@ -138,13 +204,11 @@ impl Split {
                     part.0.push(size);
                     part.1.push(stride);
                 }
-                reduces_innermost &= size == 1;
             } else {
                 for (part, stride) in reduced.iter_mut().zip([dout.strides()[d], other.strides()[d]]) {
                     part.0.push(size);
                     part.1.push(stride);
                 }
-                reduces_innermost = true;
             }
         }
         let layout = |(shape, strides): &(Vec<usize>, Vec<usize>), offset| {
@@ -155,39 +219,67 @@ impl Split {
         Split {
             kept: StridedRuns::new([&layout(g, grad.offset()), &layout(d, dout.offset()), &layout(o, other.offset())]),
             reduced: StridedRuns::new([&layout(rd, 0), &layout(ro, 0)]),
-            reduces_innermost,
+            dout: dy.storage::<T>().expect("dtype dispatched at plan time"),
+            other: operands.other.map(|i| args.input(i).storage::<T>().expect("dtype dispatched at plan time")),
+        }
+    }
+
+    /// Adds `f(dout, other)` of reduced rows `rows` (flat indices of the reduced dims) at gradient
+    /// elements `elems` into `sum` (one per element), row by row.
+    #[inline(always)]
+    fn add_rows<F: Map2>(&self, rows: Range<usize>, elems: Range<usize>, sum: &mut [f32], f: &F) {
+        let [_, sd, sx] = self.kept.inner_strides();
+        let [rd, rx] = self.reduced.inner_strides();
+        let (mut bd, mut bx) = ([0f32; CHUNK], [0f32; CHUNK]);
+        for ([d1, x1], run) in self.reduced.runs(rows.start, rows.end) {
+            for i in 0..run {
+                let mut at = 0;
+                for ([_, d0, x0], len) in self.kept.runs(elems.start, elems.end) {
+                    let (d, x) = (d0 + d1 + i * rd, x0 + x1 + i * rx);
+                    for j in (0..len).step_by(CHUNK) {
+                        let n = CHUNK.min(len - j);
+                        elementwise::load(self.dout, d + j * sd, sd, &mut bd[..n]);
+                        if let Some(other) = self.other {
+                            elementwise::load(other, x + j * sx, sx, &mut bx[..n]);
+                        }
+                        for ((s, &a), &b) in sum[at + j..at + j + n].iter_mut().zip(&bd[..n]).zip(&bx[..n]) {
+                            *s += f.apply::<T>(a, b);
+                        }
+                    }
+                    at += len;
+                }
+            }
         }
     }
 }
 
+/// Gradient elements the across order sums together: their f32 sums stay in L1/L2 (8 KiB) while
+/// each reduced row is read in runs this long. In runs of [`CHUNK`] instead, every run of a
+/// 4096-row column strip touched a new page (add_backward's bias gradient over 4096x4096 bf16:
+/// 38 ms against torch's 10).
+const STRIP: usize = 2048;
+
 crate::simd_kernel! {
-/// Output `o` (the gradient of an operand broadcast to `dout`'s shape) `= Σ f(dout, other)` over
-/// the dims the operand was broadcast along; `other` (an input, broadcast to `dout`'s shape too)
-/// is read only when given (`f` sees 0 otherwise). Blocks split the gradient's elements.
-pub fn sum_to<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, dout: usize, other: Option<usize>, o: usize, f: &F) {
-    let (dy, out) = (args.input(dout), args.output(o));
-    let shape = dy.layout().shape();
-    // Without an `other`, its walk reads `dout`'s offsets and they go unused.
-    let other_layout = other.map_or_else(|| dy.layout().clone(), |i| broadcast(args.input(i).layout(), shape));
-    let split = Split::new(out.layout(), dy.layout(), &other_layout);
-    let dy = dy.storage::<T>().expect("dtype dispatched at plan time");
-    let other = other.map(|i| args.input(i).storage::<T>().expect("dtype dispatched at plan time"));
+/// The gradient `= Σ f(dout, other)` over the dims its operand was broadcast along, blocks
+/// splitting the gradient's elements (the along and across orders).
+fn sum_to<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, operands: Operands, f: &F) {
+    let split = Split::<T>::new(args, operands);
+    let out = args.output(operands.o);
     let range = ctx.split(out.layout().numel());
     let [so, sd, sx] = split.kept.inner_strides();
-    let [rd, rx] = split.reduced.inner_strides();
-    let reduced = split.reduced.numel();
-    let (mut bd, mut bx) = ([0f32; CHUNK], [0f32; CHUNK]);
-    let mut sum = [0f32; CHUNK];
-    if split.reduces_innermost {
+    let rows = split.reduced.numel();
+    if reduces_innermost(out.layout().shape(), args.input(operands.dout).layout().shape()) {
+        let [rd, rx] = split.reduced.inner_strides();
+        let (mut bd, mut bx, mut sum) = ([0f32; CHUNK], [0f32; CHUNK], [0f32; CHUNK]);
         for ([go, d0, x0], len) in split.kept.runs(range.start, range.end) {
             for j in 0..len {
                 sum.fill(0.0);
-                for ([d1, x1], run) in split.reduced.runs(0, reduced) {
+                for ([d1, x1], run) in split.reduced.runs(0, rows) {
                     let (d, x) = (d0 + j * sd + d1, x0 + j * sx + x1);
                     for i in (0..run).step_by(CHUNK) {
                         let n = CHUNK.min(run - i);
-                        elementwise::load(dy, d + i * rd, rd, &mut bd[..n]);
-                        if let Some(other) = other {
+                        elementwise::load(split.dout, d + i * rd, rd, &mut bd[..n]);
+                        if let Some(other) = split.other {
                             elementwise::load(other, x + i * rx, rx, &mut bx[..n]);
                         }
                         for ((s, &a), &b) in sum[..n].iter_mut().zip(&bd[..n]).zip(&bx[..n]) {
@@ -202,25 +294,12 @@ pub fn sum_to<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, dout: 
         }
         return;
     }
-    for start in (range.start..range.end).step_by(CHUNK) {
-        let end = (start + CHUNK).min(range.end);
-        let n = end - start;
-        sum[..n].fill(0.0);
-        for ([d1, x1], run) in split.reduced.runs(0, reduced) {
-            for i in 0..run {
-                let mut at = 0;
-                for ([_, d0, x0], len) in split.kept.runs(start, end) {
-                    elementwise::load(dy, d0 + d1 + i * rd, sd, &mut bd[at..at + len]);
-                    if let Some(other) = other {
-                        elementwise::load(other, x0 + x1 + i * rx, sx, &mut bx[at..at + len]);
-                    }
-                    at += len;
-                }
-                for ((s, &a), &b) in sum[..n].iter_mut().zip(&bd[..n]).zip(&bx[..n]) {
-                    *s += f.apply::<T>(a, b);
-                }
-            }
-        }
+    let mut sum = vec![0f32; STRIP.min(range.len())];
+    for start in (range.start..range.end).step_by(STRIP) {
+        let end = (start + STRIP).min(range.end);
+        let sum = &mut sum[..end - start];
+        sum.fill(0.0);
+        split.add_rows(0..rows, start..end, sum, f);
         let mut at = 0;
         for ([go, _, _], len) in split.kept.runs(start, end) {
             // SAFETY: blocks own disjoint ranges of gradient elements.
@@ -229,4 +308,46 @@ pub fn sum_to<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, dout: 
         }
     }
 }
+}
+
+crate::simd_kernel! {
+/// The partials route's first launch: block `b` sums its share of the reduced rows, for every
+/// gradient element, into workspace partial `b`.
+fn sum_rows_into_partials<T: FloatElement, F: Map2>(args: &KernelArgs, ctx: BlockCtx, operands: Operands, f: &F) {
+    let split = Split::<T>::new(args, operands);
+    let len = args.output(operands.o).layout().numel();
+    // SAFETY: each block owns its partial; the plan sized the workspace for one per block.
+    let sum = unsafe { args.workspace::<f32>(ctx.block_idx as usize * len, len) };
+    sum.fill(0.0);
+    split.add_rows(ctx.split(split.reduced.numel()), 0..len, sum, f);
+}
+}
+
+/// The partials route's second launch: output `o` = the sum of the `parts` partials, blocks
+/// splitting its elements.
+fn add_partials<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, o: usize, parts: usize) {
+    let out = args.output(o);
+    let len = out.layout().numel();
+    let range = ctx.split(len);
+    // SAFETY: the first launch has completed; this one only reads the partials.
+    let partials = unsafe { &*(args.workspace::<f32>(0, parts * len) as *const [f32]) };
+    // The output's elements in order are the gradient's, in the order the partials hold them.
+    let walk = StridedRuns::<1>::new([out.layout()]);
+    let [so] = walk.inner_strides();
+    let mut sum = [0f32; CHUNK];
+    let mut at = range.start;
+    for ([go], run) in walk.runs(range.start, range.end) {
+        for j in (0..run).step_by(CHUNK) {
+            let (n, e) = (CHUNK.min(run - j), at + j);
+            sum[..n].copy_from_slice(&partials[e..e + n]);
+            for part in partials.chunks_exact(len).skip(1) {
+                for (s, &v) in sum[..n].iter_mut().zip(&part[e..e + n]) {
+                    *s += v;
+                }
+            }
+            // SAFETY: blocks own disjoint ranges of gradient elements.
+            unsafe { elementwise::store::<T>(&out, go + j * so, so, &sum[..n], false) };
+        }
+        at += run;
+    }
 }

@@ -41,10 +41,11 @@ impl Op for CastBackward {
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        // `dtype` is x's (the gradient's), the dtype cast's example casts from.
         let shape = shape.unwrap_or(&[4096, 4096]);
-        let to = if dtype == DType::F32 { DType::BF16 } else { DType::F32 };
+        let cast_to = if dtype == DType::F32 { DType::BF16 } else { DType::F32 };
         Ok(Example {
-            inputs: vec![Some(TensorMeta::contiguous(dtype, shape)?), Some(TensorMeta::contiguous(to, shape)?)],
+            inputs: vec![Some(TensorMeta::contiguous(cast_to, shape)?), Some(TensorMeta::contiguous(dtype, shape)?)],
             ..Default::default()
         })
     }

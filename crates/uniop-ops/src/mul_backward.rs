@@ -40,15 +40,18 @@ impl Op for MulBackward {
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let grads = self.infer(cx)?;
-        let mut steps = Vec::new();
+        let (mut steps, mut workspace) = (Vec::new(), 0);
         with_float_dtype!(grads[0].dtype, cx.op(), "dout", |T| {
             for (o, (operand, other)) in [("a", B), ("b", A)].into_iter().enumerate() {
                 if broadcast_grad::needs(cx, operand) {
-                    steps.push(broadcast_grad::step::<T, _>("mul_backward", cx, &grads[o], Some(other), o, Product));
+                    let (more, bytes) =
+                        broadcast_grad::steps::<T, _>("mul_backward", cx, &grads[o], Some(other), o, Product);
+                    steps.extend(more);
+                    workspace = workspace.max(bytes);
                 }
             }
         });
-        Ok(Plan::new(steps))
+        Ok(Plan::new(steps).workspace(workspace))
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {

@@ -1071,6 +1071,18 @@ fn add_and_mul_gradients_sum_over_broadcast_dims() {
             assert_eq!(grads[1].len(), numel(b_shape), "{op}_backward: db, {what}");
         }
     }
+    // Large enough for several blocks: a bias's gradient summed by row-splitting blocks into
+    // partials, then added up; and a per-row scale's, blocks splitting its elements.
+    for (a_shape, b_shape) in [([40, 300], [1, 300]), ([40, 300], [40, 1])] {
+        let (a, b) = (rand_vec(12000, 91), rand_vec(b_shape.iter().product(), 92));
+        let dout = rand_vec(12000, 93);
+        let views: Vec<_> = [(&dout, &a_shape), (&a, &a_shape), (&b, &b_shape)]
+            .map(|(v, s)| Some(TensorRef::new(v, s).unwrap()))
+            .into();
+        for op in ["add_backward", "mul_backward"] {
+            run_checked(op, &views, &[]);
+        }
+    }
 }
 
 #[test]
