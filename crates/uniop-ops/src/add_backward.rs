@@ -44,16 +44,10 @@ impl Op for AddBackward {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let grads = self.infer(cx)?;
         let alpha = cx.float("alpha") as f32;
-        let (mut steps, mut workspace) = (Vec::new(), 0);
-        with_float_dtype!(grads[0].dtype, cx.op(), "dout", |T| {
-            for (o, (operand, scale)) in [("a", 1.0), ("b", alpha)].into_iter().enumerate() {
-                if broadcast_grad::needs(cx, operand) {
-                    let (more, bytes) =
-                        broadcast_grad::steps::<T, _>("add_backward", cx, &grads[o], None, o, Scaled(scale));
-                    steps.extend(more);
-                    workspace = workspace.max(bytes);
-                }
-            }
+        let wanted = [("a", 1.0), ("b", alpha)]
+            .map(|(operand, scale)| broadcast_grad::needs(cx, operand).then_some((None, Scaled(scale))));
+        let (steps, workspace) = with_float_dtype!(grads[0].dtype, cx.op(), "dout", |T| {
+            broadcast_grad::pair_steps::<T, _>("add_backward", cx, &grads, wanted)
         });
         Ok(Plan::new(steps).workspace(workspace))
     }

@@ -40,16 +40,10 @@ impl Op for MulBackward {
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let grads = self.infer(cx)?;
-        let (mut steps, mut workspace) = (Vec::new(), 0);
-        with_float_dtype!(grads[0].dtype, cx.op(), "dout", |T| {
-            for (o, (operand, other)) in [("a", B), ("b", A)].into_iter().enumerate() {
-                if broadcast_grad::needs(cx, operand) {
-                    let (more, bytes) =
-                        broadcast_grad::steps::<T, _>("mul_backward", cx, &grads[o], Some(other), o, Product);
-                    steps.extend(more);
-                    workspace = workspace.max(bytes);
-                }
-            }
+        let wanted = [("a", B), ("b", A)]
+            .map(|(operand, other)| broadcast_grad::needs(cx, operand).then_some((Some(other), Product)));
+        let (steps, workspace) = with_float_dtype!(grads[0].dtype, cx.op(), "dout", |T| {
+            broadcast_grad::pair_steps::<T, _>("mul_backward", cx, &grads, wanted)
         });
         Ok(Plan::new(steps).workspace(workspace))
     }
