@@ -146,6 +146,28 @@ uniopStatus uniopAdd(void *workspace,
                      uniopExecutor *executor,
                      uniopStream stream);
 
+// Phase 1 of `add_backward(Tensor dout, Tensor a, Tensor b, Scalar alpha=1, bool needs_da=True, bool needs_db=True) -> (Tensor da, Tensor db)`.
+//
+// Gradient of add: da = dout and db = alpha * dout, each summed over the dims its operand was
+// broadcast along (so da has a's shape, db b's). A gradient whose needs_d<operand> is false comes
+// back empty ([0]). Deterministic (no atomics).
+uniopStatus uniopAddBackwardGetWorkspaceSize(const uniopTensor *dout,
+                                             const uniopTensor *a,
+                                             const uniopTensor *b,
+                                             const uniopScalar *alpha,
+                                             bool needs_da,
+                                             bool needs_db,
+                                             uniopTensor *da,
+                                             uniopTensor *db,
+                                             uint64_t *workspaceSize,
+                                             uniopExecutor **executor);
+
+// Phase 2 of `add_backward`: launches the executor from `uniopAddBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopAddBackward(void *workspace,
+                             uint64_t workspaceSize,
+                             uniopExecutor *executor,
+                             uniopStream stream);
+
 // Phase 1 of `add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps=1e-6) -> (Tensor y, Tensor rstd, Tensor sum)`.
 //
 // Fused residual add + RMSNorm (aclnn AddRmsNorm): sum = x + residual (rounded to the input
@@ -285,6 +307,22 @@ uniopStatus uniopCast(void *workspace,
                       uint64_t workspaceSize,
                       uniopExecutor *executor,
                       uniopStream stream);
+
+// Phase 1 of `cast_backward(Tensor dy, Tensor x) -> (Tensor dx)`.
+//
+// Gradient of cast between float dtypes: dx = dy converted to x's dtype (rounding to nearest
+// even). dy and x share a shape; both are float.
+uniopStatus uniopCastBackwardGetWorkspaceSize(const uniopTensor *dy,
+                                              const uniopTensor *x,
+                                              uniopTensor *dx,
+                                              uint64_t *workspaceSize,
+                                              uniopExecutor **executor);
+
+// Phase 2 of `cast_backward`: launches the executor from `uniopCastBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopCastBackward(void *workspace,
+                              uint64_t workspaceSize,
+                              uniopExecutor *executor,
+                              uniopStream stream);
 
 // Phase 1 of `cat(Tensor[] tensors, int dim=0) -> (Tensor out)`.
 //
@@ -777,6 +815,27 @@ uniopStatus uniopMul(void *workspace,
                      uniopExecutor *executor,
                      uniopStream stream);
 
+// Phase 1 of `mul_backward(Tensor dout, Tensor a, Tensor b, bool needs_da=True, bool needs_db=True) -> (Tensor da, Tensor db)`.
+//
+// Gradient of mul: da = dout * b and db = dout * a, each summed over the dims its operand was
+// broadcast along (so da has a's shape, db b's). A gradient whose needs_d<operand> is false comes
+// back empty ([0]). Deterministic (no atomics).
+uniopStatus uniopMulBackwardGetWorkspaceSize(const uniopTensor *dout,
+                                             const uniopTensor *a,
+                                             const uniopTensor *b,
+                                             bool needs_da,
+                                             bool needs_db,
+                                             uniopTensor *da,
+                                             uniopTensor *db,
+                                             uint64_t *workspaceSize,
+                                             uniopExecutor **executor);
+
+// Phase 2 of `mul_backward`: launches the executor from `uniopMulBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopMulBackward(void *workspace,
+                             uint64_t workspaceSize,
+                             uniopExecutor *executor,
+                             uniopStream stream);
+
 // Phase 1 of `pack_weight(Tensor weight, Tensor? up_weight=None) -> (Tensor packed_weight)`.
 //
 // A linear weight [out_features, in_features] (HF layout) packed once for linear_packed /
@@ -962,6 +1021,22 @@ uniopStatus uniopSilu(void *workspace,
                       uint64_t workspaceSize,
                       uniopExecutor *executor,
                       uniopStream stream);
+
+// Phase 1 of `silu_backward(Tensor dy, Tensor x) -> (Tensor dx)`.
+//
+// Gradient of silu: dx = dy * s * (1 + x * (1 - s)) with s = sigmoid(x). dy and x share shape and
+// dtype.
+uniopStatus uniopSiluBackwardGetWorkspaceSize(const uniopTensor *dy,
+                                              const uniopTensor *x,
+                                              uniopTensor *dx,
+                                              uint64_t *workspaceSize,
+                                              uniopExecutor **executor);
+
+// Phase 2 of `silu_backward`: launches the executor from `uniopSiluBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopSiluBackward(void *workspace,
+                              uint64_t workspaceSize,
+                              uniopExecutor *executor,
+                              uniopStream stream);
 
 // Phase 1 of `silu_mul(Tensor gate, Tensor up) -> (Tensor out)`.
 //

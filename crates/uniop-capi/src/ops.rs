@@ -44,6 +44,48 @@ pub extern "C" fn uniopAdd(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
+/// Phase 1 of `add_backward(Tensor dout, Tensor a, Tensor b, Scalar alpha=1, bool needs_da=True, bool needs_db=True) -> (Tensor da, Tensor db)`.
+///
+/// Gradient of add: da = dout and db = alpha * dout, each summed over the dims its operand was
+/// broadcast along (so da has a's shape, db b's). A gradient whose needs_d<operand> is false comes
+/// back empty ([0]). Deterministic (no atomics).
+#[no_mangle]
+pub extern "C" fn uniopAddBackwardGetWorkspaceSize(
+    dout: *const uniopTensor,
+    a: *const uniopTensor,
+    b: *const uniopTensor,
+    alpha: *const uniopScalar,
+    needs_da: bool,
+    needs_db: bool,
+    da: *mut uniopTensor,
+    db: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopAddBackwardGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 3] = [("dout", dout), ("a", a), ("b", b)];
+        let attrs: [(&str, AttrValue); 3] = [
+            ("alpha", scalar_value(F, "alpha", alpha)?),
+            ("needs_da", AttrValue::Bool(needs_da)),
+            ("needs_db", AttrValue::Bool(needs_db)),
+        ];
+        let outputs = [("da", da as *const uniopTensor), ("db", db as *const uniopTensor)];
+        plan("add_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `add_backward`: launches the executor from `uniopAddBackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopAddBackward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
 /// Phase 1 of `add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps=1e-6) -> (Tensor y, Tensor rstd, Tensor sum)`.
 ///
 /// Fused residual add + RMSNorm (aclnn AddRmsNorm): sum = x + residual (rounded to the input
@@ -298,6 +340,38 @@ pub extern "C" fn uniopCastGetWorkspaceSize(
 /// Phase 2 of `cast`: launches the executor from `uniopCastGetWorkspaceSize` on `stream`.
 #[no_mangle]
 pub extern "C" fn uniopCast(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `cast_backward(Tensor dy, Tensor x) -> (Tensor dx)`.
+///
+/// Gradient of cast between float dtypes: dx = dy converted to x's dtype (rounding to nearest
+/// even). dy and x share a shape; both are float.
+#[no_mangle]
+pub extern "C" fn uniopCastBackwardGetWorkspaceSize(
+    dy: *const uniopTensor,
+    x: *const uniopTensor,
+    dx: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopCastBackwardGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 2] = [("dy", dy), ("x", x)];
+        let attrs: [(&str, AttrValue); 0] = [];
+        let outputs = [("dx", dx as *const uniopTensor)];
+        plan("cast_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `cast_backward`: launches the executor from `uniopCastBackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopCastBackward(
     workspace: *mut c_void,
     workspaceSize: u64,
     executor: *mut uniopExecutor,
@@ -1240,6 +1314,44 @@ pub extern "C" fn uniopMul(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
+/// Phase 1 of `mul_backward(Tensor dout, Tensor a, Tensor b, bool needs_da=True, bool needs_db=True) -> (Tensor da, Tensor db)`.
+///
+/// Gradient of mul: da = dout * b and db = dout * a, each summed over the dims its operand was
+/// broadcast along (so da has a's shape, db b's). A gradient whose needs_d<operand> is false comes
+/// back empty ([0]). Deterministic (no atomics).
+#[no_mangle]
+pub extern "C" fn uniopMulBackwardGetWorkspaceSize(
+    dout: *const uniopTensor,
+    a: *const uniopTensor,
+    b: *const uniopTensor,
+    needs_da: bool,
+    needs_db: bool,
+    da: *mut uniopTensor,
+    db: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopMulBackwardGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 3] = [("dout", dout), ("a", a), ("b", b)];
+        let attrs: [(&str, AttrValue); 2] =
+            [("needs_da", AttrValue::Bool(needs_da)), ("needs_db", AttrValue::Bool(needs_db))];
+        let outputs = [("da", da as *const uniopTensor), ("db", db as *const uniopTensor)];
+        plan("mul_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `mul_backward`: launches the executor from `uniopMulBackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopMulBackward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
 /// Phase 1 of `pack_weight(Tensor weight, Tensor? up_weight=None) -> (Tensor packed_weight)`.
 ///
 /// A linear weight [out_features, in_features] (HF layout) packed once for linear_packed /
@@ -1588,6 +1700,38 @@ pub extern "C" fn uniopSiluGetWorkspaceSize(
 /// Phase 2 of `silu`: launches the executor from `uniopSiluGetWorkspaceSize` on `stream`.
 #[no_mangle]
 pub extern "C" fn uniopSilu(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `silu_backward(Tensor dy, Tensor x) -> (Tensor dx)`.
+///
+/// Gradient of silu: dx = dy * s * (1 + x * (1 - s)) with s = sigmoid(x). dy and x share shape and
+/// dtype.
+#[no_mangle]
+pub extern "C" fn uniopSiluBackwardGetWorkspaceSize(
+    dy: *const uniopTensor,
+    x: *const uniopTensor,
+    dx: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopSiluBackwardGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 2] = [("dy", dy), ("x", x)];
+        let attrs: [(&str, AttrValue); 0] = [];
+        let outputs = [("dx", dx as *const uniopTensor)];
+        plan("silu_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `silu_backward`: launches the executor from `uniopSiluBackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopSiluBackward(
     workspace: *mut c_void,
     workspaceSize: u64,
     executor: *mut uniopExecutor,
