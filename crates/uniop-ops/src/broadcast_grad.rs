@@ -5,14 +5,15 @@
 //!
 //! An operand of the output's own shape needs no sum: its gradient is the elementwise kernel
 //! ([`elementwise::unary_at`], [`elementwise::binary_at`]). Otherwise the output's dims split into
-//! *kept* ones (the operand has them at full size) and *reduced* ones, and [`steps`] picks the
-//! order that reads memory in runs. Every route sums in f32 and is deterministic (no atomics):
+//! *kept* ones (the operand has them at full size) and *reduced* ones, and [`pair_steps`] picks
+//! the order that reads memory in runs. Every route sums in f32 and is deterministic (no atomics):
 //! - along: the innermost output dim is reduced (a `[.., S, 1]` scale's gradient over `[.., S, H]`):
 //!   blocks split the gradient's elements, each summing runs of its own elements as a dot
 //!   product does;
 //! - partials: the innermost output dim is kept and the gradient is small (a `[H]` bias's over
 //!   `[.., H]` rows): blocks split the reduced rows, each summing whole rows — memory in order —
-//!   into an f32 partial of the whole gradient in the workspace; a second launch adds the partials;
+//!   into an f32 partial of the whole gradient in the workspace; a second launch adds the partials
+//!   (`x + bias`: the same pass writes `x`'s gradient);
 //! - across: the same with a gradient too large for partials: blocks split the gradient's elements,
 //!   summing strips of [`STRIP`] of them as vectors, one reduced row at a time.
 
@@ -327,8 +328,9 @@ impl<'a, T: FloatElement> Split<'a, T> {
                             *s += f.apply::<T>(a, b);
                         }
                         if let Some((out, g, streaming)) = fused {
-                            if let Some(other) = self.fused_other {
-                                elementwise::load(other, y + j * sy, sy, &mut by[..n]);
+                            match self.fused_other {
+                                Some(other) => elementwise::load(other, y + j * sy, sy, &mut by[..n]),
+                                None => by[..n].fill(0.0),
                             }
                             for (b, &a) in by[..n].iter_mut().zip(&bd[..n]) {
                                 *b = g.apply::<T>(a, *b);

@@ -85,8 +85,8 @@ fn is_half_or_f32(d: DType) -> bool {
 }
 
 /// The plan converting input 0 to dtype `to` into output 0: cast's, and cast_backward's (which
-/// converts a gradient back to its argument's dtype). `names`: the arguments giving the source
-/// and the target dtype, for errors.
+/// converts a gradient back to its argument's dtype). `(source, dtype)`: the arguments that give
+/// the source and the target dtype, named in errors.
 pub(crate) fn conversion_plan(cx: &OpCx, (source, dtype): (&str, &str), to: DType) -> Result<Plan> {
     let x = cx.input(source);
     let (from, n) = (x.dtype, x.numel());
