@@ -381,6 +381,23 @@ fn bad_inputs_give_codes_and_messages() {
     }
 }
 
+/// add's and mul's backwards refuse a `dout` that is not the shape the operands broadcast to, and
+/// an operand of another dtype, naming the argument.
+#[test]
+fn broadcast_backwards_reject_mismatched_gradients() {
+    setup();
+    let (x, y) = ([0f32; 12], [0f64; 4]);
+    let f32s = |shape: &[usize]| Some(TensorRef::new(&x[..shape.iter().product()], shape).unwrap());
+    for op in ["add_backward", "mul_backward"] {
+        let err = plan_err(op, &[f32s(&[3, 3]), f32s(&[3, 4]), f32s(&[4])], &[], vec![]);
+        assert_eq!(err.code(), ErrorCode::Shape, "{err}");
+        assert!(err.message().starts_with(&format!("{op}: argument 'dout': expected shape [3, 4]")), "{err}");
+        let err = plan_err(op, &[f32s(&[3, 4]), f32s(&[3, 4]), Some(TensorRef::new(&y, &[4]).unwrap())], &[], vec![]);
+        assert_eq!(err.code(), ErrorCode::DType, "{err}");
+        assert!(err.message().starts_with(&format!("{op}: argument 'b': expected dtype float32")), "{err}");
+    }
+}
+
 #[test]
 fn backward_rejects_rstd_of_the_wrong_dtype() {
     setup();
