@@ -233,7 +233,7 @@ fn partial_steps<T: FloatElement>(
 /// The kernel arguments of one gradient: input `dout`, the input `other` read beside it (if
 /// any), output `o`.
 #[derive(Clone, Copy, Debug)]
-pub struct Operands {
+struct Operands {
     dout: usize,
     other: Option<usize>,
     o: usize,
