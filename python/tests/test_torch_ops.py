@@ -156,8 +156,10 @@ def test_torch_func_vjp_matches_autograd(name):
 
 @pytest.mark.parametrize("name", WITH_BACKWARD)
 def test_forward_mode_ad_is_refused_not_dropped(name):
-    """An op with a backward op has no forward-mode rule: a tangent through it (torch.func.jvp, or a
-    dual tensor of torch.autograd.forward_ad in eager) raises, instead of leaving as a zero tangent."""
+    """An op with a backward op has no forward-mode rule: a tangent through it (torch.func.jvp, a
+    dual tensor of torch.autograd.forward_ad in eager, or forward-over-reverse — torch.func.hessian,
+    whose tangent reaches the op below a reverse-mode level) raises, instead of leaving as a zero
+    tangent."""
     fn, inputs = _differentiable_call(name)
     i = next(i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and a.requires_grad)
     primals = [a.detach() if isinstance(a, torch.Tensor) else a for a in inputs]
@@ -169,6 +171,13 @@ def test_forward_mode_ad_is_refused_not_dropped(name):
         torch.func.jvp(of_one, (primals[i],), (torch.ones_like(primals[i]),))
     with torch.autograd.forward_ad.dual_level(), pytest.raises(NotImplementedError, match=f"uniop.{name}: forward"):
         of_one(torch.autograd.forward_ad.make_dual(primals[i], torch.ones_like(primals[i])))
+
+    def first_output_sum(x):
+        out = of_one(x)
+        return (out if isinstance(out, torch.Tensor) else out[0]).sum()
+
+    with pytest.raises(NotImplementedError, match=f"uniop.{name}: forward-mode AD"):
+        torch.func.hessian(first_output_sum)(primals[i])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -122,6 +122,7 @@ _single_level_functions_allowed = torch._functorch.utils.enable_single_level_aut
 
 
 _forward_ad = torch.autograd.forward_ad
+_fwd_grad_enabled = torch._C._is_fwd_grad_enabled
 
 
 def _carries_tangents(args):
@@ -174,14 +175,21 @@ def cpp_kernels_loaded():
     return _cpp_kernels is not None
 
 
-class _KeywordOnly:
-    """A call's keyword-only arguments, carried through ``autograd.Function.apply`` (which passes
-    positional ones only) as its last argument."""
+class _CallState:
+    """What ``autograd.Function.apply`` (which passes positional arguments only) does not carry
+    to ``forward``, passed as its last argument: the call's keyword-only arguments, and whether
+    forward-mode AD was on.
 
-    __slots__ = ("kwargs",)
+    Why the latter: ``apply`` runs ``forward`` with forward AD off, and ``forward`` calls the op
+    again, on through the torch.func levels below this one. A jvp level there (``hessian``,
+    ``jacfwd(jacrev(f))``) would then see no tangent, and get zeros without a word, instead of
+    refusing the forward-mode call."""
+
+    __slots__ = ("kwargs", "fwd_grad_enabled")
 
     def __init__(self, kwargs):
         self.kwargs = kwargs
+        self.fwd_grad_enabled = _fwd_grad_enabled()
 
 
 def _autograd_kernel(op, setup_context, backward):
@@ -202,16 +210,17 @@ def _autograd_kernel(op, setup_context, backward):
     class Function(torch.autograd.function._SingleLevelFunction):
         @staticmethod
         def forward(*args):
-            *args, keyword_only = args
-            return op(*args, **keyword_only.kwargs)
+            *args, state = args
+            with _forward_ad._set_fwd_grad_enabled(state.fwd_grad_enabled):
+                return op(*args, **state.kwargs)
 
         @staticmethod
         def setup_context(ctx, inputs, output):
-            *args, keyword_only = inputs
+            *args, state = inputs
             ctx.passed = len(args)
             # The dispatcher drops arguments equal to their defaults; the backward may need them, and
             # keyword-only ones (add's alpha) too: every argument, in the schema's order.
-            positional, keyword = torch._library.utils.fill_defaults(schema, args, keyword_only.kwargs)
+            positional, keyword = torch._library.utils.fill_defaults(schema, args, state.kwargs)
             setup_context(ctx, (*positional, *keyword.values()), output)
 
         @staticmethod
@@ -223,7 +232,7 @@ def _autograd_kernel(op, setup_context, backward):
             _refuse_forward_ad(op)
         if _grad_enabled() and _any_requires_grad(*args):
             with _single_level_functions_allowed():
-                return Function.apply(*args, _KeywordOnly(kwargs))
+                return Function.apply(*args, _CallState(kwargs))
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
 
