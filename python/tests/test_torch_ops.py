@@ -3,6 +3,7 @@ references, at f32/f16/bf16, contiguous and strided; opcheck for every registrat
 every backward."""
 
 import ctypes
+import os
 import subprocess
 import sys
 
@@ -13,6 +14,12 @@ import torch
 import uniop
 import uniop.torch  # noqa: F401  (registers torch.ops.uniop)
 from cases import CASES, attention_mask
+
+# Tests of what only the C++ kernels do (their error types and messages, torch-made outputs) skip
+# where the Python kernels were chosen on purpose; a failed C++ build still fails them.
+python_kernels_chosen = pytest.mark.skipif(
+    os.environ.get("UNIOP_TORCH_CPP_KERNELS") == "0", reason="UNIOP_TORCH_CPP_KERNELS=0 chose the Python kernels"
+)
 
 TOL = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -336,6 +343,7 @@ def test_every_op_dispatches_to_the_cpp_kernels():
             assert "csrc/kernels.cpp" in table["Autograd[alias]"], f"{name}: {table['Autograd[alias]']}"
 
 
+@python_kernels_chosen
 def test_cpp_kernel_reports_bad_attributes_as_uniop_errors():
     """Values the C++ kernel passes on but the core refuses come back as UniopError: a dtype DLPack
     cannot name (by torch's name for it), a gelu approximation that does not exist."""
@@ -692,6 +700,7 @@ def test_profiler_sees_torch_ops_and_their_backward():
     assert steps[1][1].endswith(".dx") and steps[2][1].endswith(".dweight"), steps
 
 
+@python_kernels_chosen
 @pytest.mark.parametrize("route", ["torch.ops.uniop", "uniop"])
 def test_torch_outputs_are_plain_tensors_in_uniops_allocator(route):
     """Outputs for torch callers — torch.ops.uniop.<op>, and uniop.<op> once uniop.torch has loaded
@@ -725,6 +734,7 @@ def test_torch_outputs_are_plain_tensors_in_uniops_allocator(route):
     assert silu(torch.randn(0, 3)).shape == (0, 3)
 
 
+@python_kernels_chosen
 @pytest.mark.parametrize("route", ["torch.ops.uniop", "uniop"])
 def test_an_output_torch_cannot_make_is_a_uniop_error(route):
     """A 1 PiB output (silu of a stride-0 view) is refused by uniop's allocator under torch: the call
@@ -824,6 +834,40 @@ except uniop.UniopError as e:
     torch.testing.assert_close(torch.ops.uniop.silu(torch._efficientzerotensor(3)), torch.zeros(3))
 
 
+def test_direct_calls_without_uniop_torch_refuse_views_dlpack_cannot_describe():
+    """Without uniop.torch's C++ reader, uniop.<op> reads torch tensors through torch's DLPack
+    exchange API, which says nothing of a pending negation (the values came back as silu(x) for
+    silu(-x)) nor of a storage resized smaller under the view (reading it crashed the process):
+    both are refused with the reader's messages (in a subprocess that never imports uniop.torch)."""
+    code = """
+import torch, uniop
+x = torch.randn(4)
+for view in (x._neg_view(), torch.randn(1 << 20)):
+    if view.numel() > 4:
+        view.untyped_storage().resize_(4)
+    try:
+        uniop.silu(view)
+    except uniop.UniopError as e:
+        print(e)
+print(torch.allclose(uniop.silu(x._neg_view().resolve_neg()), torch.nn.functional.silu(-x)))
+print(torch.allclose(uniop.silu(x[1::2]), torch.nn.functional.silu(x[1::2])), uniop.silu(x[4:]).shape)
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    negated, past_the_end, resolved, in_bounds = run.stdout.splitlines()
+    assert negated == (
+        "silu: argument 'x': expected a tensor without a pending negation (call .resolve_neg() on it), got a "
+        "negative view"
+    )
+    assert past_the_end == (
+        "silu: argument 'x': expected a tensor whose storage holds its elements, got a view reaching 4194304 bytes "
+        "into a storage of 4"
+    )
+    assert resolved == "True"
+    assert in_bounds == "True torch.Size([0])"
+
+
+@python_kernels_chosen
 @pytest.mark.parametrize("route", ["torch.ops.uniop", "uniop"])
 def test_views_past_the_end_of_their_storage_are_refused(route):
     """A storage resized smaller under its view (`untyped_storage().resize_()`): reading the view

@@ -19,7 +19,9 @@
 //! usual `uniop.UniopError`, set as the calling thread's Python error for the C++ side to raise;
 //! panics are caught here and never cross into C++.
 
-use crate::call::{cannot_create, describe, dl_dtype, plan_and_run, CallTensors, Imported, KNOWN_DTYPES};
+use crate::call::{
+    cannot_create, describe, dl_dtype, negative_view, past_storage, plan_and_run, CallTensors, Imported, KNOWN_DTYPES,
+};
 use crate::to_py_err;
 use dlpark::ffi::{DLDataType, DLTensor};
 use pyo3::ffi::PyObject;
@@ -193,14 +195,10 @@ pub(crate) fn read_torch_input(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> O
     // SAFETY: `obj` is a live object and `view` room for one DLTensor; this thread holds the GIL.
     match unsafe { (io.read)(obj.as_ptr(), view.as_mut_ptr()) } {
         read_status::READ => {}
-        read_status::NEGATIVE_VIEW => {
-            let expected = "a tensor without a pending negation (call .resolve_neg() on it)";
-            return Some(Err(Error::arg(ErrorCode::ParamInvalid, op, arg, expected, "a negative view")));
-        }
+        read_status::NEGATIVE_VIEW => return Some(Err(negative_view(op, arg))),
         read_status::PAST_STORAGE => {
-            let expected = "a tensor whose storage holds its elements";
-            let given = "a view reaching past the end of its storage";
-            return Some(Err(Error::arg(ErrorCode::ParamInvalid, op, arg, expected, given)));
+            let given = "a view reaching past the end of its storage".to_string();
+            return Some(Err(past_storage(op, arg, given)));
         }
         _ => return None,
     }

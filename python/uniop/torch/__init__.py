@@ -25,6 +25,7 @@ import os
 import warnings
 
 import torch
+from torch.utils import _pytree
 
 import uniop as _uniop
 
@@ -314,6 +315,50 @@ def _register_autograd(native, backward_native):
     _lib.impl(native.name, kernel, "Autograd", with_keyset=True)
 
 
+def _no_backward_kernel(native):
+    """The Autograd kernel of an op without a backward op on the Python route — what torch's
+    not-implemented kernel (``register_no_backward`` in csrc/kernels.cpp) does on the C++ one. The
+    call runs below autograd; when a gradient could flow through it, its floating outputs get a
+    node that raises "derivative for uniop::<op> is not implemented" once a gradient reaches it,
+    and a forward-mode tangent raises at once. torch's default fallback for a kernel-less op only
+    warns, and lets the gradient through as none or zero.
+
+    The node is a single-level ``autograd.Function`` (see ``_autograd_kernel``) applied to the
+    call's arguments flattened, so the tensors of a ``Tensor[]`` argument (cat's) join the graph
+    as well."""
+    op = getattr(torch.ops.uniop, native.name).default
+    not_implemented = f"derivative for {op._schema.name} is not implemented"
+
+    class Function(torch.autograd.function._SingleLevelFunction):
+        @staticmethod
+        def forward(spec, *flat):
+            args, kwargs = _pytree.tree_unflatten(flat, spec)
+            return op(*args, **kwargs)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            pass
+
+        @staticmethod
+        def backward(ctx, *grads):
+            raise RuntimeError(not_implemented)
+
+    def kernel(keyset, *args, **kwargs):
+        values = (*args, *kwargs.values())
+        if _carries_tangents(values):
+            raise NotImplementedError(f"Trying to use forward AD with {op._schema.name} that does not support it")
+        if _grad_enabled() and any(t.requires_grad for a in values for t in symbolic._tensors(a)):
+            flat, spec = _pytree.tree_flatten((args, kwargs))
+            with _single_level_functions_allowed():
+                return Function.apply(spec, *flat)
+        if keyset == _PLAIN_CPU:
+            return native(*args, **kwargs)  # where the redispatch would land, one dispatcher trip sooner
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+
+    return kernel
+
+
 def _register_autocast(native):
     op = getattr(torch.ops.uniop, native.name).default
     lower = native.autocast == "lower"
@@ -344,6 +389,8 @@ def _register(natives):
             _register_autograd(native, _uniop.op(native.backward))
         elif _cpp_kernels is not None:
             _cpp_kernels.register_no_backward(NAMESPACE, native.name)
+        else:
+            _lib.impl(native.name, _no_backward_kernel(native), "Autograd", with_keyset=True)
         if native.autocast:
             _register_autocast(native)
 
