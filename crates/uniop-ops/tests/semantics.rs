@@ -1015,7 +1015,7 @@ fn embedding_gathers_rows_and_its_backward_scatters_with_padding() {
     let err = uniop::call("embedding", &inputs, &[], vec![TensorMut::new(&mut y, &[3, h]).unwrap()]).unwrap_err();
     assert_eq!(err.code(), ErrorCode::Runtime);
     assert!(
-        err.message().contains("embedding: argument 'indices': expected values in [0, 4), got 7 at position 2"),
+        err.message().starts_with("embedding: argument 'indices': expected values in [0, 4), got 7 at position 2"),
         "{err}"
     );
 }
@@ -1571,7 +1571,7 @@ fn cross_entropy_with_ignored_rows_and_its_gradient() {
     )
     .unwrap_err();
     assert!(
-        err.message().contains("cross_entropy: argument 'target': expected values in [0, 6), got 7 at position 0"),
+        err.message().starts_with("cross_entropy: argument 'target': expected values in [0, 6), got 7 at position 0"),
         "{err}"
     );
 }

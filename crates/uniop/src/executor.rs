@@ -205,6 +205,18 @@ impl<'a> Executor<'a> {
         self.planned.entry.name()
     }
 
+    /// A kernel's error, prefixed with the op's name unless its message starts with it: a kernel
+    /// refusing its data names the op itself (the error may surface at a later `synchronize`,
+    /// away from this executor), and twice would read "embedding: embedding: argument ...".
+    fn named(&self, e: Error) -> Error {
+        let names_op = e.message().strip_prefix(self.op()).is_some_and(|rest| rest.starts_with(": "));
+        if names_op {
+            e
+        } else {
+            e.context(self.op())
+        }
+    }
+
     /// Bytes of workspace phase 2 needs (0 when none).
     pub fn workspace_size(&self) -> usize {
         self.planned.workspace_size
@@ -335,10 +347,10 @@ impl<'a> Executor<'a> {
         // so all borrows outlive the work.
         let tasks = unsafe { self.prepare(workspace.as_mut_ptr(), workspace.len())? };
         if let Some(result) = stream.run_here_if_idle(&tasks) {
-            return result.map_err(|e| e.context(self.op()));
+            return result.map_err(|e| self.named(e));
         }
         match enqueue(stream, tasks) {
-            Some((first, last)) => stream.wait_through(first, last).map_err(|e| e.context(self.op())),
+            Some((first, last)) => stream.wait_through(first, last).map_err(|e| self.named(e)),
             None => Ok(()),
         }
     }
@@ -359,7 +371,7 @@ impl<'a> Executor<'a> {
         let tasks = self.prepare(workspace, workspace_len)?;
         if self.planned.single_block {
             if let Some(result) = stream.run_here_if_idle(&tasks) {
-                return result.map_err(|e| e.context(self.op()));
+                return result.map_err(|e| self.named(e));
             }
         }
         enqueue(stream, tasks);
