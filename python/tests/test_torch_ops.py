@@ -2,6 +2,7 @@
 references, at f32/f16/bf16, contiguous and strided; opcheck for every registration; gradcheck for
 every backward."""
 
+import contextlib
 import ctypes
 import os
 import subprocess
@@ -185,6 +186,62 @@ def test_forward_mode_ad_is_refused_not_dropped(name):
 
     with pytest.raises(NotImplementedError, match=f"uniop.{name}: forward-mode AD"):
         torch.func.hessian(first_output_sum)(primals[i])
+
+
+ELEMENTWISE = [n for n in sorted(CASES) if uniop.op(n).elementwise]
+
+
+@contextlib.contextmanager
+def _no_vmap_fallback():
+    """vmap of an op without a batching rule raises instead of calling the op once per sample."""
+    was = torch._C._functorch._is_vmap_fallback_enabled()
+    torch._C._functorch._set_vmap_fallback_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._functorch._set_vmap_fallback_enabled(was)
+
+
+@pytest.mark.parametrize("name", ELEMENTWISE)
+def test_elementwise_ops_vmap_in_one_call(name):
+    """torch.func.vmap of an elementwise op runs its batching rule — one call on the whole batch,
+    torch's per-sample fallback disabled — and gives the per-sample calls' results: with every
+    operand batched (along its last dim), and with the first batched and the others shared (a
+    gradient summed back to a shared operand is then one per sample)."""
+    assert {"add", "mul", "silu", "add_backward", "mul_backward"} <= set(ELEMENTWISE)
+    torch.manual_seed(0)
+    args, _ = CASES[name](torch.float32, False)
+    op = getattr(torch.ops.uniop, name)
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    for batched in (tensors, tensors[:1]):
+        samples = [[torch.randn_like(a) if i in batched else a for i, a in enumerate(args)] for _ in range(3)]
+        stacked = [torch.stack([s[i] for s in samples], dim=-1) if i in batched else a for i, a in enumerate(args)]
+        in_dims = tuple(-1 if i in batched else None for i in range(len(args)))
+        with _no_vmap_fallback():
+            got = torch.func.vmap(op, in_dims=in_dims)(*stacked)
+        per_sample = [_tuple(op(*s)) for s in samples]
+        want = [torch.stack(outs) for outs in zip(*per_sample)]
+        torch.testing.assert_close(list(_tuple(got)), want, rtol=1e-6, atol=1e-6)
+
+
+def test_per_sample_gradients_of_elementwise_ops_in_one_call():
+    """vmap(grad) — per-sample gradients of shared parameters through add, mul, silu and cast —
+    batches the forward and the backward ops alike (no per-sample fallback) and matches each
+    sample's own gradient."""
+    torch.manual_seed(0)
+    w, bias = torch.randn(16), torch.randn(5, 16)
+    xs = torch.randn(4, 5, 16)
+
+    def loss(w, bias, x):
+        h = torch.ops.uniop.silu(torch.ops.uniop.mul(x, w))
+        out = torch.ops.uniop.add(h, bias, alpha=-0.5)
+        return torch.ops.uniop.cast(out, torch.float64).square().sum()
+
+    with _no_vmap_fallback():
+        got = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(None, None, 0))(w, bias, xs)
+    for i, x in enumerate(xs):
+        want = torch.func.grad(loss, argnums=(0, 1))(w, bias, x)
+        torch.testing.assert_close((got[0][i], got[1][i]), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -38,6 +38,10 @@ impl Op for Add {
         DTYPES
     }
 
+    fn elementwise(&self) -> bool {
+        true
+    }
+
     fn backward(&self) -> Option<&'static str> {
         Some("add_backward")
     }

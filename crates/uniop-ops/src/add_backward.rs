@@ -37,6 +37,10 @@ impl Op for AddBackward {
         DTYPES
     }
 
+    fn elementwise(&self) -> bool {
+        true
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         broadcast_grad::infer(cx, DTYPES)
     }

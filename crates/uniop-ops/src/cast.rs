@@ -133,6 +133,10 @@ impl Op for Cast {
         DTYPES
     }
 
+    fn elementwise(&self) -> bool {
+        true
+    }
+
     fn backward(&self) -> Option<&'static str> {
         Some("cast_backward")
     }

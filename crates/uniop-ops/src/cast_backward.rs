@@ -23,6 +23,10 @@ impl Op for CastBackward {
         DTYPES
     }
 
+    fn elementwise(&self) -> bool {
+        true
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         cx.expect_dtype_in("dy", DTYPES)?;
         let dtype = cx.expect_dtype_in("x", DTYPES)?;

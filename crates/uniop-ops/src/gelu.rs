@@ -46,6 +46,10 @@ impl Op for Gelu {
         DTYPES
     }
 
+    fn elementwise(&self) -> bool {
+        true
+    }
+
     fn backward(&self) -> Option<&'static str> {
         Some("gelu_backward")
     }

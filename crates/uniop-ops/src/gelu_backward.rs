@@ -34,6 +34,10 @@ impl Op for GeluBackward {
         DTYPES
     }
 
+    fn elementwise(&self) -> bool {
+        true
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let dtype = cx.expect_dtype_in("x", DTYPES)?;
         cx.expect_same_dtype("dy", dtype, "x")?;

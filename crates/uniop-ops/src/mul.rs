@@ -31,6 +31,10 @@ impl Op for Mul {
         DTYPES
     }
 
+    fn elementwise(&self) -> bool {
+        true
+    }
+
     fn backward(&self) -> Option<&'static str> {
         Some("mul_backward")
     }

@@ -34,6 +34,10 @@ impl Op for MulBackward {
         DTYPES
     }
 
+    fn elementwise(&self) -> bool {
+        true
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         broadcast_grad::infer(cx, DTYPES)
     }

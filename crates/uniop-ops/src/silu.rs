@@ -32,6 +32,10 @@ impl Op for Silu {
         DTYPES
     }
 
+    fn elementwise(&self) -> bool {
+        true
+    }
+
     fn backward(&self) -> Option<&'static str> {
         Some("silu_backward")
     }

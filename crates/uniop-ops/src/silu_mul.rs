@@ -66,6 +66,10 @@ impl Op for SiluMul {
         DTYPES
     }
 
+    fn elementwise(&self) -> bool {
+        true
+    }
+
     fn backward(&self) -> Option<&'static str> {
         Some("silu_mul_backward")
     }

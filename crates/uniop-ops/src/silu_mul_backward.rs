@@ -42,6 +42,10 @@ impl Op for SiluMulBackward {
         DTYPES
     }
 
+    fn elementwise(&self) -> bool {
+        true
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let dtype = check_gate_up(cx)?;
         cx.expect_same_dtype("dout", dtype, "gate")?;

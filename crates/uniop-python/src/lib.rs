@@ -130,6 +130,13 @@ impl Op {
         self.entry.op.autocast().name()
     }
 
+    /// Whether the op is elementwise over broadcast operands, so that a batch of calls is one call
+    /// with a leading batch dim (see `uniop::Op::elementwise`).
+    #[getter]
+    fn elementwise(&self) -> bool {
+        self.entry.op.elementwise()
+    }
+
     /// The arguments as dicts: name, type (schema spelling), tensor, optional, mutated,
     /// kwarg_only and default (absent when required).
     #[getter]

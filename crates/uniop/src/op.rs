@@ -37,6 +37,15 @@ pub trait Op: Send + Sync + 'static {
     fn autocast(&self) -> Autocast {
         Autocast::Keep
     }
+    /// Whether the op is elementwise over broadcast operands: each output element depends only on
+    /// the operands' elements at its own (broadcast) index, no attribute names a dim, and each
+    /// return has the operands' broadcast shape, or, named `d<arg>`, the shape of tensor argument
+    /// `<arg>` (a gradient summed back to it). A batch of such calls is then one call on operands
+    /// given a leading batch dim, which is how frontends batch it (torch.func.vmap) instead of
+    /// calling it once per sample.
+    fn elementwise(&self) -> bool {
+        false
+    }
     /// Metas (contiguous) of the returns from input metas and attributes. In-place arguments
     /// are not returns: validate them here, they keep the caller's layout.
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>>;

@@ -359,6 +359,45 @@ def _no_backward_kernel(native):
     return kernel
 
 
+def _elementwise_vmap_rule(native):
+    """The torch.func.vmap rule of an elementwise op (``native.elementwise``): one call on the
+    operands with their batch dim moved to the front, where torch's fallback calls the op once per
+    sample. Each operand is padded with size-1 dims to the operands' common rank, so broadcasting
+    lines the samples up, and one without a batch dim is expanded to the batch (a stride-0 view),
+    so a gradient summed back to an operand (``d<arg>``) keeps one sum per sample; that gradient
+    then takes its operand's per-sample shape again."""
+    names = [a["name"] for a in native.args]
+    # Per return: the argument whose shape it has (d<arg>), and the flag saying it was asked for.
+    shaped_like = [names.index(r[1:]) if r.startswith("d") and r[1:] in names else None for r in native.returns]
+    asked_by = [names.index(f"needs_{r}") if f"needs_{r}" in names else None for r in native.returns]
+    op = getattr(torch.ops.uniop, native.name).default
+
+    def rule(info, in_dims, *args, **kwargs):
+        size = info.batch_size
+        rank = max((a.dim() - (d is not None) for a, d in zip(args, in_dims) if isinstance(a, torch.Tensor)), default=0)
+        batched, per_sample = list(args), {}
+        for i, (a, d) in enumerate(zip(args, in_dims)):
+            if isinstance(a, torch.Tensor):
+                x = a.movedim(d, 0) if d is not None else a.expand(size, *a.shape)
+                per_sample[i] = x.shape[1:]
+                batched[i] = x[(slice(None),) + (None,) * (rank + 1 - x.dim())]
+        out = op(*batched, **kwargs)
+        outs = (out,) if len(native.returns) == 1 else out
+        results, out_dims = [], []
+        for o, like, asked in zip(outs, shaped_like, asked_by):
+            if asked is not None and not (args[asked] if asked < len(args) else kwargs.get(names[asked], True)):
+                results.append(o)  # the empty placeholder of a gradient not asked for
+                out_dims.append(None)
+                continue
+            results.append(o if like is None else o.reshape(size, *per_sample[like]))
+            out_dims.append(0)
+        if len(native.returns) == 1:
+            return results[0], out_dims[0]
+        return tuple(results), tuple(out_dims)
+
+    return rule
+
+
 def _register_autocast(native):
     op = getattr(torch.ops.uniop, native.name).default
     lower = native.autocast == "lower"
@@ -393,6 +432,8 @@ def _register(natives):
             _lib.impl(native.name, _no_backward_kernel(native), "Autograd", with_keyset=True)
         if native.autocast:
             _register_autocast(native)
+        if native.elementwise:
+            torch.library.register_vmap(f"{NAMESPACE}::{native.name}", _elementwise_vmap_rule(native), lib=_lib)
 
 
 def ops():
