@@ -78,7 +78,7 @@ fn bind<'py>(
     }
     for (arg, value) in schema.iter().zip(&bound) {
         if value.is_none() && arg.default.is_none() && !arg.ty.optional {
-            return Err(Error::arg(ErrorCode::ParamNullptr, op, &arg.name, format!("a {}", arg.ty), "nothing"));
+            return Err(Error::arg(ErrorCode::ParamNullptr, op, &arg.name, a_value_of(&arg.ty), "nothing"));
         }
     }
     Ok((bound, stream))
@@ -86,6 +86,13 @@ fn bind<'py>(
 
 /// The keyword that picks the stream an op runs on (no schema may use it as an argument name).
 const STREAM_KEYWORD: &str = "stream";
+
+/// What an argument of schema type `ty` expects, with its article: "a float", "an int[]".
+fn a_value_of(ty: &impl std::fmt::Display) -> String {
+    let ty = ty.to_string();
+    let article = if ty.starts_with(['a', 'e', 'i', 'o', 'u']) { "an" } else { "a" };
+    format!("{article} {ty}")
+}
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".to_string())
@@ -103,7 +110,7 @@ fn attr_value(op: &str, arg: &Arg, obj: Option<&Bound<'_, PyAny>>) -> Result<Opt
     if obj.is_none() {
         return Ok(Some(AttrValue::None));
     }
-    let wrong = || Error::arg(ErrorCode::ParamInvalid, op, &arg.name, format!("a {}", arg.ty), type_name(obj));
+    let wrong = || Error::arg(ErrorCode::ParamInvalid, op, &arg.name, a_value_of(&arg.ty), type_name(obj));
     let is_int = obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>();
     let value = match arg.ty.base {
         BaseType::Bool | BaseType::Scalar if obj.is_instance_of::<PyBool>() => {
