@@ -520,11 +520,12 @@ def test_torch_abi_writes_outputs_the_maker_gives_and_reports_one_it_cannot():
 
 def test_python_kernels_give_the_same_results():
     """The pure-Python CPU and Autograd kernels (used where the C++ ones are not built) pass the
-    value, routing, optional-gradient, gradcheck and error tests too: run them in a process that
-    refuses the C++ kernels."""
-    import os
-
-    tests = "values_match or autograd_kernel_routes or linear_without_bias or gradcheck or errors_are_uniop"
+    value, routing, optional-gradient, gradcheck, error, no-backward, forward-mode refusal and vmap
+    tests too: run them in a process that refuses the C++ kernels."""
+    tests = (
+        "values_match or autograd_kernel_routes or linear_without_bias or gradcheck or errors_are_uniop"
+        " or without_a_backward or forward_mode_ad or vmap_in_one_call or per_sample_gradients"
+    )
     env = dict(os.environ, UNIOP_TORCH_CPP_KERNELS="0")
     check = "import uniop.torch; assert not uniop.torch.cpp_kernels_loaded()"
     subprocess.run([sys.executable, "-c", check], env=env, check=True)
