@@ -1,7 +1,7 @@
 //! Row passes on AVX2 CPUs without AVX-512, for f32 and bf16 rows, with every value in
-//! registers: softmax's (the maximum, the exps and their sum, the scaled store), RMSNorm's (the
-//! sum of squares, the residual add that feeds it, the weighted store), rope's rows, and
-//! `silu(gate) · up` over dense runs (silu_mul, swiglu).
+//! registers: softmax's (the maximum, the exps and their sum, the scaled store; log_softmax's
+//! shifted store), RMSNorm's (the sum of squares, the residual add that feeds it, the weighted
+//! store), rope's rows, and `silu(gate) · up` over dense runs (silu_mul, swiglu).
 //!
 //! Why a second form: the generic passes work in steps of [`LANES`](crate::elementwise::LANES)
 //! (four AVX-512 registers), and were tuned where a step's values fit the register file. Built for
@@ -10,7 +10,7 @@
 //! and the streaming stores staged each step through two stack arrays (f32 results, then narrowed
 //! ones) before copying them out 16 bytes at a time. Here the passes take 16 or 32 elements an
 //! iteration (two or four 8-lane chains), constants hoisted, and every store narrows 16 lanes in
-//! registers and writes them with one 32-byte store (streamed when asked). Softmax,
+//! registers and writes them with one 32-byte store (streamed when asked). Softmax, log_softmax,
 //! causal_softmax, cross_entropy, embedding_backward's row scaling, rms_norm, add_rms_norm, rope,
 //! rope_backward, silu_mul and swiglu go through these where they apply ([`applies`]); f16 rows,
 //! and AVX-512 CPUs, keep the generic passes.
@@ -255,6 +255,23 @@ unsafe fn scale_in<T: Row>(src: &[f32], out: &mut [T], scale: f32, streaming: bo
     }
     for (o, &v) in out[whole..].iter_mut().zip(&src[whole..]) {
         *o = T::from_f32(v * scale);
+    }
+}
+
+/// `out = row − shift`, narrowed to `T` (log_softmax's store); streaming as [`scale_in`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn shift_in<T: Row>(row: &[T], out: &mut [T], shift: f32, streaming: bool) {
+    let streaming = streaming && (out.as_ptr() as usize).is_multiple_of(32);
+    let (p, o) = (row.as_ptr(), out.as_mut_ptr());
+    let whole = row.len() / 16 * 16;
+    let sh = _mm256_set1_ps(shift);
+    for i in (0..whole).step_by(16) {
+        let low = _mm256_sub_ps(T::load8(p.add(i)), sh);
+        let high = _mm256_sub_ps(T::load8(p.add(i + 8)), sh);
+        T::store16(o.add(i), low, high, streaming);
+    }
+    for (o, v) in out[whole..].iter_mut().zip(&row[whole..]) {
+        *o = T::from_f32(v.to_f32() - shift);
     }
 }
 
@@ -526,6 +543,19 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
     match T::DTYPE {
         DType::BF16 => unsafe { scale_in::<bf16>(src, same_mut(out), scale, streaming) },
         _ => unsafe { scale_in::<f32>(src, same_mut(out), scale, streaming) },
+    }
+}
+
+/// `out = row − shift`, narrowed to `T` (`out` as long as `row`). Only for f32 and bf16 rows (see
+/// [`applies`]).
+#[inline(always)]
+pub(crate) fn shift_into<T: FloatElement>(row: &[T], out: &mut [T], shift: f32, streaming: bool) {
+    assert!(can_run());
+    assert_eq!(row.len(), out.len());
+    // SAFETY (each arm): as in `row_max`; the lengths are equal.
+    match T::DTYPE {
+        DType::BF16 => unsafe { shift_in::<bf16>(same(row), same_mut(out), shift, streaming) },
+        _ => unsafe { shift_in::<f32>(same(row), same_mut(out), shift, streaming) },
     }
 }
 
