@@ -288,8 +288,8 @@ fn is_torch_tensor(obj: &Bound<'_, PyAny>) -> bool {
     tensor_type.is_ok_and(|t| obj.is_instance(&t).unwrap_or(false))
 }
 
-/// A torch view whose values are the negation of its memory's (`_neg_view()`, which `conj()` of
-/// a real tensor's gradient makes): neither DLPack nor a raw view can say so.
+/// A torch view whose values are the negation of its memory's (`_neg_view()`; torch makes them
+/// lazily, e.g. the imaginary part of a conjugated tensor): neither DLPack nor a raw view can say so.
 pub(crate) fn negative_view(op: &str, arg: &str) -> Error {
     let expected = "a tensor without a pending negation (call .resolve_neg() on it)";
     Error::arg(ErrorCode::ParamInvalid, op, arg, expected, "a negative view")
@@ -301,7 +301,7 @@ pub(crate) fn past_storage(op: &str, arg: &str, given: String) -> Error {
 }
 
 /// What torch's DLPack export leaves out of a view, checked through torch's Python API (about
-/// 0.3 µs a tensor, on the route taken only without uniop.torch's C++ reader, which checks the
+/// 0.5 µs a tensor, on the route taken only without uniop.torch's C++ reader, which checks the
 /// same in C++): a pending negation, whose values read as they are gave `silu(x)` for
 /// `silu(-x)`, and a storage resized smaller under the view, whose reading crashed the process.
 fn check_torch_view(op: &str, arg: &str, obj: &Bound<'_, PyAny>, view: &Imported) -> Result<(), Error> {
