@@ -347,7 +347,7 @@ def _no_backward_kernel(native):
         values = (*args, *kwargs.values())
         if _carries_tangents(values):
             raise NotImplementedError(f"Trying to use forward AD with {op._schema.name} that does not support it")
-        if _grad_enabled() and any(t.requires_grad for a in values for t in symbolic._tensors(a)):
+        if _grad_enabled() and _any_requires_grad(*values):  # (it looks into lists too)
             flat, spec = _pytree.tree_flatten((args, kwargs))
             with _single_level_functions_allowed():
                 return Function.apply(spec, *flat)
