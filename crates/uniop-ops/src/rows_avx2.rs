@@ -491,6 +491,57 @@ unsafe fn silu_mul_in<T: Row>(gate: &[T], up: &[T], out: &mut [T], streaming: bo
     }
 }
 
+/// softmax_backward's `Σ dy·y` over a row, or log_softmax_backward's `Σ dy` when `LOG`, 32
+/// elements an iteration in [`Row::load16_in_lanes`]'s order (a sum's order is free).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn grad_dot_in<T: Row, const LOG: bool>(dy: &[T], y: &[T]) -> f32 {
+    let (pd, py) = (dy.as_ptr(), y.as_ptr());
+    let whole = dy.len() / STEP * STEP;
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for i in (0..whole).step_by(STEP) {
+        for (h, pair) in acc.chunks_exact_mut(2).enumerate() {
+            let d = T::load16_in_lanes(pd.add(i + 16 * h));
+            let v = if LOG { d } else { T::load16_in_lanes(py.add(i + 16 * h)) };
+            for j in 0..2 {
+                pair[j] = if LOG { _mm256_add_ps(pair[j], d[j]) } else { _mm256_fmadd_ps(d[j], v[j], pair[j]) };
+            }
+        }
+    }
+    let lanes = sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    let tail = dy[whole..].iter().zip(&y[whole..]);
+    lanes + tail.map(|(d, v)| if LOG { d.to_f32() } else { d.to_f32() * v.to_f32() }).sum::<f32>()
+}
+
+/// One row of the backward: `dot` by [`grad_dot_in`], then `dx = y · (dy − dot)`, or
+/// `dx = dy − exp(y) · dot` when `LOG` (exp as [`math::exp_for`]), narrowed to `T`, 16 elements an
+/// iteration in [`Row::load16_in_lanes`]'s order; given the dot, bit for bit the generic map's.
+/// Past the cache when `streaming` and `dx` is 32-byte aligned.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_grad_in<T: Row, const LOG: bool>(dy: &[T], y: &[T], dx: &mut [T], streaming: bool) {
+    let dot = grad_dot_in::<T, LOG>(dy, y);
+    let streaming = streaming && (dx.as_ptr() as usize).is_multiple_of(32);
+    let coarse = T::DTYPE.size() == 2;
+    let (pd, py, po) = (dy.as_ptr(), y.as_ptr(), dx.as_mut_ptr());
+    let whole = dy.len() / 16 * 16;
+    let s = _mm256_set1_ps(dot);
+    let grad = |d, v| {
+        if !LOG {
+            _mm256_mul_ps(v, _mm256_sub_ps(d, s))
+        } else {
+            let e = if coarse { exp8::<true, true>(v) } else { exp8::<false, true>(v) };
+            _mm256_sub_ps(d, _mm256_mul_ps(e, s))
+        }
+    };
+    for i in (0..whole).step_by(16) {
+        let ([d0, d1], [v0, v1]) = (T::load16_in_lanes(pd.add(i)), T::load16_in_lanes(py.add(i)));
+        T::store16_in_lanes(po.add(i), grad(d0, v0), grad(d1, v1), streaming);
+    }
+    for k in whole..dy.len() {
+        let (d, v) = (dy[k].to_f32(), y[k].to_f32());
+        dx[k] = T::from_f32(if LOG { d - math::exp_for::<T>(v) * dot } else { v * (d - dot) });
+    }
+}
+
 /// `slice` as a slice of `U`, which is `T` (checked by dtype).
 #[inline(always)]
 fn same<T: FloatElement, U: FloatElement>(slice: &[T]) -> &[U] {
@@ -633,6 +684,22 @@ pub(crate) fn silu_mul<T: FloatElement>(gate: &[T], up: &[T], out: &mut [T], str
     match T::DTYPE {
         DType::BF16 => unsafe { silu_mul_in::<bf16>(same(gate), same(up), same_mut(out), streaming) },
         _ => unsafe { silu_mul_in::<f32>(same(gate), same(up), same_mut(out), streaming) },
+    }
+}
+
+/// One row of softmax_backward (`log` false) or log_softmax_backward (`log` true): the sum, then
+/// `dx` narrowed to `T` (`dy`, `y` and `dx` as long), past the cache when `streaming`. Only for f32
+/// and bf16 rows (see [`applies`]).
+#[inline(always)]
+pub(crate) fn softmax_grad<T: FloatElement>(dy: &[T], y: &[T], dx: &mut [T], log: bool, streaming: bool) {
+    assert!(can_run());
+    assert!(dy.len() == y.len() && dy.len() == dx.len());
+    // SAFETY (each arm): as in `row_max`; the lengths are equal.
+    match (T::DTYPE, log) {
+        (DType::BF16, false) => unsafe { softmax_grad_in::<bf16, false>(same(dy), same(y), same_mut(dx), streaming) },
+        (DType::BF16, true) => unsafe { softmax_grad_in::<bf16, true>(same(dy), same(y), same_mut(dx), streaming) },
+        (_, false) => unsafe { softmax_grad_in::<f32, false>(same(dy), same(y), same_mut(dx), streaming) },
+        (_, true) => unsafe { softmax_grad_in::<f32, true>(same(dy), same(y), same_mut(dx), streaming) },
     }
 }
 
@@ -814,6 +881,53 @@ mod tests {
         }
         check_silu_mul::<f32>();
         check_silu_mul::<bf16>();
+    }
+
+    /// The backwards' rows: the sum (`Σ dy·y`, or `Σ dy`) matches f64's, and the store gives the
+    /// generic map's bits for that sum. `y` spans log_softmax outputs and values past exp's clamps,
+    /// NaN and ±∞ included (where the sum is then not compared); streamed and not, aligned and not.
+    fn check_softmax_grad<T: Row>() {
+        for &n in LENGTHS {
+            let dy: Vec<T> = row(n, 2.0, n as u32);
+            let mut y: Vec<T> = row(n, 100.0, n as u32 + 3);
+            if n > 20 {
+                for (k, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 89.0, -89.0].into_iter().enumerate() {
+                    y[3 * k] = T::from_f32(v);
+                }
+            }
+            for log in [false, true] {
+                let wide = |v: &T| v.to_f32() as f64;
+                let want: f64 = dy.iter().zip(&y).map(|(d, v)| wide(d) * if log { 1.0 } else { wide(v) }).sum();
+                let magnitude: f64 =
+                    dy.iter().zip(&y).map(|(d, v)| (wide(d) * if log { 1.0 } else { wide(v) }).abs()).sum();
+                // SAFETY: the tests run these only where the CPU has AVX2 and FMA.
+                let dot = unsafe {
+                    if log {
+                        grad_dot_in::<T, true>(&dy, &y)
+                    } else {
+                        grad_dot_in::<T, false>(&dy, &y)
+                    }
+                };
+                if want.is_finite() {
+                    assert!((dot as f64 - want).abs() <= 1e-6 * magnitude, "sum, n {n}, log {log}: {dot} vs {want}");
+                }
+                let grad = |d: &T, v: &T| {
+                    let (d, v) = (d.to_f32(), v.to_f32());
+                    T::from_f32(if log { d - math::exp_for::<T>(v) * dot } else { v * (d - dot) })
+                };
+                let want = bits(dy.iter().zip(&y).map(|(d, v)| grad(d, v)));
+                each_destination::<T>(n, want, |out, streaming| softmax_grad(&dy, &y, out, log, streaming));
+            }
+        }
+    }
+
+    #[test]
+    fn softmax_backward_rows_match_f64_and_the_scalar_map() {
+        if !can_run() {
+            return;
+        }
+        check_softmax_grad::<f32>();
+        check_softmax_grad::<bf16>();
     }
 
     #[test]

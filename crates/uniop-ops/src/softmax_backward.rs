@@ -27,6 +27,10 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
             let (dyr, yr) = (&dys[row.clone()], &ys[row.clone()]);
             // SAFETY: this block owns row `u` of dx.
             let out = unsafe { dx.slice_mut::<T>(base + row.start, axis.n) };
+            if crate::rows_avx2::applies::<T>() {
+                crate::rows_avx2::softmax_grad(dyr, yr, out, kind == Kind::LogSoftmax, streaming);
+                continue;
+            }
             // One loop per kind, not a `match` per element: LLVM left that branch in the loops.
             acc.fill(0.0);
             match kind {
