@@ -1,7 +1,8 @@
 //! Row passes on AVX2 CPUs without AVX-512, for f32 and bf16 rows, with every value in
 //! registers: softmax's (the maximum, the exps and their sum, the scaled store; log_softmax's
 //! shifted store), RMSNorm's (the sum of squares, the residual add that feeds it, the weighted
-//! store), rope's rows, and `silu(gate) · up` over dense runs (silu_mul, swiglu).
+//! store), softmax_backward's and log_softmax_backward's rows, rope's rows, `silu(gate) · up` over
+//! dense runs (silu_mul, swiglu), and the one- and two-input elementwise maps over dense bf16 runs.
 //!
 //! Why a second form: the generic passes work in steps of [`LANES`](crate::elementwise::LANES)
 //! (four AVX-512 registers), and were tuned where a step's values fit the register file. Built for
@@ -12,8 +13,9 @@
 //! iteration (two or four 8-lane chains), constants hoisted, and every store narrows 16 lanes in
 //! registers and writes them with one 32-byte store (streamed when asked). Softmax, log_softmax,
 //! causal_softmax, cross_entropy, embedding_backward's row scaling, rms_norm, add_rms_norm, rope,
-//! rope_backward, silu_mul and swiglu go through these where they apply ([`applies`]); f16 rows,
-//! and AVX-512 CPUs, keep the generic passes.
+//! rope_backward, silu_mul, swiglu, the softmax backwards and bf16 runs of `elementwise::unary` and
+//! `elementwise::binary` (silu, gelu, mul, their gradients, …) go through these where they apply
+//! ([`applies`]); f16 rows, and AVX-512 CPUs, keep the generic passes.
 //!
 //! The arithmetic is the generic passes' own: [`math::exp`]'s and [`math::exp_coarse`]'s
 //! formulas (chosen by the element type, as [`math::exp_for`]), bf16's round-to-nearest-even with
@@ -21,7 +23,7 @@
 //! lane. Sums are taken in a different order (and squares summed with FMA), so they may differ in
 //! the last bit.
 
-use crate::elementwise::Ahead;
+use crate::elementwise::{Ahead, Map1, Map2};
 use crate::math;
 use crate::rope::{self, Mode};
 use std::arch::x86_64::*;
@@ -542,6 +544,56 @@ unsafe fn softmax_grad_in<T: Row, const LOG: bool>(dy: &[T], y: &[T], dx: &mut [
     }
 }
 
+/// 16 lanes, in [`Row::load16_in_lanes`]'s order, through `f` one by one: LLVM vectorizes the
+/// loop to two 8-lane chains and keeps the array in registers.
+#[inline(always)]
+unsafe fn map16(low: __m256, high: __m256, f: impl Fn(f32, usize) -> f32) -> [__m256; 2] {
+    let mut lanes = [0f32; 16];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), low);
+    _mm256_storeu_ps(lanes.as_mut_ptr().add(8), high);
+    for (j, v) in lanes.iter_mut().enumerate() {
+        *v = f(*v, j);
+    }
+    [_mm256_loadu_ps(lanes.as_ptr()), _mm256_loadu_ps(lanes.as_ptr().add(8))]
+}
+
+/// `out = f(x)` over a dense run, narrowed to `T`, 16 elements an iteration in
+/// [`Row::load16_in_lanes`]'s order (bit for bit the generic map's); past the cache when
+/// `streaming` and `out` is 32-byte aligned.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn map1_in<T: Row, F: Map1>(x: &[T], out: &mut [T], f: &F, streaming: bool) {
+    let streaming = streaming && (out.as_ptr() as usize).is_multiple_of(32);
+    let (px, po) = (x.as_ptr(), out.as_mut_ptr());
+    let whole = x.len() / 16 * 16;
+    for i in (0..whole).step_by(16) {
+        let [low, high] = T::load16_in_lanes(px.add(i));
+        let [low, high] = map16(low, high, |v, _| f.apply::<T>(v));
+        T::store16_in_lanes(po.add(i), low, high, streaming);
+    }
+    for k in whole..x.len() {
+        out[k] = T::from_f32(f.apply::<T>(x[k].to_f32()));
+    }
+}
+
+/// `out = f(a, b)` over dense runs, as [`map1_in`].
+#[target_feature(enable = "avx2,fma")]
+unsafe fn map2_in<T: Row, F: Map2>(a: &[T], b: &[T], out: &mut [T], f: &F, streaming: bool) {
+    let streaming = streaming && (out.as_ptr() as usize).is_multiple_of(32);
+    let (pa, pb, po) = (a.as_ptr(), b.as_ptr(), out.as_mut_ptr());
+    let whole = a.len() / 16 * 16;
+    for i in (0..whole).step_by(16) {
+        let ([a0, a1], [b0, b1]) = (T::load16_in_lanes(pa.add(i)), T::load16_in_lanes(pb.add(i)));
+        let mut bs = [0f32; 16];
+        _mm256_storeu_ps(bs.as_mut_ptr(), b0);
+        _mm256_storeu_ps(bs.as_mut_ptr().add(8), b1);
+        let [low, high] = map16(a0, a1, |v, j| f.apply::<T>(v, bs[j]));
+        T::store16_in_lanes(po.add(i), low, high, streaming);
+    }
+    for k in whole..a.len() {
+        out[k] = T::from_f32(f.apply::<T>(a[k].to_f32(), b[k].to_f32()));
+    }
+}
+
 /// `slice` as a slice of `U`, which is `T` (checked by dtype).
 #[inline(always)]
 fn same<T: FloatElement, U: FloatElement>(slice: &[T]) -> &[U] {
@@ -700,6 +752,31 @@ pub(crate) fn softmax_grad<T: FloatElement>(dy: &[T], y: &[T], dx: &mut [T], log
         (DType::BF16, true) => unsafe { softmax_grad_in::<bf16, true>(same(dy), same(y), same_mut(dx), streaming) },
         (_, false) => unsafe { softmax_grad_in::<f32, false>(same(dy), same(y), same_mut(dx), streaming) },
         (_, true) => unsafe { softmax_grad_in::<f32, true>(same(dy), same(y), same_mut(dx), streaming) },
+    }
+}
+
+/// `out = f(x)` over a dense run (`out` as long as `x`), narrowed to `T`; past the cache when
+/// `streaming`. Only for f32 and bf16 (see [`applies`]).
+#[inline(always)]
+pub(crate) fn map1<T: FloatElement, F: Map1>(x: &[T], out: &mut [T], f: &F, streaming: bool) {
+    assert!(can_run());
+    assert_eq!(x.len(), out.len());
+    // SAFETY (each arm): as in `row_max`; the lengths are equal.
+    match T::DTYPE {
+        DType::BF16 => unsafe { map1_in::<bf16, F>(same(x), same_mut(out), f, streaming) },
+        _ => unsafe { map1_in::<f32, F>(same(x), same_mut(out), f, streaming) },
+    }
+}
+
+/// `out = f(a, b)` over dense runs (all three as long), as [`map1`].
+#[inline(always)]
+pub(crate) fn map2<T: FloatElement, F: Map2>(a: &[T], b: &[T], out: &mut [T], f: &F, streaming: bool) {
+    assert!(can_run());
+    assert!(a.len() == b.len() && a.len() == out.len());
+    // SAFETY (each arm): as in `row_max`; the lengths are equal.
+    match T::DTYPE {
+        DType::BF16 => unsafe { map2_in::<bf16, F>(same(a), same(b), same_mut(out), f, streaming) },
+        _ => unsafe { map2_in::<f32, F>(same(a), same(b), same_mut(out), f, streaming) },
     }
 }
 
@@ -928,6 +1005,47 @@ mod tests {
         }
         check_softmax_grad::<f32>();
         check_softmax_grad::<bf16>();
+    }
+
+    struct Silu;
+    impl Map1 for Silu {
+        fn apply<T: uniop::Element>(&self, x: f32) -> f32 {
+            math::silu::<T>(x)
+        }
+    }
+    /// Two operands that each matter per lane (a lane mix-up changes the result).
+    struct ScaledExp;
+    impl Map2 for ScaledExp {
+        fn apply<T: uniop::Element>(&self, a: f32, b: f32) -> f32 {
+            a * math::exp_for::<T>(b) - b
+        }
+    }
+
+    /// The dense maps give the scalar map's bits (`T::from_f32(f(x))`), NaN and ±∞ included;
+    /// streamed and not, aligned and not.
+    fn check_maps<T: Row>() {
+        for &n in LENGTHS {
+            let mut x: Vec<T> = row(n, 100.0, n as u32);
+            if n > 20 {
+                for (k, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 89.0, -89.0].into_iter().enumerate() {
+                    x[3 * k] = T::from_f32(v);
+                }
+            }
+            let b: Vec<T> = row(n, 3.0, n as u32 + 5);
+            let want = bits(x.iter().map(|v| T::from_f32(Silu.apply::<T>(v.to_f32()))));
+            each_destination::<T>(n, want, |out, streaming| map1(&x, out, &Silu, streaming));
+            let want = bits(x.iter().zip(&b).map(|(a, b)| T::from_f32(ScaledExp.apply::<T>(a.to_f32(), b.to_f32()))));
+            each_destination::<T>(n, want, |out, streaming| map2(&x, &b, out, &ScaledExp, streaming));
+        }
+    }
+
+    #[test]
+    fn dense_maps_match_the_scalar_map() {
+        if !can_run() {
+            return;
+        }
+        check_maps::<f32>();
+        check_maps::<bf16>();
     }
 
     #[test]
