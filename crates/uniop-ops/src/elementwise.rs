@@ -628,10 +628,10 @@ pub fn unary_at<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, x: u
         if dense_run(strides) {
             // SAFETY: blocks own disjoint ranges of output elements.
             let dst = unsafe { out.slice_mut::<T>(o, len) };
-            // bf16 on AVX2: 16 lanes an iteration, widened as even and odd elements (the staged
-            // 64-lane steps spilled; 4096x11008, Zen 3: silu 17.2-18.7 -> 15.5-15.9 ms, gelu 22.3-22.6
-            // -> 19.7-20.0). f32 keeps the per-element form, already held in registers.
-            if sx == 1 && T::DTYPE == DType::BF16 && crate::rows_avx2::applies::<T>() {
+            // AVX2: 16 lanes an iteration, bf16 widened as even and odd elements. 4096x11008, Zen 3,
+            // best of 15: bf16 silu 17.2-18.7 -> 15.5-15.9 ms, gelu 22.3-22.6 -> 19.7-20.0 (the staged
+            // 64-lane steps spilled); f32 silu 20.5-27.1 -> 16.2-16.8, gelu level (the per-element form).
+            if sx == 1 && crate::rows_avx2::applies::<T>() {
                 crate::rows_avx2::map1(&data[xo..xo + len], dst, f, streaming);
                 continue;
             }
@@ -696,8 +696,9 @@ pub fn binary_at<T: FloatElement, F: Map2>(
         if dense_run(strides) {
             // SAFETY: blocks own disjoint ranges of output elements.
             let dst = unsafe { out.slice_mut::<T>(o, len) };
-            // As in `unary_at` (bf16 mul 4096x4096, Zen 3: 4.1-4.4 -> 2.3-3.2 ms).
-            if (sa, sb) == (1, 1) && T::DTYPE == DType::BF16 && crate::rows_avx2::applies::<T>() {
+            // As in `unary_at` (Zen 3: bf16 mul 4096x4096 4.1-4.4 -> 2.3-3.2 ms; f32 silu_backward
+            // 4096x11008 28.0-29.0 -> 21.6-26.5).
+            if (sa, sb) == (1, 1) && crate::rows_avx2::applies::<T>() {
                 crate::rows_avx2::map2(&da[ao..ao + len], &db[bo..bo + len], dst, f, streaming);
                 continue;
             }

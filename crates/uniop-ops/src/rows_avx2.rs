@@ -2,7 +2,7 @@
 //! registers: softmax's (the maximum, the exps and their sum, the scaled store; log_softmax's
 //! shifted store), RMSNorm's (the sum of squares, the residual add that feeds it, the weighted
 //! store), softmax_backward's and log_softmax_backward's rows, rope's rows, `silu(gate) · up` over
-//! dense runs (silu_mul, swiglu), and the one- and two-input elementwise maps over dense bf16 runs.
+//! dense runs (silu_mul, swiglu), and the one- and two-input elementwise maps over dense runs.
 //!
 //! Why a second form: the generic passes work in steps of [`LANES`](crate::elementwise::LANES)
 //! (four AVX-512 registers), and were tuned where a step's values fit the register file. Built for
@@ -13,8 +13,8 @@
 //! iteration (two or four 8-lane chains), constants hoisted, and every store narrows 16 lanes in
 //! registers and writes them with one 32-byte store (streamed when asked). Softmax, log_softmax,
 //! causal_softmax, cross_entropy, embedding_backward's row scaling, rms_norm, add_rms_norm, rope,
-//! rope_backward, silu_mul, swiglu, the softmax backwards and bf16 runs of `elementwise::unary` and
-//! `elementwise::binary` (silu, gelu, mul, their gradients, …) go through these where they apply
+//! rope_backward, silu_mul, swiglu, the softmax backwards and the dense runs of `elementwise::unary`
+//! and `elementwise::binary` (silu, gelu, mul, their gradients, …) go through these where they apply
 //! ([`applies`]); f16 rows, and AVX-512 CPUs, keep the generic passes.
 //!
 //! The arithmetic is the generic passes' own: [`math::exp`]'s and [`math::exp_coarse`]'s
