@@ -285,7 +285,8 @@ fn store_lanes<T: FloatElement>(src: &[f32; LANES], dst: &mut [T], streaming: bo
 /// form's step arrays make round trips through the stack instead): in cache on Zen 4, bf16
 /// log_softmax ran 0.111 → 0.080 ms, add 0.030 → 0.026, mul 0.035 → 0.027, softmax_backward 0.049
 /// → 0.040, swiglu 0.042 → 0.035, silu and gelu level; the two-output gradients stay staged
-/// (silu_mul_backward ran 0.091 → 0.120 in the per-element form). AVX2 keeps the staged form it was
+/// (silu_mul_backward ran 0.091 → 0.120 in the per-element form). On AVX2, one-output maps take
+/// `rows_avx2::map` (see `dense_map`); two-output ones keep the staged form they were
 /// tuned with.
 #[inline(always)]
 pub fn converts_per_element<T: FloatElement, const O: usize>() -> bool {
@@ -331,6 +332,15 @@ pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
     streaming: bool,
     f: impl Fn([f32; I]) -> [f32; O],
 ) {
+    // AVX2: 16 lanes an iteration (bf16 as even and odd elements) instead of 64-lane steps,
+    // which spilled. 4096x11008, Zen 3, best of 10-15, alternated: bf16 silu 17.2-18.7 -> 15.5-15.9
+    // ms, gelu 22.3-22.6 -> 19.7-20.0, f32 silu 20.5-27.1 -> 16.2-16.8, silu_backward 28.0-29.0 ->
+    // 21.6-26.5; bf16 mul 4096x4096 4.1-4.4 -> 2.3-3.2. Two-output maps keep the forms below:
+    // silu_mul_backward ran 38.6-42.5 -> 45.0-53.9 ms this way (swiglu_backward, the same
+    // arithmetic, gained: 31.6-49.6 -> 26.5-34.4; not understood, so not taken).
+    if O == 1 && crate::rows_avx2::applies::<T>() {
+        return crate::rows_avx2::map(ins, outs, streaming, &f);
+    }
     let n = outs[0].len();
     const { assert!(O <= I, "dense_map writes output k over input k's widened step") };
     let mut steps = Steps { wide: [[0f32; LANES]; I], staged: [[T::default(); LANES]; O] };
@@ -628,14 +638,7 @@ pub fn unary_at<T: FloatElement, F: Map1>(args: &KernelArgs, ctx: BlockCtx, x: u
         if dense_run(strides) {
             // SAFETY: blocks own disjoint ranges of output elements.
             let dst = unsafe { out.slice_mut::<T>(o, len) };
-            // AVX2: 16 lanes an iteration, bf16 widened as even and odd elements. 4096x11008, Zen 3,
-            // best of 15: bf16 silu 17.2-18.7 -> 15.5-15.9 ms, gelu 22.3-22.6 -> 19.7-20.0 (the staged
-            // 64-lane steps spilled); f32 silu 20.5-27.1 -> 16.2-16.8, gelu level (the per-element form).
-            if sx == 1 && crate::rows_avx2::applies::<T>() {
-                crate::rows_avx2::map1(&data[xo..xo + len], dst, f, streaming);
-                continue;
-            }
-            if sx == 1 && converts_per_element::<T, 1>() {
+            if sx == 1 && (converts_per_element::<T, 1>() || crate::rows_avx2::applies::<T>()) {
                 dense_map([&data[xo..xo + len]], [dst], streaming, |[x]| [f.apply::<T>(x)]);
                 continue;
             }
@@ -696,13 +699,7 @@ pub fn binary_at<T: FloatElement, F: Map2>(
         if dense_run(strides) {
             // SAFETY: blocks own disjoint ranges of output elements.
             let dst = unsafe { out.slice_mut::<T>(o, len) };
-            // As in `unary_at` (Zen 3: bf16 mul 4096x4096 4.1-4.4 -> 2.3-3.2 ms; f32 silu_backward
-            // 4096x11008 28.0-29.0 -> 21.6-26.5).
-            if (sa, sb) == (1, 1) && crate::rows_avx2::applies::<T>() {
-                crate::rows_avx2::map2(&da[ao..ao + len], &db[bo..bo + len], dst, f, streaming);
-                continue;
-            }
-            if converts_per_element::<T, 1>() {
+            if converts_per_element::<T, 1>() || crate::rows_avx2::applies::<T>() {
                 // Both dense, or one a value repeated along the run (a row's bias or scale).
                 match (sa, sb) {
                     (1, 1) => {

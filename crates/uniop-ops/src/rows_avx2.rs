@@ -23,7 +23,7 @@
 //! lane. Sums are taken in a different order (and squares summed with FMA), so they may differ in
 //! the last bit.
 
-use crate::elementwise::{Ahead, Map1, Map2};
+use crate::elementwise::Ahead;
 use crate::math;
 use crate::rope::{self, Mode};
 use std::arch::x86_64::*;
@@ -544,54 +544,60 @@ unsafe fn softmax_grad_in<T: Row, const LOG: bool>(dy: &[T], y: &[T], dx: &mut [
     }
 }
 
-/// 16 lanes, in [`Row::load16_in_lanes`]'s order, through `f` one by one: LLVM vectorizes the
-/// loop to two 8-lane chains and keeps the array in registers.
-#[inline(always)]
-unsafe fn map16(low: __m256, high: __m256, f: impl Fn(f32, usize) -> f32) -> [__m256; 2] {
-    let mut lanes = [0f32; 16];
-    _mm256_storeu_ps(lanes.as_mut_ptr(), low);
-    _mm256_storeu_ps(lanes.as_mut_ptr().add(8), high);
-    for (j, v) in lanes.iter_mut().enumerate() {
-        *v = f(*v, j);
+/// `f` elementwise over dense runs (`I` inputs, `O` outputs, all as long), narrowed to `T`, 16
+/// elements an iteration in [`Row::load16_in_lanes`]'s order: `f` runs on each lane's values,
+/// and LLVM vectorizes that loop to two 8-lane chains with the arrays in registers. Bit for bit
+/// the generic map's. Past the cache when `streaming`, from the first element where every output
+/// is 32-byte aligned (a block's share of a tensor starts anywhere, and with ordinary stores each
+/// output line is read before it is written).
+/// `f16c` is enabled because the kernels that pass `f` in are built with it: a closure built for
+/// features its caller lacks is not inlined.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn map_in<T: Row, const I: usize, const O: usize>(
+    ins: [&[T]; I],
+    mut outs: [&mut [T]; O],
+    streaming: bool,
+    f: &impl Fn([f32; I]) -> [f32; O],
+) {
+    let n = outs[0].len();
+    let one = |outs: &mut [&mut [T]; O], k: usize| {
+        let mut x = [0f32; I];
+        for (x, run) in x.iter_mut().zip(&ins) {
+            *x = run[k].to_f32();
+        }
+        for (out, r) in outs.iter_mut().zip(f(x)) {
+            out[k] = T::from_f32(r);
+        }
+    };
+    let aligned_from = |out: &[T]| (out.as_ptr() as usize).wrapping_neg() % 32 / size_of::<T>();
+    let head = aligned_from(outs[0]).min(n);
+    let streaming = streaming && outs.iter().all(|out| (out.as_ptr() as usize + head * size_of::<T>()) % 32 == 0);
+    let head = if streaming { head } else { 0 };
+    (0..head).for_each(|k| one(&mut outs, k));
+    let whole = head + (n - head) / 16 * 16;
+    for i in (head..whole).step_by(16) {
+        let mut wide = [[0f32; 16]; I];
+        for (wide, run) in wide.iter_mut().zip(&ins) {
+            let [low, high] = T::load16_in_lanes(run.as_ptr().add(i));
+            _mm256_storeu_ps(wide.as_mut_ptr(), low);
+            _mm256_storeu_ps(wide.as_mut_ptr().add(8), high);
+        }
+        let mut results = [[0f32; 16]; O];
+        for j in 0..16 {
+            let mut x = [0f32; I];
+            for (x, wide) in x.iter_mut().zip(&wide) {
+                *x = wide[j];
+            }
+            for (result, r) in results.iter_mut().zip(f(x)) {
+                result[j] = r;
+            }
+        }
+        for (out, r) in outs.iter_mut().zip(&results) {
+            let (low, high) = (_mm256_loadu_ps(r.as_ptr()), _mm256_loadu_ps(r.as_ptr().add(8)));
+            T::store16_in_lanes(out.as_mut_ptr().add(i), low, high, streaming);
+        }
     }
-    [_mm256_loadu_ps(lanes.as_ptr()), _mm256_loadu_ps(lanes.as_ptr().add(8))]
-}
-
-/// `out = f(x)` over a dense run, narrowed to `T`, 16 elements an iteration in
-/// [`Row::load16_in_lanes`]'s order (bit for bit the generic map's); past the cache when
-/// `streaming` and `out` is 32-byte aligned.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn map1_in<T: Row, F: Map1>(x: &[T], out: &mut [T], f: &F, streaming: bool) {
-    let streaming = streaming && (out.as_ptr() as usize).is_multiple_of(32);
-    let (px, po) = (x.as_ptr(), out.as_mut_ptr());
-    let whole = x.len() / 16 * 16;
-    for i in (0..whole).step_by(16) {
-        let [low, high] = T::load16_in_lanes(px.add(i));
-        let [low, high] = map16(low, high, |v, _| f.apply::<T>(v));
-        T::store16_in_lanes(po.add(i), low, high, streaming);
-    }
-    for k in whole..x.len() {
-        out[k] = T::from_f32(f.apply::<T>(x[k].to_f32()));
-    }
-}
-
-/// `out = f(a, b)` over dense runs, as [`map1_in`].
-#[target_feature(enable = "avx2,fma")]
-unsafe fn map2_in<T: Row, F: Map2>(a: &[T], b: &[T], out: &mut [T], f: &F, streaming: bool) {
-    let streaming = streaming && (out.as_ptr() as usize).is_multiple_of(32);
-    let (pa, pb, po) = (a.as_ptr(), b.as_ptr(), out.as_mut_ptr());
-    let whole = a.len() / 16 * 16;
-    for i in (0..whole).step_by(16) {
-        let ([a0, a1], [b0, b1]) = (T::load16_in_lanes(pa.add(i)), T::load16_in_lanes(pb.add(i)));
-        let mut bs = [0f32; 16];
-        _mm256_storeu_ps(bs.as_mut_ptr(), b0);
-        _mm256_storeu_ps(bs.as_mut_ptr().add(8), b1);
-        let [low, high] = map16(a0, a1, |v, j| f.apply::<T>(v, bs[j]));
-        T::store16_in_lanes(po.add(i), low, high, streaming);
-    }
-    for k in whole..a.len() {
-        out[k] = T::from_f32(f.apply::<T>(a[k].to_f32(), b[k].to_f32()));
-    }
+    (whole..n).for_each(|k| one(&mut outs, k));
 }
 
 /// `slice` as a slice of `U`, which is `T` (checked by dtype).
@@ -755,28 +761,24 @@ pub(crate) fn softmax_grad<T: FloatElement>(dy: &[T], y: &[T], dx: &mut [T], log
     }
 }
 
-/// `out = f(x)` over a dense run (`out` as long as `x`), narrowed to `T`; past the cache when
-/// `streaming`. Only for f32 and bf16 (see [`applies`]).
+/// `f` elementwise over dense runs (all as long), narrowed to `T`, past the cache when
+/// `streaming`: [`elementwise::dense_map`](crate::elementwise::dense_map)'s pass on AVX2. Only for
+/// f32 and bf16 (see [`applies`]).
 #[inline(always)]
-pub(crate) fn map1<T: FloatElement, F: Map1>(x: &[T], out: &mut [T], f: &F, streaming: bool) {
+pub(crate) fn map<T: FloatElement, const I: usize, const O: usize>(
+    ins: [&[T]; I],
+    outs: [&mut [T]; O],
+    streaming: bool,
+    f: &impl Fn([f32; I]) -> [f32; O],
+) {
     assert!(can_run());
-    assert_eq!(x.len(), out.len());
-    // SAFETY (each arm): as in `row_max`; the lengths are equal.
+    let n = outs[0].len();
+    assert!(ins.iter().all(|run| run.len() == n) && outs.iter().all(|out| out.len() == n));
+    // SAFETY (each arm): as in `row_max`, and the CPU has F16C (every AVX2 CPU does; `can_run`
+    // leaves it out); the lengths are equal.
     match T::DTYPE {
-        DType::BF16 => unsafe { map1_in::<bf16, F>(same(x), same_mut(out), f, streaming) },
-        _ => unsafe { map1_in::<f32, F>(same(x), same_mut(out), f, streaming) },
-    }
-}
-
-/// `out = f(a, b)` over dense runs (all three as long), as [`map1`].
-#[inline(always)]
-pub(crate) fn map2<T: FloatElement, F: Map2>(a: &[T], b: &[T], out: &mut [T], f: &F, streaming: bool) {
-    assert!(can_run());
-    assert!(a.len() == b.len() && a.len() == out.len());
-    // SAFETY (each arm): as in `row_max`; the lengths are equal.
-    match T::DTYPE {
-        DType::BF16 => unsafe { map2_in::<bf16, F>(same(a), same(b), same_mut(out), f, streaming) },
-        _ => unsafe { map2_in::<f32, F>(same(a), same(b), same_mut(out), f, streaming) },
+        DType::BF16 => unsafe { map_in::<bf16, I, O>(ins.map(same), outs.map(same_mut), streaming, f) },
+        _ => unsafe { map_in::<f32, I, O>(ins.map(same), outs.map(same_mut), streaming, f) },
     }
 }
 
@@ -1007,23 +1009,13 @@ mod tests {
         check_softmax_grad::<bf16>();
     }
 
-    struct Silu;
-    impl Map1 for Silu {
-        fn apply<T: uniop::Element>(&self, x: f32) -> f32 {
-            math::silu::<T>(x)
-        }
-    }
-    /// Two operands that each matter per lane (a lane mix-up changes the result).
-    struct ScaledExp;
-    impl Map2 for ScaledExp {
-        fn apply<T: uniop::Element>(&self, a: f32, b: f32) -> f32 {
-            a * math::exp_for::<T>(b) - b
-        }
-    }
-
-    /// The dense maps give the scalar map's bits (`T::from_f32(f(x))`), NaN and ±∞ included;
-    /// streamed and not, aligned and not.
+    /// The dense map gives the scalar map's bits (`T::from_f32(f(x))`) for one, two and three
+    /// inputs and one and two outputs (each result depending on every input, so a mixed-up lane
+    /// shows), NaN and ±∞ included; streamed and not, aligned and not.
     fn check_maps<T: Row>() {
+        let silu = |[x]: [f32; 1]| [math::silu::<T>(x)];
+        let scaled_exp = |[a, b]: [f32; 2]| [a * math::exp_for::<T>(b) - b];
+        let two = |[d, g, u]: [f32; 3]| [d * math::silu::<T>(g) - u, u * g + d];
         for &n in LENGTHS {
             let mut x: Vec<T> = row(n, 100.0, n as u32);
             if n > 20 {
@@ -1031,11 +1023,20 @@ mod tests {
                     x[3 * k] = T::from_f32(v);
                 }
             }
-            let b: Vec<T> = row(n, 3.0, n as u32 + 5);
-            let want = bits(x.iter().map(|v| T::from_f32(Silu.apply::<T>(v.to_f32()))));
-            each_destination::<T>(n, want, |out, streaming| map1(&x, out, &Silu, streaming));
-            let want = bits(x.iter().zip(&b).map(|(a, b)| T::from_f32(ScaledExp.apply::<T>(a.to_f32(), b.to_f32()))));
-            each_destination::<T>(n, want, |out, streaming| map2(&x, &b, out, &ScaledExp, streaming));
+            let (b, c): (Vec<T>, Vec<T>) = (row(n, 3.0, n as u32 + 5), row(n, 2.0, n as u32 + 7));
+            let each = |k: usize| [x[k], b[k], c[k]].map(|v| v.to_f32());
+            let want = bits((0..n).map(|k| T::from_f32(silu([each(k)[0]])[0])));
+            each_destination::<T>(n, want, |out, streaming| map([&x], [out], streaming, &silu));
+            let want = bits((0..n).map(|k| T::from_f32(scaled_exp([each(k)[0], each(k)[1]])[0])));
+            each_destination::<T>(n, want, |out, streaming| map([&x, &b], [out], streaming, &scaled_exp));
+            for o in 0..2 {
+                let want = bits((0..n).map(|k| T::from_f32(two(each(k))[o])));
+                each_destination::<T>(n, want, |out, streaming| {
+                    let mut other = vec![T::default(); n];
+                    let outs = if o == 0 { [out, &mut other[..]] } else { [&mut other[..], out] };
+                    map([&x, &b, &c], outs, streaming, &two)
+                });
+            }
         }
     }
 
