@@ -571,7 +571,8 @@ unsafe fn map_in<T: Row, const I: usize, const O: usize>(
     };
     let aligned_from = |out: &[T]| (out.as_ptr() as usize).wrapping_neg() % 32 / size_of::<T>();
     let head = aligned_from(outs[0]).min(n);
-    let streaming = streaming && outs.iter().all(|out| (out.as_ptr() as usize + head * size_of::<T>()) % 32 == 0);
+    let streaming =
+        streaming && outs.iter().all(|out| (out.as_ptr() as usize + head * size_of::<T>()).is_multiple_of(32));
     let head = if streaming { head } else { 0 };
     (0..head).for_each(|k| one(&mut outs, k));
     let whole = head + (n - head) / 16 * 16;
