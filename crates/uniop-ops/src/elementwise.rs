@@ -335,7 +335,8 @@ pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
     // AVX2: 16 lanes an iteration (bf16 as even and odd elements) instead of 64-lane steps,
     // which spilled. 4096x11008, Zen 3, best of 10-15, alternated: bf16 silu 17.2-18.7 -> 15.5-15.9
     // ms, gelu 22.3-22.6 -> 19.7-20.0, f32 silu 20.5-27.1 -> 16.2-16.8, silu_backward 28.0-29.0 ->
-    // 21.6-26.5; bf16 mul 4096x4096 4.1-4.4 -> 2.3-3.2. Two-output maps keep the forms below:
+    // 21.6-26.5; bf16 mul 4096x4096 4.1-4.4 -> 2.3-3.2 (measured with per-op-arity forms of this pass,
+    // which the generic one ran level with). Two-output maps keep the forms below:
     // silu_mul_backward ran 38.6-42.5 -> 45.0-53.9 ms this way (swiglu_backward, the same
     // arithmetic, gained: 31.6-49.6 -> 26.5-34.4; not understood, so not taken).
     if O == 1 && crate::rows_avx2::applies::<T>() {

@@ -2,7 +2,7 @@
 //! registers: softmax's (the maximum, the exps and their sum, the scaled store; log_softmax's
 //! shifted store), RMSNorm's (the sum of squares, the residual add that feeds it, the weighted
 //! store), softmax_backward's and log_softmax_backward's rows, rope's rows, `silu(gate) · up` over
-//! dense runs (silu_mul, swiglu), and the one- and two-input elementwise maps over dense runs.
+//! dense runs (silu_mul, swiglu), and one-output elementwise maps over dense runs ([`map`]).
 //!
 //! Why a second form: the generic passes work in steps of [`LANES`](crate::elementwise::LANES)
 //! (four AVX-512 registers), and were tuned where a step's values fit the register file. Built for
@@ -13,9 +13,9 @@
 //! iteration (two or four 8-lane chains), constants hoisted, and every store narrows 16 lanes in
 //! registers and writes them with one 32-byte store (streamed when asked). Softmax, log_softmax,
 //! causal_softmax, cross_entropy, embedding_backward's row scaling, rms_norm, add_rms_norm, rope,
-//! rope_backward, silu_mul, swiglu, the softmax backwards and the dense runs of `elementwise::unary`
-//! and `elementwise::binary` (silu, gelu, mul, their gradients, …) go through these where they apply
-//! ([`applies`]); f16 rows, and AVX-512 CPUs, keep the generic passes.
+//! rope_backward, silu_mul, swiglu, the softmax backwards and every one-output `elementwise::dense_map`
+//! (the dense runs of `elementwise::unary` and `binary`: silu, gelu, mul, their gradients, …) go
+//! through these where they apply ([`applies`]); f16 rows, and AVX-512 CPUs, keep the generic passes.
 //!
 //! The arithmetic is the generic passes' own: [`math::exp`]'s and [`math::exp_coarse`]'s
 //! formulas (chosen by the element type, as [`math::exp_for`]), bf16's round-to-nearest-even with
@@ -41,11 +41,13 @@ pub(crate) fn applies<T: FloatElement>() -> bool {
     matches!(T::DTYPE, DType::F32 | DType::BF16) && can_run() && !std::arch::is_x86_feature_detected!("avx512f")
 }
 
-/// Whether this CPU can run the passes here (AVX2 and FMA): what their safety needs. Tests run
-/// them wherever it can, AVX-512 CPUs included, though kernels there take the generic passes.
+/// Whether this CPU can run the passes here (AVX2, FMA, and F16C for [`map`]): what their safety
+/// needs. Tests run them wherever it can, AVX-512 CPUs included, though kernels there take the
+/// generic passes.
 #[inline(always)]
 fn can_run() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    use std::arch::is_x86_feature_detected as has;
+    has!("avx2") && has!("fma") && has!("f16c")
 }
 
 /// An element type whose rows the passes here (and the AVX2 GEMM's output tiles) read and write,
@@ -775,8 +777,7 @@ pub(crate) fn map<T: FloatElement, const I: usize, const O: usize>(
     assert!(can_run());
     let n = outs[0].len();
     assert!(ins.iter().all(|run| run.len() == n) && outs.iter().all(|out| out.len() == n));
-    // SAFETY (each arm): as in `row_max`, and the CPU has F16C (every AVX2 CPU does; `can_run`
-    // leaves it out); the lengths are equal.
+    // SAFETY (each arm): as in `row_max` (`can_run` checks F16C too); the lengths are equal.
     match T::DTYPE {
         DType::BF16 => unsafe { map_in::<bf16, I, O>(ins.map(same), outs.map(same_mut), streaming, f) },
         _ => unsafe { map_in::<f32, I, O>(ins.map(same), outs.map(same_mut), streaming, f) },
