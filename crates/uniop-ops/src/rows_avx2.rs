@@ -805,6 +805,17 @@ mod tests {
             .collect()
     }
 
+    /// `values` with NaN, ±∞, −0 and values past both exp clamps at every third element from the
+    /// start, in rows long enough to keep most values ordinary.
+    fn with_specials<T: FloatElement>(mut values: Vec<T>) -> Vec<T> {
+        if values.len() > 20 {
+            for (k, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 89.0, -89.0].into_iter().enumerate() {
+                values[3 * k] = T::from_f32(v);
+            }
+        }
+        values
+    }
+
     fn check_passes<T: FloatElement>(exp_tolerance: f64) {
         for &n in LENGTHS {
             for spread in [1.0, 30.0, 200.0] {
@@ -943,12 +954,7 @@ mod tests {
     /// both exp clamps, NaN and ±∞ included; streamed and not, aligned and not.
     fn check_silu_mul<T: FloatElement>() {
         for &n in LENGTHS {
-            let mut gate: Vec<T> = row(n, 120.0, n as u32);
-            if n > 20 {
-                for (k, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 89.0, -89.0].into_iter().enumerate() {
-                    gate[3 * k] = T::from_f32(v);
-                }
-            }
+            let gate: Vec<T> = with_specials(row(n, 120.0, n as u32));
             let up: Vec<T> = row(n, 2.0, n as u32 + 9);
             let want = bits(gate.iter().zip(&up).map(|(g, u)| T::from_f32(math::silu::<T>(g.to_f32()) * u.to_f32())));
             each_destination::<T>(n, want, |out, streaming| silu_mul(&gate, &up, out, streaming));
@@ -970,12 +976,7 @@ mod tests {
     fn check_softmax_grad<T: Row>() {
         for &n in LENGTHS {
             let dy: Vec<T> = row(n, 2.0, n as u32);
-            let mut y: Vec<T> = row(n, 100.0, n as u32 + 3);
-            if n > 20 {
-                for (k, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 89.0, -89.0].into_iter().enumerate() {
-                    y[3 * k] = T::from_f32(v);
-                }
-            }
+            let y: Vec<T> = with_specials(row(n, 100.0, n as u32 + 3));
             for log in [false, true] {
                 let wide = |v: &T| v.to_f32() as f64;
                 let want: f64 = dy.iter().zip(&y).map(|(d, v)| wide(d) * if log { 1.0 } else { wide(v) }).sum();
@@ -1019,12 +1020,7 @@ mod tests {
         let scaled_exp = |[a, b]: [f32; 2]| [a * math::exp_for::<T>(b) - b];
         let two = |[d, g, u]: [f32; 3]| [d * math::silu::<T>(g) - u, u * g + d];
         for &n in LENGTHS {
-            let mut x: Vec<T> = row(n, 100.0, n as u32);
-            if n > 20 {
-                for (k, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 89.0, -89.0].into_iter().enumerate() {
-                    x[3 * k] = T::from_f32(v);
-                }
-            }
+            let x: Vec<T> = with_specials(row(n, 100.0, n as u32));
             let (b, c): (Vec<T>, Vec<T>) = (row(n, 3.0, n as u32 + 5), row(n, 2.0, n as u32 + 7));
             let each = |k: usize| [x[k], b[k], c[k]].map(|v| v.to_f32());
             let want = bits((0..n).map(|k| T::from_f32(silu([each(k)[0]])[0])));
