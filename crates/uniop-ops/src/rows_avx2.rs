@@ -1,8 +1,8 @@
 //! Row passes on AVX2 CPUs without AVX-512, for f32 and bf16 rows, with every value in
 //! registers: softmax's (the maximum, the exps and their sum, the scaled store; log_softmax's
 //! shifted store), RMSNorm's (the sum of squares, the residual add that feeds it, the weighted
-//! store), softmax_backward's and log_softmax_backward's rows, rope's rows, `silu(gate) · up` over
-//! dense runs (silu_mul, swiglu), and one-output elementwise maps over dense runs ([`map`]).
+//! store), softmax_backward's and log_softmax_backward's rows, rope's rows, and one-output
+//! elementwise maps over dense runs ([`map`]).
 //!
 //! Why a second form: the generic passes work in steps of [`LANES`](crate::elementwise::LANES)
 //! (four AVX-512 registers), and were tuned where a step's values fit the register file. Built for
@@ -13,14 +13,14 @@
 //! iteration (two or four 8-lane chains), constants hoisted, and every store narrows 16 lanes in
 //! registers and writes them with one 32-byte store (streamed when asked). Softmax, log_softmax,
 //! causal_softmax, cross_entropy, embedding_backward's row scaling, rms_norm, add_rms_norm, rope,
-//! rope_backward, silu_mul, swiglu, the softmax backwards and every one-output `elementwise::dense_map`
-//! (the dense runs of `elementwise::unary` and `binary`: silu, gelu, mul, their gradients, …) go
+//! rope_backward, the softmax backwards and every one-output `elementwise::dense_map` (the dense runs
+//! of `elementwise::unary` and `binary`: silu, gelu, mul, silu_mul, swiglu, their gradients, …) go
 //! through these where they apply ([`applies`]); f16 rows, and AVX-512 CPUs, keep the generic passes.
 //!
 //! The arithmetic is the generic passes' own: [`math::exp`]'s and [`math::exp_coarse`]'s
 //! formulas (chosen by the element type, as [`math::exp_for`]), bf16's round-to-nearest-even with
-//! NaNs kept quiet, `x · rstd · w` in that order, rope's rotation and `x / (1 + e^−x)` lane by
-//! lane. Sums are taken in a different order (and squares summed with FMA), so they may differ in
+//! NaNs kept quiet, `x · rstd · w` in that order, rope's rotation lane by lane, and each map's own
+//! scalar closure. Sums are taken in a different order (and squares summed with FMA), so they may differ in
 //! the last bit.
 
 use crate::elementwise::Ahead;
@@ -465,36 +465,6 @@ unsafe fn rotate_in<T: Row, C: Row>(
     out[r..].copy_from_slice(&x[r..]);
 }
 
-/// `silu(g) · u` for 8 lanes, as `math::silu::<T>(g) * u` with `math::exp_for::<T>` chosen by
-/// `COARSE` (bit for bit).
-#[inline(always)]
-unsafe fn silu_mul8<const COARSE: bool>(g: __m256, u: __m256) -> __m256 {
-    let e = exp8::<COARSE, true>(_mm256_xor_ps(g, _mm256_set1_ps(-0.0)));
-    _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0), e)), u)
-}
-
-/// `out = silu(gate) · up`, narrowed to `T`, 16 elements an iteration (two independent chains);
-/// past the cache when `streaming` and `out` is 32-byte aligned. The lanes go in
-/// [`Row::load16_in_lanes`]'s order: for bf16, two ops to widen 16 elements instead of four and
-/// no cross-lane shuffle, on a loop bound by its arithmetic (64x4096 bf16 in cache, one thread,
-/// 0.181 -> 0.163 ms best of three alternations, in an unpacking order that the even/odd one
-/// replaced: 8x4096, 10.1 -> 10.5 GB/s).
-#[target_feature(enable = "avx2,fma")]
-unsafe fn silu_mul_in<T: Row>(gate: &[T], up: &[T], out: &mut [T], streaming: bool) {
-    let streaming = streaming && (out.as_ptr() as usize).is_multiple_of(32);
-    let coarse = T::DTYPE.size() == 2;
-    let (pg, pu, po) = (gate.as_ptr(), up.as_ptr(), out.as_mut_ptr());
-    let whole = gate.len() / 16 * 16;
-    let lanes = |g, u| if coarse { silu_mul8::<true>(g, u) } else { silu_mul8::<false>(g, u) };
-    for i in (0..whole).step_by(16) {
-        let ([g0, g1], [u0, u1]) = (T::load16_in_lanes(pg.add(i)), T::load16_in_lanes(pu.add(i)));
-        T::store16_in_lanes(po.add(i), lanes(g0, u0), lanes(g1, u1), streaming);
-    }
-    for k in whole..gate.len() {
-        out[k] = T::from_f32(math::silu::<T>(gate[k].to_f32()) * up[k].to_f32());
-    }
-}
-
 /// softmax_backward's `Σ dy·y` over a row, or log_softmax_backward's `Σ dy` when `LOG`, 32
 /// elements an iteration in [`Row::load16_in_lanes`]'s order (a sum's order is free).
 #[target_feature(enable = "avx2,fma")]
@@ -735,19 +705,6 @@ pub(crate) fn rotate<T: FloatElement, C: FloatElement>(
     }
 }
 
-/// `out = silu(gate) · up` narrowed to `T` (all three as long), past the cache when `streaming`.
-/// Only for f32 and bf16 (see [`applies`]).
-#[inline(always)]
-pub(crate) fn silu_mul<T: FloatElement>(gate: &[T], up: &[T], out: &mut [T], streaming: bool) {
-    assert!(can_run());
-    assert!(gate.len() == up.len() && gate.len() == out.len());
-    // SAFETY (each arm): as in `row_max`; the lengths are equal.
-    match T::DTYPE {
-        DType::BF16 => unsafe { silu_mul_in::<bf16>(same(gate), same(up), same_mut(out), streaming) },
-        _ => unsafe { silu_mul_in::<f32>(same(gate), same(up), same_mut(out), streaming) },
-    }
-}
-
 /// One row of softmax_backward (`log` false) or log_softmax_backward (`log` true): the sum, then
 /// `dx` narrowed to `T` (`dy`, `y` and `dx` as long), past the cache when `streaming`. Only for f32
 /// and bf16 rows (see [`applies`]).
@@ -948,26 +905,6 @@ mod tests {
         check_rotate::<f32, f32>();
         check_rotate::<bf16, bf16>();
         check_rotate::<bf16, f32>();
-    }
-
-    /// `silu_mul` gives the scalar map's bits (`math::silu::<T>(g) * u`, narrowed), gates past
-    /// both exp clamps, NaN and ±∞ included; streamed and not, aligned and not.
-    fn check_silu_mul<T: FloatElement>() {
-        for &n in LENGTHS {
-            let gate: Vec<T> = with_specials(row(n, 120.0, n as u32));
-            let up: Vec<T> = row(n, 2.0, n as u32 + 9);
-            let want = bits(gate.iter().zip(&up).map(|(g, u)| T::from_f32(math::silu::<T>(g.to_f32()) * u.to_f32())));
-            each_destination::<T>(n, want, |out, streaming| silu_mul(&gate, &up, out, streaming));
-        }
-    }
-
-    #[test]
-    fn silu_mul_matches_the_scalar_map() {
-        if !can_run() {
-            return;
-        }
-        check_silu_mul::<f32>();
-        check_silu_mul::<bf16>();
     }
 
     /// The backwards' rows: the sum (`Σ dy·y`, or `Σ dy`) matches f64's, and the store gives the

@@ -6,8 +6,7 @@
 use crate::elementwise::{self, Map2};
 use crate::math;
 use uniop::{
-    block_dim_for, with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs, Op, OpCx, Plan,
-    RefTensor, Result, Step, TensorMeta,
+    block_dim_for, with_float_dtype, DType, Element, Example, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
 };
 
 pub struct SiluMul;
@@ -21,27 +20,6 @@ impl Map2 for SiluMulMap {
     fn apply<T: Element>(&self, gate: f32, up: f32) -> f32 {
         math::silu::<T>(gate) * up
     }
-}
-
-/// Contiguous operands on AVX2 CPUs go through the register-resident form of
-/// [`crate::rows_avx2`] (bit for bit the map's results); any others through the generic map.
-fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, streaming: bool) {
-    #[cfg(target_arch = "x86_64")]
-    if crate::rows_avx2::applies::<T>() {
-        let (gate, up, out) = (args.input(0), args.input(1), args.output(0));
-        if [gate.layout(), up.layout(), out.layout()].iter().all(|l| l.is_contiguous()) {
-            let range = ctx.split(out.layout().numel());
-            fn run<'a, T: Element>(t: &uniop::TensorRef<'a>, range: &std::ops::Range<usize>) -> &'a [T] {
-                &t.storage::<T>().expect("dtype dispatched")[t.layout().offset()..][range.clone()]
-            }
-            // SAFETY: blocks own disjoint ranges of output elements.
-            let dst = unsafe { out.slice_mut::<T>(out.layout().offset() + range.start, range.len()) };
-            crate::rows_avx2::silu_mul(run(&gate, &range), run(&up, &range), dst, streaming);
-            elementwise::fence();
-            return;
-        }
-    }
-    elementwise::binary::<T, _>(args, ctx, &SiluMulMap, streaming)
 }
 
 /// Checks the (gate, up) pair shared by forward and backward; returns their dtype.
@@ -85,7 +63,9 @@ impl Op for SiluMul {
         let block_dim = block_dim_for(n, 3 * dtype.size());
         let streaming = elementwise::streams_bytes(n * dtype.size());
         with_float_dtype!(dtype, cx.op(), "gate", |T| {
-            Ok(Plan::new(vec![Step::new("silu_mul", block_dim, move |args, ctx| kernel::<T>(args, ctx, streaming))]))
+            Ok(Plan::new(vec![Step::new("silu_mul", block_dim, move |args, ctx| {
+                elementwise::binary::<T, _>(args, ctx, &SiluMulMap, streaming)
+            })]))
         })
     }
 

@@ -68,11 +68,6 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, h: Halves, streamin
         let a = o * 2 * h.half + i;
         // SAFETY: blocks own disjoint output element ranges.
         let dst = unsafe { out.slice_mut::<T>(out.layout().offset() + o * h.half + i, len) };
-        #[cfg(target_arch = "x86_64")]
-        if crate::rows_avx2::applies::<T>() {
-            crate::rows_avx2::silu_mul(&xs[a..a + len], &xs[a + h.half..a + h.half + len], dst, streaming);
-            continue;
-        }
         dense_map([&xs[a..a + len], &xs[a + h.half..a + h.half + len]], [dst], streaming, |[a, b]| [math::silu::<T>(a) * b]);
     }
     fence();
