@@ -262,23 +262,6 @@ unsafe fn scale_in<T: Row>(src: &[f32], out: &mut [T], scale: f32, streaming: bo
     }
 }
 
-/// `out = row − shift`, narrowed to `T` (log_softmax's store); streaming as [`scale_in`].
-#[target_feature(enable = "avx2,fma")]
-unsafe fn shift_in<T: Row>(row: &[T], out: &mut [T], shift: f32, streaming: bool) {
-    let streaming = streaming && (out.as_ptr() as usize).is_multiple_of(32);
-    let (p, o) = (row.as_ptr(), out.as_mut_ptr());
-    let whole = row.len() / 16 * 16;
-    let sh = _mm256_set1_ps(shift);
-    for i in (0..whole).step_by(16) {
-        let low = _mm256_sub_ps(T::load8(p.add(i)), sh);
-        let high = _mm256_sub_ps(T::load8(p.add(i + 8)), sh);
-        T::store16(o.add(i), low, high, streaming);
-    }
-    for (o, v) in out[whole..].iter_mut().zip(&row[whole..]) {
-        *o = T::from_f32(v.to_f32() - shift);
-    }
-}
-
 /// The squares of four 8-lane groups added into `acc` (group `j` into `acc[j]`): the one order in
 /// which [`sum_squares_in`] and [`add_in`] sum, so add_rms_norm's squares equal rms_norm's of
 /// the same stored row.
@@ -625,19 +608,6 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
     match T::DTYPE {
         DType::BF16 => unsafe { scale_in::<bf16>(src, same_mut(out), scale, streaming) },
         _ => unsafe { scale_in::<f32>(src, same_mut(out), scale, streaming) },
-    }
-}
-
-/// `out = row − shift`, narrowed to `T` (`out` as long as `row`). Only for f32 and bf16 rows (see
-/// [`applies`]).
-#[inline(always)]
-pub(crate) fn shift_into<T: FloatElement>(row: &[T], out: &mut [T], shift: f32, streaming: bool) {
-    assert!(can_run());
-    assert_eq!(row.len(), out.len());
-    // SAFETY (each arm): as in `row_max`; the lengths are equal.
-    match T::DTYPE {
-        DType::BF16 => unsafe { shift_in::<bf16>(same(row), same_mut(out), shift, streaming) },
-        _ => unsafe { shift_in::<f32>(same(row), same_mut(out), shift, streaming) },
     }
 }
 

@@ -257,11 +257,6 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
                 }
                 Kind::LogSoftmax => {
                     let shift = m + exp_total(row, m, next).ln();
-                    #[cfg(target_arch = "x86_64")]
-                    if crate::rows_avx2::applies::<T>() {
-                        crate::rows_avx2::shift_into(row, out, shift, streaming);
-                        continue;
-                    }
                     dense_map([row], [out], streaming, |[b]| [b - shift])
                 }
             }
