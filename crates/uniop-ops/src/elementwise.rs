@@ -285,9 +285,8 @@ fn store_lanes<T: FloatElement>(src: &[f32; LANES], dst: &mut [T], streaming: bo
 /// form's step arrays make round trips through the stack instead): in cache on Zen 4, bf16
 /// log_softmax ran 0.111 → 0.080 ms, add 0.030 → 0.026, mul 0.035 → 0.027, softmax_backward 0.049
 /// → 0.040, swiglu 0.042 → 0.035, silu and gelu level; the two-output gradients stay staged
-/// (silu_mul_backward ran 0.091 → 0.120 in the per-element form). On AVX2, one-output maps take
-/// `rows_avx2::map` (see `dense_map`); two-output ones keep the staged form they were
-/// tuned with.
+/// (silu_mul_backward ran 0.091 → 0.120 in the per-element form). On AVX2, f32 and bf16 take
+/// `rows_avx2::map` instead (see `dense_map`), but for two-output f32 maps.
 #[inline(always)]
 pub fn converts_per_element<T: FloatElement, const O: usize>() -> bool {
     T::DTYPE == DType::F32 || (O == 1 && crate::skinny::has_avx512())
@@ -336,10 +335,10 @@ pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
     // which spilled. 4096x11008, Zen 3, best of 10-15, alternated: bf16 silu 17.2-18.7 -> 15.5-15.9
     // ms, gelu 22.3-22.6 -> 19.7-20.0, f32 silu 20.5-27.1 -> 16.2-16.8, silu_backward 28.0-29.0 ->
     // 21.6-26.5; bf16 mul 4096x4096 4.1-4.4 -> 2.3-3.2 (measured with per-op-arity forms of this pass,
-    // which the generic one ran level with). Two-output maps keep the forms below:
-    // silu_mul_backward ran 38.6-42.5 -> 45.0-53.9 ms this way (swiglu_backward, the same
-    // arithmetic, gained: 31.6-49.6 -> 26.5-34.4; not understood, so not taken).
-    if O == 1 && crate::rows_avx2::applies::<T>() {
+    // which the generic one ran level with). Two-output bf16 maps too, 64 lanes an iteration (figures
+    // at `rows_avx2::map`). Two-output f32 maps keep the per-element form: the pass ran level at
+    // DRAM sizes (silu_mul_backward 43.6-46.9 -> 45.5-48.4 ms) and slower in cache (0.235 -> 0.282).
+    if (O == 1 || T::DTYPE == DType::BF16) && crate::rows_avx2::applies::<T>() {
         return crate::rows_avx2::map(ins, outs, streaming, &f);
     }
     let n = outs[0].len();

@@ -499,16 +499,16 @@ unsafe fn softmax_grad_in<T: Row, const LOG: bool>(dy: &[T], y: &[T], dx: &mut [
     }
 }
 
-/// `f` elementwise over dense runs (`I` inputs, `O` outputs, all as long), narrowed to `T`, 16
-/// elements an iteration in [`Row::load16_in_lanes`]'s order: `f` runs on each lane's values,
-/// and LLVM vectorizes that loop to two 8-lane chains with the arrays in registers. Bit for bit
-/// the generic map's. Past the cache when `streaming`, from the first element where every output
-/// is 32-byte aligned (a block's share of a tensor starts anywhere, and with ordinary stores each
-/// output line is read before it is written).
+/// `f` elementwise over dense runs (`I` inputs, `O` outputs, all as long), narrowed to `T`, `W`
+/// elements an iteration (a multiple of 16) in [`Row::load16_in_lanes`]'s order: `f` runs on each
+/// lane's values, and LLVM vectorizes that loop to 8-lane chains. Bit for bit the generic map's.
+/// Past the cache when `streaming`, from the first element where every output is 32-byte aligned
+/// (a block's share of a tensor starts anywhere, and with ordinary stores each output line is read
+/// before it is written).
 /// `f16c` is enabled because the kernels that pass `f` in are built with it: a closure built for
 /// features its caller lacks is not inlined.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn map_in<T: Row, const I: usize, const O: usize>(
+unsafe fn map_in<T: Row, const I: usize, const O: usize, const W: usize>(
     ins: [&[T]; I],
     mut outs: [&mut [T]; O],
     streaming: bool,
@@ -530,16 +530,18 @@ unsafe fn map_in<T: Row, const I: usize, const O: usize>(
         streaming && outs.iter().all(|out| (out.as_ptr() as usize + head * size_of::<T>()).is_multiple_of(32));
     let head = if streaming { head } else { 0 };
     (0..head).for_each(|k| one(&mut outs, k));
-    let whole = head + (n - head) / 16 * 16;
-    for i in (head..whole).step_by(16) {
-        let mut wide = [[0f32; 16]; I];
+    let whole = head + (n - head) / W * W;
+    for i in (head..whole).step_by(W) {
+        let mut wide = [[0f32; W]; I];
         for (wide, run) in wide.iter_mut().zip(&ins) {
-            let [low, high] = T::load16_in_lanes(run.as_ptr().add(i));
-            _mm256_storeu_ps(wide.as_mut_ptr(), low);
-            _mm256_storeu_ps(wide.as_mut_ptr().add(8), high);
+            for h in (0..W).step_by(16) {
+                let [low, high] = T::load16_in_lanes(run.as_ptr().add(i + h));
+                _mm256_storeu_ps(wide.as_mut_ptr().add(h), low);
+                _mm256_storeu_ps(wide.as_mut_ptr().add(h + 8), high);
+            }
         }
-        let mut results = [[0f32; 16]; O];
-        for j in 0..16 {
+        let mut results = [[0f32; W]; O];
+        for j in 0..W {
             let mut x = [0f32; I];
             for (x, wide) in x.iter_mut().zip(&wide) {
                 *x = wide[j];
@@ -549,8 +551,10 @@ unsafe fn map_in<T: Row, const I: usize, const O: usize>(
             }
         }
         for (out, r) in outs.iter_mut().zip(&results) {
-            let (low, high) = (_mm256_loadu_ps(r.as_ptr()), _mm256_loadu_ps(r.as_ptr().add(8)));
-            T::store16_in_lanes(out.as_mut_ptr().add(i), low, high, streaming);
+            for h in (0..W).step_by(16) {
+                let (low, high) = (_mm256_loadu_ps(r.as_ptr().add(h)), _mm256_loadu_ps(r.as_ptr().add(h + 8)));
+                T::store16_in_lanes(out.as_mut_ptr().add(i + h), low, high, streaming);
+            }
         }
     }
     (whole..n).for_each(|k| one(&mut outs, k));
@@ -694,6 +698,14 @@ pub(crate) fn softmax_grad<T: FloatElement>(dy: &[T], y: &[T], dx: &mut [T], log
 /// `f` elementwise over dense runs (all as long), narrowed to `T`, past the cache when
 /// `streaming`: [`elementwise::dense_map`](crate::elementwise::dense_map)'s pass on AVX2. Only for
 /// f32 and bf16 (see [`applies`]).
+///
+/// One-output maps take 16 elements an iteration, two chains (the width that keeps a three-input
+/// map's operands in registers). Two-output maps take 64. Against the staged form, bf16
+/// silu_mul_backward (4096x11008, Zen 3, two threads, alternated) ran slower at 16 (40.6-52.1 ->
+/// 46.0-56.7 ms), level at 32, faster at 64 (33.8-41.2 -> 28.2-32.0 ms; in cache, one thread,
+/// 64x4096: 0.316 -> 0.216), and bf16 swiglu_backward 43.1-50.3 -> 30.6-31.8 at 64 (64x8192 in
+/// cache: 0.330-0.337 -> 0.217-0.220). The likely cause, not proven: at 64 each output gets two
+/// whole lines in a row, where at 16 it got half a line between the other output's.
 #[inline(always)]
 pub(crate) fn map<T: FloatElement, const I: usize, const O: usize>(
     ins: [&[T]; I],
@@ -706,8 +718,10 @@ pub(crate) fn map<T: FloatElement, const I: usize, const O: usize>(
     assert!(ins.iter().all(|run| run.len() == n) && outs.iter().all(|out| out.len() == n));
     // SAFETY (each arm): as in `row_max` (`can_run` checks F16C too); the lengths are equal.
     match T::DTYPE {
-        DType::BF16 => unsafe { map_in::<bf16, I, O>(ins.map(same), outs.map(same_mut), streaming, f) },
-        _ => unsafe { map_in::<f32, I, O>(ins.map(same), outs.map(same_mut), streaming, f) },
+        DType::BF16 if O > 1 => unsafe { map_in::<bf16, I, O, 64>(ins.map(same), outs.map(same_mut), streaming, f) },
+        DType::BF16 => unsafe { map_in::<bf16, I, O, 16>(ins.map(same), outs.map(same_mut), streaming, f) },
+        _ if O > 1 => unsafe { map_in::<f32, I, O, 64>(ins.map(same), outs.map(same_mut), streaming, f) },
+        _ => unsafe { map_in::<f32, I, O, 16>(ins.map(same), outs.map(same_mut), streaming, f) },
     }
 }
 

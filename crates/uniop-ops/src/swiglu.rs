@@ -68,7 +68,8 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, h: Halves, streamin
         let a = o * 2 * h.half + i;
         // SAFETY: blocks own disjoint output element ranges.
         let dst = unsafe { out.slice_mut::<T>(out.layout().offset() + o * h.half + i, len) };
-        dense_map([&xs[a..a + len], &xs[a + h.half..a + h.half + len]], [dst], streaming, |[a, b]| [math::silu::<T>(a) * b]);
+        let (gate, up) = (&xs[a..a + len], &xs[a + h.half..a + h.half + len]);
+        dense_map([gate, up], [dst], streaming, |[a, b]| [math::silu::<T>(a) * b]);
     }
     fence();
 }
