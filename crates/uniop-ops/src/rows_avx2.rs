@@ -1,8 +1,7 @@
 //! Row passes on AVX2 CPUs without AVX-512, for f32 and bf16 rows, with every value in
-//! registers: softmax's (the maximum, the exps and their sum, the scaled store; log_softmax's
-//! shifted store), RMSNorm's (the sum of squares, the residual add that feeds it, the weighted
-//! store), softmax_backward's and log_softmax_backward's rows, rope's rows, and one-output
-//! elementwise maps over dense runs ([`map`]).
+//! registers: softmax's (the maximum, the exps and their sum, the scaled store), RMSNorm's (the
+//! sum of squares, the residual add that feeds it, the weighted store), softmax_backward's and
+//! log_softmax_backward's rows, rope's rows, and elementwise maps over dense runs ([`map`]).
 //!
 //! Why a second form: the generic passes work in steps of [`LANES`](crate::elementwise::LANES)
 //! (four AVX-512 registers), and were tuned where a step's values fit the register file. Built for
@@ -10,18 +9,19 @@
 //! eight constants every 16 elements, rope's steps (six operands of 64 lanes) spilled throughout,
 //! and the streaming stores staged each step through two stack arrays (f32 results, then narrowed
 //! ones) before copying them out 16 bytes at a time. Here the passes take 16 or 32 elements an
-//! iteration (two or four 8-lane chains), constants hoisted, and every store narrows 16 lanes in
-//! registers and writes them with one 32-byte store (streamed when asked). Softmax, log_softmax,
-//! causal_softmax, cross_entropy, embedding_backward's row scaling, rms_norm, add_rms_norm, rope,
-//! rope_backward, the softmax backwards and every one-output `elementwise::dense_map` (the dense runs
-//! of `elementwise::unary` and `binary`: silu, gelu, mul, silu_mul, swiglu, their gradients, …) go
-//! through these where they apply ([`applies`]); f16 rows, and AVX-512 CPUs, keep the generic passes.
+//! iteration (two or four 8-lane chains; two-output maps 64), constants hoisted, and every store
+//! narrows 16 lanes in registers and writes them with one 32-byte store (streamed when asked).
+//! Softmax, log_softmax, causal_softmax, cross_entropy, embedding_backward's row scaling, rms_norm,
+//! add_rms_norm, rope, rope_backward, the softmax backwards and `elementwise::dense_map`'s runs
+//! (those of `elementwise::unary` and `binary` too: silu, gelu, mul, silu_mul, swiglu,
+//! log_softmax's store, their gradients, …; two-output maps in bf16 only) go through these where
+//! they apply ([`applies`]); f16 rows, and AVX-512 CPUs, keep the generic passes.
 //!
-//! The arithmetic is the generic passes' own: [`math::exp`]'s and [`math::exp_coarse`]'s
-//! formulas (chosen by the element type, as [`math::exp_for`]), bf16's round-to-nearest-even with
-//! NaNs kept quiet, `x · rstd · w` in that order, rope's rotation lane by lane, and each map's own
-//! scalar closure. Sums are taken in a different order (and squares summed with FMA), so they may differ in
-//! the last bit.
+//! The arithmetic is the generic passes' own: [`math::exp`]'s and [`math::exp_coarse`]'s formulas
+//! (chosen by the element type, as [`math::exp_for`]), bf16's round-to-nearest-even with NaNs kept
+//! quiet, `x · rstd · w` in that order, rope's rotation lane by lane, and each map's own scalar
+//! closure. Sums are taken in a different order (and squares summed with FMA), so they may differ
+//! in the last bit.
 
 use crate::elementwise::Ahead;
 use crate::math;
@@ -514,6 +514,7 @@ unsafe fn map_in<T: Row, const I: usize, const O: usize, const W: usize>(
     streaming: bool,
     f: &impl Fn([f32; I]) -> [f32; O],
 ) {
+    const { assert!(W.is_multiple_of(16), "W is whole 16-lane loads and stores") };
     let n = outs[0].len();
     let one = |outs: &mut [&mut [T]; O], k: usize| {
         let mut x = [0f32; I];
