@@ -380,7 +380,10 @@ def main():
     p.add_argument("--uniop", default=os.path.join(ROOT, "target", "release", "uniop"))
     args = p.parse_args()
     if args.all:
-        args.ops = ",".join(list(PEERS) + list(BACKWARD))
+        # PEERS also holds forward peers that only back a backward op's autograd (add_broadcast).
+        listed = subprocess.run([args.uniop, "list"], check=True, capture_output=True, text=True).stdout
+        registered = {line.split()[0] for line in listed.splitlines()[1:] if line.strip()}
+        args.ops = ",".join(op for op in [*PEERS, *BACKWARD] if op in registered)
     unknown = [op for op in args.ops.split(",") if op not in PEERS and op not in BACKWARD]
     if unknown:
         p.error(f"--ops: no torch peer for {', '.join(unknown)}; ops with one: {', '.join([*PEERS, *BACKWARD])}")
