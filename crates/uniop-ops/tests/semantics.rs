@@ -1090,12 +1090,13 @@ fn add_and_mul_gradients_sum_over_broadcast_dims() {
     }
     // Large enough for several blocks: a bias's gradient summed by row-splitting blocks into
     // partials, then added up (rows of whole 64-element steps and a ragged end, the full
-    // operand's gradient narrowed as it is written); and a per-row scale's, blocks splitting its
-    // elements. In every float dtype.
+    // operand's gradient narrowed as it is written); a per-row scale's, blocks splitting its
+    // elements; and a bias too long for partials, summed across rows in strips. In every float dtype.
     fn check<T: uniop::Element>(narrow: fn(f32) -> T) {
-        for (a_shape, b_shape) in [([40, 300], [1, 300]), ([40, 300], [40, 1])] {
+        for (a_shape, b_shape) in [([40, 300], [1, 300]), ([40, 300], [40, 1]), ([3, 20000], [1, 20000])] {
+            let numel = a_shape.iter().product();
             let values = |n: usize, seed| rand_vec(n, seed).into_iter().map(narrow).collect::<Vec<T>>();
-            let (a, b, dout) = (values(12000, 91), values(b_shape.iter().product(), 92), values(12000, 93));
+            let (a, b, dout) = (values(numel, 91), values(b_shape.iter().product(), 92), values(numel, 93));
             let views: Vec<_> = [(&dout, &a_shape), (&a, &a_shape), (&b, &b_shape)]
                 .map(|(v, s)| Some(TensorRef::new(v, s).unwrap()))
                 .into();
