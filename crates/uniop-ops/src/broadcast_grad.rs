@@ -359,8 +359,8 @@ impl<'a, T: FloatElement> Split<'a, T> {
     /// and the fused gradient's output and other at the two offsets `fused` ends with. The step
     /// stays in registers: through the chunk buffers, Zen 4 reloaded as 512-bit vectors what it had
     /// just stored, which it does not forward, at about a cycle an element. add_backward with a
-    /// bias, alternated on Zen 4: 64x4096 in cache, one thread, f32 0.079–0.159 → 0.040–0.049 ms,
-    /// bf16 0.068–0.097 → 0.055–0.074; 4096x4096 f32 5.2–8.8 → 2.8–4.3, bf16 3.6–4.8 → 2.6–2.9.
+    /// bias, alternated on Zen 4: 64x4096 in cache, one thread, f32 0.078–0.159 → 0.040–0.050 ms,
+    /// bf16 0.068–0.097 → 0.058–0.076; 4096x4096 f32 3.5–8.8 → 2.8–4.3, bf16 2.9–4.8 → 2.6–3.2.
     #[inline(always)]
     fn add_lanes<F: Map2, G: Map2, const NATIVE: bool>(
         &self,
@@ -377,8 +377,8 @@ impl<'a, T: FloatElement> Split<'a, T> {
             *s += f.apply::<T>(a, b);
         }
         let Some((out, g, streaming, fo, y)) = fused else { return };
-        // A second loop rather than one writing both: that ran bf16 level and f32 2.5x slower
-        // (0.040 -> 0.10-0.13 ms, the shape above).
+        // A second loop rather than one writing both: that ran f32 2.5x slower (0.040 -> 0.10-0.13
+        // ms, the shape above) for bf16 0.059 -> 0.055.
         let mut grad = self.fused_other.map_or([0.0; LANES], |other| widen(other, y));
         for (r, &a) in grad.iter_mut().zip(&dout) {
             *r = g.apply::<T>(a, *r);
