@@ -169,10 +169,11 @@ fn steps<T: FloatElement, F: Map2>(
 
 /// The steps writing both gradients of a broadcasting binary op (`wanted[o]`: the input read
 /// beside `dout` and the map for output `o`, where asked for) and the workspace bytes they use.
-/// Where one operand has the output's shape, its gradient reads `dout` alone, and the other takes
-/// the partials route (`x + bias`), one pass over `dout` computes both: the row-splitting blocks
-/// write the full operand's gradient at the positions they read for the small one's partials
-/// (add_backward at 4096x4096 f32: 8.8 → 6.6–7.3 ms; bf16 level at 5.0–6.1).
+/// Where one operand has the output's shape and the other takes the partials route (`x + bias`,
+/// `x · scale`), one pass over `dout` computes both: the row-splitting blocks write the full
+/// operand's gradient at the positions they read for the small one's partials (add_backward at
+/// 4096x4096 f32: 8.8 → 6.6–7.3 ms; bf16 level at 5.0–6.1) — in bf16 and f16 only where the full
+/// gradient reads `dout` alone (add's, not mul's).
 pub fn pair_steps<T: FloatElement, F: Map2>(
     name: &'static str,
     cx: &OpCx,
@@ -187,10 +188,11 @@ pub fn pair_steps<T: FloatElement, F: Map2>(
         [Route::Partials { parts }, Route::Elementwise] => Some((0, parts)),
         _ => None,
     };
-    // Only where the full gradient reads `dout` alone: with a second input to read and convert
-    // per element, the fused pass ran no faster than the two (mul_backward 4096x4096 f32 10.3–11.3
-    // against 11.2 ms) and slower in bf16 (8.7–10.3 against 7.7), on a 2-vCPU AVX2 EPYC.
-    let fused = fused.filter(|&(small, _)| matches!(wanted[1 - small], Some((None, _))));
+    // Where the full gradient reads a second input (mul's), f32 only: with the dense steps in
+    // registers, the fused pass ran mul_backward 4096x4096 f32 8.1–8.4 → 6.0–6.8 ms on Zen 4, bf16
+    // level at that size and slower in cache (0.053 → 0.059 ms, 64x4096, one thread); before them,
+    // f32 ran level (10.3–11.3 against 11.2) and bf16 slower (8.7–10.3 against 7.7) on an AVX2 EPYC.
+    let fused = fused.filter(|&(small, _)| T::DTYPE == DType::F32 || matches!(wanted[1 - small], Some((None, _))));
     match (fused, wanted) {
         (Some((small, parts)), [Some(a), Some(b)]) => {
             let ((small_other, fs), (full_other, ff)) = if small == 0 { (a, b) } else { (b, a) };
