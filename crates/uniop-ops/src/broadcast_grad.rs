@@ -13,7 +13,7 @@
 //! - partials: the innermost output dim is kept and the gradient is small (a `[H]` bias's over
 //!   `[.., H]` rows): blocks split the reduced rows, each summing whole rows — memory in order —
 //!   into an f32 partial of the whole gradient in the workspace; a second launch adds the partials
-//!   (`x + bias`: the same pass writes `x`'s gradient);
+//!   (`x + bias`, and `x · scale` in f32: the same pass writes `x`'s gradient);
 //! - across: the same with a gradient too large for partials: blocks split the gradient's elements,
 //!   summing strips of [`STRIP`] of them as vectors, one reduced row at a time.
 
@@ -189,7 +189,7 @@ pub fn pair_steps<T: FloatElement, F: Map2>(
         _ => None,
     };
     // Where the full gradient reads a second input (mul's), f32 only: with the dense steps in
-    // registers, the fused pass ran mul_backward 4096x4096 f32 8.1–8.4 → 6.0–6.8 ms on Zen 4, bf16
+    // registers, the fused pass ran mul_backward 4096x4096 f32 7.9–8.4 → 5.4–6.8 ms on Zen 4, bf16
     // level at that size and slower in cache (0.053 → 0.059 ms, 64x4096, one thread); before them,
     // f32 ran level (10.3–11.3 against 11.2) and bf16 slower (8.7–10.3 against 7.7) on an AVX2 EPYC.
     let fused = fused.filter(|&(small, _)| T::DTYPE == DType::F32 || matches!(wanted[1 - small], Some((None, _))));
