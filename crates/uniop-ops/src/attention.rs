@@ -877,31 +877,13 @@ impl ExpSums {
 /// `NATIVE` only where `bf16::converts_natively()`.
 #[inline(always)]
 pub(crate) unsafe fn narrow_step<const NATIVE: bool>(x: &[f32; W], p: &mut [bf16; W]) {
-    #[cfg(target_arch = "x86_64")]
     if NATIVE {
-        *p = narrow_in_registers(*x);
+        // In registers: the exps are still there, and storing them to reload cost a
+        // store-forwarding stall per step on the AMX Xeon (a fifth of the row pass's samples).
+        *p = bf16::narrow_lanes_in_registers(*x);
         return;
     }
     *p = bf16::narrow_lanes(x);
-}
-
-/// 16 lanes rounded to bf16 by one `vcvtneps2bf16` on a 512-bit register. Not uniop's
-/// `narrow_lanes_natively`, which reloads its lanes from memory in 256-bit halves (right for
-/// kernels that have just stored them, on Zen 4): here the exps are still in a register, and
-/// storing them to reload cost a store-forwarding stall per step on the AMX Xeon (a fifth of the
-/// row pass's samples sat on it).
-///
-/// # Safety
-/// The CPU must have AVX512-BF16.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512bf16,avx512f")]
-#[inline]
-unsafe fn narrow_in_registers(x: [f32; W]) -> [bf16; W] {
-    use std::arch::x86_64::{__m256bh, __m512, _mm512_cvtneps_pbh};
-    // SAFETY: both sides are 64 (then 32) plain bytes.
-    unsafe {
-        std::mem::transmute::<__m256bh, [bf16; W]>(_mm512_cvtneps_pbh(std::mem::transmute::<[f32; W], __m512>(x)))
-    }
 }
 
 /// The largest (smallest when `MIN`) of a row's scores.

@@ -242,19 +242,22 @@ fn load_lanes<T: FloatElement>(data: &[T], off: usize, stride: usize, dst: &mut 
 }
 
 /// `LANES` results narrowed by the CPU's instruction into `out` (`LANES` long); past the cache
-/// when `streaming`, through a staged copy.
+/// when `streaming`. Narrowed in registers ([`FloatElement::narrow_lanes_in_registers`]): callers
+/// compute `src` in a step loop, where it need not touch memory at all. Through memory (the
+/// narrowing instruction reloading a stored step) bf16 rms_norm took 0.045–0.052 ms in cache
+/// against 0.033 now, layer_norm 0.071 against 0.054, add_backward's broadcast sum 0.058 against
+/// 0.030 (one thread, 64x4096, Zen 4).
 ///
 /// # Safety
 /// Only where `T::converts_natively()` (see [`FloatElement::narrow_lanes_natively`]).
 #[inline(always)]
 pub unsafe fn store_natively<T: FloatElement>(src: &[f32; LANES], out: &mut [T], streaming: bool) {
     let out: &mut [T; LANES] = out.try_into().expect("LANES elements");
+    let narrowed = T::narrow_lanes_in_registers(*src);
     if streaming {
-        let mut staged = Aligned([T::default(); LANES]);
-        T::narrow_lanes_natively(src, &mut staged);
-        copy_streaming(out, &*staged);
+        copy_streaming(out, &narrowed);
     } else {
-        T::narrow_lanes_natively(src, out);
+        *out = narrowed;
     }
 }
 
@@ -298,9 +301,10 @@ pub fn converts_per_element<T: FloatElement, const O: usize>() -> bool {
 /// Steps of [`LANES`] elements, in three forms (see [`converts_per_element`] and the choice below
 /// for which runs where):
 /// - native (bf16 on AVX512-BF16 CPUs, f16 on AVX-512 ones: [`FloatElement::converts_natively`]):
-///   as per element, but into f32 step arrays that the CPU's instruction then narrows, one op per
-///   8 lanes instead of nine integer ops per 16 (bf16); f16 inputs are widened by `vcvtph2ps`
-///   too (one op per 16 lanes instead of about ten) — these loops are bound by their op count.
+///   as per element, but into f32 step arrays that the CPU's instruction then narrows in
+///   registers, one op per 16 lanes instead of nine integer ops (bf16); f16 inputs are widened
+///   by `vcvtph2ps` too (one op per 16 lanes instead of about ten) — these loops are bound by
+///   their op count.
 ///   In cache (Zen 4), bf16 silu 0.065 → 0.051 ms, add 0.024 → 0.016, swiglu_backward 0.056 →
 ///   0.040 (now level with f32), silu_mul_backward 0.091 → 0.083; f16 silu 0.103 → 0.051, add
 ///   0.056 → 0.017, silu_mul_backward 0.130 → 0.085 (the staged form, which it ran before with
@@ -308,10 +312,12 @@ pub fn converts_per_element<T: FloatElement, const O: usize>() -> bool {
 ///   bf16 results differ from the other forms' only where an f32 result is subnormal (below
 ///   1.2e-38 in magnitude): the instruction gives a zero of its sign. Checking for subnormals to
 ///   keep those bits too (`vfpclassps` per 8 lanes) cost the whole gain back (silu 0.059 →
-///   0.068 ms). The rms_norm, add_rms_norm and softmax row passes narrow this way too
-///   ([`store_natively`]) and widen natively ([`to_f32`], [`widen_lanes`]); with bf16's
-///   narrowing load folded into the instruction they had run slower (bf16 rms_norm 0.036 →
-///   0.046 ms), with it unfolded bf16 runs level in cache and f16 gains (rms_norm 0.044 → 0.027).
+///   0.068 ms). Narrowing in registers rather than from the stored step (one thread, 64x4096,
+///   three alternations, bf16 and f16 alike): gelu 0.105 → 0.097 ms, silu 0.079 → 0.070, add
+///   0.030 → 0.024, swiglu 0.044 → 0.038, silu_mul_backward 0.129 → 0.113; at 4096x11008 on two
+///   threads bf16 gelu 9.6–11.0 → 9.0–9.5 ms, silu_mul_backward 12.1–15.0 → 10.9–11.0.
+///   The norms' and softmax's row passes narrow this way too ([`store_natively`]) and widen
+///   natively ([`to_f32`], [`widen_lanes`]).
 /// - per element: one loop over single elements, from the inputs straight into the outputs,
 ///   which LLVM vectorizes with a register or two per value (f16/bf16 converted in the loop).
 ///   Staging whole steps in f32 arrays, as both forms once did, takes `LANES / 8` registers per
@@ -373,7 +379,7 @@ pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
 /// aligned as [`Aligned`] is (each buffer is a whole number of cache lines).
 #[repr(C, align(64))]
 struct Steps<T, const I: usize, const O: usize> {
-    /// f16/bf16 form: the inputs widened, then overwritten by `f`'s results (output `k` in
+    /// The staged form: the inputs widened, then overwritten by `f`'s results (output `k` in
     /// `wide[k]`); a separate results buffer measured slower.
     wide: [[f32; LANES]; I],
     /// Results in `T`: f16/bf16 ones narrowed, and f32 ones on their way to non-temporal stores.
@@ -411,21 +417,23 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
     ) {
         if NATIVE {
             // Inputs widened per element (f16: vectorized to `vcvtph2ps`), results in f32 first,
-            // then narrowed a step at a time by the CPU's instruction.
+            // then narrowed a step at a time by the CPU's instruction, in registers (a step array
+            // in `self` kept them in memory: stored, then reloaded to narrow).
+            let mut results = [[0f32; LANES]; O];
             for i in 0..LANES {
                 let mut x = [0f32; I];
                 for (x, step) in x.iter_mut().zip(&ins) {
                     *x = to_f32::<T, true>(step[i]);
                 }
-                for (wide, r) in self.wide.iter_mut().zip(f(x)) {
+                for (wide, r) in results.iter_mut().zip(f(x)) {
                     wide[i] = r;
                 }
             }
-            let mut targets = if streaming { self.staged.each_mut() } else { outs.each_mut().map(|out| &mut **out) };
-            for (target, wide) in targets.iter_mut().zip(&self.wide) {
+            for (out, wide) in outs.iter_mut().zip(&results) {
                 // SAFETY: `NATIVE` only where `dense_map` found `T::converts_natively()`.
-                unsafe { T::narrow_lanes_natively(wide, target) };
+                unsafe { store_natively(wide, &mut out[..], streaming) };
             }
+            return;
         } else if converts_per_element::<T, O>() {
             let mut targets = if streaming { self.staged.each_mut() } else { outs.each_mut().map(|out| &mut **out) };
             // Plain loops build the per-element arrays (not `map`/`from_fn`, which the compiler

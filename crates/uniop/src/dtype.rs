@@ -243,6 +243,16 @@ pub trait FloatElement: Element {
     unsafe fn narrow_lanes_natively<const N: usize>(src: &[f32; N], dst: &mut [Self; N]) {
         *dst = Self::narrow_lanes(src);
     }
+    /// `src` narrowed by the CPU's instruction 16 lanes at a time on 512-bit registers (`N` a
+    /// multiple of 16), by value: for lanes a kernel still holds in registers, where
+    /// [`Self::narrow_lanes_natively`] reloads lanes just stored. Rounds as that method does.
+    ///
+    /// # Safety
+    /// As [`Self::narrow_lanes_natively`].
+    #[inline(always)]
+    unsafe fn narrow_lanes_in_registers<const N: usize>(src: [f32; N]) -> [Self; N] {
+        Self::narrow_lanes(&src)
+    }
     /// [`Self::to_f32`] by the CPU's instruction (exact, as it is). Written per element so that
     /// kernels' element loops can use it: LLVM vectorizes f16's to `vcvtph2ps` over 16 lanes.
     ///
@@ -388,6 +398,14 @@ impl FloatElement for f16 {
         }
     }
     #[inline(always)]
+    unsafe fn narrow_lanes_in_registers<const N: usize>(src: [f32; N]) -> [Self; N] {
+        // SAFETY: as in `narrow_lanes_natively`.
+        #[cfg(target_arch = "x86_64")]
+        return narrow_f16_in_registers(src);
+        #[cfg(not(target_arch = "x86_64"))]
+        Self::narrow_lanes(&src)
+    }
+    #[inline(always)]
     unsafe fn to_f32_natively(self) -> f32 {
         // SAFETY: as in `narrow_lanes_natively`.
         #[cfg(target_arch = "x86_64")]
@@ -504,6 +522,27 @@ unsafe fn narrow_f16_native<const N: usize>(src: &[f32; N], dst: &mut [f16; N]) 
     }
 }
 
+/// f32 → f16 with `vcvtps2ph` on 512-bit registers, 16 lanes per instruction, by value.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn narrow_f16_in_registers<const N: usize>(src: [f32; N]) -> [f16; N] {
+    use std::arch::x86_64::{__m256i, __m512, _mm512_cvtps_ph, _MM_FROUND_TO_NEAREST_INT};
+    const { assert!(N.is_multiple_of(16), "whole groups of 16 lanes") };
+    let mut out = [f16::ZERO; N];
+    for (o, s) in out.chunks_exact_mut(16).zip(src.chunks_exact(16)) {
+        let sixteen: [f32; 16] = s.try_into().expect("16 lanes");
+        // SAFETY: [f32; 16] and __m512 are the same 64 plain bytes, [f16; 16] and __m256i 32.
+        let bits = unsafe {
+            std::mem::transmute::<__m256i, [f16; 16]>(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(
+                std::mem::transmute::<[f32; 16], __m512>(sixteen),
+            ))
+        };
+        o.copy_from_slice(&bits);
+    }
+    out
+}
+
 /// f16 → f32 with F16C's `vcvtph2ps` on one lane. Written on one element, it is LLVM's plain
 /// half-to-float extension, which its loop vectorizer widens to `vcvtph2ps` over 16 lanes (the
 /// narrowing intrinsic is not: a loop narrowing this way stays scalar).
@@ -586,7 +625,8 @@ unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [bf16]) {
 /// f32 → bf16 with AVX512-BF16's `vcvtneps2bf16`, 8 lanes per instruction (see
 /// [`FloatElement::narrow_lanes_natively`] for how its rounding differs). 256-bit loads because
 /// kernels call this on a step they have just stored: Zen 4 forwards those stores to 256-bit loads
-/// but not to 512-bit ones (bf16 `add` ran 0.016 ms in cache with these, 0.029 with 512-bit ones).
+/// but not to 512-bit ones (bf16 `add` ran 0.016 ms in cache with these, 0.029 with 512-bit ones,
+/// when it narrowed this way; lanes still in registers go by `narrow_bf16_in_registers`).
 /// And loads of their own, not folded into the instruction as LLVM does with a plain load: with
 /// the folded form, some maps streaming past the cache ran slower (at DRAM sizes, Zen 4, seven
 /// alternations: gelu_backward 17.0 → 14.8 ms unfolded, add 2.4 → 2.2, the others and every map
@@ -609,6 +649,27 @@ unsafe fn narrow_bf16_native<const N: usize>(src: &[f32; N], dst: &mut [bf16; N]
         let bits = _mm256_cvtneps_pbh(eight);
         _mm_storeu_si128(dst.as_mut_ptr().add(i) as *mut __m128i, std::mem::transmute::<__m128bh, __m128i>(bits));
     }
+}
+
+/// f32 → bf16 with `vcvtneps2bf16` on 512-bit registers, 16 lanes per instruction, by value.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512bf16,avx512f")]
+#[inline]
+unsafe fn narrow_bf16_in_registers<const N: usize>(src: [f32; N]) -> [bf16; N] {
+    use std::arch::x86_64::{__m256bh, __m512, _mm512_cvtneps_pbh};
+    const { assert!(N.is_multiple_of(16), "whole groups of 16 lanes") };
+    let mut out = [bf16::ZERO; N];
+    for (o, s) in out.chunks_exact_mut(16).zip(src.chunks_exact(16)) {
+        let sixteen: [f32; 16] = s.try_into().expect("16 lanes");
+        // SAFETY: [f32; 16] and __m512 are the same 64 plain bytes, [bf16; 16] and __m256bh 32.
+        let bits = unsafe {
+            std::mem::transmute::<__m256bh, [bf16; 16]>(_mm512_cvtneps_pbh(std::mem::transmute::<[f32; 16], __m512>(
+                sixteen,
+            )))
+        };
+        o.copy_from_slice(&bits);
+    }
+    out
 }
 
 /// Narrows `src` into `dst` (up to the shorter one) sixteen lanes at a time with `sixteen`, which
@@ -779,6 +840,14 @@ impl FloatElement for bf16 {
         {
             *dst = Self::narrow_lanes(src);
         }
+    }
+    #[inline(always)]
+    unsafe fn narrow_lanes_in_registers<const N: usize>(src: [f32; N]) -> [Self; N] {
+        // SAFETY: as in `narrow_lanes_natively`.
+        #[cfg(target_arch = "x86_64")]
+        return narrow_bf16_in_registers(src);
+        #[cfg(not(target_arch = "x86_64"))]
+        Self::narrow_lanes(&src)
     }
     fn as_f32_slice(_: &[bf16]) -> Option<&[f32]> {
         None
@@ -971,8 +1040,9 @@ mod tests {
         }
     }
 
-    /// The native (AVX512-BF16) step narrowing: bit for bit the scalar conversion on every value
-    /// but f32 subnormals, which become zeros of their sign. (CPUs without it: nothing to check.)
+    /// The native (AVX512-BF16) step narrowings, from memory and in registers: bit for bit the
+    /// scalar conversion on every value but f32 subnormals, which become zeros of their sign.
+    /// (CPUs without it: nothing to check.)
     #[test]
     fn native_bf16_narrowing_matches_the_scalar_one_but_flushes_subnormals() {
         if !bf16::converts_natively() {
@@ -986,15 +1056,21 @@ mod tests {
             let mut out = [bf16::ZERO; 64];
             // SAFETY: `converts_natively` was checked above.
             unsafe { bf16::narrow_lanes_natively(step, &mut out) };
-            for (v, b) in step.iter().zip(&out) {
-                let want = if v.is_subnormal() { (v.to_bits() >> 16) as u16 & 0x8000 } else { f32_to_bf16_bits(*v) };
-                assert_eq!(b.to_bits(), want, "{v:e} ({:#010x})", v.to_bits());
+            // SAFETY: as above.
+            let in_registers = unsafe { bf16::narrow_lanes_in_registers(*step) };
+            for (narrowed, how) in [(&out, "from memory"), (&in_registers, "in registers")] {
+                for (v, b) in step.iter().zip(narrowed) {
+                    let want =
+                        if v.is_subnormal() { (v.to_bits() >> 16) as u16 & 0x8000 } else { f32_to_bf16_bits(*v) };
+                    assert_eq!(b.to_bits(), want, "{how}: {v:e} ({:#010x})", v.to_bits());
+                }
             }
         }
     }
 
-    /// The native f16 step narrowing (F16C) rounds exactly as the bit conversion, subnormals,
-    /// overflow and ties included; NaNs stay NaNs. (CPUs without it: nothing to check.)
+    /// The native f16 step narrowings (F16C from memory, AVX-512 in registers) round exactly as
+    /// the bit conversion, subnormals, overflow and ties included; NaNs stay NaNs. (CPUs without
+    /// them: nothing to check.)
     #[test]
     fn native_f16_narrowing_matches_the_scalar_one() {
         if !f16::converts_natively() {
@@ -1008,11 +1084,15 @@ mod tests {
             let mut out = [f16::ZERO; 64];
             // SAFETY: `converts_natively` was checked above.
             unsafe { f16::narrow_lanes_natively(step, &mut out) };
-            for (v, h) in step.iter().zip(&out) {
-                if v.is_nan() {
-                    assert!(h.is_nan(), "{v:e}");
-                } else {
-                    assert_eq!(h.to_bits(), f32_to_f16_bits(*v), "{v:e} ({:#010x})", v.to_bits());
+            // SAFETY: as above.
+            let in_registers = unsafe { f16::narrow_lanes_in_registers(*step) };
+            for (narrowed, how) in [(&out, "from memory"), (&in_registers, "in registers")] {
+                for (v, h) in step.iter().zip(narrowed) {
+                    if v.is_nan() {
+                        assert!(h.is_nan(), "{how}: {v:e}");
+                    } else {
+                        assert_eq!(h.to_bits(), f32_to_f16_bits(*v), "{how}: {v:e} ({:#010x})", v.to_bits());
+                    }
                 }
             }
         }
