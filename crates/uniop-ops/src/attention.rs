@@ -880,7 +880,7 @@ pub(crate) unsafe fn narrow_step<const NATIVE: bool>(x: &[f32; W], p: &mut [bf16
     if NATIVE {
         // In registers: the exps are still there, and storing them to reload cost a
         // store-forwarding stall per step on the AMX Xeon (a fifth of the row pass's samples).
-        *p = bf16::narrow_lanes_in_registers(*x);
+        *p = bf16::narrow_lanes_natively(*x);
         return;
     }
     *p = bf16::narrow_lanes(x);

@@ -242,18 +242,18 @@ fn load_lanes<T: FloatElement>(data: &[T], off: usize, stride: usize, dst: &mut 
 }
 
 /// `LANES` results narrowed by the CPU's instruction into `out` (`LANES` long); past the cache
-/// when `streaming`. Narrowed in registers ([`FloatElement::narrow_lanes_in_registers`]): callers
-/// compute `src` in a step loop, where it need not touch memory at all. Through memory (the
-/// narrowing instruction reloading a stored step) bf16 rms_norm took 0.045–0.052 ms in cache
-/// against 0.033 now, layer_norm 0.071 against 0.054, add_backward's broadcast sum 0.058 against
-/// 0.030 (one thread, 64x4096, Zen 4).
+/// when `streaming`. In registers ([`FloatElement::narrow_lanes_natively`] takes the lanes by
+/// value): callers compute `src` in a step loop, where it need not touch memory at all. Through
+/// memory (the narrowing instruction reloading the stored step, 8 lanes a load) bf16 layer_norm
+/// took 0.071 ms against 0.054 now, add_backward's broadcast sum 0.058 against 0.030, softmax
+/// 0.098 against 0.078–0.096 (one thread, 64x4096, Zen 4; f16 alike).
 ///
 /// # Safety
 /// Only where `T::converts_natively()` (see [`FloatElement::narrow_lanes_natively`]).
 #[inline(always)]
 pub unsafe fn store_natively<T: FloatElement>(src: &[f32; LANES], out: &mut [T], streaming: bool) {
     let out: &mut [T; LANES] = out.try_into().expect("LANES elements");
-    let narrowed = T::narrow_lanes_in_registers(*src);
+    let narrowed = T::narrow_lanes_natively(*src);
     if streaming {
         copy_streaming(out, &narrowed);
     } else {
@@ -567,7 +567,7 @@ pub fn widen_step<T: FloatElement, const NATIVE: bool, const N: usize>(src: &[T]
     }
 }
 
-/// The first `dst.len()` (≤ `N`, a multiple of 8) lanes of a step, narrowed into `dst` — by the
+/// The first `dst.len()` (≤ `N`, a multiple of 16) lanes of a step, narrowed into `dst` — by the
 /// CPU's instruction when `NATIVE` (see [`to_f32`]; bf16's `vcvtneps2bf16`, where
 /// [`FloatElement::narrow_lanes`] rounds in integer ops and checks the CPU on every call: rope's
 /// head-dim-64 rows spent most of their time there).
@@ -576,7 +576,7 @@ pub fn narrow_step<T: FloatElement, const NATIVE: bool, const N: usize>(src: &[f
     let narrow = |whole: &mut [T; N]| {
         if NATIVE {
             // SAFETY: `NATIVE` only where `T::converts_natively()` (see `to_f32`).
-            unsafe { T::narrow_lanes_natively(src, whole) }
+            unsafe { *whole = T::narrow_lanes_natively(*src) }
         } else {
             *whole = T::narrow_lanes(src);
         }

@@ -220,9 +220,9 @@ pub trait FloatElement: Element {
     }
     /// Whether this CPU converts between f32 and `Self` with an instruction per vector that
     /// kernels can use — the `*_natively` methods below:
-    /// - bf16 on AVX512-BF16 CPUs narrows with `vcvtneps2bf16` (one op per 8 lanes where the bit
-    ///   conversion of [`Self::from_f32`] takes nine per 16); it widens with its usual shift.
-    /// - f16 on AVX-512 CPUs narrows with F16C's `vcvtps2ph` and widens with `vcvtph2ps` (one op
+    /// - bf16 on AVX512-BF16 CPUs narrows with `vcvtneps2bf16` (one op per 16 lanes where the bit
+    ///   conversion of [`Self::from_f32`] takes nine); it widens with its usual shift.
+    /// - f16 on AVX-512 CPUs narrows with `vcvtps2ph` and widens with F16C's `vcvtph2ps` (one op
     ///   per 16 lanes where the bit conversion of [`Self::to_f32`] takes about ten).
     ///
     /// Kernels bound by their op count run faster this way; they choose once per loop with this,
@@ -232,25 +232,20 @@ pub trait FloatElement: Element {
     fn converts_natively() -> bool {
         false
     }
-    /// `src` narrowed into `dst` by the CPU's instruction, 8 lanes at a time (`N` must be a
-    /// multiple of 8: checked at compile time). It rounds as [`Self::from_f32`] does, except that
-    /// bf16's turns f32 subnormals (below 1.2e-38 in magnitude) into zeros of their sign.
+    /// `src` narrowed by the CPU's instruction, 16 lanes at a time on 512-bit registers (`N` must
+    /// be a multiple of 16: checked at compile time). It rounds as [`Self::from_f32`] does, except
+    /// that bf16's turns f32 subnormals (below 1.2e-38 in magnitude) into zeros of their sign.
+    ///
+    /// By value, so that lanes a kernel computes in a step loop never touch memory: narrowing from
+    /// the stored f32 step instead (the instruction reloading it) made bf16 rms_norm take
+    /// 0.045–0.052 ms in cache against 0.033, rope at [1, 32, 512, 128] 0.35 against 0.28 (one
+    /// thread, Zen 4).
     ///
     /// # Safety
     /// Only where [`Self::converts_natively`] is true: kernels check that once per loop, not per
     /// step. (The default, for types without such an instruction, is the exact lane narrowing.)
     #[inline(always)]
-    unsafe fn narrow_lanes_natively<const N: usize>(src: &[f32; N], dst: &mut [Self; N]) {
-        *dst = Self::narrow_lanes(src);
-    }
-    /// `src` narrowed by the CPU's instruction 16 lanes at a time on 512-bit registers (`N` a
-    /// multiple of 16), by value: for lanes a kernel still holds in registers, where
-    /// [`Self::narrow_lanes_natively`] reloads lanes just stored. Rounds as that method does.
-    ///
-    /// # Safety
-    /// As [`Self::narrow_lanes_natively`].
-    #[inline(always)]
-    unsafe fn narrow_lanes_in_registers<const N: usize>(src: [f32; N]) -> [Self; N] {
+    unsafe fn narrow_lanes_natively<const N: usize>(src: [f32; N]) -> [Self; N] {
         Self::narrow_lanes(&src)
     }
     /// [`Self::to_f32`] by the CPU's instruction (exact, as it is). Written per element so that
@@ -387,21 +382,11 @@ impl FloatElement for f16 {
         false
     }
     #[inline(always)]
-    unsafe fn narrow_lanes_natively<const N: usize>(src: &[f32; N], dst: &mut [Self; N]) {
+    unsafe fn narrow_lanes_natively<const N: usize>(src: [f32; N]) -> [Self; N] {
         // SAFETY: the caller checked `converts_natively` (false off x86-64), so the CPU has the
         // instruction's features.
         #[cfg(target_arch = "x86_64")]
-        narrow_f16_native(src, dst);
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            *dst = Self::narrow_lanes(src);
-        }
-    }
-    #[inline(always)]
-    unsafe fn narrow_lanes_in_registers<const N: usize>(src: [f32; N]) -> [Self; N] {
-        // SAFETY: as in `narrow_lanes_natively`.
-        #[cfg(target_arch = "x86_64")]
-        return narrow_f16_in_registers(src);
+        return narrow_f16_native(src);
         #[cfg(not(target_arch = "x86_64"))]
         Self::narrow_lanes(&src)
     }
@@ -506,27 +491,12 @@ unsafe fn narrow_f16_avx512(src: &[f32], dst: &mut [f16]) {
     }
 }
 
-/// f32 → f16 with F16C's `vcvtps2ph`, 8 lanes per instruction, rounding to nearest even: the
-/// same bits as [`f32_to_f16_bits`] (NaN payloads aside). 256-bit loads for the reason given at
-/// [`narrow_bf16_native`].
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx,f16c")]
-#[inline]
-unsafe fn narrow_f16_native<const N: usize>(src: &[f32; N], dst: &mut [f16; N]) {
-    use std::arch::x86_64::{__m128i, _mm256_cvtps_ph, _mm256_loadu_ps, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT};
-    const { assert!(N.is_multiple_of(8), "whole groups of 8 lanes") };
-    for i in (0..N).step_by(8) {
-        let v = _mm256_loadu_ps(src.as_ptr().add(i));
-        let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
-        _mm_storeu_si128(dst.as_mut_ptr().add(i) as *mut __m128i, h);
-    }
-}
-
-/// f32 → f16 with `vcvtps2ph` on 512-bit registers, 16 lanes per instruction, by value.
+/// f32 → f16 with AVX-512's `vcvtps2ph`, 16 lanes per instruction, rounding to nearest even: the
+/// same bits as [`f32_to_f16_bits`] (NaN payloads aside).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn narrow_f16_in_registers<const N: usize>(src: [f32; N]) -> [f16; N] {
+unsafe fn narrow_f16_native<const N: usize>(src: [f32; N]) -> [f16; N] {
     use std::arch::x86_64::{__m256i, __m512, _mm512_cvtps_ph, _MM_FROUND_TO_NEAREST_INT};
     const { assert!(N.is_multiple_of(16), "whole groups of 16 lanes") };
     let mut out = [f16::ZERO; N];
@@ -622,40 +592,12 @@ unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [bf16]) {
     });
 }
 
-/// f32 → bf16 with AVX512-BF16's `vcvtneps2bf16`, 8 lanes per instruction (see
-/// [`FloatElement::narrow_lanes_natively`] for how its rounding differs). 256-bit loads because
-/// kernels call this on a step they have just stored: Zen 4 forwards those stores to 256-bit loads
-/// but not to 512-bit ones (bf16 `add` ran 0.016 ms in cache with these, 0.029 with 512-bit ones,
-/// when it narrowed this way; lanes still in registers go by `narrow_bf16_in_registers`).
-/// And loads of their own, not folded into the instruction as LLVM does with a plain load: with
-/// the folded form, some maps streaming past the cache ran slower (at DRAM sizes, Zen 4, seven
-/// alternations: gelu_backward 17.0 → 14.8 ms unfolded, add 2.4 → 2.2, the others and every map
-/// in cache level). Why is not known; the folded instruction is no slower in cache.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512bf16,avx512vl")]
-#[inline]
-unsafe fn narrow_bf16_native<const N: usize>(src: &[f32; N], dst: &mut [bf16; N]) {
-    use std::arch::x86_64::{__m128bh, __m128i, __m256, _mm256_cvtneps_pbh, _mm_storeu_si128};
-    const { assert!(N.is_multiple_of(8), "whole groups of 8 lanes") };
-    for i in (0..N).step_by(8) {
-        let eight: __m256;
-        // SAFETY: `i + 8 <= N`, so the 32 bytes read are within `src`.
-        std::arch::asm!(
-            "vmovups {eight}, [{at}]",
-            at = in(reg) src.as_ptr().add(i),
-            eight = out(ymm_reg) eight,
-            options(pure, readonly, nostack, preserves_flags),
-        );
-        let bits = _mm256_cvtneps_pbh(eight);
-        _mm_storeu_si128(dst.as_mut_ptr().add(i) as *mut __m128i, std::mem::transmute::<__m128bh, __m128i>(bits));
-    }
-}
-
-/// f32 → bf16 with `vcvtneps2bf16` on 512-bit registers, 16 lanes per instruction, by value.
+/// f32 → bf16 with AVX512-BF16's `vcvtneps2bf16`, 16 lanes per instruction (see
+/// [`FloatElement::narrow_lanes_natively`] for how its rounding differs).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512bf16,avx512f")]
 #[inline]
-unsafe fn narrow_bf16_in_registers<const N: usize>(src: [f32; N]) -> [bf16; N] {
+unsafe fn narrow_bf16_native<const N: usize>(src: [f32; N]) -> [bf16; N] {
     use std::arch::x86_64::{__m256bh, __m512, _mm512_cvtneps_pbh};
     const { assert!(N.is_multiple_of(16), "whole groups of 16 lanes") };
     let mut out = [bf16::ZERO; N];
@@ -831,21 +773,11 @@ impl FloatElement for bf16 {
         false
     }
     #[inline(always)]
-    unsafe fn narrow_lanes_natively<const N: usize>(src: &[f32; N], dst: &mut [Self; N]) {
+    unsafe fn narrow_lanes_natively<const N: usize>(src: [f32; N]) -> [Self; N] {
         // SAFETY: the caller checked `converts_natively` (false off x86-64), so the CPU has the
         // instruction's features.
         #[cfg(target_arch = "x86_64")]
-        narrow_bf16_native(src, dst);
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            *dst = Self::narrow_lanes(src);
-        }
-    }
-    #[inline(always)]
-    unsafe fn narrow_lanes_in_registers<const N: usize>(src: [f32; N]) -> [Self; N] {
-        // SAFETY: as in `narrow_lanes_natively`.
-        #[cfg(target_arch = "x86_64")]
-        return narrow_bf16_in_registers(src);
+        return narrow_bf16_native(src);
         #[cfg(not(target_arch = "x86_64"))]
         Self::narrow_lanes(&src)
     }
@@ -1040,9 +972,8 @@ mod tests {
         }
     }
 
-    /// The native (AVX512-BF16) step narrowings, from memory and in registers: bit for bit the
-    /// scalar conversion on every value but f32 subnormals, which become zeros of their sign.
-    /// (CPUs without it: nothing to check.)
+    /// The native (AVX512-BF16) step narrowing: bit for bit the scalar conversion on every value
+    /// but f32 subnormals, which become zeros of their sign. (CPUs without it: nothing to check.)
     #[test]
     fn native_bf16_narrowing_matches_the_scalar_one_but_flushes_subnormals() {
         if !bf16::converts_natively() {
@@ -1053,24 +984,18 @@ mod tests {
         src.extend([0x7f80_0001u32, 0xff80_7fff, 0x7fc0_0000, 0x7f7f_ffff, 0x8000_0001].map(f32::from_bits));
         for step in src.chunks_exact(64) {
             let step: &[f32; 64] = step.try_into().unwrap();
-            let mut out = [bf16::ZERO; 64];
             // SAFETY: `converts_natively` was checked above.
-            unsafe { bf16::narrow_lanes_natively(step, &mut out) };
-            // SAFETY: as above.
-            let in_registers = unsafe { bf16::narrow_lanes_in_registers(*step) };
-            for (narrowed, how) in [(&out, "from memory"), (&in_registers, "in registers")] {
-                for (v, b) in step.iter().zip(narrowed) {
-                    let want =
-                        if v.is_subnormal() { (v.to_bits() >> 16) as u16 & 0x8000 } else { f32_to_bf16_bits(*v) };
-                    assert_eq!(b.to_bits(), want, "{how}: {v:e} ({:#010x})", v.to_bits());
-                }
+            let out = unsafe { bf16::narrow_lanes_natively(*step) };
+            for (v, b) in step.iter().zip(&out) {
+                let want = if v.is_subnormal() { (v.to_bits() >> 16) as u16 & 0x8000 } else { f32_to_bf16_bits(*v) };
+                assert_eq!(b.to_bits(), want, "{v:e} ({:#010x})", v.to_bits());
             }
         }
     }
 
-    /// The native f16 step narrowings (F16C from memory, AVX-512 in registers) round exactly as
-    /// the bit conversion, subnormals, overflow and ties included; NaNs stay NaNs. (CPUs without
-    /// them: nothing to check.)
+    /// The native f16 step narrowing (AVX-512's `vcvtps2ph`) rounds exactly as the bit
+    /// conversion, subnormals, overflow and ties included; NaNs stay NaNs. (CPUs without it:
+    /// nothing to check.)
     #[test]
     fn native_f16_narrowing_matches_the_scalar_one() {
         if !f16::converts_natively() {
@@ -1081,18 +1006,13 @@ mod tests {
         src.extend((0..1024u32).map(|i| f32::from_bits(0x3300_0000 + i * 0x0001_1000)));
         for step in src.chunks_exact(64) {
             let step: &[f32; 64] = step.try_into().unwrap();
-            let mut out = [f16::ZERO; 64];
             // SAFETY: `converts_natively` was checked above.
-            unsafe { f16::narrow_lanes_natively(step, &mut out) };
-            // SAFETY: as above.
-            let in_registers = unsafe { f16::narrow_lanes_in_registers(*step) };
-            for (narrowed, how) in [(&out, "from memory"), (&in_registers, "in registers")] {
-                for (v, h) in step.iter().zip(narrowed) {
-                    if v.is_nan() {
-                        assert!(h.is_nan(), "{how}: {v:e}");
-                    } else {
-                        assert_eq!(h.to_bits(), f32_to_f16_bits(*v), "{how}: {v:e} ({:#010x})", v.to_bits());
-                    }
+            let out = unsafe { f16::narrow_lanes_natively(*step) };
+            for (v, h) in step.iter().zip(&out) {
+                if v.is_nan() {
+                    assert!(h.is_nan(), "{v:e}");
+                } else {
+                    assert_eq!(h.to_bits(), f32_to_f16_bits(*v), "{v:e} ({:#010x})", v.to_bits());
                 }
             }
         }
