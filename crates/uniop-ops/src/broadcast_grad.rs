@@ -13,7 +13,8 @@
 //! - partials: the innermost output dim is kept and the gradient is small (a `[H]` bias's over
 //!   `[.., H]` rows): blocks split the reduced rows, each summing whole rows — memory in order —
 //!   into an f32 partial of the whole gradient in the workspace; a second launch adds the partials
-//!   (`x + bias`, and `x · scale` in f32: the same pass writes `x`'s gradient);
+//!   (`x + bias`, and `x · scale` in f32 and natively narrowed bf16: the same pass writes `x`'s
+//!   gradient);
 //! - across: the same with a gradient too large for partials: blocks split the gradient's elements,
 //!   summing strips of [`STRIP`] of them as vectors, one reduced row at a time.
 
@@ -172,8 +173,8 @@ fn steps<T: FloatElement, F: Map2>(
 /// Where one operand has the output's shape and the other takes the partials route (`x + bias`,
 /// `x · scale`), one pass over `dout` computes both: the row-splitting blocks write the full
 /// operand's gradient at the positions they read for the small one's partials (add_backward at
-/// 4096x4096 f32: 8.8 → 6.6–7.3 ms; bf16 level at 5.0–6.1) — in bf16 and f16 only where the full
-/// gradient reads `dout` alone (add's, not mul's).
+/// 4096x4096 f32: 8.8 → 6.6–7.3 ms; bf16 level at 5.0–6.1) — in f16, and bf16 on CPUs without
+/// AVX512-BF16, only where the full gradient reads `dout` alone (add's, not mul's).
 pub fn pair_steps<T: FloatElement, F: Map2>(
     name: &'static str,
     cx: &OpCx,
@@ -188,11 +189,15 @@ pub fn pair_steps<T: FloatElement, F: Map2>(
         [Route::Partials { parts }, Route::Elementwise] => Some((0, parts)),
         _ => None,
     };
-    // Where the full gradient reads a second input (mul's), f32 only: with the dense steps in
-    // registers, the fused pass ran mul_backward 4096x4096 f32 7.9–8.4 → 5.4–6.8 ms on Zen 4, bf16
-    // level at that size and slower in cache (0.053 → 0.059 ms, 64x4096, one thread); before them,
-    // f32 ran level (10.3–11.3 against 11.2) and bf16 slower (8.7–10.3 against 7.7) on an AVX2 EPYC.
-    let fused = fused.filter(|&(small, _)| T::DTYPE == DType::F32 || matches!(wanted[1 - small], Some((None, _))));
+    // Where the full gradient reads a second input (mul's): f32, and bf16 where the CPU narrows it
+    // (AVX512-BF16), not f16. With the dense steps in registers, the fused pass ran mul_backward
+    // 4096x4096 f32 7.9–8.4 → 5.4–6.8 ms on Zen 4; bf16 ran level at that size and slower in cache
+    // (0.053 → 0.059 ms, 64x4096, one thread) until its steps narrowed in registers too, then
+    // faster (0.048–0.057 → 0.041–0.043), while f16 ran slower in cache (0.080 → 0.093) and level
+    // at 4096x4096. Before the register steps, f32 ran level (10.3–11.3 against 11.2) and bf16
+    // slower (8.7–10.3 against 7.7) on an AVX2 EPYC, which keeps two passes for bf16.
+    let fuses_with_other = T::DTYPE == DType::F32 || (T::DTYPE == DType::BF16 && T::converts_natively());
+    let fused = fused.filter(|&(small, _)| fuses_with_other || matches!(wanted[1 - small], Some((None, _))));
     match (fused, wanted) {
         (Some((small, parts)), [Some(a), Some(b)]) => {
             let ((small_other, fs), (full_other, ff)) = if small == 0 { (a, b) } else { (b, a) };
