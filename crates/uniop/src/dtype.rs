@@ -491,26 +491,36 @@ unsafe fn narrow_f16_avx512(src: &[f32], dst: &mut [f16]) {
     }
 }
 
+/// `src` narrowed 16 lanes at a time by `sixteen`, which narrows one 512-bit register of f32 (an
+/// instruction's intrinsic, bit-cast to the element type). Inlined into its `#[target_feature]`
+/// callers, whose features `sixteen`'s intrinsic needs.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn narrow_by_registers<T: Copy + Default, const N: usize>(
+    src: [f32; N],
+    sixteen: impl Fn(std::arch::x86_64::__m512) -> [T; 16],
+) -> [T; N] {
+    const { assert!(N.is_multiple_of(16), "whole groups of 16 lanes") };
+    let mut out = [T::default(); N];
+    for (o, s) in out.chunks_exact_mut(16).zip(src.chunks_exact(16)) {
+        let lanes: [f32; 16] = s.try_into().expect("16 lanes");
+        // SAFETY: [f32; 16] and __m512 are the same 64 plain bytes.
+        o.copy_from_slice(&sixteen(unsafe { std::mem::transmute::<[f32; 16], std::arch::x86_64::__m512>(lanes) }));
+    }
+    out
+}
+
 /// f32 → f16 with AVX-512's `vcvtps2ph`, 16 lanes per instruction, rounding to nearest even: the
 /// same bits as [`f32_to_f16_bits`] (NaN payloads aside).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn narrow_f16_native<const N: usize>(src: [f32; N]) -> [f16; N] {
-    use std::arch::x86_64::{__m256i, __m512, _mm512_cvtps_ph, _MM_FROUND_TO_NEAREST_INT};
-    const { assert!(N.is_multiple_of(16), "whole groups of 16 lanes") };
-    let mut out = [f16::ZERO; N];
-    for (o, s) in out.chunks_exact_mut(16).zip(src.chunks_exact(16)) {
-        let sixteen: [f32; 16] = s.try_into().expect("16 lanes");
-        // SAFETY: [f32; 16] and __m512 are the same 64 plain bytes, [f16; 16] and __m256i 32.
-        let bits = unsafe {
-            std::mem::transmute::<__m256i, [f16; 16]>(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(
-                std::mem::transmute::<[f32; 16], __m512>(sixteen),
-            ))
-        };
-        o.copy_from_slice(&bits);
-    }
-    out
+    use std::arch::x86_64::{__m256i, _mm512_cvtps_ph, _MM_FROUND_TO_NEAREST_INT};
+    // SAFETY: __m256i and [f16; 16] are the same 32 plain bytes.
+    narrow_by_registers(src, |v| unsafe {
+        std::mem::transmute::<__m256i, [f16; 16]>(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v))
+    })
 }
 
 /// f16 → f32 with F16C's `vcvtph2ps` on one lane. Written on one element, it is LLVM's plain
@@ -598,20 +608,9 @@ unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [bf16]) {
 #[target_feature(enable = "avx512bf16,avx512f")]
 #[inline]
 unsafe fn narrow_bf16_native<const N: usize>(src: [f32; N]) -> [bf16; N] {
-    use std::arch::x86_64::{__m256bh, __m512, _mm512_cvtneps_pbh};
-    const { assert!(N.is_multiple_of(16), "whole groups of 16 lanes") };
-    let mut out = [bf16::ZERO; N];
-    for (o, s) in out.chunks_exact_mut(16).zip(src.chunks_exact(16)) {
-        let sixteen: [f32; 16] = s.try_into().expect("16 lanes");
-        // SAFETY: [f32; 16] and __m512 are the same 64 plain bytes, [bf16; 16] and __m256bh 32.
-        let bits = unsafe {
-            std::mem::transmute::<__m256bh, [bf16; 16]>(_mm512_cvtneps_pbh(std::mem::transmute::<[f32; 16], __m512>(
-                sixteen,
-            )))
-        };
-        o.copy_from_slice(&bits);
-    }
-    out
+    use std::arch::x86_64::{__m256bh, _mm512_cvtneps_pbh};
+    // SAFETY: __m256bh and [bf16; 16] are the same 32 plain bytes.
+    narrow_by_registers(src, |v| unsafe { std::mem::transmute::<__m256bh, [bf16; 16]>(_mm512_cvtneps_pbh(v)) })
 }
 
 /// Narrows `src` into `dst` (up to the shorter one) sixteen lanes at a time with `sixteen`, which
