@@ -93,7 +93,7 @@ pub fn copy_streaming<T: Element>(dst: &mut [T], src: &[T]) {
 
 /// A step buffer on the stack, aligned to a cache line, so that no vector load or store into it
 /// splits a line or a page. Buffers that go through memory by design (staged for non-temporal
-/// stores, or read back by the narrowing instruction's own loads) are wrapped in it: where the
+/// stores, or whole steps reread by a later loop) are wrapped in it: where the
 /// stack happened to place them across a 4 KiB page boundary, the process ran slowly throughout —
 /// bf16 softmax at 4096x4096 on one thread took 40 ms instead of 9.3 for the stack positions in a
 /// window of about 256 bytes out of every 4 KiB (Zen 4, ASLR off, the stack shifted with
