@@ -224,6 +224,9 @@ BACKWARD = {
     "add_backward": ("add_broadcast", (0, 1)),
     "mul_backward": ("mul", (0, 1)),
     "cast_backward": ("cast", (0,)),
+    # torch's gradient of cat is views of dout (narrow); uniop's outputs never alias an input, so
+    # its gradients are copies.
+    "cat_backward": ("cat", (0, 1, 2)),
 }
 
 

@@ -340,6 +340,24 @@ uniopStatus uniopCat(void *workspace,
                      uniopExecutor *executor,
                      uniopStream stream);
 
+// Phase 1 of `cat_backward(Tensor dout, Tensor[] tensors, int dim=0) -> (Tensor[] dtensors)`.
+//
+// Gradient of cat: dout split along dim into one contiguous gradient per tensor of the join, sized
+// as that tensor (tensors and dim as given to cat; only the tensors' shapes are read). dout may
+// have any strides. Any dtype.
+uniopStatus uniopCatBackwardGetWorkspaceSize(const uniopTensor *dout,
+                                             const uniopTensorList *tensors,
+                                             int64_t dim,
+                                             const uniopTensorList *dtensors,
+                                             uint64_t *workspaceSize,
+                                             uniopExecutor **executor);
+
+// Phase 2 of `cat_backward`: launches the executor from `uniopCatBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopCatBackward(void *workspace,
+                             uint64_t workspaceSize,
+                             uniopExecutor *executor,
+                             uniopStream stream);
+
 // Phase 1 of `causal_softmax(Tensor x) -> (Tensor y)`.
 //
 // Softmax over the last dim of x [..., Sq, Sk] with a causal mask aligned bottom-right: row i sees

@@ -434,6 +434,24 @@ static void test_cat_tensor_list(uniopStream stream) {
         want[(h * (S0 + S1) + s) * D + d] = s < S0 ? past[(h * S0 + s) * D + d] : step[(h * S1 + s - S0) * D + d];
   expect_close("cat (tensor list)", joined, want, H * (S0 + S1) * D, 0);
 
+  /* cat's gradient into a list of outputs: the joined tensor as dout, split back into its parts. */
+  float dpast[H * S0 * D], dstep[H * S1 * D];
+  const uniopTensor *grad_items[] = {dense(pd, 3, dpast), dense(sd, 3, dstep)};
+  uniopTensorList *grads = uniopCreateTensorList(grad_items, 2);
+  CHECK(grads != NULL, "uniopCreateTensorList: %s", uniopGetRecentErrMsg());
+  OK(uniopCatBackwardGetWorkspaceSize(out, list, -2, grads, &ws, &exec));
+  launch(uniopCatBackward, ws, exec, stream);
+  double want_past[H * S0 * D], want_step[H * S1 * D];
+  for (int i = 0; i < H * S0 * D; i++) want_past[i] = past[i];
+  for (int i = 0; i < H * S1 * D; i++) want_step[i] = step[i];
+  expect_close("cat_backward (list out) 0", dpast, want_past, H * S0 * D, 0);
+  expect_close("cat_backward (list out) 1", dstep, want_step, H * S1 * D, 0);
+  expect_error("cat_backward: NULL outputs", uniopCatBackwardGetWorkspaceSize(out, list, -2, NULL, &ws, &exec),
+               UNIOP_ERROR_PARAM_NULLPTR, "'dtensors'");
+  expect_error("cat_backward: dout unlike the join",
+               uniopCatBackwardGetWorkspaceSize(grad_items[0], list, -2, grads, &ws, &exec), UNIOP_ERROR_SHAPE, "'dout'");
+  OK(uniopDestroyTensorList(grads));
+
   expect_error("cat: NULL list", uniopCatGetWorkspaceSize(NULL, 0, out, &ws, &exec), UNIOP_ERROR_PARAM_NULLPTR,
                "'tensors'");
   expect_error("cat: dim out of range", uniopCatGetWorkspaceSize(list, 3, out, &ws, &exec),

@@ -454,6 +454,14 @@ def _cases():
         return (ts, -2), lambda ts, dim: torch.cat([t.to(D) for t in ts], dim)
 
     @case
+    def cat_backward(dt, strided):
+        # The gradient of cat's case (a KV block, a shorter one and a new row along dim -2), split
+        # back to the three; strided when asked.
+        ts = [torch.randn(2, 5, 4).to(dt), torch.randn(2, 3, 4).to(dt), torch.randn(2, 1, 4).to(dt)]
+        dout = _rand(2, 9, 4, dtype=dt, strided=strided)
+        return (dout, ts, -2), lambda d, ts, dim: _vjp(lambda *xs: torch.cat(xs, dim), ts, (d,), (0, 1, 2))
+
+    @case
     def permute(dt, strided):
         # HF's [B, S, H, D] to [B, H, S, D], with a negative dim.
         return (_rand(2, 5, 3, 4, dtype=dt, strided=strided), [0, 2, 1, -1]), lambda x, d: x.to(D).permute(d)

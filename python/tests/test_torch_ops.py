@@ -100,18 +100,22 @@ def test_opcheck(name):
 
 def _differentiable_call(name):
     """The float64 case of op `name` as `fn(*inputs)`, with `inputs` requiring a gradient where the
-    backward op returns one, and `fn` returning the outputs that backward op takes a gradient of."""
+    backward op returns one, and `fn` returning the outputs that backward op takes a gradient of.
+    A list argument's items (cat's tensors) are inputs of their own, gathered back by `fn`."""
     torch.manual_seed(0)
     args, _ = CASES[name](torch.float64, False)
     # Cases keep some tables in float32 (rope's cos/sin); here every floating tensor is float64.
     args = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-    op = getattr(torch.ops.uniop, name)
+    lengths = [len(a) if isinstance(a, list) and isinstance(a[0], torch.Tensor) else None for a in args]
+    op = _listing_call(getattr(torch.ops.uniop, name), lengths)
+    args = [x for a, n in zip(args, lengths) for x in (a if n is not None else [a])]
+    names = [a["name"] for a, n in zip(uniop.op(name).args, lengths) for _ in range(n or 1)]
     # Differentiate the arguments the backward op returns a gradient for (`d<arg>`); the others
     # (rope's cos/sin tables, cross_entropy's targets) get none by design; nor does a boolean
     # tensor (attention's boolean mask, in place of its differentiable float kind).
     backward = uniop.op(uniop.op(name).backward)
     has_grad = {r[1:] for r in backward.returns if r.startswith("d")}
-    diff = [i for i, a in enumerate(uniop.op(name).args) if a["name"] in has_grad]
+    diff = [i for i, n in enumerate(names) if n in has_grad]
     assert diff, f"{name}: no argument gets a gradient"
     inputs = [
         a.detach().clone().requires_grad_(i in diff and a.is_floating_point()) if isinstance(a, torch.Tensor) else a
@@ -126,6 +130,20 @@ def _differentiable_call(name):
         return tuple(out[i] for i in keep)
 
     return fn, inputs
+
+
+def _listing_call(op, lengths):
+    """`op` called with the items of its list arguments (`lengths[i]` items for argument i, None
+    for a plain one) passed one by one, as gradcheck and torch.func differentiate them."""
+
+    def call(*flat):
+        args, k = [], 0
+        for n in lengths:
+            args.append(flat[k] if n is None else list(flat[k : k + n]))
+            k += 1 if n is None else n
+        return op(*args)
+
+    return call
 
 
 WITH_BACKWARD = [n for n in sorted(CASES) if uniop.op(n).backward]
@@ -353,6 +371,32 @@ def test_differentiating_an_op_without_a_backward_is_an_error(name):
         torch.autograd.grad(sum(o.sum() for o in outs), list(leaves.values()))
     with pytest.raises(RuntimeError, match=message):
         torch.func.grad(lambda x: call_with({floating[0]: x})[0].sum())(at(*floating[0]))
+
+
+def test_cat_gradients_flow_eagerly_and_under_torch_compile():
+    """cat's gradient, cat_backward's list return, reaches each joined tensor (a strided one and one
+    that needs none included), eagerly and through torch.compile(fullgraph=True), equal to
+    torch.cat's."""
+    torch.manual_seed(0)
+    weight = torch.randn(2, 9, 4)
+
+    def loss(cat, a, b, c):
+        return (cat([a * 2, b, c], -2) * weight).sum()
+
+    def grads(cat):
+        a, b = torch.randn(2, 5, 4).requires_grad_(), torch.randn(2, 4, 3).requires_grad_()
+        c = torch.randn(2, 1, 4)  # needs no gradient
+        torch.manual_seed(1)  # the same values for every route
+        a.data, b.data, c.data = torch.randn(2, 5, 4), torch.randn(2, 4, 3), torch.randn(2, 1, 4)
+        loss(cat, a, b.transpose(1, 2), c).backward()
+        return a.grad, b.grad
+
+    want = grads(torch.cat)
+    eager = grads(torch.ops.uniop.cat)
+    compiled = grads(torch.compile(lambda ts, dim: torch.ops.uniop.cat(ts, dim), fullgraph=True))
+    for got in (eager, compiled):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 def test_non_differentiable_returns_are_marked():

@@ -86,7 +86,10 @@ def _signature(native):
         params.append(inspect.Parameter(a["name"], kind, default=default, annotation=a["type"]))
     params.append(inspect.Parameter("stream", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Stream"))
     returns = native.returns
-    ret = "None" if not returns else "Tensor" if len(returns) == 1 else f"tuple[{', '.join(['Tensor'] * len(returns))}]"
+    if native.returns_list:
+        ret = "list[Tensor]"
+    else:
+        ret = "None" if not returns else "Tensor" if len(returns) == 1 else f"tuple[{', '.join(['Tensor'] * len(returns))}]"
     return inspect.Signature(params, return_annotation=ret)
 
 

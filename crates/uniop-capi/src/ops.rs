@@ -4,7 +4,7 @@
 use crate::runtime::uniopStream;
 use crate::tensor::{
     int_array_value, list_items, plan, scalar_value, uniopDataType, uniopExecutor, uniopIntArray, uniopOpRun,
-    uniopScalar, uniopTensor, uniopTensorList,
+    uniopScalar, uniopTensor, uniopTensorList, TensorName,
 };
 use crate::{guard, typed, uniopStatus};
 use std::ffi::{c_char, c_void};
@@ -404,6 +404,42 @@ pub extern "C" fn uniopCatGetWorkspaceSize(
 /// Phase 2 of `cat`: launches the executor from `uniopCatGetWorkspaceSize` on `stream`.
 #[no_mangle]
 pub extern "C" fn uniopCat(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `cat_backward(Tensor dout, Tensor[] tensors, int dim=0) -> (Tensor[] dtensors)`.
+///
+/// Gradient of cat: dout split along dim into one contiguous gradient per tensor of the join, sized
+/// as that tensor (tensors and dim as given to cat; only the tensors' shapes are read). dout may
+/// have any strides. Any dtype.
+#[no_mangle]
+pub extern "C" fn uniopCatBackwardGetWorkspaceSize(
+    dout: *const uniopTensor,
+    tensors: *const uniopTensorList,
+    dim: i64,
+    dtensors: *const uniopTensorList,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopCatBackwardGetWorkspaceSize";
+    guard(|| {
+        let mut inputs = Vec::new();
+        inputs.extend([(TensorName::Arg("dout"), dout)]);
+        inputs.extend(list_items(F, "tensors", tensors)?);
+        let attrs: [(&str, AttrValue); 1] = [("dim", AttrValue::Int(dim))];
+        let outputs = list_items(F, "dtensors", dtensors)?;
+        plan("cat_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `cat_backward`: launches the executor from `uniopCatBackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopCatBackward(
     workspace: *mut c_void,
     workspaceSize: u64,
     executor: *mut uniopExecutor,

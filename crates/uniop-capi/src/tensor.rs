@@ -240,7 +240,7 @@ pub extern "C" fn uniopCreateTensorList(value: *const *const uniopTensor, size: 
         const F: &str = "uniopCreateTensorList";
         let tensors = unsafe { handle_array(value, size, F, "value")? };
         for (i, t) in tensors.iter().enumerate() {
-            unsafe { handles::get(*t, F, Item("value", i), "uniopTensor")? };
+            unsafe { handles::get(*t, F, TensorName::Item("value", i), "uniopTensor")? };
         }
         out = handles::register(uniopTensorList { tensors });
         Ok(())
@@ -261,7 +261,7 @@ pub extern "C" fn uniopDestroyTensorList(list: *const uniopTensorList) -> uniopS
             .tensors
             .iter()
             .enumerate()
-            .map(|(i, &t)| handles::release(t as *mut uniopTensor, F, Item("list", i), "uniopTensor"))
+            .map(|(i, &t)| handles::release(t as *mut uniopTensor, F, TensorName::Item("list", i), "uniopTensor"))
             .collect();
         released.into_iter().try_for_each(|r| r.map(drop))
     })
@@ -272,9 +272,9 @@ pub(crate) fn list_items(
     func: &str,
     arg: &'static str,
     list: *const uniopTensorList,
-) -> Result<Vec<(Item, *const uniopTensor)>> {
+) -> Result<Vec<(TensorName, *const uniopTensor)>> {
     let list = unsafe { handles::get(list, func, arg, "uniopTensorList")? };
-    Ok(list.tensors.iter().enumerate().map(|(i, &t)| (Item(arg, i), t)).collect())
+    Ok(list.tensors.iter().enumerate().map(|(i, &t)| (TensorName::Item(arg, i), t)).collect())
 }
 
 unsafe fn handle_array<T>(ptr: *const *const T, n: u64, func: &str, arg: &str) -> Result<Vec<*const T>> {
@@ -368,19 +368,26 @@ pub extern "C" fn uniopOpGetWorkspaceSize(
         let (ins, outs) = unsafe {
             (handle_array(inputs, numInputs, F, "inputs")?, handle_array(outputs, numOutputs, F, "outputs")?)
         };
-        let ins: Vec<_> = ins.into_iter().enumerate().map(|(i, t)| (Item("inputs", i), t)).collect();
-        let outs: Vec<_> = outs.into_iter().enumerate().map(|(i, t)| (Item("outputs", i), t)).collect();
+        let ins: Vec<_> = ins.into_iter().enumerate().map(|(i, t)| (TensorName::Item("inputs", i), t)).collect();
+        let outs: Vec<_> = outs.into_iter().enumerate().map(|(i, t)| (TensorName::Item("outputs", i), t)).collect();
         plan(op, F, &ins, &attr_refs, &outs, workspaceSize, executor)
     })
 }
 
-/// `tensors[2]` — an item of a list argument — in error messages, formatted only when needed.
+/// A tensor's name in error messages, formatted only when needed: an argument (`dout`), or an item
+/// of a list argument (`tensors[2]`).
 #[derive(Clone, Copy)]
-pub(crate) struct Item(pub &'static str, pub usize);
+pub(crate) enum TensorName {
+    Arg(&'static str),
+    Item(&'static str, usize),
+}
 
-impl Display for Item {
+impl Display for TensorName {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}[{}]", self.0, self.1)
+        match self {
+            TensorName::Arg(name) => f.write_str(name),
+            TensorName::Item(list, i) => write!(f, "{list}[{i}]"),
+        }
     }
 }
 

@@ -138,7 +138,7 @@ fn describe(op: &str) -> Result<()> {
     }
     println!("outputs:");
     for i in 0..s.returns.len() {
-        println!("  {:<12} {}", s.output_name(i), s.returns[i].ty);
+        println!("  {:<12} {}", s.return_name(i), s.returns[i].ty);
     }
     let dtypes: Vec<_> = entry.op.dtypes().iter().map(|d| d.name()).collect();
     println!("dtypes:   {}", dtypes.join(", "));

@@ -15,17 +15,18 @@ use uniop::{
 pub struct Cat;
 
 /// Every element type: the op only moves elements.
-const DTYPES: &[DType] =
+pub(crate) const DTYPES: &[DType] =
     &[DType::F32, DType::F16, DType::BF16, DType::F64, DType::I8, DType::I32, DType::I64, DType::U8, DType::Bool];
 
 /// The validated call: the output meta, the normalized dim, and each input's start along it.
-struct Joined {
-    out: TensorMeta,
-    dim: usize,
-    starts: Vec<usize>,
+pub(crate) struct Joined {
+    pub out: TensorMeta,
+    pub dim: usize,
+    pub starts: Vec<usize>,
 }
 
-fn join(cx: &OpCx) -> Result<Joined> {
+/// Checks `cx`'s `tensors` and `dim` (cat's arguments, which cat_backward takes too).
+pub(crate) fn join(cx: &OpCx) -> Result<Joined> {
     let tensors = cx.input_list("tensors");
     let first = *tensors
         .first()
@@ -74,10 +75,11 @@ fn wrap_dim(dim: i64, rank: usize) -> Option<usize> {
     (0..r).contains(&d).then_some(d as usize)
 }
 
-/// Where input `shape` lands in a contiguous output: the output's strides, shifted to `start`
-/// along `dim` (the output's own offset is added at launch).
-fn region(out: &TensorMeta, shape: &[usize], dim: usize, start: usize) -> Result<Layout> {
-    let strides = out.layout.strides();
+/// Where a part of `shape` starting at `start` along `dim` lies in `whole`: the whole's strides,
+/// shifted to `start` (the whole's own offset is added at launch, where the tensor may have been
+/// rebound at another offset).
+pub(crate) fn region(whole: &TensorMeta, shape: &[usize], dim: usize, start: usize) -> Result<Layout> {
+    let strides = whole.layout.strides();
     Layout::strided(shape, strides, start * strides[dim])
 }
 
@@ -106,6 +108,10 @@ impl Op for Cat {
 
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
+    }
+
+    fn backward(&self) -> Option<&'static str> {
+        Some("cat_backward")
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
@@ -142,23 +148,27 @@ impl Op for Cat {
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        // A KV-cache step: the past (`shape`, default 1 batch × 8 heads × 1024 positions × 128)
-        // joined with a shorter block and one new position along the sequence dim (the second
-        // to last; dim 0 for vectors).
-        let past = shape.unwrap_or(&[1, 8, 1024, 128]).to_vec();
-        let dim = past.len().saturating_sub(2);
-        let with_len = |n: usize| {
-            let mut s = past.clone();
-            if let Some(d) = s.get_mut(dim) {
-                *d = n;
-            }
-            TensorMeta::contiguous(dtype, &s)
-        };
-        let len = past.get(dim).copied().unwrap_or(1);
-        Ok(Example {
-            inputs: vec![Some(with_len(len)?), Some(with_len(len.div_ceil(2))?), Some(with_len(1)?)],
-            attrs: vec![("dim".into(), (dim as i64 - past.len() as i64).into())],
-            ..Default::default()
-        })
+        example(shape, dtype)
     }
+}
+
+/// A KV-cache step: the past (`shape`, default 1 batch × 8 heads × 1024 positions × 128) joined
+/// with a shorter block and one new position along the sequence dim (the second to last; dim 0
+/// for vectors); cat_backward's example splits the gradient of that join.
+pub(crate) fn example(shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+    let past = shape.unwrap_or(&[1, 8, 1024, 128]).to_vec();
+    let dim = past.len().saturating_sub(2);
+    let with_len = |n: usize| {
+        let mut s = past.clone();
+        if let Some(d) = s.get_mut(dim) {
+            *d = n;
+        }
+        TensorMeta::contiguous(dtype, &s)
+    };
+    let len = past.get(dim).copied().unwrap_or(1);
+    Ok(Example {
+        inputs: vec![Some(with_len(len)?), Some(with_len(len.div_ceil(2))?), Some(with_len(1)?)],
+        attrs: vec![("dim".into(), (dim as i64 - past.len() as i64).into())],
+        ..Default::default()
+    })
 }

@@ -29,6 +29,7 @@ mod broadcast_grad;
 pub mod cast;
 pub mod cast_backward;
 pub mod cat;
+pub mod cat_backward;
 pub mod causal_softmax;
 mod elementwise;
 pub mod embedding;
@@ -101,6 +102,7 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(cast::Cast),
         Box::new(cast_backward::CastBackward),
         Box::new(cat::Cat),
+        Box::new(cat_backward::CatBackward),
         Box::new(permute::Permute),
         Box::new(permute_backward::PermuteBackward),
         Box::new(argmax::Argmax),

@@ -2008,6 +2008,49 @@ fn cat_rejects_empty_lists_mixed_dtypes_mismatched_shapes_and_bad_dims() {
 }
 
 #[test]
+fn cat_backward_splits_a_strided_gradient_back_to_each_joined_tensor() {
+    setup();
+    // dout [2, 3] read transposed from [3, 2] storage; split along dim 1 into widths 2 and 1.
+    let d = [1.0f32, 4.0, 2.0, 5.0, 3.0, 6.0];
+    let dout = TensorRef::strided(&d, &[2, 3], &[1, 2], 0).unwrap();
+    let (a, b) = ([0f32; 4], [0f32; 2]);
+    let parts = [TensorRef::new(&a, &[2, 2]).unwrap(), TensorRef::new(&b, &[2, 1]).unwrap()];
+    let grads = run_checked(
+        "cat_backward",
+        &[Some(dout.clone()), Some(parts[0].clone()), Some(parts[1].clone())],
+        &[("dim", (-1i64).into())],
+    );
+    assert_eq!(grads, [vec![1.0, 2.0, 4.0, 5.0], vec![3.0, 6.0]]);
+    // Along dim 0: rows 0 and 1 of dout, each [1, 3].
+    let row = [0f32; 3];
+    let rows = [TensorRef::new(&row, &[1, 3]).unwrap(), TensorRef::new(&row, &[1, 3]).unwrap()];
+    let grads = run_checked("cat_backward", &[Some(dout), Some(rows[0].clone()), Some(rows[1].clone())], &[]);
+    assert_eq!(grads, [vec![1.0, 2.0, 3.0], vec![4.0, 5.0, 6.0]]);
+}
+
+#[test]
+fn cat_backward_rejects_a_gradient_unlike_the_join() {
+    setup();
+    let (a, d) = ([0f32; 4], [0f32; 8]);
+    let d16 = [bf16::ONE; 8];
+    let ta = || Some(TensorRef::new(&a, &[2, 2]).unwrap());
+    let mut g = [0f32; 8];
+    fn outs(g: &mut [f32; 8], n: usize) -> Vec<TensorMut<'_>> {
+        g.chunks_mut(4).take(n).map(|c| TensorMut::new(c, &[2, 2]).unwrap()).collect()
+    }
+    let e = plan_err("cat_backward", &[Some(TensorRef::new(&d, &[2, 4]).unwrap()), ta(), ta()], &[], outs(&mut g, 2));
+    assert_eq!(e.code(), ErrorCode::Shape);
+    assert!(e.message().contains("'dout'") && e.message().contains("[4, 2]") && e.message().contains("[2, 4]"), "{e}");
+    let e = plan_err("cat_backward", &[Some(TensorRef::new(&d16, &[4, 2]).unwrap()), ta(), ta()], &[], outs(&mut g, 2));
+    assert_eq!(e.code(), ErrorCode::DType);
+    assert!(e.message().contains("'dout'") && e.message().contains("bfloat16"), "{e}");
+    // One output short of the two tensors joined.
+    let e = plan_err("cat_backward", &[Some(TensorRef::new(&d, &[4, 2]).unwrap()), ta(), ta()], &[], outs(&mut g, 1));
+    assert_eq!(e.code(), ErrorCode::ParamInvalid);
+    assert!(e.message().contains("expected 2 outputs, got 1"), "{e}");
+}
+
+#[test]
 fn permute_reorders_dims_of_any_layout_and_rejects_non_permutations() {
     setup();
     // x[b, s, h] = 100b + 10s + h, shape [2, 3, 4]; out[b, h, s] must equal it.

@@ -596,6 +596,9 @@ pub fn call(
 
     let like = like.ok_or_else(|| to_py_err(Error::invalid(format!("{op}: needs at least one tensor"))))?;
     let mut returned = plan_and_run(Some(py), entry, &tensors, &attrs, &stream, |meta| allocate(op, &like, meta))?;
+    if entry.schema.returns_list() {
+        return Ok(PyList::new(py, returned)?.into_any().unbind());
+    }
     match returned.len() {
         0 => Ok(py.None()),
         1 => Ok(returned.pop().expect("one return").unbind()),

@@ -162,8 +162,13 @@ impl Op {
     /// Names of the returns, in order.
     #[getter]
     fn returns(&self) -> Vec<String> {
-        let in_place = self.entry.schema.mutated().count();
-        (0..self.entry.schema.returns.len()).map(|i| self.entry.schema.output_name(in_place + i)).collect()
+        (0..self.entry.schema.returns.len()).map(|i| self.entry.schema.return_name(i)).collect()
+    }
+
+    /// Whether the op returns a list of tensors (its only return, as long as the call decides).
+    #[getter]
+    fn returns_list(&self) -> bool {
+        self.entry.schema.returns_list()
     }
 
     fn __repr__(&self) -> String {

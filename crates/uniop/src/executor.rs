@@ -550,7 +550,7 @@ fn plan_call(
             ));
         }
     }
-    let plan = if cx.by_reference { reference_plan(entry, &cx) } else { entry.op.plan(&cx)? };
+    let plan = if cx.by_reference { reference_plan(entry, &cx, expected.len()) } else { entry.op.plan(&cx)? };
     drop(cx);
     let dense_bytes = |meta: &TensorMeta| {
         let size = meta.dtype.size();

@@ -26,7 +26,8 @@ pub trait Op: Send + Sync + 'static {
     /// wire it by argument names, so its schema follows one convention: an argument `d<name>` is
     /// the gradient of this op's return `<name>`; any other argument is this op's argument or
     /// return of the same name; a return `d<name>` is the gradient of tensor argument `<name>`
-    /// (arguments without one get none); a `bool needs_d<name>` argument says whether the caller
+    /// (arguments without one get none; a `Tensor[]` argument's gradient is a `Tensor[]` return,
+    /// one tensor per item: cat's); a `bool needs_d<name>` argument says whether the caller
     /// wants that gradient (frontends pass whether `<name>` requires one), for a gradient that
     /// costs extra work: when false the backward returns it empty (attention's float `mask`).
     /// Returns whose gradient the backward does not take (`rstd`, `lse`) are not differentiable.
@@ -170,11 +171,10 @@ pub(crate) fn runs_by_reference(op: &dyn Op, schema: &OpSchema, tensors: &[&Tens
 }
 
 /// The plan of a call that [`runs_by_reference`]: one single-block step that reads the inputs
-/// (made contiguous by staging), runs `reference` and writes its values into the outputs.
-pub(crate) fn reference_plan(entry: &Arc<OpEntry>, cx: &OpCx) -> Plan {
+/// (made contiguous by staging), runs `reference` and writes its values into the `outputs`.
+pub(crate) fn reference_plan(entry: &Arc<OpEntry>, cx: &OpCx, outputs: usize) -> Plan {
     let entry = entry.clone();
     let (inputs, groups, attrs) = (cx.inputs.clone(), cx.groups.clone(), cx.attrs.clone());
-    let outputs = cx.schema.returns.len();
     let input_needs = vec![LayoutNeed::Contiguous; inputs.len()];
     let step = Step::new("reference_f64", 1, move |args: &KernelArgs, _ctx: BlockCtx| {
         let cx = OpCx {

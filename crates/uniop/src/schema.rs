@@ -236,23 +236,37 @@ impl OpSchema {
         self.inputs().filter(|a| a.ty.mutated.is_some())
     }
 
-    /// Number of tensors the op writes: its in-place arguments, then its returns.
-    pub fn written_count(&self) -> usize {
-        self.mutated().count() + self.returns.len()
+    /// Whether the op returns a list of tensors (`-> Tensor[] dtensors`, its only output), whose
+    /// length each call's `infer` decides.
+    pub fn returns_list(&self) -> bool {
+        self.returns.first().is_some_and(|r| r.ty.base == BaseType::TensorList)
     }
 
-    /// Name of written tensor `i` (in-place arguments first, then returns): the argument's or the
-    /// return's declared name, or `out`/`out{i}` for unnamed returns.
-    pub fn output_name(&self, i: usize) -> String {
-        if let Some(arg) = self.mutated().nth(i) {
-            return arg.name.clone();
-        }
-        let i = i - self.mutated().count();
+    /// Number of tensors the op writes: its in-place arguments, then its returns; `None` for a
+    /// list return, whose length each call decides.
+    pub fn written_count(&self) -> Option<usize> {
+        (!self.returns_list()).then(|| self.mutated().count() + self.returns.len())
+    }
+
+    /// Declared name of return `i`, or `out`/`out{i}` for an unnamed one.
+    pub fn return_name(&self, i: usize) -> String {
         match &self.returns[i].name {
             Some(n) => n.clone(),
             None if self.returns.len() == 1 => "out".to_string(),
             None => format!("out{i}"),
         }
+    }
+
+    /// Name of written tensor `i` (in-place arguments first, then returns): the argument's or the
+    /// return's name (see [`OpSchema::return_name`]); for a list return, its item (`dtensors[i]`).
+    pub fn output_name(&self, i: usize) -> String {
+        if let Some(arg) = self.mutated().nth(i) {
+            return arg.name.clone();
+        }
+        if self.returns_list() {
+            return format!("{}[{i}]", self.return_name(0));
+        }
+        self.return_name(i - self.mutated().count())
     }
 }
 
@@ -407,6 +421,7 @@ impl<'a> Parser<'a> {
                 self.expect(",")?;
             }
         }
+        let arrow = self.pos;
         self.expect("->")?;
         let returns = if self.eat("(") {
             let mut rets = Vec::new();
@@ -426,6 +441,15 @@ impl<'a> Parser<'a> {
         self.skip_ws();
         if self.pos != self.text.len() {
             return Err(self.error(self.pos, format!("unexpected {} after the returns", self.found())));
+        }
+        // A list return's length is known only per call (from `infer`); alone, the tensors an op
+        // writes are still numbered simply: item `i` of the list is written tensor `i`.
+        let lists = returns.iter().filter(|r| r.ty.base == BaseType::TensorList).count();
+        if lists > 0 && (returns.len() > 1 || args.iter().any(|a| a.ty.mutated.is_some())) {
+            return Err(self.error(
+                arrow,
+                "a `Tensor[]` return must be the op's only output (no other return, no in-place argument)",
+            ));
         }
         Ok(OpSchema { name, overload, args, returns })
     }
@@ -520,8 +544,9 @@ impl<'a> Parser<'a> {
     fn ret(&mut self) -> Result<Return> {
         let start = self.pos;
         let ty = self.ty()?;
-        if ty.base != BaseType::Tensor || ty.optional || ty.mutated.is_some() {
-            return Err(self.error(start, format!("only `Tensor` returns are supported, found `{ty}`")));
+        let tensors = matches!(ty.base, BaseType::Tensor | BaseType::TensorList);
+        if !tensors || ty.optional || ty.mutated.is_some() {
+            return Err(self.error(start, format!("only `Tensor` or `Tensor[]` returns are supported, found `{ty}`")));
         }
         let name = match self.peek() {
             Some(c) if c.is_ascii_alphabetic() || c == '_' => Some(self.ident("a return name")?.to_string()),
@@ -640,13 +665,23 @@ mod tests {
         assert_eq!(s.args[0].ty.mutated, Some('a'));
         assert_eq!(s.args[1].ty.mutated, None);
         assert_eq!(s.mutated().map(|a| a.name.as_str()).collect::<Vec<_>>(), ["cache", "other"]);
-        assert_eq!(s.written_count(), 3);
+        assert_eq!(s.written_count(), Some(3));
         assert_eq!(
             (s.output_name(0), s.output_name(1), s.output_name(2)),
             ("cache".into(), "other".into(), "n".into())
         );
         assert_eq!(s.to_string(), "append(Tensor(a!) cache, Tensor x, Tensor(b!) other) -> (Tensor n)");
-        assert_eq!(OpSchema::parse("f(Tensor(a!) c) -> ()").unwrap().written_count(), 1);
+        assert_eq!(OpSchema::parse("f(Tensor(a!) c) -> ()").unwrap().written_count(), Some(1));
+    }
+
+    #[test]
+    fn parses_a_list_return() {
+        let s = OpSchema::parse("split(Tensor x, int[] sizes) -> Tensor[] parts").unwrap();
+        assert!(s.returns_list());
+        assert_eq!(s.written_count(), None);
+        assert_eq!((s.return_name(0), s.output_name(2)), ("parts".into(), "parts[2]".into()));
+        assert_eq!(OpSchema::parse(&s.to_string()).unwrap(), s, "{s}");
+        assert!(!OpSchema::parse("f(Tensor[] x) -> Tensor").unwrap().returns_list());
     }
 
     #[test]
@@ -658,7 +693,7 @@ mod tests {
 
         let cases = [
             ("add(Tensor a, Tensor b -> Tensor", "expected `,`"),
-            ("add(Tensor a) -> int", "only `Tensor` returns"),
+            ("add(Tensor a) -> int", "only `Tensor` or `Tensor[]` returns"),
             ("add(Tensor a, float x='s') -> Tensor", "does not fit type float"),
             ("add(Tensor a, Tensor a) -> Tensor", "duplicate argument name 'a'"),
             ("add(Tensor a, float x=1.0, float y) -> Tensor", "without a default"),
@@ -670,7 +705,10 @@ mod tests {
             ("f(Tensor(ab!) c) -> ()", "one letter"),
             ("f(Tensor(a!)? c) -> ()", "cannot be optional"),
             ("f(Tensor(a!) c, Tensor(a!) d) -> ()", "alias set `a` is used twice"),
-            ("f(Tensor c) -> Tensor(a!)", "only `Tensor` returns"),
+            ("f(Tensor c) -> Tensor(a!)", "only `Tensor` or `Tensor[]` returns"),
+            ("f(Tensor c) -> (Tensor[] a, Tensor b)", "must be the op's only output"),
+            ("f(Tensor(a!) c) -> Tensor[] a", "must be the op's only output"),
+            ("f(Tensor c) -> Tensor[]? a", "only `Tensor` or `Tensor[]` returns"),
         ];
         for (text, want) in cases {
             let e = OpSchema::parse(text).unwrap_err();

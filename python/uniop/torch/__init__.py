@@ -60,6 +60,8 @@ def _fake_kernel(native):
         like = _first_tensor(list(args) + list(kwargs.values()))
         shapes = symbolic.infer(native, args, kwargs)
         outs = [torch.empty(shape, dtype=_dtype(dt), device=like.device) for shape, dt in shapes]
+        if native.returns_list:
+            return outs
         if not outs:
             return None
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -72,12 +74,12 @@ class _BackwardWiring:
 
     def __init__(self, fwd, bwd):
         fwd_args = [a["name"] for a in fwd.args]
-        for a in fwd.args:
-            if a["type"].startswith("Tensor["):
-                raise TypeError(
-                    f"uniop.torch: {fwd.name} takes a list of tensors ('{a['name']}'), whose elements an "
-                    f"autograd.Function cannot differentiate: its backward op {bwd.name} cannot be wired"
-                )
+        # Arguments that are lists of tensors (cat's): their items join the autograd graph one by
+        # one (see `_autograd_kernel`), and their gradient is the backward's list return.
+        self.lists = {i for i, a in enumerate(fwd.args) if a["type"].startswith("Tensor[")}
+        if fwd.returns_list:
+            raise TypeError(f"uniop.torch: {fwd.name} returns a list of tensors, whose gradients cannot be wired yet")
+        self.backward_returns_list = bwd.returns_list
         self.returns = list(fwd.returns)
         # per backward argument: ("grad", i) | ("arg", i) | ("out", i) | ("needs", i) | ("default", None)
         self.sources = []
@@ -178,25 +180,57 @@ def cpp_kernels_loaded():
 
 class _CallState:
     """What ``autograd.Function.apply`` (which passes positional arguments only) does not carry
-    to ``forward``, passed as its last argument: the call's keyword-only arguments, and whether
-    forward-mode AD was on.
+    to ``forward``, passed as its last argument: the call's keyword-only arguments, whether
+    forward-mode AD was on, and how list arguments were flattened.
 
     Why the latter: ``apply`` runs ``forward`` with forward AD off, and ``forward`` calls the op
     again, on through the torch.func levels below this one. A jvp level there (``hessian``,
     ``jacfwd(jacrev(f))``) would then see no tangent, and get zeros without a word, instead of
     refusing the forward-mode call."""
 
-    __slots__ = ("kwargs", "fwd_grad_enabled")
+    __slots__ = ("kwargs", "fwd_grad_enabled", "lengths")
 
     def __init__(self, kwargs):
         self.kwargs = kwargs
         self.fwd_grad_enabled = _fwd_grad_enabled()
+        self.lengths = None  # per argument, a list argument's item count (see `_flatten_lists`)
 
 
-def _autograd_kernel(op, setup_context, backward):
+def _flatten_lists(args, lists):
+    """`args` with the items of the arguments at positions `lists` (lists of tensors) in their
+    place, and per argument its item count (None for any other argument): an
+    ``autograd.Function`` differentiates the tensors it is given, not those inside a list."""
+    flat, lengths = [], []
+    for i, a in enumerate(args):
+        if i in lists:
+            flat.extend(a)
+            lengths.append(len(a))
+        else:
+            flat.append(a)
+            lengths.append(None)
+    return flat, lengths
+
+
+def _unflatten_lists(flat, lengths):
+    """The inverse of `_flatten_lists`; `flat` may be gradients (None for a list item: none)."""
+    args, k = [], 0
+    for n in lengths:
+        if n is None:
+            args.append(flat[k])
+            k += 1
+        else:
+            args.append(list(flat[k : k + n]))
+            k += n
+    return args
+
+
+def _autograd_kernel(op, setup_context, backward, lists):
     """``op``'s generic Autograd kernel, ``kernel(keyset, *args, **kwargs)``: a call with no
     gradient to record goes below autograd; one with a gradient to record goes through a
     single-level ``autograd.Function`` that records it at the autograd level the dispatcher is at.
+    The items of list arguments (positions `lists`) are passed to it one by one, so each is an
+    input it differentiates; ``backward`` gets and gives gradients per argument (a list for a
+    list argument), with ``ctx.arg_needs_grad`` per argument as well.
 
     Why not torch.library.register_autograd's kernel: it applies a plain ``autograd.Function``,
     which under torch.func's transforms (``grad``, ``vjp``, ``jacrev``, ``vmap`` of a gradient)
@@ -212,12 +246,17 @@ def _autograd_kernel(op, setup_context, backward):
         @staticmethod
         def forward(*args):
             *args, state = args
+            if state.lengths is not None:
+                args = _unflatten_lists(args, state.lengths)
             with _forward_ad._set_fwd_grad_enabled(state.fwd_grad_enabled):
                 return op(*args, **state.kwargs)
 
         @staticmethod
         def setup_context(ctx, inputs, output):
             *args, state = inputs
+            ctx.lengths = state.lengths
+            if state.lengths is not None:
+                args = _unflatten_lists(args, state.lengths)
             ctx.passed = len(args)
             # The dispatcher drops arguments equal to their defaults; the backward may need them, and
             # keyword-only ones (add's alpha) too: every argument, in the schema's order.
@@ -226,14 +265,30 @@ def _autograd_kernel(op, setup_context, backward):
 
         @staticmethod
         def backward(ctx, *grads):
-            return (*backward(ctx, *grads), None)
+            needs = ctx.needs_input_grad[:-1]
+            if ctx.lengths is None:
+                ctx.arg_needs_grad = needs
+                return (*backward(ctx, *grads), None)
+            per_arg = _unflatten_lists(needs, ctx.lengths)
+            ctx.arg_needs_grad = [any(n) if isinstance(n, list) else n for n in per_arg]
+            grads_in = backward(ctx, *grads)
+            flat = []
+            for g, n, item_needs in zip(grads_in, ctx.lengths, per_arg):
+                if n is None:
+                    flat.append(g)
+                else:  # a list argument's gradient: one per item that needs one
+                    flat.extend(gi if need else None for gi, need in zip(g or [None] * n, item_needs))
+            return (*flat, None)
 
     def kernel(keyset, *args, **kwargs):
         if _carries_tangents(args):
             _refuse_forward_ad(op)
         if _grad_enabled() and _any_requires_grad(*args):
+            state = _CallState(kwargs)
+            if lists:
+                args, state.lengths = _flatten_lists(args, lists)
             with _single_level_functions_allowed():
-                return Function.apply(*args, _CallState(kwargs))
+                return Function.apply(*args, state)
         with torch._C._AutoDispatchBelowAutograd():
             return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
 
@@ -247,26 +302,33 @@ def _register_autograd(native, backward_native):
     def setup_context(ctx, inputs, output):
         # `inputs` has every argument, defaults filled in; `ctx.passed` counts those the caller gave.
         outs = (output,) if len(wiring.returns) == 1 else tuple(output)
-        tensors, plain = [], {}
+        tensors, plain, saved_lengths = [], {}, []
         for i in wiring.saved_args:
             if isinstance(inputs[i], torch.Tensor):
                 tensors.append(inputs[i])
+                saved_lengths.append(None)
+            elif i in wiring.lists:  # saved item by item (keeps autograd's in-place checks)
+                tensors.extend(inputs[i])
+                saved_lengths.append(len(inputs[i]))
             else:
                 plain[i] = inputs[i]
+        ctx.tensor_args = [i for i in wiring.saved_args if i not in plain]
+        ctx.saved_lengths = saved_lengths
         tensors.extend(outs[i] for i in wiring.saved_outs)
         ctx.save_for_backward(*tensors)
         ctx.plain = plain
-        ctx.is_tensor = [isinstance(x, torch.Tensor) for x in inputs]
-        ctx.tensor_args = [i for i in wiring.saved_args if i not in plain]
+        # Which arguments can take a gradient: tensors, and lists of them.
+        ctx.is_tensor = [isinstance(x, torch.Tensor) or i in wiring.lists for i, x in enumerate(inputs)]
         for i, o in enumerate(outs):
             if i not in wiring.differentiable:
                 ctx.mark_non_differentiable(o)
 
     def backward(ctx, *grads):
         saved = list(ctx.saved_tensors)
-        args_by_index = dict(zip(ctx.tensor_args, saved[: len(ctx.tensor_args)]))
+        n_args = sum(1 if n is None else n for n in ctx.saved_lengths)
+        args_by_index = dict(zip(ctx.tensor_args, _unflatten_lists(saved[:n_args], ctx.saved_lengths)))
         args_by_index.update(ctx.plain)
-        outs = dict(zip(wiring.saved_outs, saved[len(ctx.tensor_args) :]))
+        outs = dict(zip(wiring.saved_outs, saved[n_args:]))
         bwd_args = []
         for kind, i in wiring.sources:
             if kind == "grad":
@@ -276,20 +338,20 @@ def _register_autograd(native, backward_native):
             elif kind == "out":
                 bwd_args.append(outs[i])
             elif kind == "needs":
-                bwd_args.append(i < len(ctx.needs_input_grad) and ctx.needs_input_grad[i] and ctx.is_tensor[i])
+                bwd_args.append(i < len(ctx.arg_needs_grad) and ctx.arg_needs_grad[i] and ctx.is_tensor[i])
             else:
                 break  # the rest take their defaults
         result = backward_op(*bwd_args)
-        result = (result,) if isinstance(result, torch.Tensor) else result
+        result = (result,) if isinstance(result, torch.Tensor) or wiring.backward_returns_list else result
         # One gradient per argument the caller passed; optional tensors that were None or left
         # out (linear's bias) get none.
         passed = ctx.passed
         for i, message in wiring.no_grad_message.items():
-            if i < passed and ctx.needs_input_grad[i] and ctx.is_tensor[i]:
+            if i < passed and ctx.arg_needs_grad[i] and ctx.is_tensor[i]:
                 raise RuntimeError(message)
         grads_in = [None] * passed
         for g, i in zip(result, wiring.grad_of):
-            if i < passed and ctx.needs_input_grad[i] and ctx.is_tensor[i]:
+            if i < passed and ctx.arg_needs_grad[i] and ctx.is_tensor[i]:
                 grads_in[i] = g
         return tuple(grads_in)
 
@@ -300,7 +362,7 @@ def _register_autograd(native, backward_native):
     # a second trip through the dispatcher (8.2 -> 5.5 µs for rms_norm on a tiny tensor). Any other
     # dispatch key set (fake tensors, modes, functionalization, vmap, torch.func) takes the generic
     # route.
-    generic = _autograd_kernel(op, setup_context, backward)
+    generic = _autograd_kernel(op, setup_context, backward, wiring.lists)
 
     if _cpp_kernels is not None:
         # The same fast path in C++ (csrc/kernels.cpp's AutogradKernel): no Python at all for it.
@@ -333,7 +395,9 @@ def _no_backward_kernel(native):
         @staticmethod
         def forward(spec, *flat):
             args, kwargs = _pytree.tree_unflatten(flat, spec)
-            return op(*args, **kwargs)
+            out = op(*args, **kwargs)
+            # autograd tracks the tensors of a returned tuple, not of a list (cat_backward's return).
+            return tuple(out) if native.returns_list else out
 
         @staticmethod
         def setup_context(ctx, inputs, output):
@@ -350,7 +414,8 @@ def _no_backward_kernel(native):
         if _grad_enabled() and _any_requires_grad(*values):  # (it looks into lists too)
             flat, spec = _pytree.tree_flatten((args, kwargs))
             with _single_level_functions_allowed():
-                return Function.apply(spec, *flat)
+                out = Function.apply(spec, *flat)
+            return list(out) if native.returns_list else out
         if keyset == _PLAIN_CPU:
             return native(*args, **kwargs)  # where the redispatch would land, one dispatcher trip sooner
         with torch._C._AutoDispatchBelowAutograd():

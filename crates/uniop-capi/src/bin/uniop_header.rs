@@ -86,34 +86,54 @@ fn op_functions(out: &mut String, schema: &OpSchema, doc: &str) -> Result<(), St
     for arg in &schema.args {
         c_params.extend(params(arg).map_err(|e| format!("{}: {e}", schema.name))?);
     }
-    for i in schema.mutated().count()..schema.written_count() {
-        c_params.push(format!("{}: *mut uniopTensor", schema.output_name(i)));
+    match schema.written_count() {
+        // The caller's list of output tensors, as many as the call returns.
+        None => c_params.push(format!("{}: *const uniopTensorList", schema.return_name(0))),
+        Some(n) => c_params
+            .extend((schema.mutated().count()..n).map(|i| format!("{}: *mut uniopTensor", schema.output_name(i)))),
     }
     c_params.extend(["workspaceSize: *mut u64".into(), "executor: *mut *mut uniopExecutor".into()]);
     let read: Vec<&Arg> = schema.inputs().filter(|a| a.ty.mutated.is_none()).collect();
-    // A fixed array of named tensors, or the items of the op's one list argument.
-    let inputs = match read.iter().find(|a| a.ty.base == BaseType::TensorList) {
+    // A fixed array of named tensors; the items of the op's one list argument; or, beside other
+    // tensors, those items in their place among them.
+    let is_list = |a: &Arg| a.ty.base == BaseType::TensorList;
+    let inputs = match read.iter().find(|a| is_list(a)) {
         Some(list) if read.len() == 1 => format!("let inputs = list_items(F, \"{0}\", {0})?;", list.name),
-        Some(_) => return Err(format!("{}: a Tensor[] beside other tensors has no C mapping yet", schema.name)),
+        Some(_) => {
+            let items: Vec<String> = read
+                .iter()
+                .map(|a| match is_list(a) {
+                    true => format!("inputs.extend(list_items(F, \"{0}\", {0})?);", a.name),
+                    false => format!("inputs.extend([(TensorName::Arg(\"{0}\"), {0})]);", a.name),
+                })
+                .collect();
+            format!("let mut inputs = Vec::new();\n        {}", items.join("\n        "))
+        }
         None => {
             let items: Vec<String> = read.iter().map(|a| format!("(\"{0}\", {0})", a.name)).collect();
             format!("let inputs: [(&str, *const uniopTensor); {}] = [{}];", items.len(), items.join(", "))
         }
     };
     let attrs: Vec<String> = schema.attrs().map(|a| format!("(\"{}\", {})", a.name, attr_value(a))).collect();
-    let outputs: Vec<String> = (0..schema.written_count())
-        .map(|i| {
-            let n = schema.output_name(i);
-            format!("(\"{n}\", {n} as *const uniopTensor)")
-        })
-        .collect();
+    let outputs = match schema.written_count() {
+        None => format!("list_items(F, \"{0}\", {0})?", schema.return_name(0)),
+        Some(n) => {
+            let items: Vec<String> = (0..n)
+                .map(|i| {
+                    let n = schema.output_name(i);
+                    format!("(\"{n}\", {n} as *const uniopTensor)")
+                })
+                .collect();
+            format!("[{}]", items.join(", "))
+        }
+    };
     let doc_lines: String = textwrap(doc, 96).iter().map(|l| format!("/// {l}\n")).collect();
     let _ = write!(
         out,
         "/// Phase 1 of `{schema}`.\n///\n{doc_lines}#[no_mangle]\npub extern \"C\" fn uniop{name}GetWorkspaceSize(\n    {params},\n) -> uniopStatus {{\n    \
          const F: &str = \"uniop{name}GetWorkspaceSize\";\n    guard(|| {{\n        \
          {inputs}\n        \
-         let attrs: [(&str, AttrValue); {na}] = [{attrs}];\n        let outputs = [{outputs}];\n        \
+         let attrs: [(&str, AttrValue); {na}] = [{attrs}];\n        let outputs = {outputs};\n        \
          plan(\"{op}\", F, &inputs, &attrs, &outputs, workspaceSize, executor)\n    }})\n}}\n\n\
          /// Phase 2 of `{op}`: launches the executor from `uniop{name}GetWorkspaceSize` on `stream`.\n#[no_mangle]\n\
          pub extern \"C\" fn uniop{name}(\n    workspace: *mut c_void,\n    workspaceSize: u64,\n    executor: *mut uniopExecutor,\n    stream: uniopStream,\n) -> uniopStatus {{\n    \
@@ -123,7 +143,7 @@ fn op_functions(out: &mut String, schema: &OpSchema, doc: &str) -> Result<(), St
         inputs = inputs,
         na = attrs.len(),
         attrs = attrs.join(", "),
-        outputs = outputs.join(", "),
+        outputs = outputs,
         op = schema.name,
     );
     Ok(())
@@ -161,6 +181,7 @@ fn generate_ops() -> Result<String, String> {
         ("scalar_value(", "scalar_value"),
         ("uniopScalar", "uniopScalar"),
         ("int_array_value(", "int_array_value"),
+        ("TensorName::", "TensorName"),
         ("uniopIntArray", "uniopIntArray"),
     ] {
         if body.contains(used) {
