@@ -508,7 +508,7 @@ def _torch_abi_call():
         _fields_ = [("version", ctypes.c_uint32), ("call", ctypes.c_void_p)]
 
     abi = TorchAbi.from_address(table)
-    assert abi.version == 4
+    assert abi.version == 5
     proto = ctypes.PYFUNCTYPE(
         ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint64
     )
@@ -560,6 +560,37 @@ def test_torch_abi_writes_outputs_the_maker_gives_and_reports_one_it_cannot():
     refusing = _OutputMaker(_MAKE(lambda *_: None), None)
     with pytest.raises(uniop.UniopError, match=r"silu: torch could not create return 'y' \(\[3, 4\] float32"):
         call(handle, ctypes.addressof(args), 1, ctypes.addressof(refusing), 1)
+
+
+def test_torch_abi_asks_a_list_return_for_each_item_in_order():
+    """An op returning a list (cat_backward) has one return: the core asks the maker for each item,
+    indices in order, and writes each gradient there."""
+    call = _torch_abi_call()
+    handle = uniop.op("cat_backward")._torch_handle()
+    dout = np.arange(2 * 5 * 3, dtype=np.float32).reshape(2, 5, 3)
+    parts = [np.zeros((2, 2, 3), np.float32), np.zeros((2, 3, 3), np.float32)]
+    (dout_view, _s0), (a, _s1), (b, _s2) = _f32_view(dout), *(_f32_view(p) for p in parts)
+    items = (_DLTensor * 2)(a, b)
+    args = (_BoxedValue * 3)(
+        _BoxedValue(kind=1, len=1, tensors=ctypes.pointer(dout_view)),
+        _BoxedValue(kind=2, len=2, tensors=items),
+        _BoxedValue(kind=3, int_value=1),
+    )
+    outs = [np.full(p.shape, np.nan, np.float32) for p in parts]
+    asked = []
+
+    def into_outs(_state, index, shape, ndim, _dtype):
+        asked.append((index, [shape[i] for i in range(ndim)]))
+        return outs[index].ctypes.data
+
+    maker = _OutputMaker(_MAKE(into_outs), None)
+    assert call(handle, ctypes.addressof(args), 3, ctypes.addressof(maker), 1) == 0
+    assert asked == [(0, [2, 2, 3]), (1, [2, 3, 3])]
+    np.testing.assert_array_equal(outs[0], dout[:, :2])
+    np.testing.assert_array_equal(outs[1], dout[:, 2:])
+    refusing = _OutputMaker(_MAKE(lambda *_: None), None)
+    with pytest.raises(uniop.UniopError, match=r"cat_backward: torch could not create return 'dtensors\[0\]'"):
+        call(handle, ctypes.addressof(args), 3, ctypes.addressof(refusing), 1)
 
 
 def test_python_kernels_give_the_same_results():

@@ -92,7 +92,8 @@ pub struct TorchAbi {
     /// offers back (its [`TensorMaker`]); the C++ side refuses others.
     pub version: u32,
     /// Runs `op` (an `Op._torch_handle()`) on `args` (one per schema argument, schema order),
-    /// writing into `num_outs` outputs (one per schema return) it gets from `outputs`. Returns 0,
+    /// writing into `num_outs` outputs (one per schema return) it gets from `outputs`; for an op
+    /// returning a list (one return), into as many as the call returns, asked for in order. Returns 0,
     /// or a uniop status code with the error set as this thread's Python error (taking the GIL
     /// for that, so the caller may or may not hold it).
     pub call: unsafe extern "C" fn(
@@ -110,7 +111,7 @@ pub struct TorchAbi {
     pub release: unsafe extern "C" fn(context: *mut c_void),
 }
 
-pub const TORCH_ABI_VERSION: u32 = 4;
+pub const TORCH_ABI_VERSION: u32 = 5;
 // The C++ side asserts the same size.
 const _: () = assert!(std::mem::size_of::<BoxedValue>() == 64);
 // Output shapes go to the maker as the core's usize dims.
@@ -322,14 +323,16 @@ fn run(entry: &Arc<OpEntry>, args: &[BoxedValue], outputs: &OutputMaker, num_out
             tensors.push(op, arg, imported).map_err(to_py_err)?;
         }
     }
+    // The maker takes any number of outputs for a list return (one room, as many items as the call
+    // returns), else one per return.
     let mut index = 0;
+    let in_place = schema.mutated().count();
     let made = plan_and_run(None, entry, &tensors, &attrs, Stream::default_stream(), |meta| {
-        let name = schema.returns.get(index).and_then(|r| r.name.as_deref());
-        let output = make_output(op, name, outputs, index, meta);
+        let output = make_output(op, &schema.output_name(in_place + index), outputs, index, meta);
         index += 1;
         output.map(|view| ((), view)).map_err(to_py_err)
     })?;
-    if made.len() != schema.returns.len() {
+    if !schema.returns_list() && made.len() != schema.returns.len() {
         return Err(to_py_err(Error::internal(format!(
             "{op}: infer gave {} outputs for {} schema returns",
             made.len(),
@@ -339,11 +342,11 @@ fn run(entry: &Arc<OpEntry>, args: &[BoxedValue], outputs: &OutputMaker, num_out
     Ok(())
 }
 
-/// Output `index` (the schema's return `name`, when it has one) from the C++ side's maker, as the
-/// view the run writes through.
+/// Output `index` (named `name` in errors) from the C++ side's maker, as the view the run writes
+/// through.
 fn make_output(
     op: &str,
-    name: Option<&str>,
+    name: &str,
     outputs: &OutputMaker,
     index: usize,
     meta: &TensorMeta,
@@ -355,8 +358,7 @@ fn make_output(
     // SAFETY: `shape` outlives the call; the maker is the C++ kernel's, valid for this call.
     let data = unsafe { (outputs.make)(outputs.state, index as u64, shape.as_ptr().cast(), shape.len() as u64, dtype) };
     if data.is_null() && meta.numel() > 0 {
-        let what = name.map_or(format!("return {index}"), |n| format!("return '{n}'"));
-        return Err(cannot_create(op, "torch", &what, meta));
+        return Err(cannot_create(op, "torch", &format!("return '{name}'"), meta));
     }
     Imported::output(op, meta, data.cast())
 }

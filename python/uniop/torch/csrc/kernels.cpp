@@ -77,7 +77,7 @@ struct TorchAbi {
   void (*release)(void* context);
 };
 
-constexpr uint32_t kTorchAbiVersion = 4;
+constexpr uint32_t kTorchAbiVersion = 5;
 constexpr const char* kCapsuleName = "uniop._native.torch_abi";
 
 const TorchAbi* g_abi = nullptr;
@@ -106,15 +106,18 @@ at::Tensor empty_output(const int64_t* shape, uint64_t ndim, DLDataType dtype) {
                                    c10::DispatchKeySet(c10::DispatchKey::CPU), at::toScalarType(dtype), std::nullopt);
 }
 
-// The outputs of one call, made when the core asks for them (OutputMaker::make).
+// The outputs of one call, made when the core asks for them (OutputMaker::make): `n`, or for an
+// op returning a list, as many as the core asks for, in order.
 struct Outputs {
-  explicit Outputs(size_t n) : tensors(n) {}
+  Outputs(size_t n, bool grows) : tensors(n), grows(grows) {}
   c10::SmallVector<at::Tensor, 4> tensors;
+  bool grows;
 
   static void* make(void* state, uint64_t index, const int64_t* shape, uint64_t ndim, DLDataType dtype) noexcept {
     auto* self = static_cast<Outputs*>(state);
-    if (index >= self->tensors.size()) return nullptr;
+    if (index >= self->tensors.size() && !(self->grows && index == self->tensors.size())) return nullptr;
     try {
+      if (index == self->tensors.size()) self->tensors.emplace_back();
       at::Tensor t = empty_output(shape, ndim, dtype);
       void* data = t.mutable_data_ptr();
       self->tensors[index] = std::move(t);
@@ -255,7 +258,8 @@ bool absent(const c10::IValue& v) { return v.isNone() || (v.isTensor() && !v.toT
 
 class CpuKernel final : public c10::OperatorKernel {
  public:
-  CpuKernel(const void* op, std::vector<ArgClass> classes) : op_(op), classes_(std::move(classes)) {}
+  CpuKernel(const void* op, std::vector<ArgClass> classes, bool returns_list)
+      : op_(op), classes_(std::move(classes)), returns_list_(returns_list) {}
 
   // The view of argument `i`, refused (a torch error, before the core) when it reaches past the
   // end of its storage.
@@ -313,13 +317,20 @@ class CpuKernel final : public c10::OperatorKernel {
           break;
       }
     }
-    Outputs outputs(schema.returns().size());
+    Outputs outputs(returns_list_ ? 0 : schema.returns().size(), returns_list_);
     const OutputMaker maker{&Outputs::make, &outputs};
-    if (g_abi->call(op_, values.data(), num_args, &maker, outputs.tensors.size()) != 0) {
+    if (g_abi->call(op_, values.data(), num_args, &maker, schema.returns().size()) != 0) {
       py::gil_scoped_acquire gil;
       throw py::error_already_set();  // uniop.UniopError, set by the core
     }
     torch::jit::drop(*stack, num_args);
+    if (returns_list_) {
+      c10::List<at::Tensor> list;
+      list.reserve(outputs.tensors.size());
+      for (at::Tensor& t : outputs.tensors) list.push_back(std::move(t));
+      stack->push_back(std::move(list));
+      return;
+    }
     for (at::Tensor& t : outputs.tensors) stack->push_back(std::move(t));
   }
 
@@ -353,7 +364,15 @@ class CpuKernel final : public c10::OperatorKernel {
 
   const void* op_;
   std::vector<ArgClass> classes_;
+  bool returns_list_;
 };
+
+// Whether `schema` returns one list of tensors (its only return).
+bool returns_list(const c10::FunctionSchema& schema) {
+  if (schema.returns().size() != 1) return false;
+  auto list = schema.returns()[0].real_type()->cast<c10::ListType>();
+  return list && list->getElementType()->kind() == c10::TypeKind::TensorType;
+}
 
 // How each argument of `schema` is read, or false when one has a type the CPU kernel does not
 // convert (the op then keeps the Python CPU kernel, which handles any).
@@ -379,6 +398,7 @@ bool classify(const c10::FunctionSchema& schema, std::vector<ArgClass>* classes)
       classes->push_back(ArgClass::Attribute);
     }
   }
+  if (returns_list(schema)) return true;
   for (const auto& ret : schema.returns()) {
     if (ret.real_type()->kind() != c10::TypeKind::TensorType) return false;
   }
@@ -504,7 +524,8 @@ bool register_cpu(const std::string& ns, const std::string& name, uintptr_t hand
   std::vector<ArgClass> classes;
   if (!classify(op.schema(), &classes)) return false;
   auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::CPU, __FILE__, __LINE__);
-  auto kernel = std::make_unique<CpuKernel>(reinterpret_cast<const void*>(handle), std::move(classes));
+  auto kernel =
+      std::make_unique<CpuKernel>(reinterpret_cast<const void*>(handle), std::move(classes), returns_list(op.schema()));
   lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
   keep(std::move(lib));
   return true;
