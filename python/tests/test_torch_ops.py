@@ -375,8 +375,8 @@ def test_differentiating_an_op_without_a_backward_is_an_error(name):
 
 def test_cat_gradients_flow_eagerly_and_under_torch_compile():
     """cat's gradient, cat_backward's list return, reaches each joined tensor (a strided one and one
-    that needs none included), eagerly and through torch.compile(fullgraph=True), equal to
-    torch.cat's."""
+    that needs none included), eagerly and through torch.compile(fullgraph=True, dynamic=True), equal
+    to torch.cat's."""
     torch.manual_seed(0)
     weight = torch.randn(2, 9, 4)
 
@@ -393,7 +393,8 @@ def test_cat_gradients_flow_eagerly_and_under_torch_compile():
 
     want = grads(torch.cat)
     eager = grads(torch.ops.uniop.cat)
-    compiled = grads(torch.compile(lambda ts, dim: torch.ops.uniop.cat(ts, dim), fullgraph=True))
+    # dynamic=True: every size a symbol, which the list return's fake kernel must follow too.
+    compiled = grads(torch.compile(lambda ts, dim: torch.ops.uniop.cat(ts, dim), fullgraph=True, dynamic=True))
     for got in (eager, compiled):
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
