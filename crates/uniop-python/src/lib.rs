@@ -165,7 +165,7 @@ impl Op {
         (0..self.entry.schema.returns.len()).map(|i| self.entry.schema.return_name(i)).collect()
     }
 
-    /// Whether the op returns a list of tensors (its only return, as long as the call decides).
+    /// Whether the op returns a list of tensors: its only return, as many as each call returns.
     #[getter]
     fn returns_list(&self) -> bool {
         self.entry.schema.returns_list()

@@ -183,7 +183,7 @@ class _CallState:
     to ``forward``, passed as its last argument: the call's keyword-only arguments, whether
     forward-mode AD was on, and how list arguments were flattened.
 
-    Why the latter: ``apply`` runs ``forward`` with forward AD off, and ``forward`` calls the op
+    Why forward mode's state: ``apply`` runs ``forward`` with forward AD off, and ``forward`` calls the op
     again, on through the torch.func levels below this one. A jvp level there (``hessian``,
     ``jacfwd(jacrev(f))``) would then see no tangent, and get zeros without a word, instead of
     refusing the forward-mode call."""
