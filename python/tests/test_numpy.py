@@ -123,6 +123,19 @@ def test_list_arguments_take_numpy_arrays_and_views():
     assert isinstance(uniop.cat((a, a)), np.ndarray), "a tuple is a list argument too"
 
 
+def test_a_list_return_is_a_list_of_numpy_arrays():
+    """cat_backward returns one array per joined tensor (its `Tensor[]` return), a strided gradient
+    read in place; `help` says so."""
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    parts = [a[:, :1], a[:, 1:]]
+    grads = uniop.cat_backward(a.T.copy().T, parts, -1)  # a column-major gradient
+    assert isinstance(grads, list) and len(grads) == 2
+    for g, p in zip(grads, parts):
+        assert isinstance(g, np.ndarray) and g.flags.c_contiguous
+        np.testing.assert_array_equal(g, p)
+    assert "Returns: dtensors, a list of tensors." in uniop.cat_backward.__doc__
+
+
 def test_signatures_and_docstrings_come_from_the_schema():
     sig = inspect.signature(uniop.rms_norm)
     assert list(sig.parameters) == ["x", "weight", "eps", "stream"]

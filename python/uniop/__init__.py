@@ -86,10 +86,7 @@ def _signature(native):
         params.append(inspect.Parameter(a["name"], kind, default=default, annotation=a["type"]))
     params.append(inspect.Parameter("stream", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Stream"))
     returns = native.returns
-    if native.returns_list:
-        ret = "list[Tensor]"
-    else:
-        ret = "None" if not returns else "Tensor" if len(returns) == 1 else f"tuple[{', '.join(['Tensor'] * len(returns))}]"
+    ret = "None" if not returns else "Tensor" if len(returns) == 1 else f"tuple[{', '.join(['Tensor'] * len(returns))}]"
     return inspect.Signature(params, return_annotation=ret)
 
 
@@ -98,7 +95,9 @@ def _docstring(native):
     mutated = [a["name"] for a in native.args if a["mutated"]]
     if mutated:
         lines.append(f"Updates in place: {', '.join(mutated)}.")
-    if native.returns:
+    if native.returns_list:
+        lines.append(f"Returns: {native.returns[0]}, a list of tensors.")
+    elif native.returns:
         lines.append(f"Returns: {', '.join(native.returns)}.")
     lines.append(f"Dtypes: {', '.join(native.dtypes)}.")
     if native.backward:
