@@ -384,10 +384,9 @@ def test_cat_gradients_flow_eagerly_and_under_torch_compile():
         return (cat([a * 2, b, c], -2) * weight).sum()
 
     def grads(cat):
+        torch.manual_seed(1)  # the same values for every route
         a, b = torch.randn(2, 5, 4).requires_grad_(), torch.randn(2, 4, 3).requires_grad_()
         c = torch.randn(2, 1, 4)  # needs no gradient
-        torch.manual_seed(1)  # the same values for every route
-        a.data, b.data, c.data = torch.randn(2, 5, 4), torch.randn(2, 4, 3), torch.randn(2, 1, 4)
         loss(cat, a, b.transpose(1, 2), c).backward()
         return a.grad, b.grad
 
