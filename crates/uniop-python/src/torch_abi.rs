@@ -328,7 +328,7 @@ fn run(entry: &Arc<OpEntry>, args: &[BoxedValue], outputs: &OutputMaker, num_out
     let mut index = 0;
     let in_place = schema.mutated().count();
     let made = plan_and_run(None, entry, &tensors, &attrs, Stream::default_stream(), |meta| {
-        let output = make_output(op, &schema.output_name(in_place + index), outputs, index, meta);
+        let output = make_output(entry, in_place + index, outputs, index, meta);
         index += 1;
         output.map(|view| ((), view)).map_err(to_py_err)
     })?;
@@ -342,11 +342,11 @@ fn run(entry: &Arc<OpEntry>, args: &[BoxedValue], outputs: &OutputMaker, num_out
     Ok(())
 }
 
-/// Output `index` (named `name` in errors) from the C++ side's maker, as the view the run writes
-/// through.
+/// Output `index` (written tensor `written` of `entry`'s schema, named in errors only: no string is
+/// made per call) from the C++ side's maker, as the view the run writes through.
 fn make_output(
-    op: &str,
-    name: &str,
+    entry: &OpEntry,
+    written: usize,
     outputs: &OutputMaker,
     index: usize,
     meta: &TensorMeta,
@@ -358,9 +358,10 @@ fn make_output(
     // SAFETY: `shape` outlives the call; the maker is the C++ kernel's, valid for this call.
     let data = unsafe { (outputs.make)(outputs.state, index as u64, shape.as_ptr().cast(), shape.len() as u64, dtype) };
     if data.is_null() && meta.numel() > 0 {
-        return Err(cannot_create(op, "torch", &format!("return '{name}'"), meta));
+        let name = entry.schema.output_name(written);
+        return Err(cannot_create(entry.name(), "torch", &format!("return '{name}'"), meta));
     }
-    Imported::output(op, meta, data.cast())
+    Imported::output(entry.name(), meta, data.cast())
 }
 
 unsafe extern "C" fn allocate(bytes: u64, context: *mut *mut c_void) -> *mut c_void {

@@ -444,8 +444,8 @@ impl<'a> Parser<'a> {
         }
         // A list return's length is known only per call (from `infer`); alone, the tensors an op
         // writes are still numbered simply: item `i` of the list is written tensor `i`.
-        let lists = returns.iter().filter(|r| r.ty.base == BaseType::TensorList).count();
-        if lists > 0 && (returns.len() > 1 || args.iter().any(|a| a.ty.mutated.is_some())) {
+        let has_list = returns.iter().any(|r| r.ty.base == BaseType::TensorList);
+        if has_list && (returns.len() > 1 || args.iter().any(|a| a.ty.mutated.is_some())) {
             return Err(self.error(
                 arrow,
                 "a `Tensor[]` return must be the op's only output (no other return, no in-place argument)",
