@@ -19,7 +19,9 @@
 // Both are generic over the registry: one functor type each, one instance per op, no per-op code.
 // Built against the installed torch by `python -m uniop.torch.build_kernels` (scripts/python-env.sh).
 #include <ATen/DLConvertor.h>
+#include <ATen/FuncTorchTLS.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/dlpack.h>
@@ -29,6 +31,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -443,12 +446,177 @@ bool autograd_has_work(const torch::jit::Stack& stack, size_t num_args) {
   return false;
 }
 
+// How an op's backward op is called from its forward's arguments, returns and incoming gradients:
+// uniop.torch's `_BackwardWiring`, resolved once in Python at registration and handed over as
+// plain numbers, so that recording and running the graph node needs no Python.
+struct Wiring {
+  enum Source : int64_t { kGrad = 0, kArg = 1, kOut = 2, kNeeds = 3, kDefault = 4 };
+  // How the node reads one forward argument.
+  enum ArgKind { kTensorArg, kListArg, kAttrArg };
+
+  std::string op_name;
+  c10::OperatorHandle backward;
+  std::vector<ArgKind> args;                         // per forward argument
+  std::vector<std::pair<Source, int64_t>> sources;   // per backward argument
+  std::vector<int64_t> grad_of;                      // per backward return: the forward argument
+  std::vector<std::pair<int64_t, std::string>> no_grad_message;  // arguments given no gradient
+  std::vector<bool> differentiable;                  // per forward return
+  std::vector<int64_t> gradient_index;               // per differentiable return: its index among them
+  std::vector<int64_t> saved_args, saved_outs;       // forward arguments and returns the backward reads
+};
+
+// Every op's wiring, for the life of the process; a graph node names its op by index here (an int
+// in its saved data, which compiled autograd can read as well).
+std::vector<std::unique_ptr<const Wiring>>& wirings() {
+  static auto* all = new std::vector<std::unique_ptr<const Wiring>>();
+  return *all;
+}
+
+// One call being recorded: what the node's forward needs beyond its tensors.
+struct Recording {
+  const c10::OperatorHandle* op;
+  c10::DispatchKeySet keyset;
+  torch::jit::Stack* stack;
+  int64_t wiring;
+  std::vector<int64_t> layout;  // per forward argument: tensors it holds (0: None), -1 for others
+  torch::autograd::variable_list returns;  // the op's returns, as it made them
+};
+
+// The graph node of a uniop op with a backward op, as a C++ custom autograd Function: its forward
+// runs the op below autograd and saves what the backward op reads; its backward calls the backward
+// op through the dispatcher. What the Python `autograd.Function` of `_autograd_kernel` does, with
+// the same gradients, in a fraction of the time (no Python frame, GIL or ctx object per call).
+// torch::autograd::Function's node materialises missing output gradients as zeros, checks saved
+// tensors' versions, runs saved-tensor hooks and takes part in compiled autograd.
+struct UniopFunction : public torch::autograd::Function<UniopFunction> {
+  // `inputs` are the call's tensors in argument order, list items in place, Nones left out.
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
+                                                Recording* call) {
+    const Wiring& w = *wirings()[call->wiring];
+    torch::jit::Stack& stack = *call->stack;
+    const size_t first = stack.size() - w.args.size();
+    ctx->saved_data["op"] = call->wiring;
+    ctx->saved_data["layout"] = call->layout;
+    const std::vector<int64_t> starts = flat_starts(call->layout);
+    torch::autograd::variable_list to_save;
+    for (int64_t i : w.saved_args) {
+      if (w.args[i] == Wiring::kAttrArg) {
+        ctx->saved_data["arg" + std::to_string(i)] = stack[first + i];
+      } else if (call->layout[i] == 0) {
+        to_save.emplace_back();  // an optional tensor given as None
+      } else {
+        for (int64_t k = 0; k < call->layout[i]; ++k) to_save.push_back(inputs[starts[i] + k]);
+      }
+    }
+    call->op->redispatchBoxed(call->keyset & c10::after_autograd_keyset, &stack);
+    const size_t num_returns = call->op->schema().returns().size();
+    torch::autograd::variable_list outputs;
+    for (size_t r = stack.size() - num_returns; r < stack.size(); ++r) outputs.push_back(stack[r].toTensor());
+    torch::jit::drop(stack, num_returns);
+    for (int64_t r : w.saved_outs) to_save.push_back(outputs[r]);
+    ctx->save_for_backward(std::move(to_save));
+    // Only the differentiable returns leave through the node; the others (rstd, lse) bypass it, as
+    // plain tensors needing no gradient. (ctx->mark_non_differentiable would do the same, but
+    // compiled autograd refuses a C++ node that used it.)
+    torch::autograd::variable_list differentiable;
+    call->returns = std::move(outputs);
+    for (size_t r = 0; r < call->returns.size(); ++r) {
+      if (w.differentiable[r]) differentiable.push_back(call->returns[r]);
+    }
+    return differentiable;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const Wiring& w = *wirings()[ctx->saved_data["op"].toInt()];
+    const std::vector<int64_t> layout = ctx->saved_data["layout"].toIntVector();
+    const std::vector<int64_t> starts = flat_starts(layout);
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const auto arg_needs_grad = [&](int64_t i) {
+      for (int64_t k = 0; k < std::max<int64_t>(layout[i], 0); ++k) {
+        if (ctx->needs_input_grad(starts[i] + k)) return true;
+      }
+      return false;
+    };
+    // Where each saved argument's tensors start among the saved variables; the outputs follow.
+    c10::SmallVector<int64_t, 8> saved_at(layout.size(), -1);
+    size_t next = 0;
+    for (int64_t i : w.saved_args) {
+      if (w.args[i] == Wiring::kAttrArg) continue;
+      saved_at[i] = static_cast<int64_t>(next);
+      next += layout[i] == 0 ? 1 : layout[i];
+    }
+    const auto& bwd_schema = w.backward.schema();
+    torch::jit::Stack stack;
+    stack.reserve(w.sources.size());
+    for (size_t j = 0; j < w.sources.size(); ++j) {
+      const auto [kind, i] = w.sources[j];
+      switch (kind) {
+        case Wiring::kGrad:
+          stack.emplace_back(grads[w.gradient_index[i]]);
+          break;
+        case Wiring::kArg:
+          if (w.args[i] == Wiring::kAttrArg) {
+            stack.push_back(ctx->saved_data["arg" + std::to_string(i)]);
+          } else if (w.args[i] == Wiring::kListArg) {
+            stack.emplace_back(std::vector<at::Tensor>(saved.begin() + saved_at[i],
+                                                       saved.begin() + saved_at[i] + layout[i]));
+          } else if (layout[i] == 0) {
+            stack.emplace_back();
+          } else {
+            stack.emplace_back(saved[saved_at[i]]);
+          }
+          break;
+        case Wiring::kOut:
+          stack.emplace_back(saved[next + (std::find(w.saved_outs.begin(), w.saved_outs.end(), i) -
+                                           w.saved_outs.begin())]);
+          break;
+        case Wiring::kNeeds:
+          stack.emplace_back(arg_needs_grad(i));
+          break;
+        case Wiring::kDefault:
+          stack.push_back(*bwd_schema.arguments()[j].default_value());
+          break;
+      }
+    }
+    for (const auto& [i, message] : w.no_grad_message) {
+      TORCH_CHECK(!arg_needs_grad(i), message);
+    }
+    w.backward.callBoxed(&stack);
+    // One gradient per input tensor, in the forward's order, plus none for the Recording.
+    torch::autograd::variable_list result(starts.back() + 1);
+    const auto place = [&](int64_t i, const at::Tensor& g, int64_t k) {
+      if (ctx->needs_input_grad(starts[i] + k)) result[starts[i] + k] = g;
+    };
+    if (bwd_schema.returns().size() == 1 && stack[0].isTensorList()) {
+      const int64_t i = w.grad_of[0];
+      const auto list = stack[0].toTensorVector();
+      for (int64_t k = 0; k < std::min<int64_t>(layout[i], list.size()); ++k) place(i, list[k], k);
+    } else {
+      for (size_t r = 0; r < w.grad_of.size(); ++r) {
+        const int64_t i = w.grad_of[r];
+        if (layout[i] > 0) place(i, stack[r].toTensor(), 0);
+      }
+    }
+    return result;
+  }
+
+  // Per forward argument, the index of its first tensor among the node's inputs; one more entry,
+  // the count of them all.
+  static std::vector<int64_t> flat_starts(const std::vector<int64_t>& layout) {
+    std::vector<int64_t> starts(layout.size() + 1, 0);
+    for (size_t i = 0; i < layout.size(); ++i) starts[i + 1] = starts[i] + std::max<int64_t>(layout[i], 0);
+    return starts;
+  }
+};
+
 class AutogradKernel final : public c10::OperatorKernel {
  public:
   // `generic` is uniop.torch's generic autograd kernel for this op: generic(keyset, *args, **kwargs).
   // It is held for the life of the process and deliberately never released: the dispatcher may
   // destroy this functor after the interpreter has finalized, when no reference may be dropped.
-  explicit AutogradKernel(py::object generic) : generic_(generic.release().ptr()) {}
+  // `wiring` (an index into wirings(), or -1) records calls needing a gradient in C++.
+  AutogradKernel(py::object generic, int64_t wiring) : generic_(generic.release().ptr()), wiring_(wiring) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
     const size_t num_args = op.schema().arguments().size();
@@ -456,10 +624,44 @@ class AutogradKernel final : public c10::OperatorKernel {
       op.redispatchBoxed(keyset & c10::after_autograd_keyset, stack);
       return;
     }
+    if (wiring_ >= 0 && keyset == kPlainCpu && !at::functorch::functorchTLSAccessor() && !carries_tangent(*stack, num_args)) {
+      record(op, keyset, stack, num_args);
+      return;
+    }
     call_generic(op, keyset, stack, num_args);
   }
 
  private:
+  static bool carries_tangent(const torch::jit::Stack& stack, size_t num_args) {
+    const auto tangent = [](const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); };
+    for (size_t i = stack.size() - num_args; i < stack.size(); ++i) {
+      if (any_tensor(stack[i], tangent)) return true;
+    }
+    return false;
+  }
+
+  void record(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack, size_t num_args) {
+    const Wiring& w = *wirings()[wiring_];
+    Recording call{&op, keyset, stack, wiring_, std::vector<int64_t>(num_args, -1)};
+    std::vector<at::Tensor> inputs;
+    const size_t first = stack->size() - num_args;
+    for (size_t i = 0; i < num_args; ++i) {
+      const c10::IValue& v = (*stack)[first + i];
+      if (w.args[i] == Wiring::kListArg) {
+        for (const at::Tensor& t : v.toTensorList()) inputs.push_back(t);
+        call.layout[i] = static_cast<int64_t>(v.toTensorList().size());
+      } else if (w.args[i] == Wiring::kTensorArg) {
+        const bool given = !absent(v);
+        if (given) inputs.push_back(v.toTensor());
+        call.layout[i] = given;
+      }
+    }
+    const torch::autograd::variable_list differentiable = UniopFunction::apply(at::TensorList(inputs), &call);
+    for (size_t r = 0, d = 0; r < call.returns.size(); ++r) {
+      stack->push_back(w.differentiable[r] ? differentiable[d++] : std::move(call.returns[r]));
+    }
+  }
+
   void call_generic(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack,
                     size_t num_args) {
     const auto& schema = op.schema();
@@ -498,6 +700,7 @@ class AutogradKernel final : public c10::OperatorKernel {
   }
 
   PyObject* generic_;
+  int64_t wiring_;
 };
 
 // ---- Registration
@@ -531,10 +734,54 @@ bool register_cpu(const std::string& ns, const std::string& name, uintptr_t hand
   return true;
 }
 
-void register_autograd(const std::string& ns, const std::string& name, py::object generic) {
+// How the node reads each argument of `schema`, or false when one is mutated or a list of optional
+// tensors (such an op records its calls through the Python kernel).
+bool classify_for_autograd(const c10::FunctionSchema& schema, std::vector<Wiring::ArgKind>* kinds) {
+  for (const auto& arg : schema.arguments()) {
+    if (arg.alias_info() && arg.alias_info()->isWrite()) return false;
+    c10::TypePtr type = arg.real_type();
+    if (auto optional = type->cast<c10::OptionalType>()) type = optional->getElementType();
+    auto list = type->cast<c10::ListType>();
+    if (list && list->getElementType()->cast<c10::OptionalType>()) return false;
+    if (type->kind() == c10::TypeKind::TensorType) {
+      kinds->push_back(Wiring::kTensorArg);
+    } else if (list && list->getElementType()->kind() == c10::TypeKind::TensorType) {
+      kinds->push_back(Wiring::kListArg);
+    } else {
+      kinds->push_back(Wiring::kAttrArg);
+    }
+  }
+  return schema.returns().size() > 0 && !returns_list(schema);
+}
+
+// `wiring` is uniop.torch's `_BackwardWiring` in numbers: (backward op name, sources as (kind, index)
+// pairs, grad_of, (argument, message) pairs, differentiable per return, saved_args, saved_outs).
+void register_autograd(const std::string& ns, const std::string& name, py::object generic, py::tuple wiring) {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::" + name).c_str(), "");
+  auto w = std::make_unique<Wiring>(Wiring{
+      name,
+      c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::" + wiring[0].cast<std::string>()).c_str(), ""),
+  });
+  int64_t index = -1;
+  if (classify_for_autograd(op.schema(), &w->args)) {
+    for (const auto& [kind, i] : wiring[1].cast<std::vector<std::pair<int64_t, int64_t>>>()) {
+      w->sources.emplace_back(static_cast<Wiring::Source>(kind), i);
+    }
+    w->grad_of = wiring[2].cast<std::vector<int64_t>>();
+    w->no_grad_message = wiring[3].cast<std::vector<std::pair<int64_t, std::string>>>();
+    w->differentiable = wiring[4].cast<std::vector<bool>>();
+    w->gradient_index.assign(w->differentiable.size(), -1);
+    for (size_t r = 0, d = 0; r < w->differentiable.size(); ++r) {
+      if (w->differentiable[r]) w->gradient_index[r] = static_cast<int64_t>(d++);
+    }
+    w->saved_args = wiring[5].cast<std::vector<int64_t>>();
+    w->saved_outs = wiring[6].cast<std::vector<int64_t>>();
+    index = static_cast<int64_t>(wirings().size());
+    wirings().push_back(std::move(w));
+  }
   auto lib =
       std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::Autograd, __FILE__, __LINE__);
-  lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(generic)));
+  lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(generic, index)));
   keep(std::move(lib));
 }
 
@@ -558,7 +805,10 @@ PYBIND11_MODULE(_kernels, m) {
         "Registers the C++ CPU kernel for namespace::name (op handle from Op._torch_handle()); "
         "False when the schema has an argument type it does not convert.");
   m.def("register_autograd", &register_autograd, py::arg("namespace"), py::arg("name"), py::arg("generic"),
-        "Registers the C++ Autograd kernel for namespace::name; calls needing autograd go to `generic`.");
+        py::arg("wiring"),
+        "Registers the C++ Autograd kernel for namespace::name: calls on plain CPU tensors needing a gradient "
+        "record a C++ graph node calling the backward op as `wiring` says; other calls needing autograd go to "
+        "`generic`.");
   m.def("register_no_backward", &register_no_backward, py::arg("namespace"), py::arg("name"),
         "Registers torch's not-implemented Autograd kernel for namespace::name, an op without a backward.");
   m.def(
