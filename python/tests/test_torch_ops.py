@@ -405,6 +405,98 @@ def test_non_differentiable_returns_are_marked():
     assert y.requires_grad and not rstd.requires_grad
 
 
+def test_graph_nodes_keep_autograds_contracts():
+    """The node a differentiable call records (C++ or Python) behaves as torch's own: a second
+    backward through freed buffers raises and one through a retained graph adds up; an in-place
+    change to a saved input is caught; saved-tensor hooks see what it saves; a second-order gradient
+    through the backward op (which has none) raises instead of coming back wrong."""
+    x = torch.randn(3, 8, requires_grad=True)
+    y = torch.ops.uniop.silu(x)
+    y.sum().backward(retain_graph=True)
+    once = x.grad.clone()
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * once)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.sum().backward()
+
+    leaf = torch.randn(3, 8, requires_grad=True)
+    x = leaf * 1
+    y = torch.ops.uniop.silu(x)
+    x.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+    packed = []
+
+    def pack(t):
+        packed.append(t.shape)
+        return t.clone()
+
+    x, w = torch.randn(3, 8, requires_grad=True), torch.rand(8, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, _ = torch.ops.uniop.rms_norm(x, w, 1e-6)
+    assert sorted(packed) == sorted([(3, 8), (8,), (3, 1)]), packed  # x, weight, rstd
+    y.sum().backward()
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    torch.nn.functional.rms_norm(xr, (8,), wr, 1e-6).sum().backward()
+    torch.testing.assert_close((x.grad, w.grad), (xr.grad, wr.grad), rtol=1e-5, atol=1e-5)
+
+    x = torch.randn(3, 8, requires_grad=True)
+    (dx,) = torch.autograd.grad(torch.ops.uniop.silu(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="derivative for uniop::silu_backward is not implemented"):
+        dx.sum().backward()
+
+
+@pytest.mark.parametrize("used", ["y", "sum"])
+def test_a_return_left_unused_gets_a_zero_gradient(used):
+    """add_rms_norm has two differentiable returns; a loss using one of them gives the backward op
+    zeros for the other, and the gradients equal torch's composite's."""
+
+    def grads(fn):
+        torch.manual_seed(0)
+        x, r, w = torch.randn(4, 8), torch.randn(4, 8), torch.rand(8) + 0.5
+        leaves = [t.requires_grad_() for t in (x, r, w)]
+        y, total = fn(*leaves)
+        (y if used == "y" else total).pow(2).sum().backward()
+        return [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
+
+    def composite(x, r, w):
+        total = x + r
+        return torch.nn.functional.rms_norm(total, (8,), w, 1e-6), total
+
+    def uniop_op(x, r, w):
+        y, _, total = torch.ops.uniop.add_rms_norm(x, r, w)
+        return y, total
+
+    torch.testing.assert_close(grads(uniop_op), grads(composite), rtol=1e-5, atol=1e-5)
+
+
+@python_kernels_chosen
+def test_differentiable_calls_record_a_cpp_node_that_compiled_autograd_takes():
+    """On plain CPU tensors the graph node is the C++ one (no Python per call or per backward) — also
+    after a torch.func transform has run in the thread (inside one, the Python node records at the
+    transform's level) — and compiled autograd, which traces the recorded graph, runs it to the same
+    gradients."""
+    from torch._dynamo import compiled_autograd
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.rand(8, requires_grad=True)
+    torch.func.grad(lambda x: torch.ops.uniop.silu(x).sum())(x.detach())
+    y, rstd = torch.ops.uniop.rms_norm(x, w)
+    assert type(y.grad_fn).__name__ == "CppFunction" and rstd.grad_fn is None
+
+    def run():
+        x.grad = w.grad = None
+        y, _ = torch.ops.uniop.rms_norm(x, w)
+        (torch.ops.uniop.silu(y) * torch.arange(8.0)).sum().backward()
+        return x.grad, w.grad
+
+    want = run()
+    torch._dynamo.reset()
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        got = run()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_autograd_kernel_routes_calls_by_grad_mode_and_dispatch_keys():
     """The autograd kernel calls the uniop kernel directly only for plain CPU tensors needing no
     gradient; grad mode, inference mode and fake tensors each still get the right behaviour."""
@@ -600,6 +692,7 @@ def test_python_kernels_give_the_same_results():
     tests = (
         "values_match or autograd_kernel_routes or linear_without_bias or gradcheck or errors_are_uniop"
         " or without_a_backward or forward_mode_ad or vmap_in_one_call or per_sample_gradients"
+        " or autograds_contracts or left_unused"
     )
     env = dict(os.environ, UNIOP_TORCH_CPP_KERNELS="0")
     check = "import uniop.torch; assert not uniop.torch.cpp_kernels_loaded()"

@@ -19,7 +19,6 @@
 // Both are generic over the registry: one functor type each, one instance per op, no per-op code.
 // Built against the installed torch by `python -m uniop.torch.build_kernels` (scripts/python-env.sh).
 #include <ATen/DLConvertor.h>
-#include <ATen/FuncTorchTLS.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <ATen/EmptyTensor.h>
@@ -463,13 +462,19 @@ struct Wiring {
   std::vector<bool> differentiable;                  // per forward return
   std::vector<int64_t> gradient_index;               // per differentiable return: its index among them
   std::vector<int64_t> saved_args, saved_outs;       // forward arguments and returns the backward reads
+  std::vector<std::string> saved_keys;               // per forward argument: its key in a node's saved data
 };
 
-// Every op's wiring, for the life of the process; a graph node names its op by index here (an int
-// in its saved data, which compiled autograd can read as well).
+// Every op's wiring lives as long as the process: a graph node names its op by the wiring's address
+// (an int in its saved data, which compiled autograd reads as well). Only registration touches this
+// list; calls read their wiring through the pointer their kernel holds.
 std::vector<std::unique_ptr<const Wiring>>& wirings() {
   static auto* all = new std::vector<std::unique_ptr<const Wiring>>();
   return *all;
+}
+
+const Wiring& wiring_at(const c10::IValue& address) {
+  return *reinterpret_cast<const Wiring*>(static_cast<intptr_t>(address.toInt()));
 }
 
 // One call being recorded: what the node's forward needs beyond its tensors.
@@ -477,7 +482,7 @@ struct Recording {
   const c10::OperatorHandle* op;
   c10::DispatchKeySet keyset;
   torch::jit::Stack* stack;
-  int64_t wiring;
+  const Wiring* wiring;
   std::vector<int64_t> layout;  // per forward argument: tensors it holds (0: None), -1 for others
   torch::autograd::variable_list returns;  // the op's returns, as it made them
 };
@@ -492,16 +497,16 @@ struct UniopFunction : public torch::autograd::Function<UniopFunction> {
   // `inputs` are the call's tensors in argument order, list items in place, Nones left out.
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
                                                 Recording* call) {
-    const Wiring& w = *wirings()[call->wiring];
+    const Wiring& w = *call->wiring;
     torch::jit::Stack& stack = *call->stack;
     const size_t first = stack.size() - w.args.size();
-    ctx->saved_data["op"] = call->wiring;
+    ctx->saved_data["op"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(call->wiring));
     ctx->saved_data["layout"] = call->layout;
     const std::vector<int64_t> starts = flat_starts(call->layout);
     torch::autograd::variable_list to_save;
     for (int64_t i : w.saved_args) {
       if (w.args[i] == Wiring::kAttrArg) {
-        ctx->saved_data["arg" + std::to_string(i)] = stack[first + i];
+        ctx->saved_data[w.saved_keys[i]] = stack[first + i];
       } else if (call->layout[i] == 0) {
         to_save.emplace_back();  // an optional tensor given as None
       } else {
@@ -528,7 +533,7 @@ struct UniopFunction : public torch::autograd::Function<UniopFunction> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const Wiring& w = *wirings()[ctx->saved_data["op"].toInt()];
+    const Wiring& w = wiring_at(ctx->saved_data["op"]);
     const std::vector<int64_t> layout = ctx->saved_data["layout"].toIntVector();
     const std::vector<int64_t> starts = flat_starts(layout);
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
@@ -557,7 +562,7 @@ struct UniopFunction : public torch::autograd::Function<UniopFunction> {
           break;
         case Wiring::kArg:
           if (w.args[i] == Wiring::kAttrArg) {
-            stack.push_back(ctx->saved_data["arg" + std::to_string(i)]);
+            stack.push_back(ctx->saved_data[w.saved_keys[i]]);
           } else if (w.args[i] == Wiring::kListArg) {
             stack.emplace_back(std::vector<at::Tensor>(saved.begin() + saved_at[i],
                                                        saved.begin() + saved_at[i] + layout[i]));
@@ -615,8 +620,8 @@ class AutogradKernel final : public c10::OperatorKernel {
   // `generic` is uniop.torch's generic autograd kernel for this op: generic(keyset, *args, **kwargs).
   // It is held for the life of the process and deliberately never released: the dispatcher may
   // destroy this functor after the interpreter has finalized, when no reference may be dropped.
-  // `wiring` (an index into wirings(), or -1) records calls needing a gradient in C++.
-  AutogradKernel(py::object generic, int64_t wiring) : generic_(generic.release().ptr()), wiring_(wiring) {}
+  // `wiring` (one of wirings(), or null) records calls needing a gradient in C++.
+  AutogradKernel(py::object generic, const Wiring* wiring) : generic_(generic.release().ptr()), wiring_(wiring) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
     const size_t num_args = op.schema().arguments().size();
@@ -624,7 +629,11 @@ class AutogradKernel final : public c10::OperatorKernel {
       op.redispatchBoxed(keyset & c10::after_autograd_keyset, stack);
       return;
     }
-    if (wiring_ >= 0 && keyset == kPlainCpu && !at::functorch::functorchTLSAccessor() && !carries_tangent(*stack, num_args)) {
+    // Under torch.func's transforms (whose layers keep their dispatch keys included while any is on the
+    // stack) the call takes the generic route, which records at the level the dispatcher has reached.
+    if (wiring_ != nullptr && keyset == kPlainCpu &&
+        !c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerBackMode) &&
+        !carries_tangent(*stack, num_args)) {
       record(op, keyset, stack, num_args);
       return;
     }
@@ -641,7 +650,7 @@ class AutogradKernel final : public c10::OperatorKernel {
   }
 
   void record(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack, size_t num_args) {
-    const Wiring& w = *wirings()[wiring_];
+    const Wiring& w = *wiring_;
     Recording call{&op, keyset, stack, wiring_, std::vector<int64_t>(num_args, -1)};
     std::vector<at::Tensor> inputs;
     const size_t first = stack->size() - num_args;
@@ -700,7 +709,7 @@ class AutogradKernel final : public c10::OperatorKernel {
   }
 
   PyObject* generic_;
-  int64_t wiring_;
+  const Wiring* wiring_;
 };
 
 // ---- Registration
@@ -762,7 +771,7 @@ void register_autograd(const std::string& ns, const std::string& name, py::objec
       name,
       c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::" + wiring[0].cast<std::string>()).c_str(), ""),
   });
-  int64_t index = -1;
+  const Wiring* recorded = nullptr;
   if (classify_for_autograd(op.schema(), &w->args)) {
     for (const auto& [kind, i] : wiring[1].cast<std::vector<std::pair<int64_t, int64_t>>>()) {
       w->sources.emplace_back(static_cast<Wiring::Source>(kind), i);
@@ -776,12 +785,13 @@ void register_autograd(const std::string& ns, const std::string& name, py::objec
     }
     w->saved_args = wiring[5].cast<std::vector<int64_t>>();
     w->saved_outs = wiring[6].cast<std::vector<int64_t>>();
-    index = static_cast<int64_t>(wirings().size());
+    for (size_t i = 0; i < w->args.size(); ++i) w->saved_keys.push_back("arg" + std::to_string(i));
+    recorded = w.get();
     wirings().push_back(std::move(w));
   }
   auto lib =
       std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::Autograd, __FILE__, __LINE__);
-  lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(generic, index)));
+  lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(generic, recorded)));
   keep(std::move(lib));
 }
 
