@@ -10,13 +10,15 @@
 //   shape (OutputMaker), and the kernel creates it as a plain torch tensor over a c10::Allocator
 //   whose blocks are uniop's caching allocator's. No Python runs, and torch has already released
 //   the GIL, so threads calling ops run in parallel.
-// - AutogradKernel sends a call that needs no gradient (inference, no_grad, tensors without
-//   requires_grad) and carries no forward-mode tangent below autograd in C++; every other call (a
-//   gradient is needed, a tangent to refuse, fake tensors, modes, functionalization, torch.func)
-//   goes to the generic Python kernel uniop.torch builds from the op's backward (`_autograd_kernel`
-//   in uniop/torch/__init__.py), with the arguments and key set it would have had.
+// - AutogradKernel sends a call on plain CPU tensors that needs no gradient (inference, no_grad,
+//   tensors without requires_grad) and carries no forward-mode tangent below autograd in C++; one
+//   that needs a gradient records a C++ graph node (UniopFunction) whose backward calls the op's
+//   backward op through the dispatcher. Every other call (a tangent to refuse, fake tensors, modes,
+//   functionalization, torch.func) goes to the generic Python kernel uniop.torch builds from the
+//   op's backward (`_autograd_kernel` in uniop/torch/__init__.py), with the arguments and key set it
+//   would have had. Both nodes are wired alike, from uniop.torch's `_BackwardWiring`.
 //
-// Both are generic over the registry: one functor type each, one instance per op, no per-op code.
+// All are generic over the registry: one functor type each, one instance per op, no per-op code.
 // Built against the installed torch by `python -m uniop.torch.build_kernels` (scripts/python-env.sh).
 #include <ATen/DLConvertor.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
