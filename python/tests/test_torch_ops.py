@@ -409,7 +409,8 @@ def test_graph_nodes_keep_autograds_contracts():
     """The node a differentiable call records (C++ or Python) behaves as torch's own: a second
     backward through freed buffers raises and one through a retained graph adds up; an in-place
     change to a saved input is caught; saved-tensor hooks see what it saves; a second-order gradient
-    through the backward op (which has none) raises instead of coming back wrong."""
+    through the backward op (which has none) raises instead of coming back wrong; activation
+    checkpointing gives the gradients of the plain graph."""
     x = torch.randn(3, 8, requires_grad=True)
     y = torch.ops.uniop.silu(x)
     y.sum().backward(retain_graph=True)
@@ -445,6 +446,16 @@ def test_graph_nodes_keep_autograds_contracts():
     (dx,) = torch.autograd.grad(torch.ops.uniop.silu(x).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="derivative for uniop::silu_backward is not implemented"):
         dx.sum().backward()
+
+    def block(x, w):
+        return torch.ops.uniop.silu(torch.ops.uniop.rms_norm(x, w)[0])
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.rand(8, requires_grad=True)
+    want = torch.autograd.grad(block(x, w).pow(2).sum(), (x, w))
+    for reentrant in (False, True):  # activation checkpointing: saved-tensor hooks, or a rerun forward
+        x.grad = w.grad = None
+        torch.utils.checkpoint.checkpoint(block, x, w, use_reentrant=reentrant).pow(2).sum().backward()
+        torch.testing.assert_close((x.grad, w.grad), want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("used", ["y", "sum"])
