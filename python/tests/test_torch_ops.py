@@ -891,6 +891,35 @@ def test_threads_run_ops_concurrently_with_correct_results(route):
     assert not errors
 
 
+def test_threads_train_through_the_recorded_nodes_at_once():
+    """Four threads each record rms_norm and silu nodes and run their backward at the same time (the
+    C++ node runs without the GIL); every thread's gradients equal torch's."""
+    import threading
+
+    torch.manual_seed(0)
+    xs = [torch.randn(64, 256) for _ in range(4)]
+    w = torch.rand(256) + 0.5
+    errors = []
+
+    def grads(x, rms_norm, silu):
+        x, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        silu(rms_norm(x, wg)).pow(2).sum().backward()
+        return x.grad, wg.grad
+
+    def work(x):
+        want = grads(x, lambda x, w: torch.nn.functional.rms_norm(x, (256,), w, 1e-6), torch.nn.functional.silu)
+        for _ in range(20):
+            got = grads(x, lambda x, w: torch.ops.uniop.rms_norm(x, w)[0], torch.ops.uniop.silu)
+            errors.extend((g - e).abs().max().item() for g, e in zip(got, want) if not torch.allclose(g, e, atol=1e-3))
+
+    threads = [threading.Thread(target=work, args=(x,)) for x in xs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
 def test_launches_share_torchs_openmp_team():
     """`import uniop.torch` runs uniop's launches on torch's OpenMP team, sized by torch's thread
     setting; results equal those of uniop's own workers (rows split the same way)."""
