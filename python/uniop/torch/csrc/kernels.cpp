@@ -433,18 +433,22 @@ bool any_tensor(const c10::IValue& value, const Pred& pred) {
   return false;
 }
 
-// Whether autograd has work in a call: a gradient to record (grad mode on and a tensor requiring
-// one) or a forward-mode tangent to carry (at level 0, where torch.autograd.forward_ad and an
-// unnested torch.func.jvp put theirs; forward AD ignores grad mode).
-bool autograd_has_work(const torch::jit::Stack& stack, size_t num_args) {
+// The work autograd has in a call: none, a gradient to record (grad mode on and a tensor requiring
+// one), or a forward-mode tangent to carry (at level 0, where torch.autograd.forward_ad and an
+// unnested torch.func.jvp put theirs; forward AD ignores grad mode), which uniop's ops refuse.
+enum class AutogradWork { kNone, kGradient, kTangent };
+
+AutogradWork autograd_work(const torch::jit::Stack& stack, size_t num_args) {
   const bool grad_mode = c10::GradMode::is_enabled();
-  const auto needs = [grad_mode](const at::Tensor& t) {
-    return t.defined() && ((grad_mode && t.requires_grad()) || t._fw_grad(/*level=*/0).defined());
+  bool gradient = false;
+  const auto tangent = [&](const at::Tensor& t) {
+    gradient = gradient || (grad_mode && t.defined() && t.requires_grad());
+    return t.defined() && t._fw_grad(/*level=*/0).defined();
   };
   for (size_t i = stack.size() - num_args; i < stack.size(); ++i) {
-    if (any_tensor(stack[i], needs)) return true;
+    if (any_tensor(stack[i], tangent)) return AutogradWork::kTangent;
   }
-  return false;
+  return gradient ? AutogradWork::kGradient : AutogradWork::kNone;
 }
 
 // How an op's backward op is called from its forward's arguments, returns and incoming gradients:
@@ -627,29 +631,25 @@ class AutogradKernel final : public c10::OperatorKernel {
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack) {
     const size_t num_args = op.schema().arguments().size();
-    if (keyset == kPlainCpu && !autograd_has_work(*stack, num_args)) {
-      op.redispatchBoxed(keyset & c10::after_autograd_keyset, stack);
-      return;
-    }
-    // Under torch.func's transforms (whose layers keep their dispatch keys included while any is on the
-    // stack) the call takes the generic route, which records at the level the dispatcher has reached.
-    if (wiring_ != nullptr && keyset == kPlainCpu &&
-        !c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerBackMode) &&
-        !carries_tangent(*stack, num_args)) {
-      record(op, keyset, stack, num_args);
-      return;
+    if (keyset == kPlainCpu) {
+      const AutogradWork work = autograd_work(*stack, num_args);
+      if (work == AutogradWork::kNone) {
+        op.redispatchBoxed(keyset & c10::after_autograd_keyset, stack);
+        return;
+      }
+      // Under torch.func's transforms (whose layers keep their dispatch keys included while any is on
+      // the stack) the call takes the generic route, which records at the level the dispatcher has
+      // reached; so does a tangent, which it refuses.
+      if (work == AutogradWork::kGradient && wiring_ != nullptr &&
+          !c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerBackMode)) {
+        record(op, keyset, stack, num_args);
+        return;
+      }
     }
     call_generic(op, keyset, stack, num_args);
   }
 
  private:
-  static bool carries_tangent(const torch::jit::Stack& stack, size_t num_args) {
-    const auto tangent = [](const at::Tensor& t) { return t.defined() && t._fw_grad(/*level=*/0).defined(); };
-    for (size_t i = stack.size() - num_args; i < stack.size(); ++i) {
-      if (any_tensor(stack[i], tangent)) return true;
-    }
-    return false;
-  }
 
   void record(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack, size_t num_args) {
     const Wiring& w = *wiring_;
