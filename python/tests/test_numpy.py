@@ -264,15 +264,24 @@ def run_python_ok(code):
 
 
 def test_plugin_ops_appear_as_functions_and_torch_ops():
-    """In a fresh process: plugins stay loaded for the life of the process."""
+    """In a fresh process: plugins stay loaded for the life of the process. The plugin's op names
+    its backward op, so it trains through torch.ops.uniop like a built-in: gradcheck in f64, and
+    the graph node is the C++ one where those kernels are built."""
     code = f"""
 import numpy as np, torch, uniop, uniop.torch
 names = uniop.load_library({str(_plugin_path())!r})
-assert names == ["squared_relu"], names
+assert names == ["squared_relu", "squared_relu_backward"], names
 x = np.array([-2.0, 0.5, 3.0], np.float32)
 np.testing.assert_allclose(uniop.squared_relu(x), np.maximum(x, 0) ** 2)
 t = torch.tensor([-1.0, 2.0])
 assert torch.equal(torch.ops.uniop.squared_relu(t), torch.tensor([0.0, 4.0]))
+leaf = torch.randn(3, 70, dtype=torch.float64).requires_grad_()
+assert torch.autograd.gradcheck(torch.ops.uniop.squared_relu, (leaf,))
+leaf = torch.randn(3, 70).requires_grad_()
+y = torch.ops.uniop.squared_relu(leaf)
+assert type(y.grad_fn).__name__ == ("CppFunction" if uniop.torch.cpp_kernels_loaded() else "FunctionBackward")
+(y * torch.arange(70.0)).sum().backward()
+torch.testing.assert_close(leaf.grad, 2 * leaf.detach().clamp_min(0) * torch.arange(70.0))
 try:
     uniop.load_library({str(_plugin_path())!r})
     raise SystemExit("a second load must fail")
