@@ -48,7 +48,7 @@ where
     Ok(Plan::new(vec![step]).inputs_need(vec![LayoutNeed::Contiguous; N]).outputs_need(vec![LayoutNeed::Contiguous]))
 }
 
-fn required<'a>(inputs: &'a [Option<RefTensor>], i: usize) -> &'a RefTensor {
+fn required(inputs: &[Option<RefTensor>], i: usize) -> &RefTensor {
     inputs[i].as_ref().expect("tensor arguments are required")
 }
 
