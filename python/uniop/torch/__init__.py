@@ -12,7 +12,9 @@ attaches, with no per-op code:
   ``uniop::Op::backward``: ``d<return>`` is a gradient in, ``d<arg>`` a gradient out,
   ``needs_d<arg>`` whether ``<arg>`` requires a gradient, other arguments are the forward's
   arguments or returns of the same name); returns the backward does
-  not take a gradient for (``rstd``, ``lse``) are marked non-differentiable;
+  not take a gradient for (``rstd``, ``lse``) are marked non-differentiable. A call on plain CPU
+  tensors records a C++ graph node (csrc/kernels.cpp, where built), any other call the
+  ``autograd.Function`` of :func:`_autograd_kernel`, wired alike;
 - autocast from the op's policy: GEMM-bound ops run in the region's lower precision, softmax-like
   reductions in float32, everything else in its inputs' dtype.
 
