@@ -16,24 +16,14 @@ import copy
 import statistics
 import time
 
+import llama_patch  # benches/llama_patch.py: the same model
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import uniop.torch as ut
 
 
 def build(layers, dtype):
-    cfg = LlamaConfig(
-        vocab_size=8192,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=layers,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to(dtype).train()
+    return llama_patch.build(layers, dtype).train()
 
 
 def train(model, ids, steps):

@@ -864,11 +864,20 @@ def test_repeated_calls_reuse_plans_only_for_identical_signatures():
             assert got.data_ptr() != x.data_ptr()
 
 
+def _run_in_threads(work, inputs):
+    """`work(x)` for each of `inputs`, each in a thread of its own, all at once."""
+    import threading
+
+    threads = [threading.Thread(target=work, args=(x,)) for x in inputs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 @pytest.mark.parametrize("route", ["uniop", "torch.ops"])
 def test_threads_run_ops_concurrently_with_correct_results(route):
     """Both routes, from four threads at once (torch.ops runs the C++ kernel without the GIL)."""
-    import threading
-
     rms_norm = uniop.rms_norm if route == "uniop" else torch.ops.uniop.rms_norm
 
     torch.manual_seed(0)
@@ -883,19 +892,13 @@ def test_threads_run_ops_concurrently_with_correct_results(route):
             if not torch.allclose(y, want, atol=1e-5):
                 errors.append((y - want).abs().max().item())
 
-    threads = [threading.Thread(target=work, args=(x,)) for x in xs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_in_threads(work, xs)
     assert not errors
 
 
 def test_threads_train_through_the_recorded_nodes_at_once():
     """Four threads each record rms_norm and silu nodes and run their backward at the same time (the
     C++ node runs without the GIL); every thread's gradients equal torch's."""
-    import threading
-
     torch.manual_seed(0)
     xs = [torch.randn(64, 256) for _ in range(4)]
     w = torch.rand(256) + 0.5
@@ -912,11 +915,7 @@ def test_threads_train_through_the_recorded_nodes_at_once():
             got = grads(x, lambda x, w: torch.ops.uniop.rms_norm(x, w)[0], torch.ops.uniop.silu)
             errors.extend((g - e).abs().max().item() for g, e in zip(got, want) if not torch.allclose(g, e, atol=1e-3))
 
-    threads = [threading.Thread(target=work, args=(x,)) for x in xs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_in_threads(work, xs)
     assert not errors
 
 
