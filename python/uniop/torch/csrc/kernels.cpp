@@ -459,7 +459,6 @@ struct Wiring {
   // How the node reads one forward argument.
   enum ArgKind { kTensorArg, kListArg, kAttrArg };
 
-  std::string op_name;
   c10::OperatorHandle backward;
   std::vector<ArgKind> args;                         // per forward argument
   std::vector<std::pair<Source, int64_t>> sources;   // per backward argument
@@ -650,7 +649,6 @@ class AutogradKernel final : public c10::OperatorKernel {
   }
 
  private:
-
   void record(const c10::OperatorHandle& op, c10::DispatchKeySet keyset, torch::jit::Stack* stack, size_t num_args) {
     const Wiring& w = *wiring_;
     Recording call{&op, keyset, stack, wiring_, std::vector<int64_t>(num_args, -1)};
@@ -746,7 +744,7 @@ bool register_cpu(const std::string& ns, const std::string& name, uintptr_t hand
 }
 
 // How the node reads each argument of `schema`, or false when one is mutated or a list of optional
-// tensors (such an op records its calls through the Python kernel).
+// tensors, or the op returns none or a list (such an op records its calls through the Python kernel).
 bool classify_for_autograd(const c10::FunctionSchema& schema, std::vector<Wiring::ArgKind>* kinds) {
   for (const auto& arg : schema.arguments()) {
     if (arg.alias_info() && arg.alias_info()->isWrite()) return false;
@@ -770,7 +768,6 @@ bool classify_for_autograd(const c10::FunctionSchema& schema, std::vector<Wiring
 void register_autograd(const std::string& ns, const std::string& name, py::object generic, py::tuple wiring) {
   const auto op = c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::" + name).c_str(), "");
   auto w = std::make_unique<Wiring>(Wiring{
-      name,
       c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::" + wiring[0].cast<std::string>()).c_str(), ""),
   });
   const Wiring* recorded = nullptr;
@@ -793,7 +790,8 @@ void register_autograd(const std::string& ns, const std::string& name, py::objec
   }
   auto lib =
       std::make_unique<torch::Library>(torch::Library::IMPL, ns, c10::DispatchKey::Autograd, __FILE__, __LINE__);
-  lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(generic, recorded)));
+  auto kernel = std::make_unique<AutogradKernel>(generic, recorded);
+  lib->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
   keep(std::move(lib));
 }
 
