@@ -503,8 +503,11 @@ def test_differentiable_calls_record_a_cpp_node_that_compiled_autograd_takes():
 
     want = run()
     torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters["compiled_autograd"]
+    captures = counters["captures"]
     with compiled_autograd._enable(torch.compile(backend="eager")):
         got = run()
+    assert counters["captures"] == captures + 1, "compiled autograd did not capture the backward"
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
