@@ -657,8 +657,9 @@ class AutogradKernel final : public c10::OperatorKernel {
     for (size_t i = 0; i < num_args; ++i) {
       const c10::IValue& v = (*stack)[first + i];
       if (w.args[i] == Wiring::kListArg) {
-        for (const at::Tensor& t : v.toTensorList()) inputs.push_back(t);
-        call.layout[i] = static_cast<int64_t>(v.toTensorList().size());
+        const c10::List<at::Tensor> items = v.toTensorList();
+        for (const at::Tensor& t : items) inputs.push_back(t);
+        call.layout[i] = static_cast<int64_t>(items.size());
       } else if (w.args[i] == Wiring::kTensorArg) {
         const bool given = !absent(v);
         if (given) inputs.push_back(v.toTensor());
@@ -743,24 +744,29 @@ bool register_cpu(const std::string& ns, const std::string& name, uintptr_t hand
   return true;
 }
 
-// How the node reads each argument of `schema`, or false when one is mutated or a list of optional
-// tensors, or the op returns none or a list (such an op records its calls through the Python kernel).
+// How the node reads each argument of `schema`, from the CPU kernel's classification; false for an
+// op whose calls it does not record (a mutated argument, one the CPU kernel does not convert, no
+// return or a list return): those record through the Python kernel.
 bool classify_for_autograd(const c10::FunctionSchema& schema, std::vector<Wiring::ArgKind>* kinds) {
-  for (const auto& arg : schema.arguments()) {
-    if (arg.alias_info() && arg.alias_info()->isWrite()) return false;
-    c10::TypePtr type = arg.real_type();
-    if (auto optional = type->cast<c10::OptionalType>()) type = optional->getElementType();
-    auto list = type->cast<c10::ListType>();
-    if (list && list->getElementType()->cast<c10::OptionalType>()) return false;
-    if (type->kind() == c10::TypeKind::TensorType) {
-      kinds->push_back(Wiring::kTensorArg);
-    } else if (list && list->getElementType()->kind() == c10::TypeKind::TensorType) {
-      kinds->push_back(Wiring::kListArg);
-    } else {
-      kinds->push_back(Wiring::kAttrArg);
+  std::vector<ArgClass> classes;
+  if (!classify(schema, &classes) || schema.returns().empty() || returns_list(schema)) return false;
+  for (ArgClass c : classes) {
+    switch (c) {
+      case ArgClass::MutatedTensor:
+        return false;
+      case ArgClass::Tensor:
+        kinds->push_back(Wiring::kTensorArg);
+        break;
+      case ArgClass::TensorList:
+        kinds->push_back(Wiring::kListArg);
+        break;
+      case ArgClass::DType:
+      case ArgClass::Attribute:
+        kinds->push_back(Wiring::kAttrArg);
+        break;
     }
   }
-  return schema.returns().size() > 0 && !returns_list(schema);
+  return true;
 }
 
 // `wiring` is uniop.torch's `_BackwardWiring` in numbers: (backward op name, sources as (kind, index)
