@@ -282,6 +282,12 @@ y = torch.ops.uniop.squared_relu(leaf)
 assert type(y.grad_fn).__name__ == ("CppFunction" if uniop.torch.cpp_kernels_loaded() else "FunctionBackward")
 (y * torch.arange(70.0)).sum().backward()
 torch.testing.assert_close(leaf.grad, 2 * leaf.detach().clamp_min(0) * torch.arange(70.0))
+for dy, what in ((np.ones(4, np.float32), "shape"), (np.ones(3, np.float16), "dtype")):
+    try:
+        uniop.squared_relu_backward(dy, x)
+        raise SystemExit("a mismatched dy must fail")
+    except uniop.UniopError as e:
+        assert "squared_relu_backward" in str(e) and "'dy'" in str(e), e
 try:
     uniop.load_library({str(_plugin_path())!r})
     raise SystemExit("a second load must fail")
