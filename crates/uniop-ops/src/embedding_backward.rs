@@ -182,6 +182,14 @@ impl Op for EmbeddingBackward {
         Ok(vec![RefTensor::new(&[n, h], dw)])
     }
 
+    /// Each row of the gradient sums the `dout` rows of every position that indexed it, in f32: a
+    /// reduction as long as a row's share of the positions (all of them for a one-row table).
+    fn error_scale(&self, cx: &OpCx) -> f64 {
+        let positions = cx.input("indices").numel() as f64;
+        let rows = cx.input("weight").shape().first().copied().unwrap_or(1).max(1) as f64;
+        (positions / rows).sqrt().max(1.0)
+    }
+
     /// The table's `[V, H]`, as for embedding (the first input is the `[tokens, H]` gradient).
     fn example_shape(&self, example: &Example) -> Vec<usize> {
         example.input_shape(2)
