@@ -164,8 +164,15 @@ pub(crate) unsafe fn gemm_rows<T: Element>(
         let (dst, lhs, rhs) = (dst.cast::<bf16>(), lhs.cast::<bf16>(), rhs.cast::<bf16>());
         return crate::packed_gemm::gemm_rows_packed(rows, n, k, dst, lhs, rhs, accumulate);
     }
+    // One row times a weight stays on the `gemm` crate's GEMV, which sums in f32 and walks the
+    // weight row after row: 1.39-1.59 ms for [1, 4096] x [8192, 4096]ᵀ against 1.53-2.04 for the
+    // dot products below, which read four rows at once.
     if T::DTYPE == DType::F16 && !(rows.len() == 1 && lhs.cs == 1 && rhs.rs == 1) {
         let (dst, lhs, rhs) = (dst.cast::<f16>(), lhs.cast::<f16>(), rhs.cast::<f16>());
+        let simd = <f16 as Dots>::best();
+        if crate::skinny::applies(&rows, lhs, rhs) && simd != Simd::Scalar {
+            return crate::skinny::skinny(rows, n, k, dst, lhs, rhs, accumulate, simd);
+        }
         return gemm_rows_f16_in_f32(rows, n, k, dst, lhs, rhs, accumulate);
     }
     let simd = <f32 as Dots>::best();
@@ -220,10 +227,8 @@ pub(crate) unsafe fn gemm_rows<T: Element>(
 /// The `gemm` crate's f16 kernels round their running sums to f16 wherever they keep them in the
 /// output: between its k blocks, and at every step of k in its GEMV for one row of A times a B
 /// dense along n, which took `[1, 8198] · [8198, 256]` to 38 f16 ulps of error (torch: under one).
-/// Its GEMV for a B dense along k sums dot products in f32 and streams the weight once, so one row
-/// times a weight in HF's layout (f16 decode) stays with it. Widening costs a pass over B per
-/// block; in return f16 runs on the f32 kernels, 2–20x faster than the crate's f16 ones here
-/// (`[4, 4096] · [4096, 4096]ᵀ` 52.9 ms in the crate's kernel).
+/// Widening costs a pass over B per block, which a product of few rows would feel: those (decode
+/// against a weight) take [`crate::skinny`]'s f16 dot products instead, which widen as they read.
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_rows_f16_in_f32(
     rows: std::ops::Range<usize>,
@@ -460,53 +465,68 @@ impl Op for Matmul {
     }
 }
 
-/// f32 rows × a weight in `[n, k]` layout, for the kernels that take that product (the skinny
-/// dot products, the transposed-copy GEMM): deterministic operands and an f64 check.
+/// Rows × a weight in `[n, k]` layout (or a row-major `[k, n]` B), for the kernels that take
+/// such products (the skinny dot products, the transposed-copy GEMM, f16 through f32):
+/// deterministic operands in `T` and a check against f64 sums.
 #[cfg(test)]
-pub(crate) struct WeightCase {
+pub(crate) struct WeightCase<T> {
     m: usize,
     k: usize,
     n: usize,
-    a: Vec<f32>,
-    w: Vec<f32>,
-    start: Vec<f32>,
+    a: Vec<T>,
+    w: Vec<T>,
+    start: Vec<T>,
+    weight_layout: bool,
 }
 
 #[cfg(test)]
-impl WeightCase {
-    pub fn new(m: usize, k: usize, n: usize) -> WeightCase {
+impl<T: FloatElement> WeightCase<T> {
+    pub fn new(m: usize, k: usize, n: usize) -> WeightCase<T> {
         let value = |i: usize, seed: usize| ((i * 7919 + seed * 104729) % 2003) as f32 / 1001.0 - 1.0;
-        let fill = |len: usize, seed: usize| (0..len).map(|i| value(i, seed)).collect();
-        WeightCase { m, k, n, a: fill(m * k, 1), w: fill(n * k, 2), start: fill(m * n, 3) }
+        let fill = |len: usize, seed: usize| (0..len).map(|i| T::from_f32(value(i, seed))).collect();
+        WeightCase { m, k, n, a: fill(m * k, 1), w: fill(n * k, 2), start: fill(m * n, 3), weight_layout: true }
     }
 
-    /// Runs `product(dst, rows, weight)` on a fresh copy of the starting output and checks that
-    /// rows `band` hold the product (added to the start with `accumulate`) and the others are
-    /// untouched.
-    pub fn check(
-        &self,
-        band: std::ops::Range<usize>,
-        accumulate: bool,
-        product: impl FnOnce(Dst<f32>, Mat<f32>, Mat<f32>),
-    ) {
+    /// The same values with B row-major `[k, n]` (dense along n) instead of a weight.
+    pub fn row_major(m: usize, k: usize, n: usize) -> WeightCase<T> {
+        WeightCase { weight_layout: false, ..WeightCase::new(m, k, n) }
+    }
+
+    /// Runs `product(dst, rows, b)` on a fresh copy of the starting output and checks that rows
+    /// `band` hold the product (added to the start with `accumulate`) and the others are untouched:
+    /// f32 within 1e-4 relative, f16 within one rounding of the result plus the f32 sums' own
+    /// error (which scales with the terms, and stays when the result cancels to near zero).
+    pub fn check(&self, band: std::ops::Range<usize>, accumulate: bool, product: impl FnOnce(Dst<T>, Mat<T>, Mat<T>)) {
         let (m, k, n) = (self.m, self.k, self.n);
         let mut out = self.start.clone();
+        let (rs, cs) = if self.weight_layout { (1, k as isize) } else { (n as isize, 1) };
         product(
             Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 },
             Mat { ptr: self.a.as_ptr(), rs: k as isize, cs: 1 },
-            Mat { ptr: self.w.as_ptr(), rs: 1, cs: k as isize },
+            Mat { ptr: self.w.as_ptr(), rs, cs },
         );
+        let b = |p: usize, c: usize| if self.weight_layout { self.w[c * k + p] } else { self.w[p * n + c] }.to_f64();
         for r in 0..m {
             for c in 0..n {
-                let start = self.start[r * n + c] as f64;
-                let dot: f64 = (0..k).map(|p| self.a[r * k + p] as f64 * self.w[c * k + p] as f64).sum();
-                let want = match (band.contains(&r), accumulate) {
-                    (false, _) => start,
-                    (true, true) => dot + start,
-                    (true, false) => dot,
+                let start = self.start[r * n + c].to_f64();
+                let terms = (0..k).map(|p| self.a[r * k + p].to_f64() * b(p, c));
+                let (want, magnitude) = match (band.contains(&r), accumulate) {
+                    (false, _) => (start, 0.0),
+                    (true, true) => {
+                        (terms.clone().sum::<f64>() + start, terms.map(f64::abs).sum::<f64>() + start.abs())
+                    }
+                    (true, false) => (terms.clone().sum::<f64>(), terms.map(f64::abs).sum::<f64>()),
                 };
-                let got = out[r * n + c] as f64;
-                assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "{m}x{k}x{n} ({r}, {c}): {got} vs {want}");
+                let tolerance = match T::DTYPE {
+                    DType::F16 => 2f64.powi(want.abs().max(6.2e-5).log2().floor() as i32 - 10) + magnitude * 1e-6,
+                    _ => 1e-4 * (1.0 + want.abs()),
+                };
+                let got = out[r * n + c].to_f64();
+                assert!(
+                    (got - want).abs() <= tolerance,
+                    "{m}x{k}x{n} weight layout {} ({r}, {c}): {got} vs {want}",
+                    self.weight_layout
+                );
             }
         }
     }
@@ -520,7 +540,7 @@ mod tests {
     /// chunk and in several (the last ragged), with and without accumulation, against f64 sums.
     #[test]
     fn weight_layout_b_multiplies_from_row_major_chunks() {
-        let case = WeightCase::new(140, 37, 45);
+        let case = WeightCase::<f32>::new(140, 37, 45);
         for (chunk_words, accumulate) in [(ROW_MAJOR_B_CHUNK_WORDS, false), (16 * 37, true), (20 * 37, false)] {
             case.check(70..140, accumulate, |dst, lhs, rhs| {
                 // SAFETY: WeightCase's buffers hold the extents it describes.
@@ -531,15 +551,10 @@ mod tests {
 
     /// f16 products round their f32 sums once, whichever route a shape takes: one row times a B
     /// dense along n (the `gemm` crate's GEMV kept its sums in f16 there: 38 ulps off at k = 8198),
-    /// one row times a weight-layout B (the crate's dot products), a few rows times a weight, a
-    /// band accumulating onto the output, and a product too shallow for the crate's GEMM.
+    /// few rows times a weight (the skinny dot products), bands of rows times either (f32 kernels
+    /// over widened operands) accumulating or not, and a product too shallow for any GEMM.
     #[test]
     fn f16_products_round_their_sums_once() {
-        let mut state = 1u64;
-        let mut uniform = move || {
-            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-            (state >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-        };
         for (m, k, n, weight_layout, accumulate) in [
             (1, 3000, 40, false, false),
             (1, 3000, 40, true, true),
@@ -548,36 +563,11 @@ mod tests {
             (70, 300, 50, true, false),
             (2, 2, 7, false, true),
         ] {
-            let mut values =
-                |len: usize, scale: f64| (0..len).map(|_| f16::from_f64(uniform() * scale)).collect::<Vec<_>>();
-            let (a, b, before) = (values(m * k, 1.0), values(k * n, 1.0), values(m * n, 4.0));
-            // B is `[k, n]` row-major, or a weight `[n, k]` seen through swapped strides.
-            let b_at = |p: usize, c: usize| if weight_layout { b[c * k + p] } else { b[p * n + c] }.to_f64();
-            let rhs = Mat {
-                ptr: b.as_ptr(),
-                rs: if weight_layout { 1 } else { n as isize },
-                cs: if weight_layout { k as isize } else { 1 },
-            };
-            let mut out = before.clone();
-            let dst = Dst { ptr: out.as_mut_ptr(), rs: n as isize, cs: 1 };
-            // SAFETY: the buffers hold the extents described.
-            unsafe { gemm_rows(0..m, n, k, dst, Mat { ptr: a.as_ptr(), rs: k as isize, cs: 1 }, rhs, accumulate) };
-            for r in 0..m {
-                for c in 0..n {
-                    let start = if accumulate { before[r * n + c].to_f64() } else { 0.0 };
-                    let terms = (0..k).map(|p| a[r * k + p].to_f64() * b_at(p, c));
-                    let want = terms.clone().sum::<f64>() + start;
-                    // One f16 rounding of the result, plus the f32 sums' own error, which scales with
-                    // the terms (a result that cancels to near zero keeps it).
-                    let magnitude = terms.map(f64::abs).sum::<f64>() + start.abs();
-                    let tolerance = 2f64.powi(want.abs().max(6.2e-5).log2().floor() as i32 - 10) + magnitude * 1e-6;
-                    let got = out[r * n + c].to_f64();
-                    assert!(
-                        (got - want).abs() <= tolerance,
-                        "{m}x{k}x{n} weight layout {weight_layout} ({r}, {c}): {got} vs {want}"
-                    );
-                }
-            }
+            let case = if weight_layout { WeightCase::<f16>::new(m, k, n) } else { WeightCase::row_major(m, k, n) };
+            case.check(0..m, accumulate, |dst, lhs, rhs| {
+                // SAFETY: WeightCase's buffers hold the extents it describes.
+                unsafe { gemm_rows(0..m, n, k, dst, lhs, rhs, accumulate) }
+            });
         }
     }
 
@@ -586,7 +576,7 @@ mod tests {
     #[test]
     fn weight_layout_b_through_gemm_rows_at_both_depths() {
         for (k, accumulate) in [(300, true), (PACKED_F32_MAX_K + 5, false)] {
-            let case = WeightCase::new(70, k, 40);
+            let case = WeightCase::<f32>::new(70, k, 40);
             case.check(3..70, accumulate, |dst, lhs, rhs| {
                 // SAFETY: WeightCase's buffers hold the extents it describes.
                 unsafe { gemm_rows(3..70, 40, k, dst, lhs, rhs, accumulate) }

@@ -35,7 +35,7 @@
 use crate::matmul::{Dst, Mat};
 use crate::skinny::{Dots, Simd};
 use std::cell::RefCell;
-use uniop::half::bf16;
+use uniop::half::{bf16, f16};
 use uniop::{DType, Element};
 
 /// Rows and columns of the register tile.
@@ -65,16 +65,20 @@ pub(crate) enum Sink {
     Output { rows: usize, cols: usize, accumulate: bool },
 }
 
-/// Output element types: f32 for attention scores and f32 GEMMs' callers, bf16 for bf16 ops.
+/// Output element types: f32 for attention scores and f32 GEMMs' callers, bf16 for bf16 ops, f16
+/// for f16 ops' few-row products ([`crate::skinny`]; the packed kernels never see f16).
 pub(crate) trait GemmOut: Copy + 'static {
-    /// bf16 (else f32): picks the vector store.
+    /// bf16: picks the bf16 vector store.
     const IS_BF16: bool;
+    /// f32: sums may be kept in (and added into) the output itself.
+    const IS_F32: bool;
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
 }
 
 impl GemmOut for f32 {
     const IS_BF16: bool = false;
+    const IS_F32: bool = true;
     fn to_f32(self) -> f32 {
         self
     }
@@ -85,11 +89,23 @@ impl GemmOut for f32 {
 
 impl GemmOut for bf16 {
     const IS_BF16: bool = true;
+    const IS_F32: bool = false;
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
     }
     fn from_f32(v: f32) -> Self {
         bf16::from_f32(v)
+    }
+}
+
+impl GemmOut for f16 {
+    const IS_BF16: bool = false;
+    const IS_F32: bool = false;
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
     }
 }
 
@@ -810,7 +826,7 @@ unsafe fn multiply<E: Packed, O: GemmOut>(
     // ran 509-540 ms against 472-496, 128 x 4096 x 8192 78-79 against 69-70, 512 x 1024 x 2048
     // 15.6 against 14.9; 512 x 384 x 768 level. A bf16 output is rounded once, from sums carried
     // in f32.
-    let sums_in_output = !O::IS_BF16 && dst.cs == 1 && n_slices > 1;
+    let sums_in_output = O::IS_F32 && dst.cs == 1 && n_slices > 1;
     if n_slices > 1 && !sums_in_output {
         c.grow(block_rows * NC);
     }
@@ -949,7 +965,7 @@ unsafe fn multiply_amx<E: Packed, O: GemmOut>(
                     // A whole block of a row-major f32 output (attention's scores and P·V sums):
                     // the tiles start from it when accumulating and end in it, with no epilogue
                     // (which cost about as much as the products at attention's 128-deep k).
-                    let in_place = !O::IS_BF16 && dst.cs == 1 && dst.rs > 0 && mc - ir >= BLOCK && nc - jr >= NR;
+                    let in_place = O::IS_F32 && dst.cs == 1 && dst.rs > 0 && mc - ir >= BLOCK && nc - jr >= NR;
                     let in_place = in_place.then_some((corner as *mut f32, 4 * dst.rs as usize));
                     match (si, in_place) {
                         (0, Some(output)) if accumulate => tiles.load((output.0, output.1)),
@@ -1340,7 +1356,7 @@ unsafe fn store_avx512<O: GemmOut>(
                 }
             }
         }
-        Sink::Output { rows: MR, cols: NR, accumulate } if out.cs == 1 && !O::IS_BF16 => {
+        Sink::Output { rows: MR, cols: NR, accumulate } if out.cs == 1 && O::IS_F32 => {
             for (i, row) in acc.iter().enumerate() {
                 let o = out.ptr.offset(i as isize * out.rs) as *mut f32;
                 for (half, &v) in row.iter().enumerate() {
@@ -1404,7 +1420,9 @@ unsafe fn micro_avx2<O: GemmOut>(
     use std::arch::x86_64::*;
     const ROWS: usize = 4;
     const COLS: usize = 16;
-    let whole_rows = matches!(sink, Sink::Output { rows: MR, cols: NR, .. }) && out.cs == 1;
+    // Stored straight from the registers for the outputs add_store16 has a form for (f32, bf16).
+    let whole_rows =
+        matches!(sink, Sink::Output { rows: MR, cols: NR, .. }) && out.cs == 1 && (O::IS_F32 || O::IS_BF16);
     let mut edge_tile = [[0f32; NR]; MR];
     for r0 in (0..MR).step_by(ROWS) {
         for c0 in (0..NR).step_by(COLS) {

@@ -7,7 +7,7 @@
 
 use crate::matmul::{Dst, Mat};
 use crate::packed_gemm::GemmOut;
-use uniop::half::bf16;
+use uniop::half::{bf16, f16};
 
 /// Rows up to which [`skinny`] is used.
 pub(crate) const SKINNY_ROWS: usize = 4;
@@ -157,8 +157,8 @@ unsafe fn store_sums<O: GemmOut, R: AsRef<[f32]>>(
     for (r, row) in (r0..).zip(sums) {
         let row = &row.as_ref()[..cols];
         let line = dst.ptr.offset(r as isize * dst.rs + c0 as isize * dst.cs);
-        if dst.cs == 1 && !O::IS_BF16 {
-            // Dense f32 output (`GemmOut` is f32 or bf16), such as the line path's partial sums:
+        if dst.cs == 1 && O::IS_F32 {
+            // Dense f32 output, such as the line path's partial sums:
             // a loop LLVM vectorizes.
             let out = std::slice::from_raw_parts_mut(line as *mut f32, cols);
             for (o, &sum) in out.iter_mut().zip(row) {
@@ -441,6 +441,53 @@ impl Dots for bf16 {
     }
 }
 
+impl Dots for f16 {
+    fn best() -> Simd {
+        cpu().f16
+    }
+
+    /// 16 lanes per FMA, each f16 widened by `vcvtph2ps` (exact).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn dots_avx512<const R: usize>(a: [*const f16; R], b: [*const f16; 4], k: usize) -> [[f32; 4]; R] {
+        use std::arch::x86_64::*;
+        let load = |ptr: *const f16, p: usize, mask: __mmask16| {
+            _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, ptr.add(p) as *const i16))
+        };
+        let mut acc = [[_mm512_setzero_ps(); 4]; R];
+        let mut p = 0;
+        while p < k {
+            let mask: __mmask16 = if k - p >= 16 { u16::MAX } else { (1u16 << (k - p)) - 1 };
+            let mut bv = [_mm512_setzero_ps(); 4];
+            for (v, &ptr) in bv.iter_mut().zip(&b) {
+                *v = load(ptr, p, mask);
+            }
+            for (acc, &ai) in acc.iter_mut().zip(&a) {
+                let av = load(ai, p, mask);
+                for (acc, &bv) in acc.iter_mut().zip(&bv) {
+                    *acc = _mm512_fmadd_ps(av, bv, *acc);
+                }
+            }
+            p += 16;
+        }
+        sums_of_fours(&acc)
+    }
+
+    /// 8 lanes per FMA, each f16 widened by F16C's `vcvtph2ps`.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dots_avx2<const R: usize>(
+        a: [*const f16; R],
+        b: (*const f16, isize),
+        k: usize,
+        cols: usize,
+    ) -> [[f32; RUN]; R] {
+        use std::arch::x86_64::*;
+        let load = |ptr: *const f16, p: usize| _mm256_cvtph_ps(_mm_loadu_si128(ptr.add(p) as *const __m128i));
+        avx2_dots(a, b, k, cols, true, load)
+    }
+}
+
 impl Dots for f32 {
     fn best() -> Simd {
         cpu().f32
@@ -578,6 +625,7 @@ pub(crate) fn has_avx512() -> bool {
 /// What the CPU runs, detected once.
 struct Cpu {
     bf16: Simd,
+    f16: Simd,
     f32: Simd,
 }
 
@@ -593,10 +641,15 @@ fn cpu() -> &'static Cpu {
                 (false, true) => Simd::Avx2,
                 (false, false) => Simd::Scalar,
             };
-            Cpu { bf16: level(avx512 && is_x86_feature_detected!("avx512bf16")), f32: level(avx512) }
+            let f16 = match (avx512 && is_x86_feature_detected!("avx512vl"), avx2 && is_x86_feature_detected!("f16c")) {
+                (true, _) => Simd::Avx512,
+                (false, true) => Simd::Avx2,
+                (false, false) => Simd::Scalar,
+            };
+            Cpu { bf16: level(avx512 && is_x86_feature_detected!("avx512bf16")), f16, f32: level(avx512) }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        Cpu { bf16: Simd::Scalar, f32: Simd::Scalar }
+        Cpu { bf16: Simd::Scalar, f16: Simd::Scalar, f32: Simd::Scalar }
     })
 }
 
@@ -618,7 +671,23 @@ mod tests {
                 (4, 300, 13, true),
                 (1, 384, 2 * RUN + 7, false),
             ] {
-                WeightCase::new(m, k, n).check(0..m, accumulate, |dst, lhs, rhs| {
+                WeightCase::<f32>::new(m, k, n).check(0..m, accumulate, |dst, lhs, rhs| {
+                    // SAFETY: WeightCase's buffers hold the extents it describes; `simd` runs here.
+                    unsafe { skinny(0..m, n, k, dst, lhs, rhs, accumulate, simd) }
+                });
+            }
+        }
+    }
+
+    /// f16 rows × an f16 weight, sums in f32 rounded once, at every SIMD level this CPU has for
+    /// f16: k under / at / over one 8- and 16-lane step, a ragged run of columns, accumulation.
+    #[test]
+    fn f16_dot_products_round_their_f32_sums_once() {
+        for simd in Simd::up_to(f16::best()) {
+            for (m, k, n, accumulate) in
+                [(1, 5, 7, true), (2, 16, 4, false), (3, 37, 9, true), (4, 1000, RUN + 5, false)]
+            {
+                WeightCase::<f16>::new(m, k, n).check(0..m, accumulate, |dst, lhs, rhs| {
                     // SAFETY: WeightCase's buffers hold the extents it describes; `simd` runs here.
                     unsafe { skinny(0..m, n, k, dst, lhs, rhs, accumulate, simd) }
                 });
