@@ -1253,10 +1253,10 @@ pub extern "C" fn uniopLogSoftmaxBackward(
 /// Phase 1 of `matmul(Tensor a, Tensor b) -> (Tensor out)`.
 ///
 /// Batched matrix product a [..., M, K] x b [..., K, N] -> [..., M, N]; batch dims broadcast
-/// (torch.matmul for rank >= 2); any strides, so transposed operands cost nothing. float32 and
-/// float16 (float32 accumulation) via the gemm crate, float32 with b dense along K via uniop's
-/// packed GEMM on AVX-512/AVX2 CPUs, bfloat16 via uniop's packed GEMM (AVX512-BF16, AMX tiles, or
-/// FMAs on widened pairs; float32 sums), inside uniop's SPMD blocks.
+/// (torch.matmul for rank >= 2); any strides, so transposed operands cost nothing. float32 via the
+/// gemm crate, float32 with b dense along K via uniop's packed GEMM on AVX-512/AVX2 CPUs, float16
+/// on the float32 kernels (operands widened, sums rounded once), bfloat16 via uniop's packed GEMM
+/// (AVX512-BF16, AMX tiles, or FMAs on widened pairs; float32 sums), inside uniop's SPMD blocks.
 #[no_mangle]
 pub extern "C" fn uniopMatmulGetWorkspaceSize(
     a: *const uniopTensor,

@@ -2,11 +2,13 @@
 //! (`a` `[..., M, K]`, `b` `[..., K, N]`, both rank ≥ 2) and any strides — a transposed operand
 //! is just swapped strides, so no copies are made.
 //!
-//! Kernels: the `gemm` crate (f32, f16 with f32 accumulation) called single-threaded inside
-//! uniop's SPMD blocks, each block owning a band of rows of one batch — the pool stays the only
-//! source of parallelism (no second thread pool spinning on the same cores). bf16 runs our own
-//! packed kernel ([`crate::packed_gemm`]; the `gemm` crate has none), f32 sums rounded once, and so
-//! do f32 products whose B is dense along k (HF-layout weights) on AVX-512 and AVX2 CPUs.
+//! Kernels: the `gemm` crate (f32) called single-threaded inside uniop's SPMD blocks, each block
+//! owning a band of rows of one batch — the pool stays the only source of parallelism (no second
+//! thread pool spinning on the same cores). bf16 runs our own packed kernel
+//! ([`crate::packed_gemm`]; the `gemm` crate has none), f32 sums rounded once, and so do f32
+//! products whose B is dense along k (HF-layout weights) on AVX-512 and AVX2 CPUs. f16 runs on the
+//! f32 kernels over widened operands, its sums rounded once (few rows times a weight: f16 dot
+//! products; see [`gemm_rows_f16_in_f32`] for why not the crate's f16 kernels).
 
 use crate::skinny::{Dots, Simd};
 use uniop::half::{bf16, f16};
@@ -381,9 +383,9 @@ impl Op for Matmul {
 
     fn doc(&self) -> &'static str {
         "Batched matrix product a [..., M, K] x b [..., K, N] -> [..., M, N]; batch dims broadcast (torch.matmul \
-         for rank >= 2); any strides, so transposed operands cost nothing. float32 and float16 (float32 \
-         accumulation) via the gemm crate, float32 with b dense along K via uniop's packed GEMM on AVX-512/AVX2 \
-         CPUs, bfloat16 via uniop's packed GEMM (AVX512-BF16, AMX tiles, or FMAs on widened pairs; float32 sums), \
+         for rank >= 2); any strides, so transposed operands cost nothing. float32 via the gemm crate, float32 \
+         with b dense along K via uniop's packed GEMM on AVX-512/AVX2 CPUs, float16 on the float32 kernels \
+         (operands widened, sums rounded once), bfloat16 via uniop's packed GEMM (AVX512-BF16, AMX tiles, or FMAs on widened pairs; float32 sums), \
          inside uniop's SPMD blocks."
     }
 
