@@ -451,26 +451,9 @@ impl Dots for f16 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
     unsafe fn dots_avx512<const R: usize>(a: [*const f16; R], b: [*const f16; 4], k: usize) -> [[f32; 4]; R] {
         use std::arch::x86_64::*;
-        let load = |ptr: *const f16, p: usize, mask: __mmask16| {
+        avx512_dots(a, b, k, |ptr: *const f16, p: usize, mask: __mmask16| {
             _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, ptr.add(p) as *const i16))
-        };
-        let mut acc = [[_mm512_setzero_ps(); 4]; R];
-        let mut p = 0;
-        while p < k {
-            let mask: __mmask16 = if k - p >= 16 { u16::MAX } else { (1u16 << (k - p)) - 1 };
-            let mut bv = [_mm512_setzero_ps(); 4];
-            for (v, &ptr) in bv.iter_mut().zip(&b) {
-                *v = load(ptr, p, mask);
-            }
-            for (acc, &ai) in acc.iter_mut().zip(&a) {
-                let av = load(ai, p, mask);
-                for (acc, &bv) in acc.iter_mut().zip(&bv) {
-                    *acc = _mm512_fmadd_ps(av, bv, *acc);
-                }
-            }
-            p += 16;
-        }
-        sums_of_fours(&acc)
+        })
     }
 
     /// 8 lanes per FMA, each f16 widened by F16C's `vcvtph2ps`.
@@ -498,23 +481,7 @@ impl Dots for f32 {
     #[target_feature(enable = "avx512f")]
     unsafe fn dots_avx512<const R: usize>(a: [*const f32; R], b: [*const f32; 4], k: usize) -> [[f32; 4]; R] {
         use std::arch::x86_64::*;
-        let mut acc = [[_mm512_setzero_ps(); 4]; R];
-        let mut p = 0;
-        while p < k {
-            let mask: __mmask16 = if k - p >= 16 { u16::MAX } else { (1u16 << (k - p)) - 1 };
-            let mut bv = [_mm512_setzero_ps(); 4];
-            for (v, &ptr) in bv.iter_mut().zip(&b) {
-                *v = _mm512_maskz_loadu_ps(mask, ptr.add(p));
-            }
-            for (acc, &ai) in acc.iter_mut().zip(&a) {
-                let av = _mm512_maskz_loadu_ps(mask, ai.add(p));
-                for (acc, &bv) in acc.iter_mut().zip(&bv) {
-                    *acc = _mm512_fmadd_ps(av, bv, *acc);
-                }
-            }
-            p += 16;
-        }
-        sums_of_fours(&acc)
+        avx512_dots(a, b, k, |ptr: *const f32, p: usize, mask: __mmask16| _mm512_maskz_loadu_ps(mask, ptr.add(p)))
     }
 
     /// 8 lanes per FMA. No software prefetch: f32 rows are twice as long, and prefetching the
@@ -530,6 +497,39 @@ impl Dots for f32 {
         use std::arch::x86_64::*;
         avx2_dots(a, b, k, cols, false, |ptr: *const f32, p: usize| _mm256_loadu_ps(ptr.add(p)))
     }
+}
+
+/// The AVX-512 dot products of elements `load` widens 16 at a time to f32 (the lanes `mask` keeps,
+/// zeros in the others): `a[i] · b[j]` for four rows `b`, the last step masked.
+///
+/// # Safety
+/// As [`Dots::dots`], inlined into a caller compiled with AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn avx512_dots<T, const R: usize>(
+    a: [*const T; R],
+    b: [*const T; 4],
+    k: usize,
+    load: impl Fn(*const T, usize, std::arch::x86_64::__mmask16) -> std::arch::x86_64::__m512,
+) -> [[f32; 4]; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 4]; R];
+    let mut p = 0;
+    while p < k {
+        let mask: __mmask16 = if k - p >= 16 { u16::MAX } else { (1u16 << (k - p)) - 1 };
+        let mut bv = [_mm512_setzero_ps(); 4];
+        for (v, &ptr) in bv.iter_mut().zip(&b) {
+            *v = load(ptr, p, mask);
+        }
+        for (acc, &ai) in acc.iter_mut().zip(&a) {
+            let av = load(ai, p, mask);
+            for (acc, &bv) in acc.iter_mut().zip(&bv) {
+                *acc = _mm512_fmadd_ps(av, bv, *acc);
+            }
+        }
+        p += 16;
+    }
+    sums_of_fours(&acc)
 }
 
 /// Each row's four registers summed across their lanes, the four together: two interleaving
