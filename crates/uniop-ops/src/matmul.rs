@@ -223,14 +223,17 @@ pub(crate) unsafe fn gemm_rows<T: Element>(
     );
 }
 
-/// [`gemm_rows`] for f16 through the f32 kernels: the band of A, B and (when accumulating) the band
-/// of the output are widened into f32 scratch, multiplied there and the sums rounded to f16 once.
+/// [`gemm_rows`] for f16 through the f32 kernels: a block of rows of A, a block of columns of B and
+/// (when accumulating) that block of the output are widened into f32 scratch, multiplied there, and
+/// the sums rounded to f16 once. Blocks hold about [`WIDENED_WORDS`] words each, so the scratch stays
+/// small whatever the product (widening a whole `[32000, 4096]` lm_head would keep 512 MiB per thread).
 ///
 /// The `gemm` crate's f16 kernels round their running sums to f16 wherever they keep them in the
 /// output: between its k blocks, and at every step of k in its GEMV for one row of A times a B
 /// dense along n, which took `[1, 8198] · [8198, 256]` to 38 f16 ulps of error (torch: under one).
-/// Widening costs a pass over B per block, which a product of few rows would feel: those (decode
-/// against a weight) take [`crate::skinny`]'s f16 dot products instead, which widen as they read.
+/// Widening costs a pass over each block of B per block of rows, which a product of few rows would
+/// feel: those (decode against a weight) take [`crate::skinny`]'s f16 dot products instead, which
+/// widen as they read.
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_rows_f16_in_f32(
     rows: std::ops::Range<usize>,
@@ -244,36 +247,45 @@ unsafe fn gemm_rows_f16_in_f32(
     thread_local! {
         static WIDENED: std::cell::RefCell<[Vec<f32>; 3]> = const { std::cell::RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
     }
-    let m = rows.len();
+    let row_block = (WIDENED_WORDS / k).clamp(1, rows.len());
+    let column_block = (WIDENED_WORDS / k.max(row_block)).next_multiple_of(16).min(n);
     WIDENED.with_borrow_mut(|[a, b, c]| {
-        let band = |mat: Mat<f16>| Mat { ptr: mat.ptr.offset(rows.start as isize * mat.rs), ..mat };
-        let lhs = widen_matrix(band(lhs), m, k, a);
-        // B keeps the orientation it is dense in, so a weight-layout B takes the f32 routes for one.
-        let rhs = if rhs.rs == 1 && rhs.cs != 1 {
-            let lines = widen_matrix(Mat { ptr: rhs.ptr, rs: rhs.cs, cs: 1 }, n, k, b);
-            Mat { ptr: lines.ptr, rs: 1, cs: k as isize }
-        } else {
-            widen_matrix(rhs, k, n, b)
-        };
-        let out_band = Dst { ptr: dst.ptr.offset(rows.start as isize * dst.rs), ..dst };
-        c.resize(m * n, 0.0);
-        if accumulate {
-            widen_matrix(Mat { ptr: out_band.ptr, rs: out_band.rs, cs: out_band.cs }, m, n, c);
-        }
-        let sums = Dst { ptr: c.as_mut_ptr(), rs: n as isize, cs: 1 };
-        gemm_rows(0..m, n, k, sums, lhs, rhs, accumulate);
-        for (r, row) in c.chunks_exact(n.max(1)).take(m).enumerate() {
-            let line = out_band.ptr.offset(r as isize * out_band.rs);
-            if out_band.cs == 1 {
-                f16::narrow(row, std::slice::from_raw_parts_mut(line, n));
-            } else {
-                for (j, &v) in row.iter().enumerate() {
-                    *line.offset(j as isize * out_band.cs) = f16::from_f32(v);
+        for r0 in rows.clone().step_by(row_block) {
+            let m = row_block.min(rows.end - r0);
+            let lhs = widen_matrix(Mat { ptr: lhs.ptr.offset(r0 as isize * lhs.rs), ..lhs }, m, k, a);
+            for c0 in (0..n).step_by(column_block) {
+                let cols = column_block.min(n - c0);
+                let first = rhs.ptr.offset(c0 as isize * rhs.cs);
+                // B keeps the orientation it is dense in, so a weight takes the f32 routes for weights.
+                let rhs = if rhs.rs == 1 && rhs.cs != 1 {
+                    let lines = widen_matrix(Mat { ptr: first, rs: rhs.cs, cs: 1 }, cols, k, b);
+                    Mat { ptr: lines.ptr, rs: 1, cs: k as isize }
+                } else {
+                    widen_matrix(Mat { ptr: first, ..rhs }, k, cols, b)
+                };
+                let out = Dst { ptr: dst.ptr.offset(r0 as isize * dst.rs + c0 as isize * dst.cs), ..dst };
+                c.resize(m * cols, 0.0);
+                if accumulate {
+                    widen_matrix(Mat { ptr: out.ptr, rs: out.rs, cs: out.cs }, m, cols, c);
+                }
+                gemm_rows(0..m, cols, k, Dst { ptr: c.as_mut_ptr(), rs: cols as isize, cs: 1 }, lhs, rhs, accumulate);
+                for (r, row) in c.chunks_exact(cols).take(m).enumerate() {
+                    let line = out.ptr.offset(r as isize * out.rs);
+                    if out.cs == 1 {
+                        f16::narrow(row, std::slice::from_raw_parts_mut(line, cols));
+                    } else {
+                        for (j, &v) in row.iter().enumerate() {
+                            *line.offset(j as isize * out.cs) = f16::from_f32(v);
+                        }
+                    }
                 }
             }
         }
     });
 }
+
+/// Words of each f16 operand block [`gemm_rows_f16_in_f32`] widens at once (4 MiB of f32).
+const WIDENED_WORDS: usize = 1 << 20;
 
 /// `rows × cols` of `mat` as a dense row-major f32 matrix in `out` (resized to hold it).
 ///
@@ -554,7 +566,8 @@ mod tests {
     /// f16 products round their f32 sums once, whichever route a shape takes: one row times a B
     /// dense along n (the `gemm` crate's GEMV kept its sums in f16 there: 38 ulps off at k = 8198),
     /// few rows times a weight (the skinny dot products), bands of rows times either (f32 kernels
-    /// over widened operands) accumulating or not, and a product too shallow for any GEMM.
+    /// over widened operands, in one block and in several) accumulating or not, and a product too
+    /// shallow for any GEMM.
     #[test]
     fn f16_products_round_their_sums_once() {
         for (m, k, n, weight_layout, accumulate) in [
@@ -564,6 +577,9 @@ mod tests {
             (70, 300, 50, false, true),
             (70, 300, 50, true, false),
             (2, 2, 7, false, true),
+            // Deep enough that the widened blocks split both the rows and the columns (52 and 64).
+            (70, 20_000, 80, true, true),
+            (70, 20_000, 80, false, false),
         ] {
             let case = if weight_layout { WeightCase::<f16>::new(m, k, n) } else { WeightCase::row_major(m, k, n) };
             case.check(0..m, accumulate, |dst, lhs, rhs| {
