@@ -397,8 +397,8 @@ impl Op for Matmul {
         "Batched matrix product a [..., M, K] x b [..., K, N] -> [..., M, N]; batch dims broadcast (torch.matmul \
          for rank >= 2); any strides, so transposed operands cost nothing. float32 via the gemm crate, float32 \
          with b dense along K via uniop's packed GEMM on AVX-512/AVX2 CPUs, float16 on the float32 kernels \
-         (operands widened, sums rounded once), bfloat16 via uniop's packed GEMM (AVX512-BF16, AMX tiles, or FMAs on widened pairs; float32 sums), \
-         inside uniop's SPMD blocks."
+         (operands widened, sums rounded once), bfloat16 via uniop's packed GEMM (AVX512-BF16, AMX tiles, or \
+         FMAs on widened pairs; float32 sums), inside uniop's SPMD blocks."
     }
 
     fn dtypes(&self) -> &'static [DType] {
