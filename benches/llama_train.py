@@ -26,10 +26,13 @@ def build(layers, dtype):
     return llama_patch.build(layers, dtype).train()
 
 
-def train(model, ids, steps):
-    """Best ms per step over `steps` steps of a fresh copy of `model`; the first step's loss and
-    gradients."""
+def train(model, ids, steps, patch):
+    """Best ms per step over `steps` steps of a fresh copy of `model` (patched with
+    `patch_llama(copy)` if `patch`: its attention, linear layers and loss too, not only the
+    classes' modules); the first step's loss and gradients."""
     model = copy.deepcopy(model)
+    if patch:
+        ut.patch_llama(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     best, first = float("inf"), None
     for step in range(steps + 1):  # the first step also warms up
@@ -72,10 +75,9 @@ def main():
         base = patched = float("inf")
         ratios = []
         for _ in range(a.rounds):
-            unpatched_ms, want = train(model, ids, a.steps)
-            ut.patch_llama()
+            unpatched_ms, want = train(model, ids, a.steps, patch=False)
             try:
-                patched_ms, got = train(model, ids, a.steps)
+                patched_ms, got = train(model, ids, a.steps, patch=True)
             finally:
                 ut.unpatch_llama()
             ratios.append(unpatched_ms / patched_ms)

@@ -792,8 +792,8 @@ def test_patched_layers_fuse_residual_adds_and_train_like_transformers():
         ran = {e.name for e in prof.events()}
     finally:
         ut.unpatch_llama()
-    assert {"uniop::add_rms_norm", "uniop::linear_add"} <= ran
-    assert {"uniop::add_rms_norm_backward", "uniop::linear_add_backward"} <= ran
+    assert {"uniop::add_rms_norm", "uniop::linear_add", "uniop::cross_entropy"} <= ran
+    assert {"uniop::add_rms_norm_backward", "uniop::linear_add_backward", "uniop::cross_entropy_backward"} <= ran
     assert abs(got_loss - want_loss) < 1e-5
     for name, g in want.items():
         assert torch.allclose(got[name], g, atol=1e-5, rtol=1e-4), name
@@ -892,3 +892,73 @@ def test_packed_weights_are_packed_once_follow_updates_and_keep_logits(monkeypat
     finally:
         ut.unpatch_llama()
     assert not any("_uniop_packed" in m.__dict__ or "_uniop_packed_pair" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("num_items", [None, 7, "tensor"], ids=["mean", "sum-int", "sum-tensor"])
+def test_patched_causal_lm_loss_matches_transformers(dtype, num_items):
+    """patch_llama(model) gives a causal LM uniop's cross_entropy as its loss: transformers'
+    ForCausalLMLoss (its float32 copy of the logits skipped) in value and gradient, with ignored
+    labels, given shift_labels, the sum over num_items_in_batch (int or tensor), and a batch whose
+    every label is ignored (NaN for the mean, 0 for the sum, as transformers gives)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from uniop.torch import llama
+
+    gen = torch.Generator().manual_seed(3)
+    num = torch.tensor(7) if num_items == "tensor" else num_items
+    labels = torch.randint(0, 50, (2, 9), generator=gen)
+    labels[0, 3:5] = -100
+    shifted = torch.randint(0, 50, (2, 9), generator=gen)
+    shifted[1, :4] = -100
+    cases = [
+        dict(labels=labels),
+        dict(labels=None, shift_labels=shifted),
+        dict(labels=torch.full((2, 9), -100)),
+    ]
+    for kwargs in cases:
+        base = torch.randn(2, 9, 50, generator=gen).to(dtype)
+        grads = []
+        for loss_fn in (ForCausalLMLoss, llama._causal_lm_loss):
+            logits = base.clone().requires_grad_(True)
+            loss = loss_fn(logits, vocab_size=50, num_items_in_batch=num, **kwargs)
+            assert loss.dtype == torch.float32 and loss.dim() == 0
+            if not loss.isnan():
+                loss.backward()
+                grads.append((loss.detach(), logits.grad))
+            else:
+                grads.append((loss.detach(), None))
+        (want, want_grad), (got, got_grad) = grads
+        torch.testing.assert_close(got, want, equal_nan=True, atol=1e-5, rtol=1e-5)
+        if want_grad is not None:
+            assert got_grad.dtype == dtype
+            atol = 1e-6 if dtype == torch.float32 else 2e-3
+            torch.testing.assert_close(got_grad.float(), want_grad.float(), atol=atol, rtol=0)
+
+
+def test_patch_llama_sets_and_restores_the_loss_but_keeps_a_users_own():
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from uniop.torch import llama
+
+    model = _tiny_llama()
+    try:
+        ut.patch_llama(model)
+        assert model.loss_function is llama._causal_lm_loss
+    finally:
+        ut.unpatch_llama()
+    assert model.loss_function is ForCausalLMLoss and "_loss_function" not in model.__dict__
+
+    def own(logits, labels, vocab_size, **kwargs):
+        return logits.float().square().mean()
+
+    model.loss_function = own
+    try:
+        ut.patch_llama(model)
+        assert model.loss_function is own
+        base = _tiny_llama().model  # a base model has no loss to patch
+        ut.patch_llama(base)
+        assert "_loss_function" not in base.__dict__
+    finally:
+        ut.unpatch_llama()
+    assert model.loss_function is own
