@@ -4,8 +4,8 @@
 
 The random LlamaForCausalLM of benches/llama_patch.py (hidden 384, GQA 6 query / 2 kv heads, built
 offline from a config) in train mode: one step is the forward with labels (the causal-LM loss), its
-backward, and an AdamW update. fp32 and bf16 (weights and activations in bf16, as a bf16 fine-tune
-runs without autocast); unpatched and patched alternating for --rounds, each timing --steps steps
+backward, and an AdamW update. fp32, bf16 (weights and activations in bf16, as a bf16 fine-tune
+runs without autocast) and mixed precision (fp32 weights, the forward under bf16 autocast); unpatched and patched alternating for --rounds, each timing --steps steps
 from the same weights and keeping the best. Prints a markdown table of ms per step with the
 patched/unpatched ratio (best figures, and the median of each round's own ratio), and the largest
 difference between the two versions' first-step losses and weight gradients.
@@ -26,10 +26,11 @@ def build(layers, dtype):
     return llama_patch.build(layers, dtype).train()
 
 
-def train(model, ids, steps, patch):
+def train(model, ids, steps, patch, autocast):
     """Best ms per step over `steps` steps of a fresh copy of `model` (patched with
     `patch_llama(copy)` if `patch`: its attention, linear layers and loss too, not only the
-    classes' modules); the first step's loss and gradients."""
+    classes' modules; its forward under bf16 autocast if `autocast`); the first step's loss and
+    gradients."""
     model = copy.deepcopy(model)
     if patch:
         ut.patch_llama(model)
@@ -37,7 +38,8 @@ def train(model, ids, steps, patch):
     best, first = float("inf"), None
     for step in range(steps + 1):  # the first step also warms up
         t = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         if step == 0:
             first = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
@@ -70,20 +72,24 @@ def main():
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, batch {a.batch}, sequence {a.seq}\n")
     print("| dtype | version | ms per step | speed-up | speed-up, median of rounds | loss diff | max grad diff (rel) |")
     print("|---|---|---|---|---|---|---|")
-    for dtype in (torch.float32, torch.bfloat16):
+    # Mixed precision as most training runs: float32 weights, the forward under bf16 autocast.
+    for name, dtype, autocast in (
+        ("float32", torch.float32, False),
+        ("bfloat16", torch.bfloat16, False),
+        ("autocast bf16", torch.float32, True),
+    ):
         model = build(a.layers, dtype)
         base = patched = float("inf")
         ratios = []
         for _ in range(a.rounds):
-            unpatched_ms, want = train(model, ids, a.steps, patch=False)
+            unpatched_ms, want = train(model, ids, a.steps, False, autocast)
             try:
-                patched_ms, got = train(model, ids, a.steps, patch=True)
+                patched_ms, got = train(model, ids, a.steps, True, autocast)
             finally:
                 ut.unpatch_llama()
             ratios.append(unpatched_ms / patched_ms)
             base, patched = min(base, unpatched_ms), min(patched, patched_ms)
         loss_diff, grad_diff = difference(want, got)
-        name = str(dtype).removeprefix("torch.")
         print(f"| {name} | transformers | {base:.1f} | | | | |")
         print(
             f"| {name} | uniop patch | {patched:.1f} | {base / patched:.2f}x | {statistics.median(ratios):.2f}x "
