@@ -508,7 +508,7 @@ impl<T: FloatElement> WeightCase<T> {
 
     /// Runs `product(dst, rows, b)` on a fresh copy of the starting output and checks that rows
     /// `band` hold the product (added to the start with `accumulate`) and the others are untouched:
-    /// f32 within 1e-4 relative, f16 within one rounding of the result plus the f32 sums' own
+    /// f32 within 1e-4 relative, f16 and bf16 within one rounding of the result plus the f32 sums' own
     /// error (which scales with the terms, and stays when the result cancels to near zero).
     pub fn check(&self, band: std::ops::Range<usize>, accumulate: bool, product: impl FnOnce(Dst<T>, Mat<T>, Mat<T>)) {
         let (m, k, n) = (self.m, self.k, self.n);
@@ -533,6 +533,7 @@ impl<T: FloatElement> WeightCase<T> {
                 };
                 let tolerance = match T::DTYPE {
                     DType::F16 => 2f64.powi(want.abs().max(6.2e-5).log2().floor() as i32 - 10) + magnitude * 1e-6,
+                    DType::BF16 => 2f64.powi(want.abs().max(1e-30).log2().floor() as i32 - 7) + magnitude * 1e-6,
                     _ => 1e-4 * (1.0 + want.abs()),
                 };
                 let got = out[r * n + c].to_f64();
