@@ -4,11 +4,13 @@
 
 The random LlamaForCausalLM of benches/llama_patch.py (hidden 384, GQA 6 query / 2 kv heads, built
 offline from a config) in train mode: one step is the forward with labels (the causal-LM loss), its
-backward, and an AdamW update. fp32, bf16 (weights and activations in bf16, as a bf16 fine-tune
-runs without autocast) and mixed precision (fp32 weights, the forward under bf16 autocast); unpatched and patched alternating for --rounds, each timing --steps steps
-from the same weights and keeping the best. Prints a markdown table of ms per step with the
-patched/unpatched ratio (best figures, and the median of each round's own ratio), and the largest
-difference between the two versions' first-step losses and weight gradients.
+backward, and a fused AdamW update (the default optimizer of transformers' Trainer with torch >=
+2.8). fp32, bf16 (weights and activations in bf16, as a bf16 fine-tune runs without autocast) and
+mixed precision (fp32 weights, the forward under bf16 autocast); unpatched and patched alternating
+for --rounds, each timing --steps steps from the same weights and keeping the best. Prints a
+markdown table of ms per step with the patched/unpatched ratio (best figures, and the median of
+each round's own ratio), and the largest difference between the two versions' first-step losses
+and weight gradients.
 """
 
 import argparse
@@ -34,7 +36,7 @@ def train(model, ids, steps, patch, autocast):
     model = copy.deepcopy(model)
     if patch:
         ut.patch_llama(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     best, first = float("inf"), None
     for step in range(steps + 1):  # the first step also warms up
         t = time.perf_counter()
