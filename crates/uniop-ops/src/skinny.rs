@@ -113,10 +113,10 @@ unsafe fn group_rows<T, const G: usize>(b: (*const T, isize), g: usize, cols: us
 }
 
 /// [`Dots::dots`] at the AVX-512 level, `G` rows of `b` at a time. A weight streamed from memory
-/// comes in faster the more of its rows are read at once — up to a point: one bf16 row of the
-/// `[1, 4096] x [11008, 4096]` product (out of cache) at a time ran at ~40 GB/s on two Zen 4
-/// cores, four at ~40, eight at ~47 (torch's ~46), sixteen at ~46; f16 went from 0.8–0.9x torch to
-/// ~1.05x with eight, f32 stayed level. The sums of `R × G` must stay in registers, so eight rows
+/// comes in faster the more of its rows are read at once — up to a point: for the bf16
+/// `[1, 4096] x [11008, 4096]` product (out of cache) on two Zen 4 cores, reading one row at a
+/// time ran at ~40 GB/s, four at ~40, eight at ~47 (torch's ~46), sixteen at ~46; f16 went from
+/// 0.8–0.9x torch to ~1.05x with eight, f32 stayed level. The sums of `R × G` must stay in registers, so eight rows
 /// for one or two rows of `a`, four for more.
 ///
 /// # Safety
