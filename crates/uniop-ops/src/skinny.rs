@@ -573,29 +573,31 @@ unsafe fn avx512_dots<T, const R: usize, const G: usize>(
 /// Each register summed across its lanes, four registers of a row together: two interleaving
 /// steps leave every 128-bit lane holding partial sums of all four, then the lanes are added
 /// (about a third of the instructions of four separate reductions, which dominated 64-deep
-/// products such as decode's `Q · Kᵀ` at head dim 64). `G` is a multiple of four.
+/// products such as decode's `Q · Kᵀ` at head dim 64).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn lane_sums<const R: usize, const G: usize>(acc: &[[std::arch::x86_64::__m512; G]; R]) -> [[f32; G]; R] {
     use std::arch::x86_64::*;
+    const { assert!(G % 4 == 0, "registers are reduced four at a time") };
     let mut sums = [[0f32; G]; R];
-    for (i, q) in (0..R).flat_map(|i| (0..G).step_by(4).map(move |q| (i, q))) {
-        let [v0, v1, v2, v3] = [acc[i][q], acc[i][q + 1], acc[i][q + 2], acc[i][q + 3]];
-        // Per lane: [v0₀+v0₂, v1₀+v1₂, v0₁+v0₃, v1₁+v1₃], and likewise for v2, v3.
-        let s01 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1)));
-        let s23 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3)));
-        // Per lane: the four registers' partial sums, in order.
-        let lanes = _mm512_add_ps(
-            _mm512_castpd_ps(_mm512_unpacklo_pd(s01, s23)),
-            _mm512_castpd_ps(_mm512_unpackhi_pd(s01, s23)),
-        );
-        let half = _mm256_add_ps(
-            _mm512_castps512_ps256(lanes),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(lanes))),
-        );
-        let quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps::<1>(half));
-        _mm_storeu_ps(sums[i][q..q + 4].as_mut_ptr(), quarter);
+    for (row, registers) in sums.iter_mut().zip(acc) {
+        for (out, &[v0, v1, v2, v3]) in row.chunks_exact_mut(4).zip(registers.as_chunks::<4>().0) {
+            // Per lane: [v0₀+v0₂, v1₀+v1₂, v0₁+v0₃, v1₁+v1₃], and likewise for v2, v3.
+            let s01 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1)));
+            let s23 = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3)));
+            // Per lane: the four registers' partial sums, in order.
+            let lanes = _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(s01, s23)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(s01, s23)),
+            );
+            let half = _mm256_add_ps(
+                _mm512_castps512_ps256(lanes),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(lanes))),
+            );
+            let quarter = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps::<1>(half));
+            _mm_storeu_ps(out.as_mut_ptr(), quarter);
+        }
     }
     sums
 }
