@@ -579,7 +579,7 @@ unsafe fn avx512_dots<T, const R: usize, const G: usize>(
 #[inline]
 unsafe fn lane_sums<const R: usize, const G: usize>(acc: &[[std::arch::x86_64::__m512; G]; R]) -> [[f32; G]; R] {
     use std::arch::x86_64::*;
-    const { assert!(G % 4 == 0, "registers are reduced four at a time") };
+    const { assert!(G.is_multiple_of(4), "registers are reduced four at a time") };
     let mut sums = [[0f32; G]; R];
     for (row, registers) in sums.iter_mut().zip(acc) {
         for (out, &[v0, v1, v2, v3]) in row.chunks_exact_mut(4).zip(registers.as_chunks::<4>().0) {
