@@ -1,9 +1,11 @@
 """Tiny Llama on CPU, transformers' own modules vs uniop.torch.patch_llama, in one run.
 
     .venv/bin/python benches/llama_patch.py [--layers 6] [--prompt 512] [--new 64] [--rounds 3] [--pack-weights]
-                                            [--batch 1]
+                                            [--batch 1] [--family Llama|Mistral|Qwen2|Qwen3]
 
-A random LlamaForCausalLM (hidden 384, GQA 6 query / 2 kv heads, built offline from a config):
+A random LlamaForCausalLM (hidden 384, GQA 6 query / 2 kv heads of 64, built offline from a config;
+``--family`` builds the same sizes as a Mistral, Qwen2 or Qwen3 model, with their own defaults
+otherwise: Qwen2's q/k/v bias, Qwen3's q/k norms):
 prefill of a prompt (time to the first token, ms) and greedy decode (the other tokens of
 model.generate with the KV cache, tokens/s), fp32 and bf16, unpatched and patched alternating for --rounds, best of --repeats each. Prints a markdown table with
 the patched/unpatched ratios — of the best figures over all rounds, and the median of each round's own ratio
@@ -18,23 +20,27 @@ import statistics
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import transformers
 
 import uniop.torch as ut
 
 
-def build(layers, dtype):
-    cfg = LlamaConfig(
+FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+
+
+def build(layers, dtype, family="Llama"):
+    cfg = getattr(transformers, family + "Config")(
         vocab_size=8192,
         hidden_size=384,
         intermediate_size=1024,
         num_hidden_layers=layers,
         num_attention_heads=6,
         num_key_value_heads=2,
+        head_dim=64,
         max_position_embeddings=2048,
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to(dtype).eval()
+    return getattr(transformers, family + "ForCausalLM")(cfg).to(dtype).eval()
 
 
 def best(fn, repeats):
@@ -90,11 +96,12 @@ def main():
         "--pack-weights", action="store_true", help="patch_llama(pack_weights=True): prefill products on weights packed once"
     )
     p.add_argument("--batch", type=int, default=1, help="prompts in a left-padded batch")
+    p.add_argument("--family", choices=FAMILIES, default="Llama", help="the model's architecture, same sizes")
     a = p.parse_args()
     prompt = prompts(a.batch, a.prompt)
     print(
         f"torch {torch.__version__}, threads {torch.get_num_threads()}, prompt {a.prompt}, new tokens {a.new}, "
-        f"pack_weights {a.pack_weights}, batch {a.batch}\n"
+        f"pack_weights {a.pack_weights}, batch {a.batch}, {a.family}\n"
     )
     print(
         "| dtype | version | prefill ms | decode tok/s | prefill speed-up | decode speed-up "
@@ -102,7 +109,7 @@ def main():
     )
     print("|---|---|---|---|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):
-        model = build(a.layers, dtype)
+        model = build(a.layers, dtype, a.family)
         # Unpatched and patched alternate for --rounds, each keeping its best prefill and decode
         # rate: a slow phase of this shared machine then lands in both versions, not in one ratio.
         base = patched = None

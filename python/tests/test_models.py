@@ -539,6 +539,70 @@ def test_patch_llama_keeps_logits_and_greedy_tokens(dtype, tol):
     assert model.config._attn_implementation == "sdpa"
 
 
+def _tiny_family_model(family):
+    """A tiny random causal LM of a family patch_llama covers besides Llama, with a 16-position
+    sliding window (on every layer for Mistral, on the second of two for Qwen2 and Qwen3, which
+    also have bias on q/k/v and per-head q/k norms respectively)."""
+    import transformers
+
+    config = {"sliding_window": 16} if family == "Mistral" else {"use_sliding_window": True, "sliding_window": 16}
+    if family != "Mistral":
+        config["max_window_layers"] = 1
+    classes = getattr(transformers, family + "Config"), getattr(transformers, family + "ForCausalLM")
+    return _tiny_model(*classes, **config)
+
+
+@pytest.mark.parametrize("family", ["Mistral", "Qwen2", "Qwen3"])
+def test_patch_llama_covers_the_families_built_from_llamas_modules(family):
+    """patch_llama patches Mistral, Qwen2 and Qwen3 models as it does Llama's: on 40-token prompts,
+    longer than the 16-position window (which changes these logits by ~0.1-0.3), a plain and a
+    left-padded batch give transformers' logits (the padded one at its real positions), greedy
+    decoding of the padded batch past the window gives its tokens, and a training step its loss
+    and gradients; every attention call runs straight through (never the attention interface),
+    and the MLP, norms, rope and residual adds run on uniop."""
+    from transformers import AttentionInterface
+
+    from uniop.torch import attention_interface, llama
+
+    model = _tiny_family_model(family)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # left padding
+
+    def run():
+        with torch.no_grad():
+            plain, padded = model(ids).logits, model(ids, attention_mask=mask).logits
+            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        model.train().zero_grad()
+        loss = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        loss.backward()
+        model.eval()
+        return plain, padded, tokens, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want = run()
+    interface_calls = []
+    try:
+        ut.patch_llama(model)
+        AttentionInterface.register(
+            llama.ATTENTION, lambda *a, **k: interface_calls.append(1) or attention_interface.attention(*a, **k)
+        )
+        with torch.profiler.profile() as prof:
+            got = run()
+        ran = {e.name for e in prof.events()}
+    finally:
+        ut.unpatch_llama()
+        ut.register_attention()
+    assert not interface_calls
+    assert {"uniop::attention", "uniop::linear_silu_mul", "uniop::add_rms_norm", "uniop::linear_add"} <= ran
+    assert {"uniop::rope", "uniop::rms_norm", "uniop::attention_backward", "uniop::cross_entropy_backward"} <= ran
+    assert torch.allclose(got[0], want[0], atol=1e-4)
+    assert torch.allclose(got[1][mask.bool()], want[1][mask.bool()], atol=1e-4)
+    assert torch.equal(got[2], want[2])
+    assert abs(got[3] - want[3]) < 1e-5
+    for name, g in want[4].items():
+        assert torch.allclose(got[4][name], g, atol=1e-5, rtol=1e-4), name
+
+
 def test_patched_llama_compiles_with_dynamic_shapes():
     """A patched Llama's forward under torch.compile(dynamic=True) generates the unpatched
     model's greedy tokens in at most three graphs for a prompt and eight decode steps (it was one
@@ -817,7 +881,7 @@ def test_patch_before_instantiation_and_unpatch():
     assert m.LlamaRMSNorm.forward is original
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, patched, atol=1e-4)
-    with pytest.raises(TypeError, match="expected a transformers Llama model"):
+    with pytest.raises(TypeError, match="expected a transformers Llama, Mistral, Qwen2, Qwen3 model, got Linear"):
         ut.patch_llama(nn.Linear(2, 2))
 
 

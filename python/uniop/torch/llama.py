@@ -3,26 +3,27 @@
 :func:`patch_llama` replaces ``LlamaRMSNorm.forward`` (uniop ``rms_norm``, HF's dtype rule kept),
 ``LlamaMLP.forward`` (with SiLU: both projections and the activation as one ``linear_silu_mul``
 where uniop's GEMM is the faster one — see below —, else the projections around uniop's fused
-``silu_mul``), ``LlamaDecoderLayer.forward`` (its two residual adds fused into the ops beside
-them: ``add_rms_norm`` after attention, ``linear_add`` for the MLP's down projection),
+``silu_mul``), ``LlamaDecoderLayer.forward`` (its two residual adds fused into the ops beside them:
+``add_rms_norm`` after attention, ``linear_add`` for the MLP's down projection),
 ``LlamaAttention.forward`` (plain calls on uniop attention run straight through, see
 :func:`_attention_forward`), ``LlamaRotaryEmbedding.forward`` (uniop ``rope_cos_sin`` of the
 module's own frequencies, see :func:`_rotary_forward`) and ``modeling_llama.apply_rotary_pos_emb``
-(uniop ``rope``). Methods are patched on the classes, so existing instances change too. Given a
-model, it also switches the model's attention to uniop's flash attention (registered with
-transformers as the ``"uniop"`` implementation by :func:`~uniop.torch.register_attention`;
-transformers' 4-D masks, boolean or float, go to uniop ``attention``'s ``mask``; dropout and
-softcap fall back to SDPA), a causal LM's loss to uniop ``cross_entropy`` (see
-:func:`_causal_lm_loss`) and its linear layers (projections and ``lm_head``) to uniop
-``linear``, which streams the weight at memory speed when there are few rows — decoding spends
-most of its time there — and prefill-sized products too: in bfloat16 always, in float32 where
+(uniop ``rope``), and the same pieces of the families transformers builds from Llama's modules:
+Mistral, Qwen2 and Qwen3 (see ``_FAMILIES``). Methods are patched on the classes, so existing
+instances change too. Given a model, it also switches the model's attention to uniop's flash
+attention (registered with transformers as the ``"uniop"`` implementation by
+:func:`~uniop.torch.register_attention`; transformers' 4-D masks, boolean or float, go to uniop
+``attention``'s ``mask``; dropout and softcap fall back to SDPA), a causal LM's loss to uniop
+``cross_entropy`` (see :func:`_causal_lm_loss`) and its linear layers (projections and ``lm_head``)
+to uniop ``linear``, which streams the weight at memory speed when there are few rows — decoding
+spends most of its time there — and prefill-sized products too: in bfloat16 always, in float32 where
 uniop's GEMM is the faster one on this CPU (with AVX-512 on CPUs other than Intel's). It also makes
-transformers' ``DynamicLayer.update`` (the default KV cache) grow in place: the cache becomes a
-view of a buffer with room to spare, so a decode step writes its new rows instead of copying
-the whole cache with ``torch.cat`` (O(length) per layer and step). With ``pack_weights=True``,
-prefill-sized products take weights packed once (see :func:`patch_llama`). The ops themselves are
-called through :data:`uniop.torch.nn.uniop_ops`, which skips torch's dispatcher where it has
-nothing to do (inference under ``no_grad``).
+transformers' ``DynamicLayer.update`` (the default KV cache) grow in place: the cache becomes a view
+of a buffer with room to spare, so a decode step writes its new rows instead of copying the whole
+cache with ``torch.cat`` (O(length) per layer and step). With ``pack_weights=True``, prefill-sized
+products take weights packed once (see :func:`patch_llama`). The ops themselves are called through
+:data:`uniop.torch.nn.uniop_ops`, which skips torch's dispatcher where it has nothing to do
+(inference under ``no_grad``).
 :func:`unpatch_llama` restores all of it.
 """
 
@@ -36,6 +37,7 @@ import uniop
 from . import nn as unn
 from .attention_interface import ATTENTION, register_attention, takes_mask
 
+# {(class or module, attribute): what patch_llama replaced}
 _originals = {}
 # (model, its attention implementation before patching, its patched linears, its own
 # `_loss_function` before patching: _NO_LOSS where it had none, None where its loss stays)
@@ -43,10 +45,35 @@ _models = []
 _NO_LOSS = object()
 
 
-def _modeling():
-    from transformers.models.llama import modeling_llama
+# transformers families whose modeling files copy Llama's modules (module name: class-name prefix).
+# Their RMSNorm, MLP, decoder layer and rotary embedding forwards and their
+# `apply_rotary_pos_emb` read as Llama's with the names changed (transformers 5.24, source
+# against source), and their attention differs only where uniop's path covers it: a sliding
+# window (Mistral; Qwen2's and Qwen3's windowed layers), which reaches the attention as its mask,
+# and Qwen3's RMSNorm of each head's queries and keys before the rope (`q_norm`, `k_norm`).
+_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
-    return modeling_llama
+
+def _modelings():
+    """``{class-name prefix: modeling module}`` of the families this transformers has (Qwen3
+    came in 4.51)."""
+    import importlib
+
+    found = {}
+    for family, prefix in _FAMILIES.items():
+        try:
+            found[prefix] = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:
+            continue
+    return found
+
+
+def _family_class(modeling, prefix, name):
+    return getattr(modeling, prefix + name)
+
+
+def _decoder_layers():
+    return tuple(_family_class(m, prefix, "DecoderLayer") for prefix, m in _modelings().items())
 
 
 def _is_silu(mlp):
@@ -56,15 +83,16 @@ def _is_silu(mlp):
     )
 
 
-def _layer_forward(original):
-    """``LlamaDecoderLayer.forward`` with its residual adds fused: the one after attention into the
-    post-attention RMSNorm (``add_rms_norm``), the one after the MLP into its down projection
-    (``linear_add``). Layers called other than as ``LlamaModel`` calls them (hidden states, the rest
-    by keyword), or with a replaced MLP, keep transformers' forward."""
+def _layer_forward(original, mlp_class):
+    """``LlamaDecoderLayer.forward`` (or a family's copy, whose MLP is ``mlp_class``) with its
+    residual adds fused: the one after attention into the post-attention RMSNorm
+    (``add_rms_norm``), the one after the MLP into its down projection (``linear_add``). Layers
+    called other than as ``LlamaModel`` calls them (hidden states, the rest by keyword), or with a
+    replaced MLP, keep transformers' forward."""
 
     def forward(self, hidden_states, *args, **kwargs):
         mlp = self.mlp
-        if args or type(mlp) is not _modeling().LlamaMLP or not _is_silu(mlp):
+        if args or type(mlp) is not mlp_class or not _is_silu(mlp):
             return original(self, hidden_states, *args, **kwargs)
         fuse, packed = _on_uniop_gemm(hidden_states), _packs(hidden_states)
         h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
@@ -80,9 +108,10 @@ def _attention_forward(original):
     lookup, the interface's output copy and the deprecated-argument wrapper. In a tiny Llama's fp32
     decode step the attention module took ~330 µs a layer of which its ops took ~235; this path
     decoded 1.02-1.06x faster (alternated in one process). A padded batch's 4-D mask (boolean, or
-    float as transformers 4.x makes it) goes to ``attention``'s ``mask``. Calls that need more — a
-    mask of another rank or dtype, dropout, another attention implementation or cache type,
-    positional extras — keep transformers' forward."""
+    float as transformers 4.x makes it) goes to ``attention``'s ``mask``, as does a sliding
+    window's (transformers builds it per layer type; the interface's ``sliding_window`` argument
+    only repeats it). Calls that need more — a mask of another rank or dtype, dropout, another
+    attention implementation or cache type, positional extras — keep transformers' forward."""
     from transformers.cache_utils import DynamicCache
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
@@ -99,10 +128,12 @@ def _attention_forward(original):
         if not plain or not (cache is None or type(cache) is DynamicCache):
             return original(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         b, s, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(hidden_states).view(b, s, -1, self.head_dim)
+        k = self.k_proj(hidden_states).view(b, s, -1, self.head_dim)
         v = self.v_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
-        q, k = unn.apply_rotary_pos_emb(q, k, *position_embeddings)
+        if hasattr(self, "q_norm"):  # Qwen3 normalizes each head's queries and keys
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = unn.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         out = unn.uniop_ops.attention(q, k, v, None, self.is_causal, self.scaling, attention_mask)[0]
@@ -260,14 +291,23 @@ _MIN_CAPACITY = 256
 _GROWTH = 2
 
 
+def _dynamic_layer():
+    """transformers' default KV cache layer (imported here: transformers is optional)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return DynamicLayer
+
+
 def _growing_update(self, key_states, value_states, *args, **kwargs):
     """``DynamicLayer.update`` writing into reserved room: the keys/values returned (and kept on
     the layer) are views of larger buffers. Anything else that replaced ``keys``/``values`` since
     (``crop``, beam reordering, ``reset``) is taken over on the next update. Traced by
     ``torch.compile``, it is transformers' update: a graph cannot write into room a previous call
-    reserved (AOTAutograd fails on the views of it that come in as graph inputs)."""
+    reserved (AOTAutograd fails on the views of it that come in as graph inputs). Sliding-window
+    layers (``DynamicSlidingWindowLayer``) keep their own update, which drops the keys the window
+    has passed."""
     if torch.compiler.is_compiling():
-        return _originals["cache_update"](self, key_states, value_states, *args, **kwargs)
+        return _originals[(_dynamic_layer(), "update")](self, key_states, value_states, *args, **kwargs)
     if not self.is_initialized:
         self.lazy_initialization(key_states, value_states)
     room = getattr(self, "_uniop_room", None)
@@ -299,10 +339,31 @@ def _take_over(keys, values, incoming):
     return kbuf, vbuf, kbuf[..., :length, :], vbuf[..., :length, :]
 
 
+def _swap(owner, name, make):
+    """Sets ``owner.name`` to ``make(its current value)``, keeping that value for unpatching."""
+    original = getattr(owner, name)
+    _originals[(owner, name)] = original
+    setattr(owner, name, make(original))
+
+
+def _patch_classes():
+    _swap(_dynamic_layer(), "update", lambda _: _growing_update)
+    for prefix, modeling in _modelings().items():
+        mlp = _family_class(modeling, prefix, "MLP")
+        _swap(_family_class(modeling, prefix, "RMSNorm"), "forward", lambda _: unn.RMSNorm.forward)
+        _swap(mlp, "forward", _mlp_forward)
+        _swap(_family_class(modeling, prefix, "DecoderLayer"), "forward", lambda f, mlp=mlp: _layer_forward(f, mlp))
+        _swap(modeling, "apply_rotary_pos_emb", lambda _: unn.apply_rotary_pos_emb)
+        _swap(_family_class(modeling, prefix, "Attention"), "forward", _attention_forward)
+        _swap(_family_class(modeling, prefix, "RotaryEmbedding"), "forward", _rotary_forward)
+
+
 def patch_llama(model=None, pack_weights=False):
     """Routes Llama's RMSNorm, MLP and rotary embedding (and, given a model, its attention, its
     linear layers and a causal LM's loss) through uniop. Returns ``model``. Training runs through
-    all of it: every op has its backward.
+    all of it: every op has its backward. Models of the families built from Llama's modules —
+    Mistral, Qwen2, Qwen3 (see ``_FAMILIES``) — are patched the same way; other models raise a
+    TypeError.
 
     ``pack_weights``: prefill-sized products (more than 16 rows, in a dtype that runs on uniop's
     GEMM here) take their weights packed once by ``pack_weight`` instead of packing them in every
@@ -310,28 +371,11 @@ def patch_llama(model=None, pack_weights=False):
     packed copy of every linear weight a prefill uses, made on first use and kept beside the
     weight (repacked when the weight changes). Inference only: calls autograd records keep the
     unpacked route. The setting of the latest call holds for every patched model."""
-    m = _modeling()
-    if model is not None and not any(isinstance(mod, m.LlamaDecoderLayer) for mod in model.modules()):
-        raise TypeError(f"patch_llama: expected a transformers Llama model, got {type(model).__name__}")
+    if model is not None and not any(isinstance(mod, _decoder_layers()) for mod in model.modules()):
+        families = ", ".join(_FAMILIES.values())
+        raise TypeError(f"patch_llama: expected a transformers {families} model, got {type(model).__name__}")
     if not _originals:
-        from transformers.cache_utils import DynamicLayer
-
-        _originals.update(
-            rms_norm=m.LlamaRMSNorm.forward,
-            mlp=m.LlamaMLP.forward,
-            layer=m.LlamaDecoderLayer.forward,
-            rope=m.apply_rotary_pos_emb,
-            cache_update=DynamicLayer.update,
-            attention=m.LlamaAttention.forward,
-            rotary=m.LlamaRotaryEmbedding.forward,
-        )
-        m.LlamaRMSNorm.forward = unn.RMSNorm.forward
-        m.LlamaMLP.forward = _mlp_forward(_originals["mlp"])
-        m.LlamaDecoderLayer.forward = _layer_forward(_originals["layer"])
-        m.apply_rotary_pos_emb = unn.apply_rotary_pos_emb
-        m.LlamaAttention.forward = _attention_forward(_originals["attention"])
-        m.LlamaRotaryEmbedding.forward = _rotary_forward(_originals["rotary"])
-        DynamicLayer.update = _growing_update
+        _patch_classes()
     _PACK["on"] = bool(pack_weights)
     if model is not None and all(patched is not model for patched, *_ in _models):
         register_attention()
@@ -349,7 +393,7 @@ def patch_llama(model=None, pack_weights=False):
 
 
 def unpatch_llama():
-    """Restores transformers' own Llama implementations (and patched models' attention)."""
+    """Restores transformers' own implementations (and patched models' attention)."""
     _PACK["on"] = False
     while _models:
         model, previous, linears, own_loss = _models.pop()
@@ -361,14 +405,6 @@ def unpatch_llama():
         for mod in linears:
             del mod.forward
         unn.drop_packed_weights(model)
-    if _originals:
-        m = _modeling()
-        m.LlamaRMSNorm.forward = _originals.pop("rms_norm")
-        m.LlamaMLP.forward = _originals.pop("mlp")
-        m.LlamaDecoderLayer.forward = _originals.pop("layer")
-        m.apply_rotary_pos_emb = _originals.pop("rope")
-        m.LlamaAttention.forward = _originals.pop("attention")
-        m.LlamaRotaryEmbedding.forward = _originals.pop("rotary")
-        from transformers.cache_utils import DynamicLayer
-
-        DynamicLayer.update = _originals.pop("cache_update")
+    for (owner, name), original in _originals.items():
+        setattr(owner, name, original)
+    _originals.clear()
