@@ -1,16 +1,17 @@
 """Tiny Llama training steps on CPU, transformers' own modules vs uniop.torch.patch_llama, in one run.
 
     .venv/bin/python benches/llama_train.py [--layers 6] [--batch 4] [--seq 128] [--steps 3] [--rounds 3]
+                                            [--family Llama|Mistral|Qwen2|Qwen3]
 
 The random LlamaForCausalLM of benches/llama_patch.py (hidden 384, GQA 6 query / 2 kv heads, built
-offline from a config) in train mode: one step is the forward with labels (the causal-LM loss), its
-backward, and a fused AdamW update (the default optimizer of transformers' Trainer with torch >=
-2.8). fp32, bf16 (weights and activations in bf16, as a bf16 fine-tune runs without autocast) and
-mixed precision (fp32 weights, the forward under bf16 autocast); unpatched and patched alternating
-for --rounds, each timing --steps steps from the same weights and keeping the best. Prints a
-markdown table of ms per step with the patched/unpatched ratio (best figures, and the median of
-each round's own ratio), and the largest difference between the two versions' first-step losses
-and weight gradients.
+offline from a config; or its sizes as another family's model, ``--family``) in train mode: one step
+is the forward with labels (the causal-LM loss), its backward, and a fused AdamW update (the default
+optimizer of transformers' Trainer with torch >= 2.8). fp32, bf16 (weights and activations in bf16,
+as a bf16 fine-tune runs without autocast) and mixed precision (fp32 weights, the forward under bf16
+autocast); unpatched and patched alternating for --rounds, each timing --steps steps from the same
+weights and keeping the best. Prints a markdown table of ms per step with the patched/unpatched
+ratio (best figures, and the median of each round's own ratio), and the largest difference between
+the two versions' first-step losses and weight gradients.
 """
 
 import argparse
@@ -24,8 +25,8 @@ import torch
 import uniop.torch as ut
 
 
-def build(layers, dtype):
-    return llama_patch.build(layers, dtype).train()
+def build(layers, dtype, family):
+    return llama_patch.build(layers, dtype, family).train()
 
 
 def train(model, ids, steps, patch, autocast):
@@ -69,9 +70,15 @@ def main():
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3, help="alternations of unpatched and patched; best kept")
+    p.add_argument(
+        "--family", choices=llama_patch.FAMILIES, default="Llama", help="the model's architecture, same sizes"
+    )
     a = p.parse_args()
     ids = torch.randint(0, 8192, (a.batch, a.seq), generator=torch.Generator().manual_seed(1))
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, batch {a.batch}, sequence {a.seq}\n")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, batch {a.batch}, sequence {a.seq}, "
+        f"{a.family}\n"
+    )
     print("| dtype | version | ms per step | speed-up | speed-up, median of rounds | loss diff | max grad diff (rel) |")
     print("|---|---|---|---|---|---|---|")
     # Mixed precision as most training runs: float32 weights, the forward under bf16 autocast.
@@ -80,7 +87,7 @@ def main():
         ("bfloat16", torch.bfloat16, False),
         ("autocast bf16", torch.float32, True),
     ):
-        model = build(a.layers, dtype)
+        model = build(a.layers, dtype, a.family)
         base = patched = float("inf")
         ratios = []
         for _ in range(a.rounds):

@@ -866,19 +866,33 @@ def test_patched_layers_fuse_residual_adds_and_train_like_transformers():
 
 
 def test_patch_before_instantiation_and_unpatch():
+    """patch_llama() without a model patches the classes of every family it covers, so a model
+    built after it runs patched; unpatch_llama() restores every attribute it replaced."""
+    import importlib
+
     from transformers.models.llama import modeling_llama as m
 
-    original = m.LlamaRMSNorm.forward
+    def attributes():
+        found = {}
+        for family, prefix in [("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3")]:
+            modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+            found[family, "rope"] = modeling.apply_rotary_pos_emb
+            for name in ["RMSNorm", "MLP", "DecoderLayer", "Attention", "RotaryEmbedding"]:
+                found[family, name] = getattr(modeling, prefix + name).forward
+        return found
+
+    original = attributes()
     ut.patch_llama()
     try:
         assert m.LlamaRMSNorm.forward is unn.RMSNorm.forward
+        assert all(now is not original[key] for key, now in attributes().items())
         model = _tiny_llama()
         ids = torch.randint(0, 256, (1, 9))
         with torch.no_grad():
             patched = model(ids).logits
     finally:
         ut.unpatch_llama()
-    assert m.LlamaRMSNorm.forward is original
+    assert attributes() == original
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, patched, atol=1e-4)
     with pytest.raises(TypeError, match="expected a transformers Llama, Mistral, Qwen2, Qwen3 model, got Linear"):
