@@ -541,25 +541,28 @@ def test_patch_llama_keeps_logits_and_greedy_tokens(dtype, tol):
 
 def _tiny_family_model(family):
     """A tiny random causal LM of a family patch_llama covers besides Llama, with a 16-position
-    sliding window (on every layer for Mistral, on the second of two for Qwen2 and Qwen3, which
+    sliding window: on every layer for Mistral and Phi3 (which also has fused q/k/v and gate/up
+    projections; here half the head dim rotary), on the second of two for Qwen2 and Qwen3 (which
     also have bias on q/k/v and per-head q/k norms respectively)."""
     import transformers
 
-    config = {"sliding_window": 16} if family == "Mistral" else {"use_sliding_window": True, "sliding_window": 16}
-    if family != "Mistral":
-        config["max_window_layers"] = 1
+    config = {
+        "Mistral": {"sliding_window": 16},
+        # Phi3's default special tokens are past this vocabulary.
+        "Phi3": {"sliding_window": 16, "partial_rotary_factor": 0.5, "pad_token_id": 0, "eos_token_id": None},
+    }.get(family, {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1})
     classes = getattr(transformers, family + "Config"), getattr(transformers, family + "ForCausalLM")
     return _tiny_model(*classes, **config)
 
 
-@pytest.mark.parametrize("family", ["Mistral", "Qwen2", "Qwen3"])
-def test_patch_llama_covers_the_families_built_from_llamas_modules(family):
-    """patch_llama patches Mistral, Qwen2 and Qwen3 models as it does Llama's: on 40-token prompts,
-    longer than the 16-position window (which changes these logits by ~0.1-0.3), a plain and a
-    left-padded batch give transformers' logits (the padded one at its real positions), greedy
-    decoding of the padded batch past the window gives its tokens, and a training step its loss
-    and gradients; every attention call runs straight through (never the attention interface),
-    and the MLP, norms, rope and residual adds run on uniop."""
+@pytest.mark.parametrize("family", ["Mistral", "Qwen2", "Qwen3", "Phi3"])
+def test_patch_llama_covers_the_families_built_as_llama_is(family):
+    """patch_llama patches Mistral, Qwen2, Qwen3 and Phi3 models as it does Llama's: on 40-token
+    prompts, longer than the 16-position window (which changes these logits by ~0.1-0.3), a plain
+    and a left-padded batch give transformers' logits (the padded one at its real positions),
+    greedy decoding of the padded batch past the window gives its tokens, and a training step its
+    loss and gradients; every attention call runs straight through (never the attention
+    interface), and the MLP, norms, rope and residual adds run on uniop."""
     from transformers import AttentionInterface
 
     from uniop.torch import attention_interface, llama
@@ -601,6 +604,30 @@ def test_patch_llama_covers_the_families_built_from_llamas_modules(family):
     assert abs(got[3] - want[3]) < 1e-5
     for name, g in want[4].items():
         assert torch.allclose(got[4][name], g, atol=1e-5, rtol=1e-4), name
+
+
+def test_patched_phi3_layers_keep_transformers_forward_while_residual_dropout_is_live():
+    """A Phi3 layer's residual dropout, live in training, keeps transformers' layer forward (the
+    fused residual adds have no dropout); at rate 0 training runs the fused ops."""
+    model = _tiny_family_model("Phi3").train()
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+
+    def ops_run():
+        with torch.profiler.profile() as prof:
+            model(ids, labels=ids).loss.backward()
+        return {e.name for e in prof.events()}
+
+    try:
+        ut.patch_llama(model)
+        fused = ops_run()
+        for layer in model.model.layers:
+            layer.resid_attn_dropout.p = layer.resid_mlp_dropout.p = 0.1
+        dropping = ops_run()
+    finally:
+        ut.unpatch_llama()
+    assert {"uniop::add_rms_norm", "uniop::linear_add"} <= fused
+    assert not {"uniop::add_rms_norm", "uniop::linear_add"} & dropping
+    assert "uniop::linear_silu_mul_train" in dropping
 
 
 def test_patched_llama_compiles_with_dynamic_shapes():
@@ -874,7 +901,8 @@ def test_patch_before_instantiation_and_unpatch():
 
     def attributes():
         found = {}
-        for family, prefix in [("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3")]:
+        families = [("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("phi3", "Phi3")]
+        for family, prefix in families:
             modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
             found[family, "rope"] = modeling.apply_rotary_pos_emb
             for name in ["RMSNorm", "MLP", "DecoderLayer", "Attention", "RotaryEmbedding"]:
@@ -895,7 +923,7 @@ def test_patch_before_instantiation_and_unpatch():
     assert attributes() == original
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, patched, atol=1e-4)
-    with pytest.raises(TypeError, match="expected a transformers Llama, Mistral, Qwen2, Qwen3 model, got Linear"):
+    with pytest.raises(TypeError, match="expected a transformers Llama, Mistral, Qwen2, Qwen3, Phi3 model, got Linear"):
         ut.patch_llama(nn.Linear(2, 2))
 
 

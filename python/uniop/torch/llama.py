@@ -45,13 +45,15 @@ _models = []
 _NO_LOSS = object()
 
 
-# transformers families whose modeling files copy Llama's modules (module name: class-name prefix).
-# Their RMSNorm, MLP, decoder layer and rotary embedding forwards and their
-# `apply_rotary_pos_emb` read as Llama's with the names changed (transformers 5.24, source
-# against source), and their attention differs only where uniop's path covers it: a sliding
-# window (Mistral; Qwen2's and Qwen3's windowed layers), which reaches the attention as its mask,
-# and Qwen3's RMSNorm of each head's queries and keys before the rope (`q_norm`, `k_norm`).
-_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+# transformers families built as Llama is (module name: class-name prefix). Mistral's, Qwen2's and
+# Qwen3's modeling files copy Llama's RMSNorm, MLP, decoder layer and rotary embedding and its
+# `apply_rotary_pos_emb` (their forwards read as Llama's with the names changed; transformers
+# 5.24, source against source). What differs, the patched forwards handle: a sliding window
+# (Mistral, Phi3; Qwen2's and Qwen3's windowed layers), which transformers builds into each
+# layer's mask, Qwen3's RMSNorm of each head's queries and keys before the rope (`q_norm`,
+# `k_norm`), and Phi3's fused projections (`qkv_proj`, `gate_up_proj`), dropout on its residual
+# branches and partial rotary dim (`rope` leaves the dims past the tables' as they are).
+_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
 
 
 def _modelings():
@@ -77,22 +79,31 @@ def _decoder_layers():
 
 
 def _is_silu(mlp):
-    # transformers 5 builds its own SiLUActivation module; older versions use nn.SiLU.
+    # transformers 5 builds its own SiLUActivation module; older versions use nn.SiLU. Phi3 names
+    # it `activation_fn`.
+    activation = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
     return getattr(getattr(mlp, "config", None), "hidden_act", None) in ("silu", "swish") or isinstance(
-        mlp.act_fn, nn.SiLU
+        activation, nn.SiLU
     )
+
+
+def _drops_residuals(layer):
+    """Whether a decoder layer's residual branches go through live dropout (Phi3's, training with
+    ``resid_pdrop`` > 0), which the fused residual adds leave out."""
+    dropouts = (getattr(layer, name, None) for name in ("resid_attn_dropout", "resid_mlp_dropout"))
+    return layer.training and any(d is not None and d.p > 0 for d in dropouts)
 
 
 def _layer_forward(original, mlp_class):
     """``LlamaDecoderLayer.forward`` (or a family's copy, whose MLP is ``mlp_class``) with its
     residual adds fused: the one after attention into the post-attention RMSNorm
     (``add_rms_norm``), the one after the MLP into its down projection (``linear_add``). Layers
-    called other than as ``LlamaModel`` calls them (hidden states, the rest by keyword), or with a
-    replaced MLP, keep transformers' forward."""
+    called other than as ``LlamaModel`` calls them (hidden states, the rest by keyword), with a
+    replaced MLP or with live dropout on the residual branches keep transformers' forward."""
 
     def forward(self, hidden_states, *args, **kwargs):
         mlp = self.mlp
-        if args or type(mlp) is not mlp_class or not _is_silu(mlp):
+        if args or type(mlp) is not mlp_class or not _is_silu(mlp) or _drops_residuals(self):
             return original(self, hidden_states, *args, **kwargs)
         fuse, packed = _on_uniop_gemm(hidden_states), _packs(hidden_states)
         h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
@@ -128,18 +139,28 @@ def _attention_forward(original):
         if not plain or not (cache is None or type(cache) is DynamicCache):
             return original(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         b, s, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(b, s, -1, self.head_dim)
-        k = self.k_proj(hidden_states).view(b, s, -1, self.head_dim)
-        v = self.v_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in _projections(self, hidden_states))
         if hasattr(self, "q_norm"):  # Qwen3 normalizes each head's queries and keys
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = unn.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *position_embeddings)
+        v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
         out = unn.uniop_ops.attention(q, k, v, None, self.is_causal, self.scaling, attention_mask)[0]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), None
 
     return forward
+
+
+def _projections(attention, x):
+    """The queries, keys and values of an attention module with HF's names: ``q_proj``,
+    ``k_proj`` and ``v_proj``, or one ``qkv_proj`` whose features are the three one after the
+    other (Phi3; split as views)."""
+    if not hasattr(attention, "qkv_proj"):
+        return attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+    q_width = attention.config.num_attention_heads * attention.head_dim
+    kv_width = attention.config.num_key_value_heads * attention.head_dim
+    return attention.qkv_proj(x).split([q_width, kv_width, kv_width], -1)
 
 
 # Rope types whose tables are cos/sin of ``position · inv_freq`` with the module's own
@@ -279,7 +300,7 @@ def _packs(x):
 
 
 def _linear_forward(self, x):
-    if unn._takes_packed(_packs(x), x, self):
+    if unn._takes_packed(_packs(x), x, self.weight):
         return unn.uniop_ops.linear_packed(x, unn.packed_weight(self, self.weight), self.out_features, self.bias)
     if _on_uniop_gemm(x):
         return unn.uniop_ops.linear(x, self.weight, self.bias)

@@ -182,34 +182,46 @@ def drop_packed_weights(module):
         mod.__dict__.pop("_uniop_packed_pair", None)
 
 
-def _takes_packed(packed, x, *layers):
+def _takes_packed(packed, x, *weights):
     """Whether a product of ``x`` goes through weights packed ahead: asked for (``packed``), no
-    autograd, tracing or other torch machinery needs to see the call, and the layers' weights
-    are in ``x``'s dtype, one ``pack_weight`` packs (bfloat16, float32)."""
+    autograd, tracing or other torch machinery needs to see the call, and the weights are in
+    ``x``'s dtype, one ``pack_weight`` packs (bfloat16, float32)."""
     return (
         packed
         and x.dtype in (torch.bfloat16, torch.float32)
-        and all(layer.weight.dtype == x.dtype for layer in layers)
+        and all(w.dtype == x.dtype for w in weights)
         and not _torch_must_see_the_call()
     )
 
 
+def _plain(linear):
+    """Whether ``linear`` is a bias-free ``nn.Linear`` (an exact type: a wrapper such as a LoRA
+    layer adds to its product)."""
+    return type(linear) is nn.Linear and linear.bias is None
+
+
 def gated(mlp, x, fuse=True, packed=False):
-    """``silu(gate_proj(x)) * up_proj(x)`` for an MLP with HF's projection names: one
-    ``linear_silu_mul`` when ``fuse`` and both projections are bias-free ``nn.Linear`` layers (an
-    exact type: a wrapper such as a LoRA layer adds to its product), else the two projections
-    and ``silu_mul``. Where autograd records the call, ``linear_silu_mul_train`` instead: it keeps
-    the two products for the backward, which then takes four products rather than six. With
-    ``packed`` (inference), ``linear_silu_mul_packed`` on the pair packed once
-    (:func:`packed_weight`)."""
-    gate, up = mlp.gate_proj, mlp.up_proj
-    plain = type(gate) is nn.Linear and type(up) is nn.Linear and gate.bias is None and up.bias is None
-    if fuse and plain:
-        if _takes_packed(packed, x, gate, up):
-            weights = packed_weight(mlp, gate.weight, up.weight)
-            return uniop_ops.linear_silu_mul_packed(x, weights, gate.out_features)
-        return _linear_silu_mul(x, gate.weight, up.weight)
-    return uniop_ops.silu_mul(gate(x), up(x))
+    """``silu(gate(x)) * up(x)`` for an MLP with HF's projection names: ``gate_proj`` and
+    ``up_proj``, or one ``gate_up_proj`` whose output's first half is the gate and second half the
+    up projection (Phi3). One ``linear_silu_mul`` when ``fuse`` and the projections are bias-free
+    ``nn.Linear`` layers (a fused one's weight read as its two halves, views), else the
+    projections and ``silu_mul`` (``swiglu`` of a fused one's output). Where autograd records the
+    call, ``linear_silu_mul_train`` instead: it keeps the two products for the backward, which
+    then takes four products rather than six. With ``packed`` (inference),
+    ``linear_silu_mul_packed`` on the pair packed once (:func:`packed_weight`)."""
+    fused = getattr(mlp, "gate_up_proj", None)
+    if fused is not None:
+        weights = fused.weight.chunk(2) if fuse and _plain(fused) else None
+    else:
+        plain = _plain(mlp.gate_proj) and _plain(mlp.up_proj)
+        weights = (mlp.gate_proj.weight, mlp.up_proj.weight) if fuse and plain else None
+    if weights is None and fused is not None:
+        return uniop_ops.swiglu(fused(x), -1)
+    if weights is None:
+        return uniop_ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x))
+    if _takes_packed(packed, x, *weights):
+        return uniop_ops.linear_silu_mul_packed(x, packed_weight(mlp, *weights), weights[0].shape[0])
+    return _linear_silu_mul(x, *weights)
 
 
 @torch.fx.wrap
@@ -235,13 +247,12 @@ def add_rms_norm(norm, x, residual):
 
 def linear_add(linear, x, residual, fuse=True, packed=False):
     """``residual + linear(x)``: one ``linear_add`` (the sum rounded once) when ``fuse`` and ``linear``
-    is a bias-free ``nn.Linear`` (an exact type, as for :func:`gated`) in the inputs' dtype outside
+    is a bias-free ``nn.Linear`` (an exact type, see :func:`_plain`) in the inputs' dtype outside
     autocast (which would cast the residual too), else the layer and an add. With ``packed``
     (inference), ``linear_add_packed`` on the weight packed once (:func:`packed_weight`)."""
-    plain = type(linear) is nn.Linear and linear.bias is None
     same = linear.weight.dtype == x.dtype == residual.dtype and not torch.is_autocast_enabled(x.device.type)
-    if fuse and plain and same:
-        if _takes_packed(packed, x, linear):
+    if fuse and _plain(linear) and same:
+        if _takes_packed(packed, x, linear.weight):
             weight = packed_weight(linear, linear.weight)
             return uniop_ops.linear_add_packed(x, weight, linear.out_features, residual)
         return uniop_ops.linear_add(x, linear.weight, residual)
