@@ -135,6 +135,11 @@ def _fitted(native, args, kwargs, nodes):
     probes, units, doubled, left = [], [], {}, list(symbols)
     while left:
         s = left.pop(0)
+        if hint[s] == 0:
+            # Multiples of 0 probe nothing (a KV cache's length before its first update, which
+            # sizes a sliding window's mask): torch guards on it as below.
+            int(symint[s])
+            continue
         peers = [r for r in left if hint[r] == hint[s]]
         for unit in ([s], [s, *peers]) if peers else ([s],):
             runs = runs_at([scaled(unit, k) for k in _SCALES])
