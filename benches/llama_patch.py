@@ -1,11 +1,11 @@
 """Tiny Llama on CPU, transformers' own modules vs uniop.torch.patch_llama, in one run.
 
     .venv/bin/python benches/llama_patch.py [--layers 6] [--prompt 512] [--new 64] [--rounds 3] [--pack-weights]
-                                            [--batch 1] [--family Llama|Mistral|Qwen2|Qwen3|Phi3]
+                                            [--batch 1] [--family Llama|Mistral|Qwen2|Qwen3|Phi3|Gemma|Gemma3]
 
 A random LlamaForCausalLM (hidden 384, GQA 6 query / 2 kv heads of 64, built offline from a config;
-``--family`` builds the same sizes as a Mistral, Qwen2, Qwen3 or Phi3 model, with their own defaults
-otherwise: Qwen2's q/k/v bias, Qwen3's q/k norms, Phi3's fused projections):
+``--family`` builds the same sizes as a Mistral, Qwen2, Qwen3, Phi3, Gemma or Gemma3 model, with their own
+defaults otherwise: Qwen2's q/k/v bias, Qwen3's q/k norms, Phi3's fused projections, Gemma's GELU MLP):
 prefill of a prompt (time to the first token, ms) and greedy decode (the other tokens of
 model.generate with the KV cache, tokens/s), fp32 and bf16, unpatched and patched alternating for --rounds, best of --repeats each. Prints a markdown table with
 the patched/unpatched ratios — of the best figures over all rounds, and the median of each round's own ratio
@@ -25,13 +25,14 @@ import transformers
 import uniop.torch as ut
 
 
-FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3")
+FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma", "Gemma3")
 
 
 def build(layers, dtype, family="Llama"):
     # Phi3's default special tokens (32000) are past this vocabulary: Llama's ids instead.
     special = {"pad_token_id": 0, "eos_token_id": 2} if family == "Phi3" else {}
-    cfg = getattr(transformers, family + "Config")(
+    config_class = transformers.Gemma3TextConfig if family == "Gemma3" else getattr(transformers, family + "Config")
+    cfg = config_class(
         vocab_size=8192,
         hidden_size=384,
         intermediate_size=1024,

@@ -550,19 +550,23 @@ def _tiny_family_model(family):
         "Mistral": {"sliding_window": 16},
         # Phi3's default special tokens are past this vocabulary.
         "Phi3": {"sliding_window": 16, "partial_rotary_factor": 0.5, "pad_token_id": 0, "eos_token_id": None},
+        "Gemma": {"head_dim": 16},
+        "Gemma3": {"head_dim": 16, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
     }.get(family, {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1})
-    classes = getattr(transformers, family + "Config"), getattr(transformers, family + "ForCausalLM")
+    config_class = transformers.Gemma3TextConfig if family == "Gemma3" else getattr(transformers, family + "Config")
+    classes = config_class, getattr(transformers, family + "ForCausalLM")
     return _tiny_model(*classes, **config)
 
 
-@pytest.mark.parametrize("family", ["Mistral", "Qwen2", "Qwen3", "Phi3"])
+@pytest.mark.parametrize("family", ["Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma", "Gemma3"])
 def test_patch_llama_covers_the_families_built_as_llama_is(family):
     """patch_llama patches Mistral, Qwen2, Qwen3 and Phi3 models as it does Llama's: on 40-token
     prompts, longer than the 16-position window (which changes these logits by ~0.1-0.3), a plain
     and a left-padded batch give transformers' logits (the padded one at its real positions),
     greedy decoding of the padded batch past the window gives its tokens, and a training step its
     loss and gradients; every attention call runs straight through (never the attention
-    interface), and the MLP, norms, rope and residual adds run on uniop."""
+    interface), and the norms, rope and projections run on uniop, the SwiGLU MLPs and residual
+    adds fused (Gemma's GELU-gated MLPs keep transformers' MLP, activation and layer)."""
     from transformers import AttentionInterface
 
     from uniop.torch import attention_interface, llama
@@ -596,14 +600,42 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
         ut.unpatch_llama()
         ut.register_attention()
     assert not interface_calls
-    assert {"uniop::attention", "uniop::linear_silu_mul", "uniop::add_rms_norm", "uniop::linear_add"} <= ran
-    assert {"uniop::rope", "uniop::rms_norm", "uniop::attention_backward", "uniop::cross_entropy_backward"} <= ran
+    assert {"uniop::attention", "uniop::linear", "uniop::rope", "uniop::rope_cos_sin", "uniop::rms_norm"} <= ran
+    assert {"uniop::attention_backward", "uniop::rms_norm_backward", "uniop::cross_entropy_backward"} <= ran
+    swiglu_fusions = {"uniop::linear_silu_mul", "uniop::add_rms_norm", "uniop::linear_add"}
+    if family.startswith("Gemma"):  # GELU-gated MLPs keep transformers' MLP and decoder layer
+        assert not swiglu_fusions & ran
+    else:
+        assert swiglu_fusions <= ran
     assert torch.allclose(got[0], want[0], atol=1e-4)
     assert torch.allclose(got[1][mask.bool()], want[1][mask.bool()], atol=1e-4)
     assert torch.equal(got[2], want[2])
     assert abs(got[3] - want[3]) < 1e-5
     for name, g in want[4].items():
         assert torch.allclose(got[4][name], g, atol=1e-5, rtol=1e-4), name
+
+
+def test_patched_gemma3_keeps_its_own_decoder_layer():
+    """Gemma3's decoder layer norms the attention's and the MLP's outputs before their residual
+    adds, so its forward stays transformers' even where its MLP is SwiGLU (which then runs as one
+    linear_silu_mul): the logits stay transformers'."""
+    import transformers
+
+    model = _tiny_model(
+        transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, head_dim=16, hidden_activation="silu"
+    )
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model(ids).logits
+    try:
+        ut.patch_llama(model)
+        with torch.no_grad(), torch.profiler.profile() as prof:
+            got = model(ids).logits
+        ran = {e.name for e in prof.events()}
+    finally:
+        ut.unpatch_llama()
+    assert "uniop::linear_silu_mul" in ran and "uniop::add_rms_norm" not in ran
+    assert torch.allclose(got, want, atol=1e-4)
 
 
 def test_patched_phi3_layers_keep_transformers_forward_while_residual_dropout_is_live():
@@ -905,11 +937,13 @@ def test_patch_before_instantiation_and_unpatch():
 
     def attributes():
         found = {}
-        families = [("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), ("phi3", "Phi3")]
-        for family, prefix in families:
+        for prefix in ["Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma", "Gemma3"]:
+            family = prefix.lower()
             modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
             found[family, "rope"] = modeling.apply_rotary_pos_emb
-            for name in ["RMSNorm", "MLP", "DecoderLayer", "Attention", "RotaryEmbedding"]:
+            # Gemma3's decoder layer stays transformers' (see test_patched_gemma3_keeps_its_own_decoder_layer).
+            names = ["RMSNorm", "MLP", "Attention", "RotaryEmbedding", "DecoderLayer"]
+            for name in names[:-1] if prefix == "Gemma3" else names:
                 found[family, name] = getattr(modeling, prefix + name).forward
         return found
 
@@ -927,7 +961,8 @@ def test_patch_before_instantiation_and_unpatch():
     assert attributes() == original
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, patched, atol=1e-4)
-    with pytest.raises(TypeError, match="expected a transformers Llama, Mistral, Qwen2, Qwen3, Phi3 model, got Linear"):
+    families = "Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma3"
+    with pytest.raises(TypeError, match=f"expected a transformers {families} model, got Linear"):
         ut.patch_llama(nn.Linear(2, 2))
 
 

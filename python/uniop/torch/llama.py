@@ -8,10 +8,10 @@ where uniop's GEMM is the faster one — see below —, else the projections aro
 ``LlamaAttention.forward`` (plain calls on uniop attention run straight through, see
 :func:`_attention_forward`), ``LlamaRotaryEmbedding.forward`` (uniop ``rope_cos_sin`` of the
 module's own frequencies, see :func:`_rotary_forward`) and ``modeling_llama.apply_rotary_pos_emb``
-(uniop ``rope``), and the same pieces of the families transformers builds from Llama's modules:
-Mistral, Qwen2 and Qwen3 (see ``_FAMILIES``). Methods are patched on the classes, so existing
-instances change too. Given a model, it also switches the model's attention to uniop's flash
-attention (registered with transformers as the ``"uniop"`` implementation by
+(uniop ``rope``), and the same pieces of the families transformers builds as it builds Llama:
+Mistral, Qwen2, Qwen3, Phi3, Gemma and Gemma3 (see ``_FAMILIES``). Methods are patched on the
+classes, so existing instances change too. Given a model, it also switches the model's attention to
+uniop's flash attention (registered with transformers as the ``"uniop"`` implementation by
 :func:`~uniop.torch.register_attention`; transformers' 4-D masks, boolean or float, go to uniop
 ``attention``'s ``mask``; dropout and softcap fall back to SDPA), a causal LM's loss to uniop
 ``cross_entropy`` (see :func:`_causal_lm_loss`) and its linear layers (projections and ``lm_head``)
@@ -45,15 +45,30 @@ _models = []
 _NO_LOSS = object()
 
 
-# transformers families built as Llama is (module name: class-name prefix). Mistral's, Qwen2's and
-# Qwen3's modeling files copy Llama's RMSNorm, MLP, decoder layer and rotary embedding and its
-# `apply_rotary_pos_emb` (their forwards read as Llama's with the names changed; transformers
-# 5.24, source against source). What differs, the patched forwards handle: a sliding window
-# (Mistral, Phi3; Qwen2's and Qwen3's windowed layers), which transformers builds into each
-# layer's mask, Qwen3's RMSNorm of each head's queries and keys before the rope (`q_norm`,
-# `k_norm`), and Phi3's fused projections (`qkv_proj`, `gate_up_proj`), dropout on its residual
-# branches and partial rotary dim (`rope` leaves the dims past the tables' as they are).
-_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}
+# transformers families built as Llama is (module name: class-name prefix). Mistral's, Qwen2's,
+# Qwen3's and Gemma's modeling files copy Llama's MLP, decoder layer and rotary embedding and its
+# `apply_rotary_pos_emb`, and all but Gemma its RMSNorm (their forwards read as Llama's with the
+# names changed; transformers 5.24, source against source). What differs, the patched forwards
+# handle: a sliding window (Mistral, Phi3, Gemma3; Qwen2's and Qwen3's windowed layers), which
+# transformers builds into each layer's mask; Qwen3's and Gemma3's RMSNorm of each head's queries
+# and keys before the rope (`q_norm`, `k_norm`); Phi3's fused projections (`qkv_proj`,
+# `gate_up_proj`), dropout on its residual branches and partial rotary dim (`rope` leaves the dims
+# past the tables' as they are); Gemma's RMSNorm, which scales by `1 + weight` in float32
+# (`_OFFSET_NORMS`), and GELU-gated MLPs, which keep transformers' MLP and decoder layer (the
+# fused ones are SwiGLU's); Gemma3's decoder layer, which norms the attention's and the MLP's
+# outputs before their residual adds (`_OWN_LAYERS`: transformers' forward), and its rotary
+# embedding's table per layer type.
+_FAMILIES = {
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "phi3": "Phi3",
+    "gemma": "Gemma",
+    "gemma3": "Gemma3",
+}
+_OFFSET_NORMS = {"Gemma", "Gemma3"}
+_OWN_LAYERS = {"Gemma3"}
 
 
 def _modelings():
@@ -78,13 +93,24 @@ def _decoder_layers():
     return tuple(_family_class(m, prefix, "DecoderLayer") for prefix, m in _modelings().items())
 
 
+def _offset_norm_forward(original):
+    """Gemma's RMSNorm forward, ``(norm(x) * (1 + weight))`` in float32 rounded once to x's dtype,
+    as one uniop ``rms_norm`` with the float32 weight ``1 + weight`` (its sums are float32 in
+    every dtype, its output in x's). Off the CPU, or in another dtype, transformers' forward."""
+
+    def forward(self, x):
+        if x.device.type != "cpu" or x.dtype not in _ROPE_DTYPES:
+            return original(self, x)
+        return unn.uniop_ops.rms_norm(x, 1.0 + self.weight.float(), self.eps)[0]
+
+    return forward
+
+
 def _is_silu(mlp):
-    # transformers 5 builds its own SiLUActivation module; older versions use nn.SiLU. Phi3 names
-    # it `activation_fn`.
+    """Whether an MLP's activation module (``act_fn``; Phi3's ``activation_fn``) is SiLU:
+    transformers 5's own ``SiLUActivation`` or ``nn.SiLU`` (older versions, and its "swish")."""
     activation = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
-    return getattr(getattr(mlp, "config", None), "hidden_act", None) in ("silu", "swish") or isinstance(
-        activation, nn.SiLU
-    )
+    return isinstance(activation, nn.SiLU) or type(activation).__name__ == "SiLUActivation"
 
 
 def _drops_residuals(layer):
@@ -132,6 +158,7 @@ def _attention_forward(original):
             and position_embeddings is not None
             and self.config._attn_implementation == ATTENTION
             and not (self.training and self.attention_dropout)
+            and getattr(self, "attn_logit_softcapping", None) is None
             and not kwargs.get("output_attentions")
         )
         # transformers 5 passes the cache as `cache`, 4.x as `past_key_value(s)`.
@@ -178,12 +205,17 @@ def _rotary_forward(original):
     six torch ops: one decode position took ~21-35 µs in transformers' forward and ~4 in uniop's,
     512 positions in bf16 ~120 and ~65 µs."""
 
-    def forward(self, x, position_ids):
-        inv_freq = self.inv_freq
-        plain = getattr(self, "rope_type", None) in _PLAIN_ROPES and getattr(self, "attention_scaling", None) == 1.0
+    def forward(self, x, position_ids, layer_type=None):
+        # Gemma3 keeps a table per layer type: `{type}_inv_freq`, `rope_type[type]`, ...
+        prefix = "" if layer_type is None else f"{layer_type}_"
+        inv_freq = getattr(self, prefix + "inv_freq")
+        rope_type = getattr(self, "rope_type", None)
+        rope_type = rope_type.get(layer_type) if isinstance(rope_type, dict) else rope_type
+        plain = rope_type in _PLAIN_ROPES and getattr(self, prefix + "attention_scaling", None) == 1.0
         on_cpu = x.device.type == inv_freq.device.type == "cpu"
         if not plain or not on_cpu or x.dtype not in _ROPE_DTYPES or position_ids.is_floating_point():
-            return original(self, x, position_ids)
+            extra = () if layer_type is None else (layer_type,)
+            return original(self, x, position_ids, *extra)
         inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
         return unn.uniop_ops.rope_cos_sin(position_ids, 2 * inv_freq.numel(), dtype=x.dtype, inv_freq=inv_freq)
 
@@ -371,9 +403,11 @@ def _patch_classes():
     _swap(_dynamic_layer(), "update", lambda _: _growing_update)
     for prefix, modeling in _modelings().items():
         mlp = _family_class(modeling, prefix, "MLP")
-        _swap(_family_class(modeling, prefix, "RMSNorm"), "forward", lambda _: unn.RMSNorm.forward)
+        norm = _offset_norm_forward if prefix in _OFFSET_NORMS else lambda _: unn.RMSNorm.forward
+        _swap(_family_class(modeling, prefix, "RMSNorm"), "forward", norm)
         _swap(mlp, "forward", _mlp_forward)
-        _swap(_family_class(modeling, prefix, "DecoderLayer"), "forward", lambda f, mlp=mlp: _layer_forward(f, mlp))
+        if prefix not in _OWN_LAYERS:
+            _swap(_family_class(modeling, prefix, "DecoderLayer"), "forward", lambda f, m=mlp: _layer_forward(f, m))
         _swap(modeling, "apply_rotary_pos_emb", lambda _: unn.apply_rotary_pos_emb)
         _swap(_family_class(modeling, prefix, "Attention"), "forward", _attention_forward)
         _swap(_family_class(modeling, prefix, "RotaryEmbedding"), "forward", _rotary_forward)
@@ -382,9 +416,9 @@ def _patch_classes():
 def patch_llama(model=None, pack_weights=False):
     """Routes Llama's RMSNorm, MLP and rotary embedding (and, given a model, its attention, its
     linear layers and a causal LM's loss) through uniop. Returns ``model``. Training runs through
-    all of it: every op has its backward. Models of the families built from Llama's modules —
-    Mistral, Qwen2, Qwen3 (see ``_FAMILIES``) — are patched the same way; other models raise a
-    TypeError.
+    all of it: every op has its backward. Models of the families transformers builds as it builds
+    Llama — Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma3 (see ``_FAMILIES``) — are patched the same
+    way; other models raise a TypeError.
 
     ``pack_weights``: prefill-sized products (more than 16 rows, in a dtype that runs on uniop's
     GEMM here) take their weights packed once by ``pack_weight`` instead of packing them in every
