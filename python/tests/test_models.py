@@ -164,6 +164,26 @@ def test_mlp_keeps_its_products_only_where_autograd_records():
         assert torch.allclose(got[name], g, atol=1e-5, rtol=1e-4), name
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_gated_reads_a_fused_gate_up_projection(fuse):
+    """nn.gated on an MLP with one ``gate_up_proj`` (Phi3's: the gate, then the up projection):
+    its weight's two halves go to linear_silu_mul (fused), or its output to swiglu (unfused);
+    both give silu(gate) * up and the fused weight's gradient."""
+    torch.manual_seed(0)
+    mlp, x = nn.Module(), torch.randn(5, 32)
+    mlp.gate_up_proj = nn.Linear(32, 2 * 48, bias=False)
+    ran = _uniop_ops_run(lambda: unn.gated(mlp, x, fuse).square().sum().backward())
+    assert ("uniop::linear_silu_mul_train" if fuse else "uniop::swiglu") in ran, ran
+    got = mlp.gate_up_proj.weight.grad.clone()
+    mlp.zero_grad()
+    gate, up = mlp.gate_up_proj(x).chunk(2, -1)
+    want = F.silu(gate) * up
+    want.square().sum().backward()
+    with torch.no_grad():
+        assert torch.allclose(unn.gated(mlp, x, fuse), want, atol=1e-5)
+    assert torch.allclose(got, mlp.gate_up_proj.weight.grad, atol=1e-5, rtol=1e-4)
+
+
 def test_module_ops_skip_the_dispatcher_only_where_torch_need_not_see_the_call(monkeypatch):
     """uniop.torch.nn's ops call uniop.<op> directly under no_grad (the same values as
     torch.ops.uniop), and go through torch's dispatcher wherever torch has to see the call:
