@@ -524,6 +524,15 @@ def _tiny_model(config_class, model_class, dtype=torch.float32, **config):
     return model_class(cfg).to(dtype).eval()
 
 
+def _left_padded_prompts(length, padding, seed):
+    """Two random prompts of ``length`` tokens and their attention mask, the second left-padded by
+    ``padding`` positions (mask 0), as transformers pads a batch for generation."""
+    ids = torch.randint(0, 256, (2, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :padding] = 0
+    return ids, mask
+
+
 def _tiny_llama(dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -592,9 +601,7 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
     from uniop.torch import attention_interface, llama
 
     model = _tiny_family_model(family)
-    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(4))
-    mask = torch.ones_like(ids)
-    mask[1, :9] = 0  # left padding
+    ids, mask = _left_padded_prompts(40, padding=9, seed=4)
 
     def run():
         with torch.no_grad():
@@ -721,9 +728,7 @@ def test_patched_attention_runs_straight_through_padded_batches_included():
     from transformers import AttentionInterface
 
     model = _tiny_llama()
-    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0  # left padding
+    ids, mask = _left_padded_prompts(12, padding=4, seed=3)
     generate = lambda: model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)  # noqa: E731
     with torch.no_grad():
         want_plain = model(ids).logits
@@ -804,9 +809,7 @@ def test_registered_attention_runs_any_model_sliding_windows_included(monkeypatc
     from transformers import MistralConfig, MistralForCausalLM
 
     model = _tiny_model(MistralConfig, MistralForCausalLM, sliding_window=16)
-    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(5))
-    mask = torch.ones_like(ids)
-    mask[1, :7] = 0  # left padding
+    ids, mask = _left_padded_prompts(40, padding=7, seed=5)
 
     def run():
         with torch.no_grad():
