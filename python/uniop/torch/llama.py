@@ -70,6 +70,10 @@ _FAMILIES = {
 _OFFSET_NORMS = {"Gemma", "Gemma3"}
 _OWN_LAYERS = {"Gemma3"}
 
+# The float dtypes the patched ops take (rms_norm's, rope_cos_sin's tables, cross_entropy's logits:
+# their sums are float32 in each).
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def _modelings():
     """``{class-name prefix: modeling module}`` of the families this transformers has (Qwen3
@@ -99,7 +103,7 @@ def _offset_norm_forward(original):
     every dtype, its output in x's). Off the CPU, or in another dtype, transformers' forward."""
 
     def forward(self, x):
-        if x.device.type != "cpu" or x.dtype not in _ROPE_DTYPES:
+        if x.device.type != "cpu" or x.dtype not in _FLOATS:
             return original(self, x)
         return unn.uniop_ops.rms_norm(x, 1.0 + self.weight.float(), self.eps)[0]
 
@@ -167,7 +171,7 @@ def _attention_forward(original):
             return original(self, hidden_states, position_embeddings, attention_mask, *args, **kwargs)
         b, s, _ = hidden_states.shape
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in _projections(self, hidden_states))
-        if hasattr(self, "q_norm"):  # Qwen3 normalizes each head's queries and keys
+        if hasattr(self, "q_norm"):  # Qwen3 and Gemma3 normalize each head's queries and keys
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = unn.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *position_embeddings)
         v = v.transpose(1, 2)
@@ -195,7 +199,6 @@ def _projections(attention, x):
 # ``rope_cos_sin`` computes from the same table. Dynamic ropes (which rebuild ``inv_freq`` inside
 # the forward's decorator) and scaled ones (yarn, longrope) keep transformers' forward.
 _PLAIN_ROPES = ("default", "linear", "llama3")
-_ROPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # rope_cos_sin's table dtypes
 
 
 def _rotary_forward(original):
@@ -213,7 +216,7 @@ def _rotary_forward(original):
         rope_type = rope_type.get(layer_type) if isinstance(rope_type, dict) else rope_type
         plain = rope_type in _PLAIN_ROPES and getattr(self, prefix + "attention_scaling", None) == 1.0
         on_cpu = x.device.type == inv_freq.device.type == "cpu"
-        if not plain or not on_cpu or x.dtype not in _ROPE_DTYPES or position_ids.is_floating_point():
+        if not plain or not on_cpu or x.dtype not in _FLOATS or position_ids.is_floating_point():
             extra = () if layer_type is None else (layer_type,)
             return original(self, x, position_ids, *extra)
         inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
@@ -228,8 +231,6 @@ def _transformers_causal_lm_loss():
     return LOSS_MAPPING["ForCausalLM"]
 
 
-# Logit dtypes uniop's cross_entropy takes (its sums are float32 in each).
-_LOSS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _causal_lm_loss(
@@ -242,7 +243,7 @@ def _causal_lm_loss(
     backward go: a tiny Llama's loss and its gradient (4x128 tokens, 8192 words) took 8.5 ms in
     bf16 that way and 2.1 ms this way, 4.4 and 2.6 ms in float32. Logits off the CPU or in
     another dtype keep transformers' loss."""
-    if logits.device.type != "cpu" or logits.dtype not in _LOSS_DTYPES:
+    if logits.device.type != "cpu" or logits.dtype not in _FLOATS:
         return _transformers_causal_lm_loss()(
             logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
         )
@@ -426,9 +427,11 @@ def patch_llama(model=None, pack_weights=False):
     packed copy of every linear weight a prefill uses, made on first use and kept beside the
     weight (repacked when the weight changes). Inference only: calls autograd records keep the
     unpacked route. The setting of the latest call holds for every patched model."""
-    if model is not None and not any(isinstance(mod, _decoder_layers()) for mod in model.modules()):
-        families = ", ".join(_FAMILIES.values())
-        raise TypeError(f"patch_llama: expected a transformers {families} model, got {type(model).__name__}")
+    if model is not None:
+        layers = _decoder_layers()
+        if not any(isinstance(mod, layers) for mod in model.modules()):
+            families = ", ".join(_FAMILIES.values())
+            raise TypeError(f"patch_llama: expected a transformers {families} model, got {type(model).__name__}")
     if not _originals:
         _patch_classes()
     _PACK["on"] = bool(pack_weights)
