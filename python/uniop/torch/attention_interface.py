@@ -15,7 +15,8 @@ run transformers' SDPA forward, as ``"sdpa"`` would.
     import uniop.torch
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=uniop.torch.register_attention())
 
-:func:`uniop.torch.patch_llama` registers it and switches the Llama models it is given to it.
+:func:`uniop.torch.patch_llama` registers it and switches the models it is given (Llama and the families it
+covers) to it.
 """
 
 from __future__ import annotations
