@@ -1,11 +1,14 @@
 """Tiny Llama on CPU, transformers' own modules vs uniop.torch.patch_llama, in one run.
 
     .venv/bin/python benches/llama_patch.py [--layers 6] [--prompt 512] [--new 64] [--rounds 3] [--pack-weights]
-                                            [--batch 1] [--family Llama|Mistral|Qwen2|Qwen3|Phi3|Gemma|Gemma3]
+                                            [--batch 1]
+                                            [--family Llama|Mistral|Qwen2|Qwen3|Phi3|Gemma|Gemma3|Mixtral|
+                                                      Qwen2Moe|Qwen3Moe]
 
 A random LlamaForCausalLM (hidden 384, GQA 6 query / 2 kv heads of 64, built offline from a config;
 ``--family`` builds the same sizes as a Mistral, Qwen2, Qwen3, Phi3, Gemma or Gemma3 model, with their own
-defaults otherwise: Qwen2's q/k/v bias, Qwen3's q/k norms, Phi3's fused projections, Gemma's GELU MLP):
+defaults otherwise: Qwen2's q/k/v bias, Qwen3's q/k norms, Phi3's fused projections, Gemma's GELU MLP; the MoE
+families with 8 experts of the dense MLP's size, 2 per token):
 prefill of a prompt (time to the first token, ms) and greedy decode (the other tokens of
 model.generate with the KV cache, tokens/s), fp32 and bf16, unpatched and patched alternating for --rounds, best of --repeats each. Prints a markdown table with
 the patched/unpatched ratios — of the best figures over all rounds, and the median of each round's own ratio
@@ -25,7 +28,13 @@ import transformers
 import uniop.torch as ut
 
 
-FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma", "Gemma3")
+FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma", "Gemma3", "Mixtral", "Qwen2Moe", "Qwen3Moe")
+# The MoE families' experts: 8 of the dense MLP's size, 2 per token (their defaults are 8 to 128).
+MOE = {
+    "Mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "Qwen2Moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 1024},
+    "Qwen3Moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 1024},
+}
 
 
 def build(layers, dtype, family="Llama"):
@@ -42,6 +51,7 @@ def build(layers, dtype, family="Llama"):
         head_dim=64,
         max_position_embeddings=2048,
         **special,
+        **MOE.get(family, {}),
     )
     torch.manual_seed(0)
     return getattr(transformers, family + "ForCausalLM")(cfg).to(dtype).eval()

@@ -581,13 +581,19 @@ def _tiny_family_model(family):
         "Phi3": {"sliding_window": 16, "partial_rotary_factor": 0.5, "pad_token_id": 0, "eos_token_id": None},
         "Gemma": {"head_dim": 16},
         "Gemma3": {"head_dim": 16, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+        # Mixture-of-experts families: 4 experts, 2 per token; Qwen3-MoE's second layer dense.
+        "Mixtral": {"sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+        "Qwen2Moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96},
+        "Qwen3Moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96, "mlp_only_layers": [1]},
     }.get(family, {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1})
     config_class = transformers.Gemma3TextConfig if family == "Gemma3" else getattr(transformers, family + "Config")
     classes = config_class, getattr(transformers, family + "ForCausalLM")
     return _tiny_model(*classes, **config)
 
 
-@pytest.mark.parametrize("family", ["Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma", "Gemma3"])
+@pytest.mark.parametrize(
+    "family", ["Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma", "Gemma3", "Mixtral", "Qwen2Moe", "Qwen3Moe"]
+)
 def test_patch_llama_covers_the_families_built_as_llama_is(family):
     """patch_llama patches Mistral, Qwen2, Qwen3 and Phi3 models as it does Llama's: on 40-token
     prompts, longer than the 16-position window (which changes these logits by ~0.1-0.3), a plain
@@ -595,7 +601,8 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
     greedy decoding of the padded batch past the window gives its tokens, and a training step its
     loss and gradients; every attention call runs straight through (never the attention
     interface), and the norms, rope and projections run on uniop, the SwiGLU MLPs and residual
-    adds fused (Gemma's GELU-gated MLPs keep transformers' MLP, activation and layer)."""
+    adds fused (Gemma's GELU-gated MLPs keep transformers' MLP, activation and layer; MoE layers
+    run their experts on uniop, their residual adds unfused)."""
     from transformers import AttentionInterface
 
     from uniop.torch import attention_interface, llama
@@ -632,6 +639,9 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
     swiglu_fusions = {"uniop::linear_silu_mul", "uniop::add_rms_norm", "uniop::linear_add"}
     if family.startswith("Gemma"):  # GELU-gated MLPs keep transformers' MLP and decoder layer
         assert not swiglu_fusions & ran
+    elif family in ("Mixtral", "Qwen2Moe"):  # experts on uniop; MoE layers keep transformers' forward
+        assert {"uniop::linear_silu_mul", "uniop::linear_silu_mul_backward"} <= ran
+        assert not {"uniop::add_rms_norm", "uniop::linear_add"} & ran
     else:
         assert swiglu_fusions <= ran
     assert torch.allclose(got[0], want[0], atol=1e-4)
@@ -640,6 +650,52 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
     assert abs(got[3] - want[3]) < 1e-5
     for name, g in want[4].items():
         assert torch.allclose(got[4][name], g, atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("family", ["Mixtral", "Qwen3Moe"])
+def test_registered_experts_run_any_moe_model(family, monkeypatch):
+    """``register_experts()`` makes uniop a transformers experts implementation, no patching: a
+    tiny MoE model's logits, greedy tokens and training gradients (the experts' 3-D weights
+    included) under ``"uniop"`` are transformers' eager ones, each expert's gated MLP one
+    linear_silu_mul on its gate/up halves. Experts uniop does not cover (here flagged as having
+    biases) run transformers' eager forward: fewer uniop calls, the same logits."""
+    model = _tiny_family_model(family)
+    ids, mask = _left_padded_prompts(24, padding=5, seed=7)
+
+    def run():
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask).logits
+            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        model.train().zero_grad()
+        model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+        model.eval()
+        return logits, tokens, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.set_experts_implementation("eager")
+    want = run()
+    model.set_experts_implementation(ut.register_experts())
+    gate_shapes = []
+    real = unn._linear_silu_mul
+    monkeypatch.setattr(unn, "_linear_silu_mul", lambda *a: gate_shapes.append(tuple(a[1].shape)) or real(*a))
+    got = run()
+    experts = model.model.layers[0].mlp.experts
+    _, both, hidden = experts.gate_up_proj.shape
+    assert gate_shapes and set(gate_shapes) == {(both // 2, hidden)}
+    assert torch.allclose(got[0][mask.bool()], want[0][mask.bool()], atol=1e-5)
+    assert torch.equal(got[1], want[1])
+    for name, g in want[2].items():
+        assert torch.allclose(got[2][name], g, atol=1e-5, rtol=1e-4), name
+
+    def logits_and_calls():
+        gate_shapes.clear()
+        with torch.no_grad():
+            return model(ids).logits, len(gate_shapes)
+
+    every, all_calls = logits_and_calls()
+    experts.has_bias = True
+    fallback, fewer_calls = logits_and_calls()
+    assert fewer_calls < all_calls  # the first layer's experts went to the eager forward
+    assert torch.allclose(fallback, every, atol=1e-5)
 
 
 def test_patched_gemma3_keeps_its_own_decoder_layer():
@@ -958,15 +1014,18 @@ def test_patch_before_instantiation_and_unpatch():
 
     from transformers.models.llama import modeling_llama as m
 
+    from uniop.torch import llama
+
     def attributes():
         found = {}
-        for prefix in ["Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma", "Gemma3"]:
-            family = prefix.lower()
+        for family, prefix in llama._FAMILIES.items():
             modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
             found[family, "rope"] = modeling.apply_rotary_pos_emb
-            # Gemma3's decoder layer stays transformers' (see test_patched_gemma3_keeps_its_own_decoder_layer).
-            names = ["RMSNorm", "MLP", "Attention", "RotaryEmbedding", "DecoderLayer"]
-            for name in names[:-1] if prefix == "Gemma3" else names:
+            names = ["RMSNorm", "Attention", "RotaryEmbedding"]
+            # Mixtral has no dense MLP; Gemma3's decoder layer stays transformers' (see
+            # test_patched_gemma3_keeps_its_own_decoder_layer), as do the layers of models without an MLP.
+            names += [] if prefix == "Mixtral" else ["MLP"] if prefix == "Gemma3" else ["MLP", "DecoderLayer"]
+            for name in names:
                 found[family, name] = getattr(modeling, prefix + name).forward
         return found
 
@@ -984,7 +1043,7 @@ def test_patch_before_instantiation_and_unpatch():
     assert attributes() == original
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, patched, atol=1e-4)
-    families = "Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma3"
+    families = "Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma3, Mixtral, Qwen2Moe, Qwen3Moe"
     with pytest.raises(TypeError, match=f"expected a transformers {families} model, got Linear"):
         ut.patch_llama(nn.Linear(2, 2))
 

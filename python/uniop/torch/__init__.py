@@ -34,6 +34,7 @@ import uniop as _uniop
 from . import nn  # noqa: F401  (uniop.torch.nn.RMSNorm, ...)
 from . import symbolic
 from .attention_interface import register_attention  # noqa: F401
+from .experts_interface import register_experts  # noqa: F401
 from .llama import patch_llama, unpatch_llama  # noqa: F401
 
 NAMESPACE = "uniop"

@@ -36,11 +36,13 @@ import uniop
 
 from . import nn as unn
 from .attention_interface import ATTENTION, register_attention, takes_mask
+from .experts_interface import register_experts
 
 # {(class or module, attribute): what patch_llama replaced}
 _originals = {}
-# (model, its attention implementation before patching, its patched linears, its own
-# `_loss_function` before patching: _NO_LOSS where it had none, None where its loss stays)
+# (model, its attention and experts implementations before patching (experts: None before
+# transformers 5), its patched linears, its own `_loss_function` before patching: _NO_LOSS where it
+# had none, None where its loss stays)
 _models = []
 _NO_LOSS = object()
 
@@ -57,7 +59,11 @@ _NO_LOSS = object()
 # (`_OFFSET_NORMS`), and GELU-gated MLPs, which keep transformers' MLP and decoder layer (the
 # fused ones are SwiGLU's); Gemma3's decoder layer, which norms the attention's and the MLP's
 # outputs before their residual adds (`_OWN_LAYERS`: transformers' forward), and its rotary
-# embedding's table per layer type.
+# embedding's table per layer type. The mixture-of-experts families (Mixtral, Qwen2-MoE,
+# Qwen3-MoE) copy Mistral's, Qwen2's and Qwen3's modules around their MoE blocks, whose experts
+# run uniop's experts implementation (`experts_interface`) and whose layers keep transformers'
+# forward (the fused residual add is the dense MLP's; Qwen's dense layers and shared experts
+# are Llama's MLP). Mixtral has no dense MLP class.
 _FAMILIES = {
     "llama": "Llama",
     "mistral": "Mistral",
@@ -66,6 +72,9 @@ _FAMILIES = {
     "phi3": "Phi3",
     "gemma": "Gemma",
     "gemma3": "Gemma3",
+    "mixtral": "Mixtral",
+    "qwen2_moe": "Qwen2Moe",
+    "qwen3_moe": "Qwen3Moe",
 }
 _OFFSET_NORMS = {"Gemma", "Gemma3"}
 _OWN_LAYERS = {"Gemma3"}
@@ -403,11 +412,12 @@ def _swap(owner, name, make):
 def _patch_classes():
     _swap(_dynamic_layer(), "update", lambda _: _growing_update)
     for prefix, modeling in _modelings().items():
-        mlp = _family_class(modeling, prefix, "MLP")
+        mlp = getattr(modeling, prefix + "MLP", None)
         norm = _offset_norm_forward if prefix in _OFFSET_NORMS else lambda _: unn.RMSNorm.forward
         _swap(_family_class(modeling, prefix, "RMSNorm"), "forward", norm)
-        _swap(mlp, "forward", _mlp_forward)
-        if prefix not in _OWN_LAYERS:
+        if mlp is not None:
+            _swap(mlp, "forward", _mlp_forward)
+        if mlp is not None and prefix not in _OWN_LAYERS:
             _swap(_family_class(modeling, prefix, "DecoderLayer"), "forward", lambda f, m=mlp: _layer_forward(f, m))
         _swap(modeling, "apply_rotary_pos_emb", lambda _: unn.apply_rotary_pos_emb)
         _swap(_family_class(modeling, prefix, "Attention"), "forward", _attention_forward)
@@ -443,8 +453,11 @@ def patch_llama(model=None, pack_weights=False):
         if getattr(model, "loss_type", None) == "ForCausalLM" and model.loss_function is _transformers_causal_lm_loss():
             own_loss = model.__dict__.get("_loss_function", _NO_LOSS)
             model.loss_function = _causal_lm_loss
-        _models.append((model, model.config._attn_implementation, linears, own_loss))
+        experts = getattr(model.config, "_experts_implementation", None)  # transformers >= 5's MoE layers
+        _models.append((model, model.config._attn_implementation, experts, linears, own_loss))
         model.set_attn_implementation(ATTENTION)
+        if experts is not None:
+            model.set_experts_implementation(register_experts())
         for mod in linears:
             mod.forward = _linear_forward.__get__(mod)
     return model
@@ -454,8 +467,10 @@ def unpatch_llama():
     """Restores transformers' own implementations (and patched models' attention)."""
     _PACK["on"] = False
     while _models:
-        model, previous, linears, own_loss = _models.pop()
+        model, previous, experts, linears, own_loss = _models.pop()
         model.set_attn_implementation(previous)
+        if experts is not None:
+            model.set_experts_implementation(experts)
         if own_loss is _NO_LOSS:
             del model._loss_function
         elif own_loss is not None:

@@ -1,0 +1,74 @@
+"""uniop as a transformers experts implementation, for any mixture-of-experts model.
+
+transformers 5 stores a MoE layer's experts as 3-D weights (``gate_up_proj`` ``[E, 2I, H]``, the
+gate's rows then the up projection's, and ``down_proj`` ``[E, H, I]``) and looks the code that runs
+them up by name (``config._experts_implementation``) in its ``ExpertsInterface``, as it does
+attention. :func:`register_experts` adds ``"uniop"``: each expert a token picked runs its gated MLP
+as one uniop ``linear_silu_mul`` on the two halves of its ``gate_up_proj`` (views, no copy) and
+its down projection as one ``linear``, on the rows routed to it. On CPU the decode steps' few rows
+stream each expert's weights through uniop's few-row products. Other layouts (transposed or
+interleaved weights, biases, no gate, a gating other than SiLU, a post-expert norm) and tensors off
+the CPU run transformers' own (eager) forward.
+
+    import uniop.torch
+    model = AutoModelForCausalLM.from_pretrained(name, experts_implementation=uniop.torch.register_experts())
+
+:func:`uniop.torch.patch_llama` registers it and switches the MoE models it covers to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import nn as unn
+
+EXPERTS = "uniop"
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def register_experts():
+    """Registers uniop's experts forward with transformers as the ``"uniop"`` experts
+    implementation. Returns the name, for ``from_pretrained(..., experts_implementation=...)`` or
+    ``model.set_experts_implementation(...)``."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS, experts)
+    return EXPERTS
+
+
+def _covered(module, x):
+    """Whether uniop's forward computes what transformers' does for this experts module and input."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    from .llama import _is_silu
+
+    layout = module.has_gate and module.is_concatenated and not module.is_transposed
+    extras = module.has_bias or module.has_post_expert_norm or getattr(module, "_is_expert_parallel", False)
+    gate = type(module)._apply_gate is _default_apply_gate and _is_silu(module)
+    return layout and not extras and gate and x.device.type == "cpu" and x.dtype in _FLOATS
+
+
+def experts(module, hidden_states, top_k_index, top_k_weights):
+    """transformers' experts interface over uniop: ``hidden_states`` ``[tokens, H]``, each token's
+    ``top_k_index`` / ``top_k_weights`` ``[tokens, k]``; returns ``[tokens, H]``, the experts'
+    outputs weighted and summed per token. The (token, slot) pairs are sorted by expert, so each
+    expert multiplies all its rows at once."""
+    if not _covered(module, hidden_states):
+        return type(module).forward.__wrapped__(module, hidden_states, top_k_index, top_k_weights)
+    k = top_k_index.shape[-1]
+    picks = top_k_index.reshape(-1)
+    order = torch.argsort(picks, stable=True)
+    rows_of = torch.bincount(picks, minlength=module.num_experts)[: module.num_experts].tolist()
+    tokens, weights = order // k, top_k_weights.reshape(-1)[order]
+    out = torch.zeros_like(hidden_states)
+    start = 0
+    for expert, count in enumerate(rows_of):
+        if count == 0:
+            continue
+        rows = tokens[start : start + count]
+        gate, up = module.gate_up_proj[expert].chunk(2)
+        h = unn._linear_silu_mul(hidden_states[rows], gate, up)
+        y = unn.uniop_ops.linear(h, module.down_proj[expert], None) * weights[start : start + count, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+        start += count
+    return out
