@@ -640,7 +640,7 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
     if family.startswith("Gemma"):  # GELU-gated MLPs keep transformers' MLP and decoder layer
         assert not swiglu_fusions & ran
     elif family in ("Mixtral", "Qwen2Moe"):  # experts on uniop; MoE layers keep transformers' forward
-        assert {"uniop::linear_silu_mul", "uniop::linear_silu_mul_backward"} <= ran
+        assert "uniop::linear_silu_mul" in ran
         assert not {"uniop::add_rms_norm", "uniop::linear_add"} & ran
     else:
         assert swiglu_fusions <= ran
@@ -655,10 +655,11 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
 @pytest.mark.parametrize("family", ["Mixtral", "Qwen3Moe"])
 def test_registered_experts_run_any_moe_model(family, monkeypatch):
     """``register_experts()`` makes uniop a transformers experts implementation, no patching: a
-    tiny MoE model's logits, greedy tokens and training gradients (the experts' 3-D weights
-    included) under ``"uniop"`` are transformers' eager ones, each expert's gated MLP one
-    linear_silu_mul on its gate/up halves. Experts uniop does not cover (here flagged as having
-    biases) run transformers' eager forward: fewer uniop calls, the same logits."""
+    tiny MoE model's logits and greedy tokens under ``"uniop"`` are transformers' eager ones, each
+    expert's gated MLP one linear_silu_mul on its gate/up halves; training runs transformers'
+    grouped forward (no uniop expert call) with eager's gradients. Experts uniop does not cover
+    (here flagged as having biases) run transformers' eager forward: fewer uniop calls, the same
+    logits."""
     model = _tiny_family_model(family)
     ids, mask = _left_padded_prompts(24, padding=5, seed=7)
 
@@ -675,12 +676,17 @@ def test_registered_experts_run_any_moe_model(family, monkeypatch):
     want = run()
     model.set_experts_implementation(ut.register_experts())
     gate_shapes = []
-    real = unn._linear_silu_mul
-    monkeypatch.setattr(unn, "_linear_silu_mul", lambda *a: gate_shapes.append(tuple(a[1].shape)) or real(*a))
+    real = unn.uniop_ops.linear_silu_mul
+    monkeypatch.setattr(unn.uniop_ops, "linear_silu_mul", lambda *a: gate_shapes.append(tuple(a[1].shape)) or real(*a))
     got = run()
     experts = model.model.layers[0].mlp.experts
     _, both, hidden = experts.gate_up_proj.shape
     assert gate_shapes and set(gate_shapes) == {(both // 2, hidden)}
+    gate_shapes.clear()
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    model.eval()
+    assert not gate_shapes
     assert torch.allclose(got[0][mask.bool()], want[0][mask.bool()], atol=1e-5)
     assert torch.equal(got[1], want[1])
     for name, g in want[2].items():

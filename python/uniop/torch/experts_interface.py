@@ -6,7 +6,8 @@ them up by name (``config._experts_implementation``) in its ``ExpertsInterface``
 attention. :func:`register_experts` adds ``"uniop"``: each expert a token picked runs its gated MLP
 as one uniop ``linear_silu_mul`` on the two halves of its ``gate_up_proj`` (views, no copy) and
 its down projection as one ``linear``, on the rows routed to it. On CPU the decode steps' few rows
-stream each expert's weights through uniop's few-row products. Other layouts (transposed or
+stream each expert's weights through uniop's few-row products. Training keeps transformers'
+grouped forward (see :func:`experts`). Other layouts (transposed or
 interleaved weights, biases, no gate, a gating other than SiLU, a post-expert norm) and tensors off
 the CPU run transformers' own (eager) forward.
 
@@ -48,27 +49,42 @@ def _covered(module, x):
     return layout and not extras and gate and x.device.type == "cpu" and x.dtype in _FLOATS
 
 
+def _records_gradients(module, x):
+    return torch.is_grad_enabled() and (x.requires_grad or module.gate_up_proj.requires_grad)
+
+
 def experts(module, hidden_states, top_k_index, top_k_weights):
     """transformers' experts interface over uniop: ``hidden_states`` ``[tokens, H]``, each token's
     ``top_k_index`` / ``top_k_weights`` ``[tokens, k]``; returns ``[tokens, H]``, the experts'
-    outputs weighted and summed per token. The (token, slot) pairs are sorted by expert, so each
-    expert multiplies all its rows at once."""
+    outputs weighted and summed per token in float32 (as transformers' grouped forward sums them),
+    rounded once. The (token, slot) pairs are sorted by expert, so each expert multiplies all its
+    rows at once.
+
+    Calls autograd records run transformers' grouped forward instead (its eager one where torch's
+    grouped product is missing): the gradient of one expert's slice of a 3-D weight is a buffer the
+    size of the whole weight, so a backward through per-expert products wrote every expert's
+    weights once per expert (a tiny Mixtral's training step ran 0.74x transformers' in float32)."""
     if not _covered(module, hidden_states):
         return type(module).forward.__wrapped__(module, hidden_states, top_k_index, top_k_weights)
+    if _records_gradients(module, hidden_states):
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        grouped = ALL_EXPERTS_FUNCTIONS.get("grouped_mm", type(module).forward.__wrapped__)
+        return grouped(module, hidden_states, top_k_index, top_k_weights)
     k = top_k_index.shape[-1]
     picks = top_k_index.reshape(-1)
     order = torch.argsort(picks, stable=True)
     rows_of = torch.bincount(picks, minlength=module.num_experts)[: module.num_experts].tolist()
-    tokens, weights = order // k, top_k_weights.reshape(-1)[order]
-    out = torch.zeros_like(hidden_states)
+    tokens, weights = order // k, top_k_weights.reshape(-1)[order].float()
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32)
     start = 0
     for expert, count in enumerate(rows_of):
         if count == 0:
             continue
         rows = tokens[start : start + count]
         gate, up = module.gate_up_proj[expert].chunk(2)
-        h = unn._linear_silu_mul(hidden_states[rows], gate, up)
-        y = unn.uniop_ops.linear(h, module.down_proj[expert], None) * weights[start : start + count, None]
-        out.index_add_(0, rows, y.to(out.dtype))
+        h = unn.uniop_ops.linear_silu_mul(hidden_states[rows], gate, up)
+        y = unn.uniop_ops.linear(h, module.down_proj[expert], None)
+        out.index_add_(0, rows, y.float() * weights[start : start + count, None])
         start += count
-    return out
+    return out.to(hidden_states.dtype)
