@@ -24,7 +24,6 @@ import torch
 from . import nn as unn
 
 EXPERTS = "uniop"
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def register_experts():
@@ -41,7 +40,7 @@ def _covered(module, x):
     """Whether uniop's forward computes what transformers' does for this experts module and input."""
     from transformers.integrations.moe import _default_apply_gate
 
-    from .llama import _is_silu
+    from .llama import _FLOATS, _is_silu  # (imported here: llama imports this module)
 
     layout = module.has_gate and module.is_concatenated and not module.is_transposed
     extras = module.has_bias or module.has_post_expert_norm or getattr(module, "_is_expert_parallel", False)
@@ -49,8 +48,11 @@ def _covered(module, x):
     return layout and not extras and gate and x.device.type == "cpu" and x.dtype in _FLOATS
 
 
-def _records_gradients(module, x):
-    return torch.is_grad_enabled() and (x.requires_grad or module.gate_up_proj.requires_grad)
+def _grouped_instead(module, x):
+    """Whether the call goes to transformers' grouped forward: autograd records it (see
+    :func:`experts`), or torch.compile traces it (the loop reads how many rows each expert got)."""
+    records = torch.is_grad_enabled() and (x.requires_grad or module.gate_up_proj.requires_grad)
+    return records or torch.compiler.is_compiling()
 
 
 def experts(module, hidden_states, top_k_index, top_k_weights):
@@ -63,10 +65,11 @@ def experts(module, hidden_states, top_k_index, top_k_weights):
     Calls autograd records run transformers' grouped forward instead (its eager one where torch's
     grouped product is missing): the gradient of one expert's slice of a 3-D weight is a buffer the
     size of the whole weight, so a backward through per-expert products wrote every expert's
-    weights once per expert (a tiny Mixtral's training step ran 0.74x transformers' in float32)."""
+    weights once per expert (a tiny Mixtral's training step ran 0.74x transformers' in float32).
+    So do calls torch.compile traces."""
     if not _covered(module, hidden_states):
         return type(module).forward.__wrapped__(module, hidden_states, top_k_index, top_k_weights)
-    if _records_gradients(module, hidden_states):
+    if _grouped_instead(module, hidden_states):
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         grouped = ALL_EXPERTS_FUNCTIONS.get("grouped_mm", type(module).forward.__wrapped__)
