@@ -4,12 +4,12 @@ transformers 5 stores a MoE layer's experts as 3-D weights (``gate_up_proj`` ``[
 gate's rows then the up projection's, and ``down_proj`` ``[E, H, I]``) and looks the code that runs
 them up by name (``config._experts_implementation``) in its ``ExpertsInterface``, as it does
 attention. :func:`register_experts` adds ``"uniop"``: each expert a token picked runs its gated MLP
-as one uniop ``linear_silu_mul`` on the two halves of its ``gate_up_proj`` (views, no copy) and
-its down projection as one ``linear``, on the rows routed to it. On CPU the decode steps' few rows
-stream each expert's weights through uniop's few-row products. Training keeps transformers'
-grouped forward (see :func:`experts`). Other layouts (transposed or
-interleaved weights, biases, no gate, a gating other than SiLU, a post-expert norm) and tensors off
-the CPU run transformers' own (eager) forward.
+as one uniop ``linear_silu_mul`` on the two halves of its ``gate_up_proj`` (views, no copy) and its
+down projection as one ``linear``, on the rows routed to it. On CPU the decode steps' few rows
+stream each expert's weights through uniop's few-row products. Training keeps transformers' grouped
+forward (see :func:`experts`). Other layouts (transposed or interleaved weights, biases, no gate, a
+gating other than SiLU, a post-expert norm) and tensors off the CPU run transformers' own (eager)
+forward.
 
     import uniop.torch
     model = AutoModelForCausalLM.from_pretrained(name, experts_implementation=uniop.torch.register_experts())

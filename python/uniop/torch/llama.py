@@ -464,7 +464,8 @@ def patch_llama(model=None, pack_weights=False):
 
 
 def unpatch_llama():
-    """Restores transformers' own implementations (and patched models' attention)."""
+    """Restores transformers' own implementations (and patched models' attention and experts
+    implementations)."""
     _PACK["on"] = False
     while _models:
         model, previous, experts, linears, own_loss = _models.pop()
