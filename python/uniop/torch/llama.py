@@ -9,21 +9,22 @@ where uniop's GEMM is the faster one — see below —, else the projections aro
 :func:`_attention_forward`), ``LlamaRotaryEmbedding.forward`` (uniop ``rope_cos_sin`` of the
 module's own frequencies, see :func:`_rotary_forward`) and ``modeling_llama.apply_rotary_pos_emb``
 (uniop ``rope``), and the same pieces of the families transformers builds as it builds Llama:
-Mistral, Qwen2, Qwen3, Phi3, Gemma and Gemma3 (see ``_FAMILIES``). Methods are patched on the
-classes, so existing instances change too. Given a model, it also switches the model's attention to
-uniop's flash attention (registered with transformers as the ``"uniop"`` implementation by
-:func:`~uniop.torch.register_attention`; transformers' 4-D masks, boolean or float, go to uniop
-``attention``'s ``mask``; dropout and softcap fall back to SDPA), a causal LM's loss to uniop
-``cross_entropy`` (see :func:`_causal_lm_loss`) and its linear layers (projections and ``lm_head``)
-to uniop ``linear``, which streams the weight at memory speed when there are few rows — decoding
-spends most of its time there — and prefill-sized products too: in bfloat16 always, in float32 where
-uniop's GEMM is the faster one on this CPU (with AVX-512 on CPUs other than Intel's). It also makes
-transformers' ``DynamicLayer.update`` (the default KV cache) grow in place: the cache becomes a view
-of a buffer with room to spare, so a decode step writes its new rows instead of copying the whole
-cache with ``torch.cat`` (O(length) per layer and step). With ``pack_weights=True``, prefill-sized
-products take weights packed once (see :func:`patch_llama`). The ops themselves are called through
-:data:`uniop.torch.nn.uniop_ops`, which skips torch's dispatcher where it has nothing to do
-(inference under ``no_grad``).
+Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma3 and the mixture-of-experts Mixtral, Qwen2-MoE and
+Qwen3-MoE, whose experts run uniop's experts implementation (see ``_FAMILIES``,
+:mod:`.experts_interface`). Methods are patched on the classes, so existing instances change too.
+Given a model, it also switches the model's attention to uniop's flash attention (registered with
+transformers as the ``"uniop"`` implementation by :func:`~uniop.torch.register_attention`;
+transformers' 4-D masks, boolean or float, go to uniop ``attention``'s ``mask``; dropout and softcap
+fall back to SDPA), a causal LM's loss to uniop ``cross_entropy`` (see :func:`_causal_lm_loss`) and
+its linear layers (projections and ``lm_head``) to uniop ``linear``, which streams the weight at
+memory speed when there are few rows — decoding spends most of its time there — and prefill-sized
+products too: in bfloat16 always, in float32 where uniop's GEMM is the faster one on this CPU (with
+AVX-512 on CPUs other than Intel's). It also makes transformers' ``DynamicLayer.update`` (the
+default KV cache) grow in place: the cache becomes a view of a buffer with room to spare, so a
+decode step writes its new rows instead of copying the whole cache with ``torch.cat`` (O(length) per
+layer and step). With ``pack_weights=True``, prefill-sized products take weights packed once (see
+:func:`patch_llama`). The ops themselves are called through :data:`uniop.torch.nn.uniop_ops`, which
+skips torch's dispatcher where it has nothing to do (inference under ``no_grad``).
 :func:`unpatch_llama` restores all of it.
 """
 
@@ -428,8 +429,9 @@ def patch_llama(model=None, pack_weights=False):
     """Routes Llama's RMSNorm, MLP and rotary embedding (and, given a model, its attention, its
     linear layers and a causal LM's loss) through uniop. Returns ``model``. Training runs through
     all of it: every op has its backward. Models of the families transformers builds as it builds
-    Llama — Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma3 (see ``_FAMILIES``) — are patched the same
-    way; other models raise a TypeError.
+    Llama — Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma3, Mixtral, Qwen2-MoE, Qwen3-MoE (see
+    ``_FAMILIES``) — are patched the same way, MoE models' experts switched to uniop's experts
+    implementation; other models raise a TypeError.
 
     ``pack_weights``: prefill-sized products (more than 16 rows, in a dtype that runs on uniop's
     GEMM here) take their weights packed once by ``pack_weight`` instead of packing them in every
