@@ -704,6 +704,25 @@ def test_registered_experts_run_any_moe_model(family, monkeypatch):
     assert torch.allclose(fallback, every, atol=1e-5)
 
 
+def test_offset_weight_is_kept_until_the_weight_changes():
+    """nn.offset_weight (Gemma's ``1 + weight`` in float32) is made once for calls no gradient
+    needs and made again when the weight changes in place; where autograd records the call it is
+    computed per call, so the gradient reaches the weight; drop_kept_weights forgets it."""
+    norm = nn.Module()
+    norm.weight = nn.Parameter(torch.randn(8, dtype=torch.bfloat16))
+    with torch.no_grad():
+        first = unn.offset_weight(norm)
+        assert first.dtype == torch.float32 and torch.equal(first, 1.0 + norm.weight.float())
+        assert unn.offset_weight(norm) is first
+        norm.weight.add_(1.0)
+        updated = unn.offset_weight(norm)
+        assert updated is not first and torch.equal(updated, 1.0 + norm.weight.float())
+    unn.offset_weight(norm).sum().backward()
+    assert torch.equal(norm.weight.grad, torch.ones(8, dtype=torch.bfloat16))
+    unn.drop_kept_weights(norm)
+    assert "_uniop_offset_weight" not in norm.__dict__
+
+
 def test_patched_gemma3_keeps_its_own_decoder_layer():
     """Gemma3's decoder layer norms the attention's and the MLP's outputs before their residual
     adds, so its forward stays transformers' even where its MLP is SwiGLU (which then runs as one

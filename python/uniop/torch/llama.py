@@ -110,12 +110,13 @@ def _decoder_layers():
 def _offset_norm_forward(original):
     """Gemma's RMSNorm forward, ``(norm(x) * (1 + weight))`` in float32 rounded once to x's dtype,
     as one uniop ``rms_norm`` with the float32 weight ``1 + weight`` (its sums are float32 in
-    every dtype, its output in x's). Off the CPU, or in another dtype, transformers' forward."""
+    every dtype, its output in x's; :func:`~uniop.torch.nn.offset_weight` keeps it between calls
+    no gradient needs). Off the CPU, or in another dtype, transformers' forward."""
 
     def forward(self, x):
         if x.device.type != "cpu" or x.dtype not in _FLOATS:
             return original(self, x)
-        return unn.uniop_ops.rms_norm(x, 1.0 + self.weight.float(), self.eps)[0]
+        return unn.uniop_ops.rms_norm(x, unn.offset_weight(self), self.eps)[0]
 
     return forward
 
@@ -480,7 +481,7 @@ def unpatch_llama():
             model._loss_function = own_loss
         for mod in linears:
             del mod.forward
-        unn.drop_packed_weights(model)
+        unn.drop_kept_weights(model)
     for (owner, name), original in _originals.items():
         setattr(owner, name, original)
     _originals.clear()
