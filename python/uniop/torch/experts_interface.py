@@ -40,12 +40,10 @@ def _covered(module, x):
     """Whether uniop's forward computes what transformers' does for this experts module and input."""
     from transformers.integrations.moe import _default_apply_gate
 
-    from .llama import _FLOATS, _is_silu  # (imported here: llama imports this module)
-
     layout = module.has_gate and module.is_concatenated and not module.is_transposed
     extras = module.has_bias or module.has_post_expert_norm or getattr(module, "_is_expert_parallel", False)
-    gate = type(module)._apply_gate is _default_apply_gate and _is_silu(module)
-    return layout and not extras and gate and x.device.type == "cpu" and x.dtype in _FLOATS
+    gate = type(module)._apply_gate is _default_apply_gate and unn._is_silu(module)
+    return layout and not extras and gate and x.device.type == "cpu" and x.dtype in unn._FLOATS
 
 
 def _grouped_instead(module, x):

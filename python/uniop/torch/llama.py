@@ -80,10 +80,6 @@ _FAMILIES = {
 _OFFSET_NORMS = {"Gemma", "Gemma3"}
 _OWN_LAYERS = {"Gemma3"}
 
-# The float dtypes the patched ops take (rms_norm's, rope_cos_sin's tables, cross_entropy's logits:
-# their sums are float32 in each).
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
 
 def _modelings():
     """``{class-name prefix: modeling module}`` of the families this transformers has (Qwen3
@@ -114,18 +110,11 @@ def _offset_norm_forward(original):
     no gradient needs). Off the CPU, or in another dtype, transformers' forward."""
 
     def forward(self, x):
-        if x.device.type != "cpu" or x.dtype not in _FLOATS:
+        if x.device.type != "cpu" or x.dtype not in unn._FLOATS:
             return original(self, x)
         return unn.uniop_ops.rms_norm(x, unn.offset_weight(self), self.eps)[0]
 
     return forward
-
-
-def _is_silu(mlp):
-    """Whether an MLP's activation module (``act_fn``; Phi3's ``activation_fn``) is SiLU:
-    transformers 5's own ``SiLUActivation`` or ``nn.SiLU`` (older versions, and its "swish")."""
-    activation = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
-    return isinstance(activation, nn.SiLU) or type(activation).__name__ == "SiLUActivation"
 
 
 def _drops_residuals(layer):
@@ -144,7 +133,7 @@ def _layer_forward(original, mlp_class):
 
     def forward(self, hidden_states, *args, **kwargs):
         mlp = self.mlp
-        if args or type(mlp) is not mlp_class or not _is_silu(mlp) or _drops_residuals(self):
+        if args or type(mlp) is not mlp_class or not unn._is_silu(mlp) or _drops_residuals(self):
             return original(self, hidden_states, *args, **kwargs)
         fuse, packed = _on_uniop_gemm(hidden_states), _packs(hidden_states)
         h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
@@ -227,7 +216,7 @@ def _rotary_forward(original):
         rope_type = rope_type.get(layer_type) if isinstance(rope_type, dict) else rope_type
         plain = rope_type in _PLAIN_ROPES and getattr(self, prefix + "attention_scaling", None) == 1.0
         on_cpu = x.device.type == inv_freq.device.type == "cpu"
-        if not plain or not on_cpu or x.dtype not in _FLOATS or position_ids.is_floating_point():
+        if not plain or not on_cpu or x.dtype not in unn._FLOATS or position_ids.is_floating_point():
             extra = () if layer_type is None else (layer_type,)
             return original(self, x, position_ids, *extra)
         inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
@@ -242,8 +231,6 @@ def _transformers_causal_lm_loss():
     return LOSS_MAPPING["ForCausalLM"]
 
 
-
-
 def _causal_lm_loss(
     logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
 ):
@@ -254,7 +241,7 @@ def _causal_lm_loss(
     backward go: a tiny Llama's loss and its gradient (4x128 tokens, 8192 words) took 8.5 ms in
     bf16 that way and 2.1 ms this way, 4.4 and 2.6 ms in float32. Logits off the CPU or in
     another dtype keep transformers' loss."""
-    if logits.device.type != "cpu" or logits.dtype not in _FLOATS:
+    if logits.device.type != "cpu" or logits.dtype not in unn._FLOATS:
         return _transformers_causal_lm_loss()(
             logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
         )
@@ -273,7 +260,7 @@ def _causal_lm_loss(
 
 def _mlp_forward(original):
     def forward(self, x):
-        if _is_silu(self):
+        if unn._is_silu(self):
             return self.down_proj(unn.gated(self, x, fuse=_on_uniop_gemm(x), packed=_packs(x)))
         return original(self, x)
 

@@ -222,6 +222,18 @@ def _plain(linear):
     return type(linear) is nn.Linear and linear.bias is None
 
 
+# The float dtypes uniop's ops take (their sums are float32 in each).
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _is_silu(module):
+    """Whether a Hugging Face MLP's or experts module's activation (``act_fn``; Phi3's
+    ``activation_fn``) is SiLU: transformers 5's own ``SiLUActivation`` or ``nn.SiLU`` (older
+    versions, and its "swish")."""
+    activation = getattr(module, "act_fn", getattr(module, "activation_fn", None))
+    return isinstance(activation, nn.SiLU) or type(activation).__name__ == "SiLUActivation"
+
+
 def gated(mlp, x, fuse=True, packed=False):
     """``silu(gate(x)) * up(x)`` for an MLP with HF's projection names: ``gate_proj`` and
     ``up_proj``, or one ``gate_up_proj`` whose output's first half is the gate and second half the
@@ -232,15 +244,12 @@ def gated(mlp, x, fuse=True, packed=False):
     then takes four products rather than six. With ``packed`` (inference),
     ``linear_silu_mul_packed`` on the pair packed once (:func:`packed_weight`)."""
     fused = getattr(mlp, "gate_up_proj", None)
-    if fused is not None:
-        weights = fused.weight.chunk(2) if fuse and _plain(fused) else None
-    else:
-        plain = _plain(mlp.gate_proj) and _plain(mlp.up_proj)
-        weights = (mlp.gate_proj.weight, mlp.up_proj.weight) if fuse and plain else None
-    if weights is None and fused is not None:
-        return uniop_ops.swiglu(fused(x), -1)
-    if weights is None:
+    projections = [fused] if fused is not None else [mlp.gate_proj, mlp.up_proj]
+    if not (fuse and all(_plain(p) for p in projections)):
+        if fused is not None:
+            return uniop_ops.swiglu(fused(x), -1)
         return uniop_ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x))
+    weights = fused.weight.chunk(2) if fused is not None else [p.weight for p in projections]
     if _takes_packed(packed, x, *weights):
         return uniop_ops.linear_silu_mul_packed(x, packed_weight(mlp, *weights), weights[0].shape[0])
     return _linear_silu_mul(x, *weights)
