@@ -484,6 +484,43 @@ uniopStatus uniopGeluBackward(void *workspace,
                               uniopExecutor *executor,
                               uniopStream stream);
 
+// Phase 1 of `gelu_mul(Tensor gate, Tensor up, str approximate='none') -> (Tensor out)`.
+//
+// gelu(gate, approximate) * up elementwise (HF GemmaMLP's act_fn(gate_proj(x)) * up_proj(x);
+// approximate 'none' or 'tanh' as torch.nn.functional.gelu's, Gemma's gelu_pytorch_tanh is
+// 'tanh'). gate and up share shape and dtype; any strides. f16/bf16 compute in float32.
+uniopStatus uniopGeluMulGetWorkspaceSize(const uniopTensor *gate,
+                                         const uniopTensor *up,
+                                         const char *approximate,
+                                         uniopTensor *out,
+                                         uint64_t *workspaceSize,
+                                         uniopExecutor **executor);
+
+// Phase 2 of `gelu_mul`: launches the executor from `uniopGeluMulGetWorkspaceSize` on `stream`.
+uniopStatus uniopGeluMul(void *workspace,
+                         uint64_t workspaceSize,
+                         uniopExecutor *executor,
+                         uniopStream stream);
+
+// Phase 1 of `gelu_mul_backward(Tensor dout, Tensor gate, Tensor up, str approximate='none') -> (Tensor dgate, Tensor dup)`.
+//
+// Gradients of gelu_mul for the upstream gradient dout: dgate = dout * up * gelu'(gate), dup =
+// dout * gelu(gate), for the same approximate form. All three inputs share shape and dtype.
+uniopStatus uniopGeluMulBackwardGetWorkspaceSize(const uniopTensor *dout,
+                                                 const uniopTensor *gate,
+                                                 const uniopTensor *up,
+                                                 const char *approximate,
+                                                 uniopTensor *dgate,
+                                                 uniopTensor *dup,
+                                                 uint64_t *workspaceSize,
+                                                 uniopExecutor **executor);
+
+// Phase 2 of `gelu_mul_backward`: launches the executor from `uniopGeluMulBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopGeluMulBackward(void *workspace,
+                                 uint64_t workspaceSize,
+                                 uniopExecutor *executor,
+                                 uniopStream stream);
+
 // Phase 1 of `kv_cache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor positions) -> ()`.
 //
 // In place: k_cache[b, :, positions[b] + t] = k[b, :, t] (and v likewise) for caches [B, Hkv,
@@ -646,6 +683,90 @@ uniopStatus uniopLinearBackward(void *workspace,
                                 uint64_t workspaceSize,
                                 uniopExecutor *executor,
                                 uniopStream stream);
+
+// Phase 1 of `linear_gelu_mul(Tensor x, Tensor gate_weight, Tensor up_weight, str approximate='none') -> (Tensor y)`.
+//
+// y = gelu(x @ gate_weight^T, approximate) * (x @ up_weight^T): HF GemmaMLP's act_fn(gate_proj(x))
+// * up_proj(x) in one op (no biases; Gemma's gelu_pytorch_tanh is approximate='tanh'), as
+// linear_silu_mul with GELU: weights [intermediate_size, hidden_size], x [..., hidden_size], both
+// products as one GEMM. linear_gelu_mul_train returns the products for the backward.
+uniopStatus uniopLinearGeluMulGetWorkspaceSize(const uniopTensor *x,
+                                               const uniopTensor *gate_weight,
+                                               const uniopTensor *up_weight,
+                                               const char *approximate,
+                                               uniopTensor *y,
+                                               uint64_t *workspaceSize,
+                                               uniopExecutor **executor);
+
+// Phase 2 of `linear_gelu_mul`: launches the executor from `uniopLinearGeluMulGetWorkspaceSize` on `stream`.
+uniopStatus uniopLinearGeluMul(void *workspace,
+                               uint64_t workspaceSize,
+                               uniopExecutor *executor,
+                               uniopStream stream);
+
+// Phase 1 of `linear_gelu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, str approximate='none') -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
+//
+// Gradients of linear_gelu_mul (and linear_gelu_mul_train), as linear_silu_mul_backward's with
+// gelu(g, approximate) for silu(g): dg = dy * u * gelu'(g), du = dy * gelu(g); dx = dg @
+// gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ x.
+uniopStatus uniopLinearGeluMulBackwardGetWorkspaceSize(const uniopTensor *dy,
+                                                       const uniopTensor *x,
+                                                       const uniopTensor *gate_weight,
+                                                       const uniopTensor *up_weight,
+                                                       const uniopTensor *gate,
+                                                       const uniopTensor *up,
+                                                       const char *approximate,
+                                                       uniopTensor *dx,
+                                                       uniopTensor *dgate_weight,
+                                                       uniopTensor *dup_weight,
+                                                       uint64_t *workspaceSize,
+                                                       uniopExecutor **executor);
+
+// Phase 2 of `linear_gelu_mul_backward`: launches the executor from `uniopLinearGeluMulBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopLinearGeluMulBackward(void *workspace,
+                                       uint64_t workspaceSize,
+                                       uniopExecutor *executor,
+                                       uniopStream stream);
+
+// Phase 1 of `linear_gelu_mul_packed(Tensor x, Tensor packed_weight, int out_features, str approximate='none') -> (Tensor y)`.
+//
+// linear_gelu_mul with its weights packed ahead: y = gelu(x @ gate_weight^T, approximate) * (x @
+// up_weight^T) for packed_weight = pack_weight(gate_weight, up_weight), out_features =
+// intermediate_size. bfloat16 and float32, for prefill-sized x.
+uniopStatus uniopLinearGeluMulPackedGetWorkspaceSize(const uniopTensor *x,
+                                                     const uniopTensor *packed_weight,
+                                                     int64_t out_features,
+                                                     const char *approximate,
+                                                     uniopTensor *y,
+                                                     uint64_t *workspaceSize,
+                                                     uniopExecutor **executor);
+
+// Phase 2 of `linear_gelu_mul_packed`: launches the executor from `uniopLinearGeluMulPackedGetWorkspaceSize` on `stream`.
+uniopStatus uniopLinearGeluMulPacked(void *workspace,
+                                     uint64_t workspaceSize,
+                                     uniopExecutor *executor,
+                                     uniopStream stream);
+
+// Phase 1 of `linear_gelu_mul_train(Tensor x, Tensor gate_weight, Tensor up_weight, str approximate='none') -> (Tensor y, Tensor gate, Tensor up)`.
+//
+// linear_gelu_mul for training: y as linear_gelu_mul's, plus the products gate = x @ gate_weight^T
+// and up = x @ up_weight^T (rounded to x's dtype; not differentiable), which
+// linear_gelu_mul_backward takes instead of recomputing them.
+uniopStatus uniopLinearGeluMulTrainGetWorkspaceSize(const uniopTensor *x,
+                                                    const uniopTensor *gate_weight,
+                                                    const uniopTensor *up_weight,
+                                                    const char *approximate,
+                                                    uniopTensor *y,
+                                                    uniopTensor *gate,
+                                                    uniopTensor *up,
+                                                    uint64_t *workspaceSize,
+                                                    uniopExecutor **executor);
+
+// Phase 2 of `linear_gelu_mul_train`: launches the executor from `uniopLinearGeluMulTrainGetWorkspaceSize` on `stream`.
+uniopStatus uniopLinearGeluMulTrain(void *workspace,
+                                    uint64_t workspaceSize,
+                                    uniopExecutor *executor,
+                                    uniopStream stream);
 
 // Phase 1 of `linear_packed(Tensor x, Tensor packed_weight, int out_features, Tensor? bias=None) -> (Tensor y)`.
 //

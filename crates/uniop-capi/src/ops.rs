@@ -687,6 +687,75 @@ pub extern "C" fn uniopGeluBackward(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
+/// Phase 1 of `gelu_mul(Tensor gate, Tensor up, str approximate='none') -> (Tensor out)`.
+///
+/// gelu(gate, approximate) * up elementwise (HF GemmaMLP's act_fn(gate_proj(x)) * up_proj(x);
+/// approximate 'none' or 'tanh' as torch.nn.functional.gelu's, Gemma's gelu_pytorch_tanh is
+/// 'tanh'). gate and up share shape and dtype; any strides. f16/bf16 compute in float32.
+#[no_mangle]
+pub extern "C" fn uniopGeluMulGetWorkspaceSize(
+    gate: *const uniopTensor,
+    up: *const uniopTensor,
+    approximate: *const c_char,
+    out: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopGeluMulGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 2] = [("gate", gate), ("up", up)];
+        let attrs: [(&str, AttrValue); 1] = [("approximate", typed::string(F, "approximate", approximate)?)];
+        let outputs = [("out", out as *const uniopTensor)];
+        plan("gelu_mul", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `gelu_mul`: launches the executor from `uniopGeluMulGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopGeluMul(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `gelu_mul_backward(Tensor dout, Tensor gate, Tensor up, str approximate='none') -> (Tensor dgate, Tensor dup)`.
+///
+/// Gradients of gelu_mul for the upstream gradient dout: dgate = dout * up * gelu'(gate), dup =
+/// dout * gelu(gate), for the same approximate form. All three inputs share shape and dtype.
+#[no_mangle]
+pub extern "C" fn uniopGeluMulBackwardGetWorkspaceSize(
+    dout: *const uniopTensor,
+    gate: *const uniopTensor,
+    up: *const uniopTensor,
+    approximate: *const c_char,
+    dgate: *mut uniopTensor,
+    dup: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopGeluMulBackwardGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 3] = [("dout", dout), ("gate", gate), ("up", up)];
+        let attrs: [(&str, AttrValue); 1] = [("approximate", typed::string(F, "approximate", approximate)?)];
+        let outputs = [("dgate", dgate as *const uniopTensor), ("dup", dup as *const uniopTensor)];
+        plan("gelu_mul_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `gelu_mul_backward`: launches the executor from `uniopGeluMulBackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopGeluMulBackward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
 /// Phase 1 of `kv_cache_append(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor positions) -> ()`.
 ///
 /// In place: k_cache[b, :, positions[b] + t] = k[b, :, t] (and v likewise) for caches [B, Hkv,
@@ -988,6 +1057,165 @@ pub extern "C" fn uniopLinearBackwardGetWorkspaceSize(
 /// Phase 2 of `linear_backward`: launches the executor from `uniopLinearBackwardGetWorkspaceSize` on `stream`.
 #[no_mangle]
 pub extern "C" fn uniopLinearBackward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `linear_gelu_mul(Tensor x, Tensor gate_weight, Tensor up_weight, str approximate='none') -> (Tensor y)`.
+///
+/// y = gelu(x @ gate_weight^T, approximate) * (x @ up_weight^T): HF GemmaMLP's act_fn(gate_proj(x))
+/// * up_proj(x) in one op (no biases; Gemma's gelu_pytorch_tanh is approximate='tanh'), as
+/// linear_silu_mul with GELU: weights [intermediate_size, hidden_size], x [..., hidden_size], both
+/// products as one GEMM. linear_gelu_mul_train returns the products for the backward.
+#[no_mangle]
+pub extern "C" fn uniopLinearGeluMulGetWorkspaceSize(
+    x: *const uniopTensor,
+    gate_weight: *const uniopTensor,
+    up_weight: *const uniopTensor,
+    approximate: *const c_char,
+    y: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLinearGeluMulGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 3] =
+            [("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight)];
+        let attrs: [(&str, AttrValue); 1] = [("approximate", typed::string(F, "approximate", approximate)?)];
+        let outputs = [("y", y as *const uniopTensor)];
+        plan("linear_gelu_mul", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `linear_gelu_mul`: launches the executor from `uniopLinearGeluMulGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLinearGeluMul(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `linear_gelu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, str approximate='none') -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
+///
+/// Gradients of linear_gelu_mul (and linear_gelu_mul_train), as linear_silu_mul_backward's with
+/// gelu(g, approximate) for silu(g): dg = dy * u * gelu'(g), du = dy * gelu(g); dx = dg @
+/// gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ x.
+#[no_mangle]
+pub extern "C" fn uniopLinearGeluMulBackwardGetWorkspaceSize(
+    dy: *const uniopTensor,
+    x: *const uniopTensor,
+    gate_weight: *const uniopTensor,
+    up_weight: *const uniopTensor,
+    gate: *const uniopTensor,
+    up: *const uniopTensor,
+    approximate: *const c_char,
+    dx: *mut uniopTensor,
+    dgate_weight: *mut uniopTensor,
+    dup_weight: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLinearGeluMulBackwardGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 6] =
+            [("dy", dy), ("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight), ("gate", gate), ("up", up)];
+        let attrs: [(&str, AttrValue); 1] = [("approximate", typed::string(F, "approximate", approximate)?)];
+        let outputs = [
+            ("dx", dx as *const uniopTensor),
+            ("dgate_weight", dgate_weight as *const uniopTensor),
+            ("dup_weight", dup_weight as *const uniopTensor),
+        ];
+        plan("linear_gelu_mul_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `linear_gelu_mul_backward`: launches the executor from `uniopLinearGeluMulBackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLinearGeluMulBackward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `linear_gelu_mul_packed(Tensor x, Tensor packed_weight, int out_features, str approximate='none') -> (Tensor y)`.
+///
+/// linear_gelu_mul with its weights packed ahead: y = gelu(x @ gate_weight^T, approximate) * (x @
+/// up_weight^T) for packed_weight = pack_weight(gate_weight, up_weight), out_features =
+/// intermediate_size. bfloat16 and float32, for prefill-sized x.
+#[no_mangle]
+pub extern "C" fn uniopLinearGeluMulPackedGetWorkspaceSize(
+    x: *const uniopTensor,
+    packed_weight: *const uniopTensor,
+    out_features: i64,
+    approximate: *const c_char,
+    y: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLinearGeluMulPackedGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 2] = [("x", x), ("packed_weight", packed_weight)];
+        let attrs: [(&str, AttrValue); 2] = [
+            ("out_features", AttrValue::Int(out_features)),
+            ("approximate", typed::string(F, "approximate", approximate)?),
+        ];
+        let outputs = [("y", y as *const uniopTensor)];
+        plan("linear_gelu_mul_packed", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `linear_gelu_mul_packed`: launches the executor from `uniopLinearGeluMulPackedGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLinearGeluMulPacked(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `linear_gelu_mul_train(Tensor x, Tensor gate_weight, Tensor up_weight, str approximate='none') -> (Tensor y, Tensor gate, Tensor up)`.
+///
+/// linear_gelu_mul for training: y as linear_gelu_mul's, plus the products gate = x @ gate_weight^T
+/// and up = x @ up_weight^T (rounded to x's dtype; not differentiable), which
+/// linear_gelu_mul_backward takes instead of recomputing them.
+#[no_mangle]
+pub extern "C" fn uniopLinearGeluMulTrainGetWorkspaceSize(
+    x: *const uniopTensor,
+    gate_weight: *const uniopTensor,
+    up_weight: *const uniopTensor,
+    approximate: *const c_char,
+    y: *mut uniopTensor,
+    gate: *mut uniopTensor,
+    up: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLinearGeluMulTrainGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 3] =
+            [("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight)];
+        let attrs: [(&str, AttrValue); 1] = [("approximate", typed::string(F, "approximate", approximate)?)];
+        let outputs =
+            [("y", y as *const uniopTensor), ("gate", gate as *const uniopTensor), ("up", up as *const uniopTensor)];
+        plan("linear_gelu_mul_train", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `linear_gelu_mul_train`: launches the executor from `uniopLinearGeluMulTrainGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLinearGeluMulTrain(
     workspace: *mut c_void,
     workspaceSize: u64,
     executor: *mut uniopExecutor,

@@ -38,6 +38,9 @@ pub mod embedding_backward;
 mod flash_avx2;
 #[cfg(target_arch = "x86_64")]
 mod flash_backward_avx2;
+mod gate;
+pub mod gated_mul;
+pub mod gated_mul_backward;
 pub mod gelu;
 pub mod gelu_backward;
 pub mod kv_cache_append;
@@ -47,9 +50,9 @@ pub mod linear;
 pub mod linear_add;
 pub mod linear_add_backward;
 pub mod linear_backward;
+pub mod linear_gated_mul;
+pub mod linear_gated_mul_backward;
 pub mod linear_packed;
-pub mod linear_silu_mul;
-pub mod linear_silu_mul_backward;
 pub mod math;
 pub mod matmul;
 pub mod matmul_backward;
@@ -78,8 +81,6 @@ mod rows_avx2;
 pub mod sample;
 pub mod silu;
 pub mod silu_backward;
-pub mod silu_mul;
-pub mod silu_mul_backward;
 mod skinny;
 pub mod softmax;
 pub mod softmax_backward;
@@ -115,13 +116,17 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(linear_add::LinearAdd),
         Box::new(linear_add_backward::LinearAddBackward),
         Box::new(linear_backward::LinearBackward),
-        Box::new(linear_silu_mul::LinearSiluMul::INFERENCE),
-        Box::new(linear_silu_mul::LinearSiluMul::TRAIN),
-        Box::new(linear_silu_mul_backward::LinearSiluMulBackward),
+        Box::new(linear_gated_mul::LinearGatedMul::SILU),
+        Box::new(linear_gated_mul::LinearGatedMul::SILU_TRAIN),
+        Box::new(linear_gated_mul_backward::LinearGatedMulBackward::SILU),
+        Box::new(linear_gated_mul::LinearGatedMul::GELU),
+        Box::new(linear_gated_mul::LinearGatedMul::GELU_TRAIN),
+        Box::new(linear_gated_mul_backward::LinearGatedMulBackward::GELU),
         Box::new(pack_weight::PackWeight),
         Box::new(linear_packed::LinearPacked::BIAS),
         Box::new(linear_packed::LinearPacked::RESIDUAL),
-        Box::new(linear_silu_mul::LinearSiluMul::PACKED),
+        Box::new(linear_gated_mul::LinearGatedMul::SILU_PACKED),
+        Box::new(linear_gated_mul::LinearGatedMul::GELU_PACKED),
         Box::new(embedding::Embedding),
         Box::new(embedding_backward::EmbeddingBackward),
         Box::new(cross_entropy::CrossEntropy),
@@ -135,8 +140,10 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(rope::Rope),
         Box::new(rope_backward::RopeBackward),
         Box::new(rope_cos_sin::RopeCosSin),
-        Box::new(silu_mul::SiluMul),
-        Box::new(silu_mul_backward::SiluMulBackward),
+        Box::new(gated_mul::GatedMul::SILU),
+        Box::new(gated_mul_backward::GatedMulBackward::SILU),
+        Box::new(gated_mul::GatedMul::GELU),
+        Box::new(gated_mul_backward::GatedMulBackward::GELU),
         Box::new(swiglu::Swiglu),
         Box::new(swiglu_backward::SwigluBackward),
         Box::new(kv_cache_append::KvCacheAppend),

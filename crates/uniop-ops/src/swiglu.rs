@@ -5,8 +5,8 @@
 //! halves are two dense runs of `H = shape[dim]/2 · (product of the dims after dim)` elements.
 
 use crate::elementwise::{dense_map, fence, streams_bytes};
+use crate::gated_mul::DTYPES;
 use crate::math;
-use crate::silu_mul::DTYPES;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
     OpCx, Plan, RefTensor, Result, Step, TensorMeta,

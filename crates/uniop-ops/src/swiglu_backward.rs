@@ -5,8 +5,8 @@
 //! [`swiglu`]: crate::swiglu
 
 use crate::elementwise::{dense_map, fence, streams_bytes};
+use crate::gated_mul::DTYPES;
 use crate::math;
-use crate::silu_mul::DTYPES;
 use crate::swiglu::{halves, Halves};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,

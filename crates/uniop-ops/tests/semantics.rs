@@ -580,24 +580,34 @@ fn outputs_own_their_memory() {
 
 // ---------------------------------------------------------------- gradients vs finite differences
 
+/// The gated ops' activations, each as the name part of its ops (`silu_mul`, `linear_gelu_mul`)
+/// and the attributes of one form: SiLU, GELU's erf form and its tanh form.
+fn gatings() -> [(&'static str, Vec<(&'static str, AttrValue)>); 3] {
+    let approximate = |form: &str| vec![("approximate", AttrValue::Str(form.into()))];
+    [("silu", vec![]), ("gelu", approximate("none")), ("gelu", approximate("tanh"))]
+}
+
 #[test]
-fn silu_mul_backward_matches_finite_differences() {
+fn gated_mul_backward_matches_finite_differences() {
     setup();
     let shape = vec![3, 9];
     let (g, u, d) = (rand_vec(27, 21), rand_vec(27, 22), rand_vec(27, 23));
     let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
     let inputs = [(f64s(&g), shape.clone()), (f64s(&u), shape.clone())];
-    let grads = run_checked(
-        "silu_mul_backward",
-        &[
-            Some(TensorRef::new(&d, &shape).unwrap()),
-            Some(TensorRef::new(&g, &shape).unwrap()),
-            Some(TensorRef::new(&u, &shape).unwrap()),
-        ],
-        &[],
-    );
-    assert_close(&grads[0], &finite_difference("silu_mul", &inputs, &[], &f64s(&d), 0), "dgate");
-    assert_close(&grads[1], &finite_difference("silu_mul", &inputs, &[], &f64s(&d), 1), "dup");
+    for (act, attrs) in gatings() {
+        let (forward, backward) = (format!("{act}_mul"), format!("{act}_mul_backward"));
+        let grads = run_checked(
+            &backward,
+            &[
+                Some(TensorRef::new(&d, &shape).unwrap()),
+                Some(TensorRef::new(&g, &shape).unwrap()),
+                Some(TensorRef::new(&u, &shape).unwrap()),
+            ],
+            &attrs,
+        );
+        assert_close(&grads[0], &finite_difference(&forward, &inputs, &attrs, &f64s(&d), 0), "dgate");
+        assert_close(&grads[1], &finite_difference(&forward, &inputs, &attrs, &f64s(&d), 1), "dup");
+    }
 }
 
 #[test]
@@ -631,18 +641,26 @@ fn swiglu_splits_along_any_dim_and_its_gradient_matches_finite_differences() {
 }
 
 #[test]
-fn silu_mul_requires_matching_gate_and_up() {
+fn gated_mul_requires_matching_gate_and_up_and_a_gelu_form() {
     setup();
     let a = [0f32; 6];
     let b = [0f32; 3];
-    let err = plan_err(
-        "silu_mul",
-        &[Some(TensorRef::new(&a, &[2, 3]).unwrap()), Some(TensorRef::new(&b, &[3]).unwrap())],
-        &[],
-        vec![],
-    );
-    assert_eq!(err.code(), ErrorCode::Shape);
-    assert_eq!(err.message(), "silu_mul: argument 'up': expected shape [2, 3], got shape [3]");
+    let (ta, tb) = (TensorRef::new(&a, &[2, 3]).unwrap(), TensorRef::new(&b, &[3]).unwrap());
+    for op in ["silu_mul", "gelu_mul"] {
+        let err = plan_err(op, &[Some(ta.clone()), Some(tb.clone())], &[], vec![]);
+        assert_eq!(err.code(), ErrorCode::Shape);
+        assert_eq!(err.message(), format!("{op}: argument 'up': expected shape [2, 3], got shape [3]"));
+    }
+    let fast = [("approximate", AttrValue::Str("fast".into()))];
+    for (op, inputs) in [
+        ("gelu_mul", vec![Some(ta.clone()), Some(ta.clone())]),
+        ("gelu_mul_backward", vec![Some(ta.clone()), Some(ta.clone()), Some(ta.clone())]),
+        ("linear_gelu_mul", vec![Some(ta.clone()), Some(ta.clone()), Some(ta.clone())]),
+    ] {
+        let err = plan_err(op, &inputs, &fast, vec![]);
+        assert_eq!(err.code(), ErrorCode::ParamInvalid);
+        assert_eq!(err.message(), format!("{op}: argument 'approximate': expected 'none' or 'tanh', got 'fast'"));
+    }
 }
 
 #[test]
@@ -1287,15 +1305,17 @@ fn linear_backward_matches_finite_differences() {
     }
 }
 
-/// `linear_silu_mul` on each of its routes — few rows (the weights streamed), row bands of the
-/// paired GEMM over several of its row blocks, column bands, the generic route over several row
-/// chunks and past the f32 packed depth, a strided weight — against its
-/// reference, and against `linear` then `silu_mul` (which round the products first) in every dtype;
-/// `linear_silu_mul_train`'s returns against the same.
+/// `linear_silu_mul` and `linear_gelu_mul` on each of their routes — few rows (the weights
+/// streamed), row bands of the paired GEMM over several of its row blocks, column bands, the
+/// generic route over several row chunks and past the f32 packed depth, a strided weight — against
+/// their references, and against `linear` then `silu_mul` (`gelu_mul`; which round the products
+/// first) in every dtype; the train forms' returns against the same.
 #[test]
-fn linear_silu_mul_is_linear_then_silu_mul_on_every_route() {
+fn linear_gated_mul_is_linear_then_gated_mul_on_every_route() {
     setup();
-    fn check<T: uniop::Element>(cast: impl Fn(f32) -> T, tol: f64) {
+    fn check<T: uniop::Element>(cast: impl Fn(f32) -> T, tol: f64, act: &str, attrs: &[(&str, AttrValue)]) {
+        let (fused_op, train_op, mul_op) =
+            (format!("linear_{act}_mul"), format!("linear_{act}_mul_train"), format!("{act}_mul"));
         for (rows, k, n) in [(3, 40, 70), (300, 70, 45), (9, 100, 300), (130, 33, 200), (600, 20, 40), (70, 4100, 40)] {
             let values = |len, seed| rand_vec(len, seed).into_iter().map(&cast).collect::<Vec<T>>();
             let (x, gate, up) = (values(rows * k, 131), values(n * k, 132), values(n * k, 133));
@@ -1304,15 +1324,14 @@ fn linear_silu_mul_is_linear_then_silu_mul_on_every_route() {
             // The up weight read through a transposed [k, n] buffer: strides (1, k) over [n, k].
             let up_t: Vec<T> = (0..k * n).map(|i| up[(i % n) * k + i / n]).collect();
             let tu = TensorRef::strided(&up_t, &[n, k], &[1, n], 0).unwrap();
-            let fused = run_checked("linear_silu_mul", &[Some(tx.clone()), Some(tg.clone()), Some(tu.clone())], &[]);
+            let fused = run_checked(&fused_op, &[Some(tx.clone()), Some(tg.clone()), Some(tu.clone())], attrs);
             let product = |w: TensorRef| -> Vec<T> {
                 let y = run_checked("linear", &[Some(tx.clone()), Some(w), None], &[]).remove(0);
                 y.into_iter().map(|v| cast(v as f32)).collect()
             };
-            // linear_silu_mul_train: the same y (the same kernel), and its products as linear's.
-            let train =
-                run_checked("linear_silu_mul_train", &[Some(tx.clone()), Some(tg.clone()), Some(tu.clone())], &[]);
-            assert_eq!(train[0], fused[0], "{:?} {rows}x{k}x{n}: linear_silu_mul_train's y", T::DTYPE);
+            // The train form: the same y (the same kernel), and its products as linear's.
+            let train = run_checked(&train_op, &[Some(tx.clone()), Some(tg.clone()), Some(tu.clone())], attrs);
+            assert_eq!(train[0], fused[0], "{:?} {rows}x{k}x{n}: {train_op}'s y", T::DTYPE);
             let (g, u) = (product(tg), product(tu));
             for (saved, linear) in [(&train[1], &g), (&train[2], &u)] {
                 for (a, b) in saved.iter().zip(linear) {
@@ -1325,15 +1344,19 @@ fn linear_silu_mul_is_linear_then_silu_mul_on_every_route() {
                 }
             }
             let (tg, tu) = (TensorRef::new(&g, &[rows, n]).unwrap(), TensorRef::new(&u, &[rows, n]).unwrap());
-            let composite = run_checked("silu_mul", &[Some(tg), Some(tu)], &[]).remove(0);
+            let composite = run_checked(&mul_op, &[Some(tg), Some(tu)], attrs).remove(0);
             for (a, b) in fused[0].iter().zip(&composite) {
-                assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{:?} {rows}x{k}x{n}: {a} vs {b}", T::DTYPE);
+                assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{fused_op} {:?} {rows}x{k}x{n}: {a} vs {b}", T::DTYPE);
             }
         }
     }
-    check(|v| v, 1e-5);
-    check(bf16::from_f32, 2e-2);
-    check(uniop::half::f16::from_f32, 4e-3);
+    // SiLU and GELU's tanh form (Gemma's): the routes are one code for every activation.
+    let [silu, _, gelu_tanh] = gatings();
+    for (act, attrs) in [silu, gelu_tanh] {
+        check(|v| v, 1e-5, act, &attrs);
+        check(bf16::from_f32, 2e-2, act, &attrs);
+        check(uniop::half::f16::from_f32, 4e-3, act, &attrs);
+    }
     // Empty products (k = 0) run without error and give silu(0) · 0 = 0, on the paired route (6 rows)
     // and the few-row one.
     for rows in [6, 2] {
@@ -1433,27 +1456,31 @@ fn linear_add_is_linear_then_add_with_its_gradients() {
 }
 
 #[test]
-fn linear_silu_mul_backward_matches_finite_differences() {
+fn linear_gated_mul_backward_matches_finite_differences() {
     setup();
     let (rows, k, n) = (4, 5, 3);
     let (x, gate, up, dy) =
         (rand_vec(rows * k, 141), rand_vec(n * k, 142), rand_vec(n * k, 143), rand_vec(rows * n, 144));
-    let grads = run_checked(
-        "linear_silu_mul_backward",
-        &[
-            Some(TensorRef::new(&dy, &[2, 2, n]).unwrap()),
-            Some(TensorRef::new(&x, &[2, 2, k]).unwrap()),
-            Some(TensorRef::new(&gate, &[n, k]).unwrap()),
-            Some(TensorRef::new(&up, &[n, k]).unwrap()),
-            None,
-            None,
-        ],
-        &[],
-    );
     let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
     let inputs = [(f64s(&x), vec![2, 2, k]), (f64s(&gate), vec![n, k]), (f64s(&up), vec![n, k])];
-    for (wrt, name) in [(0, "dx"), (1, "dgate_weight"), (2, "dup_weight")] {
-        assert_close(&grads[wrt], &finite_difference("linear_silu_mul", &inputs, &[], &f64s(&dy), wrt), name);
+    for (act, attrs) in gatings() {
+        let forward = format!("linear_{act}_mul");
+        let grads = run_checked(
+            &format!("{forward}_backward"),
+            &[
+                Some(TensorRef::new(&dy, &[2, 2, n]).unwrap()),
+                Some(TensorRef::new(&x, &[2, 2, k]).unwrap()),
+                Some(TensorRef::new(&gate, &[n, k]).unwrap()),
+                Some(TensorRef::new(&up, &[n, k]).unwrap()),
+                None,
+                None,
+            ],
+            &attrs,
+        );
+        for (wrt, name) in [(0, "dx"), (1, "dgate_weight"), (2, "dup_weight")] {
+            let want = finite_difference(&forward, &inputs, &attrs, &f64s(&dy), wrt);
+            assert_close(&grads[wrt], &want, &format!("{forward} {attrs:?}: {name}"));
+        }
     }
     let err = plan_err(
         "linear_silu_mul_backward",
@@ -1475,12 +1502,19 @@ fn linear_silu_mul_backward_matches_finite_differences() {
 }
 
 /// The backward with the forward's products given (from `linear_silu_mul_train`, on the few-row,
-/// paired and generic routes) gives the recomputing backward's gradients; the products come as a
-/// pair shaped as `dy`, or the call is refused.
+/// paired and generic routes; `linear_gelu_mul_train`'s on one) gives the recomputing backward's
+/// gradients; the products come as a pair shaped as `dy`, or the call is refused.
 #[test]
-fn linear_silu_mul_backward_takes_the_saved_products() {
+fn linear_gated_mul_backward_takes_the_saved_products() {
     setup();
-    for (rows, k, n) in [(4, 5, 3), (150, 40, 70), (70, 4100, 40)] {
+    let gelu = [("approximate", AttrValue::Str("tanh".into()))];
+    for (rows, k, n, act, attrs) in [
+        (4, 5, 3, "silu", &[][..]),
+        (150, 40, 70, "silu", &[]),
+        (70, 4100, 40, "silu", &[]),
+        (150, 40, 70, "gelu", &gelu),
+    ] {
+        let (train_op, backward_op) = (format!("linear_{act}_mul_train"), format!("linear_{act}_mul_backward"));
         let (x, gate_w, up_w, dy) =
             (rand_vec(rows * k, 151), rand_vec(n * k, 152), rand_vec(n * k, 153), rand_vec(rows * n, 154));
         let (tx, tg, tu) = (
@@ -1490,14 +1524,14 @@ fn linear_silu_mul_backward_takes_the_saved_products() {
         );
         let tdy = TensorRef::new(&dy, &[rows, n]).unwrap();
         let saved: Vec<Vec<f32>> =
-            run_checked("linear_silu_mul_train", &[Some(tx.clone()), Some(tg.clone()), Some(tu.clone())], &[])
+            run_checked(&train_op, &[Some(tx.clone()), Some(tg.clone()), Some(tu.clone())], attrs)
                 .into_iter()
                 .map(|v| v.into_iter().map(|e| e as f32).collect())
                 .collect();
         let products = [1, 2].map(|i| Some(TensorRef::new(&saved[i], &[rows, n]).unwrap()));
         let operands = [Some(tdy.clone()), Some(tx.clone()), Some(tg.clone()), Some(tu.clone())];
-        let recomputed = run_checked("linear_silu_mul_backward", &[&operands[..], &[None, None]].concat(), &[]);
-        let from_saved = run_checked("linear_silu_mul_backward", &[&operands[..], &products].concat(), &[]);
+        let recomputed = run_checked(&backward_op, &[&operands[..], &[None, None]].concat(), attrs);
+        let from_saved = run_checked(&backward_op, &[&operands[..], &products].concat(), attrs);
         for (i, name) in ["dx", "dgate_weight", "dup_weight"].into_iter().enumerate() {
             for (a, b) in from_saved[i].iter().zip(&recomputed[i]) {
                 assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{rows}x{k}x{n} {name}: {a} vs {b}");
@@ -1505,12 +1539,14 @@ fn linear_silu_mul_backward_takes_the_saved_products() {
         }
         // One product without the other.
         let lone = [&operands[..], &[products[0].clone(), None]].concat();
-        let err = plan_err("linear_silu_mul_backward", &lone, &[], vec![]);
+        let err = plan_err(&backward_op, &lone, attrs, vec![]);
         assert_eq!(err.code(), ErrorCode::ParamNullptr);
         assert_eq!(
             err.message(),
-            "linear_silu_mul_backward: argument 'up': expected a tensor, as 'gate' is given (the saved products \
-             come as a pair), got none"
+            format!(
+                "{backward_op}: argument 'up': expected a tensor, as 'gate' is given (the saved products come as a \
+                 pair), got none"
+            )
         );
     }
     // A product not shaped as dy.

@@ -1,27 +1,30 @@
 //! `linear_silu_mul(x, gate_weight, up_weight) = silu(x · gate_weightᵀ) · (x · up_weightᵀ)`: the
 //! gated half of HF's `LlamaMLP` (`act_fn(gate_proj(x)) * up_proj(x)`, before `down_proj`) as one
-//! op, as inference engines fuse it (vLLM's merged gate/up projection and `SiluAndMul`).
+//! op, as inference engines fuse it (vLLM's merged gate/up projection and `SiluAndMul`); and
+//! `linear_gelu_mul(x, gate_weight, up_weight, approximate)`, the same with GELU (Gemma's GeGLU MLP,
+//! vLLM's `GeluAndMul`). Everything below is written once for both ([`crate::gate`]).
 //!
-//! Why one op rather than two [`linear`](crate::linear)s and a [`silu_mul`](crate::silu_mul):
+//! Why one op rather than two [`linear`](crate::linear)s and a [`silu_mul`](crate::gated_mul):
 //! both products read the same `x`, and the activation needs both sums of an output at once.
 //! Taken as one packed GEMM whose B panels pair 16 columns of the gate weight with the same 16 of
-//! the up weight ([`gemm_rows_pairs`]), `x` is packed once for both products and silu·mul runs on
+//! the up weight ([`gemm_rows_pairs`]), `x` is packed once for both products and act·mul runs on
 //! the f32 sums while they are in cache, rounding once: no `[rows, intermediate]` gate and up
 //! tensors written and read back, no third pass. Where that GEMM does not serve (a few rows,
 //! whose products stream the weights; f16; f32 without AVX-512 or deeper than its packed kernel
 //! goes), the two products go through chunks of scratch into the same epilogue.
 //!
-//! No biases: Llama, Mistral and Qwen MLPs have none (`mlp_bias=False`); a layer with them is two
-//! `linear`s and a `silu_mul`.
+//! No biases: Llama, Mistral, Qwen and Gemma MLPs have none (`mlp_bias=False`); a layer with them
+//! is two `linear`s and a `silu_mul` (`gelu_mul`).
 //!
-//! Two ops share this file: `linear_silu_mul` returns `y` alone (inference: nothing else is
-//! written), `linear_silu_mul_train` also returns the two products, rounded to the dtype, for its
-//! backward to take instead of recomputing them — two of the backward's six products, at the cost
-//! of two `[rows, intermediate]` tensors kept from forward to backward, as torch's autograd of the
-//! composite keeps them.
+//! Three forms of each share this file: `linear_silu_mul` returns `y` alone (inference: nothing
+//! else is written), `linear_silu_mul_train` also returns the two products, rounded to the dtype,
+//! for its backward to take instead of recomputing them — two of the backward's six products, at
+//! the cost of two `[rows, intermediate]` tensors kept from forward to backward, as torch's
+//! autograd of the composite keeps them — and `linear_silu_mul_packed` takes the weights packed
+//! ahead by `pack_weight`.
 
+use crate::gate::{op_name, with_gate_fn, GateFn, Gating};
 use crate::linear::{reference_rows, x_and_weight, Bands, Dims};
-use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat, DTYPES, PACKED_F32_MAX_K};
 use crate::packed_gemm::{gemm_rows_pairs, pairs_apply, PairedWeights, HALF, PAIRED_COLUMNS};
 use crate::skinny::{Dots, Simd};
@@ -31,7 +34,10 @@ use uniop::{
     Result, Step, TensorMeta,
 };
 
-pub struct LinearSiluMul(Form);
+pub struct LinearGatedMul {
+    form: Form,
+    gating: Gating,
+}
 
 #[derive(Clone, Copy, PartialEq)]
 enum Form {
@@ -43,20 +49,23 @@ enum Form {
     Packed,
 }
 
-impl LinearSiluMul {
-    pub const INFERENCE: LinearSiluMul = LinearSiluMul(Form::Inference);
-    pub const TRAIN: LinearSiluMul = LinearSiluMul(Form::Train);
-    pub const PACKED: LinearSiluMul = LinearSiluMul(Form::Packed);
+impl LinearGatedMul {
+    pub const SILU: LinearGatedMul = LinearGatedMul { form: Form::Inference, gating: Gating::Silu };
+    pub const SILU_TRAIN: LinearGatedMul = LinearGatedMul { form: Form::Train, gating: Gating::Silu };
+    pub const SILU_PACKED: LinearGatedMul = LinearGatedMul { form: Form::Packed, gating: Gating::Silu };
+    pub const GELU: LinearGatedMul = LinearGatedMul { form: Form::Inference, gating: Gating::Gelu };
+    pub const GELU_TRAIN: LinearGatedMul = LinearGatedMul { form: Form::Train, gating: Gating::Gelu };
+    pub const GELU_PACKED: LinearGatedMul = LinearGatedMul { form: Form::Packed, gating: Gating::Gelu };
 
     fn dims(&self, cx: &OpCx) -> Result<Dims> {
-        match self.0 {
+        match self.form {
             Form::Packed => crate::pack_weight::packed_dims(cx, true),
             _ => dims(cx),
         }
     }
 
     fn returns_products(&self) -> bool {
-        self.0 == Form::Train
+        self.form == Form::Train
     }
 }
 
@@ -209,16 +218,16 @@ pub(crate) unsafe fn gate_up_rows<T: FloatElement>(
 }
 
 crate::simd_kernel! {
-/// `out[c] = silu(gate sum) · up sum` for one row of paired sums (layout: [`gemm_rows_pairs`]);
+/// `out[c] = act(gate sum) · up sum` for one row of paired sums (layout: [`gemm_rows_pairs`]);
 /// `out` is as long as the row's outputs (at most [`PAIRED_COLUMNS`]), which the sums may pad.
 /// The results are narrowed as one slice: lane by lane, bf16's rounding stayed scalar and took
 /// more time than the products.
-pub(crate) fn silu_mul_pairs<T: FloatElement>(sums: &[f32], out: &mut [T]) {
+fn act_mul_pairs<T: FloatElement, A: GateFn>(sums: &[f32], out: &mut [T]) {
     let mut values = [0f32; PAIRED_COLUMNS];
     for (group, v) in sums.chunks_exact(2 * HALF).zip(values.chunks_exact_mut(HALF)) {
         let (gate, up) = group.split_at(HALF);
         for i in 0..HALF {
-            v[i] = math::silu::<T>(gate[i]) * up[i];
+            v[i] = A::act::<T>(gate[i]) * up[i];
         }
     }
     T::narrow(&values[..out.len()], out);
@@ -237,7 +246,7 @@ fn unpair<T: FloatElement>(sums: &[f32], gate: &mut [T], up: &mut [T]) {
 }
 }
 
-fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands, form: Form) {
+fn kernel<T: FloatElement, A: GateFn>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Bands, form: Form) {
     let (rows, cols) = bands.share(ctx, d);
     if cols.is_empty() || rows.is_empty() {
         return;
@@ -266,7 +275,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, bands: Ban
     unsafe {
         gate_up_rows::<T>(rows, cols, d, operands, scratch, |r, c, sums| {
             let len = (end - c).min(sums.len() / 2);
-            silu_mul_pairs(sums, out.slice_mut::<T>(o + r * d.n + c, len));
+            act_mul_pairs::<T, A>(sums, out.slice_mut::<T>(o + r * d.n + c, len));
             if let Some([(gate, g), (up, u)]) = &products {
                 let at = r * d.n + c;
                 unpair(sums, gate.slice_mut::<T>(g + at, len), up.slice_mut::<T>(u + at, len));
@@ -289,48 +298,83 @@ fn other_factor(cx: &OpCx, d: Dims) -> f64 {
     }
 }
 
-impl Op for LinearSiluMul {
+impl Op for LinearGatedMul {
     fn schema(&self) -> &'static str {
-        match self.0 {
-            Form::Inference => "linear_silu_mul(Tensor x, Tensor gate_weight, Tensor up_weight) -> Tensor y",
-            Form::Train => {
+        match (self.gating, self.form) {
+            (Gating::Silu, Form::Inference) => {
+                "linear_silu_mul(Tensor x, Tensor gate_weight, Tensor up_weight) -> Tensor y"
+            }
+            (Gating::Silu, Form::Train) => {
                 "linear_silu_mul_train(Tensor x, Tensor gate_weight, Tensor up_weight) -> (Tensor y, Tensor gate, Tensor up)"
             }
-            Form::Packed => "linear_silu_mul_packed(Tensor x, Tensor packed_weight, int out_features) -> Tensor y",
+            (Gating::Silu, Form::Packed) => {
+                "linear_silu_mul_packed(Tensor x, Tensor packed_weight, int out_features) -> Tensor y"
+            }
+            (Gating::Gelu, Form::Inference) => {
+                "linear_gelu_mul(Tensor x, Tensor gate_weight, Tensor up_weight, str approximate='none') -> Tensor y"
+            }
+            (Gating::Gelu, Form::Train) => {
+                "linear_gelu_mul_train(Tensor x, Tensor gate_weight, Tensor up_weight, str approximate='none') -> \
+                 (Tensor y, Tensor gate, Tensor up)"
+            }
+            (Gating::Gelu, Form::Packed) => {
+                "linear_gelu_mul_packed(Tensor x, Tensor packed_weight, int out_features, str approximate='none') -> \
+                 Tensor y"
+            }
         }
     }
 
     fn doc(&self) -> &'static str {
-        match self.0 {
-            Form::Inference => {
+        match (self.gating, self.form) {
+            (Gating::Silu, Form::Inference) => {
                 "y = silu(x @ gate_weight^T) * (x @ up_weight^T): HF LlamaMLP's act_fn(gate_proj(x)) * up_proj(x) in \
                  one op (no biases). Weights [intermediate_size, hidden_size] (HF layout), x [..., hidden_size]. Both \
                  products run as one GEMM (x packed once, f32 sums, silu*mul applied before the single rounding). \
                  Under autograd its backward recomputes the products; linear_silu_mul_train returns them instead."
             }
-            Form::Train => {
+            (Gating::Silu, Form::Train) => {
                 "linear_silu_mul for training: y as linear_silu_mul's, plus the products gate = x @ gate_weight^T and \
                  up = x @ up_weight^T (rounded to x's dtype; not differentiable), which linear_silu_mul_backward takes \
                  instead of recomputing them: four products in the backward instead of six, for two [..., \
                  intermediate_size] tensors kept in between."
             }
-            Form::Packed => {
+            (Gating::Silu, Form::Packed) => {
                 "linear_silu_mul with its weights packed ahead: y = silu(x @ gate_weight^T) * (x @ up_weight^T) for \
                  packed_weight = pack_weight(gate_weight, up_weight), out_features = intermediate_size. bfloat16 and \
                  float32, for prefill-sized x (few rows are faster through linear_silu_mul)."
+            }
+            (Gating::Gelu, Form::Inference) => {
+                "y = gelu(x @ gate_weight^T, approximate) * (x @ up_weight^T): HF GemmaMLP's act_fn(gate_proj(x)) * \
+                 up_proj(x) in one op (no biases; Gemma's gelu_pytorch_tanh is approximate='tanh'), as \
+                 linear_silu_mul with GELU: weights [intermediate_size, hidden_size], x [..., hidden_size], both \
+                 products as one GEMM. linear_gelu_mul_train returns the products for the backward."
+            }
+            (Gating::Gelu, Form::Train) => {
+                "linear_gelu_mul for training: y as linear_gelu_mul's, plus the products gate = x @ gate_weight^T and \
+                 up = x @ up_weight^T (rounded to x's dtype; not differentiable), which linear_gelu_mul_backward takes \
+                 instead of recomputing them."
+            }
+            (Gating::Gelu, Form::Packed) => {
+                "linear_gelu_mul with its weights packed ahead: y = gelu(x @ gate_weight^T, approximate) * (x @ \
+                 up_weight^T) for packed_weight = pack_weight(gate_weight, up_weight), out_features = \
+                 intermediate_size. bfloat16 and float32, for prefill-sized x."
             }
         }
     }
 
     fn dtypes(&self) -> &'static [DType] {
-        match self.0 {
+        match self.form {
             Form::Packed => crate::pack_weight::DTYPES,
             _ => DTYPES,
         }
     }
 
     fn backward(&self) -> Option<&'static str> {
-        (self.0 != Form::Packed).then_some("linear_silu_mul_backward")
+        let backward = match self.gating {
+            Gating::Silu => "linear_silu_mul_backward",
+            Gating::Gelu => "linear_gelu_mul_backward",
+        };
+        (self.form != Form::Packed).then_some(backward)
     }
 
     fn autocast(&self) -> uniop::Autocast {
@@ -343,6 +387,7 @@ impl Op for LinearSiluMul {
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let d = self.dims(cx)?;
+        self.gating.activation(cx)?;
         let mut shape = cx.input("x").shape().to_vec();
         *shape.last_mut().unwrap() = d.n;
         let y = TensorMeta::contiguous(cx.input("x").dtype, &shape)?;
@@ -351,18 +396,14 @@ impl Op for LinearSiluMul {
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let d = self.dims(cx)?;
-        let form = self.0;
+        let (form, activation) = (self.form, self.gating.activation(cx)?);
         // A row band packs both weights (2n columns), unless they come packed.
         let packs = if form == Form::Packed { 0 } else { 2 * d.n };
         let (bands, block_dim) = Bands::choose(cx.input("x").dtype, d, packs);
-        let name = match form {
-            Form::Inference => "linear_silu_mul",
-            Form::Train => "linear_silu_mul_train",
-            Form::Packed => "linear_silu_mul_packed",
-        };
-        let step = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
-            Step::new(name, block_dim as u32, move |args, ctx| kernel::<T>(args, ctx, d, bands, form))
-        });
+        let name = op_name(self.schema());
+        let step = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| with_gate_fn!(activation, |A| {
+            Step::new(name, block_dim as u32, move |args, ctx| kernel::<T, A>(args, ctx, d, bands, form))
+        }));
         let least_rows = bands.least_rows(d, block_dim);
         // Packed weights always take the paired GEMM, which needs no scratch.
         let workspace =
@@ -376,15 +417,16 @@ impl Op for LinearSiluMul {
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let d = self.dims(cx)?;
+        let activation = self.gating.activation(cx)?;
         let x = inputs[0].as_ref().unwrap();
-        let (gate, up) = if self.0 == Form::Packed {
+        let (gate, up) = if self.form == Form::Packed {
             let weights = crate::pack_weight::unpacked(inputs[1].as_ref().unwrap(), true);
             let product = |which| reference_rows(d, x, |j, p| weights(which, j, p), |_, _| 0.0);
             (product(0), product(1))
         } else {
             reference_products(d, inputs, 0)
         };
-        let y = gate.iter().zip(&up).map(|(&g, &u)| math::exact::silu(g) * u).collect();
+        let y = gate.iter().zip(&up).map(|(&g, &u)| activation.exact(g) * u).collect();
         let mut shape = x.shape.clone();
         *shape.last_mut().unwrap() = d.n;
         let mut returns = vec![RefTensor::new(&shape, y)];
@@ -401,7 +443,7 @@ impl Op for LinearSiluMul {
         let k = shape.last().copied().unwrap_or(1);
         let x = Some(TensorMeta::contiguous(dtype, if shape.is_empty() { &[1] } else { shape })?);
         let n = (8 * k).div_ceil(3).next_multiple_of(256);
-        if self.0 == Form::Packed {
+        if self.form == Form::Packed {
             let packed = crate::packed_gemm::packed_weight_shape(dtype.size(), n, k, true);
             return Ok(Example {
                 inputs: vec![x, Some(TensorMeta::contiguous(dtype, &packed)?)],

@@ -1,7 +1,8 @@
 //! `linear_silu_mul_backward(dy, x, gate_weight, up_weight, gate=None, up=None) -> (dx,
-//! dgate_weight, dup_weight)`, the gradient of [`linear_silu_mul`](crate::linear_silu_mul). With
-//! `g = x · gate_weightᵀ` and `u = x · up_weightᵀ`: `dg = dy · u · silu'(g)`, `du = dy · silu(g)`,
-//! then `dx = dg · gate_weight + du · up_weight`, `dgate_weight = dgᵀ · x`, `dup_weight = duᵀ · x`.
+//! dgate_weight, dup_weight)`, the gradient of [`linear_silu_mul`](crate::linear_gated_mul), and
+//! `linear_gelu_mul_backward(..., approximate)`, `linear_gelu_mul`'s. With `g = x · gate_weightᵀ`
+//! and `u = x · up_weightᵀ`: `dg = dy · u · act'(g)`, `du = dy · act(g)`, then
+//! `dx = dg · gate_weight + du · up_weight`, `dgate_weight = dgᵀ · x`, `dup_weight = duᵀ · x`.
 //!
 //! Three launches, each block owning a band of what it writes (no atomics, deterministic): `dg`
 //! and `du` into the workspace, then rows (or, for bf16 on AMX with few rows, columns) of `dx`,
@@ -12,11 +13,11 @@
 //! of four, for that memory.
 
 use crate::elementwise::{dense_input, dense_map, fence, streams_bytes};
+use crate::gate::{with_gate_fn, GateFn, Gating};
 use crate::linear::Dims;
 use crate::linear::COLUMN_UNIT;
-use crate::linear_silu_mul::{dims as forward_dims, gate_up_rows, reference_products, Operands};
-use crate::linear_silu_mul::{scratch_bytes, BLOCK_SCRATCH_BYTES};
-use crate::math;
+use crate::linear_gated_mul::{dims as forward_dims, gate_up_rows, reference_products, Operands};
+use crate::linear_gated_mul::{scratch_bytes, BLOCK_SCRATCH_BYTES};
 use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
 use crate::packed_gemm::{split_columns, HALF as GROUP, PAIRED_COLUMNS};
 use uniop::layout::ShapeDisplay;
@@ -25,7 +26,12 @@ use uniop::{
     OpCx, Plan, RefTensor, Result, Step, TensorMeta,
 };
 
-pub struct LinearSiluMulBackward;
+pub struct LinearGatedMulBackward(Gating);
+
+impl LinearGatedMulBackward {
+    pub const SILU: LinearGatedMulBackward = LinearGatedMulBackward(Gating::Silu);
+    pub const GELU: LinearGatedMulBackward = LinearGatedMulBackward(Gating::Gelu);
+}
 
 /// The product dims, and whether the forward's products come saved (`gate` and `up`: both or
 /// neither, each shaped as `dy`).
@@ -69,7 +75,7 @@ crate::simd_kernel! {
 /// `(dg, du)` for one row's outputs from its paired sums of `g` and `u` (layout:
 /// [`crate::packed_gemm::gemm_rows_pairs`]) and the upstream `dy`, widened and narrowed as whole
 /// slices (as the forward's epilogue).
-fn silu_mul_grad_pairs<T: FloatElement>(sums: &[f32], dy: &[T], dg: &mut [T], du: &mut [T]) {
+fn act_mul_grad_pairs<T: FloatElement, A: GateFn>(sums: &[f32], dy: &[T], dg: &mut [T], du: &mut [T]) {
     let len = dy.len();
     let (mut d, mut dgs, mut dus) = ([0f32; PAIRED_COLUMNS], [0f32; PAIRED_COLUMNS], [0f32; PAIRED_COLUMNS]);
     T::widen(dy, &mut d[..len]);
@@ -77,7 +83,7 @@ fn silu_mul_grad_pairs<T: FloatElement>(sums: &[f32], dy: &[T], dg: &mut [T], du
     for ((sums, d), (dg, du)) in groups.zip(dgs.chunks_exact_mut(GROUP).zip(dus.chunks_exact_mut(GROUP))) {
         let (g, u) = sums.split_at(GROUP);
         for i in 0..GROUP {
-            (dg[i], du[i]) = math::silu_mul_grad::<T>(d[i], g[i], u[i]);
+            (dg[i], du[i]) = A::mul_grad::<T>(d[i], g[i], u[i]);
         }
     }
     T::narrow(&dgs[..len], dg);
@@ -88,7 +94,7 @@ fn silu_mul_grad_pairs<T: FloatElement>(sums: &[f32], dy: &[T], dg: &mut [T], du
 crate::simd_kernel! {
 /// Step 1 from the saved products: `dg` and `du` elementwise from `dy`, `gate` and `up` (inputs
 /// 0, 4 and 5), `len` elements each.
-fn saved_gradients_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, len: usize, streaming: bool) {
+fn saved_gradients_kernel<T: FloatElement, A: GateFn>(args: &KernelArgs, ctx: BlockCtx, len: usize, streaming: bool) {
     let range = ctx.split(len);
     let ins = [0, 4, 5].map(|i| dense_input::<T>(args, i, range.clone()));
     // SAFETY: this block's elements of dg and du.
@@ -96,7 +102,7 @@ fn saved_gradients_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, len
         [args.workspace::<T>(range.start, range.len()), args.workspace::<T>(len + range.start, range.len())]
     };
     dense_map(ins, outs, streaming, |[d, g, u]| {
-        let (dg, du) = math::silu_mul_grad::<T>(d, g, u);
+        let (dg, du) = A::mul_grad::<T>(d, g, u);
         [dg, du]
     });
     fence();
@@ -104,7 +110,7 @@ fn saved_gradients_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, len
 }
 
 /// Step 1 without them: rows of `dg` and `du` from the recomputed products.
-fn gradients_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, ws: Workspace) {
+fn gradients_kernel<T: FloatElement, A: GateFn>(args: &KernelArgs, ctx: BlockCtx, d: Dims, ws: Workspace) {
     let rows = ctx.split(d.rows);
     if rows.is_empty() || d.n == 0 {
         return;
@@ -127,7 +133,7 @@ fn gradients_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, 
         gate_up_rows::<T>(rows, 0..d.n, d, Operands::of(args, 1, d), scratch, |r, c, sums| {
             let len = (d.n - c).min(sums.len() / 2);
             let at = (r - first) * d.n + c;
-            silu_mul_grad_pairs(sums, &dys[r * d.n + c..][..len], &mut dg[at..][..len], &mut du[at..][..len]);
+            act_mul_grad_pairs::<T, A>(sums, &dys[r * d.n + c..][..len], &mut dg[at..][..len], &mut du[at..][..len]);
         });
     }
 }
@@ -189,17 +195,35 @@ fn dweights_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims) {
     }
 }
 
-impl Op for LinearSiluMulBackward {
+impl Op for LinearGatedMulBackward {
     fn schema(&self) -> &'static str {
-        "linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, \
-         Tensor? up=None) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)"
+        match self.0 {
+            Gating::Silu => {
+                "linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? \
+                 gate=None, Tensor? up=None) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)"
+            }
+            Gating::Gelu => {
+                "linear_gelu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? \
+                 gate=None, Tensor? up=None, str approximate='none') -> (Tensor dx, Tensor dgate_weight, Tensor \
+                 dup_weight)"
+            }
+        }
     }
 
     fn doc(&self) -> &'static str {
-        "Gradients of linear_silu_mul (and linear_silu_mul_train): with g = x @ gate_weight^T, u = x @ \
-         up_weight^T (given as gate and up, both or neither, else recomputed), dg = dy * u * silu'(g), du = dy * \
-         silu(g); dx = dg @ gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ x (summed \
-         over all leading dims of x)."
+        match self.0 {
+            Gating::Silu => {
+                "Gradients of linear_silu_mul (and linear_silu_mul_train): with g = x @ gate_weight^T, u = x @ \
+                 up_weight^T (given as gate and up, both or neither, else recomputed), dg = dy * u * silu'(g), du = \
+                 dy * silu(g); dx = dg @ gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ \
+                 x (summed over all leading dims of x)."
+            }
+            Gating::Gelu => {
+                "Gradients of linear_gelu_mul (and linear_gelu_mul_train), as linear_silu_mul_backward's with \
+                 gelu(g, approximate) for silu(g): dg = dy * u * gelu'(g), du = dy * gelu(g); dx = dg @ \
+                 gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ x."
+            }
+        }
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -215,6 +239,7 @@ impl Op for LinearSiluMulBackward {
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let (d, _) = dims(cx)?;
+        self.0.activation(cx)?;
         let dtype = cx.input("x").dtype;
         let weight = TensorMeta::contiguous(dtype, &[d.n, d.k])?;
         Ok(vec![TensorMeta::contiguous(dtype, cx.input("x").shape())?, weight.clone(), weight])
@@ -222,6 +247,7 @@ impl Op for LinearSiluMulBackward {
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let (d, saved) = dims(cx)?;
+        let activation = self.0.activation(cx)?;
         let dtype = cx.input("x").dtype;
         let threads = uniop::runtime::Pool::global().threads();
         let row_blocks = d.rows.div_ceil(16).clamp(1, threads);
@@ -236,20 +262,30 @@ impl Op for LinearSiluMulBackward {
         let ws = Workspace { scratch };
         let len = d.rows * d.n;
         let streaming = streams_bytes(2 * len * dtype.size());
+        let names = match self.0 {
+            Gating::Silu => [
+                "linear_silu_mul_backward.saved_gradients",
+                "linear_silu_mul_backward.gradients",
+                "linear_silu_mul_backward.dx",
+                "linear_silu_mul_backward.dweights",
+            ],
+            Gating::Gelu => [
+                "linear_gelu_mul_backward.saved_gradients",
+                "linear_gelu_mul_backward.gradients",
+                "linear_gelu_mul_backward.dx",
+                "linear_gelu_mul_backward.dweights",
+            ],
+        };
         let steps = with_float_dtype!(dtype, cx.op(), "x", |T| vec![
-            if saved {
-                Step::new(
-                    "linear_silu_mul_backward.saved_gradients",
-                    block_dim_for(len, 5 * dtype.size()),
-                    move |a, c| saved_gradients_kernel::<T>(a, c, len, streaming),
-                )
-            } else {
-                Step::new("linear_silu_mul_backward.gradients", row_blocks as u32, move |a, c| {
-                    gradients_kernel::<T>(a, c, d, ws)
+            with_gate_fn!(activation, |A| if saved {
+                Step::new(names[0], block_dim_for(len, 5 * dtype.size()), move |a, c| {
+                    saved_gradients_kernel::<T, A>(a, c, len, streaming)
                 })
-            },
-            Step::new("linear_silu_mul_backward.dx", dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)),
-            Step::new("linear_silu_mul_backward.dweights", dw_blocks, move |a, c| dweights_kernel::<T>(a, c, d)),
+            } else {
+                Step::new(names[1], row_blocks as u32, move |a, c| gradients_kernel::<T, A>(a, c, d, ws))
+            }),
+            Step::new(names[2], dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)),
+            Step::new(names[3], dw_blocks, move |a, c| dweights_kernel::<T>(a, c, d)),
         ]);
         let needs = vec![
             LayoutNeed::Contiguous,
@@ -268,6 +304,7 @@ impl Op for LinearSiluMulBackward {
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let (d, saved) = dims(cx)?;
+        let activation = self.0.activation(cx)?;
         let [dy, x, wg, wu] = [0, 1, 2, 3].map(|i| inputs[i].as_ref().unwrap());
         let (g, u) = if saved {
             let [g, u] = [4, 5].map(|i| inputs[i].as_ref().unwrap().data.clone());
@@ -276,7 +313,7 @@ impl Op for LinearSiluMulBackward {
             reference_products(d, inputs, 1)
         };
         let (dg, du): (Vec<f64>, Vec<f64>) =
-            (0..g.len()).map(|i| math::exact::silu_mul_grad(dy.data[i], g[i], u[i])).unzip();
+            (0..g.len()).map(|i| activation.exact_mul_grad(dy.data[i], g[i], u[i])).unzip();
         let mut dx = vec![0.0; d.rows * d.k];
         let mut dwg = vec![0.0; d.n * d.k];
         let mut dwu = vec![0.0; d.n * d.k];
@@ -302,7 +339,7 @@ impl Op for LinearSiluMulBackward {
     /// With the products saved, as `linear_silu_mul_train`'s autograd calls it (and torch's
     /// autograd of the composite works: four products).
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        let forward = crate::linear_silu_mul::LinearSiluMul::TRAIN.example(shape, dtype)?;
+        let forward = crate::linear_gated_mul::LinearGatedMul::SILU_TRAIN.example(shape, dtype)?;
         let x = forward.input_shape(0);
         let mut y = x.clone();
         *y.last_mut().unwrap() = forward.input_shape(1)[0];
