@@ -87,10 +87,19 @@ def gated_inputs(shape, dt):
     return torch.randn(shape, dtype=dt), torch.randn(weight, dtype=dt), torch.randn(weight, dtype=dt)
 
 
-def gated_train(x, wg, wu):
-    """HF's LlamaMLP gate/up composite, returning its products as linear_silu_mul_train does."""
-    g, u = F.linear(x, wg), F.linear(x, wu)
-    return F.silu(g) * u, g, u
+def gated(act):
+    """HF's gated MLP composite act_fn(gate_proj(x)) * up_proj(x) (LlamaMLP's with F.silu)."""
+    return lambda x, wg, wu: act(F.linear(x, wg)) * F.linear(x, wu)
+
+
+def gated_train(act):
+    """The same, returning its products as linear_silu_mul_train does."""
+
+    def composite(x, wg, wu):
+        g, u = F.linear(x, wg), F.linear(x, wu)
+        return act(g) * u, g, u
+
+    return composite
 
 
 def kv_cache_inputs(shape, dt):
@@ -141,6 +150,9 @@ PEERS = {
     "add": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt)), lambda a, b: a + b),
     "silu_mul": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt)),
                  lambda g, u: F.silu(g) * u),
+    # uniop's example: approximate='none', torch's default.
+    "gelu_mul": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt)),
+                 lambda g, u: F.gelu(g) * u),
     "swiglu": (lambda shape, dt: (torch.randn(shape, dtype=dt),), swiglu),
     "softmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), lambda x: torch.softmax(x, -1)),
     "log_softmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), lambda x: torch.log_softmax(x, -1)),
@@ -166,9 +178,12 @@ PEERS = {
     "linear_add": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn((shape[-1], shape[-1]), dtype=dt),
                                       torch.randn(shape, dtype=dt)), lambda x, w, r: r + F.linear(x, w)),
     # torch's HF LlamaMLP composite act_fn(gate_proj(x)) * up_proj(x).
-    "linear_silu_mul": (gated_inputs, lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu)),
+    "linear_silu_mul": (gated_inputs, gated(F.silu)),
     # The same, also returning the products (what autograd of the composite keeps for its backward).
-    "linear_silu_mul_train": (gated_inputs, gated_train),
+    "linear_silu_mul_train": (gated_inputs, gated_train(F.silu)),
+    # GemmaMLP's (uniop's example: approximate='none').
+    "linear_gelu_mul": (gated_inputs, gated(F.gelu)),
+    "linear_gelu_mul_train": (gated_inputs, gated_train(F.gelu)),
     # The packed forms (uniop's weight packed once by pack_weight, outside the timing) against torch's
     # linear on the plain weight: torch eager has no packed CPU linear of its own (torch.compile's
     # weight prepacking needs `freezing`, which this peer leaves off).
@@ -177,7 +192,8 @@ PEERS = {
     "linear_add_packed": (lambda shape, dt: (torch.randn(shape, dtype=dt),
                                              torch.randn((shape[-1], shape[-1]), dtype=dt), torch.randn(shape, dtype=dt)),
                           lambda x, w, r: r + F.linear(x, w)),
-    "linear_silu_mul_packed": (gated_inputs, lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu)),
+    "linear_silu_mul_packed": (gated_inputs, gated(F.silu)),
+    "linear_gelu_mul_packed": (gated_inputs, gated(F.gelu)),
     # Main shape is the table [V, H]; 2048 token ids.
     "embedding": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randint(0, shape[0], (2048,))),
                   lambda w, ids: F.embedding(ids, w)),
@@ -208,6 +224,7 @@ BACKWARD = {
     "add_rms_norm_backward": ("add_rms_norm", (0, 1, 2)),
     "layer_norm_backward": ("layer_norm", (0, 1, 2)),
     "silu_mul_backward": ("silu_mul", (0, 1)),
+    "gelu_mul_backward": ("gelu_mul", (0, 1)),
     "swiglu_backward": ("swiglu", (0,)),
     "softmax_backward": ("softmax", (0,)),
     "gelu_backward": ("gelu", (0,)),
@@ -218,6 +235,7 @@ BACKWARD = {
     "linear_backward": ("linear", (0, 1, 2)),
     "linear_add_backward": ("linear_add", (0, 1, 2)),
     "linear_silu_mul_backward": ("linear_silu_mul", (0, 1, 2)),
+    "linear_gelu_mul_backward": ("linear_gelu_mul", (0, 1, 2)),
     "cross_entropy_backward": ("cross_entropy", (0,)),
     "embedding_backward": ("embedding", (0,)),
     "silu_backward": ("silu", (0,)),
@@ -284,10 +302,10 @@ def gflop(op, shape):
     if op in ("linear_add", "linear_add_packed", "linear_add_backward"):
         k = shape[-1]
         return (4 if op == "linear_add_backward" else 2) * math.prod(shape[:-1]) * k * k / 1e9
-    if op in ("linear_silu_mul", "linear_silu_mul_train", "linear_silu_mul_packed", "linear_silu_mul_backward"):
+    if op.startswith(("linear_silu_mul", "linear_gelu_mul")):
         # Two products forward; four in the backward (its example takes the saved products).
         k = shape[-1]
-        return (8 if op == "linear_silu_mul_backward" else 4) * math.prod(shape[:-1]) * k * intermediate(k) / 1e9
+        return (8 if op.endswith("_backward") else 4) * math.prod(shape[:-1]) * k * intermediate(k) / 1e9
     if op in ("attention", "attention_backward"):
         b, h, s, d = shape
         # Forward: QKᵀ and PV. Backward: QKᵀ recomputed, dO·Vᵀ, Pᵀ·dO, dSᵀ·Q, dS·K (the fused route of

@@ -69,10 +69,16 @@ def silu_mul_ref(g, u):
     return F.silu(g.to(D)) * u.to(D)
 
 
-def gated_ref(x, gate_weight, up_weight):
-    """linear_silu_mul: silu(x · gate_weightᵀ) · (x · up_weightᵀ)."""
+def gelu_mul_ref(g, u, approximate="none"):
+    return F.gelu(g.to(D), approximate=approximate) * u.to(D)
+
+
+def gated_ref(x, gate_weight, up_weight, approximate=None):
+    """linear_silu_mul: silu(x · gate_weightᵀ) · (x · up_weightᵀ); with ``approximate``,
+    linear_gelu_mul (gelu of that form for silu)."""
     x = x.to(D)
-    return silu_mul_ref(F.linear(x, gate_weight.to(D)), F.linear(x, up_weight.to(D)))
+    g, u = F.linear(x, gate_weight.to(D)), F.linear(x, up_weight.to(D))
+    return silu_mul_ref(g, u) if approximate is None else gelu_mul_ref(g, u, approximate)
 
 
 def attention_ref(q, k, v, causal, mask=None):
@@ -236,6 +242,15 @@ def _cases():
         return (d, g, u), lambda d, g, u: _vjp(silu_mul_ref, (g, u), (d,), (0, 1))
 
     @case
+    def gelu_mul(dt, strided):
+        return (_rand(4, 10, dtype=dt, strided=strided), torch.randn(4, 10).to(dt), "tanh"), gelu_mul_ref
+
+    @case
+    def gelu_mul_backward(dt, strided):
+        g, u, d = _rand(4, 10, dtype=dt, strided=strided), torch.randn(4, 10).to(dt), torch.randn(4, 10).to(dt)
+        return (d, g, u, "none"), lambda d, g, u, a: _vjp(lambda g, u: gelu_mul_ref(g, u, a), (g, u), (d,), (0, 1))
+
+    @case
     def silu(dt, strided):
         return (_rand(3, 9, dtype=dt, strided=strided),), lambda x: F.silu(x.to(D))
 
@@ -337,6 +352,30 @@ def _cases():
         return (dy, x, wg, wu, *products), lambda dy, x, wg, wu, g, u: _vjp(gated_ref, (x, wg, wu), (dy,), (0, 1, 2))
 
     @case
+    def linear_gelu_mul(dt, strided):
+        x, wg, wu = _rand(4, 6, dtype=dt, strided=strided), _rand(5, 6, dtype=dt, strided=strided), torch.randn(5, 6).to(dt)
+        return (x, wg, wu, "tanh"), gated_ref
+
+    @case
+    def linear_gelu_mul_train(dt, strided):
+        x, wg, wu = _rand(4, 6, dtype=dt, strided=strided), _rand(5, 6, dtype=dt, strided=strided), torch.randn(5, 6).to(dt)
+
+        def ref(x, wg, wu, approximate):
+            g, u = F.linear(x.to(D), wg.to(D)), F.linear(x.to(D), wu.to(D))
+            return gelu_mul_ref(g, u, approximate), g, u
+
+        return (x, wg, wu, "none"), ref
+
+    @case
+    def linear_gelu_mul_backward(dt, strided):
+        # Without the products (the recomputing route; linear_silu_mul_backward's case takes them).
+        x, wg, wu = _rand(4, 6, dtype=dt, strided=strided), torch.randn(5, 6).to(dt), torch.randn(5, 6).to(dt)
+        dy = torch.randn(4, 5).to(dt)
+        return (dy, x, wg, wu, None, None, "tanh"), lambda dy, x, wg, wu, g, u, a: _vjp(
+            lambda x, wg, wu: gated_ref(x, wg, wu, a), (x, wg, wu), (dy,), (0, 1, 2)
+        )
+
+    @case
     def pack_weight(dt, strided):
         dt = _packable(dt)
         w, up = _rand(40, 9, dtype=dt, strided=strided), torch.randn(40, 9).to(dt)
@@ -359,6 +398,12 @@ def _cases():
         dt = _packable(dt)
         x, wg, wu = _rand(4, 9, dtype=dt, strided=strided), torch.randn(40, 9).to(dt), torch.randn(40, 9).to(dt)
         return (x, packed_ref(wg, wu), 40), lambda x, packed, n: gated_ref(x, wg, wu)
+
+    @case
+    def linear_gelu_mul_packed(dt, strided):
+        dt = _packable(dt)
+        x, wg, wu = _rand(4, 9, dtype=dt, strided=strided), torch.randn(40, 9).to(dt), torch.randn(40, 9).to(dt)
+        return (x, packed_ref(wg, wu), 40, "tanh"), lambda x, packed, n, a: gated_ref(x, wg, wu, a)
 
     # The strided variants carry a float mask of the inputs' dtype, the contiguous ones a boolean mask.
     @case

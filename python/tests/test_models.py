@@ -164,24 +164,68 @@ def test_mlp_keeps_its_products_only_where_autograd_records():
         assert torch.allclose(got[name], g, atol=1e-5, rtol=1e-4), name
 
 
+@pytest.mark.parametrize(
+    "activation", ["silu", "torch-gelu", "torch-gelu-tanh", "gelu", "gelu_pytorch_tanh", "gelu_new"]
+)
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
-def test_gated_reads_a_fused_gate_up_projection(fuse):
-    """nn.gated on an MLP with one ``gate_up_proj`` (Phi3's: the gate, then the up projection):
-    its weight's two halves go to linear_silu_mul (fused), or its output to swiglu (unfused);
-    both give silu(gate) * up and the fused weight's gradient."""
+def test_gated_runs_silu_and_gelu_activations(activation, fuse):
+    """nn.gated on an MLP gated by SiLU or by GELU in either form — torch's modules and
+    transformers' (ACT2FN: Gemma's gelu_pytorch_tanh, gelu_new, the erf gelu) — runs that
+    activation's uniop op (linear_gelu_mul_train fused under autograd, linear_gelu_mul without it,
+    gelu_mul unfused) and gives act(gate) * up and its gradients, on a fused gate_up_proj too."""
+    from transformers.activations import ACT2FN
+
     torch.manual_seed(0)
-    mlp, x = nn.Module(), torch.randn(5, 32)
-    mlp.gate_up_proj = nn.Linear(32, 2 * 48, bias=False)
-    ran = _uniop_ops_run(lambda: unn.gated(mlp, x, fuse).square().sum().backward())
-    assert ("uniop::linear_silu_mul_train" if fuse else "uniop::swiglu") in ran, ran
-    got = mlp.gate_up_proj.weight.grad.clone()
-    mlp.zero_grad()
-    gate, up = mlp.gate_up_proj(x).chunk(2, -1)
-    want = F.silu(gate) * up
-    want.square().sum().backward()
+    act = {"torch-gelu": nn.GELU(), "torch-gelu-tanh": nn.GELU(approximate="tanh")}.get(activation)
+    act = act if act is not None else ACT2FN[activation]
+    name = "silu" if activation == "silu" else "gelu"
+    x = torch.randn(5, 32)
+    for fused_weight in (False, True):
+        mlp = nn.Module()
+        mlp.act_fn = act
+        if fused_weight:
+            mlp.gate_up_proj = nn.Linear(32, 2 * 48, bias=False)
+        else:
+            mlp.gate_proj, mlp.up_proj = nn.Linear(32, 48, bias=False), nn.Linear(32, 48, bias=False)
+        ran = _uniop_ops_run(lambda: unn.gated(mlp, x, fuse).square().sum().backward())
+        if fuse:
+            assert {f"uniop::linear_{name}_mul_train", f"uniop::linear_{name}_mul_backward"} <= ran, ran
+        else:
+            assert f"uniop::{'swiglu' if name == 'silu' and fused_weight else name + '_mul'}" in ran, ran
+        got = {n: p.grad.clone() for n, p in mlp.named_parameters()}
+        mlp.zero_grad()
+        gate, up = mlp.gate_up_proj(x).chunk(2, -1) if fused_weight else (mlp.gate_proj(x), mlp.up_proj(x))
+        want = act(gate) * up
+        want.square().sum().backward()
+        with torch.no_grad():
+            ran = _uniop_ops_run(lambda: torch.testing.assert_close(unn.gated(mlp, x, fuse), want, atol=1e-5, rtol=1e-5))
+        assert (f"uniop::linear_{name}_mul" in ran) == fuse and f"uniop::linear_{name}_mul_train" not in ran, ran
+        for n, p in mlp.named_parameters():
+            torch.testing.assert_close(got[n], p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_mlps_gated_by_other_activations_keep_transformers_forward():
+    """An activation uniop has no gated op for: nn.gated refuses it (a ValueError naming it), and a
+    patched MLP and decoder layer with it run transformers' forward (no gated uniop op) with its
+    values."""
+    import transformers
+
+    model = _tiny_model(transformers.LlamaConfig, transformers.LlamaForCausalLM, hidden_act="relu")
+    with pytest.raises(ValueError, match="expected a SiLU or GELU activation, got ReLU"):
+        unn.gated(model.model.layers[0].mlp, torch.randn(2, 64))
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        assert torch.allclose(unn.gated(mlp, x, fuse), want, atol=1e-5)
-    assert torch.allclose(got, mlp.gate_up_proj.weight.grad, atol=1e-5, rtol=1e-4)
+        want = model(ids).logits
+    try:
+        ut.patch_llama(model)
+        with torch.no_grad(), torch.profiler.profile() as prof:
+            got = model(ids).logits
+        ran = {e.name for e in prof.events()}
+    finally:
+        ut.unpatch_llama()
+    assert "uniop::rms_norm" in ran and not {"uniop::linear_silu_mul", "uniop::linear_gelu_mul"} & ran
+    assert "uniop::silu_mul" not in ran and "uniop::add_rms_norm" not in ran
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_module_ops_skip_the_dispatcher_only_where_torch_need_not_see_the_call(monkeypatch):
@@ -282,7 +326,7 @@ def test_fx_symbolic_trace_records_the_ops_and_decides_per_run():
         with torch.set_grad_enabled(grad):
             traced = torch.fx.symbolic_trace(model)
         called = {getattr(n.target, "__name__", "") for n in traced.graph.nodes if n.op == "call_function"}
-        wanted = {"rope_cos_sin", "rope", "attention", "silu_mul", "_rms_norm", "_layer_norm", "_linear_silu_mul"}
+        wanted = {"rope_cos_sin", "rope", "attention", "silu_mul", "_rms_norm", "_layer_norm", "_linear_gated_mul"}
         assert wanted | {"_key_mask"} <= called, called
         for batch, seq in ((2, 10), (3, 7)):
             x = torch.randn(batch, seq, 64)
@@ -600,9 +644,9 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
     and a left-padded batch give transformers' logits (the padded one at its real positions),
     greedy decoding of the padded batch past the window gives its tokens, and a training step its
     loss and gradients; every attention call runs straight through (never the attention
-    interface), and the norms, rope and projections run on uniop, the SwiGLU MLPs and residual
-    adds fused (Gemma's GELU-gated MLPs keep transformers' MLP, activation and layer; MoE layers
-    run their experts on uniop, their residual adds unfused)."""
+    interface), and the norms, rope and projections run on uniop, the gated MLPs (SwiGLU; Gemma's
+    GeGLU) and residual adds fused (Gemma3's layer keeps its own residual adds; MoE layers run their
+    experts on uniop, their residual adds unfused)."""
     from transformers import AttentionInterface
 
     from uniop.torch import attention_interface, llama
@@ -636,14 +680,15 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
     assert not interface_calls
     assert {"uniop::attention", "uniop::linear", "uniop::rope", "uniop::rope_cos_sin", "uniop::rms_norm"} <= ran
     assert {"uniop::attention_backward", "uniop::rms_norm_backward", "uniop::cross_entropy_backward"} <= ran
-    swiglu_fusions = {"uniop::linear_silu_mul", "uniop::add_rms_norm", "uniop::linear_add"}
-    if family.startswith("Gemma"):  # GELU-gated MLPs keep transformers' MLP and decoder layer
-        assert not swiglu_fusions & ran
-    elif family in ("Mixtral", "Qwen2Moe"):  # experts on uniop; MoE layers keep transformers' forward
-        assert "uniop::linear_silu_mul" in ran
-        assert not {"uniop::add_rms_norm", "uniop::linear_add"} & ran
+    gated = "uniop::linear_gelu_mul" if family.startswith("Gemma") else "uniop::linear_silu_mul"
+    # Mixtral's only gated MLPs are its experts, which train on transformers' grouped forward.
+    assert {gated} | (set() if family == "Mixtral" else {gated + "_train", gated + "_backward"}) <= ran
+    assert not ({"uniop::linear_silu_mul", "uniop::linear_gelu_mul"} - {gated}) & ran
+    residual_fusions = {"uniop::add_rms_norm", "uniop::linear_add"}
+    if family in ("Gemma3", "Mixtral", "Qwen2Moe"):  # its own layer; MoE layers keep transformers' forward
+        assert not residual_fusions & ran
     else:
-        assert swiglu_fusions <= ran
+        assert residual_fusions <= ran
     assert torch.allclose(got[0], want[0], atol=1e-4)
     assert torch.allclose(got[1][mask.bool()], want[1][mask.bool()], atol=1e-4)
     assert torch.equal(got[2], want[2])

@@ -86,7 +86,8 @@ class _BackwardWiring:
         self.returns = list(fwd.returns)
         # per backward argument: ("grad", i) | ("arg", i) | ("out", i) | ("needs", i) | ("default", None)
         self.sources = []
-        for a in bwd.args:
+        self.defaults = {}  # backward argument index: the default a ("default", None) source passes
+        for j, a in enumerate(bwd.args):
             name = a["name"]
             if name.startswith("d") and name[1:] in self.returns:
                 self.sources.append(("grad", self.returns.index(name[1:])))
@@ -98,6 +99,7 @@ class _BackwardWiring:
                 self.sources.append(("out", self.returns.index(name)))
             elif "default" in a:
                 self.sources.append(("default", None))
+                self.defaults[j] = a["default"]
             else:
                 raise TypeError(
                     f"uniop.torch: backward op {bwd.name} argument '{name}' is neither a gradient "
@@ -348,7 +350,7 @@ def _register_autograd(native, backward_native):
         args_by_index.update(ctx.plain)
         outs = dict(zip(wiring.saved_outs, saved[n_args:]))
         bwd_args = []
-        for kind, i in wiring.sources:
+        for j, (kind, i) in enumerate(wiring.sources):
             if kind == "grad":
                 bwd_args.append(grads[i])
             elif kind == "arg":
@@ -357,8 +359,8 @@ def _register_autograd(native, backward_native):
                 bwd_args.append(outs[i])
             elif kind == "needs":
                 bwd_args.append(i < len(ctx.arg_needs_grad) and ctx.arg_needs_grad[i] and ctx.is_tensor[i])
-            else:
-                break  # the rest take their defaults
+            else:  # an argument the forward has no counterpart of, before one it has (gelu's form)
+                bwd_args.append(wiring.defaults[j])
         result = backward_op(*bwd_args)
         result = (result,) if isinstance(result, torch.Tensor) or wiring.backward_returns_list else result
         # One gradient per argument the caller passed; optional tensors that were None or left

@@ -4,12 +4,12 @@ transformers 5 stores a MoE layer's experts as 3-D weights (``gate_up_proj`` ``[
 gate's rows then the up projection's, and ``down_proj`` ``[E, H, I]``) and looks the code that runs
 them up by name (``config._experts_implementation``) in its ``ExpertsInterface``, as it does
 attention. :func:`register_experts` adds ``"uniop"``: each expert a token picked runs its gated MLP
-as one uniop ``linear_silu_mul`` on the two halves of its ``gate_up_proj`` (views, no copy) and its
-down projection as one ``linear``, on the rows routed to it. On CPU the decode steps' few rows
-stream each expert's weights through uniop's few-row products. Training keeps transformers' grouped
-forward (see :func:`experts`). Other layouts (transposed or interleaved weights, biases, no gate, a
-gating other than SiLU, a post-expert norm) and tensors off the CPU run transformers' own (eager)
-forward.
+as one uniop ``linear_silu_mul`` (``linear_gelu_mul`` for GELU experts) on the two halves of its
+``gate_up_proj`` (views, no copy) and its down projection as one ``linear``, on the rows routed to
+it. On CPU the decode steps' few rows stream each expert's weights through uniop's few-row products.
+Training keeps transformers' grouped forward (see :func:`experts`). Other layouts (transposed or
+interleaved weights, biases, no gate, an activation other than SiLU and GELU, a post-expert norm)
+and tensors off the CPU run transformers' own (eager) forward.
 
     import uniop.torch
     model = AutoModelForCausalLM.from_pretrained(name, experts_implementation=uniop.torch.register_experts())
@@ -42,7 +42,7 @@ def _covered(module, x):
 
     layout = module.has_gate and module.is_concatenated and not module.is_transposed
     extras = module.has_bias or module.has_post_expert_norm or getattr(module, "_is_expert_parallel", False)
-    gate = type(module)._apply_gate is _default_apply_gate and unn._is_silu(module)
+    gate = type(module)._apply_gate is _default_apply_gate and unn.gating(module) is not None
     return layout and not extras and gate and x.device.type == "cpu" and x.dtype in unn._FLOATS
 
 
@@ -78,13 +78,15 @@ def experts(module, hidden_states, top_k_index, top_k_weights):
     rows_of = torch.bincount(picks, minlength=module.num_experts)[: module.num_experts].tolist()
     tokens, weights = order // k, top_k_weights.reshape(-1)[order].float()
     out = torch.zeros(hidden_states.shape, dtype=torch.float32)
+    name, form = unn.gating(module)
+    gated = getattr(unn.uniop_ops, f"linear_{name}_mul")
     start = 0
     for expert, count in enumerate(rows_of):
         if count == 0:
             continue
         rows = tokens[start : start + count]
         gate, up = module.gate_up_proj[expert].chunk(2)
-        h = unn.uniop_ops.linear_silu_mul(hidden_states[rows], gate, up)
+        h = gated(hidden_states[rows], gate, up, *form)
         y = unn.uniop_ops.linear(h, module.down_proj[expert], None)
         out.index_add_(0, rows, y.float() * weights[start : start + count, None])
         start += count

@@ -1,9 +1,9 @@
 """Swap Hugging Face Llama's hot pieces for uniop ops, before or after a model is built.
 
 :func:`patch_llama` replaces ``LlamaRMSNorm.forward`` (uniop ``rms_norm``, HF's dtype rule kept),
-``LlamaMLP.forward`` (with SiLU: both projections and the activation as one ``linear_silu_mul``
-where uniop's GEMM is the faster one — see below —, else the projections around uniop's fused
-``silu_mul``), ``LlamaDecoderLayer.forward`` (its two residual adds fused into the ops beside them:
+``LlamaMLP.forward`` (with SiLU or GELU: both projections and the activation as one
+``linear_silu_mul`` or ``linear_gelu_mul`` where uniop's GEMM is the faster one — see below —, else
+the projections around uniop's fused ``silu_mul`` or ``gelu_mul``), ``LlamaDecoderLayer.forward`` (its two residual adds fused into the ops beside them:
 ``add_rms_norm`` after attention, ``linear_add`` for the MLP's down projection),
 ``LlamaAttention.forward`` (plain calls on uniop attention run straight through, see
 :func:`_attention_forward`), ``LlamaRotaryEmbedding.forward`` (uniop ``rope_cos_sin`` of the
@@ -57,10 +57,10 @@ _NO_LOSS = object()
 # and keys before the rope (`q_norm`, `k_norm`); Phi3's fused projections (`qkv_proj`,
 # `gate_up_proj`), dropout on its residual branches and partial rotary dim (`rope` leaves the dims
 # past the tables' as they are); Gemma's RMSNorm, which scales by `1 + weight` in float32
-# (`_OFFSET_NORMS`), and GELU-gated MLPs, which keep transformers' MLP and decoder layer (the
-# fused ones are SwiGLU's); Gemma3's decoder layer, which norms the attention's and the MLP's
-# outputs before their residual adds (`_OWN_LAYERS`: transformers' forward), and its rotary
-# embedding's table per layer type. The mixture-of-experts families (Mixtral, Qwen2-MoE,
+# (`_OFFSET_NORMS`), and its GELU-gated MLP (`gelu_pytorch_tanh`: uniop's GELU-gated ops, tanh
+# form; an activation uniop has no gated op for keeps transformers' MLP and decoder layer);
+# Gemma3's decoder layer, which norms the attention's and the MLP's outputs before their residual
+# adds (`_OWN_LAYERS`: transformers' forward), and its rotary embedding's table per layer type. The mixture-of-experts families (Mixtral, Qwen2-MoE,
 # Qwen3-MoE) copy Mistral's, Qwen2's and Qwen3's modules around their MoE blocks, whose experts
 # run uniop's experts implementation (`experts_interface`) and whose layers keep transformers'
 # forward (the fused residual add is the dense MLP's; Qwen's dense layers and shared experts
@@ -114,7 +114,7 @@ def _offset_norm_forward(original):
             return original(self, x)
         return unn.uniop_ops.rms_norm(x, unn.offset_weight(self), self.eps)[0]
 
-    return forward
+    return unn.scales_by_offset_weight(forward)
 
 
 def _drops_residuals(layer):
@@ -133,7 +133,7 @@ def _layer_forward(original, mlp_class):
 
     def forward(self, hidden_states, *args, **kwargs):
         mlp = self.mlp
-        if args or type(mlp) is not mlp_class or not unn._is_silu(mlp) or _drops_residuals(self):
+        if args or type(mlp) is not mlp_class or unn.gating(mlp) is None or _drops_residuals(self):
             return original(self, hidden_states, *args, **kwargs)
         fuse, packed = _on_uniop_gemm(hidden_states), _packs(hidden_states)
         h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
@@ -260,7 +260,7 @@ def _causal_lm_loss(
 
 def _mlp_forward(original):
     def forward(self, x):
-        if unn._is_silu(self):
+        if unn.gating(self) is not None:
             return self.down_proj(unn.gated(self, x, fuse=_on_uniop_gemm(x), packed=_packs(x)))
         return original(self, x)
 

@@ -6,7 +6,7 @@ dtype rules, so a state dict loads into either and the modules drop into a Llama
 - :class:`SwiGLUMLP` — ``LlamaMLP``: ``gate_proj``, ``up_proj``, ``down_proj``;
   ``down(silu(gate(x)) * up(x))`` with both projections and the activation in one uniop op
   (``linear_silu_mul``, or ``linear_silu_mul_train`` where autograd records it; with biases, the
-  activation alone).
+  activation alone). :func:`gated` runs the same for any HF MLP gated by SiLU or GELU (Gemma's).
 - :class:`RotaryEmbedding` — HF's default rope: ``forward(x, position_ids) -> (cos, sin)`` shaped
   ``[B, S, head_dim]`` in ``x``'s dtype; :func:`apply_rotary_pos_emb` applies them (HF signature).
 - :class:`LayerNorm` — ``torch.nn.LayerNorm`` (GPT-2, BERT, Falcon, Phi): ``weight``, ``bias``;
@@ -21,6 +21,8 @@ each run, since a symbolic trace sees no values to decide on.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -155,6 +157,7 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.act_fn = nn.SiLU()  # as LlamaMLP's: what `gated` reads
 
     def forward(self, x):
         return self.down_proj(gated(self, x))
@@ -226,54 +229,104 @@ def _plain(linear):
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _is_silu(module):
-    """Whether a Hugging Face MLP's or experts module's activation (``act_fn``; Phi3's
-    ``activation_fn``) is SiLU: transformers 5's own ``SiLUActivation`` or ``nn.SiLU`` (older
-    versions, and its "swish")."""
+# uniop's gated activations as (the name in their ops' names, the ops' trailing arguments):
+# `linear_silu_mul(x, gate_weight, up_weight)`, `linear_gelu_mul(x, gate_weight, up_weight, form)`.
+SILU = ("silu", ())
+GELU_ERF = ("gelu", ("none",))
+GELU_TANH = ("gelu", ("tanh",))
+# transformers' activation modules by class name (ACT2FN): "silu"/"swish"; "gelu" and
+# "gelu_python" (erf); "gelu_pytorch_tanh", "gelu_python_tanh" and "gelu_new" (the tanh form:
+# one formula, evaluated alike up to rounding).
+_HF_GATINGS = {
+    "SiLUActivation": SILU,
+    "GELUActivation": GELU_ERF,
+    "GELUTanh": GELU_TANH,
+    "PytorchGELUTanh": GELU_TANH,
+    "NewGELUActivation": GELU_TANH,
+}
+
+
+def gating(module):
+    """A Hugging Face MLP's or experts module's activation (``act_fn``; Phi3's
+    ``activation_fn``) as uniop's gated ops take it (:data:`SILU`, :data:`GELU_ERF`,
+    :data:`GELU_TANH`): ``nn.SiLU``, ``nn.GELU`` and transformers' own (see ``_HF_GATINGS``;
+    Gemma's "gelu_pytorch_tanh" is ``GELU_TANH``). None for any other activation."""
     activation = getattr(module, "act_fn", getattr(module, "activation_fn", None))
-    return isinstance(activation, nn.SiLU) or type(activation).__name__ == "SiLUActivation"
+    if isinstance(activation, nn.SiLU):
+        return SILU
+    if isinstance(activation, nn.GELU):
+        return GELU_TANH if activation.approximate == "tanh" else GELU_ERF
+    return _HF_GATINGS.get(type(activation).__name__)
 
 
 def gated(mlp, x, fuse=True, packed=False):
-    """``silu(gate(x)) * up(x)`` for an MLP with HF's projection names: ``gate_proj`` and
+    """``act(gate(x)) * up(x)`` for an MLP with HF's projection names: ``gate_proj`` and
     ``up_proj``, or one ``gate_up_proj`` whose output's first half is the gate and second half the
-    up projection (Phi3). One ``linear_silu_mul`` when ``fuse`` and the projections are bias-free
-    ``nn.Linear`` layers (a fused one's weight read as its two halves, views), else the
-    projections and ``silu_mul`` (``swiglu`` of a fused one's output). Where autograd records the
-    call, ``linear_silu_mul_train`` instead: it keeps the two products for the backward, which
-    then takes four products rather than six. With ``packed`` (inference),
-    ``linear_silu_mul_packed`` on the pair packed once (:func:`packed_weight`)."""
+    up projection (Phi3); ``act`` its activation, SiLU or GELU (see :func:`gating`; a ValueError
+    for any other). One ``linear_silu_mul`` (``linear_gelu_mul``) when ``fuse`` and the
+    projections are bias-free ``nn.Linear`` layers (a fused one's weight read as its two halves,
+    views), else the projections and ``silu_mul`` (``gelu_mul``; ``swiglu`` of a fused SiLU one's
+    output). Where autograd records the call, ``linear_silu_mul_train`` instead: it keeps the two
+    products for the backward, which then takes four products rather than six. With ``packed``
+    (inference), ``linear_silu_mul_packed`` on the pair packed once (:func:`packed_weight`)."""
+    act = gating(mlp)
+    if act is None:
+        activation = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
+        raise ValueError(f"uniop.torch.nn.gated: expected a SiLU or GELU activation, got {activation!r}")
+    name, form = act
     fused = getattr(mlp, "gate_up_proj", None)
     projections = [fused] if fused is not None else [mlp.gate_proj, mlp.up_proj]
     if not (fuse and all(_plain(p) for p in projections)):
-        if fused is not None:
+        if fused is not None and act == SILU:
             return uniop_ops.swiglu(fused(x), -1)
-        return uniop_ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x))
+        gate, up = fused(x).chunk(2, -1) if fused is not None else (mlp.gate_proj(x), mlp.up_proj(x))
+        return getattr(uniop_ops, f"{name}_mul")(gate, up, *form)
     weights = fused.weight.chunk(2) if fused is not None else [p.weight for p in projections]
     if _takes_packed(packed, x, *weights):
-        return uniop_ops.linear_silu_mul_packed(x, packed_weight(mlp, *weights), weights[0].shape[0])
-    return _linear_silu_mul(x, *weights)
+        packed_op = getattr(uniop_ops, f"linear_{name}_mul_packed")
+        return packed_op(x, packed_weight(mlp, *weights), weights[0].shape[0], *form)
+    return _linear_gated_mul(x, *weights, act)
 
 
 @torch.fx.wrap
-def _linear_silu_mul(x, gate_weight, up_weight):
-    """``silu(x @ gate_weightᵀ) * (x @ up_weightᵀ)`` in one op, the one that keeps the two products
+def _linear_gated_mul(x, gate_weight, up_weight, act):
+    """``act(x @ gate_weightᵀ) * (x @ up_weightᵀ)`` in one op, the one that keeps the two products
     where autograd records the call (see :func:`gated`)."""
+    name, form = act
     if torch.is_grad_enabled() and (x.requires_grad or gate_weight.requires_grad or up_weight.requires_grad):
-        return uniop_ops.linear_silu_mul_train(x, gate_weight, up_weight)[0]
-    return uniop_ops.linear_silu_mul(x, gate_weight, up_weight)
+        return getattr(uniop_ops, f"linear_{name}_mul_train")(x, gate_weight, up_weight, *form)[0]
+    return getattr(uniop_ops, f"linear_{name}_mul")(x, gate_weight, up_weight, *form)
 
 
 def add_rms_norm(norm, x, residual):
-    """``(norm(residual + x), residual + x)`` for an :class:`RMSNorm` (or a patched ``LlamaRMSNorm``):
-    one ``add_rms_norm`` where it computes the same (weight and inputs of one dtype), else the add
-    and ``norm``."""
-    weight = norm.weight
-    if type(norm).forward is RMSNorm.forward and weight.dtype == x.dtype == residual.dtype:
-        y, _, total = uniop_ops.add_rms_norm(x, residual, weight, norm.variance_epsilon)
-        return y, total
+    """``(norm(residual + x), residual + x)`` for an :class:`RMSNorm` (or a patched ``LlamaRMSNorm``)
+    or a norm whose forward scales by :func:`offset_weight` (a patched Gemma RMSNorm, see
+    :func:`scales_by_offset_weight`): one ``add_rms_norm`` where it computes the same (inputs of
+    one dtype, and for an ``RMSNorm`` its weight too), else the add and ``norm``."""
+    forward = type(norm).forward
+    if x.dtype == residual.dtype:
+        if forward is RMSNorm.forward and norm.weight.dtype == x.dtype:
+            y, _, total = uniop_ops.add_rms_norm(x, residual, norm.weight, norm.variance_epsilon)
+            return y, total
+        if forward in _OFFSET_FORWARDS and x.device.type == "cpu" and x.dtype in _FLOATS:
+            # As the forward's rms_norm: float32 sums and weight, one rounding to x's dtype.
+            y, _, total = uniop_ops.add_rms_norm(x, residual, offset_weight(norm), norm.eps)
+            return y, total
     total = residual + x
     return norm(total), total
+
+
+# Norm forwards that compute `rms_norm(x, offset_weight(norm), norm.eps)` on CPU floats (weakly
+# held: an unpatched class's forward goes away with it).
+_OFFSET_FORWARDS = weakref.WeakSet()
+
+
+def scales_by_offset_weight(forward):
+    """Marks a norm's ``forward`` as computing ``rms_norm(x, offset_weight(norm), norm.eps)`` for
+    float tensors on the CPU, which lets :func:`add_rms_norm` fuse the residual add into it.
+    Returns ``forward``."""
+    _OFFSET_FORWARDS.add(forward)
+    return forward
 
 
 def linear_add(linear, x, residual, fuse=True, packed=False):
