@@ -126,7 +126,8 @@ impl Op for AddRmsNorm {
     fn doc(&self) -> &'static str {
         "Fused residual add + RMSNorm (aclnn AddRmsNorm): sum = x + residual (rounded to the input dtype), \
          y = rms_norm(sum, weight, eps), rstd as rms_norm returns it. x and residual share shape and dtype; \
-         weight as for rms_norm. The backward is add_rms_norm_backward (rms_norm's on sum, plus the gradient of sum          itself, for both inputs)."
+         weight as for rms_norm. The backward is add_rms_norm_backward (rms_norm's on sum, plus the gradient of \
+         sum itself, for both inputs)."
     }
 
     fn dtypes(&self) -> &'static [DType] {
