@@ -197,8 +197,10 @@ def test_gated_runs_silu_and_gelu_activations(activation, fuse):
         gate, up = mlp.gate_up_proj(x).chunk(2, -1) if fused_weight else (mlp.gate_proj(x), mlp.up_proj(x))
         want = act(gate) * up
         want.square().sum().backward()
+        outs = []
         with torch.no_grad():
-            ran = _uniop_ops_run(lambda: torch.testing.assert_close(unn.gated(mlp, x, fuse), want, atol=1e-5, rtol=1e-5))
+            ran = _uniop_ops_run(lambda: outs.append(unn.gated(mlp, x, fuse)))
+        torch.testing.assert_close(outs[0], want, atol=1e-5, rtol=1e-5)
         assert (f"uniop::linear_{name}_mul" in ran) == fuse and f"uniop::linear_{name}_mul_train" not in ran, ran
         for n, p in mlp.named_parameters():
             torch.testing.assert_close(got[n], p.grad, atol=1e-5, rtol=1e-4)
@@ -612,11 +614,11 @@ def test_patch_llama_keeps_logits_and_greedy_tokens(dtype, tol):
     assert model.config._attn_implementation == "sdpa"
 
 
-def _tiny_family_model(family):
+def _tiny_family_model(family, **overrides):
     """A tiny random causal LM of a family patch_llama covers besides Llama, with a 16-position
     sliding window: on every layer for Mistral and Phi3 (which also has fused q/k/v and gate/up
     projections; here half the head dim rotary), on the second of two for Qwen2 and Qwen3 (which
-    also have bias on q/k/v and per-head q/k norms respectively)."""
+    also have bias on q/k/v and per-head q/k norms respectively). ``overrides`` go to the config."""
     import transformers
 
     config = {
@@ -632,7 +634,7 @@ def _tiny_family_model(family):
     }.get(family, {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1})
     config_class = transformers.Gemma3TextConfig if family == "Gemma3" else getattr(transformers, family + "Config")
     classes = config_class, getattr(transformers, family + "ForCausalLM")
-    return _tiny_model(*classes, **config)
+    return _tiny_model(*classes, **config, **overrides)
 
 
 @pytest.mark.parametrize(
@@ -697,15 +699,17 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
         assert torch.allclose(got[4][name], g, atol=1e-5, rtol=1e-4), name
 
 
-@pytest.mark.parametrize("family", ["Mixtral", "Qwen3Moe"])
-def test_registered_experts_run_any_moe_model(family, monkeypatch):
+@pytest.mark.parametrize(
+    "family, activation", [("Mixtral", "silu"), ("Qwen3Moe", "silu"), ("Mixtral", "gelu_pytorch_tanh")]
+)
+def test_registered_experts_run_any_moe_model(family, activation, monkeypatch):
     """``register_experts()`` makes uniop a transformers experts implementation, no patching: a
     tiny MoE model's logits and greedy tokens under ``"uniop"`` are transformers' eager ones, each
-    expert's gated MLP one linear_silu_mul on its gate/up halves; training runs transformers'
-    grouped forward (no uniop expert call) with eager's gradients. Experts uniop does not cover
-    (here flagged as having biases) run transformers' eager forward: fewer uniop calls, the same
-    logits."""
-    model = _tiny_family_model(family)
+    expert's gated MLP one linear_silu_mul (GELU experts: linear_gelu_mul) on its gate/up halves;
+    training runs transformers' grouped forward (no uniop expert call) with eager's gradients.
+    Experts uniop does not cover (here flagged as having biases) run transformers' eager forward:
+    fewer uniop calls, the same logits."""
+    model = _tiny_family_model(family, hidden_act=activation)
     ids, mask = _left_padded_prompts(24, padding=5, seed=7)
 
     def run():
@@ -721,8 +725,9 @@ def test_registered_experts_run_any_moe_model(family, monkeypatch):
     want = run()
     model.set_experts_implementation(ut.register_experts())
     gate_shapes = []
-    real = unn.uniop_ops.linear_silu_mul
-    monkeypatch.setattr(unn.uniop_ops, "linear_silu_mul", lambda *a: gate_shapes.append(tuple(a[1].shape)) or real(*a))
+    gated = "linear_silu_mul" if activation == "silu" else "linear_gelu_mul"
+    real = getattr(unn.uniop_ops, gated)
+    monkeypatch.setattr(unn.uniop_ops, gated, lambda *a: gate_shapes.append(tuple(a[1].shape)) or real(*a))
     got = run()
     experts = model.model.layers[0].mlp.experts
     _, both, hidden = experts.gate_up_proj.shape

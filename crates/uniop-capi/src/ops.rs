@@ -1067,8 +1067,8 @@ pub extern "C" fn uniopLinearBackward(
 
 /// Phase 1 of `linear_gelu_mul(Tensor x, Tensor gate_weight, Tensor up_weight, str approximate='none') -> (Tensor y)`.
 ///
-/// y = gelu(x @ gate_weight^T, approximate) * (x @ up_weight^T): HF GemmaMLP's act_fn(gate_proj(x))
-/// * up_proj(x) in one op (no biases; Gemma's gelu_pytorch_tanh is approximate='tanh'), as
+/// y = gelu(x @ gate_weight^T, approximate) * (x @ up_weight^T): HF GemmaMLP's act_fn(gate_proj(x)) *
+/// up_proj(x) in one op (no biases; Gemma's gelu_pytorch_tanh is approximate='tanh'), as
 /// linear_silu_mul with GELU: weights [intermediate_size, hidden_size], x [..., hidden_size], both
 /// products as one GEMM. linear_gelu_mul_train returns the products for the backward.
 #[no_mangle]

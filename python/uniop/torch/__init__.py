@@ -359,7 +359,7 @@ def _register_autograd(native, backward_native):
                 bwd_args.append(outs[i])
             elif kind == "needs":
                 bwd_args.append(i < len(ctx.arg_needs_grad) and ctx.arg_needs_grad[i] and ctx.is_tensor[i])
-            else:  # an argument the forward has no counterpart of, before one it has (gelu's form)
+            else:  # its default, as a later argument may follow (linear_gelu_mul_backward's form)
                 bwd_args.append(wiring.defaults[j])
         result = backward_op(*bwd_args)
         result = (result,) if isinstance(result, torch.Tensor) or wiring.backward_returns_list else result

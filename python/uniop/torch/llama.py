@@ -3,8 +3,9 @@
 :func:`patch_llama` replaces ``LlamaRMSNorm.forward`` (uniop ``rms_norm``, HF's dtype rule kept),
 ``LlamaMLP.forward`` (with SiLU or GELU: both projections and the activation as one
 ``linear_silu_mul`` or ``linear_gelu_mul`` where uniop's GEMM is the faster one — see below —, else
-the projections around uniop's fused ``silu_mul`` or ``gelu_mul``), ``LlamaDecoderLayer.forward`` (its two residual adds fused into the ops beside them:
-``add_rms_norm`` after attention, ``linear_add`` for the MLP's down projection),
+the projections around uniop's fused ``silu_mul`` or ``gelu_mul``), ``LlamaDecoderLayer.forward``
+(its two residual adds fused into the ops beside them: ``add_rms_norm`` after attention,
+``linear_add`` for the MLP's down projection),
 ``LlamaAttention.forward`` (plain calls on uniop attention run straight through, see
 :func:`_attention_forward`), ``LlamaRotaryEmbedding.forward`` (uniop ``rope_cos_sin`` of the
 module's own frequencies, see :func:`_rotary_forward`) and ``modeling_llama.apply_rotary_pos_emb``
@@ -60,11 +61,12 @@ _NO_LOSS = object()
 # (`_OFFSET_NORMS`), and its GELU-gated MLP (`gelu_pytorch_tanh`: uniop's GELU-gated ops, tanh
 # form; an activation uniop has no gated op for keeps transformers' MLP and decoder layer);
 # Gemma3's decoder layer, which norms the attention's and the MLP's outputs before their residual
-# adds (`_OWN_LAYERS`: transformers' forward), and its rotary embedding's table per layer type. The mixture-of-experts families (Mixtral, Qwen2-MoE,
-# Qwen3-MoE) copy Mistral's, Qwen2's and Qwen3's modules around their MoE blocks, whose experts
-# run uniop's experts implementation (`experts_interface`) and whose layers keep transformers'
-# forward (the fused residual add is the dense MLP's; Qwen's dense layers and shared experts
-# are Llama's MLP). Mixtral has no dense MLP class.
+# adds (`_OWN_LAYERS`: transformers' forward), and its rotary embedding's table per layer type.
+# The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) copy Mistral's, Qwen2's and
+# Qwen3's modules around their MoE blocks, whose experts run uniop's experts implementation
+# (`experts_interface`) and whose layers keep transformers' forward (the fused residual add is the
+# dense MLP's; Qwen's dense layers and shared experts are Llama's MLP). Mixtral has no dense MLP
+# class.
 _FAMILIES = {
     "llama": "Llama",
     "mistral": "Mistral",

@@ -149,11 +149,21 @@ fn op_functions(out: &mut String, schema: &OpSchema, doc: &str) -> Result<(), St
     Ok(())
 }
 
+/// Whether `word` at the start of a doc comment's line would make Markdown read the line as a
+/// list item, a heading or a quote (`a * b` wrapped before `*`), which rustdoc renders as such and
+/// clippy's `doc_lazy_continuation` rejects.
+fn opens_block(word: &str) -> bool {
+    let numbered =
+        word.len() > 1 && word.ends_with(['.', ')']) && word[..word.len() - 1].chars().all(|c| c.is_ascii_digit());
+    matches!(word, "*" | "-" | "+" | ">") || word.starts_with('#') || numbered
+}
+
 fn textwrap(text: &str, width: usize) -> Vec<String> {
     let mut lines = vec![String::new()];
     for word in text.split_whitespace() {
         let line = lines.last_mut().unwrap();
-        if !line.is_empty() && line.len() + 1 + word.len() > width {
+        // A word that would open a block stays on the line before, past the width.
+        if !line.is_empty() && line.len() + 1 + word.len() > width && !opens_block(word) {
             lines.push(word.to_string());
         } else {
             if !line.is_empty() {
