@@ -206,6 +206,20 @@ def test_gated_runs_silu_and_gelu_activations(activation, fuse):
             torch.testing.assert_close(got[n], p.grad, atol=1e-5, rtol=1e-4)
 
 
+def _logits_unpatched_and_patched(model, ids):
+    """``model``'s logits for ``ids`` before and under ``patch_llama`` (no grad), and the names of
+    the ops the patched call ran."""
+    with torch.no_grad():
+        want = model(ids).logits
+    try:
+        ut.patch_llama(model)
+        with torch.no_grad(), torch.profiler.profile() as prof:
+            got = model(ids).logits
+    finally:
+        ut.unpatch_llama()
+    return want, got, {e.name for e in prof.events()}
+
+
 def test_mlps_gated_by_other_activations_keep_transformers_forward():
     """An activation uniop has no gated op for: nn.gated refuses it (a ValueError naming it), and a
     patched MLP and decoder layer with it run transformers' forward (no gated uniop op) with its
@@ -216,15 +230,7 @@ def test_mlps_gated_by_other_activations_keep_transformers_forward():
     with pytest.raises(ValueError, match="expected a SiLU or GELU activation, got ReLU"):
         unn.gated(model.model.layers[0].mlp, torch.randn(2, 64))
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        want = model(ids).logits
-    try:
-        ut.patch_llama(model)
-        with torch.no_grad(), torch.profiler.profile() as prof:
-            got = model(ids).logits
-        ran = {e.name for e in prof.events()}
-    finally:
-        ut.unpatch_llama()
+    want, got, ran = _logits_unpatched_and_patched(model, ids)
     assert "uniop::rms_norm" in ran and not {"uniop::linear_silu_mul", "uniop::linear_gelu_mul"} & ran
     assert "uniop::silu_mul" not in ran and "uniop::add_rms_norm" not in ran
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -783,15 +789,7 @@ def test_patched_gemma3_keeps_its_own_decoder_layer():
         transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, head_dim=16, hidden_activation="silu"
     )
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        want = model(ids).logits
-    try:
-        ut.patch_llama(model)
-        with torch.no_grad(), torch.profiler.profile() as prof:
-            got = model(ids).logits
-        ran = {e.name for e in prof.events()}
-    finally:
-        ut.unpatch_llama()
+    want, got, ran = _logits_unpatched_and_patched(model, ids)
     assert "uniop::linear_silu_mul" in ran and "uniop::add_rms_norm" not in ran
     assert torch.allclose(got, want, atol=1e-4)
 
