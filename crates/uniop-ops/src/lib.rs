@@ -2,7 +2,9 @@
 //!
 //! One file per op, each written only against `uniop`'s traits: schema, infer, plan (kernels per
 //! dtype on the SPMD engine), f64 reference, example inputs. Adding an op means adding its file
-//! and one line in [`builtin_ops`]; no frontend changes.
+//! and one line in [`builtin_ops`]; no frontend changes. Forms of one kernel share a file: an op's
+//! train and packed forms (`linear_gated_mul.rs`), its activations (`gated_mul.rs`: `silu_mul`
+//! and `gelu_mul`, the activation a type parameter, see `gate.rs`).
 
 /// Compiles a kernel function once per x86-64 level (AVX-512 "v4" with and without AVX512-BF16,
 /// AVX2 "v3", baseline) and dispatches on the CPU at runtime. Everything the body inlines —

@@ -41,11 +41,12 @@ pub struct LinearGatedMul {
 
 #[derive(Clone, Copy, PartialEq)]
 enum Form {
-    /// `linear_silu_mul`: `y` only.
+    /// `linear_silu_mul` (`linear_gelu_mul`): `y` only.
     Inference,
-    /// `linear_silu_mul_train`: `y`, `gate` and `up`.
+    /// `linear_silu_mul_train` (`linear_gelu_mul_train`): `y`, `gate` and `up`.
     Train,
-    /// `linear_silu_mul_packed`: `y` only, the weights packed ahead as a pair by `pack_weight`.
+    /// `linear_silu_mul_packed` (`linear_gelu_mul_packed`): `y` only, the weights packed ahead as a
+    /// pair by `pack_weight`.
     Packed,
 }
 
