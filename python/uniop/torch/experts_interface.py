@@ -78,15 +78,15 @@ def experts(module, hidden_states, top_k_index, top_k_weights):
     rows_of = torch.bincount(picks, minlength=module.num_experts)[: module.num_experts].tolist()
     tokens, weights = order // k, top_k_weights.reshape(-1)[order].float()
     out = torch.zeros(hidden_states.shape, dtype=torch.float32)
-    name, form = unn.gating(module)
-    gated = getattr(unn.uniop_ops, f"linear_{name}_mul")
+    act = unn.gating(module)
+    gated = getattr(unn.uniop_ops, act.fused)
     start = 0
     for expert, count in enumerate(rows_of):
         if count == 0:
             continue
         rows = tokens[start : start + count]
         gate, up = module.gate_up_proj[expert].chunk(2)
-        h = gated(hidden_states[rows], gate, up, *form)
+        h = gated(hidden_states[rows], gate, up, *act.form)
         y = unn.uniop_ops.linear(h, module.down_proj[expert], None)
         out.index_add_(0, rows, y.float() * weights[start : start + count, None])
         start += count

@@ -23,6 +23,7 @@ each run, since a symbolic trace sees no values to decide on.
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -229,11 +230,25 @@ def _plain(linear):
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-# uniop's gated activations as (the name in their ops' names, the ops' trailing arguments):
-# `linear_silu_mul(x, gate_weight, up_weight)`, `linear_gelu_mul(x, gate_weight, up_weight, form)`.
-SILU = ("silu", ())
-GELU_ERF = ("gelu", ("none",))
-GELU_TANH = ("gelu", ("tanh",))
+class Gating(NamedTuple):
+    """One of uniop's gated activations: its ops' names and their trailing arguments
+    (``linear_silu_mul(x, gate_weight, up_weight)``, ``linear_gelu_mul(x, gate_weight, up_weight,
+    form)``), named once rather than formatted in every call."""
+
+    mul: str
+    fused: str
+    train: str
+    packed: str
+    form: tuple
+
+
+def _gating(name, form=()):
+    return Gating(f"{name}_mul", f"linear_{name}_mul", f"linear_{name}_mul_train", f"linear_{name}_mul_packed", form)
+
+
+SILU = _gating("silu")
+GELU_ERF = _gating("gelu", ("none",))
+GELU_TANH = _gating("gelu", ("tanh",))
 # transformers' activation modules by class name (ACT2FN): "silu"/"swish"; "gelu" and
 # "gelu_python" (erf); "gelu_pytorch_tanh", "gelu_python_tanh" and "gelu_new" (the tanh form:
 # one formula, evaluated alike up to rounding).
@@ -273,18 +288,17 @@ def gated(mlp, x, fuse=True, packed=False):
     if act is None:
         activation = getattr(mlp, "act_fn", getattr(mlp, "activation_fn", None))
         raise ValueError(f"uniop.torch.nn.gated: expected a SiLU or GELU activation, got {activation!r}")
-    name, form = act
     fused = getattr(mlp, "gate_up_proj", None)
     projections = [fused] if fused is not None else [mlp.gate_proj, mlp.up_proj]
     if not (fuse and all(_plain(p) for p in projections)):
         if fused is not None and act == SILU:
             return uniop_ops.swiglu(fused(x), -1)
         gate, up = fused(x).chunk(2, -1) if fused is not None else (mlp.gate_proj(x), mlp.up_proj(x))
-        return getattr(uniop_ops, f"{name}_mul")(gate, up, *form)
+        return getattr(uniop_ops, act.mul)(gate, up, *act.form)
     weights = fused.weight.chunk(2) if fused is not None else [p.weight for p in projections]
     if _takes_packed(packed, x, *weights):
-        packed_op = getattr(uniop_ops, f"linear_{name}_mul_packed")
-        return packed_op(x, packed_weight(mlp, *weights), weights[0].shape[0], *form)
+        packed_op = getattr(uniop_ops, act.packed)
+        return packed_op(x, packed_weight(mlp, *weights), weights[0].shape[0], *act.form)
     return _linear_gated_mul(x, *weights, act)
 
 
@@ -292,10 +306,9 @@ def gated(mlp, x, fuse=True, packed=False):
 def _linear_gated_mul(x, gate_weight, up_weight, act):
     """``act(x @ gate_weightᵀ) * (x @ up_weightᵀ)`` in one op, the one that keeps the two products
     where autograd records the call (see :func:`gated`)."""
-    name, form = act
     if torch.is_grad_enabled() and (x.requires_grad or gate_weight.requires_grad or up_weight.requires_grad):
-        return getattr(uniop_ops, f"linear_{name}_mul_train")(x, gate_weight, up_weight, *form)[0]
-    return getattr(uniop_ops, f"linear_{name}_mul")(x, gate_weight, up_weight, *form)
+        return getattr(uniop_ops, act.train)(x, gate_weight, up_weight, *act.form)[0]
+    return getattr(uniop_ops, act.fused)(x, gate_weight, up_weight, *act.form)
 
 
 def add_rms_norm(norm, x, residual):
