@@ -1,7 +1,7 @@
 //! The activation of a gated pair, `act(gate) · up`: SiLU for SwiGLU MLPs (Llama, Mistral, Qwen,
 //! Phi3), GELU for GeGLU ones (Gemma's `gelu_pytorch_tanh`, T5 v1.1's `gelu_new`). One place for
-//! the ops built on the pair — `silu_mul`/`gelu_mul`, `linear_silu_mul`/`linear_gelu_mul` (each
-//! with its train and packed forms) and their backwards — so a kernel is written once and each
+//! the ops built on the pair — `silu_mul`/`gelu_mul`, `swiglu`/`geglu` (one tensor's halves),
+//! `linear_silu_mul`/`linear_gelu_mul` (each with its train and packed forms) and their backwards — so a kernel is written once and each
 //! activation is a type parameter of it.
 //!
 //! Why a type parameter and not a runtime flag: kernels are compiled once per instruction set
@@ -13,7 +13,8 @@
 use crate::math;
 use uniop::{Element, OpCx, Result};
 
-/// Which activation an op's gate takes: the op's name says it (`silu_mul`, `gelu_mul`).
+/// Which activation an op's gate takes: the op's name says it (`silu_mul`, `gelu_mul`, `swiglu`,
+/// `geglu`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Gating {
     Silu,

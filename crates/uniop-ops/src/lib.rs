@@ -4,7 +4,7 @@
 //! dtype on the SPMD engine), f64 reference, example inputs. Adding an op means adding its file
 //! and one line in [`builtin_ops`]; no frontend changes. Forms of one kernel share a file: an op's
 //! train and packed forms (`linear_gated_mul.rs`), its activations (`gated_mul.rs`: `silu_mul`
-//! and `gelu_mul`, the activation a type parameter, see `gate.rs`).
+//! and `gelu_mul`, the activation a type parameter, see `gate.rs`; `glu.rs`: `swiglu` and `geglu`).
 
 /// Compiles a kernel function once per x86-64 level (AVX-512 "v4" with and without AVX512-BF16,
 /// AVX2 "v3", baseline) and dispatches on the CPU at runtime. Everything the body inlines —
@@ -45,6 +45,8 @@ pub mod gated_mul;
 pub mod gated_mul_backward;
 pub mod gelu;
 pub mod gelu_backward;
+pub mod glu;
+pub mod glu_backward;
 pub mod kv_cache_append;
 pub mod layer_norm;
 pub mod layer_norm_backward;
@@ -86,8 +88,6 @@ pub mod silu_backward;
 mod skinny;
 pub mod softmax;
 pub mod softmax_backward;
-pub mod swiglu;
-pub mod swiglu_backward;
 mod transpose;
 
 use std::sync::Once;
@@ -146,8 +146,10 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(gated_mul_backward::GatedMulBackward::SILU),
         Box::new(gated_mul::GatedMul::GELU),
         Box::new(gated_mul_backward::GatedMulBackward::GELU),
-        Box::new(swiglu::Swiglu),
-        Box::new(swiglu_backward::SwigluBackward),
+        Box::new(glu::Glu::SWIGLU),
+        Box::new(glu_backward::GluBackward::SWIGLU),
+        Box::new(glu::Glu::GEGLU),
+        Box::new(glu_backward::GluBackward::GEGLU),
         Box::new(kv_cache_append::KvCacheAppend),
         Box::new(attention::Attention),
         Box::new(attention_backward::AttentionBackward),

@@ -610,34 +610,72 @@ fn gated_mul_backward_matches_finite_differences() {
     }
 }
 
+/// The one-tensor GLUs and their attributes beyond `dim`: `swiglu`, `geglu` gating the second
+/// half (erf) and the first (tanh).
+fn glus() -> [(&'static str, Vec<(&'static str, AttrValue)>); 3] {
+    let geglu = |form: &str, left: bool| {
+        vec![("approximate", AttrValue::Str(form.into())), ("activate_left", AttrValue::Bool(left))]
+    };
+    [("swiglu", vec![]), ("geglu", geglu("none", false)), ("geglu", geglu("tanh", true))]
+}
+
 #[test]
-fn swiglu_splits_along_any_dim_and_its_gradient_matches_finite_differences() {
+fn glus_split_along_any_dim_and_their_gradients_match_finite_differences() {
     setup();
     let shape = vec![2, 6, 3];
     let x = rand_vec(36, 31);
     let tx = TensorRef::new(&x, &shape).unwrap();
-    // dim -3 (first, negative) and 1 (middle); the last dim has odd size 3 (an error, below).
-    for (dim, expect) in [(-3i64, vec![1, 6, 3]), (1, vec![2, 3, 3])] {
-        let entry = Registry::global().get("swiglu").unwrap();
-        let inputs = [Some(tx.clone())];
-        let attrs = [("dim", AttrValue::Int(dim))];
-        let out_shape = infer(&entry, &inputs, &attrs).unwrap()[0].shape().to_vec();
-        assert_eq!(out_shape, expect);
-        run_checked("swiglu", &inputs, &attrs);
-        let n: usize = out_shape.iter().product();
-        let d = rand_vec(n, 32);
-        let dx =
-            run_checked("swiglu_backward", &[Some(TensorRef::new(&d, &out_shape).unwrap()), Some(tx.clone())], &attrs);
-        let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-        let d64: Vec<f64> = d.iter().map(|&v| v as f64).collect();
-        assert_close(&dx[0], &finite_difference("swiglu", &[(x64, shape.clone())], &attrs, &d64, 0), "dx");
+    for (op, extra) in glus() {
+        // dim -3 (first, negative) and 1 (middle); the last dim has odd size 3 (an error, below).
+        for (dim, expect) in [(-3i64, vec![1, 6, 3]), (1, vec![2, 3, 3])] {
+            let entry = Registry::global().get(op).unwrap();
+            let inputs = [Some(tx.clone())];
+            let mut attrs = vec![("dim", AttrValue::Int(dim))];
+            attrs.extend(extra.iter().cloned());
+            let out_shape = infer(&entry, &inputs, &attrs).unwrap()[0].shape().to_vec();
+            assert_eq!(out_shape, expect);
+            run_checked(op, &inputs, &attrs);
+            let n: usize = out_shape.iter().product();
+            let d = rand_vec(n, 32);
+            let dout = Some(TensorRef::new(&d, &out_shape).unwrap());
+            let dx = run_checked(&format!("{op}_backward"), &[dout, Some(tx.clone())], &attrs);
+            let x64: Vec<f64> = x.iter().map(|&v| v as f64).collect();
+            let d64: Vec<f64> = d.iter().map(|&v| v as f64).collect();
+            assert_close(&dx[0], &finite_difference(op, &[(x64, shape.clone())], &attrs, &d64, 0), op);
+        }
+        let mut attrs = vec![("dim", AttrValue::Int(-1))];
+        attrs.extend(extra.iter().cloned());
+        let err = plan_err(op, &[Some(tx.clone())], &attrs, vec![]);
+        assert_eq!(err.code(), ErrorCode::Shape);
+        assert_eq!(err.message(), format!("{op}: argument 'x': expected an even size along dim -1, got 3"));
+        attrs[0].1 = AttrValue::Int(3);
+        let err = plan_err(op, &[Some(tx.clone())], &attrs, vec![]);
+        assert_eq!(err.code(), ErrorCode::ParamInvalid);
+        assert_eq!(err.message(), format!("{op}: argument 'dim': expected a dim in [-3, 3) for x, got 3"));
     }
-    let err = plan_err("swiglu", &[Some(tx.clone())], &[("dim", AttrValue::Int(-1))], vec![]);
-    assert_eq!(err.code(), ErrorCode::Shape);
-    assert_eq!(err.message(), "swiglu: argument 'x': expected an even size along dim -1, got 3");
-    let err = plan_err("swiglu", &[Some(tx)], &[("dim", AttrValue::Int(3))], vec![]);
+    let attrs = [("dim", AttrValue::Int(1)), ("approximate", AttrValue::Str("fast".into()))];
+    let err = plan_err("geglu", &[Some(tx)], &attrs, vec![]);
     assert_eq!(err.code(), ErrorCode::ParamInvalid);
-    assert_eq!(err.message(), "swiglu: argument 'dim': expected a dim in [-3, 3) for x, got 3");
+    assert_eq!(err.message(), "geglu: argument 'approximate': expected 'none' or 'tanh', got 'fast'");
+}
+
+/// Which half `geglu` gates, checked against `gelu_mul` on the halves (aclnn: the second unless
+/// `activate_left`).
+#[test]
+fn geglu_gates_the_second_half_unless_activate_left() {
+    setup();
+    let (rows, half) = (3, 5);
+    let x = rand_vec(rows * 2 * half, 33);
+    let first: Vec<f32> = x.chunks(2 * half).flat_map(|row| row[..half].to_vec()).collect();
+    let second: Vec<f32> = x.chunks(2 * half).flat_map(|row| row[half..].to_vec()).collect();
+    let tx = TensorRef::new(&x, &[rows, 2 * half]).unwrap();
+    let (ta, tb) = (TensorRef::new(&first, &[rows, half]).unwrap(), TensorRef::new(&second, &[rows, half]).unwrap());
+    for (left, gate, up) in [(false, &tb, &ta), (true, &ta, &tb)] {
+        let attrs = [("approximate", AttrValue::Str("tanh".into())), ("activate_left", AttrValue::Bool(left))];
+        let geglu = run_checked("geglu", &[Some(tx.clone())], &attrs);
+        let gelu_mul = run_checked("gelu_mul", &[Some(gate.clone()), Some(up.clone())], &attrs[..1]);
+        assert_eq!(geglu[0], gelu_mul[0], "activate_left={left}");
+    }
 }
 
 #[test]
