@@ -74,6 +74,12 @@ def swiglu(x):
     return F.silu(a) * b
 
 
+def geglu(x):
+    """uniop's geglu example, aclnn's default: the second half gated (erf GELU)."""
+    a, b = x.chunk(2, dim=-1)
+    return a * F.gelu(b)
+
+
 def intermediate(hidden):
     """Llama's MLP width for a hidden size, as uniop's linear_silu_mul example takes it (8k/3
     rounded up to a multiple of 256: 384 -> 1024, 4096 -> 11008)."""
@@ -154,6 +160,7 @@ PEERS = {
     "gelu_mul": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn(shape, dtype=dt)),
                  lambda g, u: F.gelu(g) * u),
     "swiglu": (lambda shape, dt: (torch.randn(shape, dtype=dt),), swiglu),
+    "geglu": (lambda shape, dt: (torch.randn(shape, dtype=dt),), geglu),
     "softmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), lambda x: torch.softmax(x, -1)),
     "log_softmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), lambda x: torch.log_softmax(x, -1)),
     "matmul": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn((shape[-1], shape[-1]), dtype=dt)),
@@ -226,6 +233,7 @@ BACKWARD = {
     "silu_mul_backward": ("silu_mul", (0, 1)),
     "gelu_mul_backward": ("gelu_mul", (0, 1)),
     "swiglu_backward": ("swiglu", (0,)),
+    "geglu_backward": ("geglu", (0,)),
     "softmax_backward": ("softmax", (0,)),
     "gelu_backward": ("gelu", (0,)),
     "log_softmax_backward": ("log_softmax", (0,)),

@@ -451,6 +451,45 @@ uniopStatus uniopEmbeddingBackward(void *workspace,
                                    uniopExecutor *executor,
                                    uniopStream stream);
 
+// Phase 1 of `geglu(Tensor x, int dim=-1, str approximate='none', bool activate_left=False) -> (Tensor out)`.
+//
+// GeGLU with aclnn semantics: x splits into halves a, b along dim (size must be even); out = a *
+// gelu(b), or gelu(a) * b when activate_left, with dim halved. approximate 'none' or 'tanh' as
+// torch.nn.functional.gelu's. f16/bf16 compute in float32.
+uniopStatus uniopGegluGetWorkspaceSize(const uniopTensor *x,
+                                       int64_t dim,
+                                       const char *approximate,
+                                       bool activate_left,
+                                       uniopTensor *out,
+                                       uint64_t *workspaceSize,
+                                       uniopExecutor **executor);
+
+// Phase 2 of `geglu`: launches the executor from `uniopGegluGetWorkspaceSize` on `stream`.
+uniopStatus uniopGeglu(void *workspace,
+                       uint64_t workspaceSize,
+                       uniopExecutor *executor,
+                       uniopStream stream);
+
+// Phase 1 of `geglu_backward(Tensor dout, Tensor x, int dim=-1, str approximate='none', bool activate_left=False) -> (Tensor dx)`.
+//
+// Gradient of geglu: dx holds d/db = dout * a * gelu'(b) in its second half along dim and d/da =
+// dout * gelu(b) in its first (the halves' roles swapped when activate_left). dout has geglu's
+// output shape.
+uniopStatus uniopGegluBackwardGetWorkspaceSize(const uniopTensor *dout,
+                                               const uniopTensor *x,
+                                               int64_t dim,
+                                               const char *approximate,
+                                               bool activate_left,
+                                               uniopTensor *dx,
+                                               uint64_t *workspaceSize,
+                                               uniopExecutor **executor);
+
+// Phase 2 of `geglu_backward`: launches the executor from `uniopGegluBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopGegluBackward(void *workspace,
+                               uint64_t workspaceSize,
+                               uniopExecutor *executor,
+                               uniopStream stream);
+
 // Phase 1 of `gelu(Tensor x, str approximate='none') -> (Tensor y)`.
 //
 // Elementwise x * Phi(x) (approximate='none', erf form) or 0.5x(1 + tanh(sqrt(2/pi)(x +

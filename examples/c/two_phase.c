@@ -1,5 +1,5 @@
 /* The C API end to end: runtime, descriptors (tensors, tensor lists, scalars, int arrays),
- * aclnn-style two-phase calls for rms_norm, swiglu, matmul (transposed operand), rope, attention,
+ * aclnn-style two-phase calls for rms_norm, swiglu and geglu, matmul (transposed operand), rope, attention,
  * kv_cache_append (in place), cat, add and permute, the kernel direct call, events, the profiler,
  * and the bad-input contract. Every result is checked against a reference computed here in double precision. Exit status 0 means all checks passed.
  *
@@ -106,26 +106,31 @@ static void test_rms_norm(uniopStream stream) {
   for (int i = 0; i < 2; i++) OK(uniopDestroyTensor(out[i]));
 }
 
-static void test_swiglu(uniopStream stream) {
+/* swiglu gates the first half of x (silu); geglu, with aclnn's default, the second (gelu, its tanh form here). */
+static void test_glus(uniopStream stream) {
   enum { R = 3, H = 40 };
-  float x[R * 2 * H], y[R * H];
+  float x[R * 2 * H], swiglu[R * H], geglu[R * H];
   fill(x, R * 2 * H, 3);
   int64_t xd[] = {R, 2 * H}, yd[] = {R, H};
-  uniopTensor *in[] = {dense(xd, 2, x)};
-  uniopTensor *out[] = {dense(yd, 2, y)};
+  uniopTensor *in = dense(xd, 2, x);
+  uniopTensor *out[] = {dense(yd, 2, swiglu), dense(yd, 2, geglu)};
   uint64_t ws = 0;
   uniopExecutor *exec = NULL;
-  OK(uniopSwigluGetWorkspaceSize(in[0], -1, out[0], &ws, &exec));
+  OK(uniopSwigluGetWorkspaceSize(in, -1, out[0], &ws, &exec));
   launch(uniopSwiglu, ws, exec, stream);
-  double want[R * H];
+  OK(uniopGegluGetWorkspaceSize(in, -1, "tanh", false, out[1], &ws, &exec));
+  launch(uniopGeglu, ws, exec, stream);
+  double want_swiglu[R * H], want_geglu[R * H];
   for (int r = 0; r < R; r++)
     for (int j = 0; j < H; j++) {
       double a = x[r * 2 * H + j], b = x[r * 2 * H + H + j];
-      want[r * H + j] = a / (1.0 + exp(-a)) * b;
+      want_swiglu[r * H + j] = a / (1.0 + exp(-a)) * b;
+      want_geglu[r * H + j] = a * 0.5 * b * (1.0 + tanh(sqrt(2.0 / acos(-1.0)) * (b + 0.044715 * b * b * b)));
     }
-  expect_close("swiglu", y, want, R * H, 1e-5);
-  OK(uniopDestroyTensor(in[0]));
-  OK(uniopDestroyTensor(out[0]));
+  expect_close("swiglu", swiglu, want_swiglu, R * H, 1e-5);
+  expect_close("geglu", geglu, want_geglu, R * H, 1e-5);
+  OK(uniopDestroyTensor(in));
+  for (int i = 0; i < 2; i++) OK(uniopDestroyTensor(out[i]));
 }
 
 /* a [M, K] times b given as its transpose bt [N, K] viewed with swapped strides. */
@@ -828,7 +833,7 @@ int main(int argc, char **argv) {
   uniopStream stream;
   OK(uniopCreateStream(&stream));
   test_rms_norm(stream);
-  test_swiglu(stream);
+  test_glus(stream);
   test_matmul(stream);
   test_packed_weight(stream);
   test_rope(stream);

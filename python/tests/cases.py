@@ -73,6 +73,12 @@ def gelu_mul_ref(g, u, approximate="none"):
     return F.gelu(g.to(D), approximate=approximate) * u.to(D)
 
 
+def geglu_ref(x, dim=-1, approximate="none", activate_left=False):
+    """aclnn GeGlu: a · gelu(b) for x's halves a, b along dim; gelu(a) · b when activate_left."""
+    a, b = x.to(D).chunk(2, dim)
+    return gelu_mul_ref(a, b, approximate) if activate_left else gelu_mul_ref(b, a, approximate)
+
+
 def gated_ref(x, gate_weight, up_weight, approximate=None):
     """linear_silu_mul: silu(x · gate_weightᵀ) · (x · up_weightᵀ); with ``approximate``,
     linear_gelu_mul (gelu of that form for silu)."""
@@ -231,6 +237,15 @@ def _cases():
     def swiglu_backward(dt, strided):
         x, dout = _rand(4, 12, dtype=dt, strided=strided), torch.randn(4, 6).to(dt)
         return (dout, x, -1), lambda d, x, dim: _vjp(lambda x: silu_mul_ref(*x.chunk(2, -1)), (x,), (d,), (0,))
+
+    @case
+    def geglu(dt, strided):
+        return (_rand(6, 5, dtype=dt, strided=strided), 0, "none", False), geglu_ref
+
+    @case
+    def geglu_backward(dt, strided):
+        x, dout = _rand(4, 12, dtype=dt, strided=strided), torch.randn(4, 6).to(dt)
+        return (dout, x, -1, "tanh", True), lambda d, x, *form: _vjp(lambda x: geglu_ref(x, *form), (x,), (d,), (0,))
 
     @case
     def silu_mul(dt, strided):

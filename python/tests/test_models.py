@@ -191,7 +191,8 @@ def test_gated_runs_silu_and_gelu_activations(activation, fuse):
         if fuse:
             assert {f"uniop::linear_{name}_mul_train", f"uniop::linear_{name}_mul_backward"} <= ran, ran
         else:
-            assert f"uniop::{'swiglu' if name == 'silu' and fused_weight else name + '_mul'}" in ran, ran
+            glu = "swiglu" if name == "silu" else "geglu"
+            assert f"uniop::{glu if fused_weight else name + '_mul'}" in ran, ran
         got = {n: p.grad.clone() for n, p in mlp.named_parameters()}
         mlp.zero_grad()
         gate, up = mlp.gate_up_proj(x).chunk(2, -1) if fused_weight else (mlp.gate_proj(x), mlp.up_proj(x))

@@ -622,6 +622,85 @@ pub extern "C" fn uniopEmbeddingBackward(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
+/// Phase 1 of `geglu(Tensor x, int dim=-1, str approximate='none', bool activate_left=False) -> (Tensor out)`.
+///
+/// GeGLU with aclnn semantics: x splits into halves a, b along dim (size must be even); out = a *
+/// gelu(b), or gelu(a) * b when activate_left, with dim halved. approximate 'none' or 'tanh' as
+/// torch.nn.functional.gelu's. f16/bf16 compute in float32.
+#[no_mangle]
+pub extern "C" fn uniopGegluGetWorkspaceSize(
+    x: *const uniopTensor,
+    dim: i64,
+    approximate: *const c_char,
+    activate_left: bool,
+    out: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopGegluGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 1] = [("x", x)];
+        let attrs: [(&str, AttrValue); 3] = [
+            ("dim", AttrValue::Int(dim)),
+            ("approximate", typed::string(F, "approximate", approximate)?),
+            ("activate_left", AttrValue::Bool(activate_left)),
+        ];
+        let outputs = [("out", out as *const uniopTensor)];
+        plan("geglu", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `geglu`: launches the executor from `uniopGegluGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopGeglu(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `geglu_backward(Tensor dout, Tensor x, int dim=-1, str approximate='none', bool activate_left=False) -> (Tensor dx)`.
+///
+/// Gradient of geglu: dx holds d/db = dout * a * gelu'(b) in its second half along dim and d/da =
+/// dout * gelu(b) in its first (the halves' roles swapped when activate_left). dout has geglu's
+/// output shape.
+#[no_mangle]
+pub extern "C" fn uniopGegluBackwardGetWorkspaceSize(
+    dout: *const uniopTensor,
+    x: *const uniopTensor,
+    dim: i64,
+    approximate: *const c_char,
+    activate_left: bool,
+    dx: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopGegluBackwardGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 2] = [("dout", dout), ("x", x)];
+        let attrs: [(&str, AttrValue); 3] = [
+            ("dim", AttrValue::Int(dim)),
+            ("approximate", typed::string(F, "approximate", approximate)?),
+            ("activate_left", AttrValue::Bool(activate_left)),
+        ];
+        let outputs = [("dx", dx as *const uniopTensor)];
+        plan("geglu_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `geglu_backward`: launches the executor from `uniopGegluBackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopGegluBackward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
 /// Phase 1 of `gelu(Tensor x, str approximate='none') -> (Tensor y)`.
 ///
 /// Elementwise x * Phi(x) (approximate='none', erf form) or 0.5x(1 + tanh(sqrt(2/pi)(x +

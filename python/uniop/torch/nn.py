@@ -233,22 +233,29 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 class Gating(NamedTuple):
     """One of uniop's gated activations: its ops' names and their trailing arguments
     (``linear_silu_mul(x, gate_weight, up_weight)``, ``linear_gelu_mul(x, gate_weight, up_weight,
-    form)``), named once rather than formatted in every call."""
+    form)``), named once rather than formatted in every call. ``glu`` is the op on one tensor's
+    halves (``swiglu(x, -1)``, ``geglu(x, -1, form, True)``: the gate first, as HF's fused
+    ``gate_up_proj``), with ``glu_args`` after ``x``."""
 
     mul: str
     fused: str
     train: str
     packed: str
     form: tuple
+    glu: str
+    glu_args: tuple
 
 
-def _gating(name, form=()):
-    return Gating(f"{name}_mul", f"linear_{name}_mul", f"linear_{name}_mul_train", f"linear_{name}_mul_packed", form)
+def _gating(name, glu, form=()):
+    linear = f"linear_{name}_mul"
+    # geglu gates the second half unless activate_left (aclnn's GeGlu); swiglu always the first.
+    glu_args = (-1, *form, True) if form else (-1,)
+    return Gating(f"{name}_mul", linear, f"{linear}_train", f"{linear}_packed", form, glu, glu_args)
 
 
-SILU = _gating("silu")
-GELU_ERF = _gating("gelu", ("none",))
-GELU_TANH = _gating("gelu", ("tanh",))
+SILU = _gating("silu", "swiglu")
+GELU_ERF = _gating("gelu", "geglu", ("none",))
+GELU_TANH = _gating("gelu", "geglu", ("tanh",))
 # transformers' activation modules by class name (ACT2FN): "silu"/"swish"; "gelu" and
 # "gelu_python" (erf); "gelu_pytorch_tanh", "gelu_python_tanh" and "gelu_new" (the tanh form:
 # one formula, evaluated alike up to rounding).
@@ -280,8 +287,8 @@ def gated(mlp, x, fuse=True, packed=False):
     up projection (Phi3); ``act`` its activation, SiLU or GELU (see :func:`gating`; a ValueError
     for any other). One ``linear_silu_mul`` (``linear_gelu_mul``) when ``fuse`` and the
     projections are bias-free ``nn.Linear`` layers (a fused one's weight read as its two halves,
-    views), else the projections and ``silu_mul`` (``gelu_mul``; ``swiglu`` of a fused SiLU one's
-    output). Where autograd records the call, ``linear_silu_mul_train`` instead: it keeps the two
+    views), else the projections and ``silu_mul`` (``gelu_mul``; ``swiglu``, ``geglu``, of a fused
+    one's output). Where autograd records the call, ``linear_silu_mul_train`` instead: it keeps the two
     products for the backward, which then takes four products rather than six. With ``packed``
     (inference), ``linear_silu_mul_packed`` on the pair packed once (:func:`packed_weight`)."""
     act = gating(mlp)
@@ -291,10 +298,9 @@ def gated(mlp, x, fuse=True, packed=False):
     fused = getattr(mlp, "gate_up_proj", None)
     projections = [fused] if fused is not None else [mlp.gate_proj, mlp.up_proj]
     if not (fuse and all(_plain(p) for p in projections)):
-        if fused is not None and act == SILU:
-            return uniop_ops.swiglu(fused(x), -1)
-        gate, up = fused(x).chunk(2, -1) if fused is not None else (mlp.gate_proj(x), mlp.up_proj(x))
-        return getattr(uniop_ops, act.mul)(gate, up, *act.form)
+        if fused is not None:
+            return getattr(uniop_ops, act.glu)(fused(x), *act.glu_args)
+        return getattr(uniop_ops, act.mul)(mlp.gate_proj(x), mlp.up_proj(x), *act.form)
     weights = fused.weight.chunk(2) if fused is not None else [p.weight for p in projections]
     if _takes_packed(packed, x, *weights):
         packed_op = getattr(uniop_ops, act.packed)
