@@ -690,8 +690,7 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
     assert {"uniop::attention", "uniop::linear", "uniop::rope", "uniop::rope_cos_sin", "uniop::rms_norm"} <= ran
     assert {"uniop::attention_backward", "uniop::rms_norm_backward", "uniop::cross_entropy_backward"} <= ran
     gated = "uniop::linear_gelu_mul" if family.startswith("Gemma") else "uniop::linear_silu_mul"
-    # Mixtral's only gated MLPs are its experts, which train on transformers' grouped forward.
-    assert {gated} | (set() if family == "Mixtral" else {gated + "_train", gated + "_backward"}) <= ran
+    assert {gated, gated + "_train", gated + "_backward"} <= ran
     assert not ({"uniop::linear_silu_mul", "uniop::linear_gelu_mul"} - {gated}) & ran
     residual_fusions = {"uniop::add_rms_norm", "uniop::linear_add"}
     if family in ("Gemma3", "Mixtral", "Qwen2Moe"):  # its own layer; MoE layers keep transformers' forward
@@ -713,7 +712,7 @@ def test_registered_experts_run_any_moe_model(family, activation, monkeypatch):
     """``register_experts()`` makes uniop a transformers experts implementation, no patching: a
     tiny MoE model's logits and greedy tokens under ``"uniop"`` are transformers' eager ones, each
     expert's gated MLP one linear_silu_mul (GELU experts: linear_gelu_mul) on its gate/up halves;
-    training runs transformers' grouped forward (no uniop expert call) with eager's gradients.
+    training runs the train form and its backward (:class:`_Experts`) with eager's gradients.
     Experts uniop does not cover (here flagged as having biases) run transformers' eager forward:
     fewer uniop calls, the same logits."""
     model = _tiny_family_model(family, hidden_act=activation)
@@ -741,8 +740,9 @@ def test_registered_experts_run_any_moe_model(family, activation, monkeypatch):
     assert gate_shapes and set(gate_shapes) == {(both // 2, hidden)}
     gate_shapes.clear()
     model.train()
-    model(ids, labels=ids).loss.backward()
+    ran = _uniop_ops_run(lambda: model(ids, labels=ids).loss.backward())
     model.eval()
+    assert {f"uniop::{gated}_train", f"uniop::{gated}_backward", "uniop::linear_backward"} <= ran
     assert not gate_shapes
     assert torch.allclose(got[0][mask.bool()], want[0][mask.bool()], atol=1e-5)
     assert torch.equal(got[1], want[1])
@@ -759,6 +759,45 @@ def test_registered_experts_run_any_moe_model(family, activation, monkeypatch):
     fallback, fewer_calls = logits_and_calls()
     assert fewer_calls < all_calls  # the first layer's experts went to the eager forward
     assert torch.allclose(fallback, every, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_experts_train_with_transformers_gradients(activation):
+    """Where autograd records a float32 call, uniop's experts run as one autograd node (the train
+    form of the gated op and linear forward, their backward ops): the output and the gradients of
+    the hidden states, the routing weights and both 3-D weights are transformers' eager experts' (an
+    expert no token picked gets a zero gradient). A bfloat16 call autograd records runs
+    transformers' grouped forward (no uniop op) with the same results."""
+    from uniop.torch import experts_interface
+
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        module = _tiny_family_model("Mixtral", hidden_act=activation, dtype=dtype).model.layers[0].mlp.experts
+        tokens, hidden = 9, module.gate_up_proj.shape[-1]
+        x, weights = torch.randn(tokens, hidden, dtype=dtype), torch.rand(tokens, 2, dtype=dtype)
+        index = torch.stack([torch.randperm(3)[:2] for _ in range(tokens)])  # the last of 4 experts idle
+        dout = torch.randn(tokens, hidden)
+
+        def run(forward):
+            module.zero_grad()
+            xs, ws = x.clone().requires_grad_(), weights.clone().requires_grad_()
+            out = forward(module, xs, index, ws)
+            (out.float() * dout).sum().backward()
+            return out, xs.grad, ws.grad, module.gate_up_proj.grad.clone(), module.down_proj.grad.clone()
+
+        want = run(type(module).forward.__wrapped__)
+        got = []
+        ran = _uniop_ops_run(lambda: got.append(run(experts_interface.experts)))
+        name = "linear_silu_mul" if activation == "silu" else "linear_gelu_mul"
+        if dtype == torch.float32:
+            assert {f"uniop::{name}_train", f"uniop::{name}_backward", "uniop::linear_backward"} <= ran
+            assert not got[0][3][3].any() and not got[0][4][3].any()
+        else:
+            assert not ran
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: grouped and eager round at other points
+        for what, g, w in zip(("out", "dx", "dweights", "dgate_up", "ddown"), got[0], want):
+            assert g.dtype == w.dtype and g.shape == w.shape, what
+            assert (g.float() - w.float()).abs().max() <= tol * w.float().abs().max(), what
 
 
 def test_offset_weight_is_kept_until_the_weight_changes():

@@ -7,9 +7,11 @@ attention. :func:`register_experts` adds ``"uniop"``: each expert a token picked
 as one uniop ``linear_silu_mul`` (``linear_gelu_mul`` for GELU experts) on the two halves of its
 ``gate_up_proj`` (views, no copy) and its down projection as one ``linear``, on the rows routed to
 it. On CPU the decode steps' few rows stream each expert's weights through uniop's few-row products.
-Training keeps transformers' grouped forward (see :func:`experts`). Other layouts (transposed or
-interleaved weights, biases, no gate, an activation other than SiLU and GELU, a post-expert norm)
-and tensors off the CPU run transformers' own (eager) forward.
+Training in float32 runs one autograd node over the experts, its backward on uniop's backward ops
+(see :class:`_Experts`); torch.compile, and training in other dtypes or under autocast, keep
+transformers' grouped forward.
+Other layouts (transposed or interleaved weights, biases, no gate, an activation other than SiLU and
+GELU, a post-expert norm) and tensors off the CPU run transformers' own (eager) forward.
 
     import uniop.torch
     model = AutoModelForCausalLM.from_pretrained(name, experts_implementation=uniop.torch.register_experts())
@@ -18,6 +20,8 @@ and tensors off the CPU run transformers' own (eager) forward.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -46,48 +50,126 @@ def _covered(module, x):
     return layout and not extras and gate and x.device.type == "cpu" and x.dtype in unn._FLOATS
 
 
-def _grouped_instead(module, x):
-    """Whether the call goes to transformers' grouped forward: autograd records it (see
-    :func:`experts`), or torch.compile traces it (the loop reads how many rows each expert got)."""
-    records = torch.is_grad_enabled() and (x.requires_grad or module.gate_up_proj.requires_grad)
-    return records or torch.compiler.is_compiling()
+def _records(module, x, top_k_weights):
+    """Whether autograd records the call, so that its backward needs what the forward computed."""
+    inputs = (x, top_k_weights, module.gate_up_proj, module.down_proj)
+    return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+
+
+def _grouped_instead(records, x):
+    """Whether the call goes to transformers' grouped forward: torch.compile traces it (the loop
+    reads how many rows each expert got), or autograd records it other than in float32 or under
+    autocast. :class:`_Experts` computes its gradients in the dtypes its inputs and kept products
+    have (autocast's casts are not in its backward); in bfloat16 a training step of the tiny
+    Mixtral ran 0.89x as fast on it as on the grouped forward (oneDNN's bf16 products of an
+    expert's 128 rows outrun uniop's backward ones), in float32 1.09x (``benches/results/
+    llama_families.md``); float16 is unmeasured."""
+    trains_elsewhere = x.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type)
+    return torch.compiler.is_compiling() or (records and trains_elsewhere)
+
+
+class _Routes:
+    """A call's (token, slot) pairs sorted by expert, so each expert multiplies all its rows at
+    once: ``order`` the sort, ``tokens`` each sorted pair's token, ``weights`` its routing weight
+    (float32), ``slices`` each expert with rows and its range of sorted pairs."""
+
+    def __init__(self, module, top_k_index, top_k_weights):
+        k = top_k_index.shape[-1]
+        picks = top_k_index.reshape(-1)
+        self.order = torch.argsort(picks, stable=True)
+        rows_of = torch.bincount(picks, minlength=module.num_experts)[: module.num_experts].tolist()
+        self.tokens, self.weights = self.order // k, top_k_weights.reshape(-1)[self.order].float()
+        starts = itertools.accumulate(rows_of, initial=0)
+        self.slices = [(e, slice(s, s + n)) for e, (s, n) in enumerate(zip(starts, rows_of)) if n]
 
 
 def experts(module, hidden_states, top_k_index, top_k_weights):
     """transformers' experts interface over uniop: ``hidden_states`` ``[tokens, H]``, each token's
     ``top_k_index`` / ``top_k_weights`` ``[tokens, k]``; returns ``[tokens, H]``, the experts'
     outputs weighted and summed per token in float32 (as transformers' grouped forward sums them),
-    rounded once. The (token, slot) pairs are sorted by expert, so each expert multiplies all its
-    rows at once.
+    rounded once.
 
-    Calls autograd records run transformers' grouped forward instead (its eager one where torch's
-    grouped product is missing): the gradient of one expert's slice of a 3-D weight is a buffer the
-    size of the whole weight, so a backward through per-expert products wrote every expert's
-    weights once per expert (a tiny Mixtral's training step ran 0.74x transformers' in float32).
-    So do calls torch.compile traces."""
+    Where autograd records the call in float32, one autograd node runs the experts forward and
+    backward (:class:`_Experts`). Calls torch.compile traces, and those autograd records in other
+    dtypes or under autocast, run transformers' grouped forward (its eager one where torch's
+    grouped product is missing)."""
     if not _covered(module, hidden_states):
         return type(module).forward.__wrapped__(module, hidden_states, top_k_index, top_k_weights)
-    if _grouped_instead(module, hidden_states):
+    records = _records(module, hidden_states, top_k_weights)
+    if _grouped_instead(records, hidden_states):
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         grouped = ALL_EXPERTS_FUNCTIONS.get("grouped_mm", type(module).forward.__wrapped__)
         return grouped(module, hidden_states, top_k_index, top_k_weights)
-    k = top_k_index.shape[-1]
-    picks = top_k_index.reshape(-1)
-    order = torch.argsort(picks, stable=True)
-    rows_of = torch.bincount(picks, minlength=module.num_experts)[: module.num_experts].tolist()
-    tokens, weights = order // k, top_k_weights.reshape(-1)[order].float()
-    out = torch.zeros(hidden_states.shape, dtype=torch.float32)
+    routes = _Routes(module, top_k_index, top_k_weights)
+    if records:
+        weights = (module.gate_up_proj, module.down_proj)
+        return _Experts.apply(hidden_states, top_k_weights, *weights, routes, unn.gating(module))
     act = unn.gating(module)
     gated = getattr(unn.uniop_ops, act.fused)
-    start = 0
-    for expert, count in enumerate(rows_of):
-        if count == 0:
-            continue
-        rows = tokens[start : start + count]
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32)
+    for expert, pairs in routes.slices:
+        rows = routes.tokens[pairs]
         gate, up = module.gate_up_proj[expert].chunk(2)
         h = gated(hidden_states[rows], gate, up, *act.form)
         y = unn.uniop_ops.linear(h, module.down_proj[expert], None)
-        out.index_add_(0, rows, y.float() * weights[start : start + count, None])
-        start += count
+        out.index_add_(0, rows, y.float() * routes.weights[pairs, None])
     return out.to(hidden_states.dtype)
+
+
+class _Experts(torch.autograd.Function):
+    """The experts forward (as :func:`experts`'s loop, keeping each expert's gate and up products,
+    its activation and output) and its backward: per expert, ``linear_backward`` of its down
+    projection and ``linear_silu_mul_backward`` (``linear_gelu_mul_backward``) of its gate/up pair
+    on the kept products, each weight's gradient written into its expert's slice of one buffer.
+
+    Why one node rather than autograd over the per-expert calls: there, the gradient of one
+    expert's slice of a 3-D weight is a buffer the size of the whole weight, so the backward wrote
+    every expert's weights once per expert (a tiny Mixtral's training step ran 0.74x transformers'
+    in float32). The routing weights get their gradient too (the router trains): each pair's is
+    the upstream gradient of its token dotted with its expert's output."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, routes, act):
+        train = getattr(unn.uniop_ops, act.train)
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32)
+        kept = []
+        for expert, pairs in routes.slices:
+            rows = routes.tokens[pairs]
+            x = hidden_states[rows]
+            gate, up = gate_up_proj[expert].chunk(2)
+            h, gate_product, up_product = train(x, gate, up, *act.form)
+            y = unn.uniop_ops.linear(h, down_proj[expert], None)
+            out.index_add_(0, rows, y.float() * routes.weights[pairs, None])
+            kept.append((x, h, gate_product, up_product, y))
+        ctx.save_for_backward(gate_up_proj, down_proj)
+        ctx.routes, ctx.act, ctx.kept = routes, act, kept
+        ctx.shapes = hidden_states.shape, hidden_states.dtype, top_k_weights.shape, top_k_weights.dtype
+        return out.to(hidden_states.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate_up_proj, down_proj = ctx.saved_tensors
+        routes, act = ctx.routes, ctx.act
+        (hidden_shape, dtype, weights_shape, weights_dtype) = ctx.shapes
+        backward = getattr(unn.uniop_ops, act.fused + "_backward")
+        dout = dout.float()
+        d_hidden = torch.zeros(hidden_shape, dtype=torch.float32)
+        d_gate_up, d_down = torch.zeros_like(gate_up_proj), torch.zeros_like(down_proj)
+        d_sorted_weights = torch.zeros(routes.order.shape, dtype=torch.float32)
+        intermediate = gate_up_proj.shape[1] // 2
+        for (expert, pairs), (x, h, gate_product, up_product, y) in zip(routes.slices, ctx.kept):
+            rows = routes.tokens[pairs]
+            d_rows = dout[rows]
+            d_sorted_weights[pairs] = (d_rows * y.float()).sum(-1)
+            dy = (d_rows * routes.weights[pairs, None]).to(dtype)
+            dh, d_down[expert], _ = unn.uniop_ops.linear_backward(dy, h, down_proj[expert])
+            gate, up = gate_up_proj[expert].chunk(2)
+            dx, d_gate, d_up = backward(dh, x, gate, up, gate_product, up_product, *act.form)
+            d_gate_up[expert, :intermediate], d_gate_up[expert, intermediate:] = d_gate, d_up
+            d_hidden.index_add_(0, rows, dx.float())
+        ctx.kept = None
+        d_weights = torch.empty_like(d_sorted_weights)
+        d_weights[routes.order] = d_sorted_weights
+        d_weights = d_weights.view(weights_shape).to(weights_dtype)
+        return d_hidden.to(dtype), d_weights, d_gate_up, d_down, None, None
