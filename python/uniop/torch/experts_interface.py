@@ -102,24 +102,35 @@ def experts(module, hidden_states, top_k_index, top_k_weights):
         grouped = ALL_EXPERTS_FUNCTIONS.get("grouped_mm", type(module).forward.__wrapped__)
         return grouped(module, hidden_states, top_k_index, top_k_weights)
     routes = _Routes(module, top_k_index, top_k_weights)
-    if records:
-        weights = (module.gate_up_proj, module.down_proj)
-        return _Experts.apply(hidden_states, top_k_weights, *weights, routes, unn.gating(module))
     act = unn.gating(module)
-    gated = getattr(unn.uniop_ops, act.fused)
+    if records:
+        return _Experts.apply(hidden_states, top_k_weights, module.gate_up_proj, module.down_proj, routes, act)
+    return _routed_sum(hidden_states, module.gate_up_proj, module.down_proj, routes, act)
+
+
+def _routed_sum(hidden_states, gate_up_proj, down_proj, routes, act, kept=None):
+    """Each expert's gated MLP on its rows (one ``linear_silu_mul`` or ``linear_gelu_mul`` and one
+    ``linear``), weighted and summed per token in float32, rounded once to the input's dtype. With
+    a ``kept`` list, the train form instead, and each expert's input rows, activation, gate and up
+    products and output appended to it, for :class:`_Experts`'s backward."""
+    gated = getattr(unn.uniop_ops, act.fused if kept is None else act.train)
     out = torch.zeros(hidden_states.shape, dtype=torch.float32)
     for expert, pairs in routes.slices:
         rows = routes.tokens[pairs]
-        gate, up = module.gate_up_proj[expert].chunk(2)
-        h = gated(hidden_states[rows], gate, up, *act.form)
-        y = unn.uniop_ops.linear(h, module.down_proj[expert], None)
+        x = hidden_states[rows]
+        gate, up = gate_up_proj[expert].chunk(2)
+        outputs = gated(x, gate, up, *act.form)  # the train form's: h, the gate and up products
+        h = outputs if kept is None else outputs[0]
+        y = unn.uniop_ops.linear(h, down_proj[expert], None)
         out.index_add_(0, rows, y.float() * routes.weights[pairs, None])
+        if kept is not None:
+            kept.append((x, *outputs, y))
     return out.to(hidden_states.dtype)
 
 
 class _Experts(torch.autograd.Function):
-    """The experts forward (as :func:`experts`'s loop, keeping each expert's gate and up products,
-    its activation and output) and its backward: per expert, ``linear_backward`` of its down
+    """The experts forward (:func:`_routed_sum`, keeping each expert's input rows, gate and up
+    products, activation and output) and its backward: per expert, ``linear_backward`` of its down
     projection and ``linear_silu_mul_backward`` (``linear_gelu_mul_backward``) of its gate/up pair
     on the kept products, each weight's gradient written into its expert's slice of one buffer.
 
@@ -131,27 +142,19 @@ class _Experts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, routes, act):
-        train = getattr(unn.uniop_ops, act.train)
-        out = torch.zeros(hidden_states.shape, dtype=torch.float32)
-        kept = []
-        for expert, pairs in routes.slices:
-            rows = routes.tokens[pairs]
-            x = hidden_states[rows]
-            gate, up = gate_up_proj[expert].chunk(2)
-            h, gate_product, up_product = train(x, gate, up, *act.form)
-            y = unn.uniop_ops.linear(h, down_proj[expert], None)
-            out.index_add_(0, rows, y.float() * routes.weights[pairs, None])
-            kept.append((x, h, gate_product, up_product, y))
+        ctx.kept = []
+        out = _routed_sum(hidden_states, gate_up_proj, down_proj, routes, act, ctx.kept)
         ctx.save_for_backward(gate_up_proj, down_proj)
-        ctx.routes, ctx.act, ctx.kept = routes, act, kept
-        ctx.shapes = hidden_states.shape, hidden_states.dtype, top_k_weights.shape, top_k_weights.dtype
-        return out.to(hidden_states.dtype)
+        ctx.routes, ctx.act = routes, act
+        ctx.inputs = hidden_states.shape, hidden_states.dtype, top_k_weights.shape, top_k_weights.dtype
+        return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         gate_up_proj, down_proj = ctx.saved_tensors
         routes, act = ctx.routes, ctx.act
-        (hidden_shape, dtype, weights_shape, weights_dtype) = ctx.shapes
+        hidden_shape, dtype, weights_shape, weights_dtype = ctx.inputs
         backward = getattr(unn.uniop_ops, act.fused + "_backward")
         dout = dout.float()
         d_hidden = torch.zeros(hidden_shape, dtype=torch.float32)
