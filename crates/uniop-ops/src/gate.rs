@@ -1,8 +1,8 @@
 //! The activation of a gated pair, `act(gate) · up`: SiLU for SwiGLU MLPs (Llama, Mistral, Qwen,
 //! Phi3), GELU for GeGLU ones (Gemma's `gelu_pytorch_tanh`, T5 v1.1's `gelu_new`). One place for
 //! the ops built on the pair — `silu_mul`/`gelu_mul`, `swiglu`/`geglu` (one tensor's halves),
-//! `linear_silu_mul`/`linear_gelu_mul` (each with its train and packed forms) and their backwards — so a kernel is written once and each
-//! activation is a type parameter of it.
+//! `linear_silu_mul`/`linear_gelu_mul` (each with its train and packed forms) and their
+//! backwards — so a kernel is written once and each activation is a type parameter of it.
 //!
 //! Why a type parameter and not a runtime flag: kernels are compiled once per instruction set
 //! ([`simd_kernel!`](crate::simd_kernel)) and only inlined code gets wide vectors; with a flag,
