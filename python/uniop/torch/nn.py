@@ -233,14 +233,15 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 class Gating(NamedTuple):
     """One of uniop's gated activations: its ops' names and their trailing arguments
     (``linear_silu_mul(x, gate_weight, up_weight)``, ``linear_gelu_mul(x, gate_weight, up_weight,
-    form)``), named once rather than formatted in every call. ``glu`` is the op on one tensor's
-    halves (``swiglu(x, -1)``, ``geglu(x, -1, form, True)``: the gate first, as HF's fused
-    ``gate_up_proj``), with ``glu_args`` after ``x``."""
+    form)``) and their backward (``linear_silu_mul_backward``), named once rather than formatted
+    in every call. ``glu`` is the op on one tensor's halves (``swiglu(x, -1)``, ``geglu(x, -1,
+    form, True)``: the gate first, as HF's fused ``gate_up_proj``), with ``glu_args`` after ``x``."""
 
     mul: str
     fused: str
     train: str
     packed: str
+    backward: str
     form: tuple
     glu: str
     glu_args: tuple
@@ -250,7 +251,8 @@ def _gating(name, glu, form=()):
     linear = f"linear_{name}_mul"
     # geglu gates the second half unless activate_left (aclnn's GeGlu); swiglu always the first.
     glu_args = (-1, *form, True) if form else (-1,)
-    return Gating(f"{name}_mul", linear, f"{linear}_train", f"{linear}_packed", form, glu, glu_args)
+    ops = [f"{name}_mul", linear, *(f"{linear}_{suffix}" for suffix in ("train", "packed", "backward"))]
+    return Gating(*ops, form, glu, glu_args)
 
 
 SILU = _gating("silu", "swiglu")
