@@ -766,8 +766,9 @@ def test_experts_train_with_transformers_gradients(activation):
     """Where autograd records a float32 call, uniop's experts run as one autograd node (the train
     form of the gated op and linear forward, their backward ops): the output and the gradients of
     the hidden states, the routing weights and both 3-D weights are transformers' eager experts' (an
-    expert no token picked gets a zero gradient). A bfloat16 call autograd records runs
-    transformers' grouped forward (no uniop op) with the same results."""
+    expert no token picked gets a zero gradient), also over a retained graph's second backward.
+    A bfloat16 call autograd records runs transformers' grouped forward (no uniop op) with the
+    same results."""
     from uniop.torch import experts_interface
 
     torch.manual_seed(0)
@@ -782,7 +783,9 @@ def test_experts_train_with_transformers_gradients(activation):
             module.zero_grad()
             xs, ws = x.clone().requires_grad_(), weights.clone().requires_grad_()
             out = forward(module, xs, index, ws)
-            (out.float() * dout).sum().backward()
+            loss = (out.float() * dout).sum()
+            loss.backward(retain_graph=True)
+            loss.backward()  # a second pass over the retained graph: the gradients twice
             return out, xs.grad, ws.grad, module.gate_up_proj.grad.clone(), module.down_proj.grad.clone()
 
         want = run(type(module).forward.__wrapped__)

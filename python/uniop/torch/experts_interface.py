@@ -78,7 +78,8 @@ class _Routes:
         picks = top_k_index.reshape(-1)
         self.order = torch.argsort(picks, stable=True)
         rows_of = torch.bincount(picks, minlength=module.num_experts)[: module.num_experts].tolist()
-        self.tokens, self.weights = self.order // k, top_k_weights.reshape(-1)[self.order].float()
+        # Detached: where autograd records, _Experts gives the routing weights their gradient.
+        self.tokens, self.weights = self.order // k, top_k_weights.detach().reshape(-1)[self.order].float()
         starts = itertools.accumulate(rows_of, initial=0)
         self.slices = [(e, slice(s, s + n)) for e, (s, n) in enumerate(zip(starts, rows_of)) if n]
 
@@ -155,7 +156,7 @@ class _Experts(torch.autograd.Function):
         gate_up_proj, down_proj = ctx.saved_tensors
         routes, act = ctx.routes, ctx.act
         hidden_shape, dtype, weights_shape, weights_dtype = ctx.inputs
-        backward = getattr(unn.uniop_ops, act.fused + "_backward")
+        backward = getattr(unn.uniop_ops, act.backward)
         dout = dout.float()
         d_hidden = torch.zeros(hidden_shape, dtype=torch.float32)
         d_gate_up, d_down = torch.zeros_like(gate_up_proj), torch.zeros_like(down_proj)
@@ -171,7 +172,6 @@ class _Experts(torch.autograd.Function):
             dx, d_gate, d_up = backward(dh, x, gate, up, gate_product, up_product, *act.form)
             d_gate_up[expert, :intermediate], d_gate_up[expert, intermediate:] = d_gate, d_up
             d_hidden.index_add_(0, rows, dx.float())
-        ctx.kept = None
         d_weights = torch.empty_like(d_sorted_weights)
         d_weights[routes.order] = d_sorted_weights
         d_weights = d_weights.view(weights_shape).to(weights_dtype)
