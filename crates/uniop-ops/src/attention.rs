@@ -1,5 +1,5 @@
-//! `attention(q, k, v, kv_lens=None, causal=False, scale=None) -> (out, lse)`: scaled dot-product
-//! attention, flash-style.
+//! `attention(q, k, v, kv_lens=None, causal=False, scale=None, mask=None, softcap=None) -> (out,
+//! lse)`: scaled dot-product attention, flash-style.
 //!
 //! Layout is torch SDPA's: `q` `[B, Hq, Sq, D]`, `k` `[B, Hkv, Sk, D]`, `v` `[B, Hkv, Sk, Dv]`,
 //! any strides with a dense last dim — so HF's `[B, S, H, D]` tensors transposed to
@@ -58,6 +58,12 @@
 //! band, skipping whole key tiles of their own but not a tile's first keys; the backward's
 //! (`flash_backward_avx2.rs`) take none: masked backward calls on AVX2 CPUs run the GEMM tiles.
 //!
+//! `softcap` (optional, positive) caps the scaled scores smoothly, `softcap · tanh(score /
+//! softcap)`, before the mask's bias adds: Gemma 2's attention logit soft-capping, which torch's
+//! SDPA lacks (transformers runs Gemma 2 on its eager attention, the `Sq × Sk` scores whole). Each
+//! score tile is capped after its product, where the mask applies; AVX2's transposed tiles take
+//! no softcap (such calls run the GEMM tiles).
+//!
 //! `lse` (`[B, Hq, Sq]`, f32) is the log-sum-exp of each query's scaled scores, saved for
 //! [`attention_backward`](crate::attention_backward).
 
@@ -106,6 +112,8 @@ pub(crate) struct Geometry {
     pub dtype: DType,
     /// The `mask`'s dtype when one was given: bool keeps keys, a float one is added to the scores.
     pub mask: Option<DType>,
+    /// `softcap`, when given: the scaled scores become `softcap · tanh(scaled / softcap)`.
+    pub softcap: Option<f64>,
 }
 
 impl Geometry {
@@ -388,6 +396,24 @@ pub(crate) fn geometry(cx: &OpCx) -> Result<Geometry> {
         return Err(cx.err(ErrorCode::ParamInvalid, "scale", "a finite float or None (1/sqrt(head_dim))", scale));
     }
     check_mask(cx, [batch, q_heads, q_len, kv_len], scale)?;
+    let softcap = match cx.attr("softcap") {
+        AttrValue::None => None,
+        _ => Some(cx.float("softcap")),
+    };
+    if let Some(cap) = softcap {
+        if !(cap.is_finite() && cap > 0.0) {
+            return Err(cx.err(
+                ErrorCode::ParamInvalid,
+                "softcap",
+                "a positive finite float or None (no capping)",
+                cap,
+            ));
+        }
+        if scale == 0.0 {
+            // The kernels cap scores that the softmax scales later, dividing the cap by the scale.
+            return Err(cx.err(ErrorCode::ParamInvalid, "scale", "a nonzero scale when softcap is given", scale));
+        }
+    }
     let causal = matches!(cx.attr("causal"), AttrValue::Bool(true));
     Ok(Geometry {
         batch,
@@ -402,7 +428,37 @@ pub(crate) fn geometry(cx: &OpCx) -> Result<Geometry> {
         scale_f64: scale,
         dtype,
         mask: cx.optional_input("mask").map(|m| m.dtype),
+        softcap,
     })
+}
+
+/// Soft-caps a row of raw scores `s` that a softmax will multiply by `scale`, so that the scaled
+/// scores become `cap · tanh(scaled / cap)`, still unscaled: `s = (cap / scale) · tanh(s · scale /
+/// cap)`. Before a mask applies (a bias adds to the capped score, as Gemma 2 adds its mask).
+pub(crate) fn cap_scores(s: &mut [f32], scale: f32, cap: f32) {
+    let (inward, outward) = (scale / cap, cap / scale);
+    cap_row(s, inward, outward);
+}
+
+crate::simd_kernel! {
+/// [`cap_scores`]' loop, at the CPU's vector level.
+fn cap_row(s: &mut [f32], inward: f32, outward: f32) {
+    for v in s.iter_mut() {
+        *v = outward * math::tanh(*v * inward);
+    }
+}
+}
+
+/// What a reference score (scaled, before the mask's bias) becomes under `softcap`, and its
+/// derivative with respect to the uncapped one.
+pub(crate) fn reference_cap(g: &Geometry, scaled: f64) -> (f64, f64) {
+    match g.softcap {
+        Some(cap) => {
+            let t = (scaled / cap).tanh();
+            (cap * t, 1.0 - t * t)
+        }
+        None => (scaled, 1.0),
+    }
 }
 
 /// The optional `mask` as the kernels read it: element `(b, h, i, j)` of its broadcast to
@@ -1209,6 +1265,9 @@ fn forward<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (stat
                 let visible = g.visible(t.len, i).saturating_sub(j0 + lead);
                 let at = r * TILE_KEYS + lead;
                 let s = &mut st[at..at + n - lead];
+                if let Some(cap) = g.softcap {
+                    cap_scores(&mut s[..visible.min(n - lead)], g.scale, cap as f32);
+                }
                 if let Some(mask) = &fa.mask {
                     mask.apply(&mut s[..visible.min(n - lead)], (b, h, i), j0 + lead, g.scale);
                 }
@@ -1322,8 +1381,8 @@ pub(crate) fn reference_probs(
                     .map(|j| {
                         let kj = &k.data[((b * g.kv_heads + h / group) * g.kv_len + j) * d..][..d];
                         let bias = reference_bias(g, mask, [b, h, i, j]);
-                        (bias != f64::NEG_INFINITY)
-                            .then(|| qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() * g.scale_f64 + bias)
+                        let scaled = || qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() * g.scale_f64;
+                        (bias != f64::NEG_INFINITY).then(|| reference_cap(g, scaled()).0 + bias)
                     })
                     .collect();
                 let m = s.iter().flatten().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -1343,7 +1402,7 @@ pub(crate) fn reference_probs(
 impl Op for Attention {
     fn schema(&self) -> &'static str {
         "attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None, \
-         Tensor? mask=None) -> (Tensor out, Tensor lse)"
+         Tensor? mask=None, float? softcap=None) -> (Tensor out, Tensor lse)"
     }
 
     fn doc(&self) -> &'static str {
@@ -1355,8 +1414,9 @@ impl Op for Attention {
          the scaled scores, -inf hides) applies on top of kv_lens and causal (key tiles it hides from a whole \
          query tile are skipped, and the keys up to the first one some query of a tile's product sees, in \
          32-key panels: a sliding window or a document mask costs the keys it shows); the K/V rows of hidden \
-         keys it does not skip must be finite. lse: float32 log-sum-exp of the scaled scores \
-         per query (-inf, with out = 0, for a query that sees no key)."
+         keys it does not skip must be finite. softcap (Gemma 2's attn_logit_softcapping) caps the scaled \
+         scores to softcap * tanh(score / softcap) before the mask adds. lse: float32 log-sum-exp of the \
+         (capped, masked) scaled scores per query (-inf, with out = 0, for a query that sees no key)."
     }
 
     fn dtypes(&self) -> &'static [DType] {

@@ -1,11 +1,12 @@
-//! `attention_backward(dout, q, k, v, out, lse, kv_lens, causal, scale, mask, needs_dmask) ->
-//! (dq, dk, dv, dmask)`: the gradient of [`attention`](crate::attention), flash-style:
+//! `attention_backward(dout, q, k, v, out, lse, kv_lens, causal, scale, mask, needs_dmask, softcap)
+//! -> (dq, dk, dv, dmask)`: the gradient of [`attention`](crate::attention), flash-style:
 //! probabilities are recomputed tile by tile from the saved `lse`, never stored whole. A float
 //! mask's own gradient, `dmask`, is a step of its own, run only when asked for
 //! ([`attention_mask_grad`](crate::attention_mask_grad)).
 //!
 //! With `P = exp(S − lse)`, `δ_i = Σ dout_i · out_i` and `dS = P ∘ (dout·Vᵀ − δ)`:
-//! `dV = Pᵀ·dout`, `dK = scale · dSᵀ·Q`, `dQ = scale · dS·K`.
+//! `dV = Pᵀ·dout`, `dK = scale · dSᵀ·Q`, `dQ = scale · dS·K`. Under a `softcap` S is the capped
+//! score and dS takes the cap's derivative before dK and dQ ([`cap_for_grads`]).
 //!
 //! Each block owns what it writes (deterministic, no atomics). First δ per query row (into the
 //! workspace). Then one launch walks each (batch, kv head) pair's key tiles, summing `dK`/`dV` per
@@ -28,9 +29,9 @@
 //! are there).
 
 use crate::attention::{
-    bf16_scores, bf16_tile, carve, f32_rows, geometry, load_scaled, narrow_step, parts_for_even_share, reference_bias,
-    reference_mask_index, row_len, rows_of, scores, spreads_evenly, Geometry, MaskRows, Rows4, DIAGONAL_PIECE_ROWS,
-    DTYPES, TILE_KEYS, TILE_ROWS, W,
+    bf16_scores, bf16_tile, cap_scores, carve, f32_rows, geometry, load_scaled, narrow_step, parts_for_even_share,
+    reference_bias, reference_cap, reference_mask_index, row_len, rows_of, scores, spreads_evenly, Geometry, MaskRows,
+    Rows4, DIAGONAL_PIECE_ROWS, DTYPES, TILE_KEYS, TILE_ROWS, W,
 };
 use crate::attention_mask_grad::{mask_grad_kernel, MaskGrad};
 use crate::math;
@@ -204,6 +205,38 @@ impl<'a> BackwardArgs<'a> {
         mask.apply(&mut s[..live], (b, h, i), j0, scale);
         live
     }
+}
+
+/// Soft-caps the first `visible` raw scores of a row as the forward did ([`cap_scores`]), before
+/// the mask applies, and folds the cap's derivative `1 − t²` (t the tanh) into the row's `dp`
+/// (`dp ← (dp − δ)(1 − t²) + δ`), so that [`probs_and_dscores_row`]'s `dS = P ∘ (dp − δ)` comes
+/// out as the gradient of the uncapped scores, which dQ and dK take. A float mask's gradient
+/// (added after the cap) takes the capped scores' own: its step passes no `dp`.
+pub(crate) fn cap_for_grads(
+    g: &Geometry,
+    (s, dp): (&mut [f32], Option<&mut [f32]>),
+    visible: usize,
+    scale: f32,
+    delta: f32,
+) {
+    let Some(cap) = g.softcap else { return };
+    let live = visible.min(s.len());
+    match dp {
+        Some(dp) => cap_row_and_grads(&mut s[..live], &mut dp[..live], (scale / cap as f32, cap as f32 / scale), delta),
+        None => cap_scores(&mut s[..live], scale, cap as f32),
+    }
+}
+
+crate::simd_kernel! {
+/// [`cap_for_grads`]' loop with `dp`: `inward` scales a raw score into tanh's argument, `outward`
+/// scales the tanh back to a raw score.
+fn cap_row_and_grads(s: &mut [f32], dp: &mut [f32], (inward, outward): (f32, f32), delta: f32) {
+    for (v, d) in s.iter_mut().zip(dp.iter_mut()) {
+        let t = math::tanh(*v * inward);
+        *v = outward * t;
+        *d = (*d - delta).mul_add(t.mul_add(-t, 1.0), delta);
+    }
+}
 }
 
 /// `lse` and `δ` of query `(b, h, i)`: index into the `[B, Hq, Sq]` row arrays.
@@ -741,6 +774,7 @@ fn dkv_kernel<T: FloatElement>(
                         let at_row = row_index(&g, b, h, i0 + r);
                         let visible = g.visible(len, i0 + r).saturating_sub(j0 + lead);
                         let (s, dp) = (&mut st[r * TILE_KEYS..][lead..n], &mut dpt[r * TILE_KEYS..][lead..n]);
+                        cap_for_grads(&g, (s, Some(dp)), visible, score_scale, delta[at_row]);
                         let visible = a.live_keys(s, (b, h, i0 + r), j0 + lead, visible, lse_s[at_row], score_scale);
                         let bf16_rows = if bf16_gemm {
                             let (p_row, ds_row) = (
@@ -936,6 +970,7 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
                 let at = row_index(&g, b, h, i);
                 let visible = g.visible(t.len, i).saturating_sub(j0 + lead);
                 let (s, dp) = (&mut st[r * TILE_KEYS..][lead..n], &mut dpt[r * TILE_KEYS..][lead..n]);
+                cap_for_grads(&g, (s, Some(dp)), visible, score_scale, delta[at]);
                 let visible = a.live_keys(s, (b, h, i), j0 + lead, visible, lse_s[at], score_scale);
                 let bf16_rows = bf16_gemm.then(|| (None, &mut bf16_tile(kt)[r * TILE_KEYS..][lead..n]));
                 probs_and_dscores_row::<T>(s, dp, bf16_rows, visible, score_scale, lse_s[at], delta[at]);
@@ -981,12 +1016,12 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
 impl Op for AttentionBackward {
     fn schema(&self) -> &'static str {
         "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, \
-         bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False) -> (Tensor dq, Tensor dk, Tensor dv, \
-         Tensor dmask)"
+         bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False, float? softcap=None) -> (Tensor dq, \
+         Tensor dk, Tensor dv, Tensor dmask)"
     }
 
     fn doc(&self) -> &'static str {
-        "Gradients of attention from its saved out and lse (same mask and scale rules). dk/dv sum over the q heads \
+        "Gradients of attention from its saved out and lse (same mask, scale and softcap rules). dk/dv sum over the q heads \
          of each kv-head group; keys past kv_lens get zero gradient. dmask is the gradient of a float mask (its \
          shape and dtype: the score gradient summed over the dims the mask is broadcast along) when needs_dmask, \
          else an empty tensor; asking for it adds two tile products to the five (about half the time again). \
@@ -1119,13 +1154,15 @@ impl Op for AttentionBackward {
                             continue;
                         }
                         let (kj, vj) = (&k.data[(kv + j) * d..][..d], &v.data[(kv + j) * dv..][..dv]);
-                        let s = scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() + bias;
-                        let p = (s - lse.data[row]).exp();
+                        let (capped, slope) =
+                            reference_cap(&g, scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>());
+                        let p = (capped + bias - lse.data[row]).exp();
                         let dp: f64 = doi.iter().zip(vj).map(|(a, b)| a * b).sum();
                         let ds = p * (dp - delta);
                         if wants_dmask {
                             dmask.data[reference_mask_index(&dmask.shape, [b, h, i, j])] += ds;
                         }
+                        let ds = ds * slope;
                         for c in 0..d {
                             dq[row * d + c] += scale * ds * kj[c];
                             dk[(kv + j) * d + c] += scale * ds * qi[c];
@@ -1296,6 +1333,45 @@ mod tests {
                     let force =
                         || forcing(route, || gemm_tiles_and(|| BF16_GEMM_FORCED.with(|f| f.set(Some(bf16_gemm)))));
                     backward_case::<bf16>(&causal, case, &force);
+                }
+            }
+        }
+    }
+
+    /// `softcap` on every route and kernel choice against the f64 references, with scores large
+    /// enough that the cap bends them: causal GQA over two key tiles and three query tiles, with a
+    /// float bias (whose gradient, asked for, takes the capped scores' own), f32 on and off the
+    /// packed panels, bf16 on and off the bf16 GEMM, and with AVX2's tiles forced, which take no
+    /// softcap and leave the call to the GEMM tiles.
+    #[test]
+    fn softcap_on_every_route() {
+        let (q_shape, kv_shape) = ([1, 4, 300, 16], [1, 1, 300, 16]);
+        let q: Vec<f64> = bf16_values(&q_shape, 1).iter().map(|x| 4.0 * x).collect();
+        let (k, v, dout) = (bf16_values(&kv_shape, 2), bf16_values(&kv_shape, 3), bf16_values(&q_shape, 4));
+        let bias: Vec<f32> = bf16_values(&[300, 300], 5).iter().map(|&x| x as f32).collect();
+        let attrs = [("causal", AttrValue::Bool(true)), ("softcap", AttrValue::Float(5.0))];
+        let case =
+            ([&q[..], &k, &v, &dout], (q_shape, kv_shape), (None, Some((MaskValues::Bias(&bias), [1, 1, 300, 300]))));
+        for route in ROUTES {
+            for avx2 in [false, true] {
+                let pick_tiles = || crate::flash_avx2::FORCED.with(|f| f.set(Some(avx2)));
+                for panels_off in [false, true] {
+                    let force = || {
+                        forcing(route, || {
+                            pick_tiles();
+                            F32_PANELS_OFF.with(|f| f.set(panels_off))
+                        })
+                    };
+                    backward_case::<f32>(&attrs, case, &force);
+                }
+                for bf16_gemm in [true, false] {
+                    let force = || {
+                        forcing(route, || {
+                            pick_tiles();
+                            BF16_GEMM_FORCED.with(|f| f.set(Some(bf16_gemm)))
+                        })
+                    };
+                    backward_case::<bf16>(&attrs, case, &force);
                 }
             }
         }

@@ -17,7 +17,9 @@
 //! of the backward's products, paid only when asked.
 
 use crate::attention::{bf16_scores, bf16_tile, carve, f32_rows, load_scaled, row_len, scores, Geometry, TILE_KEYS};
-use crate::attention_backward::{bf16_of, on_bf16_gemm, probs_and_dscores_row, row_index, score_scale, BackwardArgs};
+use crate::attention_backward::{
+    bf16_of, cap_for_grads, on_bf16_gemm, probs_and_dscores_row, row_index, score_scale, BackwardArgs,
+};
 use uniop::half::{bf16, f16};
 use uniop::{BlockCtx, DType, FloatElement, KernelArgs};
 
@@ -166,6 +168,7 @@ pub(crate) fn mask_grad_kernel<T: FloatElement>(
                             let at = row_index(&g, b, h, i);
                             let visible = g.visible(len, i).saturating_sub(k0 + lead);
                             let (s, dp) = (&mut st[r * TILE_KEYS..][lead..n], &mut dpt[r * TILE_KEYS..][lead..n]);
+                            cap_for_grads(&g, (s, None), visible, scale, delta[at]);
                             let visible = a.live_keys(s, (b, h, i), k0 + lead, visible, a.lse[at], scale);
                             probs_and_dscores_row::<T>(s, dp, None, visible, scale, a.lse[at], delta[at]);
                             // dp now holds dS; sum it into the mask element each score maps to.

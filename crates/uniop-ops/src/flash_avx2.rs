@@ -61,9 +61,9 @@ pub(crate) fn avx2_best(g: &Geometry) -> bool {
 }
 
 /// Whether the forward runs these tiles: on [`avx2_best`] CPUs, for tiles of at least one band
-/// of rows (fewer rows — decode — are dot products).
+/// of rows (fewer rows — decode — are dot products), without a `softcap` (the GEMM tiles cap).
 pub(crate) fn applies(g: &Geometry) -> bool {
-    avx2_best(g) && g.group() * g.tile_q() >= BAND
+    avx2_best(g) && g.group() * g.tile_q() >= BAND && g.softcap.is_none()
 }
 
 /// f32 scratch of one block: `Qᵀ`, one band's `Sᵀ`, `Oᵀ`, running max and sum, a staging row

@@ -44,9 +44,10 @@ const ROWS: usize = 128;
 const PANEL: usize = 16;
 
 /// Whether the backward runs these tiles: on CPUs whose best level is AVX2 (see
-/// [`avx2_best`](crate::flash_avx2::avx2_best)), without a `mask` (which the GEMM tiles apply).
+/// [`avx2_best`](crate::flash_avx2::avx2_best)), without a `mask` or a `softcap` (which the GEMM
+/// tiles apply).
 pub(crate) fn applies(g: &Geometry) -> bool {
-    crate::flash_avx2::avx2_best(g) && g.mask.is_none()
+    crate::flash_avx2::avx2_best(g) && g.mask.is_none() && g.softcap.is_none()
 }
 
 /// Head dims of a `dQ` panel row: `d` rounded up to whole panels.

@@ -440,11 +440,21 @@ fn float_mask_gradients_sum_over_broadcast_dims() {
 /// `mask` (`values`: its elements as f64): the gradients against central finite differences of
 /// the f64 forward.
 fn small_masked_gradients_match_finite_differences(mask: TensorRef<'_>, values: Vec<f64>, seed: u64) {
+    small_masked_gradients_match_finite_differences_with(mask, values, seed, &[]);
+}
+
+/// [`small_masked_gradients_match_finite_differences`] under `attrs`.
+fn small_masked_gradients_match_finite_differences_with(
+    mask: TensorRef<'_>,
+    values: Vec<f64>,
+    seed: u64,
+    attrs: &[(&str, AttrValue)],
+) {
     let (q_shape, kv_shape) = ([1, 2, 3, 4], [1, 1, 5, 4]);
     let (q, k, v) = (rand_vec(24, seed), rand_vec(20, seed + 1), rand_vec(20, seed + 2));
     let dout = rand_vec(24, seed + 3);
     let dtype = mask.dtype();
-    let grads = backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), (None, Some(mask)), &[]);
+    let grads = backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), (None, Some(mask)), attrs);
     let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
     let inputs = [
         (f64s(&q), q_shape.to_vec()),
@@ -457,7 +467,7 @@ fn small_masked_gradients_match_finite_differences(mask: TensorRef<'_>, values: 
     // A float mask's own gradient too (a boolean one has none).
     let wrts = if dtype.is_float() { [0, 1, 2, 4].as_slice() } else { &[0, 1, 2] };
     for &wrt in wrts {
-        let fd = finite_difference_typed("attention", &inputs, &dtypes, &[], &f64s(&dout), wrt);
+        let fd = finite_difference_typed("attention", &inputs, &dtypes, attrs, &f64s(&dout), wrt);
         let (got, name) = if wrt == 4 { (&grads[3], "dmask") } else { (&grads[wrt], ["dq", "dk", "dv"][wrt]) };
         assert_near(got, &fd, 1e-4, name);
     }
@@ -507,6 +517,63 @@ fn typed_backward_after_forward(
         ],
         &attrs,
     )
+}
+
+/// `softcap` caps the scaled scores to `cap · tanh(score / cap)` before the mask adds (Gemma 2):
+/// first by hand — one query, two keys with scaled scores ±3, values 1 and 0, so the output is
+/// `sigmoid(2 · cap · tanh(3 / cap))` — then against the f64 reference over many tiles (GQA,
+/// causal, scores large enough that the cap bends them: f32 and bf16, with a boolean padding
+/// mask, with a float bias whose gradient is asked for, with kv_lens, decode with its keys cut
+/// into ranges), forward and backward; the gradients (a float mask's too) against central finite
+/// differences of the f64 forward.
+#[test]
+fn softcap_bends_the_scaled_scores_before_the_mask() {
+    setup();
+    let (q, k, v) = ([3.0f32, 0.0], [1.0f32, 0.0, -1.0, 0.0], [1.0f32, 0.0]);
+    let inputs = [view(&q, &[1, 1, 1, 2]), view(&k, &[1, 1, 2, 2]), view(&v, &[1, 1, 2, 1]), None];
+    for cap in [1.0, 2.5] {
+        let attrs = [("scale", AttrValue::Float(1.0)), ("softcap", AttrValue::Float(cap))];
+        let out = run_checked("attention", &inputs, &attrs)[0][0];
+        let want = 1.0 / (1.0 + (-2.0 * cap * (3.0 / cap).tanh()).exp());
+        assert!((out - want).abs() < 1e-6, "cap {cap}: {out} vs {want}");
+    }
+
+    let (q_shape, kv_shape) = ([2, 4, 300, 16], [2, 2, 300, 16]);
+    let q: Vec<f32> = rand_vec(2 * 4 * 300 * 16, 401).iter().map(|x| 6.0 * x).collect();
+    let (k, v) = (rand_vec(2 * 2 * 300 * 16, 402), rand_vec(2 * 2 * 300 * 16, 403));
+    let dout = rand_vec(2 * 4 * 300 * 16, 404);
+    let capped = |c: bool| [("causal", AttrValue::Bool(c)), ("softcap", AttrValue::Float(2.0))];
+    let padding = left_padding_mask(&[0, 37], 300, 300, false);
+    let padding = || Some(TensorRef::new(&padding, &[2, 1, 300, 300]).unwrap());
+    let bias: Vec<f32> = rand_vec(4 * 300 * 300, 405)
+        .iter()
+        .enumerate()
+        .map(|(x, &r)| if x % 13 == 2 { f32::NEG_INFINITY } else { r })
+        .collect();
+    let bias = || Some(TensorRef::new(&bias, &[4, 300, 300]).unwrap());
+    let lens = [300i64, 211];
+    let lens = || Some(TensorRef::new(&lens, &[2]).unwrap());
+    for (lens, mask, c) in [(None, None, true), (None, padding(), true), (lens(), bias(), false), (None, bias(), true)]
+    {
+        backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), (lens, mask), &capped(c));
+    }
+    let (qb, kb, vb, db) = (bf16(&q, &q_shape), bf16(&k, &kv_shape), bf16(&v, &kv_shape), bf16(&dout, &q_shape));
+    typed_backward_after_forward([&qb, &kb, &vb, &db], (None, padding()), bf16, &capped(true));
+    let (dq_shape, dkv_shape) = ([2, 4, 1, 16], [2, 2, 1100, 16]);
+    let (dk, dv) = (rand_vec(2 * 2 * 1100 * 16, 406), rand_vec(2 * 2 * 1100 * 16, 407));
+    let decode = [view(&q[..2 * 4 * 16], &dq_shape), view(&dk, &dkv_shape), view(&dv, &dkv_shape), None];
+    run_checked("attention", &decode, &capped(false));
+
+    let bias: Vec<f32> =
+        (0..2 * 3 * 5).map(|x| if x == 9 { f32::NEG_INFINITY } else { 0.4 * (x % 3) as f32 }).collect();
+    let values = bias.iter().map(|&b| b as f64).collect();
+    let attrs = [("scale", AttrValue::Float(3.0)), ("softcap", AttrValue::Float(1.5))];
+    small_masked_gradients_match_finite_differences_with(
+        TensorRef::new(&bias, &[1, 2, 3, 5]).unwrap(),
+        values,
+        408,
+        &attrs,
+    );
 }
 
 /// attention_backward, fed the forward's own out and lse, against central finite differences of
@@ -639,6 +706,21 @@ fn attention_rejects_bad_inputs() {
             plan_err("attention", &[q(), q(), q(), None, Some(TensorRef::new(&keep[..4], &[2, 2]).unwrap())], &[("scale", 0.0.into())], vec![]),
             ErrorCode::ParamInvalid,
             "attention: argument 'scale': expected a nonzero scale when a mask is given, got 0",
+        ),
+        (
+            plan_err("attention", &[q(), q(), q(), None], &[("softcap", 0.0.into())], vec![]),
+            ErrorCode::ParamInvalid,
+            "attention: argument 'softcap': expected a positive finite float or None (no capping), got 0",
+        ),
+        (
+            plan_err("attention", &[q(), q(), q(), None], &[("softcap", f64::INFINITY.into())], vec![]),
+            ErrorCode::ParamInvalid,
+            "attention: argument 'softcap': expected a positive finite float or None (no capping), got inf",
+        ),
+        (
+            plan_err("attention", &[q(), q(), q(), None], &[("softcap", 30.0.into()), ("scale", 0.0.into())], vec![]),
+            ErrorCode::ParamInvalid,
+            "attention: argument 'scale': expected a nonzero scale when softcap is given, got 0",
         ),
         (
             plan_err(
