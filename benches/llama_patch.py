@@ -2,12 +2,13 @@
 
     .venv/bin/python benches/llama_patch.py [--layers 6] [--prompt 512] [--new 64] [--rounds 3] [--pack-weights]
                                             [--batch 1]
-                                            [--family Llama|Mistral|Qwen2|Qwen3|Phi3|Gemma|Gemma3|Mixtral|
+                                            [--family Llama|Mistral|Qwen2|Qwen3|Phi3|Gemma|Gemma2|Gemma3|Mixtral|
                                                       Qwen2Moe|Qwen3Moe]
 
 A random LlamaForCausalLM (hidden 384, GQA 6 query / 2 kv heads of 64, built offline from a config;
-``--family`` builds the same sizes as a Mistral, Qwen2, Qwen3, Phi3, Gemma or Gemma3 model, with their own
-defaults otherwise: Qwen2's q/k/v bias, Qwen3's q/k norms, Phi3's fused projections, Gemma's GELU MLP; the MoE
+``--family`` builds the same sizes as a Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma2 or Gemma3 model, with their
+own defaults otherwise: Qwen2's q/k/v bias, Qwen3's q/k norms, Phi3's fused projections, Gemma's GELU MLP,
+Gemma2's attention logit soft-capping (transformers runs it on its eager attention: no SDPA); the MoE
 families with 8 experts of the dense MLP's size, 2 per token):
 prefill of a prompt (time to the first token, ms) and greedy decode (the other tokens of
 model.generate with the KV cache, tokens/s), fp32 and bf16, unpatched and patched alternating for --rounds, best of --repeats each. Prints a markdown table with
@@ -28,7 +29,9 @@ import transformers
 import uniop.torch as ut
 
 
-FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma", "Gemma3", "Mixtral", "Qwen2Moe", "Qwen3Moe")
+FAMILIES = (
+    "Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma", "Gemma2", "Gemma3", "Mixtral", "Qwen2Moe", "Qwen3Moe"
+)
 # The MoE families' experts: 8 of the dense MLP's size, 2 per token (their defaults are 8 to 128).
 MOE = {
     "Mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},

@@ -1,7 +1,7 @@
 """Tiny Llama training steps on CPU, transformers' own modules vs uniop.torch.patch_llama, in one run.
 
     .venv/bin/python benches/llama_train.py [--layers 6] [--batch 4] [--seq 128] [--steps 3] [--rounds 3]
-                                            [--family Llama|Mistral|Qwen2|Qwen3|Phi3|Gemma|Gemma3|Mixtral|
+                                            [--family Llama|Mistral|Qwen2|Qwen3|Phi3|Gemma|Gemma2|Gemma3|Mixtral|
                                                       Qwen2Moe|Qwen3Moe]
 
 The random LlamaForCausalLM of benches/llama_patch.py (hidden 384, GQA 6 query / 2 kv heads, built

@@ -87,11 +87,13 @@ def gated_ref(x, gate_weight, up_weight, approximate=None):
     return silu_mul_ref(g, u) if approximate is None else gelu_mul_ref(g, u, approximate)
 
 
-def attention_ref(q, k, v, causal, mask=None):
+def attention_ref(q, k, v, causal, mask=None, softcap=None):
     q, k, v = q.to(D), k.to(D), v.to(D)
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if softcap is not None:  # Gemma 2's eager attention: capped, then masked
+        s = softcap * torch.tanh(s / softcap)
     if causal:
         sq, sk = s.shape[-2:]
         s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq), float("-inf"))
@@ -420,26 +422,31 @@ def _cases():
         x, wg, wu = _rand(4, 9, dtype=dt, strided=strided), torch.randn(40, 9).to(dt), torch.randn(40, 9).to(dt)
         return (x, packed_ref(wg, wu), 40, "tanh"), lambda x, packed, n, a: gated_ref(x, wg, wu, a)
 
-    # The strided variants carry a float mask of the inputs' dtype, the contiguous ones a boolean mask.
+    # The strided variants carry a float mask of the inputs' dtype and a softcap (which bends the
+    # scaled scores, of deviation ~1, by up to a third), the contiguous ones a boolean mask.
     @case
     def attention(dt, strided):
         q = _rand(1, 4, 6, 8, dtype=dt, strided=strided)
         k, v = torch.randn(1, 2, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt)
         mask = attention_mask(6, 6, dt if strided else torch.bool)
-        return (q, k, v, None, True, None, mask), lambda q, k, v, lens, causal, scale, m: attention_ref(q, k, v, causal, m)
+        cap = 2.0 if strided else None
+        return (q, k, v, None, True, None, mask, cap), lambda q, k, v, lens, causal, scale, m, cap: attention_ref(
+            q, k, v, causal, m, cap
+        )
 
     @case
     def attention_backward(dt, strided):
         q, k, v = torch.randn(1, 4, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt)
         mask = attention_mask(6, 6, dt if strided else torch.bool)
-        out, lse = attention_ref(q, k, v, True, mask)
+        cap = 2.0 if strided else None
+        out, lse = attention_ref(q, k, v, True, mask, cap)
         dout = _rand(1, 4, 6, 8, dtype=dt, strided=strided)
         # The float mask's gradient is asked for too (summed over the batch and heads it is
         # broadcast along); a boolean mask has none.
-        args = (dout, q, k, v, out.to(dt), _stat(lse, dt), None, True, None, mask, strided)
+        args = (dout, q, k, v, out.to(dt), _stat(lse, dt), None, True, None, mask, strided, cap)
         wrt = (0, 1, 2, 3) if strided else (0, 1, 2)
-        return args, lambda d, q, k, v, o, l, n, c, s, m, needs_dmask: _vjp(
-            lambda q, k, v, m: attention_ref(q, k, v, True, m)[0], (q, k, v, m), (d,), wrt
+        return args, lambda d, q, k, v, o, l, n, c, s, m, needs_dmask, cap: _vjp(
+            lambda q, k, v, m: attention_ref(q, k, v, True, m, cap)[0], (q, k, v, m), (d,), wrt
         )
 
     @case

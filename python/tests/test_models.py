@@ -634,6 +634,16 @@ def _tiny_family_model(family, **overrides):
         "Phi3": {"sliding_window": 16, "partial_rotary_factor": 0.5, "pad_token_id": 0, "eos_token_id": None},
         "Gemma": {"head_dim": 16},
         "Gemma3": {"head_dim": 16, "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]},
+        # Gemma2 soft-caps its attention logits. Weights 10x the others' (initializer_range 0.2), so
+        # that attention moves the logits, and a cap of 2, which bends the larger scores: dropping it
+        # moves the logits by ~0.7.
+        "Gemma2": {
+            "head_dim": 16,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "initializer_range": 0.2,
+            "attn_logit_softcapping": 2.0,
+        },
         # Mixture-of-experts families: 4 experts, 2 per token; Qwen3-MoE's second layer dense.
         "Mixtral": {"sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
         "Qwen2Moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96},
@@ -645,7 +655,7 @@ def _tiny_family_model(family, **overrides):
 
 
 @pytest.mark.parametrize(
-    "family", ["Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma", "Gemma3", "Mixtral", "Qwen2Moe", "Qwen3Moe"]
+    "family", ["Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma", "Gemma2", "Gemma3", "Mixtral", "Qwen2Moe", "Qwen3Moe"]
 )
 def test_patch_llama_covers_the_families_built_as_llama_is(family):
     """patch_llama patches Mistral, Qwen2, Qwen3 and Phi3 models as it does Llama's: on 40-token
@@ -654,21 +664,26 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
     greedy decoding of the padded batch past the window gives its tokens, and a training step its
     loss and gradients; every attention call runs straight through (never the attention
     interface), and the norms, rope and projections run on uniop, the gated MLPs (SwiGLU; Gemma's
-    GeGLU) and residual adds fused (Gemma3's layer keeps its own residual adds; MoE layers run their
-    experts on uniop, their residual adds unfused)."""
+    GeGLU) and residual adds fused (Gemma2's and Gemma3's layers keep their own residual adds; MoE
+    layers run their experts on uniop, their residual adds unfused). Gemma2's reference is
+    transformers' eager attention (its soft-capping rules SDPA out)."""
     from transformers import AttentionInterface
 
     from uniop.torch import attention_interface, llama
 
     model = _tiny_family_model(family)
     ids, mask = _left_padded_prompts(40, padding=9, seed=4)
+    # A padding query sees no key: SDPA and uniop give it output 0, eager attention (Gemma2's
+    # reference) the mean of every value. Its logits predict the first real token, which is left out
+    # of the loss with the padding.
+    labels = ids.masked_fill((mask == 0) | (nn.functional.pad(mask, (1, 0), value=1)[:, :-1] == 0), -100)
 
     def run():
         with torch.no_grad():
             plain, padded = model(ids).logits, model(ids, attention_mask=mask).logits
             tokens = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
         model.train().zero_grad()
-        loss = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        loss = model(ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         model.eval()
         return plain, padded, tokens, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -693,7 +708,7 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
     assert {gated, gated + "_train", gated + "_backward"} <= ran
     assert not ({"uniop::linear_silu_mul", "uniop::linear_gelu_mul"} - {gated}) & ran
     residual_fusions = {"uniop::add_rms_norm", "uniop::linear_add"}
-    if family in ("Gemma3", "Mixtral", "Qwen2Moe"):  # its own layer; MoE layers keep transformers' forward
+    if family in ("Gemma2", "Gemma3", "Mixtral", "Qwen2Moe"):  # own layers; MoE layers keep transformers'
         assert not residual_fusions & ran
     else:
         assert residual_fusions <= ran
@@ -835,6 +850,51 @@ def test_patched_gemma3_keeps_its_own_decoder_layer():
     want, got, ran = _logits_unpatched_and_patched(model, ids)
     assert "uniop::linear_silu_mul" in ran and "uniop::add_rms_norm" not in ran
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_gemma2_soft_capping_runs_in_uniop_attention(monkeypatch):
+    """Gemma2's attention logit soft-capping is uniop attention's ``softcap`` on every route: under
+    the registered ``"uniop"`` implementation without patching (the attention interface), with
+    ``output_attentions`` (the interface falls back to the model's eager attention, which needs an
+    additive mask where SDPA's builder gave a boolean one or none), and patched (straight
+    through): the logits of a plain and a left-padded batch are transformers' eager ones. The cap
+    matters here: with it dropped the patched logits move by far more than the tolerance."""
+    from uniop.torch import attention_interface
+
+    model = _tiny_family_model("Gemma2")
+    ids, mask = _left_padded_prompts(24, padding=5, seed=8)
+    real = mask.bool()
+    eager_calls = []
+    eager_forward = attention_interface._eager_forward
+    monkeypatch.setattr(attention_interface, "_eager_forward", lambda m: eager_calls.append(1) or eager_forward(m))
+
+    def logits(**extra):
+        with torch.no_grad():
+            return model(ids, **extra).logits, model(ids, attention_mask=mask, **extra).logits[real]
+
+    want = logits()
+    model.set_attn_implementation(ut.register_attention())
+    try:
+        via_interface = logits()
+        assert not eager_calls
+        via_eager = logits(output_attentions=True)
+        assert len(eager_calls) == 2 * len(model.model.layers)
+    finally:
+        model.set_attn_implementation("eager")
+    try:
+        ut.patch_llama(model)
+        patched = logits()
+        layers = model.model.layers
+        for layer in layers:
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped = logits()
+    finally:
+        for layer in layers:
+            layer.self_attn.attn_logit_softcapping = model.config.attn_logit_softcapping
+        ut.unpatch_llama()
+    for got in (via_interface, via_eager, patched):
+        assert all(torch.allclose(g, w, atol=1e-4) for g, w in zip(got, want))
+    assert (uncapped[0] - want[0]).abs().max() > 0.1
 
 
 def test_patched_phi3_layers_keep_transformers_forward_while_residual_dropout_is_live():
@@ -1138,9 +1198,10 @@ def test_patch_before_instantiation_and_unpatch():
             modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
             found[family, "rope"] = modeling.apply_rotary_pos_emb
             names = ["RMSNorm", "Attention", "RotaryEmbedding"]
-            # Mixtral has no dense MLP; Gemma3's decoder layer stays transformers' (see
+            # Mixtral has no dense MLP; Gemma2's and Gemma3's decoder layers stay transformers' (see
             # test_patched_gemma3_keeps_its_own_decoder_layer), as do the layers of models without an MLP.
-            names += [] if prefix == "Mixtral" else ["MLP"] if prefix == "Gemma3" else ["MLP", "DecoderLayer"]
+            own_layer = prefix in ("Gemma2", "Gemma3")
+            names += [] if prefix == "Mixtral" else ["MLP"] if own_layer else ["MLP", "DecoderLayer"]
             for name in names:
                 found[family, name] = getattr(modeling, prefix + name).forward
         return found
@@ -1159,7 +1220,7 @@ def test_patch_before_instantiation_and_unpatch():
     assert attributes() == original
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, patched, atol=1e-4)
-    families = "Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma3, Mixtral, Qwen2Moe, Qwen3Moe"
+    families = "Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma2, Gemma3, Mixtral, Qwen2Moe, Qwen3Moe"
     with pytest.raises(TypeError, match=f"expected a transformers {families} model, got Linear"):
         ut.patch_llama(nn.Linear(2, 2))
 

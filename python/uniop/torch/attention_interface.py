@@ -8,9 +8,11 @@ and transformers' 4-D masks, boolean or float, as its ``mask``); the mask builde
 SDPA uses, so a model gets the masks SDPA would: ``None`` for an unpadded causal batch (uniop
 then runs plain causal), a boolean mask for padded batches, sliding windows (Mistral, Qwen2's
 windowed layers), chunked or bidirectional attention. The kernel skips the key tiles such a mask
-hides from a whole tile of queries, so a sliding window costs the keys it shows. Calls uniop does
-not cover (dropout, softcap, returning the attention weights, a mask of another rank or dtype)
-run transformers' SDPA forward, as ``"sdpa"`` would.
+hides from a whole tile of queries, so a sliding window costs the keys it shows. Gemma2's logit
+soft-capping (the interface's ``softcap``) is the kernel's ``softcap``. Calls uniop does not cover
+(dropout, returning the attention weights, a mask of another rank or dtype) run transformers' SDPA
+forward, as ``"sdpa"`` would — or, where they soft-cap (which SDPA refuses), the model's own eager
+attention, as ``"eager"`` would.
 
     import uniop.torch
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=uniop.torch.register_attention())
@@ -54,15 +56,44 @@ def takes_mask(mask):
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' attention interface over uniop ``attention``: ``query`` ``[B, Hq, Sq, D]``,
-    ``key``/``value`` ``[B, Hkv, Sk, D]``; returns ``([B, Sq, Hq, D], None)``. Other keyword
-    arguments of the interface (``sliding_window``: the mask carries it) are not needed."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    unsupported = not takes_mask(attention_mask) or dropout or kwargs.get("softcap") is not None
+    ``key``/``value`` ``[B, Hkv, Sk, D]``; returns ``([B, Sq, Hq, D], None)``. ``softcap`` (Gemma2's)
+    caps the scaled scores; other keyword arguments of the interface (``sliding_window``: the mask
+    carries it) are not needed."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    softcap = kwargs.get("softcap")
+    unsupported = not takes_mask(attention_mask) or dropout
     if unsupported or kwargs.get("cache") is not None or kwargs.get("output_attentions"):
+        if softcap is not None:
+            mask = _additive_mask(query, key, attention_mask, causal)
+            return _eager_forward(module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    out = unn.uniop_ops.attention(query, key, value, None, bool(causal), scaling, attention_mask)[0]
+    out = unn.uniop_ops.attention(query, key, value, None, bool(causal), scaling, attention_mask, softcap)[0]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _eager_forward(module):
+    """The eager attention of ``module``'s modeling file (Gemma2's soft-caps), which ``"eager"``
+    runs for it."""
+    import sys
+
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def _additive_mask(query, key, mask, causal):
+    """The mask an eager attention adds to its scores, for what SDPA's mask builder gave (a boolean
+    mask, or None where the flag ``causal`` stands for it): float in the query's dtype, the dtype's
+    lowest value where hidden; None for an unmasked, non-causal call."""
+    sq, sk = query.shape[-2], key.shape[-2]
+    keep = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril(sk - sq) if causal else None
+    if mask is not None and mask.dtype == torch.bool:
+        keep, mask = (mask if keep is None else mask & keep), None
+    if keep is None:
+        return mask
+    hidden = torch.zeros(keep.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~keep, torch.finfo(query.dtype).min
+    )
+    return hidden if mask is None else hidden + mask

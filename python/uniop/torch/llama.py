@@ -10,13 +10,13 @@ the projections around uniop's fused ``silu_mul`` or ``gelu_mul``), ``LlamaDecod
 :func:`_attention_forward`), ``LlamaRotaryEmbedding.forward`` (uniop ``rope_cos_sin`` of the
 module's own frequencies, see :func:`_rotary_forward`) and ``modeling_llama.apply_rotary_pos_emb``
 (uniop ``rope``), and the same pieces of the families transformers builds as it builds Llama:
-Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma3 and the mixture-of-experts Mixtral, Qwen2-MoE and
+Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma2, Gemma3 and the mixture-of-experts Mixtral, Qwen2-MoE and
 Qwen3-MoE, whose experts run uniop's experts implementation (see ``_FAMILIES``,
 :mod:`.experts_interface`). Methods are patched on the classes, so existing instances change too.
 Given a model, it also switches the model's attention to uniop's flash attention (registered with
 transformers as the ``"uniop"`` implementation by :func:`~uniop.torch.register_attention`;
-transformers' 4-D masks, boolean or float, go to uniop ``attention``'s ``mask``; dropout and softcap
-fall back to SDPA), a causal LM's loss to uniop ``cross_entropy`` (see :func:`_causal_lm_loss`) and
+transformers' 4-D masks, boolean or float, go to uniop ``attention``'s ``mask``, Gemma2's logit
+soft-capping to its ``softcap``; dropout falls back to SDPA), a causal LM's loss to uniop ``cross_entropy`` (see :func:`_causal_lm_loss`) and
 its linear layers (projections and ``lm_head``) to uniop ``linear``, which streams the weight at
 memory speed when there are few rows — decoding spends most of its time there — and prefill-sized
 products too: in bfloat16 always, in float32 where uniop's GEMM is the faster one on this CPU (with
@@ -60,8 +60,10 @@ _NO_LOSS = object()
 # past the tables' as they are); Gemma's RMSNorm, which scales by `1 + weight` in float32
 # (`_OFFSET_NORMS`), and its GELU-gated MLP (`gelu_pytorch_tanh`: uniop's GELU-gated ops, tanh
 # form; an activation uniop has no gated op for keeps transformers' MLP and decoder layer);
-# Gemma3's decoder layer, which norms the attention's and the MLP's outputs before their residual
-# adds (`_OWN_LAYERS`: transformers' forward), and its rotary embedding's table per layer type.
+# Gemma2's and Gemma3's decoder layers, which norm the attention's and the MLP's outputs before
+# their residual adds (`_OWN_LAYERS`: transformers' forward); Gemma2's attention logit
+# soft-capping (`attn_logit_softcapping`: uniop attention's `softcap`; transformers runs Gemma2 on
+# its eager attention, SDPA having none) and Gemma3's rotary table per layer type.
 # The mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) copy Mistral's, Qwen2's and
 # Qwen3's modules around their MoE blocks, whose experts run uniop's experts implementation
 # (`experts_interface`) and whose layers keep transformers' forward (the fused residual add is the
@@ -74,13 +76,14 @@ _FAMILIES = {
     "qwen3": "Qwen3",
     "phi3": "Phi3",
     "gemma": "Gemma",
+    "gemma2": "Gemma2",
     "gemma3": "Gemma3",
     "mixtral": "Mixtral",
     "qwen2_moe": "Qwen2Moe",
     "qwen3_moe": "Qwen3Moe",
 }
-_OFFSET_NORMS = {"Gemma", "Gemma3"}
-_OWN_LAYERS = {"Gemma3"}
+_OFFSET_NORMS = {"Gemma", "Gemma2", "Gemma3"}
+_OWN_LAYERS = {"Gemma2", "Gemma3"}
 
 
 def _modelings():
@@ -153,7 +156,7 @@ def _attention_forward(original):
     decoded 1.02-1.06x faster (alternated in one process). A padded batch's 4-D mask (boolean, or
     float as transformers 4.x makes it) goes to ``attention``'s ``mask``, as does a sliding
     window's (transformers builds it per layer type; the interface's ``sliding_window`` argument
-    only repeats it). Calls that need more — a mask of another rank or dtype, dropout, another
+    only repeats it), Gemma2's ``attn_logit_softcapping`` to its ``softcap``. Calls that need more — a mask of another rank or dtype, dropout, another
     attention implementation or cache type, positional extras — keep transformers' forward."""
     from transformers.cache_utils import DynamicCache
 
@@ -164,7 +167,6 @@ def _attention_forward(original):
             and position_embeddings is not None
             and self.config._attn_implementation == ATTENTION
             and not (self.training and self.attention_dropout)
-            and getattr(self, "attn_logit_softcapping", None) is None
             and not kwargs.get("output_attentions")
         )
         # transformers 5 passes the cache as `cache`, 4.x as `past_key_value(s)`.
@@ -179,7 +181,8 @@ def _attention_forward(original):
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        out = unn.uniop_ops.attention(q, k, v, None, self.is_causal, self.scaling, attention_mask)[0]
+        softcap = getattr(self, "attn_logit_softcapping", None)
+        out = unn.uniop_ops.attention(q, k, v, None, self.is_causal, self.scaling, attention_mask, softcap)[0]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), None
 
     return forward
@@ -419,7 +422,7 @@ def patch_llama(model=None, pack_weights=False):
     """Routes Llama's RMSNorm, MLP and rotary embedding (and, given a model, its attention, its
     linear layers and a causal LM's loss) through uniop. Returns ``model``. Training runs through
     all of it: every op has its backward. Models of the families transformers builds as it builds
-    Llama — Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma3, Mixtral, Qwen2-MoE, Qwen3-MoE (see
+    Llama — Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma2, Gemma3, Mixtral, Qwen2-MoE, Qwen3-MoE (see
     ``_FAMILIES``) — are patched the same way, MoE models' experts switched to uniop's experts
     implementation; other models raise a TypeError.
 
