@@ -140,6 +140,42 @@ def test_attention_module_takes_a_padding_mask():
     assert torch.allclose(got_dx[real], x.grad[real], atol=1e-5, rtol=1e-4)
 
 
+def test_attention_module_soft_caps_the_scores():
+    """unn.Attention(softcap=...) equals Gemma 2's eager attention (scores scaled, capped to
+    ``softcap · tanh(score / softcap)``, causal mask, softmax), values and gradients, on scores the
+    cap bends (inputs of deviation 4)."""
+    torch.manual_seed(1)
+    attn, x = unn.Attention(64, 4, 2, softcap=1.5), (4 * torch.randn(2, 10, 64)).requires_grad_()
+    cos, sin = unn.RotaryEmbedding(16)(x, torch.arange(10).expand(2, -1))
+
+    def reference():
+        b, s, _ = x.shape
+        q = attn.q_proj(x).view(b, s, 4, 16).transpose(1, 2)
+        k = attn.k_proj(x).view(b, s, 2, 16).transpose(1, 2)
+        v = attn.v_proj(x).view(b, s, 2, 16).transpose(1, 2)
+        q, k = unn.apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        scores = 1.5 * torch.tanh(q @ k.transpose(-1, -2) / 4 / 1.5)
+        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+        return attn.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1))
+
+    results = []
+    for forward in (lambda: attn(x, cos, sin), reference):
+        attn.zero_grad()
+        x.grad = None
+        y = forward()
+        y.square().sum().backward()
+        results.append((y.detach(), _grads(attn), x.grad.clone()))
+    (got, got_grads, got_dx), (want, want_grads, want_dx) = results
+    assert torch.allclose(got, want, atol=1e-5)
+    for name, g in want_grads.items():
+        assert torch.allclose(got_grads[name], g, atol=1e-4, rtol=1e-4), name
+    assert torch.allclose(got_dx, want_dx, atol=1e-4, rtol=1e-4)
+    uncapped = unn.Attention(64, 4, 2)
+    uncapped.load_state_dict(attn.state_dict())
+    assert (uncapped(x, cos, sin) - got).abs().max() > 0.1  # the cap bends these scores
+
+
 def _uniop_ops_run(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()

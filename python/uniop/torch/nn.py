@@ -387,10 +387,13 @@ class Attention(nn.Module):
     -> [B, S, hidden]``. ``attention_mask`` hides keys on top of the causal mask: a ``[B, S]``
     padding mask (1 for tokens, 0 for padding, as tokenizers return it) or a mask broadcastable to
     ``[B, heads, S, S]``: boolean (true = attend) or float (added to the scaled scores, −inf hides;
-    no gradient flows to it). A query left without keys (a left-padded position) gets 0."""
+    no gradient flows to it). A query left without keys (a left-padded position) gets 0.
+    ``softcap`` caps the scaled scores to ``softcap · tanh(score / softcap)`` before the masks
+    (Gemma 2's ``attn_logit_softcapping``)."""
 
-    def __init__(self, hidden_size, num_heads, num_kv_heads=None, head_dim=None, bias=False, dtype=None):
+    def __init__(self, hidden_size, num_heads, num_kv_heads=None, head_dim=None, bias=False, dtype=None, softcap=None):
         super().__init__()
+        self.softcap = softcap
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
         self.head_dim = head_dim or hidden_size // num_heads
@@ -408,7 +411,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = uniop_ops.attention(q, k, v, None, True, None, mask)[0]
+        out = uniop_ops.attention(q, k, v, None, True, None, mask, self.softcap)[0]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
