@@ -229,7 +229,7 @@ uniopStatus uniopArgmax(void *workspace,
                         uniopExecutor *executor,
                         uniopStream stream);
 
-// Phase 1 of `attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None) -> (Tensor out, Tensor lse)`.
+// Phase 1 of `attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, float? softcap=None) -> (Tensor out, Tensor lse)`.
 //
 // Scaled dot-product attention, flash-style (O(tile) memory, never the Sq x Sk scores). q [B, Hq,
 // Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, dense last dim); Hkv divides Hq
@@ -240,8 +240,9 @@ uniopStatus uniopArgmax(void *workspace,
 // top of kv_lens and causal (key tiles it hides from a whole query tile are skipped, and the keys
 // up to the first one some query of a tile's product sees, in 32-key panels: a sliding window or a
 // document mask costs the keys it shows); the K/V rows of hidden keys it does not skip must be
-// finite. lse: float32 log-sum-exp of the scaled scores per query (-inf, with out = 0, for a query
-// that sees no key).
+// finite. softcap (Gemma 2's attn_logit_softcapping) caps the scaled scores to softcap *
+// tanh(score / softcap) before the mask adds. lse: float32 log-sum-exp of the (capped, masked)
+// scaled scores per query (-inf, with out = 0, for a query that sees no key).
 uniopStatus uniopAttentionGetWorkspaceSize(const uniopTensor *q,
                                            const uniopTensor *k,
                                            const uniopTensor *v,
@@ -249,6 +250,7 @@ uniopStatus uniopAttentionGetWorkspaceSize(const uniopTensor *q,
                                            bool causal,
                                            const double *scale,
                                            const uniopTensor *mask,
+                                           const double *softcap,
                                            uniopTensor *out,
                                            uniopTensor *lse,
                                            uint64_t *workspaceSize,
@@ -260,13 +262,13 @@ uniopStatus uniopAttention(void *workspace,
                            uniopExecutor *executor,
                            uniopStream stream);
 
-// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)`.
+// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False, float? softcap=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)`.
 //
-// Gradients of attention from its saved out and lse (same mask and scale rules). dk/dv sum over
-// the q heads of each kv-head group; keys past kv_lens get zero gradient. dmask is the gradient of
-// a float mask (its shape and dtype: the score gradient summed over the dims the mask is broadcast
-// along) when needs_dmask, else an empty tensor; asking for it adds two tile products to the five
-// (about half the time again). Deterministic (no atomics).
+// Gradients of attention from its saved out and lse (same mask, scale and softcap rules). dk/dv
+// sum over the q heads of each kv-head group; keys past kv_lens get zero gradient. dmask is the
+// gradient of a float mask (its shape and dtype: the score gradient summed over the dims the mask
+// is broadcast along) when needs_dmask, else an empty tensor; asking for it adds two tile products
+// to the five (about half the time again). Deterministic (no atomics).
 uniopStatus uniopAttentionBackwardGetWorkspaceSize(const uniopTensor *dout,
                                                    const uniopTensor *q,
                                                    const uniopTensor *k,
@@ -278,6 +280,7 @@ uniopStatus uniopAttentionBackwardGetWorkspaceSize(const uniopTensor *dout,
                                                    const double *scale,
                                                    const uniopTensor *mask,
                                                    bool needs_dmask,
+                                                   const double *softcap,
                                                    uniopTensor *dq,
                                                    uniopTensor *dk,
                                                    uniopTensor *dv,

@@ -224,11 +224,11 @@ static void test_rope(uniopStream stream) {
   OK(uniopDestroyTensor(out[0]));
 }
 
-/* Causal attention of [1, H, S, D] q, k, v in double into `want`, `bias` (S x S, or NULL for none)
- * added to the scaled scores: where it is -INFINITY, query i does not see key j either (every query
- * keeps at least one key). */
+/* Causal attention of [1, H, S, D] q, k, v in double into `want`, the scaled scores soft-capped to
+ * softcap * tanh(score / softcap) when `softcap` > 0, then `bias` (S x S, or NULL for none) added:
+ * where it is -INFINITY, query i does not see key j either (every query keeps at least one key). */
 static void attention_reference(const float *q, const float *k, const float *v, int H, int S, int D,
-                                const float *bias, double *want) {
+                                const float *bias, double softcap, double *want) {
   double scale = 1.0 / sqrt((double)D);
   for (int h = 0; h < H; h++)
     for (int i = 0; i < S; i++) {
@@ -236,7 +236,8 @@ static void attention_reference(const float *q, const float *k, const float *v, 
       for (int j = 0; j <= i; j++) {
         double s = 0;
         for (int d = 0; d < D; d++) s += (double)q[(h * S + i) * D + d] * k[(h * S + j) * D + d];
-        p[j] = s * scale + (bias ? bias[i * S + j] : 0.0);
+        s *= scale;
+        p[j] = (softcap > 0 ? softcap * tanh(s / softcap) : s) + (bias ? bias[i * S + j] : 0.0);
         if (p[j] > m) m = p[j];
       }
       for (int j = 0; j <= i; j++) sum += (p[j] = exp(p[j] - m));
@@ -274,8 +275,8 @@ static void dmask_reference(const float *q, const float *k, const float *v, cons
     }
 }
 
-/* Causal attention [1, H, S, D], with a boolean and a float mask broadcast over the heads too
- * (and the float mask's gradient from attention_backward); then decode: append one token with kv_cache_append (in place) and attend with kv_lens. */
+/* Causal attention [1, H, S, D], with a boolean and a float mask broadcast over the heads too, soft-capped
+ * under the boolean one (and the float mask's gradient from attention_backward); then decode: append one token with kv_cache_append (in place) and attend with kv_lens. */
 static void test_attention_and_kv_cache(uniopStream stream) {
   enum { H = 2, S = 6, D = 8, SMAX = 8 };
   float q[H * S * D], k[H * S * D], v[H * S * D], o[H * S * D], lse[H * S];
@@ -287,10 +288,10 @@ static void test_attention_and_kv_cache(uniopStream stream) {
   uniopTensor *out[] = {dense(qd, 4, o), dense(ld, 3, lse)};
   uint64_t ws = 0;
   uniopExecutor *exec = NULL;
-  OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, NULL, out[0], out[1], &ws, &exec));
+  OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, NULL, NULL, out[0], out[1], &ws, &exec));
   launch(uniopAttention, ws, exec, stream);
   double want[H * S * D];
-  attention_reference(q, k, v, H, S, D, NULL, want);
+  attention_reference(q, k, v, H, S, D, NULL, 0.0, want);
   expect_close("attention (causal)", o, want, H * S * D, 1e-5);
 
   /* Keys 0 and 1 hidden from queries 2 and later (as a padded prefix would be), [1, 1, S, S]: as a
@@ -310,12 +311,23 @@ static void test_attention_and_kv_cache(uniopStream stream) {
   };
   const float *biases[] = {hidden, alibi};
   const char *names[] = {"attention (causal, boolean mask)", "attention (causal, float mask)"};
+  /* Gemma 2's soft-capping (a cap of 0.5 bends these scores, of magnitude up to ~1) under the boolean
+   * mask; first, as the float mask's run below leaves o and lse for the backward. */
+  const double softcap = 0.5;
+  CHECK(masks[0], "mask descriptor: %s", uniopGetRecentErrMsg());
+  OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, masks[0], &softcap, out[0], out[1], &ws,
+                                    &exec));
+  launch(uniopAttention, ws, exec, stream);
+  double want_capped[H * S * D];
+  attention_reference(q, k, v, H, S, D, hidden, softcap, want_capped);
+  expect_close("attention (causal, boolean mask, softcap)", o, want_capped, H * S * D, 1e-5);
   for (int m = 0; m < 2; m++) {
     CHECK(masks[m], "mask descriptor: %s", uniopGetRecentErrMsg());
-    OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, masks[m], out[0], out[1], &ws, &exec));
+    OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, masks[m], NULL, out[0], out[1], &ws,
+                                      &exec));
     launch(uniopAttention, ws, exec, stream);
     double want_masked[H * S * D];
-    attention_reference(q, k, v, H, S, D, biases[m], want_masked);
+    attention_reference(q, k, v, H, S, D, biases[m], 0.0, want_masked);
     expect_close(names[m], o, want_masked, H * S * D, 1e-5);
     OK(uniopDestroyTensor(masks[m]));
   }
@@ -327,7 +339,7 @@ static void test_attention_and_kv_cache(uniopStream stream) {
   uniopTensor *grads[] = {dense(qd, 4, dout), dense(qd, 4, dq), dense(qd, 4, dk), dense(qd, 4, dv), dense(md, 4, dmask)};
   CHECK(bias_t, "mask descriptor: %s", uniopGetRecentErrMsg());
   OK(uniopAttentionBackwardGetWorkspaceSize(grads[0], in[0], in[1], in[2], out[0], out[1], NULL, true, NULL, bias_t,
-                                            true, grads[1], grads[2], grads[3], grads[4], &ws, &exec));
+                                            true, NULL, grads[1], grads[2], grads[3], grads[4], &ws, &exec));
   launch(uniopAttentionBackward, ws, exec, stream);
   double want_dmask[S * S];
   dmask_reference(q, k, v, dout, H, S, D, alibi, want_dmask);

@@ -201,7 +201,7 @@ pub extern "C" fn uniopArgmax(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None) -> (Tensor out, Tensor lse)`.
+/// Phase 1 of `attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, float? softcap=None) -> (Tensor out, Tensor lse)`.
 ///
 /// Scaled dot-product attention, flash-style (O(tile) memory, never the Sq x Sk scores). q [B, Hq,
 /// Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, dense last dim); Hkv divides Hq
@@ -212,8 +212,9 @@ pub extern "C" fn uniopArgmax(
 /// top of kv_lens and causal (key tiles it hides from a whole query tile are skipped, and the keys
 /// up to the first one some query of a tile's product sees, in 32-key panels: a sliding window or a
 /// document mask costs the keys it shows); the K/V rows of hidden keys it does not skip must be
-/// finite. lse: float32 log-sum-exp of the scaled scores per query (-inf, with out = 0, for a query
-/// that sees no key).
+/// finite. softcap (Gemma 2's attn_logit_softcapping) caps the scaled scores to softcap *
+/// tanh(score / softcap) before the mask adds. lse: float32 log-sum-exp of the (capped, masked)
+/// scaled scores per query (-inf, with out = 0, for a query that sees no key).
 #[no_mangle]
 pub extern "C" fn uniopAttentionGetWorkspaceSize(
     q: *const uniopTensor,
@@ -223,6 +224,7 @@ pub extern "C" fn uniopAttentionGetWorkspaceSize(
     causal: bool,
     scale: *const f64,
     mask: *const uniopTensor,
+    softcap: *const f64,
     out: *mut uniopTensor,
     lse: *mut uniopTensor,
     workspaceSize: *mut u64,
@@ -232,8 +234,11 @@ pub extern "C" fn uniopAttentionGetWorkspaceSize(
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 5] =
             [("q", q), ("k", k), ("v", v), ("kv_lens", kv_lens), ("mask", mask)];
-        let attrs: [(&str, AttrValue); 2] =
-            [("causal", AttrValue::Bool(causal)), ("scale", typed::optional(scale, |v| Ok(AttrValue::Float(v)))?)];
+        let attrs: [(&str, AttrValue); 3] = [
+            ("causal", AttrValue::Bool(causal)),
+            ("scale", typed::optional(scale, |v| Ok(AttrValue::Float(v)))?),
+            ("softcap", typed::optional(softcap, |v| Ok(AttrValue::Float(v)))?),
+        ];
         let outputs = [("out", out as *const uniopTensor), ("lse", lse as *const uniopTensor)];
         plan("attention", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })
@@ -250,13 +255,13 @@ pub extern "C" fn uniopAttention(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)`.
+/// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False, float? softcap=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)`.
 ///
-/// Gradients of attention from its saved out and lse (same mask and scale rules). dk/dv sum over
-/// the q heads of each kv-head group; keys past kv_lens get zero gradient. dmask is the gradient of
-/// a float mask (its shape and dtype: the score gradient summed over the dims the mask is broadcast
-/// along) when needs_dmask, else an empty tensor; asking for it adds two tile products to the five
-/// (about half the time again). Deterministic (no atomics).
+/// Gradients of attention from its saved out and lse (same mask, scale and softcap rules). dk/dv
+/// sum over the q heads of each kv-head group; keys past kv_lens get zero gradient. dmask is the
+/// gradient of a float mask (its shape and dtype: the score gradient summed over the dims the mask
+/// is broadcast along) when needs_dmask, else an empty tensor; asking for it adds two tile products
+/// to the five (about half the time again). Deterministic (no atomics).
 #[no_mangle]
 pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
     dout: *const uniopTensor,
@@ -270,6 +275,7 @@ pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
     scale: *const f64,
     mask: *const uniopTensor,
     needs_dmask: bool,
+    softcap: *const f64,
     dq: *mut uniopTensor,
     dk: *mut uniopTensor,
     dv: *mut uniopTensor,
@@ -289,10 +295,11 @@ pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
             ("kv_lens", kv_lens),
             ("mask", mask),
         ];
-        let attrs: [(&str, AttrValue); 3] = [
+        let attrs: [(&str, AttrValue); 4] = [
             ("causal", AttrValue::Bool(causal)),
             ("scale", typed::optional(scale, |v| Ok(AttrValue::Float(v)))?),
             ("needs_dmask", AttrValue::Bool(needs_dmask)),
+            ("softcap", typed::optional(softcap, |v| Ok(AttrValue::Float(v)))?),
         ];
         let outputs = [
             ("dq", dq as *const uniopTensor),
