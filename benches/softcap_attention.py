@@ -11,7 +11,8 @@ D; Gemma 2 2B's heads and head dim by default) and its backward (`torch.autograd
    transformers builds for it);
 2. the same composite under `torch.compile` (Inductor);
 3. `flex_attention` with a `tanh` score_mod and a causal block mask, compiled (what torch
-   documents for soft-capping), where this torch runs it on CPU.
+   documents for soft-capping), where this torch runs it on CPU (the forward only: it has no CPU
+   backward).
 uniop: `torch.ops.uniop.attention(q, k, v, None, True, scale, None, softcap)` (GQA read in place),
 and the same call without the cap (what the cap costs). Best of `--rounds` x 2 calls; bf16 and f32.
 """
@@ -78,6 +79,7 @@ def main():
           "| vs compile | flex ms | vs flex |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     flex = flex_peer(shape, a.softcap, scale)
+    errors_seen = []
     attention = torch.ops.uniop.attention
     for dtype in (torch.bfloat16, torch.float32):
         q = torch.randn(b, hq, s, d, dtype=dtype) * 4  # scores of deviation ~4: the cap bends some
@@ -92,15 +94,18 @@ def main():
         }
         if flex is not None:
             peers["flex"] = flex
+        # Each peer's largest error against the composite in float64: uniop's may be no worse than
+        # eager's own (bf16 rounds the scores, of magnitude ~10 here, to ~0.06).
         want = eager(q.double(), k.double(), v.double(), mask.double(), scale, a.softcap)
-        for name, f in peers.items():
-            if name != "uncapped":
-                err = (f(q, k, v).double() - want).abs().max().item()
-                assert err < (5e-2 if dtype == torch.bfloat16 else 1e-3), f"{name}: max error {err}"
+        errors = {name: (f(q, k, v).double() - want).abs().max().item() for name, f in peers.items() if name != "uncapped"}
+        errors_seen.append(f"{dtype}: " + ", ".join(f"{name} {err:.1e}" for name, err in errors.items()))
+        assert errors["uniop"] <= max(errors["eager"], 1e-4), errors
         qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
         for pass_ in ("forward", "backward"):
             ms = {}
             for name, f in peers.items():
+                if pass_ == "backward" and name == "flex":
+                    continue  # FlexAttention has no backward on CPU
                 if pass_ == "forward":
                     with torch.no_grad():
                         ms[name] = best_ms(lambda: f(q, k, v), rounds=a.rounds)
@@ -114,6 +119,7 @@ def main():
             print(f"| {dtype} | {pass_} | {u:.1f} | {ms['uncapped']:.1f} | {u / ms['uncapped'] - 1:+.0%} "
                   f"| {ms['eager']:.1f} | {ms['eager'] / u:.2f}x | {ms['compile']:.1f} | {ms['compile'] / u:.2f}x "
                   f"| {flex_cols} |", flush=True)
+    print("\nLargest error against the float64 composite: " + "; ".join(errors_seen))
 
 
 if __name__ == "__main__":
