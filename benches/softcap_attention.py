@@ -18,22 +18,11 @@ and the same call without the cap (what the cap costs). Best of `--rounds` x 2 c
 """
 
 import argparse
-import time
 
 import torch
 
 import uniop.torch  # noqa: F401  (registers torch.ops.uniop)
-
-
-def best_ms(f, calls=2, rounds=2):
-    f()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            f()
-        times.append((time.perf_counter() - t0) / calls * 1e3)
-    return min(times)
+from masked_attention import best_ms
 
 
 def eager(q, k, v, mask, scale, softcap):
@@ -108,11 +97,11 @@ def main():
                     continue  # FlexAttention has no backward on CPU
                 if pass_ == "forward":
                     with torch.no_grad():
-                        ms[name] = best_ms(lambda: f(q, k, v), rounds=a.rounds)
+                        ms[name] = best_ms(lambda: f(q, k, v), 2, rounds=a.rounds)
                 else:
                     out = f(qg, kg, vg)
                     grad = torch.randn_like(out)
-                    ms[name] = best_ms(lambda: torch.autograd.grad(out, (qg, kg, vg), grad, retain_graph=True),
+                    ms[name] = best_ms(lambda: torch.autograd.grad(out, (qg, kg, vg), grad, retain_graph=True), 2,
                                        rounds=a.rounds)
             u = ms["uniop"]
             flex_cols = f"{ms['flex']:.1f} | {ms['flex'] / u:.2f}x" if "flex" in ms else "- | -"

@@ -106,6 +106,16 @@ def test_layer_norm_module_matches_torch_layer_norm(x_dtype, param_dtype, affine
         torch.testing.assert_close(got, want, **(tol if x_dtype == torch.float32 else dict(atol=0.3, rtol=5e-2)))
 
 
+def _module_qkv(attn, x, cos, sin):
+    """An unn.Attention's (4 q heads, 2 kv heads of 16) queries, keys and values of ``x`` as
+    ``[B, H, S, D]``, q and k roped: its forward's steps before the attention, for references."""
+    b, s, _ = x.shape
+    q = attn.q_proj(x).view(b, s, 4, 16).transpose(1, 2)
+    k = attn.k_proj(x).view(b, s, 2, 16).transpose(1, 2)
+    v = attn.v_proj(x).view(b, s, 2, 16).transpose(1, 2)
+    return (*unn.apply_rotary_pos_emb(q, k, cos, sin), v)
+
+
 def test_attention_module_takes_a_padding_mask():
     """unn.Attention with a tokenizer's [B, S] padding mask equals SDPA with the padding and causal
     masks combined, values and gradients, at the real positions (left-padded ones get 0)."""
@@ -118,10 +128,7 @@ def test_attention_module_takes_a_padding_mask():
 
     def reference():
         b, s, _ = x.shape
-        q = attn.q_proj(x).view(b, s, 4, 16).transpose(1, 2)
-        k = attn.k_proj(x).view(b, s, 2, 16).transpose(1, 2)
-        v = attn.v_proj(x).view(b, s, 2, 16).transpose(1, 2)
-        q, k = unn.apply_rotary_pos_emb(q, k, cos, sin)
+        q, k, v = _module_qkv(attn, x, cos, sin)
         mask = torch.ones(s, s, dtype=torch.bool).tril() & real[:, None, None, :]
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return attn.o_proj(o.transpose(1, 2).reshape(b, s, -1))
@@ -150,10 +157,7 @@ def test_attention_module_soft_caps_the_scores():
 
     def reference():
         b, s, _ = x.shape
-        q = attn.q_proj(x).view(b, s, 4, 16).transpose(1, 2)
-        k = attn.k_proj(x).view(b, s, 2, 16).transpose(1, 2)
-        v = attn.v_proj(x).view(b, s, 2, 16).transpose(1, 2)
-        q, k = unn.apply_rotary_pos_emb(q, k, cos, sin)
+        q, k, v = _module_qkv(attn, x, cos, sin)
         k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
         scores = 1.5 * torch.tanh(q @ k.transpose(-1, -2) / 4 / 1.5)
         scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
