@@ -16,10 +16,10 @@ Qwen3-MoE, whose experts run uniop's experts implementation (see ``_FAMILIES``,
 Given a model, it also switches the model's attention to uniop's flash attention (registered with
 transformers as the ``"uniop"`` implementation by :func:`~uniop.torch.register_attention`;
 transformers' 4-D masks, boolean or float, go to uniop ``attention``'s ``mask``, Gemma2's logit
-soft-capping to its ``softcap``; dropout falls back to SDPA), a causal LM's loss to uniop ``cross_entropy`` (see :func:`_causal_lm_loss`) and
-its linear layers (projections and ``lm_head``) to uniop ``linear``, which streams the weight at
-memory speed when there are few rows — decoding spends most of its time there — and prefill-sized
-products too: in bfloat16 always, in float32 where uniop's GEMM is the faster one on this CPU (with
+soft-capping to its ``softcap``; dropout falls back to SDPA), a causal LM's loss to uniop
+``cross_entropy`` (see :func:`_causal_lm_loss`) and its linear layers (projections and ``lm_head``)
+to uniop ``linear``, which streams the weight at memory speed when there are few rows — decoding
+spends most of its time there — and prefill-sized products too: in bfloat16 always, in float32 where uniop's GEMM is the faster one on this CPU (with
 AVX-512 on CPUs other than Intel's). It also makes transformers' ``DynamicLayer.update`` (the
 default KV cache) grow in place: the cache becomes a view of a buffer with room to spare, so a
 decode step writes its new rows instead of copying the whole cache with ``torch.cat`` (O(length) per
@@ -156,8 +156,9 @@ def _attention_forward(original):
     decoded 1.02-1.06x faster (alternated in one process). A padded batch's 4-D mask (boolean, or
     float as transformers 4.x makes it) goes to ``attention``'s ``mask``, as does a sliding
     window's (transformers builds it per layer type; the interface's ``sliding_window`` argument
-    only repeats it), Gemma2's ``attn_logit_softcapping`` to its ``softcap``. Calls that need more — a mask of another rank or dtype, dropout, another
-    attention implementation or cache type, positional extras — keep transformers' forward."""
+    only repeats it), Gemma2's ``attn_logit_softcapping`` to its ``softcap``. Calls that need more —
+    a mask of another rank or dtype, dropout, another attention implementation or cache type,
+    positional extras — keep transformers' forward."""
     from transformers.cache_utils import DynamicCache
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
