@@ -19,13 +19,14 @@ transformers' 4-D masks, boolean or float, go to uniop ``attention``'s ``mask``,
 soft-capping to its ``softcap``; dropout falls back to SDPA), a causal LM's loss to uniop
 ``cross_entropy`` (see :func:`_causal_lm_loss`) and its linear layers (projections and ``lm_head``)
 to uniop ``linear``, which streams the weight at memory speed when there are few rows — decoding
-spends most of its time there — and prefill-sized products too: in bfloat16 always, in float32
-where uniop's GEMM is the faster one on this CPU (with AVX-512 on CPUs other than Intel's). It also
-makes transformers' ``DynamicLayer.update`` (the default KV cache) grow in place: the cache becomes a view of a buffer with room to spare, so a
-decode step writes its new rows instead of copying the whole cache with ``torch.cat`` (O(length) per
-layer and step). With ``pack_weights=True``, prefill-sized products take weights packed once (see
-:func:`patch_llama`). The ops themselves are called through :data:`uniop.torch.nn.uniop_ops`, which
-skips torch's dispatcher where it has nothing to do (inference under ``no_grad``).
+spends most of its time there — and prefill-sized products too: in bfloat16 always, in float32 where
+uniop's GEMM is the faster one on this CPU (with AVX-512 on CPUs other than Intel's). It also makes
+transformers' ``DynamicLayer.update`` (the default KV cache) grow in place: the cache becomes a view
+of a buffer with room to spare, so a decode step writes its new rows instead of copying the whole
+cache with ``torch.cat`` (O(length) per layer and step). With ``pack_weights=True``, prefill-sized
+products take weights packed once (see :func:`patch_llama`). The ops themselves are called through
+:data:`uniop.torch.nn.uniop_ops`, which skips torch's dispatcher where it has nothing to do
+(inference under ``no_grad``).
 :func:`unpatch_llama` restores all of it.
 """
 
