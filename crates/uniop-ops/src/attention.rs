@@ -1,5 +1,5 @@
-//! `attention(q, k, v, kv_lens=None, causal=False, scale=None, mask=None, softcap=None) -> (out,
-//! lse)`: scaled dot-product attention, flash-style.
+//! `attention(q, k, v, kv_lens=None, causal=False, scale=None, mask=None, softcap=None, sinks=None)
+//! -> (out, lse)`: scaled dot-product attention, flash-style.
 //!
 //! Layout is torch SDPA's: `q` `[B, Hq, Sq, D]`, `k` `[B, Hkv, Sk, D]`, `v` `[B, Hkv, Sk, Dv]`,
 //! any strides with a dense last dim — so HF's `[B, S, H, D]` tensors transposed to
@@ -64,6 +64,15 @@
 //! score tile is capped after its product, where the mask applies; AVX2's transposed tiles take
 //! no softcap (such calls run the GEMM tiles).
 //!
+//! `sinks` (optional, float `[Hq]`) are attention sinks, one learned logit per q head (GPT-OSS's
+//! `sinks`, StreamingLLM's sink as a logit): each query's softmax takes one more term,
+//! `exp(sinks[h])`, in its denominator — a key whose value is zero, so the probabilities of the
+//! real keys sum to less than one. torch's SDPA has none (transformers runs GPT-OSS on its eager
+//! attention on CPU). The tiles are unchanged: a row's sink joins its softmax sum once, where
+//! the row is finished ([`ForwardArgs::finish_row`], which every route shares), so key ranges,
+//! masks and softcap need nothing of their own. A query that sees no key gets output 0 and
+//! `lse = sinks[h]`.
+//!
 //! `lse` (`[B, Hq, Sq]`, f32) is the log-sum-exp of each query's scaled scores, saved for
 //! [`attention_backward`](crate::attention_backward).
 
@@ -114,6 +123,8 @@ pub(crate) struct Geometry {
     pub mask: Option<DType>,
     /// `softcap`, when given: the scaled scores become `softcap · tanh(scaled / softcap)`.
     pub softcap: Option<f64>,
+    /// Whether `sinks` were given (one extra logit per q head in each row's softmax).
+    pub sinks: bool,
 }
 
 impl Geometry {
@@ -414,6 +425,11 @@ pub(crate) fn geometry(cx: &OpCx) -> Result<Geometry> {
             return Err(cx.err(ErrorCode::ParamInvalid, "scale", "a nonzero scale when softcap is given", scale));
         }
     }
+    let sinks = cx.optional_input("sinks").is_some();
+    if sinks {
+        cx.expect_dtype_in("sinks", DTYPES)?;
+        cx.expect_shape("sinks", &[q_heads])?;
+    }
     let causal = matches!(cx.attr("causal"), AttrValue::Bool(true));
     Ok(Geometry {
         batch,
@@ -429,6 +445,7 @@ pub(crate) fn geometry(cx: &OpCx) -> Result<Geometry> {
         dtype,
         mask: cx.optional_input("mask").map(|m| m.dtype),
         softcap,
+        sinks,
     })
 }
 
@@ -1069,6 +1086,8 @@ pub(crate) struct ForwardArgs<'a> {
     pub v: TensorRef<'a>,
     pub lens: Option<TensorRef<'a>>,
     pub mask: Option<MaskRows<'a>>,
+    /// `sinks` widened to f32, one per q head (a few hundred bytes, once per block).
+    sinks: Option<Vec<f32>>,
     out: uniop::OutputView<'a>,
     lse: uniop::OutputView<'a>,
     /// Rows of q, k, v and out.
@@ -1080,12 +1099,14 @@ impl<'a> ForwardArgs<'a> {
         let (q, k, v, out) = (args.input(0), args.input(1), args.input(2), args.output(0));
         let rows = [q.layout(), k.layout(), v.layout(), out.layout()].map(Rows4::of);
         let (lens, mask) = (args.optional_input(3), MaskRows::of(args.optional_input(4)));
-        ForwardArgs { q, k, v, lens, mask, out, lse: args.output(1), rows }
+        let sinks = args.optional_input(5).map(|s| s.to_f64_vec().into_iter().map(|x| x as f32).collect());
+        ForwardArgs { q, k, v, lens, mask, sinks, out, lse: args.output(1), rows }
     }
 
     /// Writes query `(b, h, i)`'s output row from its unnormalised sums `o` (scaled in place by
     /// `1 / l`), and its lse from the running max `m` and sum `l` (`-inf`, out 0, when it saw
-    /// no key).
+    /// no key). A sink joins the sum here: `l` grows by `exp(sink − m)` (against the larger of
+    /// the two maxima), once per row whichever route ran the row's keys.
     ///
     /// # Safety
     /// The caller's unit must own that query.
@@ -1097,7 +1118,16 @@ impl<'a> ForwardArgs<'a> {
         m: f32,
         l: f32,
     ) {
-        let (inv, lse) = if l > 0.0 { (1.0 / l, m + l.ln()) } else { (0.0, f32::NEG_INFINITY) };
+        let (inv, lse) = match &self.sinks {
+            None if l > 0.0 => (1.0 / l, m + l.ln()),
+            None => (0.0, f32::NEG_INFINITY),
+            Some(sinks) if l > 0.0 => {
+                let top = m.max(sinks[h]);
+                let (kept, total) = (math::exp(m - top), l * math::exp(m - top) + math::exp(sinks[h] - top));
+                (kept / total, top + total.ln())
+            }
+            Some(sinks) => (0.0, sinks[h]),
+        };
         o.iter_mut().for_each(|x| *x *= inv);
         T::narrow(o, self.out.slice_mut::<T>(self.rows[3].at(b, h, i), o.len()));
         out_lse(&self.lse, g, b, h, i)[0] = lse;
@@ -1367,6 +1397,7 @@ pub(crate) fn reference_probs(
     k: &RefTensor,
     lens: Option<&RefTensor>,
     mask: Option<&RefTensor>,
+    sinks: Option<&RefTensor>,
 ) -> Vec<Vec<f64>> {
     let (d, group) = (g.head_dim, g.group());
     let mut probs = Vec::with_capacity(g.batch * g.q_heads * g.q_len);
@@ -1385,13 +1416,15 @@ pub(crate) fn reference_probs(
                         (bias != f64::NEG_INFINITY).then(|| reference_cap(g, scaled()).0 + bias)
                     })
                     .collect();
-                let m = s.iter().flatten().copied().fold(f64::NEG_INFINITY, f64::max);
+                // The sink is one more logit in the softmax, of a key with no value.
+                let sink = sinks.map_or(f64::NEG_INFINITY, |s| s.data[h]);
+                let m = s.iter().flatten().copied().fold(sink, f64::max);
                 if m == f64::NEG_INFINITY {
                     probs.push(vec![0.0; visible].into_iter().chain([f64::NEG_INFINITY]).collect());
                     continue;
                 }
                 let e: Vec<f64> = s.iter().map(|v| v.map_or(0.0, |v| (v - m).exp())).collect();
-                let sum: f64 = e.iter().sum();
+                let sum: f64 = e.iter().sum::<f64>() + (sink - m).exp();
                 probs.push(e.iter().map(|v| v / sum).chain([m + sum.ln()]).collect());
             }
         }
@@ -1402,7 +1435,7 @@ pub(crate) fn reference_probs(
 impl Op for Attention {
     fn schema(&self) -> &'static str {
         "attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None, \
-         Tensor? mask=None, float? softcap=None) -> (Tensor out, Tensor lse)"
+         Tensor? mask=None, float? softcap=None, Tensor? sinks=None) -> (Tensor out, Tensor lse)"
     }
 
     fn doc(&self) -> &'static str {
@@ -1415,8 +1448,10 @@ impl Op for Attention {
          query tile are skipped, and the keys up to the first one some query of a tile's product sees, in \
          32-key panels: a sliding window or a document mask costs the keys it shows); the K/V rows of hidden \
          keys it does not skip must be finite. softcap (Gemma 2's attn_logit_softcapping) caps the scaled \
-         scores to softcap * tanh(score / softcap) before the mask adds. lse: float32 log-sum-exp of the \
-         (capped, masked) scaled scores per query (-inf, with out = 0, for a query that sees no key)."
+         scores to softcap * tanh(score / softcap) before the mask adds. sinks (float [Hq], GPT-OSS's attention \
+         sinks) adds one logit per q head to each query's softmax, of a key with value 0. lse: float32 \
+         log-sum-exp of the (capped, masked) scaled scores and the sink per query (-inf, with out = 0, for a \
+         query that sees no key and has no sink)."
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -1477,7 +1512,7 @@ impl Op for Attention {
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let g = geometry(cx)?;
         let [q, k, v] = [0, 1, 2].map(|i| inputs[i].as_ref().unwrap());
-        let probs = reference_probs(&g, q, k, inputs[3].as_ref(), inputs[4].as_ref());
+        let probs = reference_probs(&g, q, k, inputs[3].as_ref(), inputs[4].as_ref(), inputs[5].as_ref());
         let dv = g.v_dim;
         let mut out = vec![0.0; g.batch * g.q_heads * g.q_len * dv];
         let mut lse = vec![0.0; probs.len()];
@@ -1510,6 +1545,7 @@ impl Op for Attention {
                 Some(TensorMeta::contiguous(dtype, &q)?),
                 Some(TensorMeta::contiguous(dtype, &kv)?),
                 Some(TensorMeta::contiguous(dtype, &kv)?),
+                None,
                 None,
                 None,
             ],

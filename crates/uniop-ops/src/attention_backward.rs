@@ -1,12 +1,15 @@
-//! `attention_backward(dout, q, k, v, out, lse, kv_lens, causal, scale, mask, needs_dmask, softcap)
-//! -> (dq, dk, dv, dmask)`: the gradient of [`attention`](crate::attention), flash-style:
-//! probabilities are recomputed tile by tile from the saved `lse`, never stored whole. A float
-//! mask's own gradient, `dmask`, is a step of its own, run only when asked for
+//! `attention_backward(dout, q, k, v, out, lse, kv_lens, causal, scale, mask, needs_dmask, softcap,
+//! sinks) -> (dq, dk, dv, dmask, dsinks)`: the gradient of [`attention`](crate::attention),
+//! flash-style: probabilities are recomputed tile by tile from the saved `lse`, never stored whole.
+//! A float mask's own gradient, `dmask`, is a step of its own, run only when asked for
 //! ([`attention_mask_grad`](crate::attention_mask_grad)).
 //!
 //! With `P = exp(S − lse)`, `δ_i = Σ dout_i · out_i` and `dS = P ∘ (dout·Vᵀ − δ)`:
 //! `dV = Pᵀ·dout`, `dK = scale · dSᵀ·Q`, `dQ = scale · dS·K`. Under a `softcap` S is the capped
-//! score and dS takes the cap's derivative before dK and dQ ([`cap_for_grads`]).
+//! score and dS takes the cap's derivative before dK and dQ ([`cap_for_grads`]). `sinks` change
+//! none of this: the saved `lse` already counts each row's sink, so `P` is the real keys' share,
+//! and a sink is a key whose value is zero (its `dout·v` term is 0, `δ` is unchanged). Its own
+//! gradient is `dsinks[h] = −Σ_{b,i} exp(sinks[h] − lse) · δ` ([`sinks_grad_kernel`]).
 //!
 //! Each block owns what it writes (deterministic, no atomics). First δ per query row (into the
 //! workspace). Then one launch walks each (batch, kv head) pair's key tiles, summing `dK`/`dV` per
@@ -56,6 +59,7 @@ const OUT: usize = 4;
 const LSE: usize = 5;
 const KV_LENS: usize = 6;
 const MASK: usize = 7;
+const SINKS: usize = 8;
 
 /// The float mask whose gradient the call asks for (`needs_dmask`), or `None` when it asks for
 /// none. Asking without a float mask is an error: a boolean mask (or none) has no gradient.
@@ -347,6 +351,39 @@ fn delta_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) 
             T::widen(y, &mut c[..y.len()]);
             *dst += a[..x.len()].iter().zip(&c[..y.len()]).map(|(x, y)| x * y).sum::<f32>();
         }
+    }
+}
+
+/// `dsinks[h] = −Σ_{b,i} exp(sinks[h] − lse) · δ` for this block's q heads (f64 sums: a head
+/// sums `B · Sq` terms).
+fn sinks_grad_kernel(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
+    let n_rows = g.batch * g.q_heads * g.q_len;
+    // SAFETY: the δ rows are written by the first step and only read from then on.
+    let delta = unsafe { &*(args.workspace::<f32>(0, n_rows) as *const [f32]) };
+    let (lse, sinks) = (args.input(LSE), args.input(SINKS).to_f64_vec());
+    let lse = &lse.storage::<f32>().expect("lse is f32")[lse.layout().offset()..][..n_rows];
+    let dsinks = args.output(4);
+    for h in ctx.split(g.q_heads) {
+        let rows = (0..g.batch).flat_map(|b| {
+            let at = (b * g.q_heads + h) * g.q_len;
+            lse[at..at + g.q_len].iter().zip(&delta[at..at + g.q_len])
+        });
+        let sum: f64 = rows.map(|(&l, &d)| (sinks[h] - l as f64).exp() * d as f64).sum();
+        // SAFETY: this block alone owns element h of dsinks.
+        unsafe { narrow_into(&dsinks, dsinks.layout().offset() + h, &[-sum as f32]) };
+    }
+}
+
+/// Narrows `src` into `dst` from element `at`, in `dst`'s own float dtype (a mask's or the sinks'
+/// gradient, whose dtype is theirs rather than the op's).
+///
+/// # Safety
+/// The block must own those elements.
+pub(crate) unsafe fn narrow_into(dst: &OutputView<'_>, at: usize, src: &[f32]) {
+    match dst.meta().dtype {
+        DType::F32 => f32::narrow(src, dst.slice_mut::<f32>(at, src.len())),
+        DType::F16 => uniop::half::f16::narrow(src, dst.slice_mut::<uniop::half::f16>(at, src.len())),
+        _ => bf16::narrow(src, dst.slice_mut::<bf16>(at, src.len())),
     }
 }
 
@@ -1016,15 +1053,16 @@ fn dq_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry, (pe
 impl Op for AttentionBackward {
     fn schema(&self) -> &'static str {
         "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, \
-         bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False, float? softcap=None) -> (Tensor dq, \
-         Tensor dk, Tensor dv, Tensor dmask)"
+         bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False, float? softcap=None, \
+         Tensor? sinks=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask, Tensor dsinks)"
     }
 
     fn doc(&self) -> &'static str {
-        "Gradients of attention from its saved out and lse (same mask, scale and softcap rules). dk/dv sum over the q heads \
+        "Gradients of attention from its saved out and lse (same mask, scale, softcap and sinks rules). dk/dv sum over the q heads \
          of each kv-head group; keys past kv_lens get zero gradient. dmask is the gradient of a float mask (its \
          shape and dtype: the score gradient summed over the dims the mask is broadcast along) when needs_dmask, \
          else an empty tensor; asking for it adds two tile products to the five (about half the time again). \
+         dsinks is the gradient of sinks (their shape and dtype) when given, else an empty tensor. \
          Deterministic (no atomics)."
     }
 
@@ -1040,6 +1078,10 @@ impl Op for AttentionBackward {
             .collect::<Result<_>>()?;
         metas.push(match mask_grad(cx)? {
             Some(mask) => TensorMeta::contiguous(mask.dtype, mask.shape())?,
+            None => TensorMeta::contiguous(g.dtype, &[0])?,
+        });
+        metas.push(match cx.optional_input("sinks") {
+            Some(sinks) => TensorMeta::contiguous(sinks.dtype, sinks.shape())?,
             None => TensorMeta::contiguous(g.dtype, &[0])?,
         });
         Ok(metas)
@@ -1095,6 +1137,13 @@ impl Op for AttentionBackward {
                 }),
                 dkv,
             ];
+            if g.sinks {
+                // It reads δ, which no later launch writes over.
+                steps.insert(
+                    1,
+                    Step::new("attention_backward.dsinks", blocks(g.q_heads), move |a, c| sinks_grad_kernel(a, c, g)),
+                );
+            }
             match sums {
                 Some(sums) if sums.chunks > 1 => {
                     let dk_scale = score_scale(&g, bf16_gemm);
@@ -1122,7 +1171,7 @@ impl Op for AttentionBackward {
         });
         let mut needs = vec![LayoutNeed::InnerContiguous; 5];
         needs.push(LayoutNeed::Contiguous);
-        Ok(Plan::new(steps).workspace(workspace * 4).inputs_need(needs).outputs_need(vec![LayoutNeed::Contiguous; 4]))
+        Ok(Plan::new(steps).workspace(workspace * 4).inputs_need(needs).outputs_need(vec![LayoutNeed::Contiguous; 5]))
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
@@ -1138,6 +1187,9 @@ impl Op for AttentionBackward {
             (Some(mask), true) => RefTensor::new(&mask.shape, vec![0.0; mask.data.len()]),
             _ => RefTensor::new(&[0], vec![]),
         };
+        let sinks = inputs[SINKS].as_ref();
+        let mut dsinks =
+            RefTensor::new(sinks.map_or(&[0][..], |s| &s.shape), vec![0.0; sinks.map_or(0, |_| g.q_heads)]);
         let scale = g.scale_f64;
         for b in 0..g.batch {
             let len = lens.map_or(g.kv_len, |l| l.data[b] as usize);
@@ -1148,6 +1200,9 @@ impl Op for AttentionBackward {
                     let (qi, doi, oi) =
                         (&q.data[row * d..][..d], &dout.data[row * dv..][..dv], &out.data[row * dv..][..dv]);
                     let delta: f64 = doi.iter().zip(oi).map(|(a, b)| a * b).sum();
+                    if let Some(sinks) = sinks {
+                        dsinks.data[h] -= (sinks.data[h] - lse.data[row]).exp() * delta;
+                    }
                     for j in 0..g.visible(len, i) {
                         let bias = reference_bias(&g, mask, [b, h, i, j]);
                         if bias == f64::NEG_INFINITY || lse.data[row] == f64::NEG_INFINITY {
@@ -1174,7 +1229,13 @@ impl Op for AttentionBackward {
                 }
             }
         }
-        Ok(vec![RefTensor::new(&q.shape, dq), RefTensor::new(&k.shape, dk), RefTensor::new(&v.shape, dvv), dmask])
+        Ok(vec![
+            RefTensor::new(&q.shape, dq),
+            RefTensor::new(&k.shape, dk),
+            RefTensor::new(&v.shape, dvv),
+            dmask,
+            dsinks,
+        ])
     }
 
     fn error_scale(&self, cx: &OpCx) -> f64 {
@@ -1192,6 +1253,7 @@ impl Op for AttentionBackward {
                 t(&kv)?,
                 t(&q)?,
                 Some(TensorMeta::contiguous(DType::F32, &q[..3])?),
+                None,
                 None,
                 None,
             ],

@@ -18,10 +18,9 @@
 
 use crate::attention::{bf16_scores, bf16_tile, carve, f32_rows, load_scaled, row_len, scores, Geometry, TILE_KEYS};
 use crate::attention_backward::{
-    bf16_of, cap_for_grads, on_bf16_gemm, probs_and_dscores_row, row_index, score_scale, BackwardArgs,
+    bf16_of, cap_for_grads, narrow_into, on_bf16_gemm, probs_and_dscores_row, row_index, score_scale, BackwardArgs,
 };
-use uniop::half::{bf16, f16};
-use uniop::{BlockCtx, DType, FloatElement, KernelArgs};
+use uniop::{BlockCtx, FloatElement, KernelArgs};
 
 /// Query rows a unit owns (when the mask has its own rows) and multiplies at a time.
 const MASK_GRAD_ROWS: usize = 64;
@@ -190,13 +189,7 @@ pub(crate) fn mask_grad_kernel<T: FloatElement>(
         for r in 0..own_rows {
             let row = &sums[r * TILE_KEYS..][..own_keys];
             // SAFETY: this unit alone owns mask elements (bh, i0.., j0..) of dmask.
-            unsafe {
-                match dmask.meta().dtype {
-                    DType::F32 => f32::narrow(row, dmask.slice_mut::<f32>(base + r * mk, own_keys)),
-                    DType::F16 => f16::narrow(row, dmask.slice_mut::<f16>(base + r * mk, own_keys)),
-                    _ => bf16::narrow(row, dmask.slice_mut::<bf16>(base + r * mk, own_keys)),
-                }
-            }
+            unsafe { narrow_into(&dmask, base + r * mk, row) };
         }
     }
 }

@@ -431,7 +431,8 @@ fn float_mask_gradients_sum_over_broadcast_dims() {
     ];
     for (typed, mask) in cases {
         let (q, k, v, dout) = (typed(&q, &q_shape), typed(&k, &kv_shape), typed(&v, &kv_shape), typed(&dout, &q_shape));
-        let grads = typed_backward_after_forward([&q, &k, &v, &dout], (None, Some(mask.view())), typed, &causal(true));
+        let grads =
+            typed_backward_after_forward([&q, &k, &v, &dout], (None, Some(mask.view()), None), typed, &causal(true));
         assert_eq!(grads[3].len(), full.len());
     }
 }
@@ -484,19 +485,20 @@ fn backward_after_forward(
 ) -> Vec<Vec<f64>> {
     let f32s = |x: &[f32], shape: &[usize]| Tensor::from_slice(x, shape).unwrap();
     let (q, k, v, dout) = (f32s(q, &q_shape), f32s(k, &kv_shape), f32s(v, &kv_shape), f32s(dout, &q_shape));
-    typed_backward_after_forward([&q, &k, &v, &dout], (lens, mask), f32s, attrs)
+    typed_backward_after_forward([&q, &k, &v, &dout], (lens, mask, None), f32s, attrs)
 }
 
 /// [`backward_after_forward`] for q, k, v and dout of any one dtype, which `typed` makes from
-/// f32 values (the forward's out is passed back in it).
+/// f32 values (the forward's out is passed back in it), with `sinks` when given (then the result
+/// ends with `dsinks`).
 fn typed_backward_after_forward(
     [q, k, v, dout]: [&Tensor; 4],
-    (lens, mask): (Option<TensorRef>, Option<TensorRef>),
+    (lens, mask, sinks): (Option<TensorRef>, Option<TensorRef>, Option<TensorRef>),
     typed: impl Fn(&[f32], &[usize]) -> Tensor,
     attrs: &[(&str, AttrValue)],
 ) -> Vec<Vec<f64>> {
-    let fwd =
-        run_checked("attention", &[Some(q.view()), Some(k.view()), Some(v.view()), lens.clone(), mask.clone()], attrs);
+    let inputs = [Some(q.view()), Some(k.view()), Some(v.view()), lens.clone(), mask.clone(), sinks.clone()];
+    let fwd = run_checked("attention", &inputs, attrs);
     let q_shape = q.view().shape().to_vec();
     let out = typed(&fwd[0].iter().map(|&x| x as f32).collect::<Vec<_>>(), &q_shape);
     let lse: Vec<f32> = fwd[1].iter().map(|&x| x as f32).collect();
@@ -514,6 +516,7 @@ fn typed_backward_after_forward(
             view(&lse, &q_shape[..3]),
             lens,
             mask,
+            sinks,
         ],
         &attrs,
     )
@@ -558,7 +561,7 @@ fn softcap_bends_the_scaled_scores_before_the_mask() {
         backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), (lens, mask), &capped(c));
     }
     let (qb, kb, vb, db) = (bf16(&q, &q_shape), bf16(&k, &kv_shape), bf16(&v, &kv_shape), bf16(&dout, &q_shape));
-    typed_backward_after_forward([&qb, &kb, &vb, &db], (None, padding()), bf16, &capped(true));
+    typed_backward_after_forward([&qb, &kb, &vb, &db], (None, padding(), None), bf16, &capped(true));
     let (dq_shape, dkv_shape) = ([2, 4, 1, 16], [2, 2, 1100, 16]);
     let (dk, dv) = (rand_vec(2 * 2 * 1100 * 16, 406), rand_vec(2 * 2 * 1100 * 16, 407));
     let decode = [view(&q[..2 * 4 * 16], &dq_shape), view(&dk, &dkv_shape), view(&dv, &dkv_shape), None];
@@ -574,6 +577,92 @@ fn softcap_bends_the_scaled_scores_before_the_mask() {
         408,
         &attrs,
     );
+}
+
+/// `sinks` add one logit per q head to each query's softmax, of a key whose value is zero
+/// (GPT-OSS): first by hand — one query, keys with scaled scores ±1 and values 1 and 0, so the
+/// output is `e / (e + 1/e + e^sink)`; a row with no key gets output 0 and `lse = sink` — then
+/// against the f64 reference over many tiles (GQA, causal, f32 and bf16 — sinks in f32 and bf16 —,
+/// with a padding mask, with a float bias and kv_lens, with softcap, decode with its keys cut into
+/// ranges), forward and backward; the gradients (the sinks' too) against central finite
+/// differences of the f64 forward.
+#[test]
+fn sinks_take_a_share_of_every_softmax() {
+    setup();
+    let (q, k, v) = ([1.0f32, 0.0], [1.0f32, 0.0, -1.0, 0.0], [1.0f32, 0.0]);
+    let no_keys = [0i64];
+    let scale = [("scale", AttrValue::Float(1.0))];
+    for sink in [0.5f32, -3.0, 4.0] {
+        let sinks = [sink];
+        let inputs =
+            [view(&q, &[1, 1, 1, 2]), view(&k, &[1, 1, 2, 2]), view(&v, &[1, 1, 2, 1]), None, None, view(&sinks, &[1])];
+        let out = run_checked("attention", &inputs, &scale);
+        let e = std::f64::consts::E;
+        let want = e / (e + 1.0 / e + (sink as f64).exp());
+        assert!((out[0][0] - want).abs() < 1e-6, "sink {sink}: {} vs {want}", out[0][0]);
+        assert!((out[1][0] - (e + 1.0 / e + (sink as f64).exp()).ln()).abs() < 1e-5, "sink {sink}: lse {}", out[1][0]);
+        let mut empty = inputs;
+        empty[3] = Some(TensorRef::new(&no_keys, &[1]).unwrap());
+        let out = run_checked("attention", &empty, &scale);
+        assert_eq!((out[0][0], out[1][0]), (0.0, sink as f64), "a row with no key");
+    }
+
+    let (q_shape, kv_shape) = ([2, 4, 300, 16], [2, 2, 300, 16]);
+    let q: Vec<f32> = rand_vec(2 * 4 * 300 * 16, 501).iter().map(|x| 3.0 * x).collect();
+    let (k, v) = (rand_vec(2 * 2 * 300 * 16, 502), rand_vec(2 * 2 * 300 * 16, 503));
+    let dout = rand_vec(2 * 4 * 300 * 16, 504);
+    // Sinks from well below the rows' scores to well above them.
+    let sinks = [-4.0f32, 0.0, 1.5, 6.0];
+    let sinks = || view(&sinks, &[4]);
+    let f32s = |x: &[f32], shape: &[usize]| Tensor::from_slice(x, shape).unwrap();
+    let (qf, kf, vf, df) = (f32s(&q, &q_shape), f32s(&k, &kv_shape), f32s(&v, &kv_shape), f32s(&dout, &q_shape));
+    let padding = left_padding_mask(&[0, 37], 300, 300, false);
+    let padding = || Some(TensorRef::new(&padding, &[2, 1, 300, 300]).unwrap());
+    let bias: Vec<f32> = rand_vec(4 * 300 * 300, 505).iter().map(|&r| 2.0 * r).collect();
+    let bias = || Some(TensorRef::new(&bias, &[4, 300, 300]).unwrap());
+    let lens = [300i64, 211];
+    let lens = || Some(TensorRef::new(&lens, &[2]).unwrap());
+    let capped = [("causal", AttrValue::Bool(true)), ("softcap", AttrValue::Float(2.0))];
+    for (lens, mask, attrs) in [
+        (None, None, &causal(true)[..]),
+        (None, padding(), &causal(true)),
+        (lens(), bias(), &causal(false)),
+        (None, padding(), &capped),
+    ] {
+        let grads = typed_backward_after_forward([&qf, &kf, &vf, &df], (lens, mask, sinks()), f32s, attrs);
+        assert_eq!(grads[4].len(), 4, "dsinks");
+    }
+    let (qb, kb, vb, db) = (bf16(&q, &q_shape), bf16(&k, &kv_shape), bf16(&v, &kv_shape), bf16(&dout, &q_shape));
+    let bf16_sinks = bf16(&[-4.0, 0.0, 1.5, 6.0], &[4]);
+    typed_backward_after_forward([&qb, &kb, &vb, &db], (None, padding(), Some(bf16_sinks.view())), bf16, &causal(true));
+    let (dq_shape, dkv_shape) = ([2, 4, 1, 16], [2, 2, 1100, 16]);
+    let (dk, dv) = (rand_vec(2 * 2 * 1100 * 16, 506), rand_vec(2 * 2 * 1100 * 16, 507));
+    let decode = [view(&q[..2 * 4 * 16], &dq_shape), view(&dk, &dkv_shape), view(&dv, &dkv_shape), None, None, sinks()];
+    run_checked("attention", &decode, &causal(false));
+
+    // Gradients against finite differences, through an all-true boolean mask (the finite
+    // differences take every input up to the sinks).
+    let (q_shape, kv_shape) = ([1, 2, 3, 4], [1, 1, 5, 4]);
+    let (q, k, v, dout) = (rand_vec(24, 508), rand_vec(20, 509), rand_vec(20, 510), rand_vec(24, 511));
+    let (keep, sinks) = ([true], [0.3f32, -0.7]);
+    let (qf, kf, vf, df) = (f32s(&q, &q_shape), f32s(&k, &kv_shape), f32s(&v, &kv_shape), f32s(&dout, &q_shape));
+    let mask = Some(TensorRef::new(&keep, &[1]).unwrap());
+    let grads =
+        typed_backward_after_forward([&qf, &kf, &vf, &df], (None, mask, view(&sinks, &[2])), f32s, &causal(true));
+    let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
+    let inputs = [
+        (f64s(&q), q_shape.to_vec()),
+        (f64s(&k), kv_shape.to_vec()),
+        (f64s(&v), kv_shape.to_vec()),
+        (vec![5.0], vec![1]),
+        (vec![1.0], vec![1]),
+        (f64s(&sinks), vec![2]),
+    ];
+    let dtypes = [DType::F32, DType::F32, DType::F32, DType::I64, DType::Bool, DType::F32];
+    for (wrt, got, name) in [(0, 0, "dq"), (1, 1, "dk"), (2, 2, "dv"), (5, 4, "dsinks")] {
+        let fd = finite_difference_typed("attention", &inputs, &dtypes, &causal(true), &f64s(&dout), wrt);
+        assert_near(&grads[got], &fd, 1e-4, name);
+    }
 }
 
 /// attention_backward, fed the forward's own out and lse, against central finite differences of
@@ -653,7 +742,7 @@ fn attention_backward_bf16_spans_many_tiles() {
         bf16(&rand_vec(n / 2, 63), &kv_shape),
         bf16(&rand_vec(n, 64), &q_shape),
     );
-    typed_backward_after_forward([&q, &k, &v, &dout], (None, None), bf16, &causal(true));
+    typed_backward_after_forward([&q, &k, &v, &dout], (None, None, None), bf16, &causal(true));
 }
 
 #[test]
@@ -721,6 +810,26 @@ fn attention_rejects_bad_inputs() {
             plan_err("attention", &[q(), q(), q(), None], &[("softcap", 30.0.into()), ("scale", 0.0.into())], vec![]),
             ErrorCode::ParamInvalid,
             "attention: argument 'scale': expected a nonzero scale when softcap is given, got 0",
+        ),
+        (
+            plan_err("attention", &[q(), q(), q(), None, None, t(&[2])], &[], vec![]),
+            ErrorCode::Shape,
+            "attention: argument 'sinks': expected shape [3], got shape [2]",
+        ),
+        (
+            plan_err("attention", &[q(), q(), q(), None, None, Some(TensorRef::new(&[0i32; 3], &[3]).unwrap())], &[], vec![]),
+            ErrorCode::DType,
+            "attention: argument 'sinks': expected dtype in {float32, float16, bfloat16}, got int32",
+        ),
+        (
+            plan_err(
+                "attention_backward",
+                &[q(), q(), q(), q(), q(), view(&lse_f32, &[1, 3, 2]), None, None, t(&[1, 3])],
+                &[],
+                vec![],
+            ),
+            ErrorCode::Shape,
+            "attention_backward: argument 'sinks': expected shape [3], got shape [1, 3]",
         ),
         (
             plan_err(
