@@ -226,13 +226,14 @@ static void test_rope(uniopStream stream) {
 
 /* Causal attention of [1, H, S, D] q, k, v in double into `want`, the scaled scores soft-capped to
  * softcap * tanh(score / softcap) when `softcap` > 0, then `bias` (S x S, or NULL for none) added:
- * where it is -INFINITY, query i does not see key j either (every query keeps at least one key). */
+ * where it is -INFINITY, query i does not see key j either (every query keeps at least one key).
+ * `sinks` (H, or NULL for none) add one logit per head to each softmax, of a key with value 0. */
 static void attention_reference(const float *q, const float *k, const float *v, int H, int S, int D,
-                                const float *bias, double softcap, double *want) {
+                                const float *bias, double softcap, const float *sinks, double *want) {
   double scale = 1.0 / sqrt((double)D);
   for (int h = 0; h < H; h++)
     for (int i = 0; i < S; i++) {
-      double p[S], m = -INFINITY, sum = 0;
+      double p[S], m = sinks ? sinks[h] : -INFINITY, sum = 0;
       for (int j = 0; j <= i; j++) {
         double s = 0;
         for (int d = 0; d < D; d++) s += (double)q[(h * S + i) * D + d] * k[(h * S + j) * D + d];
@@ -241,6 +242,7 @@ static void attention_reference(const float *q, const float *k, const float *v, 
         if (p[j] > m) m = p[j];
       }
       for (int j = 0; j <= i; j++) sum += (p[j] = exp(p[j] - m));
+      if (sinks) sum += exp(sinks[h] - m);
       for (int d = 0; d < D; d++) {
         double acc = 0;
         for (int j = 0; j <= i; j++) acc += p[j] / sum * v[(h * S + j) * D + d];
@@ -288,10 +290,11 @@ static void test_attention_and_kv_cache(uniopStream stream) {
   uniopTensor *out[] = {dense(qd, 4, o), dense(ld, 3, lse)};
   uint64_t ws = 0;
   uniopExecutor *exec = NULL;
-  OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, NULL, NULL, out[0], out[1], &ws, &exec));
+  OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, NULL, NULL, NULL, out[0], out[1], &ws,
+                                    &exec));
   launch(uniopAttention, ws, exec, stream);
   double want[H * S * D];
-  attention_reference(q, k, v, H, S, D, NULL, 0.0, want);
+  attention_reference(q, k, v, H, S, D, NULL, 0.0, NULL, want);
   expect_close("attention (causal)", o, want, H * S * D, 1e-5);
 
   /* Keys 0 and 1 hidden from queries 2 and later (as a padded prefix would be), [1, 1, S, S]: as a
@@ -312,22 +315,27 @@ static void test_attention_and_kv_cache(uniopStream stream) {
   const float *biases[] = {hidden, alibi};
   const char *names[] = {"attention (causal, boolean mask)", "attention (causal, float mask)"};
   /* Gemma 2's soft-capping (a cap of 0.5 bends these scores, of magnitude up to ~1) under the boolean
-   * mask; first, as the float mask's run below leaves o and lse for the backward. */
+   * mask, with GPT-OSS's attention sinks (one logit per head); first, as the float mask's run below
+   * leaves o and lse for the backward. */
   const double softcap = 0.5;
+  float sinks[H] = {-0.5f, 1.0f};
+  int64_t sd[] = {H};
+  uniopTensor *sinks_t = dense(sd, 1, sinks);
   CHECK(masks[0], "mask descriptor: %s", uniopGetRecentErrMsg());
-  OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, masks[0], &softcap, out[0], out[1], &ws,
-                                    &exec));
+  OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, masks[0], &softcap, sinks_t, out[0],
+                                    out[1], &ws, &exec));
   launch(uniopAttention, ws, exec, stream);
   double want_capped[H * S * D];
-  attention_reference(q, k, v, H, S, D, hidden, softcap, want_capped);
-  expect_close("attention (causal, boolean mask, softcap)", o, want_capped, H * S * D, 1e-5);
+  attention_reference(q, k, v, H, S, D, hidden, softcap, sinks, want_capped);
+  expect_close("attention (causal, boolean mask, softcap, sinks)", o, want_capped, H * S * D, 1e-5);
+  OK(uniopDestroyTensor(sinks_t));
   for (int m = 0; m < 2; m++) {
     CHECK(masks[m], "mask descriptor: %s", uniopGetRecentErrMsg());
-    OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, masks[m], NULL, out[0], out[1], &ws,
-                                      &exec));
+    OK(uniopAttentionGetWorkspaceSize(in[0], in[1], in[2], NULL, true, NULL, masks[m], NULL, NULL, out[0], out[1],
+                                      &ws, &exec));
     launch(uniopAttention, ws, exec, stream);
     double want_masked[H * S * D];
-    attention_reference(q, k, v, H, S, D, biases[m], 0.0, want_masked);
+    attention_reference(q, k, v, H, S, D, biases[m], 0.0, NULL, want_masked);
     expect_close(names[m], o, want_masked, H * S * D, 1e-5);
     OK(uniopDestroyTensor(masks[m]));
   }

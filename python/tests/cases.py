@@ -29,7 +29,10 @@ def _stat(x, dtype):
 
 def _vjp(fn, inputs, grads, wrt):
     """Gradients of fn(*inputs) (a tuple of outputs) against `grads`, for the inputs in `wrt`."""
-    xs = [x.detach().to(D).requires_grad_(i in wrt) if x.is_floating_point() else x for i, x in enumerate(inputs)]
+    xs = [
+        x.detach().to(D).requires_grad_(i in wrt) if x is not None and x.is_floating_point() else x
+        for i, x in enumerate(inputs)
+    ]
     outs = fn(*xs)
     outs = outs if isinstance(outs, tuple) else (outs,)
     torch.autograd.backward([o for o, g in zip(outs, grads) if g is not None], [g.to(D) for g in grads if g is not None])
@@ -87,21 +90,23 @@ def gated_ref(x, gate_weight, up_weight, approximate=None):
     return silu_mul_ref(g, u) if approximate is None else gelu_mul_ref(g, u, approximate)
 
 
-def attention_ref(q, k, v, causal, mask=None, softcap=None):
+def attention_ref(q, k, v, causal, mask=None, softcap=None, sinks=None):
     q, k, v = q.to(D), k.to(D), v.to(D)
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if softcap is not None:  # Gemma 2's eager attention: capped, then masked
         s = softcap * torch.tanh(s / softcap)
+    sq, sk = s.shape[-2:]
     if causal:
-        sq, sk = s.shape[-2:]
         s = s.masked_fill(~torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq), float("-inf"))
     if mask is not None and mask.dtype == torch.bool:
         s = s.masked_fill(~mask, float("-inf"))
     elif mask is not None:
         s = s + mask.to(D)
-    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+    if sinks is not None:  # GPT-OSS's eager attention: one more logit per head, dropped after the softmax
+        s = torch.cat([s, sinks.to(D).reshape(1, -1, 1, 1).expand(*s.shape[:-1], 1)], -1)
+    return torch.softmax(s, -1)[..., :sk] @ v, torch.logsumexp(s, -1)
 
 
 def attention_mask(sq, sk, dtype=torch.bool):
@@ -422,31 +427,34 @@ def _cases():
         x, wg, wu = _rand(4, 9, dtype=dt, strided=strided), torch.randn(40, 9).to(dt), torch.randn(40, 9).to(dt)
         return (x, packed_ref(wg, wu), 40, "tanh"), lambda x, packed, n, a: gated_ref(x, wg, wu, a)
 
-    # The strided variants carry a float mask of the inputs' dtype and a softcap (which bends the
-    # scaled scores, of deviation ~1, by up to a third), the contiguous ones a boolean mask.
+    # The strided variants carry a float mask of the inputs' dtype, a softcap (which bends the
+    # scaled scores, of deviation ~1, by up to a third) and strided sinks, the contiguous ones a
+    # boolean mask.
     @case
     def attention(dt, strided):
         q = _rand(1, 4, 6, 8, dtype=dt, strided=strided)
         k, v = torch.randn(1, 2, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt)
         mask = attention_mask(6, 6, dt if strided else torch.bool)
-        cap = 2.0 if strided else None
-        return (q, k, v, None, True, None, mask, cap), lambda q, k, v, lens, causal, scale, m, cap: attention_ref(
-            q, k, v, causal, m, cap
+        cap, sinks = (2.0, torch.randn(8).to(dt)[::2]) if strided else (None, None)
+        return (q, k, v, None, True, None, mask, cap, sinks), lambda q, k, v, n, causal, s, m, cap, sinks: (
+            attention_ref(q, k, v, causal, m, cap, sinks)
         )
 
     @case
     def attention_backward(dt, strided):
         q, k, v = torch.randn(1, 4, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt), torch.randn(1, 2, 6, 8).to(dt)
         mask = attention_mask(6, 6, dt if strided else torch.bool)
-        cap = 2.0 if strided else None
-        out, lse = attention_ref(q, k, v, True, mask, cap)
+        cap, sinks = (2.0, torch.randn(8).to(dt)[::2]) if strided else (None, None)
+        out, lse = attention_ref(q, k, v, True, mask, cap, sinks)
         dout = _rand(1, 4, 6, 8, dtype=dt, strided=strided)
         # The float mask's gradient is asked for too (summed over the batch and heads it is
-        # broadcast along); a boolean mask has none.
-        args = (dout, q, k, v, out.to(dt), _stat(lse, dt), None, True, None, mask, strided, cap)
-        wrt = (0, 1, 2, 3) if strided else (0, 1, 2)
-        return args, lambda d, q, k, v, o, l, n, c, s, m, needs_dmask, cap: _vjp(
-            lambda q, k, v, m: attention_ref(q, k, v, True, m, cap)[0], (q, k, v, m), (d,), wrt
+        # broadcast along), and the sinks'; a boolean mask has none.
+        args = (dout, q, k, v, out.to(dt), _stat(lse, dt), None, True, None, mask, strided, cap, sinks)
+        return args, lambda d, q, k, v, o, l, n, c, s, m, needs_dmask, cap, sinks: _vjp(
+            lambda q, k, v, m, sinks: attention_ref(q, k, v, True, m, cap, sinks)[0],
+            (q, k, v, m, sinks),
+            (d,),
+            (0, 1, 2, 3, 4) if strided else (0, 1, 2),
         )
 
     @case

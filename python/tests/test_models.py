@@ -937,6 +937,93 @@ def test_gemma2_soft_capping_runs_in_uniop_attention(monkeypatch):
     assert (uncapped[0] - want[0]).abs().max() > 0.1
 
 
+def _tiny_gpt_oss():
+    """A tiny random GPT-OSS (4 experts, 2 per token; a 16-position window on the first layer)
+    whose attention sinks are large enough to matter: drawn at deviation 2 where GPT-OSS draws them
+    at 0.02, they take from a quarter to nearly all of a softmax."""
+    model = _tiny_family_model(
+        "GptOss", head_dim=16, sliding_window=16, num_local_experts=4, num_experts_per_tok=2, initializer_range=0.1
+    )
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 2.0)
+    return model
+
+
+def test_gpt_oss_sinks_run_in_uniop_attention(monkeypatch):
+    """GPT-OSS's attention sinks are uniop attention's ``sinks``: under the registered ``"uniop"``
+    implementation without patching (the attention interface passes ``s_aux``), with
+    ``output_attentions`` (the interface falls back to GPT-OSS's eager attention), and patched
+    (norms, linears, loss; its experts stay transformers', uniop covering none of their layout),
+    a plain and a left-padded batch give transformers' eager logits, greedy decoding of the padded
+    batch its tokens, and a training step its loss and every gradient — the sinks' too. The sinks
+    matter: zeroed, the logits move by far more than the tolerance."""
+    from uniop.torch import attention_interface
+
+    model = _tiny_gpt_oss()
+    assert model.config._attn_implementation == "eager"  # transformers' only CPU attention for GPT-OSS
+    ids, mask = _left_padded_prompts(40, padding=9, seed=6)
+    real = mask.bool()
+    labels = ids.masked_fill((mask == 0) | (nn.functional.pad(mask, (1, 0), value=1)[:, :-1] == 0), -100)
+    eager_calls = []
+    eager_forward = attention_interface._eager_forward
+    monkeypatch.setattr(attention_interface, "_eager_forward", lambda m: eager_calls.append(1) or eager_forward(m))
+
+    def logits(**extra):
+        with torch.no_grad():
+            return model(ids, **extra).logits, model(ids, attention_mask=mask, **extra).logits[real]
+
+    def run():
+        plain, padded = logits()
+        with torch.no_grad():
+            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+        model.train().zero_grad()
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        model.eval()
+        return plain, padded, tokens, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want = run()
+    model.set_attn_implementation(ut.register_attention())
+    try:
+        via_interface = logits()
+        assert not eager_calls
+        via_eager = logits(output_attentions=True)
+        assert len(eager_calls) == 2 * len(model.model.layers)
+    finally:
+        model.set_attn_implementation("eager")
+    for got in (via_interface, via_eager):
+        assert all(torch.allclose(g, w, atol=1e-4) for g, w in zip(got, want))
+    try:
+        ut.patch_llama(model)
+        assert model.config._experts_implementation != ut.register_experts()
+        with torch.profiler.profile() as prof:
+            got = run()
+        ran = {e.name for e in prof.events()}
+        sinks = [layer.self_attn.sinks for layer in model.model.layers]
+        with torch.no_grad():
+            kept = [s.clone() for s in sinks]
+            for s in sinks:
+                s.zero_()
+            sinkless = logits()
+            for s, k in zip(sinks, kept):
+                s.copy_(k)
+    finally:
+        ut.unpatch_llama()
+    assert model.config._attn_implementation == "eager"
+    assert {"uniop::attention", "uniop::attention_backward", "uniop::rms_norm", "uniop::linear"} <= ran
+    assert {"uniop::rms_norm_backward", "uniop::cross_entropy_backward"} <= ran
+    assert torch.allclose(got[0], want[0], atol=1e-4)
+    assert torch.allclose(got[1], want[1], atol=1e-4)
+    assert torch.equal(got[2], want[2])
+    assert abs(got[3] - want[3]) < 1e-5
+    for name, g in want[4].items():
+        assert torch.allclose(got[4][name], g, atol=1e-5, rtol=1e-4), name
+    assert want[4]["model.layers.0.self_attn.sinks"].abs().max() > 1e-3
+    assert (sinkless[0] - want[0]).abs().max() > 0.1
+
+
 def test_patched_phi3_layers_keep_transformers_forward_while_residual_dropout_is_live():
     """A Phi3 layer's residual dropout, live in training, keeps transformers' layer forward (the
     fused residual adds have no dropout); at rate 0 training runs the fused ops."""
@@ -1236,6 +1323,10 @@ def test_patch_before_instantiation_and_unpatch():
         found = {}
         for family, prefix in llama._FAMILIES.items():
             modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+            # GPT-OSS keeps its rope, attention (on the interface) and MoE block and layer: its norm alone.
+            if prefix == "GptOss":
+                found[family, "RMSNorm"] = modeling.GptOssRMSNorm.forward
+                continue
             found[family, "rope"] = modeling.apply_rotary_pos_emb
             names = ["RMSNorm", "Attention", "RotaryEmbedding"]
             # Mixtral has no dense MLP; Gemma2's and Gemma3's decoder layers stay transformers' (see
@@ -1260,7 +1351,7 @@ def test_patch_before_instantiation_and_unpatch():
     assert attributes() == original
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, patched, atol=1e-4)
-    families = "Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma2, Gemma3, Mixtral, Qwen2Moe, Qwen3Moe"
+    families = "Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma2, Gemma3, Mixtral, Qwen2Moe, Qwen3Moe, GptOss"
     with pytest.raises(TypeError, match=f"expected a transformers {families} model, got Linear"):
         ut.patch_llama(nn.Linear(2, 2))
 

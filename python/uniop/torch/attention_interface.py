@@ -9,10 +9,10 @@ SDPA uses, so a model gets the masks SDPA would: ``None`` for an unpadded causal
 then runs plain causal), a boolean mask for padded batches, sliding windows (Mistral, Qwen2's
 windowed layers), chunked or bidirectional attention. The kernel skips the key tiles such a mask
 hides from a whole tile of queries, so a sliding window costs the keys it shows. Gemma2's logit
-soft-capping (the interface's ``softcap``) is the kernel's ``softcap``. Calls uniop does not cover
-(dropout, returning the attention weights, a mask of another rank or dtype) run transformers' SDPA
-forward, as ``"sdpa"`` would — or, where they soft-cap (which SDPA refuses), the model's own eager
-attention, as ``"eager"`` would.
+soft-capping (the interface's ``softcap``) is the kernel's ``softcap``, GPT-OSS's attention sinks
+(``s_aux``) its ``sinks``. Calls uniop does not cover (dropout, returning the attention weights, a
+mask of another rank or dtype) run transformers' SDPA forward, as ``"sdpa"`` would — or, where they
+soft-cap or have sinks (which SDPA lacks), the model's own eager attention, as ``"eager"`` would.
 
     import uniop.torch
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=uniop.torch.register_attention())
@@ -57,13 +57,14 @@ def takes_mask(mask):
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' attention interface over uniop ``attention``: ``query`` ``[B, Hq, Sq, D]``,
     ``key``/``value`` ``[B, Hkv, Sk, D]``; returns ``([B, Sq, Hq, D], None)``. ``softcap`` (Gemma2's)
-    caps the scaled scores; other keyword arguments of the interface (``sliding_window``: the mask
-    carries it) are not needed."""
+    caps the scaled scores, ``s_aux`` (GPT-OSS's sinks, ``[Hq]``) adds a logit per head to each
+    softmax; other keyword arguments of the interface (``sliding_window``: the mask carries it) are
+    not needed."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    softcap = kwargs.get("softcap")
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
     unsupported = not takes_mask(attention_mask) or dropout
     if unsupported or kwargs.get("cache") is not None or kwargs.get("output_attentions"):
-        if softcap is not None:
+        if softcap is not None or sinks is not None:
             mask = _additive_mask(query, key, attention_mask, causal)
             return _eager_forward(module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -71,13 +72,13 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
-    out = unn.uniop_ops.attention(query, key, value, None, bool(causal), scaling, attention_mask, softcap)[0]
+    out = unn.uniop_ops.attention(query, key, value, None, bool(causal), scaling, attention_mask, softcap, sinks)[0]
     return out.transpose(1, 2).contiguous(), None
 
 
 def _eager_forward(module):
-    """The eager attention of ``module``'s modeling file (Gemma2's soft-caps), which ``"eager"``
-    runs for it."""
+    """The eager attention of ``module``'s modeling file (Gemma2's soft-caps, GPT-OSS's has sinks),
+    which ``"eager"`` runs for it."""
     import sys
 
     return sys.modules[type(module).__module__].eager_attention_forward

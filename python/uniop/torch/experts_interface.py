@@ -40,14 +40,20 @@ def register_experts():
     return EXPERTS
 
 
-def _covered(module, x):
-    """Whether uniop's forward computes what transformers' does for this experts module and input."""
+def covers(module):
+    """Whether uniop's forward computes what transformers' does for this experts module (one
+    transformers' ``use_experts_implementation`` built), for inputs it takes (see :func:`_covered`)."""
     from transformers.integrations.moe import _default_apply_gate
 
     layout = module.has_gate and module.is_concatenated and not module.is_transposed
     extras = module.has_bias or module.has_post_expert_norm or getattr(module, "_is_expert_parallel", False)
     gate = type(module)._apply_gate is _default_apply_gate and unn.gating(module) is not None
-    return layout and not extras and gate and x.device.type == "cpu" and x.dtype in unn._FLOATS
+    return layout and not extras and gate
+
+
+def _covered(module, x):
+    """Whether uniop's forward computes what transformers' does for this experts module and input."""
+    return covers(module) and x.device.type == "cpu" and x.dtype in unn._FLOATS
 
 
 def _records(module, x, top_k_weights):

@@ -12,11 +12,12 @@ module's own frequencies, see :func:`_rotary_forward`) and ``modeling_llama.appl
 (uniop ``rope``), and the same pieces of the families transformers builds as it builds Llama:
 Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma2, Gemma3 and the mixture-of-experts Mixtral, Qwen2-MoE and
 Qwen3-MoE, whose experts run uniop's experts implementation (see ``_FAMILIES``,
-:mod:`.experts_interface`). Methods are patched on the classes, so existing instances change too.
-Given a model, it also switches the model's attention to uniop's flash attention (registered with
-transformers as the ``"uniop"`` implementation by :func:`~uniop.torch.register_attention`;
-transformers' 4-D masks, boolean or float, go to uniop ``attention``'s ``mask``, Gemma2's logit
-soft-capping to its ``softcap``; dropout falls back to SDPA), a causal LM's loss to uniop
+:mod:`.experts_interface`), and GPT-OSS's norms. Methods are patched on the classes, so existing
+instances change too. Given a model, it also switches the model's attention to uniop's flash
+attention (registered with transformers as the ``"uniop"`` implementation by
+:func:`~uniop.torch.register_attention`; transformers' 4-D masks, boolean or float, go to uniop
+``attention``'s ``mask``, Gemma2's logit soft-capping to its ``softcap``, GPT-OSS's attention sinks
+to its ``sinks``; dropout falls back to SDPA), a causal LM's loss to uniop
 ``cross_entropy`` (see :func:`_causal_lm_loss`) and its linear layers (projections and ``lm_head``)
 to uniop ``linear``, which streams the weight at memory speed when there are few rows — decoding
 spends most of its time there — and prefill-sized products too: in bfloat16 always, in float32 where
@@ -39,7 +40,7 @@ import uniop
 
 from . import nn as unn
 from .attention_interface import ATTENTION, register_attention, takes_mask
-from .experts_interface import register_experts
+from .experts_interface import covers, register_experts
 
 # {(class or module, attribute): what patch_llama replaced}
 _originals = {}
@@ -69,7 +70,13 @@ _NO_LOSS = object()
 # Qwen3's modules around their MoE blocks, whose experts run uniop's experts implementation
 # (`experts_interface`) and whose layers keep transformers' forward (the fused residual add is the
 # dense MLP's; Qwen's dense layers and shared experts are Llama's MLP). Mixtral has no dense MLP
-# class.
+# class. GPT-OSS copies Llama's RMSNorm but for its last step (`weight * x` in float32, rounded
+# once: what uniop `rms_norm` computes) and attention but for its sinks (`s_aux`: uniop attention's
+# `sinks`; transformers runs GPT-OSS on its eager attention, SDPA having none). Its `GptOssMLP` is
+# the MoE block, whose experts (interleaved gate/up with biases, a clamped SwiGLU) uniop's experts
+# implementation does not cover and whose layer keeps transformers' forward; its rotary tables are
+# half the head dim wide (yarn by default), so its rope, its rotary embedding and its attention
+# forward stay transformers' (`_OWN_ROPES`), the attention through the `"uniop"` interface.
 _FAMILIES = {
     "llama": "Llama",
     "mistral": "Mistral",
@@ -82,9 +89,12 @@ _FAMILIES = {
     "mixtral": "Mixtral",
     "qwen2_moe": "Qwen2Moe",
     "qwen3_moe": "Qwen3Moe",
+    "gpt_oss": "GptOss",
 }
 _OFFSET_NORMS = {"Gemma", "Gemma2", "Gemma3"}
-_OWN_LAYERS = {"Gemma2", "Gemma3"}
+_OWN_LAYERS = {"Gemma2", "Gemma3", "GptOss"}
+_MOE_MLPS = {"GptOss"}
+_OWN_ROPES = {"GptOss"}
 
 
 def _modelings():
@@ -408,13 +418,15 @@ def _swap(owner, name, make):
 def _patch_classes():
     _swap(_dynamic_layer(), "update", lambda _: _growing_update)
     for prefix, modeling in _modelings().items():
-        mlp = getattr(modeling, prefix + "MLP", None)
+        mlp = None if prefix in _MOE_MLPS else getattr(modeling, prefix + "MLP", None)
         norm = _offset_norm_forward if prefix in _OFFSET_NORMS else lambda _: unn.RMSNorm.forward
         _swap(_family_class(modeling, prefix, "RMSNorm"), "forward", norm)
         if mlp is not None:
             _swap(mlp, "forward", _mlp_forward)
         if mlp is not None and prefix not in _OWN_LAYERS:
             _swap(_family_class(modeling, prefix, "DecoderLayer"), "forward", lambda f, m=mlp: _layer_forward(f, m))
+        if prefix in _OWN_ROPES:
+            continue
         _swap(modeling, "apply_rotary_pos_emb", lambda _: unn.apply_rotary_pos_emb)
         _swap(_family_class(modeling, prefix, "Attention"), "forward", _attention_forward)
         _swap(_family_class(modeling, prefix, "RotaryEmbedding"), "forward", _rotary_forward)
@@ -424,9 +436,9 @@ def patch_llama(model=None, pack_weights=False):
     """Routes Llama's RMSNorm, MLP and rotary embedding (and, given a model, its attention, its
     linear layers and a causal LM's loss) through uniop. Returns ``model``. Training runs through
     all of it: every op has its backward. Models of the families transformers builds as it builds
-    Llama — Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma2, Gemma3, Mixtral, Qwen2-MoE, Qwen3-MoE (see
-    ``_FAMILIES``) — are patched the same way, MoE models' experts switched to uniop's experts
-    implementation; other models raise a TypeError.
+    Llama — Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma2, Gemma3, Mixtral, Qwen2-MoE, Qwen3-MoE,
+    GPT-OSS (see ``_FAMILIES``) — are patched the same way, MoE models' experts switched to uniop's
+    experts implementation where it covers them; other models raise a TypeError.
 
     ``pack_weights``: prefill-sized products (more than 16 rows, in a dtype that runs on uniop's
     GEMM here) take their weights packed once by ``pack_weight`` instead of packing them in every
@@ -450,7 +462,10 @@ def patch_llama(model=None, pack_weights=False):
         if getattr(model, "loss_type", None) == "ForCausalLM" and model.loss_function is _transformers_causal_lm_loss():
             own_loss = model.__dict__.get("_loss_function", _NO_LOSS)
             model.loss_function = _causal_lm_loss
-        experts = getattr(model.config, "_experts_implementation", None)  # transformers >= 5's MoE layers
+        # transformers >= 5's MoE layers, where uniop covers their experts
+        experts = getattr(model.config, "_experts_implementation", None)
+        if not all(covers(mod) for mod in model.modules() if hasattr(mod, "is_transposed")):
+            experts = None
         _models.append((model, model.config._attn_implementation, experts, linears, own_loss))
         model.set_attn_implementation(ATTENTION)
         if experts is not None:
