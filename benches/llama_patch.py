@@ -3,13 +3,14 @@
     .venv/bin/python benches/llama_patch.py [--layers 6] [--prompt 512] [--new 64] [--rounds 3] [--pack-weights]
                                             [--batch 1]
                                             [--family Llama|Mistral|Qwen2|Qwen3|Phi3|Gemma|Gemma2|Gemma3|Mixtral|
-                                                      Qwen2Moe|Qwen3Moe]
+                                                      Qwen2Moe|Qwen3Moe|GptOss]
 
 A random LlamaForCausalLM (hidden 384, GQA 6 query / 2 kv heads of 64, built offline from a config;
 ``--family`` builds the same sizes as a Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma2 or Gemma3 model, with their
 own defaults otherwise: Qwen2's q/k/v bias, Qwen3's q/k norms, Phi3's fused projections, Gemma's GELU MLP,
 Gemma2's attention logit soft-capping (transformers runs it on its eager attention: no SDPA); the MoE
-families with 8 experts of the dense MLP's size, 2 per token):
+families with 8 experts of the dense MLP's size, 2 per token; GptOss with its attention sinks and
+128-key window on every other layer, its experts transformers'):
 prefill of a prompt (time to the first token, ms) and greedy decode (the other tokens of
 model.generate with the KV cache, tokens/s), fp32 and bf16, unpatched and patched alternating for --rounds, best of --repeats each. Prints a markdown table with
 the patched/unpatched ratios — of the best figures over all rounds, and the median of each round's own ratio
@@ -30,13 +31,15 @@ import uniop.torch as ut
 
 
 FAMILIES = (
-    "Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma", "Gemma2", "Gemma3", "Mixtral", "Qwen2Moe", "Qwen3Moe"
+    "Llama", "Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma", "Gemma2", "Gemma3", "Mixtral", "Qwen2Moe", "Qwen3Moe",
+    "GptOss",
 )
 # The MoE families' experts: 8 of the dense MLP's size, 2 per token (their defaults are 8 to 128).
 MOE = {
     "Mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
     "Qwen2Moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 1024},
     "Qwen3Moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 1024},
+    "GptOss": {"num_local_experts": 8, "num_experts_per_tok": 2},
 }
 
 

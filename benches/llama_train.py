@@ -2,7 +2,7 @@
 
     .venv/bin/python benches/llama_train.py [--layers 6] [--batch 4] [--seq 128] [--steps 3] [--rounds 3]
                                             [--family Llama|Mistral|Qwen2|Qwen3|Phi3|Gemma|Gemma2|Gemma3|Mixtral|
-                                                      Qwen2Moe|Qwen3Moe]
+                                                      Qwen2Moe|Qwen3Moe|GptOss]
 
 The random LlamaForCausalLM of benches/llama_patch.py (hidden 384, GQA 6 query / 2 kv heads, built
 offline from a config; or its sizes as another family's model, ``--family``) in train mode: one step

@@ -229,7 +229,7 @@ uniopStatus uniopArgmax(void *workspace,
                         uniopExecutor *executor,
                         uniopStream stream);
 
-// Phase 1 of `attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, float? softcap=None) -> (Tensor out, Tensor lse)`.
+// Phase 1 of `attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, float? softcap=None, Tensor? sinks=None) -> (Tensor out, Tensor lse)`.
 //
 // Scaled dot-product attention, flash-style (O(tile) memory, never the Sq x Sk scores). q [B, Hq,
 // Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, dense last dim); Hkv divides Hq
@@ -241,8 +241,10 @@ uniopStatus uniopArgmax(void *workspace,
 // up to the first one some query of a tile's product sees, in 32-key panels: a sliding window or a
 // document mask costs the keys it shows); the K/V rows of hidden keys it does not skip must be
 // finite. softcap (Gemma 2's attn_logit_softcapping) caps the scaled scores to softcap *
-// tanh(score / softcap) before the mask adds. lse: float32 log-sum-exp of the (capped, masked)
-// scaled scores per query (-inf, with out = 0, for a query that sees no key).
+// tanh(score / softcap) before the mask adds. sinks (float [Hq], GPT-OSS's attention sinks) adds
+// one logit per q head to each query's softmax, of a key with value 0. lse: float32 log-sum-exp of
+// the (capped, masked) scaled scores and the sink per query (-inf, with out = 0, for a query that
+// sees no key and has no sink).
 uniopStatus uniopAttentionGetWorkspaceSize(const uniopTensor *q,
                                            const uniopTensor *k,
                                            const uniopTensor *v,
@@ -251,6 +253,7 @@ uniopStatus uniopAttentionGetWorkspaceSize(const uniopTensor *q,
                                            const double *scale,
                                            const uniopTensor *mask,
                                            const double *softcap,
+                                           const uniopTensor *sinks,
                                            uniopTensor *out,
                                            uniopTensor *lse,
                                            uint64_t *workspaceSize,
@@ -262,13 +265,14 @@ uniopStatus uniopAttention(void *workspace,
                            uniopExecutor *executor,
                            uniopStream stream);
 
-// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False, float? softcap=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)`.
+// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False, float? softcap=None, Tensor? sinks=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask, Tensor dsinks)`.
 //
-// Gradients of attention from its saved out and lse (same mask, scale and softcap rules). dk/dv
-// sum over the q heads of each kv-head group; keys past kv_lens get zero gradient. dmask is the
-// gradient of a float mask (its shape and dtype: the score gradient summed over the dims the mask
-// is broadcast along) when needs_dmask, else an empty tensor; asking for it adds two tile products
-// to the five (about half the time again). Deterministic (no atomics).
+// Gradients of attention from its saved out and lse (same mask, scale, softcap and sinks rules).
+// dk/dv sum over the q heads of each kv-head group; keys past kv_lens get zero gradient. dmask is
+// the gradient of a float mask (its shape and dtype: the score gradient summed over the dims the
+// mask is broadcast along) when needs_dmask, else an empty tensor; asking for it adds two tile
+// products to the five (about half the time again). dsinks is the gradient of sinks (their shape
+// and dtype) when given, else an empty tensor. Deterministic (no atomics).
 uniopStatus uniopAttentionBackwardGetWorkspaceSize(const uniopTensor *dout,
                                                    const uniopTensor *q,
                                                    const uniopTensor *k,
@@ -281,10 +285,12 @@ uniopStatus uniopAttentionBackwardGetWorkspaceSize(const uniopTensor *dout,
                                                    const uniopTensor *mask,
                                                    bool needs_dmask,
                                                    const double *softcap,
+                                                   const uniopTensor *sinks,
                                                    uniopTensor *dq,
                                                    uniopTensor *dk,
                                                    uniopTensor *dv,
                                                    uniopTensor *dmask,
+                                                   uniopTensor *dsinks,
                                                    uint64_t *workspaceSize,
                                                    uniopExecutor **executor);
 

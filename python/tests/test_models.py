@@ -688,6 +688,8 @@ def _tiny_family_model(family, **overrides):
         "Mixtral": {"sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
         "Qwen2Moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96},
         "Qwen3Moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 96, "mlp_only_layers": [1]},
+        # GPT-OSS: its window on the first of the two layers.
+        "GptOss": {"head_dim": 16, "sliding_window": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
     }.get(family, {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1})
     config_class = transformers.Gemma3TextConfig if family == "Gemma3" else getattr(transformers, family + "Config")
     classes = config_class, getattr(transformers, family + "ForCausalLM")
@@ -938,12 +940,10 @@ def test_gemma2_soft_capping_runs_in_uniop_attention(monkeypatch):
 
 
 def _tiny_gpt_oss():
-    """A tiny random GPT-OSS (4 experts, 2 per token; a 16-position window on the first layer)
-    whose attention sinks are large enough to matter: drawn at deviation 2 where GPT-OSS draws them
-    at 0.02, they take from a quarter to nearly all of a softmax."""
-    model = _tiny_family_model(
-        "GptOss", head_dim=16, sliding_window=16, num_local_experts=4, num_experts_per_tok=2, initializer_range=0.1
-    )
+    """A tiny random GPT-OSS (see :func:`_tiny_family_model`) whose attention sinks are large enough
+    to matter: drawn at deviation 2 where GPT-OSS draws them at 0.02, they take from almost none to
+    nearly all of a softmax."""
+    model = _tiny_family_model("GptOss", initializer_range=0.1)
     torch.manual_seed(5)
     with torch.no_grad():
         for layer in model.model.layers:

@@ -201,7 +201,7 @@ pub extern "C" fn uniopArgmax(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, float? softcap=None) -> (Tensor out, Tensor lse)`.
+/// Phase 1 of `attention(Tensor q, Tensor k, Tensor v, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, float? softcap=None, Tensor? sinks=None) -> (Tensor out, Tensor lse)`.
 ///
 /// Scaled dot-product attention, flash-style (O(tile) memory, never the Sq x Sk scores). q [B, Hq,
 /// Sq, D], k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, dense last dim); Hkv divides Hq
@@ -213,8 +213,10 @@ pub extern "C" fn uniopArgmax(
 /// up to the first one some query of a tile's product sees, in 32-key panels: a sliding window or a
 /// document mask costs the keys it shows); the K/V rows of hidden keys it does not skip must be
 /// finite. softcap (Gemma 2's attn_logit_softcapping) caps the scaled scores to softcap *
-/// tanh(score / softcap) before the mask adds. lse: float32 log-sum-exp of the (capped, masked)
-/// scaled scores per query (-inf, with out = 0, for a query that sees no key).
+/// tanh(score / softcap) before the mask adds. sinks (float [Hq], GPT-OSS's attention sinks) adds
+/// one logit per q head to each query's softmax, of a key with value 0. lse: float32 log-sum-exp of
+/// the (capped, masked) scaled scores and the sink per query (-inf, with out = 0, for a query that
+/// sees no key and has no sink).
 #[no_mangle]
 pub extern "C" fn uniopAttentionGetWorkspaceSize(
     q: *const uniopTensor,
@@ -225,6 +227,7 @@ pub extern "C" fn uniopAttentionGetWorkspaceSize(
     scale: *const f64,
     mask: *const uniopTensor,
     softcap: *const f64,
+    sinks: *const uniopTensor,
     out: *mut uniopTensor,
     lse: *mut uniopTensor,
     workspaceSize: *mut u64,
@@ -232,8 +235,8 @@ pub extern "C" fn uniopAttentionGetWorkspaceSize(
 ) -> uniopStatus {
     const F: &str = "uniopAttentionGetWorkspaceSize";
     guard(|| {
-        let inputs: [(&str, *const uniopTensor); 5] =
-            [("q", q), ("k", k), ("v", v), ("kv_lens", kv_lens), ("mask", mask)];
+        let inputs: [(&str, *const uniopTensor); 6] =
+            [("q", q), ("k", k), ("v", v), ("kv_lens", kv_lens), ("mask", mask), ("sinks", sinks)];
         let attrs: [(&str, AttrValue); 3] = [
             ("causal", AttrValue::Bool(causal)),
             ("scale", typed::optional(scale, |v| Ok(AttrValue::Float(v)))?),
@@ -255,13 +258,14 @@ pub extern "C" fn uniopAttention(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False, float? softcap=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)`.
+/// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False, float? softcap=None, Tensor? sinks=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask, Tensor dsinks)`.
 ///
-/// Gradients of attention from its saved out and lse (same mask, scale and softcap rules). dk/dv
-/// sum over the q heads of each kv-head group; keys past kv_lens get zero gradient. dmask is the
-/// gradient of a float mask (its shape and dtype: the score gradient summed over the dims the mask
-/// is broadcast along) when needs_dmask, else an empty tensor; asking for it adds two tile products
-/// to the five (about half the time again). Deterministic (no atomics).
+/// Gradients of attention from its saved out and lse (same mask, scale, softcap and sinks rules).
+/// dk/dv sum over the q heads of each kv-head group; keys past kv_lens get zero gradient. dmask is
+/// the gradient of a float mask (its shape and dtype: the score gradient summed over the dims the
+/// mask is broadcast along) when needs_dmask, else an empty tensor; asking for it adds two tile
+/// products to the five (about half the time again). dsinks is the gradient of sinks (their shape
+/// and dtype) when given, else an empty tensor. Deterministic (no atomics).
 #[no_mangle]
 pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
     dout: *const uniopTensor,
@@ -276,16 +280,18 @@ pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
     mask: *const uniopTensor,
     needs_dmask: bool,
     softcap: *const f64,
+    sinks: *const uniopTensor,
     dq: *mut uniopTensor,
     dk: *mut uniopTensor,
     dv: *mut uniopTensor,
     dmask: *mut uniopTensor,
+    dsinks: *mut uniopTensor,
     workspaceSize: *mut u64,
     executor: *mut *mut uniopExecutor,
 ) -> uniopStatus {
     const F: &str = "uniopAttentionBackwardGetWorkspaceSize";
     guard(|| {
-        let inputs: [(&str, *const uniopTensor); 8] = [
+        let inputs: [(&str, *const uniopTensor); 9] = [
             ("dout", dout),
             ("q", q),
             ("k", k),
@@ -294,6 +300,7 @@ pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
             ("lse", lse),
             ("kv_lens", kv_lens),
             ("mask", mask),
+            ("sinks", sinks),
         ];
         let attrs: [(&str, AttrValue); 4] = [
             ("causal", AttrValue::Bool(causal)),
@@ -306,6 +313,7 @@ pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
             ("dk", dk as *const uniopTensor),
             ("dv", dv as *const uniopTensor),
             ("dmask", dmask as *const uniopTensor),
+            ("dsinks", dsinks as *const uniopTensor),
         ];
         plan("attention_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })
