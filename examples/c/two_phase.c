@@ -340,20 +340,24 @@ static void test_attention_and_kv_cache(uniopStream stream) {
     OK(uniopDestroyTensor(masks[m]));
   }
 
-  /* o and lse are the float mask's forward: its gradient (needs_dmask), beside dq, dk and dv. */
-  float dout[H * S * D], dq[H * S * D], dk[H * S * D], dv[H * S * D], dmask[S * S];
+  /* o and lse are the float mask's forward: its gradient (needs_dmask), beside dq, dk and dv; no sinks,
+   * so their gradient is an empty tensor. */
+  float dout[H * S * D], dq[H * S * D], dk[H * S * D], dv[H * S * D], dmask[S * S], no_dsinks[1];
   fill(dout, H * S * D, 10);
   uniopTensor *bias_t = uniopCreateTensor(md, 4, UNIOP_FLOAT, NULL, 0, UNIOP_FORMAT_ND, &m_storage, 1, alibi);
-  uniopTensor *grads[] = {dense(qd, 4, dout), dense(qd, 4, dq), dense(qd, 4, dk), dense(qd, 4, dv), dense(md, 4, dmask)};
+  int64_t empty[] = {0};
+  uniopTensor *grads[] = {dense(qd, 4, dout), dense(qd, 4, dq), dense(qd, 4, dk),
+                          dense(qd, 4, dv),   dense(md, 4, dmask), dense(empty, 1, no_dsinks)};
   CHECK(bias_t, "mask descriptor: %s", uniopGetRecentErrMsg());
   OK(uniopAttentionBackwardGetWorkspaceSize(grads[0], in[0], in[1], in[2], out[0], out[1], NULL, true, NULL, bias_t,
-                                            true, NULL, grads[1], grads[2], grads[3], grads[4], &ws, &exec));
+                                            true, NULL, NULL, grads[1], grads[2], grads[3], grads[4], grads[5], &ws,
+                                            &exec));
   launch(uniopAttentionBackward, ws, exec, stream);
   double want_dmask[S * S];
   dmask_reference(q, k, v, dout, H, S, D, alibi, want_dmask);
   expect_close("attention_backward dmask", dmask, want_dmask, S * S, 1e-5);
   OK(uniopDestroyTensor(bias_t));
-  for (int g = 0; g < 5; g++) OK(uniopDestroyTensor(grads[g]));
+  for (int g = 0; g < 6; g++) OK(uniopDestroyTensor(grads[g]));
 
   /* Caches hold tokens 0..S-2; append token S-1 at position S-1, in place. */
   float kc[H * SMAX * D], vc[H * SMAX * D];
