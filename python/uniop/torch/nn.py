@@ -389,11 +389,15 @@ class Attention(nn.Module):
     ``[B, heads, S, S]``: boolean (true = attend) or float (added to the scaled scores, −inf hides;
     no gradient flows to it). A query left without keys (a left-padded position) gets 0.
     ``softcap`` caps the scaled scores to ``softcap · tanh(score / softcap)`` before the masks
-    (Gemma 2's ``attn_logit_softcapping``)."""
+    (Gemma 2's ``attn_logit_softcapping``). ``sinks=True`` learns one sink logit per head
+    (``self.sinks``, GPT-OSS's name; zeros at first), one more term in each softmax's denominator."""
 
-    def __init__(self, hidden_size, num_heads, num_kv_heads=None, head_dim=None, bias=False, dtype=None, softcap=None):
+    def __init__(
+        self, hidden_size, num_heads, num_kv_heads=None, head_dim=None, bias=False, dtype=None, softcap=None, sinks=False
+    ):
         super().__init__()
         self.softcap = softcap
+        self.sinks = nn.Parameter(torch.zeros(num_heads, dtype=dtype)) if sinks else None
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
         self.head_dim = head_dim or hidden_size // num_heads
@@ -411,7 +415,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = uniop_ops.attention(q, k, v, None, True, None, mask, self.softcap)[0]
+        out = uniop_ops.attention(q, k, v, None, True, None, mask, self.softcap, self.sinks)[0]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
