@@ -709,6 +709,34 @@ def _tiny_family_model(family, **overrides):
     return _tiny_model(*classes, **config, **overrides)
 
 
+def _padded_batch_run(model, ids, mask):
+    """What the family tests compare: ``model``'s logits of a plain and of a left-padded batch,
+    greedy tokens of the padded one, and a training step's loss and gradients on it. A padding query
+    sees no key: SDPA and uniop give it output 0, eager attention (some references) the mean of
+    every value. Its logits predict the first real token, which is left out of the loss with the
+    padding."""
+    labels = ids.masked_fill((mask == 0) | (nn.functional.pad(mask, (1, 0), value=1)[:, :-1] == 0), -100)
+    with torch.no_grad():
+        plain, padded = model(ids).logits, model(ids, attention_mask=mask).logits
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    model.train().zero_grad()
+    loss = model(ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    model.eval()
+    return plain, padded, tokens, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_same_run(got, want, mask):
+    """Two :func:`_padded_batch_run` results agree: logits (the padded batch's at its real
+    positions), tokens, loss and every gradient."""
+    assert torch.allclose(got[0], want[0], atol=1e-4)
+    assert torch.allclose(got[1][mask.bool()], want[1][mask.bool()], atol=1e-4)
+    assert torch.equal(got[2], want[2])
+    assert abs(got[3] - want[3]) < 1e-5
+    for name, g in want[4].items():
+        assert torch.allclose(got[4][name], g, atol=1e-5, rtol=1e-4), name
+
+
 @pytest.mark.parametrize(
     "family", ["Mistral", "Qwen2", "Qwen3", "Phi3", "Gemma", "Gemma2", "Gemma3", "Mixtral", "Qwen2Moe", "Qwen3Moe"]
 )
@@ -728,22 +756,7 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
 
     model = _tiny_family_model(family)
     ids, mask = _left_padded_prompts(40, padding=9, seed=4)
-    # A padding query sees no key: SDPA and uniop give it output 0, eager attention (Gemma2's
-    # reference) the mean of every value. Its logits predict the first real token, which is left out
-    # of the loss with the padding.
-    labels = ids.masked_fill((mask == 0) | (nn.functional.pad(mask, (1, 0), value=1)[:, :-1] == 0), -100)
-
-    def run():
-        with torch.no_grad():
-            plain, padded = model(ids).logits, model(ids, attention_mask=mask).logits
-            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-        model.train().zero_grad()
-        loss = model(ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        model.eval()
-        return plain, padded, tokens, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    want = run()
+    want = _padded_batch_run(model, ids, mask)
     interface_calls = []
     try:
         ut.patch_llama(model)
@@ -751,7 +764,7 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
             llama.ATTENTION, lambda *a, **k: interface_calls.append(1) or attention_interface.attention(*a, **k)
         )
         with torch.profiler.profile() as prof:
-            got = run()
+            got = _padded_batch_run(model, ids, mask)
         ran = {e.name for e in prof.events()}
     finally:
         ut.unpatch_llama()
@@ -767,12 +780,7 @@ def test_patch_llama_covers_the_families_built_as_llama_is(family):
         assert not residual_fusions & ran
     else:
         assert residual_fusions <= ran
-    assert torch.allclose(got[0], want[0], atol=1e-4)
-    assert torch.allclose(got[1][mask.bool()], want[1][mask.bool()], atol=1e-4)
-    assert torch.equal(got[2], want[2])
-    assert abs(got[3] - want[3]) < 1e-5
-    for name, g in want[4].items():
-        assert torch.allclose(got[4][name], g, atol=1e-5, rtol=1e-4), name
+    _assert_same_run(got, want, mask)
 
 
 @pytest.mark.parametrize(
@@ -907,27 +915,28 @@ def test_patched_gemma3_keeps_its_own_decoder_layer():
     assert torch.allclose(got, want, atol=1e-4)
 
 
-def test_gemma2_soft_capping_runs_in_uniop_attention(monkeypatch):
-    """Gemma2's attention logit soft-capping is uniop attention's ``softcap`` on every route: under
-    the registered ``"uniop"`` implementation without patching (the attention interface), with
-    ``output_attentions`` (the interface falls back to the model's eager attention, which needs an
-    additive mask where SDPA's builder gave a boolean one or none), and patched (straight
-    through): the logits of a plain and a left-padded batch are transformers' eager ones. The cap
-    matters here: with it dropped the patched logits move by far more than the tolerance."""
-    from uniop.torch import attention_interface
-
-    model = _tiny_family_model("Gemma2")
-    ids, mask = _left_padded_prompts(24, padding=5, seed=8)
+def _batch_logits(model, ids, mask):
+    """A function of ``model``'s logits of a plain batch and of a left-padded one (at its real
+    positions), keyword arguments passed to the model."""
     real = mask.bool()
-    eager_calls = []
-    eager_forward = attention_interface._eager_forward
-    monkeypatch.setattr(attention_interface, "_eager_forward", lambda m: eager_calls.append(1) or eager_forward(m))
 
     def logits(**extra):
         with torch.no_grad():
             return model(ids, **extra).logits, model(ids, attention_mask=mask, **extra).logits[real]
 
-    want = logits()
+    return logits
+
+
+def _logits_on_the_registered_interface(model, logits, monkeypatch):
+    """``logits()`` (see :func:`_batch_logits`) of a model on transformers' eager attention, run on
+    the registered ``"uniop"`` implementation instead: through the attention interface, and with
+    ``output_attentions`` through its fallback to the model's eager attention (asserted to run, on
+    every layer of both batches)."""
+    from uniop.torch import attention_interface
+
+    eager_calls = []
+    eager_forward = attention_interface._eager_forward
+    monkeypatch.setattr(attention_interface, "_eager_forward", lambda m: eager_calls.append(1) or eager_forward(m))
     model.set_attn_implementation(ut.register_attention())
     try:
         via_interface = logits()
@@ -936,6 +945,21 @@ def test_gemma2_soft_capping_runs_in_uniop_attention(monkeypatch):
         assert len(eager_calls) == 2 * len(model.model.layers)
     finally:
         model.set_attn_implementation("eager")
+    return via_interface, via_eager
+
+
+def test_gemma2_soft_capping_runs_in_uniop_attention(monkeypatch):
+    """Gemma2's attention logit soft-capping is uniop attention's ``softcap`` on every route: under
+    the registered ``"uniop"`` implementation without patching (the attention interface), with
+    ``output_attentions`` (the interface falls back to the model's eager attention, which needs an
+    additive mask where SDPA's builder gave a boolean one or none), and patched (straight
+    through): the logits of a plain and a left-padded batch are transformers' eager ones. The cap
+    matters here: with it dropped the patched logits move by far more than the tolerance."""
+    model = _tiny_family_model("Gemma2")
+    ids, mask = _left_padded_prompts(24, padding=5, seed=8)
+    logits = _batch_logits(model, ids, mask)
+    want = logits()
+    via_interface, via_eager = _logits_on_the_registered_interface(model, logits, monkeypatch)
     try:
         ut.patch_llama(model)
         patched = logits()
@@ -972,47 +996,19 @@ def test_gpt_oss_sinks_run_in_uniop_attention(monkeypatch):
     a plain and a left-padded batch give transformers' eager logits, greedy decoding of the padded
     batch its tokens, and a training step its loss and every gradient — the sinks' too. The sinks
     matter: zeroed, the logits move by far more than the tolerance."""
-    from uniop.torch import attention_interface
-
     model = _tiny_gpt_oss()
     assert model.config._attn_implementation == "eager"  # transformers' only CPU attention for GPT-OSS
     ids, mask = _left_padded_prompts(40, padding=9, seed=6)
-    real = mask.bool()
-    labels = ids.masked_fill((mask == 0) | (nn.functional.pad(mask, (1, 0), value=1)[:, :-1] == 0), -100)
-    eager_calls = []
-    eager_forward = attention_interface._eager_forward
-    monkeypatch.setattr(attention_interface, "_eager_forward", lambda m: eager_calls.append(1) or eager_forward(m))
-
-    def logits(**extra):
-        with torch.no_grad():
-            return model(ids, **extra).logits, model(ids, attention_mask=mask, **extra).logits[real]
-
-    def run():
-        plain, padded = logits()
-        with torch.no_grad():
-            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-        model.train().zero_grad()
-        loss = model(ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        model.eval()
-        return plain, padded, tokens, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    want = run()
-    model.set_attn_implementation(ut.register_attention())
-    try:
-        via_interface = logits()
-        assert not eager_calls
-        via_eager = logits(output_attentions=True)
-        assert len(eager_calls) == 2 * len(model.model.layers)
-    finally:
-        model.set_attn_implementation("eager")
-    for got in (via_interface, via_eager):
-        assert all(torch.allclose(g, w, atol=1e-4) for g, w in zip(got, want))
+    logits = _batch_logits(model, ids, mask)
+    want = _padded_batch_run(model, ids, mask)
+    for got in _logits_on_the_registered_interface(model, logits, monkeypatch):
+        assert torch.allclose(got[0], want[0], atol=1e-4)
+        assert torch.allclose(got[1], want[1][mask.bool()], atol=1e-4)
     try:
         ut.patch_llama(model)
         assert model.config._experts_implementation != ut.register_experts()
         with torch.profiler.profile() as prof:
-            got = run()
+            got = _padded_batch_run(model, ids, mask)
         ran = {e.name for e in prof.events()}
         sinks = [layer.self_attn.sinks for layer in model.model.layers]
         with torch.no_grad():
@@ -1027,12 +1023,7 @@ def test_gpt_oss_sinks_run_in_uniop_attention(monkeypatch):
     assert model.config._attn_implementation == "eager"
     assert {"uniop::attention", "uniop::attention_backward", "uniop::rms_norm", "uniop::linear"} <= ran
     assert {"uniop::rms_norm_backward", "uniop::cross_entropy_backward"} <= ran
-    assert torch.allclose(got[0], want[0], atol=1e-4)
-    assert torch.allclose(got[1], want[1], atol=1e-4)
-    assert torch.equal(got[2], want[2])
-    assert abs(got[3] - want[3]) < 1e-5
-    for name, g in want[4].items():
-        assert torch.allclose(got[4][name], g, atol=1e-5, rtol=1e-4), name
+    _assert_same_run(got, want, mask)
     assert want[4]["model.layers.0.self_attn.sinks"].abs().max() > 1e-3
     assert (sinkless[0] - want[0]).abs().max() > 0.1
 
