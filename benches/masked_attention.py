@@ -42,6 +42,12 @@ def best_ms(f, calls, rounds=2):
     return min(times)
 
 
+def grad_ms(out, wrt, calls, rounds=2):
+    """Best ms of `out`'s backward into the tensors `wrt` (a random cotangent; the graph kept)."""
+    grad = torch.randn_like(out)
+    return best_ms(lambda: torch.autograd.grad(out, wrt, grad, retain_graph=True), calls, rounds=rounds)
+
+
 def masks(heads, seq, window, docs, dtype):
     """Boolean `[1, 1, S, S]` masks, and ALiBi as a float `[1, H, S, S]` mask of `dtype` (causal:
     −inf above the diagonal, −slope_h · (i − j) below, slopes 2^(−8(h+1)/H))."""

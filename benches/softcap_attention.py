@@ -22,7 +22,7 @@ import argparse
 import torch
 
 import uniop.torch  # noqa: F401  (registers torch.ops.uniop)
-from masked_attention import best_ms
+from masked_attention import best_ms, grad_ms
 
 
 def eager(q, k, v, mask, scale, softcap):
@@ -100,10 +100,7 @@ def main():
                     with torch.no_grad():
                         ms[name] = best_ms(lambda: f(q, k, v), 2, rounds=a.rounds)
                 else:
-                    out = f(qg, kg, vg)
-                    grad = torch.randn_like(out)
-                    ms[name] = best_ms(lambda: torch.autograd.grad(out, (qg, kg, vg), grad, retain_graph=True), 2,
-                                       rounds=a.rounds)
+                    ms[name] = grad_ms(f(qg, kg, vg), (qg, kg, vg), 2, rounds=a.rounds)
             u = ms["uniop"]
             flex_cols = f"{ms['flex']:.1f} | {ms['flex'] / u:.2f}x" if "flex" in ms else "- | -"
             print(f"| {dtype} | {pass_} | {u:.1f} | {ms['uncapped']:.1f} | {u / ms['uncapped'] - 1:+.0%} "
