@@ -61,8 +61,9 @@
 //! `softcap` (optional, positive) caps the scaled scores smoothly, `softcap · tanh(score /
 //! softcap)`, before the mask's bias adds: Gemma 2's attention logit soft-capping, which torch's
 //! SDPA lacks (transformers runs Gemma 2 on its eager attention, the `Sq × Sk` scores whole). Each
-//! score tile is capped after its product, where the mask applies; AVX2's transposed tiles take
-//! no softcap (such calls run the GEMM tiles).
+//! score tile is capped after its product, where the mask applies (on AVX2's transposed forward
+//! tiles too; their backward takes none: soft-capped backward calls on AVX2 CPUs run the GEMM
+//! tiles).
 //!
 //! `sinks` (optional, float `[Hq]`) are attention sinks, one learned logit per q head (GPT-OSS's
 //! `sinks`, StreamingLLM's sink as a logit): each query's softmax takes one more term,

@@ -20,12 +20,14 @@
 //! do not see pay for a mask. Units go head by head, so one head's K and V are reread from L3.
 //! A boolean or float `mask` is applied to each band's scores after their product (through a
 //! copy of each row's column), and a band it hides a key tile from is skipped, as in the GEMM
-//! tiles (see [`crate::attention`]).
+//! tiles (see [`crate::attention`]); a `softcap` caps the band's scores before it, the whole strip
+//! in one elementwise pass (the cap of a score no row sees is never read). Sinks join each row
+//! where it is finished, as on the GEMM tiles.
 //!
 //! f16 and bf16 K/V tiles are widened to f32 (cheap next to the products: each tile is widened
 //! once per unit); every product and the softmax are f32.
 
-use crate::attention::{carve, f32_rows, load_scaled, ForwardArgs, Geometry, MaskRows, QueryTile, Rows4};
+use crate::attention::{cap_scores, carve, f32_rows, load_scaled, ForwardArgs, Geometry, MaskRows, QueryTile, Rows4};
 use crate::math;
 use crate::skinny::{Dots, Simd};
 use std::arch::x86_64::*;
@@ -61,9 +63,9 @@ pub(crate) fn avx2_best(g: &Geometry) -> bool {
 }
 
 /// Whether the forward runs these tiles: on [`avx2_best`] CPUs, for tiles of at least one band
-/// of rows (fewer rows — decode — are dot products), without a `softcap` (the GEMM tiles cap).
+/// of rows (fewer rows — decode — are dot products).
 pub(crate) fn applies(g: &Geometry) -> bool {
-    avx2_best(g) && g.group() * g.tile_q() >= BAND && g.softcap.is_none()
+    avx2_best(g) && g.group() * g.tile_q() >= BAND
 }
 
 /// f32 scratch of one block: `Qᵀ`, one band's `Sᵀ`, `Oᵀ`, running max and sum, a staging row
@@ -131,6 +133,9 @@ unsafe fn forward_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geo
                 // SAFETY: the AVX2 level was detected (`applies`); the band's strips hold d (Qᵀ),
                 // KEYS ≥ `keys` (Sᵀ) and dv (Oᵀ) rows of 16; K and V cover `n` ≥ `keys` rows.
                 unsafe { products(st.as_mut_ptr(), strip(qt, d), d, (kp, 1, ks), keys, false) };
+                if let Some(cap) = g.softcap {
+                    cap_scores(&mut st[..keys * BAND], 1.0, cap as f32); // Q came scaled
+                }
                 if let Some(mask) = &fa.mask {
                     mask_band(mask, &t, (b, band), (&seen, j0), st);
                 }
@@ -388,9 +393,12 @@ mod tests {
 
     /// `attention` on the forward kernel `transposed` chooses, checked against the reference.
     fn run_forced(transposed: bool, inputs: &[Option<TensorRef>], causal: bool) -> Vec<Vec<f64>> {
-        run_checked_forcing("attention", inputs, &[("causal", AttrValue::Bool(causal))], || {
-            FORCED.with(|f| f.set(Some(transposed)))
-        })
+        run_forced_with(transposed, inputs, &[("causal", AttrValue::Bool(causal))])
+    }
+
+    /// [`run_forced`] under `attrs`.
+    fn run_forced_with(transposed: bool, inputs: &[Option<TensorRef>], attrs: &[(&str, AttrValue)]) -> Vec<Vec<f64>> {
+        run_checked_forcing("attention", inputs, attrs, || FORCED.with(|f| f.set(Some(transposed))))
     }
 
     /// The kernels this CPU runs: the GEMM tiles always, these where AVX2 and FMA are present.
@@ -488,6 +496,37 @@ mod tests {
                 let inputs =
                     [view(&qb, &q_shape), view(&kb, &kv_shape), view(&vb, &kv_shape), None, Some(mask.clone())];
                 run_forced(transposed, &inputs, true);
+            }
+        }
+    }
+
+    /// A softcap that bends the scores (2: scaled scores reach ~4 here), with and without a float
+    /// mask, and sinks (which both kernels leave to the rows' finish), causal: both kernels against
+    /// the reference, and each other in f32; bf16 too.
+    #[test]
+    fn both_kernels_soft_cap_the_scores_and_take_sinks() {
+        let (q_shape, kv_shape) = ([1, 6, 300, 20], [1, 2, 300, 20]);
+        let (q, k, v) =
+            (random::<f32>(&q_shape, 11, 4.0), random::<f32>(&kv_shape, 12, 2.0), random::<f32>(&kv_shape, 13, 2.0));
+        let alibi: Vec<f32> = (0..300 * 300usize).map(|x| -0.05 * (x / 300).abs_diff(x % 300) as f32).collect();
+        let sinks = [-1.0f32, 0.5, 2.0, -3.0, 0.0, 1.0];
+        let attrs = [("causal", AttrValue::Bool(true)), ("softcap", AttrValue::Float(2.0))];
+        let mask = || Some(TensorRef::new(&alibi, &[300, 300]).unwrap());
+        for (mask, sinks) in [(None, None), (mask(), None), (mask(), view(&sinks, &[6]))] {
+            let inputs = [view(&q, &q_shape), view(&k, &kv_shape), view(&v, &kv_shape), None, mask, sinks];
+            let runs: Vec<_> =
+                kernels().into_iter().map(|transposed| run_forced_with(transposed, &inputs, &attrs)).collect();
+            if let [gemm, transposed] = &runs[..] {
+                for (a, b) in gemm.iter().flatten().zip(transposed.iter().flatten()) {
+                    assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "kernels disagree, {a} vs {b}");
+                }
+            }
+            let narrow = |x: &[f32]| x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+            let (qb, kb, vb) = (narrow(&q), narrow(&k), narrow(&v));
+            let [_, _, _, lens, mask, sinks] = inputs;
+            let inputs = [view(&qb, &q_shape), view(&kb, &kv_shape), view(&vb, &kv_shape), lens, mask, sinks];
+            for transposed in kernels() {
+                run_forced_with(transposed, &inputs, &attrs);
             }
         }
     }
