@@ -355,7 +355,7 @@ fn delta_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) 
 }
 
 /// `dsinks[h] = −Σ_{b,i} exp(sinks[h] − lse) · δ` for this block's q heads (f64 sums: a head
-/// sums `B · Sq` terms).
+/// sums `B · Sq` terms). A row with `lse = −∞` (no key and a sink of −∞) adds nothing.
 fn sinks_grad_kernel(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
     let n_rows = g.batch * g.q_heads * g.q_len;
     // SAFETY: the δ rows are written by the first step and only read from then on.
@@ -368,7 +368,8 @@ fn sinks_grad_kernel(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
             let at = (b * g.q_heads + h) * g.q_len;
             lse[at..at + g.q_len].iter().zip(&delta[at..at + g.q_len])
         });
-        let sum: f64 = rows.map(|(&l, &d)| (sinks[h] - l as f64).exp() * d as f64).sum();
+        let share = |l: f32| if l == f32::NEG_INFINITY { 0.0 } else { (sinks[h] - l as f64).exp() };
+        let sum: f64 = rows.map(|(&l, &d)| share(l) * d as f64).sum();
         // SAFETY: this block alone owns element h of dsinks.
         unsafe { narrow_into(&dsinks, dsinks.layout().offset() + h, &[-sum as f32]) };
     }
@@ -1200,7 +1201,7 @@ impl Op for AttentionBackward {
                     let (qi, doi, oi) =
                         (&q.data[row * d..][..d], &dout.data[row * dv..][..dv], &out.data[row * dv..][..dv]);
                     let delta: f64 = doi.iter().zip(oi).map(|(a, b)| a * b).sum();
-                    if let Some(sinks) = sinks {
+                    if let Some(sinks) = sinks.filter(|_| lse.data[row] != f64::NEG_INFINITY) {
                         dsinks.data[h] -= (sinks.data[h] - lse.data[row]).exp() * delta;
                     }
                     for j in 0..g.visible(len, i) {

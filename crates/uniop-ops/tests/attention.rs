@@ -592,7 +592,8 @@ fn sinks_take_a_share_of_every_softmax() {
     let (q, k, v) = ([1.0f32, 0.0], [1.0f32, 0.0, -1.0, 0.0], [1.0f32, 0.0]);
     let no_keys = [0i64];
     let scale = [("scale", AttrValue::Float(1.0))];
-    for sink in [0.5f32, -3.0, 4.0] {
+    // A sink of −∞ is no sink: a row without keys keeps lse −∞, and its gradient stays 0, not NaN.
+    for sink in [0.5f32, -3.0, 4.0, f32::NEG_INFINITY] {
         let sinks = [sink];
         let inputs =
             [view(&q, &[1, 1, 1, 2]), view(&k, &[1, 1, 2, 2]), view(&v, &[1, 1, 2, 1]), None, None, view(&sinks, &[1])];
@@ -601,10 +602,24 @@ fn sinks_take_a_share_of_every_softmax() {
         let want = e / (e + 1.0 / e + (sink as f64).exp());
         assert!((out[0][0] - want).abs() < 1e-6, "sink {sink}: {} vs {want}", out[0][0]);
         assert!((out[1][0] - (e + 1.0 / e + (sink as f64).exp()).ln()).abs() < 1e-5, "sink {sink}: lse {}", out[1][0]);
-        let mut empty = inputs;
+        let mut empty = inputs.clone();
         empty[3] = Some(TensorRef::new(&no_keys, &[1]).unwrap());
         let out = run_checked("attention", &empty, &scale);
         assert_eq!((out[0][0], out[1][0]), (0.0, sink as f64), "a row with no key");
+        let (dout, lse) = ([1.0f32], [out[1][0] as f32]);
+        let backward = [
+            view(&dout, &[1, 1, 1, 1]),
+            inputs[0].clone(),
+            inputs[1].clone(),
+            inputs[2].clone(),
+            view(&[0.0f32], &[1, 1, 1, 1]),
+            view(&lse, &[1, 1, 1]),
+            empty[3].clone(),
+            None,
+            view(&sinks, &[1]),
+        ];
+        let grads = run_checked("attention_backward", &backward, &scale);
+        assert_eq!(grads[4], [0.0], "sink {sink}: a row with no key and output 0 gives its sink no gradient");
     }
 
     let (q_shape, kv_shape) = ([2, 4, 300, 16], [2, 2, 300, 16]);

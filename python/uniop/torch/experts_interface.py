@@ -41,8 +41,9 @@ def register_experts():
 
 
 def covers(module):
-    """Whether uniop's forward computes what transformers' does for this experts module (one
-    transformers' ``use_experts_implementation`` built), for inputs it takes (see :func:`_covered`)."""
+    """Whether uniop's forward computes what transformers' does for this experts module (of a class
+    transformers' ``use_experts_implementation`` decorated), for the inputs it takes (see
+    :func:`_covered`): the layout, biases and activation its flags and class declare."""
     from transformers.integrations.moe import _default_apply_gate
 
     layout = module.has_gate and module.is_concatenated and not module.is_transposed

@@ -462,7 +462,9 @@ def patch_llama(model=None, pack_weights=False):
         if getattr(model, "loss_type", None) == "ForCausalLM" and model.loss_function is _transformers_causal_lm_loss():
             own_loss = model.__dict__.get("_loss_function", _NO_LOSS)
             model.loss_function = _causal_lm_loss
-        # transformers >= 5's MoE layers, where uniop covers their experts
+        # transformers >= 5's MoE layers, switched where uniop covers every experts module (those
+        # transformers' `use_experts_implementation` built, which carry its layout flags); GPT-OSS's
+        # stay on the implementation they had.
         experts = getattr(model.config, "_experts_implementation", None)
         if not all(covers(mod) for mod in model.modules() if hasattr(mod, "is_transposed")):
             experts = None
