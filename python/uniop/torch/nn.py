@@ -393,7 +393,15 @@ class Attention(nn.Module):
     (``self.sinks``, GPT-OSS's name; zeros at first), one more term in each softmax's denominator."""
 
     def __init__(
-        self, hidden_size, num_heads, num_kv_heads=None, head_dim=None, bias=False, dtype=None, softcap=None, sinks=False
+        self,
+        hidden_size,
+        num_heads,
+        num_kv_heads=None,
+        head_dim=None,
+        bias=False,
+        dtype=None,
+        softcap=None,
+        sinks=False,
     ):
         super().__init__()
         self.softcap = softcap
