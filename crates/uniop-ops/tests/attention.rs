@@ -1,8 +1,8 @@
 //! attention / attention_backward semantics the generic registry tests cannot know: tiling
 //! across many tiles, GQA as repeated kv heads, the bottom-right causal alignment, decode with
 //! per-sequence cache lengths, boolean masks (padded batches, broadcast and strided masks), HF's
-//! transposed layout read in place, gradients against finite differences, and the bad-input
-//! contract.
+//! transposed layout read in place, soft-capping and sinks, gradients against finite differences,
+//! and the bad-input contract.
 
 mod common;
 
