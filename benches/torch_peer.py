@@ -80,6 +80,12 @@ def geglu(x):
     return a * F.gelu(b)
 
 
+def clamped_swiglu(x, alpha=1.702, limit=7.0):
+    """transformers' GptOssExperts._apply_gate: interleaved gate/up, both clamped."""
+    gate, up = x[..., ::2].clamp(max=limit), x[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
 def intermediate(hidden):
     """Llama's MLP width for a hidden size, as uniop's linear_silu_mul example takes it (8k/3
     rounded up to a multiple of 256: 384 -> 1024, 4096 -> 11008)."""
@@ -161,6 +167,8 @@ PEERS = {
                  lambda g, u: F.gelu(g) * u),
     "swiglu": (lambda shape, dt: (torch.randn(shape, dtype=dt),), swiglu),
     "geglu": (lambda shape, dt: (torch.randn(shape, dtype=dt),), geglu),
+    # Deviation 4: a share of the values past the limit of 7, as uniop's example draws them.
+    "clamped_swiglu": (lambda shape, dt: ((4 * torch.randn(shape)).to(dt),), clamped_swiglu),
     "softmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), lambda x: torch.softmax(x, -1)),
     "log_softmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), lambda x: torch.log_softmax(x, -1)),
     "matmul": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn((shape[-1], shape[-1]), dtype=dt)),
@@ -234,6 +242,7 @@ BACKWARD = {
     "gelu_mul_backward": ("gelu_mul", (0, 1)),
     "swiglu_backward": ("swiglu", (0,)),
     "geglu_backward": ("geglu", (0,)),
+    "clamped_swiglu_backward": ("clamped_swiglu", (0,)),
     "softmax_backward": ("softmax", (0,)),
     "gelu_backward": ("gelu", (0,)),
     "log_softmax_backward": ("log_softmax", (0,)),

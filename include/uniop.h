@@ -383,6 +383,43 @@ uniopStatus uniopCausalSoftmax(void *workspace,
                                uniopExecutor *executor,
                                uniopStream stream);
 
+// Phase 1 of `clamped_swiglu(Tensor x, float alpha=1.702, float limit=7.0) -> (Tensor out)`.
+//
+// GPT-OSS's gated activation: the last dim of x interleaves gate and up (pairs 2i, 2i+1; even
+// size); g = min(gate, limit), u = clamp(up, -limit, limit), out = (u + 1) * g * sigmoid(alpha *
+// g), with the last dim halved. limit >= 0 (inf: no clamp). f16/bf16 compute in float32.
+uniopStatus uniopClampedSwigluGetWorkspaceSize(const uniopTensor *x,
+                                               double alpha,
+                                               double limit,
+                                               uniopTensor *out,
+                                               uint64_t *workspaceSize,
+                                               uniopExecutor **executor);
+
+// Phase 2 of `clamped_swiglu`: launches the executor from `uniopClampedSwigluGetWorkspaceSize` on `stream`.
+uniopStatus uniopClampedSwiglu(void *workspace,
+                               uint64_t workspaceSize,
+                               uniopExecutor *executor,
+                               uniopStream stream);
+
+// Phase 1 of `clamped_swiglu_backward(Tensor dout, Tensor x, float alpha=1.702, float limit=7.0) -> (Tensor dx)`.
+//
+// Gradient of clamped_swiglu: dx[2i] = dout * (u + 1) * s * (1 + alpha * g * (1 - s)) where gate
+// <= limit, dx[2i+1] = dout * g * s where |up| <= limit (0 where a clamp cut the value), with s =
+// sigmoid(alpha * g) on the clamped g, u. dout has clamped_swiglu's output shape.
+uniopStatus uniopClampedSwigluBackwardGetWorkspaceSize(const uniopTensor *dout,
+                                                       const uniopTensor *x,
+                                                       double alpha,
+                                                       double limit,
+                                                       uniopTensor *dx,
+                                                       uint64_t *workspaceSize,
+                                                       uniopExecutor **executor);
+
+// Phase 2 of `clamped_swiglu_backward`: launches the executor from `uniopClampedSwigluBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopClampedSwigluBackward(void *workspace,
+                                       uint64_t workspaceSize,
+                                       uniopExecutor *executor,
+                                       uniopStream stream);
+
 // Phase 1 of `cross_entropy(Tensor logits, Tensor target, int ignore_index=-100) -> (Tensor loss, Tensor lse)`.
 //
 // Mean cross-entropy of logits [..., C] against int targets [...], skipping targets equal to

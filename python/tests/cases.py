@@ -82,6 +82,13 @@ def geglu_ref(x, dim=-1, approximate="none", activate_left=False):
     return gelu_mul_ref(a, b, approximate) if activate_left else gelu_mul_ref(b, a, approximate)
 
 
+def clamped_swiglu_ref(x, alpha=1.702, limit=7.0):
+    """GPT-OSS's experts' gate (transformers' ``GptOssExperts._apply_gate``), in float64."""
+    x = x.to(D)
+    gate, up = x[..., ::2].clamp(max=limit), x[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
 def gated_ref(x, gate_weight, up_weight, approximate=None):
     """linear_silu_mul: silu(x · gate_weightᵀ) · (x · up_weightᵀ); with ``approximate``,
     linear_gelu_mul (gelu of that form for silu)."""
@@ -253,6 +260,16 @@ def _cases():
     def geglu_backward(dt, strided):
         x, dout = _rand(4, 12, dtype=dt, strided=strided), torch.randn(4, 6).to(dt)
         return (dout, x, -1, "tanh", True), lambda d, x, *form: _vjp(lambda x: geglu_ref(x, *form), (x,), (d,), (0,))
+
+    @case
+    def clamped_swiglu(dt, strided):
+        # Deviation 5: a share of the gates and up values past the limit of 7, on both sides.
+        return (_rand(4, 12, dtype=dt, strided=strided).mul_(5), 1.702, 7.0), clamped_swiglu_ref
+
+    @case
+    def clamped_swiglu_backward(dt, strided):
+        x, dout = _rand(4, 12, dtype=dt, strided=strided).mul_(5), torch.randn(4, 6).to(dt)
+        return (dout, x, 1.5, 6.0), lambda d, x, *form: _vjp(lambda x: clamped_swiglu_ref(x, *form), (x,), (d,), (0,))
 
     @case
     def silu_mul(dt, strided):

@@ -881,6 +881,49 @@ def test_experts_train_with_transformers_gradients(activation):
             assert (g.float() - w.float()).abs().max() <= tol * w.float().abs().max(), what
 
 
+def test_gpt_oss_experts_run_linear_with_bias_and_clamped_swiglu():
+    """GPT-OSS's experts (transposed weights with gate and up interleaved, biases, a clamped
+    SwiGLU) on uniop: each expert a token picked runs ``linear`` with its bias, ``clamped_swiglu``
+    and ``linear`` with its bias, and the output is transformers' eager experts' in float32 and
+    bfloat16, with gate and up values past the clamp's limit on both sides. Where autograd records
+    the call it runs transformers' grouped forward (no uniop op), with eager's gradients."""
+    from uniop.torch import experts_interface
+
+    for dtype in (torch.float32, torch.bfloat16):
+        module = _tiny_family_model("GptOss", dtype=dtype).model.layers[0].mlp.experts
+        assert experts_interface.covers(module)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in module.parameters():
+                p.normal_(0.0, 0.1)
+        tokens, hidden = 11, module.hidden_size
+        x, weights = (3 * torch.randn(tokens, hidden)).to(dtype), torch.rand(tokens, 2, dtype=dtype)
+        index = torch.stack([torch.randperm(3)[:2] for _ in range(tokens)])  # the last of 4 experts idle
+        gate_up = torch.einsum("th,ehn->ten", x.float(), module.gate_up_proj.detach().float())
+        assert (gate_up[..., ::2] > module.limit).any() and (gate_up[..., 1::2].abs() > module.limit).any()
+        eager = type(module).forward.__wrapped__
+        with torch.no_grad():
+            want = eager(module, x, index, weights)
+            got = []
+            ran = _uniop_ops_run(lambda: got.append(experts_interface.experts(module, x, index, weights)))
+        assert {"uniop::linear", "uniop::clamped_swiglu"} <= ran
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: eager rounds each of its seven ops
+        assert got[0].dtype == dtype and got[0].shape == want.shape
+        assert (got[0].float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+        def grads(forward):
+            module.zero_grad()
+            xs = x.clone().requires_grad_()
+            forward(module, xs, index, weights).float().sum().backward()
+            return xs.grad, module.gate_up_proj.grad, module.down_proj_bias.grad
+
+        want = grads(eager)
+        got = []
+        assert not _uniop_ops_run(lambda: got.append(grads(experts_interface.experts)))
+        for g, w in zip(got[0], want):
+            assert (g.float() - w.float()).abs().max() <= 2 * tol * w.float().abs().max()
+
+
 def test_offset_weight_is_kept_until_the_weight_changes():
     """nn.offset_weight (Gemma's ``1 + weight`` in float32) is made once for calls no gradient
     needs and made again when the weight changes in place; where autograd records the call it is
@@ -992,7 +1035,8 @@ def test_gpt_oss_sinks_run_in_uniop_attention(monkeypatch):
     """GPT-OSS's attention sinks are uniop attention's ``sinks``: under the registered ``"uniop"``
     implementation without patching (the attention interface passes ``s_aux``), with
     ``output_attentions`` (the interface falls back to GPT-OSS's eager attention), and patched
-    (norms, linears, loss; its experts stay transformers', uniop covering none of their layout),
+    (norms, linears, loss, and its experts on uniop's ``clamped_swiglu``; training them stays on
+    transformers' grouped forward),
     a plain and a left-padded batch give transformers' eager logits, greedy decoding of the padded
     batch its tokens, and a training step its loss and every gradient — the sinks' too. The sinks
     matter: zeroed, the logits move by far more than the tolerance."""
@@ -1006,7 +1050,7 @@ def test_gpt_oss_sinks_run_in_uniop_attention(monkeypatch):
         assert torch.allclose(got[1], want[1][mask.bool()], atol=1e-4)
     try:
         ut.patch_llama(model)
-        assert model.config._experts_implementation != ut.register_experts()
+        assert model.config._experts_implementation == ut.register_experts()
         with torch.profiler.profile() as prof:
             got = _padded_batch_run(model, ids, mask)
         ran = {e.name for e in prof.events()}
@@ -1022,7 +1066,7 @@ def test_gpt_oss_sinks_run_in_uniop_attention(monkeypatch):
         ut.unpatch_llama()
     assert model.config._attn_implementation == "eager"
     assert {"uniop::attention", "uniop::attention_backward", "uniop::rms_norm", "uniop::linear"} <= ran
-    assert {"uniop::rms_norm_backward", "uniop::cross_entropy_backward"} <= ran
+    assert {"uniop::rms_norm_backward", "uniop::cross_entropy_backward", "uniop::clamped_swiglu"} <= ran
     _assert_same_run(got, want, mask)
     assert want[4]["model.layers.0.self_attn.sinks"].abs().max() > 1e-3
     assert (sinkless[0] - want[0]).abs().max() > 0.1

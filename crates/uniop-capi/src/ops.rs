@@ -495,6 +495,75 @@ pub extern "C" fn uniopCausalSoftmax(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
+/// Phase 1 of `clamped_swiglu(Tensor x, float alpha=1.702, float limit=7.0) -> (Tensor out)`.
+///
+/// GPT-OSS's gated activation: the last dim of x interleaves gate and up (pairs 2i, 2i+1; even
+/// size); g = min(gate, limit), u = clamp(up, -limit, limit), out = (u + 1) * g * sigmoid(alpha *
+/// g), with the last dim halved. limit >= 0 (inf: no clamp). f16/bf16 compute in float32.
+#[no_mangle]
+pub extern "C" fn uniopClampedSwigluGetWorkspaceSize(
+    x: *const uniopTensor,
+    alpha: f64,
+    limit: f64,
+    out: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopClampedSwigluGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 1] = [("x", x)];
+        let attrs: [(&str, AttrValue); 2] = [("alpha", AttrValue::Float(alpha)), ("limit", AttrValue::Float(limit))];
+        let outputs = [("out", out as *const uniopTensor)];
+        plan("clamped_swiglu", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `clamped_swiglu`: launches the executor from `uniopClampedSwigluGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopClampedSwiglu(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `clamped_swiglu_backward(Tensor dout, Tensor x, float alpha=1.702, float limit=7.0) -> (Tensor dx)`.
+///
+/// Gradient of clamped_swiglu: dx[2i] = dout * (u + 1) * s * (1 + alpha * g * (1 - s)) where gate
+/// <= limit, dx[2i+1] = dout * g * s where |up| <= limit (0 where a clamp cut the value), with s =
+/// sigmoid(alpha * g) on the clamped g, u. dout has clamped_swiglu's output shape.
+#[no_mangle]
+pub extern "C" fn uniopClampedSwigluBackwardGetWorkspaceSize(
+    dout: *const uniopTensor,
+    x: *const uniopTensor,
+    alpha: f64,
+    limit: f64,
+    dx: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopClampedSwigluBackwardGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 2] = [("dout", dout), ("x", x)];
+        let attrs: [(&str, AttrValue); 2] = [("alpha", AttrValue::Float(alpha)), ("limit", AttrValue::Float(limit))];
+        let outputs = [("dx", dx as *const uniopTensor)];
+        plan("clamped_swiglu_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `clamped_swiglu_backward`: launches the executor from `uniopClampedSwigluBackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopClampedSwigluBackward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
 /// Phase 1 of `cross_entropy(Tensor logits, Tensor target, int ignore_index=-100) -> (Tensor loss, Tensor lse)`.
 ///
 /// Mean cross-entropy of logits [..., C] against int targets [...], skipping targets equal to

@@ -33,6 +33,8 @@ pub mod cast_backward;
 pub mod cat;
 pub mod cat_backward;
 pub mod causal_softmax;
+pub mod clamped_swiglu;
+pub mod clamped_swiglu_backward;
 mod elementwise;
 pub mod embedding;
 pub mod embedding_backward;
@@ -150,6 +152,8 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(glu_backward::GluBackward::SWIGLU),
         Box::new(glu::Glu::GEGLU),
         Box::new(glu_backward::GluBackward::GEGLU),
+        Box::new(clamped_swiglu::ClampedSwiglu),
+        Box::new(clamped_swiglu_backward::ClampedSwigluBackward),
         Box::new(kv_cache_append::KvCacheAppend),
         Box::new(attention::Attention),
         Box::new(attention_backward::AttentionBackward),

@@ -678,6 +678,67 @@ fn geglu_gates_the_second_half_unless_activate_left() {
     }
 }
 
+/// GPT-OSS's gate by hand first — a pair inside the limit, one clamped on both sides (whose
+/// gradient is 0: the clamps cut it), one on the limit itself (torch's clamp passes the gradient
+/// there) — then across wider values with a gradient matching finite differences, and its bad
+/// attributes and shapes.
+#[test]
+fn clamped_swiglu_clamps_both_sides_of_interleaved_pairs() {
+    setup();
+    let sigmoid = |v: f64| 1.0 / (1.0 + (-v).exp());
+    let x = [0.5f32, 0.25, 8.0, -9.0, 7.0, 7.0];
+    let d = [1.0f32, 1.0, 1.0];
+    let tx = TensorRef::new(&x, &[3, 2]).unwrap();
+    let attrs = [("alpha", AttrValue::Float(1.702)), ("limit", AttrValue::Float(7.0))];
+    let out = run_checked("clamped_swiglu", &[Some(tx.clone())], &attrs);
+    let alpha = 1.702;
+    let want = [1.25 * 0.5 * sigmoid(alpha * 0.5), -6.0 * 7.0 * sigmoid(alpha * 7.0), 8.0 * 7.0 * sigmoid(alpha * 7.0)];
+    assert_close(&out[0], &want, "by hand");
+    let td = TensorRef::new(&d, &[3, 1]).unwrap();
+    let dx = run_checked("clamped_swiglu_backward", &[Some(td), Some(tx)], &attrs);
+    assert_eq!((dx[0][2], dx[0][3]), (0.0, 0.0), "both members clamped");
+    let s = sigmoid(alpha * 7.0);
+    assert_close(&dx[0][4..], &[8.0 * s * (1.0 + alpha * 7.0 * (1.0 - s)), 7.0 * s], "on the limit");
+
+    let shape = vec![2, 3, 10];
+    let wide: Vec<f32> = rand_vec(60, 41).iter().map(|v| 12.0 * v).collect();
+    let up = rand_vec(30, 42);
+    let attrs = [("alpha", AttrValue::Float(1.5)), ("limit", AttrValue::Float(6.0))];
+    let tx = TensorRef::new(&wide, &shape).unwrap();
+    run_checked("clamped_swiglu", &[Some(tx.clone())], &attrs);
+    let dx = run_checked(
+        "clamped_swiglu_backward",
+        &[Some(TensorRef::new(&up, &[2, 3, 5]).unwrap()), Some(tx.clone())],
+        &attrs,
+    );
+    let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let fd = finite_difference("clamped_swiglu", &[(f64s(&wide), shape)], &attrs, &f64s(&up), 0);
+    assert_close(&dx[0], &fd, "dx");
+    assert!(dx[0].contains(&0.0), "some values past the limit");
+
+    let odd = TensorRef::new(&x[..3], &[3]).unwrap();
+    let err = plan_err("clamped_swiglu", &[Some(odd)], &attrs, vec![]);
+    assert_eq!(err.code(), ErrorCode::Shape);
+    assert_eq!(
+        err.message(),
+        "clamped_swiglu: argument 'x': expected an even last dim (gate and up interleaved), got 3"
+    );
+    for (arg, value, expected) in [
+        ("limit", -1.0, "a number >= 0 (inf clamps nothing)"),
+        ("limit", f64::NAN, "a number >= 0 (inf clamps nothing)"),
+        ("alpha", f64::INFINITY, "a finite number"),
+    ] {
+        let attrs = [(arg, AttrValue::Float(value))];
+        let err = plan_err("clamped_swiglu", &[Some(tx.clone())], &attrs, vec![]);
+        assert_eq!(err.code(), ErrorCode::ParamInvalid);
+        assert_eq!(err.message(), format!("clamped_swiglu: argument '{arg}': expected {expected}, got {value}"));
+    }
+    let short = TensorRef::new(&up[..6], &[2, 3]).unwrap();
+    let err = plan_err("clamped_swiglu_backward", &[Some(short), Some(tx)], &[], vec![]);
+    assert_eq!(err.code(), ErrorCode::Shape);
+    assert_eq!(err.message(), "clamped_swiglu_backward: argument 'dout': expected shape [2, 3, 5], got shape [2, 3]");
+}
+
 #[test]
 fn gated_mul_requires_matching_gate_and_up_and_a_gelu_form() {
     setup();

@@ -12,8 +12,8 @@ module's own frequencies, see :func:`_rotary_forward`) and ``modeling_llama.appl
 (uniop ``rope``), and the same pieces of the families transformers builds as it builds Llama:
 Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma2, Gemma3 and the mixture-of-experts Mixtral, Qwen2-MoE and
 Qwen3-MoE, whose experts run uniop's experts implementation (see ``_FAMILIES``,
-:mod:`.experts_interface`), and GPT-OSS's norms. Methods are patched on the classes, so existing
-instances change too. Given a model, it also switches the model's attention to uniop's flash
+:mod:`.experts_interface`), and GPT-OSS's norms and experts. Methods are patched on the classes, so
+existing instances change too. Given a model, it also switches the model's attention to uniop's flash
 attention (registered with transformers as the ``"uniop"`` implementation by
 :func:`~uniop.torch.register_attention`; transformers' 4-D masks, boolean or float, go to uniop
 ``attention``'s ``mask``, Gemma2's logit soft-capping to its ``softcap``, GPT-OSS's attention sinks
@@ -73,10 +73,11 @@ _NO_LOSS = object()
 # class. GPT-OSS copies Llama's RMSNorm but for its last step (`weight * x` in float32, rounded
 # once: what uniop `rms_norm` computes) and attention but for its sinks (`s_aux`: uniop attention's
 # `sinks`; transformers runs GPT-OSS on its eager attention, SDPA having none). Its `GptOssMLP` is
-# the MoE block, whose experts (interleaved gate/up with biases, a clamped SwiGLU) uniop's experts
-# implementation does not cover and whose layer keeps transformers' forward; its rotary tables are
-# half the head dim wide (yarn by default), so its rope, its rotary embedding and its attention
-# forward stay transformers' (`_OWN_ROPES`), the attention through the `"uniop"` interface.
+# the MoE block, whose experts (interleaved gate/up with biases, a clamped SwiGLU) run uniop's
+# experts implementation (`linear` with bias, `clamped_swiglu`) and whose layer keeps transformers'
+# forward; its rotary tables are half the head dim wide (yarn by default), so its rope, its rotary
+# embedding and its attention forward stay transformers' (`_OWN_ROPES`), the attention through the
+# `"uniop"` interface.
 _FAMILIES = {
     "llama": "Llama",
     "mistral": "Mistral",
@@ -463,7 +464,7 @@ def patch_llama(model=None, pack_weights=False):
             own_loss = model.__dict__.get("_loss_function", _NO_LOSS)
             model.loss_function = _causal_lm_loss
         # transformers >= 5's MoE layers, switched where uniop covers every experts module (those
-        # transformers' `use_experts_implementation` built, which carry its layout flags); GPT-OSS's
+        # transformers' `use_experts_implementation` built, which carry its layout flags); others
         # stay on the implementation they had.
         experts = getattr(model.config, "_experts_implementation", None)
         if not all(covers(mod) for mod in model.modules() if hasattr(mod, "is_transposed")):
