@@ -10,7 +10,7 @@ A random LlamaForCausalLM (hidden 384, GQA 6 query / 2 kv heads of 64, built off
 own defaults otherwise: Qwen2's q/k/v bias, Qwen3's q/k norms, Phi3's fused projections, Gemma's GELU MLP,
 Gemma2's attention logit soft-capping (transformers runs it on its eager attention: no SDPA); the MoE
 families with 8 experts of the dense MLP's size, 2 per token; GptOss with its attention sinks and
-128-key window on every other layer, its experts transformers'):
+128-key window on every other layer, its experts on uniop's experts implementation):
 prefill of a prompt (time to the first token, ms) and greedy decode (the other tokens of
 model.generate with the KV cache, tokens/s), fp32 and bf16, unpatched and patched alternating for --rounds, best of --repeats each. Prints a markdown table with
 the patched/unpatched ratios — of the best figures over all rounds, and the median of each round's own ratio
