@@ -889,7 +889,10 @@ def test_gpt_oss_experts_run_linear_with_bias_and_clamped_swiglu():
     SwiGLU) on uniop: each expert a token picked runs ``linear`` with its bias, ``clamped_swiglu``
     and ``linear`` with its bias, and the output is transformers' eager experts' in float32 and
     bfloat16, with gate and up values past the clamp's limit on both sides. Where autograd records
-    the call it runs transformers' grouped forward (no uniop op), with eager's gradients."""
+    a float32 call, the experts' node trains them (``matmul_backward`` of each transposed weight,
+    ``clamped_swiglu_backward``): the gradients of the input, the routing weights, both weights and
+    both biases are eager's, an idle expert's zero; in bfloat16 transformers' grouped forward runs
+    (no uniop op), with eager's gradients too."""
     from uniop.torch import experts_interface
 
     for dtype in (torch.float32, torch.bfloat16):
@@ -914,17 +917,26 @@ def test_gpt_oss_experts_run_linear_with_bias_and_clamped_swiglu():
         assert got[0].dtype == dtype and got[0].shape == want.shape
         assert (got[0].float() - want.float()).abs().max() <= tol * want.float().abs().max()
 
+        dout = torch.randn(tokens, hidden)
+
         def grads(forward):
             module.zero_grad()
-            xs = x.clone().requires_grad_()
-            forward(module, xs, index, weights).float().sum().backward()
-            return xs.grad, module.gate_up_proj.grad, module.down_proj_bias.grad
+            xs, ws = x.clone().requires_grad_(), weights.clone().requires_grad_()
+            (forward(module, xs, index, ws).float() * dout).sum().backward()
+            return xs.grad, ws.grad, *(p.grad.clone() for p in experts_interface._Clamped.weights(module))
 
         want = grads(eager)
         got = []
-        assert not _uniop_ops_run(lambda: got.append(grads(experts_interface.experts)))
-        for g, w in zip(got[0], want):
-            assert (g.float() - w.float()).abs().max() <= 2 * tol * w.float().abs().max()
+        ran = _uniop_ops_run(lambda: got.append(grads(experts_interface.experts)))
+        if dtype == torch.float32:
+            assert {"uniop::matmul_backward", "uniop::clamped_swiglu_backward"} <= ran
+            assert not any(g[3].any() for g in got[0][2:])  # expert 3 idle
+        else:
+            assert not ran
+        names = "dx", "dweights", "dgate_up", "dgate_up_bias", "ddown", "ddown_bias"
+        for what, g, w in zip(names, got[0], want):
+            assert g.dtype == w.dtype and g.shape == w.shape, what
+            assert (g.float() - w.float()).abs().max() <= 2 * tol * w.float().abs().max(), what
 
 
 def test_offset_weight_is_kept_until_the_weight_changes():

@@ -58,15 +58,9 @@ impl Clamp {
         let limit = self.limit as f32;
         let g_in = g <= limit;
         let u_in = u >= -limit && u <= limit;
-        let g = if g_in { g } else { limit };
-        let u = if u > limit {
-            limit
-        } else if u < -limit {
-            -limit
-        } else {
-            u
-        };
-        (g, u, g_in, u_in)
+        // A NaN passes through both, as torch's clamp (`f32::min` would replace it); `limit >= 0`
+        // (validated), so `clamp` cannot panic.
+        (if g > limit { limit } else { g }, u.clamp(-limit, limit), g_in, u_in)
     }
 
     /// `(u + 1) · g · σ(alpha · g)` on clamped values, in f32 for a result stored as `T`.
@@ -79,7 +73,7 @@ impl Clamp {
     /// The same in f64, for references: `(out, d out/d gate, d out/d up)` at `(g, u)`.
     pub(crate) fn exact(self, g: f64, u: f64) -> (f64, f64, f64) {
         let (alpha, limit) = (self.alpha, self.limit);
-        let (gc, uc) = (g.min(limit), u.clamp(-limit, limit));
+        let (gc, uc) = (if g > limit { limit } else { g }, u.clamp(-limit, limit));
         let s = math::exact::sigmoid(alpha * gc);
         let glu = gc * s;
         let d_gate = if g <= limit { (uc + 1.0) * (s + alpha * gc * s * (1.0 - s)) } else { 0.0 };

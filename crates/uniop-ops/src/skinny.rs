@@ -255,8 +255,9 @@ const LINES_IN_CACHE: usize = 1 << 20;
 /// Lines per block past [`LINES_IN_CACHE`]. A block is walked a column chunk at a time, each chunk
 /// reading a piece of every line of the block: 128 bytes at the AVX-512 level, where 64 lines
 /// stream well, but 32 with AVX2's 16-column chunks, where blocks of 64 lines streamed at 5–10
-/// GB/s and blocks of 16 at 23–26 (bf16 `[1, 2880] x [2880, 5760]` and `[1, 4096] x [4096,
-/// 11008]`, a Zen 3 with AVX2 alternated twice; 4 rows 4.4–6.4 → 3.0–3.2 ms on the first).
+/// GB/s and blocks of 16 at 13–26 (bf16 `[1, 2880] x [2880, 5760]` and `[1, 4096] x [4096,
+/// 11008]`, a Zen 3 with AVX2 alternated twice, then over later runs; 4 rows 4.4–6.4 → 3.0–3.2 ms
+/// on the first).
 fn line_block(simd: Simd) -> usize {
     match simd {
         Simd::Avx512 => 64,

@@ -699,6 +699,12 @@ fn clamped_swiglu_clamps_both_sides_of_interleaved_pairs() {
     assert_eq!((dx[0][2], dx[0][3]), (0.0, 0.0), "both members clamped");
     let s = sigmoid(alpha * 7.0);
     assert_close(&dx[0][4..], &[8.0 * s * (1.0 + alpha * 7.0 * (1.0 - s)), 7.0 * s], "on the limit");
+    // A NaN gate or up value stays NaN through the clamps (torch's clamp passes NaN), and the
+    // other pair is untouched.
+    let nan = [f32::NAN, 1.0, 1.0, f32::NAN, 0.5, 0.25];
+    let out = run_unchecked("clamped_swiglu", &[Some(TensorRef::new(&nan, &[3, 2]).unwrap())], &attrs);
+    assert!(out[0][0].is_nan() && out[0][1].is_nan(), "NaN through the clamps: {:?}", out[0]);
+    assert_close(&out[0][2..], &want[..1], "beside a NaN");
 
     let shape = vec![2, 3, 10];
     let wide: Vec<f32> = rand_vec(60, 41).iter().map(|v| 12.0 * v).collect();

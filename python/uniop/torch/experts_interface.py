@@ -11,8 +11,8 @@ Training in float32 runs one autograd node over the experts, its backward on uni
 (see :class:`_Experts`); torch.compile, and training in other dtypes or under autocast, keep
 transformers' grouped forward.
 GPT-OSS's experts (transposed weights ``[E, H, 2I]`` with gate and up interleaved, biases, a
-clamped SwiGLU) run as a ``linear`` with bias, uniop's ``clamped_swiglu`` and a ``linear`` with bias;
-training them keeps transformers' grouped forward. Other layouts (biases or transposed weights
+clamped SwiGLU) run as a ``linear`` with bias, uniop's ``clamped_swiglu`` and a ``linear`` with bias,
+trained as the others (the node's backward on ``matmul_backward`` and ``clamped_swiglu_backward``). Other layouts (biases or transposed weights
 otherwise, no gate, an activation other than SiLU and GELU, a post-expert norm) and tensors off the
 CPU run transformers' own (eager) forward.
 
@@ -47,13 +47,13 @@ def register_experts():
 def covers(module):
     """Whether uniop's forward computes what transformers' does for this experts module (of a class
     transformers' ``use_experts_implementation`` decorated), for the inputs it takes (see
-    :func:`_covered`): the layout, biases and activation its flags and class declare."""
+    :func:`_form`): the layout, biases and activation its flags and class declare."""
     return _form(module) is not None
 
 
 def _form(module):
-    """How uniop runs this experts module: ``"gated"`` (transformers' default layout — gate rows
-    then up rows, ``[E, 2I, H]``, no biases — with a SiLU or GELU gate), ``"clamped"`` (GPT-OSS's:
+    """How uniop runs this experts module: :class:`_Gated` (transformers' default layout — gate rows
+    then up rows, ``[E, 2I, H]``, no biases — with a SiLU or GELU gate), :class:`_Clamped` (GPT-OSS's:
     transposed ``[E, H, 2I]`` with gate and up interleaved, biases, its clamped SwiGLU gate), or
     None for any other."""
     from transformers.integrations.moe import _default_apply_gate
@@ -62,9 +62,10 @@ def _form(module):
         return None
     gate = type(module)._apply_gate
     if module.is_concatenated and not module.is_transposed and not module.has_bias:
-        return "gated" if gate is _default_apply_gate and unn.gating(module) is not None else None
+        act = unn.gating(module)
+        return _Gated(act) if gate is _default_apply_gate and act is not None else None
     if not module.is_concatenated and module.is_transposed and module.has_bias and gate is _clamped_gate():
-        return "clamped"
+        return _Clamped(float(module.alpha), float(module.limit))
     return None
 
 
@@ -80,25 +81,24 @@ def _clamped_gate():
 
 
 def _covered(module, x):
-    """Whether uniop's forward computes what transformers' does for this experts module and input."""
-    return covers(module) and x.device.type == "cpu" and x.dtype in unn._FLOATS
+    """How uniop runs this experts module on this input (see :func:`_form`), None where it doesn't."""
+    return _form(module) if x.device.type == "cpu" and x.dtype in unn._FLOATS else None
 
 
-def _records(module, x, top_k_weights):
+def _records(x, top_k_weights, weights):
     """Whether autograd records the call, so that its backward needs what the forward computed."""
-    inputs = (x, top_k_weights, module.gate_up_proj, module.down_proj)
-    return torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (x, top_k_weights, *weights))
 
 
-def _grouped_instead(records, x, form):
+def _grouped_instead(records, x):
     """Whether the call goes to transformers' grouped forward: torch.compile traces it (the loop
     reads how many rows each expert got), or autograd records it other than in float32 or under
-    autocast, or for GPT-OSS's experts (uniop has their forward only). :class:`_Experts` computes
-    its gradients in the dtypes its inputs and kept products have (autocast's casts are not in its
-    backward); in bfloat16 a training step of the tiny Mixtral ran 0.89x as fast on it as on the
-    grouped forward (oneDNN's bf16 products of an expert's 128 rows outrun uniop's backward ones),
-    in float32 1.09x (``benches/results/llama_families.md``); float16 is unmeasured."""
-    trains_elsewhere = x.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type) or form != "gated"
+    autocast. :class:`_Experts` computes its gradients in the dtypes its inputs and kept products
+    have (autocast's casts are not in its backward); in bfloat16 a training step of the tiny
+    Mixtral ran 0.89x as fast on it as on the grouped forward (oneDNN's bf16 products of an
+    expert's 128 rows outrun uniop's backward ones), in float32 1.09x
+    (``benches/results/llama_families.md``); float16 is unmeasured."""
+    trains_elsewhere = x.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type)
     return torch.compiler.is_compiling() or (records and trains_elsewhere)
 
 
@@ -126,24 +126,22 @@ def experts(module, hidden_states, top_k_index, top_k_weights):
 
     Where autograd records the call in float32, one autograd node runs the experts forward and
     backward (:class:`_Experts`). Calls torch.compile traces, and those autograd records in other
-    dtypes, under autocast or for GPT-OSS's experts, run transformers' grouped forward (its eager
-    one where torch's grouped product is missing)."""
-    if not _covered(module, hidden_states):
+    dtypes or under autocast, run transformers' grouped forward (its eager one where torch's
+    grouped product is missing)."""
+    form = _covered(module, hidden_states)
+    if form is None:
         return type(module).forward.__wrapped__(module, hidden_states, top_k_index, top_k_weights)
-    form = _form(module)
-    records = _records(module, hidden_states, top_k_weights)
-    if _grouped_instead(records, hidden_states, form):
+    weights = form.weights(module)
+    records = _records(hidden_states, top_k_weights, weights)
+    if _grouped_instead(records, hidden_states):
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         grouped = ALL_EXPERTS_FUNCTIONS.get("grouped_mm", type(module).forward.__wrapped__)
         return grouped(module, hidden_states, top_k_index, top_k_weights)
     routes = _Routes(module, top_k_index, top_k_weights)
-    if form == "clamped":
-        return _routed_sum(hidden_states, routes, _clamped_mlp(module))
-    act = unn.gating(module)
     if records:
-        return _Experts.apply(hidden_states, top_k_weights, module.gate_up_proj, module.down_proj, routes, act)
-    return _routed_sum(hidden_states, routes, _gated_mlp(module.gate_up_proj, module.down_proj, act))
+        return _Experts.apply(hidden_states, top_k_weights, routes, form, *weights)
+    return _routed_sum(hidden_states, routes, form.mlp(weights))
 
 
 def _routed_sum(hidden_states, routes, mlp):
@@ -157,43 +155,94 @@ def _routed_sum(hidden_states, routes, mlp):
     return out.to(hidden_states.dtype)
 
 
-def _gated_mlp(gate_up_proj, down_proj, act, kept=None):
-    """An expert's gated MLP in transformers' default layout: one ``linear_silu_mul`` (or
-    ``linear_gelu_mul``) on the two halves of its ``gate_up_proj`` (views) and one ``linear``. With
-    a ``kept`` list, the train form instead, and each expert's input rows, activation, gate and up
-    products and output appended to it, for :class:`_Experts`'s backward."""
-    gated = getattr(unn.uniop_ops, act.fused if kept is None else act.train)
+class _Gated:
+    """Experts in transformers' default layout: each one's gated MLP is one ``linear_silu_mul`` (or
+    ``linear_gelu_mul``) on the two halves of its ``gate_up_proj`` (views) and one ``linear``."""
 
-    def mlp(expert, x):
+    def __init__(self, act):
+        self.act = act
+
+    @staticmethod
+    def weights(module):
+        return module.gate_up_proj, module.down_proj
+
+    def mlp(self, weights, kept=None):
+        """``mlp(expert, x)``. With a ``kept`` list, the train form instead, and each expert's input
+        rows, activation, gate and up products and output appended to it, for :meth:`backward`."""
+        gate_up_proj, down_proj = weights
+        gated = getattr(unn.uniop_ops, self.act.fused if kept is None else self.act.train)
+
+        def mlp(expert, x):
+            gate, up = gate_up_proj[expert].chunk(2)
+            outputs = gated(x, gate, up, *self.act.form)  # the train form's: h, the gate and up products
+            y = unn.uniop_ops.linear(outputs if kept is None else outputs[0], down_proj[expert], None)
+            if kept is not None:
+                kept.append((x, *outputs, y))
+            return y
+
+        return mlp
+
+    def backward(self, expert, weights, grads, dy, kept):
+        """One expert's ``linear_backward`` of its down projection and ``linear_silu_mul_backward``
+        (``linear_gelu_mul_backward``) of its gate/up pair; writes its slices of ``grads``, returns
+        the gradient of its input rows."""
+        (gate_up_proj, down_proj), (d_gate_up, d_down) = weights, grads
+        x, h, gate_product, up_product, _ = kept
+        dh, d_down[expert], _ = unn.uniop_ops.linear_backward(dy, h, down_proj[expert])
         gate, up = gate_up_proj[expert].chunk(2)
-        outputs = gated(x, gate, up, *act.form)  # the train form's: h, the gate and up products
-        y = unn.uniop_ops.linear(outputs if kept is None else outputs[0], down_proj[expert], None)
-        if kept is not None:
-            kept.append((x, *outputs, y))
-        return y
-
-    return mlp
+        backward = getattr(unn.uniop_ops, self.act.backward)
+        dx, d_gate, d_up = backward(dh, x, gate, up, gate_product, up_product, *self.act.form)
+        d_gate_up[expert, : len(gate)], d_gate_up[expert, len(gate) :] = d_gate, d_up
+        return dx
 
 
-def _clamped_mlp(module):
-    """A GPT-OSS expert: ``linear`` with its bias onto the interleaved gate/up product (its
-    transposed weight read as ``[2I, H]`` through swapped strides, no copy), ``clamped_swiglu``
-    with the module's ``alpha`` and ``limit``, and ``linear`` with its bias for the down projection."""
-    ops = unn.uniop_ops
+class _Clamped:
+    """GPT-OSS's experts: ``linear`` with the bias onto the interleaved gate/up product (the
+    transposed weight read as ``[2I, H]`` through swapped strides, no copy), ``clamped_swiglu`` with
+    the module's ``alpha`` and ``limit``, and ``linear`` with its bias for the down projection."""
 
-    def mlp(expert, x):
-        gate_up = ops.linear(x, module.gate_up_proj[expert].mT, module.gate_up_proj_bias[expert])
-        h = ops.clamped_swiglu(gate_up, float(module.alpha), float(module.limit))
-        return ops.linear(h, module.down_proj[expert].mT, module.down_proj_bias[expert])
+    def __init__(self, alpha, limit):
+        self.alpha, self.limit = alpha, limit
 
-    return mlp
+    @staticmethod
+    def weights(module):
+        return module.gate_up_proj, module.gate_up_proj_bias, module.down_proj, module.down_proj_bias
+
+    def mlp(self, weights, kept=None):
+        """``mlp(expert, x)``; with a ``kept`` list, each expert's input rows, gate/up product,
+        activation and output appended to it, for :meth:`backward`."""
+        gate_up_proj, gate_up_bias, down_proj, down_bias = weights
+        ops = unn.uniop_ops
+
+        def mlp(expert, x):
+            gate_up = ops.linear(x, gate_up_proj[expert].mT, gate_up_bias[expert])
+            h = ops.clamped_swiglu(gate_up, self.alpha, self.limit)
+            y = ops.linear(h, down_proj[expert].mT, down_bias[expert])
+            if kept is not None:
+                kept.append((x, gate_up, h, y))
+            return y
+
+        return mlp
+
+    def backward(self, expert, weights, grads, dy, kept):
+        """One expert's ``matmul_backward`` of its down projection, ``clamped_swiglu_backward`` and
+        ``matmul_backward`` of its gate/up projection: the weights stored ``[in, out]`` are
+        ``matmul``'s right operand, whose gradient comes in that layout (``linear_backward``'s would
+        come transposed); each bias's gradient is its output's summed over rows."""
+        (gate_up_proj, _, down_proj, _), (d_gate_up, d_gate_up_bias, d_down, d_down_bias) = weights, grads
+        x, gate_up, h, _ = kept
+        ops = unn.uniop_ops
+        dh, d_down[expert] = ops.matmul_backward(dy, h, down_proj[expert])
+        d_gate_up_product = ops.clamped_swiglu_backward(dh, gate_up, self.alpha, self.limit)
+        dx, d_gate_up[expert] = ops.matmul_backward(d_gate_up_product, x, gate_up_proj[expert])
+        d_down_bias[expert], d_gate_up_bias[expert] = dy.float().sum(0), d_gate_up_product.float().sum(0)
+        return dx
 
 
 class _Experts(torch.autograd.Function):
-    """The experts forward (:func:`_gated_mlp`'s train form, keeping each expert's input rows, gate
-    and up products, activation and output) and its backward: per expert, ``linear_backward`` of its down
-    projection and ``linear_silu_mul_backward`` (``linear_gelu_mul_backward``) of its gate/up pair
-    on the kept products, each weight's gradient written into its expert's slice of one buffer.
+    """The experts forward (the form's MLP keeping what its backward needs of each expert: input
+    rows, products, activation, output) and its backward: per expert, the form's backward on the
+    kept products, each weight's gradient written into its expert's slice of one buffer.
 
     Why one node rather than autograd over the per-expert calls: there, the gradient of one
     expert's slice of a 3-D weight is a buffer the size of the whole weight, so the backward wrote
@@ -202,37 +251,30 @@ class _Experts(torch.autograd.Function):
     the upstream gradient of its token dotted with its expert's output."""
 
     @staticmethod
-    def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, routes, act):
+    def forward(ctx, hidden_states, top_k_weights, routes, form, *weights):
         ctx.kept = []
-        out = _routed_sum(hidden_states, routes, _gated_mlp(gate_up_proj, down_proj, act, ctx.kept))
-        ctx.save_for_backward(gate_up_proj, down_proj)
-        ctx.routes, ctx.act = routes, act
+        out = _routed_sum(hidden_states, routes, form.mlp(weights, ctx.kept))
+        ctx.save_for_backward(*weights)
+        ctx.routes, ctx.form = routes, form
         ctx.inputs = hidden_states.shape, hidden_states.dtype, top_k_weights.shape, top_k_weights.dtype
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        gate_up_proj, down_proj = ctx.saved_tensors
-        routes, act = ctx.routes, ctx.act
+        weights, routes = ctx.saved_tensors, ctx.routes
         hidden_shape, dtype, weights_shape, weights_dtype = ctx.inputs
-        backward = getattr(unn.uniop_ops, act.backward)
         dout = dout.float()
         d_hidden = torch.zeros(hidden_shape, dtype=torch.float32)
-        d_gate_up, d_down = torch.zeros_like(gate_up_proj), torch.zeros_like(down_proj)
+        grads = [torch.zeros_like(w) for w in weights]
         d_sorted_weights = torch.zeros(routes.order.shape, dtype=torch.float32)
-        intermediate = gate_up_proj.shape[1] // 2
-        for (expert, pairs), (x, h, gate_product, up_product, y) in zip(routes.slices, ctx.kept):
+        for (expert, pairs), kept in zip(routes.slices, ctx.kept):
             rows = routes.tokens[pairs]
             d_rows = dout[rows]
-            d_sorted_weights[pairs] = (d_rows * y.float()).sum(-1)
+            d_sorted_weights[pairs] = (d_rows * kept[-1].float()).sum(-1)
             dy = (d_rows * routes.weights[pairs, None]).to(dtype)
-            dh, d_down[expert], _ = unn.uniop_ops.linear_backward(dy, h, down_proj[expert])
-            gate, up = gate_up_proj[expert].chunk(2)
-            dx, d_gate, d_up = backward(dh, x, gate, up, gate_product, up_product, *act.form)
-            d_gate_up[expert, :intermediate], d_gate_up[expert, intermediate:] = d_gate, d_up
-            d_hidden.index_add_(0, rows, dx.float())
+            d_hidden.index_add_(0, rows, ctx.form.backward(expert, weights, grads, dy, kept).float())
         d_weights = torch.empty_like(d_sorted_weights)
         d_weights[routes.order] = d_sorted_weights
         d_weights = d_weights.view(weights_shape).to(weights_dtype)
-        return d_hidden.to(dtype), d_weights, d_gate_up, d_down, None, None
+        return d_hidden.to(dtype), d_weights, None, None, *grads
