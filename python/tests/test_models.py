@@ -889,10 +889,10 @@ def test_gpt_oss_experts_run_linear_with_bias_and_clamped_swiglu():
     SwiGLU) on uniop: each expert a token picked runs ``linear`` with its bias, ``clamped_swiglu``
     and ``linear`` with its bias, and the output is transformers' eager experts' in float32 and
     bfloat16, with gate and up values past the clamp's limit on both sides. Where autograd records
-    a float32 call, the experts' node trains them (``matmul_backward`` of each transposed weight,
-    ``clamped_swiglu_backward``): the gradients of the input, the routing weights, both weights and
-    both biases are eager's, an idle expert's zero; in bfloat16 transformers' grouped forward runs
-    (no uniop op), with eager's gradients too."""
+    the call (either dtype), the experts' node trains them (``matmul_backward`` of each transposed
+    weight, ``clamped_swiglu_backward``): the gradients of the input, the routing weights, both
+    weights and both biases are eager's, an idle expert's zero. Under autocast transformers'
+    grouped forward runs (no uniop op)."""
     from uniop.torch import experts_interface
 
     for dtype in (torch.float32, torch.bfloat16):
@@ -928,11 +928,10 @@ def test_gpt_oss_experts_run_linear_with_bias_and_clamped_swiglu():
         want = grads(eager)
         got = []
         ran = _uniop_ops_run(lambda: got.append(grads(experts_interface.experts)))
-        if dtype == torch.float32:
-            assert {"uniop::matmul_backward", "uniop::clamped_swiglu_backward"} <= ran
-            assert not any(g[3].any() for g in got[0][2:])  # expert 3 idle
-        else:
-            assert not ran
+        assert {"uniop::matmul_backward", "uniop::clamped_swiglu_backward"} <= ran
+        assert not any(g[3].any() for g in got[0][2:])  # expert 3 idle
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not _uniop_ops_run(lambda: grads(experts_interface.experts))
         names = "dx", "dweights", "dgate_up", "dgate_up_bias", "ddown", "ddown_bias"
         for what, g, w in zip(names, got[0], want):
             assert g.dtype == w.dtype and g.shape == w.shape, what

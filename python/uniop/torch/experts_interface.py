@@ -8,11 +8,12 @@ as one uniop ``linear_silu_mul`` (``linear_gelu_mul`` for GELU experts) on the t
 ``gate_up_proj`` (views, no copy) and its down projection as one ``linear``, on the rows routed to
 it. On CPU the decode steps' few rows stream each expert's weights through uniop's few-row products.
 Training in float32 runs one autograd node over the experts, its backward on uniop's backward ops
-(see :class:`_Experts`); torch.compile, and training in other dtypes or under autocast, keep
-transformers' grouped forward.
+(see :class:`_Experts`); torch.compile, and training in other dtypes (but GPT-OSS's in bfloat16)
+or under autocast, keep transformers' grouped forward.
 GPT-OSS's experts (transposed weights ``[E, H, 2I]`` with gate and up interleaved, biases, a
 clamped SwiGLU) run as a ``linear`` with bias, uniop's ``clamped_swiglu`` and a ``linear`` with bias,
-trained as the others (the node's backward on ``matmul_backward`` and ``clamped_swiglu_backward``). Other layouts (biases or transposed weights
+trained on the same node in float32 and bfloat16 (its backward on ``matmul_backward`` and
+``clamped_swiglu_backward``). Other layouts (biases or transposed weights
 otherwise, no gate, an activation other than SiLU and GELU, a post-expert norm) and tensors off the
 CPU run transformers' own (eager) forward.
 
@@ -90,15 +91,12 @@ def _records(x, top_k_weights, weights):
     return torch.is_grad_enabled() and any(t.requires_grad for t in (x, top_k_weights, *weights))
 
 
-def _grouped_instead(records, x):
+def _grouped_instead(records, x, form):
     """Whether the call goes to transformers' grouped forward: torch.compile traces it (the loop
-    reads how many rows each expert got), or autograd records it other than in float32 or under
-    autocast. :class:`_Experts` computes its gradients in the dtypes its inputs and kept products
-    have (autocast's casts are not in its backward); in bfloat16 a training step of the tiny
-    Mixtral ran 0.89x as fast on it as on the grouped forward (oneDNN's bf16 products of an
-    expert's 128 rows outrun uniop's backward ones), in float32 1.09x
-    (``benches/results/llama_families.md``); float16 is unmeasured."""
-    trains_elsewhere = x.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type)
+    reads how many rows each expert got), or autograd records it in a dtype the form does not
+    train in (``form.trains_in``) or under autocast (:class:`_Experts` computes its gradients in
+    the dtypes its inputs and kept products have; autocast's casts are not in its backward)."""
+    trains_elsewhere = x.dtype not in form.trains_in or torch.is_autocast_enabled(x.device.type)
     return torch.compiler.is_compiling() or (records and trains_elsewhere)
 
 
@@ -124,16 +122,16 @@ def experts(module, hidden_states, top_k_index, top_k_weights):
     outputs weighted and summed per token in float32 (as transformers' grouped forward sums them),
     rounded once.
 
-    Where autograd records the call in float32, one autograd node runs the experts forward and
-    backward (:class:`_Experts`). Calls torch.compile traces, and those autograd records in other
-    dtypes or under autocast, run transformers' grouped forward (its eager one where torch's
-    grouped product is missing)."""
+    Where autograd records the call (in float32; GPT-OSS's experts in bfloat16 too), one autograd
+    node runs the experts forward and backward (:class:`_Experts`). Calls torch.compile traces,
+    and those autograd records in other dtypes or under autocast, run transformers' grouped
+    forward (its eager one where torch's grouped product is missing)."""
     form = _covered(module, hidden_states)
     if form is None:
         return type(module).forward.__wrapped__(module, hidden_states, top_k_index, top_k_weights)
     weights = form.weights(module)
     records = _records(hidden_states, top_k_weights, weights)
-    if _grouped_instead(records, hidden_states):
+    if _grouped_instead(records, hidden_states, form):
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         grouped = ALL_EXPERTS_FUNCTIONS.get("grouped_mm", type(module).forward.__wrapped__)
@@ -157,7 +155,14 @@ def _routed_sum(hidden_states, routes, mlp):
 
 class _Gated:
     """Experts in transformers' default layout: each one's gated MLP is one ``linear_silu_mul`` (or
-    ``linear_gelu_mul``) on the two halves of its ``gate_up_proj`` (views) and one ``linear``."""
+    ``linear_gelu_mul``) on the two halves of its ``gate_up_proj`` (views) and one ``linear``.
+
+    Trained on :class:`_Experts` in float32 only: a training step of the tiny Mixtral ran 1.09x as
+    fast on it as on transformers' grouped forward in float32, 0.89x in bfloat16 (0.94x on a later
+    Zen 4: uniop's bf16 train and backward gated ops run ~0.9x torch's two and four products of an
+    expert's 128 rows; ``benches/results/llama_families.md``); float16 is unmeasured."""
+
+    trains_in = frozenset({torch.float32})
 
     def __init__(self, act):
         self.act = act
@@ -199,7 +204,13 @@ class _Gated:
 class _Clamped:
     """GPT-OSS's experts: ``linear`` with the bias onto the interleaved gate/up product (the
     transposed weight read as ``[2I, H]`` through swapped strides, no copy), ``clamped_swiglu`` with
-    the module's ``alpha`` and ``limit``, and ``linear`` with its bias for the down projection."""
+    the module's ``alpha`` and ``limit``, and ``linear`` with its bias for the down projection.
+
+    Trained on :class:`_Experts` in float32 and bfloat16: the tiny GPT-OSS's training step ran 1.05x
+    and 1.13x as fast as on transformers' grouped forward (which runs the gate as seven ops on
+    strided views); float16 is unmeasured."""
+
+    trains_in = frozenset({torch.float32, torch.bfloat16})
 
     def __init__(self, alpha, limit):
         self.alpha, self.limit = alpha, limit
