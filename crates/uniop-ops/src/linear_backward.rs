@@ -2,8 +2,8 @@
 //! [`linear`](crate::linear): `dx = dy · weight`, `dweight = dyᵀ · x`, `dbias = Σ_rows dy`.
 //!
 //! Two launches, each block owning a band of an output (no atomics, deterministic): rows of `dx`
-//! (or, for bf16 on AMX with few rows, its columns), then rows of `dweight` together with the
-//! matching entries of `dbias`. Transposes are strides.
+//! (or, for f32 and bf16 with few rows, its columns: `split_columns`), then rows of `dweight`
+//! together with the matching entries of `dbias`. Transposes are strides.
 
 use crate::linear::{x_and_weight, Dims, COLUMN_UNIT};
 use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};

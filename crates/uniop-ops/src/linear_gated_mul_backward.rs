@@ -5,7 +5,7 @@
 //! `dx = dg · gate_weight + du · up_weight`, `dgate_weight = dgᵀ · x`, `dup_weight = duᵀ · x`.
 //!
 //! Three launches, each block owning a band of what it writes (no atomics, deterministic): `dg`
-//! and `du` into the workspace, then rows (or, for bf16 on AMX with few rows, columns) of `dx`,
+//! and `du` into the workspace, then rows (or, for f32 and bf16 with few rows, columns) of `dx`,
 //! then rows of the two weight gradients. The first launch takes `g` and `u` as given (`gate` and
 //! `up`, which `linear_silu_mul_train` returns) in one elementwise pass, or, when they were not
 //! kept (`linear_silu_mul`'s autograd, which keeps no `[rows, n]` tensor), recomputes them with
