@@ -2023,8 +2023,8 @@ fn causal_softmax_masks_bottom_right_and_softmax_backward_is_its_gradient() {
 
 /// Linears split by output columns across blocks: decode-shaped ones (a few rows, many outputs;
 /// in bf16 dot products straight from the weight), and ones with more rows than that but fewer
-/// than outputs per block (a prefill against an MLP weight: bf16 on AMX and f32 on AVX-512 split
-/// them by columns, and bf16 on AMX, at least 1024 deep, takes them transposed). Bias, ragged
+/// than outputs per block (a prefill against an MLP weight: bf16, and f32 from AVX2 up, split them
+/// by columns, and bf16 on AMX, at least 1024 deep, takes them transposed). Bias, ragged
 /// bands and blocks, the weight dense along k and a transposed view of it, f32 and bf16.
 #[test]
 fn linear_split_by_columns_matches_the_reference() {
@@ -2052,16 +2052,16 @@ fn linear_split_by_columns_matches_the_reference() {
     }
 }
 
-/// bf16 gradients of a linear with fewer rows than in_features per block: on AMX, dx is split
-/// by columns (each block packing its share of the weight); ragged column bands and blocks, the
+/// bf16 gradients of a linear with fewer rows than in_features per block: dx is split by
+/// columns (each block packing its share of the weight); ragged column bands and blocks, the
 /// 16-row groups of dyᵀ packed for dweight with a ragged rest and depth.
 #[test]
 fn linear_backward_with_few_rows_matches_the_reference() {
     setup();
     use uniop::half::bf16;
     let to_bf16 = |v: &[f32]| v.iter().map(|&f| bf16::from_f32(f)).collect::<Vec<_>>();
-    // The last: no rows and no in_features (every output empty but dbias, all zeros; on AMX
-    // still a split by columns, of none).
+    // The last: no rows and no in_features (every output empty but dbias, all zeros; still a
+    // split by columns, of none).
     for (rows, k, n) in [(40, 300, 100), (70, 200, 37), (0, 0, 3)] {
         let (dy, x, w) =
             (to_bf16(&rand_vec(rows * n, 125)), to_bf16(&rand_vec(rows * k, 126)), to_bf16(&rand_vec(n * k, 127)));
@@ -2079,9 +2079,9 @@ fn linear_backward_with_few_rows_matches_the_reference() {
 fn matmul_with_few_rows_splits_columns() {
     // Fewer row bands than threads: blocks take bands of b's columns (row-major b: the bf16 line
     // kernel; transposed b: the dot products), a ragged last column unit, odd k, f32 and bf16.
-    // The last two: more rows than those paths take, but (bf16 on AMX) fewer than columns per
-    // block, so one band of all rows is split by columns (transposed b at least 1024 deep, as in
-    // the first of them: taken transposed).
+    // The last two: more rows than those paths take, but fewer than columns per block, so one
+    // band of all rows is split by columns (on AMX a transposed b at least 1024 deep, as in the
+    // first of them, is taken transposed).
     setup();
     use uniop::half::bf16;
     for (rows, k, n) in [(1, 96, 200), (3, 33, 130), (4, 7, 65), (40, 1030, 300), (70, 301, 200)] {

@@ -158,9 +158,9 @@ class _Gated:
     ``linear_gelu_mul``) on the two halves of its ``gate_up_proj`` (views) and one ``linear``.
 
     Trained on :class:`_Experts` in float32 only: a training step of the tiny Mixtral ran 1.09x as
-    fast on it as on transformers' grouped forward in float32, 0.89x in bfloat16 (0.94x on a later
-    Zen 4: uniop's bf16 train and backward gated ops run ~0.9x torch's two and four products of an
-    expert's 128 rows; ``benches/results/llama_families.md``); float16 is unmeasured."""
+    fast on it as on transformers' grouped forward in float32, 0.89x in bfloat16, 0.96x best and
+    1.01x median on a later Zen 4 (``benches/results/llama_families.md``): no gain to switch for;
+    float16 is unmeasured."""
 
     trains_in = frozenset({torch.float32})
 
@@ -206,9 +206,9 @@ class _Clamped:
     transposed weight read as ``[2I, H]`` through swapped strides, no copy), ``clamped_swiglu`` with
     the module's ``alpha`` and ``limit``, and ``linear`` with its bias for the down projection.
 
-    Trained on :class:`_Experts` in float32 and bfloat16: the tiny GPT-OSS's training step ran 1.05x
-    and 1.13x as fast as on transformers' grouped forward (which runs the gate as seven ops on
-    strided views); float16 is unmeasured."""
+    Trained on :class:`_Experts` in float32 and bfloat16: the tiny GPT-OSS's training step ran
+    1.05–1.11x and 1.13–1.28x as fast as on transformers' grouped forward (which runs the gate as
+    seven ops on strided views); float16 is unmeasured."""
 
     trains_in = frozenset({torch.float32, torch.bfloat16})
 
