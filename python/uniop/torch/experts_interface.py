@@ -252,7 +252,7 @@ class _Clamped:
 
 class _Experts(torch.autograd.Function):
     """The experts forward (the form's MLP keeping what its backward needs of each expert: input
-    rows, products, activation, output) and its backward: per expert, the form's backward on the
+    rows, products, activation, and its output last) and its backward: per expert, the form's backward on the
     kept products, each weight's gradient written into its expert's slice of one buffer.
 
     Why one node rather than autograd over the per-expert calls: there, the gradient of one
