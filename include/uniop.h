@@ -1151,15 +1151,18 @@ uniopStatus uniopRmsNormBackward(void *workspace,
                                  uniopExecutor *executor,
                                  uniopStream stream);
 
-// Phase 1 of `rope(Tensor x, Tensor cos, Tensor sin, str mode='half') -> (Tensor out)`.
+// Phase 1 of `rope(Tensor x, Tensor cos, Tensor sin, str mode='half', bool per_pair=False) -> (Tensor out)`.
 //
-// Rotary position embedding. cos/sin: [..., R], broadcasting against x with its last dim replaced
-// by the rotary dim R (even, <= head dim; the rest passes through). mode 'half' pairs i with i+R/2
-// (HF/NeoX rotate_half), 'interleave' pairs 2i with 2i+1 (GPT-J). cos/sin in x's dtype or float32.
+// Rotary position embedding. cos/sin: [..., W], broadcasting against x with its last dim replaced
+// by W. The rotary dim R (even, <= head dim; the rest passes through) is W: one value per rotated
+// element, in the rotated part's layout (HF's tables), or with per_pair 2W: one value per pair
+// (flash-attn's, vLLM's, GPT-OSS's tables). mode 'half' pairs i with i+R/2 (HF/NeoX rotate_half),
+// 'interleave' pairs 2i with 2i+1 (GPT-J). cos/sin in x's dtype or float32.
 uniopStatus uniopRopeGetWorkspaceSize(const uniopTensor *x,
                                       const uniopTensor *cos,
                                       const uniopTensor *sin,
                                       const char *mode,
+                                      bool per_pair,
                                       uniopTensor *out,
                                       uint64_t *workspaceSize,
                                       uniopExecutor **executor);
@@ -1170,13 +1173,15 @@ uniopStatus uniopRope(void *workspace,
                       uniopExecutor *executor,
                       uniopStream stream);
 
-// Phase 1 of `rope_backward(Tensor dout, Tensor cos, Tensor sin, str mode='half') -> (Tensor dx)`.
+// Phase 1 of `rope_backward(Tensor dout, Tensor cos, Tensor sin, str mode='half', bool per_pair=False) -> (Tensor dx)`.
 //
-// Gradient of rope: applies the transposed rotation to dout (same cos/sin/mode rules as rope).
+// Gradient of rope: applies the transposed rotation to dout (same cos/sin/mode/per_pair rules as
+// rope).
 uniopStatus uniopRopeBackwardGetWorkspaceSize(const uniopTensor *dout,
                                               const uniopTensor *cos,
                                               const uniopTensor *sin,
                                               const char *mode,
+                                              bool per_pair,
                                               uniopTensor *dx,
                                               uint64_t *workspaceSize,
                                               uniopExecutor **executor);
@@ -1187,20 +1192,22 @@ uniopStatus uniopRopeBackward(void *workspace,
                               uniopExecutor *executor,
                               uniopStream stream);
 
-// Phase 1 of `rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None, Tensor? inv_freq=None) -> (Tensor cos, Tensor sin)`.
+// Phase 1 of `rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None, Tensor? inv_freq=None, bool per_pair=False) -> (Tensor cos, Tensor sin)`.
 //
 // cos/sin tables for rope from integer positions (any shape; output [..., dim]), HF's default
 // rotary embedding: inv_freq = 1/theta^(2j/dim), angle = position * inv_freq in float32. mode
 // 'half' lays the dim/2 frequencies out twice (cat), 'interleave' repeats each in place. dtype:
 // float32 (default), float16, bfloat16. inv_freq (float32 [dim/2], optional) replaces
 // 1/theta^(2j/dim): a model's own table (HF's scaled ropes, or its default one as torch's pow
-// rounded it) gives its angles exactly.
+// rounded it) gives its angles exactly. per_pair: one column per frequency (output [..., dim/2],
+// either mode), rope's per_pair tables.
 uniopStatus uniopRopeCosSinGetWorkspaceSize(const uniopTensor *positions,
                                             int64_t dim,
                                             double theta,
                                             const char *mode,
                                             const uniopDataType *dtype,
                                             const uniopTensor *inv_freq,
+                                            bool per_pair,
                                             uniopTensor *cos,
                                             uniopTensor *sin,
                                             uint64_t *workspaceSize,

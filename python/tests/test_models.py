@@ -1050,11 +1050,15 @@ def test_gpt_oss_sinks_run_in_uniop_attention(monkeypatch):
     """GPT-OSS's attention sinks are uniop attention's ``sinks``: under the registered ``"uniop"``
     implementation without patching (the attention interface passes ``s_aux``), with
     ``output_attentions`` (the interface falls back to GPT-OSS's eager attention), and patched
-    (norms, linears, loss, and its experts on uniop's ``clamped_swiglu``; training them stays on
-    transformers' grouped forward),
-    a plain and a left-padded batch give transformers' eager logits, greedy decoding of the padded
-    batch its tokens, and a training step its loss and every gradient — the sinks' too. The sinks
-    matter: zeroed, the logits move by far more than the tolerance."""
+    (norms, linears, loss, the attention straight through — never the interface — with its rope on
+    uniop ``rope``'s per-pair tables, and its experts on uniop's ``clamped_swiglu``), a plain and a
+    left-padded batch give transformers' eager logits, greedy decoding of the padded batch its
+    tokens, and a training step its loss and every gradient — the sinks' too. The sinks matter:
+    zeroed, the logits move by far more than the tolerance."""
+    from transformers import AttentionInterface
+
+    from uniop.torch import attention_interface
+
     model = _tiny_gpt_oss()
     assert model.config._attn_implementation == "eager"  # transformers' only CPU attention for GPT-OSS
     ids, mask = _left_padded_prompts(40, padding=9, seed=6)
@@ -1063,9 +1067,14 @@ def test_gpt_oss_sinks_run_in_uniop_attention(monkeypatch):
     for got in _logits_on_the_registered_interface(model, logits, monkeypatch):
         assert torch.allclose(got[0], want[0], atol=1e-4)
         assert torch.allclose(got[1], want[1][mask.bool()], atol=1e-4)
+    interface_calls = []
     try:
         ut.patch_llama(model)
         assert model.config._experts_implementation == ut.register_experts()
+        AttentionInterface.register(
+            attention_interface.ATTENTION,
+            lambda *a, **k: interface_calls.append(1) or attention_interface.attention(*a, **k),
+        )
         with torch.profiler.profile() as prof:
             got = _padded_batch_run(model, ids, mask)
         ran = {e.name for e in prof.events()}
@@ -1079,9 +1088,11 @@ def test_gpt_oss_sinks_run_in_uniop_attention(monkeypatch):
                 s.copy_(k)
     finally:
         ut.unpatch_llama()
+        ut.register_attention()
     assert model.config._attn_implementation == "eager"
     assert {"uniop::attention", "uniop::attention_backward", "uniop::rms_norm", "uniop::linear"} <= ran
     assert {"uniop::rms_norm_backward", "uniop::cross_entropy_backward", "uniop::clamped_swiglu"} <= ran
+    assert {"uniop::rope", "uniop::rope_backward"} <= ran and not interface_calls
     _assert_same_run(got, want, mask)
     assert want[4]["model.layers.0.self_attn.sinks"].abs().max() > 1e-3
     assert (sinkless[0] - want[0]).abs().max() > 0.1
@@ -1386,16 +1397,14 @@ def test_patch_before_instantiation_and_unpatch():
         found = {}
         for family, prefix in llama._FAMILIES.items():
             modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-            # GPT-OSS keeps its rope, attention (on the interface) and MoE block and layer: its norm alone.
-            if prefix == "GptOss":
-                found[family, "RMSNorm"] = modeling.GptOssRMSNorm.forward
-                continue
             found[family, "rope"] = modeling.apply_rotary_pos_emb
             names = ["RMSNorm", "Attention", "RotaryEmbedding"]
-            # Mixtral has no dense MLP; Gemma2's and Gemma3's decoder layers stay transformers' (see
-            # test_patched_gemma3_keeps_its_own_decoder_layer), as do the layers of models without an MLP.
+            # Mixtral has no dense MLP, GPT-OSS's is its MoE block (its own, as its layer); Gemma2's and
+            # Gemma3's decoder layers stay transformers' (see test_patched_gemma3_keeps_its_own_decoder_layer),
+            # as do the layers of models without an MLP.
             own_layer = prefix in ("Gemma2", "Gemma3")
-            names += [] if prefix == "Mixtral" else ["MLP"] if own_layer else ["MLP", "DecoderLayer"]
+            no_mlp = prefix in ("Mixtral", "GptOss")
+            names += [] if no_mlp else ["MLP"] if own_layer else ["MLP", "DecoderLayer"]
             for name in names:
                 found[family, name] = getattr(modeling, prefix + name).forward
         return found

@@ -14,7 +14,7 @@ import torch
 
 import uniop
 import uniop.torch  # noqa: F401  (registers torch.ops.uniop)
-from cases import CASES, attention_mask
+from cases import CASES, attention_mask, cos_sin_ref
 
 # Tests of what only the C++ kernels do (their error types and messages, torch-made outputs) skip
 # where the Python kernels were chosen on purpose; a failed C++ build still fails them.
@@ -744,6 +744,44 @@ def test_attention_with_a_float_mask_passes_opcheck_and_gradcheck():
         inputs = tuple(x.double().requires_grad_() for x in (q, k, v, mask))
         fn = lambda q, k, v, m: torch.ops.uniop.attention(q, k, v, None, True, None, m)[0]  # noqa: E731
         assert torch.autograd.gradcheck(fn, inputs)
+
+
+def _pair_rope_ref(x, cos, sin, mode):
+    """Rope with one table value per pair, as GPT-OSS's ``_apply_rotary_emb`` writes it (mode
+    'half'; 'interleave' pairs even elements with odd ones), in float64."""
+    x, cos, sin = (t.to(torch.float64) for t in (x, cos, sin))
+    first, second = x.chunk(2, -1) if mode == "half" else (x[..., 0::2], x[..., 1::2])
+    out = first * cos - second * sin, second * cos + first * sin
+    return torch.cat(out, -1) if mode == "half" else torch.stack(out, -1).flatten(-2)
+
+
+@pytest.mark.parametrize("mode", ["half", "interleave"])
+def test_rope_takes_one_table_value_per_pair(mode):
+    """``per_pair`` tables (``[S, D/2]``: GPT-OSS's, flash-attn's) rotate as GPT-OSS's formula,
+    through both routes, in every dtype, on a strided ``[B, H, S, D]`` view with tables in x's dtype
+    and in float32; ``rope_cos_sin(per_pair=True)`` builds them from positions; opcheck and float64
+    gradcheck (the backward takes ``per_pair`` from the forward). Tables of the full width with
+    ``per_pair`` are an error naming ``cos``."""
+    torch.manual_seed(0)
+    pos = torch.arange(5)
+    cos, sin = uniop.rope_cos_sin(pos, 8, mode=mode, per_pair=True)
+    want_cos, want_sin = (t[..., :4] for t in cos_sin_ref(pos, 8))
+    assert cos.shape == (5, 4)
+    torch.testing.assert_close(cos.double(), want_cos, atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin.double(), want_sin, atol=1e-6, rtol=0)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        x = torch.randn(2, 5, 3, 8).to(dtype).transpose(1, 2)
+        for tables in ((cos, sin), (cos.to(dtype), sin.to(dtype))):
+            want = _pair_rope_ref(x, *tables, mode)
+            _check(uniop.rope(x, *tables, mode, per_pair=True), want, dtype, f"uniop.rope {mode}")
+            _check(torch.ops.uniop.rope(x, *tables, mode, True), want, dtype, f"torch.ops.uniop.rope {mode}")
+    x = torch.randn(2, 3, 5, 8)
+    torch.library.opcheck(torch.ops.uniop.rope.default, (x, cos, sin, mode, True))
+    fn = lambda x: torch.ops.uniop.rope(x, cos.double(), sin.double(), mode, True)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x.double().requires_grad_(),))
+    full = cos_sin_ref(pos, 8)[0].float()
+    with pytest.raises(uniop.UniopError, match="rope: argument 'cos': expected one value per rotated pair"):
+        torch.ops.uniop.rope(x, full, full, mode, True)
 
 
 def test_an_argument_without_a_backward_gradient_that_requires_one_is_an_error():

@@ -1950,17 +1950,20 @@ pub extern "C" fn uniopRmsNormBackward(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `rope(Tensor x, Tensor cos, Tensor sin, str mode='half') -> (Tensor out)`.
+/// Phase 1 of `rope(Tensor x, Tensor cos, Tensor sin, str mode='half', bool per_pair=False) -> (Tensor out)`.
 ///
-/// Rotary position embedding. cos/sin: [..., R], broadcasting against x with its last dim replaced
-/// by the rotary dim R (even, <= head dim; the rest passes through). mode 'half' pairs i with i+R/2
-/// (HF/NeoX rotate_half), 'interleave' pairs 2i with 2i+1 (GPT-J). cos/sin in x's dtype or float32.
+/// Rotary position embedding. cos/sin: [..., W], broadcasting against x with its last dim replaced
+/// by W. The rotary dim R (even, <= head dim; the rest passes through) is W: one value per rotated
+/// element, in the rotated part's layout (HF's tables), or with per_pair 2W: one value per pair
+/// (flash-attn's, vLLM's, GPT-OSS's tables). mode 'half' pairs i with i+R/2 (HF/NeoX rotate_half),
+/// 'interleave' pairs 2i with 2i+1 (GPT-J). cos/sin in x's dtype or float32.
 #[no_mangle]
 pub extern "C" fn uniopRopeGetWorkspaceSize(
     x: *const uniopTensor,
     cos: *const uniopTensor,
     sin: *const uniopTensor,
     mode: *const c_char,
+    per_pair: bool,
     out: *mut uniopTensor,
     workspaceSize: *mut u64,
     executor: *mut *mut uniopExecutor,
@@ -1968,7 +1971,8 @@ pub extern "C" fn uniopRopeGetWorkspaceSize(
     const F: &str = "uniopRopeGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 3] = [("x", x), ("cos", cos), ("sin", sin)];
-        let attrs: [(&str, AttrValue); 1] = [("mode", typed::string(F, "mode", mode)?)];
+        let attrs: [(&str, AttrValue); 2] =
+            [("mode", typed::string(F, "mode", mode)?), ("per_pair", AttrValue::Bool(per_pair))];
         let outputs = [("out", out as *const uniopTensor)];
         plan("rope", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })
@@ -1985,15 +1989,17 @@ pub extern "C" fn uniopRope(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `rope_backward(Tensor dout, Tensor cos, Tensor sin, str mode='half') -> (Tensor dx)`.
+/// Phase 1 of `rope_backward(Tensor dout, Tensor cos, Tensor sin, str mode='half', bool per_pair=False) -> (Tensor dx)`.
 ///
-/// Gradient of rope: applies the transposed rotation to dout (same cos/sin/mode rules as rope).
+/// Gradient of rope: applies the transposed rotation to dout (same cos/sin/mode/per_pair rules as
+/// rope).
 #[no_mangle]
 pub extern "C" fn uniopRopeBackwardGetWorkspaceSize(
     dout: *const uniopTensor,
     cos: *const uniopTensor,
     sin: *const uniopTensor,
     mode: *const c_char,
+    per_pair: bool,
     dx: *mut uniopTensor,
     workspaceSize: *mut u64,
     executor: *mut *mut uniopExecutor,
@@ -2001,7 +2007,8 @@ pub extern "C" fn uniopRopeBackwardGetWorkspaceSize(
     const F: &str = "uniopRopeBackwardGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 3] = [("dout", dout), ("cos", cos), ("sin", sin)];
-        let attrs: [(&str, AttrValue); 1] = [("mode", typed::string(F, "mode", mode)?)];
+        let attrs: [(&str, AttrValue); 2] =
+            [("mode", typed::string(F, "mode", mode)?), ("per_pair", AttrValue::Bool(per_pair))];
         let outputs = [("dx", dx as *const uniopTensor)];
         plan("rope_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })
@@ -2018,14 +2025,15 @@ pub extern "C" fn uniopRopeBackward(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None, Tensor? inv_freq=None) -> (Tensor cos, Tensor sin)`.
+/// Phase 1 of `rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None, Tensor? inv_freq=None, bool per_pair=False) -> (Tensor cos, Tensor sin)`.
 ///
 /// cos/sin tables for rope from integer positions (any shape; output [..., dim]), HF's default
 /// rotary embedding: inv_freq = 1/theta^(2j/dim), angle = position * inv_freq in float32. mode
 /// 'half' lays the dim/2 frequencies out twice (cat), 'interleave' repeats each in place. dtype:
 /// float32 (default), float16, bfloat16. inv_freq (float32 [dim/2], optional) replaces
 /// 1/theta^(2j/dim): a model's own table (HF's scaled ropes, or its default one as torch's pow
-/// rounded it) gives its angles exactly.
+/// rounded it) gives its angles exactly. per_pair: one column per frequency (output [..., dim/2],
+/// either mode), rope's per_pair tables.
 #[no_mangle]
 pub extern "C" fn uniopRopeCosSinGetWorkspaceSize(
     positions: *const uniopTensor,
@@ -2034,6 +2042,7 @@ pub extern "C" fn uniopRopeCosSinGetWorkspaceSize(
     mode: *const c_char,
     dtype: *const uniopDataType,
     inv_freq: *const uniopTensor,
+    per_pair: bool,
     cos: *mut uniopTensor,
     sin: *mut uniopTensor,
     workspaceSize: *mut u64,
@@ -2042,11 +2051,12 @@ pub extern "C" fn uniopRopeCosSinGetWorkspaceSize(
     const F: &str = "uniopRopeCosSinGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 2] = [("positions", positions), ("inv_freq", inv_freq)];
-        let attrs: [(&str, AttrValue); 4] = [
+        let attrs: [(&str, AttrValue); 5] = [
             ("dim", AttrValue::Int(dim)),
             ("theta", AttrValue::Float(theta)),
             ("mode", typed::string(F, "mode", mode)?),
             ("dtype", typed::optional(dtype, |v| typed::dtype(F, "dtype", v))?),
+            ("per_pair", AttrValue::Bool(per_pair)),
         ];
         let outputs = [("cos", cos as *const uniopTensor), ("sin", sin as *const uniopTensor)];
         plan("rope_cos_sin", F, &inputs, &attrs, &outputs, workspaceSize, executor)

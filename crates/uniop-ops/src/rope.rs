@@ -1,15 +1,21 @@
-//! `rope(x, cos, sin, mode='half')`: rotary position embedding.
+//! `rope(x, cos, sin, mode='half', per_pair=False)`: rotary position embedding.
 //!
-//! `cos` and `sin` have shape `[..., R]` and broadcast (NumPy rules) against `x` with its last dim
-//! replaced by `R`, the rotary dim (even, at most `x`'s last dim `D`); elements `R..D` of each row
-//! pass through unchanged (partial rotary). So `x` `[B, S, N, D]` takes `cos` `[S, 1, R]` and
-//! `[B, N, S, D]` takes `[S, R]` — any layout, through strides.
+//! `cos` and `sin` have shape `[..., W]` and broadcast (NumPy rules) against `x` with its last dim
+//! replaced by `W`, the tables' width. The rotary dim `R` (even, at most `x`'s last dim `D`) is `W`,
+//! or `2W` with `per_pair`; elements `R..D` of each row pass through unchanged (partial rotary). So
+//! `x` `[B, S, N, D]` takes `cos` `[S, 1, W]` and `[B, N, S, D]` takes `[S, W]` — any layout,
+//! through strides.
 //!
 //! Modes (the two conventions in use): `half` pairs element `i` with `i + R/2` (HF/NeoX
 //! `rotate_half`): `out = x·cos + rotate_half(x)·sin`, `rotate_half(x) = cat(−x₂, x₁)`;
-//! `interleave` pairs `2i` with `2i+1` (GPT-J). `cos`/`sin` are given at full length `R` in the
-//! same layout as the rotated part of `x` (HF's `cat(freqs, freqs)` for `half`,
-//! `repeat_interleave` for `interleave`) — `rope_cos_sin` builds them.
+//! `interleave` pairs `2i` with `2i+1` (GPT-J).
+//!
+//! Tables come in the two forms in use. By default one value per rotated element, in the same
+//! layout as the rotated part of `x` (HF's `cat(freqs, freqs)` for `half`, `repeat_interleave` for
+//! `interleave`). With `per_pair`, one value per pair (`W = R/2`, pair `i`'s angle at `i`): the
+//! tables of flash-attn's `apply_rotary_emb`, vLLM's cache and GPT-OSS's rotary embedding, read at
+//! half the bytes. A table width alone cannot tell the two apart (a partial rotary dim of `D/2` has
+//! full tables `D/2` wide), so the caller says which. `rope_cos_sin` builds either.
 
 use crate::elementwise::{converts_with, fence, narrow_step, streams_bytes, widen_step, LANES};
 use uniop::layout::ShapeDisplay;
@@ -33,9 +39,34 @@ pub(crate) enum Mode {
 pub(crate) struct Geometry {
     pub dtype: DType,
     pub mode: Mode,
+    pub per_pair: bool,
     pub rows: usize,
     pub d: usize,
+    /// The rotary dim.
     pub r: usize,
+    /// The tables' width: `r`, or `r / 2` with `per_pair`.
+    pub w: usize,
+}
+
+/// How [`rotate_row`] pairs elements and reads their tables, and which way it turns them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Rotation {
+    pub mode: Mode,
+    /// One table value per pair (see the module docs).
+    pub per_pair: bool,
+    /// The transposed rotation (the gradient).
+    pub inverse: bool,
+}
+
+impl Rotation {
+    /// The rotary dim of tables `w` wide.
+    pub fn rotary_dim(self, w: usize) -> usize {
+        if self.per_pair {
+            2 * w
+        } else {
+            w
+        }
+    }
 }
 
 pub(crate) fn geometry(cx: &OpCx, x: &str) -> Result<Geometry> {
@@ -61,26 +92,32 @@ pub(crate) fn geometry(cx: &OpCx, x: &str) -> Result<Geometry> {
     if cx.input("sin").shape() != cos.shape() || cx.input("sin").dtype != cos.dtype {
         return Err(cx.err(ErrorCode::Shape, "sin", format!("the shape and dtype of cos ({cos})"), cx.input("sin")));
     }
-    let r = *cos.shape().last().unwrap();
-    if !r.is_multiple_of(2) || r > d {
-        return Err(cx.err(
-            ErrorCode::Shape,
-            "cos",
-            format!("an even rotary dim (last dim) ≤ {d}, the head dim of {x} {}", ShapeDisplay(shape)),
-            r,
-        ));
-    }
+    let per_pair = matches!(cx.attr("per_pair"), uniop::AttrValue::Bool(true));
+    let w = *cos.shape().last().unwrap();
+    let r = if per_pair { w.checked_mul(2).filter(|&r| r <= d) } else { Some(w).filter(|&r| r % 2 == 0 && r <= d) };
+    let Some(r) = r else {
+        let expected = if per_pair {
+            format!(
+                "one value per rotated pair (last dim) ≤ {}, half the head dim of {x} {}",
+                d / 2,
+                ShapeDisplay(shape)
+            )
+        } else {
+            format!("an even rotary dim (last dim) ≤ {d}, the head dim of {x} {}", ShapeDisplay(shape))
+        };
+        return Err(cx.err(ErrorCode::Shape, "cos", expected, w));
+    };
     let mut rotated = shape.to_vec();
-    *rotated.last_mut().unwrap() = r;
+    *rotated.last_mut().unwrap() = w;
     if uniop::broadcast_shapes(cos.shape(), &rotated).as_deref() != Some(&rotated[..]) {
         return Err(cx.err(
             ErrorCode::Shape,
             "cos",
-            format!("a shape that broadcasts to {} ({x} with the rotary dim last)", ShapeDisplay(&rotated)),
+            format!("a shape that broadcasts to {} ({x} with the tables' width last)", ShapeDisplay(&rotated)),
             ShapeDisplay(cos.shape()),
         ));
     }
-    Ok(Geometry { dtype, mode, rows: shape[..shape.len() - 1].iter().product(), d, r })
+    Ok(Geometry { dtype, mode, per_pair, rows: shape[..shape.len() - 1].iter().product(), d, r, w })
 }
 
 /// The rotation of one pair `(a, b)` by `(cos_a, sin_a)`, `(cos_b, sin_b)`; `inverse` applies
@@ -94,32 +131,36 @@ pub(crate) fn rotate(a: f32, b: f32, ca: f32, sa: f32, cb: f32, sb: f32, inverse
     }
 }
 
-/// Rotates one row of `d` elements (`r` of them rotated), `N` lanes at a time (see [`step_lanes`];
-/// the last step padded when `N` does not divide the rotated span); widened by the CPU's
-/// instruction when `NATIVE` (only where `T::converts_natively()`: see `elementwise::to_f32`).
+/// Rotates one row of `d` elements (`rot.rotary_dim(cos.len())` of them rotated), `N` lanes at a
+/// time (see [`step_lanes`]; the last step padded when `N` does not divide the rotated span);
+/// widened by the CPU's instruction when `NATIVE` (only where `T::converts_natively()`: see
+/// `elementwise::to_f32`).
 #[inline(always)]
 pub(crate) fn rotate_row<T: FloatElement, C: FloatElement, const N: usize, const NATIVE: bool>(
     x: &[T],
     cos: &[C],
     sin: &[C],
     out: &mut [T],
-    mode: Mode,
-    inverse: bool,
+    rot: Rotation,
 ) {
     const { assert!(converts_with::<T, C>(), "cos/sin in x's dtype or f32") };
-    let r = cos.len();
-    match mode {
+    let r = rot.rotary_dim(cos.len());
+    let inverse = rot.inverse;
+    match rot.mode {
         Mode::Half => {
             let h = r / 2;
+            // The second half's tables: their own, or the first half's (one value per pair).
+            let second = if rot.per_pair { 0 } else { h };
             for i in (0..h).step_by(N) {
                 let n = N.min(h - i);
                 let [bx, by]: [[f32; N]; 2] =
                     [widen_step::<_, NATIVE, N>(&x[i..i + n]), widen_step::<_, NATIVE, N>(&x[h + i..h + i + n])];
+                let (j, n2) = (second + i, second + i + n);
                 let [bc, bs, bc2, bs2]: [[f32; N]; 4] = [
                     widen_step::<_, NATIVE, N>(&cos[i..i + n]),
                     widen_step::<_, NATIVE, N>(&sin[i..i + n]),
-                    widen_step::<_, NATIVE, N>(&cos[h + i..h + i + n]),
-                    widen_step::<_, NATIVE, N>(&sin[h + i..h + i + n]),
+                    widen_step::<_, NATIVE, N>(&cos[j..n2]),
+                    widen_step::<_, NATIVE, N>(&sin[j..n2]),
                 ];
                 let (mut bo, mut bo2) = ([0f32; N], [0f32; N]);
                 for k in 0..N {
@@ -132,14 +173,17 @@ pub(crate) fn rotate_row<T: FloatElement, C: FloatElement, const N: usize, const
         Mode::Interleave => {
             for i in (0..r).step_by(N) {
                 let n = N.min(r - i);
+                // The step's tables: one value per element, or per pair (half as many).
+                let t = if rot.per_pair { i / 2..(i + n) / 2 } else { i..i + n };
                 let [bx, bc, bs]: [[f32; N]; 3] = [
                     widen_step::<_, NATIVE, N>(&x[i..i + n]),
-                    widen_step::<_, NATIVE, N>(&cos[i..i + n]),
-                    widen_step::<_, NATIVE, N>(&sin[i..i + n]),
+                    widen_step::<_, NATIVE, N>(&cos[t.clone()]),
+                    widen_step::<_, NATIVE, N>(&sin[t]),
                 ];
                 let mut bo = [0f32; N];
                 for k in (0..N).step_by(2) {
-                    (bo[k], bo[k + 1]) = rotate(bx[k], bx[k + 1], bc[k], bs[k], bc[k + 1], bs[k + 1], inverse);
+                    let (a, b) = if rot.per_pair { (k / 2, k / 2) } else { (k, k + 1) };
+                    (bo[k], bo[k + 1]) = rotate(bx[k], bx[k + 1], bc[a], bs[a], bc[b], bs[b], inverse);
                 }
                 narrow_step::<_, NATIVE, N>(&bo, &mut out[i..i + n]);
             }
@@ -162,7 +206,8 @@ pub(crate) fn kernel<T: FloatElement, C: FloatElement, const N: usize>(
     let (x, cos, sin) = (args.input(0), args.input(1), args.input(2));
     let out = args.output(0);
     let mut rotated = x.shape().to_vec();
-    *rotated.last_mut().unwrap() = g.r;
+    *rotated.last_mut().unwrap() = g.w;
+    let rot = Rotation { mode: g.mode, per_pair: g.per_pair, inverse };
     let (lc, ls) = (broadcast(cos.layout(), &rotated), broadcast(sin.layout(), &rotated));
     let (xs, cs, ss) = (x.storage::<T>().unwrap(), cos.storage::<C>().unwrap(), sin.storage::<C>().unwrap());
     let rows = [x.layout(), out.layout(), &lc, &ls].map(Layout::rows_layout);
@@ -176,16 +221,16 @@ pub(crate) fn kernel<T: FloatElement, C: FloatElement, const N: usize>(
             let [xo, oo, co, so] = std::array::from_fn(|k| starts[k] + j * steps[k]);
             // SAFETY: this block owns rows `split(rows)` of out.
             let dst = unsafe { out.slice_mut::<T>(oo, g.d) };
-            let (x, cos, sin) = (&xs[xo..xo + g.d], &cs[co..co + g.r], &ss[so..so + g.r]);
+            let (x, cos, sin) = (&xs[xo..xo + g.d], &cs[co..co + g.w], &ss[so..so + g.w]);
             #[cfg(target_arch = "x86_64")]
             if avx2 {
-                crate::rows_avx2::rotate(x, cos, sin, dst, g.mode, inverse, streaming);
+                crate::rows_avx2::rotate(x, cos, sin, dst, rot, streaming);
                 continue;
             }
             if T::converts_natively() {
-                rotate_row::<T, C, N, true>(x, cos, sin, dst, g.mode, inverse);
+                rotate_row::<T, C, N, true>(x, cos, sin, dst, rot);
             } else {
-                rotate_row::<T, C, N, false>(x, cos, sin, dst, g.mode, inverse);
+                rotate_row::<T, C, N, false>(x, cos, sin, dst, rot);
             }
         }
     }
@@ -249,21 +294,24 @@ pub(crate) fn reference(
     let g = geometry(cx, x_name)?;
     let [x, cos, sin] = [0, 1, 2].map(|i| inputs[i].as_ref().unwrap());
     let mut rotated = x.shape.clone();
-    *rotated.last_mut().unwrap() = g.r;
+    *rotated.last_mut().unwrap() = g.w;
     let mut out = x.data.clone();
+    let h = g.r / 2;
     for row in 0..g.rows {
-        let c = |k: usize| cos.broadcast_get(&rotated, row * g.r + k);
-        let s = |k: usize| sin.broadcast_get(&rotated, row * g.r + k);
-        let pairs: Vec<(usize, usize)> = match g.mode {
-            Mode::Half => (0..g.r / 2).map(|i| (i, i + g.r / 2)).collect(),
-            Mode::Interleave => (0..g.r / 2).map(|i| (2 * i, 2 * i + 1)).collect(),
-        };
-        for (i, j) in pairs {
+        let c = |k: usize| cos.broadcast_get(&rotated, row * g.w + k);
+        let s = |k: usize| sin.broadcast_get(&rotated, row * g.w + k);
+        for p in 0..h {
+            let (i, j) = match g.mode {
+                Mode::Half => (p, p + h),
+                Mode::Interleave => (2 * p, 2 * p + 1),
+            };
+            // The tables' index of each element of the pair: its own, or the pair's.
+            let (ti, tj) = if g.per_pair { (p, p) } else { (i, j) };
             let (a, b) = (x.data[row * g.d + i], x.data[row * g.d + j]);
             let (oa, ob) = if inverse {
-                (a * c(i) + b * s(j), b * c(j) - a * s(i))
+                (a * c(ti) + b * s(tj), b * c(tj) - a * s(ti))
             } else {
-                (a * c(i) - b * s(i), b * c(j) + a * s(j))
+                (a * c(ti) - b * s(ti), b * c(tj) + a * s(tj))
             };
             out[row * g.d + i] = oa;
             out[row * g.d + j] = ob;
@@ -287,13 +335,15 @@ pub(crate) fn example(shape: Option<&[usize]>, dtype: DType) -> Result<Example> 
 
 impl Op for Rope {
     fn schema(&self) -> &'static str {
-        "rope(Tensor x, Tensor cos, Tensor sin, str mode='half') -> Tensor out"
+        "rope(Tensor x, Tensor cos, Tensor sin, str mode='half', bool per_pair=False) -> Tensor out"
     }
 
     fn doc(&self) -> &'static str {
-        "Rotary position embedding. cos/sin: [..., R], broadcasting against x with its last dim replaced by the \
-         rotary dim R (even, <= head dim; the rest passes through). mode 'half' pairs i with i+R/2 (HF/NeoX \
-         rotate_half), 'interleave' pairs 2i with 2i+1 (GPT-J). cos/sin in x's dtype or float32."
+        "Rotary position embedding. cos/sin: [..., W], broadcasting against x with its last dim replaced by W. \
+         The rotary dim R (even, <= head dim; the rest passes through) is W: one value per rotated element, in \
+         the rotated part's layout (HF's tables), or with per_pair 2W: one value per pair (flash-attn's, vLLM's, \
+         GPT-OSS's tables). mode 'half' pairs i with i+R/2 (HF/NeoX rotate_half), 'interleave' pairs 2i with 2i+1 \
+         (GPT-J). cos/sin in x's dtype or float32."
     }
 
     fn dtypes(&self) -> &'static [DType] {

@@ -1,4 +1,4 @@
-//! `rope_backward(dout, cos, sin, mode)`: the gradient of [`rope`](crate::rope). The rotation is
+//! `rope_backward(dout, cos, sin, mode, per_pair)`: the gradient of [`rope`](crate::rope). The rotation is
 //! linear and orthogonal per pair, so `dx` applies its transpose to `dout` — the same kernel with
 //! the sign of the cross terms swapped.
 
@@ -9,11 +9,11 @@ pub struct RopeBackward;
 
 impl Op for RopeBackward {
     fn schema(&self) -> &'static str {
-        "rope_backward(Tensor dout, Tensor cos, Tensor sin, str mode='half') -> Tensor dx"
+        "rope_backward(Tensor dout, Tensor cos, Tensor sin, str mode='half', bool per_pair=False) -> Tensor dx"
     }
 
     fn doc(&self) -> &'static str {
-        "Gradient of rope: applies the transposed rotation to dout (same cos/sin/mode rules as rope)."
+        "Gradient of rope: applies the transposed rotation to dout (same cos/sin/mode/per_pair rules as rope)."
     }
 
     fn dtypes(&self) -> &'static [DType] {

@@ -1,4 +1,5 @@
-//! `rope_cos_sin(positions, dim, theta=10000, mode='half', dtype=None, inv_freq=None) -> (cos, sin)`:
+//! `rope_cos_sin(positions, dim, theta=10000, mode='half', dtype=None, inv_freq=None, per_pair=False)
+//! -> (cos, sin)`:
 //! the tables `rope` takes, built the way HF's rotary embeddings build them, so callers need no
 //! Python math.
 //!
@@ -11,7 +12,8 @@
 //! up to p·inv_freq·2⁻²³). Passing the model's own table gives its angles exactly.
 //!
 //! Layout of the last dim: `half` repeats the `dim/2` frequencies twice (`cat(freqs, freqs)`),
-//! `interleave` repeats each one in place (`repeat_interleave(2)`).
+//! `interleave` repeats each one in place (`repeat_interleave(2)`). With `per_pair`, each frequency
+//! is one column (`dim/2` wide, either mode): `rope`'s per-pair tables, read at half the bytes.
 
 use crate::math;
 use crate::rope::Mode;
@@ -25,6 +27,8 @@ pub struct RopeCosSin;
 struct Table {
     dim: usize,
     mode: Mode,
+    /// One column per frequency (`dim / 2` wide).
+    per_pair: bool,
     /// From `theta`; empty when the caller gives `inv_freq` (read at launch: plans are reused
     /// across calls with other tensors).
     inv_freq: Vec<f32>,
@@ -62,7 +66,8 @@ fn checked(cx: &OpCx) -> Result<Table> {
         cx.expect_dtype_in("inv_freq", &[DType::F32])?;
         cx.expect_shape("inv_freq", &[dim / 2])?;
     }
-    Ok(Table { dim, mode, inv_freq: Vec::new(), dtype })
+    let per_pair = matches!(cx.attr("per_pair"), AttrValue::Bool(true));
+    Ok(Table { dim, mode, per_pair, inv_freq: Vec::new(), dtype })
 }
 
 /// [`checked`] with the frequencies from `theta` when the caller gives no `inv_freq`. The table
@@ -89,20 +94,32 @@ fn table(cx: &OpCx) -> Result<Table> {
 }
 
 impl Table {
-    /// Frequency index of column `k`.
-    fn freq(&self, k: usize) -> usize {
-        match self.mode {
-            Mode::Half => k % (self.dim / 2),
-            Mode::Interleave => k / 2,
+    /// The tables' last dim.
+    fn width(&self) -> usize {
+        if self.per_pair {
+            self.dim / 2
+        } else {
+            self.dim
         }
     }
 
-    /// The two columns of frequency `j` (the inverse of [`Table::freq`]).
-    fn columns(&self, j: usize) -> [usize; 2] {
-        match self.mode {
-            Mode::Half => [j, j + self.dim / 2],
-            Mode::Interleave => [2 * j, 2 * j + 1],
+    /// Frequency index of column `k`.
+    fn freq(&self, k: usize) -> usize {
+        match (self.per_pair, self.mode) {
+            (true, _) => k,
+            (false, Mode::Half) => k % (self.dim / 2),
+            (false, Mode::Interleave) => k / 2,
         }
+    }
+
+    /// The columns of frequency `j` (the inverse of [`Table::freq`]): one per pair, else two.
+    fn columns(&self, j: usize) -> impl Iterator<Item = usize> {
+        let (columns, n) = match (self.per_pair, self.mode) {
+            (true, _) => ([j, j], 1),
+            (false, Mode::Half) => ([j, j + self.dim / 2], 2),
+            (false, Mode::Interleave) => ([2 * j, 2 * j + 1], 2),
+        };
+        columns.into_iter().take(n)
     }
 
     /// The f32 angle HF computes for `position` and column `k` with frequencies `inv_freq`.
@@ -120,7 +137,7 @@ fn kernel<P: Element, T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, t: &Tab
     let pos = args.input(0);
     let ps = pos.storage::<P>().expect("dtype dispatched");
     let (cos, sin) = (args.output(0), args.output(1));
-    let half = t.dim / 2;
+    let (half, width) = (t.dim / 2, t.width());
     let given = args.optional_input(1);
     let inv_freq = match &given {
         // Dense (the plan asks for it), `dim / 2` long (checked when planned).
@@ -136,8 +153,8 @@ fn kernel<P: Element, T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, t: &Tab
         // SAFETY: this block owns rows `split(positions)` of both tables.
         let (c, s) = unsafe {
             (
-                cos.slice_mut::<T>(cos.layout().offset() + row * t.dim, t.dim),
-                sin.slice_mut::<T>(sin.layout().offset() + row * t.dim, t.dim),
+                cos.slice_mut::<T>(cos.layout().offset() + row * width, width),
+                sin.slice_mut::<T>(sin.layout().offset() + row * width, width),
             )
         };
         for j0 in (0..half).step_by(LANES) {
@@ -173,7 +190,8 @@ fn step<P: Element>(cx: &OpCx, t: std::sync::Arc<Table>, block_dim: u32) -> Resu
 
 impl Op for RopeCosSin {
     fn schema(&self) -> &'static str {
-        "rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None, Tensor? inv_freq=None) -> (Tensor cos, Tensor sin)"
+        "rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None, \
+         Tensor? inv_freq=None, bool per_pair=False) -> (Tensor cos, Tensor sin)"
     }
 
     fn doc(&self) -> &'static str {
@@ -181,7 +199,8 @@ impl Op for RopeCosSin {
          embedding: inv_freq = 1/theta^(2j/dim), angle = position * inv_freq in float32. mode 'half' lays the \
          dim/2 frequencies out twice (cat), 'interleave' repeats each in place. dtype: float32 (default), float16, bfloat16. \
          inv_freq (float32 [dim/2], optional) replaces 1/theta^(2j/dim): a model's own table (HF's scaled ropes, or \
-         its default one as torch's pow rounded it) gives its angles exactly."
+         its default one as torch's pow rounded it) gives its angles exactly. per_pair: one column per frequency \
+         (output [..., dim/2], either mode), rope's per_pair tables."
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -191,9 +210,10 @@ impl Op for RopeCosSin {
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let t = checked(cx)?;
         let positions = cx.input("positions").shape();
-        let shape = [positions, &[t.dim]].concat();
+        let shape = [positions, &[t.width()]].concat();
         let meta = TensorMeta::contiguous(t.dtype, &shape).map_err(|_| {
-            let dims: Vec<String> = positions.iter().map(usize::to_string).chain(["dim".to_string()]).collect();
+            let last = if t.per_pair { "dim/2" } else { "dim" };
+            let dims: Vec<String> = positions.iter().map(usize::to_string).chain([last.to_string()]).collect();
             let tables = dims.join(", ");
             cx.err(ErrorCode::Shape, "dim", format!("a rotary dim for which the tables [{tables}] have a size"), t.dim)
         })?;
@@ -203,7 +223,7 @@ impl Op for RopeCosSin {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let t = std::sync::Arc::new(table(cx)?);
         let n = cx.input("positions").numel();
-        let block_dim = block_dim_for(n, t.dim * 2 * t.dtype.size());
+        let block_dim = block_dim_for(n, t.width() * 2 * t.dtype.size());
         let step = match cx.input("positions").dtype {
             DType::I32 => step::<i32>(cx, t, block_dim)?,
             _ => step::<i64>(cx, t, block_dim)?,
@@ -220,10 +240,10 @@ impl Op for RopeCosSin {
             inputs.get(1).and_then(Option::as_ref).map(|f| f.data.iter().map(|&v| v as f32).collect::<Vec<_>>());
         let inv_freq = given.as_deref().unwrap_or(&t.inv_freq);
         let mut shape = pos.shape.clone();
-        shape.push(t.dim);
+        shape.push(t.width());
         let (mut c, mut s) = (Vec::new(), Vec::new());
         for &p in &pos.data {
-            for k in 0..t.dim {
+            for k in 0..t.width() {
                 let a = t.angle(inv_freq, p, k) as f64;
                 c.push(a.cos());
                 s.push(a.sin());

@@ -25,7 +25,7 @@
 
 use crate::elementwise::Ahead;
 use crate::math;
-use crate::rope::{self, Mode};
+use crate::rope::{self, Mode, Rotation};
 use std::arch::x86_64::*;
 use uniop::dtype::{bf16x16_avx2, bf16x16_even_odd_avx2};
 use uniop::half::bf16;
@@ -330,38 +330,33 @@ unsafe fn scale_weighted_in<T: Row>(x: &[T], next: &[T], w: &[f32], y: &mut [T],
     }
 }
 
-/// One row of rope (`x`, `out`: the head dim; `cos`, `sin`: the rotary dim), as
+/// One row of rope (`x`, `out`: the head dim; `cos`, `sin`: the tables' width), as
 /// `rope::rotate_row`: 16 elements of a rotated span an iteration, in [`rope::rotate`]'s
 /// arithmetic lane by lane (bit for bit). Mode `half` rotates 8-lane groups of the two halves
 /// against each other, in [`Row::load16_in_lanes`]'s order where `cos`/`sin` are of `x`'s type
 /// (bf16 `[1, 32, 2048, 128]`, Zen 3: two threads 1.48–1.52 → 1.22–1.51 ms, one thread
 /// 2.91–2.98 → 2.43–2.62; the loop was bound by its widening's and narrowing's shifts and
-/// shuffles). `interleave` in bf16 with bf16 tables takes the even elements against the odd ones
-/// in that order, as mode `half` its halves (in cache, one thread, `[1, 8, 64, 128]`: 0.025 → 0.020
-/// ms, its inverse 0.028 → 0.020); otherwise it swaps each 8-lane group's pairs in the register and
-/// takes `x·cos ∓ swapped·sin` with one `addsub` (its inverse with an add, a subtract and a blend: a
-/// negated product would flip the sign of NaN results). Past the cache when `streaming` and every
-/// 16-element store lands 32-byte aligned (`out` aligned; in mode `half`, the second half too).
+/// shuffles); with one value per pair both halves read the first half's tables. `interleave` in
+/// bf16 with bf16 tables takes the even elements against the odd ones in that order, as mode
+/// `half` its halves (in cache, one thread, `[1, 8, 64, 128]`: 0.025 → 0.020 ms, its inverse 0.028
+/// → 0.020), a pair's table value in both; otherwise it swaps each 8-lane group's pairs in the
+/// register and takes `x·cos ∓ swapped·sin` with one `addsub` (its inverse with an add, a subtract
+/// and a blend: a negated product would flip the sign of NaN results), per-pair tables spread to
+/// both lanes of their pair by a permute. Past the cache when `streaming` and every 16-element
+/// store lands 32-byte aligned (`out` aligned; in mode `half`, the second half too).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn rotate_in<T: Row, C: Row>(
-    x: &[T],
-    cos: &[C],
-    sin: &[C],
-    out: &mut [T],
-    mode: Mode,
-    inverse: bool,
-    streaming: bool,
-) {
-    let r = cos.len();
-    let second_half_aligned = mode == Mode::Interleave || (r / 2 * size_of::<T>()).is_multiple_of(32);
+unsafe fn rotate_in<T: Row, C: Row>(x: &[T], cos: &[C], sin: &[C], out: &mut [T], rot: Rotation, streaming: bool) {
+    let (r, inverse) = (rot.rotary_dim(cos.len()), rot.inverse);
+    let second_half_aligned = rot.mode == Mode::Interleave || (r / 2 * size_of::<T>()).is_multiple_of(32);
     let streaming = streaming && (out.as_ptr() as usize).is_multiple_of(32) && second_half_aligned;
     let (px, pc, ps, po) = (x.as_ptr(), cos.as_ptr(), sin.as_ptr(), out.as_mut_ptr());
     let mul = |a, b| _mm256_mul_ps(a, b);
-    // The pair (j, k) rotated by the scalar rotation: the spans' tails past the last whole step.
-    // `out` is passed, not captured, so no borrow of it outlives the vector loops' pointer writes.
-    let rotate_pair = |out: &mut [T], j: usize, k: usize| {
+    // The pair (j, k) rotated by the scalar rotation with the tables at (tj, tk): the spans' tails
+    // past the last whole step. `out` is passed, not captured, so no borrow of it outlives the
+    // vector loops' pointer writes.
+    let rotate_pair = |out: &mut [T], (j, k): (usize, usize), (tj, tk): (usize, usize)| {
         let [a, b] = [x[j], x[k]].map(|v| v.to_f32());
-        let [ca, sa, cb, sb] = [cos[j], sin[j], cos[k], sin[k]].map(|v| v.to_f32());
+        let [ca, sa, cb, sb] = [cos[tj], sin[tj], cos[tk], sin[tk]].map(|v| v.to_f32());
         let (o, o2) = rope::rotate(a, b, ca, sa, cb, sb, inverse);
         (out[j], out[k]) = (T::from_f32(o), T::from_f32(o2));
     };
@@ -373,17 +368,19 @@ unsafe fn rotate_in<T: Row, C: Row>(
             [_mm256_sub_ps(mul(a, ca), mul(b, sa)), _mm256_add_ps(mul(b, cb), mul(a, sb))]
         }
     };
-    match mode {
+    match rot.mode {
         Mode::Half => {
             let h = r / 2;
             let whole = h / 16 * 16;
+            // The second half's tables: their own, or the first half's (one value per pair).
+            let second = if rot.per_pair { 0 } else { h };
             if T::DTYPE == C::DTYPE {
                 // Every operand widened in the same order of lanes (for bf16 the cheaper one).
                 let (pc, ps) = (pc as *const T, ps as *const T);
                 for i in (0..whole).step_by(16) {
                     let (a, b) = (T::load16_in_lanes(px.add(i)), T::load16_in_lanes(px.add(h + i)));
                     let (ca, sa) = (T::load16_in_lanes(pc.add(i)), T::load16_in_lanes(ps.add(i)));
-                    let (cb, sb) = (T::load16_in_lanes(pc.add(h + i)), T::load16_in_lanes(ps.add(h + i)));
+                    let (cb, sb) = (T::load16_in_lanes(pc.add(second + i)), T::load16_in_lanes(ps.add(second + i)));
                     let [low, low2] = rotate([a[0], b[0], ca[0], sa[0], cb[0], sb[0]]);
                     let [high, high2] = rotate([a[1], b[1], ca[1], sa[1], cb[1], sb[1]]);
                     T::store16_in_lanes(po.add(i), low, high, streaming);
@@ -394,7 +391,7 @@ unsafe fn rotate_in<T: Row, C: Row>(
                     let pair = |g: usize| {
                         let (a, b) = (T::load8(px.add(g)), T::load8(px.add(h + g)));
                         let (ca, sa) = (C::load8(pc.add(g)), C::load8(ps.add(g)));
-                        let (cb, sb) = (C::load8(pc.add(h + g)), C::load8(ps.add(h + g)));
+                        let (cb, sb) = (C::load8(pc.add(second + g)), C::load8(ps.add(second + g)));
                         rotate([a, b, ca, sa, cb, sb])
                     };
                     let ([low, low2], [high, high2]) = (pair(i), pair(i + 8));
@@ -403,7 +400,7 @@ unsafe fn rotate_in<T: Row, C: Row>(
                 }
             }
             for k in whole..h {
-                rotate_pair(out, k, h + k);
+                rotate_pair(out, (k, h + k), (k, second + k));
             }
         }
         Mode::Interleave => {
@@ -414,7 +411,12 @@ unsafe fn rotate_in<T: Row, C: Row>(
                 let (pc, ps) = (pc as *const T, ps as *const T);
                 for i in (0..whole).step_by(16) {
                     let [a, b] = T::load16_in_lanes(px.add(i));
-                    let ([ca, cb], [sa, sb]) = (T::load16_in_lanes(pc.add(i)), T::load16_in_lanes(ps.add(i)));
+                    let ([ca, cb], [sa, sb]) = if rot.per_pair {
+                        let (c, s) = (T::load8(pc.add(i / 2)), T::load8(ps.add(i / 2)));
+                        ([c, c], [s, s])
+                    } else {
+                        (T::load16_in_lanes(pc.add(i)), T::load16_in_lanes(ps.add(i)))
+                    };
                     let [even, odd] = rotate([a, b, ca, sa, cb, sb]);
                     T::store16_in_lanes(po.add(i), even, odd, streaming);
                 }
@@ -423,25 +425,42 @@ unsafe fn rotate_in<T: Row, C: Row>(
                 const SWAP: i32 = 0b10_11_00_01;
                 // Takes the odd lanes from the second operand.
                 const ODD: i32 = 0b1010_1010;
+                let group = |v: __m256, c: __m256, s: __m256| {
+                    let swapped = _mm256_permute_ps::<SWAP>(v);
+                    if inverse {
+                        // With each lane's partner's sine: even lanes a·ca + b·sb, odd ones
+                        // b·cb − a·sa.
+                        let (p, q) = (mul(v, c), mul(swapped, _mm256_permute_ps::<SWAP>(s)));
+                        _mm256_blend_ps::<ODD>(_mm256_add_ps(p, q), _mm256_sub_ps(p, q))
+                    } else {
+                        // `addsub`: even lanes a·ca − b·sa, odd ones b·cb + a·sb.
+                        _mm256_addsub_ps(mul(v, c), mul(swapped, s))
+                    }
+                };
+                // Pair values 0-3 and 4-7 each spread to both lanes of their pair.
+                let (low_pairs, high_pairs) =
+                    (_mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
                 for i in (0..whole).step_by(16) {
-                    let group = |g: usize| {
-                        let (v, c, s) = (T::load8(px.add(g)), C::load8(pc.add(g)), C::load8(ps.add(g)));
-                        let swapped = _mm256_permute_ps::<SWAP>(v);
-                        if inverse {
-                            // With each lane's partner's sine: even lanes a·ca + b·sb, odd ones
-                            // b·cb − a·sa.
-                            let (p, q) = (mul(v, c), mul(swapped, _mm256_permute_ps::<SWAP>(s)));
-                            _mm256_blend_ps::<ODD>(_mm256_add_ps(p, q), _mm256_sub_ps(p, q))
-                        } else {
-                            // `addsub`: even lanes a·ca − b·sa, odd ones b·cb + a·sb.
-                            _mm256_addsub_ps(mul(v, c), mul(swapped, s))
-                        }
+                    let (v, v2) = (T::load8(px.add(i)), T::load8(px.add(i + 8)));
+                    let [low, high] = if rot.per_pair {
+                        let (c, s) = (C::load8(pc.add(i / 2)), C::load8(ps.add(i / 2)));
+                        let spread = |t, lanes| _mm256_permutevar8x32_ps(t, lanes);
+                        [
+                            group(v, spread(c, low_pairs), spread(s, low_pairs)),
+                            group(v2, spread(c, high_pairs), spread(s, high_pairs)),
+                        ]
+                    } else {
+                        [
+                            group(v, C::load8(pc.add(i)), C::load8(ps.add(i))),
+                            group(v2, C::load8(pc.add(i + 8)), C::load8(ps.add(i + 8))),
+                        ]
                     };
-                    T::store16(po.add(i), group(i), group(i + 8), streaming);
+                    T::store16(po.add(i), low, high, streaming);
                 }
             }
             for k in (whole..r).step_by(2) {
-                rotate_pair(out, k, k + 1);
+                let tables = if rot.per_pair { (k / 2, k / 2) } else { (k, k + 1) };
+                rotate_pair(out, (k, k + 1), tables);
             }
         }
     }
@@ -662,21 +681,21 @@ pub(crate) fn rotate<T: FloatElement, C: FloatElement>(
     cos: &[C],
     sin: &[C],
     out: &mut [T],
-    mode: Mode,
-    inverse: bool,
+    rot: Rotation,
     streaming: bool,
 ) {
     assert!(can_run());
-    assert!(x.len() == out.len() && cos.len() == sin.len() && cos.len() <= x.len() && cos.len().is_multiple_of(2));
+    let r = rot.rotary_dim(cos.len());
+    assert!(x.len() == out.len() && cos.len() == sin.len() && r <= x.len() && r.is_multiple_of(2));
     // SAFETY (each arm): as in `row_max`; the lengths are as `rotate_in` reads and writes them.
     match (T::DTYPE, C::DTYPE) {
         (DType::BF16, DType::BF16) => unsafe {
-            rotate_in::<bf16, bf16>(same(x), same(cos), same(sin), same_mut(out), mode, inverse, streaming)
+            rotate_in::<bf16, bf16>(same(x), same(cos), same(sin), same_mut(out), rot, streaming)
         },
         (DType::BF16, _) => unsafe {
-            rotate_in::<bf16, f32>(same(x), same(cos), same(sin), same_mut(out), mode, inverse, streaming)
+            rotate_in::<bf16, f32>(same(x), same(cos), same(sin), same_mut(out), rot, streaming)
         },
-        _ => unsafe { rotate_in::<f32, f32>(same(x), same(cos), same(sin), same_mut(out), mode, inverse, streaming) },
+        _ => unsafe { rotate_in::<f32, f32>(same(x), same(cos), same(sin), same_mut(out), rot, streaming) },
     }
 }
 
@@ -860,21 +879,23 @@ mod tests {
         }
     }
 
-    /// Rope's pass gives the generic row's bits, for both modes, both directions, cos/sin in `T`
-    /// and in f32, rotary dims around the 16-lane steps, partial rotary (pass-through) included,
-    /// streamed and not, aligned and not.
+    /// Rope's pass gives the generic row's bits, for both modes, both directions, tables per
+    /// element and per pair, cos/sin in `T` and in f32, rotary dims around the 16-lane steps,
+    /// partial rotary (pass-through) included, streamed and not, aligned and not.
     fn check_rotate<T: FloatElement, C: FloatElement>() {
         for r in [0, 2, 14, 16, 18, 30, 32, 34, 64, 96, 128, 130] {
             for d in [r, r + 6] {
                 let x: Vec<T> = row(d, 4.0, (r + d) as u32);
-                let (cos, sin): (Vec<C>, Vec<C>) = (row(r, 1.0, 3), row(r, 1.0, 5));
-                for mode in [Mode::Half, Mode::Interleave] {
-                    for inverse in [false, true] {
+                for per_pair in [false, true] {
+                    let w = if per_pair { r / 2 } else { r };
+                    let (cos, sin): (Vec<C>, Vec<C>) = (row(w, 1.0, 3), row(w, 1.0, 5));
+                    for (mode, inverse) in
+                        [Mode::Half, Mode::Interleave].into_iter().flat_map(|m| [(m, false), (m, true)])
+                    {
+                        let rot = Rotation { mode, per_pair, inverse };
                         let mut want = vec![T::default(); d];
-                        rope::rotate_row::<T, C, { crate::elementwise::LANES }, false>(
-                            &x, &cos, &sin, &mut want, mode, inverse,
-                        );
-                        let store = |out: &mut [T], streaming| rotate(&x, &cos, &sin, out, mode, inverse, streaming);
+                        rope::rotate_row::<T, C, { crate::elementwise::LANES }, false>(&x, &cos, &sin, &mut want, rot);
+                        let store = |out: &mut [T], streaming| rotate(&x, &cos, &sin, out, rot, streaming);
                         each_destination::<T>(d, bits(want), store);
                     }
                 }

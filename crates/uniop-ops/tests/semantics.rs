@@ -902,23 +902,34 @@ fn rope_matches_hf_rotate_half_on_bsnd_and_bnsd_layouts_and_inverts() {
     }
 }
 
+/// The per-pair form of [`rope_tables`]: pair `i`'s angle at `i` (flash-attn's and GPT-OSS's
+/// tables, `r / 2` wide).
+fn rope_pair_tables(s: usize, r: usize) -> (Vec<f32>, Vec<f32>) {
+    let (cos, sin) = rope_tables(s, r, false);
+    let first_half = |t: Vec<f32>| t.chunks(r).flat_map(|row| row[..r / 2].to_vec()).collect();
+    (first_half(cos), first_half(sin))
+}
+
 /// Rows step in the widest of 64, 32 and 16 lanes that divides the rotated span (a half in mode
-/// 'half'), else in padded 64-lane steps: every width, both modes, full and partial rotary, against
-/// the f64 reference (forward and backward), in f32 and in bf16 (narrowed by the CPU's instruction
-/// where it has one, whole steps and padded ones alike).
+/// 'half'), else in padded 64-lane steps: every width, both modes, tables per element and per pair,
+/// full and partial rotary, against the f64 reference (forward and backward), in f32 and in bf16
+/// (narrowed by the CPU's instruction where it has one, whole steps and padded ones alike).
 #[test]
 fn rope_steps_of_every_width_match_the_reference() {
     setup();
     fn check<T: uniop::Element>(narrow: impl Fn(f32) -> T) {
         // (head dim, rotated dims): spans of 64, 32, 16 (and 48), and 40 (no width divides it).
         for (d, r) in [(128, 128), (64, 64), (32, 32), (96, 96), (80, 80), (128, 64)] {
-            for (mode, interleave) in [("half", false), ("interleave", true)] {
+            for (mode, interleave, per_pair) in
+                [("half", false, false), ("interleave", true, false), ("half", false, true), ("interleave", true, true)]
+            {
                 let (s, n) = (3, 2);
                 let x: Vec<T> = rand_vec(s * n * d, 81 + d as u64).into_iter().map(&narrow).collect();
-                let (cos, sin) = rope_tables(s, r, interleave);
+                let (cos, sin) = if per_pair { rope_pair_tables(s, r) } else { rope_tables(s, r, interleave) };
+                let w = cos.len() / s;
                 let [cos, sin]: [Vec<T>; 2] = [cos, sin].map(|t| t.into_iter().map(&narrow).collect());
-                let tables = [TensorRef::new(&cos, &[s, 1, r]).unwrap(), TensorRef::new(&sin, &[s, 1, r]).unwrap()];
-                let attrs = [("mode", AttrValue::from(mode))];
+                let tables = [TensorRef::new(&cos, &[s, 1, w]).unwrap(), TensorRef::new(&sin, &[s, 1, w]).unwrap()];
+                let attrs = [("mode", AttrValue::from(mode)), ("per_pair", AttrValue::Bool(per_pair))];
                 for op in ["rope", "rope_backward"] {
                     let x = TensorRef::new(&x, &[s, n, d]).unwrap();
                     run_checked(op, &[Some(x), Some(tables[0].clone()), Some(tables[1].clone())], &attrs);
@@ -928,6 +939,58 @@ fn rope_steps_of_every_width_match_the_reference() {
     }
     check(|v| v);
     check(bf16::from_f32);
+}
+
+/// Per-pair tables rotate as HF's full ones that repeat them (`cat(freqs, freqs)`,
+/// `repeat_interleave`): the same outputs, forward and backward, in f32 and in bf16 (f32 tables and
+/// tables of x's dtype), on a strided `[B, N, S, D]` view with partial rotary. The gradient through
+/// per-pair tables matches finite differences of the forward.
+#[test]
+fn rope_per_pair_tables_rotate_as_the_full_ones() {
+    setup();
+    let (b, s, n, d, r) = (2, 5, 3, 40, 36);
+    let x = rand_vec(b * s * n * d, 91);
+    let (pair_cos, pair_sin) = rope_pair_tables(s, r);
+    for (mode, interleave) in [("half", false), ("interleave", true)] {
+        let (cos, sin) = rope_tables(s, r, interleave);
+        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let to_bf16 = |t: &[f32]| t.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+        let [cb, sb, pcb, psb] = [&cos, &sin, &pair_cos, &pair_sin].map(|t| to_bf16(t));
+        // [B, S, N, D] data viewed as [B, N, S, D]; tables [S, W].
+        fn table<T: uniop::Element>(t: &[T], s: usize) -> Option<TensorRef<'_>> {
+            Some(TensorRef::new(t, &[s, t.len() / s]).unwrap())
+        }
+        let view = |x| TensorRef::strided(x, &[b, n, s, d], &[s * n * d, d, n * d, 1], 0).unwrap();
+        let view16 = |x| TensorRef::strided(x, &[b, n, s, d], &[s * n * d, d, n * d, 1], 0).unwrap();
+        for op in ["rope", "rope_backward"] {
+            let attrs = |per_pair| [("mode", AttrValue::from(mode)), ("per_pair", AttrValue::Bool(per_pair))];
+            let want = run_checked(op, &[Some(view(&x)), table(&cos, s), table(&sin, s)], &attrs(false));
+            let got = run_checked(op, &[Some(view(&x)), table(&pair_cos, s), table(&pair_sin, s)], &attrs(true));
+            assert_eq!(got, want, "{op} {mode}");
+            let want = run_checked(op, &[Some(view16(&xb)), table(&cb, s), table(&sb, s)], &attrs(false));
+            let got = run_checked(op, &[Some(view16(&xb)), table(&pcb, s), table(&psb, s)], &attrs(true));
+            assert_eq!(got, want, "{op} {mode} bf16");
+            let want = run_checked(op, &[Some(view16(&xb)), table(&cos, s), table(&sin, s)], &attrs(false));
+            let got = run_checked(op, &[Some(view16(&xb)), table(&pair_cos, s), table(&pair_sin, s)], &attrs(true));
+            assert_eq!(got, want, "{op} {mode} bf16 with f32 tables");
+        }
+        let attrs = [("mode", AttrValue::from(mode)), ("per_pair", AttrValue::Bool(true))];
+        let (x, dout) = (rand_vec(s * d, 92), rand_vec(s * d, 93));
+        let dx = run_checked(
+            "rope_backward",
+            &[Some(TensorRef::new(&dout, &[s, d]).unwrap()), table(&pair_cos, s), table(&pair_sin, s)],
+            &attrs,
+        );
+        let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+        let want = finite_difference(
+            "rope",
+            &[(f64s(&x), vec![s, d]), (f64s(&pair_cos), vec![s, r / 2]), (f64s(&pair_sin), vec![s, r / 2])],
+            &attrs,
+            &f64s(&dout),
+            0,
+        );
+        assert_close(&dx[0], &want, "rope dx with per-pair tables");
+    }
 }
 
 #[test]
@@ -970,7 +1033,26 @@ fn rope_rejects_bad_tables_and_modes() {
         (
             plan_err("rope", &[tx(), t(&short, &[4, 6]), t(&short, &[4, 6])], &[], vec![]),
             ErrorCode::Shape,
-            "rope: argument 'cos': expected a shape that broadcasts to [2, 8, 6] (x with the rotary dim last), got [4, 6]",
+            "rope: argument 'cos': expected a shape that broadcasts to [2, 8, 6] (x with the tables' width last), got \
+             [4, 6]",
+        ),
+        (
+            // One value per pair: 6 pairs would rotate 12 dims of 6.
+            plan_err("rope", &[tx(), t(&short, &[4, 6]), t(&short, &[4, 6])], &[("per_pair", true.into())], vec![]),
+            ErrorCode::Shape,
+            "rope: argument 'cos': expected one value per rotated pair (last dim) ≤ 3, half the head dim of x [2, 8, \
+             6], got 6",
+        ),
+        (
+            plan_err(
+                "rope",
+                &[tx(), t(&short[..12], &[4, 3]), t(&short[..12], &[4, 3])],
+                &[("per_pair", true.into())],
+                vec![],
+            ),
+            ErrorCode::Shape,
+            "rope: argument 'cos': expected a shape that broadcasts to [2, 8, 3] (x with the tables' width last), got \
+             [4, 3]",
         ),
         (
             plan_err("rope", &[tx(), t(&odd, &[8, 5]), t(&odd, &[8, 5])], &[], vec![]),
@@ -1000,6 +1082,16 @@ fn rope_cos_sin_builds_hf_tables() {
         let (cos, sin) = rope_tables(6, 8, interleave);
         for (got, want) in tables[0].iter().zip(&cos).chain(tables[1].iter().zip(&sin)) {
             assert!((got - *want as f64).abs() < 1e-6, "{mode}: {got} vs {want}");
+        }
+    }
+    // One column per frequency, either mode: rope's per-pair tables.
+    for mode in ["half", "interleave"] {
+        let attrs = [("dim", AttrValue::Int(8)), ("mode", AttrValue::from(mode)), ("per_pair", AttrValue::Bool(true))];
+        let tables = run_checked("rope_cos_sin", &[Some(tp.clone()), None], &attrs);
+        let (cos, sin) = rope_pair_tables(6, 8);
+        assert_eq!((tables[0].len(), tables[1].len()), (6 * 4, 6 * 4));
+        for (got, want) in tables[0].iter().zip(&cos).chain(tables[1].iter().zip(&sin)) {
+            assert!((got - *want as f64).abs() < 1e-6, "{mode} per pair: {got} vs {want}");
         }
     }
     let entry = Registry::global().get("rope_cos_sin").unwrap();

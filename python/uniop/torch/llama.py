@@ -12,7 +12,8 @@ module's own frequencies, see :func:`_rotary_forward`) and ``modeling_llama.appl
 (uniop ``rope``), and the same pieces of the families transformers builds as it builds Llama:
 Mistral, Qwen2, Qwen3, Phi3, Gemma, Gemma2, Gemma3 and the mixture-of-experts Mixtral, Qwen2-MoE and
 Qwen3-MoE, whose experts run uniop's experts implementation (see ``_FAMILIES``,
-:mod:`.experts_interface`), and GPT-OSS's norms and experts. Methods are patched on the classes, so
+:mod:`.experts_interface`), and GPT-OSS's norms, rope (its tables one value per pair), attention
+and experts. Methods are patched on the classes, so
 existing instances change too. Given a model, it also switches the model's attention to uniop's flash
 attention (registered with transformers as the ``"uniop"`` implementation by
 :func:`~uniop.torch.register_attention`; transformers' 4-D masks, boolean or float, go to uniop
@@ -32,6 +33,8 @@ products take weights packed once (see :func:`patch_llama`). The ops themselves 
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -75,9 +78,8 @@ _NO_LOSS = object()
 # `sinks`; transformers runs GPT-OSS on its eager attention, SDPA having none). Its `GptOssMLP` is
 # the MoE block, whose experts (interleaved gate/up with biases, a clamped SwiGLU) run uniop's
 # experts implementation (`linear` with bias, `clamped_swiglu`) and whose layer keeps transformers'
-# forward; its rotary tables are half the head dim wide (yarn by default), so its rope, its rotary
-# embedding and its attention forward stay transformers' (`_OWN_ROPES`), the attention through the
-# `"uniop"` interface.
+# forward; its rotary tables hold one value per rotated pair (half the head dim wide, yarn by
+# default): uniop `rope`'s `per_pair` tables (`_PAIR_ROPES`).
 _FAMILIES = {
     "llama": "Llama",
     "mistral": "Mistral",
@@ -95,7 +97,7 @@ _FAMILIES = {
 _OFFSET_NORMS = {"Gemma", "Gemma2", "Gemma3"}
 _OWN_LAYERS = {"Gemma2", "Gemma3", "GptOss"}
 _MOE_MLPS = {"GptOss"}
-_OWN_ROPES = {"GptOss"}
+_PAIR_ROPES = {"GptOss"}
 
 
 def _modelings():
@@ -160,7 +162,7 @@ def _layer_forward(original, mlp_class):
     return forward
 
 
-def _attention_forward(original):
+def _attention_forward(original, per_pair=False):
     """``LlamaAttention.forward`` for a model on uniop attention, straight through: the
     projections, ``rope``, the cache update and ``attention``, without the attention-interface
     lookup, the interface's output copy and the deprecated-argument wrapper. In a tiny Llama's fp32
@@ -168,7 +170,8 @@ def _attention_forward(original):
     decoded 1.02-1.06x faster (alternated in one process). A padded batch's 4-D mask (boolean, or
     float as transformers 4.x makes it) goes to ``attention``'s ``mask``, as does a sliding
     window's (transformers builds it per layer type; the interface's ``sliding_window`` argument
-    only repeats it), Gemma2's ``attn_logit_softcapping`` to its ``softcap``. Calls that need more —
+    only repeats it), Gemma2's ``attn_logit_softcapping`` to its ``softcap``, GPT-OSS's ``sinks``
+    to its ``sinks`` (its rope tables one value per pair: ``per_pair``). Calls that need more —
     a mask of another rank or dtype, dropout, another attention implementation or cache type,
     positional extras — keep transformers' forward."""
     from transformers.cache_utils import DynamicCache
@@ -190,12 +193,12 @@ def _attention_forward(original):
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in _projections(self, hidden_states))
         if hasattr(self, "q_norm"):  # Qwen3 and Gemma3 normalize each head's queries and keys
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = unn.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *position_embeddings)
+        q, k = unn.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *position_embeddings, per_pair=per_pair)
         v = v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        softcap = getattr(self, "attn_logit_softcapping", None)
-        out = unn.uniop_ops.attention(q, k, v, None, self.is_causal, self.scaling, attention_mask, softcap)[0]
+        softcap, sinks = getattr(self, "attn_logit_softcapping", None), getattr(self, "sinks", None)
+        out = unn.uniop_ops.attention(q, k, v, None, self.is_causal, self.scaling, attention_mask, softcap, sinks)[0]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), None
 
     return forward
@@ -219,12 +222,13 @@ def _projections(attention, x):
 _PLAIN_ROPES = ("default", "linear", "llama3")
 
 
-def _rotary_forward(original):
+def _rotary_forward(original, per_pair=False):
     """``LlamaRotaryEmbedding.forward`` as one uniop ``rope_cos_sin`` of the module's own
     ``inv_freq`` (the same float32 angles, cos/sin within an ulp of transformers'; a table that a
     ``.to(torch.bfloat16)`` cast rounded is widened exactly, as transformers widens it) instead of
     six torch ops: one decode position took ~21-35 µs in transformers' forward and ~4 in uniop's,
-    512 positions in bf16 ~120 and ~65 µs."""
+    512 positions in bf16 ~120 and ~65 µs. ``per_pair``: the family's tables hold one value per
+    pair (GPT-OSS's)."""
 
     def forward(self, x, position_ids, layer_type=None):
         # Gemma3 keeps a table per layer type: `{type}_inv_freq`, `rope_type[type]`, ...
@@ -238,7 +242,8 @@ def _rotary_forward(original):
             extra = () if layer_type is None else (layer_type,)
             return original(self, x, position_ids, *extra)
         inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
-        return unn.uniop_ops.rope_cos_sin(position_ids, 2 * inv_freq.numel(), dtype=x.dtype, inv_freq=inv_freq)
+        dim = 2 * inv_freq.numel()
+        return unn.uniop_ops.rope_cos_sin(position_ids, dim, dtype=x.dtype, inv_freq=inv_freq, per_pair=per_pair)
 
     return forward
 
@@ -426,11 +431,10 @@ def _patch_classes():
             _swap(mlp, "forward", _mlp_forward)
         if mlp is not None and prefix not in _OWN_LAYERS:
             _swap(_family_class(modeling, prefix, "DecoderLayer"), "forward", lambda f, m=mlp: _layer_forward(f, m))
-        if prefix in _OWN_ROPES:
-            continue
-        _swap(modeling, "apply_rotary_pos_emb", lambda _: unn.apply_rotary_pos_emb)
-        _swap(_family_class(modeling, prefix, "Attention"), "forward", _attention_forward)
-        _swap(_family_class(modeling, prefix, "RotaryEmbedding"), "forward", _rotary_forward)
+        pairs = prefix in _PAIR_ROPES
+        _swap(modeling, "apply_rotary_pos_emb", lambda _: functools.partial(unn.apply_rotary_pos_emb, per_pair=pairs))
+        _swap(_family_class(modeling, prefix, "Attention"), "forward", lambda f: _attention_forward(f, pairs))
+        _swap(_family_class(modeling, prefix, "RotaryEmbedding"), "forward", lambda f: _rotary_forward(f, pairs))
 
 
 def patch_llama(model=None, pack_weights=False):

@@ -376,10 +376,11 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-    """HF's ``apply_rotary_pos_emb``: q/k ``[B, H, S, D]``, cos/sin ``[B, S, D]`` (any strides)."""
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, per_pair=False):
+    """HF's ``apply_rotary_pos_emb``: q/k ``[B, H, S, D]``, cos/sin ``[B, S, D]`` (any strides).
+    ``per_pair``: cos/sin ``[B, S, D/2]``, one value per rotated pair (GPT-OSS's tables)."""
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    return uniop_ops.rope(q, cos, sin, "half"), uniop_ops.rope(k, cos, sin, "half")
+    return uniop_ops.rope(q, cos, sin, "half", per_pair), uniop_ops.rope(k, cos, sin, "half", per_pair)
 
 
 class Attention(nn.Module):
