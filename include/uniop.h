@@ -1192,7 +1192,7 @@ uniopStatus uniopRopeBackward(void *workspace,
                               uniopExecutor *executor,
                               uniopStream stream);
 
-// Phase 1 of `rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None, Tensor? inv_freq=None, bool per_pair=False) -> (Tensor cos, Tensor sin)`.
+// Phase 1 of `rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None, Tensor? inv_freq=None, bool per_pair=False, float scale=1.0) -> (Tensor cos, Tensor sin)`.
 //
 // cos/sin tables for rope from integer positions (any shape; output [..., dim]), HF's default
 // rotary embedding: inv_freq = 1/theta^(2j/dim), angle = position * inv_freq in float32. mode
@@ -1200,7 +1200,8 @@ uniopStatus uniopRopeBackward(void *workspace,
 // float32 (default), float16, bfloat16. inv_freq (float32 [dim/2], optional) replaces
 // 1/theta^(2j/dim): a model's own table (HF's scaled ropes, or its default one as torch's pow
 // rounded it) gives its angles exactly. per_pair: one column per frequency (output [..., dim/2],
-// either mode), rope's per_pair tables.
+// either mode), rope's per_pair tables. scale multiplies both tables in float32 (HF YaRN's
+// attention factor).
 uniopStatus uniopRopeCosSinGetWorkspaceSize(const uniopTensor *positions,
                                             int64_t dim,
                                             double theta,
@@ -1208,6 +1209,7 @@ uniopStatus uniopRopeCosSinGetWorkspaceSize(const uniopTensor *positions,
                                             const uniopDataType *dtype,
                                             const uniopTensor *inv_freq,
                                             bool per_pair,
+                                            double scale,
                                             uniopTensor *cos,
                                             uniopTensor *sin,
                                             uint64_t *workspaceSize,

@@ -1267,10 +1267,12 @@ def test_registered_attention_runs_any_model_sliding_windows_included(monkeypatc
 def test_patched_rotary_tables_come_from_rope_cos_sin_of_the_models_own_frequencies(monkeypatch):
     """Under patch_llama, LlamaRotaryEmbedding builds its tables with uniop rope_cos_sin from its
     own inv_freq: the same shape and dtype as transformers' and the same values (the f32 angles are
-    the same; only cos/sin's last bit may differ) for the default rope, a linear-scaled and a llama3
-    one, and a table a ``.to(bfloat16)`` cast rounded. Dynamic and yarn ropes, and float64 tables
-    (not a rope_cos_sin dtype), keep transformers' forward, bit for bit."""
-    from transformers import LlamaConfig
+    the same; only cos/sin's last bit may differ) for the default rope, a linear-scaled, a llama3
+    and a YaRN one (tables scaled by its attention factor), GPT-OSS's (YaRN, one value per pair),
+    and a table a ``.to(bfloat16)`` cast rounded. Dynamic ropes and float64 tables (not a
+    rope_cos_sin dtype) keep transformers' forward, bit for bit."""
+    from transformers import GptOssConfig, LlamaConfig
+    from transformers.models.gpt_oss import modeling_gpt_oss
     from transformers.models.llama import modeling_llama as m
 
     calls = []
@@ -1285,6 +1287,8 @@ def test_patched_rotary_tables_come_from_rope_cos_sin_of_the_models_own_frequenc
     llama3 = dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=1024
     )
+    gpt_oss = modeling_gpt_oss.GptOssRotaryEmbedding(GptOssConfig(head_dim=64))
+    assert gpt_oss.rope_type == "yarn" and gpt_oss.attention_scaling > 1
     pos = torch.tensor([[0, 1, 7, 511, 4000, 8191], [3, 2, 1, 0, 2047, 65537]])
     cases = [  # (module, dtype of x, on uniop)
         (rotary(), torch.float32, True),
@@ -1294,7 +1298,10 @@ def test_patched_rotary_tables_come_from_rope_cos_sin_of_the_models_own_frequenc
         (rotary().to(torch.bfloat16), torch.bfloat16, True),
         (rotary(), torch.float64, False),
         (rotary(rope_type="dynamic", factor=2.0), torch.float32, False),
-        (rotary(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024), torch.float32, False),
+        (rotary(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024), torch.float32, True),
+        (rotary(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024), torch.bfloat16, True),
+        (gpt_oss, torch.float32, True),
+        (gpt_oss, torch.bfloat16, True),
     ]
     wants = [rot(torch.zeros(1, dtype=dtype), pos) for rot, dtype, _ in cases]
     try:
@@ -1307,8 +1314,11 @@ def test_patched_rotary_tables_come_from_rope_cos_sin_of_the_models_own_frequenc
                 for g, w in zip(got, want):
                     assert g.shape == w.shape and g.dtype == w.dtype
                     if on_uniop:
-                        # One ulp of the f32 value (or of bf16, where rounding the f32 one may tip).
-                        tol = 1.2e-7 if dtype == torch.float32 else 8e-3
+                        # One ulp of the f32 value (or of bf16, where rounding the f32 one may tip);
+                        # scaled by YaRN's factor s > 1, an ulp of cos times s and half an ulp of each
+                        # product (values to s < 2).
+                        scale = rot.attention_scaling
+                        tol = (1.2e-7 if scale == 1 else 6e-8 * scale + 2.4e-7) if dtype == torch.float32 else 8e-3
                         torch.testing.assert_close(g, w, atol=tol, rtol=0)
                     else:
                         assert torch.equal(g, w)

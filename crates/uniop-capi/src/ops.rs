@@ -2025,7 +2025,7 @@ pub extern "C" fn uniopRopeBackward(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None, Tensor? inv_freq=None, bool per_pair=False) -> (Tensor cos, Tensor sin)`.
+/// Phase 1 of `rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None, Tensor? inv_freq=None, bool per_pair=False, float scale=1.0) -> (Tensor cos, Tensor sin)`.
 ///
 /// cos/sin tables for rope from integer positions (any shape; output [..., dim]), HF's default
 /// rotary embedding: inv_freq = 1/theta^(2j/dim), angle = position * inv_freq in float32. mode
@@ -2033,7 +2033,8 @@ pub extern "C" fn uniopRopeBackward(
 /// float32 (default), float16, bfloat16. inv_freq (float32 [dim/2], optional) replaces
 /// 1/theta^(2j/dim): a model's own table (HF's scaled ropes, or its default one as torch's pow
 /// rounded it) gives its angles exactly. per_pair: one column per frequency (output [..., dim/2],
-/// either mode), rope's per_pair tables.
+/// either mode), rope's per_pair tables. scale multiplies both tables in float32 (HF YaRN's
+/// attention factor).
 #[no_mangle]
 pub extern "C" fn uniopRopeCosSinGetWorkspaceSize(
     positions: *const uniopTensor,
@@ -2043,6 +2044,7 @@ pub extern "C" fn uniopRopeCosSinGetWorkspaceSize(
     dtype: *const uniopDataType,
     inv_freq: *const uniopTensor,
     per_pair: bool,
+    scale: f64,
     cos: *mut uniopTensor,
     sin: *mut uniopTensor,
     workspaceSize: *mut u64,
@@ -2051,12 +2053,13 @@ pub extern "C" fn uniopRopeCosSinGetWorkspaceSize(
     const F: &str = "uniopRopeCosSinGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 2] = [("positions", positions), ("inv_freq", inv_freq)];
-        let attrs: [(&str, AttrValue); 5] = [
+        let attrs: [(&str, AttrValue); 6] = [
             ("dim", AttrValue::Int(dim)),
             ("theta", AttrValue::Float(theta)),
             ("mode", typed::string(F, "mode", mode)?),
             ("dtype", typed::optional(dtype, |v| typed::dtype(F, "dtype", v))?),
             ("per_pair", AttrValue::Bool(per_pair)),
+            ("scale", AttrValue::Float(scale)),
         ];
         let outputs = [("cos", cos as *const uniopTensor), ("sin", sin as *const uniopTensor)];
         plan("rope_cos_sin", F, &inputs, &attrs, &outputs, workspaceSize, executor)

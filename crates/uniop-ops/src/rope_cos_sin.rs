@@ -1,5 +1,5 @@
-//! `rope_cos_sin(positions, dim, theta=10000, mode='half', dtype=None, inv_freq=None, per_pair=False)
-//! -> (cos, sin)`:
+//! `rope_cos_sin(positions, dim, theta=10000, mode='half', dtype=None, inv_freq=None, per_pair=False,
+//! scale=1.0) -> (cos, sin)`:
 //! the tables `rope` takes, built the way HF's rotary embeddings build them, so callers need no
 //! Python math.
 //!
@@ -9,7 +9,9 @@
 //! llama3) are this formula with their own frequencies, and even HF's default table is not always
 //! ours bit for bit (torch's f32 `pow` is not correctly rounded: at head dim 128 it differs from
 //! the rounded exact value in ~19 of 64 frequencies by an ulp, which moves angles at position p by
-//! up to p·inv_freq·2⁻²³). Passing the model's own table gives its angles exactly.
+//! up to p·inv_freq·2⁻²³). Passing the model's own table gives its angles exactly. `scale`
+//! multiplies both tables (in f32, before they are rounded to `dtype`): HF's YaRN scales them by
+//! its `attention_factor`, so a YaRN model's tables are its `inv_freq` and that factor.
 //!
 //! Layout of the last dim: `half` repeats the `dim/2` frequencies twice (`cat(freqs, freqs)`),
 //! `interleave` repeats each one in place (`repeat_interleave(2)`). With `per_pair`, each frequency
@@ -29,6 +31,8 @@ struct Table {
     mode: Mode,
     /// One column per frequency (`dim / 2` wide).
     per_pair: bool,
+    /// Multiplies both tables.
+    scale: f32,
     /// From `theta`; empty when the caller gives `inv_freq` (read at launch: plans are reused
     /// across calls with other tensors).
     inv_freq: Vec<f32>,
@@ -67,7 +71,11 @@ fn checked(cx: &OpCx) -> Result<Table> {
         cx.expect_shape("inv_freq", &[dim / 2])?;
     }
     let per_pair = matches!(cx.attr("per_pair"), AttrValue::Bool(true));
-    Ok(Table { dim, mode, per_pair, inv_freq: Vec::new(), dtype })
+    let scale = cx.float("scale");
+    if !(scale as f32).is_finite() {
+        return Err(cx.err(ErrorCode::ParamInvalid, "scale", "a finite float32 factor", scale));
+    }
+    Ok(Table { dim, mode, per_pair, scale: scale as f32, inv_freq: Vec::new(), dtype })
 }
 
 /// [`checked`] with the frequencies from `theta` when the caller gives no `inv_freq`. The table
@@ -172,7 +180,7 @@ fn kernel<P: Element, T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, t: &Tab
                 }
             }
             for i in 0..w {
-                let (cv, sv) = (T::from_f32(c_lanes[i]), T::from_f32(s_lanes[i]));
+                let (cv, sv) = (T::from_f32(c_lanes[i] * t.scale), T::from_f32(s_lanes[i] * t.scale));
                 for k in t.columns(j0 + i) {
                     (c[k], s[k]) = (cv, sv);
                 }
@@ -191,7 +199,7 @@ fn step<P: Element>(cx: &OpCx, t: std::sync::Arc<Table>, block_dim: u32) -> Resu
 impl Op for RopeCosSin {
     fn schema(&self) -> &'static str {
         "rope_cos_sin(Tensor positions, int dim, float theta=10000.0, str mode='half', ScalarType? dtype=None, \
-         Tensor? inv_freq=None, bool per_pair=False) -> (Tensor cos, Tensor sin)"
+         Tensor? inv_freq=None, bool per_pair=False, float scale=1.0) -> (Tensor cos, Tensor sin)"
     }
 
     fn doc(&self) -> &'static str {
@@ -200,7 +208,8 @@ impl Op for RopeCosSin {
          dim/2 frequencies out twice (cat), 'interleave' repeats each in place. dtype: float32 (default), float16, bfloat16. \
          inv_freq (float32 [dim/2], optional) replaces 1/theta^(2j/dim): a model's own table (HF's scaled ropes, or \
          its default one as torch's pow rounded it) gives its angles exactly. per_pair: one column per frequency \
-         (output [..., dim/2], either mode), rope's per_pair tables."
+         (output [..., dim/2], either mode), rope's per_pair tables. scale multiplies both tables in float32 \
+         (HF YaRN's attention factor)."
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -245,8 +254,8 @@ impl Op for RopeCosSin {
         for &p in &pos.data {
             for k in 0..t.width() {
                 let a = t.angle(inv_freq, p, k) as f64;
-                c.push(a.cos());
-                s.push(a.sin());
+                c.push(a.cos() * t.scale as f64);
+                s.push(a.sin() * t.scale as f64);
             }
         }
         Ok(vec![RefTensor::new(&shape, c), RefTensor::new(&shape, s)])

@@ -1084,16 +1084,30 @@ fn rope_cos_sin_builds_hf_tables() {
             assert!((got - *want as f64).abs() < 1e-6, "{mode}: {got} vs {want}");
         }
     }
-    // One column per frequency, either mode: rope's per-pair tables.
-    for mode in ["half", "interleave"] {
-        let attrs = [("dim", AttrValue::Int(8)), ("mode", AttrValue::from(mode)), ("per_pair", AttrValue::Bool(true))];
+    // One column per frequency, either mode: rope's per-pair tables; scaled (YaRN's attention
+    // factor) in f32 before rounding.
+    for (mode, scale) in [("half", 1.0), ("interleave", 1.0), ("half", 1.3466)] {
+        let attrs = [
+            ("dim", AttrValue::Int(8)),
+            ("mode", AttrValue::from(mode)),
+            ("per_pair", AttrValue::Bool(true)),
+            ("scale", AttrValue::Float(scale)),
+        ];
         let tables = run_checked("rope_cos_sin", &[Some(tp.clone()), None], &attrs);
         let (cos, sin) = rope_pair_tables(6, 8);
         assert_eq!((tables[0].len(), tables[1].len()), (6 * 4, 6 * 4));
         for (got, want) in tables[0].iter().zip(&cos).chain(tables[1].iter().zip(&sin)) {
-            assert!((got - *want as f64).abs() < 1e-6, "{mode} per pair: {got} vs {want}");
+            let want = (*want * scale as f32) as f64;
+            assert!((got - want).abs() < 2e-6, "{mode} per pair, scale {scale}: {got} vs {want}");
         }
     }
+    let err = plan_err(
+        "rope_cos_sin",
+        &[Some(tp.clone()), None],
+        &[("dim", AttrValue::Int(8)), ("scale", AttrValue::Float(f64::NAN))],
+        vec![],
+    );
+    assert_eq!(err.message(), "rope_cos_sin: argument 'scale': expected a finite float32 factor, got NaN");
     let entry = Registry::global().get("rope_cos_sin").unwrap();
     let bf = infer(
         &entry,

@@ -35,6 +35,7 @@ products take weights packed once (see :func:`patch_llama`). The ops themselves 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import nn
@@ -215,11 +216,11 @@ def _projections(attention, x):
     return attention.qkv_proj(x).split([q_width, kv_width, kv_width], -1)
 
 
-# Rope types whose tables are cos/sin of ``position · inv_freq`` with the module's own
-# ``inv_freq`` and no attention scaling: what transformers' forward computes for them, which
-# ``rope_cos_sin`` computes from the same table. Dynamic ropes (which rebuild ``inv_freq`` inside
-# the forward's decorator) and scaled ones (yarn, longrope) keep transformers' forward.
-_PLAIN_ROPES = ("default", "linear", "llama3")
+# Rope types whose tables are cos/sin of ``position · inv_freq`` with the module's own ``inv_freq``,
+# times its ``attention_scaling`` (1 but for YaRN): what transformers' forward computes for them,
+# which ``rope_cos_sin`` computes from the same table and factor. Dynamic ropes and longrope (which
+# rebuild ``inv_freq`` or the factor inside the forward's decorator) keep transformers' forward.
+_PLAIN_ROPES = ("default", "linear", "llama3", "yarn")
 
 
 def _rotary_forward(original, per_pair=False):
@@ -236,14 +237,17 @@ def _rotary_forward(original, per_pair=False):
         inv_freq = getattr(self, prefix + "inv_freq")
         rope_type = getattr(self, "rope_type", None)
         rope_type = rope_type.get(layer_type) if isinstance(rope_type, dict) else rope_type
-        plain = rope_type in _PLAIN_ROPES and getattr(self, prefix + "attention_scaling", None) == 1.0
+        scale = getattr(self, prefix + "attention_scaling", None)
+        plain = rope_type in _PLAIN_ROPES and isinstance(scale, (int, float)) and math.isfinite(scale)
         on_cpu = x.device.type == inv_freq.device.type == "cpu"
         if not plain or not on_cpu or x.dtype not in unn._FLOATS or position_ids.is_floating_point():
             extra = () if layer_type is None else (layer_type,)
             return original(self, x, position_ids, *extra)
         inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
         dim = 2 * inv_freq.numel()
-        return unn.uniop_ops.rope_cos_sin(position_ids, dim, dtype=x.dtype, inv_freq=inv_freq, per_pair=per_pair)
+        return unn.uniop_ops.rope_cos_sin(
+            position_ids, dim, dtype=x.dtype, inv_freq=inv_freq, per_pair=per_pair, scale=float(scale)
+        )
 
     return forward
 
