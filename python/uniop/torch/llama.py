@@ -436,7 +436,8 @@ def _patch_classes():
         if mlp is not None and prefix not in _OWN_LAYERS:
             _swap(_family_class(modeling, prefix, "DecoderLayer"), "forward", lambda f, m=mlp: _layer_forward(f, m))
         pairs = prefix in _PAIR_ROPES
-        _swap(modeling, "apply_rotary_pos_emb", lambda _: functools.partial(unn.apply_rotary_pos_emb, per_pair=pairs))
+        rope = functools.partial(unn.apply_rotary_pos_emb, per_pair=True) if pairs else unn.apply_rotary_pos_emb
+        _swap(modeling, "apply_rotary_pos_emb", lambda _: rope)
         _swap(_family_class(modeling, prefix, "Attention"), "forward", lambda f: _attention_forward(f, pairs))
         _swap(_family_class(modeling, prefix, "RotaryEmbedding"), "forward", lambda f: _rotary_forward(f, pairs))
 
