@@ -209,7 +209,7 @@ static void test_rope(uniopStream stream) {
   uniopTensor *out[] = {dense(xd, 4, y)};
   uint64_t ws = 0;
   uniopExecutor *exec = NULL;
-  OK(uniopRopeGetWorkspaceSize(in[0], in[1], in[2], "half", out[0], &ws, &exec));
+  OK(uniopRopeGetWorkspaceSize(in[0], in[1], in[2], "half", false, out[0], &ws, &exec));
   launch(uniopRope, ws, exec, stream);
   double want[H * S * D];
   for (int h = 0; h < H; h++)
@@ -220,7 +220,22 @@ static void test_rope(uniopStream stream) {
         want[(h * S + s) * D + j] = row[j] * cs[s * D + j] + rot * sn[s * D + j];
       }
   expect_close("rope (half)", y, want, H * S * D, 1e-5);
+  /* The same rotation from tables of one value per pair (the first half of each row above:
+   * flash-attn's and GPT-OSS's form), [S, D/2] with per_pair. */
+  float pair_cs[S * D / 2], pair_sn[S * D / 2];
+  for (int s = 0; s < S; s++)
+    for (int j = 0; j < D / 2; j++) {
+      pair_cs[s * D / 2 + j] = cs[s * D + j];
+      pair_sn[s * D / 2 + j] = sn[s * D + j];
+    }
+  int64_t pd[] = {S, D / 2};
+  uniopTensor *pairs[] = {dense(pd, 2, pair_cs), dense(pd, 2, pair_sn)};
+  memset(y, 0, sizeof y);
+  OK(uniopRopeGetWorkspaceSize(in[0], pairs[0], pairs[1], "half", true, out[0], &ws, &exec));
+  launch(uniopRope, ws, exec, stream);
+  expect_close("rope (half, per-pair tables)", y, want, H * S * D, 1e-5);
   for (int i = 0; i < 3; i++) OK(uniopDestroyTensor(in[i]));
+  for (int i = 0; i < 2; i++) OK(uniopDestroyTensor(pairs[i]));
   OK(uniopDestroyTensor(out[0]));
 }
 
@@ -651,7 +666,7 @@ static void test_bad_inputs(uniopStream stream) {
   expect_error("memcpy past destMax", uniopMemcpy(y, 4, x, sizeof x, UNIOP_MEMCPY_HOST_TO_HOST),
                UNIOP_ERROR_PARAM_INVALID, "destMax");
   expect_error("no such device", uniopSetDevice(3), UNIOP_ERROR_PARAM_INVALID, "deviceId");
-  expect_error("typed: null str attribute", uniopRopeGetWorkspaceSize(tx, tw, tw, NULL, ty, &ws, &ex),
+  expect_error("typed: null str attribute", uniopRopeGetWorkspaceSize(tx, tw, tw, NULL, false, ty, &ws, &ex),
                UNIOP_ERROR_PARAM_NULLPTR, "uniopRopeGetWorkspaceSize: argument 'mode'");
   expect_error("typed: bad dtype attribute", uniopCastGetWorkspaceSize(tx, 99, ty, &ws, &ex), UNIOP_ERROR_DTYPE,
                "'dtype'");
