@@ -35,7 +35,6 @@ products take weights packed once (see :func:`patch_llama`). The ops themselves 
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from torch import nn
@@ -238,7 +237,7 @@ def _rotary_forward(original, per_pair=False):
         rope_type = getattr(self, "rope_type", None)
         rope_type = rope_type.get(layer_type) if isinstance(rope_type, dict) else rope_type
         scale = getattr(self, prefix + "attention_scaling", None)
-        plain = rope_type in _PLAIN_ROPES and isinstance(scale, (int, float)) and math.isfinite(scale)
+        plain = rope_type in _PLAIN_ROPES and scale is not None
         on_cpu = x.device.type == inv_freq.device.type == "cpu"
         if not plain or not on_cpu or x.dtype not in unn._FLOATS or position_ids.is_floating_point():
             extra = () if layer_type is None else (layer_type,)
@@ -246,7 +245,7 @@ def _rotary_forward(original, per_pair=False):
         inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
         dim = 2 * inv_freq.numel()
         return unn.uniop_ops.rope_cos_sin(
-            position_ids, dim, dtype=x.dtype, inv_freq=inv_freq, per_pair=per_pair, scale=float(scale)
+            position_ids, dim, dtype=x.dtype, inv_freq=inv_freq, per_pair=per_pair, scale=scale
         )
 
     return forward
