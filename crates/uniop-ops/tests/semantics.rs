@@ -960,18 +960,20 @@ fn rope_per_pair_tables_rotate_as_the_full_ones() {
         fn table<T: uniop::Element>(t: &[T], s: usize) -> Option<TensorRef<'_>> {
             Some(TensorRef::new(t, &[s, t.len() / s]).unwrap())
         }
-        let view = |x| TensorRef::strided(x, &[b, n, s, d], &[s * n * d, d, n * d, 1], 0).unwrap();
-        let view16 = |x| TensorRef::strided(x, &[b, n, s, d], &[s * n * d, d, n * d, 1], 0).unwrap();
+        fn bnsd<T: uniop::Element>(x: &[T], [b, n, s, d]: [usize; 4]) -> Option<TensorRef<'_>> {
+            Some(TensorRef::strided(x, &[b, n, s, d], &[s * n * d, d, n * d, 1], 0).unwrap())
+        }
+        let dims = [b, n, s, d];
         for op in ["rope", "rope_backward"] {
             let attrs = |per_pair| [("mode", AttrValue::from(mode)), ("per_pair", AttrValue::Bool(per_pair))];
-            let want = run_checked(op, &[Some(view(&x)), table(&cos, s), table(&sin, s)], &attrs(false));
-            let got = run_checked(op, &[Some(view(&x)), table(&pair_cos, s), table(&pair_sin, s)], &attrs(true));
+            let want = run_checked(op, &[bnsd(&x, dims), table(&cos, s), table(&sin, s)], &attrs(false));
+            let got = run_checked(op, &[bnsd(&x, dims), table(&pair_cos, s), table(&pair_sin, s)], &attrs(true));
             assert_eq!(got, want, "{op} {mode}");
-            let want = run_checked(op, &[Some(view16(&xb)), table(&cb, s), table(&sb, s)], &attrs(false));
-            let got = run_checked(op, &[Some(view16(&xb)), table(&pcb, s), table(&psb, s)], &attrs(true));
+            let want = run_checked(op, &[bnsd(&xb, dims), table(&cb, s), table(&sb, s)], &attrs(false));
+            let got = run_checked(op, &[bnsd(&xb, dims), table(&pcb, s), table(&psb, s)], &attrs(true));
             assert_eq!(got, want, "{op} {mode} bf16");
-            let want = run_checked(op, &[Some(view16(&xb)), table(&cos, s), table(&sin, s)], &attrs(false));
-            let got = run_checked(op, &[Some(view16(&xb)), table(&pair_cos, s), table(&pair_sin, s)], &attrs(true));
+            let want = run_checked(op, &[bnsd(&xb, dims), table(&cos, s), table(&sin, s)], &attrs(false));
+            let got = run_checked(op, &[bnsd(&xb, dims), table(&pair_cos, s), table(&pair_sin, s)], &attrs(true));
             assert_eq!(got, want, "{op} {mode} bf16 with f32 tables");
         }
         let attrs = [("mode", AttrValue::from(mode)), ("per_pair", AttrValue::Bool(true))];
