@@ -1269,11 +1269,17 @@ def test_patched_rotary_tables_come_from_rope_cos_sin_of_the_models_own_frequenc
     own inv_freq: the same shape and dtype as transformers' and the same values (the f32 angles are
     the same; only cos/sin's last bit may differ) for the default rope, a linear-scaled, a llama3
     and a YaRN one (tables scaled by its attention factor), GPT-OSS's (YaRN, one value per pair),
-    and a table a ``.to(bfloat16)`` cast rounded. Dynamic ropes and float64 tables (not a
-    rope_cos_sin dtype) keep transformers' forward, bit for bit."""
-    from transformers import GptOssConfig, LlamaConfig
+    a table a ``.to(bfloat16)`` cast rounded, and the ropes whose tables follow the sequence length:
+    dynamic NTK (grown past the trained length, then reset) and Phi3's longrope (long factors past
+    the original length, short ones below), each module updated as transformers updates it.
+    Float64 tables (not a rope_cos_sin dtype) keep transformers' forward, bit for bit, and its
+    update runs once."""
+    import copy
+
+    from transformers import GptOssConfig, LlamaConfig, Phi3Config
     from transformers.models.gpt_oss import modeling_gpt_oss
     from transformers.models.llama import modeling_llama as m
+    from transformers.models.phi3 import modeling_phi3
 
     calls = []
     real = unn.uniop_ops.rope_cos_sin
@@ -1289,7 +1295,28 @@ def test_patched_rotary_tables_come_from_rope_cos_sin_of_the_models_own_frequenc
     )
     gpt_oss = modeling_gpt_oss.GptOssRotaryEmbedding(GptOssConfig(head_dim=64))
     assert gpt_oss.rope_type == "yarn" and gpt_oss.attention_scaling > 1
-    pos = torch.tensor([[0, 1, 7, 511, 4000, 8191], [3, 2, 1, 0, 2047, 65537]])
+    longrope = dict(
+        rope_type="longrope",
+        rope_theta=10000.0,
+        factor=8.0,
+        short_factor=[1.0 + i / 32 for i in range(24)],
+        long_factor=[1.0 + i / 4 for i in range(24)],
+        original_max_position_embeddings=1024,
+    )
+    phi3_cfg = Phi3Config(
+        hidden_size=256,
+        num_attention_heads=4,
+        max_position_embeddings=8192,
+        partial_rotary_factor=0.75,
+        rope_parameters=longrope,
+    )
+    phi3 = modeling_phi3.Phi3RotaryEmbedding(phi3_cfg)
+    assert phi3.rope_type == "longrope" and phi3.attention_scaling > 1
+    # Past every module's trained (or original) length, then within it.
+    positions = [
+        torch.tensor([[0, 1, 7, 511, 4000, 8191], [3, 2, 1, 0, 2047, 65537]]),
+        torch.tensor([[0, 1, 7, 511, 1000, 1023], [3, 2, 1, 0, 17, 900]]),
+    ]
     cases = [  # (module, dtype of x, on uniop)
         (rotary(), torch.float32, True),
         (rotary(), torch.bfloat16, True),
@@ -1297,31 +1324,41 @@ def test_patched_rotary_tables_come_from_rope_cos_sin_of_the_models_own_frequenc
         (rotary(**llama3), torch.float32, True),
         (rotary().to(torch.bfloat16), torch.bfloat16, True),
         (rotary(), torch.float64, False),
-        (rotary(rope_type="dynamic", factor=2.0), torch.float32, False),
+        (rotary(rope_type="dynamic", factor=2.0), torch.float32, True),
+        (rotary(rope_type="dynamic", factor=2.0), torch.bfloat16, True),
+        (rotary(rope_type="dynamic", factor=2.0), torch.float64, False),
         (rotary(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024), torch.float32, True),
         (rotary(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024), torch.bfloat16, True),
         (gpt_oss, torch.float32, True),
         (gpt_oss, torch.bfloat16, True),
+        (phi3, torch.float32, True),
+        (copy.deepcopy(phi3), torch.bfloat16, True),
+        (copy.deepcopy(phi3), torch.float64, False),
     ]
-    wants = [rot(torch.zeros(1, dtype=dtype), pos) for rot, dtype, _ in cases]
+    # transformers' tables from a copy of each module, updated by the same calls in the same order.
+    twins = [copy.deepcopy(rot) for rot, _, _ in cases]
+    wants = [[twin(torch.zeros(1, dtype=dtype), pos) for pos in positions] for twin, (_, dtype, _) in zip(twins, cases)]
     try:
         ut.patch_llama()
         with torch.no_grad():
-            for (rot, dtype, on_uniop), want in zip(cases, wants):
-                calls.clear()
-                got = rot(torch.zeros(1, dtype=dtype), pos)
-                assert bool(calls) == on_uniop, rot.rope_type
-                for g, w in zip(got, want):
-                    assert g.shape == w.shape and g.dtype == w.dtype
-                    if on_uniop:
-                        # One ulp of the f32 value (or of bf16, where rounding the f32 one may tip);
-                        # scaled by YaRN's factor s > 1, an ulp of cos times s and half an ulp of each
-                        # product (values to s < 2).
-                        scale = rot.attention_scaling
-                        tol = (1.2e-7 if scale == 1 else 6e-8 * scale + 2.4e-7) if dtype == torch.float32 else 8e-3
-                        torch.testing.assert_close(g, w, atol=tol, rtol=0)
-                    else:
-                        assert torch.equal(g, w)
+            for (rot, dtype, on_uniop), twin, want in zip(cases, twins, wants):
+                for pos, want_at in zip(positions, want):
+                    calls.clear()
+                    got = rot(torch.zeros(1, dtype=dtype), pos)
+                    assert bool(calls) == on_uniop, rot.rope_type
+                    for g, w in zip(got, want_at):
+                        assert g.shape == w.shape and g.dtype == w.dtype
+                        if on_uniop:
+                            # One ulp of the f32 value (or of bf16, where rounding the f32 one may tip);
+                            # scaled by a factor s > 1 (YaRN's, longrope's), an ulp of cos times s and
+                            # half an ulp of each product (values to s < 2).
+                            scale = rot.attention_scaling
+                            tol = (1.2e-7 if scale == 1 else 6e-8 * scale + 2.4e-7) if dtype == torch.float32 else 8e-3
+                            torch.testing.assert_close(g, w, atol=tol, rtol=0)
+                        else:
+                            assert torch.equal(g, w)
+                # The module's own state followed transformers' (dynamic NTK's grown and reset table).
+                assert torch.equal(rot.inv_freq, twin.inv_freq), rot.rope_type
     finally:
         ut.unpatch_llama()
 

@@ -215,40 +215,39 @@ def _projections(attention, x):
     return attention.qkv_proj(x).split([q_width, kv_width, kv_width], -1)
 
 
-# Rope types whose tables are cos/sin of ``position · inv_freq`` with the module's own ``inv_freq``,
-# times its ``attention_scaling`` (1 but for YaRN): what transformers' forward computes for them,
-# which ``rope_cos_sin`` computes from the same table and factor. Dynamic ropes and longrope (which
-# rebuild ``inv_freq`` or the factor inside the forward's decorator) keep transformers' forward.
-_PLAIN_ROPES = ("default", "linear", "llama3", "yarn")
-
-
 def _rotary_forward(original, per_pair=False):
     """``LlamaRotaryEmbedding.forward`` as one uniop ``rope_cos_sin`` of the module's own
     ``inv_freq`` (the same float32 angles, cos/sin within an ulp of transformers'; a table that a
-    ``.to(torch.bfloat16)`` cast rounded is widened exactly, as transformers widens it) instead of
-    six torch ops: one decode position took ~21-35 µs in transformers' forward and ~4 in uniop's,
-    512 positions in bf16 ~120 and ~65 µs. ``per_pair``: the family's tables hold one value per
-    pair (GPT-OSS's)."""
+    ``.to(torch.bfloat16)`` cast rounded is widened exactly, as transformers widens it) times its
+    ``attention_scaling`` (1 but for YaRN and longrope) instead of six torch ops: one decode position
+    took ~21-35 µs in transformers' forward and ~4 in uniop's, 512 positions in bf16 ~120 and ~65 µs.
+    ``per_pair``: the family's tables hold one value per pair (GPT-OSS's).
+
+    Every rope type's forward is that formula: the types differ in how ``inv_freq`` and the factor
+    are made, at init or — dynamic NTK and longrope, which switch tables with the sequence length —
+    in transformers' ``dynamic_rope_update`` decorator before the forward runs. The uniop forward
+    keeps that decorator (so it updates the module exactly as before) and falls back to the
+    undecorated original, not to the decorated one, which would run the update twice."""
+    from transformers.modeling_rope_utils import dynamic_rope_update
+
+    undecorated = getattr(original, "__wrapped__", original)
 
     def forward(self, x, position_ids, layer_type=None):
-        # Gemma3 keeps a table per layer type: `{type}_inv_freq`, `rope_type[type]`, ...
+        # Gemma3 keeps a table per layer type: `{type}_inv_freq`, `{type}_attention_scaling`.
         prefix = "" if layer_type is None else f"{layer_type}_"
         inv_freq = getattr(self, prefix + "inv_freq")
-        rope_type = getattr(self, "rope_type", None)
-        rope_type = rope_type.get(layer_type) if isinstance(rope_type, dict) else rope_type
         scale = getattr(self, prefix + "attention_scaling", None)
-        plain = rope_type in _PLAIN_ROPES and scale is not None
         on_cpu = x.device.type == inv_freq.device.type == "cpu"
-        if not plain or not on_cpu or x.dtype not in unn._FLOATS or position_ids.is_floating_point():
+        if scale is None or not on_cpu or x.dtype not in unn._FLOATS or position_ids.is_floating_point():
             extra = () if layer_type is None else (layer_type,)
-            return original(self, x, position_ids, *extra)
+            return undecorated(self, x, position_ids, *extra)
         inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
         dim = 2 * inv_freq.numel()
         return unn.uniop_ops.rope_cos_sin(
             position_ids, dim, dtype=x.dtype, inv_freq=inv_freq, per_pair=per_pair, scale=scale
         )
 
-    return forward
+    return dynamic_rope_update(forward)
 
 
 def _transformers_causal_lm_loss():
