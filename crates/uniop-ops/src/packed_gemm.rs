@@ -503,9 +503,10 @@ enum BlockOfB<'a, E> {
     /// one slice of the depth at a time, just before the row panels that read it, where every row
     /// block takes a slice before the next one: the slice's packed words (512 KiB for 512 columns)
     /// are then written to and read from L2, where the whole depth's (2.9 MiB for a 2880-deep bf16
-    /// weight's 512 columns) went out to L3 and came back — bf16 `[K, N]` weights times 16 to 64
-    /// rows ran 0.90–0.92x the time (the packing took a third of it). A B dense along k is packed
-    /// at its whole depth all the same: its lines' runs, cut to a slice's 1 KiB, ran 1–2% slower.
+    /// weight's 512 columns) went out to L3 and came back — bf16 `[2880, 5760]` weights times 16
+    /// to 64 rows ran 0.95–0.97x the time (the packing took a third of it; with the packing's
+    /// prefetch, 0.86–0.93x). A B dense along k is packed at its whole depth all the same: its
+    /// lines' runs, cut to a slice's 1 KiB, ran 1–2% slower.
     Unpacked(Columns<E>, (usize, usize), &'a mut LineBuf<u32>),
 }
 
@@ -1190,7 +1191,8 @@ unsafe fn pack<E: Packed, const W: usize>(
         // the prefetcher and the loads missed). Each row is a short run (1 KiB of bf16 for 512
         // columns) a whole row stride from the last, which the hardware prefetchers did not see
         // coming: the rows `PACK_AHEAD_WORDS` words on are asked for while these are packed. bf16
-        // `[K, N]` weights times 16, 64 and 256 rows ran 0.75x, 0.87x and 0.97x the time without.
+        // `[2880, 5760]` weights times 16, 64 and 256 rows ran 0.88x, 0.94x and 0.98x the time
+        // without (medians of 8 alternations in one process).
         let row_bytes = whole_panels * W * std::mem::size_of::<E>();
         for p in 0..words {
             let from = block.ptr.offset((E::PER_WORD * p) as isize * m.rs);
