@@ -41,28 +41,27 @@ fn pairs_through<T: FloatElement, const NATIVE: bool>(ds: &[T], xs: &[T], dst: &
     let (whole, tail) = dst.split_at_mut(dst.len() / (2 * LANES) * (2 * LANES));
     let steps = ds.chunks_exact(LANES).zip(xs.chunks_exact(2 * LANES)).zip(whole.chunks_exact_mut(2 * LANES));
     for ((d, pairs), out) in steps {
-        let [lower, upper] = step::<T, NATIVE>(d.try_into().expect("a step"), pairs.try_into().expect("a step"), c);
-        let (out_lower, out_upper) = out.split_at_mut(LANES);
-        store_step::<T, NATIVE>(&lower, out_lower, streaming);
-        store_step::<T, NATIVE>(&upper, out_upper, streaming);
+        let grads = step::<T, NATIVE>(d.try_into().expect("a step"), pairs.try_into().expect("a step"), c);
+        for (run, out) in grads.chunks_exact(LANES).zip(out.chunks_exact_mut(LANES)) {
+            store_step::<T, NATIVE>(run.try_into().expect("a run"), out, streaming);
+        }
     }
     if !tail.is_empty() {
         let pairs_done = whole.len() / 2;
         let (mut d, mut pairs) = ([T::default(); LANES], [T::default(); 2 * LANES]);
         d[..tail.len() / 2].copy_from_slice(&ds[pairs_done..]);
         pairs[..tail.len()].copy_from_slice(&xs[2 * pairs_done..]);
-        let grads = step::<T, NATIVE>(&d, &pairs, c).concat();
-        T::narrow(&grads[..tail.len()], tail);
+        T::narrow(&step::<T, NATIVE>(&d, &pairs, c)[..tail.len()], tail);
     }
 }
 
-/// One step's gradients, `dx` of its `LANES` pairs as two runs of `LANES` elements; a function,
-/// not a closure, so that it is always inlined into the kernel's CPU-feature build. Written two
-/// by two into one array and split after: indexing the two runs by `i / (LANES / 2)` inside the
+/// One step's gradients, `dx` of its `LANES` pairs; a function, not a closure, so that it is
+/// always inlined into the kernel's CPU-feature build. Written two by two into one array, which
+/// the caller narrows as two runs: indexing the two runs by `i / (LANES / 2)` inside the
 /// loop kept it from vectorizing (6–20x slower), and computing the two gradients as runs of their
 /// own, interleaved after, left bf16 at 0.97–1.05x the staged kernel before this one.
 #[inline(always)]
-fn step<T: FloatElement, const NATIVE: bool>(d: &[T; LANES], pairs: &[T; 2 * LANES], c: Clamp) -> [[f32; LANES]; 2] {
+fn step<T: FloatElement, const NATIVE: bool>(d: &[T; LANES], pairs: &[T; 2 * LANES], c: Clamp) -> [f32; 2 * LANES] {
     let mut grads = [0f32; 2 * LANES];
     let alpha = c.alpha as f32;
     for i in 0..LANES {
@@ -73,8 +72,7 @@ fn step<T: FloatElement, const NATIVE: bool>(d: &[T; LANES], pairs: &[T; 2 * LAN
         grads[2 * i] = if g_in { d * (u + 1.0) * s * (1.0 + alpha * g * (1.0 - s)) } else { 0.0 };
         grads[2 * i + 1] = if u_in { d * g * s } else { 0.0 };
     }
-    let (lower, upper) = grads.split_at(LANES);
-    [lower.try_into().expect("a run"), upper.try_into().expect("a run")]
+    grads
 }
 
 impl Op for ClampedSwigluBackward {
