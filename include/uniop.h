@@ -383,14 +383,19 @@ uniopStatus uniopCausalSoftmax(void *workspace,
                                uniopExecutor *executor,
                                uniopStream stream);
 
-// Phase 1 of `clamped_swiglu(Tensor x, float alpha=1.702, float limit=7.0) -> (Tensor out)`.
+// Phase 1 of `clamped_swiglu(Tensor x, float alpha=1.702, float limit=7.0, float up_shift=1.0, bool interleaved=True) -> (Tensor out)`.
 //
-// GPT-OSS's gated activation: the last dim of x interleaves gate and up (pairs 2i, 2i+1; even
-// size); g = min(gate, limit), u = clamp(up, -limit, limit), out = (u + 1) * g * sigmoid(alpha *
-// g), with the last dim halved. limit >= 0 (inf: no clamp). f16/bf16 compute in float32.
+// A mixture-of-experts' clamped gated activation: the last dim of x (even size) holds gate and up
+// values, interleaved (pairs 2i, 2i+1: GPT-OSS) or as its two halves (i, n/2 + i:
+// interleaved=False, as DeepSeek V4 stores them); g = min(gate, limit), u = clamp(up, -limit,
+// limit), out = (u + up_shift) * g * sigmoid(alpha * g), with the last dim halved. GPT-OSS's
+// defaults; DeepSeek V4's silu(g) * u is alpha=1, up_shift=0. limit >= 0 (inf: no clamp). f16/bf16
+// compute in float32.
 uniopStatus uniopClampedSwigluGetWorkspaceSize(const uniopTensor *x,
                                                double alpha,
                                                double limit,
+                                               double up_shift,
+                                               bool interleaved,
                                                uniopTensor *out,
                                                uint64_t *workspaceSize,
                                                uniopExecutor **executor);
@@ -401,15 +406,18 @@ uniopStatus uniopClampedSwiglu(void *workspace,
                                uniopExecutor *executor,
                                uniopStream stream);
 
-// Phase 1 of `clamped_swiglu_backward(Tensor dout, Tensor x, float alpha=1.702, float limit=7.0) -> (Tensor dx)`.
+// Phase 1 of `clamped_swiglu_backward(Tensor dout, Tensor x, float alpha=1.702, float limit=7.0, float up_shift=1.0, bool interleaved=True) -> (Tensor dx)`.
 //
-// Gradient of clamped_swiglu: dx[2i] = dout * (u + 1) * s * (1 + alpha * g * (1 - s)) where gate
-// <= limit, dx[2i+1] = dout * g * s where |up| <= limit (0 where a clamp cut the value), with s =
-// sigmoid(alpha * g) on the clamped g, u. dout has clamped_swiglu's output shape.
+// Gradient of clamped_swiglu: d gate = dout * (u + up_shift) * s * (1 + alpha * g * (1 - s)) where
+// gate < limit, d up = dout * g * s where |up| < limit (0 where a clamp cut the value or left it
+// on a bound, as torch's clamp), with s = sigmoid(alpha * g) on the clamped g, u; dx lays them out
+// as x (interleaved or halves). dout has clamped_swiglu's output shape.
 uniopStatus uniopClampedSwigluBackwardGetWorkspaceSize(const uniopTensor *dout,
                                                        const uniopTensor *x,
                                                        double alpha,
                                                        double limit,
+                                                       double up_shift,
+                                                       bool interleaved,
                                                        uniopTensor *dx,
                                                        uint64_t *workspaceSize,
                                                        uniopExecutor **executor);

@@ -82,11 +82,13 @@ def geglu_ref(x, dim=-1, approximate="none", activate_left=False):
     return gelu_mul_ref(a, b, approximate) if activate_left else gelu_mul_ref(b, a, approximate)
 
 
-def clamped_swiglu_ref(x, alpha=1.702, limit=7.0):
-    """GPT-OSS's experts' gate (transformers' ``GptOssExperts._apply_gate``), in float64."""
+def clamped_swiglu_ref(x, alpha=1.702, limit=7.0, up_shift=1.0, interleaved=True):
+    """GPT-OSS's experts' gate (transformers' ``GptOssExperts._apply_gate``), in float64; with
+    ``interleaved=False`` on gate and up halves (DeepSeek V4's, with ``alpha`` 1 and no shift)."""
     x = x.to(D)
-    gate, up = x[..., ::2].clamp(max=limit), x[..., 1::2].clamp(-limit, limit)
-    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+    gate, up = (x[..., ::2], x[..., 1::2]) if interleaved else x.chunk(2, -1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + up_shift) * gate * torch.sigmoid(gate * alpha)
 
 
 def gated_ref(x, gate_weight, up_weight, approximate=None):
@@ -268,8 +270,9 @@ def _cases():
 
     @case
     def clamped_swiglu_backward(dt, strided):
+        # The gate/up halves layout here (the forward's case takes GPT-OSS's interleaved pairs).
         x, dout = _rand(4, 12, dtype=dt, strided=strided).mul_(5), torch.randn(4, 6).to(dt)
-        return (dout, x, 1.5, 6.0), lambda d, x, *form: _vjp(lambda x: clamped_swiglu_ref(x, *form), (x,), (d,), (0,))
+        return (dout, x, 1.5, 6.0, 0.5, False), lambda d, x, *form: _vjp(lambda x: clamped_swiglu_ref(x, *form), (x,), (d,), (0,))
 
     @case
     def silu_mul(dt, strided):

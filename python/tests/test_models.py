@@ -1,6 +1,7 @@
 """Models built from uniop ops: torch.compile without graph breaks, 2-process DDP, and the
 transformers Llama patch."""
 
+import math
 import os
 import warnings
 
@@ -884,36 +885,94 @@ def test_experts_train_with_transformers_gradients(activation):
             assert (g.float() - w.float()).abs().max() <= tol * w.float().abs().max(), what
 
 
-def test_gpt_oss_experts_run_linear_with_bias_and_clamped_swiglu():
-    """GPT-OSS's experts (transposed weights with gate and up interleaved, biases, a clamped
-    SwiGLU) on uniop: each expert a token picked runs ``linear`` with its bias, ``clamped_swiglu``
-    and ``linear`` with its bias, and the output is transformers' eager experts' in float32 and
-    bfloat16, with gate and up values past the clamp's limit on both sides. Where autograd records
-    the call (either dtype), the experts' node trains them (``matmul_backward`` of each transposed
-    weight, ``clamped_swiglu_backward``): the gradients of the input, the routing weights, both
-    weights and both biases are eager's, an idle expert's zero. Under autocast transformers'
-    grouped forward runs (no uniop op)."""
+# Experts classes with a clamped SwiGLU gate besides GPT-OSS's: (model, class, config class, the
+# config's intermediate size name).
+_CLAMPED_EXPERTS = {
+    "DeepseekV4": ("deepseek_v4", "DeepseekV4Experts", "DeepseekV4Config", "intermediate_size"),
+    "Glm5Next": ("glm5_next", "Glm5NextTextExperts", "Glm5NextTextConfig", "moe_intermediate_size"),
+    "HYV4": ("hy_v4", "HYV4Experts", "HYV4Config", "moe_intermediate_size"),
+    "MiniMaxM3": ("minimax_m3_vl", "MiniMaxM3VLExperts", "MiniMaxM3VLTextConfig", "intermediate_size"),
+    "PrivacyFilter": ("openai_privacy_filter", "OpenAIPrivacyFilterExperts", "OpenAIPrivacyFilterConfig",
+                      "intermediate_size"),
+}
+
+
+def _clamped_experts(family, dtype):
+    """A clamped-SwiGLU experts module of ``family`` (4 experts, hidden 64): GPT-OSS's from its tiny
+    model, the others' built from their config, weights drawn with std 0.1."""
+    import importlib
+
+    if family == "GptOss":
+        module = _tiny_family_model("GptOss", dtype=dtype).model.layers[0].mlp.experts
+    else:
+        model, name, config, intermediate = _CLAMPED_EXPERTS[family]
+        modeling = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+        configuration = importlib.import_module(f"transformers.models.{model}.configuration_{model}")
+        cfg = getattr(configuration, config)(
+            hidden_size=64, num_local_experts=4, num_experts_per_tok=2, **{intermediate: 48}
+        )
+        module = getattr(modeling, name)(cfg).to(dtype)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.1)
+    return module
+
+
+def _limit_in_a_gap(module, gate, up):
+    """Sets the module's clamp limit (``limit`` or ``swiglu_limit``) in the widest gap between the
+    gate values and up magnitudes of its top tenth (below the top 0.2%, so that some are clamped),
+    and checks that no value lies within two bfloat16 steps of it: uniop and eager round at other
+    points, and a value moved across the limit changes its gradient by a whole term."""
+    values = torch.cat([gate.flatten(), up.abs().flatten()]).sort().values
+    top = values[int(0.9 * len(values)) : int(0.998 * len(values))]
+    widest = (top[1:] - top[:-1]).argmax()
+    limit = float(top[widest] + top[widest + 1]) / 2
+    assert (values - limit).abs().min() >= 2 * 2.0 ** (math.floor(math.log2(limit)) - 7)
+    for name in ("limit", "swiglu_limit"):
+        if hasattr(module, name):
+            setattr(module, name, limit)
+
+
+@pytest.mark.parametrize("family", ["GptOss", *_CLAMPED_EXPERTS])
+def test_clamped_experts_run_linear_and_clamped_swiglu(family):
+    """Experts with a clamped SwiGLU gate on uniop — GPT-OSS's (transposed weights with gate and up
+    interleaved, biases), DeepSeek V4's, GLM-5 Next's, HunYuan V4's (default layout, ``silu(g') ·
+    u'``), MiniMax M3's (GPT-OSS's gate on halves) and the privacy filter's (that on transposed
+    weights with biases): each expert a token picked runs ``linear`` (with its bias where it has
+    one), ``clamped_swiglu`` and ``linear``, and the output is transformers' eager experts' in
+    float32 and bfloat16, with gate and up values past the clamp's limit on both sides. Where
+    autograd records the call (either dtype), the experts' node trains them (``matmul_backward`` of
+    a transposed weight, ``linear_backward`` of an ``[out, in]`` one, ``clamped_swiglu_backward``):
+    the gradients of the input, the routing weights, the weights and biases are eager's, an idle
+    expert's zero. Under autocast transformers' grouped forward runs (no uniop op). The other
+    families' limit is set between the products (:func:`_limit_in_a_gap`); GPT-OSS keeps its 7."""
     from uniop.torch import experts_interface
 
     for dtype in (torch.float32, torch.bfloat16):
-        module = _tiny_family_model("GptOss", dtype=dtype).model.layers[0].mlp.experts
-        assert experts_interface.covers(module)
-        torch.manual_seed(1)
-        with torch.no_grad():
-            for p in module.parameters():
-                p.normal_(0.0, 0.1)
-        tokens, hidden = 11, module.hidden_size
+        module = _clamped_experts(family, dtype)
+        interleaved = experts_interface._form(module).gate[3]
+        tokens, hidden = 11, module.gate_up_proj.shape[1 if module.is_transposed else 2]
         x, weights = (3 * torch.randn(tokens, hidden)).to(dtype), torch.rand(tokens, 2, dtype=dtype)
         index = torch.stack([torch.randperm(3)[:2] for _ in range(tokens)])  # the last of 4 experts idle
-        gate_up = torch.einsum("th,ehn->ten", x.float(), module.gate_up_proj.detach().float())
-        assert (gate_up[..., ::2] > module.limit).any() and (gate_up[..., 1::2].abs() > module.limit).any()
+        product = "th,ehn->ten" if module.is_transposed else "th,enh->ten"
+        gate_up = torch.einsum(product, x.float(), module.gate_up_proj.detach().float())
+        if module.has_bias:
+            gate_up += module.gate_up_proj_bias.detach().float()[None]
+        gate, up = (gate_up[..., ::2], gate_up[..., 1::2]) if interleaved else gate_up.chunk(2, -1)
+        if family != "GptOss":
+            _limit_in_a_gap(module, gate, up)
+        form = experts_interface._form(module)
+        assert isinstance(form, experts_interface._Clamped)
+        limit = form.gate[1]
+        assert (gate > limit).any() and (up.abs() > limit).any()
         eager = type(module).forward.__wrapped__
         with torch.no_grad():
             want = eager(module, x, index, weights)
             got = []
             ran = _uniop_ops_run(lambda: got.append(experts_interface.experts(module, x, index, weights)))
         assert {"uniop::linear", "uniop::clamped_swiglu"} <= ran
-        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: eager rounds each of its seven ops
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: eager rounds each of its five to seven ops
         assert got[0].dtype == dtype and got[0].shape == want.shape
         assert (got[0].float() - want.float()).abs().max() <= tol * want.float().abs().max()
 
@@ -923,19 +982,58 @@ def test_gpt_oss_experts_run_linear_with_bias_and_clamped_swiglu():
             module.zero_grad()
             xs, ws = x.clone().requires_grad_(), weights.clone().requires_grad_()
             (forward(module, xs, index, ws).float() * dout).sum().backward()
-            return xs.grad, ws.grad, *(p.grad.clone() for p in experts_interface._Clamped.weights(module))
+            return xs.grad, ws.grad, *(p.grad.clone() for p in form.weights(module))
 
         want = grads(eager)
         got = []
         ran = _uniop_ops_run(lambda: got.append(grads(experts_interface.experts)))
-        assert {"uniop::matmul_backward", "uniop::clamped_swiglu_backward"} <= ran
+        projection = "uniop::matmul_backward" if module.is_transposed else "uniop::linear_backward"
+        assert {projection, "uniop::clamped_swiglu_backward"} <= ran
         assert not any(g[3].any() for g in got[0][2:])  # expert 3 idle
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert not _uniop_ops_run(lambda: grads(experts_interface.experts))
-        names = "dx", "dweights", "dgate_up", "dgate_up_bias", "ddown", "ddown_bias"
+        names = "dx", "dweights", *(f"d{n}" for n, _ in module.named_parameters())
+        assert len(names) == len(got[0])
         for what, g, w in zip(names, got[0], want):
             assert g.dtype == w.dtype and g.shape == w.shape, what
             assert (g.float() - w.float()).abs().max() <= 2 * tol * w.float().abs().max(), what
+
+
+def test_deepseek_v4_runs_its_experts_on_uniop():
+    """A tiny random DeepSeek V4 (its compressed attention and hyper-connections transformers'
+    own) under ``experts_implementation="uniop"``: logits and greedy tokens equal eager experts',
+    each expert's clamped gate one ``clamped_swiglu`` on its product's halves (limit 0.1 here, so
+    that the clamps cut), and a float32 training step's gradients eager's."""
+    import transformers
+
+    cfg = transformers.DeepseekV4Config(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.1,
+    )
+    torch.manual_seed(0)
+    model = transformers.DeepseekV4ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        with torch.no_grad():
+            logits = model(ids).logits
+            tokens = model.generate(ids, max_new_tokens=5, do_sample=False)
+        model.train().zero_grad()
+        model(ids, labels=ids).loss.backward()
+        model.eval()
+        return logits, tokens, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.set_experts_implementation("eager")
+    want = run()
+    model.set_experts_implementation(ut.register_experts())
+    got = []
+    ran = _uniop_ops_run(lambda: got.append(run()))
+    assert {"uniop::clamped_swiglu", "uniop::clamped_swiglu_backward", "uniop::linear_backward"} <= ran
+    assert torch.allclose(got[0][0], want[0], atol=1e-5)
+    assert torch.equal(got[0][1], want[1])
+    assert got[0][2].keys() == want[2].keys()
+    for name, g in want[2].items():
+        assert torch.allclose(got[0][2][name], g, atol=1e-5, rtol=1e-4), name
 
 
 def test_offset_weight_is_kept_until_the_weight_changes():

@@ -495,16 +495,21 @@ pub extern "C" fn uniopCausalSoftmax(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `clamped_swiglu(Tensor x, float alpha=1.702, float limit=7.0) -> (Tensor out)`.
+/// Phase 1 of `clamped_swiglu(Tensor x, float alpha=1.702, float limit=7.0, float up_shift=1.0, bool interleaved=True) -> (Tensor out)`.
 ///
-/// GPT-OSS's gated activation: the last dim of x interleaves gate and up (pairs 2i, 2i+1; even
-/// size); g = min(gate, limit), u = clamp(up, -limit, limit), out = (u + 1) * g * sigmoid(alpha *
-/// g), with the last dim halved. limit >= 0 (inf: no clamp). f16/bf16 compute in float32.
+/// A mixture-of-experts' clamped gated activation: the last dim of x (even size) holds gate and up
+/// values, interleaved (pairs 2i, 2i+1: GPT-OSS) or as its two halves (i, n/2 + i:
+/// interleaved=False, as DeepSeek V4 stores them); g = min(gate, limit), u = clamp(up, -limit,
+/// limit), out = (u + up_shift) * g * sigmoid(alpha * g), with the last dim halved. GPT-OSS's
+/// defaults; DeepSeek V4's silu(g) * u is alpha=1, up_shift=0. limit >= 0 (inf: no clamp). f16/bf16
+/// compute in float32.
 #[no_mangle]
 pub extern "C" fn uniopClampedSwigluGetWorkspaceSize(
     x: *const uniopTensor,
     alpha: f64,
     limit: f64,
+    up_shift: f64,
+    interleaved: bool,
     out: *mut uniopTensor,
     workspaceSize: *mut u64,
     executor: *mut *mut uniopExecutor,
@@ -512,7 +517,12 @@ pub extern "C" fn uniopClampedSwigluGetWorkspaceSize(
     const F: &str = "uniopClampedSwigluGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 1] = [("x", x)];
-        let attrs: [(&str, AttrValue); 2] = [("alpha", AttrValue::Float(alpha)), ("limit", AttrValue::Float(limit))];
+        let attrs: [(&str, AttrValue); 4] = [
+            ("alpha", AttrValue::Float(alpha)),
+            ("limit", AttrValue::Float(limit)),
+            ("up_shift", AttrValue::Float(up_shift)),
+            ("interleaved", AttrValue::Bool(interleaved)),
+        ];
         let outputs = [("out", out as *const uniopTensor)];
         plan("clamped_swiglu", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })
@@ -529,17 +539,20 @@ pub extern "C" fn uniopClampedSwiglu(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `clamped_swiglu_backward(Tensor dout, Tensor x, float alpha=1.702, float limit=7.0) -> (Tensor dx)`.
+/// Phase 1 of `clamped_swiglu_backward(Tensor dout, Tensor x, float alpha=1.702, float limit=7.0, float up_shift=1.0, bool interleaved=True) -> (Tensor dx)`.
 ///
-/// Gradient of clamped_swiglu: dx[2i] = dout * (u + 1) * s * (1 + alpha * g * (1 - s)) where gate
-/// <= limit, dx[2i+1] = dout * g * s where |up| <= limit (0 where a clamp cut the value), with s =
-/// sigmoid(alpha * g) on the clamped g, u. dout has clamped_swiglu's output shape.
+/// Gradient of clamped_swiglu: d gate = dout * (u + up_shift) * s * (1 + alpha * g * (1 - s)) where
+/// gate < limit, d up = dout * g * s where |up| < limit (0 where a clamp cut the value or left it
+/// on a bound, as torch's clamp), with s = sigmoid(alpha * g) on the clamped g, u; dx lays them out
+/// as x (interleaved or halves). dout has clamped_swiglu's output shape.
 #[no_mangle]
 pub extern "C" fn uniopClampedSwigluBackwardGetWorkspaceSize(
     dout: *const uniopTensor,
     x: *const uniopTensor,
     alpha: f64,
     limit: f64,
+    up_shift: f64,
+    interleaved: bool,
     dx: *mut uniopTensor,
     workspaceSize: *mut u64,
     executor: *mut *mut uniopExecutor,
@@ -547,7 +560,12 @@ pub extern "C" fn uniopClampedSwigluBackwardGetWorkspaceSize(
     const F: &str = "uniopClampedSwigluBackwardGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 2] = [("dout", dout), ("x", x)];
-        let attrs: [(&str, AttrValue); 2] = [("alpha", AttrValue::Float(alpha)), ("limit", AttrValue::Float(limit))];
+        let attrs: [(&str, AttrValue); 4] = [
+            ("alpha", AttrValue::Float(alpha)),
+            ("limit", AttrValue::Float(limit)),
+            ("up_shift", AttrValue::Float(up_shift)),
+            ("interleaved", AttrValue::Bool(interleaved)),
+        ];
         let outputs = [("dx", dx as *const uniopTensor)];
         plan("clamped_swiglu_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })

@@ -679,7 +679,7 @@ fn geglu_gates_the_second_half_unless_activate_left() {
 }
 
 /// GPT-OSS's gate by hand first — a pair inside the limit, one clamped on both sides (whose
-/// gradient is 0: the clamps cut it), one on the limit itself (torch's clamp passes the gradient
+/// gradient is 0: the clamps cut it), one on the limit itself (gradient 0 too: torch 2.15's clamp
 /// there) — then across wider values with a gradient matching finite differences, and its bad
 /// attributes and shapes.
 #[test]
@@ -697,8 +697,9 @@ fn clamped_swiglu_clamps_both_sides_of_interleaved_pairs() {
     let td = TensorRef::new(&d, &[3, 1]).unwrap();
     let dx = run_checked("clamped_swiglu_backward", &[Some(td), Some(tx)], &attrs);
     assert_eq!((dx[0][2], dx[0][3]), (0.0, 0.0), "both members clamped");
-    let s = sigmoid(alpha * 7.0);
-    assert_close(&dx[0][4..], &[8.0 * s * (1.0 + alpha * 7.0 * (1.0 - s)), 7.0 * s], "on the limit");
+    assert_eq!((dx[0][4], dx[0][5]), (0.0, 0.0), "both members on the limit");
+    let s = sigmoid(alpha * 0.5);
+    assert_close(&dx[0][..2], &[1.25 * s * (1.0 + alpha * 0.5 * (1.0 - s)), 0.5 * s], "inside the limit");
     // A NaN gate or up value stays NaN through the clamps (torch's clamp passes NaN), and the
     // other pair is untouched.
     let nan = [f32::NAN, 1.0, 1.0, f32::NAN, 0.5, 0.25];
@@ -743,6 +744,69 @@ fn clamped_swiglu_clamps_both_sides_of_interleaved_pairs() {
     let err = plan_err("clamped_swiglu_backward", &[Some(short), Some(tx)], &[], vec![]);
     assert_eq!(err.code(), ErrorCode::Shape);
     assert_eq!(err.message(), "clamped_swiglu_backward: argument 'dout': expected shape [2, 3, 5], got shape [2, 3]");
+}
+
+/// Gate and up as the two halves of the last dim (`interleaved=False`, transformers' default
+/// experts layout) with DeepSeek V4's constants (`alpha` 1, no shift: `silu(g') · u'`): by hand in
+/// f64, equal to the interleaved layout of the same pairs, forward and backward, over rows longer
+/// than a step (the stretches cross rows, and blocks split them mid-row at the wide shape), with
+/// the backward matching finite differences; bad shift and odd halves rejected.
+#[test]
+fn clamped_swiglu_reads_gate_and_up_halves() {
+    setup();
+    let deepseek = |interleaved| {
+        [
+            ("alpha", AttrValue::Float(1.0)),
+            ("limit", AttrValue::Float(6.0)),
+            ("up_shift", AttrValue::Float(0.0)),
+            ("interleaved", AttrValue::Bool(interleaved)),
+        ]
+    };
+    let silu = |v: f64| v / (1.0 + (-v).exp());
+    for (rows, half) in [(3, 70), (33, 1030)] {
+        let halves: Vec<f32> = rand_vec(rows * 2 * half, 43).iter().map(|v| 12.0 * v).collect();
+        let pairs: Vec<f32> = (0..rows * half)
+            .flat_map(|j| {
+                let (r, i) = (j / half, j % half);
+                [halves[r * 2 * half + i], halves[r * 2 * half + half + i]]
+            })
+            .collect();
+        let shape = [rows, 2 * half];
+        let (th, tp) = (TensorRef::new(&halves, &shape).unwrap(), TensorRef::new(&pairs, &shape).unwrap());
+        let out = run_checked("clamped_swiglu", &[Some(th.clone())], &deepseek(false));
+        assert_eq!(out, run_checked("clamped_swiglu", &[Some(tp.clone())], &deepseek(true)), "{rows}x{half}");
+        let by_hand: Vec<f64> =
+            pairs.chunks_exact(2).map(|p| silu((p[0] as f64).min(6.0)) * (p[1] as f64).clamp(-6.0, 6.0)).collect();
+        assert_close(&out[0], &by_hand, "silu(g') * u'");
+
+        let d = rand_vec(rows * half, 44);
+        let td = TensorRef::new(&d, &[rows, half]).unwrap();
+        let dx = run_checked("clamped_swiglu_backward", &[Some(td.clone()), Some(th)], &deepseek(false));
+        let dx_pairs = run_checked("clamped_swiglu_backward", &[Some(td), Some(tp)], &deepseek(true));
+        let relaid: Vec<f64> = (0..rows * half)
+            .flat_map(|j| {
+                let (r, i) = (j / half, j % half);
+                [dx[0][r * 2 * half + i], dx[0][r * 2 * half + half + i]]
+            })
+            .collect();
+        assert_eq!(relaid, dx_pairs[0], "{rows}x{half}");
+        if rows == 3 {
+            let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+            let fd =
+                finite_difference("clamped_swiglu", &[(f64s(&halves), shape.to_vec())], &deepseek(false), &f64s(&d), 0);
+            assert_close(&dx[0], &fd, "dx in halves");
+        }
+    }
+    let x = [0.5f32; 6];
+    let err = plan_err("clamped_swiglu", &[Some(TensorRef::new(&x[..3], &[3]).unwrap())], &deepseek(false), vec![]);
+    assert_eq!(
+        err.message(),
+        "clamped_swiglu: argument 'x': expected an even last dim (a gate half and an up half), got 3"
+    );
+    let shifted = [("up_shift", AttrValue::Float(f64::NAN))];
+    let err = plan_err("clamped_swiglu", &[Some(TensorRef::new(&x, &[3, 2]).unwrap())], &shifted, vec![]);
+    assert_eq!(err.code(), ErrorCode::ParamInvalid);
+    assert_eq!(err.message(), "clamped_swiglu: argument 'up_shift': expected a finite number, got NaN");
 }
 
 #[test]

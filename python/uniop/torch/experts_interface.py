@@ -10,12 +10,14 @@ it. On CPU the decode steps' few rows stream each expert's weights through uniop
 Training in float32 runs one autograd node over the experts, its backward on uniop's backward ops
 (see :class:`_Experts`); torch.compile, and training in other dtypes (but GPT-OSS's in bfloat16)
 or under autocast, keep transformers' grouped forward.
-GPT-OSS's experts (transposed weights ``[E, H, 2I]`` with gate and up interleaved, biases, a
-clamped SwiGLU) run as a ``linear`` with bias, uniop's ``clamped_swiglu`` and a ``linear`` with bias,
-trained on the same node in float32 and bfloat16 (its backward on ``matmul_backward`` and
-``clamped_swiglu_backward``). Other layouts (biases or transposed weights
-otherwise, no gate, an activation other than SiLU and GELU, a post-expert norm) and tensors off the
-CPU run transformers' own (eager) forward.
+Experts with a clamped SwiGLU gate — GPT-OSS's (transposed weights ``[E, H, 2I]`` with gate and up
+interleaved, biases), DeepSeek V4's, GLM-5 Next's and HunYuan V4's (the default layout, the gate
+``silu(min(g, limit)) · clamp(u, ±limit)``), MiniMax M3's — run as a ``linear`` (with bias where
+they have one), uniop's ``clamped_swiglu`` and a ``linear``, trained on the same node in float32
+and bfloat16 (its backward on ``matmul_backward`` or ``linear_backward`` and
+``clamped_swiglu_backward``). Other layouts (biases or transposed weights otherwise, no gate, an
+activation other than SiLU and GELU, a post-expert norm) and tensors off the CPU run transformers'
+own (eager) forward.
 
     import uniop.torch
     model = AutoModelForCausalLM.from_pretrained(name, experts_implementation=uniop.torch.register_experts())
@@ -26,7 +28,9 @@ CPU run transformers' own (eager) forward.
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -54,31 +58,70 @@ def covers(module):
 
 def _form(module):
     """How uniop runs this experts module: :class:`_Gated` (transformers' default layout — gate rows
-    then up rows, ``[E, 2I, H]``, no biases — with a SiLU or GELU gate), :class:`_Clamped` (GPT-OSS's:
-    transposed ``[E, H, 2I]`` with gate and up interleaved, biases, its clamped SwiGLU gate), or
-    None for any other."""
+    then up rows, ``[E, 2I, H]``, no biases — with a SiLU or GELU gate), :class:`_Clamped` (a
+    clamped SwiGLU gate of :func:`_clamped_gates`, on the layout its flags declare), or None for any
+    other."""
     from transformers.integrations.moe import _default_apply_gate
 
     if module.has_post_expert_norm or getattr(module, "_is_expert_parallel", False) or not module.has_gate:
         return None
     gate = type(module)._apply_gate
-    if module.is_concatenated and not module.is_transposed and not module.has_bias:
+    if gate is _default_apply_gate:
         act = unn.gating(module)
-        return _Gated(act) if gate is _default_apply_gate and act is not None else None
-    if not module.is_concatenated and module.is_transposed and module.has_bias and gate is _clamped_gate():
-        return _Clamped(float(module.alpha), float(module.limit))
-    return None
+        simple = module.is_concatenated and not module.is_transposed and not module.has_bias
+        return _Gated(act) if simple and act is not None else None
+    clamped = _clamped_gates().get(gate)
+    if clamped is None or clamped.interleaved == module.is_concatenated:
+        return None
+    constants = clamped.constants(module)
+    return None if constants is None else _Clamped(clamped.interleaved, module.is_transposed, module.has_bias, *constants)
+
+
+class _ClampedGate(NamedTuple):
+    """A transformers experts class's ``_apply_gate`` that uniop's ``clamped_swiglu`` computes:
+    where it reads the gate and up values (``interleaved`` pairs or halves) and its constants
+    ``(alpha, limit, up_shift)`` from the module (None where its activation is not SiLU)."""
+
+    interleaved: bool
+    constants: Callable[[torch.nn.Module], tuple[float, float, float] | None]
+
+
+def _silu_gated(limit):
+    """DeepSeek V4's gate: ``act_fn(min(g, limit)) · clamp(u, ±limit)``, uniop's where ``act_fn`` is SiLU."""
+    return lambda m: (1.0, float(limit(m)), 0.0) if unn.gating(m) is unn.SILU else None
+
+
+# transformers' experts classes with a clamped SwiGLU gate: GPT-OSS's, (u' + 1) · g' · σ(alpha · g')
+# (its privacy filter's and MiniMax M3's on halves), and the alpha-free silu(g') · u' of DeepSeek V4,
+# GLM-5 Next and HunYuan V4 (the last two call F.silu themselves).
+_CLAMPED_GATES = {
+    ("gpt_oss", "GptOssExperts"): _ClampedGate(True, lambda m: (float(m.alpha), float(m.limit), 1.0)),
+    ("openai_privacy_filter", "OpenAIPrivacyFilterExperts"): _ClampedGate(
+        False, lambda m: (float(m.alpha), float(m.limit), 1.0)
+    ),
+    ("minimax_m3_vl", "MiniMaxM3VLExperts"): _ClampedGate(
+        False, lambda m: (float(m.swiglu_alpha), float(m.swiglu_limit), 1.0)
+    ),
+    ("deepseek_v4", "DeepseekV4Experts"): _ClampedGate(False, _silu_gated(lambda m: m.limit)),
+    ("glm5_next", "Glm5NextTextExperts"): _ClampedGate(False, lambda m: (1.0, float(m.swiglu_limit), 0.0)),
+    ("hy_v4", "HYV4Experts"): _ClampedGate(False, lambda m: (1.0, float(m.swiglu_limit), 0.0)),
+}
 
 
 @functools.cache
-def _clamped_gate():
-    """GPT-OSS's ``_apply_gate`` (the gate uniop's ``clamped_swiglu`` computes), None where this
-    transformers has no GPT-OSS."""
-    try:
-        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
-    except ImportError:
-        return None
-    return GptOssExperts._apply_gate
+def _clamped_gates():
+    """The ``_apply_gate`` functions of :data:`_CLAMPED_GATES` this transformers has, each with its
+    :class:`_ClampedGate`."""
+    gates = {}
+    for (model, name), gate in _CLAMPED_GATES.items():
+        try:
+            modeling = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+        except ImportError:
+            continue
+        experts_class = getattr(modeling, name, None)
+        if experts_class is not None:
+            gates[experts_class._apply_gate] = gate
+    return gates
 
 
 def _covered(module, x):
@@ -202,9 +245,10 @@ class _Gated:
 
 
 class _Clamped:
-    """GPT-OSS's experts: ``linear`` with the bias onto the interleaved gate/up product (the
-    transposed weight read as ``[2I, H]`` through swapped strides, no copy), ``clamped_swiglu`` with
-    the module's ``alpha`` and ``limit``, and ``linear`` with its bias for the down projection.
+    """Experts with a clamped SwiGLU gate (:func:`_clamped_gates`): ``linear`` onto the gate/up
+    product (with its bias where the module has biases; a transposed weight, GPT-OSS's ``[E, H, 2I]``,
+    read as ``[2I, H]`` through swapped strides, no copy), ``clamped_swiglu`` with the module's
+    constants on the product's interleaved pairs or halves, and ``linear`` for the down projection.
 
     Trained on :class:`_Experts` in float32 and bfloat16: the tiny GPT-OSS's training step ran
     1.05–1.11x and 1.13–1.28x as fast as on transformers' grouped forward (which runs the gate as
@@ -212,41 +256,58 @@ class _Clamped:
 
     trains_in = frozenset({torch.float32, torch.bfloat16})
 
-    def __init__(self, alpha, limit):
-        self.alpha, self.limit = alpha, limit
+    def __init__(self, interleaved, transposed, biased, alpha, limit, up_shift):
+        self.transposed, self.biased = transposed, biased
+        self.gate = alpha, limit, up_shift, interleaved
 
-    @staticmethod
-    def weights(module):
-        return module.gate_up_proj, module.gate_up_proj_bias, module.down_proj, module.down_proj_bias
+    def weights(self, module):
+        if self.biased:
+            return module.gate_up_proj, module.gate_up_proj_bias, module.down_proj, module.down_proj_bias
+        return module.gate_up_proj, module.down_proj
+
+    def _split(self, weights):
+        """The projections' weights and biases (None without): ``gate_up, gate_up_bias, down, down_bias``."""
+        return weights if self.biased else (weights[0], None, weights[1], None)
+
+    def _linear(self, x, weight, bias, expert):
+        weight = weight[expert].mT if self.transposed else weight[expert]
+        return unn.uniop_ops.linear(x, weight, None if bias is None else bias[expert])
 
     def mlp(self, weights, kept=None):
         """``mlp(expert, x)``; with a ``kept`` list, each expert's input rows, gate/up product,
         activation and output appended to it, for :meth:`backward`."""
-        gate_up_proj, gate_up_bias, down_proj, down_bias = weights
-        ops = unn.uniop_ops
+        gate_up_proj, gate_up_bias, down_proj, down_bias = self._split(weights)
 
         def mlp(expert, x):
-            gate_up = ops.linear(x, gate_up_proj[expert].mT, gate_up_bias[expert])
-            h = ops.clamped_swiglu(gate_up, self.alpha, self.limit)
-            y = ops.linear(h, down_proj[expert].mT, down_bias[expert])
+            gate_up = self._linear(x, gate_up_proj, gate_up_bias, expert)
+            h = unn.uniop_ops.clamped_swiglu(gate_up, *self.gate)
+            y = self._linear(h, down_proj, down_bias, expert)
             if kept is not None:
                 kept.append((x, gate_up, h, y))
             return y
 
         return mlp
 
+    def _linear_backward(self, dy, x, weight):
+        """``(dx, d weight)`` of one expert's projection: ``matmul_backward`` for a weight stored
+        ``[in, out]`` (``matmul``'s right operand, whose gradient comes in that layout;
+        ``linear_backward``'s would come transposed), ``linear_backward`` for one stored ``[out, in]``."""
+        if self.transposed:
+            return unn.uniop_ops.matmul_backward(dy, x, weight)
+        return unn.uniop_ops.linear_backward(dy, x, weight)[:2]
+
     def backward(self, expert, weights, grads, dy, kept):
-        """One expert's ``matmul_backward`` of its down projection, ``clamped_swiglu_backward`` and
-        ``matmul_backward`` of its gate/up projection: the weights stored ``[in, out]`` are
-        ``matmul``'s right operand, whose gradient comes in that layout (``linear_backward``'s would
-        come transposed); each bias's gradient is its output's summed over rows."""
-        (gate_up_proj, _, down_proj, _), (d_gate_up, d_gate_up_bias, d_down, d_down_bias) = weights, grads
+        """One expert's backward of its down projection, ``clamped_swiglu_backward`` and the
+        backward of its gate/up projection; writes its slices of ``grads`` (each bias's gradient its
+        output's summed over rows), returns the gradient of its input rows."""
+        gate_up_proj, _, down_proj, _ = self._split(weights)
+        d_gate_up, d_gate_up_bias, d_down, d_down_bias = self._split(grads)
         x, gate_up, h, _ = kept
-        ops = unn.uniop_ops
-        dh, d_down[expert] = ops.matmul_backward(dy, h, down_proj[expert])
-        d_gate_up_product = ops.clamped_swiglu_backward(dh, gate_up, self.alpha, self.limit)
-        dx, d_gate_up[expert] = ops.matmul_backward(d_gate_up_product, x, gate_up_proj[expert])
-        d_down_bias[expert], d_gate_up_bias[expert] = dy.float().sum(0), d_gate_up_product.float().sum(0)
+        dh, d_down[expert] = self._linear_backward(dy, h, down_proj[expert])
+        d_gate_up_product = unn.uniop_ops.clamped_swiglu_backward(dh, gate_up, *self.gate)
+        dx, d_gate_up[expert] = self._linear_backward(d_gate_up_product, x, gate_up_proj[expert])
+        if self.biased:
+            d_down_bias[expert], d_gate_up_bias[expert] = dy.float().sum(0), d_gate_up_product.float().sum(0)
         return dx
 
 
