@@ -18,7 +18,9 @@ no biases, `silu(g') · u'` (limit 10). Each runs on
 3. uniop: `uniop.torch.register_experts()` — per expert `linear` (with bias; a transposed weight read
    through swapped strides), `clamped_swiglu`, `linear`, summed in float32.
 Under `no_grad`, best of `--rounds` x a few calls; largest error of each against the float64 eager
-forward (relative to the output's largest magnitude).
+forward (relative to the output's largest magnitude). A second table times the gate alone on the
+largest call's gate/up product: uniop's `clamped_swiglu` and its backward against the class's own
+`_apply_gate`, eager and under `torch.compile`, and their autograd backward.
 """
 
 import argparse
@@ -28,7 +30,8 @@ import torch
 import transformers
 
 import uniop.torch
-from masked_attention import best_ms
+from masked_attention import best_ms, grad_ms
+from uniop.torch import experts_interface, nn as unn
 
 
 # Per family: its experts class and config (as transformers names them), and its default hidden size,
@@ -71,6 +74,7 @@ def main():
           "grouped_mm err | eager err |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     dtypes = {"bf16": torch.bfloat16, "f32": torch.float32}
+    gates = []
     for dtype in (dtypes[d] for d in a.dtypes.split(",")):
         module = experts_module(a.family, a.hidden, a.width, a.experts, dtype)
         exact = experts_module(a.family, a.hidden, a.width, a.experts, torch.float64)
@@ -90,6 +94,35 @@ def main():
             u, g, e = ms[name], ms["grouped_mm"], ms["eager"]
             print(f"| {str(dtype)[6:]} | {tokens} | {u:.2f} | {g:.2f} | {g / u:.2f}x | {e:.2f} | {e / u:.2f}x | "
                   f"{err[name]:.1e} | {err['grouped_mm']:.1e} | {err['eager']:.1e} |")
+        gates.append(gate_alone(module, max(int(t) for t in a.tokens.split(",")) * a.top_k, 2 * a.width, a.rounds))
+    print("\nThe gate alone on the largest call's product (`[tokens x top-k, 2 x width]`, values 4 x N(0, 1)): uniop "
+          "`clamped_swiglu` (`clamped_swiglu_backward`) against the class's `_apply_gate` eager and under "
+          "`torch.compile` (their autograd backward).\n")
+    print("| dtype | rows | uniop fwd ms | vs eager | vs compile | uniop bwd ms | vs eager | vs compile |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in gates:
+        print(row)
+
+
+def gate_alone(module, rows, width, rounds):
+    """One markdown row: uniop's clamped_swiglu and its backward against the module's own gate, on a
+    ``[rows, width]`` gate/up product."""
+    dtype = module.down_proj.dtype
+    product = (4 * torch.randn(rows, width)).to(dtype)
+    constants = experts_interface._form(module).gate
+    eager, compiled = module._apply_gate, torch.compile(module._apply_gate, fullgraph=True)
+    fwd = {"uniop": best_ms(lambda: unn.uniop_ops.clamped_swiglu(product, *constants), 5, rounds)}
+    bwd = {}
+    dout = torch.randn(rows, width // 2).to(dtype)
+    bwd["uniop"] = best_ms(lambda: unn.uniop_ops.clamped_swiglu_backward(dout, product, *constants), 5, rounds)
+    for name, gate in (("eager", eager), ("compile", compiled)):
+        with torch.no_grad():
+            fwd[name] = best_ms(lambda: gate(product), 5, rounds)
+        leaf = product.clone().requires_grad_()
+        bwd[name] = grad_ms(gate(leaf), [leaf], 5, rounds)
+    return (f"| {str(dtype)[6:]} | {rows} | {fwd['uniop']:.2f} | {fwd['eager'] / fwd['uniop']:.2f}x | "
+            f"{fwd['compile'] / fwd['uniop']:.2f}x | {bwd['uniop']:.2f} | {bwd['eager'] / bwd['uniop']:.2f}x | "
+            f"{bwd['compile'] / bwd['uniop']:.2f}x |")
 
 
 if __name__ == "__main__":

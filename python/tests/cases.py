@@ -272,7 +272,9 @@ def _cases():
     def clamped_swiglu_backward(dt, strided):
         # The gate/up halves layout here (the forward's case takes GPT-OSS's interleaved pairs).
         x, dout = _rand(4, 12, dtype=dt, strided=strided).mul_(5), torch.randn(4, 6).to(dt)
-        return (dout, x, 1.5, 6.0, 0.5, False), lambda d, x, *form: _vjp(lambda x: clamped_swiglu_ref(x, *form), (x,), (d,), (0,))
+        return (dout, x, 1.5, 6.0, 0.5, False), lambda d, x, *form: _vjp(
+            lambda x: clamped_swiglu_ref(x, *form), (x,), (d,), (0,)
+        )
 
     @case
     def silu_mul(dt, strided):

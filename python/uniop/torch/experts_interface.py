@@ -74,7 +74,9 @@ def _form(module):
     if clamped is None or clamped.interleaved == module.is_concatenated:
         return None
     constants = clamped.constants(module)
-    return None if constants is None else _Clamped(clamped.interleaved, module.is_transposed, module.has_bias, *constants)
+    if constants is None:
+        return None
+    return _Clamped(clamped.interleaved, module.is_transposed, module.has_bias, *constants)
 
 
 class _ClampedGate(NamedTuple):
