@@ -88,14 +88,10 @@ class _ClampedGate(NamedTuple):
     constants: Callable[[torch.nn.Module], tuple[float, float, float] | None]
 
 
-def _silu_gated(limit):
-    """DeepSeek V4's gate: ``act_fn(min(g, limit)) · clamp(u, ±limit)``, uniop's where ``act_fn`` is SiLU."""
-    return lambda m: (1.0, float(limit(m)), 0.0) if unn.gating(m) is unn.SILU else None
-
-
 # transformers' experts classes with a clamped SwiGLU gate: GPT-OSS's, (u' + 1) · g' · σ(alpha · g')
 # (its privacy filter's and MiniMax M3's on halves), and the alpha-free silu(g') · u' of DeepSeek V4,
-# GLM-5 Next and HunYuan V4 (the last two call F.silu themselves).
+# GLM-5 Next and HunYuan V4 (DeepSeek V4 applies its act_fn, uniop's only where that is SiLU; the other two call
+# F.silu themselves).
 _CLAMPED_GATES = {
     ("gpt_oss", "GptOssExperts"): _ClampedGate(True, lambda m: (float(m.alpha), float(m.limit), 1.0)),
     ("openai_privacy_filter", "OpenAIPrivacyFilterExperts"): _ClampedGate(
@@ -104,7 +100,9 @@ _CLAMPED_GATES = {
     ("minimax_m3_vl", "MiniMaxM3VLExperts"): _ClampedGate(
         False, lambda m: (float(m.swiglu_alpha), float(m.swiglu_limit), 1.0)
     ),
-    ("deepseek_v4", "DeepseekV4Experts"): _ClampedGate(False, _silu_gated(lambda m: m.limit)),
+    ("deepseek_v4", "DeepseekV4Experts"): _ClampedGate(
+        False, lambda m: (1.0, float(m.limit), 0.0) if unn.gating(m) is unn.SILU else None
+    ),
     ("glm5_next", "Glm5NextTextExperts"): _ClampedGate(False, lambda m: (1.0, float(m.swiglu_limit), 0.0)),
     ("hy_v4", "HYV4Experts"): _ClampedGate(False, lambda m: (1.0, float(m.swiglu_limit), 0.0)),
 }
