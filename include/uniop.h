@@ -383,19 +383,21 @@ uniopStatus uniopCausalSoftmax(void *workspace,
                                uniopExecutor *executor,
                                uniopStream stream);
 
-// Phase 1 of `clamped_swiglu(Tensor x, float alpha=1.702, float limit=7.0, float up_shift=1.0, bool interleaved=True) -> (Tensor out)`.
+// Phase 1 of `clamped_swiglu(Tensor x, float alpha=1.702, float limit=7.0, float up_shift=1.0, bool interleaved=True, bool limit_after_act=False) -> (Tensor out)`.
 //
 // A mixture-of-experts' clamped gated activation: the last dim of x (even size) holds gate and up
 // values, interleaved (pairs 2i, 2i+1: GPT-OSS) or as its two halves (i, n/2 + i:
 // interleaved=False, as DeepSeek V4 stores them); g = min(gate, limit), u = clamp(up, -limit,
 // limit), out = (u + up_shift) * g * sigmoid(alpha * g), with the last dim halved. GPT-OSS's
-// defaults; DeepSeek V4's silu(g) * u is alpha=1, up_shift=0. limit >= 0 (inf: no clamp). f16/bf16
-// compute in float32.
+// defaults; DeepSeek V4's silu(g) * u is alpha=1, up_shift=0. limit_after_act=True bounds the
+// activation instead of the gate: out = (u + up_shift) * min(gate * sigmoid(alpha * gate), limit)
+// (Step 3.7, Ling). limit >= 0 (inf: no clamp). f16/bf16 compute in float32.
 uniopStatus uniopClampedSwigluGetWorkspaceSize(const uniopTensor *x,
                                                double alpha,
                                                double limit,
                                                double up_shift,
                                                bool interleaved,
+                                               bool limit_after_act,
                                                uniopTensor *out,
                                                uint64_t *workspaceSize,
                                                uniopExecutor **executor);
@@ -406,18 +408,20 @@ uniopStatus uniopClampedSwiglu(void *workspace,
                                uniopExecutor *executor,
                                uniopStream stream);
 
-// Phase 1 of `clamped_swiglu_backward(Tensor dout, Tensor x, float alpha=1.702, float limit=7.0, float up_shift=1.0, bool interleaved=True) -> (Tensor dx)`.
+// Phase 1 of `clamped_swiglu_backward(Tensor dout, Tensor x, float alpha=1.702, float limit=7.0, float up_shift=1.0, bool interleaved=True, bool limit_after_act=False) -> (Tensor dx)`.
 //
 // Gradient of clamped_swiglu: d gate = dout * (u + up_shift) * s * (1 + alpha * g * (1 - s)) where
-// gate < limit, d up = dout * g * s where |up| < limit (0 where a clamp cut the value or left it
-// on a bound, as torch's clamp), with s = sigmoid(alpha * g) on the clamped g, u; dx lays them out
-// as x (interleaved or halves). dout has clamped_swiglu's output shape.
+// gate < limit (limit_after_act: where g * s < limit), d up = dout * act where |up| < limit, act =
+// g * s as the forward bounds it (0 where a clamp cut the value or left it on a bound, as torch's
+// clamp), with s = sigmoid(alpha * g) on the clamped g, u; dx lays them out as x (interleaved or
+// halves). dout has clamped_swiglu's output shape.
 uniopStatus uniopClampedSwigluBackwardGetWorkspaceSize(const uniopTensor *dout,
                                                        const uniopTensor *x,
                                                        double alpha,
                                                        double limit,
                                                        double up_shift,
                                                        bool interleaved,
+                                                       bool limit_after_act,
                                                        uniopTensor *dx,
                                                        uint64_t *workspaceSize,
                                                        uniopExecutor **executor);

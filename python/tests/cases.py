@@ -82,12 +82,16 @@ def geglu_ref(x, dim=-1, approximate="none", activate_left=False):
     return gelu_mul_ref(a, b, approximate) if activate_left else gelu_mul_ref(b, a, approximate)
 
 
-def clamped_swiglu_ref(x, alpha=1.702, limit=7.0, up_shift=1.0, interleaved=True):
+def clamped_swiglu_ref(x, alpha=1.702, limit=7.0, up_shift=1.0, interleaved=True, limit_after_act=False):
     """GPT-OSS's experts' gate (transformers' ``GptOssExperts._apply_gate``), in float64; with
-    ``interleaved=False`` on gate and up halves (DeepSeek V4's, with ``alpha`` 1 and no shift)."""
+    ``interleaved=False`` on gate and up halves (DeepSeek V4's, with ``alpha`` 1 and no shift);
+    ``limit_after_act`` bounds the activation rather than the gate (Step 3.7's)."""
     x = x.to(D)
     gate, up = (x[..., ::2], x[..., 1::2]) if interleaved else x.chunk(2, -1)
-    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    up = up.clamp(-limit, limit)
+    if limit_after_act:
+        return (up + up_shift) * (gate * torch.sigmoid(gate * alpha)).clamp(max=limit)
+    gate = gate.clamp(max=limit)
     return (up + up_shift) * gate * torch.sigmoid(gate * alpha)
 
 
@@ -270,9 +274,10 @@ def _cases():
 
     @case
     def clamped_swiglu_backward(dt, strided):
-        # The gate/up halves layout here (the forward's case takes GPT-OSS's interleaved pairs).
+        # The gate/up halves layout here, the limit after the activation (the forward's case takes
+        # GPT-OSS's interleaved pairs, the limit on the gate).
         x, dout = _rand(4, 12, dtype=dt, strided=strided).mul_(5), torch.randn(4, 6).to(dt)
-        return (dout, x, 1.5, 6.0, 0.5, False), lambda d, x, *form: _vjp(
+        return (dout, x, 1.5, 6.0, 0.5, False, True), lambda d, x, *form: _vjp(
             lambda x: clamped_swiglu_ref(x, *form), (x,), (d,), (0,)
         )
 

@@ -843,19 +843,25 @@ def test_registered_experts_run_any_moe_model(family, activation, monkeypatch):
     assert torch.allclose(fallback, every, atol=1e-5)
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
-def test_experts_train_with_transformers_gradients(activation):
+@pytest.mark.parametrize("family,activation", [("Mixtral", "silu"), ("Mixtral", "gelu_pytorch_tanh"), ("Beam", "silu")])
+def test_experts_train_with_transformers_gradients(family, activation):
     """Where autograd records a float32 call, uniop's experts run as one autograd node (the train
     form of the gated op and linear forward, their backward ops): the output and the gradients of
     the hidden states, the routing weights and both 3-D weights are transformers' eager experts' (an
     expert no token picked gets a zero gradient), also over a retained graph's second backward.
     A bfloat16 call autograd records runs transformers' grouped forward (no uniop op) with the
-    same results."""
+    same results. Beam's experts compute the default gate in float32 with their own
+    ``_apply_gate``, and run as the default layout's."""
     from uniop.torch import experts_interface
 
-    torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
-        module = _tiny_family_model("Mixtral", hidden_act=activation, dtype=dtype).model.layers[0].mlp.experts
+        torch.manual_seed(0)
+        if family == "Beam":
+            sizes = {"moe_intermediate_size": 48, "num_experts": 4, "hidden_act": activation}
+            module = _experts_of("beam", "BeamExperts", "BeamConfig", sizes, (), dtype)
+        else:
+            module = _tiny_family_model(family, hidden_act=activation, dtype=dtype).model.layers[0].mlp.experts
+        assert isinstance(experts_interface._form(module), experts_interface._Gated)
         tokens, hidden = 9, module.gate_up_proj.shape[-1]
         x, weights = torch.randn(tokens, hidden, dtype=dtype), torch.rand(tokens, 2, dtype=dtype)
         index = torch.stack([torch.randperm(3)[:2] for _ in range(tokens)])  # the last of 4 experts idle
@@ -886,32 +892,41 @@ def test_experts_train_with_transformers_gradients(activation):
 
 
 # Experts classes with a clamped SwiGLU gate besides GPT-OSS's: (model, class, config class, the
-# config's intermediate size name).
+# config's size arguments besides its hidden size, and the class's arguments after the config). Step 3.7
+# and Ling clip after the activation, with one limit per layer.
 _CLAMPED_EXPERTS = {
-    "DeepseekV4": ("deepseek_v4", "DeepseekV4Experts", "DeepseekV4Config", "intermediate_size"),
-    "Glm5Next": ("glm5_next", "Glm5NextTextExperts", "Glm5NextTextConfig", "moe_intermediate_size"),
-    "HYV4": ("hy_v4", "HYV4Experts", "HYV4Config", "moe_intermediate_size"),
-    "MiniMaxM3": ("minimax_m3_vl", "MiniMaxM3VLExperts", "MiniMaxM3VLTextConfig", "intermediate_size"),
-    "PrivacyFilter": ("openai_privacy_filter", "OpenAIPrivacyFilterExperts", "OpenAIPrivacyFilterConfig",
-                      "intermediate_size"),
+    "DeepseekV4": ("deepseek_v4", "DeepseekV4Experts", "DeepseekV4Config", {"intermediate_size": 48}, ()),
+    "Glm5Next": ("glm5_next", "Glm5NextTextExperts", "Glm5NextTextConfig", {"moe_intermediate_size": 48}, ()),
+    "HYV4": ("hy_v4", "HYV4Experts", "HYV4Config", {"moe_intermediate_size": 48}, ()),
+    "HYV4VL": ("hy_v4_vl", "HYV4VLExperts", "HYV4VLTextConfig", {"moe_intermediate_size": 48}, ()),
+    "MiniMaxM3": ("minimax_m3_vl", "MiniMaxM3VLExperts", "MiniMaxM3VLTextConfig", {"intermediate_size": 48}, ()),
+    "PrivacyFilter": (
+        "openai_privacy_filter", "OpenAIPrivacyFilterExperts", "OpenAIPrivacyFilterConfig", {"intermediate_size": 48}, ()
+    ),
+    "Step3p7": (
+        "step3p7", "Step3p7Experts", "Step3p7TextConfig",
+        {"moe_intermediate_size": 48, "n_routed_experts": 4, "swiglu_limits": [3.0]}, (0,),
+    ),
+    "BailingHybrid": (
+        "bailing_hybrid", "BailingHybridExperts", "BailingHybridConfig",
+        {"moe_intermediate_size": 48, "num_hidden_layers": 1, "swiglu_limits": [3.0]}, (0,),
+    ),
 }
 
 
-def _clamped_experts(family, dtype):
-    """A clamped-SwiGLU experts module of ``family`` (4 experts, hidden 64): GPT-OSS's from its tiny
-    model, the others' built from their config, weights drawn with std 0.1."""
+def _experts_of(model, name, config, sizes, args, dtype):
+    """transformers' experts class ``name`` of ``model`` built from its config (hidden 64, 4
+    experts, 2 per token, ``sizes``), weights drawn with std 0.1."""
     import importlib
 
-    if family == "GptOss":
-        module = _tiny_family_model("GptOss", dtype=dtype).model.layers[0].mlp.experts
-    else:
-        model, name, config, intermediate = _CLAMPED_EXPERTS[family]
-        modeling = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
-        configuration = importlib.import_module(f"transformers.models.{model}.configuration_{model}")
-        cfg = getattr(configuration, config)(
-            hidden_size=64, num_local_experts=4, num_experts_per_tok=2, **{intermediate: 48}
-        )
-        module = getattr(modeling, name)(cfg).to(dtype)
+    modeling = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
+    configuration = importlib.import_module(f"transformers.models.{model}.configuration_{model}")
+    cfg = getattr(configuration, config)(hidden_size=64, num_local_experts=4, num_experts_per_tok=2, **sizes)
+    return _drawn(getattr(modeling, name)(cfg, *args).to(dtype))
+
+
+def _drawn(module):
+    """``module`` with its weights drawn (seeded) with std 0.1."""
     torch.manual_seed(1)
     with torch.no_grad():
         for p in module.parameters():
@@ -919,9 +934,17 @@ def _clamped_experts(family, dtype):
     return module
 
 
+def _clamped_experts(family, dtype):
+    """A clamped-SwiGLU experts module of ``family`` (4 experts, hidden 64): GPT-OSS's from its tiny
+    model, the others' built from their config (:func:`_experts_of`), weights drawn with std 0.1."""
+    if family != "GptOss":
+        return _experts_of(*_CLAMPED_EXPERTS[family], dtype)
+    return _drawn(_tiny_family_model("GptOss", dtype=dtype).model.layers[0].mlp.experts)
+
+
 def _limit_in_a_gap(module, gate, up):
     """Sets the module's clamp limit (``limit`` or ``swiglu_limit``) in the widest gap between the
-    gate values and up magnitudes of its top tenth (below the top 0.2%, so that some are clamped),
+    gate values (the activations, where the module clips after it) and up magnitudes of its top tenth (below the top 0.2%, so that some are clamped),
     and checks that no value lies within two bfloat16 steps of it: uniop and eager round at other
     points, and a value moved across the limit changes its gradient by a whole term."""
     values = torch.cat([gate.flatten(), up.abs().flatten()]).sort().values
@@ -946,7 +969,9 @@ def test_clamped_experts_run_linear_and_clamped_swiglu(family):
     a transposed weight, ``linear_backward`` of an ``[out, in]`` one, ``clamped_swiglu_backward``):
     the gradients of the input, the routing weights, the weights and biases are eager's, an idle
     expert's zero. Under autocast transformers' grouped forward runs (no uniop op). The other
-    families' limit is set between the products (:func:`_limit_in_a_gap`); GPT-OSS keeps its 7."""
+    families' limit is set between the products (:func:`_limit_in_a_gap`); GPT-OSS keeps its 7.
+    HunYuan V4's VL model's gate is HunYuan V4's; Step 3.7's and Ling's bound the activation
+    (``limit_after_act``), ``min(silu(g), limit) · clamp(u, ±limit)``."""
     from uniop.torch import experts_interface
 
     for dtype in (torch.float32, torch.bfloat16):
@@ -960,12 +985,15 @@ def test_clamped_experts_run_linear_and_clamped_swiglu(family):
         if module.has_bias:
             gate_up += module.gate_up_proj_bias.detach().float()[None]
         gate, up = (gate_up[..., ::2], gate_up[..., 1::2]) if interleaved else gate_up.chunk(2, -1)
+        after_act = experts_interface._form(module).gate[4]
+        assert after_act == (family in ("Step3p7", "BailingHybrid"))
+        bounded = torch.nn.functional.silu(gate) if after_act else gate
         if family != "GptOss":
-            _limit_in_a_gap(module, gate, up)
+            _limit_in_a_gap(module, bounded, up)
         form = experts_interface._form(module)
         assert isinstance(form, experts_interface._Clamped)
         limit = form.gate[1]
-        assert (gate > limit).any() and (up.abs() > limit).any()
+        assert (bounded > limit).any() and (up.abs() > limit).any()
         eager = type(module).forward.__wrapped__
         with torch.no_grad():
             want = eager(module, x, index, weights)
@@ -999,19 +1027,38 @@ def test_clamped_experts_run_linear_and_clamped_swiglu(family):
             assert (g.float() - w.float()).abs().max() <= 2 * tol * w.float().abs().max(), what
 
 
-def test_deepseek_v4_runs_its_experts_on_uniop():
-    """A tiny random DeepSeek V4 (its compressed attention and hyper-connections transformers'
-    own) under ``experts_implementation="uniop"``: logits and greedy tokens equal eager experts',
-    each expert's clamped gate one ``clamped_swiglu`` on its product's halves (limit 0.1 here, so
-    that the clamps cut), and a float32 training step's gradients eager's."""
+# Tiny random MoE models with clamped experts, their attention transformers' own: DeepSeek V4's
+# (compressed attention, hyper-connections; the limit on the gate) and Ling's hybrid (linear attention
+# beside MLA; the limit after the activation). Limits of 0.1, so that the clamps cut.
+_CLAMPED_MODELS = {
+    "DeepseekV4": lambda transformers: transformers.DeepseekV4ForCausalLM(
+        transformers.DeepseekV4Config(
+            vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.1,
+        )
+    ),
+    "BailingHybrid": lambda transformers: transformers.BailingHybridForCausalLM(
+        transformers.BailingHybridConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1, first_k_dense_replace=0, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16,
+            qk_nope_head_dim=16, head_dim=16, layer_group_size=2, pad_token_id=0, eos_token_id=1,
+            expert_swiglu_limit_list=[0.1, 0.1], num_mtp_layers=0,
+        )
+    ),
+}
+
+
+@pytest.mark.parametrize("family", _CLAMPED_MODELS)
+def test_clamped_moe_model_runs_its_experts_on_uniop(family):
+    """A tiny random DeepSeek V4 and Ling hybrid (:data:`_CLAMPED_MODELS`) under
+    ``experts_implementation="uniop"``: logits and greedy tokens equal eager experts', each
+    expert's clamped gate one ``clamped_swiglu`` on its product's halves, and a float32 training
+    step's gradients eager's."""
     import transformers
 
-    cfg = transformers.DeepseekV4Config(
-        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.1,
-    )
     torch.manual_seed(0)
-    model = transformers.DeepseekV4ForCausalLM(cfg).eval()
+    model = _CLAMPED_MODELS[family](transformers).eval()
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
 
     def run():

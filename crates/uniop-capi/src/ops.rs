@@ -495,14 +495,15 @@ pub extern "C" fn uniopCausalSoftmax(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `clamped_swiglu(Tensor x, float alpha=1.702, float limit=7.0, float up_shift=1.0, bool interleaved=True) -> (Tensor out)`.
+/// Phase 1 of `clamped_swiglu(Tensor x, float alpha=1.702, float limit=7.0, float up_shift=1.0, bool interleaved=True, bool limit_after_act=False) -> (Tensor out)`.
 ///
 /// A mixture-of-experts' clamped gated activation: the last dim of x (even size) holds gate and up
 /// values, interleaved (pairs 2i, 2i+1: GPT-OSS) or as its two halves (i, n/2 + i:
 /// interleaved=False, as DeepSeek V4 stores them); g = min(gate, limit), u = clamp(up, -limit,
 /// limit), out = (u + up_shift) * g * sigmoid(alpha * g), with the last dim halved. GPT-OSS's
-/// defaults; DeepSeek V4's silu(g) * u is alpha=1, up_shift=0. limit >= 0 (inf: no clamp). f16/bf16
-/// compute in float32.
+/// defaults; DeepSeek V4's silu(g) * u is alpha=1, up_shift=0. limit_after_act=True bounds the
+/// activation instead of the gate: out = (u + up_shift) * min(gate * sigmoid(alpha * gate), limit)
+/// (Step 3.7, Ling). limit >= 0 (inf: no clamp). f16/bf16 compute in float32.
 #[no_mangle]
 pub extern "C" fn uniopClampedSwigluGetWorkspaceSize(
     x: *const uniopTensor,
@@ -510,6 +511,7 @@ pub extern "C" fn uniopClampedSwigluGetWorkspaceSize(
     limit: f64,
     up_shift: f64,
     interleaved: bool,
+    limit_after_act: bool,
     out: *mut uniopTensor,
     workspaceSize: *mut u64,
     executor: *mut *mut uniopExecutor,
@@ -517,11 +519,12 @@ pub extern "C" fn uniopClampedSwigluGetWorkspaceSize(
     const F: &str = "uniopClampedSwigluGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 1] = [("x", x)];
-        let attrs: [(&str, AttrValue); 4] = [
+        let attrs: [(&str, AttrValue); 5] = [
             ("alpha", AttrValue::Float(alpha)),
             ("limit", AttrValue::Float(limit)),
             ("up_shift", AttrValue::Float(up_shift)),
             ("interleaved", AttrValue::Bool(interleaved)),
+            ("limit_after_act", AttrValue::Bool(limit_after_act)),
         ];
         let outputs = [("out", out as *const uniopTensor)];
         plan("clamped_swiglu", F, &inputs, &attrs, &outputs, workspaceSize, executor)
@@ -539,12 +542,13 @@ pub extern "C" fn uniopClampedSwiglu(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `clamped_swiglu_backward(Tensor dout, Tensor x, float alpha=1.702, float limit=7.0, float up_shift=1.0, bool interleaved=True) -> (Tensor dx)`.
+/// Phase 1 of `clamped_swiglu_backward(Tensor dout, Tensor x, float alpha=1.702, float limit=7.0, float up_shift=1.0, bool interleaved=True, bool limit_after_act=False) -> (Tensor dx)`.
 ///
 /// Gradient of clamped_swiglu: d gate = dout * (u + up_shift) * s * (1 + alpha * g * (1 - s)) where
-/// gate < limit, d up = dout * g * s where |up| < limit (0 where a clamp cut the value or left it
-/// on a bound, as torch's clamp), with s = sigmoid(alpha * g) on the clamped g, u; dx lays them out
-/// as x (interleaved or halves). dout has clamped_swiglu's output shape.
+/// gate < limit (limit_after_act: where g * s < limit), d up = dout * act where |up| < limit, act =
+/// g * s as the forward bounds it (0 where a clamp cut the value or left it on a bound, as torch's
+/// clamp), with s = sigmoid(alpha * g) on the clamped g, u; dx lays them out as x (interleaved or
+/// halves). dout has clamped_swiglu's output shape.
 #[no_mangle]
 pub extern "C" fn uniopClampedSwigluBackwardGetWorkspaceSize(
     dout: *const uniopTensor,
@@ -553,6 +557,7 @@ pub extern "C" fn uniopClampedSwigluBackwardGetWorkspaceSize(
     limit: f64,
     up_shift: f64,
     interleaved: bool,
+    limit_after_act: bool,
     dx: *mut uniopTensor,
     workspaceSize: *mut u64,
     executor: *mut *mut uniopExecutor,
@@ -560,11 +565,12 @@ pub extern "C" fn uniopClampedSwigluBackwardGetWorkspaceSize(
     const F: &str = "uniopClampedSwigluBackwardGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 2] = [("dout", dout), ("x", x)];
-        let attrs: [(&str, AttrValue); 4] = [
+        let attrs: [(&str, AttrValue); 5] = [
             ("alpha", AttrValue::Float(alpha)),
             ("limit", AttrValue::Float(limit)),
             ("up_shift", AttrValue::Float(up_shift)),
             ("interleaved", AttrValue::Bool(interleaved)),
+            ("limit_after_act", AttrValue::Bool(limit_after_act)),
         ];
         let outputs = [("dx", dx as *const uniopTensor)];
         plan("clamped_swiglu_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)

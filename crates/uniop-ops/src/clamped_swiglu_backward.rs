@@ -1,11 +1,12 @@
-//! `clamped_swiglu_backward(dout, x, alpha=1.702, limit=7.0, up_shift=1.0, interleaved=True) -> dx`,
-//! the gradient of [`clamped_swiglu`](crate::clamped_swiglu), one pass writing both members of each
-//! pair of `dx` (laid out as `x`'s): with `s = σ(alpha · g)` on the clamped values,
-//! `d gate = dout · (u + up_shift) · s · (1 + alpha · g · (1 − s))` where the gate is below `limit`,
-//! and `d up = dout · g · s` where the up value is strictly within `±limit`; 0 where a clamp cut the
-//! value or left it on a bound (as torch 2.15's clamp: the minimum-norm subgradient).
+//! `clamped_swiglu_backward(dout, x, alpha=1.702, limit=7.0, up_shift=1.0, interleaved=True,
+//! limit_after_act=False) -> dx`, the gradient of [`clamped_swiglu`](crate::clamped_swiglu), one
+//! pass writing both members of each pair of `dx` (laid out as `x`'s): with `s = σ(alpha · g)` on
+//! the clamped values, `d gate = dout · (u + up_shift) · s · (1 + alpha · g · (1 − s))` where the
+//! gate (`limit_after_act`: its activation `g · s`) is below `limit`, and `d up = dout · act` (the
+//! activation as the forward bounds it) where the up value is strictly within `±limit`; 0 where a
+//! clamp cut the value or left it on a bound (as torch 2.15's clamp: the minimum-norm subgradient).
 
-use crate::clamped_swiglu::{pairs_shape, Clamp, Pairs};
+use crate::clamped_swiglu::{pairs_shape, Clamp, LimitAct, LimitAt, LimitGate, Pairs};
 use crate::elementwise::{fence, store_step, streams_bytes, to_f32, LANES};
 use crate::gated_mul::DTYPES;
 use crate::math;
@@ -18,7 +19,7 @@ use uniop::{
 pub struct ClampedSwigluBackward;
 
 crate::simd_kernel! {
-fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, c: Clamp, pairs: Pairs, streaming: bool) {
+fn kernel<T: FloatElement, L: LimitAt>(args: &KernelArgs, ctx: BlockCtx, c: Clamp, pairs: Pairs, streaming: bool) {
     let (dout, x) = (args.input(0), args.input(1));
     let dx = args.output(0);
     let n = dout.layout().numel();
@@ -26,9 +27,9 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, c: Clamp, pairs: Pa
     let ds = &dout.storage::<T>().expect("dtype dispatched")[dout.layout().offset()..][..n];
     let xs = &x.storage::<T>().expect("dtype dispatched")[x.layout().offset()..][..2 * n];
     if T::converts_natively() {
-        stretches_through::<T, true>(ds, xs, &dx, range, pairs, c, streaming);
+        stretches_through::<T, L, true>(ds, xs, &dx, range, pairs, c, streaming);
     } else {
-        stretches_through::<T, false>(ds, xs, &dx, range, pairs, c, streaming);
+        stretches_through::<T, L, false>(ds, xs, &dx, range, pairs, c, streaming);
     }
     fence();
 }
@@ -36,7 +37,7 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, c: Clamp, pairs: Pa
 
 /// The block's gradients for the outputs `range`, stretch by stretch of [`Pairs::stretches`].
 #[inline(always)]
-fn stretches_through<T: FloatElement, const NATIVE: bool>(
+fn stretches_through<T: FloatElement, L: LimitAt, const NATIVE: bool>(
     ds: &[T],
     xs: &[T],
     dx: &OutputView,
@@ -52,13 +53,13 @@ fn stretches_through<T: FloatElement, const NATIVE: bool>(
             Pairs::Interleaved => {
                 // SAFETY: blocks own disjoint output ranges, hence disjoint pairs of dx.
                 let dst = unsafe { dx.slice_mut::<T>(at + gate, 2 * n) };
-                interleaved_through::<T, NATIVE>(d, &xs[gate..2 * outs.end], dst, c, streaming);
+                interleaved_through::<T, L, NATIVE>(d, &xs[gate..2 * outs.end], dst, c, streaming);
             }
             Pairs::Halves { .. } => {
                 // SAFETY: as above; a stretch's gate and up gradients lie in the two halves of one row.
                 let (d_gates, d_ups) = unsafe { (dx.slice_mut::<T>(at + gate, n), dx.slice_mut::<T>(at + up, n)) };
                 let (gates, ups) = (&xs[gate..][..n], &xs[up..][..n]);
-                halves_through::<T, NATIVE>(d, gates, ups, d_gates, d_ups, c, streaming);
+                halves_through::<T, L, NATIVE>(d, gates, ups, d_gates, d_ups, c, streaming);
             }
         }
     }
@@ -67,7 +68,7 @@ fn stretches_through<T: FloatElement, const NATIVE: bool>(
 /// The gradient of interleaved pairs, `LANES` pairs a step (as the forward's `through`): each
 /// step's gradients fill two `LANES` runs of `dx`, narrowed in registers.
 #[inline(always)]
-fn interleaved_through<T: FloatElement, const NATIVE: bool>(
+fn interleaved_through<T: FloatElement, L: LimitAt, const NATIVE: bool>(
     ds: &[T],
     xs: &[T],
     dst: &mut [T],
@@ -77,7 +78,7 @@ fn interleaved_through<T: FloatElement, const NATIVE: bool>(
     let (whole, tail) = dst.split_at_mut(dst.len() / (2 * LANES) * (2 * LANES));
     for (k, out) in whole.chunks_exact_mut(2 * LANES).enumerate() {
         let (d, pairs) = (&ds[k * LANES..], &xs[2 * k * LANES..]);
-        let grads = step::<T, NATIVE, 2>(d, pairs, &pairs[1..], c);
+        let grads = step::<T, L, NATIVE, 2>(d, pairs, &pairs[1..], c);
         for (run, out) in grads.chunks_exact(LANES).zip(out.chunks_exact_mut(LANES)) {
             store_step::<T, NATIVE>(run.try_into().expect("a run"), out, streaming);
         }
@@ -87,14 +88,14 @@ fn interleaved_through<T: FloatElement, const NATIVE: bool>(
         let (mut d, mut pairs) = ([T::default(); LANES], [T::default(); 2 * LANES]);
         d[..tail.len() / 2].copy_from_slice(&ds[pairs_done..]);
         pairs[..tail.len()].copy_from_slice(&xs[2 * pairs_done..]);
-        T::narrow(&step::<T, NATIVE, 2>(&d, &pairs, &pairs[1..], c)[..tail.len()], tail);
+        T::narrow(&step::<T, L, NATIVE, 2>(&d, &pairs, &pairs[1..], c)[..tail.len()], tail);
     }
 }
 
 /// The gradient of a stretch of gate/up halves, `LANES` outputs a step: each step's gradients
 /// fill a run of `d_gates` and one of `d_ups`.
 #[inline(always)]
-fn halves_through<T: FloatElement, const NATIVE: bool>(
+fn halves_through<T: FloatElement, L: LimitAt, const NATIVE: bool>(
     ds: &[T],
     gates: &[T],
     ups: &[T],
@@ -109,7 +110,7 @@ fn halves_through<T: FloatElement, const NATIVE: bool>(
     let outs = d_gates.chunks_exact_mut(LANES).zip(d_ups.chunks_exact_mut(LANES));
     for (k, (d_gate, d_up)) in outs.enumerate() {
         let at = k * LANES;
-        let grads = step::<T, NATIVE, 1>(&ds[at..], &gates[at..], &ups[at..], c);
+        let grads = step::<T, L, NATIVE, 1>(&ds[at..], &gates[at..], &ups[at..], c);
         let (g, u) = grads.split_at(LANES);
         store_step::<T, NATIVE>(g.try_into().expect("a run"), d_gate, streaming);
         store_step::<T, NATIVE>(u.try_into().expect("a run"), d_up, streaming);
@@ -120,7 +121,7 @@ fn halves_through<T: FloatElement, const NATIVE: bool>(
         d[..rest].copy_from_slice(&ds[whole..]);
         g[..rest].copy_from_slice(&gates[whole..]);
         u[..rest].copy_from_slice(&ups[whole..]);
-        let grads = step::<T, NATIVE, 1>(&d, &g, &u, c);
+        let grads = step::<T, L, NATIVE, 1>(&d, &g, &u, c);
         T::narrow(&grads[..rest], gates_tail);
         T::narrow(&grads[LANES..LANES + rest], ups_tail);
     }
@@ -133,7 +134,7 @@ fn halves_through<T: FloatElement, const NATIVE: bool>(
 /// vectorizing (6–20x slower), and computing the two gradients of interleaved pairs as runs of
 /// their own, interleaved after, left bf16 at 0.97–1.05x the staged kernel before this one.
 #[inline(always)]
-fn step<T: FloatElement, const NATIVE: bool, const STRIDE: usize>(
+fn step<T: FloatElement, L: LimitAt, const NATIVE: bool, const STRIDE: usize>(
     d: &[T],
     gates: &[T],
     ups: &[T],
@@ -142,15 +143,17 @@ fn step<T: FloatElement, const NATIVE: bool, const STRIDE: usize>(
     let reach = STRIDE * (LANES - 1) + 1;
     let (d, gates, ups) = (&d[..LANES], &gates[..reach], &ups[..reach]);
     let mut grads = [0f32; 2 * LANES];
-    let (alpha, shift) = (c.alpha as f32, c.up_shift as f32);
+    let (alpha, shift, limit) = (c.alpha as f32, c.up_shift as f32, c.limit as f32);
     for i in 0..LANES {
         let (g, u) = (to_f32::<T, NATIVE>(gates[STRIDE * i]), to_f32::<T, NATIVE>(ups[STRIDE * i]));
         let d = to_f32::<T, NATIVE>(d[i]);
-        let (g, u, g_in, u_in) = c.clamp(g, u);
+        let (g, u, g_in, u_in) = c.clamp::<L>(g, u);
         let s = math::sigmoid::<T>(alpha * g);
+        let (act, act_in) = L::act(g * s, limit);
         let (at_gate, at_up) = if STRIDE == 2 { (2 * i, 2 * i + 1) } else { (i, LANES + i) };
-        grads[at_gate] = if g_in { d * (u + shift) * s * (1.0 + alpha * g * (1.0 - s)) } else { 0.0 };
-        grads[at_up] = if u_in { d * g * s } else { 0.0 };
+        // `&`, not `&&`: both are computed anyway, and a short circuit is a branch in the loop.
+        grads[at_gate] = if g_in & act_in { d * (u + shift) * s * (1.0 + alpha * g * (1.0 - s)) } else { 0.0 };
+        grads[at_up] = if u_in { d * act } else { 0.0 };
     }
     grads
 }
@@ -158,14 +161,15 @@ fn step<T: FloatElement, const NATIVE: bool, const STRIDE: usize>(
 impl Op for ClampedSwigluBackward {
     fn schema(&self) -> &'static str {
         "clamped_swiglu_backward(Tensor dout, Tensor x, float alpha=1.702, float limit=7.0, float up_shift=1.0, \
-         bool interleaved=True) -> Tensor dx"
+         bool interleaved=True, bool limit_after_act=False) -> Tensor dx"
     }
 
     fn doc(&self) -> &'static str {
         "Gradient of clamped_swiglu: d gate = dout * (u + up_shift) * s * (1 + alpha * g * (1 - s)) where gate < \
-         limit, d up = dout * g * s where |up| < limit (0 where a clamp cut the value or left it on a bound, as \
-         torch's clamp), with s = sigmoid(alpha * g) on the clamped g, u; dx lays them out as x (interleaved or \
-         halves). dout has clamped_swiglu's output shape."
+         limit (limit_after_act: where g * s < limit), d up = dout * act where |up| < limit, act = g * s as the \
+         forward bounds it (0 where a clamp cut the value or left it on a bound, as torch's clamp), with s = \
+         sigmoid(alpha * g) on the clamped g, u; dx lays them out as x (interleaved or halves). dout has \
+         clamped_swiglu's output shape."
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -187,9 +191,15 @@ impl Op for ClampedSwigluBackward {
         let block_dim = block_dim_for(n, 5 * dx.dtype.size());
         let streaming = streams_bytes(dx.numel() * dx.dtype.size());
         let step = with_float_dtype!(dx.dtype, cx.op(), "x", |T| {
-            Step::new("clamped_swiglu_backward", block_dim, move |args, ctx| {
-                kernel::<T>(args, ctx, c, pairs, streaming)
-            })
+            if c.after_act {
+                Step::new("clamped_swiglu_backward", block_dim, move |args, ctx| {
+                    kernel::<T, LimitAct>(args, ctx, c, pairs, streaming)
+                })
+            } else {
+                Step::new("clamped_swiglu_backward", block_dim, move |args, ctx| {
+                    kernel::<T, LimitGate>(args, ctx, c, pairs, streaming)
+                })
+            }
         });
         Ok(Plan::new(vec![step])
             .inputs_need(vec![LayoutNeed::Contiguous; 2])

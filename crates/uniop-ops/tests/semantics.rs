@@ -809,6 +809,82 @@ fn clamped_swiglu_reads_gate_and_up_halves() {
     assert_eq!(err.message(), "clamped_swiglu: argument 'up_shift': expected a finite number, got NaN");
 }
 
+/// The limit on the activation (`limit_after_act`, Step 3.7's and Ling's `min(silu(g), limit) ·
+/// clamp(u, ±limit)`) by hand: a large gate is not cut before its activation, whose bound then
+/// stops the gate's gradient (0 there, and on the bound itself) but passes the up value's (the
+/// bounded activation); a negative activation is not bounded below. Then over random halves with a
+/// gradient matching finite differences, and the same pairs interleaved equal bit for bit.
+#[test]
+fn clamped_swiglu_limits_the_activation_after_it() {
+    setup();
+    let silu = |v: f64| v / (1.0 + (-v).exp());
+    let step3 = |interleaved| {
+        [
+            ("alpha", AttrValue::Float(1.0)),
+            ("limit", AttrValue::Float(4.0)),
+            ("up_shift", AttrValue::Float(0.0)),
+            ("interleaved", AttrValue::Bool(interleaved)),
+            ("limit_after_act", AttrValue::Bool(true)),
+        ]
+    };
+    // Gates 2 (silu 1.76, inside), 4.2 (silu 4.14: past the bound, though the gate itself is not
+    // past the limit — the gate-clamped form would give silu(4) = 3.93) and -3; ups inside, past
+    // -4, and 1.
+    let x = [2.0f32, 4.2, -3.0, 0.5, -9.0, 1.0];
+    let tx = TensorRef::new(&x, &[1, 6]).unwrap();
+    let out = run_checked("clamped_swiglu", &[Some(tx.clone())], &step3(false));
+    assert_close(&out[0], &[silu(2.0) * 0.5, 4.0 * -4.0, silu(-3.0)], "min(silu(g), limit) * u'");
+    let gated = run_checked("clamped_swiglu", &[Some(tx.clone())], &step3(false)[..4]);
+    assert_close(&gated[0][1..2], &[silu(4.0) * -4.0], "the limit on the gate instead");
+    let d = [1.0f32; 3];
+    let dx =
+        run_checked("clamped_swiglu_backward", &[Some(TensorRef::new(&d, &[1, 3]).unwrap()), Some(tx)], &step3(false));
+    let dsilu = |v: f64| {
+        let s = 1.0 / (1.0 + (-v).exp());
+        s * (1.0 + v * (1.0 - s))
+    };
+    let want = [0.5 * dsilu(2.0), 0.0, dsilu(-3.0), silu(2.0), 0.0, silu(-3.0)];
+    assert_close(&dx[0], &want, "the gate's gradient stops at the bounded activation, the up's does not");
+    // A gate whose activation lands on the bound gets 0, as torch 2.15's clamp: the bound set to
+    // the kernel's own f32 activation of the gate (read with no limit and an up value of 1).
+    let unbounded = [
+        ("alpha", AttrValue::Float(1.0)),
+        ("limit", AttrValue::Float(f64::INFINITY)),
+        ("up_shift", AttrValue::Float(0.0)),
+    ];
+    let x = [4.1f32, 1.0];
+    let tx = TensorRef::new(&x, &[1, 2]).unwrap();
+    let act = run_unchecked("clamped_swiglu", &[Some(tx.clone())], &unbounded)[0][0];
+    let mut on_bound = step3(true);
+    on_bound[1].1 = AttrValue::Float(act);
+    let dx = run_unchecked(
+        "clamped_swiglu_backward",
+        &[Some(TensorRef::new(&d[..1], &[1, 1]).unwrap()), Some(tx)],
+        &on_bound,
+    );
+    assert_eq!(dx[0], [0.0, act], "activation on the bound: the gate's gradient 0, the up's the activation");
+
+    let (rows, half) = (5, 37);
+    let halves: Vec<f32> = rand_vec(rows * 2 * half, 45).iter().map(|v| 12.0 * v).collect();
+    let pairs: Vec<f32> = (0..rows * half)
+        .flat_map(|j| [halves[j / half * 2 * half + j % half], halves[j / half * 2 * half + half + j % half]])
+        .collect();
+    let shape = [rows, 2 * half];
+    let (th, tp) = (TensorRef::new(&halves, &shape).unwrap(), TensorRef::new(&pairs, &shape).unwrap());
+    let out = run_checked("clamped_swiglu", &[Some(th.clone())], &step3(false));
+    assert_eq!(out, run_checked("clamped_swiglu", &[Some(tp)], &step3(true)));
+    let d = rand_vec(rows * half, 46);
+    let dx = run_checked(
+        "clamped_swiglu_backward",
+        &[Some(TensorRef::new(&d, &[rows, half]).unwrap()), Some(th)],
+        &step3(false),
+    );
+    let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let fd = finite_difference("clamped_swiglu", &[(f64s(&halves), shape.to_vec())], &step3(false), &f64s(&d), 0);
+    assert_close(&dx[0], &fd, "dx");
+    assert!(dx[0][..half].contains(&0.0), "some activations past the bound");
+}
+
 #[test]
 fn gated_mul_requires_matching_gate_and_up_and_a_gelu_form() {
     setup();

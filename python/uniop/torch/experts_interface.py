@@ -10,14 +10,16 @@ it. On CPU the decode steps' few rows stream each expert's weights through uniop
 Training in float32 runs one autograd node over the experts, its backward on uniop's backward ops
 (see :class:`_Experts`); torch.compile, and training in other dtypes (but GPT-OSS's in bfloat16)
 or under autocast, keep transformers' grouped forward.
-Experts with a clamped SwiGLU gate — GPT-OSS's (transposed weights ``[E, H, 2I]`` with gate and up
-interleaved, biases), DeepSeek V4's, GLM-5 Next's and HunYuan V4's (the default layout, the gate
-``silu(min(g, limit)) · clamp(u, ±limit)``), MiniMax M3's — run as a ``linear`` (with bias where
-they have one), uniop's ``clamped_swiglu`` and a ``linear``, trained on the same node in float32
-and bfloat16 (its backward on ``matmul_backward`` or ``linear_backward`` and
-``clamped_swiglu_backward``). Other layouts (biases or transposed weights otherwise, no gate, an
-activation other than SiLU and GELU, a post-expert norm) and tensors off the CPU run transformers'
-own (eager) forward.
+Beam's experts (the default gate, computed in float32 and rounded once, as uniop's) run as those
+of the default layout. Experts with a clamped SwiGLU gate — GPT-OSS's (transposed weights
+``[E, H, 2I]`` with gate and up interleaved, biases), DeepSeek V4's, GLM-5 Next's and HunYuan V4's
+(its VL model's too; the default layout, the gate ``silu(min(g, limit)) · clamp(u, ±limit)``),
+Step 3.7's and Ling's (``min(silu(g), limit) · clamp(u, ±limit)``: the limit after the
+activation), MiniMax M3's — run as a ``linear`` (with bias where they have one), uniop's
+``clamped_swiglu`` and a ``linear``, trained on the same node in float32 and bfloat16 (its backward
+on ``matmul_backward`` or ``linear_backward`` and ``clamped_swiglu_backward``). Other layouts
+(biases or transposed weights otherwise, no gate, an activation other than SiLU and GELU, a
+post-expert norm) and tensors off the CPU run transformers' own (eager) forward.
 
     import uniop.torch
     model = AutoModelForCausalLM.from_pretrained(name, experts_implementation=uniop.torch.register_experts())
@@ -58,41 +60,57 @@ def covers(module):
 
 def _form(module):
     """How uniop runs this experts module: :class:`_Gated` (transformers' default layout — gate rows
-    then up rows, ``[E, 2I, H]``, no biases — with a SiLU or GELU gate), :class:`_Clamped` (a
-    clamped SwiGLU gate of :func:`_clamped_gates`, on the layout its flags declare), or None for any
+    then up rows, ``[E, 2I, H]``, no biases — with the default SiLU or GELU gate, or one of
+    :data:`_GATES` that computes it), :class:`_Clamped` (a
+    clamped SwiGLU gate of :data:`_GATES`, on the layout its flags declare), or None for any
     other."""
     from transformers.integrations.moe import _default_apply_gate
 
     if module.has_post_expert_norm or getattr(module, "_is_expert_parallel", False) or not module.has_gate:
         return None
     gate = type(module)._apply_gate
-    if gate is _default_apply_gate:
+    clamped = _gates().get(gate)
+    if gate is _default_apply_gate or clamped is _DEFAULT_GATE:
         act = unn.gating(module)
         simple = module.is_concatenated and not module.is_transposed and not module.has_bias
         return _Gated(act) if simple and act is not None else None
-    clamped = _clamped_gates().get(gate)
     if clamped is None or clamped.interleaved == module.is_concatenated:
         return None
     constants = clamped.constants(module)
     if constants is None:
         return None
-    return _Clamped(clamped.interleaved, module.is_transposed, module.has_bias, *constants)
+    return _Clamped(clamped.interleaved, module.is_transposed, module.has_bias, *constants, clamped.after_act)
 
 
 class _ClampedGate(NamedTuple):
     """A transformers experts class's ``_apply_gate`` that uniop's ``clamped_swiglu`` computes:
-    where it reads the gate and up values (``interleaved`` pairs or halves) and its constants
-    ``(alpha, limit, up_shift)`` from the module (None where its activation is not SiLU)."""
+    where it reads the gate and up values (``interleaved`` pairs or halves), its constants
+    ``(alpha, limit, up_shift)`` from the module (None where its activation is not SiLU), and
+    whether the limit bounds the activation rather than the gate (``after_act``)."""
 
     interleaved: bool
     constants: Callable[[torch.nn.Module], tuple[float, float, float] | None]
+    after_act: bool = False
+
+
+# An experts class's gate that computes transformers' default one (see _GATES).
+_DEFAULT_GATE = "default"
+
+
+def _silu_limited(module):
+    """The constants of a gate ``silu`` without GPT-OSS's alpha and shift, bounded by the module's
+    ``limit`` (None: the layer does not clip, +inf), where its ``act_fn`` is SiLU (None otherwise)."""
+    if unn.gating(module) is not unn.SILU:
+        return None
+    return 1.0, float("inf") if module.limit is None else float(module.limit), 0.0
 
 
 # transformers' experts classes with a clamped SwiGLU gate: GPT-OSS's, (u' + 1) · g' · σ(alpha · g')
-# (its privacy filter's and MiniMax M3's on halves), and the alpha-free silu(g') · u' of DeepSeek V4,
-# GLM-5 Next and HunYuan V4 (DeepSeek V4 applies its act_fn, uniop's only where that is SiLU; the other two call
-# F.silu themselves).
-_CLAMPED_GATES = {
+# (its privacy filter's and MiniMax M3's on halves), the alpha-free silu(g') · u' of DeepSeek V4, GLM-5 Next
+# and HunYuan V4 (DeepSeek V4 applies its act_fn, uniop's only where that is SiLU; the others call F.silu
+# themselves), and Step 3.7's and Ling's min(act(g), limit) · u' (their act_fn; a per-layer limit, None where
+# the layer does not clip).
+_GATES = {
     ("gpt_oss", "GptOssExperts"): _ClampedGate(True, lambda m: (float(m.alpha), float(m.limit), 1.0)),
     ("openai_privacy_filter", "OpenAIPrivacyFilterExperts"): _ClampedGate(
         False, lambda m: (float(m.alpha), float(m.limit), 1.0)
@@ -100,20 +118,24 @@ _CLAMPED_GATES = {
     ("minimax_m3_vl", "MiniMaxM3VLExperts"): _ClampedGate(
         False, lambda m: (float(m.swiglu_alpha), float(m.swiglu_limit), 1.0)
     ),
-    ("deepseek_v4", "DeepseekV4Experts"): _ClampedGate(
-        False, lambda m: (1.0, float(m.limit), 0.0) if unn.gating(m) is unn.SILU else None
-    ),
+    ("deepseek_v4", "DeepseekV4Experts"): _ClampedGate(False, _silu_limited),
     ("glm5_next", "Glm5NextTextExperts"): _ClampedGate(False, lambda m: (1.0, float(m.swiglu_limit), 0.0)),
     ("hy_v4", "HYV4Experts"): _ClampedGate(False, lambda m: (1.0, float(m.swiglu_limit), 0.0)),
+    ("hy_v4_vl", "HYV4VLExperts"): _ClampedGate(False, lambda m: (1.0, float(m.swiglu_limit), 0.0)),
+    ("step3p7", "Step3p7Experts"): _ClampedGate(False, _silu_limited, after_act=True),
+    ("bailing_hybrid", "BailingHybridExperts"): _ClampedGate(False, _silu_limited, after_act=True),
+    # The default gate, act(gate) · up, computed in float32 and rounded once (as uniop's gated products
+    # do) rather than in the model's dtype.
+    ("beam", "BeamExperts"): _DEFAULT_GATE,
 }
 
 
 @functools.cache
-def _clamped_gates():
-    """The ``_apply_gate`` functions of :data:`_CLAMPED_GATES` this transformers has, each with its
-    :class:`_ClampedGate`."""
+def _gates():
+    """The ``_apply_gate`` functions of :data:`_GATES`' experts classes this transformers has, each
+    with its value there."""
     gates = {}
-    for (model, name), gate in _CLAMPED_GATES.items():
+    for (model, name), gate in _GATES.items():
         try:
             modeling = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
         except ImportError:
@@ -245,7 +267,7 @@ class _Gated:
 
 
 class _Clamped:
-    """Experts with a clamped SwiGLU gate (:func:`_clamped_gates`): ``linear`` onto the gate/up
+    """Experts with a clamped SwiGLU gate (:data:`_GATES`): ``linear`` onto the gate/up
     product (with its bias where the module has biases; a transposed weight, GPT-OSS's ``[E, H, 2I]``,
     read as ``[2I, H]`` through swapped strides, no copy), ``clamped_swiglu`` with the module's
     constants on the product's interleaved pairs or halves, and ``linear`` for the down projection.
@@ -256,9 +278,9 @@ class _Clamped:
 
     trains_in = frozenset({torch.float32, torch.bfloat16})
 
-    def __init__(self, interleaved, transposed, biased, alpha, limit, up_shift):
+    def __init__(self, interleaved, transposed, biased, alpha, limit, up_shift, after_act):
         self.transposed, self.biased = transposed, biased
-        self.gate = alpha, limit, up_shift, interleaved
+        self.gate = alpha, limit, up_shift, interleaved, after_act
 
     def weights(self, module):
         if self.biased:
