@@ -1,7 +1,7 @@
 """One experts layer with a clamped SwiGLU gate through uniop and through what transformers runs it
 on, in the same run.
 
-    .venv/bin/python benches/clamped_experts.py [--family GptOss|DeepseekV4] [--hidden H] [--width W]
+    .venv/bin/python benches/clamped_experts.py [--family GptOss|DeepseekV4|Step3p7] [--hidden H] [--width W]
                                                 [--experts 32] [--top-k K] [--tokens 1,512] [--dtypes bf16,f32]
                                                 [--rounds 2]
 
@@ -10,7 +10,9 @@ by default) takes `--tokens` tokens routed at random (a decode step and a prefil
 only, in `--dtypes`. `GptOss` (GPT-OSS 20B: hidden and expert width 2880, 4 per token): transposed
 weights with gate and up interleaved, biases, `(u' + 1) · g' · σ(1.702 g')`; `DeepseekV4` (DeepSeek V4's
 default config: hidden 4096, expert width 2048, 6 per token): the default layout, gate and up halves,
-no biases, `silu(g') · u'` (limit 10). Each runs on
+no biases, `silu(g') · u'` (limit 10); `Step3p7` (Step 3.7 Flash's text config: hidden 4096, expert width
+1280, 8 per token): the default layout, the limit after the activation, `min(silu(g), 7) · clamp(u, ±7)`
+(7 in every layer here). Each runs on
 1. `grouped_mm`: transformers' default experts implementation on CPU (tokens sorted by expert, one
    grouped product per projection, a bias gathered per row, the clamped gate as torch ops);
 2. `eager`: the class's own loop over experts (per expert a matmul, a bias add, the gate's five to
@@ -27,26 +29,38 @@ import argparse
 import importlib
 
 import torch
-import transformers
 
 import uniop.torch
 from masked_attention import best_ms, grad_ms
 from uniop.torch import experts_interface, nn as unn
 
 
-# Per family: its experts class and config (as transformers names them), and its default hidden size,
-# expert width and experts per token.
+# Per family: its experts class and config (as transformers names them), its default hidden size, expert
+# width and experts per token, the config's arguments for a width and a number of experts, and the experts
+# class's arguments after the config.
 FAMILIES = {
-    "GptOss": ("gpt_oss", "GptOssExperts", "GptOssConfig", 2880, 2880, 4),
-    "DeepseekV4": ("deepseek_v4", "DeepseekV4Experts", "DeepseekV4Config", 4096, 2048, 6),
+    "GptOss": (
+        "gpt_oss", "GptOssExperts", "GptOssConfig", 2880, 2880, 4,
+        lambda width, experts: {"intermediate_size": width, "num_local_experts": experts}, (),
+    ),
+    "DeepseekV4": (
+        "deepseek_v4", "DeepseekV4Experts", "DeepseekV4Config", 4096, 2048, 6,
+        lambda width, experts: {"intermediate_size": width, "num_local_experts": experts}, (),
+    ),
+    "Step3p7": (
+        "step3p7", "Step3p7Experts", "Step3p7TextConfig", 4096, 1280, 8,
+        lambda width, experts: {"moe_intermediate_size": width, "n_routed_experts": experts, "swiglu_limits": [7.0]},
+        (0,),
+    ),
 }
 
 
 def experts_module(family, hidden, width, experts, dtype):
-    model, experts_class, config_class, *_ = FAMILIES[family]
+    model, experts_class, config_class, *_, sizes, args = FAMILIES[family]
     modeling = importlib.import_module(f"transformers.models.{model}.modeling_{model}")
-    config = getattr(transformers, config_class)(hidden_size=hidden, intermediate_size=width, num_local_experts=experts)
-    module = getattr(modeling, experts_class)(config)
+    configuration = importlib.import_module(f"transformers.models.{model}.configuration_{model}")
+    config = getattr(configuration, config_class)(hidden_size=hidden, **sizes(width, experts))
+    module = getattr(modeling, experts_class)(config, *args)
     with torch.no_grad():
         for p in module.parameters():
             p.normal_(0.0, 0.02)  # the models' initializer_range
@@ -64,7 +78,7 @@ def main():
     p.add_argument("--dtypes", default="bf16,f32")
     p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args()
-    *_, hidden, width, top_k = FAMILIES[a.family]
+    *_, hidden, width, top_k, _, _ = FAMILIES[a.family]
     a.hidden, a.width, a.top_k = a.hidden or hidden, a.width or width, a.top_k or top_k
     torch.manual_seed(0)
     name = uniop.torch.register_experts()
