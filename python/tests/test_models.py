@@ -901,7 +901,8 @@ _CLAMPED_EXPERTS = {
     "HYV4VL": ("hy_v4_vl", "HYV4VLExperts", "HYV4VLTextConfig", {"moe_intermediate_size": 48}, ()),
     "MiniMaxM3": ("minimax_m3_vl", "MiniMaxM3VLExperts", "MiniMaxM3VLTextConfig", {"intermediate_size": 48}, ()),
     "PrivacyFilter": (
-        "openai_privacy_filter", "OpenAIPrivacyFilterExperts", "OpenAIPrivacyFilterConfig", {"intermediate_size": 48}, ()
+        "openai_privacy_filter", "OpenAIPrivacyFilterExperts", "OpenAIPrivacyFilterConfig",
+        {"intermediate_size": 48}, (),
     ),
     "Step3p7": (
         "step3p7", "Step3p7Experts", "Step3p7TextConfig",
@@ -944,9 +945,10 @@ def _clamped_experts(family, dtype):
 
 def _limit_in_a_gap(module, gate, up):
     """Sets the module's clamp limit (``limit`` or ``swiglu_limit``) in the widest gap between the
-    gate values (the activations, where the module clips after it) and up magnitudes of its top tenth (below the top 0.2%, so that some are clamped),
-    and checks that no value lies within two bfloat16 steps of it: uniop and eager round at other
-    points, and a value moved across the limit changes its gradient by a whole term."""
+    gate values (the activations, where the module clips after it) and up magnitudes of its top
+    tenth (below the top 0.2%, so that some are clamped), and checks that no value lies within two
+    bfloat16 steps of it: uniop and eager round at other points, and a value moved across the limit
+    changes its gradient by a whole term."""
     values = torch.cat([gate.flatten(), up.abs().flatten()]).sort().values
     top = values[int(0.9 * len(values)) : int(0.998 * len(values))]
     widest = (top[1:] - top[:-1]).argmax()
