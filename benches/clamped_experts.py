@@ -1,7 +1,7 @@
-"""One experts layer with a clamped SwiGLU gate through uniop and through what transformers runs it
-on, in the same run.
+"""One experts layer whose gate is one of uniop's ops on gate/up pairs (a clamped SwiGLU; Inkling 2's
+softcapped one) through uniop and through what transformers runs it on, in the same run.
 
-    .venv/bin/python benches/clamped_experts.py [--family GptOss|DeepseekV4|Step3p7] [--hidden H] [--width W]
+    .venv/bin/python benches/clamped_experts.py [--family GptOss|DeepseekV4|Step3p7|Inkling2] [--hidden H] [--width W]
                                                 [--experts 32] [--top-k K] [--tokens 1,512] [--dtypes bf16,f32]
                                                 [--rounds 2]
 
@@ -12,16 +12,18 @@ weights with gate and up interleaved, biases, `(u' + 1) · g' · σ(1.702 g')`; 
 default config: hidden 4096, expert width 2048, 6 per token): the default layout, gate and up halves,
 no biases, `silu(g') · u'` (limit 10); `Step3p7` (Step 3.7 Flash's text config: hidden 4096, expert width
 1280, 8 per token): the default layout, the limit after the activation, `min(silu(g), 7) · clamp(u, ±7)`
-(7 in every layer here). Each runs on
+(7 in every layer here); `Inkling2` (Inkling 2 Small's text config: hidden 4608, expert width 2304, 8 per
+token): the default layout, `4·tanh(g/4) · σ(g) · 25·tanh(u/25)`. Each runs on
 1. `grouped_mm`: transformers' default experts implementation on CPU (tokens sorted by expert, one
-   grouped product per projection, a bias gathered per row, the clamped gate as torch ops);
+   grouped product per projection, a bias gathered per row, the gate as torch ops);
 2. `eager`: the class's own loop over experts (per expert a matmul, a bias add, the gate's five to
    seven torch ops, a matmul, a bias add);
 3. uniop: `uniop.torch.register_experts()` — per expert `linear` (with bias; a transposed weight read
-   through swapped strides), `clamped_swiglu`, `linear`, summed in float32.
+   through swapped strides), the gate's op (`clamped_swiglu`, `softcapped_swiglu`), `linear`, summed in
+   float32.
 Under `no_grad`, best of `--rounds` x a few calls; largest error of each against the float64 eager
 forward (relative to the output's largest magnitude). A second table times the gate alone on the
-largest call's gate/up product: uniop's `clamped_swiglu` and its backward against the class's own
+largest call's gate/up product: uniop's gate op and its backward against the class's own
 `_apply_gate`, eager and under `torch.compile`, and their autograd backward.
 """
 
@@ -51,6 +53,10 @@ FAMILIES = {
         "step3p7", "Step3p7Experts", "Step3p7TextConfig", 4096, 1280, 8,
         lambda width, experts: {"moe_intermediate_size": width, "n_routed_experts": experts, "swiglu_limits": [7.0]},
         (0,),
+    ),
+    "Inkling2": (
+        "inkling2", "Inkling2Experts", "Inkling2TextConfig", 4608, 2304, 8,
+        lambda width, experts: {"moe_intermediate_size": width, "n_routed_experts": experts}, (),
     ),
 }
 
@@ -109,9 +115,10 @@ def main():
             print(f"| {str(dtype)[6:]} | {tokens} | {u:.2f} | {g:.2f} | {g / u:.2f}x | {e:.2f} | {e / u:.2f}x | "
                   f"{err[name]:.1e} | {err['grouped_mm']:.1e} | {err['eager']:.1e} |")
         gates.append(gate_alone(module, max(int(t) for t in a.tokens.split(",")) * a.top_k, 2 * a.width, a.rounds))
-    print("\nThe gate alone on the largest call's product (`[tokens x top-k, 2 x width]`, values 4 x N(0, 1)): uniop "
-          "`clamped_swiglu` (`clamped_swiglu_backward`) against the class's `_apply_gate` eager and under "
-          "`torch.compile` (their autograd backward).\n")
+    op = experts_interface._form(module).op
+    print(f"\nThe gate alone on the largest call's product (`[tokens x top-k, 2 x width]`, values 4 x N(0, 1)): uniop "
+          f"`{op}` (`{op}_backward`) against the class's `_apply_gate` eager and under `torch.compile` (their "
+          "autograd backward).\n")
     print("| dtype | rows | uniop fwd ms | vs eager | vs compile | uniop bwd ms | vs eager | vs compile |")
     print("|---|---|---|---|---|---|---|---|")
     for row in gates:
@@ -119,16 +126,17 @@ def main():
 
 
 def gate_alone(module, rows, width, rounds):
-    """One markdown row: uniop's clamped_swiglu and its backward against the module's own gate, on a
-    ``[rows, width]`` gate/up product."""
+    """One markdown row: uniop's op of the module's gate and its backward against the module's own
+    gate, on a ``[rows, width]`` gate/up product."""
     dtype = module.down_proj.dtype
     product = (4 * torch.randn(rows, width)).to(dtype)
-    constants = experts_interface._form(module).gate
+    form = experts_interface._form(module)
+    forward, backward = getattr(unn.uniop_ops, form.op), getattr(unn.uniop_ops, form.op + "_backward")
     eager, compiled = module._apply_gate, torch.compile(module._apply_gate, fullgraph=True)
-    fwd = {"uniop": best_ms(lambda: unn.uniop_ops.clamped_swiglu(product, *constants), 5, rounds)}
+    fwd = {"uniop": best_ms(lambda: forward(product, **form.kwargs), 5, rounds)}
     bwd = {}
     dout = torch.randn(rows, width // 2).to(dtype)
-    bwd["uniop"] = best_ms(lambda: unn.uniop_ops.clamped_swiglu_backward(dout, product, *constants), 5, rounds)
+    bwd["uniop"] = best_ms(lambda: backward(dout, product, **form.kwargs), 5, rounds)
     for name, gate in (("eager", eager), ("compile", compiled)):
         with torch.no_grad():
             fwd[name] = best_ms(lambda: gate(product), 5, rounds)

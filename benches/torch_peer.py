@@ -86,6 +86,13 @@ def clamped_swiglu(x, alpha=1.702, limit=7.0):
     return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 
+def softcapped_swiglu(x, gate_softcap=4.0, up_softcap=25.0):
+    """transformers' Inkling2SoftcappedSwiGLU on Inkling2Experts' halves, in float32, rounded once."""
+    gate, up = (t.float() for t in x.chunk(2, dim=-1))
+    capped_gate, capped_up = torch.tanh(gate / gate_softcap) * gate_softcap, torch.tanh(up / up_softcap) * up_softcap
+    return (capped_gate * torch.sigmoid(gate) * capped_up).to(x.dtype)
+
+
 def intermediate(hidden):
     """Llama's MLP width for a hidden size, as uniop's linear_silu_mul example takes it (8k/3
     rounded up to a multiple of 256: 384 -> 1024, 4096 -> 11008)."""
@@ -169,6 +176,8 @@ PEERS = {
     "geglu": (lambda shape, dt: (torch.randn(shape, dtype=dt),), geglu),
     # Deviation 4: a share of the values past the limit of 7, as uniop's example draws them.
     "clamped_swiglu": (lambda shape, dt: ((4 * torch.randn(shape)).to(dt),), clamped_swiglu),
+    # Deviation 10: a share of the values past the gate's cap of 4, some near the up's of 25.
+    "softcapped_swiglu": (lambda shape, dt: ((10 * torch.randn(shape)).to(dt),), softcapped_swiglu),
     "softmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), lambda x: torch.softmax(x, -1)),
     "log_softmax": (lambda shape, dt: (torch.randn(shape, dtype=dt),), lambda x: torch.log_softmax(x, -1)),
     "matmul": (lambda shape, dt: (torch.randn(shape, dtype=dt), torch.randn((shape[-1], shape[-1]), dtype=dt)),
@@ -243,6 +252,7 @@ BACKWARD = {
     "swiglu_backward": ("swiglu", (0,)),
     "geglu_backward": ("geglu", (0,)),
     "clamped_swiglu_backward": ("clamped_swiglu", (0,)),
+    "softcapped_swiglu_backward": ("softcapped_swiglu", (0,)),
     "softmax_backward": ("softmax", (0,)),
     "gelu_backward": ("gelu", (0,)),
     "log_softmax_backward": ("log_softmax", (0,)),

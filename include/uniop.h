@@ -1317,6 +1317,48 @@ uniopStatus uniopSiluMulBackward(void *workspace,
                                  uniopExecutor *executor,
                                  uniopStream stream);
 
+// Phase 1 of `softcapped_swiglu(Tensor x, float gate_softcap=4.0, float up_softcap=25.0, bool interleaved=False) -> (Tensor out)`.
+//
+// Inkling 2's experts' gated activation: the last dim of x (even size) holds gate and up values,
+// as its two halves (i, n/2 + i) or interleaved (pairs 2i, 2i+1: interleaved=True); out =
+// gate_softcap * tanh(gate / gate_softcap) * sigmoid(gate) * up_softcap * tanh(up / up_softcap),
+// with the last dim halved (the sigmoid sees the raw gate). Caps finite and > 0. f16/bf16 compute
+// in float32.
+uniopStatus uniopSoftcappedSwigluGetWorkspaceSize(const uniopTensor *x,
+                                                  double gate_softcap,
+                                                  double up_softcap,
+                                                  bool interleaved,
+                                                  uniopTensor *out,
+                                                  uint64_t *workspaceSize,
+                                                  uniopExecutor **executor);
+
+// Phase 2 of `softcapped_swiglu`: launches the executor from `uniopSoftcappedSwigluGetWorkspaceSize` on `stream`.
+uniopStatus uniopSoftcappedSwiglu(void *workspace,
+                                  uint64_t workspaceSize,
+                                  uniopExecutor *executor,
+                                  uniopStream stream);
+
+// Phase 1 of `softcapped_swiglu_backward(Tensor dout, Tensor x, float gate_softcap=4.0, float up_softcap=25.0, bool interleaved=False) -> (Tensor dx)`.
+//
+// Gradient of softcapped_swiglu: with tg = tanh(gate / gate_softcap), tu = tanh(up / up_softcap),
+// s = sigmoid(gate), d gate = dout * up_softcap * tu * s * (1 - tg^2 + gate_softcap * tg * (1 -
+// s)), d up = dout * gate_softcap * tg * s * (1 - tu^2); dx lays them out as x (halves or
+// interleaved). dout has softcapped_swiglu's output shape.
+uniopStatus uniopSoftcappedSwigluBackwardGetWorkspaceSize(const uniopTensor *dout,
+                                                          const uniopTensor *x,
+                                                          double gate_softcap,
+                                                          double up_softcap,
+                                                          bool interleaved,
+                                                          uniopTensor *dx,
+                                                          uint64_t *workspaceSize,
+                                                          uniopExecutor **executor);
+
+// Phase 2 of `softcapped_swiglu_backward`: launches the executor from `uniopSoftcappedSwigluBackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopSoftcappedSwigluBackward(void *workspace,
+                                          uint64_t workspaceSize,
+                                          uniopExecutor *executor,
+                                          uniopStream stream);
+
 // Phase 1 of `softmax(Tensor x, int dim=-1) -> (Tensor y)`.
 //
 // exp(x - max) / sum(exp(x - max)) along dim, as torch.softmax. Any dim; f16/bf16 compute in

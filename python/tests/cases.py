@@ -95,6 +95,15 @@ def clamped_swiglu_ref(x, alpha=1.702, limit=7.0, up_shift=1.0, interleaved=True
     return (up + up_shift) * gate * torch.sigmoid(gate * alpha)
 
 
+def softcapped_swiglu_ref(x, gate_softcap=4.0, up_softcap=25.0, interleaved=False):
+    """Inkling 2's experts' gate (transformers' ``Inkling2SoftcappedSwiGLU`` on ``chunk(2, -1)``'s
+    halves, or on interleaved pairs), in float64."""
+    x = x.to(D)
+    gate, up = (x[..., ::2], x[..., 1::2]) if interleaved else x.chunk(2, -1)
+    capped_gate, capped_up = gate_softcap * torch.tanh(gate / gate_softcap), up_softcap * torch.tanh(up / up_softcap)
+    return capped_gate * torch.sigmoid(gate) * capped_up
+
+
 def gated_ref(x, gate_weight, up_weight, approximate=None):
     """linear_silu_mul: silu(x · gate_weightᵀ) · (x · up_weightᵀ); with ``approximate``,
     linear_gelu_mul (gelu of that form for silu)."""
@@ -279,6 +288,19 @@ def _cases():
         x, dout = _rand(4, 12, dtype=dt, strided=strided).mul_(5), torch.randn(4, 6).to(dt)
         return (dout, x, 1.5, 6.0, 0.5, False, True), lambda d, x, *form: _vjp(
             lambda x: clamped_swiglu_ref(x, *form), (x,), (d,), (0,)
+        )
+
+    @case
+    def softcapped_swiglu(dt, strided):
+        # Deviation 15: gates past their cap of 4, up values near and past theirs of 25 (halves).
+        return (_rand(4, 12, dtype=dt, strided=strided).mul_(15),), softcapped_swiglu_ref
+
+    @case
+    def softcapped_swiglu_backward(dt, strided):
+        # Interleaved pairs and other caps here (the forward's case takes the defaults on halves).
+        x, dout = _rand(4, 12, dtype=dt, strided=strided).mul_(5), torch.randn(4, 6).to(dt)
+        return (dout, x, 2.0, 6.0, True), lambda d, x, *form: _vjp(
+            lambda x: softcapped_swiglu_ref(x, *form), (x,), (d,), (0,)
         )
 
     @case

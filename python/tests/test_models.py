@@ -959,74 +959,115 @@ def _limit_in_a_gap(module, gate, up):
             setattr(module, name, limit)
 
 
+def _routed_inputs(module, dtype):
+    """11 tokens (deviation 3) for an experts module of 4 experts, each routed to 2 of the first 3
+    (the last idle) with uniform weights."""
+    tokens, hidden = 11, module.gate_up_proj.shape[1 if module.is_transposed else 2]
+    x, weights = (3 * torch.randn(tokens, hidden)).to(dtype), torch.rand(tokens, 2, dtype=dtype)
+    index = torch.stack([torch.randperm(3)[:2] for _ in range(tokens)])
+    return x, index, weights
+
+
+def _gate_up_products(module, x, interleaved):
+    """The float32 gate and up values of every expert on ``x``: ``[tokens, E, I]`` each."""
+    product = "th,ehn->ten" if module.is_transposed else "th,enh->ten"
+    gate_up = torch.einsum(product, x.float(), module.gate_up_proj.detach().float())
+    if module.has_bias:
+        gate_up += module.gate_up_proj_bias.detach().float()[None]
+    return (gate_up[..., ::2], gate_up[..., 1::2]) if interleaved else gate_up.chunk(2, -1)
+
+
+def _experts_match_eager(module, x, index, weights, op):
+    """uniop's experts (``linear`` and the gate's ``op``) give transformers' eager experts' output
+    for the inputs of :func:`_routed_inputs`; where autograd records the call, the experts' node
+    trains them (``matmul_backward`` of a transposed weight, ``linear_backward`` of an ``[out, in]``
+    one, the op's backward) and the gradients of the input, the routing weights, the weights and
+    biases are eager's, the idle expert's zero. Under autocast transformers' grouped forward runs
+    (no uniop op)."""
+    from uniop.torch import experts_interface
+
+    dtype, form = x.dtype, experts_interface._form(module)
+    eager = type(module).forward.__wrapped__
+    with torch.no_grad():
+        want = eager(module, x, index, weights)
+        got = []
+        ran = _uniop_ops_run(lambda: got.append(experts_interface.experts(module, x, index, weights)))
+    assert {"uniop::linear", f"uniop::{op}"} <= ran
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: eager rounds each of its ops
+    assert got[0].dtype == dtype and got[0].shape == want.shape
+    assert (got[0].float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+    dout = torch.randn(x.shape)
+
+    def grads(forward):
+        module.zero_grad()
+        xs, ws = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        (forward(module, xs, index, ws).float() * dout).sum().backward()
+        return xs.grad, ws.grad, *(p.grad.clone() for p in form.weights(module))
+
+    want = grads(eager)
+    got = []
+    ran = _uniop_ops_run(lambda: got.append(grads(experts_interface.experts)))
+    projection = "uniop::matmul_backward" if module.is_transposed else "uniop::linear_backward"
+    assert {projection, f"uniop::{op}_backward"} <= ran
+    assert not any(g[3].any() for g in got[0][2:])  # expert 3 idle
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not _uniop_ops_run(lambda: grads(experts_interface.experts))
+    names = "dx", "dweights", *(f"d{n}" for n, _ in module.named_parameters())
+    assert len(names) == len(got[0])
+    for what, g, w in zip(names, got[0], want):
+        assert g.dtype == w.dtype and g.shape == w.shape, what
+        assert (g.float() - w.float()).abs().max() <= 2 * tol * w.float().abs().max(), what
+
+
 @pytest.mark.parametrize("family", ["GptOss", *_CLAMPED_EXPERTS])
 def test_clamped_experts_run_linear_and_clamped_swiglu(family):
     """Experts with a clamped SwiGLU gate on uniop — GPT-OSS's (transposed weights with gate and up
     interleaved, biases), DeepSeek V4's, GLM-5 Next's, HunYuan V4's (default layout, ``silu(g') ·
     u'``), MiniMax M3's (GPT-OSS's gate on halves) and the privacy filter's (that on transposed
     weights with biases): each expert a token picked runs ``linear`` (with its bias where it has
-    one), ``clamped_swiglu`` and ``linear``, and the output is transformers' eager experts' in
-    float32 and bfloat16, with gate and up values past the clamp's limit on both sides. Where
-    autograd records the call (either dtype), the experts' node trains them (``matmul_backward`` of
-    a transposed weight, ``linear_backward`` of an ``[out, in]`` one, ``clamped_swiglu_backward``):
-    the gradients of the input, the routing weights, the weights and biases are eager's, an idle
-    expert's zero. Under autocast transformers' grouped forward runs (no uniop op). The other
-    families' limit is set between the products (:func:`_limit_in_a_gap`); GPT-OSS keeps its 7.
-    HunYuan V4's VL model's gate is HunYuan V4's; Step 3.7's and Ling's bound the activation
-    (``limit_after_act``), ``min(silu(g), limit) · clamp(u, ±limit)``."""
+    one), ``clamped_swiglu`` and ``linear``, its output and gradients eager's in float32 and
+    bfloat16 (:func:`_experts_match_eager`), with gate and up values past the clamp's limit on both
+    sides. The other families' limit is set between the products (:func:`_limit_in_a_gap`); GPT-OSS
+    keeps its 7. HunYuan V4's VL model's gate is HunYuan V4's; Step 3.7's and Ling's bound the
+    activation (``limit_after_act``), ``min(silu(g), limit) · clamp(u, ±limit)``."""
     from uniop.torch import experts_interface
 
     for dtype in (torch.float32, torch.bfloat16):
         module = _clamped_experts(family, dtype)
-        interleaved = experts_interface._form(module).gate[3]
-        tokens, hidden = 11, module.gate_up_proj.shape[1 if module.is_transposed else 2]
-        x, weights = (3 * torch.randn(tokens, hidden)).to(dtype), torch.rand(tokens, 2, dtype=dtype)
-        index = torch.stack([torch.randperm(3)[:2] for _ in range(tokens)])  # the last of 4 experts idle
-        product = "th,ehn->ten" if module.is_transposed else "th,enh->ten"
-        gate_up = torch.einsum(product, x.float(), module.gate_up_proj.detach().float())
-        if module.has_bias:
-            gate_up += module.gate_up_proj_bias.detach().float()[None]
-        gate, up = (gate_up[..., ::2], gate_up[..., 1::2]) if interleaved else gate_up.chunk(2, -1)
-        after_act = experts_interface._form(module).gate[4]
+        x, index, weights = _routed_inputs(module, dtype)
+        form = experts_interface._form(module)
+        assert isinstance(form, experts_interface._PairGated) and form.op == "clamped_swiglu"
+        gate, up = _gate_up_products(module, x, form.kwargs["interleaved"])
+        after_act = form.kwargs["limit_after_act"]
         assert after_act == (family in ("Step3p7", "BailingHybrid"))
         bounded = torch.nn.functional.silu(gate) if after_act else gate
         if family != "GptOss":
             _limit_in_a_gap(module, bounded, up)
-        form = experts_interface._form(module)
-        assert isinstance(form, experts_interface._Clamped)
-        limit = form.gate[1]
+        limit = experts_interface._form(module).kwargs["limit"]
         assert (bounded > limit).any() and (up.abs() > limit).any()
-        eager = type(module).forward.__wrapped__
-        with torch.no_grad():
-            want = eager(module, x, index, weights)
-            got = []
-            ran = _uniop_ops_run(lambda: got.append(experts_interface.experts(module, x, index, weights)))
-        assert {"uniop::linear", "uniop::clamped_swiglu"} <= ran
-        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: eager rounds each of its five to seven ops
-        assert got[0].dtype == dtype and got[0].shape == want.shape
-        assert (got[0].float() - want.float()).abs().max() <= tol * want.float().abs().max()
+        _experts_match_eager(module, x, index, weights, "clamped_swiglu")
 
-        dout = torch.randn(tokens, hidden)
 
-        def grads(forward):
-            module.zero_grad()
-            xs, ws = x.clone().requires_grad_(), weights.clone().requires_grad_()
-            (forward(module, xs, index, ws).float() * dout).sum().backward()
-            return xs.grad, ws.grad, *(p.grad.clone() for p in form.weights(module))
+def test_softcapped_experts_run_linear_and_softcapped_swiglu():
+    """Inkling 2's experts on uniop (default layout, the gate ``cg·tanh(g/cg) · σ(g) ·
+    cu·tanh(u/cu)``): each expert a token picked runs ``linear``, ``softcapped_swiglu`` with the
+    caps of the module's ``act_fn`` and ``linear``, its output and gradients eager's in float32 and
+    bfloat16 (:func:`_experts_match_eager`). The caps are set where the products bend them (the
+    defaults 4 and 25 are past a tiny model's products)."""
+    from uniop.torch import experts_interface
 
-        want = grads(eager)
-        got = []
-        ran = _uniop_ops_run(lambda: got.append(grads(experts_interface.experts)))
-        projection = "uniop::matmul_backward" if module.is_transposed else "uniop::linear_backward"
-        assert {projection, "uniop::clamped_swiglu_backward"} <= ran
-        assert not any(g[3].any() for g in got[0][2:])  # expert 3 idle
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert not _uniop_ops_run(lambda: grads(experts_interface.experts))
-        names = "dx", "dweights", *(f"d{n}" for n, _ in module.named_parameters())
-        assert len(names) == len(got[0])
-        for what, g, w in zip(names, got[0], want):
-            assert g.dtype == w.dtype and g.shape == w.shape, what
-            assert (g.float() - w.float()).abs().max() <= 2 * tol * w.float().abs().max(), what
+    for dtype in (torch.float32, torch.bfloat16):
+        sizes = {"moe_intermediate_size": 48}
+        module = _experts_of("inkling2", "Inkling2Experts", "Inkling2TextConfig", sizes, (), dtype)
+        module.act_fn.gate_softcap.softcap, module.act_fn.up_softcap.softcap = 1.5, 3.0
+        x, index, weights = _routed_inputs(module, dtype)
+        form = experts_interface._form(module)
+        assert isinstance(form, experts_interface._PairGated) and form.op == "softcapped_swiglu"
+        assert form.kwargs == {"gate_softcap": 1.5, "up_softcap": 3.0, "interleaved": False}
+        gate, up = _gate_up_products(module, x, False)
+        assert (gate.abs() > 3).any() and (up.abs() > 6).any()
+        _experts_match_eager(module, x, index, weights, "softcapped_swiglu")
 
 
 # Tiny random MoE models with clamped experts, their attention transformers' own: DeepSeek V4's

@@ -2270,6 +2270,88 @@ pub extern "C" fn uniopSiluMulBackward(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
+/// Phase 1 of `softcapped_swiglu(Tensor x, float gate_softcap=4.0, float up_softcap=25.0, bool interleaved=False) -> (Tensor out)`.
+///
+/// Inkling 2's experts' gated activation: the last dim of x (even size) holds gate and up values,
+/// as its two halves (i, n/2 + i) or interleaved (pairs 2i, 2i+1: interleaved=True); out =
+/// gate_softcap * tanh(gate / gate_softcap) * sigmoid(gate) * up_softcap * tanh(up / up_softcap),
+/// with the last dim halved (the sigmoid sees the raw gate). Caps finite and > 0. f16/bf16 compute
+/// in float32.
+#[no_mangle]
+pub extern "C" fn uniopSoftcappedSwigluGetWorkspaceSize(
+    x: *const uniopTensor,
+    gate_softcap: f64,
+    up_softcap: f64,
+    interleaved: bool,
+    out: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopSoftcappedSwigluGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 1] = [("x", x)];
+        let attrs: [(&str, AttrValue); 3] = [
+            ("gate_softcap", AttrValue::Float(gate_softcap)),
+            ("up_softcap", AttrValue::Float(up_softcap)),
+            ("interleaved", AttrValue::Bool(interleaved)),
+        ];
+        let outputs = [("out", out as *const uniopTensor)];
+        plan("softcapped_swiglu", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `softcapped_swiglu`: launches the executor from `uniopSoftcappedSwigluGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopSoftcappedSwiglu(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
+/// Phase 1 of `softcapped_swiglu_backward(Tensor dout, Tensor x, float gate_softcap=4.0, float up_softcap=25.0, bool interleaved=False) -> (Tensor dx)`.
+///
+/// Gradient of softcapped_swiglu: with tg = tanh(gate / gate_softcap), tu = tanh(up / up_softcap),
+/// s = sigmoid(gate), d gate = dout * up_softcap * tu * s * (1 - tg^2 + gate_softcap * tg * (1 -
+/// s)), d up = dout * gate_softcap * tg * s * (1 - tu^2); dx lays them out as x (halves or
+/// interleaved). dout has softcapped_swiglu's output shape.
+#[no_mangle]
+pub extern "C" fn uniopSoftcappedSwigluBackwardGetWorkspaceSize(
+    dout: *const uniopTensor,
+    x: *const uniopTensor,
+    gate_softcap: f64,
+    up_softcap: f64,
+    interleaved: bool,
+    dx: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopSoftcappedSwigluBackwardGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 2] = [("dout", dout), ("x", x)];
+        let attrs: [(&str, AttrValue); 3] = [
+            ("gate_softcap", AttrValue::Float(gate_softcap)),
+            ("up_softcap", AttrValue::Float(up_softcap)),
+            ("interleaved", AttrValue::Bool(interleaved)),
+        ];
+        let outputs = [("dx", dx as *const uniopTensor)];
+        plan("softcapped_swiglu_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `softcapped_swiglu_backward`: launches the executor from `uniopSoftcappedSwigluBackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopSoftcappedSwigluBackward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
 /// Phase 1 of `softmax(Tensor x, int dim=-1) -> (Tensor y)`.
 ///
 /// exp(x - max) / sum(exp(x - max)) along dim, as torch.softmax. Any dim; f16/bf16 compute in

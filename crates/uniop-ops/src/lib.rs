@@ -33,8 +33,7 @@ pub mod cast_backward;
 pub mod cat;
 pub mod cat_backward;
 pub mod causal_softmax;
-pub mod clamped_swiglu;
-pub mod clamped_swiglu_backward;
+mod clamped_swiglu;
 mod elementwise;
 pub mod embedding;
 pub mod embedding_backward;
@@ -66,6 +65,7 @@ pub mod mul;
 pub mod mul_backward;
 pub mod pack_weight;
 mod packed_gemm;
+mod paired;
 pub mod permute;
 pub mod permute_backward;
 
@@ -88,6 +88,7 @@ pub mod sample;
 pub mod silu;
 pub mod silu_backward;
 mod skinny;
+mod softcapped_swiglu;
 pub mod softmax;
 pub mod softmax_backward;
 mod transpose;
@@ -152,8 +153,10 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(glu_backward::GluBackward::SWIGLU),
         Box::new(glu::Glu::GEGLU),
         Box::new(glu_backward::GluBackward::GEGLU),
-        Box::new(clamped_swiglu::ClampedSwiglu),
-        Box::new(clamped_swiglu_backward::ClampedSwigluBackward),
+        Box::new(paired::PairOp::<clamped_swiglu::Clamp>::OP),
+        Box::new(paired::PairBackwardOp::<clamped_swiglu::Clamp>::OP),
+        Box::new(paired::PairOp::<softcapped_swiglu::Softcaps>::OP),
+        Box::new(paired::PairBackwardOp::<softcapped_swiglu::Softcaps>::OP),
         Box::new(kv_cache_append::KvCacheAppend),
         Box::new(attention::Attention),
         Box::new(attention_backward::AttentionBackward),

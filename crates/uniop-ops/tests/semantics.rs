@@ -746,6 +746,11 @@ fn clamped_swiglu_clamps_both_sides_of_interleaved_pairs() {
     assert_eq!(err.message(), "clamped_swiglu_backward: argument 'dout': expected shape [2, 3, 5], got shape [2, 3]");
 }
 
+/// Rows of gate and up halves (`half` each) as rows of interleaved pairs.
+fn interleaved<T: Copy>(halves: &[T], half: usize) -> Vec<T> {
+    halves.chunks_exact(2 * half).flat_map(|row| (0..half).flat_map(move |i| [row[i], row[half + i]])).collect()
+}
+
 /// Gate and up as the two halves of the last dim (`interleaved=False`, transformers' default
 /// experts layout) with DeepSeek V4's constants (`alpha` 1, no shift: `silu(g') · u'`): by hand in
 /// f64, equal to the interleaved layout of the same pairs, forward and backward, over rows longer
@@ -765,12 +770,7 @@ fn clamped_swiglu_reads_gate_and_up_halves() {
     let silu = |v: f64| v / (1.0 + (-v).exp());
     for (rows, half) in [(3, 70), (33, 1030)] {
         let halves: Vec<f32> = rand_vec(rows * 2 * half, 43).iter().map(|v| 12.0 * v).collect();
-        let pairs: Vec<f32> = (0..rows * half)
-            .flat_map(|j| {
-                let (r, i) = (j / half, j % half);
-                [halves[r * 2 * half + i], halves[r * 2 * half + half + i]]
-            })
-            .collect();
+        let pairs = interleaved(&halves, half);
         let shape = [rows, 2 * half];
         let (th, tp) = (TensorRef::new(&halves, &shape).unwrap(), TensorRef::new(&pairs, &shape).unwrap());
         let out = run_checked("clamped_swiglu", &[Some(th.clone())], &deepseek(false));
@@ -783,13 +783,7 @@ fn clamped_swiglu_reads_gate_and_up_halves() {
         let td = TensorRef::new(&d, &[rows, half]).unwrap();
         let dx = run_checked("clamped_swiglu_backward", &[Some(td.clone()), Some(th)], &deepseek(false));
         let dx_pairs = run_checked("clamped_swiglu_backward", &[Some(td), Some(tp)], &deepseek(true));
-        let relaid: Vec<f64> = (0..rows * half)
-            .flat_map(|j| {
-                let (r, i) = (j / half, j % half);
-                [dx[0][r * 2 * half + i], dx[0][r * 2 * half + half + i]]
-            })
-            .collect();
-        assert_eq!(relaid, dx_pairs[0], "{rows}x{half}");
+        assert_eq!(interleaved(&dx[0], half), dx_pairs[0], "{rows}x{half}");
         if rows == 3 {
             let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
             let fd =
@@ -866,9 +860,7 @@ fn clamped_swiglu_limits_the_activation_after_it() {
 
     let (rows, half) = (5, 37);
     let halves: Vec<f32> = rand_vec(rows * 2 * half, 45).iter().map(|v| 12.0 * v).collect();
-    let pairs: Vec<f32> = (0..rows * half)
-        .flat_map(|j| [halves[j / half * 2 * half + j % half], halves[j / half * 2 * half + half + j % half]])
-        .collect();
+    let pairs = interleaved(&halves, half);
     let shape = [rows, 2 * half];
     let (th, tp) = (TensorRef::new(&halves, &shape).unwrap(), TensorRef::new(&pairs, &shape).unwrap());
     let out = run_checked("clamped_swiglu", &[Some(th.clone())], &step3(false));
@@ -883,6 +875,85 @@ fn clamped_swiglu_limits_the_activation_after_it() {
     let fd = finite_difference("clamped_swiglu", &[(f64s(&halves), shape.to_vec())], &step3(false), &f64s(&d), 0);
     assert_close(&dx[0], &fd, "dx");
     assert!(dx[0][..half].contains(&0.0), "some activations past the bound");
+}
+
+/// Inkling 2's softcapped SwiGLU by hand in f64 — `4 tanh(g/4) · σ(g) · 25 tanh(u/25)`: a gate and an
+/// up value inside the caps, a gate far past its cap (its factor bounded by 4, its sigmoid by 1),
+/// an up value far past its own (bounded by 25), a negative gate — with the gradients of the
+/// smooth caps by hand too. Then over random halves past both caps with a gradient matching finite
+/// differences and the same pairs interleaved equal bit for bit; NaN passes through, and caps that
+/// are not finite and positive, or an odd last dim, are refused.
+#[test]
+fn softcapped_swiglu_caps_the_gate_factor_and_the_up_value() {
+    setup();
+    let sigmoid = |v: f64| 1.0 / (1.0 + (-v).exp());
+    let cap = |v: f64, c: f64| c * (v / c).tanh();
+    // One row: gates 0.5, 60, -3; ups 2, 1000, -40.
+    let x = [0.5f32, 60.0, -3.0, 2.0, 1000.0, -40.0];
+    let tx = TensorRef::new(&x, &[1, 6]).unwrap();
+    let out = run_checked("softcapped_swiglu", &[Some(tx.clone())], &[]);
+    let by_hand = |g: f64, u: f64| cap(g, 4.0) * sigmoid(g) * cap(u, 25.0);
+    let want = [by_hand(0.5, 2.0), by_hand(60.0, 1000.0), by_hand(-3.0, -40.0)];
+    assert_close(&out[0], &want, "by hand");
+    assert!((out[0][1] - 100.0).abs() < 1e-4, "both caps reached: {}", out[0][1]);
+    let d = [1.0f32; 3];
+    let dx = run_checked("softcapped_swiglu_backward", &[Some(TensorRef::new(&d, &[1, 3]).unwrap()), Some(tx)], &[]);
+    let grads = |g: f64, u: f64| {
+        let (tg, tu, s) = ((g / 4.0).tanh(), (u / 25.0).tanh(), sigmoid(g));
+        (25.0 * tu * (s * (1.0 - tg * tg) + 4.0 * tg * s * (1.0 - s)), 4.0 * tg * s * (1.0 - tu * tu))
+    };
+    let ((g0, u0), (g1, u1), (g2, u2)) = (grads(0.5, 2.0), grads(60.0, 1000.0), grads(-3.0, -40.0));
+    assert_close(&dx[0], &[g0, g1, g2, u0, u1, u2], "gradients by hand");
+    assert_eq!((dx[0][1], dx[0][4]), (0.0, 0.0), "flat past both caps");
+
+    let (rows, half) = (4, 37);
+    let halves: Vec<f32> = rand_vec(rows * 2 * half, 47).iter().map(|v| 40.0 * v).collect();
+    let shape = [rows, 2 * half];
+    let th = TensorRef::new(&halves, &shape).unwrap();
+    let pairs = interleaved(&halves, half);
+    let tp = TensorRef::new(&pairs, &shape).unwrap();
+    let (in_halves, in_pairs) = ([("interleaved", AttrValue::Bool(false))], [("interleaved", AttrValue::Bool(true))]);
+    let out = run_checked("softcapped_swiglu", &[Some(th.clone())], &in_halves);
+    assert_eq!(out, run_checked("softcapped_swiglu", &[Some(tp.clone())], &in_pairs));
+    let d = rand_vec(rows * half, 48);
+    let td = TensorRef::new(&d, &[rows, half]).unwrap();
+    let dx = run_checked("softcapped_swiglu_backward", &[Some(td.clone()), Some(th)], &in_halves);
+    let dx_pairs = run_checked("softcapped_swiglu_backward", &[Some(td), Some(tp)], &in_pairs);
+    assert_eq!(interleaved(&dx[0], half), dx_pairs[0]);
+    let f64s = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let fd = finite_difference("softcapped_swiglu", &[(f64s(&halves), shape.to_vec())], &in_halves, &f64s(&d), 0);
+    assert_close(&dx[0], &fd, "dx");
+
+    let nan = [f32::NAN, 1.0, 1.0, f32::NAN, 0.5, 2.0];
+    let out = run_unchecked("softcapped_swiglu", &[Some(TensorRef::new(&nan, &[1, 6]).unwrap())], &in_pairs);
+    assert!(out[0][0].is_nan() && out[0][1].is_nan(), "NaN through the caps: {:?}", out[0]);
+    assert_close(&out[0][2..], &[by_hand(0.5, 2.0)], "beside a NaN");
+    for (arg, value) in
+        [("gate_softcap", 0.0), ("up_softcap", -1.0), ("gate_softcap", f64::INFINITY), ("up_softcap", f64::NAN)]
+    {
+        let err = plan_err(
+            "softcapped_swiglu",
+            &[Some(TensorRef::new(&x, &[1, 6]).unwrap())],
+            &[(arg, AttrValue::Float(value))],
+            vec![],
+        );
+        assert_eq!(err.code(), ErrorCode::ParamInvalid);
+        assert_eq!(
+            err.message(),
+            format!("softcapped_swiglu: argument '{arg}': expected a finite number > 0, got {value}")
+        );
+    }
+    let err = plan_err(
+        "softcapped_swiglu_backward",
+        &[Some(TensorRef::new(&d[..3], &[3]).unwrap()), Some(TensorRef::new(&x[..5], &[5]).unwrap())],
+        &[],
+        vec![],
+    );
+    assert_eq!(err.code(), ErrorCode::Shape);
+    assert_eq!(
+        err.message(),
+        "softcapped_swiglu_backward: argument 'x': expected an even last dim (a gate half and an up half), got 5"
+    );
 }
 
 #[test]

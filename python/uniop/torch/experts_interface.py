@@ -16,8 +16,9 @@ of the default layout. Experts with a clamped SwiGLU gate — GPT-OSS's (transpo
 (its VL model's too; the default layout, the gate ``silu(min(g, limit)) · clamp(u, ±limit)``),
 Step 3.7's and Ling's (``min(silu(g), limit) · clamp(u, ±limit)``: the limit after the
 activation), MiniMax M3's — run as a ``linear`` (with bias where they have one), uniop's
-``clamped_swiglu`` and a ``linear``, trained on the same node in float32 and bfloat16 (its backward
-on ``matmul_backward`` or ``linear_backward`` and ``clamped_swiglu_backward``). Other layouts
+``clamped_swiglu`` and a ``linear``, and Inkling 2's softcapped SwiGLU (``cg·tanh(g/cg) · σ(g) ·
+cu·tanh(u/cu)``) likewise on ``softcapped_swiglu``; trained on the same node in float32 and
+bfloat16 (the backward on ``matmul_backward`` or ``linear_backward`` and the gate op's). Other layouts
 (biases or transposed weights otherwise, no gate, an activation other than SiLU and GELU, a
 post-expert norm) and tensors off the CPU run transformers' own (eager) forward.
 
@@ -61,36 +62,49 @@ def covers(module):
 def _form(module):
     """How uniop runs this experts module: :class:`_Gated` (transformers' default layout — gate rows
     then up rows, ``[E, 2I, H]``, no biases — with the default SiLU or GELU gate, or one of
-    :data:`_GATES` that computes it), :class:`_Clamped` (a
-    clamped SwiGLU gate of :data:`_GATES`, on the layout its flags declare), or None for any
-    other."""
+    :data:`_GATES` that computes it), :class:`_PairGated` (a gate of :data:`_GATES` that one of
+    uniop's ops on gate/up pairs computes, on the layout its flags declare), or None for any other."""
     from transformers.integrations.moe import _default_apply_gate
 
     if module.has_post_expert_norm or getattr(module, "_is_expert_parallel", False) or not module.has_gate:
         return None
     gate = type(module)._apply_gate
-    clamped = _gates().get(gate)
-    if gate is _default_apply_gate or clamped is _DEFAULT_GATE:
+    own = _gates().get(gate)
+    if gate is _default_apply_gate or own is _DEFAULT_GATE:
         act = unn.gating(module)
         simple = module.is_concatenated and not module.is_transposed and not module.has_bias
         return _Gated(act) if simple and act is not None else None
-    if clamped is None or clamped.interleaved == module.is_concatenated:
+    if own is None or own.interleaved == module.is_concatenated:
         return None
-    constants = clamped.constants(module)
-    if constants is None:
+    kwargs = own.kwargs(module)
+    if kwargs is None:
         return None
-    return _Clamped(clamped.interleaved, module.is_transposed, module.has_bias, *constants, clamped.after_act)
+    return _PairGated(own.op, module.is_transposed, module.has_bias, interleaved=own.interleaved, **kwargs)
 
 
-class _ClampedGate(NamedTuple):
-    """A transformers experts class's ``_apply_gate`` that uniop's ``clamped_swiglu`` computes:
-    where it reads the gate and up values (``interleaved`` pairs or halves), its constants
-    ``(alpha, limit, up_shift)`` from the module (None where its activation is not SiLU), and
-    whether the limit bounds the activation rather than the gate (``after_act``)."""
+class _PairGate(NamedTuple):
+    """A transformers experts class's ``_apply_gate`` that one of uniop's ops on a gate/up product
+    computes (``op``: ``clamped_swiglu``, ``softcapped_swiglu``): where it reads the gate and up
+    values (``interleaved`` pairs or halves) and the op's other arguments from the module
+    (``kwargs``; None where uniop's op does not compute this module's gate)."""
 
+    op: str
     interleaved: bool
-    constants: Callable[[torch.nn.Module], tuple[float, float, float] | None]
-    after_act: bool = False
+    kwargs: Callable[[torch.nn.Module], dict | None]
+
+
+def _clamped(interleaved, constants, after_act=False):
+    """A clamped SwiGLU gate (``clamped_swiglu``): ``constants(module)`` its ``(alpha, limit,
+    up_shift)`` (None where its activation is not SiLU), ``after_act`` whether the limit bounds
+    the activation rather than the gate."""
+
+    def kwargs(module):
+        values = constants(module)
+        if values is None:
+            return None
+        return dict(zip(("alpha", "limit", "up_shift"), values), limit_after_act=after_act)
+
+    return _PairGate("clamped_swiglu", interleaved, kwargs)
 
 
 # An experts class's gate that computes transformers' default one (see _GATES).
@@ -105,25 +119,32 @@ def _silu_limited(module):
     return 1.0, float("inf") if module.limit is None else float(module.limit), 0.0
 
 
-# transformers' experts classes with a clamped SwiGLU gate: GPT-OSS's, (u' + 1) · g' · σ(alpha · g')
+def _softcaps(module):
+    """Inkling 2's caps, from its experts' ``act_fn``."""
+    act = module.act_fn
+    return {"gate_softcap": float(act.gate_softcap.softcap), "up_softcap": float(act.up_softcap.softcap)}
+
+
+# transformers' experts classes whose gate one of uniop's ops on pairs computes. A clamped SwiGLU: GPT-OSS's, (u' + 1) · g' · σ(alpha · g')
 # (its privacy filter's and MiniMax M3's on halves), the alpha-free silu(g') · u' of DeepSeek V4, GLM-5 Next
 # and HunYuan V4 (DeepSeek V4 applies its act_fn, uniop's only where that is SiLU; the others call F.silu
 # themselves), and Step 3.7's and Ling's min(act(g), limit) · u' (their act_fn; a per-layer limit, None where
-# the layer does not clip).
+# the layer does not clip). Inkling 2's softcapped SwiGLU, cg·tanh(g/cg) · σ(g) · cu·tanh(u/cu) (its act_fn's caps).
 _GATES = {
-    ("gpt_oss", "GptOssExperts"): _ClampedGate(True, lambda m: (float(m.alpha), float(m.limit), 1.0)),
-    ("openai_privacy_filter", "OpenAIPrivacyFilterExperts"): _ClampedGate(
+    ("gpt_oss", "GptOssExperts"): _clamped(True, lambda m: (float(m.alpha), float(m.limit), 1.0)),
+    ("openai_privacy_filter", "OpenAIPrivacyFilterExperts"): _clamped(
         False, lambda m: (float(m.alpha), float(m.limit), 1.0)
     ),
-    ("minimax_m3_vl", "MiniMaxM3VLExperts"): _ClampedGate(
+    ("minimax_m3_vl", "MiniMaxM3VLExperts"): _clamped(
         False, lambda m: (float(m.swiglu_alpha), float(m.swiglu_limit), 1.0)
     ),
-    ("deepseek_v4", "DeepseekV4Experts"): _ClampedGate(False, _silu_limited),
-    ("glm5_next", "Glm5NextTextExperts"): _ClampedGate(False, lambda m: (1.0, float(m.swiglu_limit), 0.0)),
-    ("hy_v4", "HYV4Experts"): _ClampedGate(False, lambda m: (1.0, float(m.swiglu_limit), 0.0)),
-    ("hy_v4_vl", "HYV4VLExperts"): _ClampedGate(False, lambda m: (1.0, float(m.swiglu_limit), 0.0)),
-    ("step3p7", "Step3p7Experts"): _ClampedGate(False, _silu_limited, after_act=True),
-    ("bailing_hybrid", "BailingHybridExperts"): _ClampedGate(False, _silu_limited, after_act=True),
+    ("deepseek_v4", "DeepseekV4Experts"): _clamped(False, _silu_limited),
+    ("glm5_next", "Glm5NextTextExperts"): _clamped(False, lambda m: (1.0, float(m.swiglu_limit), 0.0)),
+    ("hy_v4", "HYV4Experts"): _clamped(False, lambda m: (1.0, float(m.swiglu_limit), 0.0)),
+    ("hy_v4_vl", "HYV4VLExperts"): _clamped(False, lambda m: (1.0, float(m.swiglu_limit), 0.0)),
+    ("step3p7", "Step3p7Experts"): _clamped(False, _silu_limited, after_act=True),
+    ("bailing_hybrid", "BailingHybridExperts"): _clamped(False, _silu_limited, after_act=True),
+    ("inkling2", "Inkling2Experts"): _PairGate("softcapped_swiglu", False, _softcaps),
     # The default gate, act(gate) · up, computed in float32 and rounded once (as uniop's gated products
     # do) rather than in the model's dtype.
     ("beam", "BeamExperts"): _DEFAULT_GATE,
@@ -266,11 +287,12 @@ class _Gated:
         return dx
 
 
-class _Clamped:
-    """Experts with a clamped SwiGLU gate (:data:`_GATES`): ``linear`` onto the gate/up
-    product (with its bias where the module has biases; a transposed weight, GPT-OSS's ``[E, H, 2I]``,
-    read as ``[2I, H]`` through swapped strides, no copy), ``clamped_swiglu`` with the module's
-    constants on the product's interleaved pairs or halves, and ``linear`` for the down projection.
+class _PairGated:
+    """Experts whose gate is one of uniop's ops on a gate/up product (:data:`_GATES`): ``linear``
+    onto the product (with its bias where the module has biases; a transposed weight, GPT-OSS's
+    ``[E, H, 2I]``, read as ``[2I, H]`` through swapped strides, no copy), the gate's op with the
+    module's arguments (``kwargs``) on the product's interleaved pairs or halves, and ``linear`` for
+    the down projection.
 
     Trained on :class:`_Experts` in float32 and bfloat16: the tiny GPT-OSS's training step ran
     1.05–1.11x and 1.13–1.28x as fast as on transformers' grouped forward (which runs the gate as
@@ -278,9 +300,8 @@ class _Clamped:
 
     trains_in = frozenset({torch.float32, torch.bfloat16})
 
-    def __init__(self, interleaved, transposed, biased, alpha, limit, up_shift, after_act):
-        self.transposed, self.biased = transposed, biased
-        self.gate = alpha, limit, up_shift, interleaved, after_act
+    def __init__(self, op, transposed, biased, **kwargs):
+        self.op, self.transposed, self.biased, self.kwargs = op, transposed, biased, kwargs
 
     def weights(self, module):
         if self.biased:
@@ -302,7 +323,7 @@ class _Clamped:
 
         def mlp(expert, x):
             gate_up = self._linear(x, gate_up_proj, gate_up_bias, expert)
-            h = unn.uniop_ops.clamped_swiglu(gate_up, *self.gate)
+            h = getattr(unn.uniop_ops, self.op)(gate_up, **self.kwargs)
             y = self._linear(h, down_proj, down_bias, expert)
             if kept is not None:
                 kept.append((x, gate_up, h, y))
@@ -319,14 +340,14 @@ class _Clamped:
         return unn.uniop_ops.linear_backward(dy, x, weight)[:2]
 
     def backward(self, expert, weights, grads, dy, kept):
-        """One expert's backward of its down projection, ``clamped_swiglu_backward`` and the
-        backward of its gate/up projection; writes its slices of ``grads`` (each bias's gradient its
+        """One expert's backward of its down projection, its gate op's backward and the backward of
+        its gate/up projection; writes its slices of ``grads`` (each bias's gradient its
         output's summed over rows), returns the gradient of its input rows."""
         gate_up_proj, _, down_proj, _ = self._split(weights)
         d_gate_up, d_gate_up_bias, d_down, d_down_bias = self._split(grads)
         x, gate_up, h, _ = kept
         dh, d_down[expert] = self._linear_backward(dy, h, down_proj[expert])
-        d_gate_up_product = unn.uniop_ops.clamped_swiglu_backward(dh, gate_up, *self.gate)
+        d_gate_up_product = getattr(unn.uniop_ops, self.op + "_backward")(dh, gate_up, **self.kwargs)
         dx, d_gate_up[expert] = self._linear_backward(d_gate_up_product, x, gate_up_proj[expert])
         if self.biased:
             d_down_bias[expert], d_gate_up_bias[expert] = dy.float().sum(0), d_gate_up_product.float().sum(0)
