@@ -73,16 +73,18 @@ pub fn exp(x: f32) -> f32 {
     y * scale
 }
 
+/// tanh's odd Taylor series through x¹¹, as coefficients of powers of x².
+const TANH_SERIES: [f32; 6] = [1.0, -1.0 / 3.0, 2.0 / 15.0, -17.0 / 315.0, 62.0 / 2835.0, -1382.0 / 155_925.0];
+
 /// tanh(x) in f32 to about 2 ulp, branch-free (both forms are computed and one is selected, so a
 /// loop of it vectorizes): below |x| = 0.3 its odd Taylor series through x¹¹ (the next term is
 /// under 1e-8 of the result there), above it `1 − 2/(e^{2|x|} + 1)` with x's sign, where the
 /// subtraction cancels at most 1.3 bits. NaN for NaN; ±1 from |x| ≈ 9 on.
 #[inline(always)]
 pub fn tanh(x: f32) -> f32 {
-    const SERIES: [f32; 6] = [1.0, -1.0 / 3.0, 2.0 / 15.0, -17.0 / 315.0, 62.0 / 2835.0, -1382.0 / 155_925.0];
     let a = x.abs();
     let s = x * x;
-    let near = x * estrin(s, s * s, SERIES);
+    let near = x * estrin(s, s * s, TANH_SERIES);
     let far = (1.0 - 2.0 / (exp(2.0 * a) + 1.0)).copysign(x);
     if a < 0.3 {
         near
@@ -148,6 +150,32 @@ pub fn sigmoid<T: Element>(x: f32) -> f32 {
     } else {
         1.0 / (1.0 + exp_for::<T>(-x))
     }
+}
+
+/// tanh(x) as a fraction `(n, d)`, `n / d` = tanh(x) and `d` in [1, 2], for a result stored as
+/// `T` (its exp: [`exp_for`]): for code that takes several quotients and can join their
+/// divisions into one (a division is among the costliest ops of these loops). Below |x| = 0.3 the series
+/// of [`tanh`] over 1, above it `(1 − e^{−2|x|}) / (1 + e^{−2|x|})` with x's sign (cancelling at
+/// most 1.3 bits). NaN for NaN.
+#[inline(always)]
+pub fn tanh_fraction<T: Element>(x: f32) -> (f32, f32) {
+    let s = x * x;
+    let near = x * estrin(s, s * s, TANH_SERIES);
+    let e = exp_for::<T>(-2.0 * x.abs());
+    if x.abs() < 0.3 {
+        (near, 1.0)
+    } else {
+        ((1.0 - e).copysign(x), 1.0 + e)
+    }
+}
+
+/// sigmoid(x) as a fraction `(n, d)` (see [`tanh_fraction`]): `n` 1, or 0 where [`sigmoid`] is
+/// 0; `d = 1 + e^−x` with the exponent bounded by 64, so that `d` stays below 1e28 and products of
+/// a few such denominators stay finite.
+#[inline(always)]
+pub fn sigmoid_fraction<T: Element>(x: f32) -> (f32, f32) {
+    let d = 1.0 + exp_for::<T>((-x).min(-SIGMOID_ZERO_BELOW));
+    (if x < SIGMOID_ZERO_BELOW { 0.0 } else { 1.0 }, d)
 }
 
 /// d silu(g)/dg = s · (1 + g · (1 − s)) with s = sigmoid(g), given s.
