@@ -125,11 +125,12 @@ def _softcaps(module):
     return {"gate_softcap": float(act.gate_softcap.softcap), "up_softcap": float(act.up_softcap.softcap)}
 
 
-# transformers' experts classes whose gate one of uniop's ops on pairs computes. A clamped SwiGLU: GPT-OSS's, (u' + 1) · g' · σ(alpha · g')
-# (its privacy filter's and MiniMax M3's on halves), the alpha-free silu(g') · u' of DeepSeek V4, GLM-5 Next
-# and HunYuan V4 (DeepSeek V4 applies its act_fn, uniop's only where that is SiLU; the others call F.silu
-# themselves), and Step 3.7's and Ling's min(act(g), limit) · u' (their act_fn; a per-layer limit, None where
-# the layer does not clip). Inkling 2's softcapped SwiGLU, cg·tanh(g/cg) · σ(g) · cu·tanh(u/cu) (its act_fn's caps).
+# transformers' experts classes whose gate one of uniop's ops on pairs computes. A clamped SwiGLU:
+# GPT-OSS's, (u' + 1) · g' · σ(alpha · g') (its privacy filter's and MiniMax M3's on halves), the
+# alpha-free silu(g') · u' of DeepSeek V4, GLM-5 Next and HunYuan V4 (DeepSeek V4 applies its act_fn,
+# uniop's only where that is SiLU; the others call F.silu themselves), and Step 3.7's and Ling's
+# min(act(g), limit) · u' (their act_fn; a per-layer limit, None where the layer does not clip).
+# Inkling 2's softcapped SwiGLU, cg·tanh(g/cg) · σ(g) · cu·tanh(u/cu) (its act_fn's caps).
 _GATES = {
     ("gpt_oss", "GptOssExperts"): _clamped(True, lambda m: (float(m.alpha), float(m.limit), 1.0)),
     ("openai_privacy_filter", "OpenAIPrivacyFilterExperts"): _clamped(
