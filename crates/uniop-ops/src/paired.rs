@@ -38,7 +38,7 @@ pub(crate) trait PairFnUser {
 }
 
 /// A family of gated activations on pairs: its ops' schemas and docs, and one call's constants.
-pub(crate) trait PairGate: Copy + Send + Sync + Sized + 'static {
+pub(crate) trait PairGate: Copy + Send + Sync + 'static {
     /// The forward's schema: `x`, then the family's constants, then `bool interleaved`.
     const SCHEMA: &'static str;
     const DOC: &'static str;
@@ -370,8 +370,9 @@ impl<G> PairBackwardOp<G> {
     pub(crate) const OP: Self = Self(PhantomData);
 }
 
-/// The [`Step`] of one call, named for its op, running `kernel::<T, F>` with the call's
-/// [`PairFn`] (a [`PairFnUser`], as the function's type is the family's choice).
+/// The [`Step`] of one call, named for its op, running [`forward_kernel`] or [`backward_kernel`]
+/// for `T` with the call's [`PairFn`] (a [`PairFnUser`]: the function's type is the family's
+/// choice, made in [`PairGate::with_fn`]).
 struct StepOf<T> {
     name: &'static str,
     block_dim: u32,
@@ -401,7 +402,7 @@ impl<T: FloatElement> PairFnUser for StepOf<T> {
 /// The plan of one call of the forward or the backward (`schema` names its op): one step over
 /// the output's elements, blocks sized by their memory traffic (per output element the pair read
 /// and the output written; the backward also reads the output's gradient and writes a pair).
-fn plan_step<G: PairGate>(cx: &OpCx, schema: &'static str, backward: bool) -> Result<Plan> {
+fn plan_call<G: PairGate>(cx: &OpCx, schema: &'static str, backward: bool) -> Result<Plan> {
     let ((pairs, shape), gate) = (Pairs::of(cx)?, G::of(cx)?);
     let (outputs, size) = (shape.iter().product::<usize>(), cx.input("x").dtype.size());
     let name = crate::gate::op_name(schema);
@@ -446,7 +447,7 @@ impl<G: PairGate> Op for PairOp<G> {
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
-        plan_step::<G>(cx, G::SCHEMA, false)
+        plan_call::<G>(cx, G::SCHEMA, false)
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
@@ -490,7 +491,7 @@ impl<G: PairGate> Op for PairBackwardOp<G> {
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         self.infer(cx)?;
-        plan_step::<G>(cx, G::BACKWARD_SCHEMA, true)
+        plan_call::<G>(cx, G::BACKWARD_SCHEMA, true)
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
