@@ -114,7 +114,7 @@ pub fn stream_step<T: Element>(dst: &mut [T; LANES], src: &[T; LANES]) {
 #[inline]
 unsafe fn stream_step_avx512<T: Element>(dst: &mut [T; LANES], src: &[T; LANES]) {
     use std::arch::x86_64::{__m512i, _mm512_loadu_si512, _mm512_stream_si512};
-    const { assert!(std::mem::size_of::<[T; LANES]>() % 64 == 0) };
+    const { assert!(std::mem::size_of::<[T; LANES]>().is_multiple_of(64)) };
     let (d, s) = (dst.as_mut_ptr() as *mut __m512i, src.as_ptr() as *const __m512i);
     for i in 0..std::mem::size_of::<[T; LANES]>() / 64 {
         _mm512_stream_si512(d.add(i), _mm512_loadu_si512(s.add(i)));
