@@ -112,14 +112,16 @@ impl Op for GluBackward {
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        let shape = glu_input_shape(shape);
-        let mut out = shape.clone();
-        if let Some(last) = out.last_mut() {
-            *last /= 2;
-        }
-        Ok(Example {
-            inputs: vec![Some(TensorMeta::contiguous(dtype, &out)?), Some(TensorMeta::contiguous(dtype, &shape)?)],
-            ..Default::default()
-        })
+        Ok(Example { inputs: backward_example_inputs(&glu_input_shape(shape), dtype)?, ..Default::default() })
     }
+}
+
+/// The inputs of an example call of a gate's backward over pairs, given its forward's `x` shape
+/// (last dim even): `dout`, shaped as the forward's output (that dim halved), and `x`.
+pub(crate) fn backward_example_inputs(x: &[usize], dtype: DType) -> Result<Vec<Option<TensorMeta>>> {
+    let mut dout = x.to_vec();
+    if let Some(last) = dout.last_mut() {
+        *last /= 2;
+    }
+    Ok(vec![Some(TensorMeta::contiguous(dtype, &dout)?), Some(TensorMeta::contiguous(dtype, x)?)])
 }

@@ -512,13 +512,8 @@ impl<G: PairGate> Op for PairBackwardOp<G> {
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        let shape = pairs_shape(shape);
-        let mut out = shape.clone();
-        if let Some(last) = out.last_mut() {
-            *last /= 2;
-        }
         Ok(Example {
-            inputs: vec![Some(TensorMeta::contiguous(dtype, &out)?), Some(TensorMeta::contiguous(dtype, &shape)?)],
+            inputs: crate::glu_backward::backward_example_inputs(&pairs_shape(shape), dtype)?,
             ranges: vec![None, Some(G::EXAMPLE_RANGE)],
             ..Default::default()
         })
