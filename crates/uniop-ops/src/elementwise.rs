@@ -97,7 +97,9 @@ pub fn copy_streaming<T: Element>(dst: &mut [T], src: &[T]) {
 /// then waited on the step's 64-byte store (Zen 4, 4096x4096, alternated: f32 log_softmax 6.0–6.2
 /// → 5.2 ms, add 4.1–5.0 → 3.8–4.5, silu (4096x11008) 7.7–7.9 → 7.4). Not for steps narrowed in
 /// registers ([`store_natively`]): storing those to copy them 64 bytes at a time made bf16
-/// softmax slower (2.65–2.72 → 3.10–3.12 ms).
+/// softmax slower (2.65–2.72 → 3.10–3.12 ms). Nor in [`store_step`]'s other path, whose callers
+/// compute a step in registers too: there f32 rms_norm_backward ran 4.4–5.4 → 7.3–9.5 ms (cause not
+/// analysed).
 #[inline(always)]
 pub fn stream_step<T: Element>(dst: &mut [T; LANES], src: &[T; LANES]) {
     #[cfg(target_arch = "x86_64")]
@@ -307,7 +309,7 @@ pub fn store_step<T: FloatElement, const NATIVE: bool>(src: &[f32; LANES], out: 
 #[inline(always)]
 fn store_lanes<T: FloatElement>(src: &[f32; LANES], dst: &mut [T], streaming: bool) {
     if streaming {
-        stream_step(dst.try_into().expect("LANES elements"), &T::narrow_lanes(src));
+        copy_streaming(dst, &Aligned(T::narrow_lanes(src))[..]);
     } else {
         dst.copy_from_slice(&T::narrow_lanes(src));
     }

@@ -187,8 +187,8 @@ fn exp_sum<T: FloatElement, const STORE: bool>(row: &[T], out: &mut [f32], m: f3
     // four exps run as independent chains — with one register an iteration the loop waited on
     // exp's chain (Zen 4, alternated, best of 3–4: f32 log_softmax 4096x4096 5.2–6.1 → 4.4–4.6
     // ms, softmax 4.5 → 3.6–4.2; in cache (64x4096) f32 softmax 0.056 → 0.050, log_softmax 0.055
-    // → 0.047, bf16 5–10%). Elsewhere (f16 rows on AVX2) two AVX2 vectors, whose exps and sums
-    // stay in registers: a whole step spilled there (16 vectors of values and sums).
+    // → 0.047, bf16 5–10%). Elsewhere (f16 rows on AVX2, CPUs other than x86) 16 lanes, two AVX2
+    // vectors whose exps and sums stay in registers: a whole step spilled there (16 vectors).
     if T::converts_natively() {
         exp_sum_as::<T, STORE, true, LANES>(row, out, m, next)
     } else if crate::skinny::has_avx512() {
