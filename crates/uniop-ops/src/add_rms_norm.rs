@@ -40,6 +40,7 @@ fn add_row_as<T: FloatElement, const NATIVE: bool>(a: &[T], b: &[T], out: &mut [
     let mut acc = [0f32; LANES];
     let n = a.len();
     let full = n / LANES * LANES;
+    let per_element = converts_per_element::<T, 1>();
     for j in (0..full).step_by(LANES) {
         let (ac, bc, oc) = (&a[j..j + LANES], &b[j..j + LANES], &mut out[j..j + LANES]);
         if NATIVE {
@@ -56,7 +57,7 @@ fn add_row_as<T: FloatElement, const NATIVE: bool>(a: &[T], b: &[T], out: &mut [
             }
             continue;
         }
-        if converts_per_element::<T, 1>() {
+        if per_element {
             // Rounded and widened back in registers (see `converts_per_element`), then squared in
             // a loop of its own: summed in the rounding loop, the partial sums lived on the stack
             // (a load, add and store per register: f32 16x4096 on one thread ran 0.022 ms, now

@@ -91,24 +91,31 @@ pub fn copy_streaming<T: Element>(dst: &mut [T], src: &[T]) {
     dst.copy_from_slice(src);
 }
 
-/// `src` copied to `dst` past the cache, a whole step: 64-byte non-temporal stores where the CPU
-/// has AVX-512 and `dst` starts a cache line, else [`copy_streaming`]'s 16-byte ones. For steps
-/// that sit in memory anyway (f32 results staged in a step array): each 16-byte load of the copy
-/// then waited on the step's 64-byte store (Zen 4, 4096x4096, alternated: f32 log_softmax 6.0–6.2
-/// → 5.2 ms, add 4.1–5.0 → 3.8–4.5, silu (4096x11008) 7.7–7.9 → 7.4). Not for steps narrowed in
-/// registers ([`store_natively`]): storing those to copy them 64 bytes at a time made bf16
-/// softmax slower (2.65–2.72 → 3.10–3.12 ms). Nor in [`store_step`]'s other path, whose callers
-/// compute a step in registers too: there f32 rms_norm_backward ran 4.4–5.4 → 7.3–9.5 ms (cause not
-/// analysed).
+/// `src` copied to `dst` past the cache, a whole step: 64-byte non-temporal stores where `lines`
+/// (the CPU has AVX-512, [`streams_lines`]) and `dst` starts a cache line, else
+/// [`copy_streaming`]'s 16-byte ones. For steps that sit in memory anyway (f32 results staged in a
+/// step array): each 16-byte load of the copy then waited on the step's 64-byte store (Zen 4,
+/// 4096x4096, alternated: f32 log_softmax 6.0–6.2 → 5.2 ms, add 4.1–5.0 → 3.8–4.5, silu
+/// (4096x11008) 7.7–7.9 → 7.4). Not for steps narrowed in registers ([`store_natively`]): storing
+/// those to copy them 64 bytes at a time made bf16 softmax slower (2.65–2.72 → 3.10–3.12 ms).
 #[inline(always)]
-pub fn stream_step<T: Element>(dst: &mut [T; LANES], src: &[T; LANES]) {
+pub fn stream_step<T: Element>(dst: &mut [T; LANES], src: &[T; LANES], lines: bool) {
     #[cfg(target_arch = "x86_64")]
-    if crate::skinny::has_avx512() && (dst.as_ptr() as usize).is_multiple_of(64) {
-        // SAFETY: AVX-512 was detected; `dst` is 64-byte aligned.
+    if lines && (dst.as_ptr() as usize).is_multiple_of(64) {
+        // SAFETY: `lines` only where AVX-512 was detected; `dst` is 64-byte aligned.
         unsafe { stream_step_avx512(dst, src) };
         return;
     }
     copy_streaming(dst, src);
+}
+
+/// Whether this CPU streams whole cache lines in [`stream_step`] (it has AVX-512). Asked once
+/// before a loop, not per step: the check is a call (out of line the first time), and f32
+/// rms_norm_backward at 4096x4096 (Zen 4), with [`stream_step`] in its step loop, ran 8.7 ms with
+/// the check per step and 4.3 with it before the loop.
+#[inline(always)]
+pub fn streams_lines() -> bool {
+    cfg!(target_arch = "x86_64") && crate::skinny::has_avx512()
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -305,7 +312,10 @@ pub fn store_step<T: FloatElement, const NATIVE: bool>(src: &[f32; LANES], out: 
     }
 }
 
-/// Stores `LANES` results into a dense output run, streaming past the cache when asked.
+/// Stores `LANES` results into a dense output run, streaming past the cache when asked: 16 bytes
+/// at a time, as [`copy_streaming`]. [`stream_step`]'s 64-byte stores, with their check made once
+/// per row, ran level or slower here (Zen 4, 4096x4096 f32, best of 3, alternated, 16 / 64 bytes:
+/// rms_norm_backward 4.2 / 4.3 ms, layer_norm_backward 4.6 / 5.3, layer_norm 2.4 / 2.4).
 #[inline(always)]
 fn store_lanes<T: FloatElement>(src: &[f32; LANES], dst: &mut [T], streaming: bool) {
     if streaming {
@@ -381,7 +391,7 @@ pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
     }
     let n = outs[0].len();
     const { assert!(O <= I, "dense_map writes output k over input k's widened step") };
-    let mut steps = Steps { wide: [[0f32; LANES]; I], staged: [[T::default(); LANES]; O] };
+    let mut steps = Steps { wide: [[0f32; LANES]; I], staged: [[T::default(); LANES]; O], lines: streams_lines() };
     let full = n / LANES * LANES;
     // Loops chosen once: a branch inside one loop would leave the native conversions' calls (not
     // inlined where the CPU lacks the instructions) in every kernel's loop. The native form gets
@@ -391,16 +401,19 @@ pub fn dense_map<T: FloatElement, const I: usize, const O: usize>(
     // natively (4096x11008, Zen 4, three alternations: silu 11.8 → 9.3 ms, gelu 11.7 → 9.4,
     // cross_entropy_backward (2048x32000) 15.7 → 12.2, log_softmax 4.8 → 4.4, softmax_backward
     // 2.6 → 2.0). The f32 per-element form keeps the runtime flag: with a constant, LLVM fused
-    // its staging copy into the loop and silu ran 8.2 → 9.4 ms.
-    match (T::converts_natively(), streaming) {
-        (true, true) => steps.walk::<true>(ins, &mut outs, full, true, &f),
-        (true, false) => steps.walk::<true>(ins, &mut outs, full, false, &f),
-        (false, _) => steps.walk::<false>(ins, &mut outs, full, streaming, &f),
+    // its staging copy into the loop and silu ran 8.2 → 9.4 ms. The per-element and staged forms
+    // are chosen here too (the check is a call, see `streams_lines`).
+    match (T::converts_natively(), streaming, converts_per_element::<T, O>()) {
+        (true, true, _) => steps.walk::<true, false>(ins, &mut outs, full, true, &f),
+        (true, false, _) => steps.walk::<true, false>(ins, &mut outs, full, false, &f),
+        (false, _, true) => steps.walk::<false, true>(ins, &mut outs, full, streaming, &f),
+        (false, _, false) => steps.walk::<false, false>(ins, &mut outs, full, streaming, &f),
     }
     if full < n {
+        // One step, in the per-element form (the staged form's results are the same).
         let last = ins.map(|run| padded(&run[full..n], T::default()));
         let mut tail = [[T::default(); LANES]; O];
-        steps.run::<false>(last.each_ref(), tail.each_mut(), false, &f);
+        steps.run::<false, true>(last.each_ref(), tail.each_mut(), false, &f);
         for (dst, src) in outs.iter_mut().zip(&tail) {
             dst[full..].copy_from_slice(&src[..n - full]);
         }
@@ -416,12 +429,14 @@ struct Steps<T, const I: usize, const O: usize> {
     wide: [[f32; LANES]; I],
     /// Results in `T`: f16/bf16 ones narrowed, and f32 ones on their way to non-temporal stores.
     staged: [[T; LANES]; O],
+    /// Whether streamed steps store whole cache lines ([`streams_lines`]), asked once per map.
+    lines: bool,
 }
 
 impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
     /// The whole steps of [`dense_map`], the first `full` elements.
     #[inline(always)]
-    fn walk<const NATIVE: bool>(
+    fn walk<const NATIVE: bool, const PER_ELEMENT: bool>(
         &mut self,
         ins: [&[T]; I],
         outs: &mut [&mut [T]; O],
@@ -432,15 +447,16 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
         for j in (0..full).step_by(LANES) {
             let step = ins.map(|run| run[j..j + LANES].try_into().expect("LANES elements"));
             let dst = outs.each_mut().map(|out| (&mut out[j..j + LANES]).try_into().expect("LANES elements"));
-            self.run::<NATIVE>(step, dst, streaming, f);
+            self.run::<NATIVE, PER_ELEMENT>(step, dst, streaming, f);
         }
     }
 
     /// One step of [`dense_map`]: `LANES` elements through `f` into `outs`; `NATIVE`: converted
     /// by the CPU's instructions ([`FloatElement::narrow_lanes_natively`], [`to_f32`]) — only
-    /// where `T::converts_natively()` (the caller checks it once per map).
+    /// where `T::converts_natively()` (the caller checks it once per map); else in the
+    /// per-element form where `PER_ELEMENT`, the staged one otherwise.
     #[inline(always)]
-    fn run<const NATIVE: bool>(
+    fn run<const NATIVE: bool, const PER_ELEMENT: bool>(
         &mut self,
         ins: [&[T; LANES]; I],
         mut outs: [&mut [T; LANES]; O],
@@ -466,7 +482,7 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
                 unsafe { store_natively(wide, &mut out[..], streaming) };
             }
             return;
-        } else if converts_per_element::<T, O>() {
+        } else if PER_ELEMENT {
             let mut targets = if streaming { self.staged.each_mut() } else { outs.each_mut().map(|out| &mut **out) };
             // Plain loops build the per-element arrays (not `map`/`from_fn`, which the compiler
             // may leave out of line, built for the baseline target: see `widen_lanes`).
@@ -508,7 +524,7 @@ impl<T: FloatElement, const I: usize, const O: usize> Steps<T, I, O> {
         }
         if streaming {
             for (out, staged) in outs.iter_mut().zip(&self.staged) {
-                stream_step(out, staged);
+                stream_step(out, staged, self.lines);
             }
         }
     }

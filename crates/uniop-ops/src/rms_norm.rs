@@ -139,6 +139,7 @@ fn scale_row_as<T: FloatElement, const NATIVE: bool>(
     let xs = x.chunks_exact(LANES);
     let tail = xs.len() * LANES;
     let mut ahead = Ahead::new(next, xs.len());
+    let in_registers = !streaming && converts_per_element::<T, 1>();
     for ((xc, wc), yc) in xs.zip(w.chunks_exact(LANES)).zip(y.chunks_exact_mut(LANES)) {
         ahead.step();
         if NATIVE {
@@ -153,8 +154,8 @@ fn scale_row_as<T: FloatElement, const NATIVE: bool>(
             unsafe { store_natively(&buf, yc, streaming) };
             continue;
         }
-        if !streaming && converts_per_element::<T, 1>() {
-            // Narrowed in registers (see `converts_per_element`).
+        if in_registers {
+            // Narrowed in registers (see `converts_per_element`; asked before the loop).
             for i in 0..LANES {
                 yc[i] = T::from_f32(xc[i].to_f32() * rstd * wc[i]);
             }

@@ -7,8 +7,8 @@
 //! Numerically stable: `exp(x − max)`. A slice that is all `-inf` gives NaN, as in torch.
 
 use crate::elementwise::{
-    converts_per_element, dense_map, fence, for_lanes, store_natively, stream_step, streams, widen_lanes, Ahead,
-    Aligned, LANES,
+    converts_per_element, dense_map, fence, for_lanes, store_natively, stream_step, streams, streams_lines,
+    widen_lanes, Ahead, Aligned, LANES,
 };
 use crate::math;
 use uniop::{
@@ -132,8 +132,9 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
     let chunks = src.chunks_exact(LANES);
     let tail = chunks.remainder();
     let full = src.len() - tail.len();
+    let (per_element, lines) = (converts_per_element::<T, 1>(), streams_lines());
     for (c, o) in chunks.zip(out.chunks_exact_mut(LANES)) {
-        let narrowed = if converts_per_element::<T, 1>() {
+        let narrowed = if per_element {
             let mut narrowed = Aligned([T::default(); LANES]);
             for (n, &v) in narrowed.iter_mut().zip(c) {
                 *n = T::from_f32(v * scale);
@@ -147,7 +148,7 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
             Aligned(T::narrow_lanes(&scaled))
         };
         if streaming {
-            stream_step(o.try_into().expect("LANES elements"), &narrowed);
+            stream_step(o.try_into().expect("LANES elements"), &narrowed, lines);
         } else {
             o.copy_from_slice(&narrowed[..]);
         }
