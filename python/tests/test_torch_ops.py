@@ -242,6 +242,57 @@ def test_elementwise_ops_vmap_in_one_call(name):
         torch.testing.assert_close(list(_tuple(got)), want, rtol=1e-6, atol=1e-6)
 
 
+LEADING_BATCH = [n for n in sorted(CASES) if uniop.op(n).leading_batch_args]
+
+
+def _another_sample(a):
+    """A tensor like ``a`` with other values: normal floats, or ``a``'s own integers shuffled (indices
+    stay in range)."""
+    if a.is_floating_point():
+        return torch.randn_like(a)
+    return a.flatten()[torch.randperm(a.numel())].view_as(a)
+
+
+@pytest.mark.parametrize("name", LEADING_BATCH)
+def test_row_ops_vmap_in_one_call(name):
+    """torch.func.vmap of an op working row by row (``leading_batch_args``) runs its batching rule,
+    torch's per-sample fallback disabled, and gives the per-sample calls' results: with every such
+    argument batched along its last dim, and with the first batched and the others shared; and
+    with a shared argument (a weight) batched too, which the rule runs sample by sample."""
+    assert {"softmax", "rms_norm", "linear", "embedding", "argmax", "swiglu_backward"} <= set(LEADING_BATCH)
+    torch.manual_seed(0)
+    args, _ = CASES[name](torch.float32, False)
+    op = getattr(torch.ops.uniop, name)
+    names, row_args = [a["name"] for a in uniop.op(name).args], uniop.op(name).leading_batch_args
+    rows = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and names[i] in row_args]
+    shared = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in rows]
+    for batched in (rows, rows[:1], rows[:1] + shared[:1]):
+        samples = [[_another_sample(a) if i in batched else a for i, a in enumerate(args)] for _ in range(3)]
+        stacked = [torch.stack([s[i] for s in samples], dim=-1) if i in batched else a for i, a in enumerate(args)]
+        in_dims = tuple(-1 if i in batched else None for i in range(len(args)))
+        with _no_vmap_fallback():
+            got = torch.func.vmap(op, in_dims=in_dims)(*stacked)
+        per_sample = [_tuple(op(*s)) for s in samples]
+        want = [torch.stack(outs) for outs in zip(*per_sample)]
+        torch.testing.assert_close(list(_tuple(got)), want, rtol=1e-6, atol=1e-6, msg=f"batched {batched}")
+
+
+def test_row_ops_vmap_counts_a_non_negative_dim_past_the_batch():
+    """A non-negative ``dim`` names the per-sample tensor's axis: the rule shifts it past the batch
+    dim (softmax over dim 0 of each sample, argmax over dim 1 keeping it, swiglu halving dim 0)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 5)  # 5 samples along the last dim, each [4, 6]
+    with _no_vmap_fallback():
+        softmax = torch.func.vmap(lambda s: torch.ops.uniop.softmax(s, 0), in_dims=-1)(x)
+        argmax = torch.func.vmap(lambda s: torch.ops.uniop.argmax(s, dim=1, keepdim=True), in_dims=-1)(x)
+        swiglu = torch.func.vmap(lambda s: torch.ops.uniop.swiglu(s, 0), in_dims=-1)(x)
+    samples = x.movedim(-1, 0)
+    torch.testing.assert_close(softmax, torch.softmax(samples, 1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(argmax, samples.argmax(2, keepdim=True))
+    gate, up = samples.chunk(2, dim=1)
+    torch.testing.assert_close(swiglu, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
 def test_per_sample_gradients_of_elementwise_ops_in_one_call():
     """vmap(grad) — per-sample gradients of shared parameters through add, mul, silu and cast —
     batches the forward and the backward ops alike (no per-sample fallback) and matches each

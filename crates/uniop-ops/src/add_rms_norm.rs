@@ -131,6 +131,10 @@ impl Op for AddRmsNorm {
          sum itself, for both inputs)."
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["x", "residual"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }

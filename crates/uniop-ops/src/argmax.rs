@@ -115,6 +115,10 @@ impl Op for Argmax {
          a dim. keepdim keeps the reduced dim as size 1."
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["x"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }

@@ -66,6 +66,10 @@ impl Op for CausalSoftmax {
          Gradient: softmax_backward (dim -1)."
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["x"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }

@@ -79,6 +79,10 @@ impl Op for Embedding {
          backward only."
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["indices"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }

@@ -136,6 +136,10 @@ impl Op for Glu {
         }
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["x"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }

@@ -67,6 +67,10 @@ impl Op for GluBackward {
         }
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["dout", "x"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }

@@ -170,6 +170,10 @@ impl Op for LayerNorm {
          the mean (a second pass over the row in cache), so a large common offset costs no precision."
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["x"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         crate::rms_norm::DTYPES
     }

@@ -219,6 +219,10 @@ impl Op for Linear {
          in_features up to 2048), else via the gemm crate, as float16; few rows run as dot products."
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["x"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }

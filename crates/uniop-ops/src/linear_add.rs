@@ -31,6 +31,10 @@ impl Op for LinearAdd {
          `residual + down_proj(h)`) in one pass, the sum rounded once."
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["x", "residual"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }

@@ -363,6 +363,10 @@ impl Op for LinearGatedMul {
         }
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["x"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         match self.form {
             Form::Packed => crate::pack_weight::DTYPES,

@@ -57,6 +57,13 @@ impl Op for LinearPacked {
         }
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        match self.0 {
+            Addend::Bias => &["x"],
+            Addend::Residual => &["x", "residual"],
+        }
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }

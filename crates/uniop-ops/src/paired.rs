@@ -432,6 +432,10 @@ impl<G: PairGate> Op for PairOp<G> {
         G::DOC
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["x"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }
@@ -474,6 +478,10 @@ impl<G: PairGate> Op for PairBackwardOp<G> {
 
     fn doc(&self) -> &'static str {
         G::BACKWARD_DOC
+    }
+
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["dout", "x"]
     }
 
     fn dtypes(&self) -> &'static [DType] {

@@ -368,6 +368,10 @@ impl Op for RmsNorm {
          the backward. weight: same dtype as x, or float32. f16/bf16 accumulate in float32."
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["x"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }

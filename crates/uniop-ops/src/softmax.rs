@@ -366,6 +366,10 @@ impl Op for Softmax {
             }
         }
     }
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["x"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }

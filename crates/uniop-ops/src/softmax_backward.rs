@@ -135,6 +135,10 @@ impl Op for SoftmaxBackward {
             Kind::LogSoftmax => "Gradient of log_softmax from its output y: dx = dy - exp(y) * sum(dy) along dim.",
         }
     }
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["dy", "y"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }

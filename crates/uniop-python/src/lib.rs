@@ -137,6 +137,13 @@ impl Op {
         self.entry.op.elementwise()
     }
 
+    /// The tensor arguments a batch of calls stacks along a new leading dim, the op working row
+    /// by row along their leading dims (see `uniop::Op::leading_batch_args`).
+    #[getter]
+    fn leading_batch_args(&self) -> Vec<&'static str> {
+        self.entry.op.leading_batch_args().to_vec()
+    }
+
     /// The arguments as dicts: name, type (schema spelling), tensor, optional, mutated,
     /// kwarg_only and default (absent when required).
     #[getter]

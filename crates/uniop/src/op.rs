@@ -47,6 +47,17 @@ pub trait Op: Send + Sync + 'static {
     fn elementwise(&self) -> bool {
         false
     }
+    /// The tensor arguments along whose leading dims the op works row by row, so that a batch of
+    /// calls is one call on those arguments given a new leading batch dim (the other tensor
+    /// arguments shared, unbatched): each return then gains the leading dim, holding the
+    /// per-sample returns; an `int dim` argument names an axis of those arguments, so a
+    /// non-negative one counts one more. Frontends batch such calls this way (torch.func.vmap) and
+    /// fall back to one call per sample when another tensor argument carries the batch. Empty
+    /// where no such set exists: elementwise ops (see [`Op::elementwise`]), a reduction over rows
+    /// (a parameter's gradient, a mean loss), seeded sampling, ops on fixed-rank layouts.
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &[]
+    }
     /// Metas (contiguous) of the returns from input metas and attributes. In-place arguments
     /// are not returns: validate them here, they keep the caller's layout.
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>>;

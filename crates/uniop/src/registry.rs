@@ -8,7 +8,7 @@ use crate::dtype::DType;
 use crate::error::{Error, ErrorCode, Result};
 use crate::layout::TensorMeta;
 use crate::op::{runs_by_reference, Op, OpCx};
-use crate::schema::{AttrValue, OpSchema};
+use crate::schema::{AttrValue, BaseType, OpSchema};
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock, RwLock};
 
@@ -73,6 +73,7 @@ impl Registry {
     /// Parses the op's schema and adds it. Errors on a bad schema or a duplicate name.
     pub fn register(&self, op: Box<dyn Op>) -> Result<()> {
         let schema = OpSchema::parse(op.schema())?;
+        check_leading_batch_args(op.as_ref(), &schema)?;
         let mut ops = self.ops.write().unwrap();
         if ops.contains_key(&schema.name) {
             return Err(Error::invalid(format!("op '{}' is already registered", schema.name)));
@@ -103,4 +104,29 @@ impl Registry {
     pub fn list(&self) -> Vec<Arc<OpEntry>> {
         self.ops.read().unwrap().values().cloned().collect()
     }
+}
+
+/// What frontends assume of [`Op::leading_batch_args`]: plain tensor arguments of the schema (not
+/// lists, not written in place), and no such set on an elementwise op, which batches its own way.
+fn check_leading_batch_args(op: &dyn Op, schema: &OpSchema) -> Result<()> {
+    let names = op.leading_batch_args();
+    if !names.is_empty() && op.elementwise() {
+        return Err(Error::invalid(format!(
+            "op '{}': leading_batch_args {names:?} on an elementwise op (expected none: elementwise ops batch by \
+             broadcasting)",
+            schema.name
+        )));
+    }
+    for name in names {
+        let arg = schema.args.iter().find(|a| a.name == *name);
+        if !arg.is_some_and(|a| a.ty.base == BaseType::Tensor && a.ty.mutated.is_none()) {
+            let given = arg.map_or("no such argument".to_string(), |a| format!("{}", a.ty));
+            return Err(Error::invalid(format!(
+                "op '{}': leading_batch_args names '{name}' (expected a Tensor argument not written in place, \
+                 given {given})",
+                schema.name
+            )));
+        }
+    }
+    Ok(())
 }

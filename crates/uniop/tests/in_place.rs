@@ -124,3 +124,68 @@ fn rebinding_uses_the_callers_input_numbering() {
     drop(exec);
     assert_eq!(x, vec![11.0; 4]);
 }
+
+/// [`AxpyInPlace`]'s kernel under another schema, claiming `args` as its leading-batch arguments.
+struct Claims {
+    schema: &'static str,
+    args: &'static [&'static str],
+}
+
+impl Op for Claims {
+    fn schema(&self) -> &'static str {
+        self.schema
+    }
+    fn doc(&self) -> &'static str {
+        "leading_batch_args checks (test op)"
+    }
+    fn dtypes(&self) -> &'static [DType] {
+        &[DType::F32]
+    }
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        self.args
+    }
+    fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
+        AxpyInPlace.infer(cx)
+    }
+    fn plan(&self, cx: &OpCx) -> Result<Plan> {
+        AxpyInPlace.plan(cx)
+    }
+    fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+        AxpyInPlace.reference(cx, inputs)
+    }
+    fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
+        AxpyInPlace.example(shape, dtype)
+    }
+}
+
+/// Frontends batch an op along the arguments it names in `leading_batch_args`, so registration
+/// refuses names that are not plain tensor arguments, saying which and what it found.
+#[test]
+fn leading_batch_args_must_name_plain_tensor_arguments() {
+    for (name, args, expected) in [
+        (
+            "test_batch_written_",
+            &["x"][..],
+            "names 'x' (expected a Tensor argument not written in place, given Tensor(a!))",
+        ),
+        (
+            "test_batch_missing_",
+            &["z"][..],
+            "names 'z' (expected a Tensor argument not written in place, given no such argument)",
+        ),
+        (
+            "test_batch_attr_",
+            &["alpha"][..],
+            "names 'alpha' (expected a Tensor argument not written in place, given float)",
+        ),
+    ] {
+        let schema = Box::leak(format!("{name}(Tensor(a!) x, Tensor y, float alpha) -> ()").into_boxed_str());
+        let err = Registry::global().register(Box::new(Claims { schema, args })).unwrap_err();
+        let message = err.to_string();
+        assert!(message.contains(&format!("op '{name}': leading_batch_args {expected}")), "{message}");
+        assert!(!Registry::global().contains(name));
+    }
+    let schema = "test_batch_shared_(Tensor(a!) x, Tensor y, float alpha) -> ()";
+    Registry::global().register(Box::new(Claims { schema, args: &["y"] })).unwrap();
+    assert_eq!(Registry::global().get("test_batch_shared_").unwrap().op.leading_batch_args(), ["y"]);
+}

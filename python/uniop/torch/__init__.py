@@ -485,6 +485,48 @@ def _elementwise_vmap_rule(native):
     return rule
 
 
+def _leading_batch_vmap_rule(native):
+    """The torch.func.vmap rule of an op working row by row along the leading dims of some tensor
+    arguments (``native.leading_batch_args``): one call with their batch dims moved to the front
+    (an unbatched one expanded to the batch, a stride-0 view) and a non-negative ``dim`` shifted
+    past the new dim; every return carries the batch in front. Where another tensor argument
+    carries the batch (a batched weight), the op runs once per sample, as torch's fallback would."""
+    names = [a["name"] for a in native.args]
+    rows = {names.index(n) for n in native.leading_batch_args}
+    dim_at = names.index("dim") if "dim" in names else None
+    returns = len(native.returns)
+    op = getattr(torch.ops.uniop, native.name).default
+
+    def shifted(dim):
+        return dim + 1 if dim >= 0 else dim
+
+    def rule(info, in_dims, *args, **kwargs):
+        size = info.batch_size
+        if any(d is not None for i, d in enumerate(in_dims) if i not in rows):
+            return _per_sample(op, size, in_dims, args, kwargs, returns)
+        call = list(args)
+        for i in rows:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                d = in_dims[i]
+                call[i] = args[i].movedim(d, 0) if d is not None else args[i].expand(size, *args[i].shape)
+        if dim_at is not None and dim_at < len(call):
+            call[dim_at] = shifted(call[dim_at])
+        elif "dim" in kwargs:
+            kwargs = {**kwargs, "dim": shifted(kwargs["dim"])}
+        return op(*call, **kwargs), 0 if returns == 1 else (0,) * returns
+
+    return rule
+
+
+def _per_sample(op, size, in_dims, args, kwargs, returns):
+    """``op`` called once per sample of a vmap batch of ``size``, its returns stacked in front."""
+    samples = [[a.select(d, b) if d is not None else a for a, d in zip(args, in_dims)] for b in range(size)]
+    outs = [op(*sample, **kwargs) for sample in samples]
+    if returns == 1:
+        return torch.stack(outs), 0
+    return tuple(torch.stack(o) for o in zip(*outs)), (0,) * returns
+
+
 def _register_autocast(native):
     op = getattr(torch.ops.uniop, native.name).default
     lower = native.autocast == "lower"
@@ -521,6 +563,8 @@ def _register(natives):
             _register_autocast(native)
         if native.elementwise:
             torch.library.register_vmap(f"{NAMESPACE}::{native.name}", _elementwise_vmap_rule(native), lib=_lib)
+        elif native.leading_batch_args:
+            torch.library.register_vmap(f"{NAMESPACE}::{native.name}", _leading_batch_vmap_rule(native), lib=_lib)
 
 
 def ops():
