@@ -207,6 +207,7 @@ def test_forward_mode_ad_is_refused_not_dropped(name):
 
 
 ELEMENTWISE = [n for n in sorted(CASES) if uniop.op(n).elementwise]
+LEADING_BATCH = [n for n in sorted(CASES) if uniop.op(n).leading_batch_args]
 
 
 @contextlib.contextmanager
@@ -232,17 +233,21 @@ def test_elementwise_ops_vmap_in_one_call(name):
     op = getattr(torch.ops.uniop, name)
     tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     for batched in (tensors, tensors[:1]):
-        samples = [[torch.randn_like(a) if i in batched else a for i, a in enumerate(args)] for _ in range(3)]
-        stacked = [torch.stack([s[i] for s in samples], dim=-1) if i in batched else a for i, a in enumerate(args)]
-        in_dims = tuple(-1 if i in batched else None for i in range(len(args)))
-        with _no_vmap_fallback():
-            got = torch.func.vmap(op, in_dims=in_dims)(*stacked)
-        per_sample = [_tuple(op(*s)) for s in samples]
-        want = [torch.stack(outs) for outs in zip(*per_sample)]
-        torch.testing.assert_close(list(_tuple(got)), want, rtol=1e-6, atol=1e-6)
+        _check_vmap_matches_per_sample(op, args, batched)
 
 
-LEADING_BATCH = [n for n in sorted(CASES) if uniop.op(n).leading_batch_args]
+def _check_vmap_matches_per_sample(op, args, batched):
+    """vmap of ``op`` over three samples of the arguments at positions ``batched`` (stacked along
+    their last dim; the others shared), torch's per-sample fallback disabled, against the per-sample
+    calls' returns stacked."""
+    samples = [[_another_sample(a) if i in batched else a for i, a in enumerate(args)] for _ in range(3)]
+    stacked = [torch.stack([s[i] for s in samples], dim=-1) if i in batched else a for i, a in enumerate(args)]
+    in_dims = tuple(-1 if i in batched else None for i in range(len(args)))
+    with _no_vmap_fallback():
+        got = torch.func.vmap(op, in_dims=in_dims)(*stacked)
+    per_sample = [_tuple(op(*s)) for s in samples]
+    want = [torch.stack(outs) for outs in zip(*per_sample)]
+    torch.testing.assert_close(list(_tuple(got)), want, rtol=1e-6, atol=1e-6, msg=f"batched {batched}")
 
 
 def _another_sample(a):
@@ -267,14 +272,21 @@ def test_row_ops_vmap_in_one_call(name):
     rows = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and names[i] in row_args]
     shared = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in rows]
     for batched in (rows, rows[:1], rows[:1] + shared[:1]):
-        samples = [[_another_sample(a) if i in batched else a for i, a in enumerate(args)] for _ in range(3)]
-        stacked = [torch.stack([s[i] for s in samples], dim=-1) if i in batched else a for i, a in enumerate(args)]
-        in_dims = tuple(-1 if i in batched else None for i in range(len(args)))
-        with _no_vmap_fallback():
-            got = torch.func.vmap(op, in_dims=in_dims)(*stacked)
-        per_sample = [_tuple(op(*s)) for s in samples]
-        want = [torch.stack(outs) for outs in zip(*per_sample)]
-        torch.testing.assert_close(list(_tuple(got)), want, rtol=1e-6, atol=1e-6, msg=f"batched {batched}")
+        _check_vmap_matches_per_sample(op, args, batched)
+
+
+def test_row_ops_vmap_an_empty_batch():
+    """An empty vmap batch gives empty returns of the per-sample shapes, in one call and where a
+    shared argument carries the batch (no sample to call: the rule calls the op once on zeros)."""
+    x, w = torch.randn(4, 0, 8), torch.randn(0, 8)
+    indices, table = torch.zeros(3, 0, dtype=torch.long), torch.randn(0, 5, 4)
+    with _no_vmap_fallback():
+        y, rstd = torch.func.vmap(torch.ops.uniop.rms_norm, in_dims=(1, None))(x, torch.ones(8))
+        assert (y.shape, rstd.shape) == ((0, 4, 8), (0, 4, 1))
+        y, rstd = torch.func.vmap(torch.ops.uniop.rms_norm, in_dims=(1, 0))(x, w)
+        assert (y.shape, rstd.shape) == ((0, 4, 8), (0, 4, 1))
+        rows = torch.func.vmap(lambda i, t: torch.ops.uniop.embedding(t, i), in_dims=(1, 0))(indices, table)
+        assert rows.shape == (0, 3, 4)
 
 
 def test_row_ops_vmap_counts_a_non_negative_dim_past_the_batch():

@@ -519,7 +519,14 @@ def _leading_batch_vmap_rule(native):
 
 
 def _per_sample(op, size, in_dims, args, kwargs, returns):
-    """``op`` called once per sample of a vmap batch of ``size``, its returns stacked in front."""
+    """``op`` called once per sample of a vmap batch of ``size``, its returns stacked in front. An
+    empty batch has no sample to call: one call on zeros of a sample's shape gives the returns'."""
+    if size == 0:
+        zeros = [a.new_zeros([n for k, n in enumerate(a.shape) if k != d % a.dim()]) if d is not None else a
+                 for a, d in zip(args, in_dims)]
+        outs = op(*zeros, **kwargs)
+        empty = [o.new_empty((0, *o.shape)) for o in ((outs,) if returns == 1 else outs)]
+        return (empty[0], 0) if returns == 1 else (tuple(empty), (0,) * returns)
     samples = [[a.select(d, b) if d is not None else a for a, d in zip(args, in_dims)] for b in range(size)]
     outs = [op(*sample, **kwargs) for sample in samples]
     if returns == 1:
