@@ -289,9 +289,10 @@ def test_row_ops_vmap_an_empty_batch():
         assert rows.shape == (0, 3, 4)
 
 
-def test_row_ops_vmap_counts_a_non_negative_dim_past_the_batch():
+def test_row_ops_vmap_counts_a_non_negative_dim_past_the_batch_and_takes_keywords():
     """A non-negative ``dim`` names the per-sample tensor's axis: the rule shifts it past the batch
-    dim (softmax over dim 0 of each sample, argmax over dim 1 keeping it, swiglu halving dim 0)."""
+    dim (softmax over dim 0 of each sample, argmax over dim 1 keeping it, swiglu halving dim 0,
+    softmax_backward over dim 1 given by keyword, with its shared ``y`` by keyword too)."""
     torch.manual_seed(0)
     x = torch.randn(4, 6, 5)  # 5 samples along the last dim, each [4, 6]
     with _no_vmap_fallback():
@@ -300,6 +301,11 @@ def test_row_ops_vmap_counts_a_non_negative_dim_past_the_batch():
         swiglu = torch.func.vmap(lambda s: torch.ops.uniop.swiglu(s, 0), in_dims=-1)(x)
     samples = x.movedim(-1, 0)
     torch.testing.assert_close(softmax, torch.softmax(samples, 1), rtol=1e-6, atol=1e-6)
+    # A shared row argument passed by keyword is expanded to the batch as a positional one is.
+    dy = torch.randn(5, 4, 6)
+    with _no_vmap_fallback():
+        grads = torch.func.vmap(lambda d: torch.ops.uniop.softmax_backward(d, y=softmax[0], dim=1))(dy)
+    torch.testing.assert_close(grads, torch.stack([torch.ops.uniop.softmax_backward(d, softmax[0], 1) for d in dy]))
     assert torch.equal(argmax, samples.argmax(2, keepdim=True))
     gate, up = samples.chunk(2, dim=1)
     torch.testing.assert_close(swiglu, torch.nn.functional.silu(gate) * up, rtol=1e-6, atol=1e-6)

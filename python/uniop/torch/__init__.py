@@ -491,8 +491,8 @@ def _leading_batch_vmap_rule(native):
     (an unbatched one expanded to the batch, a stride-0 view) and a non-negative ``dim`` shifted
     past the new dim; every return carries the batch in front. Where another tensor argument
     carries the batch (a batched weight), the op runs once per sample, as torch's fallback would."""
-    names = [a["name"] for a in native.args]
-    rows = {names.index(n) for n in native.leading_batch_args}
+    names, row_names = [a["name"] for a in native.args], set(native.leading_batch_args)
+    rows = {names.index(n) for n in row_names}
     dim_at = names.index("dim") if "dim" in names else None
     returns = len(native.returns)
     op = getattr(torch.ops.uniop, native.name).default
@@ -509,10 +509,12 @@ def _leading_batch_vmap_rule(native):
             if i < len(args) and isinstance(args[i], torch.Tensor):
                 d = in_dims[i]
                 call[i] = args[i].movedim(d, 0) if d is not None else args[i].expand(size, *args[i].shape)
+        kwargs = {k: v.expand(size, *v.shape) if k in row_names and isinstance(v, torch.Tensor) else v
+                  for k, v in kwargs.items()}  # keyword arguments are never batched: shared
         if dim_at is not None and dim_at < len(call):
             call[dim_at] = shifted(call[dim_at])
         elif "dim" in kwargs:
-            kwargs = {**kwargs, "dim": shifted(kwargs["dim"])}
+            kwargs["dim"] = shifted(kwargs["dim"])
         return op(*call, **kwargs), 0 if returns == 1 else (0,) * returns
 
     return rule
