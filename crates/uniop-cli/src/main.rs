@@ -143,6 +143,15 @@ fn describe(op: &str) -> Result<()> {
     let dtypes: Vec<_> = entry.op.dtypes().iter().map(|d| d.name()).collect();
     println!("dtypes:   {}", dtypes.join(", "));
     println!("backward: {}", entry.op.backward().unwrap_or("none"));
+    let rows = entry.op.leading_batch_args();
+    let batching = match (entry.op.elementwise(), rows.is_empty()) {
+        (true, _) => "elementwise: one call over operands given a leading batch dim".to_string(),
+        (false, false) => {
+            format!("row by row along the leading dims of {}: one call over a leading batch dim", rows.join(", "))
+        }
+        (false, true) => "one call per sample".to_string(),
+    };
+    println!("batching: {batching}");
     println!("\n{}", entry.op.doc());
     Ok(())
 }

@@ -22,6 +22,18 @@ fn list_and_describe_come_from_the_registry() {
     let text = stdout(&out);
     assert!(text.starts_with("rms_norm(Tensor x, Tensor weight, float eps=1e-6) -> (Tensor y, Tensor rstd)"), "{text}");
     assert!(text.contains("backward: rms_norm_backward"), "{text}");
+    assert!(
+        text.contains("batching: row by row along the leading dims of x: one call over a leading batch dim"),
+        "{text}"
+    );
+    for (op, batching) in [
+        ("add", "batching: elementwise: one call over operands given a leading batch dim"),
+        ("add_rms_norm", "batching: row by row along the leading dims of x, residual"),
+        ("rms_norm_backward", "batching: one call per sample"),
+    ] {
+        let text = stdout(&uniop(&["describe", op]));
+        assert!(text.contains(batching), "{text}");
+    }
 }
 
 #[test]
