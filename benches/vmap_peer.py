@@ -11,22 +11,12 @@ gradient over rows (rms_norm_backward, linear_backward) have none and run torch'
 """
 
 import argparse
-import time
 import warnings
 
 import torch
 
 import uniop.torch  # noqa: F401  (registers torch.ops.uniop)
-
-
-def best_ms(f, rounds):
-    f()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        f()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return min(times)
+from masked_attention import best_ms
 
 
 def main():
@@ -70,7 +60,7 @@ def main():
     print("| vmap of | uniop ms | torch ms | uniop vs torch |")
     print("|---|---|---|---|")
     for name, case in cases.items():
-        ours, theirs = (best_ms(lambda o=o: case(o), args.rounds) for o in (uniop_ops, torch_ops))
+        ours, theirs = (best_ms(lambda o=o: case(o), 1, rounds=args.rounds) for o in (uniop_ops, torch_ops))
         print(f"| {name} | {ours:.2f} | {theirs:.2f} | {theirs / ours:.2f}x |")
 
 
