@@ -8,8 +8,8 @@
 #include <stdint.h>
 
 // Bumped when a struct layout or a signature of this header changes incompatibly (2: `add`'s alpha
-// became a `uniopScalar`).
-#define UNIOP_ABI_VERSION 2
+// became a `uniopScalar`; 3: the backwards summing parameter gradients gained `batch_dims`).
+#define UNIOP_ABI_VERSION 3
 
 // A point in a stream's work, for ordering and timing (opaque).
 typedef struct uniopEventObj uniopEventObj;
@@ -190,16 +190,17 @@ uniopStatus uniopAddRmsNorm(void *workspace,
                             uniopExecutor *executor,
                             uniopStream stream);
 
-// Phase 1 of `add_rms_norm_backward(Tensor dy, Tensor dsum, Tensor sum, Tensor weight, Tensor rstd) -> (Tensor dx, Tensor dresidual, Tensor dweight)`.
+// Phase 1 of `add_rms_norm_backward(Tensor dy, Tensor dsum, Tensor sum, Tensor weight, Tensor rstd, int batch_dims=0) -> (Tensor dx, Tensor dresidual, Tensor dweight)`.
 //
 // Gradients of add_rms_norm: dx = dresidual = rms_norm_backward's dx on sum + dsum, dweight as
-// rms_norm_backward's (dtype of weight), from the upstream gradients dy and dsum and the rstd and
-// sum the forward returned.
+// rms_norm_backward's (dtype of weight; per sample with batch_dims), from the upstream gradients
+// dy and dsum and the rstd and sum the forward returned.
 uniopStatus uniopAddRmsNormBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                     const uniopTensor *dsum,
                                                     const uniopTensor *sum,
                                                     const uniopTensor *weight,
                                                     const uniopTensor *rstd,
+                                                    int64_t batch_dims,
                                                     uniopTensor *dx,
                                                     uniopTensor *dresidual,
                                                     uniopTensor *dweight,
@@ -663,17 +664,19 @@ uniopStatus uniopLayerNorm(void *workspace,
                            uniopExecutor *executor,
                            uniopStream stream);
 
-// Phase 1 of `layer_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
+// Phase 1 of `layer_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor mean, Tensor rstd, int batch_dims=0) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
 //
 // Gradients of layer_norm: dx (dtype of x), dweight and dbias (dtype of weight; dbias = dy summed
 // over rows, to ignore when the layer has no bias), from the upstream gradient dy and the mean and
-// rstd saved by the forward. Deterministic: the dweight and dbias partials are per block, summed
-// in a fixed order.
+// rstd saved by the forward. dweight and dbias sum over all rows, or per sample with batch_dims:
+// then they are x.shape[:batch_dims] + weight's shape. Deterministic: the dweight and dbias
+// partials are per block, summed in a fixed order.
 uniopStatus uniopLayerNormBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                    const uniopTensor *x,
                                                    const uniopTensor *weight,
                                                    const uniopTensor *mean,
                                                    const uniopTensor *rstd,
+                                                   int64_t batch_dims,
                                                    uniopTensor *dx,
                                                    uniopTensor *dweight,
                                                    uniopTensor *dbias,
@@ -724,13 +727,15 @@ uniopStatus uniopLinearAdd(void *workspace,
                            uniopExecutor *executor,
                            uniopStream stream);
 
-// Phase 1 of `linear_add_backward(Tensor dy, Tensor x, Tensor weight) -> (Tensor dx, Tensor dweight, Tensor dresidual)`.
+// Phase 1 of `linear_add_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0) -> (Tensor dx, Tensor dweight, Tensor dresidual)`.
 //
 // Gradients of linear_add: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of
-// x), dresidual = dy.
+// x; per sample with batch_dims: x.shape[:batch_dims] + [out_features, in_features]), dresidual =
+// dy.
 uniopStatus uniopLinearAddBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                    const uniopTensor *x,
                                                    const uniopTensor *weight,
+                                                   int64_t batch_dims,
                                                    uniopTensor *dx,
                                                    uniopTensor *dweight,
                                                    uniopTensor *dresidual,
@@ -762,13 +767,15 @@ uniopStatus uniopLinearAddPacked(void *workspace,
                                  uniopExecutor *executor,
                                  uniopStream stream);
 
-// Phase 1 of `linear_backward(Tensor dy, Tensor x, Tensor weight) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
+// Phase 1 of `linear_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
 //
 // Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x),
-// dbias = dy summed over rows (ignore it when the layer has no bias).
+// dbias = dy summed over rows (ignore it when the layer has no bias). With batch_dims, dweight and
+// dbias are per sample: x.shape[:batch_dims] + their shape.
 uniopStatus uniopLinearBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                 const uniopTensor *x,
                                                 const uniopTensor *weight,
+                                                int64_t batch_dims,
                                                 uniopTensor *dx,
                                                 uniopTensor *dweight,
                                                 uniopTensor *dbias,
@@ -1143,15 +1150,17 @@ uniopStatus uniopRmsNorm(void *workspace,
                          uniopExecutor *executor,
                          uniopStream stream);
 
-// Phase 1 of `rms_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Tensor dx, Tensor dweight)`.
+// Phase 1 of `rms_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd, int batch_dims=0) -> (Tensor dx, Tensor dweight)`.
 //
 // Gradients of rms_norm: dx (dtype of x) and dweight (dtype of weight), from the upstream gradient
-// dy and the rstd saved by the forward. Deterministic: dweight partials are per block, summed in a
-// fixed order.
+// dy and the rstd saved by the forward. dweight sums over all rows, or per sample with batch_dims:
+// then it is x.shape[:batch_dims] + weight's shape. Deterministic: dweight partials are per block,
+// summed in a fixed order.
 uniopStatus uniopRmsNormBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                  const uniopTensor *x,
                                                  const uniopTensor *weight,
                                                  const uniopTensor *rstd,
+                                                 int64_t batch_dims,
                                                  uniopTensor *dx,
                                                  uniopTensor *dweight,
                                                  uint64_t *workspaceSize,

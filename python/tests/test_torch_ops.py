@@ -397,6 +397,81 @@ def test_torch_func_per_sample_gradients_match_torch():
     torch.testing.assert_close(*jacobians, rtol=1e-10, atol=1e-12)
 
 
+def _param_grad_cases(dtype):
+    """Arguments of the backwards with ``batch_dims``, rows ``[2, 3, 5]``: x with its two leading
+    dims transposed (strided), float32 statistics."""
+    rows, h, n = (2, 3, 5), 40, 24
+
+    def t(*shape, dt=dtype):
+        return torch.randn(*shape, dtype=dt)
+
+    x = t(3, 2, 5, h).transpose(0, 1)
+    stat = torch.rand(*rows, 1) + 0.5
+    return {
+        "rms_norm_backward": (t(*rows, h), x, t(h), stat),
+        "add_rms_norm_backward": (t(*rows, h), t(*rows, h), x, t(h), stat),
+        "layer_norm_backward": (t(*rows, h), x, t(h), t(*rows, 1, dt=torch.float32), stat),
+        "linear_backward": (t(*rows, n), x, t(n, h)),
+        "linear_add_backward": (t(*rows, n), x, t(n, h)),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_batch_dims_gives_each_sample_its_parameter_gradients(dtype):
+    """With ``batch_dims=2`` the backwards summing parameter gradients return one per sample of the
+    first two dims, each what the op gives on that sample's rows alone (the row-wise returns
+    unchanged); ``batch_dims`` past x's row dims is refused with the op, the argument and the range."""
+    torch.manual_seed(0)
+    for name, args in _param_grad_cases(dtype).items():
+        op = getattr(torch.ops.uniop, name)
+        got = _tuple(op(*args, batch_dims=2))
+        for i, j in np.ndindex(2, 3):
+            sample = [a[i, j] if a.dim() > 2 else a for a in args]
+            for k, want in enumerate(_tuple(op(*sample))):
+                assert got[k][i, j].shape == want.shape, (name, k)
+                torch.testing.assert_close(got[k][i, j], want, rtol=TOL[dtype], atol=TOL[dtype], msg=name)
+        with pytest.raises(uniop.UniopError, match=rf"{name}: argument 'batch_dims': expected 0 to 3 \(the dims of "):
+            op(*args, batch_dims=4)
+
+
+def test_per_sample_gradients_of_norms_and_linears_in_one_call():
+    """vmap(grad) through layer_norm, linear (with a bias), add_rms_norm and linear_add: their
+    backwards keep each sample's parameter gradients apart (``batch_dims``), so no op runs per
+    sample (torch's fallback disabled); the gradients match torch's own ops vmapped the same way,
+    with the batch in front and along dim 1."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 24)
+    params = [torch.rand(24) + 0.5, torch.randn(24), torch.randn(32, 24), torch.randn(32), torch.rand(32) + 0.5,
+              torch.randn(32, 32)]
+    uniop_ops = {
+        "layer_norm": lambda a, w, b: torch.ops.uniop.layer_norm(a, w, b)[0],
+        "linear": torch.ops.uniop.linear,
+        "add_rms_norm": lambda a, r, w: torch.ops.uniop.add_rms_norm(a, r, w)[::2],
+        "linear_add": torch.ops.uniop.linear_add,
+    }
+    torch_ops = {
+        "layer_norm": lambda a, w, b: torch.nn.functional.layer_norm(a, (24,), w, b, 1e-5),
+        "linear": torch.nn.functional.linear,
+        "add_rms_norm": lambda a, r, w: (torch.nn.functional.rms_norm(a + r, (32,), w, 1e-6), a + r),
+        "linear_add": lambda a, w, r: torch.nn.functional.linear(a, w) + r,
+    }
+
+    def loss(ops, p, xb):
+        h = ops["linear"](ops["layer_norm"](xb, p[0], p[1]), p[2], p[3])
+        y, residual = ops["add_rms_norm"](h, h.sin(), p[4])
+        return ops["linear_add"](y, p[5], residual).pow(2).sum()
+
+    for in_dim, batch in ((0, x), (1, x.transpose(0, 1))):
+        grads = {}
+        for kind, ops in (("uniop", uniop_ops), ("torch", torch_ops)):
+            per_sample = torch.func.vmap(torch.func.grad(lambda p, xb, ops=ops: loss(ops, p, xb)), in_dims=(None, in_dim))
+            with _no_vmap_fallback() if kind == "uniop" else contextlib.nullcontext():
+                grads[kind] = per_sample(params, batch)
+        for got, want in zip(grads["uniop"], grads["torch"]):
+            assert got.shape == want.shape and want.shape[0] == 5
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+
+
 WITHOUT_BACKWARD = [
     n for n in sorted(CASES) if not uniop.op(n).backward and not any(a["mutated"] for a in uniop.op(n).args)
 ]

@@ -125,11 +125,11 @@ pub extern "C" fn uniopAddRmsNorm(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `add_rms_norm_backward(Tensor dy, Tensor dsum, Tensor sum, Tensor weight, Tensor rstd) -> (Tensor dx, Tensor dresidual, Tensor dweight)`.
+/// Phase 1 of `add_rms_norm_backward(Tensor dy, Tensor dsum, Tensor sum, Tensor weight, Tensor rstd, int batch_dims=0) -> (Tensor dx, Tensor dresidual, Tensor dweight)`.
 ///
 /// Gradients of add_rms_norm: dx = dresidual = rms_norm_backward's dx on sum + dsum, dweight as
-/// rms_norm_backward's (dtype of weight), from the upstream gradients dy and dsum and the rstd and
-/// sum the forward returned.
+/// rms_norm_backward's (dtype of weight; per sample with batch_dims), from the upstream gradients
+/// dy and dsum and the rstd and sum the forward returned.
 #[no_mangle]
 pub extern "C" fn uniopAddRmsNormBackwardGetWorkspaceSize(
     dy: *const uniopTensor,
@@ -137,6 +137,7 @@ pub extern "C" fn uniopAddRmsNormBackwardGetWorkspaceSize(
     sum: *const uniopTensor,
     weight: *const uniopTensor,
     rstd: *const uniopTensor,
+    batch_dims: i64,
     dx: *mut uniopTensor,
     dresidual: *mut uniopTensor,
     dweight: *mut uniopTensor,
@@ -147,7 +148,7 @@ pub extern "C" fn uniopAddRmsNormBackwardGetWorkspaceSize(
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 5] =
             [("dy", dy), ("dsum", dsum), ("sum", sum), ("weight", weight), ("rstd", rstd)];
-        let attrs: [(&str, AttrValue); 0] = [];
+        let attrs: [(&str, AttrValue); 1] = [("batch_dims", AttrValue::Int(batch_dims))];
         let outputs = [
             ("dx", dx as *const uniopTensor),
             ("dresidual", dresidual as *const uniopTensor),
@@ -1024,12 +1025,13 @@ pub extern "C" fn uniopLayerNorm(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `layer_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
+/// Phase 1 of `layer_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor mean, Tensor rstd, int batch_dims=0) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
 ///
 /// Gradients of layer_norm: dx (dtype of x), dweight and dbias (dtype of weight; dbias = dy summed
 /// over rows, to ignore when the layer has no bias), from the upstream gradient dy and the mean and
-/// rstd saved by the forward. Deterministic: the dweight and dbias partials are per block, summed
-/// in a fixed order.
+/// rstd saved by the forward. dweight and dbias sum over all rows, or per sample with batch_dims:
+/// then they are x.shape[:batch_dims] + weight's shape. Deterministic: the dweight and dbias
+/// partials are per block, summed in a fixed order.
 #[no_mangle]
 pub extern "C" fn uniopLayerNormBackwardGetWorkspaceSize(
     dy: *const uniopTensor,
@@ -1037,6 +1039,7 @@ pub extern "C" fn uniopLayerNormBackwardGetWorkspaceSize(
     weight: *const uniopTensor,
     mean: *const uniopTensor,
     rstd: *const uniopTensor,
+    batch_dims: i64,
     dx: *mut uniopTensor,
     dweight: *mut uniopTensor,
     dbias: *mut uniopTensor,
@@ -1047,7 +1050,7 @@ pub extern "C" fn uniopLayerNormBackwardGetWorkspaceSize(
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 5] =
             [("dy", dy), ("x", x), ("weight", weight), ("mean", mean), ("rstd", rstd)];
-        let attrs: [(&str, AttrValue); 0] = [];
+        let attrs: [(&str, AttrValue); 1] = [("batch_dims", AttrValue::Int(batch_dims))];
         let outputs = [
             ("dx", dx as *const uniopTensor),
             ("dweight", dweight as *const uniopTensor),
@@ -1138,15 +1141,17 @@ pub extern "C" fn uniopLinearAdd(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `linear_add_backward(Tensor dy, Tensor x, Tensor weight) -> (Tensor dx, Tensor dweight, Tensor dresidual)`.
+/// Phase 1 of `linear_add_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0) -> (Tensor dx, Tensor dweight, Tensor dresidual)`.
 ///
 /// Gradients of linear_add: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of
-/// x), dresidual = dy.
+/// x; per sample with batch_dims: x.shape[:batch_dims] + [out_features, in_features]), dresidual =
+/// dy.
 #[no_mangle]
 pub extern "C" fn uniopLinearAddBackwardGetWorkspaceSize(
     dy: *const uniopTensor,
     x: *const uniopTensor,
     weight: *const uniopTensor,
+    batch_dims: i64,
     dx: *mut uniopTensor,
     dweight: *mut uniopTensor,
     dresidual: *mut uniopTensor,
@@ -1156,7 +1161,7 @@ pub extern "C" fn uniopLinearAddBackwardGetWorkspaceSize(
     const F: &str = "uniopLinearAddBackwardGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 3] = [("dy", dy), ("x", x), ("weight", weight)];
-        let attrs: [(&str, AttrValue); 0] = [];
+        let attrs: [(&str, AttrValue); 1] = [("batch_dims", AttrValue::Int(batch_dims))];
         let outputs = [
             ("dx", dx as *const uniopTensor),
             ("dweight", dweight as *const uniopTensor),
@@ -1213,15 +1218,17 @@ pub extern "C" fn uniopLinearAddPacked(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `linear_backward(Tensor dy, Tensor x, Tensor weight) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
+/// Phase 1 of `linear_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
 ///
 /// Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x),
-/// dbias = dy summed over rows (ignore it when the layer has no bias).
+/// dbias = dy summed over rows (ignore it when the layer has no bias). With batch_dims, dweight and
+/// dbias are per sample: x.shape[:batch_dims] + their shape.
 #[no_mangle]
 pub extern "C" fn uniopLinearBackwardGetWorkspaceSize(
     dy: *const uniopTensor,
     x: *const uniopTensor,
     weight: *const uniopTensor,
+    batch_dims: i64,
     dx: *mut uniopTensor,
     dweight: *mut uniopTensor,
     dbias: *mut uniopTensor,
@@ -1231,7 +1238,7 @@ pub extern "C" fn uniopLinearBackwardGetWorkspaceSize(
     const F: &str = "uniopLinearBackwardGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 3] = [("dy", dy), ("x", x), ("weight", weight)];
-        let attrs: [(&str, AttrValue); 0] = [];
+        let attrs: [(&str, AttrValue); 1] = [("batch_dims", AttrValue::Int(batch_dims))];
         let outputs = [
             ("dx", dx as *const uniopTensor),
             ("dweight", dweight as *const uniopTensor),
@@ -1938,17 +1945,19 @@ pub extern "C" fn uniopRmsNorm(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `rms_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Tensor dx, Tensor dweight)`.
+/// Phase 1 of `rms_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd, int batch_dims=0) -> (Tensor dx, Tensor dweight)`.
 ///
 /// Gradients of rms_norm: dx (dtype of x) and dweight (dtype of weight), from the upstream gradient
-/// dy and the rstd saved by the forward. Deterministic: dweight partials are per block, summed in a
-/// fixed order.
+/// dy and the rstd saved by the forward. dweight sums over all rows, or per sample with batch_dims:
+/// then it is x.shape[:batch_dims] + weight's shape. Deterministic: dweight partials are per block,
+/// summed in a fixed order.
 #[no_mangle]
 pub extern "C" fn uniopRmsNormBackwardGetWorkspaceSize(
     dy: *const uniopTensor,
     x: *const uniopTensor,
     weight: *const uniopTensor,
     rstd: *const uniopTensor,
+    batch_dims: i64,
     dx: *mut uniopTensor,
     dweight: *mut uniopTensor,
     workspaceSize: *mut u64,
@@ -1957,7 +1966,7 @@ pub extern "C" fn uniopRmsNormBackwardGetWorkspaceSize(
     const F: &str = "uniopRmsNormBackwardGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 4] = [("dy", dy), ("x", x), ("weight", weight), ("rstd", rstd)];
-        let attrs: [(&str, AttrValue); 0] = [];
+        let attrs: [(&str, AttrValue); 1] = [("batch_dims", AttrValue::Int(batch_dims))];
         let outputs = [("dx", dx as *const uniopTensor), ("dweight", dweight as *const uniopTensor)];
         plan("rms_norm_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })

@@ -1,17 +1,20 @@
-//! `layer_norm_backward(dy, x, weight, mean, rstd) -> (dx, dweight, dbias)`, the gradient of
-//! [`layer_norm`](crate::layer_norm).
+//! `layer_norm_backward(dy, x, weight, mean, rstd, batch_dims=0) -> (dx, dweight, dbias)`, the
+//! gradient of [`layer_norm`](crate::layer_norm).
 //!
 //! With x̂ = (x − mean)·rstd, g = dy·w and n normalized elements per row:
-//! dx = rstd·(g − mean(g) − x̂·mean(g·x̂)), dweight = Σ_rows dy·x̂, dbias = Σ_rows dy.
+//! dx = rstd·(g − mean(g) − x̂·mean(g·x̂)), dweight = Σ_rows dy·x̂, dbias = Σ_rows dy — the sums
+//! per sample of the first `batch_dims` dims of x (see [`per_sample`](crate::per_sample)).
 //!
-//! Two launches, as `rms_norm_backward`: each block computes dx for its rows and accumulates
-//! private f32 partials of dweight and dbias in the workspace (no atomics, deterministic); a second
-//! launch sums the partials column by column, in an order fixed by the plan.
+//! Two launches, as `rms_norm_backward`: each block computes dx for its rows (of one sample) and
+//! accumulates private f32 partials of dweight and dbias in the workspace (no atomics,
+//! deterministic); a second launch sums each sample's partials column by column, in an order fixed
+//! by the plan.
 
 use crate::elementwise::{fence, store_step, streams_bytes, widen_lanes, Ahead, Aligned, LANES};
 use crate::math;
+use crate::per_sample::SampleBlocks;
 use crate::rms_norm::{param_f32, KernelShape, NormShape};
-use crate::rms_norm_backward::{check_statistic, sum_partials};
+use crate::rms_norm_backward::{check_statistic, param_grad, samples, sum_partials};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
     OpCx, Plan, RefTensor, Result, Step, TensorMeta,
@@ -78,7 +81,7 @@ fn backward_row<T: FloatElement, const NATIVE: bool>(
 }
 
 crate::simd_kernel! {
-fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape) {
+fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape, samples: SampleBlocks) {
     let (dy, x, mean, rstd) = (args.input(0), args.input(1), args.input(3), args.input(4));
     let dx = args.output(0);
     let (block, blocks) = (ctx.block_idx as usize, ctx.block_num as usize);
@@ -89,7 +92,7 @@ fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx,
     let partial = unsafe { args.workspace::<f32>(block * 2 * s.cols, 2 * s.cols) };
     partial.fill(0.0);
     let (dw, db) = partial.split_at_mut(s.cols);
-    let rows = ctx.split(s.rows);
+    let (_, rows) = samples.rows(ctx);
     for r in rows.clone() {
         let [dyr, xr, next_dy, next_x] = [(&dy, r), (&x, r), (&dy, r + 1), (&x, r + 1)].map(|(t, r)| s.row::<T>(t, r, &rows));
         let stats = (means[mean.layout().offset_of_linear(r)], rstds[rstd.layout().offset_of_linear(r)]);
@@ -115,14 +118,20 @@ fn check(cx: &OpCx) -> Result<NormShape> {
 
 impl Op for LayerNormBackward {
     fn schema(&self) -> &'static str {
-        "layer_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor mean, Tensor rstd) -> (Tensor dx, Tensor \
-         dweight, Tensor dbias)"
+        "layer_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor mean, Tensor rstd, int batch_dims=0) -> \
+         (Tensor dx, Tensor dweight, Tensor dbias)"
     }
 
     fn doc(&self) -> &'static str {
         "Gradients of layer_norm: dx (dtype of x), dweight and dbias (dtype of weight; dbias = dy summed over \
          rows, to ignore when the layer has no bias), from the upstream gradient dy and the mean and rstd saved \
-         by the forward. Deterministic: the dweight and dbias partials are per block, summed in a fixed order."
+         by the forward. dweight and dbias sum over all rows, or per sample with batch_dims: then they are \
+         x.shape[:batch_dims] + weight's shape. Deterministic: the dweight and dbias partials are per block, summed in a fixed order."
+    }
+
+    /// Row by row; the parameter gradients per sample with `batch_dims`.
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["dy", "x", "mean", "rstd"]
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -131,8 +140,7 @@ impl Op for LayerNormBackward {
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let s = check(cx)?;
-        let w = cx.input("weight");
-        let param = TensorMeta::contiguous(w.dtype, w.shape())?;
+        let param = param_grad(cx, "x", &s)?;
         Ok(vec![TensorMeta::contiguous(s.dtype, cx.input("x").shape())?, param.clone(), param])
     }
 
@@ -140,9 +148,9 @@ impl Op for LayerNormBackward {
         let s = check(cx)?;
         let streaming = streams_bytes(s.rows * s.cols * s.dtype.size());
         let ks = KernelShape { rows: s.rows, cols: s.cols, inner_dims: s.inner_dims, eps: 0.0, streaming };
-        let blocks = block_dim_for(s.rows, 3 * s.cols * s.dtype.size());
-        let reduce_blocks = block_dim_for(s.cols, 8 * blocks as usize);
-        let partials = blocks as usize;
+        let sb = samples(cx, "x", &s)?.blocks(cx, "x", block_dim_for(s.rows, 3 * s.cols * s.dtype.size()))?;
+        let (blocks, partials) = (sb.total, sb.total as usize);
+        let reduce_blocks = block_dim_for(sb.count * s.cols, 8 * sb.per_sample);
         // [block][dweight | dbias] partials, then the blocks' widened weights (when not f32).
         let per_block = if cx.input("weight").dtype == DType::F32 { 2 } else { 3 };
         let workspace = partials
@@ -153,16 +161,16 @@ impl Op for LayerNormBackward {
         let steps = with_float_dtype!(s.dtype, cx.op(), "x", |T| {
             if cx.input("weight").dtype == DType::F32 {
                 vec![
-                    Step::new("layer_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, f32>(a, c, &ks)),
+                    Step::new("layer_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, f32>(a, c, &ks, sb)),
                     Step::new("layer_norm_backward.dweight", reduce_blocks, move |a, c| {
-                        sum_partials::<f32>(a, c, cols, partials, &[1, 2])
+                        sum_partials::<f32>(a, c, cols, sb, &[1, 2])
                     }),
                 ]
             } else {
                 vec![
-                    Step::new("layer_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, T>(a, c, &ks)),
+                    Step::new("layer_norm_backward.dx", blocks, move |a, c| dx_kernel::<T, T>(a, c, &ks, sb)),
                     Step::new("layer_norm_backward.dweight", reduce_blocks, move |a, c| {
-                        sum_partials::<T>(a, c, cols, partials, &[1, 2])
+                        sum_partials::<T>(a, c, cols, sb, &[1, 2])
                     }),
                 ]
             }
@@ -176,10 +184,14 @@ impl Op for LayerNormBackward {
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let s = check(cx)?;
+        let per_sample = samples(cx, "x", &s)?;
         let [dy, x, w, mean, rstd] = [0, 1, 2, 3, 4].map(|i| inputs[i].as_ref().unwrap());
         let n = s.cols;
-        let (mut dx, mut dw, mut db) = (vec![0.0; x.data.len()], vec![0.0; n], vec![0.0; n]);
+        let params = per_sample.count * n;
+        let (mut dx, mut dw, mut db) = (vec![0.0; x.data.len()], vec![0.0; params], vec![0.0; params]);
         for r in 0..s.rows {
+            let at = r / per_sample.rows.max(1) * n;
+            let (dw, db) = (&mut dw[at..at + n], &mut db[at..at + n]);
             let (dyr, xr) = (&dy.data[r * n..(r + 1) * n], &x.data[r * n..(r + 1) * n]);
             let xhat: Vec<f64> = xr.iter().map(|v| (v - mean.data[r]) * rstd.data[r]).collect();
             let g: Vec<f64> = (0..n).map(|i| dyr[i] * w.data[i]).collect();
@@ -191,8 +203,12 @@ impl Op for LayerNormBackward {
                 db[i] += dyr[i];
             }
         }
-        let w_shape = cx.input("weight").shape();
-        Ok(vec![RefTensor::new(cx.input("x").shape(), dx), RefTensor::new(w_shape, dw), RefTensor::new(w_shape, db)])
+        let param = param_grad(cx, "x", &s)?;
+        Ok(vec![
+            RefTensor::new(cx.input("x").shape(), dx),
+            RefTensor::new(param.shape(), dw),
+            RefTensor::new(param.shape(), db),
+        ])
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {

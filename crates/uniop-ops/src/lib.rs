@@ -66,6 +66,7 @@ pub mod mul_backward;
 pub mod pack_weight;
 mod packed_gemm;
 mod paired;
+mod per_sample;
 pub mod permute;
 pub mod permute_backward;
 

@@ -1,8 +1,8 @@
-//! `linear_add_backward(dy, x, weight) -> (dx, dweight, dresidual)`, the gradient of
+//! `linear_add_backward(dy, x, weight, batch_dims=0) -> (dx, dweight, dresidual)`, the gradient of
 //! [`linear_add`](crate::linear_add): `linear_backward`'s two launches, the second writing
 //! `dresidual = dy` (a copy: returns never alias inputs) in place of the bias sum.
 
-use crate::linear_backward::{dims, Third};
+use crate::linear_backward::{dims, samples, Third};
 use crate::matmul::DTYPES;
 use uniop::{DType, Example, Op, OpCx, Plan, RefTensor, Result, TensorMeta};
 
@@ -10,12 +10,18 @@ pub struct LinearAddBackward;
 
 impl Op for LinearAddBackward {
     fn schema(&self) -> &'static str {
-        "linear_add_backward(Tensor dy, Tensor x, Tensor weight) -> (Tensor dx, Tensor dweight, Tensor dresidual)"
+        "linear_add_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0) -> (Tensor dx, Tensor dweight, \
+         Tensor dresidual)"
     }
 
     fn doc(&self) -> &'static str {
-        "Gradients of linear_add: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x), \
-         dresidual = dy."
+        "Gradients of linear_add: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x; per \
+         sample with batch_dims: x.shape[:batch_dims] + [out_features, in_features]), dresidual = dy."
+    }
+
+    /// Row by row; the parameter gradients per sample with `batch_dims`.
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["dy", "x"]
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -27,11 +33,11 @@ impl Op for LinearAddBackward {
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
-        let d = dims(cx)?;
+        let (d, samples) = (dims(cx)?, samples(cx)?);
         let dtype = cx.input("x").dtype;
         Ok(vec![
             TensorMeta::contiguous(dtype, cx.input("x").shape())?,
-            TensorMeta::contiguous(dtype, &[d.n, d.k])?,
+            TensorMeta::contiguous(dtype, &samples.shape(&[d.n, d.k]))?,
             TensorMeta::contiguous(dtype, cx.input("dy").shape())?,
         ])
     }
@@ -42,10 +48,11 @@ impl Op for LinearAddBackward {
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
-        let d = dims(cx)?;
-        let (dx, dw) = crate::linear_backward::reference(d, inputs);
+        let (d, samples) = (dims(cx)?, samples(cx)?);
+        let (dx, dw) = crate::linear_backward::reference(d, &samples, inputs);
         let dy = inputs[0].as_ref().unwrap();
-        Ok(vec![RefTensor::new(cx.input("x").shape(), dx), RefTensor::new(&[d.n, d.k], dw), dy.clone()])
+        let dweight = RefTensor::new(&samples.shape(&[d.n, d.k]), dw);
+        Ok(vec![RefTensor::new(cx.input("x").shape(), dx), dweight, dy.clone()])
     }
 
     /// x's shape, as for linear_add.

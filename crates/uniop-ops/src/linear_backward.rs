@@ -1,13 +1,15 @@
-//! `linear_backward(dy, x, weight) -> (dx, dweight, dbias)`, the gradient of
-//! [`linear`](crate::linear): `dx = dy · weight`, `dweight = dyᵀ · x`, `dbias = Σ_rows dy`.
+//! `linear_backward(dy, x, weight, batch_dims=0) -> (dx, dweight, dbias)`, the gradient of
+//! [`linear`](crate::linear): `dx = dy · weight`, `dweight = dyᵀ · x`, `dbias = Σ_rows dy` — the
+//! last two per sample of the first `batch_dims` dims of x (see [`per_sample`](crate::per_sample)).
 //!
 //! Two launches, each block owning a band of an output (no atomics, deterministic): rows of `dx`
-//! (or, for f32 and bf16 with few rows, its columns: `split_columns`), then rows of `dweight`
-//! together with the matching entries of `dbias`. Transposes are strides.
+//! (or, for f32 and bf16 with few rows, its columns: `split_columns`), then rows of one sample's
+//! `dweight` together with the matching entries of its `dbias`. Transposes are strides.
 
 use crate::linear::{x_and_weight, Dims, COLUMN_UNIT};
 use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
 use crate::packed_gemm::split_columns;
+use crate::per_sample::{SampleBlocks, Samples};
 use uniop::{
     with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,
     RefTensor, Result, Step, TensorMeta,
@@ -53,40 +55,47 @@ pub(crate) enum Third {
     ResidualCopy,
 }
 
-/// Step 2: rows of `dweight = dyᵀ · x` (`[n, rows] · [rows, k]`) and the same columns of the third
-/// return.
-fn dw_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, third: Third) {
+/// Step 2: rows of one sample's `dweight = dyᵀ · x` (`[n, rows] · [rows, k]`) and the same
+/// columns of its third return.
+fn dw_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, third: Third, samples: SampleBlocks) {
+    if samples.count == 0 {
+        return; // the returns are empty
+    }
     let (dy, x) = (args.input(0), args.input(1));
     let (dw, db) = (args.output(1), args.output(2));
-    let dys = &dy.storage::<T>().unwrap()[dy.layout().offset()..];
-    let owned = ctx.split(d.n);
-    // SAFETY: as above; this block owns dweight rows `owned` and the third return's entries (dbias)
-    // or columns (dresidual) `owned`.
+    let (sample, place) = ctx.within(samples.count);
+    let (first, rows) = (sample * samples.rows, samples.rows);
+    let dys = &dy.storage::<T>().unwrap()[dy.layout().offset() + first * d.n..];
+    let xs = &x.storage::<T>().unwrap()[x.layout().offset() + first * d.k..];
+    let owned = place.split(d.n);
+    // SAFETY: as above; this block owns rows `owned` of the sample's dweight and the third return's
+    // entries (dbias) or columns of the sample's rows (dresidual) `owned`.
     unsafe {
         gemm_rows(
             owned.clone(),
             d.k,
-            d.rows,
-            Dst { ptr: dw.as_mut_ptr::<T>().add(dw.layout().offset()), rs: d.k as isize, cs: 1 },
+            rows,
+            Dst { ptr: dw.as_mut_ptr::<T>().add(dw.layout().offset() + sample * d.n * d.k), rs: d.k as isize, cs: 1 },
             Mat { ptr: dys.as_ptr(), rs: 1, cs: d.n as isize },
-            Mat { ptr: x.storage::<T>().unwrap().as_ptr().add(x.layout().offset()), rs: d.k as isize, cs: 1 },
+            Mat { ptr: xs.as_ptr(), rs: d.k as isize, cs: 1 },
             false,
         );
         if let Third::ResidualCopy = third {
-            for r in 0..d.rows {
+            for r in 0..rows {
                 let row = &dys[r * d.n + owned.start..r * d.n + owned.end];
-                db.slice_mut::<T>(db.layout().offset() + r * d.n + owned.start, owned.len()).copy_from_slice(row);
+                let at = db.layout().offset() + (first + r) * d.n + owned.start;
+                db.slice_mut::<T>(at, owned.len()).copy_from_slice(row);
             }
             return;
         }
         // Row by row (contiguous reads), each column's sum still in row order.
         let mut sums = vec![0f32; owned.len()];
-        for r in 0..d.rows {
+        for r in 0..rows {
             for (s, v) in sums.iter_mut().zip(&dys[r * d.n + owned.start..r * d.n + owned.end]) {
                 *s += v.to_f32();
             }
         }
-        let bias = db.slice_mut::<T>(db.layout().offset() + owned.start, owned.len());
+        let bias = db.slice_mut::<T>(db.layout().offset() + sample * d.n + owned.start, owned.len());
         for (out, s) in bias.iter_mut().zip(sums) {
             *out = T::from_f32(s);
         }
@@ -95,12 +104,19 @@ fn dw_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, third: 
 
 impl Op for LinearBackward {
     fn schema(&self) -> &'static str {
-        "linear_backward(Tensor dy, Tensor x, Tensor weight) -> (Tensor dx, Tensor dweight, Tensor dbias)"
+        "linear_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0) -> (Tensor dx, Tensor dweight, Tensor \
+         dbias)"
     }
 
     fn doc(&self) -> &'static str {
         "Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x), \
-         dbias = dy summed over rows (ignore it when the layer has no bias)."
+         dbias = dy summed over rows (ignore it when the layer has no bias). With batch_dims, dweight and dbias \
+         are per sample: x.shape[:batch_dims] + their shape."
+    }
+
+    /// Row by row; the parameter gradients per sample with `batch_dims`.
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["dy", "x"]
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -112,12 +128,12 @@ impl Op for LinearBackward {
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
-        let d = dims(cx)?;
+        let (d, samples) = (dims(cx)?, samples(cx)?);
         let dtype = cx.input("x").dtype;
         Ok(vec![
             TensorMeta::contiguous(dtype, cx.input("x").shape())?,
-            TensorMeta::contiguous(dtype, &[d.n, d.k])?,
-            TensorMeta::contiguous(dtype, &[d.n])?,
+            TensorMeta::contiguous(dtype, &samples.shape(&[d.n, d.k]))?,
+            TensorMeta::contiguous(dtype, &samples.shape(&[d.n]))?,
         ])
     }
 
@@ -126,11 +142,21 @@ impl Op for LinearBackward {
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
-        let d = dims(cx)?;
-        let (dx, dw) = reference(d, inputs);
+        let (d, samples) = (dims(cx)?, samples(cx)?);
+        let (dx, dw) = reference(d, &samples, inputs);
         let dy = &inputs[0].as_ref().unwrap().data;
-        let db = (0..d.n).map(|j| (0..d.rows).map(|r| dy[r * d.n + j]).sum()).collect();
-        Ok(vec![RefTensor::new(cx.input("x").shape(), dx), RefTensor::new(&[d.n, d.k], dw), RefTensor::new(&[d.n], db)])
+        let mut db = vec![0.0; samples.count * d.n];
+        for r in 0..d.rows {
+            let sample = r / samples.rows.max(1);
+            for j in 0..d.n {
+                db[sample * d.n + j] += dy[r * d.n + j];
+            }
+        }
+        Ok(vec![
+            RefTensor::new(cx.input("x").shape(), dx),
+            RefTensor::new(&samples.shape(&[d.n, d.k]), dw),
+            RefTensor::new(&samples.shape(&[d.n]), db),
+        ])
     }
 
     /// x's shape, as for linear (the first input is the gradient of the `[.., 2k]` output).
@@ -144,26 +170,32 @@ impl Op for LinearBackward {
     }
 }
 
+/// How `batch_dims` divides the rows of `x` into samples.
+pub(crate) fn samples(cx: &OpCx) -> Result<Samples> {
+    Samples::of(cx, "x", cx.input("x").rank() - 1, "features")
+}
+
 /// The plan of `linear_backward` and `linear_add_backward` (steps `names`).
 pub(crate) fn plan(cx: &OpCx, d: Dims, third: Third, names: [&'static str; 2]) -> Result<Plan> {
     let threads = uniop::runtime::Pool::global().threads();
     let columns = split_columns(cx.input("x").dtype, d.rows, d.k, threads);
     let dx_blocks =
         if columns { d.k.div_ceil(COLUMN_UNIT).clamp(1, threads) } else { d.rows.div_ceil(16).clamp(1, threads) };
-    let dw_blocks = d.n.div_ceil(16).clamp(1, threads) as u32;
+    let sb = samples(cx)?.blocks(cx, "x", d.n.div_ceil(16).clamp(1, threads) as u32)?;
     let steps = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| vec![
         Step::new(names[0], dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)),
-        Step::new(names[1], dw_blocks, move |a, c| dw_kernel::<T>(a, c, d, third)),
+        Step::new(names[1], sb.total, move |a, c| dw_kernel::<T>(a, c, d, third, sb)),
     ]);
     Ok(Plan::new(steps).inputs_need(vec![LayoutNeed::Contiguous; 3]).outputs_need(vec![LayoutNeed::Contiguous; 3]))
 }
 
-/// f64 `(dx, dweight)` of `dy`, `x`, `weight` (inputs 0–2).
-pub(crate) fn reference(d: Dims, inputs: &[Option<RefTensor>]) -> (Vec<f64>, Vec<f64>) {
+/// f64 `(dx, dweight)` of `dy`, `x`, `weight` (inputs 0–2), dweight per sample.
+pub(crate) fn reference(d: Dims, samples: &Samples, inputs: &[Option<RefTensor>]) -> (Vec<f64>, Vec<f64>) {
     let [dy, x, w] = [0, 1, 2].map(|i| inputs[i].as_ref().unwrap());
     let mut dx = vec![0.0; d.rows * d.k];
-    let mut dw = vec![0.0; d.n * d.k];
+    let mut dw = vec![0.0; samples.count * d.n * d.k];
     for r in 0..d.rows {
+        let dw = &mut dw[r / samples.rows.max(1) * d.n * d.k..][..d.n * d.k];
         for j in 0..d.n {
             let g = dy.data[r * d.n + j];
             for p in 0..d.k {

@@ -1,16 +1,20 @@
-//! `rms_norm_backward(dy, x, weight, rstd) -> (dx, dweight)`, the gradient of [`rms_norm`].
+//! `rms_norm_backward(dy, x, weight, rstd, batch_dims=0) -> (dx, dweight)`, the gradient of
+//! [`rms_norm`].
 //!
 //! With g = dy·w and n normalized elements per row:
-//! dx = rstd·g − x·rstd³·(Σ g·x)/n, and dweight = Σ_rows dy·x·rstd.
+//! dx = rstd·g − x·rstd³·(Σ g·x)/n, and dweight = Σ_rows dy·x·rstd — one sum per sample of the
+//! first `batch_dims` dims of x (see [`per_sample`](crate::per_sample)).
 //!
-//! Two launches: each block computes dx for its rows and accumulates a private f32 partial of
-//! dweight in the workspace (no atomics, deterministic); a second launch sums the partials column
-//! by column. The order of summation is fixed by the plan, so results are reproducible run to run.
+//! Two launches: each block computes dx for its rows (of one sample) and accumulates a private f32
+//! partial of dweight in the workspace (no atomics, deterministic); a second launch sums each
+//! sample's partials column by column. The order of summation is fixed by the plan, so results are
+//! reproducible run to run.
 //!
 //! [`rms_norm`]: crate::rms_norm
 
 use crate::elementwise::{fence, store_step, streams_bytes, widen_lanes, Ahead, Aligned, CHUNK, LANES};
 use crate::math;
+use crate::per_sample::{SampleBlocks, Samples};
 use crate::rms_norm::{norm_shape, param_f32, KernelShape, NormShape, DTYPES};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
@@ -104,7 +108,7 @@ const RMS_NORM: Slots = Slots { dsum: None, x: 1, weight: 2, rstd: 3, dweight: 1
 pub(crate) const ADD_RMS_NORM: Slots = Slots { dsum: Some(1), x: 2, weight: 3, rstd: 4, dweight: 2 };
 
 crate::simd_kernel! {
-fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape, slots: Slots) {
+fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, s: &KernelShape, slots: Slots, samples: SampleBlocks) {
     let (dy, x, rstd) = (args.input(0), args.input(slots.x), args.input(slots.rstd));
     let dsum = slots.dsum.map(|i| args.input(i));
     let (dx, dres) = (args.output(0), slots.dsum.map(|_| args.output(1)));
@@ -115,7 +119,7 @@ fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx,
     // SAFETY: block b owns partial row b of the workspace.
     let partial = unsafe { args.workspace::<f32>(block * s.cols, s.cols) };
     partial.fill(0.0);
-    let rows = ctx.split(s.rows);
+    let (_, rows) = samples.rows(ctx);
     for r in rows.clone() {
         let [dyr, xr, next_dy, next_x] = [(&dy, r), (&x, r), (&dy, r + 1), (&x, r + 1)].map(|(t, r)| s.row::<T>(t, r, &rows));
         let (dsr, next_ds) = dsum.as_ref().map_or((None, &[][..]), |t| (Some(s.row::<T>(t, r, &rows)), s.row(t, r + 1, &rows)));
@@ -132,24 +136,28 @@ fn dx_kernel<T: FloatElement, W: FloatElement>(args: &KernelArgs, ctx: BlockCtx,
 }
 
 crate::simd_kernel! {
-/// Column ranges `split(cols)` of the parameter gradients `outputs` (dweight; layer_norm's dbias
-/// after it): each block of the first launch left one partial row per output, `[block][output]`
-/// rows of `cols` f32 at the workspace's start, summed here in block order.
-pub(crate) fn sum_partials<W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, cols: usize, partials: usize, outputs: &[usize]) {
-    let range = ctx.split(cols);
+/// Ranges `split(samples · cols)` of the parameter gradients `outputs` (dweight; layer_norm's dbias
+/// after it; `[sample][cols]`): each block of the first launch left one partial row per output,
+/// `[block][output]` rows of `cols` f32 at the workspace's start, and a sample's are summed here
+/// in block order.
+pub(crate) fn sum_partials<W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, cols: usize, samples: SampleBlocks, outputs: &[usize]) {
+    let range = ctx.split(samples.count * cols);
     for (k, &output) in outputs.iter().enumerate() {
         let out = args.output(output);
         let mut sum = [0f32; CHUNK];
-        for start in range.clone().step_by(CHUNK) {
-            let len = CHUNK.min(range.end - start);
+        let mut start = range.start;
+        while start < range.end {
+            let (sample, col) = (start / cols, start % cols);
+            let len = CHUNK.min(range.end - start).min(cols - col);
             sum[..len].fill(0.0);
-            for p in 0..partials {
+            for p in sample * samples.per_sample..(sample + 1) * samples.per_sample {
                 // SAFETY: the first launch has finished; every block of this one only reads.
-                let part: &[f32] = unsafe { args.workspace::<f32>((p * outputs.len() + k) * cols + start, len) };
+                let part: &[f32] = unsafe { args.workspace::<f32>((p * outputs.len() + k) * cols + col, len) };
                 sum.iter_mut().zip(part).for_each(|(acc, v)| *acc += v);
             }
-            // SAFETY: blocks own disjoint column ranges of the (contiguous) outputs.
+            // SAFETY: blocks own disjoint ranges of the (contiguous) outputs.
             W::narrow(&sum[..len], unsafe { out.slice_mut::<W>(out.layout().offset() + start, len) });
+            start += len;
         }
     }
 }
@@ -157,12 +165,20 @@ pub(crate) fn sum_partials<W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, co
 
 impl Op for RmsNormBackward {
     fn schema(&self) -> &'static str {
-        "rms_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd) -> (Tensor dx, Tensor dweight)"
+        "rms_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd, int batch_dims=0) -> (Tensor dx, Tensor \
+         dweight)"
     }
 
     fn doc(&self) -> &'static str {
         "Gradients of rms_norm: dx (dtype of x) and dweight (dtype of weight), from the upstream gradient dy \
-         and the rstd saved by the forward. Deterministic: dweight partials are per block, summed in a fixed order."
+         and the rstd saved by the forward. dweight sums over all rows, or per sample with batch_dims: then it is \
+         x.shape[:batch_dims] + weight's shape. Deterministic: dweight partials are per block, summed in a fixed \
+         order."
+    }
+
+    /// Row by row; the parameter gradients per sample with `batch_dims`.
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["dy", "x", "rstd"]
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -171,8 +187,7 @@ impl Op for RmsNormBackward {
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let s = check(cx, "x", "rms_norm")?;
-        let w = cx.input("weight");
-        Ok(vec![TensorMeta::contiguous(s.dtype, cx.input("x").shape())?, TensorMeta::contiguous(w.dtype, w.shape())?])
+        Ok(vec![TensorMeta::contiguous(s.dtype, cx.input("x").shape())?, param_grad(cx, "x", &s)?])
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
@@ -181,7 +196,8 @@ impl Op for RmsNormBackward {
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let (dx, dw) = reference(cx, inputs, "x", RMS_NORM)?;
-        Ok(vec![RefTensor::new(cx.input("x").shape(), dx), RefTensor::new(cx.input("weight").shape(), dw)])
+        let dweight = param_grad(cx, "x", &norm_shape(cx, "x", "weight")?)?;
+        Ok(vec![RefTensor::new(cx.input("x").shape(), dx), RefTensor::new(dweight.shape(), dw)])
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
@@ -197,6 +213,17 @@ pub(crate) fn check(cx: &OpCx, x: &str, forward: &str) -> Result<NormShape> {
     cx.expect_shape("dy", cx.input(x).shape())?;
     check_statistic(cx, "rstd", &s, forward)?;
     Ok(s)
+}
+
+/// How `batch_dims` divides the rows of the normed input `x` into samples.
+pub(crate) fn samples(cx: &OpCx, x: &str, s: &NormShape) -> Result<Samples> {
+    Samples::of(cx, x, cx.input(x).rank() - s.inner_dims, "normalized dims")
+}
+
+/// The meta of a parameter gradient (dweight, dbias): one weight per sample.
+pub(crate) fn param_grad(cx: &OpCx, x: &str, s: &NormShape) -> Result<TensorMeta> {
+    let w = cx.input("weight");
+    TensorMeta::contiguous(w.dtype, &samples(cx, x, s)?.shape(w.shape()))
 }
 
 /// A statistic the forward saved for the backward (`rstd`, layer_norm's `mean`): f32 (f64 in f64
@@ -222,9 +249,9 @@ pub(crate) fn plan(cx: &OpCx, x: &str, slots: Slots, names: [&'static str; 2]) -
         eps: 0.0,
         streaming: streams_bytes(written),
     };
-    let blocks = block_dim_for(s.rows, 3 * s.cols * s.dtype.size());
-    let reduce_blocks = block_dim_for(s.cols, 4 * blocks as usize);
-    let partials = blocks as usize;
+    let sb = samples(cx, x, &s)?.blocks(cx, x, block_dim_for(s.rows, 3 * s.cols * s.dtype.size()))?;
+    let (blocks, partials) = (sb.total, sb.total as usize);
+    let reduce_blocks = block_dim_for(sb.count * s.cols, 4 * sb.per_sample);
     let weight_f32 = cx.input("weight").dtype == DType::F32;
     // The blocks' dweight partials, then their widened weights (when not f32).
     let per_block = if weight_f32 { 1 } else { 2 };
@@ -236,17 +263,13 @@ pub(crate) fn plan(cx: &OpCx, x: &str, slots: Slots, names: [&'static str; 2]) -
     let steps = with_float_dtype!(s.dtype, cx.op(), x, |T| {
         if weight_f32 {
             vec![
-                Step::new(names[0], blocks, move |a, c| dx_kernel::<T, f32>(a, c, &ks, slots)),
-                Step::new(names[1], reduce_blocks, move |a, c| {
-                    sum_partials::<f32>(a, c, cols, partials, &[slots.dweight])
-                }),
+                Step::new(names[0], blocks, move |a, c| dx_kernel::<T, f32>(a, c, &ks, slots, sb)),
+                Step::new(names[1], reduce_blocks, move |a, c| sum_partials::<f32>(a, c, cols, sb, &[slots.dweight])),
             ]
         } else {
             vec![
-                Step::new(names[0], blocks, move |a, c| dx_kernel::<T, T>(a, c, &ks, slots)),
-                Step::new(names[1], reduce_blocks, move |a, c| {
-                    sum_partials::<T>(a, c, cols, partials, &[slots.dweight])
-                }),
+                Step::new(names[0], blocks, move |a, c| dx_kernel::<T, T>(a, c, &ks, slots, sb)),
+                Step::new(names[1], reduce_blocks, move |a, c| sum_partials::<T>(a, c, cols, sb, &[slots.dweight])),
             ]
         }
     });
@@ -259,7 +282,8 @@ pub(crate) fn plan(cx: &OpCx, x: &str, slots: Slots, names: [&'static str; 2]) -
     Ok(Plan::new(steps).workspace(workspace).inputs_need(inputs).outputs_need(outputs))
 }
 
-/// f64 `(dx, dweight)` of both backward ops (`dx` with `dsum` added where there is one).
+/// f64 `(dx, dweight)` of both backward ops (`dx` with `dsum` added where there is one; dweight
+/// per sample).
 pub(crate) fn reference(
     cx: &OpCx,
     inputs: &[Option<RefTensor>],
@@ -267,12 +291,14 @@ pub(crate) fn reference(
     slots: Slots,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
     let s = norm_shape(cx, x, "weight")?;
+    let per_sample = samples(cx, x, &s)?;
     let [dy, x, w, rstd] = [0, slots.x, slots.weight, slots.rstd].map(|i| inputs[i].as_ref().unwrap());
     let dsum = slots.dsum.map(|i| &inputs[i].as_ref().unwrap().data);
     let n = s.cols;
     let mut dx = vec![0.0; x.data.len()];
-    let mut dw = vec![0.0; n];
+    let mut dw = vec![0.0; per_sample.count * n];
     for r in 0..s.rows {
+        let dw = &mut dw[r / per_sample.rows.max(1) * n..][..n];
         let (dyr, xr, rs) = (&dy.data[r * n..(r + 1) * n], &x.data[r * n..(r + 1) * n], rstd.data[r]);
         let dot: f64 = (0..n).map(|i| dyr[i] * w.data[i] * xr[i]).sum();
         for i in 0..n {

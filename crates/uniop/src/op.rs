@@ -52,9 +52,12 @@ pub trait Op: Send + Sync + 'static {
     /// arguments shared, unbatched): each return then gains the leading dim, holding the
     /// per-sample returns; an `int dim` argument names an axis of those arguments, so a
     /// non-negative one counts one more. Frontends batch such calls this way (torch.func.vmap) and
-    /// fall back to one call per sample when another tensor argument carries the batch. Empty
-    /// where no such set exists: elementwise ops (see [`Op::elementwise`]), a reduction over rows
-    /// (a parameter's gradient, a mean loss), seeded sampling, ops on fixed-rank layouts.
+    /// fall back to one call per sample when another tensor argument carries the batch. An op
+    /// that sums over those rows (a parameter's gradient) batches only with an `int batch_dims=0`
+    /// argument: the leading dims of the rows kept apart in the sums (one per sample), which a
+    /// batch raises by one. Empty where no such set exists: elementwise ops (see
+    /// [`Op::elementwise`]), a reduction with no per-sample form (a mean loss), seeded sampling,
+    /// ops on fixed-rank layouts.
     fn leading_batch_args(&self) -> &'static [&'static str] {
         &[]
     }

@@ -128,5 +128,21 @@ fn check_leading_batch_args(op: &dyn Op, schema: &OpSchema) -> Result<()> {
             )));
         }
     }
+    // `batch_dims` is the per-sample form of a reduction over those rows (see
+    // `Op::leading_batch_args`): frontends add one per batch, so it must be an int defaulting to
+    // "all rows", on an op whose rows they batch.
+    if let Some(arg) = schema.args.iter().find(|a| a.name == "batch_dims") {
+        let is_count = arg.ty.base == BaseType::Int && !arg.ty.optional;
+        if !is_count || arg.default != Some(AttrValue::Int(0)) || names.is_empty() {
+            return Err(Error::invalid(format!(
+                "op '{}': argument 'batch_dims' (expected `int batch_dims=0` on an op declaring leading_batch_args, \
+                 given `{} batch_dims{}`{})",
+                schema.name,
+                arg.ty,
+                arg.default.as_ref().map_or(String::new(), |d| format!("={d}")),
+                if names.is_empty() { " without leading_batch_args" } else { "" }
+            )));
+        }
+    }
     Ok(())
 }

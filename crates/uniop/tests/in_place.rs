@@ -189,3 +189,29 @@ fn leading_batch_args_must_name_plain_tensor_arguments() {
     Registry::global().register(Box::new(Claims { schema, args: &["y"] })).unwrap();
     assert_eq!(Registry::global().get("test_batch_shared_").unwrap().op.leading_batch_args(), ["y"]);
 }
+
+/// Frontends raise `batch_dims` by one per batch, so it must be an int counting from 0 on an op
+/// whose rows they batch.
+#[test]
+fn batch_dims_must_be_an_int_from_0_on_a_batched_op() {
+    for (name, batch_dims, args, given) in [
+        ("test_batch_dims_float_", "float batch_dims=0.0", &["y"][..], "given `float batch_dims=0`)"),
+        ("test_batch_dims_from_1_", "int batch_dims=1", &["y"][..], "given `int batch_dims=1`)"),
+        (
+            "test_batch_dims_unbatched_",
+            "int batch_dims=0",
+            &[][..],
+            "given `int batch_dims=0` without leading_batch_args)",
+        ),
+    ] {
+        let schema =
+            Box::leak(format!("{name}(Tensor(a!) x, Tensor y, float alpha, {batch_dims}) -> ()").into_boxed_str());
+        let err = Registry::global().register(Box::new(Claims { schema, args })).unwrap_err();
+        let message = err.to_string();
+        let expected = "argument 'batch_dims' (expected `int batch_dims=0` on an op declaring leading_batch_args";
+        assert!(message.contains(&format!("op '{name}': {expected}, {given}")), "{message}");
+        assert!(!Registry::global().contains(name));
+    }
+    let schema = "test_batch_dims_(Tensor(a!) x, Tensor y, float alpha, int batch_dims=0) -> ()";
+    Registry::global().register(Box::new(Claims { schema, args: &["y"] })).unwrap();
+}

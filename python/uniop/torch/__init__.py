@@ -488,17 +488,25 @@ def _elementwise_vmap_rule(native):
 def _leading_batch_vmap_rule(native):
     """The torch.func.vmap rule of an op working row by row along the leading dims of some tensor
     arguments (``native.leading_batch_args``): one call with their batch dims moved to the front
-    (an unbatched one expanded to the batch, a stride-0 view) and a non-negative ``dim`` shifted
-    past the new dim; every return carries the batch in front. Where another tensor argument
+    (an unbatched one expanded to the batch, a stride-0 view), a non-negative ``dim`` shifted past
+    the new dim and ``batch_dims`` (the leading dims a parameter gradient keeps apart, one sum per
+    sample) raised by one; every return carries the batch in front. Where another tensor argument
     carries the batch (a batched weight), the op runs once per sample, as torch's fallback would."""
     names, row_names = [a["name"] for a in native.args], set(native.leading_batch_args)
     rows = {names.index(n) for n in row_names}
-    dim_at = names.index("dim") if "dim" in names else None
+    defaults = {a["name"]: a.get("default") for a in native.args}
     returns = len(native.returns)
     op = getattr(torch.ops.uniop, native.name).default
 
-    def shifted(dim):
-        return dim + 1 if dim >= 0 else dim
+    def adjust(call, kwargs, name, change):
+        """``change`` applied to attribute ``name``, passed positionally, by keyword or left at its default."""
+        if name not in names:
+            return
+        at = names.index(name)
+        if at < len(call):
+            call[at] = change(call[at])
+        else:
+            kwargs[name] = change(kwargs.get(name, defaults[name]))
 
     def rule(info, in_dims, *args, **kwargs):
         size = info.batch_size
@@ -511,10 +519,8 @@ def _leading_batch_vmap_rule(native):
                 call[i] = args[i].movedim(d, 0) if d is not None else args[i].expand(size, *args[i].shape)
         kwargs = {k: v.expand(size, *v.shape) if k in row_names and isinstance(v, torch.Tensor) else v
                   for k, v in kwargs.items()}  # keyword arguments are never batched: shared
-        if dim_at is not None and dim_at < len(call):
-            call[dim_at] = shifted(call[dim_at])
-        elif "dim" in kwargs:
-            kwargs["dim"] = shifted(kwargs["dim"])
+        adjust(call, kwargs, "dim", lambda dim: dim + 1 if dim >= 0 else dim)
+        adjust(call, kwargs, "batch_dims", lambda count: count + 1)
         return op(*call, **kwargs), 0 if returns == 1 else (0,) * returns
 
     return rule

@@ -42,6 +42,15 @@ impl BlockCtx {
         let start = b * base + b.min(extra);
         start..start + base + usize::from(b < extra)
     }
+
+    /// The launch's blocks dealt out to `groups` groups of work in order, `block_num / groups`
+    /// each (`block_num` a multiple of `groups`): the group this block works on, and its place
+    /// among that group's blocks (to [`split`](Self::split) the group's share further).
+    pub fn within(&self, groups: usize) -> (usize, BlockCtx) {
+        let per_group = self.block_num / groups as u32;
+        let group = self.block_idx / per_group;
+        (group as usize, BlockCtx { block_idx: self.block_idx - group * per_group, block_num: per_group })
+    }
 }
 
 /// A kernel as the engine stores it: shareable, so late-waking workers can hold it safely.
@@ -361,6 +370,14 @@ fn worker_loop(shared: &Shared) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn within_deals_blocks_to_groups_in_order() {
+        let places: Vec<_> = (0..6).map(|b| BlockCtx { block_idx: b, block_num: 6 }.within(3)).collect();
+        let ctx = |block_idx| BlockCtx { block_idx, block_num: 2 };
+        assert_eq!(places, [(0, ctx(0)), (0, ctx(1)), (1, ctx(0)), (1, ctx(1)), (2, ctx(0)), (2, ctx(1))]);
+        assert_eq!(BlockCtx { block_idx: 4, block_num: 5 }.within(1), (0, BlockCtx { block_idx: 4, block_num: 5 }));
+    }
 
     #[test]
     fn split_covers_everything_once() {
