@@ -195,7 +195,7 @@ fn leading_batch_args_must_name_plain_tensor_arguments() {
 #[test]
 fn batch_dims_must_be_an_int_from_0_on_a_batched_op() {
     for (name, batch_dims, args, given) in [
-        ("test_batch_dims_float_", "float batch_dims=0.0", &["y"][..], "given `float batch_dims=0`)"),
+        ("test_batch_dims_float_", "float batch_dims=0.0", &["y"][..], "given `float batch_dims=0.0`)"),
         ("test_batch_dims_from_1_", "int batch_dims=1", &["y"][..], "given `int batch_dims=1`)"),
         (
             "test_batch_dims_unbatched_",
