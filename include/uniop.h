@@ -8,7 +8,8 @@
 #include <stdint.h>
 
 // Bumped when a struct layout or a signature of this header changes incompatibly (2: `add`'s alpha
-// became a `uniopScalar`; 3: the backwards summing parameter gradients gained `batch_dims`).
+// became a `uniopScalar`; 3: cross_entropy, its backward and the backwards summing parameter
+// gradients gained `batch_dims`).
 #define UNIOP_ABI_VERSION 3
 
 // A point in a stream's work, for ordering and timing (opaque).
@@ -433,14 +434,16 @@ uniopStatus uniopClampedSwigluBackward(void *workspace,
                                        uniopExecutor *executor,
                                        uniopStream stream);
 
-// Phase 1 of `cross_entropy(Tensor logits, Tensor target, int ignore_index=-100) -> (Tensor loss, Tensor lse)`.
+// Phase 1 of `cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, int batch_dims=0) -> (Tensor loss, Tensor lse)`.
 //
 // Mean cross-entropy of logits [..., C] against int targets [...], skipping targets equal to
 // ignore_index (torch.nn.functional.cross_entropy, reduction='mean'). Returns the float32 scalar
-// loss and the per-row float32 log-sum-exp for cross_entropy_backward.
+// loss and the per-row float32 log-sum-exp for cross_entropy_backward. With batch_dims, one mean
+// per sample: the loss is logits.shape[:batch_dims].
 uniopStatus uniopCrossEntropyGetWorkspaceSize(const uniopTensor *logits,
                                               const uniopTensor *target,
                                               int64_t ignore_index,
+                                              int64_t batch_dims,
                                               uniopTensor *loss,
                                               uniopTensor *lse,
                                               uint64_t *workspaceSize,
@@ -452,16 +455,17 @@ uniopStatus uniopCrossEntropy(void *workspace,
                               uniopExecutor *executor,
                               uniopStream stream);
 
-// Phase 1 of `cross_entropy_backward(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int ignore_index=-100) -> (Tensor dlogits)`.
+// Phase 1 of `cross_entropy_backward(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int ignore_index=-100, int batch_dims=0) -> (Tensor dlogits)`.
 //
 // Gradient of cross_entropy (mean): dlogits = dloss / n * (softmax(logits) - onehot(target)) on
-// counted rows, 0 on ignored rows. dloss is the float32 scalar upstream gradient; lse is
-// cross_entropy's second output.
+// counted rows, 0 on ignored rows. dloss is the float32 scalar upstream gradient (one per sample
+// with batch_dims, then n counts the sample's rows); lse is cross_entropy's second output.
 uniopStatus uniopCrossEntropyBackwardGetWorkspaceSize(const uniopTensor *dloss,
                                                       const uniopTensor *logits,
                                                       const uniopTensor *target,
                                                       const uniopTensor *lse,
                                                       int64_t ignore_index,
+                                                      int64_t batch_dims,
                                                       uniopTensor *dlogits,
                                                       uint64_t *workspaceSize,
                                                       uniopExecutor **executor);

@@ -397,9 +397,9 @@ def test_torch_func_per_sample_gradients_match_torch():
     torch.testing.assert_close(*jacobians, rtol=1e-10, atol=1e-12)
 
 
-def _param_grad_cases(dtype):
-    """Arguments of the backwards with ``batch_dims``, rows ``[2, 3, 5]``: x with its two leading
-    dims transposed (strided), float32 statistics."""
+def _per_sample_cases(dtype):
+    """Arguments of the ops with ``batch_dims``, rows ``[2, 3, 5]``: x (logits) with its two leading
+    dims transposed (strided), float32 statistics, a target ignored in one sample."""
     rows, h, n = (2, 3, 5), 40, 24
 
     def t(*shape, dt=dtype):
@@ -407,7 +407,12 @@ def _param_grad_cases(dtype):
 
     x = t(3, 2, 5, h).transpose(0, 1)
     stat = torch.rand(*rows, 1) + 0.5
+    target = torch.randint(0, h, rows)
+    target[1, 2, :2] = -100
+    lse = torch.ops.uniop.cross_entropy(x, target)[1]
     return {
+        "cross_entropy": (x, target),
+        "cross_entropy_backward": (torch.rand(2, 3), x, target, lse),
         "rms_norm_backward": (t(*rows, h), x, t(h), stat),
         "add_rms_norm_backward": (t(*rows, h), t(*rows, h), x, t(h), stat),
         "layer_norm_backward": (t(*rows, h), x, t(h), t(*rows, 1, dt=torch.float32), stat),
@@ -417,16 +422,18 @@ def _param_grad_cases(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
-def test_batch_dims_gives_each_sample_its_parameter_gradients(dtype):
-    """With ``batch_dims=2`` the backwards summing parameter gradients return one per sample of the
-    first two dims, each what the op gives on that sample's rows alone (the row-wise returns
-    unchanged); ``batch_dims`` past x's row dims is refused with the op, the argument and the range."""
+def test_batch_dims_gives_each_sample_its_own_sums(dtype):
+    """With ``batch_dims=2`` the ops summing over rows (the backwards' parameter gradients,
+    cross_entropy's mean and its gradient) give one sum per sample of the first two dims, each what
+    the op gives on that sample's rows alone (the row-wise returns unchanged); ``batch_dims`` past
+    x's row dims is refused with the op, the argument and the range."""
     torch.manual_seed(0)
-    for name, args in _param_grad_cases(dtype).items():
+    for name, args in _per_sample_cases(dtype).items():
         op = getattr(torch.ops.uniop, name)
+        names, row_args = [a["name"] for a in uniop.op(name).args], uniop.op(name).leading_batch_args
         got = _tuple(op(*args, batch_dims=2))
         for i, j in np.ndindex(2, 3):
-            sample = [a[i, j] if a.dim() > 2 else a for a in args]
+            sample = [a[i, j] if names[k] in row_args else a for k, a in enumerate(args)]
             for k, want in enumerate(_tuple(op(*sample))):
                 assert got[k][i, j].shape == want.shape, (name, k)
                 torch.testing.assert_close(got[k][i, j], want, rtol=TOL[dtype], atol=TOL[dtype], msg=name)
@@ -435,10 +442,11 @@ def test_batch_dims_gives_each_sample_its_parameter_gradients(dtype):
 
 
 def test_per_sample_gradients_of_norms_and_linears_in_one_call():
-    """vmap(grad) through layer_norm, linear (with a bias), add_rms_norm and linear_add: their
-    backwards keep each sample's parameter gradients apart (``batch_dims``), so no op runs per
-    sample (torch's fallback disabled); the gradients match torch's own ops vmapped the same way,
-    with the batch in front and along dim 1."""
+    """vmap(grad) through layer_norm, linear (with a bias), add_rms_norm, linear_add and
+    cross_entropy: their backwards keep each sample's parameter gradients apart (``batch_dims``)
+    and cross_entropy takes each sample's mean, so no op runs per sample (torch's fallback
+    disabled); the gradients match torch's own ops vmapped the same way, with the batch in front
+    and along dim 1."""
     torch.manual_seed(0)
     x = torch.randn(5, 3, 24)
     params = [torch.rand(24) + 0.5, torch.randn(24), torch.randn(32, 24), torch.randn(32), torch.rand(32) + 0.5,
@@ -448,25 +456,31 @@ def test_per_sample_gradients_of_norms_and_linears_in_one_call():
         "linear": torch.ops.uniop.linear,
         "add_rms_norm": lambda a, r, w: torch.ops.uniop.add_rms_norm(a, r, w)[::2],
         "linear_add": torch.ops.uniop.linear_add,
+        "cross_entropy": lambda a, t: torch.ops.uniop.cross_entropy(a, t)[0],
     }
     torch_ops = {
         "layer_norm": lambda a, w, b: torch.nn.functional.layer_norm(a, (24,), w, b, 1e-5),
         "linear": torch.nn.functional.linear,
         "add_rms_norm": lambda a, r, w: (torch.nn.functional.rms_norm(a + r, (32,), w, 1e-6), a + r),
         "linear_add": lambda a, w, r: torch.nn.functional.linear(a, w) + r,
+        "cross_entropy": torch.nn.functional.cross_entropy,
     }
+    targets = torch.randint(0, 32, (5, 3))
+    targets[2, 1] = -100  # ignored: that sample's mean is over its other two rows
 
-    def loss(ops, p, xb):
+    def loss(ops, p, xb, tb):
         h = ops["linear"](ops["layer_norm"](xb, p[0], p[1]), p[2], p[3])
         y, residual = ops["add_rms_norm"](h, h.sin(), p[4])
-        return ops["linear_add"](y, p[5], residual).pow(2).sum()
+        return ops["cross_entropy"](ops["linear_add"](y, p[5], residual), tb)
 
-    for in_dim, batch in ((0, x), (1, x.transpose(0, 1))):
+    for in_dim, batch, tbatch in ((0, x, targets), (1, x.transpose(0, 1), targets.t())):
         grads = {}
         for kind, ops in (("uniop", uniop_ops), ("torch", torch_ops)):
-            per_sample = torch.func.vmap(torch.func.grad(lambda p, xb, ops=ops: loss(ops, p, xb)), in_dims=(None, in_dim))
+            per_sample = torch.func.vmap(
+                torch.func.grad(lambda p, xb, tb, ops=ops: loss(ops, p, xb, tb)), in_dims=(None, in_dim, in_dim)
+            )
             with _no_vmap_fallback() if kind == "uniop" else contextlib.nullcontext():
-                grads[kind] = per_sample(params, batch)
+                grads[kind] = per_sample(params, batch, tbatch)
         for got, want in zip(grads["uniop"], grads["torch"]):
             assert got.shape == want.shape and want.shape[0] == 5
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)

@@ -57,7 +57,8 @@ const _: () = {
 };
 
 /// Bumped when a struct layout or a signature of this header changes incompatibly (2: `add`'s alpha
-/// became a `uniopScalar`; 3: the backwards summing parameter gradients gained `batch_dims`).
+/// became a `uniopScalar`; 3: cross_entropy, its backward and the backwards summing parameter
+/// gradients gained `batch_dims`).
 pub const UNIOP_ABI_VERSION: u32 = 3;
 
 thread_local! {

@@ -589,16 +589,18 @@ pub extern "C" fn uniopClampedSwigluBackward(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `cross_entropy(Tensor logits, Tensor target, int ignore_index=-100) -> (Tensor loss, Tensor lse)`.
+/// Phase 1 of `cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, int batch_dims=0) -> (Tensor loss, Tensor lse)`.
 ///
 /// Mean cross-entropy of logits [..., C] against int targets [...], skipping targets equal to
 /// ignore_index (torch.nn.functional.cross_entropy, reduction='mean'). Returns the float32 scalar
-/// loss and the per-row float32 log-sum-exp for cross_entropy_backward.
+/// loss and the per-row float32 log-sum-exp for cross_entropy_backward. With batch_dims, one mean
+/// per sample: the loss is logits.shape[:batch_dims].
 #[no_mangle]
 pub extern "C" fn uniopCrossEntropyGetWorkspaceSize(
     logits: *const uniopTensor,
     target: *const uniopTensor,
     ignore_index: i64,
+    batch_dims: i64,
     loss: *mut uniopTensor,
     lse: *mut uniopTensor,
     workspaceSize: *mut u64,
@@ -607,7 +609,8 @@ pub extern "C" fn uniopCrossEntropyGetWorkspaceSize(
     const F: &str = "uniopCrossEntropyGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 2] = [("logits", logits), ("target", target)];
-        let attrs: [(&str, AttrValue); 1] = [("ignore_index", AttrValue::Int(ignore_index))];
+        let attrs: [(&str, AttrValue); 2] =
+            [("ignore_index", AttrValue::Int(ignore_index)), ("batch_dims", AttrValue::Int(batch_dims))];
         let outputs = [("loss", loss as *const uniopTensor), ("lse", lse as *const uniopTensor)];
         plan("cross_entropy", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })
@@ -624,11 +627,11 @@ pub extern "C" fn uniopCrossEntropy(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `cross_entropy_backward(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int ignore_index=-100) -> (Tensor dlogits)`.
+/// Phase 1 of `cross_entropy_backward(Tensor dloss, Tensor logits, Tensor target, Tensor lse, int ignore_index=-100, int batch_dims=0) -> (Tensor dlogits)`.
 ///
 /// Gradient of cross_entropy (mean): dlogits = dloss / n * (softmax(logits) - onehot(target)) on
-/// counted rows, 0 on ignored rows. dloss is the float32 scalar upstream gradient; lse is
-/// cross_entropy's second output.
+/// counted rows, 0 on ignored rows. dloss is the float32 scalar upstream gradient (one per sample
+/// with batch_dims, then n counts the sample's rows); lse is cross_entropy's second output.
 #[no_mangle]
 pub extern "C" fn uniopCrossEntropyBackwardGetWorkspaceSize(
     dloss: *const uniopTensor,
@@ -636,6 +639,7 @@ pub extern "C" fn uniopCrossEntropyBackwardGetWorkspaceSize(
     target: *const uniopTensor,
     lse: *const uniopTensor,
     ignore_index: i64,
+    batch_dims: i64,
     dlogits: *mut uniopTensor,
     workspaceSize: *mut u64,
     executor: *mut *mut uniopExecutor,
@@ -644,7 +648,8 @@ pub extern "C" fn uniopCrossEntropyBackwardGetWorkspaceSize(
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 4] =
             [("dloss", dloss), ("logits", logits), ("target", target), ("lse", lse)];
-        let attrs: [(&str, AttrValue); 1] = [("ignore_index", AttrValue::Int(ignore_index))];
+        let attrs: [(&str, AttrValue); 2] =
+            [("ignore_index", AttrValue::Int(ignore_index)), ("batch_dims", AttrValue::Int(batch_dims))];
         let outputs = [("dlogits", dlogits as *const uniopTensor)];
         plan("cross_entropy_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })

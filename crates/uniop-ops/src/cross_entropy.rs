@@ -1,12 +1,15 @@
-//! `cross_entropy(logits, target, ignore_index=-100) -> (loss, lse)`: mean negative
+//! `cross_entropy(logits, target, ignore_index=-100, batch_dims=0) -> (loss, lse)`: mean negative
 //! log-likelihood over the rows whose target is not `ignore_index` (torch's default `mean`
-//! reduction; NaN when every row is ignored, as torch). `lse` (per-row log-sum-exp, f32) is saved
-//! for the backward. Logits `[..., C]` in f32/f16/bf16; targets int32/int64 of the leading shape.
+//! reduction; NaN when every row is ignored, as torch) — one mean per sample of the first
+//! `batch_dims` dims of the logits (see [`per_sample`](crate::per_sample)), so `loss` has their
+//! shape (a scalar by default). `lse` (per-row log-sum-exp, f32) is saved for the backward. Logits
+//! `[..., C]` in f32/f16/bf16; targets int32/int64 of the leading shape.
 //!
-//! Deterministic: blocks write per-row losses, a second one-block launch sums them in row order.
+//! Deterministic: blocks write per-row losses, a second launch sums each sample's in row order.
 //! A target outside `[0, C)` (and not `ignore_index`) fails the launch with a runtime error.
 
 use crate::embedding::{checked_row, index_at, INDEX_DTYPES};
+use crate::per_sample::Samples;
 use crate::softmax::{exp_total, row_max};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
@@ -86,28 +89,44 @@ fn rows_kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, g:
 }
 }
 
-fn mean_kernel(args: &KernelArgs, rows: usize) {
-    // SAFETY: the row launch has finished; this single block reads the whole workspace.
-    let losses: &[f32] = unsafe { args.workspace::<f32>(0, rows) };
-    let (sum, count) = losses.iter().filter(|l| !l.is_nan()).fold((0f64, 0usize), |(s, c), &l| (s + l as f64, c + 1));
+/// The mean losses of samples `split(samples)`, each over its `rows` per-row losses.
+fn mean_kernel(args: &KernelArgs, ctx: BlockCtx, samples: usize, rows: usize) {
     let loss = args.output(0);
-    // SAFETY: one block writes the single loss element.
-    unsafe { *loss.as_mut_ptr::<f32>().add(loss.layout().offset()) = (sum / count as f64) as f32 };
+    for sample in ctx.split(samples) {
+        // SAFETY: the row launch has finished; blocks of this one only read the workspace.
+        let losses: &[f32] = unsafe { args.workspace::<f32>(sample * rows, rows) };
+        let (sum, count) =
+            losses.iter().filter(|l| !l.is_nan()).fold((0f64, 0usize), |(s, c), &l| (s + l as f64, c + 1));
+        // SAFETY: this block owns the losses of samples `split(samples)`.
+        unsafe { *loss.as_mut_ptr::<f32>().add(loss.layout().offset_of_linear(sample)) = (sum / count as f64) as f32 };
+    }
+}
+
+/// How `batch_dims` divides the rows of the logits into samples.
+pub(crate) fn samples(cx: &OpCx) -> Result<Samples> {
+    Samples::of(cx, "logits", cx.input("logits").rank() - 1, "classes")
 }
 
 impl Op for CrossEntropy {
     fn schema(&self) -> &'static str {
-        "cross_entropy(Tensor logits, Tensor target, int ignore_index=-100) -> (Tensor loss, Tensor lse)"
+        "cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, int batch_dims=0) -> (Tensor loss, Tensor \
+         lse)"
     }
 
     fn doc(&self) -> &'static str {
         "Mean cross-entropy of logits [..., C] against int targets [...], skipping targets equal to ignore_index \
          (torch.nn.functional.cross_entropy, reduction='mean'). Returns the float32 scalar loss and the per-row \
-         float32 log-sum-exp for cross_entropy_backward."
+         float32 log-sum-exp for cross_entropy_backward. With batch_dims, one mean per sample: the loss is \
+         logits.shape[:batch_dims]."
     }
 
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
+    }
+
+    /// Row by row; the mean per sample with `batch_dims`.
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["logits", "target"]
     }
 
     fn backward(&self) -> Option<&'static str> {
@@ -119,9 +138,9 @@ impl Op for CrossEntropy {
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
-        let _ = rows(cx)?;
+        let (_, samples) = (rows(cx)?, samples(cx)?);
         let shape = cx.input("target").shape();
-        Ok(vec![TensorMeta::contiguous(DType::F32, &[])?, TensorMeta::contiguous(DType::F32, shape)?])
+        Ok(vec![TensorMeta::contiguous(DType::F32, &samples.dims)?, TensorMeta::contiguous(DType::F32, shape)?])
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
@@ -133,28 +152,33 @@ impl Op for CrossEntropy {
             DType::I32 => Step::new("cross_entropy.rows", block_dim, move |a, c| rows_kernel::<T, i32>(a, c, g)),
             _ => Step::new("cross_entropy.rows", block_dim, move |a, c| rows_kernel::<T, i64>(a, c, g)),
         });
-        let n = g.rows;
-        Ok(Plan::new(vec![row_step, Step::new("cross_entropy.mean", 1, move |a, _| mean_kernel(a, n))])
+        let samples = samples(cx)?;
+        let (count, per_sample) = (samples.count, samples.rows);
+        let mean_blocks = block_dim_for(count, 4 * per_sample);
+        let mean_step = Step::new("cross_entropy.mean", mean_blocks, move |a, c| mean_kernel(a, c, count, per_sample));
+        Ok(Plan::new(vec![row_step, mean_step])
             .workspace(4 * g.rows)
             .inputs_need(vec![LayoutNeed::Contiguous, LayoutNeed::Any])
             .outputs_need(vec![LayoutNeed::Any, LayoutNeed::Contiguous]))
     }
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
-        let g = rows(cx)?;
+        let (g, samples) = (rows(cx)?, samples(cx)?);
         let (x, t) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
-        let (mut sum, mut count) = (0.0, 0usize);
+        let (mut sum, mut count) = (vec![0.0; samples.count], vec![0usize; samples.count]);
         let mut lse = vec![0.0; g.rows];
         for r in 0..g.rows {
             let row = &x.data[r * g.classes..(r + 1) * g.classes];
             let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             lse[r] = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
             if t.data[r] as i64 != g.ignore {
-                sum += lse[r] - row[t.data[r] as usize];
-                count += 1;
+                let sample = r / samples.rows;
+                sum[sample] += lse[r] - row[t.data[r] as usize];
+                count[sample] += 1;
             }
         }
-        Ok(vec![RefTensor::new(&[], vec![sum / count as f64]), RefTensor::new(&t.shape, lse)])
+        let loss = sum.iter().zip(&count).map(|(s, &c)| s / c as f64).collect();
+        Ok(vec![RefTensor::new(&samples.dims, loss), RefTensor::new(&t.shape, lse)])
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
