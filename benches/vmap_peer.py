@@ -3,11 +3,11 @@
     .venv/bin/python benches/vmap_peer.py [--samples 64] [--rows 32] [--hidden 256] [--features 512] [--rounds 20]
 
 `--samples` samples of `[rows, hidden]` float32, vmapped through softmax, rms_norm, linear (to `--features`), the
-three in a row (rms_norm → linear → softmax, a squared sum), and `vmap(grad)` of that model: per-sample gradients
-of the norm weight and the projection. uniop's ops batch through the rules `uniop.torch` generates from
-`Op::elementwise` and `Op::leading_batch_args` (one call over the batch); the backwards that sum a parameter's
-gradient over rows (rms_norm_backward, linear_backward) have none and run torch's per-sample fallback. Best of
-`--rounds` calls, in milliseconds.
+three in a row (rms_norm → linear → softmax, a squared sum), and `vmap(grad)` of that model and of rms_norm → linear
+→ cross_entropy against per-sample targets: per-sample gradients of the norm weight and the projection. uniop's ops
+batch through the rules `uniop.torch` generates from `Op::elementwise` and `Op::leading_batch_args` (one call over
+the batch); the backwards that sum a parameter's gradient over rows (rms_norm_backward, linear_backward) and
+cross_entropy's mean keep one per sample through their `batch_dims`. Best of `--rounds` calls, in milliseconds.
 """
 
 import argparse
@@ -30,21 +30,27 @@ def main():
     warnings.filterwarnings("ignore", message="There is a performance drop")  # the per-sample fallback's
     torch.manual_seed(0)
     x = torch.randn(args.samples, args.rows, args.hidden)
+    targets = torch.randint(0, args.features, (args.samples, args.rows))
     params = (torch.rand(args.hidden) + 0.5, torch.randn(args.features, args.hidden))
     ops = torch.ops.uniop
     uniop_ops = {
         "softmax": lambda a: ops.softmax(a, -1),
         "norm": lambda a, w: ops.rms_norm(a, w)[0],
         "linear": ops.linear,
+        "cross_entropy": lambda a, t: ops.cross_entropy(a, t)[0],
     }
     torch_ops = {
         "softmax": lambda a: torch.softmax(a, -1),
         "norm": lambda a, w: torch.nn.functional.rms_norm(a, (args.hidden,), w, 1e-6),
         "linear": torch.nn.functional.linear,
+        "cross_entropy": torch.nn.functional.cross_entropy,
     }
 
     def model(o, p, xb):
         return o["softmax"](o["linear"](o["norm"](xb, p[0]), p[1])).pow(2).sum()
+
+    def training_loss(o, p, xb, tb):
+        return o["cross_entropy"](o["linear"](o["norm"](xb, p[0]), p[1]), tb)
 
     cases = {
         "softmax": lambda o: torch.func.vmap(o["softmax"])(x),
@@ -54,6 +60,9 @@ def main():
         "vmap(grad) of it": lambda o: torch.func.vmap(torch.func.grad(lambda p, s: model(o, p, s)), (None, 0))(
             params, x
         ),
+        "vmap(grad) of rms_norm → linear → cross_entropy": lambda o: torch.func.vmap(
+            torch.func.grad(lambda p, s, t: training_loss(o, p, s, t)), (None, 0, 0)
+        )(params, x, targets),
     }
     print(f"{args.samples} samples of [{args.rows}, {args.hidden}] float32, {torch.get_num_threads()} threads, "
           f"best of {args.rounds}\n")

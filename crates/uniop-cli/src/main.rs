@@ -147,7 +147,12 @@ fn describe(op: &str) -> Result<()> {
     let batching = match (entry.op.elementwise(), rows.is_empty()) {
         (true, _) => "elementwise: one call over operands given a leading batch dim".to_string(),
         (false, false) => {
-            format!("row by row along the leading dims of {}: one call over a leading batch dim", rows.join(", "))
+            let sums = s.args.iter().any(|a| a.name == "batch_dims");
+            format!(
+                "row by row along the leading dims of {}: one call over a leading batch dim{}",
+                rows.join(", "),
+                if sums { ", its sums kept per sample (batch_dims + 1)" } else { "" }
+            )
         }
         (false, true) => "one call per sample".to_string(),
     };

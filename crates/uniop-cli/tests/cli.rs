@@ -29,7 +29,12 @@ fn list_and_describe_come_from_the_registry() {
     for (op, batching) in [
         ("add", "batching: elementwise: one call over operands given a leading batch dim"),
         ("add_rms_norm", "batching: row by row along the leading dims of x, residual"),
-        ("rms_norm_backward", "batching: one call per sample"),
+        (
+            "rms_norm_backward",
+            "batching: row by row along the leading dims of dy, x, rstd: one call over a leading batch dim, its sums \
+             kept per sample (batch_dims + 1)",
+        ),
+        ("attention", "batching: one call per sample"),
     ] {
         let text = stdout(&uniop(&["describe", op]));
         assert!(text.contains(batching), "{text}");

@@ -346,6 +346,11 @@ impl Op for Rope {
          (GPT-J). cos/sin in x's dtype or float32."
     }
 
+    /// Row by row: the tables broadcast against the leading dims of x, so they stay shared when x gains one.
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["x"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }

@@ -16,6 +16,11 @@ impl Op for RopeBackward {
         "Gradient of rope: applies the transposed rotation to dout (same cos/sin/mode/per_pair rules as rope)."
     }
 
+    /// Row by row, as rope.
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["dout"]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }
