@@ -494,16 +494,18 @@ uniopStatus uniopEmbedding(void *workspace,
                            uniopExecutor *executor,
                            uniopStream stream);
 
-// Phase 1 of `embedding_backward(Tensor dout, Tensor indices, Tensor weight, int padding_idx=-1) -> (Tensor dweight)`.
+// Phase 1 of `embedding_backward(Tensor dout, Tensor indices, Tensor weight, int padding_idx=-1, int batch_dims=0) -> (Tensor dweight)`.
 //
 // Gradient of embedding: dweight[v] = sum of dout rows whose index is v (0 for padding_idx and
 // unused rows). dout has shape [*indices.shape, H]; weight (the forward's table, [V, H]) gives the
-// shape of dweight and is not read. Deterministic: contributions are summed in token order in
+// shape of dweight and is not read. With batch_dims, one table gradient per sample:
+// x.shape[:batch_dims] + [V, H]. Deterministic: contributions are summed in token order in
 // float32.
 uniopStatus uniopEmbeddingBackwardGetWorkspaceSize(const uniopTensor *dout,
                                                    const uniopTensor *indices,
                                                    const uniopTensor *weight,
                                                    int64_t padding_idx,
+                                                   int64_t batch_dims,
                                                    uniopTensor *dweight,
                                                    uint64_t *workspaceSize,
                                                    uniopExecutor **executor);

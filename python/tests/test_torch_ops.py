@@ -398,8 +398,8 @@ def test_torch_func_per_sample_gradients_match_torch():
 
 
 def _per_sample_cases(dtype):
-    """Arguments of the ops with ``batch_dims``, rows ``[2, 3, 5]``: x (logits) with its two leading
-    dims transposed (strided), float32 statistics, a target ignored in one sample."""
+    """Arguments of the ops with ``batch_dims``, rows ``[2, 3, 5]``: x (logits, indices) with its two
+    leading dims transposed (strided), float32 statistics, a target ignored in one sample."""
     rows, h, n = (2, 3, 5), 40, 24
 
     def t(*shape, dt=dtype):
@@ -418,6 +418,7 @@ def _per_sample_cases(dtype):
         "layer_norm_backward": (t(*rows, h), x, t(h), t(*rows, 1, dt=torch.float32), stat),
         "linear_backward": (t(*rows, n), x, t(n, h)),
         "linear_add_backward": (t(*rows, n), x, t(n, h)),
+        "embedding_backward": (t(*rows, h), torch.randint(0, n, (3, 2, 5)).transpose(0, 1), t(n, h)),
     }
 
 

@@ -700,11 +700,12 @@ pub extern "C" fn uniopEmbedding(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `embedding_backward(Tensor dout, Tensor indices, Tensor weight, int padding_idx=-1) -> (Tensor dweight)`.
+/// Phase 1 of `embedding_backward(Tensor dout, Tensor indices, Tensor weight, int padding_idx=-1, int batch_dims=0) -> (Tensor dweight)`.
 ///
 /// Gradient of embedding: dweight[v] = sum of dout rows whose index is v (0 for padding_idx and
 /// unused rows). dout has shape [*indices.shape, H]; weight (the forward's table, [V, H]) gives the
-/// shape of dweight and is not read. Deterministic: contributions are summed in token order in
+/// shape of dweight and is not read. With batch_dims, one table gradient per sample:
+/// x.shape[:batch_dims] + [V, H]. Deterministic: contributions are summed in token order in
 /// float32.
 #[no_mangle]
 pub extern "C" fn uniopEmbeddingBackwardGetWorkspaceSize(
@@ -712,6 +713,7 @@ pub extern "C" fn uniopEmbeddingBackwardGetWorkspaceSize(
     indices: *const uniopTensor,
     weight: *const uniopTensor,
     padding_idx: i64,
+    batch_dims: i64,
     dweight: *mut uniopTensor,
     workspaceSize: *mut u64,
     executor: *mut *mut uniopExecutor,
@@ -719,7 +721,8 @@ pub extern "C" fn uniopEmbeddingBackwardGetWorkspaceSize(
     const F: &str = "uniopEmbeddingBackwardGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 3] = [("dout", dout), ("indices", indices), ("weight", weight)];
-        let attrs: [(&str, AttrValue); 1] = [("padding_idx", AttrValue::Int(padding_idx))];
+        let attrs: [(&str, AttrValue); 2] =
+            [("padding_idx", AttrValue::Int(padding_idx)), ("batch_dims", AttrValue::Int(batch_dims))];
         let outputs = [("dweight", dweight as *const uniopTensor)];
         plan("embedding_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })

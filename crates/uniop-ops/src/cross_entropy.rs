@@ -104,7 +104,7 @@ fn mean_kernel(args: &KernelArgs, ctx: BlockCtx, samples: usize, rows: usize) {
 
 /// How `batch_dims` divides the rows of the logits into samples.
 pub(crate) fn samples(cx: &OpCx) -> Result<Samples> {
-    Samples::of(cx, "logits", cx.input("logits").rank() - 1, "classes")
+    Samples::of(cx, "logits", cx.input("logits").rank() - 1)
 }
 
 impl Op for CrossEntropy {

@@ -1,7 +1,10 @@
-//! `embedding_backward(dout, indices, weight, padding_idx=-1) -> dweight`: the gradient of
-//! [`embedding`](crate::embedding), a scatter-add of `dout` rows into a tensor shaped like `weight`.
-//! `weight` is read for its shape only (never its data): taking the forward's own argument keeps
-//! the schema in the backward naming convention frontends wire autograd by.
+//! `embedding_backward(dout, indices, weight, padding_idx=-1, batch_dims=0) -> dweight`: the gradient
+//! of [`embedding`](crate::embedding), a scatter-add of `dout` rows into a tensor shaped like
+//! `weight` — one per sample of the first `batch_dims` dims of `indices` (see
+//! [`per_sample`](crate::per_sample)), a table of `[samples…, V, H]` whose sample `s`, row `v` is
+//! row `s·V + v` of one tall table. `weight` is read for its shape only (never its data): taking
+//! the forward's own argument keeps the schema in the backward naming convention frontends wire
+//! autograd by.
 //!
 //! Deterministic and race-free without atomics: each block owns a range of weight rows, collects
 //! the `(row, position)` pairs that land in it, sorts them, and sums each row's contributions in
@@ -11,6 +14,7 @@
 
 use crate::elementwise::{copy_streaming, fence, streams, Aligned, LANES};
 use crate::embedding::{check_indices, check_padding, checked_row, index_at, table_shape, DTYPES};
+use crate::per_sample::Samples;
 use crate::softmax::scale_into;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, FloatElement, KernelArgs,
@@ -24,6 +28,9 @@ struct Shape {
     vocab: usize,
     hidden: usize,
     tokens: usize,
+    /// Tokens per sample, and the rows of all samples' tables.
+    sample_tokens: usize,
+    rows: usize,
     padding: i64,
     /// Where the per-block `(row << 32 | position)` lists start in the workspace, in i64 units.
     pairs_at: usize,
@@ -42,11 +49,12 @@ fn kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, s: Shap
     let (acc, pairs) = unsafe {
         (args.workspace::<f32>(b * s.hidden, s.hidden), args.workspace::<i64>(s.pairs_at + b * s.tokens, s.tokens))
     };
-    let rows = ctx.split(s.vocab);
+    let rows = ctx.split(s.rows);
     let mut count = 0;
     for pos in 0..s.tokens {
-        let row = checked_row("embedding_backward", "indices", index_at(&indices, ids, pos), pos, s.vocab);
-        if rows.contains(&row) && row as i64 != s.padding {
+        let index = checked_row("embedding_backward", "indices", index_at(&indices, ids, pos), pos, s.vocab);
+        let row = pos / s.sample_tokens * s.vocab + index;
+        if rows.contains(&row) && index as i64 != s.padding {
             pairs[count] = (row as i64) << 32 | pos as i64;
             count += 1;
         }
@@ -57,7 +65,7 @@ fn kernel<T: FloatElement, I: Element>(args: &KernelArgs, ctx: BlockCtx, s: Shap
     let mut row_buf = [0f32; 64];
     let dw_at = dw.layout().offset();
     for row in rows {
-        // SAFETY: this block owns weight rows `split(vocab)`.
+        // SAFETY: this block owns rows `split(rows)` of the samples' tables.
         let dst = unsafe { dw.slice_mut::<T>(dw_at + row * s.hidden, s.hidden) };
         if next.peek().is_none_or(|&&p| (p >> 32) as usize != row) {
             // Nobody indexes this row (or it is padding_idx): zeros, no sums to narrow.
@@ -98,19 +106,31 @@ fn zero_row<T: FloatElement>(dst: &mut [T], streaming: bool) {
     chunks.into_remainder().fill(T::default());
 }
 
+/// How `batch_dims` divides the tokens (every dim of `indices`) into samples.
+fn samples(cx: &OpCx) -> Result<Samples> {
+    Samples::of(cx, "indices", cx.input("indices").rank())
+}
+
 impl Op for EmbeddingBackward {
     fn schema(&self) -> &'static str {
-        "embedding_backward(Tensor dout, Tensor indices, Tensor weight, int padding_idx=-1) -> Tensor dweight"
+        "embedding_backward(Tensor dout, Tensor indices, Tensor weight, int padding_idx=-1, int batch_dims=0) -> \
+         Tensor dweight"
     }
 
     fn doc(&self) -> &'static str {
         "Gradient of embedding: dweight[v] = sum of dout rows whose index is v (0 for padding_idx and unused rows). \
          dout has shape [*indices.shape, H]; weight (the forward's table, [V, H]) gives the shape of dweight and \
-         is not read. Deterministic: contributions are summed in token order in float32."
+         is not read. With batch_dims, one table gradient per sample: x.shape[:batch_dims] + [V, H]. \
+         Deterministic: contributions are summed in token order in float32."
     }
 
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
+    }
+
+    /// Token by token; the table's gradient per sample with `batch_dims`.
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["dout", "indices"]
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
@@ -136,25 +156,30 @@ impl Op for EmbeddingBackward {
             ));
         }
         let n = weight.shape()[0];
-        if n >= 1 << 31 {
-            return Err(cx.err(ErrorCode::Shape, "weight", "fewer than 2^31 rows", n));
+        let samples = samples(cx)?;
+        // Rows of all samples' tables go into the high half of an i64 sort key.
+        if samples.count.checked_mul(n).is_none_or(|rows| rows >= 1 << 31) {
+            let rows = if samples.dims.is_empty() { "rows".to_string() } else { "rows in all samples' tables".into() };
+            return Err(cx.err(ErrorCode::Shape, "weight", format!("fewer than 2^31 {rows}"), n));
         }
         check_padding(cx, n)?;
         if idx.numel() >= (1usize << 32) {
             return Err(cx.err(ErrorCode::Shape, "indices", "fewer than 2^32 indices", idx.numel()));
         }
-        Ok(vec![TensorMeta::contiguous(dtype, &[n, hidden])?])
+        Ok(vec![TensorMeta::contiguous(dtype, &samples.shape(&[n, hidden]))?])
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let out = self.infer(cx)?.remove(0);
-        let (vocab, hidden) = (out.shape()[0], out.shape()[1]);
-        let tokens = cx.input("indices").numel();
-        let block_dim = block_dim_for(vocab, hidden * out.dtype.size());
+        let (vocab, hidden) = (cx.input("weight").shape()[0], cx.input("weight").shape()[1]);
+        let (tokens, samples) = (cx.input("indices").numel(), samples(cx)?);
+        let rows = samples.count * vocab;
+        let block_dim = block_dim_for(rows, hidden * out.dtype.size());
         let blocks = block_dim as usize;
         let pairs_at = (blocks * hidden * 4).div_ceil(8);
         let streaming = streams(&out);
-        let s = Shape { vocab, hidden, tokens, padding: cx.int("padding_idx"), pairs_at, streaming };
+        let padding = cx.int("padding_idx");
+        let s = Shape { vocab, hidden, tokens, sample_tokens: samples.rows, rows, padding, pairs_at, streaming };
         let workspace = (pairs_at + blocks * tokens) * 8;
         let idx = cx.input("indices").dtype;
         let step = with_float_dtype!(out.dtype, cx.op(), "dout", |T| match idx {
@@ -171,15 +196,17 @@ impl Op for EmbeddingBackward {
         let (d, idx) = (inputs[0].as_ref().unwrap(), inputs[1].as_ref().unwrap());
         let (n, padding) = (cx.input("weight").shape()[0], cx.int("padding_idx"));
         let h = *d.shape.last().unwrap();
-        let mut dw = vec![0.0; n * h];
+        let samples = samples(cx)?;
+        let mut dw = vec![0.0; samples.count * n * h];
         for (pos, &i) in idx.data.iter().enumerate() {
             if i as i64 != padding {
+                let row = pos / samples.rows * n + i as usize;
                 for k in 0..h {
-                    dw[i as usize * h + k] += d.data[pos * h + k];
+                    dw[row * h + k] += d.data[pos * h + k];
                 }
             }
         }
-        Ok(vec![RefTensor::new(&[n, h], dw)])
+        Ok(vec![RefTensor::new(&samples.shape(&[n, h]), dw)])
     }
 
     /// Each row of the gradient sums the `dout` rows of every position that indexed it, in f32: a

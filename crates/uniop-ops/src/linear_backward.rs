@@ -172,7 +172,7 @@ impl Op for LinearBackward {
 
 /// How `batch_dims` divides the rows of `x` into samples.
 pub(crate) fn samples(cx: &OpCx) -> Result<Samples> {
-    Samples::of(cx, "x", cx.input("x").rank() - 1, "features")
+    Samples::of(cx, "x", cx.input("x").rank() - 1)
 }
 
 /// The plan of `linear_backward` and `linear_add_backward` (steps `names`).

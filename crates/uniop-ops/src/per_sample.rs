@@ -1,14 +1,14 @@
-//! Parameter gradients per sample: the `batch_dims` attribute of the backwards that sum a
-//! parameter's gradient over rows.
+//! Sums per sample: the `batch_dims` attribute of the ops that sum over rows.
 //!
-//! `rms_norm_backward`, `add_rms_norm_backward`, `layer_norm_backward`, `linear_backward` and
-//! `linear_add_backward` sum dweight (and dbias) over every row of `x`: the gradient of one batch.
-//! Per-sample gradients (`torch.func.vmap(torch.func.grad(..))`, DP-SGD's clipping) want one sum
-//! per sample instead, and summing them afterwards is impossible, so without help each sample
-//! costs a call of its own. With `batch_dims = b` the first `b` dims of `x` count samples: the
-//! summed returns come out `x.shape[..b] + the parameter's shape`, one sum per sample, from one
-//! call; the row-wise returns (dx) do not change. `uniop.torch`'s vmap rule moves the vmapped dim
-//! to the front and adds one.
+//! `rms_norm_backward`, `add_rms_norm_backward`, `layer_norm_backward`, `linear_backward`,
+//! `linear_add_backward` and `embedding_backward` sum dweight (and dbias) over every row of `x`
+//! (token of `indices`), and `cross_entropy` takes one mean over all rows: the gradient, the loss,
+//! of one batch. Per-sample gradients (`torch.func.vmap(torch.func.grad(..))`, DP-SGD's clipping)
+//! want one sum per sample instead, and splitting the total afterwards is impossible, so without
+//! help each sample costs a call of its own. With `batch_dims = b` the first `b` dims of `x` count
+//! samples: the summed returns come out `x.shape[..b] + the parameter's shape` (a loss: `x.shape[..b]`),
+//! one per sample, from one call; the row-wise returns (dx) do not change. `uniop.torch`'s vmap rule
+//! moves the vmapped dim to the front and adds one.
 //!
 //! A sample's rows are contiguous in row order, so a launch deals each sample its own blocks
 //! ([`BlockCtx::within`]), each block keeping private partials as before; the sum of the partials
@@ -29,16 +29,15 @@ pub(crate) struct Samples {
 }
 
 impl Samples {
-    /// Reads `batch_dims` and checks it against `x`, whose first `row_dims` dims index rows (the
-    /// rest, `rest`, are what each row holds).
-    pub fn of(cx: &OpCx, x: &str, row_dims: usize, rest: &str) -> Result<Samples> {
+    /// Reads `batch_dims` and checks it against `x`, whose first `row_dims` dims index rows.
+    pub fn of(cx: &OpCx, x: &str, row_dims: usize) -> Result<Samples> {
         let b = cx.int("batch_dims");
         let shape = cx.input(x).shape();
         if b < 0 || b as usize > row_dims {
             return Err(cx.err(
                 ErrorCode::ParamInvalid,
                 "batch_dims",
-                format!("0 to {row_dims} (the dims of {x} {} before its {rest})", ShapeDisplay(shape)),
+                format!("0 to {row_dims} (the dims of {x} {} that index its rows)", ShapeDisplay(shape)),
                 b,
             ));
         }

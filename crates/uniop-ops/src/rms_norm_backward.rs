@@ -217,7 +217,7 @@ pub(crate) fn check(cx: &OpCx, x: &str, forward: &str) -> Result<NormShape> {
 
 /// How `batch_dims` divides the rows of the normed input `x` into samples.
 pub(crate) fn samples(cx: &OpCx, x: &str, s: &NormShape) -> Result<Samples> {
-    Samples::of(cx, x, cx.input(x).rank() - s.inner_dims, "normalized dims")
+    Samples::of(cx, x, cx.input(x).rank() - s.inner_dims)
 }
 
 /// The meta of a parameter gradient (dweight, dbias): one weight per sample.
