@@ -18,7 +18,7 @@ use std::ops::Range;
 use uniop::layout::ShapeDisplay;
 use uniop::{BlockCtx, ErrorCode, OpCx, Result};
 
-/// How the rows of a backward's `x` divide into samples.
+/// How the rows of an op's `x` (logits, indices) divide into samples.
 pub(crate) struct Samples {
     /// `x.shape[..batch_dims]`.
     pub dims: Vec<usize>,

@@ -489,8 +489,8 @@ def _leading_batch_vmap_rule(native):
     """The torch.func.vmap rule of an op working row by row along the leading dims of some tensor
     arguments (``native.leading_batch_args``): one call with their batch dims moved to the front
     (an unbatched one expanded to the batch, a stride-0 view), a non-negative ``dim`` shifted past
-    the new dim and ``batch_dims`` (the leading dims a parameter gradient keeps apart, one sum per
-    sample) raised by one; every return carries the batch in front. Where another tensor argument
+    the new dim and ``batch_dims`` (the leading dims whose sums, a parameter's gradient or a mean
+    loss, stay apart: one per sample) raised by one; every return carries the batch in front. Where another tensor argument
     carries the batch (a batched weight), the op runs once per sample, as torch's fallback would."""
     names, row_names = [a["name"] for a in native.args], set(native.leading_batch_args)
     rows = {names.index(n) for n in row_names}
