@@ -4,10 +4,11 @@
 
 `--samples` samples of `[rows, hidden]` float32, vmapped through softmax, rms_norm, linear (to `--features`), the
 three in a row (rms_norm → linear → softmax, a squared sum), and `vmap(grad)` of that model and of rms_norm → linear
-→ cross_entropy against per-sample targets: per-sample gradients of the norm weight and the projection. uniop's ops
+→ cross_entropy against per-sample targets, and the same from token ids through an embedding (`--features` rows):
+per-sample gradients of the norm weight and the projection (and the table). uniop's ops
 batch through the rules `uniop.torch` generates from `Op::elementwise` and `Op::leading_batch_args` (one call over
-the batch); the backwards that sum a parameter's gradient over rows (rms_norm_backward, linear_backward) and
-cross_entropy's mean keep one per sample through their `batch_dims`. Best of `--rounds` calls, in milliseconds.
+the batch); the backwards that sum a parameter's gradient over rows (rms_norm_backward, linear_backward,
+embedding_backward) and cross_entropy's mean keep one per sample through their `batch_dims`. Best of `--rounds` calls, in milliseconds.
 """
 
 import argparse
@@ -31,6 +32,7 @@ def main():
     torch.manual_seed(0)
     x = torch.randn(args.samples, args.rows, args.hidden)
     targets = torch.randint(0, args.features, (args.samples, args.rows))
+    tokens, table = torch.randint(0, args.features, (args.samples, args.rows)), torch.randn(args.features, args.hidden)
     params = (torch.rand(args.hidden) + 0.5, torch.randn(args.features, args.hidden))
     ops = torch.ops.uniop
     uniop_ops = {
@@ -38,12 +40,14 @@ def main():
         "norm": lambda a, w: ops.rms_norm(a, w)[0],
         "linear": ops.linear,
         "cross_entropy": lambda a, t: ops.cross_entropy(a, t)[0],
+        "embedding": ops.embedding,
     }
     torch_ops = {
         "softmax": lambda a: torch.softmax(a, -1),
         "norm": lambda a, w: torch.nn.functional.rms_norm(a, (args.hidden,), w, 1e-6),
         "linear": torch.nn.functional.linear,
         "cross_entropy": torch.nn.functional.cross_entropy,
+        "embedding": lambda w, i: torch.nn.functional.embedding(i, w),
     }
 
     def model(o, p, xb):
@@ -63,6 +67,9 @@ def main():
         "vmap(grad) of rms_norm → linear → cross_entropy": lambda o: torch.func.vmap(
             torch.func.grad(lambda p, s, t: training_loss(o, p, s, t)), (None, 0, 0)
         )(params, x, targets),
+        "vmap(grad) of embedding → rms_norm → linear → cross_entropy": lambda o: torch.func.vmap(
+            torch.func.grad(lambda p, i, t: training_loss(o, p[:2], o["embedding"](p[2], i), t)), (None, 0, 0)
+        )((*params, table), tokens, targets),
     }
     print(f"{args.samples} samples of [{args.rows}, {args.hidden}] float32, {torch.get_num_threads()} threads, "
           f"best of {args.rounds}\n")
