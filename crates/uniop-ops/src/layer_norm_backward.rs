@@ -126,7 +126,8 @@ impl Op for LayerNormBackward {
         "Gradients of layer_norm: dx (dtype of x), dweight and dbias (dtype of weight; dbias = dy summed over \
          rows, to ignore when the layer has no bias), from the upstream gradient dy and the mean and rstd saved \
          by the forward. dweight and dbias sum over all rows, or per sample with batch_dims: then they are \
-         x.shape[:batch_dims] + weight's shape. Deterministic: the dweight and dbias partials are per block, summed in a fixed order."
+         x.shape[:batch_dims] + weight's shape. Deterministic: the dweight and dbias partials are per block, \
+         summed in a fixed order."
     }
 
     /// Row by row; the parameter gradients per sample with `batch_dims`.
