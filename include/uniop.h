@@ -499,7 +499,7 @@ uniopStatus uniopEmbedding(void *workspace,
 // Gradient of embedding: dweight[v] = sum of dout rows whose index is v (0 for padding_idx and
 // unused rows). dout has shape [*indices.shape, H]; weight (the forward's table, [V, H]) gives the
 // shape of dweight and is not read. With batch_dims, one table gradient per sample:
-// x.shape[:batch_dims] + [V, H]. Deterministic: contributions are summed in token order in
+// indices.shape[:batch_dims] + [V, H]. Deterministic: contributions are summed in token order in
 // float32.
 uniopStatus uniopEmbeddingBackwardGetWorkspaceSize(const uniopTensor *dout,
                                                    const uniopTensor *indices,

@@ -120,7 +120,7 @@ impl Op for EmbeddingBackward {
     fn doc(&self) -> &'static str {
         "Gradient of embedding: dweight[v] = sum of dout rows whose index is v (0 for padding_idx and unused rows). \
          dout has shape [*indices.shape, H]; weight (the forward's table, [V, H]) gives the shape of dweight and \
-         is not read. With batch_dims, one table gradient per sample: x.shape[:batch_dims] + [V, H]. \
+         is not read. With batch_dims, one table gradient per sample: indices.shape[:batch_dims] + [V, H]. \
          Deterministic: contributions are summed in token order in float32."
     }
 
