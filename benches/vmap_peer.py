@@ -4,11 +4,12 @@
 
 `--samples` samples of `[rows, hidden]` float32, vmapped through softmax, rms_norm, linear (to `--features`), the
 three in a row (rms_norm → linear → softmax, a squared sum), and `vmap(grad)` of that model and of rms_norm → linear
-→ cross_entropy against per-sample targets, and the same from token ids through an embedding (`--features` rows):
-per-sample gradients of the norm weight and the projection (and the table). uniop's ops
+→ cross_entropy against per-sample targets, the same from token ids through an embedding (`--features` rows), and
+with a Llama MLP's gate and up projections (linear_silu_mul to `--features`) before the last linear: per-sample
+gradients of the norm weight and the projections (and the table). uniop's ops
 batch through the rules `uniop.torch` generates from `Op::elementwise` and `Op::leading_batch_args` (one call over
 the batch); the backwards that sum a parameter's gradient over rows (rms_norm_backward, linear_backward,
-embedding_backward) and cross_entropy's mean keep one per sample through their `batch_dims`. Best of `--rounds` calls, in milliseconds.
+linear_silu_mul_backward, embedding_backward) and cross_entropy's mean keep one per sample through their `batch_dims`. Best of `--rounds` calls, in milliseconds.
 """
 
 import argparse
@@ -34,11 +35,14 @@ def main():
     targets = torch.randint(0, args.features, (args.samples, args.rows))
     tokens, table = torch.randint(0, args.features, (args.samples, args.rows)), torch.randn(args.features, args.hidden)
     params = (torch.rand(args.hidden) + 0.5, torch.randn(args.features, args.hidden))
+    # gate and up [features, hidden], then a linear [features, features] to the classes.
+    mlp = [torch.randn(args.features, args.hidden) / 16 for _ in range(2)] + [torch.randn(args.features, args.features)]
     ops = torch.ops.uniop
     uniop_ops = {
         "softmax": lambda a: ops.softmax(a, -1),
         "norm": lambda a, w: ops.rms_norm(a, w)[0],
         "linear": ops.linear,
+        "silu_mul_proj": ops.linear_silu_mul,
         "cross_entropy": lambda a, t: ops.cross_entropy(a, t)[0],
         "embedding": ops.embedding,
     }
@@ -46,6 +50,7 @@ def main():
         "softmax": lambda a: torch.softmax(a, -1),
         "norm": lambda a, w: torch.nn.functional.rms_norm(a, (args.hidden,), w, 1e-6),
         "linear": torch.nn.functional.linear,
+        "silu_mul_proj": lambda a, g, u: torch.nn.functional.silu(a @ g.T) * (a @ u.T),
         "cross_entropy": torch.nn.functional.cross_entropy,
         "embedding": lambda w, i: torch.nn.functional.embedding(i, w),
     }
@@ -55,6 +60,9 @@ def main():
 
     def training_loss(o, p, xb, tb):
         return o["cross_entropy"](o["linear"](o["norm"](xb, p[0]), p[1]), tb)
+
+    def mlp_loss(o, p, xb, tb):
+        return o["cross_entropy"](o["linear"](o["silu_mul_proj"](o["norm"](xb, p[0]), p[1], p[2]), p[3]), tb)
 
     cases = {
         "softmax": lambda o: torch.func.vmap(o["softmax"])(x),
@@ -70,6 +78,9 @@ def main():
         "vmap(grad) of embedding → rms_norm → linear → cross_entropy": lambda o: torch.func.vmap(
             torch.func.grad(lambda p, i, t: training_loss(o, p[:2], o["embedding"](p[2], i), t)), (None, 0, 0)
         )((*params, table), tokens, targets),
+        "vmap(grad) of rms_norm → linear_silu_mul → linear → cross_entropy": lambda o: torch.func.vmap(
+            torch.func.grad(lambda p, s, t: mlp_loss(o, p, s, t)), (None, 0, 0)
+        )((params[0], *mlp), x, targets),
     }
     print(f"{args.samples} samples of [{args.rows}, {args.hidden}] float32, {torch.get_num_threads()} threads, "
           f"best of {args.rounds}\n")

@@ -9,8 +9,8 @@
 
 // Bumped when a struct layout or a signature of this header changes incompatibly (2: `add`'s alpha
 // became a `uniopScalar`; 3: cross_entropy, its backward and the backwards summing parameter
-// gradients gained `batch_dims`).
-#define UNIOP_ABI_VERSION 3
+// gradients gained `batch_dims`; 4: so did linear_silu_mul_backward and linear_gelu_mul_backward).
+#define UNIOP_ABI_VERSION 4
 
 // A point in a stream's work, for ordering and timing (opaque).
 typedef struct uniopEventObj uniopEventObj;
@@ -814,11 +814,12 @@ uniopStatus uniopLinearGeluMul(void *workspace,
                                uniopExecutor *executor,
                                uniopStream stream);
 
-// Phase 1 of `linear_gelu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, str approximate='none') -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
+// Phase 1 of `linear_gelu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, str approximate='none', int batch_dims=0) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
 //
 // Gradients of linear_gelu_mul (and linear_gelu_mul_train), as linear_silu_mul_backward's with
 // gelu(g, approximate) for silu(g): dg = dy * u * gelu'(g), du = dy * gelu(g); dx = dg @
-// gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ x.
+// gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ x (per sample with
+// batch_dims).
 uniopStatus uniopLinearGeluMulBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                        const uniopTensor *x,
                                                        const uniopTensor *gate_weight,
@@ -826,6 +827,7 @@ uniopStatus uniopLinearGeluMulBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                        const uniopTensor *gate,
                                                        const uniopTensor *up,
                                                        const char *approximate,
+                                                       int64_t batch_dims,
                                                        uniopTensor *dx,
                                                        uniopTensor *dgate_weight,
                                                        uniopTensor *dup_weight,
@@ -917,18 +919,20 @@ uniopStatus uniopLinearSiluMul(void *workspace,
                                uniopExecutor *executor,
                                uniopStream stream);
 
-// Phase 1 of `linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
+// Phase 1 of `linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, int batch_dims=0) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
 //
 // Gradients of linear_silu_mul (and linear_silu_mul_train): with g = x @ gate_weight^T, u = x @
 // up_weight^T (given as gate and up, both or neither, else recomputed), dg = dy * u * silu'(g), du
 // = dy * silu(g); dx = dg @ gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight =
-// du^T @ x (summed over all leading dims of x).
+// du^T @ x (summed over all leading dims of x; with batch_dims, per sample: x.shape[:batch_dims] +
+// the weight's shape).
 uniopStatus uniopLinearSiluMulBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                        const uniopTensor *x,
                                                        const uniopTensor *gate_weight,
                                                        const uniopTensor *up_weight,
                                                        const uniopTensor *gate,
                                                        const uniopTensor *up,
+                                                       int64_t batch_dims,
                                                        uniopTensor *dx,
                                                        uniopTensor *dgate_weight,
                                                        uniopTensor *dup_weight,

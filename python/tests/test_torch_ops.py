@@ -419,6 +419,9 @@ def _per_sample_cases(dtype):
         "linear_backward": (t(*rows, n), x, t(n, h)),
         "linear_add_backward": (t(*rows, n), x, t(n, h)),
         "embedding_backward": (t(*rows, h), torch.randint(0, n, (3, 2, 5)).transpose(0, 1), t(n, h)),
+        # One with the forward's products saved, one recomputing them.
+        "linear_silu_mul_backward": (t(*rows, n), x, t(n, h), t(n, h), t(*rows, n), t(*rows, n)),
+        "linear_gelu_mul_backward": (t(*rows, n), x, t(n, h), t(n, h), None, None, "tanh"),
     }
 
 
@@ -434,7 +437,7 @@ def test_batch_dims_gives_each_sample_its_own_sums(dtype):
         names, row_args = [a["name"] for a in uniop.op(name).args], uniop.op(name).leading_batch_args
         got = _tuple(op(*args, batch_dims=2))
         for i, j in np.ndindex(2, 3):
-            sample = [a[i, j] if names[k] in row_args else a for k, a in enumerate(args)]
+            sample = [a[i, j] if names[k] in row_args and a is not None else a for k, a in enumerate(args)]
             for k, want in enumerate(_tuple(op(*sample))):
                 assert got[k][i, j].shape == want.shape, (name, k)
                 torch.testing.assert_close(got[k][i, j], want, rtol=TOL[dtype], atol=TOL[dtype], msg=name)
@@ -443,19 +446,20 @@ def test_batch_dims_gives_each_sample_its_own_sums(dtype):
 
 
 def test_per_sample_gradients_of_norms_and_linears_in_one_call():
-    """vmap(grad) through layer_norm, linear (with a bias), add_rms_norm, linear_add and
-    cross_entropy: their backwards keep each sample's parameter gradients apart (``batch_dims``)
+    """vmap(grad) through layer_norm, linear (with a bias), add_rms_norm, linear_silu_mul, linear_add
+    and cross_entropy: their backwards keep each sample's parameter gradients apart (``batch_dims``)
     and cross_entropy takes each sample's mean, so no op runs per sample (torch's fallback
     disabled); the gradients match torch's own ops vmapped the same way, with the batch in front
     and along dim 1."""
     torch.manual_seed(0)
     x = torch.randn(5, 3, 24)
     params = [torch.rand(24) + 0.5, torch.randn(24), torch.randn(32, 24), torch.randn(32), torch.rand(32) + 0.5,
-              torch.randn(32, 32)]
+              torch.randn(32, 48) / 4, torch.randn(48, 32) / 4, torch.randn(48, 32) / 4]
     uniop_ops = {
         "layer_norm": lambda a, w, b: torch.ops.uniop.layer_norm(a, w, b)[0],
         "linear": torch.ops.uniop.linear,
         "add_rms_norm": lambda a, r, w: torch.ops.uniop.add_rms_norm(a, r, w)[::2],
+        "linear_silu_mul": torch.ops.uniop.linear_silu_mul,
         "linear_add": torch.ops.uniop.linear_add,
         "cross_entropy": lambda a, t: torch.ops.uniop.cross_entropy(a, t)[0],
     }
@@ -463,6 +467,7 @@ def test_per_sample_gradients_of_norms_and_linears_in_one_call():
         "layer_norm": lambda a, w, b: torch.nn.functional.layer_norm(a, (24,), w, b, 1e-5),
         "linear": torch.nn.functional.linear,
         "add_rms_norm": lambda a, r, w: (torch.nn.functional.rms_norm(a + r, (32,), w, 1e-6), a + r),
+        "linear_silu_mul": lambda a, g, u: torch.nn.functional.silu(a @ g.T) * (a @ u.T),
         "linear_add": lambda a, w, r: torch.nn.functional.linear(a, w) + r,
         "cross_entropy": torch.nn.functional.cross_entropy,
     }
@@ -472,7 +477,8 @@ def test_per_sample_gradients_of_norms_and_linears_in_one_call():
     def loss(ops, p, xb, tb):
         h = ops["linear"](ops["layer_norm"](xb, p[0], p[1]), p[2], p[3])
         y, residual = ops["add_rms_norm"](h, h.sin(), p[4])
-        return ops["cross_entropy"](ops["linear_add"](y, p[5], residual), tb)
+        mlp = ops["linear_silu_mul"](y, p[6], p[7])
+        return ops["cross_entropy"](ops["linear_add"](mlp, p[5], residual), tb)
 
     for in_dim, batch, tbatch in ((0, x, targets), (1, x.transpose(0, 1), targets.t())):
         grads = {}

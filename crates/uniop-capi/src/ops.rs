@@ -1304,11 +1304,12 @@ pub extern "C" fn uniopLinearGeluMul(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `linear_gelu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, str approximate='none') -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
+/// Phase 1 of `linear_gelu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, str approximate='none', int batch_dims=0) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
 ///
 /// Gradients of linear_gelu_mul (and linear_gelu_mul_train), as linear_silu_mul_backward's with
 /// gelu(g, approximate) for silu(g): dg = dy * u * gelu'(g), du = dy * gelu(g); dx = dg @
-/// gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ x.
+/// gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ x (per sample with
+/// batch_dims).
 #[no_mangle]
 pub extern "C" fn uniopLinearGeluMulBackwardGetWorkspaceSize(
     dy: *const uniopTensor,
@@ -1318,6 +1319,7 @@ pub extern "C" fn uniopLinearGeluMulBackwardGetWorkspaceSize(
     gate: *const uniopTensor,
     up: *const uniopTensor,
     approximate: *const c_char,
+    batch_dims: i64,
     dx: *mut uniopTensor,
     dgate_weight: *mut uniopTensor,
     dup_weight: *mut uniopTensor,
@@ -1328,7 +1330,10 @@ pub extern "C" fn uniopLinearGeluMulBackwardGetWorkspaceSize(
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 6] =
             [("dy", dy), ("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight), ("gate", gate), ("up", up)];
-        let attrs: [(&str, AttrValue); 1] = [("approximate", typed::string(F, "approximate", approximate)?)];
+        let attrs: [(&str, AttrValue); 2] = [
+            ("approximate", typed::string(F, "approximate", approximate)?),
+            ("batch_dims", AttrValue::Int(batch_dims)),
+        ];
         let outputs = [
             ("dx", dx as *const uniopTensor),
             ("dgate_weight", dgate_weight as *const uniopTensor),
@@ -1498,12 +1503,13 @@ pub extern "C" fn uniopLinearSiluMul(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
+/// Phase 1 of `linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, int batch_dims=0) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
 ///
 /// Gradients of linear_silu_mul (and linear_silu_mul_train): with g = x @ gate_weight^T, u = x @
 /// up_weight^T (given as gate and up, both or neither, else recomputed), dg = dy * u * silu'(g), du
 /// = dy * silu(g); dx = dg @ gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight =
-/// du^T @ x (summed over all leading dims of x).
+/// du^T @ x (summed over all leading dims of x; with batch_dims, per sample: x.shape[:batch_dims] +
+/// the weight's shape).
 #[no_mangle]
 pub extern "C" fn uniopLinearSiluMulBackwardGetWorkspaceSize(
     dy: *const uniopTensor,
@@ -1512,6 +1518,7 @@ pub extern "C" fn uniopLinearSiluMulBackwardGetWorkspaceSize(
     up_weight: *const uniopTensor,
     gate: *const uniopTensor,
     up: *const uniopTensor,
+    batch_dims: i64,
     dx: *mut uniopTensor,
     dgate_weight: *mut uniopTensor,
     dup_weight: *mut uniopTensor,
@@ -1522,7 +1529,7 @@ pub extern "C" fn uniopLinearSiluMulBackwardGetWorkspaceSize(
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 6] =
             [("dy", dy), ("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight), ("gate", gate), ("up", up)];
-        let attrs: [(&str, AttrValue); 0] = [];
+        let attrs: [(&str, AttrValue); 1] = [("batch_dims", AttrValue::Int(batch_dims))];
         let outputs = [
             ("dx", dx as *const uniopTensor),
             ("dgate_weight", dgate_weight as *const uniopTensor),

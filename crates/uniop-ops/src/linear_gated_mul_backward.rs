@@ -1,12 +1,14 @@
-//! `linear_silu_mul_backward(dy, x, gate_weight, up_weight, gate=None, up=None) -> (dx,
-//! dgate_weight, dup_weight)`, the gradient of [`linear_silu_mul`](crate::linear_gated_mul), and
-//! `linear_gelu_mul_backward(..., approximate)`, `linear_gelu_mul`'s. With `g = x · gate_weightᵀ`
-//! and `u = x · up_weightᵀ`: `dg = dy · u · act'(g)`, `du = dy · act(g)`, then
-//! `dx = dg · gate_weight + du · up_weight`, `dgate_weight = dgᵀ · x`, `dup_weight = duᵀ · x`.
+//! `linear_silu_mul_backward(dy, x, gate_weight, up_weight, gate=None, up=None, batch_dims=0) ->
+//! (dx, dgate_weight, dup_weight)`, the gradient of [`linear_silu_mul`](crate::linear_gated_mul),
+//! and `linear_gelu_mul_backward(..., approximate, batch_dims=0)`, `linear_gelu_mul`'s. With
+//! `g = x · gate_weightᵀ` and `u = x · up_weightᵀ`: `dg = dy · u · act'(g)`, `du = dy · act(g)`,
+//! then `dx = dg · gate_weight + du · up_weight`, `dgate_weight = dgᵀ · x`, `dup_weight = duᵀ · x`
+//! — the weight gradients per sample of the first `batch_dims` dims of x (see
+//! [`per_sample`](crate::per_sample)).
 //!
 //! Three launches, each block owning a band of what it writes (no atomics, deterministic): `dg`
 //! and `du` into the workspace, then rows (or, for f32 and bf16 with few rows, columns) of `dx`,
-//! then rows of the two weight gradients. The first launch takes `g` and `u` as given (`gate` and
+//! then rows of one sample's two weight gradients. The first launch takes `g` and `u` as given (`gate` and
 //! `up`, which `linear_silu_mul_train` returns) in one elementwise pass, or, when they were not
 //! kept (`linear_silu_mul`'s autograd, which keeps no `[rows, n]` tensor), recomputes them with
 //! the forward's paired GEMM and turns them into gradients in its epilogue: six products instead
@@ -16,10 +18,12 @@ use crate::elementwise::{dense_input, dense_map, fence, streams_bytes};
 use crate::gate::{with_gate_fn, GateFn, Gating};
 use crate::linear::Dims;
 use crate::linear::COLUMN_UNIT;
+use crate::linear_backward::samples;
 use crate::linear_gated_mul::{dims as forward_dims, gate_up_rows, reference_products, Operands};
 use crate::linear_gated_mul::{scratch_bytes, BLOCK_SCRATCH_BYTES};
 use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
 use crate::packed_gemm::{split_columns, HALF as GROUP, PAIRED_COLUMNS};
+use crate::per_sample::SampleBlocks;
 use uniop::layout::ShapeDisplay;
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
@@ -169,10 +173,15 @@ fn dx_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, columns
     }
 }
 
-/// Step 3: rows of `dgate_weight = dgᵀ · x` and `dup_weight = duᵀ · x`, the two stacked as `2n`
-/// rows to share out.
-fn dweights_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims) {
-    let owned = ctx.split(2 * d.n);
+/// Step 3: rows of one sample's `dgate_weight = dgᵀ · x` and `dup_weight = duᵀ · x` (over that
+/// sample's rows), the two stacked as `2n` rows to share out among the sample's blocks.
+fn dweights_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, samples: SampleBlocks) {
+    if samples.count == 0 {
+        return; // the returns are empty
+    }
+    let (sample, place) = ctx.within(samples.count);
+    let first = sample * samples.rows;
+    let owned = place.split(2 * d.n);
     let x = args.input(1);
     // SAFETY: dg and du only read here.
     let grads = unsafe { args.workspace::<T>(0, 2 * d.rows * d.n) }.as_ptr();
@@ -180,15 +189,20 @@ fn dweights_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims) {
         let part =
             owned.start.clamp(i * d.n, (i + 1) * d.n) - i * d.n..owned.end.clamp(i * d.n, (i + 1) * d.n) - i * d.n;
         let dw = args.output(1 + i);
-        // SAFETY: all contiguous; this block owns rows `part` of this weight's gradient.
+        // SAFETY: all contiguous; this block owns rows `part` of this sample's weight gradient.
         unsafe {
+            let xs = x.storage::<T>().unwrap().as_ptr().add(x.layout().offset() + first * d.k);
             gemm_rows(
                 part,
                 d.k,
-                d.rows,
-                Dst { ptr: dw.as_mut_ptr::<T>().add(dw.layout().offset()), rs: d.k as isize, cs: 1 },
-                Mat { ptr: grads.add(i * d.rows * d.n), rs: 1, cs: d.n as isize },
-                Mat { ptr: x.storage::<T>().unwrap().as_ptr().add(x.layout().offset()), rs: d.k as isize, cs: 1 },
+                samples.rows,
+                Dst {
+                    ptr: dw.as_mut_ptr::<T>().add(dw.layout().offset() + sample * d.n * d.k),
+                    rs: d.k as isize,
+                    cs: 1,
+                },
+                Mat { ptr: grads.add(i * d.rows * d.n + first * d.n), rs: 1, cs: d.n as isize },
+                Mat { ptr: xs, rs: d.k as isize, cs: 1 },
                 false,
             );
         }
@@ -200,12 +214,13 @@ impl Op for LinearGatedMulBackward {
         match self.0 {
             Gating::Silu => {
                 "linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? \
-                 gate=None, Tensor? up=None) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)"
+                 gate=None, Tensor? up=None, int batch_dims=0) -> (Tensor dx, Tensor dgate_weight, Tensor \
+                 dup_weight)"
             }
             Gating::Gelu => {
                 "linear_gelu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? \
-                 gate=None, Tensor? up=None, str approximate='none') -> (Tensor dx, Tensor dgate_weight, Tensor \
-                 dup_weight)"
+                 gate=None, Tensor? up=None, str approximate='none', int batch_dims=0) -> (Tensor dx, Tensor \
+                 dgate_weight, Tensor dup_weight)"
             }
         }
     }
@@ -216,14 +231,21 @@ impl Op for LinearGatedMulBackward {
                 "Gradients of linear_silu_mul (and linear_silu_mul_train): with g = x @ gate_weight^T, u = x @ \
                  up_weight^T (given as gate and up, both or neither, else recomputed), dg = dy * u * silu'(g), du = \
                  dy * silu(g); dx = dg @ gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ \
-                 x (summed over all leading dims of x)."
+                 x (summed over all leading dims of x; with batch_dims, per sample: x.shape[:batch_dims] + the \
+                 weight's shape)."
             }
             Gating::Gelu => {
                 "Gradients of linear_gelu_mul (and linear_gelu_mul_train), as linear_silu_mul_backward's with \
                  gelu(g, approximate) for silu(g): dg = dy * u * gelu'(g), du = dy * gelu(g); dx = dg @ \
-                 gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ x."
+                 gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ x (per sample with \
+                 batch_dims)."
             }
         }
+    }
+
+    /// Row by row; the weight gradients per sample with `batch_dims`.
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["dy", "x", "gate", "up"]
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -241,7 +263,7 @@ impl Op for LinearGatedMulBackward {
         let (d, _) = dims(cx)?;
         self.0.activation(cx)?;
         let dtype = cx.input("x").dtype;
-        let weight = TensorMeta::contiguous(dtype, &[d.n, d.k])?;
+        let weight = TensorMeta::contiguous(dtype, &samples(cx)?.shape(&[d.n, d.k]))?;
         Ok(vec![TensorMeta::contiguous(dtype, cx.input("x").shape())?, weight.clone(), weight])
     }
 
@@ -253,7 +275,7 @@ impl Op for LinearGatedMulBackward {
         let row_blocks = d.rows.div_ceil(16).clamp(1, threads);
         let columns = split_columns(dtype, d.rows, d.k, threads);
         let dx_blocks = if columns { d.k.div_ceil(COLUMN_UNIT).clamp(1, threads) } else { row_blocks };
-        let dw_blocks = (2 * d.n).div_ceil(16).clamp(1, threads) as u32;
+        let dw_blocks = samples(cx)?.blocks(cx, "x", (2 * d.n).div_ceil(16).clamp(1, threads) as u32)?;
         let grads = (2 * d.rows).checked_mul(d.n).and_then(|e| e.checked_mul(dtype.size()));
         let scratch = grads.and_then(|g| g.checked_next_multiple_of(64)).ok_or_else(|| {
             let y = ShapeDisplay(cx.input("dy").shape());
@@ -285,7 +307,7 @@ impl Op for LinearGatedMulBackward {
                 Step::new(names[1], row_blocks as u32, move |a, c| gradients_kernel::<T, A>(a, c, d, ws))
             }),
             Step::new(names[2], dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)),
-            Step::new(names[3], dw_blocks, move |a, c| dweights_kernel::<T>(a, c, d)),
+            Step::new(names[3], dw_blocks.total, move |a, c| dweights_kernel::<T>(a, c, d, dw_blocks)),
         ]);
         let needs = vec![
             LayoutNeed::Contiguous,
@@ -305,6 +327,7 @@ impl Op for LinearGatedMulBackward {
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let (d, saved) = dims(cx)?;
         let activation = self.0.activation(cx)?;
+        let samples = samples(cx)?;
         let [dy, x, wg, wu] = [0, 1, 2, 3].map(|i| inputs[i].as_ref().unwrap());
         let (g, u) = if saved {
             let [g, u] = [4, 5].map(|i| inputs[i].as_ref().unwrap().data.clone());
@@ -315,9 +338,11 @@ impl Op for LinearGatedMulBackward {
         let (dg, du): (Vec<f64>, Vec<f64>) =
             (0..g.len()).map(|i| activation.exact_mul_grad(dy.data[i], g[i], u[i])).unzip();
         let mut dx = vec![0.0; d.rows * d.k];
-        let mut dwg = vec![0.0; d.n * d.k];
-        let mut dwu = vec![0.0; d.n * d.k];
+        let mut dwg = vec![0.0; samples.count * d.n * d.k];
+        let mut dwu = vec![0.0; samples.count * d.n * d.k];
         for r in 0..d.rows {
+            let sample = r / samples.rows.max(1) * d.n * d.k;
+            let (dwg, dwu) = (&mut dwg[sample..][..d.n * d.k], &mut dwu[sample..][..d.n * d.k]);
             for j in 0..d.n {
                 let (a, b) = (dg[r * d.n + j], du[r * d.n + j]);
                 for p in 0..d.k {
@@ -327,7 +352,7 @@ impl Op for LinearGatedMulBackward {
                 }
             }
         }
-        let w = [d.n, d.k];
+        let w = samples.shape(&[d.n, d.k]);
         Ok(vec![RefTensor::new(&x.shape, dx), RefTensor::new(&w, dwg), RefTensor::new(&w, dwu)])
     }
 
