@@ -226,18 +226,23 @@ fn exp_sum_as<T: FloatElement, const STORE: bool, const NATIVE: bool, const EXP_
             out[at..at + EXP_LANES].copy_from_slice(&e);
         }
     }
-    let mut sum = math::sum_lanes(acc);
+    // The tail in EXP_LANES-wide pieces as well, the lanes past the row left out of the sums: a
+    // row shorter than a step (attention's scores per head, 32 keys) is all tail, and one scalar
+    // exp an element took f32 softmax [64, 4, 32, 32] 4.3x torch's time (0.52 ms against 0.12).
     let mut rest = [0f32; LANES];
-    let rest = &mut rest[..tail.len()];
-    T::widen(tail, rest);
-    for v in rest.iter_mut() {
-        *v = math::exp_for::<T>(*v - m);
-        sum += *v;
+    T::widen(tail, &mut rest[..tail.len()]);
+    let mut tail_acc = [0f32; EXP_LANES];
+    let padded = tail.len().next_multiple_of(EXP_LANES);
+    for (at, c) in (0..padded).step_by(EXP_LANES).zip(rest[..padded].chunks_exact_mut(EXP_LANES)) {
+        for j in 0..EXP_LANES {
+            c[j] = math::exp_for::<T>(c[j] - m);
+            tail_acc[j] += if at + j < tail.len() { c[j] } else { 0.0 };
+        }
     }
     if STORE {
-        out[full..row.len()].copy_from_slice(rest);
+        out[full..row.len()].copy_from_slice(&rest[..tail.len()]);
     }
-    sum
+    math::sum_lanes(acc) + math::sum_lanes(tail_acc)
 }
 
 crate::simd_kernel! {
