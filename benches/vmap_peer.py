@@ -6,10 +6,11 @@
 three in a row (rms_norm → linear → softmax, a squared sum), and `vmap(grad)` of that model and of rms_norm → linear
 → cross_entropy against per-sample targets, the same from token ids through an embedding (`--features` rows), and
 with a Llama MLP's gate and up projections (linear_silu_mul to `--features`) before the last linear: per-sample
-gradients of the norm weight and the projections (and the table). uniop's ops
-batch through the rules `uniop.torch` generates from `Op::elementwise` and `Op::leading_batch_args` (one call over
-the batch); the backwards that sum a parameter's gradient over rows (rms_norm_backward, linear_backward,
-linear_silu_mul_backward, embedding_backward) and cross_entropy's mean keep one per sample through their `batch_dims`. Best of `--rounds` calls, in milliseconds.
+gradients of the norm weight and the projections (and the table); and attention written with matmul (4 heads,
+`softmax(q kᵀ) v`, q, k and v projected by linear). uniop's ops batch through the rules `uniop.torch` generates from
+`Op::elementwise`, `Op::leading_batch_args` and `Op::core_dims` (one call over the batch); the backwards that sum a
+parameter's gradient over rows (rms_norm_backward, linear_backward, linear_silu_mul_backward, embedding_backward) and
+cross_entropy's mean keep one per sample through their `batch_dims`. Best of `--rounds` calls, in milliseconds.
 """
 
 import argparse
@@ -43,6 +44,7 @@ def main():
         "norm": lambda a, w: ops.rms_norm(a, w)[0],
         "linear": ops.linear,
         "silu_mul_proj": ops.linear_silu_mul,
+        "matmul": ops.matmul,
         "cross_entropy": lambda a, t: ops.cross_entropy(a, t)[0],
         "embedding": ops.embedding,
     }
@@ -51,6 +53,7 @@ def main():
         "norm": lambda a, w: torch.nn.functional.rms_norm(a, (args.hidden,), w, 1e-6),
         "linear": torch.nn.functional.linear,
         "silu_mul_proj": lambda a, g, u: torch.nn.functional.silu(a @ g.T) * (a @ u.T),
+        "matmul": torch.matmul,
         "cross_entropy": torch.nn.functional.cross_entropy,
         "embedding": lambda w, i: torch.nn.functional.embedding(i, w),
     }
@@ -64,6 +67,11 @@ def main():
     def mlp_loss(o, p, xb, tb):
         return o["cross_entropy"](o["linear"](o["silu_mul_proj"](o["norm"](xb, p[0]), p[1], p[2]), p[3]), tb)
 
+    def attention_loss(o, p, xb):
+        q, k, v = (o["linear"](xb, w).unflatten(-1, (4, -1)).transpose(-3, -2) for w in p)  # [4, rows, hidden / 4]
+        return o["matmul"](o["softmax"](o["matmul"](q, k.transpose(-1, -2))), v).pow(2).sum()
+
+    projections = [torch.randn(args.hidden, args.hidden) / args.hidden**0.5 for _ in range(3)]
     cases = {
         "softmax": lambda o: torch.func.vmap(o["softmax"])(x),
         "rms_norm": lambda o: torch.func.vmap(lambda s: o["norm"](s, params[0]))(x),
@@ -81,6 +89,9 @@ def main():
         "vmap(grad) of rms_norm → linear_silu_mul → linear → cross_entropy": lambda o: torch.func.vmap(
             torch.func.grad(lambda p, s, t: mlp_loss(o, p, s, t)), (None, 0, 0)
         )((params[0], *mlp), x, targets),
+        "vmap(grad) of matmul attention": lambda o: torch.func.vmap(
+            torch.func.grad(lambda p, s: attention_loss(o, p, s)), (None, 0)
+        )(projections, x),
     }
     print(f"{args.samples} samples of [{args.rows}, {args.hidden}] float32, {torch.get_num_threads()} threads, "
           f"best of {args.rounds}\n")

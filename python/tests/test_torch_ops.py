@@ -208,6 +208,7 @@ def test_forward_mode_ad_is_refused_not_dropped(name):
 
 ELEMENTWISE = [n for n in sorted(CASES) if uniop.op(n).elementwise]
 LEADING_BATCH = [n for n in sorted(CASES) if uniop.op(n).leading_batch_args]
+BLOCKS = [n for n in sorted(CASES) if uniop.op(n).core_dims]
 
 
 @contextlib.contextmanager
@@ -273,6 +274,65 @@ def test_row_ops_vmap_in_one_call(name):
     shared = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in rows]
     for batched in (rows, rows[:1], rows[:1] + shared[:1]):
         _check_vmap_matches_per_sample(op, args, batched)
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_block_ops_vmap_in_one_call(name):
+    """torch.func.vmap of an op mapping blocks over broadcast batch dims (``core_dims``: matmul and
+    its backward) runs its batching rule, torch's per-sample fallback disabled, and gives the
+    per-sample calls' results: every broadcast operand batched, only the first (the others shared,
+    their gradients one per sample), only the last (of fewer batch dims than the first: padded)."""
+    assert {"matmul", "matmul_backward"} <= set(BLOCKS)
+    torch.manual_seed(0)
+    args, _ = CASES[name](torch.float32, False)
+    op = getattr(torch.ops.uniop, name)
+    names = [a["name"] for a in uniop.op(name).args]
+    cores = [i for i, a in enumerate(args) if names[i] in dict(uniop.op(name).core_dims)]
+    for batched in (cores, cores[:1], cores[-1:]):
+        _check_vmap_matches_per_sample(op, args, batched)
+
+
+def test_matmul_vmap_broadcasts_batch_dims_and_refuses_what_a_sample_call_does():
+    """vmap of matmul lines up each sample's batch dims with the other operand's: a batched ``[M, K]``
+    against a shared ``[B, K, N]`` gives ``[B, M, N]`` per sample (not the batch against B), with a
+    strided (transposed) operand too; a sample of rank 1, which matmul refuses, raises matmul's own
+    error from the per-sample path."""
+    torch.manual_seed(0)
+    a, b = torch.randn(4, 5, 6), torch.randn(3, 7, 6).transpose(1, 2)  # 4 samples of [5, 6]; b [3, 6, 7]
+    with _no_vmap_fallback():
+        got = torch.func.vmap(torch.ops.uniop.matmul, in_dims=(0, None))(a, b)
+        grads = torch.func.vmap(torch.func.grad(lambda a, b: torch.ops.uniop.matmul(a, b).square().sum(), (0, 1)),
+                                in_dims=(0, None))(a, b)
+    torch.testing.assert_close(got, torch.stack([s @ b for s in a]), rtol=1e-5, atol=1e-5)
+    want = torch.func.vmap(torch.func.grad(lambda a, b: (a @ b).square().sum(), (0, 1)), in_dims=(0, None))(a, b)
+    assert grads[1].shape == (4, 3, 6, 7)
+    torch.testing.assert_close(grads, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(uniop.UniopError, match=r"matmul: argument 'a'"):
+        torch.func.vmap(torch.ops.uniop.matmul, in_dims=(0, None))(torch.randn(4, 6), b)
+
+
+def test_per_sample_gradients_through_matmul_attention_in_one_call():
+    """vmap(grad) of attention written with matmul (``softmax(q kᵀ) v`` per head, the projections
+    shared) batches matmul, its backward and the softmax pair in one call each (torch's fallback
+    disabled), matching torch's own ops vmapped the same way."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, 16)  # 6 samples of 8 tokens
+    params = [torch.randn(16, 16) / 4 for _ in range(3)]
+
+    def loss(mm, softmax, p, xb):
+        q, k, v = (xb @ w for w in p)
+        heads = [t.unflatten(-1, (2, 8)).transpose(0, 1) for t in (q, k, v)]  # [2, 8, 8]
+        out = mm(softmax(mm(heads[0], heads[1].transpose(-1, -2))), heads[2])
+        return out.square().mean()
+
+    uniop_loss = lambda p, xb: loss(torch.ops.uniop.matmul, lambda s: torch.ops.uniop.softmax(s, -1), p, xb)  # noqa: E731
+    torch_loss = lambda p, xb: loss(torch.matmul, lambda s: torch.softmax(s, -1), p, xb)  # noqa: E731
+    with _no_vmap_fallback():
+        got = torch.func.vmap(torch.func.grad(uniop_loss), in_dims=(None, 0))(params, x)
+    want = torch.func.vmap(torch.func.grad(torch_loss), in_dims=(None, 0))(params, x)
+    for g, w in zip(got, want):
+        assert g.shape == (6, 16, 16)
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
 def test_row_ops_vmap_an_empty_batch():

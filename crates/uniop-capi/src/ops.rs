@@ -1149,17 +1149,18 @@ pub extern "C" fn uniopLinearAdd(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `linear_add_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0) -> (Tensor dx, Tensor dweight, Tensor dresidual)`.
+/// Phase 1 of `linear_add_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0, bool needs_dx=True) -> (Tensor dx, Tensor dweight, Tensor dresidual)`.
 ///
 /// Gradients of linear_add: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of
 /// x; per sample with batch_dims: x.shape[:batch_dims] + [out_features, in_features]), dresidual =
-/// dy.
+/// dy. needs_dx=False leaves dx out (returned empty, [0]).
 #[no_mangle]
 pub extern "C" fn uniopLinearAddBackwardGetWorkspaceSize(
     dy: *const uniopTensor,
     x: *const uniopTensor,
     weight: *const uniopTensor,
     batch_dims: i64,
+    needs_dx: bool,
     dx: *mut uniopTensor,
     dweight: *mut uniopTensor,
     dresidual: *mut uniopTensor,
@@ -1169,7 +1170,8 @@ pub extern "C" fn uniopLinearAddBackwardGetWorkspaceSize(
     const F: &str = "uniopLinearAddBackwardGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 3] = [("dy", dy), ("x", x), ("weight", weight)];
-        let attrs: [(&str, AttrValue); 1] = [("batch_dims", AttrValue::Int(batch_dims))];
+        let attrs: [(&str, AttrValue); 2] =
+            [("batch_dims", AttrValue::Int(batch_dims)), ("needs_dx", AttrValue::Bool(needs_dx))];
         let outputs = [
             ("dx", dx as *const uniopTensor),
             ("dweight", dweight as *const uniopTensor),
@@ -1226,17 +1228,19 @@ pub extern "C" fn uniopLinearAddPacked(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `linear_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
+/// Phase 1 of `linear_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0, bool needs_dx=True) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
 ///
 /// Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x),
 /// dbias = dy summed over rows (ignore it when the layer has no bias). With batch_dims, dweight and
-/// dbias are per sample: x.shape[:batch_dims] + their shape.
+/// dbias are per sample: x.shape[:batch_dims] + their shape. needs_dx=False leaves dx out (returned
+/// empty, [0]), a third of the work.
 #[no_mangle]
 pub extern "C" fn uniopLinearBackwardGetWorkspaceSize(
     dy: *const uniopTensor,
     x: *const uniopTensor,
     weight: *const uniopTensor,
     batch_dims: i64,
+    needs_dx: bool,
     dx: *mut uniopTensor,
     dweight: *mut uniopTensor,
     dbias: *mut uniopTensor,
@@ -1246,7 +1250,8 @@ pub extern "C" fn uniopLinearBackwardGetWorkspaceSize(
     const F: &str = "uniopLinearBackwardGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 3] = [("dy", dy), ("x", x), ("weight", weight)];
-        let attrs: [(&str, AttrValue); 1] = [("batch_dims", AttrValue::Int(batch_dims))];
+        let attrs: [(&str, AttrValue); 2] =
+            [("batch_dims", AttrValue::Int(batch_dims)), ("needs_dx", AttrValue::Bool(needs_dx))];
         let outputs = [
             ("dx", dx as *const uniopTensor),
             ("dweight", dweight as *const uniopTensor),

@@ -143,9 +143,13 @@ fn describe(op: &str) -> Result<()> {
     let dtypes: Vec<_> = entry.op.dtypes().iter().map(|d| d.name()).collect();
     println!("dtypes:   {}", dtypes.join(", "));
     println!("backward: {}", entry.op.backward().unwrap_or("none"));
-    let rows = entry.op.leading_batch_args();
+    let (rows, cores) = (entry.op.leading_batch_args(), entry.op.core_dims());
     let batching = match (entry.op.elementwise(), rows.is_empty()) {
         (true, _) => "elementwise: one call over operands given a leading batch dim".to_string(),
+        (false, true) if !cores.is_empty() => {
+            let cores: Vec<_> = cores.iter().map(|(name, rank)| format!("{name} (core rank {rank})")).collect();
+            format!("blocks over broadcast batch dims of {}: one call over a leading batch dim", cores.join(", "))
+        }
         (false, false) => {
             let sums = s.args.iter().any(|a| a.name == "batch_dims");
             format!(

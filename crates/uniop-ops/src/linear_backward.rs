@@ -1,18 +1,22 @@
-//! `linear_backward(dy, x, weight, batch_dims=0) -> (dx, dweight, dbias)`, the gradient of
-//! [`linear`](crate::linear): `dx = dy · weight`, `dweight = dyᵀ · x`, `dbias = Σ_rows dy` — the
-//! last two per sample of the first `batch_dims` dims of x (see [`per_sample`](crate::per_sample)).
+//! `linear_backward(dy, x, weight, batch_dims=0, needs_dx=True) -> (dx, dweight, dbias)`, the
+//! gradient of [`linear`](crate::linear): `dx = dy · weight`, `dweight = dyᵀ · x`, `dbias =
+//! Σ_rows dy` — the last two per sample of the first `batch_dims` dims of x (see
+//! [`per_sample`](crate::per_sample)).
 //!
 //! Two launches, each block owning a band of an output (no atomics, deterministic): rows of `dx`
 //! (or, for f32 and bf16 with few rows, its columns: `split_columns`), then rows of one sample's
-//! `dweight` together with the matching entries of its `dbias`. Transposes are strides.
+//! `dweight` together with the matching entries of its `dbias`. Transposes are strides. When x
+//! needs no gradient (`needs_dx` false: a network's first projection of its data, or
+//! per-sample gradients of the weights alone) the first launch, a third of the work, is left out
+//! and dx comes back empty, as torch's autograd leaves out an input's gradient nobody asked for.
 
 use crate::linear::{x_and_weight, Dims, COLUMN_UNIT};
 use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
 use crate::packed_gemm::split_columns;
 use crate::per_sample::{SampleBlocks, Samples};
 use uniop::{
-    with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,
-    RefTensor, Result, Step, TensorMeta,
+    with_float_dtype, AttrValue, BlockCtx, DType, Element, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
+    Plan, RefTensor, Result, Step, TensorMeta,
 };
 
 pub struct LinearBackward;
@@ -104,14 +108,15 @@ fn dw_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, third: 
 
 impl Op for LinearBackward {
     fn schema(&self) -> &'static str {
-        "linear_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0) -> (Tensor dx, Tensor dweight, Tensor \
-         dbias)"
+        "linear_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0, bool needs_dx=True) -> (Tensor dx, \
+         Tensor dweight, Tensor dbias)"
     }
 
     fn doc(&self) -> &'static str {
         "Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x), \
          dbias = dy summed over rows (ignore it when the layer has no bias). With batch_dims, dweight and dbias \
-         are per sample: x.shape[:batch_dims] + their shape."
+         are per sample: x.shape[:batch_dims] + their shape. needs_dx=False leaves dx out (returned empty, [0]), \
+         a third of the work."
     }
 
     /// Row by row; the parameter gradients per sample with `batch_dims`.
@@ -131,7 +136,7 @@ impl Op for LinearBackward {
         let (d, samples) = (dims(cx)?, samples(cx)?);
         let dtype = cx.input("x").dtype;
         Ok(vec![
-            TensorMeta::contiguous(dtype, cx.input("x").shape())?,
+            TensorMeta::contiguous(dtype, &dx_shape(cx))?,
             TensorMeta::contiguous(dtype, &samples.shape(&[d.n, d.k]))?,
             TensorMeta::contiguous(dtype, &samples.shape(&[d.n]))?,
         ])
@@ -143,7 +148,7 @@ impl Op for LinearBackward {
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let (d, samples) = (dims(cx)?, samples(cx)?);
-        let (dx, dw) = reference(d, &samples, inputs);
+        let (dx, dw) = reference(d, &samples, needs_dx(cx), inputs);
         let dy = &inputs[0].as_ref().unwrap().data;
         let mut db = vec![0.0; samples.count * d.n];
         for r in 0..d.rows {
@@ -153,7 +158,7 @@ impl Op for LinearBackward {
             }
         }
         Ok(vec![
-            RefTensor::new(cx.input("x").shape(), dx),
+            RefTensor::new(&dx_shape(cx), dx),
             RefTensor::new(&samples.shape(&[d.n, d.k]), dw),
             RefTensor::new(&samples.shape(&[d.n]), db),
         ])
@@ -170,6 +175,20 @@ impl Op for LinearBackward {
     }
 }
 
+/// Whether the call asks for dx (`needs_dx`).
+pub(crate) fn needs_dx(cx: &OpCx) -> bool {
+    matches!(cx.attr("needs_dx"), AttrValue::Bool(true))
+}
+
+/// dx's shape: x's, or `[0]` when the call asks for none.
+pub(crate) fn dx_shape(cx: &OpCx) -> Vec<usize> {
+    if needs_dx(cx) {
+        cx.input("x").shape().to_vec()
+    } else {
+        vec![0]
+    }
+}
+
 /// How `batch_dims` divides the rows of `x` into samples.
 pub(crate) fn samples(cx: &OpCx) -> Result<Samples> {
     Samples::of(cx, "x", cx.input("x").rank() - 1)
@@ -182,15 +201,22 @@ pub(crate) fn plan(cx: &OpCx, d: Dims, third: Third, names: [&'static str; 2]) -
     let dx_blocks =
         if columns { d.k.div_ceil(COLUMN_UNIT).clamp(1, threads) } else { d.rows.div_ceil(16).clamp(1, threads) };
     let sb = samples(cx)?.blocks(cx, "x", d.n.div_ceil(16).clamp(1, threads) as u32)?;
-    let steps = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| vec![
-        Step::new(names[0], dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)),
-        Step::new(names[1], sb.total, move |a, c| dw_kernel::<T>(a, c, d, third, sb)),
-    ]);
+    let needs_dx = needs_dx(cx);
+    let steps = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
+        let dx = needs_dx.then(|| Step::new(names[0], dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)));
+        dx.into_iter().chain([Step::new(names[1], sb.total, move |a, c| dw_kernel::<T>(a, c, d, third, sb))]).collect()
+    });
     Ok(Plan::new(steps).inputs_need(vec![LayoutNeed::Contiguous; 3]).outputs_need(vec![LayoutNeed::Contiguous; 3]))
 }
 
-/// f64 `(dx, dweight)` of `dy`, `x`, `weight` (inputs 0–2), dweight per sample.
-pub(crate) fn reference(d: Dims, samples: &Samples, inputs: &[Option<RefTensor>]) -> (Vec<f64>, Vec<f64>) {
+/// f64 `(dx, dweight)` of `dy`, `x`, `weight` (inputs 0–2), dweight per sample (dx empty unless
+/// `needs_dx`).
+pub(crate) fn reference(
+    d: Dims,
+    samples: &Samples,
+    needs_dx: bool,
+    inputs: &[Option<RefTensor>],
+) -> (Vec<f64>, Vec<f64>) {
     let [dy, x, w] = [0, 1, 2].map(|i| inputs[i].as_ref().unwrap());
     let mut dx = vec![0.0; d.rows * d.k];
     let mut dw = vec![0.0; samples.count * d.n * d.k];
@@ -204,7 +230,7 @@ pub(crate) fn reference(d: Dims, samples: &Samples, inputs: &[Option<RefTensor>]
             }
         }
     }
-    (dx, dw)
+    (if needs_dx { dx } else { vec![] }, dw)
 }
 
 /// `dy`, `x`, `weight` for x of `shape` (or the default) and a weight `[out · k, k]`.

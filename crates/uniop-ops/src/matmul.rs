@@ -401,6 +401,11 @@ impl Op for Matmul {
          FMAs on widened pairs; float32 sums), inside uniop's SPMD blocks."
     }
 
+    /// Matrices over broadcast batch dims.
+    fn core_dims(&self) -> &'static [(&'static str, usize)] {
+        &[("a", 2), ("b", 2)]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }

@@ -119,6 +119,11 @@ impl Op for MatmulBackward {
          was broadcast to (da and db have a's and b's shapes). Deterministic (no atomics)."
     }
 
+    /// Matrices over broadcast batch dims, da and db summed back to a's and b's.
+    fn core_dims(&self) -> &'static [(&'static str, usize)] {
+        &[("dout", 2), ("a", 2), ("b", 2)]
+    }
+
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
     }

@@ -144,6 +144,13 @@ impl Op {
         self.entry.op.leading_batch_args().to_vec()
     }
 
+    /// The tensor arguments mapped block by block over broadcast batch dims, with their blocks'
+    /// ranks, as `(name, rank)` (see `uniop::Op::core_dims`).
+    #[getter]
+    fn core_dims(&self) -> Vec<(&'static str, usize)> {
+        self.entry.op.core_dims().to_vec()
+    }
+
     /// The arguments as dicts: name, type (schema spelling), tensor, optional, mutated,
     /// kwarg_only and default (absent when required).
     #[getter]

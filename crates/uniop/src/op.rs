@@ -61,6 +61,20 @@ pub trait Op: Send + Sync + 'static {
     fn leading_batch_args(&self) -> &'static [&'static str] {
         &[]
     }
+    /// For an op mapping blocks over broadcast batch dims, as NumPy's generalized ufuncs (matmul:
+    /// `[.., M, K] · [.., K, N]`): the tensor arguments it maps, each with its core's rank (the
+    /// last dims, one block). The dims in front of the cores broadcast together as an elementwise
+    /// op's operands do, and each return has those broadcast dims then its own core, or, named
+    /// `d<arg>`, the shape of tensor argument `<arg>` (a gradient summed back over the dims it was
+    /// broadcast to). A batch of calls is then one call on these arguments given a leading batch
+    /// dim, their batch dims padded with 1s to a common count (an unbatched one expanded, so a
+    /// gradient summed back to it stays one per sample): how frontends batch it
+    /// (torch.func.vmap); they fall back to one call per sample when another tensor argument
+    /// carries the batch. Empty for elementwise ops (cores of rank 0: [`Op::elementwise`]) and
+    /// ops with their own batching ([`Op::leading_batch_args`]).
+    fn core_dims(&self) -> &'static [(&'static str, usize)] {
+        &[]
+    }
     /// Metas (contiguous) of the returns from input metas and attributes. In-place arguments
     /// are not returns: validate them here, they keep the caller's layout.
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>>;

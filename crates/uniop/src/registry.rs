@@ -74,6 +74,7 @@ impl Registry {
     pub fn register(&self, op: Box<dyn Op>) -> Result<()> {
         let schema = OpSchema::parse(op.schema())?;
         check_leading_batch_args(op.as_ref(), &schema)?;
+        check_core_dims(op.as_ref(), &schema)?;
         let mut ops = self.ops.write().unwrap();
         if ops.contains_key(&schema.name) {
             return Err(Error::invalid(format!("op '{}' is already registered", schema.name)));
@@ -118,15 +119,7 @@ fn check_leading_batch_args(op: &dyn Op, schema: &OpSchema) -> Result<()> {
         )));
     }
     for name in names {
-        let arg = schema.args.iter().find(|a| a.name == *name);
-        if !arg.is_some_and(|a| a.ty.base == BaseType::Tensor && a.ty.mutated.is_none()) {
-            let given = arg.map_or("no such argument".to_string(), |a| format!("{}", a.ty));
-            return Err(Error::invalid(format!(
-                "op '{}': leading_batch_args names '{name}' (expected a Tensor argument not written in place, \
-                 given {given})",
-                schema.name
-            )));
-        }
+        check_batched_tensor(schema, "leading_batch_args", name)?;
     }
     // `batch_dims` is the per-sample form of a reduction over those rows (see
     // `Op::leading_batch_args`): frontends add one per batch, so it must be an int defaulting to
@@ -143,6 +136,42 @@ fn check_leading_batch_args(op: &dyn Op, schema: &OpSchema) -> Result<()> {
                 if names.is_empty() { " without leading_batch_args" } else { "" }
             )));
         }
+    }
+    Ok(())
+}
+
+/// What frontends assume of [`Op::core_dims`]: plain tensor arguments, each named once, on an op
+/// that batches no other way.
+fn check_core_dims(op: &dyn Op, schema: &OpSchema) -> Result<()> {
+    let cores = op.core_dims();
+    if !cores.is_empty() && (op.elementwise() || !op.leading_batch_args().is_empty()) {
+        return Err(Error::invalid(format!(
+            "op '{}': core_dims {cores:?} on an op that is elementwise or declares leading_batch_args (expected \
+             one way to batch)",
+            schema.name
+        )));
+    }
+    for (i, (name, _)) in cores.iter().enumerate() {
+        check_batched_tensor(schema, "core_dims", name)?;
+        if cores[..i].iter().any(|(earlier, _)| earlier == name) {
+            return Err(Error::invalid(format!(
+                "op '{}': core_dims names '{name}' twice (expected each argument once)",
+                schema.name
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// An argument a batching declaration (`what`) names must be a Tensor not written in place.
+fn check_batched_tensor(schema: &OpSchema, what: &str, name: &str) -> Result<()> {
+    let arg = schema.args.iter().find(|a| a.name == name);
+    if !arg.is_some_and(|a| a.ty.base == BaseType::Tensor && a.ty.mutated.is_none()) {
+        let given = arg.map_or("no such argument".to_string(), |a| format!("{}", a.ty));
+        return Err(Error::invalid(format!(
+            "op '{}': {what} names '{name}' (expected a Tensor argument not written in place, given {given})",
+            schema.name
+        )));
     }
     Ok(())
 }

@@ -125,10 +125,12 @@ fn rebinding_uses_the_callers_input_numbering() {
     assert_eq!(x, vec![11.0; 4]);
 }
 
-/// [`AxpyInPlace`]'s kernel under another schema, claiming `args` as its leading-batch arguments.
+/// [`AxpyInPlace`]'s kernel under another schema, claiming `args` as its leading-batch arguments
+/// and `cores` as its broadcast ones.
 struct Claims {
     schema: &'static str,
     args: &'static [&'static str],
+    cores: &'static [(&'static str, usize)],
 }
 
 impl Op for Claims {
@@ -136,13 +138,16 @@ impl Op for Claims {
         self.schema
     }
     fn doc(&self) -> &'static str {
-        "leading_batch_args checks (test op)"
+        "leading_batch_args and core_dims checks (test op)"
     }
     fn dtypes(&self) -> &'static [DType] {
         &[DType::F32]
     }
     fn leading_batch_args(&self) -> &'static [&'static str] {
         self.args
+    }
+    fn core_dims(&self) -> &'static [(&'static str, usize)] {
+        self.cores
     }
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         AxpyInPlace.infer(cx)
@@ -180,13 +185,13 @@ fn leading_batch_args_must_name_plain_tensor_arguments() {
         ),
     ] {
         let schema = Box::leak(format!("{name}(Tensor(a!) x, Tensor y, float alpha) -> ()").into_boxed_str());
-        let err = Registry::global().register(Box::new(Claims { schema, args })).unwrap_err();
+        let err = Registry::global().register(Box::new(Claims { schema, args, cores: &[] })).unwrap_err();
         let message = err.to_string();
         assert!(message.contains(&format!("op '{name}': leading_batch_args {expected}")), "{message}");
         assert!(!Registry::global().contains(name));
     }
     let schema = "test_batch_shared_(Tensor(a!) x, Tensor y, float alpha) -> ()";
-    Registry::global().register(Box::new(Claims { schema, args: &["y"] })).unwrap();
+    Registry::global().register(Box::new(Claims { schema, args: &["y"], cores: &[] })).unwrap();
     assert_eq!(Registry::global().get("test_batch_shared_").unwrap().op.leading_batch_args(), ["y"]);
 }
 
@@ -206,12 +211,43 @@ fn batch_dims_must_be_an_int_from_0_on_a_batched_op() {
     ] {
         let schema =
             Box::leak(format!("{name}(Tensor(a!) x, Tensor y, float alpha, {batch_dims}) -> ()").into_boxed_str());
-        let err = Registry::global().register(Box::new(Claims { schema, args })).unwrap_err();
+        let err = Registry::global().register(Box::new(Claims { schema, args, cores: &[] })).unwrap_err();
         let message = err.to_string();
         let expected = "argument 'batch_dims' (expected `int batch_dims=0` on an op declaring leading_batch_args";
         assert!(message.contains(&format!("op '{name}': {expected}, {given}")), "{message}");
         assert!(!Registry::global().contains(name));
     }
     let schema = "test_batch_dims_(Tensor(a!) x, Tensor y, float alpha, int batch_dims=0) -> ()";
-    Registry::global().register(Box::new(Claims { schema, args: &["y"] })).unwrap();
+    Registry::global().register(Box::new(Claims { schema, args: &["y"], cores: &[] })).unwrap();
+}
+
+/// Frontends broadcast the arguments an op names in `core_dims` against each other, so
+/// registration refuses a name that is not a plain tensor argument, one named twice, or the
+/// declaration next to another way of batching.
+#[test]
+fn core_dims_must_name_each_plain_tensor_argument_once() {
+    for (name, args, cores, expected) in [
+        (
+            "test_cores_written_",
+            &[][..],
+            &[("x", 2)][..],
+            "core_dims names 'x' (expected a Tensor argument not written in place, given Tensor(a!))",
+        ),
+        ("test_cores_twice_", &[][..], &[("y", 2), ("y", 1)][..], "core_dims names 'y' twice"),
+        (
+            "test_cores_and_rows_",
+            &["y"][..],
+            &[("y", 2)][..],
+            "core_dims [(\"y\", 2)] on an op that is elementwise or declares leading_batch_args",
+        ),
+    ] {
+        let schema = Box::leak(format!("{name}(Tensor(a!) x, Tensor y, float alpha) -> ()").into_boxed_str());
+        let err = Registry::global().register(Box::new(Claims { schema, args, cores })).unwrap_err();
+        let message = err.to_string();
+        assert!(message.contains(&format!("op '{name}': {expected}")), "{message}");
+        assert!(!Registry::global().contains(name));
+    }
+    let schema = "test_cores_(Tensor(a!) x, Tensor y, float alpha) -> ()";
+    Registry::global().register(Box::new(Claims { schema, args: &[], cores: &[("y", 2)] })).unwrap();
+    assert_eq!(Registry::global().get("test_cores_").unwrap().op.core_dims(), [("y", 2)]);
 }

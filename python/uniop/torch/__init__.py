@@ -446,39 +446,54 @@ def _no_backward_kernel(native):
     return kernel
 
 
-def _elementwise_vmap_rule(native):
-    """The torch.func.vmap rule of an elementwise op (``native.elementwise``): one call on the
-    operands with their batch dim moved to the front, where torch's fallback calls the op once per
-    sample. Each operand is padded with size-1 dims to the operands' common rank, so broadcasting
-    lines the samples up, and one without a batch dim is expanded to the batch (a stride-0 view),
-    so a gradient summed back to an operand (``d<arg>``) keeps one sum per sample; that gradient
-    then takes its operand's per-sample shape again."""
+def _broadcast_vmap_rule(native, cores):
+    """The torch.func.vmap rule of an op broadcasting its operands: elementwise (``native.elementwise``:
+    every tensor argument a core of rank 0) or mapping blocks over broadcast batch dims
+    (``native.core_dims``: matmul's ``[.., M, K]`` and ``[.., K, N]``, cores of rank 2). ``cores``
+    gives each broadcast argument's core rank by position. One call on those operands with their
+    batch dim moved to the front, where torch's fallback calls the op once per sample. Each operand's
+    dims in front of its core are padded with size-1 dims to the operands' common count, so
+    broadcasting lines the samples up, and one without a batch dim is expanded to the batch (a
+    stride-0 view), so a gradient summed back to an operand (``d<arg>``) keeps one sum per sample;
+    that gradient then takes its operand's per-sample shape again. Where another tensor argument
+    carries the batch, or a sample is smaller than an operand's core (which the op refuses), or the op
+    returns the gradient of a tensor argument it does not broadcast (summed over the whole batch in
+    one call), the op runs once per sample, as torch's fallback would."""
     names = [a["name"] for a in native.args]
-    # Per return: the argument whose shape it has (d<arg>), and the flag saying it was asked for.
+    # Per return: the argument whose shape it has (d<arg>).
     shaped_like = [names.index(r[1:]) if r.startswith("d") and r[1:] in names else None for r in native.returns]
-    asked_by = [names.index(f"needs_{r}") if f"needs_{r}" in names else None for r in native.returns]
+    declined = _declined_returns(native)
+    returns = len(native.returns)
     op = getattr(torch.ops.uniop, native.name).default
+    sums_a_shared_operand = any(like is not None and like not in cores for like in shaped_like)
 
     def rule(info, in_dims, *args, **kwargs):
         size = info.batch_size
-        rank = max((a.dim() - (d is not None) for a, d in zip(args, in_dims) if isinstance(a, torch.Tensor)), default=0)
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        sample_rank = {i: args[i].dim() - (in_dims[i] is not None) for i in tensors}
+        if sums_a_shared_operand or any(in_dims[i] is not None for i in tensors if i not in cores) or any(
+            sample_rank[i] < cores[i] for i in tensors if i in cores
+        ):
+            return _per_sample(op, size, in_dims, args, kwargs, returns)
+        batch_rank = max((sample_rank[i] - cores[i] for i in tensors if i in cores), default=0)
         batched, per_sample = list(args), {}
-        for i, (a, d) in enumerate(zip(args, in_dims)):
-            if isinstance(a, torch.Tensor):
+        for i in tensors:
+            if i in cores:
+                a, d = args[i], in_dims[i]
                 x = a.movedim(d, 0) if d is not None else a.expand(size, *a.shape)
                 per_sample[i] = x.shape[1:]
-                batched[i] = x[(slice(None),) + (None,) * (rank + 1 - x.dim())]
+                batched[i] = x[(slice(None),) + (None,) * (batch_rank + cores[i] + 1 - x.dim())]
         out = op(*batched, **kwargs)
-        outs = (out,) if len(native.returns) == 1 else out
-        results, out_dims = [], []
-        for o, like, asked in zip(outs, shaped_like, asked_by):
-            if asked is not None and not (args[asked] if asked < len(args) else kwargs.get(names[asked], True)):
+        outs = (out,) if returns == 1 else out
+        results, out_dims, left_out = [], [], declined(args, kwargs)
+        for k, (o, like) in enumerate(zip(outs, shaped_like)):
+            if k in left_out:
                 results.append(o)  # the empty placeholder of a gradient not asked for
                 out_dims.append(None)
                 continue
             results.append(o if like is None else o.reshape(size, *per_sample[like]))
             out_dims.append(0)
-        if len(native.returns) == 1:
+        if returns == 1:
             return results[0], out_dims[0]
         return tuple(results), tuple(out_dims)
 
@@ -490,12 +505,14 @@ def _leading_batch_vmap_rule(native):
     arguments (``native.leading_batch_args``): one call with their batch dims moved to the front
     (an unbatched one expanded to the batch, a stride-0 view), a non-negative ``dim`` shifted past
     the new dim and ``batch_dims`` (the leading dims whose sums, a parameter's gradient or a mean
-    loss, stay apart: one per sample) raised by one; every return carries the batch in front. Where another tensor argument
+    loss, stay apart: one per sample) raised by one; every return carries the batch in front but the
+    empty placeholder of a gradient not asked for (``needs_dx`` false). Where another tensor argument
     carries the batch (a batched weight), the op runs once per sample, as torch's fallback would."""
     names, row_names = [a["name"] for a in native.args], set(native.leading_batch_args)
     rows = {names.index(n) for n in row_names}
     defaults = {a["name"]: a.get("default") for a in native.args}
     returns = len(native.returns)
+    declined = _declined_returns(native)
     op = getattr(torch.ops.uniop, native.name).default
 
     def adjust(call, kwargs, name, change):
@@ -521,9 +538,25 @@ def _leading_batch_vmap_rule(native):
                   for k, v in kwargs.items()}  # keyword arguments are never batched: shared
         adjust(call, kwargs, "dim", lambda dim: dim + 1 if dim >= 0 else dim)
         adjust(call, kwargs, "batch_dims", lambda count: count + 1)
-        return op(*call, **kwargs), 0 if returns == 1 else (0,) * returns
+        left_out = declined(args, kwargs)
+        out_dims = tuple(None if k in left_out else 0 for k in range(returns))
+        return op(*call, **kwargs), out_dims[0] if returns == 1 else out_dims
 
     return rule
+
+
+def _declined_returns(native):
+    """For a vmap rule: a function of a call's arguments giving the positions of the returns it
+    declined — a gradient whose ``needs_d<arg>`` flag (``bool``, passed or defaulted) is false, which
+    the op returns as an empty placeholder with no batch dim."""
+    names = [a["name"] for a in native.args]
+    flags = [(k, names.index(f"needs_{r}")) for k, r in enumerate(native.returns) if f"needs_{r}" in names]
+    defaults = {at: native.args[at].get("default") for _, at in flags}
+
+    def declined(args, kwargs):
+        return {k for k, at in flags if not (args[at] if at < len(args) else kwargs.get(names[at], defaults[at]))}
+
+    return declined
 
 
 def _per_sample(op, size, in_dims, args, kwargs, returns):
@@ -576,8 +609,12 @@ def _register(natives):
             _lib.impl(native.name, _no_backward_kernel(native), "Autograd", with_keyset=True)
         if native.autocast:
             _register_autocast(native)
-        if native.elementwise:
-            torch.library.register_vmap(f"{NAMESPACE}::{native.name}", _elementwise_vmap_rule(native), lib=_lib)
+        if native.elementwise or native.core_dims:
+            names = [a["name"] for a in native.args]
+            cores = {i: 0 for i in range(len(names))} if native.elementwise else {
+                names.index(name): rank for name, rank in native.core_dims
+            }
+            torch.library.register_vmap(f"{NAMESPACE}::{native.name}", _broadcast_vmap_rule(native, cores), lib=_lib)
         elif native.leading_batch_args:
             torch.library.register_vmap(f"{NAMESPACE}::{native.name}", _leading_batch_vmap_rule(native), lib=_lib)
 
