@@ -313,26 +313,57 @@ def test_matmul_vmap_broadcasts_batch_dims_and_refuses_what_a_sample_call_does()
 
 def test_per_sample_gradients_through_matmul_attention_in_one_call():
     """vmap(grad) of attention written with matmul (``softmax(q kᵀ) v`` per head, the projections
-    shared) batches matmul, its backward and the softmax pair in one call each (torch's fallback
-    disabled), matching torch's own ops vmapped the same way."""
+    shared, by linear) batches matmul, its backward, the softmax pair and linear's backward (dx not
+    asked for: the data needs no gradient) in one call each (torch's fallback disabled), matching
+    torch's own ops vmapped the same way."""
     torch.manual_seed(0)
     x = torch.randn(6, 8, 16)  # 6 samples of 8 tokens
     params = [torch.randn(16, 16) / 4 for _ in range(3)]
 
-    def loss(mm, softmax, p, xb):
-        q, k, v = (xb @ w for w in p)
+    def loss(mm, softmax, linear, p, xb):
+        q, k, v = (linear(xb, w) for w in p)
         heads = [t.unflatten(-1, (2, 8)).transpose(0, 1) for t in (q, k, v)]  # [2, 8, 8]
         out = mm(softmax(mm(heads[0], heads[1].transpose(-1, -2))), heads[2])
         return out.square().mean()
 
-    uniop_loss = lambda p, xb: loss(torch.ops.uniop.matmul, lambda s: torch.ops.uniop.softmax(s, -1), p, xb)  # noqa: E731
-    torch_loss = lambda p, xb: loss(torch.matmul, lambda s: torch.softmax(s, -1), p, xb)  # noqa: E731
+    ops, F = torch.ops.uniop, torch.nn.functional
+    uniop_loss = lambda p, xb: loss(ops.matmul, lambda s: ops.softmax(s, -1), ops.linear, p, xb)  # noqa: E731
+    torch_loss = lambda p, xb: loss(torch.matmul, lambda s: torch.softmax(s, -1), F.linear, p, xb)  # noqa: E731
     with _no_vmap_fallback():
         got = torch.func.vmap(torch.func.grad(uniop_loss), in_dims=(None, 0))(params, x)
     want = torch.func.vmap(torch.func.grad(torch_loss), in_dims=(None, 0))(params, x)
     for g, w in zip(got, want):
         assert g.shape == (6, 16, 16)
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["linear_backward", "linear_add_backward"])
+def test_linear_backwards_leave_dx_out_when_not_asked(name):
+    """``needs_dx=False`` returns dx empty and the other gradients unchanged, directly and under vmap
+    (the rule returns the placeholder unbatched); autograd asks for dx only where x needs a gradient, and
+    its gradients match torch's either way."""
+    torch.manual_seed(0)
+    dy, x, w = torch.randn(3, 4, 5), torch.randn(3, 4, 6), torch.randn(5, 6)
+    op = getattr(torch.ops.uniop, name)
+    full, lean = op(dy, x, w), op(dy, x, w, needs_dx=False)
+    assert lean[0].shape == (0,) and full[0].shape == x.shape
+    for a, b in zip(full[1:], lean[1:]):
+        assert torch.equal(a, b)
+    with _no_vmap_fallback():
+        batched = torch.func.vmap(lambda d, a: op(d, a, w, needs_dx=False))(dy, x)
+    assert batched[0].shape == (3, 0)  # the placeholder, unbatched, which vmap expands over the batch
+    for k, per_sample in enumerate(zip(*(op(d, a, w) for d, a in zip(dy, x)))):
+        if k:
+            torch.testing.assert_close(batched[k], torch.stack(per_sample))
+    forward = {"linear_backward": torch.ops.uniop.linear, "linear_add_backward": torch.ops.uniop.linear_add}[name]
+    extra = [] if name == "linear_backward" else [torch.randn(3, 4, 5)]
+    for x_needs in (False, True):
+        xs, ws = x.clone().requires_grad_(x_needs), w.clone().requires_grad_()
+        forward(xs, ws, *extra).mul(dy).sum().backward()
+        assert (xs.grad is not None) == x_needs
+        torch.testing.assert_close(ws.grad, torch.einsum("bio,bij->oj", dy, x), rtol=1e-5, atol=1e-5)
+        if x_needs:
+            torch.testing.assert_close(xs.grad, dy @ w, rtol=1e-5, atol=1e-5)
 
 
 def test_row_ops_vmap_an_empty_batch():

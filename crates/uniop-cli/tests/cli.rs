@@ -34,6 +34,11 @@ fn list_and_describe_come_from_the_registry() {
             "batching: row by row along the leading dims of dy, x, rstd: one call over a leading batch dim, its sums \
              kept per sample (batch_dims + 1)",
         ),
+        (
+            "matmul",
+            "batching: blocks over broadcast batch dims of a (core rank 2), b (core rank 2): one call over a leading \
+             batch dim",
+        ),
         ("attention", "batching: one call per sample"),
     ] {
         let text = stdout(&uniop(&["describe", op]));
