@@ -10,7 +10,7 @@
 // Bumped when a struct layout or a signature of this header changes incompatibly (2: `add`'s alpha
 // became a `uniopScalar`; 3: cross_entropy, its backward and the backwards summing parameter
 // gradients gained `batch_dims`; 4: so did linear_silu_mul_backward and linear_gelu_mul_backward, and
-// linear_backward and linear_add_backward gained `needs_dx`).
+// linear_backward and linear_add_backward gained `needs_dx` and `needs_dweight`).
 #define UNIOP_ABI_VERSION 4
 
 // A point in a stream's work, for ordering and timing (opaque).
@@ -734,16 +734,17 @@ uniopStatus uniopLinearAdd(void *workspace,
                            uniopExecutor *executor,
                            uniopStream stream);
 
-// Phase 1 of `linear_add_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0, bool needs_dx=True) -> (Tensor dx, Tensor dweight, Tensor dresidual)`.
+// Phase 1 of `linear_add_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0, bool needs_dx=True, bool needs_dweight=True) -> (Tensor dx, Tensor dweight, Tensor dresidual)`.
 //
 // Gradients of linear_add: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of
 // x; per sample with batch_dims: x.shape[:batch_dims] + [out_features, in_features]), dresidual =
-// dy. needs_dx=False leaves dx out (returned empty, [0]).
+// dy. needs_dx=False leaves dx out (returned empty, [0]), needs_dweight=False dweight.
 uniopStatus uniopLinearAddBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                    const uniopTensor *x,
                                                    const uniopTensor *weight,
                                                    int64_t batch_dims,
                                                    bool needs_dx,
+                                                   bool needs_dweight,
                                                    uniopTensor *dx,
                                                    uniopTensor *dweight,
                                                    uniopTensor *dresidual,
@@ -775,17 +776,19 @@ uniopStatus uniopLinearAddPacked(void *workspace,
                                  uniopExecutor *executor,
                                  uniopStream stream);
 
-// Phase 1 of `linear_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0, bool needs_dx=True) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
+// Phase 1 of `linear_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0, bool needs_dx=True, bool needs_dweight=True) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
 //
 // Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x),
 // dbias = dy summed over rows (ignore it when the layer has no bias). With batch_dims, dweight and
 // dbias are per sample: x.shape[:batch_dims] + their shape. needs_dx=False leaves dx out (returned
-// empty, [0]), a third of the work.
+// empty, [0]), a third of the work; needs_dweight=False leaves dweight out (a frozen weight), two
+// thirds.
 uniopStatus uniopLinearBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                 const uniopTensor *x,
                                                 const uniopTensor *weight,
                                                 int64_t batch_dims,
                                                 bool needs_dx,
+                                                bool needs_dweight,
                                                 uniopTensor *dx,
                                                 uniopTensor *dweight,
                                                 uniopTensor *dbias,

@@ -338,30 +338,34 @@ def test_per_sample_gradients_through_matmul_attention_in_one_call():
 
 
 @pytest.mark.parametrize("name", ["linear_backward", "linear_add_backward"])
-def test_linear_backwards_leave_dx_out_when_not_asked(name):
-    """``needs_dx=False`` returns dx empty and the other gradients unchanged, directly and under vmap
-    (the rule returns the placeholder unbatched); autograd asks for dx only where x needs a gradient, and
-    its gradients match torch's either way."""
+def test_linear_backwards_leave_out_what_is_not_asked_for(name):
+    """``needs_dx=False`` / ``needs_dweight=False`` return that gradient empty and the others
+    unchanged, directly and under vmap (the rule returns the placeholder unbatched); autograd asks
+    only for the gradients of what requires one (data x, a frozen weight), and its gradients match
+    torch's every way."""
     torch.manual_seed(0)
     dy, x, w = torch.randn(3, 4, 5), torch.randn(3, 4, 6), torch.randn(5, 6)
     op = getattr(torch.ops.uniop, name)
-    full, lean = op(dy, x, w), op(dy, x, w, needs_dx=False)
-    assert lean[0].shape == (0,) and full[0].shape == x.shape
-    for a, b in zip(full[1:], lean[1:]):
-        assert torch.equal(a, b)
-    with _no_vmap_fallback():
-        batched = torch.func.vmap(lambda d, a: op(d, a, w, needs_dx=False))(dy, x)
-    assert batched[0].shape == (3, 0)  # the placeholder, unbatched, which vmap expands over the batch
-    for k, per_sample in enumerate(zip(*(op(d, a, w) for d, a in zip(dy, x)))):
-        if k:
-            torch.testing.assert_close(batched[k], torch.stack(per_sample))
+    full = op(dy, x, w)
+    for k, flag in ((0, "needs_dx"), (1, "needs_dweight")):
+        lean = op(dy, x, w, **{flag: False})
+        assert lean[k].shape == (0,) and full[k].shape != (0,)
+        for j in {0, 1, 2} - {k}:
+            assert torch.equal(full[j], lean[j]), (flag, j)
+        with _no_vmap_fallback():
+            batched = torch.func.vmap(lambda d, a: op(d, a, w, **{flag: False}))(dy, x)
+        assert batched[k].shape == (3, 0)  # the placeholder, unbatched, which vmap expands over the batch
+        for j, per_sample in enumerate(zip(*(op(d, a, w) for d, a in zip(dy, x)))):
+            if j != k:
+                torch.testing.assert_close(batched[j], torch.stack(per_sample))
     forward = {"linear_backward": torch.ops.uniop.linear, "linear_add_backward": torch.ops.uniop.linear_add}[name]
     extra = [] if name == "linear_backward" else [torch.randn(3, 4, 5)]
-    for x_needs in (False, True):
-        xs, ws = x.clone().requires_grad_(x_needs), w.clone().requires_grad_()
+    for x_needs, w_needs in ((False, True), (True, False), (True, True)):
+        xs, ws = x.clone().requires_grad_(x_needs), w.clone().requires_grad_(w_needs)
         forward(xs, ws, *extra).mul(dy).sum().backward()
-        assert (xs.grad is not None) == x_needs
-        torch.testing.assert_close(ws.grad, torch.einsum("bio,bij->oj", dy, x), rtol=1e-5, atol=1e-5)
+        assert (xs.grad is not None, ws.grad is not None) == (x_needs, w_needs)
+        if w_needs:
+            torch.testing.assert_close(ws.grad, torch.einsum("bio,bij->oj", dy, x), rtol=1e-5, atol=1e-5)
         if x_needs:
             torch.testing.assert_close(xs.grad, dy @ w, rtol=1e-5, atol=1e-5)
 

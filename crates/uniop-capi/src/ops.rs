@@ -1149,11 +1149,11 @@ pub extern "C" fn uniopLinearAdd(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `linear_add_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0, bool needs_dx=True) -> (Tensor dx, Tensor dweight, Tensor dresidual)`.
+/// Phase 1 of `linear_add_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0, bool needs_dx=True, bool needs_dweight=True) -> (Tensor dx, Tensor dweight, Tensor dresidual)`.
 ///
 /// Gradients of linear_add: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of
 /// x; per sample with batch_dims: x.shape[:batch_dims] + [out_features, in_features]), dresidual =
-/// dy. needs_dx=False leaves dx out (returned empty, [0]).
+/// dy. needs_dx=False leaves dx out (returned empty, [0]), needs_dweight=False dweight.
 #[no_mangle]
 pub extern "C" fn uniopLinearAddBackwardGetWorkspaceSize(
     dy: *const uniopTensor,
@@ -1161,6 +1161,7 @@ pub extern "C" fn uniopLinearAddBackwardGetWorkspaceSize(
     weight: *const uniopTensor,
     batch_dims: i64,
     needs_dx: bool,
+    needs_dweight: bool,
     dx: *mut uniopTensor,
     dweight: *mut uniopTensor,
     dresidual: *mut uniopTensor,
@@ -1170,8 +1171,11 @@ pub extern "C" fn uniopLinearAddBackwardGetWorkspaceSize(
     const F: &str = "uniopLinearAddBackwardGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 3] = [("dy", dy), ("x", x), ("weight", weight)];
-        let attrs: [(&str, AttrValue); 2] =
-            [("batch_dims", AttrValue::Int(batch_dims)), ("needs_dx", AttrValue::Bool(needs_dx))];
+        let attrs: [(&str, AttrValue); 3] = [
+            ("batch_dims", AttrValue::Int(batch_dims)),
+            ("needs_dx", AttrValue::Bool(needs_dx)),
+            ("needs_dweight", AttrValue::Bool(needs_dweight)),
+        ];
         let outputs = [
             ("dx", dx as *const uniopTensor),
             ("dweight", dweight as *const uniopTensor),
@@ -1228,12 +1232,13 @@ pub extern "C" fn uniopLinearAddPacked(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `linear_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0, bool needs_dx=True) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
+/// Phase 1 of `linear_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0, bool needs_dx=True, bool needs_dweight=True) -> (Tensor dx, Tensor dweight, Tensor dbias)`.
 ///
 /// Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x),
 /// dbias = dy summed over rows (ignore it when the layer has no bias). With batch_dims, dweight and
 /// dbias are per sample: x.shape[:batch_dims] + their shape. needs_dx=False leaves dx out (returned
-/// empty, [0]), a third of the work.
+/// empty, [0]), a third of the work; needs_dweight=False leaves dweight out (a frozen weight), two
+/// thirds.
 #[no_mangle]
 pub extern "C" fn uniopLinearBackwardGetWorkspaceSize(
     dy: *const uniopTensor,
@@ -1241,6 +1246,7 @@ pub extern "C" fn uniopLinearBackwardGetWorkspaceSize(
     weight: *const uniopTensor,
     batch_dims: i64,
     needs_dx: bool,
+    needs_dweight: bool,
     dx: *mut uniopTensor,
     dweight: *mut uniopTensor,
     dbias: *mut uniopTensor,
@@ -1250,8 +1256,11 @@ pub extern "C" fn uniopLinearBackwardGetWorkspaceSize(
     const F: &str = "uniopLinearBackwardGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 3] = [("dy", dy), ("x", x), ("weight", weight)];
-        let attrs: [(&str, AttrValue); 2] =
-            [("batch_dims", AttrValue::Int(batch_dims)), ("needs_dx", AttrValue::Bool(needs_dx))];
+        let attrs: [(&str, AttrValue); 3] = [
+            ("batch_dims", AttrValue::Int(batch_dims)),
+            ("needs_dx", AttrValue::Bool(needs_dx)),
+            ("needs_dweight", AttrValue::Bool(needs_dweight)),
+        ];
         let outputs = [
             ("dx", dx as *const uniopTensor),
             ("dweight", dweight as *const uniopTensor),

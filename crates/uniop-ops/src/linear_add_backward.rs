@@ -1,9 +1,9 @@
-//! `linear_add_backward(dy, x, weight, batch_dims=0, needs_dx=True) -> (dx, dweight, dresidual)`,
-//! the gradient of [`linear_add`](crate::linear_add): `linear_backward`'s two launches (the first
-//! left out without `needs_dx`), the second writing `dresidual = dy` (a copy: returns never alias
-//! inputs) in place of the bias sum.
+//! `linear_add_backward(dy, x, weight, batch_dims=0, needs_dx=True, needs_dweight=True) -> (dx,
+//! dweight, dresidual)`, the gradient of [`linear_add`](crate::linear_add): `linear_backward`'s two
+//! launches (leaving out what the call does not ask for), the second writing `dresidual = dy` (a
+//! copy: returns never alias inputs) in place of the bias sum.
 
-use crate::linear_backward::{dims, dx_shape, needs_dx, samples, Third};
+use crate::linear_backward::{dims, dweight_shape, dx_shape, needs, samples, Third};
 use crate::matmul::DTYPES;
 use uniop::{DType, Example, Op, OpCx, Plan, RefTensor, Result, TensorMeta};
 
@@ -11,14 +11,14 @@ pub struct LinearAddBackward;
 
 impl Op for LinearAddBackward {
     fn schema(&self) -> &'static str {
-        "linear_add_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0, bool needs_dx=True) -> (Tensor \
-         dx, Tensor dweight, Tensor dresidual)"
+        "linear_add_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0, bool needs_dx=True, bool \
+         needs_dweight=True) -> (Tensor dx, Tensor dweight, Tensor dresidual)"
     }
 
     fn doc(&self) -> &'static str {
         "Gradients of linear_add: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x; per \
          sample with batch_dims: x.shape[:batch_dims] + [out_features, in_features]), dresidual = dy. \
-         needs_dx=False leaves dx out (returned empty, [0])."
+         needs_dx=False leaves dx out (returned empty, [0]), needs_dweight=False dweight."
     }
 
     /// Row by row; the parameter gradients per sample with `batch_dims`.
@@ -39,7 +39,7 @@ impl Op for LinearAddBackward {
         let dtype = cx.input("x").dtype;
         Ok(vec![
             TensorMeta::contiguous(dtype, &dx_shape(cx))?,
-            TensorMeta::contiguous(dtype, &samples.shape(&[d.n, d.k]))?,
+            TensorMeta::contiguous(dtype, &dweight_shape(cx, &samples, d))?,
             TensorMeta::contiguous(dtype, cx.input("dy").shape())?,
         ])
     }
@@ -51,9 +51,9 @@ impl Op for LinearAddBackward {
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let (d, samples) = (dims(cx)?, samples(cx)?);
-        let (dx, dw) = crate::linear_backward::reference(d, &samples, needs_dx(cx), inputs);
+        let (dx, dw) = crate::linear_backward::reference(d, &samples, needs(cx), inputs);
         let dy = inputs[0].as_ref().unwrap();
-        let dweight = RefTensor::new(&samples.shape(&[d.n, d.k]), dw);
+        let dweight = RefTensor::new(&dweight_shape(cx, &samples, d), dw);
         Ok(vec![RefTensor::new(&dx_shape(cx), dx), dweight, dy.clone()])
     }
 

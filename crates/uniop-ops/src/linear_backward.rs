@@ -1,14 +1,15 @@
-//! `linear_backward(dy, x, weight, batch_dims=0, needs_dx=True) -> (dx, dweight, dbias)`, the
-//! gradient of [`linear`](crate::linear): `dx = dy · weight`, `dweight = dyᵀ · x`, `dbias =
+//! `linear_backward(dy, x, weight, batch_dims=0, needs_dx=True, needs_dweight=True) -> (dx,
+//! dweight, dbias)`, the gradient of [`linear`](crate::linear): `dx = dy · weight`, `dweight = dyᵀ · x`, `dbias =
 //! Σ_rows dy` — the last two per sample of the first `batch_dims` dims of x (see
 //! [`per_sample`](crate::per_sample)).
 //!
 //! Two launches, each block owning a band of an output (no atomics, deterministic): rows of `dx`
 //! (or, for f32 and bf16 with few rows, its columns: `split_columns`), then rows of one sample's
-//! `dweight` together with the matching entries of its `dbias`. Transposes are strides. When x
-//! needs no gradient (`needs_dx` false: a network's first projection of its data, or
-//! per-sample gradients of the weights alone) the first launch, a third of the work, is left out
-//! and dx comes back empty, as torch's autograd leaves out an input's gradient nobody asked for.
+//! `dweight` together with the matching entries of its `dbias`. Transposes are strides. A
+//! gradient nobody asked for is left out and comes back empty, as torch's autograd leaves it out:
+//! dx when x needs none (`needs_dx` false: a network's first projection of its data, per-sample
+//! gradients of the weights alone), a third of the work; dweight when the weight is frozen
+//! (`needs_dweight` false: LoRA's base weights, gradients with respect to inputs), two thirds.
 
 use crate::linear::{x_and_weight, Dims, COLUMN_UNIT};
 use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
@@ -59,9 +60,16 @@ pub(crate) enum Third {
     ResidualCopy,
 }
 
-/// Step 2: rows of one sample's `dweight = dyᵀ · x` (`[n, rows] · [rows, k]`) and the same
-/// columns of its third return.
-fn dw_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, third: Third, samples: SampleBlocks) {
+/// Step 2: rows of one sample's `dweight = dyᵀ · x` (`[n, rows] · [rows, k]`), unless the call
+/// asks for none, and the same columns of its third return.
+fn dw_kernel<T: FloatElement>(
+    args: &KernelArgs,
+    ctx: BlockCtx,
+    d: Dims,
+    third: Third,
+    samples: SampleBlocks,
+    dweight: bool,
+) {
     if samples.count == 0 {
         return; // the returns are empty
     }
@@ -75,15 +83,21 @@ fn dw_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, third: 
     // SAFETY: as above; this block owns rows `owned` of the sample's dweight and the third return's
     // entries (dbias) or columns of the sample's rows (dresidual) `owned`.
     unsafe {
-        gemm_rows(
-            owned.clone(),
-            d.k,
-            rows,
-            Dst { ptr: dw.as_mut_ptr::<T>().add(dw.layout().offset() + sample * d.n * d.k), rs: d.k as isize, cs: 1 },
-            Mat { ptr: dys.as_ptr(), rs: 1, cs: d.n as isize },
-            Mat { ptr: xs.as_ptr(), rs: d.k as isize, cs: 1 },
-            false,
-        );
+        if dweight {
+            gemm_rows(
+                owned.clone(),
+                d.k,
+                rows,
+                Dst {
+                    ptr: dw.as_mut_ptr::<T>().add(dw.layout().offset() + sample * d.n * d.k),
+                    rs: d.k as isize,
+                    cs: 1,
+                },
+                Mat { ptr: dys.as_ptr(), rs: 1, cs: d.n as isize },
+                Mat { ptr: xs.as_ptr(), rs: d.k as isize, cs: 1 },
+                false,
+            );
+        }
         if let Third::ResidualCopy = third {
             for r in 0..rows {
                 let row = &dys[r * d.n + owned.start..r * d.n + owned.end];
@@ -108,15 +122,15 @@ fn dw_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, third: 
 
 impl Op for LinearBackward {
     fn schema(&self) -> &'static str {
-        "linear_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0, bool needs_dx=True) -> (Tensor dx, \
-         Tensor dweight, Tensor dbias)"
+        "linear_backward(Tensor dy, Tensor x, Tensor weight, int batch_dims=0, bool needs_dx=True, bool \
+         needs_dweight=True) -> (Tensor dx, Tensor dweight, Tensor dbias)"
     }
 
     fn doc(&self) -> &'static str {
         "Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x), \
          dbias = dy summed over rows (ignore it when the layer has no bias). With batch_dims, dweight and dbias \
          are per sample: x.shape[:batch_dims] + their shape. needs_dx=False leaves dx out (returned empty, [0]), \
-         a third of the work."
+         a third of the work; needs_dweight=False leaves dweight out (a frozen weight), two thirds."
     }
 
     /// Row by row; the parameter gradients per sample with `batch_dims`.
@@ -137,7 +151,7 @@ impl Op for LinearBackward {
         let dtype = cx.input("x").dtype;
         Ok(vec![
             TensorMeta::contiguous(dtype, &dx_shape(cx))?,
-            TensorMeta::contiguous(dtype, &samples.shape(&[d.n, d.k]))?,
+            TensorMeta::contiguous(dtype, &dweight_shape(cx, &samples, d))?,
             TensorMeta::contiguous(dtype, &samples.shape(&[d.n]))?,
         ])
     }
@@ -148,7 +162,7 @@ impl Op for LinearBackward {
 
     fn reference(&self, cx: &OpCx, inputs: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
         let (d, samples) = (dims(cx)?, samples(cx)?);
-        let (dx, dw) = reference(d, &samples, needs_dx(cx), inputs);
+        let (dx, dw) = reference(d, &samples, needs(cx), inputs);
         let dy = &inputs[0].as_ref().unwrap().data;
         let mut db = vec![0.0; samples.count * d.n];
         for r in 0..d.rows {
@@ -159,7 +173,7 @@ impl Op for LinearBackward {
         }
         Ok(vec![
             RefTensor::new(&dx_shape(cx), dx),
-            RefTensor::new(&samples.shape(&[d.n, d.k]), dw),
+            RefTensor::new(&dweight_shape(cx, &samples, d), dw),
             RefTensor::new(&samples.shape(&[d.n]), db),
         ])
     }
@@ -175,15 +189,31 @@ impl Op for LinearBackward {
     }
 }
 
-/// Whether the call asks for dx (`needs_dx`).
-pub(crate) fn needs_dx(cx: &OpCx) -> bool {
-    matches!(cx.attr("needs_dx"), AttrValue::Bool(true))
+/// Which of dx and dweight the call asks for (`needs_dx`, `needs_dweight`).
+#[derive(Clone, Copy)]
+pub(crate) struct Needs {
+    pub dx: bool,
+    pub dweight: bool,
+}
+
+pub(crate) fn needs(cx: &OpCx) -> Needs {
+    let flag = |name| matches!(cx.attr(name), AttrValue::Bool(true));
+    Needs { dx: flag("needs_dx"), dweight: flag("needs_dweight") }
 }
 
 /// dx's shape: x's, or `[0]` when the call asks for none.
 pub(crate) fn dx_shape(cx: &OpCx) -> Vec<usize> {
-    if needs_dx(cx) {
+    if needs(cx).dx {
         cx.input("x").shape().to_vec()
+    } else {
+        vec![0]
+    }
+}
+
+/// dweight's shape: one weight per sample, or `[0]` when the call asks for none.
+pub(crate) fn dweight_shape(cx: &OpCx, samples: &Samples, d: Dims) -> Vec<usize> {
+    if needs(cx).dweight {
+        samples.shape(&[d.n, d.k])
     } else {
         vec![0]
     }
@@ -201,36 +231,44 @@ pub(crate) fn plan(cx: &OpCx, d: Dims, third: Third, names: [&'static str; 2]) -
     let dx_blocks =
         if columns { d.k.div_ceil(COLUMN_UNIT).clamp(1, threads) } else { d.rows.div_ceil(16).clamp(1, threads) };
     let sb = samples(cx)?.blocks(cx, "x", d.n.div_ceil(16).clamp(1, threads) as u32)?;
-    let needs_dx = needs_dx(cx);
+    let needs = needs(cx);
     let steps = with_float_dtype!(cx.input("x").dtype, cx.op(), "x", |T| {
-        let dx = needs_dx.then(|| Step::new(names[0], dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)));
-        dx.into_iter().chain([Step::new(names[1], sb.total, move |a, c| dw_kernel::<T>(a, c, d, third, sb))]).collect()
+        let dx = needs.dx.then(|| Step::new(names[0], dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)));
+        let dw = Step::new(names[1], sb.total, move |a, c| dw_kernel::<T>(a, c, d, third, sb, needs.dweight));
+        dx.into_iter().chain([dw]).collect()
     });
     Ok(Plan::new(steps).inputs_need(vec![LayoutNeed::Contiguous; 3]).outputs_need(vec![LayoutNeed::Contiguous; 3]))
 }
 
-/// f64 `(dx, dweight)` of `dy`, `x`, `weight` (inputs 0–2), dweight per sample (dx empty unless
-/// `needs_dx`).
+/// f64 `(dx, dweight)` of `dy`, `x`, `weight` (inputs 0–2), dweight per sample (each empty unless
+/// the call `needs` it).
 pub(crate) fn reference(
     d: Dims,
     samples: &Samples,
-    needs_dx: bool,
+    needs: Needs,
     inputs: &[Option<RefTensor>],
 ) -> (Vec<f64>, Vec<f64>) {
     let [dy, x, w] = [0, 1, 2].map(|i| inputs[i].as_ref().unwrap());
-    let mut dx = vec![0.0; d.rows * d.k];
-    let mut dw = vec![0.0; samples.count * d.n * d.k];
+    // Sized only when asked for: a frozen weight's per-sample gradient may not fit in memory.
+    let mut dx = vec![0.0; if needs.dx { d.rows * d.k } else { 0 }];
+    let mut dw = vec![0.0; if needs.dweight { samples.count * d.n * d.k } else { 0 }];
     for r in 0..d.rows {
-        let dw = &mut dw[r / samples.rows.max(1) * d.n * d.k..][..d.n * d.k];
+        let sample = r / samples.rows.max(1);
         for j in 0..d.n {
             let g = dy.data[r * d.n + j];
-            for p in 0..d.k {
-                dx[r * d.k + p] += g * w.data[j * d.k + p];
-                dw[j * d.k + p] += g * x.data[r * d.k + p];
+            if needs.dx {
+                for p in 0..d.k {
+                    dx[r * d.k + p] += g * w.data[j * d.k + p];
+                }
+            }
+            if needs.dweight {
+                for p in 0..d.k {
+                    dw[(sample * d.n + j) * d.k + p] += g * x.data[r * d.k + p];
+                }
             }
         }
     }
-    (if needs_dx { dx } else { vec![] }, dw)
+    (dx, dw)
 }
 
 /// `dy`, `x`, `weight` for x of `shape` (or the default) and a weight `[out · k, k]`.

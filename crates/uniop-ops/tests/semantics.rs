@@ -1483,6 +1483,38 @@ fn matmul_backward_sums_over_broadcast_batches() {
     assert_close(&grads[1], &finite_difference("matmul", &inputs, &[], &f64s(&d), 1), "db");
 }
 
+/// linear's backwards leave out the gradients a call does not ask for (`needs_dx`,
+/// `needs_dweight`): those come back empty, the others equal the full call's, per sample too.
+#[test]
+fn linear_backwards_leave_out_gradients_not_asked_for() {
+    setup();
+    let (dy, x, w) = (rand_vec(2 * 3 * 5, 91), rand_vec(2 * 3 * 4, 92), rand_vec(5 * 4, 93));
+    let inputs = [
+        Some(TensorRef::new(&dy, &[2, 3, 5]).unwrap()),
+        Some(TensorRef::new(&x, &[2, 3, 4]).unwrap()),
+        Some(TensorRef::new(&w, &[5, 4]).unwrap()),
+    ];
+    for op in ["linear_backward", "linear_add_backward"] {
+        for batch_dims in [0, 1] {
+            let flags = |dx, dw| {
+                vec![
+                    ("batch_dims", AttrValue::Int(batch_dims)),
+                    ("needs_dx", AttrValue::Bool(dx)),
+                    ("needs_dweight", AttrValue::Bool(dw)),
+                ]
+            };
+            let full = run_checked(op, &inputs, &flags(true, true));
+            for (dx, dw) in [(false, true), (true, false), (false, false)] {
+                let lean = run_checked(op, &inputs, &flags(dx, dw));
+                for (k, asked) in [(0, dx), (1, dw), (2, true)] {
+                    let want: &[f64] = if asked { &full[k] } else { &[] };
+                    assert_eq!(lean[k], want, "{op} batch_dims={batch_dims} needs ({dx}, {dw}): return {k}");
+                }
+            }
+        }
+    }
+}
+
 /// add's and mul's gradients sum over the dims each operand was broadcast along, in every pattern
 /// the kernel walks differently — a weight over rows (summed across rows), a per-row scale (summed
 /// along rows), a middle dim, a missing leading dim, both operands broadcast, a strided `dout` —
