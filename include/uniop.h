@@ -9,8 +9,9 @@
 
 // Bumped when a struct layout or a signature of this header changes incompatibly (2: `add`'s alpha
 // became a `uniopScalar`; 3: cross_entropy, its backward and the backwards summing parameter
-// gradients gained `batch_dims`; 4: so did linear_silu_mul_backward and linear_gelu_mul_backward, and
-// linear_backward and linear_add_backward gained `needs_dx` and `needs_dweight`).
+// gradients gained `batch_dims`; 4: so did linear_silu_mul_backward and linear_gelu_mul_backward, with
+// `needs_dx`, `needs_dgate_weight` and `needs_dup_weight`, and linear_backward and linear_add_backward
+// gained `needs_dx` and `needs_dweight`).
 #define UNIOP_ABI_VERSION 4
 
 // A point in a stream's work, for ordering and timing (opaque).
@@ -821,12 +822,12 @@ uniopStatus uniopLinearGeluMul(void *workspace,
                                uniopExecutor *executor,
                                uniopStream stream);
 
-// Phase 1 of `linear_gelu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, str approximate='none', int batch_dims=0) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
+// Phase 1 of `linear_gelu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, str approximate='none', int batch_dims=0, bool needs_dx=True, bool needs_dgate_weight=True, bool needs_dup_weight=True) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
 //
 // Gradients of linear_gelu_mul (and linear_gelu_mul_train), as linear_silu_mul_backward's with
 // gelu(g, approximate) for silu(g): dg = dy * u * gelu'(g), du = dy * gelu(g); dx = dg @
 // gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ x (per sample with
-// batch_dims).
+// batch_dims; each left out, returned empty, when its needs_ flag is False).
 uniopStatus uniopLinearGeluMulBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                        const uniopTensor *x,
                                                        const uniopTensor *gate_weight,
@@ -835,6 +836,9 @@ uniopStatus uniopLinearGeluMulBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                        const uniopTensor *up,
                                                        const char *approximate,
                                                        int64_t batch_dims,
+                                                       bool needs_dx,
+                                                       bool needs_dgate_weight,
+                                                       bool needs_dup_weight,
                                                        uniopTensor *dx,
                                                        uniopTensor *dgate_weight,
                                                        uniopTensor *dup_weight,
@@ -926,13 +930,14 @@ uniopStatus uniopLinearSiluMul(void *workspace,
                                uniopExecutor *executor,
                                uniopStream stream);
 
-// Phase 1 of `linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, int batch_dims=0) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
+// Phase 1 of `linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, int batch_dims=0, bool needs_dx=True, bool needs_dgate_weight=True, bool needs_dup_weight=True) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
 //
 // Gradients of linear_silu_mul (and linear_silu_mul_train): with g = x @ gate_weight^T, u = x @
 // up_weight^T (given as gate and up, both or neither, else recomputed), dg = dy * u * silu'(g), du
 // = dy * silu(g); dx = dg @ gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight =
 // du^T @ x (summed over all leading dims of x; with batch_dims, per sample: x.shape[:batch_dims] +
-// the weight's shape).
+// the weight's shape). needs_dx / needs_dgate_weight / needs_dup_weight=False leave that gradient
+// out (returned empty, [0]): frozen weights save two of the products.
 uniopStatus uniopLinearSiluMulBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                        const uniopTensor *x,
                                                        const uniopTensor *gate_weight,
@@ -940,6 +945,9 @@ uniopStatus uniopLinearSiluMulBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                        const uniopTensor *gate,
                                                        const uniopTensor *up,
                                                        int64_t batch_dims,
+                                                       bool needs_dx,
+                                                       bool needs_dgate_weight,
+                                                       bool needs_dup_weight,
                                                        uniopTensor *dx,
                                                        uniopTensor *dgate_weight,
                                                        uniopTensor *dup_weight,

@@ -4,6 +4,7 @@ every backward."""
 
 import contextlib
 import ctypes
+import itertools
 import os
 import subprocess
 import sys
@@ -368,6 +369,38 @@ def test_linear_backwards_leave_out_what_is_not_asked_for(name):
             torch.testing.assert_close(ws.grad, torch.einsum("bio,bij->oj", dy, x), rtol=1e-5, atol=1e-5)
         if x_needs:
             torch.testing.assert_close(xs.grad, dy @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["linear_silu_mul_backward", "linear_gelu_mul_backward"])
+def test_gated_linear_backwards_leave_out_what_is_not_asked_for(name):
+    """The gated MLP's backward leaves out each gradient not asked for (frozen gate/up weights:
+    LoRA's base MLP; data x) — returned empty, the others unchanged, directly and under vmap — and
+    autograd asks only for what requires a gradient, matching torch's autograd of the composite."""
+    torch.manual_seed(0)
+    dy, x, wg, wu = torch.randn(3, 4, 5), torch.randn(3, 4, 6), torch.randn(5, 6), torch.randn(5, 6)
+    op = getattr(torch.ops.uniop, name)
+    full = op(dy, x, wg, wu)
+    for k, flag in enumerate(("needs_dx", "needs_dgate_weight", "needs_dup_weight")):
+        lean = op(dy, x, wg, wu, **{flag: False})
+        assert lean[k].shape == (0,) and full[k].shape != (0,)
+        for j in {0, 1, 2} - {k}:
+            assert torch.equal(full[j], lean[j]), (flag, j)
+        with _no_vmap_fallback():
+            batched = torch.func.vmap(lambda d, a: op(d, a, wg, wu, **{flag: False}))(dy, x)
+        assert batched[k].shape == (3, 0)
+        for j, per_sample in enumerate(zip(*(op(d, a, wg, wu) for d, a in zip(dy, x)))):
+            if j != k:
+                torch.testing.assert_close(batched[j], torch.stack(per_sample))
+    gated = "silu" if name == "linear_silu_mul_backward" else "gelu"
+    forward, act = getattr(torch.ops.uniop, f"linear_{gated}_mul"), getattr(torch.nn.functional, gated)
+    for needs in [n for n in itertools.product((False, True), repeat=3) if any(n)]:
+        got, want = ([t.clone().requires_grad_(n) for t, n in zip((x, wg, wu), needs)] for _ in range(2))
+        forward(*got).mul(dy).sum().backward()
+        (act(want[0] @ want[1].T) * (want[0] @ want[2].T)).mul(dy).sum().backward()
+        for g, w, n in zip(got, want, needs):
+            assert (g.grad is not None) == n, needs
+            if n:
+                torch.testing.assert_close(g.grad, w.grad, rtol=1e-4, atol=1e-4)
 
 
 def test_row_ops_vmap_an_empty_batch():

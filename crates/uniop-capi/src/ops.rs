@@ -1318,12 +1318,12 @@ pub extern "C" fn uniopLinearGeluMul(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `linear_gelu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, str approximate='none', int batch_dims=0) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
+/// Phase 1 of `linear_gelu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, str approximate='none', int batch_dims=0, bool needs_dx=True, bool needs_dgate_weight=True, bool needs_dup_weight=True) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
 ///
 /// Gradients of linear_gelu_mul (and linear_gelu_mul_train), as linear_silu_mul_backward's with
 /// gelu(g, approximate) for silu(g): dg = dy * u * gelu'(g), du = dy * gelu(g); dx = dg @
 /// gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ x (per sample with
-/// batch_dims).
+/// batch_dims; each left out, returned empty, when its needs_ flag is False).
 #[no_mangle]
 pub extern "C" fn uniopLinearGeluMulBackwardGetWorkspaceSize(
     dy: *const uniopTensor,
@@ -1334,6 +1334,9 @@ pub extern "C" fn uniopLinearGeluMulBackwardGetWorkspaceSize(
     up: *const uniopTensor,
     approximate: *const c_char,
     batch_dims: i64,
+    needs_dx: bool,
+    needs_dgate_weight: bool,
+    needs_dup_weight: bool,
     dx: *mut uniopTensor,
     dgate_weight: *mut uniopTensor,
     dup_weight: *mut uniopTensor,
@@ -1344,9 +1347,12 @@ pub extern "C" fn uniopLinearGeluMulBackwardGetWorkspaceSize(
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 6] =
             [("dy", dy), ("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight), ("gate", gate), ("up", up)];
-        let attrs: [(&str, AttrValue); 2] = [
+        let attrs: [(&str, AttrValue); 5] = [
             ("approximate", typed::string(F, "approximate", approximate)?),
             ("batch_dims", AttrValue::Int(batch_dims)),
+            ("needs_dx", AttrValue::Bool(needs_dx)),
+            ("needs_dgate_weight", AttrValue::Bool(needs_dgate_weight)),
+            ("needs_dup_weight", AttrValue::Bool(needs_dup_weight)),
         ];
         let outputs = [
             ("dx", dx as *const uniopTensor),
@@ -1517,13 +1523,14 @@ pub extern "C" fn uniopLinearSiluMul(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, int batch_dims=0) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
+/// Phase 1 of `linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? gate=None, Tensor? up=None, int batch_dims=0, bool needs_dx=True, bool needs_dgate_weight=True, bool needs_dup_weight=True) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)`.
 ///
 /// Gradients of linear_silu_mul (and linear_silu_mul_train): with g = x @ gate_weight^T, u = x @
 /// up_weight^T (given as gate and up, both or neither, else recomputed), dg = dy * u * silu'(g), du
 /// = dy * silu(g); dx = dg @ gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight =
 /// du^T @ x (summed over all leading dims of x; with batch_dims, per sample: x.shape[:batch_dims] +
-/// the weight's shape).
+/// the weight's shape). needs_dx / needs_dgate_weight / needs_dup_weight=False leave that gradient
+/// out (returned empty, [0]): frozen weights save two of the products.
 #[no_mangle]
 pub extern "C" fn uniopLinearSiluMulBackwardGetWorkspaceSize(
     dy: *const uniopTensor,
@@ -1533,6 +1540,9 @@ pub extern "C" fn uniopLinearSiluMulBackwardGetWorkspaceSize(
     gate: *const uniopTensor,
     up: *const uniopTensor,
     batch_dims: i64,
+    needs_dx: bool,
+    needs_dgate_weight: bool,
+    needs_dup_weight: bool,
     dx: *mut uniopTensor,
     dgate_weight: *mut uniopTensor,
     dup_weight: *mut uniopTensor,
@@ -1543,7 +1553,12 @@ pub extern "C" fn uniopLinearSiluMulBackwardGetWorkspaceSize(
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 6] =
             [("dy", dy), ("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight), ("gate", gate), ("up", up)];
-        let attrs: [(&str, AttrValue); 1] = [("batch_dims", AttrValue::Int(batch_dims))];
+        let attrs: [(&str, AttrValue); 4] = [
+            ("batch_dims", AttrValue::Int(batch_dims)),
+            ("needs_dx", AttrValue::Bool(needs_dx)),
+            ("needs_dgate_weight", AttrValue::Bool(needs_dgate_weight)),
+            ("needs_dup_weight", AttrValue::Bool(needs_dup_weight)),
+        ];
         let outputs = [
             ("dx", dx as *const uniopTensor),
             ("dgate_weight", dgate_weight as *const uniopTensor),

@@ -1,6 +1,7 @@
-//! `linear_silu_mul_backward(dy, x, gate_weight, up_weight, gate=None, up=None, batch_dims=0) ->
-//! (dx, dgate_weight, dup_weight)`, the gradient of [`linear_silu_mul`](crate::linear_gated_mul),
-//! and `linear_gelu_mul_backward(..., approximate, batch_dims=0)`, `linear_gelu_mul`'s. With
+//! `linear_silu_mul_backward(dy, x, gate_weight, up_weight, gate=None, up=None, batch_dims=0,
+//! needs_dx=True, needs_dgate_weight=True, needs_dup_weight=True) -> (dx, dgate_weight,
+//! dup_weight)`, the gradient of [`linear_silu_mul`](crate::linear_gated_mul), and
+//! `linear_gelu_mul_backward(..., approximate, batch_dims=0, ...)`, `linear_gelu_mul`'s. With
 //! `g = x · gate_weightᵀ` and `u = x · up_weightᵀ`: `dg = dy · u · act'(g)`, `du = dy · act(g)`,
 //! then `dx = dg · gate_weight + du · up_weight`, `dgate_weight = dgᵀ · x`, `dup_weight = duᵀ · x`
 //! — the weight gradients per sample of the first `batch_dims` dims of x (see
@@ -12,7 +13,9 @@
 //! `up`, which `linear_silu_mul_train` returns) in one elementwise pass, or, when they were not
 //! kept (`linear_silu_mul`'s autograd, which keeps no `[rows, n]` tensor), recomputes them with
 //! the forward's paired GEMM and turns them into gradients in its epilogue: six products instead
-//! of four, for that memory.
+//! of four, for that memory. A gradient nobody asked for is left out and comes back empty, as in
+//! [`linear_backward`](crate::linear_backward): frozen weights (LoRA's base MLP) save the two
+//! weight products, input data the dx ones.
 
 use crate::elementwise::{dense_input, dense_map, fence, streams_bytes};
 use crate::gate::{with_gate_fn, GateFn, Gating};
@@ -26,8 +29,8 @@ use crate::packed_gemm::{split_columns, HALF as GROUP, PAIRED_COLUMNS};
 use crate::per_sample::SampleBlocks;
 use uniop::layout::ShapeDisplay;
 use uniop::{
-    block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
-    OpCx, Plan, RefTensor, Result, Step, TensorMeta,
+    block_dim_for, with_float_dtype, AttrValue, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs,
+    LayoutNeed, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
 };
 
 pub struct LinearGatedMulBackward(Gating);
@@ -173,21 +176,41 @@ fn dx_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, columns
     }
 }
 
+/// Which returns a call asks for (`needs_dx`, `needs_dgate_weight`, `needs_dup_weight`).
+#[derive(Clone, Copy)]
+struct Needs {
+    dx: bool,
+    dweights: [bool; 2],
+}
+
+impl Needs {
+    fn of(cx: &OpCx) -> Needs {
+        let flag = |name| matches!(cx.attr(name), AttrValue::Bool(true));
+        Needs { dx: flag("needs_dx"), dweights: [flag("needs_dgate_weight"), flag("needs_dup_weight")] }
+    }
+
+    /// The weight gradients asked for: 0 for dgate_weight, 1 for dup_weight.
+    fn weights(self) -> impl Iterator<Item = usize> {
+        (0..2).filter(move |&i| self.dweights[i])
+    }
+}
+
 /// Step 3: rows of one sample's `dgate_weight = dgᵀ · x` and `dup_weight = duᵀ · x` (over that
-/// sample's rows), the two stacked as `2n` rows to share out among the sample's blocks.
-fn dweights_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, samples: SampleBlocks) {
+/// sample's rows), those asked for stacked as `n` rows each to share out among the sample's blocks.
+fn dweights_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, samples: SampleBlocks, needs: Needs) {
     if samples.count == 0 {
         return; // the returns are empty
     }
     let (sample, place) = ctx.within(samples.count);
     let first = sample * samples.rows;
-    let owned = place.split(2 * d.n);
+    let owned = place.split(needs.weights().count() * d.n);
     let x = args.input(1);
     // SAFETY: dg and du only read here.
     let grads = unsafe { args.workspace::<T>(0, 2 * d.rows * d.n) }.as_ptr();
-    for i in 0..2 {
+    for (slot, i) in needs.weights().enumerate() {
+        let rows = slot * d.n..(slot + 1) * d.n;
         let part =
-            owned.start.clamp(i * d.n, (i + 1) * d.n) - i * d.n..owned.end.clamp(i * d.n, (i + 1) * d.n) - i * d.n;
+            owned.start.clamp(rows.start, rows.end) - rows.start..owned.end.clamp(rows.start, rows.end) - rows.start;
         let dw = args.output(1 + i);
         // SAFETY: all contiguous; this block owns rows `part` of this sample's weight gradient.
         unsafe {
@@ -209,18 +232,31 @@ fn dweights_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, s
     }
 }
 
+/// The shapes of `(dx, dgate_weight, dup_weight)`: x's and the weights' (per sample with
+/// `batch_dims`), or `[0]` for a gradient the call does not ask for.
+fn return_shapes(cx: &OpCx, d: Dims) -> Result<[Vec<usize>; 3]> {
+    let (needs, weight) = (Needs::of(cx), samples(cx)?.shape(&[d.n, d.k]));
+    let asked = |yes: bool, shape: Vec<usize>| if yes { shape } else { vec![0] };
+    Ok([
+        asked(needs.dx, cx.input("x").shape().to_vec()),
+        asked(needs.dweights[0], weight.clone()),
+        asked(needs.dweights[1], weight),
+    ])
+}
+
 impl Op for LinearGatedMulBackward {
     fn schema(&self) -> &'static str {
         match self.0 {
             Gating::Silu => {
                 "linear_silu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? \
-                 gate=None, Tensor? up=None, int batch_dims=0) -> (Tensor dx, Tensor dgate_weight, Tensor \
-                 dup_weight)"
+                 gate=None, Tensor? up=None, int batch_dims=0, bool needs_dx=True, bool needs_dgate_weight=True, \
+                 bool needs_dup_weight=True) -> (Tensor dx, Tensor dgate_weight, Tensor dup_weight)"
             }
             Gating::Gelu => {
                 "linear_gelu_mul_backward(Tensor dy, Tensor x, Tensor gate_weight, Tensor up_weight, Tensor? \
-                 gate=None, Tensor? up=None, str approximate='none', int batch_dims=0) -> (Tensor dx, Tensor \
-                 dgate_weight, Tensor dup_weight)"
+                 gate=None, Tensor? up=None, str approximate='none', int batch_dims=0, bool needs_dx=True, bool \
+                 needs_dgate_weight=True, bool needs_dup_weight=True) -> (Tensor dx, Tensor dgate_weight, Tensor \
+                 dup_weight)"
             }
         }
     }
@@ -232,13 +268,14 @@ impl Op for LinearGatedMulBackward {
                  up_weight^T (given as gate and up, both or neither, else recomputed), dg = dy * u * silu'(g), du = \
                  dy * silu(g); dx = dg @ gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ \
                  x (summed over all leading dims of x; with batch_dims, per sample: x.shape[:batch_dims] + the \
-                 weight's shape)."
+                 weight's shape). needs_dx / needs_dgate_weight / needs_dup_weight=False leave that gradient out \
+                 (returned empty, [0]): frozen weights save two of the products."
             }
             Gating::Gelu => {
                 "Gradients of linear_gelu_mul (and linear_gelu_mul_train), as linear_silu_mul_backward's with \
                  gelu(g, approximate) for silu(g): dg = dy * u * gelu'(g), du = dy * gelu(g); dx = dg @ \
                  gate_weight + du @ up_weight, dgate_weight = dg^T @ x, dup_weight = du^T @ x (per sample with \
-                 batch_dims)."
+                 batch_dims; each left out, returned empty, when its needs_ flag is False)."
             }
         }
     }
@@ -263,8 +300,12 @@ impl Op for LinearGatedMulBackward {
         let (d, _) = dims(cx)?;
         self.0.activation(cx)?;
         let dtype = cx.input("x").dtype;
-        let weight = TensorMeta::contiguous(dtype, &samples(cx)?.shape(&[d.n, d.k]))?;
-        Ok(vec![TensorMeta::contiguous(dtype, cx.input("x").shape())?, weight.clone(), weight])
+        let [dx, dgate_weight, dup_weight] = return_shapes(cx, d)?;
+        Ok(vec![
+            TensorMeta::contiguous(dtype, &dx)?,
+            TensorMeta::contiguous(dtype, &dgate_weight)?,
+            TensorMeta::contiguous(dtype, &dup_weight)?,
+        ])
     }
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
@@ -275,7 +316,9 @@ impl Op for LinearGatedMulBackward {
         let row_blocks = d.rows.div_ceil(16).clamp(1, threads);
         let columns = split_columns(dtype, d.rows, d.k, threads);
         let dx_blocks = if columns { d.k.div_ceil(COLUMN_UNIT).clamp(1, threads) } else { row_blocks };
-        let dw_blocks = samples(cx)?.blocks(cx, "x", (2 * d.n).div_ceil(16).clamp(1, threads) as u32)?;
+        let needs = Needs::of(cx);
+        let stacked = needs.weights().count() * d.n;
+        let dw_blocks = samples(cx)?.blocks(cx, "x", stacked.div_ceil(16).clamp(1, threads) as u32)?;
         let grads = (2 * d.rows).checked_mul(d.n).and_then(|e| e.checked_mul(dtype.size()));
         let scratch = grads.and_then(|g| g.checked_next_multiple_of(64)).ok_or_else(|| {
             let y = ShapeDisplay(cx.input("dy").shape());
@@ -298,17 +341,21 @@ impl Op for LinearGatedMulBackward {
                 "linear_gelu_mul_backward.dweights",
             ],
         };
-        let steps = with_float_dtype!(dtype, cx.op(), "x", |T| vec![
-            with_gate_fn!(activation, |A| if saved {
+        let steps = with_float_dtype!(dtype, cx.op(), "x", |T| {
+            let gradients = with_gate_fn!(activation, |A| if saved {
                 Step::new(names[0], block_dim_for(len, 5 * dtype.size()), move |a, c| {
                     saved_gradients_kernel::<T, A>(a, c, len, streaming)
                 })
             } else {
                 Step::new(names[1], row_blocks as u32, move |a, c| gradients_kernel::<T, A>(a, c, d, ws))
-            }),
-            Step::new(names[2], dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)),
-            Step::new(names[3], dw_blocks.total, move |a, c| dweights_kernel::<T>(a, c, d, dw_blocks)),
-        ]);
+            });
+            let dx =
+                needs.dx.then(|| Step::new(names[2], dx_blocks as u32, move |a, c| dx_kernel::<T>(a, c, d, columns)));
+            let dweights = (stacked > 0).then(|| {
+                Step::new(names[3], dw_blocks.total, move |a, c| dweights_kernel::<T>(a, c, d, dw_blocks, needs))
+            });
+            std::iter::once(gradients).chain(dx).chain(dweights).collect()
+        });
         let needs = vec![
             LayoutNeed::Contiguous,
             LayoutNeed::Contiguous,
@@ -337,23 +384,29 @@ impl Op for LinearGatedMulBackward {
         };
         let (dg, du): (Vec<f64>, Vec<f64>) =
             (0..g.len()).map(|i| activation.exact_mul_grad(dy.data[i], g[i], u[i])).unzip();
-        let mut dx = vec![0.0; d.rows * d.k];
-        let mut dwg = vec![0.0; samples.count * d.n * d.k];
-        let mut dwu = vec![0.0; samples.count * d.n * d.k];
+        // Each sized only when asked for: a frozen weight's per-sample gradient may not fit in memory.
+        let shapes = return_shapes(cx, d)?;
+        let [mut dx, mut dwg, mut dwu] = shapes.each_ref().map(|s| vec![0.0; s.iter().product()]);
+        let needs = Needs::of(cx);
         for r in 0..d.rows {
             let sample = r / samples.rows.max(1) * d.n * d.k;
-            let (dwg, dwu) = (&mut dwg[sample..][..d.n * d.k], &mut dwu[sample..][..d.n * d.k]);
             for j in 0..d.n {
                 let (a, b) = (dg[r * d.n + j], du[r * d.n + j]);
                 for p in 0..d.k {
-                    dx[r * d.k + p] += a * wg.data[j * d.k + p] + b * wu.data[j * d.k + p];
-                    dwg[j * d.k + p] += a * x.data[r * d.k + p];
-                    dwu[j * d.k + p] += b * x.data[r * d.k + p];
+                    if needs.dx {
+                        dx[r * d.k + p] += a * wg.data[j * d.k + p] + b * wu.data[j * d.k + p];
+                    }
+                    if needs.dweights[0] {
+                        dwg[sample + j * d.k + p] += a * x.data[r * d.k + p];
+                    }
+                    if needs.dweights[1] {
+                        dwu[sample + j * d.k + p] += b * x.data[r * d.k + p];
+                    }
                 }
             }
         }
-        let w = samples.shape(&[d.n, d.k]);
-        Ok(vec![RefTensor::new(&x.shape, dx), RefTensor::new(&w, dwg), RefTensor::new(&w, dwu)])
+        let [dx_shape, dwg_shape, dwu_shape] = shapes;
+        Ok(vec![RefTensor::new(&dx_shape, dx), RefTensor::new(&dwg_shape, dwg), RefTensor::new(&dwu_shape, dwu)])
     }
 
     /// x's shape, as for linear_silu_mul (the first input is the gradient of its output).

@@ -1483,32 +1483,41 @@ fn matmul_backward_sums_over_broadcast_batches() {
     assert_close(&grads[1], &finite_difference("matmul", &inputs, &[], &f64s(&d), 1), "db");
 }
 
-/// linear's backwards leave out the gradients a call does not ask for (`needs_dx`,
-/// `needs_dweight`): those come back empty, the others equal the full call's, per sample too.
+/// linear's backwards (plain, with a residual, gated) leave out the gradients a call does not ask
+/// for (`needs_d<arg>`): those come back empty, the others equal the full call's, per sample too.
 #[test]
 fn linear_backwards_leave_out_gradients_not_asked_for() {
     setup();
-    let (dy, x, w) = (rand_vec(2 * 3 * 5, 91), rand_vec(2 * 3 * 4, 92), rand_vec(5 * 4, 93));
-    let inputs = [
-        Some(TensorRef::new(&dy, &[2, 3, 5]).unwrap()),
-        Some(TensorRef::new(&x, &[2, 3, 4]).unwrap()),
-        Some(TensorRef::new(&w, &[5, 4]).unwrap()),
+    let (dy, x, w, w2) = (rand_vec(2 * 3 * 5, 91), rand_vec(2 * 3 * 4, 92), rand_vec(5 * 4, 93), rand_vec(5 * 4, 94));
+    let (dy, x, w, w2) = (
+        TensorRef::new(&dy, &[2, 3, 5]).unwrap(),
+        TensorRef::new(&x, &[2, 3, 4]).unwrap(),
+        TensorRef::new(&w, &[5, 4]).unwrap(),
+        TensorRef::new(&w2, &[5, 4]).unwrap(),
+    );
+    let plain = [Some(dy.clone()), Some(x.clone()), Some(w.clone())];
+    let gated = [Some(dy), Some(x), Some(w), Some(w2)];
+    let (two, three) = (["needs_dx", "needs_dweight"], ["needs_dx", "needs_dgate_weight", "needs_dup_weight"]);
+    let cases = [
+        ("linear_backward", &plain[..], &two[..]),
+        ("linear_add_backward", &plain[..], &two[..]),
+        ("linear_silu_mul_backward", &gated[..], &three[..]),
+        ("linear_gelu_mul_backward", &gated[..], &three[..]),
     ];
-    for op in ["linear_backward", "linear_add_backward"] {
+    for (op, inputs, flags) in cases {
         for batch_dims in [0, 1] {
-            let flags = |dx, dw| {
-                vec![
-                    ("batch_dims", AttrValue::Int(batch_dims)),
-                    ("needs_dx", AttrValue::Bool(dx)),
-                    ("needs_dweight", AttrValue::Bool(dw)),
-                ]
+            let call = |asked: u32| {
+                let mut attrs = vec![("batch_dims", AttrValue::Int(batch_dims))];
+                attrs.extend(flags.iter().enumerate().map(|(i, &f)| (f, AttrValue::Bool(asked >> i & 1 == 1))));
+                run_checked(op, inputs, &attrs)
             };
-            let full = run_checked(op, &inputs, &flags(true, true));
-            for (dx, dw) in [(false, true), (true, false), (false, false)] {
-                let lean = run_checked(op, &inputs, &flags(dx, dw));
-                for (k, asked) in [(0, dx), (1, dw), (2, true)] {
-                    let want: &[f64] = if asked { &full[k] } else { &[] };
-                    assert_eq!(lean[k], want, "{op} batch_dims={batch_dims} needs ({dx}, {dw}): return {k}");
+            let all = (1 << flags.len()) - 1;
+            let full = call(all);
+            for asked in 0..all {
+                let lean = call(asked);
+                for (k, got) in lean.iter().enumerate() {
+                    let want: &[f64] = if k >= flags.len() || asked >> k & 1 == 1 { &full[k] } else { &[] };
+                    assert_eq!(got, want, "{op} batch_dims={batch_dims} asked {asked:b}: return {k}");
                 }
             }
         }
