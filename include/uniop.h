@@ -10,8 +10,8 @@
 // Bumped when a struct layout or a signature of this header changes incompatibly (2: `add`'s alpha
 // became a `uniopScalar`; 3: cross_entropy, its backward and the backwards summing parameter
 // gradients gained `batch_dims`; 4: so did linear_silu_mul_backward and linear_gelu_mul_backward, with
-// `needs_dx`, `needs_dgate_weight` and `needs_dup_weight`, and linear_backward and linear_add_backward
-// gained `needs_dx` and `needs_dweight`).
+// `needs_dx`, `needs_dgate_weight` and `needs_dup_weight`; linear_backward and linear_add_backward
+// gained `needs_dx` and `needs_dweight`, matmul_backward `needs_da` and `needs_db`).
 #define UNIOP_ABI_VERSION 4
 
 // A point in a stream's work, for ordering and timing (opaque).
@@ -1050,13 +1050,16 @@ uniopStatus uniopMatmul(void *workspace,
                         uniopExecutor *executor,
                         uniopStream stream);
 
-// Phase 1 of `matmul_backward(Tensor dout, Tensor a, Tensor b) -> (Tensor da, Tensor db)`.
+// Phase 1 of `matmul_backward(Tensor dout, Tensor a, Tensor b, bool needs_da=True, bool needs_db=True) -> (Tensor da, Tensor db)`.
 //
 // Gradients of matmul: da = dout @ b^T and db = a^T @ dout per batch, summed over the batches each
-// operand was broadcast to (da and db have a's and b's shapes). Deterministic (no atomics).
+// operand was broadcast to (da and db have a's and b's shapes). Deterministic (no atomics). A
+// gradient whose needs_d<operand> is false comes back empty ([0]) and costs nothing.
 uniopStatus uniopMatmulBackwardGetWorkspaceSize(const uniopTensor *dout,
                                                 const uniopTensor *a,
                                                 const uniopTensor *b,
+                                                bool needs_da,
+                                                bool needs_db,
                                                 uniopTensor *da,
                                                 uniopTensor *db,
                                                 uint64_t *workspaceSize,

@@ -338,6 +338,30 @@ def test_per_sample_gradients_through_matmul_attention_in_one_call():
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
+def test_matmul_backward_leaves_out_what_is_not_asked_for():
+    """``needs_da`` / ``needs_db`` False return that gradient empty and the other unchanged, directly
+    and under vmap; autograd asks only for the operands that require a gradient (a frozen ``b``)."""
+    torch.manual_seed(0)
+    dout, a, b = torch.randn(2, 3, 5), torch.randn(2, 3, 4), torch.randn(4, 5)
+    op = torch.ops.uniop.matmul_backward
+    full = op(dout, a, b)
+    for k, flag in enumerate(("needs_da", "needs_db")):
+        lean = op(dout, a, b, **{flag: False})
+        assert lean[k].shape == (0,) and torch.equal(lean[1 - k], full[1 - k])
+    with _no_vmap_fallback():
+        batched = torch.func.vmap(lambda d, x: op(d, x, b, needs_db=False))(dout, a)
+    assert batched[1].shape == (2, 0)
+    torch.testing.assert_close(batched[0], full[0])
+    for needs in ((False, True), (True, False), (True, True)):
+        got = [t.clone().requires_grad_(n) for t, n in zip((a, b), needs)]
+        torch.ops.uniop.matmul(*got).mul(dout).sum().backward()
+        assert (got[0].grad is not None, got[1].grad is not None) == needs
+        if needs[0]:
+            torch.testing.assert_close(got[0].grad, dout @ b.T)
+        if needs[1]:
+            torch.testing.assert_close(got[1].grad, torch.einsum("bik,bin->kn", a, dout))
+
+
 @pytest.mark.parametrize("name", ["linear_backward", "linear_add_backward"])
 def test_linear_backwards_leave_out_what_is_not_asked_for(name):
     """``needs_dx=False`` / ``needs_dweight=False`` return that gradient empty and the others

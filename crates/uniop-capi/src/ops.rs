@@ -1751,15 +1751,18 @@ pub extern "C" fn uniopMatmul(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `matmul_backward(Tensor dout, Tensor a, Tensor b) -> (Tensor da, Tensor db)`.
+/// Phase 1 of `matmul_backward(Tensor dout, Tensor a, Tensor b, bool needs_da=True, bool needs_db=True) -> (Tensor da, Tensor db)`.
 ///
 /// Gradients of matmul: da = dout @ b^T and db = a^T @ dout per batch, summed over the batches each
-/// operand was broadcast to (da and db have a's and b's shapes). Deterministic (no atomics).
+/// operand was broadcast to (da and db have a's and b's shapes). Deterministic (no atomics). A
+/// gradient whose needs_d<operand> is false comes back empty ([0]) and costs nothing.
 #[no_mangle]
 pub extern "C" fn uniopMatmulBackwardGetWorkspaceSize(
     dout: *const uniopTensor,
     a: *const uniopTensor,
     b: *const uniopTensor,
+    needs_da: bool,
+    needs_db: bool,
     da: *mut uniopTensor,
     db: *mut uniopTensor,
     workspaceSize: *mut u64,
@@ -1768,7 +1771,8 @@ pub extern "C" fn uniopMatmulBackwardGetWorkspaceSize(
     const F: &str = "uniopMatmulBackwardGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 3] = [("dout", dout), ("a", a), ("b", b)];
-        let attrs: [(&str, AttrValue); 0] = [];
+        let attrs: [(&str, AttrValue); 2] =
+            [("needs_da", AttrValue::Bool(needs_da)), ("needs_db", AttrValue::Bool(needs_db))];
         let outputs = [("da", da as *const uniopTensor), ("db", db as *const uniopTensor)];
         plan("matmul_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })

@@ -48,8 +48,8 @@ impl Op for AddBackward {
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let grads = self.infer(cx)?;
         let alpha = cx.float("alpha") as f32;
-        let wanted = [("a", 1.0), ("b", alpha)]
-            .map(|(operand, scale)| broadcast_grad::needs(cx, operand).then_some((None, Scaled(scale))));
+        let wanted =
+            [("a", 1.0), ("b", alpha)].map(|(operand, scale)| cx.needs_grad(operand).then_some((None, Scaled(scale))));
         let (steps, workspace) = with_float_dtype!(grads[0].dtype, cx.op(), "dout", |T| {
             broadcast_grad::pair_steps::<T, _>("add_backward", cx, &grads, wanted)
         });

@@ -64,7 +64,7 @@ const SINKS: usize = 8;
 /// The float mask whose gradient the call asks for (`needs_dmask`), or `None` when it asks for
 /// none. Asking without a float mask is an error: a boolean mask (or none) has no gradient.
 fn mask_grad<'c>(cx: &'c OpCx) -> Result<Option<&'c TensorMeta>> {
-    if !matches!(cx.attr("needs_dmask"), AttrValue::Bool(true)) {
+    if !cx.needs_grad("mask") {
         return Ok(None);
     }
     match cx.optional_input("mask") {

@@ -21,19 +21,14 @@
 use crate::elementwise::{self, broadcast, Map1, Map2, CHUNK, LANES};
 use std::ops::Range;
 use uniop::{
-    block_dim_for, AttrValue, BlockCtx, DType, Element, Example, FloatElement, KernelArgs, Layout, OpCx, OutputView,
-    RefTensor, Result, Step, StridedRuns, TensorMeta,
+    block_dim_for, BlockCtx, DType, Element, Example, FloatElement, KernelArgs, Layout, OpCx, OutputView, RefTensor,
+    Result, Step, StridedRuns, TensorMeta,
 };
 
 /// Kernel argument positions shared by the backward ops: `(dout, a, b, ...) -> (da, db)`.
 pub const DOUT: usize = 0;
 pub const A: usize = 1;
 pub const B: usize = 2;
-
-/// Whether the caller asks for the gradient of `operand` (`needs_d<operand>`, true unless false).
-pub fn needs(cx: &OpCx, operand: &str) -> bool {
-    !matches!(cx.attr(&format!("needs_d{operand}")), AttrValue::Bool(false))
-}
 
 /// Checks the arguments of a broadcasting binary op's backward, `(dout, a, b, ..., needs_da,
 /// needs_db)`, and returns the metas of `(da, db)`: each its operand's shape and dtype, or empty
@@ -45,14 +40,14 @@ pub fn infer(cx: &OpCx, dtypes: &[DType]) -> Result<Vec<TensorMeta>> {
     cx.expect_shape("dout", &elementwise::broadcast_inputs(cx, "a", "b")?)?;
     ["a", "b"]
         .into_iter()
-        .map(|operand| TensorMeta::contiguous(dtype, if needs(cx, operand) { cx.input(operand).shape() } else { &[0] }))
+        .map(|operand| TensorMeta::contiguous(dtype, &cx.grad_shape(operand, cx.input(operand).shape())))
         .collect()
 }
 
 /// The reference gradient of `operand` from the mapped output gradient `mapped` (`f(dout, other)`
 /// at each output position): summed down to the operand's shape, or empty where not asked for.
 pub fn reference(cx: &OpCx, operand: &str, mapped: &RefTensor) -> RefTensor {
-    if needs(cx, operand) {
+    if cx.needs_grad(operand) {
         mapped.sum_to(cx.input(operand).shape())
     } else {
         RefTensor::new(&[0], Vec::new())

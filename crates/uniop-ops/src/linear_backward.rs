@@ -16,8 +16,8 @@ use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
 use crate::packed_gemm::split_columns;
 use crate::per_sample::{SampleBlocks, Samples};
 use uniop::{
-    with_float_dtype, AttrValue, BlockCtx, DType, Element, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
-    Plan, RefTensor, Result, Step, TensorMeta,
+    with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,
+    RefTensor, Result, Step, TensorMeta,
 };
 
 pub struct LinearBackward;
@@ -197,26 +197,17 @@ pub(crate) struct Needs {
 }
 
 pub(crate) fn needs(cx: &OpCx) -> Needs {
-    let flag = |name| matches!(cx.attr(name), AttrValue::Bool(true));
-    Needs { dx: flag("needs_dx"), dweight: flag("needs_dweight") }
+    Needs { dx: cx.needs_grad("x"), dweight: cx.needs_grad("weight") }
 }
 
 /// dx's shape: x's, or `[0]` when the call asks for none.
 pub(crate) fn dx_shape(cx: &OpCx) -> Vec<usize> {
-    if needs(cx).dx {
-        cx.input("x").shape().to_vec()
-    } else {
-        vec![0]
-    }
+    cx.grad_shape("x", cx.input("x").shape())
 }
 
 /// dweight's shape: one weight per sample, or `[0]` when the call asks for none.
 pub(crate) fn dweight_shape(cx: &OpCx, samples: &Samples, d: Dims) -> Vec<usize> {
-    if needs(cx).dweight {
-        samples.shape(&[d.n, d.k])
-    } else {
-        vec![0]
-    }
+    cx.grad_shape("weight", &samples.shape(&[d.n, d.k]))
 }
 
 /// How `batch_dims` divides the rows of `x` into samples.

@@ -29,8 +29,8 @@ use crate::packed_gemm::{split_columns, HALF as GROUP, PAIRED_COLUMNS};
 use crate::per_sample::SampleBlocks;
 use uniop::layout::ShapeDisplay;
 use uniop::{
-    block_dim_for, with_float_dtype, AttrValue, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs,
-    LayoutNeed, Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
+    block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
+    OpCx, Plan, RefTensor, Result, Step, TensorMeta,
 };
 
 pub struct LinearGatedMulBackward(Gating);
@@ -185,8 +185,7 @@ struct Needs {
 
 impl Needs {
     fn of(cx: &OpCx) -> Needs {
-        let flag = |name| matches!(cx.attr(name), AttrValue::Bool(true));
-        Needs { dx: flag("needs_dx"), dweights: [flag("needs_dgate_weight"), flag("needs_dup_weight")] }
+        Needs { dx: cx.needs_grad("x"), dweights: [cx.needs_grad("gate_weight"), cx.needs_grad("up_weight")] }
     }
 
     /// The weight gradients asked for: 0 for dgate_weight, 1 for dup_weight.
@@ -235,12 +234,11 @@ fn dweights_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, d: Dims, s
 /// The shapes of `(dx, dgate_weight, dup_weight)`: x's and the weights' (per sample with
 /// `batch_dims`), or `[0]` for a gradient the call does not ask for.
 fn return_shapes(cx: &OpCx, d: Dims) -> Result<[Vec<usize>; 3]> {
-    let (needs, weight) = (Needs::of(cx), samples(cx)?.shape(&[d.n, d.k]));
-    let asked = |yes: bool, shape: Vec<usize>| if yes { shape } else { vec![0] };
+    let weight = samples(cx)?.shape(&[d.n, d.k]);
     Ok([
-        asked(needs.dx, cx.input("x").shape().to_vec()),
-        asked(needs.dweights[0], weight.clone()),
-        asked(needs.dweights[1], weight),
+        cx.grad_shape("x", cx.input("x").shape()),
+        cx.grad_shape("gate_weight", &weight),
+        cx.grad_shape("up_weight", &weight),
     ])
 }
 

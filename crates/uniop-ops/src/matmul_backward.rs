@@ -1,11 +1,13 @@
-//! `matmul_backward(dout, a, b) -> (da, db)`, the gradient of [`matmul`](crate::matmul):
+//! `matmul_backward(dout, a, b, needs_da=True, needs_db=True) -> (da, db)`, the gradient of
+//! [`matmul`](crate::matmul):
 //! `da = dout · bᵀ` and `db = aᵀ · dout` per batch, **summed over the batches an operand was
 //! broadcast to** — a `[K, N]` weight shared by every batch gets the sum of all their products,
 //! and `da`/`db` keep `a`'s and `b`'s own shapes.
 //!
 //! Two launches, each unit one (operand batch, band of rows) that owns its output rows and walks
 //! the output batches that read it in order, accumulating in the GEMM: no atomics, so the sums
-//! are deterministic. Transposes are strides.
+//! are deterministic. Transposes are strides. A gradient nobody asked for (`needs_d<operand>`
+//! false: a frozen weight, input data) is left out, its launch with it, and comes back empty.
 
 use crate::matmul::{dims, gemm_rows, Dims, Dst, Mat, DTYPES};
 use std::sync::Arc;
@@ -111,12 +113,14 @@ fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: &Dims, grad: Grad, re
 
 impl Op for MatmulBackward {
     fn schema(&self) -> &'static str {
-        "matmul_backward(Tensor dout, Tensor a, Tensor b) -> (Tensor da, Tensor db)"
+        "matmul_backward(Tensor dout, Tensor a, Tensor b, bool needs_da=True, bool needs_db=True) -> (Tensor da, Tensor \
+         db)"
     }
 
     fn doc(&self) -> &'static str {
         "Gradients of matmul: da = dout @ b^T and db = a^T @ dout per batch, summed over the batches each operand \
-         was broadcast to (da and db have a's and b's shapes). Deterministic (no atomics)."
+         was broadcast to (da and db have a's and b's shapes). Deterministic (no atomics). A gradient whose \
+         needs_d<operand> is false comes back empty ([0]) and costs nothing."
     }
 
     /// Matrices over broadcast batch dims, da and db summed back to a's and b's.
@@ -132,8 +136,8 @@ impl Op for MatmulBackward {
         checked_dims(cx)?;
         let dtype = cx.input("a").dtype;
         Ok(vec![
-            TensorMeta::contiguous(dtype, cx.input("a").shape())?,
-            TensorMeta::contiguous(dtype, cx.input("b").shape())?,
+            TensorMeta::contiguous(dtype, &cx.grad_shape("a", cx.input("a").shape()))?,
+            TensorMeta::contiguous(dtype, &cx.grad_shape("b", cx.input("b").shape()))?,
         ])
     }
 
@@ -142,6 +146,9 @@ impl Op for MatmulBackward {
         let threads = uniop::runtime::Pool::global().threads();
         let mut steps = Vec::new();
         for (grad, operand, rows) in [(Grad::A, "a", d.m), (Grad::B, "b", d.k)] {
+            if !cx.needs_grad(operand) {
+                continue;
+            }
             let readers = Arc::new(readers(cx.input(operand).shape(), &d.batch));
             // Enough row bands to give every thread work, none thinner than 16 rows.
             let tiles = threads.div_ceil(readers.len().max(1)).min(rows.div_ceil(16)).max(1);
@@ -178,7 +185,14 @@ impl Op for MatmulBackward {
                 }
             }
         }
-        Ok(vec![RefTensor::new(&a.shape, da), RefTensor::new(&b.shape, db)])
+        let asked = |operand, shape: &[usize], grad| {
+            if cx.needs_grad(operand) {
+                RefTensor::new(shape, grad)
+            } else {
+                RefTensor::new(&[0], Vec::new())
+            }
+        };
+        Ok(vec![asked("a", &a.shape, da), asked("b", &b.shape, db)])
     }
 
     fn error_scale(&self, cx: &OpCx) -> f64 {

@@ -44,8 +44,8 @@ impl Op for MulBackward {
 
     fn plan(&self, cx: &OpCx) -> Result<Plan> {
         let grads = self.infer(cx)?;
-        let wanted = [("a", B), ("b", A)]
-            .map(|(operand, other)| broadcast_grad::needs(cx, operand).then_some((Some(other), Product)));
+        let wanted =
+            [("a", B), ("b", A)].map(|(operand, other)| cx.needs_grad(operand).then_some((Some(other), Product)));
         let (steps, workspace) = with_float_dtype!(grads[0].dtype, cx.op(), "dout", |T| {
             broadcast_grad::pair_steps::<T, _>("mul_backward", cx, &grads, wanted)
         });

@@ -1483,10 +1483,11 @@ fn matmul_backward_sums_over_broadcast_batches() {
     assert_close(&grads[1], &finite_difference("matmul", &inputs, &[], &f64s(&d), 1), "db");
 }
 
-/// linear's backwards (plain, with a residual, gated) leave out the gradients a call does not ask
-/// for (`needs_d<arg>`): those come back empty, the others equal the full call's, per sample too.
+/// The backwards of the products (matmul, linear plain, with a residual and gated) leave out the
+/// gradients a call does not ask for (`needs_d<arg>`): those come back empty, the others equal the
+/// full call's, per sample too.
 #[test]
-fn linear_backwards_leave_out_gradients_not_asked_for() {
+fn product_backwards_leave_out_gradients_not_asked_for() {
     setup();
     let (dy, x, w, w2) = (rand_vec(2 * 3 * 5, 91), rand_vec(2 * 3 * 4, 92), rand_vec(5 * 4, 93), rand_vec(5 * 4, 94));
     let (dy, x, w, w2) = (
@@ -1496,18 +1497,22 @@ fn linear_backwards_leave_out_gradients_not_asked_for() {
         TensorRef::new(&w2, &[5, 4]).unwrap(),
     );
     let plain = [Some(dy.clone()), Some(x.clone()), Some(w.clone())];
-    let gated = [Some(dy), Some(x), Some(w), Some(w2)];
+    let gated = [Some(dy.clone()), Some(x.clone()), Some(w), Some(w2)];
+    let b = rand_vec(4 * 5, 95);
+    let product = [Some(dy), Some(x), Some(TensorRef::new(&b, &[4, 5]).unwrap())];
     let (two, three) = (["needs_dx", "needs_dweight"], ["needs_dx", "needs_dgate_weight", "needs_dup_weight"]);
+    let (per_sample, whole) = ([Some(0), Some(1)], [None]);
     let cases = [
-        ("linear_backward", &plain[..], &two[..]),
-        ("linear_add_backward", &plain[..], &two[..]),
-        ("linear_silu_mul_backward", &gated[..], &three[..]),
-        ("linear_gelu_mul_backward", &gated[..], &three[..]),
+        ("matmul_backward", &product[..], &["needs_da", "needs_db"][..], &whole[..]),
+        ("linear_backward", &plain[..], &two[..], &per_sample[..]),
+        ("linear_add_backward", &plain[..], &two[..], &per_sample[..]),
+        ("linear_silu_mul_backward", &gated[..], &three[..], &per_sample[..]),
+        ("linear_gelu_mul_backward", &gated[..], &three[..], &per_sample[..]),
     ];
-    for (op, inputs, flags) in cases {
-        for batch_dims in [0, 1] {
+    for (op, inputs, flags, batch_dims) in cases {
+        for &batch_dims in batch_dims {
             let call = |asked: u32| {
-                let mut attrs = vec![("batch_dims", AttrValue::Int(batch_dims))];
+                let mut attrs: Vec<_> = batch_dims.map(|b| ("batch_dims", AttrValue::Int(b))).into_iter().collect();
                 attrs.extend(flags.iter().enumerate().map(|(i, &f)| (f, AttrValue::Bool(asked >> i & 1 == 1))));
                 run_checked(op, inputs, &attrs)
             };
@@ -1517,7 +1522,7 @@ fn linear_backwards_leave_out_gradients_not_asked_for() {
                 let lean = call(asked);
                 for (k, got) in lean.iter().enumerate() {
                     let want: &[f64] = if k >= flags.len() || asked >> k & 1 == 1 { &full[k] } else { &[] };
-                    assert_eq!(got, want, "{op} batch_dims={batch_dims} asked {asked:b}: return {k}");
+                    assert_eq!(got, want, "{op} batch_dims={batch_dims:?} asked {asked:b}: return {k}");
                 }
             }
         }

@@ -452,6 +452,27 @@ impl<'s> OpCx<'s> {
         }
     }
 
+    /// Whether the caller asks for the gradient of tensor argument `operand`: the schema's `bool
+    /// needs_d<operand>` argument (see [`Op::backward`]), true where the schema has none.
+    pub fn needs_grad(&self, operand: &str) -> bool {
+        let flag = format!("needs_d{operand}");
+        self.schema
+            .attrs()
+            .position(|a| a.name == flag)
+            .is_none_or(|i| !matches!(self.attrs[i], AttrValue::Bool(false)))
+    }
+
+    /// The shape of `operand`'s gradient: `shape` where the caller asks for it
+    /// ([`needs_grad`](Self::needs_grad)), else `[0]` — empty, as a backward returns a gradient
+    /// nobody asked for.
+    pub fn grad_shape(&self, operand: &str, shape: &[usize]) -> Vec<usize> {
+        if self.needs_grad(operand) {
+            shape.to_vec()
+        } else {
+            vec![0]
+        }
+    }
+
     pub fn int(&self, name: &str) -> i64 {
         match self.attr(name) {
             AttrValue::Int(v) => *v,
