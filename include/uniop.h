@@ -782,8 +782,7 @@ uniopStatus uniopLinearAddPacked(void *workspace,
 // Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x),
 // dbias = dy summed over rows (ignore it when the layer has no bias). With batch_dims, dweight and
 // dbias are per sample: x.shape[:batch_dims] + their shape. needs_dx=False leaves dx out (returned
-// empty, [0]), a third of the work; needs_dweight=False leaves dweight out (a frozen weight), two
-// thirds.
+// empty, [0]), needs_dweight=False dweight (a frozen weight): each half of the work.
 uniopStatus uniopLinearBackwardGetWorkspaceSize(const uniopTensor *dy,
                                                 const uniopTensor *x,
                                                 const uniopTensor *weight,

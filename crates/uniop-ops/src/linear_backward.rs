@@ -8,8 +8,9 @@
 //! `dweight` together with the matching entries of its `dbias`. Transposes are strides. A
 //! gradient nobody asked for is left out and comes back empty, as torch's autograd leaves it out:
 //! dx when x needs none (`needs_dx` false: a network's first projection of its data, per-sample
-//! gradients of the weights alone), a third of the work; dweight when the weight is frozen
-//! (`needs_dweight` false: LoRA's base weights, gradients with respect to inputs), two thirds.
+//! gradients of the weights alone); dweight when the weight is frozen (`needs_dweight` false:
+//! LoRA's base weights, gradients with respect to inputs). Each is one of the two products, half
+//! of the work (the bias sum is a pass over dy).
 
 use crate::linear::{x_and_weight, Dims, COLUMN_UNIT};
 use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
@@ -130,7 +131,7 @@ impl Op for LinearBackward {
         "Gradients of linear: dx = dy @ weight, dweight = dy^T @ x (summed over all leading dims of x), \
          dbias = dy summed over rows (ignore it when the layer has no bias). With batch_dims, dweight and dbias \
          are per sample: x.shape[:batch_dims] + their shape. needs_dx=False leaves dx out (returned empty, [0]), \
-         a third of the work; needs_dweight=False leaves dweight out (a frozen weight), two thirds."
+         needs_dweight=False dweight (a frozen weight): each half of the work."
     }
 
     /// Row by row; the parameter gradients per sample with `batch_dims`.
