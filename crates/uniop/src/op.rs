@@ -455,10 +455,10 @@ impl<'s> OpCx<'s> {
     /// Whether the caller asks for the gradient of tensor argument `operand`: the schema's `bool
     /// needs_d<operand>` argument (see [`Op::backward`]), true where the schema has none.
     pub fn needs_grad(&self, operand: &str) -> bool {
-        let flag = format!("needs_d{operand}");
+        // Matched by parts, not a formatted name: infer and plan ask on every call.
         self.schema
             .attrs()
-            .position(|a| a.name == flag)
+            .position(|a| a.name.strip_prefix("needs_d") == Some(operand))
             .is_none_or(|i| !matches!(self.attrs[i], AttrValue::Bool(false)))
     }
 
