@@ -7,7 +7,8 @@ three in a row (rms_norm → linear → softmax, a squared sum), and `vmap(grad)
 → cross_entropy against per-sample targets, the same from token ids through an embedding (`--features` rows), and
 with a Llama MLP's gate and up projections (linear_silu_mul to `--features`) before the last linear: per-sample
 gradients of the norm weight and the projections (and the table); and attention written with matmul (4 heads,
-`softmax(q kᵀ) v`, q, k and v projected by linear). uniop's ops batch through the rules `uniop.torch` generates from
+`softmax(q kᵀ) v`, q, k and v projected by linear), then the same causal, by uniop's attention against torch's SDPA
+(each sample's `[4, rows, hidden / 4]` heads: attention takes the batch as one more leading dim). uniop's ops batch through the rules `uniop.torch` generates from
 `Op::elementwise`, `Op::leading_batch_args` and `Op::core_dims` (one call over the batch); the backwards that sum a
 parameter's gradient over rows (rms_norm_backward, linear_backward, linear_silu_mul_backward, embedding_backward) and
 cross_entropy's mean keep one per sample through their `batch_dims`. Best of `--rounds` calls, in milliseconds.
@@ -47,6 +48,7 @@ def main():
         "matmul": ops.matmul,
         "cross_entropy": lambda a, t: ops.cross_entropy(a, t)[0],
         "embedding": ops.embedding,
+        "attention": lambda q, k, v: ops.attention(q, k, v, None, True)[0],
     }
     torch_ops = {
         "softmax": lambda a: torch.softmax(a, -1),
@@ -56,6 +58,7 @@ def main():
         "matmul": torch.matmul,
         "cross_entropy": torch.nn.functional.cross_entropy,
         "embedding": lambda w, i: torch.nn.functional.embedding(i, w),
+        "attention": lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
     }
 
     def model(o, p, xb):
@@ -70,6 +73,10 @@ def main():
     def attention_loss(o, p, xb):
         q, k, v = (o["linear"](xb, w).unflatten(-1, (4, -1)).transpose(-3, -2) for w in p)  # [4, rows, hidden / 4]
         return o["matmul"](o["softmax"](o["matmul"](q, k.transpose(-1, -2))), v).pow(2).sum()
+
+    def flash_loss(o, p, xb):
+        q, k, v = (o["linear"](xb, w).unflatten(-1, (4, -1)).transpose(-3, -2) for w in p)
+        return o["attention"](q, k, v).pow(2).sum()
 
     projections = [torch.randn(args.hidden, args.hidden) / args.hidden**0.5 for _ in range(3)]
     cases = {
@@ -91,6 +98,9 @@ def main():
         )((params[0], *mlp), x, targets),
         "vmap(grad) of matmul attention": lambda o: torch.func.vmap(
             torch.func.grad(lambda p, s: attention_loss(o, p, s)), (None, 0)
+        )(projections, x),
+        "vmap(grad) of causal attention (uniop attention, torch SDPA)": lambda o: torch.func.vmap(
+            torch.func.grad(lambda p, s: flash_loss(o, p, s)), (None, 0)
         )(projections, x),
     }
     print(f"{args.samples} samples of [{args.rows}, {args.hidden}] float32, {torch.get_num_threads()} threads, "

@@ -2,6 +2,7 @@
 references, at f32/f16/bf16, contiguous and strided; opcheck for every registration; gradcheck for
 every backward."""
 
+import collections
 import contextlib
 import ctypes
 import itertools
@@ -15,7 +16,7 @@ import torch
 
 import uniop
 import uniop.torch  # noqa: F401  (registers torch.ops.uniop)
-from cases import CASES, attention_mask, cos_sin_ref
+from cases import CASES, attention_mask, attention_ref, cos_sin_ref
 
 # Tests of what only the C++ kernels do (their error types and messages, torch-made outputs) skip
 # where the Python kernels were chosen on purpose; a failed C++ build still fails them.
@@ -310,6 +311,41 @@ def test_matmul_vmap_broadcasts_batch_dims_and_refuses_what_a_sample_call_does()
     torch.testing.assert_close(grads, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(uniop.UniopError, match=r"matmul: argument 'a'"):
         torch.func.vmap(torch.ops.uniop.matmul, in_dims=(0, None))(torch.randn(4, 6), b)
+
+
+def test_per_sample_gradients_through_attention_in_one_call():
+    """vmap(grad) of a causal GQA attention layer (projections by linear, shared) over samples of
+    ``[2, 12, 16]`` tokens: attention and its backward take the batch as one more leading dim, one
+    call each (torch's fallback disabled; the profiler counts their launches), with a shared boolean
+    mask, matching torch's per-sample gradients of the same layer written out. With a learned bias
+    and sinks, whose gradients are sums over each sample's rows, the backward runs once per sample
+    (the forward still in one call), matching too."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 2, 12, 16)  # 5 samples of a [2, 12, 16] batch
+    weights = [torch.randn(n, 16) / 4 for n in (32, 16, 16)]  # q: 4 heads of 8, k and v: 2 heads
+    keep = attention_mask(12, 12)[0, 0]
+    bias, sinks = torch.randn(4, 12, 12) / 2, torch.randn(4)
+
+    def layer(att, p, xb):
+        heads = [torch.nn.functional.linear(xb, w).unflatten(-1, (-1, 8)).transpose(1, 2) for w in p[:3]]
+        return att(*heads, *p[3:]).square().mean()
+
+    def uniop_att(q, k, v, *learned):
+        mask, sinks = learned if learned else (keep, None)
+        return torch.ops.uniop.attention(q, k, v, None, True, None, mask, None, sinks)[0]
+
+    def torch_att(q, k, v, *learned):
+        mask, sinks = learned if learned else (keep, None)
+        return attention_ref(q, k, v, True, mask, None, sinks)[0].float()
+
+    for params, calls in ((weights, 1), (weights + [bias, sinks], 5)):
+        with _no_vmap_fallback(), uniop.Profiler() as prof:
+            got = torch.func.vmap(torch.func.grad(lambda p, xb: layer(uniop_att, p, xb)), in_dims=(None, 0))(params, x)
+        ran = collections.Counter(e["step"] for e in prof.events())  # each call's first launch, once
+        assert (ran["attention"], ran["attention_backward.delta"]) == (1, calls)
+        want = [torch.func.grad(lambda p, xb: layer(torch_att, p, xb))(params, xb) for xb in x]
+        for g, w in zip(got, zip(*want)):
+            torch.testing.assert_close(g, torch.stack(w), rtol=1e-4, atol=1e-5)
 
 
 def test_per_sample_gradients_through_matmul_attention_in_one_call():

@@ -4,7 +4,12 @@
 //! Layout is torch SDPA's: `q` `[B, Hq, Sq, D]`, `k` `[B, Hkv, Sk, D]`, `v` `[B, Hkv, Sk, Dv]`,
 //! any strides with a dense last dim — so HF's `[B, S, H, D]` tensors transposed to
 //! `[B, H, S, D]` are read in place. `Hkv` must divide `Hq` (grouped-query attention: q head `h`
-//! reads kv head `h / (Hq / Hkv)`).
+//! reads kv head `h / (Hq / Hkv)`). As in SDPA, `B` stands for any number of leading batch dims
+//! (none up to [`MAX_BATCH_DIMS`]), the same in q, k and v: the kernels number the batch rows
+//! flat and find each tensor's row through its strides ([`BatchStrides`]), so the dims need not
+//! merge into one (a k expanded along one of them, stride 0, is read in place). That is also how
+//! `torch.func.vmap` batches attention in one call (`leading_batch_args`): its batch becomes one
+//! more leading dim.
 //!
 //! Why flash-style: the `Sq × Sk` score matrix is never stored. Each unit of work is one
 //! (batch, kv head, tile of query positions) with the tile holding that position range for every
@@ -32,7 +37,7 @@
 //! here, on the few-row kernels: dot products with K's rows for the scores, and V's lines scaled
 //! by the probabilities and summed for the output (neither packs K or V).
 //!
-//! Masking. `kv_lens` (int `[B]`, optional) limits batch row `b` to its first `kv_lens[b]` keys
+//! Masking. `kv_lens` (int, the batch dims' shape, optional) limits batch row `b` to its first `kv_lens[b]` keys
 //! (decode against a preallocated KV cache). `causal` aligns the mask **bottom-right**: query `i`
 //! sees key `j` iff `j <= i + (len - Sq)`, where `len` is the row's key count. With `Sq == Sk`
 //! this is torch's `is_causal=True` (top-left); with `Sq < len` it is what decode and chunked
@@ -108,7 +113,10 @@ pub(crate) const DIAGONAL_PIECE_ROWS: usize = 32;
 /// Shapes and attributes shared by the forward and backward ops.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Geometry {
+    /// The leading batch dims' count of batch rows (their product): kernels index batch rows flat.
     pub batch: usize,
+    /// Those dims themselves (SDPA's `[..., H, S, D]`: none, one, or more).
+    pub batch_dims: BatchDims,
     pub q_heads: usize,
     pub kv_heads: usize,
     pub q_len: usize,
@@ -343,30 +351,121 @@ impl QueryTile {
     }
 }
 
-fn expect_rank4(cx: &OpCx, arg: &str) -> Result<[usize; 4]> {
-    let shape = cx.input(arg).shape();
-    <[usize; 4]>::try_from(shape).map_err(|_| {
-        cx.err(
-            ErrorCode::Shape,
-            arg,
-            "rank 4 ([batch, heads, seq, head_dim])",
-            format!("shape {}", ShapeDisplay(shape)),
-        )
-    })
+/// Most leading batch dims attention takes in front of `[heads, seq, head_dim]`: SDPA's one,
+/// and room for `torch.func.vmap` (which adds one per level) over it.
+pub(crate) const MAX_BATCH_DIMS: usize = 4;
+
+/// The leading batch dims of attention's tensors: any number up to [`MAX_BATCH_DIMS`], as SDPA's
+/// `[..., H, S, D]`. Kernels number batch rows flat (`b` in `0..count`, row-major over these dims)
+/// and find each tensor's row through its [`BatchStrides`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BatchDims {
+    dims: [usize; MAX_BATCH_DIMS],
+    rank: usize,
 }
 
-/// Checks `mask` (when given): bool or float, of a rank up to 4, each dim `target`'s or 1
-/// (aligned at the right, as torch broadcasts).
-fn check_mask(cx: &OpCx, target: [usize; 4], scale: f64) -> Result<()> {
+impl BatchDims {
+    pub fn of(dims: &[usize]) -> BatchDims {
+        let mut all = [1; MAX_BATCH_DIMS];
+        all[..dims.len()].copy_from_slice(dims);
+        BatchDims { dims: all, rank: dims.len() }
+    }
+
+    pub fn dims(&self) -> &[usize] {
+        &self.dims[..self.rank]
+    }
+
+    /// These dims followed by `core`: the shape of a tensor of the call.
+    pub fn then(&self, core: &[usize]) -> Vec<usize> {
+        [self.dims(), core].concat()
+    }
+
+    /// The multi-index of flat batch row `b`.
+    fn index(&self, mut b: usize) -> [usize; MAX_BATCH_DIMS] {
+        let mut at = [0; MAX_BATCH_DIMS];
+        for k in (0..self.rank).rev() {
+            at[k] = b % self.dims[k];
+            b /= self.dims[k];
+        }
+        at
+    }
+}
+
+/// Where flat batch row `b` of the call's [`BatchDims`] starts in one tensor whose own leading
+/// dims broadcast to them (aligned at the right; a missing or size-1 dim repeats, stride 0).
+/// Dims that one stride walks together are merged at construction, so the common cases (one
+/// batch dim, or several of a contiguous tensor) cost one multiplication a row.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BatchStrides {
+    sizes: [usize; MAX_BATCH_DIMS],
+    strides: [usize; MAX_BATCH_DIMS],
+    rank: usize,
+}
+
+impl BatchStrides {
+    /// `shape` and `strides`: the tensor's leading dims (at most `batch`'s count, each
+    /// `batch`'s at its place or 1).
+    pub fn of(batch: &BatchDims, shape: &[usize], strides: &[usize]) -> BatchStrides {
+        let mut merged = BatchStrides { sizes: [1; MAX_BATCH_DIMS], strides: [0; MAX_BATCH_DIMS], rank: 0 };
+        let pad = batch.rank - shape.len();
+        for (k, &size) in batch.dims().iter().enumerate() {
+            let stride = if k < pad || shape[k - pad] == 1 { 0 } else { strides[k - pad] };
+            if size == 1 {
+                continue; // no row index moves along it
+            }
+            let r = merged.rank;
+            if r > 0 && merged.strides[r - 1] == stride * size {
+                merged.sizes[r - 1] *= size; // the outer dim steps over whole runs of this one
+                merged.strides[r - 1] = stride;
+            } else {
+                merged.sizes[r] = size;
+                merged.strides[r] = stride;
+                merged.rank += 1;
+            }
+        }
+        merged
+    }
+
+    /// Storage offset (from the tensor's own) of flat batch row `b`.
+    #[inline(always)]
+    pub fn offset(&self, mut b: usize) -> usize {
+        match self.rank {
+            0 => 0,
+            1 => b * self.strides[0],
+            rank => {
+                let mut at = 0;
+                for k in (0..rank).rev() {
+                    at += b % self.sizes[k] * self.strides[k];
+                    b /= self.sizes[k];
+                }
+                at
+            }
+        }
+    }
+}
+
+/// The shape of `arg` split as `(batch dims, [heads, seq, head_dim])`.
+fn expect_heads_seq_dim<'c>(cx: &'c OpCx, arg: &str) -> Result<(&'c [usize], [usize; 3])> {
+    let shape = cx.input(arg).shape();
+    let core = shape.len().checked_sub(3).filter(|&lead| lead <= MAX_BATCH_DIMS);
+    let expected = format!("rank 3 to {} ([..., heads, seq, head_dim])", 3 + MAX_BATCH_DIMS);
+    let lead = core.ok_or_else(|| cx.err(ErrorCode::Shape, arg, expected, format!("shape {}", ShapeDisplay(shape))))?;
+    Ok((&shape[..lead], [shape[lead], shape[lead + 1], shape[lead + 2]]))
+}
+
+/// Checks `mask` (when given): bool or float, of a rank up to `target`'s, each dim `target`'s or
+/// 1 (aligned at the right, as torch broadcasts).
+fn check_mask(cx: &OpCx, target: &[usize], scale: f64) -> Result<()> {
     let Some(mask) = cx.optional_input("mask") else { return Ok(()) };
     cx.expect_dtype_in("mask", &[DType::Bool, DType::F32, DType::F16, DType::BF16])?;
     let shape = mask.shape();
-    let fits = shape.len() <= 4 && shape.iter().rev().zip(target.iter().rev()).all(|(&m, &t)| m == t || m == 1);
+    let fits =
+        shape.len() <= target.len() && shape.iter().rev().zip(target.iter().rev()).all(|(&m, &t)| m == t || m == 1);
     if !fits {
         return Err(cx.err(
             ErrorCode::Shape,
             "mask",
-            format!("a shape broadcastable to [B, Hq, Sq, Sk] = {}", ShapeDisplay(&target)),
+            format!("a shape broadcastable to [..., Hq, Sq, Sk] = {}", ShapeDisplay(target)),
             format!("shape {}", ShapeDisplay(shape)),
         ));
     }
@@ -383,11 +482,12 @@ pub(crate) fn geometry(cx: &OpCx) -> Result<Geometry> {
     let dtype = cx.expect_dtype_in("q", DTYPES)?;
     cx.expect_same_dtype("k", dtype, "q")?;
     cx.expect_same_dtype("v", dtype, "q")?;
-    let [batch, q_heads, q_len, head_dim] = expect_rank4(cx, "q")?;
-    let [_, kv_heads, kv_len, _] = expect_rank4(cx, "k")?;
-    cx.expect_shape("k", &[batch, kv_heads, kv_len, head_dim])?;
-    let [.., v_dim] = expect_rank4(cx, "v")?;
-    cx.expect_shape("v", &[batch, kv_heads, kv_len, v_dim])?;
+    let (batch, [q_heads, q_len, head_dim]) = expect_heads_seq_dim(cx, "q")?;
+    let batch_dims = BatchDims::of(batch);
+    let (_, [kv_heads, kv_len, _]) = expect_heads_seq_dim(cx, "k")?;
+    cx.expect_shape("k", &batch_dims.then(&[kv_heads, kv_len, head_dim]))?;
+    let (_, [.., v_dim]) = expect_heads_seq_dim(cx, "v")?;
+    cx.expect_shape("v", &batch_dims.then(&[kv_heads, kv_len, v_dim]))?;
     if kv_heads == 0 || q_heads % kv_heads != 0 {
         return Err(cx.err(
             ErrorCode::Shape,
@@ -398,7 +498,7 @@ pub(crate) fn geometry(cx: &OpCx) -> Result<Geometry> {
     }
     if cx.optional_input("kv_lens").is_some() {
         cx.expect_dtype_in("kv_lens", LEN_DTYPES)?;
-        cx.expect_shape("kv_lens", &[batch])?;
+        cx.expect_shape("kv_lens", batch)?;
     }
     let scale = match cx.attr("scale") {
         AttrValue::None => 1.0 / (head_dim.max(1) as f64).sqrt(),
@@ -407,7 +507,7 @@ pub(crate) fn geometry(cx: &OpCx) -> Result<Geometry> {
     if !scale.is_finite() {
         return Err(cx.err(ErrorCode::ParamInvalid, "scale", "a finite float or None (1/sqrt(head_dim))", scale));
     }
-    check_mask(cx, [batch, q_heads, q_len, kv_len], scale)?;
+    check_mask(cx, &batch_dims.then(&[q_heads, q_len, kv_len]), scale)?;
     let softcap = match cx.attr("softcap") {
         AttrValue::None => None,
         _ => Some(cx.float("softcap")),
@@ -433,7 +533,8 @@ pub(crate) fn geometry(cx: &OpCx) -> Result<Geometry> {
     }
     let causal = matches!(cx.attr("causal"), AttrValue::Bool(true));
     Ok(Geometry {
-        batch,
+        batch: batch.iter().product(),
+        batch_dims,
         q_heads,
         kv_heads,
         q_len,
@@ -480,12 +581,13 @@ pub(crate) fn reference_cap(g: &Geometry, scaled: f64) -> (f64, f64) {
 }
 
 /// The optional `mask` as the kernels read it: element `(b, h, i, j)` of its broadcast to
-/// `[B, Hq, Sq, Sk]` (broadcast dims have stride 0).
+/// `[..., Hq, Sq, Sk]` (`b` a flat batch row; broadcast dims have stride 0).
 #[derive(Clone, Copy)]
 pub(crate) struct MaskRows<'a> {
     data: MaskData<'a>,
     base: usize,
-    strides: [usize; 4],
+    batch: BatchStrides,
+    strides: [usize; 3],
 }
 
 /// A boolean mask's keeps, or a float mask's bias (added to the scaled scores; −∞ hides).
@@ -498,13 +600,16 @@ enum MaskData<'a> {
 }
 
 impl<'a> MaskRows<'a> {
-    pub fn of(mask: Option<TensorRef<'a>>) -> Option<MaskRows<'a>> {
+    /// The mask of a call whose q is `q` (its leading dims are the batch).
+    pub fn of(mask: Option<TensorRef<'a>>, q: &TensorRef<'_>) -> Option<MaskRows<'a>> {
         let mask = mask?;
         let (shape, given) = (mask.shape(), mask.layout().strides());
-        let mut strides = [0; 4];
-        for (k, (&n, &st)) in shape.iter().rev().zip(given.iter().rev()).enumerate() {
-            strides[3 - k] = if n == 1 { 0 } else { st };
+        let lead = shape.len().saturating_sub(3);
+        let mut strides = [0; 3];
+        for (k, (&n, &st)) in shape[lead..].iter().rev().zip(given[lead..].iter().rev()).enumerate() {
+            strides[2 - k] = if n == 1 { 0 } else { st };
         }
+        let batch = BatchDims::of(&q.shape()[..q.shape().len() - 3]);
         let checked = "mask dtype checked";
         let data = match mask.dtype() {
             DType::Bool => MaskData::Keeps(mask.storage::<bool>().expect(checked)),
@@ -512,13 +617,14 @@ impl<'a> MaskRows<'a> {
             DType::F16 => MaskData::F16(mask.storage::<f16>().expect(checked)),
             _ => MaskData::Bf16(mask.storage::<bf16>().expect(checked)),
         };
-        Some(MaskRows { data, base: mask.layout().offset(), strides })
+        let batch = BatchStrides::of(&batch, &shape[..lead], &given[..lead]);
+        Some(MaskRows { data, base: mask.layout().offset(), batch, strides })
     }
 
     /// Where row `(b, h, i)` starts in the data, and its key stride.
     fn row(&self, (b, h, i): (usize, usize, usize)) -> (usize, usize) {
-        let [sb, sh, si, sj] = self.strides;
-        (self.base + b * sb + h * sh + i * si, sj)
+        let [sh, si, sj] = self.strides;
+        (self.base + self.batch.offset(b) + h * sh + i * si, sj)
     }
 
     /// The first of keys `j0..j0 + n` that query `(b, h, i)` may see, of those `kv_lens` (`len`,
@@ -647,39 +753,47 @@ pub(crate) fn hidden_score(scale: f32) -> f32 {
 /// (hide, 0); 0 when there is no mask.
 pub(crate) fn reference_bias(g: &Geometry, mask: Option<&RefTensor>, at: [usize; 4]) -> f64 {
     let Some(mask) = mask else { return 0.0 };
-    match (g.mask, mask.data[reference_mask_index(&mask.shape, at)]) {
+    match (g.mask, mask.data[reference_mask_index(g, &mask.shape, at)]) {
         (Some(DType::Bool), 0.0) => f64::NEG_INFINITY,
         (Some(DType::Bool), _) => 0.0,
         (_, bias) => bias,
     }
 }
 
-/// Where element `(b, h, i, j)` of the mask's broadcast to `[B, Hq, Sq, Sk]` lies in the dense
-/// data of a mask of `shape` (rank 4 or less; size-1 dims broadcast).
-pub(crate) fn reference_mask_index(shape: &[usize], at: [usize; 4]) -> usize {
-    shape.iter().zip(&at[4 - shape.len()..]).fold(0, |acc, (&n, &x)| acc * n + if n == 1 { 0 } else { x })
+/// Where element `(b, h, i, j)` (`b` a flat batch row) of the mask's broadcast to
+/// `[..., Hq, Sq, Sk]` lies in the dense data of a mask of `shape` (size-1 dims broadcast).
+pub(crate) fn reference_mask_index(g: &Geometry, shape: &[usize], [b, h, i, j]: [usize; 4]) -> usize {
+    let rank = g.batch_dims.rank;
+    let mut full = [0; MAX_BATCH_DIMS + 3];
+    full[..rank].copy_from_slice(&g.batch_dims.index(b)[..rank]);
+    full[rank..rank + 3].copy_from_slice(&[h, i, j]);
+    let at = &full[rank + 3 - shape.len()..rank + 3];
+    shape.iter().zip(at).fold(0, |acc, (&n, &x)| acc * n + if n == 1 { 0 } else { x })
 }
 
-/// Row addressing of a `[B, H, S, D]` view with a dense last dim.
+/// Row addressing of a `[..., H, S, D]` view with a dense last dim (flat batch rows).
 #[derive(Clone, Copy)]
 pub(crate) struct Rows4 {
     base: usize,
-    strides: [usize; 3],
+    batch: BatchStrides,
+    strides: [usize; 2],
 }
 
 impl Rows4 {
     pub fn of(t: &uniop::Layout) -> Rows4 {
-        let s = t.strides();
-        Rows4 { base: t.offset(), strides: [s[0], s[1], s[2]] }
+        let (shape, s) = (t.shape(), t.strides());
+        let lead = shape.len() - 3;
+        let batch = BatchStrides::of(&BatchDims::of(&shape[..lead]), &shape[..lead], &s[..lead]);
+        Rows4 { base: t.offset(), batch, strides: [s[lead], s[lead + 1]] }
     }
     /// Storage offset of row `(b, h, i)`.
     #[inline(always)]
     pub fn at(&self, b: usize, h: usize, i: usize) -> usize {
-        self.base + b * self.strides[0] + h * self.strides[1] + i * self.strides[2]
+        self.base + self.batch.offset(b) + h * self.strides[0] + i * self.strides[1]
     }
     /// Distance between consecutive positions of one head.
     pub fn seq_stride(&self) -> usize {
-        self.strides[2]
+        self.strides[1]
     }
 }
 
@@ -1099,7 +1213,7 @@ impl<'a> ForwardArgs<'a> {
     pub fn of(args: &'a KernelArgs) -> ForwardArgs<'a> {
         let (q, k, v, out) = (args.input(0), args.input(1), args.input(2), args.output(0));
         let rows = [q.layout(), k.layout(), v.layout(), out.layout()].map(Rows4::of);
-        let (lens, mask) = (args.optional_input(3), MaskRows::of(args.optional_input(4)));
+        let (lens, mask) = (args.optional_input(3), MaskRows::of(args.optional_input(4), &q));
         let sinks = args.optional_input(5).map(|s| s.to_f64_vec().into_iter().map(|x| x as f32).collect());
         ForwardArgs { q, k, v, lens, mask, sinks, out, lse: args.output(1), rows }
     }
@@ -1441,7 +1555,8 @@ impl Op for Attention {
 
     fn doc(&self) -> &'static str {
         "Scaled dot-product attention, flash-style (O(tile) memory, never the Sq x Sk scores). q [B, Hq, Sq, D], \
-         k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, dense last dim); Hkv divides Hq (GQA). kv_lens (int [B]) \
+         k [B, Hkv, Sk, D], v [B, Hkv, Sk, Dv] (any strides, dense last dim), B any number of leading batch dims \
+         (up to 4, as SDPA's [..., H, S, D]); Hkv divides Hq (GQA). kv_lens (int [B]) \
          limits each batch row to its first keys (KV-cache decode). causal aligns bottom-right: query i sees key j \
          iff j <= i + len - Sq (torch is_causal when Sq == Sk). scale defaults to 1/sqrt(D). mask (broadcastable \
          to [B, Hq, Sq, Sk], as SDPA's attn_mask: bool, true = attend; or float32/float16/bfloat16, added to \
@@ -1467,11 +1582,15 @@ impl Op for Attention {
         uniop::Autocast::LowerPrecision
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["q", "k", "v", "kv_lens"]
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let g = geometry(cx)?;
         Ok(vec![
-            TensorMeta::contiguous(g.dtype, &[g.batch, g.q_heads, g.q_len, g.v_dim])?,
-            TensorMeta::contiguous(DType::F32, &[g.batch, g.q_heads, g.q_len])?,
+            TensorMeta::contiguous(g.dtype, &g.batch_dims.then(&[g.q_heads, g.q_len, g.v_dim]))?,
+            TensorMeta::contiguous(DType::F32, &g.batch_dims.then(&[g.q_heads, g.q_len]))?,
         ])
     }
 
@@ -1530,8 +1649,8 @@ impl Op for Attention {
             }
         }
         Ok(vec![
-            RefTensor::new(&[g.batch, g.q_heads, g.q_len, dv], out),
-            RefTensor::new(&[g.batch, g.q_heads, g.q_len], lse),
+            RefTensor::new(&g.batch_dims.then(&[g.q_heads, g.q_len, dv]), out),
+            RefTensor::new(&g.batch_dims.then(&[g.q_heads, g.q_len]), lse),
         ])
     }
 

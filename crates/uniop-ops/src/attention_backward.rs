@@ -80,13 +80,13 @@ fn mask_grad<'c>(cx: &'c OpCx) -> Result<Option<&'c TensorMeta>> {
 
 fn checked_geometry(cx: &OpCx) -> Result<Geometry> {
     let g = geometry(cx)?;
-    let out_shape = [g.batch, g.q_heads, g.q_len, g.v_dim];
+    let out_shape = g.batch_dims.then(&[g.q_heads, g.q_len, g.v_dim]);
     cx.expect_same_dtype("out", g.dtype, "q")?;
     cx.expect_shape("out", &out_shape)?;
     cx.expect_same_dtype("dout", g.dtype, "q")?;
     cx.expect_shape("dout", &out_shape)?;
     cx.expect_dtype_in("lse", &[DType::F32])?;
-    cx.expect_shape("lse", &[g.batch, g.q_heads, g.q_len])?;
+    cx.expect_shape("lse", &g.batch_dims.then(&[g.q_heads, g.q_len]))?;
     Ok(g)
 }
 
@@ -148,7 +148,7 @@ pub(crate) struct BackwardArgs<'a> {
     pub v: TensorRef<'a>,
     pub lens: Option<TensorRef<'a>>,
     pub mask: Option<MaskRows<'a>>,
-    /// The contiguous `[B, Hq, Sq]` lse from its first element.
+    /// The contiguous `[..., Hq, Sq]` lse from its first element.
     pub lse: &'a [f32],
     pub dq: OutputView<'a>,
     pub dk: OutputView<'a>,
@@ -176,7 +176,7 @@ impl<'a> BackwardArgs<'a> {
             dv_rows: Rows4::of(dv.layout()),
             lse: &lse.storage::<f32>().expect("lse is f32")[lse.layout().offset()..],
             lens: args.optional_input(KV_LENS),
-            mask: MaskRows::of(args.optional_input(MASK)),
+            mask: MaskRows::of(args.optional_input(MASK), &q),
             dout,
             q,
             k,
@@ -1071,6 +1071,10 @@ impl Op for AttentionBackward {
         DTYPES
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["dout", "q", "k", "v", "out", "lse", "kv_lens"]
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let g = checked_geometry(cx)?;
         let mut metas: Vec<TensorMeta> = ["q", "k", "v"]
@@ -1120,7 +1124,7 @@ impl Op for AttentionBackward {
             Some(s) => s.partial_dk,
             None => scratch_end,
         };
-        let dmask = mask_grad(cx)?.map(|mask| MaskGrad::of(mask.shape()));
+        let dmask = mask_grad(cx)?.map(|mask| MaskGrad::of(&g, mask.shape()));
         let workspace =
             dmask.map_or(workspace, |m| workspace.max(rows + blocks(m.units()) as usize * MaskGrad::scratch(&g)));
         let steps = with_float_dtype!(g.dtype, cx.op(), "q", |T| {
@@ -1216,7 +1220,7 @@ impl Op for AttentionBackward {
                         let dp: f64 = doi.iter().zip(vj).map(|(a, b)| a * b).sum();
                         let ds = p * (dp - delta);
                         if wants_dmask {
-                            dmask.data[reference_mask_index(&dmask.shape, [b, h, i, j])] += ds;
+                            dmask.data[reference_mask_index(&g, &dmask.shape, [b, h, i, j])] += ds;
                         }
                         let ds = ds * slope;
                         for c in 0..d {

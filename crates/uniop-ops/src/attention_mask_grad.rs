@@ -16,7 +16,9 @@
 //! on the bf16 GEMM for bf16 where the CPU has it, else on operands widened to f32: an extra 40%
 //! of the backward's products, paid only when asked.
 
-use crate::attention::{bf16_scores, bf16_tile, carve, f32_rows, load_scaled, row_len, scores, Geometry, TILE_KEYS};
+use crate::attention::{
+    bf16_scores, bf16_tile, carve, f32_rows, load_scaled, row_len, scores, BatchStrides, Geometry, TILE_KEYS,
+};
 use crate::attention_backward::{
     bf16_of, cap_for_grads, narrow_into, on_bf16_gemm, probs_and_dscores_row, row_index, score_scale, BackwardArgs,
 };
@@ -25,31 +27,41 @@ use uniop::{BlockCtx, FloatElement, KernelArgs};
 /// Query rows a unit owns (when the mask has its own rows) and multiplies at a time.
 const MASK_GRAD_ROWS: usize = 64;
 
-/// The mask's shape as the kernel walks it: `[B, Hq, Sq, Sk]`, 1 where the mask is broadcast.
+/// The mask's shape as the kernel walks it: its batch rows (the product of its leading dims),
+/// then `[Hq, Sq, Sk]`, 1 where the mask is broadcast.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct MaskGrad {
-    dims: [usize; 4],
+    /// The mask's batch row of each of the call's flat batch rows (its own leading dims, dense).
+    batch_row: BatchStrides,
+    batch_rows: usize,
+    dims: [usize; 3],
 }
 
 impl MaskGrad {
-    /// The gradient's layout for a mask of `shape` (broadcastable to `[B, Hq, Sq, Sk]`, checked).
-    pub fn of(shape: &[usize]) -> MaskGrad {
-        let mut dims = [1; 4];
-        dims[4 - shape.len()..].copy_from_slice(shape);
-        MaskGrad { dims }
+    /// The gradient's layout for a mask of `shape` (broadcastable to `[..., Hq, Sq, Sk]`, checked).
+    pub fn of(g: &Geometry, shape: &[usize]) -> MaskGrad {
+        let lead = shape.len().saturating_sub(3);
+        let mut dims = [1; 3];
+        dims[3 - (shape.len() - lead)..].copy_from_slice(&shape[lead..]);
+        let batch = &shape[..lead];
+        let mut dense = vec![1; lead];
+        for k in (0..lead.saturating_sub(1)).rev() {
+            dense[k] = dense[k + 1] * batch[k + 1];
+        }
+        MaskGrad { batch_row: BatchStrides::of(&g.batch_dims, batch, &dense), batch_rows: batch.iter().product(), dims }
     }
 
     fn query_tiles(&self) -> usize {
-        self.dims[2].div_ceil(MASK_GRAD_ROWS)
+        self.dims[1].div_ceil(MASK_GRAD_ROWS)
     }
 
     fn key_tiles(&self) -> usize {
-        self.dims[3].div_ceil(TILE_KEYS)
+        self.dims[2].div_ceil(TILE_KEYS)
     }
 
     /// Units of work: tiles of the mask's elements.
     pub fn units(&self) -> usize {
-        self.dims[0] * self.dims[1] * self.query_tiles() * self.key_tiles()
+        self.batch_rows * self.dims[0] * self.query_tiles() * self.key_tiles()
     }
 
     /// Per-block f32 scratch: Q and dout rows, K and V rows widened, S, dP and the sums.
@@ -92,7 +104,7 @@ pub(crate) fn mask_grad_kernel<T: FloatElement>(
     let delta = unsafe { &*(args.workspace::<f32>(0, n_rows) as *const [f32]) };
     let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
     let [qt, dot, kt, vt, st, dpt, sums] = carve(ws, MaskGrad::tiles(&g));
-    let [mb, mh, mq, mk] = m.dims;
+    let [mh, mq, mk] = m.dims;
     let bf16_gemm = on_bf16_gemm(&g);
     let scale = score_scale(&g, bf16_gemm);
     let (qs, dos) = (a.q.storage::<T>().expect("dtype dispatched"), a.dout.storage::<T>().expect("dtype dispatched"));
@@ -101,7 +113,7 @@ pub(crate) fn mask_grad_kernel<T: FloatElement>(
         let (i0, j0) = (tile / m.key_tiles() * MASK_GRAD_ROWS, tile % m.key_tiles() * TILE_KEYS);
         let (own_rows, own_keys) = (MASK_GRAD_ROWS.min(mq - i0), TILE_KEYS.min(mk - j0));
         sums[..own_rows * TILE_KEYS].fill(0.0);
-        for b in MaskGrad::gathered(mb, g.batch, bh / mh, 1) {
+        for b in (0..g.batch).filter(|&b| m.batch_row.offset(b) == bh / mh) {
             let len = row_len(a.lens.as_ref(), b, g.kv_len, "attention_backward");
             for h in MaskGrad::gathered(mh, g.q_heads, bh % mh, 1) {
                 let hkv = h / g.group();

@@ -513,13 +513,113 @@ fn typed_backward_after_forward(
             Some(k.view()),
             Some(v.view()),
             Some(out.view()),
-            view(&lse, &q_shape[..3]),
+            view(&lse, &q_shape[..q_shape.len() - 1]),
             lens,
             mask,
             sinks,
         ],
         &attrs,
     )
+}
+
+/// Element run `at` of `n`-element runs of `x`, as a tensor of `shape`.
+fn part<'a>(x: &'a [f32], at: usize, n: usize, shape: &[usize]) -> TensorRef<'a> {
+    TensorRef::new(&x[at * n..(at + 1) * n], shape).unwrap()
+}
+
+/// SDPA's leading batch dims, any number: q `[2, 3, 4, 40, 16]` (batch dims `[2, 3]`, GQA 4:2), k
+/// expanded along the second batch dim (stride 0: read in place, its two batch dims not one
+/// stride), kv_lens of the batch dims' shape, sinks, and a float mask `[2, 1, 4, 40, 50]` broadcast
+/// along the second batch dim. Forward and backward against the f64 reference, and against
+/// rank-3 calls (no batch dim) on each batch row's slices of the same data: the row's outputs and
+/// gradients, k's gradient per row of the expanded view, the mask's summed over the batch dim it is
+/// broadcast along and the sinks' over every row. Then masks broadcast along the first batch dim
+/// (`[3, 1, 1, 50]`) and along both (`[40, 50]`), and no mask (the AVX2 backward tiles' route),
+/// against the reference; and the forward in bf16.
+#[test]
+fn leading_batch_dims_are_rows_of_one_flat_batch() {
+    setup();
+    let (q_shape, kv_shape, mask_shape) = ([2, 3, 4, 40, 16], [2, 3, 2, 50, 16], [2, 1, 4, 40, 50]);
+    let (q_row, kv_row, mask_row) = (4 * 40 * 16, 2 * 50 * 16, 4 * 40 * 50);
+    let q = rand_vec(6 * q_row, 501);
+    let k = rand_vec(2 * kv_row, 502); // [2, 1, 2, 50, 16], expanded to kv_shape
+    let v = rand_vec(6 * kv_row, 503);
+    let dout = rand_vec(6 * q_row, 504);
+    let mask: Vec<f32> = rand_vec(2 * mask_row, 505).iter().map(|x| 2.0 * x).collect();
+    let sinks = rand_vec(4, 506);
+    let lens = [50i64, 31, 7, 44, 50, 19];
+    let k_strides = [kv_row, 0, 50 * 16, 16, 1];
+    let k_view = || TensorRef::strided(&k, &kv_shape, &k_strides, 0).unwrap();
+    let call = |[q, k, v, dout]: [TensorRef; 4], lens: TensorRef, mask: Option<TensorRef>| {
+        let attrs = [("causal", AttrValue::Bool(true)), ("needs_dmask", AttrValue::Bool(mask.is_some()))];
+        let fwd = run_checked(
+            "attention",
+            &[Some(q.clone()), Some(k.clone()), Some(v.clone()), Some(lens.clone()), mask.clone(), view(&sinks, &[4])],
+            &attrs[..1],
+        );
+        let (out, lse): (Vec<f32>, Vec<f32>) =
+            (fwd[0].iter().map(|&x| x as f32).collect(), fwd[1].iter().map(|&x| x as f32).collect());
+        let rows = &q.shape()[..q.shape().len() - 1];
+        let grads = run_checked(
+            "attention_backward",
+            &[
+                Some(dout),
+                Some(q.clone()),
+                Some(k),
+                Some(v),
+                view(&out, q.shape()),
+                view(&lse, rows),
+                Some(lens),
+                mask,
+                view(&sinks, &[4]),
+            ],
+            &attrs,
+        );
+        [fwd, grads].concat()
+    };
+    let whole = call(
+        [view(&q, &q_shape).unwrap(), k_view(), view(&v, &kv_shape).unwrap(), view(&dout, &q_shape).unwrap()],
+        TensorRef::new(&lens, &[2, 3]).unwrap(),
+        view(&mask, &mask_shape),
+    );
+    let (mut dmask, mut dsinks) = (vec![0.0; mask.len()], vec![0.0; 4]);
+    for row in 0..6 {
+        let a = row / 3;
+        let got = call(
+            [
+                part(&q, row, q_row, &q_shape[2..]),
+                part(&k, a, kv_row, &kv_shape[2..]),
+                part(&v, row, kv_row, &kv_shape[2..]),
+                part(&dout, row, q_row, &q_shape[2..]),
+            ],
+            TensorRef::new(&lens[row..row + 1], &[]).unwrap(),
+            Some(part(&mask, a, mask_row, &mask_shape[2..])),
+        );
+        let [out, lse, dq, dk, dv, row_dmask, row_dsinks] = &got[..] else { panic!("7 results") };
+        let rows = |x: &[f64], n: usize| x[row * n..(row + 1) * n].to_vec();
+        assert_near(&rows(&whole[0], 4 * 40 * 16), out, 1e-5, "out");
+        assert_near(&rows(&whole[1], 4 * 40), lse, 1e-5, "lse");
+        assert_near(&rows(&whole[2], q_row), dq, 1e-5, "dq");
+        assert_near(&rows(&whole[3], kv_row), dk, 1e-5, "dk (a row of k's expanded view)");
+        assert_near(&rows(&whole[4], kv_row), dv, 1e-5, "dv");
+        dmask[a * mask_row..(a + 1) * mask_row].iter_mut().zip(row_dmask).for_each(|(s, x)| *s += x);
+        dsinks.iter_mut().zip(row_dsinks).for_each(|(s, x)| *s += x);
+    }
+    assert_near(&whole[5], &dmask, 1e-5, "dmask, summed over the batch dim it is broadcast along");
+    assert_near(&whole[6], &dsinks, 1e-5, "dsinks, summed over every batch row");
+
+    let (first, both) = (rand_vec(150, 507), rand_vec(2000, 508));
+    for mask in [view(&first, &[3, 1, 1, 50]), view(&both, &[40, 50]), None] {
+        call(
+            [view(&q, &q_shape).unwrap(), k_view(), view(&v, &kv_shape).unwrap(), view(&dout, &q_shape).unwrap()],
+            TensorRef::new(&lens, &[2, 3]).unwrap(),
+            mask,
+        );
+    }
+    let k_bf16: Vec<_> = k.iter().map(|&x| uniop::half::bf16::from_f32(x)).collect();
+    let (qb, vb) = (bf16(&q, &q_shape), bf16(&v, &kv_shape));
+    let kb = TensorRef::strided(&k_bf16, &kv_shape, &k_strides, 0).unwrap();
+    run_checked("attention", &[Some(qb.view()), Some(kb), Some(vb.view()), None], &causal(true));
 }
 
 /// `softcap` caps the scaled scores to `cap · tanh(score / cap)` before the mask adds (Gemma 2):
@@ -782,9 +882,20 @@ fn attention_rejects_bad_inputs() {
             "attention: argument 'k': expected shape [1, 3, 2, 4], got shape [1, 3, 2, 8]",
         ),
         (
-            plan_err("attention", &[t(&[3, 2, 4]), q(), q(), None], &[], vec![]),
+            plan_err("attention", &[t(&[2, 4]), q(), q(), None], &[], vec![]),
             ErrorCode::Shape,
-            "attention: argument 'q': expected rank 4 ([batch, heads, seq, head_dim]), got shape [3, 2, 4]",
+            "attention: argument 'q': expected rank 3 to 7 ([..., heads, seq, head_dim]), got shape [2, 4]",
+        ),
+        (
+            plan_err("attention", &[t(&[1, 1, 1, 1, 1, 3, 2, 4]), q(), q(), None], &[], vec![]),
+            ErrorCode::Shape,
+            "attention: argument 'q': expected rank 3 to 7 ([..., heads, seq, head_dim]), got shape [1, 1, 1, 1, 1, 3, \
+             2, 4]",
+        ),
+        (
+            plan_err("attention", &[t(&[2, 1, 3, 2, 4]), t(&[1, 2, 3, 2, 4]), t(&[1, 2, 3, 2, 4]), None], &[], vec![]),
+            ErrorCode::Shape,
+            "attention: argument 'k': expected shape [2, 1, 3, 2, 4], got shape [1, 2, 3, 2, 4]",
         ),
         (
             plan_err("attention", &[q(), q(), q(), t(&[2])], &[], vec![]),
@@ -804,7 +915,8 @@ fn attention_rejects_bad_inputs() {
         (
             plan_err("attention", &[q(), q(), q(), None, Some(TensorRef::new(&keep, &[1, 2, 2, 2]).unwrap())], &[], vec![]),
             ErrorCode::Shape,
-            "attention: argument 'mask': expected a shape broadcastable to [B, Hq, Sq, Sk] = [1, 3, 2, 2], got shape [1, 2, 2, 2]",
+            "attention: argument 'mask': expected a shape broadcastable to [..., Hq, Sq, Sk] = [1, 3, 2, 2], got shape [1, 2, 2, \
+             2]",
         ),
         (
             plan_err("attention", &[q(), q(), q(), None, Some(TensorRef::new(&keep[..4], &[2, 2]).unwrap())], &[("scale", 0.0.into())], vec![]),

@@ -55,7 +55,10 @@ pub trait Op: Send + Sync + 'static {
     /// fall back to one call per sample when another tensor argument carries the batch. An op
     /// that sums over those rows (a parameter's gradient) batches only with an `int batch_dims=0`
     /// argument: the leading dims of the rows kept apart in the sums (one per sample), which a
-    /// batch raises by one. Empty where no such set exists: elementwise ops (see
+    /// batch raises by one. Without one, such a sum is the return `d<arg>` of a tensor argument
+    /// outside the set, and frontends fall back to one call per sample wherever it is asked for
+    /// (`<arg>` given, `needs_d<arg>` not false): attention_backward's `dsinks`. Empty where no
+    /// such set exists: elementwise ops (see
     /// [`Op::elementwise`]), a reduction with no per-sample form (a mean loss), seeded sampling,
     /// ops on fixed-rank layouts.
     fn leading_batch_args(&self) -> &'static [&'static str] {

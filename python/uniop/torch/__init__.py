@@ -507,13 +507,24 @@ def _leading_batch_vmap_rule(native):
     the new dim and ``batch_dims`` (the leading dims whose sums, a parameter's gradient or a mean
     loss, stay apart: one per sample) raised by one; every return carries the batch in front but the
     empty placeholder of a gradient not asked for (``needs_dx`` false). Where another tensor argument
-    carries the batch (a batched weight), the op runs once per sample, as torch's fallback would."""
+    carries the batch (a batched weight), or the op, taking no ``batch_dims``, returns the gradient of
+    a shared tensor argument (attention_backward's ``dsinks``: one sum over every row of the batch),
+    given and asked for, the op runs once per sample, as torch's fallback would."""
     names, row_names = [a["name"] for a in native.args], set(native.leading_batch_args)
     rows = {names.index(n) for n in row_names}
     defaults = {a["name"]: a.get("default") for a in native.args}
     returns = len(native.returns)
     declined = _declined_returns(native)
     op = getattr(torch.ops.uniop, native.name).default
+    # (return position, argument position) of each gradient summed over the whole batch.
+    shared_sums = [] if "batch_dims" in names else [
+        (k, names.index(r[1:])) for k, r in enumerate(native.returns)
+        if r.startswith("d") and r[1:] in names and r[1:] not in row_names
+    ]
+
+    def sums_a_shared_argument(args, kwargs):
+        left_out = declined(args, kwargs)
+        return any(k not in left_out for k, _ in shared_sums)
 
     def adjust(call, kwargs, name, change):
         """``change`` applied to attribute ``name``, passed positionally, by keyword or left at its default."""
@@ -527,7 +538,9 @@ def _leading_batch_vmap_rule(native):
 
     def rule(info, in_dims, *args, **kwargs):
         size = info.batch_size
-        if any(d is not None for i, d in enumerate(in_dims) if i not in rows):
+        if any(d is not None for i, d in enumerate(in_dims) if i not in rows) or (
+            shared_sums and sums_a_shared_argument(args, kwargs)
+        ):
             return _per_sample(op, size, in_dims, args, kwargs, returns)
         call = list(args)
         for i in rows:
@@ -547,14 +560,22 @@ def _leading_batch_vmap_rule(native):
 
 def _declined_returns(native):
     """For a vmap rule: a function of a call's arguments giving the positions of the returns it
-    declined — a gradient whose ``needs_d<arg>`` flag (``bool``, passed or defaulted) is false, which
-    the op returns as an empty placeholder with no batch dim."""
+    declined — a gradient whose ``needs_d<arg>`` flag (``bool``, passed or defaulted) is false, or
+    whose optional tensor argument was not given, which the op returns as an empty placeholder
+    with no batch dim."""
     names = [a["name"] for a in native.args]
     flags = [(k, names.index(f"needs_{r}")) for k, r in enumerate(native.returns) if f"needs_{r}" in names]
     defaults = {at: native.args[at].get("default") for _, at in flags}
+    optional = [(k, names.index(r[1:])) for k, r in enumerate(native.returns) if r.startswith("d") and r[1:] in names
+                and native.args[names.index(r[1:])]["tensor"] and native.args[names.index(r[1:])]["optional"]]
+
+    def value(args, kwargs, at, default=None):
+        return args[at] if at < len(args) else kwargs.get(names[at], default)
 
     def declined(args, kwargs):
-        return {k for k, at in flags if not (args[at] if at < len(args) else kwargs.get(names[at], defaults[at]))}
+        return {k for k, at in flags if not value(args, kwargs, at, defaults[at])} | {
+            k for k, at in optional if not isinstance(value(args, kwargs, at), torch.Tensor)
+        }
 
     return declined
 
