@@ -39,7 +39,16 @@ fn list_and_describe_come_from_the_registry() {
             "batching: blocks over broadcast batch dims of a (core rank 2), b (core rank 2): one call over a leading \
              batch dim",
         ),
-        ("attention", "batching: one call per sample"),
+        (
+            "attention",
+            "batching: row by row along the leading dims of q, k, v, kv_lens: one call over a leading batch dim\n",
+        ),
+        (
+            "attention_backward",
+            "batching: row by row along the leading dims of dout, q, k, v, out, lse, kv_lens: one call over a leading \
+             batch dim, one per sample where dmask or dsinks is asked for",
+        ),
+        ("cat", "batching: one call per sample"),
     ] {
         let text = stdout(&uniop(&["describe", op]));
         assert!(text.contains(batching), "{text}");
