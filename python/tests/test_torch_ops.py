@@ -244,8 +244,9 @@ def _check_vmap_matches_per_sample(op, args, batched):
     their last dim; the others shared), torch's per-sample fallback disabled, against the per-sample
     calls' returns stacked."""
     samples = [[_another_sample(a) if i in batched else a for i, a in enumerate(args)] for _ in range(3)]
-    stacked = [torch.stack([s[i] for s in samples], dim=-1) if i in batched else a for i, a in enumerate(args)]
-    in_dims = tuple(-1 if i in batched else None for i in range(len(args)))
+    stacked = [_stack_last([s[i] for s in samples]) if i in batched else a for i, a in enumerate(args)]
+    in_dims = tuple((-1 if not isinstance(a, list) else [-1] * len(a)) if i in batched else None
+                    for i, a in enumerate(args))
     with _no_vmap_fallback():
         got = torch.func.vmap(op, in_dims=in_dims)(*stacked)
     per_sample = [_tuple(op(*s)) for s in samples]
@@ -253,9 +254,18 @@ def _check_vmap_matches_per_sample(op, args, batched):
     torch.testing.assert_close(list(_tuple(got)), want, rtol=1e-6, atol=1e-6, msg=f"batched {batched}")
 
 
+def _stack_last(samples):
+    """Samples of a tensor, or of a list of them (item by item), stacked along a new last dim."""
+    if isinstance(samples[0], list):
+        return [torch.stack(items, dim=-1) for items in zip(*samples)]
+    return torch.stack(samples, dim=-1)
+
+
 def _another_sample(a):
     """A tensor like ``a`` with other values: normal floats, or ``a``'s own integers shuffled (indices
-    stay in range)."""
+    stay in range); a list's items each."""
+    if isinstance(a, list):
+        return [_another_sample(t) for t in a]
     if a.is_floating_point():
         return torch.randn_like(a)
     return a.flatten()[torch.randperm(a.numel())].view_as(a)
@@ -266,13 +276,15 @@ def test_row_ops_vmap_in_one_call(name):
     """torch.func.vmap of an op working row by row (``leading_batch_args``) runs its batching rule,
     torch's per-sample fallback disabled, and gives the per-sample calls' results: with every such
     argument batched along its last dim, and with the first batched and the others shared; and
-    with a shared argument (a weight) batched too, which the rule runs sample by sample."""
-    assert {"softmax", "rms_norm", "linear", "embedding", "argmax", "swiglu_backward"} <= set(LEADING_BATCH)
+    with a shared argument (a weight) batched too, which the rule runs sample by sample. A list
+    argument (cat's tensors) is batched item by item."""
+    assert {"softmax", "rms_norm", "linear", "embedding", "argmax", "swiglu_backward", "attention", "cat",
+            "cat_backward"} <= set(LEADING_BATCH)
     torch.manual_seed(0)
     args, _ = CASES[name](torch.float32, False)
     op = getattr(torch.ops.uniop, name)
     names, row_args = [a["name"] for a in uniop.op(name).args], uniop.op(name).leading_batch_args
-    rows = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and names[i] in row_args]
+    rows = [i for i, a in enumerate(args) if isinstance(a, (torch.Tensor, list)) and names[i] in row_args]
     shared = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in rows]
     for batched in (rows, rows[:1], rows[:1] + shared[:1]):
         _check_vmap_matches_per_sample(op, args, batched)
@@ -311,6 +323,26 @@ def test_matmul_vmap_broadcasts_batch_dims_and_refuses_what_a_sample_call_does()
     torch.testing.assert_close(grads, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(uniop.UniopError, match=r"matmul: argument 'a'"):
         torch.func.vmap(torch.ops.uniop.matmul, in_dims=(0, None))(torch.randn(4, 6), b)
+
+
+def test_per_sample_gradients_through_cat_in_one_call():
+    """vmap(grad) through cat (a learned prefix, shared, joined in front of each sample's tokens: prefix
+    tuning) runs cat and cat_backward once each on the whole batch (torch's fallback disabled; the
+    profiler counts their launches), the list's items batched one by one and the prefix's gradient
+    one per sample, matching torch.cat vmapped the same way."""
+    torch.manual_seed(0)
+    x, params = torch.randn(5, 6, 8), [torch.randn(3, 8), torch.randn(4, 8)]
+
+    def loss(join, p, xb):
+        return torch.nn.functional.linear(join([p[0], xb], -2), p[1]).square().mean()
+
+    per_sample = lambda join: torch.func.vmap(torch.func.grad(lambda p, xb: loss(join, p, xb)), (None, 0))  # noqa: E731
+    with _no_vmap_fallback(), uniop.Profiler() as prof:
+        got = per_sample(torch.ops.uniop.cat)(params, x)
+    assert collections.Counter(e["step"] for e in prof.events()) == {"cat": 1, "cat_backward": 1}
+    want = per_sample(torch.cat)(params, x)
+    assert got[0].shape == (5, 3, 8)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_per_sample_gradients_through_attention_in_one_call():

@@ -48,7 +48,8 @@ fn list_and_describe_come_from_the_registry() {
             "batching: row by row along the leading dims of dout, q, k, v, out, lse, kv_lens: one call over a leading \
              batch dim, one per sample where dmask or dsinks is asked for",
         ),
-        ("cat", "batching: one call per sample"),
+        ("cat", "batching: row by row along the leading dims of tensors: one call over a leading batch dim\n"),
+        ("permute", "batching: one call per sample"),
     ] {
         let text = stdout(&uniop(&["describe", op]));
         assert!(text.contains(batching), "{text}");

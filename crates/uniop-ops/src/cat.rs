@@ -114,6 +114,10 @@ impl Op for Cat {
         Some("cat_backward")
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["tensors"]
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         Ok(vec![join(cx)?.out])
     }

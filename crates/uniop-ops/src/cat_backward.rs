@@ -57,6 +57,10 @@ impl Op for CatBackward {
         DTYPES
     }
 
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["dout", "tensors"]
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         Ok(split(cx)?.1)
     }

@@ -48,19 +48,19 @@ pub trait Op: Send + Sync + 'static {
         false
     }
     /// The tensor arguments along whose leading dims the op works row by row, so that a batch of
-    /// calls is one call on those arguments given a new leading batch dim (the other tensor
-    /// arguments shared, unbatched): each return then gains the leading dim, holding the
-    /// per-sample returns; an `int dim` argument names an axis of those arguments, so a
-    /// non-negative one counts one more. Frontends batch such calls this way (torch.func.vmap) and
-    /// fall back to one call per sample when another tensor argument carries the batch. An op
-    /// that sums over those rows (a parameter's gradient) batches only with an `int batch_dims=0`
-    /// argument: the leading dims of the rows kept apart in the sums (one per sample), which a
-    /// batch raises by one. Without one, such a sum is the return `d<arg>` of a tensor argument
-    /// outside the set, and frontends fall back to one call per sample wherever it is asked for
-    /// (`<arg>` given, `needs_d<arg>` not false): attention_backward's `dsinks`. Empty where no
-    /// such set exists: elementwise ops (see
+    /// calls is one call on those arguments given a new leading batch dim (a list argument's
+    /// items each; the other tensor arguments shared, unbatched): each return (a list's items)
+    /// then gains the leading dim, holding the per-sample returns; an `int dim` argument names an
+    /// axis of those arguments, so a non-negative one counts one more. Frontends batch such calls
+    /// this way (torch.func.vmap) and fall back to one call per sample when another tensor
+    /// argument carries the batch. An op that sums over those rows (a parameter's gradient)
+    /// batches only with an `int batch_dims=0` argument: the leading dims of the rows kept apart
+    /// in the sums (one per sample), which a batch raises by one. Without one, such a sum is the
+    /// return `d<arg>` of a tensor argument outside the set, and frontends fall back to one call
+    /// per sample wherever it is asked for (`<arg>` given, `needs_d<arg>` not false):
+    /// attention_backward's `dsinks`. Empty where no such set exists: elementwise ops (see
     /// [`Op::elementwise`]), a reduction with no per-sample form (a mean loss), seeded sampling,
-    /// ops on fixed-rank layouts.
+    /// ops on fixed-rank layouts, ops whose `int dim` is not an axis (rope_cos_sin's rotary dim).
     fn leading_batch_args(&self) -> &'static [&'static str] {
         &[]
     }

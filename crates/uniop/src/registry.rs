@@ -107,8 +107,9 @@ impl Registry {
     }
 }
 
-/// What frontends assume of [`Op::leading_batch_args`]: plain tensor arguments of the schema (not
-/// lists, not written in place), and no such set on an elementwise op, which batches its own way.
+/// What frontends assume of [`Op::leading_batch_args`]: tensor arguments of the schema (a list's
+/// items each batched, as cat's), not written in place, and no such set on an elementwise op,
+/// which batches its own way.
 fn check_leading_batch_args(op: &dyn Op, schema: &OpSchema) -> Result<()> {
     let names = op.leading_batch_args();
     if !names.is_empty() && op.elementwise() {
@@ -119,7 +120,7 @@ fn check_leading_batch_args(op: &dyn Op, schema: &OpSchema) -> Result<()> {
         )));
     }
     for name in names {
-        check_batched_tensor(schema, "leading_batch_args", name)?;
+        check_batched_tensor(schema, "leading_batch_args", name, true)?;
     }
     // `batch_dims` is the per-sample form of a reduction over those rows (see
     // `Op::leading_batch_args`): frontends add one per batch, so it must be an int defaulting to
@@ -152,7 +153,7 @@ fn check_core_dims(op: &dyn Op, schema: &OpSchema) -> Result<()> {
         )));
     }
     for (i, (name, _)) in cores.iter().enumerate() {
-        check_batched_tensor(schema, "core_dims", name)?;
+        check_batched_tensor(schema, "core_dims", name, false)?;
         if cores[..i].iter().any(|(earlier, _)| earlier == name) {
             return Err(Error::invalid(format!(
                 "op '{}': core_dims names '{name}' twice (expected each argument once)",
@@ -163,13 +164,16 @@ fn check_core_dims(op: &dyn Op, schema: &OpSchema) -> Result<()> {
     Ok(())
 }
 
-/// An argument a batching declaration (`what`) names must be a Tensor not written in place.
-fn check_batched_tensor(schema: &OpSchema, what: &str, name: &str) -> Result<()> {
+/// An argument a batching declaration (`what`) names must be a Tensor (or, with `lists`, a
+/// Tensor[]) not written in place.
+fn check_batched_tensor(schema: &OpSchema, what: &str, name: &str, lists: bool) -> Result<()> {
     let arg = schema.args.iter().find(|a| a.name == name);
-    if !arg.is_some_and(|a| a.ty.base == BaseType::Tensor && a.ty.mutated.is_none()) {
+    let batchable = |base| base == BaseType::Tensor || (lists && base == BaseType::TensorList);
+    if !arg.is_some_and(|a| batchable(a.ty.base) && a.ty.mutated.is_none()) {
         let given = arg.map_or("no such argument".to_string(), |a| format!("{}", a.ty));
+        let expected = if lists { "a Tensor or Tensor[]" } else { "a Tensor" };
         return Err(Error::invalid(format!(
-            "op '{}': {what} names '{name}' (expected a Tensor argument not written in place, given {given})",
+            "op '{}': {what} names '{name}' (expected {expected} argument not written in place, given {given})",
             schema.name
         )));
     }

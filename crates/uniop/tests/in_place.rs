@@ -164,24 +164,25 @@ impl Op for Claims {
 }
 
 /// Frontends batch an op along the arguments it names in `leading_batch_args`, so registration
-/// refuses names that are not plain tensor arguments, saying which and what it found.
+/// refuses names that are not tensor arguments (or lists of them) read only, saying which and
+/// what it found.
 #[test]
-fn leading_batch_args_must_name_plain_tensor_arguments() {
+fn leading_batch_args_must_name_tensor_arguments_read_only() {
     for (name, args, expected) in [
         (
             "test_batch_written_",
             &["x"][..],
-            "names 'x' (expected a Tensor argument not written in place, given Tensor(a!))",
+            "names 'x' (expected a Tensor or Tensor[] argument not written in place, given Tensor(a!))",
         ),
         (
             "test_batch_missing_",
             &["z"][..],
-            "names 'z' (expected a Tensor argument not written in place, given no such argument)",
+            "names 'z' (expected a Tensor or Tensor[] argument not written in place, given no such argument)",
         ),
         (
             "test_batch_attr_",
             &["alpha"][..],
-            "names 'alpha' (expected a Tensor argument not written in place, given float)",
+            "names 'alpha' (expected a Tensor or Tensor[] argument not written in place, given float)",
         ),
     ] {
         let schema = Box::leak(format!("{name}(Tensor(a!) x, Tensor y, float alpha) -> ()").into_boxed_str());
@@ -193,6 +194,9 @@ fn leading_batch_args_must_name_plain_tensor_arguments() {
     let schema = "test_batch_shared_(Tensor(a!) x, Tensor y, float alpha) -> ()";
     Registry::global().register(Box::new(Claims { schema, args: &["y"], cores: &[] })).unwrap();
     assert_eq!(Registry::global().get("test_batch_shared_").unwrap().op.leading_batch_args(), ["y"]);
+    // A list batches item by item (cat's tensors).
+    let schema = "test_batch_list_(Tensor(a!) x, Tensor[] ys, float alpha) -> ()";
+    Registry::global().register(Box::new(Claims { schema, args: &["ys"], cores: &[] })).unwrap();
 }
 
 /// Frontends raise `batch_dims` by one per batch, so it must be an int counting from 0 on an op
@@ -247,6 +251,12 @@ fn core_dims_must_name_each_plain_tensor_argument_once() {
         assert!(message.contains(&format!("op '{name}': {expected}")), "{message}");
         assert!(!Registry::global().contains(name));
     }
+    // A list's items have no common core to broadcast (leading_batch_args takes them item by item).
+    let schema = "test_cores_list_(Tensor(a!) x, Tensor[] ys, float alpha) -> ()";
+    let err = Registry::global().register(Box::new(Claims { schema, args: &[], cores: &[("ys", 2)] })).unwrap_err();
+    assert!(err
+        .to_string()
+        .contains("core_dims names 'ys' (expected a Tensor argument not written in place, given Tensor[])"));
     let schema = "test_cores_(Tensor(a!) x, Tensor y, float alpha) -> ()";
     Registry::global().register(Box::new(Claims { schema, args: &[], cores: &[("y", 2)] })).unwrap();
     assert_eq!(Registry::global().get("test_cores_").unwrap().op.core_dims(), [("y", 2)]);

@@ -502,14 +502,15 @@ def _broadcast_vmap_rule(native, cores):
 
 def _leading_batch_vmap_rule(native):
     """The torch.func.vmap rule of an op working row by row along the leading dims of some tensor
-    arguments (``native.leading_batch_args``): one call with their batch dims moved to the front
-    (an unbatched one expanded to the batch, a stride-0 view), a non-negative ``dim`` shifted past
-    the new dim and ``batch_dims`` (the leading dims whose sums, a parameter's gradient or a mean
-    loss, stay apart: one per sample) raised by one; every return carries the batch in front but the
-    empty placeholder of a gradient not asked for (``needs_dx`` false). Where another tensor argument
-    carries the batch (a batched weight), or the op, taking no ``batch_dims``, returns the gradient of
-    a shared tensor argument (attention_backward's ``dsinks``: one sum over every row of the batch),
-    given and asked for, the op runs once per sample, as torch's fallback would."""
+    arguments (``native.leading_batch_args``; a list's items each, as cat's): one call with their
+    batch dims moved to the front (an unbatched one expanded to the batch, a stride-0 view), a
+    non-negative ``dim`` shifted past the new dim and ``batch_dims`` (the leading dims whose sums, a
+    parameter's gradient or a mean loss, stay apart: one per sample) raised by one; every return (a
+    list's items) carries the batch in front but the empty placeholder of a gradient not asked for
+    (``needs_dx`` false). Where another tensor argument carries the batch (a batched weight), or the
+    op, taking no ``batch_dims``, returns the gradient of a shared tensor argument
+    (attention_backward's ``dsinks``: one sum over every row of the batch), given and asked for, the
+    op runs once per sample, as torch's fallback would."""
     names, row_names = [a["name"] for a in native.args], set(native.leading_batch_args)
     rows = {names.index(n) for n in row_names}
     defaults = {a["name"]: a.get("default") for a in native.args}
@@ -536,24 +537,35 @@ def _leading_batch_vmap_rule(native):
         else:
             kwargs[name] = change(kwargs.get(name, defaults[name]))
 
+    def to_front(a, d, size):
+        """Row argument ``a`` (a tensor, or a list of them: ``d`` then lists their dims) with its batch
+        dim moved to the front, or expanded to the batch where it has none (shared)."""
+        if isinstance(a, (list, tuple)):
+            return [to_front(t, dt, size) for t, dt in zip(a, d if isinstance(d, (list, tuple)) else [d] * len(a))]
+        if not isinstance(a, torch.Tensor):
+            return a  # an optional argument not given
+        return a.movedim(d, 0) if d is not None else a.expand(size, *a.shape)
+
+    def batched(d):
+        return any(batched(x) for x in d) if isinstance(d, (list, tuple)) else d is not None
+
     def rule(info, in_dims, *args, **kwargs):
         size = info.batch_size
-        if any(d is not None for i, d in enumerate(in_dims) if i not in rows) or (
+        if any(batched(d) for i, d in enumerate(in_dims) if i not in rows) or (
             shared_sums and sums_a_shared_argument(args, kwargs)
         ):
             return _per_sample(op, size, in_dims, args, kwargs, returns)
-        call = list(args)
-        for i in rows:
-            if i < len(args) and isinstance(args[i], torch.Tensor):
-                d = in_dims[i]
-                call[i] = args[i].movedim(d, 0) if d is not None else args[i].expand(size, *args[i].shape)
-        kwargs = {k: v.expand(size, *v.shape) if k in row_names and isinstance(v, torch.Tensor) else v
-                  for k, v in kwargs.items()}  # keyword arguments are never batched: shared
+        call = [to_front(a, in_dims[i], size) if i in rows else a for i, a in enumerate(args)]
+        # Keyword arguments are never batched: shared.
+        kwargs = {k: to_front(v, None, size) if k in row_names else v for k, v in kwargs.items()}
         adjust(call, kwargs, "dim", lambda dim: dim + 1 if dim >= 0 else dim)
         adjust(call, kwargs, "batch_dims", lambda count: count + 1)
+        out = op(*call, **kwargs)
+        if native.returns_list:
+            return out, [0] * len(out)
         left_out = declined(args, kwargs)
         out_dims = tuple(None if k in left_out else 0 for k in range(returns))
-        return op(*call, **kwargs), out_dims[0] if returns == 1 else out_dims
+        return out, out_dims[0] if returns == 1 else out_dims
 
     return rule
 
