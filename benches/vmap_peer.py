@@ -8,7 +8,8 @@ three in a row (rms_norm → linear → softmax, a squared sum), and `vmap(grad)
 with a Llama MLP's gate and up projections (linear_silu_mul to `--features`) before the last linear: per-sample
 gradients of the norm weight and the projections (and the table); and attention written with matmul (4 heads,
 `softmax(q kᵀ) v`, q, k and v projected by linear), then the same causal, by uniop's attention against torch's SDPA
-(each sample's `[4, rows, hidden / 4]` heads: attention takes the batch as one more leading dim). uniop's ops batch through the rules `uniop.torch` generates from
+(each sample's `[4, rows, hidden / 4]` heads: attention takes the batch as one more leading dim); and a learned
+prefix of `rows / 2` tokens joined by cat in front of each sample before the linear (prefix tuning). uniop's ops batch through the rules `uniop.torch` generates from
 `Op::elementwise`, `Op::leading_batch_args` and `Op::core_dims` (one call over the batch); the backwards that sum a
 parameter's gradient over rows (rms_norm_backward, linear_backward, linear_silu_mul_backward, embedding_backward) and
 cross_entropy's mean keep one per sample through their `batch_dims`. Best of `--rounds` calls, in milliseconds.
@@ -49,6 +50,7 @@ def main():
         "cross_entropy": lambda a, t: ops.cross_entropy(a, t)[0],
         "embedding": ops.embedding,
         "attention": lambda q, k, v: ops.attention(q, k, v, None, True)[0],
+        "cat": ops.cat,
     }
     torch_ops = {
         "softmax": lambda a: torch.softmax(a, -1),
@@ -59,6 +61,7 @@ def main():
         "cross_entropy": torch.nn.functional.cross_entropy,
         "embedding": lambda w, i: torch.nn.functional.embedding(i, w),
         "attention": lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "cat": torch.cat,
     }
 
     def model(o, p, xb):
@@ -78,7 +81,11 @@ def main():
         q, k, v = (o["linear"](xb, w).unflatten(-1, (4, -1)).transpose(-3, -2) for w in p)
         return o["attention"](q, k, v).pow(2).sum()
 
+    def prefix_loss(o, p, xb):
+        return o["linear"](o["cat"]([p[0], xb], -2), p[1]).pow(2).sum()
+
     projections = [torch.randn(args.hidden, args.hidden) / args.hidden**0.5 for _ in range(3)]
+    prefix = (torch.randn(args.rows // 2, args.hidden), params[1])
     cases = {
         "softmax": lambda o: torch.func.vmap(o["softmax"])(x),
         "rms_norm": lambda o: torch.func.vmap(lambda s: o["norm"](s, params[0]))(x),
@@ -102,6 +109,9 @@ def main():
         "vmap(grad) of causal attention (uniop attention, torch SDPA)": lambda o: torch.func.vmap(
             torch.func.grad(lambda p, s: flash_loss(o, p, s)), (None, 0)
         )(projections, x),
+        "vmap(grad) of cat (a learned prefix) → linear": lambda o: torch.func.vmap(
+            torch.func.grad(lambda p, s: prefix_loss(o, p, s)), (None, 0)
+        )(prefix, x),
     }
     print(f"{args.samples} samples of [{args.rows}, {args.hidden}] float32, {torch.get_num_threads()} threads, "
           f"best of {args.rounds}\n")
