@@ -325,6 +325,29 @@ def test_matmul_vmap_broadcasts_batch_dims_and_refuses_what_a_sample_call_does()
         torch.func.vmap(torch.ops.uniop.matmul, in_dims=(0, None))(torch.randn(4, 6), b)
 
 
+@pytest.mark.parametrize("batch", [(), (2, 3), (0, 3), (2, 0)], ids=str)
+def test_attention_takes_any_leading_batch_dims_as_sdpa_does(batch):
+    """attention reads SDPA's ``[..., H, S, D]``: no batch dim, two (k and v expanded along the
+    second, stride 0, read in place), an empty one — outputs and gradients (through autograd,
+    summed over the expanded dim) against SDPA's with the kv heads repeated."""
+    torch.manual_seed(0)
+    q = torch.randn(*batch, 4, 9, 16, requires_grad=True)
+    kv = torch.randn(*batch[:1], *([1] if batch else []), 2, 9, 16, requires_grad=True)
+    k = v = kv.expand(*batch, 2, 9, 16)
+    out, lse = torch.ops.uniop.attention(q, k, v, None, True)
+    out.square().sum().backward()  # lse is saved for the backward, not differentiable
+    got = (out, lse, q.grad, kv.grad)
+    q.grad = kv.grad = None
+    repeated = kv.expand(*batch, 2, 9, 16).repeat_interleave(2, -3)
+    scores = q @ repeated.transpose(-1, -2) / 4 + torch.ones(9, 9, dtype=torch.bool).tril().logical_not() * -1e30
+    want_out = torch.nn.functional.scaled_dot_product_attention(q, repeated, repeated, is_causal=True)
+    want_lse = torch.logsumexp(scores, -1)
+    want_out.square().sum().backward()
+    for g, w in zip(got, (want_out, want_lse, q.grad, kv.grad)):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
 def test_per_sample_gradients_through_cat_in_one_call():
     """vmap(grad) through cat (a learned prefix, shared, joined in front of each sample's tokens: prefix
     tuning) runs cat and cat_backward once each on the whole batch (torch's fallback disabled; the

@@ -870,6 +870,7 @@ fn attention_rejects_bad_inputs() {
     let keep_mask = || Some(TensorRef::new(&keep[..4], &[2, 2]).unwrap());
     let t = |shape: &[usize]| view(&x[..shape.iter().product::<usize>()], shape);
     let q = || t(&[1, 3, 2, 4]);
+    let lens2 = || Some(TensorRef::new(&lse[..2], &[2]).unwrap());
     let cases = [
         (
             plan_err("attention", &[q(), t(&[1, 2, 2, 4]), t(&[1, 2, 2, 4]), None], &[], vec![]),
@@ -896,6 +897,17 @@ fn attention_rejects_bad_inputs() {
             plan_err("attention", &[t(&[2, 1, 3, 2, 4]), t(&[1, 2, 3, 2, 4]), t(&[1, 2, 3, 2, 4]), None], &[], vec![]),
             ErrorCode::Shape,
             "attention: argument 'k': expected shape [2, 1, 3, 2, 4], got shape [1, 2, 3, 2, 4]",
+        ),
+        (
+            plan_err("attention", &[t(&[2, 1, 3, 2, 4]), t(&[2, 1, 3, 2, 4]), t(&[2, 1, 3, 2, 4]), lens2()], &[], vec![]),
+            ErrorCode::Shape,
+            "attention: argument 'kv_lens': expected shape [2, 1], got shape [2]",
+        ),
+        (
+            plan_err("attention", &[q(), q(), q(), None, Some(TensorRef::new(&keep, &[2, 1, 1, 2, 2]).unwrap())], &[], vec![]),
+            ErrorCode::Shape,
+            "attention: argument 'mask': expected a shape broadcastable to [..., Hq, Sq, Sk] = [1, 3, 2, 2], got shape [2, \
+             1, 1, 2, 2]",
         ),
         (
             plan_err("attention", &[q(), q(), q(), t(&[2])], &[], vec![]),
