@@ -1676,18 +1676,21 @@ impl Op for Attention {
 }
 
 /// `q` and `k`/`v` shapes for an example. By default LLaMA-7B prefill, `[1, 32, 2048, 128]` for
-/// all three (the benchmark shape, comparable with torch SDPA). A given rank-4 `shape` is all
-/// three's too (so the shape a benchmark reports rebuilds its example); a shorter one is q's
-/// trailing dims, padded with leading 1s, and k/v get half its heads when that divides — so the
-/// generic registry tests (which pass 1- to 3-dim shapes) exercise grouped-query attention.
-pub(crate) fn example_shapes(shape: Option<&[usize]>) -> ([usize; 4], [usize; 4]) {
-    let Some(shape) = shape else { return ([1, 32, 2048, 128], [1, 32, 2048, 128]) };
-    let mut q = [1; 4];
-    for (dst, &s) in q.iter_mut().rev().zip(shape.iter().rev()) {
-        *dst = s;
+/// all three (the benchmark shape, comparable with torch SDPA). A given `shape` of rank 4 or more
+/// (batch dims, then heads, seq, head dim) is all three's too (so the shape a benchmark reports
+/// rebuilds its example); a shorter one is q's trailing dims, padded with leading 1s to rank 4,
+/// and k/v get half its heads when that divides — so the generic registry tests (which pass 1-
+/// to 3-dim shapes) exercise grouped-query attention.
+pub(crate) fn example_shapes(shape: Option<&[usize]>) -> (Vec<usize>, Vec<usize>) {
+    let Some(shape) = shape else { return (vec![1, 32, 2048, 128], vec![1, 32, 2048, 128]) };
+    if shape.len() >= 4 {
+        return (shape.to_vec(), shape.to_vec());
     }
-    let grouped = shape.len() < 4 && q[1] % 2 == 0;
-    (q, [q[0], if grouped { q[1] / 2 } else { q[1] }, q[2], q[3]])
+    let mut q = vec![1; 4];
+    q[4 - shape.len()..].copy_from_slice(shape);
+    let heads = if q[1] % 2 == 0 { q[1] / 2 } else { q[1] };
+    let kv = vec![q[0], heads, q[2], q[3]];
+    (q, kv)
 }
 
 /// Runs `op` after `force` (which sets a test-only kernel choice), checks its outputs against

@@ -1257,7 +1257,7 @@ impl Op for AttentionBackward {
                 t(&kv)?,
                 t(&kv)?,
                 t(&q)?,
-                Some(TensorMeta::contiguous(DType::F32, &q[..3])?),
+                Some(TensorMeta::contiguous(DType::F32, &q[..q.len() - 1])?),
                 None,
                 None,
                 None,
