@@ -37,12 +37,12 @@
 //! here, on the few-row kernels: dot products with K's rows for the scores, and V's lines scaled
 //! by the probabilities and summed for the output (neither packs K or V).
 //!
-//! Masking. `kv_lens` (int, the batch dims' shape, optional) limits batch row `b` to its first `kv_lens[b]` keys
-//! (decode against a preallocated KV cache). `causal` aligns the mask **bottom-right**: query `i`
-//! sees key `j` iff `j <= i + (len - Sq)`, where `len` is the row's key count. With `Sq == Sk`
-//! this is torch's `is_causal=True` (top-left); with `Sq < len` it is what decode and chunked
-//! prefill need (the new queries are the last `Sq` positions). A query that sees no key
-//! (possible only when `len < Sq`) gets output 0 and `lse = -inf`.
+//! Masking. `kv_lens` (int, of the batch dims' shape, optional) limits batch row `b` to its first
+//! `kv_lens[b]` keys (decode against a preallocated KV cache). `causal` aligns the mask
+//! **bottom-right**: query `i` sees key `j` iff `j <= i + (len - Sq)`, where `len` is the row's
+//! key count. With `Sq == Sk` this is torch's `is_causal=True` (top-left); with `Sq < len` it is
+//! what decode and chunked prefill need (the new queries are the last `Sq` positions). A query
+//! that sees no key (possible only when `len < Sq`) gets output 0 and `lse = -inf`.
 //!
 //! `mask` (optional, broadcastable to `[B, Hq, Sq, Sk]`, torch SDPA's `attn_mask`) applies on top
 //! of `kv_lens` and `causal`. Boolean (true = attend), it hides keys: padded batches (Hugging
