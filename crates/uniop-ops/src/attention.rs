@@ -1688,7 +1688,7 @@ pub(crate) fn example_shapes(shape: Option<&[usize]>) -> (Vec<usize>, Vec<usize>
     }
     let mut q = vec![1; 4];
     q[4 - shape.len()..].copy_from_slice(shape);
-    let heads = if q[1] % 2 == 0 { q[1] / 2 } else { q[1] };
+    let heads = if q[1].is_multiple_of(2) { q[1] / 2 } else { q[1] };
     let kv = vec![q[0], heads, q[2], q[3]];
     (q, kv)
 }
