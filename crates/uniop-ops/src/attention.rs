@@ -375,9 +375,13 @@ impl BatchDims {
         &self.dims[..self.rank]
     }
 
-    /// These dims followed by `core`: the shape of a tensor of the call.
-    pub fn then(&self, core: &[usize]) -> Vec<usize> {
-        [self.dims(), core].concat()
+    /// These dims followed by `core` (at most 4 dims): the shape of a tensor of the call. On the
+    /// stack: `geometry` builds several on every call.
+    pub fn then(&self, core: &[usize]) -> CallShape {
+        let mut dims = [0; MAX_BATCH_DIMS + 4];
+        dims[..self.rank].copy_from_slice(self.dims());
+        dims[self.rank..self.rank + core.len()].copy_from_slice(core);
+        CallShape { dims, len: self.rank + core.len() }
     }
 
     /// The multi-index of flat batch row `b`.
@@ -388,6 +392,19 @@ impl BatchDims {
             b /= self.dims[k];
         }
         at
+    }
+}
+
+/// A shape built by [`BatchDims::then`], read as a slice.
+pub(crate) struct CallShape {
+    dims: [usize; MAX_BATCH_DIMS + 4],
+    len: usize,
+}
+
+impl std::ops::Deref for CallShape {
+    type Target = [usize];
+    fn deref(&self) -> &[usize] {
+        &self.dims[..self.len]
     }
 }
 
