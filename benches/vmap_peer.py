@@ -8,7 +8,9 @@ three in a row (rms_norm → linear → softmax, a squared sum), and `vmap(grad)
 with a Llama MLP's gate and up projections (linear_silu_mul to `--features`) before the last linear: per-sample
 gradients of the norm weight and the projections (and the table); and attention written with matmul (4 heads,
 `softmax(q kᵀ) v`, q, k and v projected by linear), then the same causal, by uniop's attention against torch's SDPA
-(each sample's `[4, rows, hidden / 4]` heads: attention takes the batch as one more leading dim); and a learned
+(each sample's `[4, rows, hidden / 4]` heads: attention takes the batch as one more leading dim), and the same not
+causal with a learned `[4, rows, rows]` bias added to the scores (T5's relative position bias, SDPA's float
+`attn_mask`: its per-sample gradient too, which attention_backward keeps apart through `batch_dims`); and a learned
 prefix of `rows / 2` tokens joined by cat in front of each sample before the linear (prefix tuning). uniop's ops batch through the rules `uniop.torch` generates from
 `Op::elementwise`, `Op::leading_batch_args` and `Op::core_dims` (one call over the batch); the backwards that sum a
 parameter's gradient over rows (rms_norm_backward, linear_backward, linear_silu_mul_backward, embedding_backward) and
@@ -50,6 +52,7 @@ def main():
         "cross_entropy": lambda a, t: ops.cross_entropy(a, t)[0],
         "embedding": ops.embedding,
         "attention": lambda q, k, v: ops.attention(q, k, v, None, True)[0],
+        "biased_attention": lambda q, k, v, bias: ops.attention(q, k, v, None, False, None, bias)[0],
         "cat": ops.cat,
     }
     torch_ops = {
@@ -61,6 +64,7 @@ def main():
         "cross_entropy": torch.nn.functional.cross_entropy,
         "embedding": lambda w, i: torch.nn.functional.embedding(i, w),
         "attention": lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "biased_attention": lambda q, k, v, bias: torch.nn.functional.scaled_dot_product_attention(q, k, v, bias),
         "cat": torch.cat,
     }
 
@@ -80,6 +84,10 @@ def main():
     def flash_loss(o, p, xb):
         q, k, v = (o["linear"](xb, w).unflatten(-1, (4, -1)).transpose(-3, -2) for w in p)
         return o["attention"](q, k, v).pow(2).sum()
+
+    def biased_loss(o, p, xb):
+        q, k, v = (o["linear"](xb, w).unflatten(-1, (4, -1)).transpose(-3, -2) for w in p[:3])
+        return o["biased_attention"](q, k, v, p[3]).pow(2).sum()
 
     def prefix_loss(o, p, xb):
         return o["linear"](o["cat"]([p[0], xb], -2), p[1]).pow(2).sum()
@@ -109,6 +117,9 @@ def main():
         "vmap(grad) of causal attention (uniop attention, torch SDPA)": lambda o: torch.func.vmap(
             torch.func.grad(lambda p, s: flash_loss(o, p, s)), (None, 0)
         )(projections, x),
+        "vmap(grad) of attention with a learned bias (uniop attention, torch SDPA)": lambda o: torch.func.vmap(
+            torch.func.grad(lambda p, s: biased_loss(o, p, s)), (None, 0)
+        )((*projections, torch.randn(4, args.rows, args.rows)), x),
         "vmap(grad) of cat (a learned prefix) → linear": lambda o: torch.func.vmap(
             torch.func.grad(lambda p, s: prefix_loss(o, p, s)), (None, 0)
         )(prefix, x),

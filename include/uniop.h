@@ -11,8 +11,9 @@
 // became a `uniopScalar`; 3: cross_entropy, its backward and the backwards summing parameter
 // gradients gained `batch_dims`; 4: so did linear_silu_mul_backward and linear_gelu_mul_backward, with
 // `needs_dx`, `needs_dgate_weight` and `needs_dup_weight`; linear_backward and linear_add_backward
-// gained `needs_dx` and `needs_dweight`, matmul_backward `needs_da` and `needs_db`).
-#define UNIOP_ABI_VERSION 4
+// gained `needs_dx` and `needs_dweight`, matmul_backward `needs_da` and `needs_db`; 5:
+// attention_backward gained `batch_dims`).
+#define UNIOP_ABI_VERSION 5
 
 // A point in a stream's work, for ordering and timing (opaque).
 typedef struct uniopEventObj uniopEventObj;
@@ -270,14 +271,16 @@ uniopStatus uniopAttention(void *workspace,
                            uniopExecutor *executor,
                            uniopStream stream);
 
-// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False, float? softcap=None, Tensor? sinks=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask, Tensor dsinks)`.
+// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False, float? softcap=None, Tensor? sinks=None, int batch_dims=0) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask, Tensor dsinks)`.
 //
 // Gradients of attention from its saved out and lse (same mask, scale, softcap and sinks rules).
 // dk/dv sum over the q heads of each kv-head group; keys past kv_lens get zero gradient. dmask is
 // the gradient of a float mask (its shape and dtype: the score gradient summed over the dims the
 // mask is broadcast along) when needs_dmask, else an empty tensor; asking for it adds two tile
 // products to the five (about half the time again). dsinks is the gradient of sinks (their shape
-// and dtype) when given, else an empty tensor. Deterministic (no atomics).
+// and dtype) when given, else an empty tensor. dmask and dsinks sum over every batch row, or per
+// sample with batch_dims: then they are q.shape[:batch_dims] + their argument's shape (the mask
+// must not reach into those dims). Deterministic (no atomics).
 uniopStatus uniopAttentionBackwardGetWorkspaceSize(const uniopTensor *dout,
                                                    const uniopTensor *q,
                                                    const uniopTensor *k,
@@ -291,6 +294,7 @@ uniopStatus uniopAttentionBackwardGetWorkspaceSize(const uniopTensor *dout,
                                                    bool needs_dmask,
                                                    const double *softcap,
                                                    const uniopTensor *sinks,
+                                                   int64_t batch_dims,
                                                    uniopTensor *dq,
                                                    uniopTensor *dk,
                                                    uniopTensor *dv,

@@ -365,8 +365,8 @@ static void test_attention_and_kv_cache(uniopStream stream) {
                           dense(qd, 4, dv),   dense(md, 4, dmask), dense(empty, 1, no_dsinks)};
   CHECK(bias_t, "mask descriptor: %s", uniopGetRecentErrMsg());
   OK(uniopAttentionBackwardGetWorkspaceSize(grads[0], in[0], in[1], in[2], out[0], out[1], NULL, true, NULL, bias_t,
-                                            true, NULL, NULL, grads[1], grads[2], grads[3], grads[4], grads[5], &ws,
-                                            &exec));
+                                            true, NULL, NULL, 0, grads[1], grads[2], grads[3], grads[4], grads[5],
+                                            &ws, &exec));
   launch(uniopAttentionBackward, ws, exec, stream);
   double want_dmask[S * S];
   dmask_reference(q, k, v, dout, H, S, D, alibi, want_dmask);

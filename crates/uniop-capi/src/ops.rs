@@ -260,14 +260,16 @@ pub extern "C" fn uniopAttention(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False, float? softcap=None, Tensor? sinks=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask, Tensor dsinks)`.
+/// Phase 1 of `attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False, float? softcap=None, Tensor? sinks=None, int batch_dims=0) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask, Tensor dsinks)`.
 ///
 /// Gradients of attention from its saved out and lse (same mask, scale, softcap and sinks rules).
 /// dk/dv sum over the q heads of each kv-head group; keys past kv_lens get zero gradient. dmask is
 /// the gradient of a float mask (its shape and dtype: the score gradient summed over the dims the
 /// mask is broadcast along) when needs_dmask, else an empty tensor; asking for it adds two tile
 /// products to the five (about half the time again). dsinks is the gradient of sinks (their shape
-/// and dtype) when given, else an empty tensor. Deterministic (no atomics).
+/// and dtype) when given, else an empty tensor. dmask and dsinks sum over every batch row, or per
+/// sample with batch_dims: then they are q.shape[:batch_dims] + their argument's shape (the mask
+/// must not reach into those dims). Deterministic (no atomics).
 #[no_mangle]
 pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
     dout: *const uniopTensor,
@@ -283,6 +285,7 @@ pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
     needs_dmask: bool,
     softcap: *const f64,
     sinks: *const uniopTensor,
+    batch_dims: i64,
     dq: *mut uniopTensor,
     dk: *mut uniopTensor,
     dv: *mut uniopTensor,
@@ -304,11 +307,12 @@ pub extern "C" fn uniopAttentionBackwardGetWorkspaceSize(
             ("mask", mask),
             ("sinks", sinks),
         ];
-        let attrs: [(&str, AttrValue); 4] = [
+        let attrs: [(&str, AttrValue); 5] = [
             ("causal", AttrValue::Bool(causal)),
             ("scale", typed::optional(scale, |v| Ok(AttrValue::Float(v)))?),
             ("needs_dmask", AttrValue::Bool(needs_dmask)),
             ("softcap", typed::optional(softcap, |v| Ok(AttrValue::Float(v)))?),
+            ("batch_dims", AttrValue::Int(batch_dims)),
         ];
         let outputs = [
             ("dq", dq as *const uniopTensor),

@@ -151,18 +151,10 @@ fn describe(op: &str) -> Result<()> {
             format!("blocks over broadcast batch dims of {}: one call over a leading batch dim", cores.join(", "))
         }
         (false, false) => {
-            // Without batch_dims, the gradient of a tensor argument outside the rows is one sum
-            // over every row: frontends call per sample where it is asked for.
-            let shared = (0..s.returns.len()).map(|i| s.return_name(i)).filter(|r| {
-                r.strip_prefix('d').is_some_and(|arg| !rows.contains(&arg) && s.args.iter().any(|a| a.name == arg))
-            });
-            let shared: Vec<_> = shared.collect();
             let sums = if s.args.iter().any(|a| a.name == "batch_dims") {
-                ", its sums kept per sample (batch_dims + 1)".to_string()
-            } else if !shared.is_empty() {
-                format!(", one per sample where {} is asked for", shared.join(" or "))
+                ", its sums kept per sample (batch_dims + 1)"
             } else {
-                String::new()
+                ""
             };
             format!("row by row along the leading dims of {}: one call over a leading batch dim{sums}", rows.join(", "))
         }

@@ -46,7 +46,7 @@ fn list_and_describe_come_from_the_registry() {
         (
             "attention_backward",
             "batching: row by row along the leading dims of dout, q, k, v, out, lse, kv_lens: one call over a leading \
-             batch dim, one per sample where dmask or dsinks is asked for",
+             batch dim, its sums kept per sample (batch_dims + 1)",
         ),
         ("cat", "batching: row by row along the leading dims of tensors: one call over a leading batch dim\n"),
         ("permute", "batching: one call per sample"),

@@ -10,6 +10,9 @@
 //! none of this: the saved `lse` already counts each row's sink, so `P` is the real keys' share,
 //! and a sink is a key whose value is zero (its `dout·v` term is 0, `δ` is unchanged). Its own
 //! gradient is `dsinks[h] = −Σ_{b,i} exp(sinks[h] − lse) · δ` ([`sinks_grad_kernel`]).
+//! `dsinks` and `dmask` sum over batch rows; `batch_dims` keeps those sums apart per sample (the
+//! first `batch_dims` batch dims: see [`per_sample`](crate::per_sample)), so per-sample gradients
+//! of a shared bias or of the sinks take one call.
 //!
 //! Each block owns what it writes (deterministic, no atomics). First δ per query row (into the
 //! workspace). Then one launch walks each (batch, kv head) pair's key tiles, summing `dK`/`dV` per
@@ -40,9 +43,11 @@ use crate::attention_mask_grad::{mask_grad_kernel, MaskGrad};
 use crate::math;
 use crate::matmul::{gemm_rows, Dst, Mat};
 use crate::packed_gemm::{gemm_rows_packed, gemm_rows_prepacked, Packed, PackedRhs};
+use crate::per_sample::Samples;
 use crate::skinny::{Dots, Simd};
 use std::ops::Range;
 use uniop::half::bf16;
+use uniop::layout::ShapeDisplay;
 use uniop::{
     with_float_dtype, AttrValue, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
     OutputView, Plan, RefTensor, Result, Step, TensorMeta, TensorRef,
@@ -61,14 +66,47 @@ const KV_LENS: usize = 6;
 const MASK: usize = 7;
 const SINKS: usize = 8;
 
+/// How `batch_dims` cuts the call's flat batch rows into samples, each summing its own `dmask`
+/// and `dsinks`: `count` samples of `rows` consecutive batch rows.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SampleRows {
+    pub count: usize,
+    pub rows: usize,
+}
+
+/// The samples of `batch_dims` (checked: at most q's batch dims), with the dims they add in front
+/// of `dmask` and `dsinks`.
+fn samples(cx: &OpCx) -> Result<(Samples, SampleRows)> {
+    let samples = Samples::of(cx, "q", cx.input("q").rank().saturating_sub(3))?;
+    let rows = SampleRows { count: samples.count, rows: samples.rows };
+    Ok((samples, rows))
+}
+
 /// The float mask whose gradient the call asks for (`needs_dmask`), or `None` when it asks for
-/// none. Asking without a float mask is an error: a boolean mask (or none) has no gradient.
-fn mask_grad<'c>(cx: &'c OpCx) -> Result<Option<&'c TensorMeta>> {
+/// none. Asking without a float mask is an error: a boolean mask (or none) has no gradient; so is
+/// a mask reaching into the sample dims of `batch_dims`, whose per-sample gradient would be its
+/// own slice (a per-sample mask is batched by the caller: one call per sample).
+fn mask_grad<'c>(cx: &'c OpCx, samples: &Samples) -> Result<Option<&'c TensorMeta>> {
     if !cx.needs_grad("mask") {
         return Ok(None);
     }
     match cx.optional_input("mask") {
-        Some(mask) if mask.dtype.is_float() => Ok(Some(mask)),
+        Some(mask) if mask.dtype.is_float() => {
+            let shared_dims = cx.input("q").rank() - samples.dims.len();
+            if mask.rank() > shared_dims {
+                return Err(cx.err(
+                    ErrorCode::Shape,
+                    "mask",
+                    format!(
+                        "at most {shared_dims} dims with needs_dmask and batch_dims {} (one mask shared by every \
+                         sample, its gradient summed per sample)",
+                        samples.dims.len()
+                    ),
+                    format!("shape {}", ShapeDisplay(mask.shape())),
+                ));
+            }
+            Ok(Some(mask))
+        }
         given => Err(cx.err(
             ErrorCode::ParamInvalid,
             "needs_dmask",
@@ -354,24 +392,26 @@ fn delta_kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry) 
     }
 }
 
-/// `dsinks[h] = −Σ_{b,i} exp(sinks[h] − lse) · δ` for this block's q heads (f64 sums: a head
-/// sums `B · Sq` terms). A row with `lse = −∞` (no key and a sink of −∞) adds nothing.
-fn sinks_grad_kernel(args: &KernelArgs, ctx: BlockCtx, g: Geometry) {
+/// `dsinks[s, h] = −Σ_{b,i} exp(sinks[h] − lse) · δ` over sample `s`'s batch rows `b`, for this
+/// block's (sample, q head) pairs (f64 sums: a pair sums `rows · Sq` terms). A row with
+/// `lse = −∞` (no key and a sink of −∞) adds nothing.
+fn sinks_grad_kernel(args: &KernelArgs, ctx: BlockCtx, g: Geometry, samples: SampleRows) {
     let n_rows = g.batch * g.q_heads * g.q_len;
     // SAFETY: the δ rows are written by the first step and only read from then on.
     let delta = unsafe { &*(args.workspace::<f32>(0, n_rows) as *const [f32]) };
     let (lse, sinks) = (args.input(LSE), args.input(SINKS).to_f64_vec());
     let lse = &lse.storage::<f32>().expect("lse is f32")[lse.layout().offset()..][..n_rows];
     let dsinks = args.output(4);
-    for h in ctx.split(g.q_heads) {
-        let rows = (0..g.batch).flat_map(|b| {
+    for pair in ctx.split(samples.count * g.q_heads) {
+        let (sample, h) = (pair / g.q_heads, pair % g.q_heads);
+        let rows = (sample * samples.rows..(sample + 1) * samples.rows).flat_map(|b| {
             let at = (b * g.q_heads + h) * g.q_len;
             lse[at..at + g.q_len].iter().zip(&delta[at..at + g.q_len])
         });
         let share = |l: f32| if l == f32::NEG_INFINITY { 0.0 } else { (sinks[h] - l as f64).exp() };
         let sum: f64 = rows.map(|(&l, &d)| share(l) * d as f64).sum();
-        // SAFETY: this block alone owns element h of dsinks.
-        unsafe { narrow_into(&dsinks, dsinks.layout().offset() + h, &[-sum as f32]) };
+        // SAFETY: this block alone owns element (sample, h) of dsinks.
+        unsafe { narrow_into(&dsinks, dsinks.layout().offset() + pair, &[-sum as f32]) };
     }
 }
 
@@ -1055,7 +1095,7 @@ impl Op for AttentionBackward {
     fn schema(&self) -> &'static str {
         "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kv_lens=None, \
          bool causal=False, float? scale=None, Tensor? mask=None, bool needs_dmask=False, float? softcap=None, \
-         Tensor? sinks=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask, Tensor dsinks)"
+         Tensor? sinks=None, int batch_dims=0) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask, Tensor dsinks)"
     }
 
     fn doc(&self) -> &'static str {
@@ -1064,6 +1104,8 @@ impl Op for AttentionBackward {
          shape and dtype: the score gradient summed over the dims the mask is broadcast along) when needs_dmask, \
          else an empty tensor; asking for it adds two tile products to the five (about half the time again). \
          dsinks is the gradient of sinks (their shape and dtype) when given, else an empty tensor. \
+         dmask and dsinks sum over every batch row, or per sample with batch_dims: then they are \
+         q.shape[:batch_dims] + their argument's shape (the mask must not reach into those dims). \
          Deterministic (no atomics)."
     }
 
@@ -1081,12 +1123,13 @@ impl Op for AttentionBackward {
             .iter()
             .map(|a| TensorMeta::contiguous(cx.input(a).dtype, cx.input(a).shape()))
             .collect::<Result<_>>()?;
-        metas.push(match mask_grad(cx)? {
-            Some(mask) => TensorMeta::contiguous(mask.dtype, mask.shape())?,
+        let (samples, _) = samples(cx)?;
+        metas.push(match mask_grad(cx, &samples)? {
+            Some(mask) => TensorMeta::contiguous(mask.dtype, &samples.shape(mask.shape()))?,
             None => TensorMeta::contiguous(g.dtype, &[0])?,
         });
         metas.push(match cx.optional_input("sinks") {
-            Some(sinks) => TensorMeta::contiguous(sinks.dtype, sinks.shape())?,
+            Some(sinks) => TensorMeta::contiguous(sinks.dtype, &samples.shape(sinks.shape()))?,
             None => TensorMeta::contiguous(g.dtype, &[0])?,
         });
         Ok(metas)
@@ -1124,7 +1167,8 @@ impl Op for AttentionBackward {
             Some(s) => s.partial_dk,
             None => scratch_end,
         };
-        let dmask = mask_grad(cx)?.map(|mask| MaskGrad::of(&g, mask.shape()));
+        let (samples, sample_rows) = samples(cx)?;
+        let dmask = mask_grad(cx, &samples)?.map(|mask| MaskGrad::of(&g, mask.shape(), sample_rows));
         let workspace =
             dmask.map_or(workspace, |m| workspace.max(rows + blocks(m.units()) as usize * MaskGrad::scratch(&g)));
         let steps = with_float_dtype!(g.dtype, cx.op(), "q", |T| {
@@ -1146,7 +1190,9 @@ impl Op for AttentionBackward {
                 // It reads δ, which no later launch writes over.
                 steps.insert(
                     1,
-                    Step::new("attention_backward.dsinks", blocks(g.q_heads), move |a, c| sinks_grad_kernel(a, c, g)),
+                    Step::new("attention_backward.dsinks", blocks(sample_rows.count * g.q_heads), move |a, c| {
+                        sinks_grad_kernel(a, c, g, sample_rows)
+                    }),
                 );
             }
             match sums {
@@ -1187,16 +1233,19 @@ impl Op for AttentionBackward {
         let mut dq = vec![0.0; q.data.len()];
         let mut dk = vec![0.0; k.data.len()];
         let mut dvv = vec![0.0; v.data.len()];
-        let wants_dmask = mask_grad(cx)?.is_some();
+        let (samples, sample_rows) = samples(cx)?;
+        let wants_dmask = mask_grad(cx, &samples)?.is_some();
+        let per_sample =
+            |shape: &[usize]| RefTensor::new(&samples.shape(shape), vec![0.0; samples.shape(shape).iter().product()]);
         let mut dmask = match (mask, wants_dmask) {
-            (Some(mask), true) => RefTensor::new(&mask.shape, vec![0.0; mask.data.len()]),
+            (Some(mask), true) => per_sample(&mask.shape),
             _ => RefTensor::new(&[0], vec![]),
         };
         let sinks = inputs[SINKS].as_ref();
-        let mut dsinks =
-            RefTensor::new(sinks.map_or(&[0][..], |s| &s.shape), vec![0.0; sinks.map_or(0, |_| g.q_heads)]);
+        let mut dsinks = sinks.map_or_else(|| RefTensor::new(&[0], vec![]), |s| per_sample(&s.shape));
         let scale = g.scale_f64;
         for b in 0..g.batch {
+            let sample = b / sample_rows.rows;
             let len = lens.map_or(g.kv_len, |l| l.data[b] as usize);
             for h in 0..g.q_heads {
                 let kv = (b * g.kv_heads + h / group) * g.kv_len;
@@ -1206,7 +1255,7 @@ impl Op for AttentionBackward {
                         (&q.data[row * d..][..d], &dout.data[row * dv..][..dv], &out.data[row * dv..][..dv]);
                     let delta: f64 = doi.iter().zip(oi).map(|(a, b)| a * b).sum();
                     if let Some(sinks) = sinks.filter(|_| lse.data[row] != f64::NEG_INFINITY) {
-                        dsinks.data[h] -= (sinks.data[h] - lse.data[row]).exp() * delta;
+                        dsinks.data[sample * g.q_heads + h] -= (sinks.data[h] - lse.data[row]).exp() * delta;
                     }
                     for j in 0..g.visible(len, i) {
                         let bias = reference_bias(&g, mask, [b, h, i, j]);
@@ -1220,7 +1269,9 @@ impl Op for AttentionBackward {
                         let dp: f64 = doi.iter().zip(vj).map(|(a, b)| a * b).sum();
                         let ds = p * (dp - delta);
                         if wants_dmask {
-                            dmask.data[reference_mask_index(&g, &dmask.shape, [b, h, i, j])] += ds;
+                            let mask_shape = &dmask.shape[samples.dims.len()..];
+                            let at = reference_mask_index(&g, mask_shape, [b, h, i, j]);
+                            dmask.data[sample * mask_shape.iter().product::<usize>() + at] += ds;
                         }
                         let ds = ds * slope;
                         for c in 0..d {

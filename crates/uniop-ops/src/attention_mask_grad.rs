@@ -12,6 +12,8 @@
 //! each unit owns a tile of the mask's own elements (`MASK_GRAD_ROWS` rows × `TILE_KEYS` keys of
 //! its broadcast shape), walks every (batch, head, query, key) that maps into the tile, and sums
 //! there — no two units write one element, so the sums need no atomics and are deterministic.
+//! With `batch_dims` each sample has its own copy of the mask's elements to sum into, and a unit
+//! walks only its sample's batch rows.
 //! Two tile products per (query rows, key tile), as the split route's `dQ` launch (S and dP),
 //! on the bf16 GEMM for bf16 where the CPU has it, else on operands widened to f32: an extra 40%
 //! of the backward's products, paid only when asked.
@@ -21,6 +23,7 @@ use crate::attention::{
 };
 use crate::attention_backward::{
     bf16_of, cap_for_grads, narrow_into, on_bf16_gemm, probs_and_dscores_row, row_index, score_scale, BackwardArgs,
+    SampleRows,
 };
 use uniop::{BlockCtx, FloatElement, KernelArgs};
 
@@ -28,18 +31,20 @@ use uniop::{BlockCtx, FloatElement, KernelArgs};
 const MASK_GRAD_ROWS: usize = 64;
 
 /// The mask's shape as the kernel walks it: its batch rows (the product of its leading dims),
-/// then `[Hq, Sq, Sk]`, 1 where the mask is broadcast.
+/// then `[Hq, Sq, Sk]`, 1 where the mask is broadcast; once per sample.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct MaskGrad {
     /// The mask's batch row of each of the call's flat batch rows (its own leading dims, dense).
     batch_row: BatchStrides,
     batch_rows: usize,
     dims: [usize; 3],
+    samples: SampleRows,
 }
 
 impl MaskGrad {
-    /// The gradient's layout for a mask of `shape` (broadcastable to `[..., Hq, Sq, Sk]`, checked).
-    pub fn of(g: &Geometry, shape: &[usize]) -> MaskGrad {
+    /// The gradient's layout for a mask of `shape` (broadcastable to `[..., Hq, Sq, Sk]` and clear
+    /// of the sample dims, checked), summed per sample.
+    pub fn of(g: &Geometry, shape: &[usize], samples: SampleRows) -> MaskGrad {
         let lead = shape.len().saturating_sub(3);
         let mut dims = [1; 3];
         dims[3 - (shape.len() - lead)..].copy_from_slice(&shape[lead..]);
@@ -48,7 +53,8 @@ impl MaskGrad {
         for k in (0..lead.saturating_sub(1)).rev() {
             dense[k] = dense[k + 1] * batch[k + 1];
         }
-        MaskGrad { batch_row: BatchStrides::of(&g.batch_dims, batch, &dense), batch_rows: batch.iter().product(), dims }
+        let batch_row = BatchStrides::of(&g.batch_dims, batch, &dense);
+        MaskGrad { batch_row, batch_rows: batch.iter().product(), dims, samples }
     }
 
     fn query_tiles(&self) -> usize {
@@ -59,9 +65,14 @@ impl MaskGrad {
         self.dims[2].div_ceil(TILE_KEYS)
     }
 
-    /// Units of work: tiles of the mask's elements.
-    pub fn units(&self) -> usize {
+    /// Units of work in one sample: tiles of the mask's elements.
+    fn sample_units(&self) -> usize {
         self.batch_rows * self.dims[0] * self.query_tiles() * self.key_tiles()
+    }
+
+    /// Units of work: each sample's tiles.
+    pub fn units(&self) -> usize {
+        self.samples.count * self.sample_units()
     }
 
     /// Per-block f32 scratch: Q and dout rows, K and V rows widened, S, dP and the sums.
@@ -109,11 +120,13 @@ pub(crate) fn mask_grad_kernel<T: FloatElement>(
     let scale = score_scale(&g, bf16_gemm);
     let (qs, dos) = (a.q.storage::<T>().expect("dtype dispatched"), a.dout.storage::<T>().expect("dtype dispatched"));
     for u in ctx.split(m.units()) {
+        let (sample, u) = (u / m.sample_units(), u % m.sample_units());
         let (bh, tile) = (u / (m.query_tiles() * m.key_tiles()), u % (m.query_tiles() * m.key_tiles()));
         let (i0, j0) = (tile / m.key_tiles() * MASK_GRAD_ROWS, tile % m.key_tiles() * TILE_KEYS);
         let (own_rows, own_keys) = (MASK_GRAD_ROWS.min(mq - i0), TILE_KEYS.min(mk - j0));
         sums[..own_rows * TILE_KEYS].fill(0.0);
-        for b in (0..g.batch).filter(|&b| m.batch_row.offset(b) == bh / mh) {
+        let sample_rows = sample * m.samples.rows..(sample + 1) * m.samples.rows;
+        for b in sample_rows.filter(|&b| m.batch_row.offset(b) == bh / mh) {
             let len = row_len(a.lens.as_ref(), b, g.kv_len, "attention_backward");
             for h in MaskGrad::gathered(mh, g.q_heads, bh % mh, 1) {
                 let hkv = h / g.group();
@@ -197,10 +210,10 @@ pub(crate) fn mask_grad_kernel<T: FloatElement>(
             }
         }
         let dmask = args.output(3);
-        let base = ((bh * mq + i0) * mk + j0) + dmask.layout().offset();
+        let base = (((sample * m.batch_rows * mh + bh) * mq + i0) * mk + j0) + dmask.layout().offset();
         for r in 0..own_rows {
             let row = &sums[r * TILE_KEYS..][..own_keys];
-            // SAFETY: this unit alone owns mask elements (bh, i0.., j0..) of dmask.
+            // SAFETY: this unit alone owns mask elements (sample, bh, i0.., j0..) of dmask.
             unsafe { narrow_into(&dmask, base + r * mk, row) };
         }
     }

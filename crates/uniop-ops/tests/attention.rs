@@ -622,6 +622,121 @@ fn leading_batch_dims_are_rows_of_one_flat_batch() {
     run_checked("attention", &[Some(qb.view()), Some(kb), Some(vb.view()), None], &causal(true));
 }
 
+/// `batch_dims` keeps attention_backward's sums over batch rows — a shared float mask's gradient
+/// and the sinks' — apart per sample (its first `batch_dims` batch dims), so per-sample gradients
+/// take one call: q `[2, 3, 4, 40, 16]` with a mask `[3, 1, 1, 50]` (one bias per key, shared by
+/// the first batch dim's samples) and batch_dims 1, a mask `[40, 50]` and batch_dims 2. Each
+/// against the f64 reference and against calls on each sample's own slices; dq, dk and dv as
+/// without batch_dims. A mask reaching into the sample dims, and more batch_dims than q has batch
+/// dims, are errors.
+#[test]
+fn batch_dims_keep_the_shared_sums_per_sample() {
+    setup();
+    let (q_row, kv_row) = (4 * 40 * 16, 2 * 50 * 16);
+    let (q, k, v, dout) =
+        (rand_vec(6 * q_row, 511), rand_vec(6 * kv_row, 512), rand_vec(6 * kv_row, 513), rand_vec(6 * q_row, 514));
+    let sinks = rand_vec(4, 515);
+    let lens = [50i64, 31, 7, 44, 50, 19];
+    // Forward, then backward with the mask's gradient, over `rows` flat batch rows from `first`
+    // (leading dims `batch`).
+    let grads = |batch: &[usize], first: usize, mask: TensorRef, batch_dims: i64| {
+        let rows: usize = batch.iter().product();
+        let (q_shape, kv_shape) = ([batch, &[4, 40, 16]].concat(), [batch, &[2, 50, 16]].concat());
+        // `first` is a multiple of `rows`: the whole batch, or one sample of it.
+        let part = |x, n, shape| Some(part(x, first / rows, rows * n, shape));
+        let lens = Some(TensorRef::new(&lens[first..first + rows], batch).unwrap());
+        let (q, k, v) = (part(&q, q_row, &q_shape), part(&k, kv_row, &kv_shape), part(&v, kv_row, &kv_shape));
+        let fwd = run_checked(
+            "attention",
+            &[q.clone(), k.clone(), v.clone(), lens.clone(), Some(mask.clone()), view(&sinks, &[4])],
+            &causal(true),
+        );
+        let (out, lse): (Vec<f32>, Vec<f32>) =
+            (fwd[0].iter().map(|&x| x as f32).collect(), fwd[1].iter().map(|&x| x as f32).collect());
+        let attrs = [
+            causal(true)[0].clone(),
+            ("needs_dmask", AttrValue::Bool(true)),
+            ("batch_dims", AttrValue::Int(batch_dims)),
+        ];
+        run_checked(
+            "attention_backward",
+            &[
+                part(&dout, q_row, &q_shape),
+                q,
+                k,
+                v,
+                view(&out, &q_shape),
+                view(&lse, &q_shape[..q_shape.len() - 1]),
+                lens,
+                Some(mask),
+                view(&sinks, &[4]),
+            ],
+            &attrs,
+        )
+    };
+    let (first_mask, both_mask) = (rand_vec(150, 516), rand_vec(2000, 517));
+    for (batch_dims, mask) in
+        [(1, TensorRef::new(&first_mask, &[3, 1, 1, 50]).unwrap()), (2, TensorRef::new(&both_mask, &[40, 50]).unwrap())]
+    {
+        let whole = grads(&[2, 3], 0, mask.clone(), batch_dims);
+        let summed = grads(&[2, 3], 0, mask.clone(), 0);
+        for (at, name) in [(0, "dq"), (1, "dk"), (2, "dv")] {
+            assert_near(&whole[at], &summed[at], 1e-6, name);
+        }
+        let (sample_dims, sample_rows) = (&[2, 3][batch_dims as usize..], [3, 1][batch_dims as usize - 1]);
+        let (mut dmask, mut dsinks) = (vec![], vec![]);
+        for sample in 0..6 / sample_rows {
+            let own = grads(sample_dims, sample * sample_rows, mask.clone(), 0);
+            dmask.extend_from_slice(&own[3]);
+            dsinks.extend_from_slice(&own[4]);
+        }
+        assert_eq!(
+            (whole[3].len(), whole[4].len()),
+            (6 / sample_rows * mask.shape().iter().product::<usize>(), 6 / sample_rows * 4)
+        );
+        assert_near(&whole[3], &dmask, 1e-5, "dmask, one per sample");
+        assert_near(&whole[4], &dsinks, 1e-5, "dsinks, one per sample");
+    }
+
+    let zeros = vec![0f32; 6 * q_row];
+    let lse = vec![0f32; 6 * 4 * 40];
+    let t = |x, shape: &[usize]| Some(part(x, 0, shape.iter().product(), shape));
+    let call = |mask: Option<TensorRef>, batch_dims: i64| {
+        let (q_shape, kv_shape) = ([2, 3, 4, 40, 16], [2, 3, 2, 50, 16]);
+        let inputs = [
+            t(&zeros, &q_shape),
+            t(&zeros, &q_shape),
+            t(&zeros, &kv_shape),
+            t(&zeros, &kv_shape),
+            t(&zeros, &q_shape),
+            t(&lse, &[2, 3, 4, 40]),
+            None,
+            mask,
+        ];
+        let attrs = [("needs_dmask", AttrValue::Bool(true)), ("batch_dims", AttrValue::Int(batch_dims))];
+        let err = plan_err("attention_backward", &inputs, &attrs, vec![]);
+        (err.code(), err.message().to_string())
+    };
+    assert_eq!(
+        call(t(&zeros, &[2, 1, 1, 1, 50]), 1),
+        (
+            ErrorCode::Shape,
+            "attention_backward: argument 'mask': expected at most 4 dims with needs_dmask and batch_dims 1 (one mask \
+             shared by every sample, its gradient summed per sample), got shape [2, 1, 1, 1, 50]"
+                .to_string()
+        )
+    );
+    assert_eq!(
+        call(t(&zeros, &[40, 50]), 3),
+        (
+            ErrorCode::ParamInvalid,
+            "attention_backward: argument 'batch_dims': expected 0 to 2 (the dims of q [2, 3, 4, 40, 16] that index \
+             its rows), got 3"
+                .to_string()
+        )
+    );
+}
+
 /// `softcap` caps the scaled scores to `cap · tanh(score / cap)` before the mask adds (Gemma 2):
 /// first by hand — one query, two keys with scaled scores ±3, values 1 and 0, so the output is
 /// `sigmoid(2 · cap · tanh(3 / cap))` — then against the f64 reference over many tiles (GQA,

@@ -124,8 +124,23 @@ fn check_leading_batch_args(op: &dyn Op, schema: &OpSchema) -> Result<()> {
     }
     // `batch_dims` is the per-sample form of a reduction over those rows (see
     // `Op::leading_batch_args`): frontends add one per batch, so it must be an int defaulting to
-    // "all rows", on an op whose rows they batch.
-    if let Some(arg) = schema.args.iter().find(|a| a.name == "batch_dims") {
+    // "all rows", on an op whose rows they batch; and an op returning such a sum has one.
+    let batch_dims = schema.args.iter().find(|a| a.name == "batch_dims");
+    let shared_sums: Vec<_> = (0..schema.returns.len())
+        .map(|i| schema.return_name(i))
+        .filter(|r| {
+            r.strip_prefix('d').is_some_and(|arg| !names.contains(&arg) && schema.args.iter().any(|a| a.name == arg))
+        })
+        .collect();
+    if !names.is_empty() && batch_dims.is_none() && !shared_sums.is_empty() {
+        return Err(Error::invalid(format!(
+            "op '{}': returns {} (the gradient of an argument outside leading_batch_args {names:?}, a sum over \
+             every row) without `int batch_dims=0` (expected one, to keep those sums per sample)",
+            schema.name,
+            shared_sums.join(", ")
+        )));
+    }
+    if let Some(arg) = batch_dims {
         let is_count = arg.ty.base == BaseType::Int && !arg.ty.optional;
         if !is_count || arg.default != Some(AttrValue::Int(0)) || names.is_empty() {
             return Err(Error::invalid(format!(

@@ -225,6 +225,25 @@ fn batch_dims_must_be_an_int_from_0_on_a_batched_op() {
     Registry::global().register(Box::new(Claims { schema, args: &["y"], cores: &[] })).unwrap();
 }
 
+/// A gradient of an argument outside the rows (`dw`, with `w` shared) sums over every row: one
+/// per sample of a batch needs `batch_dims`, so registration refuses such an op without it. A
+/// gradient of a row argument (`dy`) is per row already.
+#[test]
+fn a_sum_over_the_rows_needs_batch_dims() {
+    let schema = "test_batch_sum_(Tensor(a!) x, Tensor y, Tensor w, float alpha) -> (Tensor dy, Tensor dw)";
+    let err = Registry::global().register(Box::new(Claims { schema, args: &["y"], cores: &[] })).unwrap_err();
+    let expected = "op 'test_batch_sum_': returns dw (the gradient of an argument outside leading_batch_args \
+                    [\"y\"], a sum over every row) without `int batch_dims=0` (expected one, to keep those sums per \
+                    sample)";
+    assert_eq!(err.to_string().matches(expected).count(), 1, "{err}");
+    assert!(!Registry::global().contains("test_batch_sum_"));
+    let schema =
+        "test_batch_sums_(Tensor(a!) x, Tensor y, Tensor w, float alpha, int batch_dims=0) -> (Tensor dy, Tensor dw)";
+    Registry::global().register(Box::new(Claims { schema, args: &["y"], cores: &[] })).unwrap();
+    let schema = "test_batch_rows_(Tensor(a!) x, Tensor y, Tensor w, float alpha) -> (Tensor dy)";
+    Registry::global().register(Box::new(Claims { schema, args: &["y"], cores: &[] })).unwrap();
+}
+
 /// Frontends broadcast the arguments an op names in `core_dims` against each other, so
 /// registration refuses a name that is not a plain tensor argument, one named twice, or the
 /// declaration next to another way of batching.

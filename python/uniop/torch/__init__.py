@@ -507,25 +507,16 @@ def _leading_batch_vmap_rule(native):
     non-negative ``dim`` shifted past the new dim and ``batch_dims`` (the leading dims whose sums, a
     parameter's gradient or a mean loss, stay apart: one per sample) raised by one; every return (a
     list's items) carries the batch in front but the empty placeholder of a gradient not asked for
-    (``needs_dx`` false). Where another tensor argument carries the batch (a batched weight), or the
-    op, taking no ``batch_dims``, returns the gradient of a shared tensor argument
-    (attention_backward's ``dsinks``: one sum over every row of the batch), given and asked for, the
-    op runs once per sample, as torch's fallback would."""
+    (``needs_dx`` false). A gradient of a shared tensor argument (a sum over rows: attention_backward's
+    ``dsinks``) comes per sample through ``batch_dims``, which the registry requires of an op returning
+    one. Where another tensor argument carries the batch (a batched weight), the op runs once per
+    sample, as torch's fallback would."""
     names, row_names = [a["name"] for a in native.args], set(native.leading_batch_args)
     rows = {names.index(n) for n in row_names}
     defaults = {a["name"]: a.get("default") for a in native.args}
     returns = len(native.returns)
     declined = _declined_returns(native)
     op = getattr(torch.ops.uniop, native.name).default
-    # (return position, argument position) of each gradient summed over the whole batch.
-    shared_sums = [] if "batch_dims" in names else [
-        (k, names.index(r[1:])) for k, r in enumerate(native.returns)
-        if r.startswith("d") and r[1:] in names and r[1:] not in row_names
-    ]
-
-    def sums_a_shared_argument(args, kwargs):
-        left_out = declined(args, kwargs)
-        return any(k not in left_out for k, _ in shared_sums)
 
     def adjust(call, kwargs, name, change):
         """``change`` applied to attribute ``name``, passed positionally, by keyword or left at its default."""
@@ -551,9 +542,7 @@ def _leading_batch_vmap_rule(native):
 
     def rule(info, in_dims, *args, **kwargs):
         size = info.batch_size
-        if any(batched(d) for i, d in enumerate(in_dims) if i not in rows) or (
-            shared_sums and sums_a_shared_argument(args, kwargs)
-        ):
+        if any(batched(d) for i, d in enumerate(in_dims) if i not in rows):
             return _per_sample(op, size, in_dims, args, kwargs, returns)
         call = [to_front(a, in_dims[i], size) if i in rows else a for i, a in enumerate(args)]
         # Keyword arguments are never batched: shared.
