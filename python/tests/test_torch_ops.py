@@ -374,7 +374,8 @@ def test_per_sample_gradients_through_attention_in_one_call():
     call each (torch's fallback disabled; the profiler counts their launches), with a shared boolean
     mask, matching torch's per-sample gradients of the same layer written out. With a learned bias
     and sinks, whose gradients are sums over each sample's rows, the backward keeps them per sample
-    (``batch_dims``): one call still, matching too."""
+    (``batch_dims``): one call still, matching too; and vmap nested over each sample's own batch (every
+    sequence a sample of its own: ``batch_dims`` 2), one call again."""
     torch.manual_seed(0)
     x = torch.randn(5, 2, 12, 16)  # 5 samples of a [2, 12, 16] batch
     weights = [torch.randn(n, 16) / 4 for n in (32, 16, 16)]  # q: 4 heads of 8, k and v: 2 heads
@@ -382,7 +383,7 @@ def test_per_sample_gradients_through_attention_in_one_call():
     bias, sinks = torch.randn(4, 12, 12) / 2, torch.randn(4)
 
     def layer(att, p, xb):
-        heads = [torch.nn.functional.linear(xb, w).unflatten(-1, (-1, 8)).transpose(1, 2) for w in p[:3]]
+        heads = [torch.nn.functional.linear(xb, w).unflatten(-1, (-1, 8)).transpose(-3, -2) for w in p[:3]]
         return att(*heads, *p[3:]).square().mean()
 
     def uniop_att(q, k, v, *learned):
@@ -393,14 +394,23 @@ def test_per_sample_gradients_through_attention_in_one_call():
         mask, sinks = learned if learned else (keep, None)
         return attention_ref(q, k, v, True, mask, None, sinks)[0].float()
 
-    for params in (weights, weights + [bias, sinks]):
+    def per_sample(att):
+        return torch.func.vmap(torch.func.grad(lambda p, xb: layer(att, p, xb)), in_dims=(None, 0))
+
+    for params, nested in ((weights, False), (weights + [bias, sinks], False), (weights + [bias, sinks], True)):
         with _no_vmap_fallback(), uniop.Profiler() as prof:
-            got = torch.func.vmap(torch.func.grad(lambda p, xb: layer(uniop_att, p, xb)), in_dims=(None, 0))(params, x)
+            got = (torch.func.vmap(per_sample(uniop_att), in_dims=(None, 0)) if nested else per_sample(uniop_att))(
+                params, x)
         ran = collections.Counter(e["step"] for e in prof.events())  # each call's first launch, once
         assert (ran["attention"], ran["attention_backward.delta"]) == (1, 1)
-        want = [torch.func.grad(lambda p, xb: layer(torch_att, p, xb))(params, xb) for xb in x]
-        for g, w in zip(got, zip(*want)):
-            torch.testing.assert_close(g, torch.stack(w), rtol=1e-4, atol=1e-5)
+        grad = torch.func.grad(lambda p, xb: layer(torch_att, p, xb))
+        # Per parameter: stacked over the samples (and over each one's sequences, a batch of one each,
+        # when nested).
+        units = [[grad(params, seq[None]) for seq in xb] if nested else grad(params, xb) for xb in x]
+        want = [torch.stack([torch.stack([g[k] for g in u]) if nested else u[k] for u in units])
+                for k in range(len(params))]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
 def test_per_sample_gradients_through_matmul_attention_in_one_call():
