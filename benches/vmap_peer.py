@@ -10,11 +10,12 @@ gradients of the norm weight and the projections (and the table); and attention 
 `softmax(q kᵀ) v`, q, k and v projected by linear), then the same causal, by uniop's attention against torch's SDPA
 (each sample's `[4, rows, hidden / 4]` heads: attention takes the batch as one more leading dim), and the same not
 causal with a learned `[4, rows, rows]` bias added to the scores (T5's relative position bias, SDPA's float
-`attn_mask`: its per-sample gradient too, which attention_backward keeps apart through `batch_dims`); and a learned
-prefix of `rows / 2` tokens joined by cat in front of each sample before the linear (prefix tuning). uniop's ops batch through the rules `uniop.torch` generates from
+`attn_mask`: its per-sample gradient too); and a learned prefix of `rows / 2` tokens joined by cat in front of each
+sample before the linear (prefix tuning). uniop's ops batch through the rules `uniop.torch` generates from
 `Op::elementwise`, `Op::leading_batch_args` and `Op::core_dims` (one call over the batch); the backwards that sum a
-parameter's gradient over rows (rms_norm_backward, linear_backward, linear_silu_mul_backward, embedding_backward) and
-cross_entropy's mean keep one per sample through their `batch_dims`. Best of `--rounds` calls, in milliseconds.
+parameter's gradient over rows (rms_norm_backward, linear_backward, linear_silu_mul_backward, embedding_backward,
+attention_backward's bias and sinks gradients) and cross_entropy's mean keep one per sample through their
+`batch_dims`. Best of `--rounds` calls, in milliseconds.
 """
 
 import argparse
