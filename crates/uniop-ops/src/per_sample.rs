@@ -4,8 +4,8 @@
 //! `linear_add_backward`, `linear_{silu,gelu}_mul_backward` and `embedding_backward` sum dweight
 //! (and dbias) over every row of `x` (token of `indices`), `attention_backward` sums dmask and
 //! dsinks over every batch row of `q`, and `cross_entropy` takes one mean over all rows: the
-//! gradient, the loss, of one batch. Per-sample gradients (`torch.func.vmap(torch.func.grad(..))`, DP-SGD's clipping)
-//! want one sum per sample instead, and splitting the total afterwards is impossible, so without
+//! gradient, the loss, of one batch. Per-sample gradients (`torch.func.vmap(torch.func.grad(..))`,
+//! DP-SGD's clipping) want one sum per sample instead, and splitting the total afterwards is impossible, so without
 //! help each sample costs a call of its own. With `batch_dims = b` the first `b` dims of `x` count
 //! samples: the summed returns come out `x.shape[..b] + the parameter's shape` (a loss: `x.shape[..b]`),
 //! one per sample, from one call; the row-wise returns (dx) do not change. `uniop.torch`'s vmap rule

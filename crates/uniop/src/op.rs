@@ -57,10 +57,10 @@ pub trait Op: Send + Sync + 'static {
     /// batches only with an `int batch_dims=0` argument: the leading dims of the rows kept apart
     /// in the sums (one per sample), which a batch raises by one: a return `d<arg>` of a tensor
     /// argument outside the set (rms_norm_backward's `dweight`, attention_backward's `dsinks`) is
-    /// such a sum, and the registry refuses an op returning one without `batch_dims`.
-    /// Empty where no such set exists: elementwise ops (see
-    /// [`Op::elementwise`]), a reduction with no per-sample form (a mean loss), seeded sampling,
-    /// ops on fixed-rank layouts, ops whose `int dim` is not an axis (rope_cos_sin's rotary dim).
+    /// such a sum, and the registry refuses an op returning one without `batch_dims`. Empty where
+    /// no such set exists: elementwise ops (see [`Op::elementwise`]), a reduction with no
+    /// per-sample form (a mean loss), seeded sampling, ops on fixed-rank layouts, ops whose
+    /// `int dim` is not an axis (rope_cos_sin's rotary dim).
     fn leading_batch_args(&self) -> &'static [&'static str] {
         &[]
     }

@@ -129,7 +129,8 @@ fn check_leading_batch_args(op: &dyn Op, schema: &OpSchema) -> Result<()> {
     let shared_sums: Vec<_> = (0..schema.returns.len())
         .map(|i| schema.return_name(i))
         .filter(|r| {
-            r.strip_prefix('d').is_some_and(|arg| !names.contains(&arg) && schema.args.iter().any(|a| a.name == arg))
+            let tensor = |arg| schema.args.iter().any(|a| a.name == arg && a.ty.base == BaseType::Tensor);
+            r.strip_prefix('d').is_some_and(|arg| !names.contains(&arg) && tensor(arg))
         })
         .collect();
     if !names.is_empty() && batch_dims.is_none() && !shared_sums.is_empty() {
