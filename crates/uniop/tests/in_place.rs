@@ -235,7 +235,7 @@ fn a_sum_over_the_rows_needs_batch_dims() {
     let expected = "op 'test_batch_sum_': returns dw (the gradient of an argument outside leading_batch_args \
                     [\"y\"], a sum over every row) without `int batch_dims=0` (expected one, to keep those sums per \
                     sample)";
-    assert_eq!(err.to_string().matches(expected).count(), 1, "{err}");
+    assert!(err.to_string().contains(expected), "{err}");
     assert!(!Registry::global().contains("test_batch_sum_"));
     let schema =
         "test_batch_sums_(Tensor(a!) x, Tensor y, Tensor w, float alpha, int batch_dims=0) -> (Tensor dy, Tensor dw)";
