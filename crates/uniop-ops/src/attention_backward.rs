@@ -74,12 +74,16 @@ pub(crate) struct SampleRows {
     pub rows: usize,
 }
 
-/// The samples of `batch_dims` (checked: at most q's batch dims), with the dims they add in front
-/// of `dmask` and `dsinks`.
-fn samples(cx: &OpCx) -> Result<(Samples, SampleRows)> {
-    let samples = Samples::of(cx, "q", cx.input("q").rank().saturating_sub(3))?;
-    let rows = SampleRows { count: samples.count, rows: samples.rows };
-    Ok((samples, rows))
+impl SampleRows {
+    fn of(samples: &Samples) -> SampleRows {
+        SampleRows { count: samples.count, rows: samples.rows }
+    }
+}
+
+/// The samples of `batch_dims` (checked: at most q's batch dims), whose dims come in front of
+/// `dmask` and `dsinks`.
+fn batch_samples(cx: &OpCx) -> Result<Samples> {
+    Samples::of(cx, "q", cx.input("q").rank().saturating_sub(3))
 }
 
 /// The float mask whose gradient the call asks for (`needs_dmask`), or `None` when it asks for
@@ -1123,7 +1127,7 @@ impl Op for AttentionBackward {
             .iter()
             .map(|a| TensorMeta::contiguous(cx.input(a).dtype, cx.input(a).shape()))
             .collect::<Result<_>>()?;
-        let (samples, _) = samples(cx)?;
+        let samples = batch_samples(cx)?;
         metas.push(match mask_grad(cx, &samples)? {
             Some(mask) => TensorMeta::contiguous(mask.dtype, &samples.shape(mask.shape()))?,
             None => TensorMeta::contiguous(g.dtype, &[0])?,
@@ -1167,7 +1171,8 @@ impl Op for AttentionBackward {
             Some(s) => s.partial_dk,
             None => scratch_end,
         };
-        let (samples, sample_rows) = samples(cx)?;
+        let samples = batch_samples(cx)?;
+        let sample_rows = SampleRows::of(&samples);
         let dmask = mask_grad(cx, &samples)?.map(|mask| MaskGrad::of(&g, mask.shape(), sample_rows));
         let workspace =
             dmask.map_or(workspace, |m| workspace.max(rows + blocks(m.units()) as usize * MaskGrad::scratch(&g)));
@@ -1233,10 +1238,12 @@ impl Op for AttentionBackward {
         let mut dq = vec![0.0; q.data.len()];
         let mut dk = vec![0.0; k.data.len()];
         let mut dvv = vec![0.0; v.data.len()];
-        let (samples, sample_rows) = samples(cx)?;
+        let samples = batch_samples(cx)?;
         let wants_dmask = mask_grad(cx, &samples)?.is_some();
-        let per_sample =
-            |shape: &[usize]| RefTensor::new(&samples.shape(shape), vec![0.0; samples.shape(shape).iter().product()]);
+        let per_sample = |shape: &[usize]| {
+            let shape = samples.shape(shape);
+            RefTensor::new(&shape, vec![0.0; shape.iter().product()])
+        };
         let mut dmask = match (mask, wants_dmask) {
             (Some(mask), true) => per_sample(&mask.shape),
             _ => RefTensor::new(&[0], vec![]),
@@ -1245,7 +1252,7 @@ impl Op for AttentionBackward {
         let mut dsinks = sinks.map_or_else(|| RefTensor::new(&[0], vec![]), |s| per_sample(&s.shape));
         let scale = g.scale_f64;
         for b in 0..g.batch {
-            let sample = b / sample_rows.rows;
+            let sample = b / samples.rows;
             let len = lens.map_or(g.kv_len, |l| l.data[b] as usize);
             for h in 0..g.q_heads {
                 let kv = (b * g.kv_heads + h / group) * g.kv_len;
