@@ -11,7 +11,10 @@ gradients of the norm weight and the projections (and the table); and attention 
 (each sample's `[4, rows, hidden / 4]` heads: attention takes the batch as one more leading dim), and the same not
 causal with a learned `[4, rows, rows]` bias added to the scores (T5's relative position bias, SDPA's float
 `attn_mask`: its per-sample gradient too); and a learned prefix of `rows / 2` tokens joined by cat in front of each
-sample before the linear (prefix tuning). uniop's ops batch through the rules `uniop.torch` generates from
+sample before the linear (prefix tuning); and a rotary layer with per-sample positions (each sample's own offset, as
+in a left-padded batch): rope tables built from the positions (uniop's rope_cos_sin, HF's formula in torch), a
+projection by linear split into 4 heads and permuted to `[4, rows, hidden / 4]` (torch: a view), rotated by rope.
+uniop's ops batch through the rules `uniop.torch` generates from
 `Op::elementwise`, `Op::leading_batch_args` and `Op::core_dims` (one call over the batch); the backwards that sum a
 parameter's gradient over rows (rms_norm_backward, linear_backward, linear_silu_mul_backward, embedding_backward,
 attention_backward's bias and sinks gradients) and cross_entropy's mean keep one per sample through their
@@ -55,7 +58,23 @@ def main():
         "attention": lambda q, k, v: ops.attention(q, k, v, None, True)[0],
         "biased_attention": lambda q, k, v, bias: ops.attention(q, k, v, None, False, None, bias)[0],
         "cat": ops.cat,
+        "rope_tables": lambda pos: ops.rope_cos_sin(pos, args.hidden // 4),
+        "permute": ops.permute,
+        "rope": ops.rope,
     }
+
+    def rope_tables(pos):
+        """HF's default rope tables (LlamaRotaryEmbedding), in torch."""
+        dim = args.hidden // 4
+        inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        angles = pos[..., None].float() * inv_freq
+        return torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+    def rope_half(a, cos, sin):
+        """HF's apply_rotary_pos_emb of one tensor."""
+        rotated = torch.cat([-a[..., a.shape[-1] // 2 :], a[..., : a.shape[-1] // 2]], -1)
+        return a * cos + rotated * sin
+
     torch_ops = {
         "softmax": lambda a: torch.softmax(a, -1),
         "norm": lambda a, w: torch.nn.functional.rms_norm(a, (args.hidden,), w, 1e-6),
@@ -67,6 +86,9 @@ def main():
         "attention": lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
         "biased_attention": lambda q, k, v, bias: torch.nn.functional.scaled_dot_product_attention(q, k, v, bias),
         "cat": torch.cat,
+        "rope_tables": rope_tables,
+        "permute": torch.permute,
+        "rope": rope_half,
     }
 
     def model(o, p, xb):
@@ -93,6 +115,13 @@ def main():
     def prefix_loss(o, p, xb):
         return o["linear"](o["cat"]([p[0], xb], -2), p[1]).pow(2).sum()
 
+    def rotary_loss(o, p, xb, pos):
+        cos, sin = o["rope_tables"](pos)  # [rows, hidden / 4], per sample
+        heads = o["permute"](o["linear"](xb, p).unflatten(-1, (4, -1)), [1, 0, 2])  # [4, rows, hidden / 4]
+        return o["rope"](heads, cos, sin).pow(2).sum()
+
+    # Each sample's positions start at its own offset (a left-padded batch).
+    positions = torch.randint(0, 64, (args.samples, 1)) + torch.arange(args.rows)
     projections = [torch.randn(args.hidden, args.hidden) / args.hidden**0.5 for _ in range(3)]
     prefix = (torch.randn(args.rows // 2, args.hidden), params[1])
     cases = {
@@ -124,6 +153,9 @@ def main():
         "vmap(grad) of cat (a learned prefix) → linear": lambda o: torch.func.vmap(
             torch.func.grad(lambda p, s: prefix_loss(o, p, s)), (None, 0)
         )(prefix, x),
+        "vmap(grad) of linear → permute → rope, per-sample positions": lambda o: torch.func.vmap(
+            torch.func.grad(lambda p, s, pos: rotary_loss(o, p, s, pos)), (None, 0, 0)
+        )(projections[0], x, positions),
     }
     print(f"{args.samples} samples of [{args.rows}, {args.hidden}] float32, {torch.get_num_threads()} threads, "
           f"best of {args.rounds}\n")

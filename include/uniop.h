@@ -12,8 +12,8 @@
 // gradients gained `batch_dims`; 4: so did linear_silu_mul_backward and linear_gelu_mul_backward, with
 // `needs_dx`, `needs_dgate_weight` and `needs_dup_weight`; linear_backward and linear_add_backward
 // gained `needs_dx` and `needs_dweight`, matmul_backward `needs_da` and `needs_db`; 5:
-// attention_backward gained `batch_dims`).
-#define UNIOP_ABI_VERSION 5
+// attention_backward gained `batch_dims`; 6: so did permute and permute_backward).
+#define UNIOP_ABI_VERSION 6
 
 // A point in a stream's work, for ordering and timing (opaque).
 typedef struct uniopEventObj uniopEventObj;
@@ -1130,13 +1130,15 @@ uniopStatus uniopPackWeight(void *workspace,
                             uniopExecutor *executor,
                             uniopStream stream);
 
-// Phase 1 of `permute(Tensor x, int[] dims) -> (Tensor out)`.
+// Phase 1 of `permute(Tensor x, int[] dims, int batch_dims=0) -> (Tensor out)`.
 //
 // A contiguous copy of x with its dims reordered: out.shape[i] = x.shape[dims[i]] (torch's
 // x.permute(dims).contiguous()). dims is a permutation of x's dims; negative values count from the
-// end. x may have any strides. Any dtype.
+// end. With batch_dims, x's first batch_dims dims stay in place and dims permutes the others (its
+// non-negative values counted from the first of them). x may have any strides. Any dtype.
 uniopStatus uniopPermuteGetWorkspaceSize(const uniopTensor *x,
                                          const uniopIntArray *dims,
+                                         int64_t batch_dims,
                                          uniopTensor *out,
                                          uint64_t *workspaceSize,
                                          uniopExecutor **executor);
@@ -1147,12 +1149,13 @@ uniopStatus uniopPermute(void *workspace,
                          uniopExecutor *executor,
                          uniopStream stream);
 
-// Phase 1 of `permute_backward(Tensor dout, int[] dims) -> (Tensor dx)`.
+// Phase 1 of `permute_backward(Tensor dout, int[] dims, int batch_dims=0) -> (Tensor dx)`.
 //
 // Gradient of permute: dx = dout with the inverse permutation of dims applied (contiguous); dims
-// as given to permute. Any dtype.
+// and batch_dims as given to permute. Any dtype.
 uniopStatus uniopPermuteBackwardGetWorkspaceSize(const uniopTensor *dout,
                                                  const uniopIntArray *dims,
+                                                 int64_t batch_dims,
                                                  uniopTensor *dx,
                                                  uint64_t *workspaceSize,
                                                  uniopExecutor **executor);

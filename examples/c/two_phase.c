@@ -548,23 +548,41 @@ static void test_scalar_and_int_array(uniopStream stream) {
   int64_t pd[] = {2, 3, 4}, qd[] = {4, 2, 3}, order[] = {-1, 0, 1};
   uniopTensor *tp = dense(pd, 3, p), *tq = dense(qd, 3, q);
   uniopIntArray *dims = uniopCreateIntArray(order, 3);
-  OK(uniopPermuteGetWorkspaceSize(tp, dims, tq, &ws, &exec));
+  OK(uniopPermuteGetWorkspaceSize(tp, dims, 0, tq, &ws, &exec));
   launch(uniopPermute, ws, exec, stream);
   double wantq[24];
   for (int k = 0; k < 4; k++)
     for (int i = 0; i < 2; i++)
       for (int j = 0; j < 3; j++) wantq[(k * 2 + i) * 3 + j] = p[(i * 3 + j) * 4 + k];
   expect_close("permute (uniopIntArray)", q, wantq, 24, 0);
+  /* batch_dims 1: the first dim stays, the last two swap ([2, 3, 4] -> [2, 4, 3]) */
+  float r[24];
+  int64_t rd[] = {2, 4, 3}, swap[] = {-1, 0};
+  uniopTensor *tr = dense(rd, 3, r);
+  uniopIntArray *swap_dims = uniopCreateIntArray(swap, 2);
+  OK(uniopPermuteGetWorkspaceSize(tp, swap_dims, 1, tr, &ws, &exec));
+  launch(uniopPermute, ws, exec, stream);
+  for (int b = 0; b < 2; b++)
+    for (int k = 0; k < 4; k++)
+      for (int j = 0; j < 3; j++) wantq[(b * 4 + k) * 3 + j] = p[(b * 3 + j) * 4 + k];
+  expect_close("permute (batch_dims 1)", r, wantq, 24, 0);
+  expect_error("permute: batch_dims past the rank", uniopPermuteGetWorkspaceSize(tp, swap_dims, 4, tr, &ws, &exec),
+               UNIOP_ERROR_PARAM_INVALID, "'batch_dims'");
+  expect_error("permute: dims of all 3 dims with batch_dims 1",
+               uniopPermuteGetWorkspaceSize(tp, dims, 1, tr, &ws, &exec), UNIOP_ERROR_PARAM_INVALID,
+               "after its 1 batch dims");
+  OK(uniopDestroyIntArray(swap_dims));
+  OK(uniopDestroyTensor(tr));
   int64_t repeated[] = {0, 0, 1};
   uniopIntArray *bad_dims = uniopCreateIntArray(repeated, 3);
-  expect_error("permute: dims repeat", uniopPermuteGetWorkspaceSize(tp, bad_dims, tq, &ws, &exec),
+  expect_error("permute: dims repeat", uniopPermuteGetWorkspaceSize(tp, bad_dims, 0, tq, &ws, &exec),
                UNIOP_ERROR_PARAM_INVALID, "permutation");
 
   expect_no_handle("scalar: NULL value", uniopCreateScalar(NULL, UNIOP_FLOAT), "'value'");
   expect_no_handle("scalar: bad dtype", uniopCreateScalar(&half_, 42), "got 42");
   expect_no_handle("int array: NULL values", uniopCreateIntArray(NULL, 2), "'value'");
   OK(uniopDestroyIntArray(bad_dims));
-  expect_error("int array: destroyed", uniopPermuteGetWorkspaceSize(tp, bad_dims, tq, &ws, &exec),
+  expect_error("int array: destroyed", uniopPermuteGetWorkspaceSize(tp, bad_dims, 0, tq, &ws, &exec),
                UNIOP_ERROR_PARAM_INVALID, "'dims'");
   expect_error("scalar: wrong handle type", uniopDestroyScalar((const uniopScalar *)dims), UNIOP_ERROR_PARAM_INVALID,
                "'scalar'");

@@ -16,7 +16,7 @@ import torch
 
 import uniop
 import uniop.torch  # noqa: F401  (registers torch.ops.uniop)
-from cases import CASES, attention_mask, attention_ref, cos_sin_ref
+from cases import CASES, attention_mask, attention_ref, cos_sin_ref, rope_half_ref
 
 # Tests of what only the C++ kernels do (their error types and messages, torch-made outputs) skip
 # where the Python kernels were chosen on purpose; a failed C++ build still fails them.
@@ -279,7 +279,7 @@ def test_row_ops_vmap_in_one_call(name):
     with a shared argument (a weight) batched too, which the rule runs sample by sample. A list
     argument (cat's tensors) is batched item by item."""
     assert {"softmax", "rms_norm", "linear", "embedding", "argmax", "swiglu_backward", "attention", "cat",
-            "cat_backward"} <= set(LEADING_BATCH)
+            "cat_backward", "permute", "permute_backward"} <= set(LEADING_BATCH)
     torch.manual_seed(0)
     args, _ = CASES[name](torch.float32, False)
     op = getattr(torch.ops.uniop, name)
@@ -296,7 +296,7 @@ def test_block_ops_vmap_in_one_call(name):
     its backward) runs its batching rule, torch's per-sample fallback disabled, and gives the
     per-sample calls' results: every broadcast operand batched, only the first (the others shared,
     their gradients one per sample), only the last (of fewer batch dims than the first: padded)."""
-    assert {"matmul", "matmul_backward"} <= set(BLOCKS)
+    assert {"matmul", "matmul_backward", "rope", "rope_backward", "rope_cos_sin"} <= set(BLOCKS)
     torch.manual_seed(0)
     args, _ = CASES[name](torch.float32, False)
     op = getattr(torch.ops.uniop, name)
@@ -411,6 +411,44 @@ def test_per_sample_gradients_through_attention_in_one_call():
                 for k in range(len(params))]
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_per_sample_positions_through_rope_and_permute_in_one_call():
+    """vmap(grad) of a rotary layer whose positions differ per sample (as in a left-padded batch):
+    rope_cos_sin builds every sample's tables, a head-layout permute (``batch_dims``) and rope with
+    those per-sample tables run forward and backward in one call each (torch's fallback disabled;
+    the profiler counts the launches), matching torch's own rotation vmapped the same way. A sample
+    whose tables have more dims than its x raises rope's own error, as the sample's call does,
+    though the batched call's padding would let it through."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 6, 4, 8)  # 5 samples of [S=6, H=4, D=8]
+    positions = torch.stack([torch.arange(6) + start for start in range(5)])
+    w = torch.randn(32, 32) / 6
+
+    def uniop_layer(w, xb, pos):
+        cos, sin = torch.ops.uniop.rope_cos_sin(pos, 8)
+        heads = torch.ops.uniop.permute(torch.nn.functional.linear(xb.flatten(-2), w).unflatten(-1, (4, 8)), [1, 0, 2])
+        return torch.ops.uniop.rope(heads, cos, sin).square().mean()
+
+    def torch_layer(w, xb, pos):
+        cos, sin = cos_sin_ref(pos, 8)
+        heads = torch.nn.functional.linear(xb.flatten(-2), w).unflatten(-1, (4, 8)).permute(1, 0, 2)
+        return rope_half_ref(heads, cos.float(), sin.float()).square().mean()
+
+    per_sample = lambda layer: torch.func.vmap(torch.func.grad(layer), in_dims=(None, 0, 0))  # noqa: E731
+    with _no_vmap_fallback(), uniop.Profiler() as prof:
+        got = per_sample(uniop_layer)(w, x, positions)
+    ran = collections.Counter(e["op"] for e in prof.events())
+    assert {op: ran[op] for op in ("rope_cos_sin", "permute", "rope", "rope_backward", "permute_backward")} == {
+        "rope_cos_sin": 1, "permute": 1, "rope": 1, "rope_backward": 1, "permute_backward": 1}, ran
+    torch.testing.assert_close(got, per_sample(torch_layer)(w, x, positions), rtol=1e-4, atol=1e-6)
+
+    x, tables = torch.randn(3, 6, 8), torch.randn(3, 1, 6, 8)
+    with pytest.raises(uniop.UniopError, match=r"rope: argument 'cos'") as one:
+        torch.ops.uniop.rope(x[0], tables[0], tables[0])
+    with _no_vmap_fallback(), pytest.raises(uniop.UniopError, match=r"rope: argument 'cos'") as batched:
+        torch.func.vmap(torch.ops.uniop.rope)(x, tables, tables)
+    assert str(batched.value) == str(one.value)
 
 
 def test_per_sample_gradients_through_matmul_attention_in_one_call():

@@ -61,8 +61,8 @@ const _: () = {
 /// gradients gained `batch_dims`; 4: so did linear_silu_mul_backward and linear_gelu_mul_backward, with
 /// `needs_dx`, `needs_dgate_weight` and `needs_dup_weight`; linear_backward and linear_add_backward
 /// gained `needs_dx` and `needs_dweight`, matmul_backward `needs_da` and `needs_db`; 5:
-/// attention_backward gained `batch_dims`).
-pub const UNIOP_ABI_VERSION: u32 = 5;
+/// attention_backward gained `batch_dims`; 6: so did permute and permute_backward).
+pub const UNIOP_ABI_VERSION: u32 = 6;
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());

@@ -1897,15 +1897,17 @@ pub extern "C" fn uniopPackWeight(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `permute(Tensor x, int[] dims) -> (Tensor out)`.
+/// Phase 1 of `permute(Tensor x, int[] dims, int batch_dims=0) -> (Tensor out)`.
 ///
 /// A contiguous copy of x with its dims reordered: out.shape[i] = x.shape[dims[i]] (torch's
 /// x.permute(dims).contiguous()). dims is a permutation of x's dims; negative values count from the
-/// end. x may have any strides. Any dtype.
+/// end. With batch_dims, x's first batch_dims dims stay in place and dims permutes the others (its
+/// non-negative values counted from the first of them). x may have any strides. Any dtype.
 #[no_mangle]
 pub extern "C" fn uniopPermuteGetWorkspaceSize(
     x: *const uniopTensor,
     dims: *const uniopIntArray,
+    batch_dims: i64,
     out: *mut uniopTensor,
     workspaceSize: *mut u64,
     executor: *mut *mut uniopExecutor,
@@ -1913,7 +1915,8 @@ pub extern "C" fn uniopPermuteGetWorkspaceSize(
     const F: &str = "uniopPermuteGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 1] = [("x", x)];
-        let attrs: [(&str, AttrValue); 1] = [("dims", int_array_value(F, "dims", dims)?)];
+        let attrs: [(&str, AttrValue); 2] =
+            [("dims", int_array_value(F, "dims", dims)?), ("batch_dims", AttrValue::Int(batch_dims))];
         let outputs = [("out", out as *const uniopTensor)];
         plan("permute", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })
@@ -1930,14 +1933,15 @@ pub extern "C" fn uniopPermute(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
-/// Phase 1 of `permute_backward(Tensor dout, int[] dims) -> (Tensor dx)`.
+/// Phase 1 of `permute_backward(Tensor dout, int[] dims, int batch_dims=0) -> (Tensor dx)`.
 ///
 /// Gradient of permute: dx = dout with the inverse permutation of dims applied (contiguous); dims
-/// as given to permute. Any dtype.
+/// and batch_dims as given to permute. Any dtype.
 #[no_mangle]
 pub extern "C" fn uniopPermuteBackwardGetWorkspaceSize(
     dout: *const uniopTensor,
     dims: *const uniopIntArray,
+    batch_dims: i64,
     dx: *mut uniopTensor,
     workspaceSize: *mut u64,
     executor: *mut *mut uniopExecutor,
@@ -1945,7 +1949,8 @@ pub extern "C" fn uniopPermuteBackwardGetWorkspaceSize(
     const F: &str = "uniopPermuteBackwardGetWorkspaceSize";
     guard(|| {
         let inputs: [(&str, *const uniopTensor); 1] = [("dout", dout)];
-        let attrs: [(&str, AttrValue); 1] = [("dims", int_array_value(F, "dims", dims)?)];
+        let attrs: [(&str, AttrValue); 2] =
+            [("dims", int_array_value(F, "dims", dims)?), ("batch_dims", AttrValue::Int(batch_dims))];
         let outputs = [("dx", dx as *const uniopTensor)];
         plan("permute_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
     })

@@ -151,11 +151,8 @@ fn describe(op: &str) -> Result<()> {
             format!("blocks over broadcast batch dims of {}: one call over a leading batch dim", cores.join(", "))
         }
         (false, false) => {
-            let sums = if s.args.iter().any(|a| a.name == "batch_dims") {
-                ", its sums kept per sample (batch_dims + 1)"
-            } else {
-                ""
-            };
+            // The op's doc says what its batch_dims keeps apart (sums per sample, dims in place).
+            let sums = if s.args.iter().any(|a| a.name == "batch_dims") { ", batch_dims raised by one" } else { "" };
             format!("row by row along the leading dims of {}: one call over a leading batch dim{sums}", rows.join(", "))
         }
         (false, true) => "one call per sample".to_string(),

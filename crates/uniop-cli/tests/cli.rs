@@ -31,8 +31,8 @@ fn list_and_describe_come_from_the_registry() {
         ("add_rms_norm", "batching: row by row along the leading dims of x, residual"),
         (
             "rms_norm_backward",
-            "batching: row by row along the leading dims of dy, x, rstd: one call over a leading batch dim, its sums \
-             kept per sample (batch_dims + 1)",
+            "batching: row by row along the leading dims of dy, x, rstd: one call over a leading batch dim, batch_dims \
+             raised by one",
         ),
         (
             "matmul",
@@ -46,10 +46,19 @@ fn list_and_describe_come_from_the_registry() {
         (
             "attention_backward",
             "batching: row by row along the leading dims of dout, q, k, v, out, lse, kv_lens: one call over a leading \
-             batch dim, its sums kept per sample (batch_dims + 1)",
+             batch dim, batch_dims raised by one",
         ),
         ("cat", "batching: row by row along the leading dims of tensors: one call over a leading batch dim\n"),
-        ("permute", "batching: one call per sample"),
+        (
+            "permute",
+            "batching: row by row along the leading dims of x: one call over a leading batch dim, batch_dims raised \
+             by one",
+        ),
+        (
+            "rope_cos_sin",
+            "batching: blocks over broadcast batch dims of positions (core rank 0): one call over a leading batch dim",
+        ),
+        ("sample", "batching: one call per sample"),
     ] {
         let text = stdout(&uniop(&["describe", op]));
         assert!(text.contains(batching), "{text}");

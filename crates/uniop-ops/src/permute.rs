@@ -6,6 +6,7 @@
 //! place. Where the last dim stays last, rows are copied in tiles ([`uniop::RowTiles`]) so that
 //! reads and writes both run in order; otherwise the output is walked in order.
 
+use crate::per_sample::Samples;
 use uniop::{
     BlockCtx, DType, ErrorCode, Example, KernelArgs, Layout, Op, OpCx, Plan, RefTensor, Result, RowTiles, Step,
     StridedRuns, TensorMeta,
@@ -17,37 +18,41 @@ pub struct Permute;
 pub(crate) const DTYPES: &[DType] =
     &[DType::F32, DType::F16, DType::BF16, DType::F64, DType::I8, DType::I32, DType::I64, DType::U8, DType::Bool];
 
-/// `dims` normalized (negative counts from the end) and checked to be a permutation of the dims
-/// of tensor argument `arg`; with `inverse`, the permutation that undoes it (the backward's).
+/// The full permutation of the dims of tensor argument `arg`: its first `batch_dims` dims in
+/// place, then `dims` (negative counting from the end, non-negative from the first dim after the
+/// batch) checked to be a permutation of the rest; with `inverse`, the permutation that undoes
+/// it (the backward's).
 fn order(cx: &OpCx, arg: &str, inverse: bool) -> Result<Vec<usize>> {
     let rank = cx.input(arg).rank();
     let given = match cx.attr("dims") {
         uniop::AttrValue::Ints(v) => v.clone(),
         other => unreachable!("schema types dims as int[], got {other}"),
     };
-    let mut seen = vec![false; rank];
+    let batch = Samples::of(cx, arg, rank)?.dims.len();
+    let permuted = rank - batch;
+    let mut seen = vec![false; permuted];
     let bad = || {
+        let of = if batch == 0 { String::new() } else { format!(" after its {batch} batch dims") };
         cx.err(
             ErrorCode::ParamInvalid,
             "dims",
             format!(
-                "a permutation of the {rank} dims of {arg} (each of 0..{rank} once, negative counting from the end)"
+                "a permutation of the {permuted} dims of {arg}{of} (each of 0..{permuted} once, negative counting \
+                 from the end)"
             ),
             format!("{given:?}"),
         )
     };
-    if given.len() != rank {
+    if given.len() != permuted {
         return Err(bad());
     }
-    let forward: Vec<usize> = given
-        .iter()
-        .map(|&d| {
-            let d = if d < 0 { d + rank as i64 } else { d };
-            let d = usize::try_from(d).ok().filter(|&d| d < rank && !seen[d]).ok_or_else(bad)?;
-            seen[d] = true;
-            Ok(d)
-        })
-        .collect::<Result<_>>()?;
+    let mut forward: Vec<usize> = (0..batch).collect();
+    for &d in &given {
+        let d = if d < 0 { d + permuted as i64 } else { d };
+        let d = usize::try_from(d).ok().filter(|&d| d < permuted && !seen[d]).ok_or_else(bad)?;
+        seen[d] = true;
+        forward.push(batch + d);
+    }
     if !inverse {
         return Ok(forward);
     }
@@ -123,13 +128,14 @@ pub(crate) fn example(shape: Option<&[usize]>, dtype: DType) -> Result<Example> 
 
 impl Op for Permute {
     fn schema(&self) -> &'static str {
-        "permute(Tensor x, int[] dims) -> Tensor out"
+        "permute(Tensor x, int[] dims, int batch_dims=0) -> Tensor out"
     }
 
     fn doc(&self) -> &'static str {
         "A contiguous copy of x with its dims reordered: out.shape[i] = x.shape[dims[i]] (torch's \
          x.permute(dims).contiguous()). dims is a permutation of x's dims; negative values count from the end. \
-         x may have any strides. Any dtype."
+         With batch_dims, x's first batch_dims dims stay in place and dims permutes the others (its non-negative \
+         values counted from the first of them). x may have any strides. Any dtype."
     }
 
     fn dtypes(&self) -> &'static [DType] {
@@ -138,6 +144,11 @@ impl Op for Permute {
 
     fn backward(&self) -> Option<&'static str> {
         Some("permute_backward")
+    }
+
+    /// Each batch dim of x moves nowhere: a batch is one more of them.
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["x"]
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {

@@ -8,16 +8,20 @@ pub struct PermuteBackward;
 
 impl Op for PermuteBackward {
     fn schema(&self) -> &'static str {
-        "permute_backward(Tensor dout, int[] dims) -> Tensor dx"
+        "permute_backward(Tensor dout, int[] dims, int batch_dims=0) -> Tensor dx"
     }
 
     fn doc(&self) -> &'static str {
-        "Gradient of permute: dx = dout with the inverse permutation of dims applied (contiguous); dims as given \
-         to permute. Any dtype."
+        "Gradient of permute: dx = dout with the inverse permutation of dims applied (contiguous); dims and \
+         batch_dims as given to permute. Any dtype."
     }
 
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
+    }
+
+    fn leading_batch_args(&self) -> &'static [&'static str] {
+        &["dout"]
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {

@@ -346,9 +346,10 @@ impl Op for Rope {
          (GPT-J). cos/sin in x's dtype or float32."
     }
 
-    /// Row by row: the tables broadcast against the leading dims of x, so they stay shared when x gains one.
-    fn leading_batch_args(&self) -> &'static [&'static str] {
-        &["x"]
+    /// A row of x and the tables' rows at its broadcast index: a batch of x, of the tables (one per
+    /// sample's positions) or of both is one call.
+    fn core_dims(&self) -> &'static [(&'static str, usize)] {
+        &[("x", 1), ("cos", 1), ("sin", 1)]
     }
 
     fn dtypes(&self) -> &'static [DType] {

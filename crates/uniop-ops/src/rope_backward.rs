@@ -16,9 +16,9 @@ impl Op for RopeBackward {
         "Gradient of rope: applies the transposed rotation to dout (same cos/sin/mode/per_pair rules as rope)."
     }
 
-    /// Row by row, as rope.
-    fn leading_batch_args(&self) -> &'static [&'static str] {
-        &["dout"]
+    /// Row by row over broadcast tables, as rope.
+    fn core_dims(&self) -> &'static [(&'static str, usize)] {
+        &[("dout", 1), ("cos", 1), ("sin", 1)]
     }
 
     fn dtypes(&self) -> &'static [DType] {

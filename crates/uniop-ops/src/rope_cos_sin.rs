@@ -216,6 +216,12 @@ impl Op for RopeCosSin {
         &[DType::I64, DType::I32]
     }
 
+    /// Each position gives its own row of the tables: a batch of positions is one call, its tables
+    /// batched alike. (`dim` is the rotary dim, not an axis.)
+    fn core_dims(&self) -> &'static [(&'static str, usize)] {
+        &[("positions", 0)]
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let t = checked(cx)?;
         let positions = cx.input("positions").shape();

@@ -2591,6 +2591,55 @@ fn permute_reorders_dims_of_any_layout_and_rejects_non_permutations() {
     }
 }
 
+/// `batch_dims` leaves the leading dims in place and permutes the rest: `dims` then counts from the
+/// first dim after the batch (negative ones from the end, as before); the backward undoes it; a
+/// `dims` of the wrong length or a `batch_dims` past the rank is refused, naming both.
+#[test]
+fn permute_leaves_batch_dims_in_place() {
+    setup();
+    // x[a, b, s, h] = 1000a + 100b + 10s + h, shape [2, 2, 3, 4]; with batch_dims 2 and dims
+    // [1, 0] (or [-1, 0]) out[a, b, h, s] must equal it.
+    let x: Vec<f32> =
+        (0..48).map(|i| (1000 * (i / 24) + 100 * (i / 12 % 2) + 10 * (i / 4 % 3) + i % 4) as f32).collect();
+    let tx = TensorRef::new(&x, &[2, 2, 3, 4]).unwrap();
+    for dims in [vec![1, 0], vec![-1, 0]] {
+        let attrs = [("dims", AttrValue::Ints(dims)), ("batch_dims", AttrValue::Int(2))];
+        let out = run_checked("permute", &[Some(tx.clone())], &attrs);
+        for (i, v) in out[0].iter().enumerate() {
+            let (a, b, h, s) = (i / 24, i / 12 % 2, i / 3 % 4, i % 3);
+            assert_eq!(*v, (1000 * a + 100 * b + 10 * s + h) as f64, "out[{a}, {b}, {h}, {s}]");
+        }
+        let out_f32: Vec<f32> = out[0].iter().map(|&v| v as f32).collect();
+        let dout = TensorRef::new(&out_f32, &[2, 2, 4, 3]).unwrap();
+        let dx = run_checked("permute_backward", &[Some(dout)], &attrs);
+        assert!(dx[0].iter().zip(&x).all(|(a, b)| *a == *b as f64), "permute_backward undoes permute");
+    }
+    // batch_dims 1 is the same permutation as dims [0, 1 + d..] with no batch.
+    let batched = run_checked(
+        "permute",
+        &[Some(tx.clone())],
+        &[("dims", AttrValue::Ints(vec![2, 0, 1])), ("batch_dims", AttrValue::Int(1))],
+    );
+    let whole = run_checked("permute", &[Some(tx.clone())], &[("dims", AttrValue::Ints(vec![0, 3, 1, 2]))]);
+    assert_eq!(batched, whole);
+
+    let mut y = [0f32; 48];
+    for (dims, batch_dims, what) in [
+        (vec![0, 1, 2], 2, "a permutation of the 2 dims of x after its 2 batch dims"),
+        (vec![1, 0], 5, "0 to 4"),
+        (vec![1, 0], -1, "0 to 4"),
+    ] {
+        let e = plan_err(
+            "permute",
+            &[Some(tx.clone())],
+            &[("dims", AttrValue::Ints(dims)), ("batch_dims", AttrValue::Int(batch_dims))],
+            vec![TensorMut::new(&mut y, &[2, 2, 3, 4]).unwrap()],
+        );
+        assert_eq!(e.code(), ErrorCode::ParamInvalid);
+        assert!(e.message().contains(what), "{e}");
+    }
+}
+
 /// Permutes that keep the last dim in place copy whole rows in tiles (`permute::RowTiles`): tiles
 /// cut ragged at both sides' ends, several outer dims, a padded (strided) input, bf16 rows, and
 /// the backward undoing each, all element for element.

@@ -60,14 +60,17 @@ pub trait Op: Send + Sync + 'static {
     /// such a sum, and the registry refuses an op returning one without `batch_dims`. Empty where
     /// no such set exists: elementwise ops (see [`Op::elementwise`]), a reduction with no
     /// per-sample form (a mean loss), seeded sampling, ops on fixed-rank layouts, ops whose
-    /// `int dim` is not an axis (rope_cos_sin's rotary dim).
+    /// `int dim` is not an axis (rope_cos_sin's rotary dim: it declares [`Op::core_dims`]).
     fn leading_batch_args(&self) -> &'static [&'static str] {
         &[]
     }
     /// For an op mapping blocks over broadcast batch dims, as NumPy's generalized ufuncs (matmul:
-    /// `[.., M, K] · [.., K, N]`): the tensor arguments it maps, each with its core's rank (the
-    /// last dims, one block). The dims in front of the cores broadcast together as an elementwise
-    /// op's operands do, and each return has those broadcast dims then its own core, or, named
+    /// `[.., M, K] · [.., K, N]`; rope: rows of x against its tables' rows; rope_cos_sin: each
+    /// position a row of the tables, core rank 0): the tensor arguments it maps, each with its
+    /// core's rank (the last dims, one block). The dims in front of the cores broadcast together as
+    /// an elementwise op's operands do (an op may refuse some of those broadcasts, as rope refuses
+    /// tables of more dims than x: a frontend infers one sample's call before batching), and each
+    /// return has those broadcast dims then its own core, or, named
     /// `d<arg>`, the shape of tensor argument `<arg>` (a gradient summed back over the dims it was
     /// broadcast to). A batch of calls is then one call on these arguments given a leading batch
     /// dim, their batch dims padded with 1s to a common count (an unbatched one expanded, so a

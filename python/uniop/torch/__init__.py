@@ -449,50 +449,45 @@ def _no_backward_kernel(native):
 def _broadcast_vmap_rule(native, cores):
     """The torch.func.vmap rule of an op broadcasting its operands: elementwise (``native.elementwise``:
     every tensor argument a core of rank 0) or mapping blocks over broadcast batch dims
-    (``native.core_dims``: matmul's ``[.., M, K]`` and ``[.., K, N]``, cores of rank 2). ``cores``
-    gives each broadcast argument's core rank by position. One call on those operands with their
-    batch dim moved to the front, where torch's fallback calls the op once per sample. Each operand's
-    dims in front of its core are padded with size-1 dims to the operands' common count, so
-    broadcasting lines the samples up, and one without a batch dim is expanded to the batch (a
-    stride-0 view), so a gradient summed back to an operand (``d<arg>``) keeps one sum per sample;
-    that gradient then takes its operand's per-sample shape again. Where another tensor argument
-    carries the batch, or a sample is smaller than an operand's core (which the op refuses), or the op
-    returns the gradient of a tensor argument it does not broadcast (summed over the whole batch in
-    one call), the op runs once per sample, as torch's fallback would."""
+    (``native.core_dims``: matmul's ``[.., M, K]`` and ``[.., K, N]``, cores of rank 2; rope's rows
+    and its tables' rows, rank 1). ``cores`` gives each broadcast argument's core rank by position.
+    One call on those operands with their batch dim moved to the front, where torch's fallback calls
+    the op once per sample. Each operand's dims in front of its core are padded with size-1 dims to
+    the operands' common count, so broadcasting lines the samples up, and one without a batch dim is
+    expanded to the batch (a stride-0 view), so a gradient summed back to an operand (``d<arg>``)
+    keeps one sum per sample. One sample's call is inferred first: it raises the op's own error
+    where a sample's call would (a sample smaller than its core, a broadcast the op refuses that the
+    padding would let through: rope's tables with more dims than x), and gives each return's
+    per-sample shape, which the batched return takes. Where another tensor argument carries the
+    batch, or the op returns the gradient of a tensor argument it does not broadcast (summed over
+    the whole batch in one call), the op runs once per sample, as torch's fallback would."""
     names = [a["name"] for a in native.args]
-    # Per return: the argument whose shape it has (d<arg>).
-    shaped_like = [names.index(r[1:]) if r.startswith("d") and r[1:] in names else None for r in native.returns]
+    shared_sums = [r for r in native.returns
+                   if r.startswith("d") and r[1:] in names and names.index(r[1:]) not in cores]
     declined = _declined_returns(native)
     returns = len(native.returns)
     op = getattr(torch.ops.uniop, native.name).default
-    sums_a_shared_operand = any(like is not None and like not in cores for like in shaped_like)
 
     def rule(info, in_dims, *args, **kwargs):
         size = info.batch_size
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-        sample_rank = {i: args[i].dim() - (in_dims[i] is not None) for i in tensors}
-        if sums_a_shared_operand or any(in_dims[i] is not None for i in tensors if i not in cores) or any(
-            sample_rank[i] < cores[i] for i in tensors if i in cores
-        ):
+        if size == 0 or shared_sums or any(in_dims[i] is not None for i in tensors if i not in cores):
             return _per_sample(op, size, in_dims, args, kwargs, returns)
-        batch_rank = max((sample_rank[i] - cores[i] for i in tensors if i in cores), default=0)
-        batched, per_sample = list(args), {}
+        sample = [a.select(d, 0) if d is not None else a for a, d in zip(args, in_dims)]
+        shapes = [shape for shape, _ in native.infer(*sample, **kwargs)]
+        batch_rank = max((sample[i].dim() - cores[i] for i in tensors if i in cores), default=0)
+        batched = list(args)
         for i in tensors:
             if i in cores:
                 a, d = args[i], in_dims[i]
                 x = a.movedim(d, 0) if d is not None else a.expand(size, *a.shape)
-                per_sample[i] = x.shape[1:]
                 batched[i] = x[(slice(None),) + (None,) * (batch_rank + cores[i] + 1 - x.dim())]
         out = op(*batched, **kwargs)
         outs = (out,) if returns == 1 else out
-        results, out_dims, left_out = [], [], declined(args, kwargs)
-        for k, (o, like) in enumerate(zip(outs, shaped_like)):
-            if k in left_out:
-                results.append(o)  # the empty placeholder of a gradient not asked for
-                out_dims.append(None)
-                continue
-            results.append(o if like is None else o.reshape(size, *per_sample[like]))
-            out_dims.append(0)
+        left_out = declined(args, kwargs)
+        # The placeholder of a gradient not asked for has no batch dim.
+        results = [o if k in left_out else o.reshape(size, *shape) for k, (o, shape) in enumerate(zip(outs, shapes))]
+        out_dims = [None if k in left_out else 0 for k in range(returns)]
         if returns == 1:
             return results[0], out_dims[0]
         return tuple(results), tuple(out_dims)
