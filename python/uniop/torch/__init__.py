@@ -473,7 +473,7 @@ def _broadcast_vmap_rule(native, cores):
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         if size == 0 or shared_sums or any(in_dims[i] is not None for i in tensors if i not in cores):
             return _per_sample(op, size, in_dims, args, kwargs, returns)
-        sample = [a.select(d, 0) if d is not None else a for a, d in zip(args, in_dims)]
+        sample = [_sample_of(a, d, lambda t, d: t.select(d, 0)) for a, d in zip(args, in_dims)]
         shapes = [shape for shape, _ in native.infer(*sample, **kwargs)]
         batch_rank = max((sample[i].dim() - cores[i] for i in tensors if i in cores), default=0)
         batched = list(args)
@@ -580,16 +580,25 @@ def _per_sample(op, size, in_dims, args, kwargs, returns):
     """``op`` called once per sample of a vmap batch of ``size``, its returns stacked in front. An
     empty batch has no sample to call: one call on zeros of a sample's shape gives the returns'."""
     if size == 0:
-        zeros = [a.new_zeros([n for k, n in enumerate(a.shape) if k != d % a.dim()]) if d is not None else a
+        zeros = [_sample_of(a, d, lambda t, d: t.new_zeros([n for k, n in enumerate(t.shape) if k != d % t.dim()]))
                  for a, d in zip(args, in_dims)]
         outs = op(*zeros, **kwargs)
         empty = [o.new_empty((0, *o.shape)) for o in ((outs,) if returns == 1 else outs)]
         return (empty[0], 0) if returns == 1 else (tuple(empty), (0,) * returns)
-    samples = [[a.select(d, b) if d is not None else a for a, d in zip(args, in_dims)] for b in range(size)]
+    samples = [[_sample_of(a, d, lambda t, d: t.select(d, b)) for a, d in zip(args, in_dims)] for b in range(size)]
     outs = [op(*sample, **kwargs) for sample in samples]
     if returns == 1:
         return torch.stack(outs), 0
     return tuple(torch.stack(o) for o in zip(*outs)), (0,) * returns
+
+
+def _sample_of(a, d, take):
+    """Argument ``a`` of a vmapped call, batched along ``d``, with ``take(tensor, d)`` applied where it
+    is batched: a list's items one by one (``d`` then a list too: cat's tensors; a list attribute's,
+    permute's ``dims``, all None)."""
+    if isinstance(d, (list, tuple)):
+        return [_sample_of(x, dx, take) for x, dx in zip(a, d)]
+    return take(a, d) if d is not None else a
 
 
 def _register_autocast(native):
