@@ -325,6 +325,25 @@ def test_matmul_vmap_broadcasts_batch_dims_and_refuses_what_a_sample_call_does()
         torch.func.vmap(torch.ops.uniop.matmul, in_dims=(0, None))(torch.randn(4, 6), b)
 
 
+def test_block_ops_vmap_under_torch_compile_with_dynamic_shapes_compiles_once():
+    """torch.compile(fullgraph=True, dynamic=True) traces the broadcast vmap rule (matmul's, and
+    rope_cos_sin's over per-sample positions) with symbolic sizes: one sample's call is inferred
+    symbolically, so batches of other sizes and samples of other shapes reuse the one graph."""
+    import torch._dynamo.testing
+
+    def f(a, b, positions):
+        y = torch.func.vmap(torch.ops.uniop.matmul, in_dims=(0, None))(a, b)
+        return y, torch.func.vmap(lambda p: torch.ops.uniop.rope_cos_sin(p, 8))(positions)
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(f, backend=counter, fullgraph=True, dynamic=True)
+    for n, m in ((4, 5), (6, 7), (9, 11)):
+        args = torch.randn(n, m, 6), torch.randn(6, 7), torch.arange(n * m).view(n, m)
+        torch.testing.assert_close(compiled(*args), f(*args))
+    assert counter.frame_count == 1
+
+
 @pytest.mark.parametrize("batch", [(), (2, 3), (0, 3), (2, 0)], ids=str)
 def test_attention_takes_any_leading_batch_dims_as_sdpa_does(batch):
     """attention reads SDPA's ``[..., H, S, D]``: no batch dim, two (k and v expanded along the
@@ -578,6 +597,16 @@ def test_row_ops_vmap_an_empty_batch():
         assert (y.shape, rstd.shape) == ((0, 4, 8), (0, 4, 1))
         rows = torch.func.vmap(lambda i, t: torch.ops.uniop.embedding(t, i), in_dims=(1, 0))(indices, table)
         assert rows.shape == (0, 3, 4)
+
+
+def test_broadcast_ops_vmap_an_empty_batch():
+    """The broadcast rule (elementwise and block ops) has no sample to infer in an empty batch: the
+    returns come out empty, of the per-sample shapes (a shared operand's broadcast ones included)."""
+    with _no_vmap_fallback():
+        y = torch.func.vmap(torch.ops.uniop.matmul, in_dims=(0, None))(torch.randn(0, 5, 6), torch.randn(3, 6, 7))
+        total = torch.func.vmap(torch.ops.uniop.add, in_dims=(1, None))(torch.randn(4, 0), torch.randn(2, 4))
+        cos, sin = torch.func.vmap(lambda p: torch.ops.uniop.rope_cos_sin(p, 8))(torch.zeros(0, 3, dtype=torch.long))
+    assert (y.shape, total.shape, cos.shape, sin.shape) == ((0, 3, 5, 7), (0, 2, 4), (0, 3, 8), (0, 3, 8))
 
 
 def test_row_ops_vmap_counts_a_non_negative_dim_past_the_batch_and_takes_keywords():

@@ -474,7 +474,7 @@ def _broadcast_vmap_rule(native, cores):
         if size == 0 or shared_sums or any(in_dims[i] is not None for i in tensors if i not in cores):
             return _per_sample(op, size, in_dims, args, kwargs, returns)
         sample = [_sample_of(a, d, lambda t, d: t.select(d, 0)) for a, d in zip(args, in_dims)]
-        shapes = [shape for shape, _ in native.infer(*sample, **kwargs)]
+        shapes = [shape for shape, _ in symbolic.infer(native, sample, kwargs)]
         batch_rank = max((sample[i].dim() - cores[i] for i in tensors if i in cores), default=0)
         batched = list(args)
         for i in tensors:
