@@ -152,8 +152,11 @@ fn describe(op: &str) -> Result<()> {
         }
         (false, false) => {
             // The op's doc says what its batch_dims keeps apart (sums per sample, dims in place).
-            let sums = if s.args.iter().any(|a| a.name == "batch_dims") { ", batch_dims raised by one" } else { "" };
-            format!("row by row along the leading dims of {}: one call over a leading batch dim{sums}", rows.join(", "))
+            let raised = if s.args.iter().any(|a| a.name == "batch_dims") { ", batch_dims raised by one" } else { "" };
+            format!(
+                "row by row along the leading dims of {}: one call over a leading batch dim{raised}",
+                rows.join(", ")
+            )
         }
         (false, true) => "one call per sample".to_string(),
     };

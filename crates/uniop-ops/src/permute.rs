@@ -1,6 +1,8 @@
 //! `permute(x, dims)`: a contiguous copy of `x` with its dims reordered — `x.permute(dims)
 //! .contiguous()` in torch, aclnnPermute in CANN. The layout changes of attention, e.g. HF's
 //! `[B, S, H, D]` projections to `[B, H, S, D]` for a kernel or a cache that wants heads outer.
+//! With `batch_dims` the leading dims stay in place and `dims` orders the rest: how a batch of
+//! calls (torch.func.vmap) is one call.
 //!
 //! The copy reads `x` through its strides reordered by `dims`, so any input layout is read in
 //! place. Where the last dim stays last, rows are copied in tiles ([`uniop::RowTiles`]) so that

@@ -70,14 +70,14 @@ pub trait Op: Send + Sync + 'static {
     /// core's rank (the last dims, one block). The dims in front of the cores broadcast together as
     /// an elementwise op's operands do (an op may refuse some of those broadcasts, as rope refuses
     /// tables of more dims than x: a frontend infers one sample's call before batching), and each
-    /// return has those broadcast dims then its own core, or, named
-    /// `d<arg>`, the shape of tensor argument `<arg>` (a gradient summed back over the dims it was
-    /// broadcast to). A batch of calls is then one call on these arguments given a leading batch
-    /// dim, their batch dims padded with 1s to a common count (an unbatched one expanded, so a
-    /// gradient summed back to it stays one per sample): how frontends batch it
-    /// (torch.func.vmap); they fall back to one call per sample when another tensor argument
-    /// carries the batch. Empty for elementwise ops (cores of rank 0: [`Op::elementwise`]) and
-    /// ops with their own batching ([`Op::leading_batch_args`]).
+    /// return has those broadcast dims then its own core, or, named `d<arg>`, the shape of tensor
+    /// argument `<arg>` (a gradient summed back over the dims it was broadcast to). A batch of
+    /// calls is then one call on these arguments given a leading batch dim, their batch dims padded
+    /// with 1s to a common count (an unbatched one expanded, so a gradient summed back to it stays
+    /// one per sample): how frontends batch it (torch.func.vmap); they fall back to one call per
+    /// sample when another tensor argument carries the batch. Empty for elementwise ops (every
+    /// tensor argument a core of rank 0 and no return with a core of its own:
+    /// [`Op::elementwise`]) and ops with their own batching ([`Op::leading_batch_args`]).
     fn core_dims(&self) -> &'static [(&'static str, usize)] {
         &[]
     }
