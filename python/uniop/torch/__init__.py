@@ -27,6 +27,10 @@ import os
 import warnings
 
 import torch
+from torch._C._functorch import _unwrap_batched
+from torch._functorch.autograd_function import VmapInfo as _VmapInfo
+from torch._functorch.predispatch import _add_batch_dim
+from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter as _current_functorch_interpreter
 from torch.utils import _pytree
 
 import uniop as _uniop
@@ -601,6 +605,44 @@ def _sample_of(a, d, take):
     return take(a, d) if d is not None else a
 
 
+def _register_vmap(native, rule):
+    """``rule`` as the op's FuncTorchBatched kernel, as ``torch.library.register_vmap`` installs one,
+    without its pytree passes over the arguments and the returns (which it makes to keep the
+    identity of a return that is an argument: a uniop op's returns never are). On a small batch
+    those passes cost more than the rule; here an argument is a tensor, a list (its items each) or
+    a plain value, and a return a tensor, or a tuple or list of them."""
+    op = getattr(torch.ops.uniop, native.name).default
+    batched_key = torch._C.DispatchKeySet(torch._C.DispatchKey.FuncTorchBatched)
+
+    def unwrap(a, level):
+        if isinstance(a, torch.Tensor):
+            return _unwrap_batched(a, level)
+        if isinstance(a, list):
+            pairs = [unwrap(item, level) for item in a]
+            return [value for value, _ in pairs], [d for _, d in pairs]
+        return a, None
+
+    def batched(d):
+        return any(batched(x) for x in d) if isinstance(d, list) else d is not None
+
+    def kernel(_keyset, *args, **kwargs):
+        interpreter = _current_functorch_interpreter()
+        level = interpreter.level()
+        pairs = [unwrap(a, level) for a in args]
+        in_dims = tuple(d for _, d in pairs)
+        with torch._C._ExcludeDispatchKeyGuard(batched_key):
+            if not any(batched(d) for d in in_dims):  # batched at another level only: this one skips the call
+                return op(*args, **kwargs)
+            info = _VmapInfo(batch_size=interpreter.batch_size(), randomness=interpreter.randomness())
+            out, out_dims = rule(info, in_dims, *(value for value, _ in pairs), **kwargs)
+        if isinstance(out, torch.Tensor):
+            return out if out_dims is None else _add_batch_dim(out, out_dims, level)
+        wrapped = [o if d is None else _add_batch_dim(o, d, level) for o, d in zip(out, out_dims)]
+        return wrapped if isinstance(out, list) else tuple(wrapped)
+
+    _lib.impl(native.name, kernel, "FuncTorchBatched", with_keyset=True)
+
+
 def _register_autocast(native):
     op = getattr(torch.ops.uniop, native.name).default
     lower = native.autocast == "lower"
@@ -640,9 +682,9 @@ def _register(natives):
             cores = {i: 0 for i in range(len(names))} if native.elementwise else {
                 names.index(name): rank for name, rank in native.core_dims
             }
-            torch.library.register_vmap(f"{NAMESPACE}::{native.name}", _broadcast_vmap_rule(native, cores), lib=_lib)
+            _register_vmap(native, _broadcast_vmap_rule(native, cores))
         elif native.leading_batch_args:
-            torch.library.register_vmap(f"{NAMESPACE}::{native.name}", _leading_batch_vmap_rule(native), lib=_lib)
+            _register_vmap(native, _leading_batch_vmap_rule(native))
 
 
 def ops():
