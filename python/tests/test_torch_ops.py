@@ -292,10 +292,11 @@ def test_row_ops_vmap_in_one_call(name):
 
 @pytest.mark.parametrize("name", BLOCKS)
 def test_block_ops_vmap_in_one_call(name):
-    """torch.func.vmap of an op mapping blocks over broadcast batch dims (``core_dims``: matmul and
-    its backward) runs its batching rule, torch's per-sample fallback disabled, and gives the
-    per-sample calls' results: every broadcast operand batched, only the first (the others shared,
-    their gradients one per sample), only the last (of fewer batch dims than the first: padded)."""
+    """torch.func.vmap of an op mapping blocks over broadcast batch dims (``core_dims``: matmul and rope
+    and their backwards, rope_cos_sin) runs its batching rule, torch's per-sample fallback disabled,
+    and gives the per-sample calls' results: every broadcast operand batched, only the first (the
+    others shared, their gradients one per sample), only the last (of fewer batch dims than the
+    first: padded)."""
     assert {"matmul", "matmul_backward", "rope", "rope_backward", "rope_cos_sin"} <= set(BLOCKS)
     torch.manual_seed(0)
     args, _ = CASES[name](torch.float32, False)
