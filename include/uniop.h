@@ -895,6 +895,28 @@ uniopStatus uniopLinearGeluMulTrain(void *workspace,
                                     uniopExecutor *executor,
                                     uniopStream stream);
 
+// Phase 1 of `linear_int8(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> (Tensor y)`.
+//
+// y = x @ (weight * scales[:, None])^T + bias: a linear layer with an int8 weight [out_features,
+// in_features] quantized per output feature (weight-only int8, as torchao's int8_weight_only and
+// torch.ops.aten._weight_int8pack_mm). x [..., in_features] float32/float16/bfloat16; scales
+// [out_features] of x's dtype or float32; bias optional [out_features] of x's dtype. Up to 32 rows
+// (decode) run as dot products that widen the weight as they read it (float32 sums; half a bf16
+// weight's bytes); more rows dequantize chunks of the weight to x's dtype and run linear's GEMM.
+uniopStatus uniopLinearInt8GetWorkspaceSize(const uniopTensor *x,
+                                            const uniopTensor *weight,
+                                            const uniopTensor *scales,
+                                            const uniopTensor *bias,
+                                            uniopTensor *y,
+                                            uint64_t *workspaceSize,
+                                            uniopExecutor **executor);
+
+// Phase 2 of `linear_int8`: launches the executor from `uniopLinearInt8GetWorkspaceSize` on `stream`.
+uniopStatus uniopLinearInt8(void *workspace,
+                            uint64_t workspaceSize,
+                            uniopExecutor *executor,
+                            uniopStream stream);
+
 // Phase 1 of `linear_packed(Tensor x, Tensor packed_weight, int out_features, Tensor? bias=None) -> (Tensor y)`.
 //
 // linear with its weight packed ahead: y = x @ weight^T + bias for packed_weight =

@@ -459,6 +459,16 @@ def _cases():
         return (x, packed_ref(w), 40, b), lambda x, packed, n, b: F.linear(x.to(D), w.to(D), b.to(D))
 
     @case
+    def linear_int8(dt, strided):
+        """An int8 weight quantized per output feature (torchao's int8_weight_only layout); the
+        reference dequantizes it in float64."""
+        x = _rand(4, 9, dtype=dt, strided=strided)
+        w = torch.randint(-127, 128, (9, 40) if strided else (40, 9), dtype=torch.int8)
+        w = w.t() if strided else w
+        s, b = (torch.rand(40) * 0.02 + 0.001).to(dt), torch.randn(40).to(dt)
+        return (x, w, s, b), lambda x, w, s, b: F.linear(x.to(D), w.to(D) * s.to(D)[:, None], b.to(D))
+
+    @case
     def linear_add_packed(dt, strided):
         dt = _packable(dt)
         x, w, r = _rand(4, 9, dtype=dt, strided=strided), torch.randn(40, 9).to(dt), _rand(4, 40, dtype=dt, strided=strided)

@@ -1455,6 +1455,45 @@ pub extern "C" fn uniopLinearGeluMulTrain(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
+/// Phase 1 of `linear_int8(Tensor x, Tensor weight, Tensor scales, Tensor? bias=None) -> (Tensor y)`.
+///
+/// y = x @ (weight * scales[:, None])^T + bias: a linear layer with an int8 weight [out_features,
+/// in_features] quantized per output feature (weight-only int8, as torchao's int8_weight_only and
+/// torch.ops.aten._weight_int8pack_mm). x [..., in_features] float32/float16/bfloat16; scales
+/// [out_features] of x's dtype or float32; bias optional [out_features] of x's dtype. Up to 32 rows
+/// (decode) run as dot products that widen the weight as they read it (float32 sums; half a bf16
+/// weight's bytes); more rows dequantize chunks of the weight to x's dtype and run linear's GEMM.
+#[no_mangle]
+pub extern "C" fn uniopLinearInt8GetWorkspaceSize(
+    x: *const uniopTensor,
+    weight: *const uniopTensor,
+    scales: *const uniopTensor,
+    bias: *const uniopTensor,
+    y: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLinearInt8GetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 4] =
+            [("x", x), ("weight", weight), ("scales", scales), ("bias", bias)];
+        let attrs: [(&str, AttrValue); 0] = [];
+        let outputs = [("y", y as *const uniopTensor)];
+        plan("linear_int8", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `linear_int8`: launches the executor from `uniopLinearInt8GetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLinearInt8(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
 /// Phase 1 of `linear_packed(Tensor x, Tensor packed_weight, int out_features, Tensor? bias=None) -> (Tensor y)`.
 ///
 /// linear with its weight packed ahead: y = x @ weight^T + bias for packed_weight =

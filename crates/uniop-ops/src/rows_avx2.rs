@@ -186,7 +186,7 @@ unsafe fn exp8<const COARSE: bool, const HIGH: bool>(x: __m256) -> __m256 {
 
 /// The sum of `v`'s 8 lanes.
 #[inline(always)]
-unsafe fn sum8(v: __m256) -> f32 {
+pub(crate) unsafe fn sum8(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))

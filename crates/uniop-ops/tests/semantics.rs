@@ -2953,3 +2953,71 @@ fn layer_norm_bad_inputs_name_the_argument() {
         assert_eq!(err.message(), message);
     }
 }
+
+/// linear_int8 against the f64 reference on both routes (dot products up to 32 rows, the
+/// dequantized GEMM past them), with and without a bias, scales in float32 and in x's dtype, k
+/// and n off the kernels' steps (k 37: a tail of 5 past the 8-wide steps; n 7: a short group of
+/// four weight rows) — and against `linear` on the dequantized weight; then its bad input.
+#[test]
+fn linear_int8_is_a_linear_on_the_dequantized_weight() {
+    setup();
+    let to_bf16 = |v: &[f32]| v.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+    for (rows, k, n) in [(1, 64, 70), (2, 37, 7), (5, 37, 70), (33, 64, 70), (70, 37, 7)] {
+        let x = rand_vec(rows * k, 1);
+        let w: Vec<i8> = (0..n * k).map(|i| ((i * 37 + 11) % 255) as i8).collect();
+        let scales: Vec<f32> = rand_vec(n, 2).iter().map(|v| 0.01 + 0.005 * v).collect();
+        let bias = rand_vec(n, 3);
+        let (tx, tw) = (TensorRef::new(&x, &[rows, k]).unwrap(), TensorRef::new(&w, &[n, k]).unwrap());
+        let (ts, tb) = (TensorRef::new(&scales, &[n]).unwrap(), TensorRef::new(&bias, &[n]).unwrap());
+        let with_bias =
+            run_checked("linear_int8", &[Some(tx.clone()), Some(tw.clone()), Some(ts.clone()), Some(tb.clone())], &[]);
+        run_checked("linear_int8", &[Some(tx.clone()), Some(tw.clone()), Some(ts.clone())], &[]);
+        let dequantized: Vec<f32> = w.iter().enumerate().map(|(i, &q)| q as f32 * scales[i / k]).collect();
+        let td = TensorRef::new(&dequantized, &[n, k]).unwrap();
+        let linear = run_checked("linear", &[Some(tx.clone()), Some(td), Some(tb.clone())], &[]);
+        for (i, (a, b)) in with_bias[0].iter().zip(&linear[0]).enumerate() {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{rows}x{k}x{n} element {i}: {a} vs {b}");
+        }
+        let (xb, sb, bb) = (to_bf16(&x), to_bf16(&scales), to_bf16(&bias));
+        let txb = TensorRef::new(&xb, &[rows, k]).unwrap();
+        let (tsb, tbb) = (TensorRef::new(&sb, &[n]).unwrap(), TensorRef::new(&bb, &[n]).unwrap());
+        run_checked("linear_int8", &[Some(txb.clone()), Some(tw.clone()), Some(tsb), Some(tbb.clone())], &[]);
+        run_checked("linear_int8", &[Some(txb), Some(tw.clone()), Some(ts.clone()), Some(tbb)], &[]);
+    }
+
+    let (x, w, s) = (vec![0.5f32; 2 * 8], vec![1i8; 3 * 8], vec![0.1f32; 3]);
+    let (wf, s16) = (vec![1f32; 3 * 8], vec![uniop::half::f16::from_f32(0.1); 3]);
+    let tx = TensorRef::new(&x, &[2, 8]).unwrap();
+    let mut y = [0f32; 6];
+    let wrong = [
+        (
+            TensorRef::new(&wf, &[3, 8]).unwrap(),
+            TensorRef::new(&s, &[3]).unwrap(),
+            "argument 'weight': expected dtype in {int8}",
+        ),
+        (
+            TensorRef::new(&w, &[4, 6]).unwrap(),
+            TensorRef::new(&s[..], &[3]).unwrap(),
+            "argument 'weight': expected shape [out_features, 8]",
+        ),
+        (
+            TensorRef::new(&w, &[3, 8]).unwrap(),
+            TensorRef::new(&s[..2], &[2]).unwrap(),
+            "argument 'scales': expected shape [3]",
+        ),
+        (
+            TensorRef::new(&w, &[3, 8]).unwrap(),
+            TensorRef::new(&s16, &[3]).unwrap(),
+            "argument 'scales': expected dtype in {float32}",
+        ),
+    ];
+    for (tw, ts, want) in wrong {
+        let e = plan_err(
+            "linear_int8",
+            &[Some(tx.clone()), Some(tw), Some(ts)],
+            &[],
+            vec![TensorMut::new(&mut y, &[2, 3]).unwrap()],
+        );
+        assert!(e.message().starts_with(&format!("linear_int8: {want}")), "{e}");
+    }
+}
