@@ -78,6 +78,15 @@ unsafe fn dots<const R: usize>(x: [*const f32; R], w: [*const i8; 4], k: usize) 
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         return dots_avx2(x, w, k);
     }
+    dots_portable(x, w, k)
+}
+
+/// [`dots`] in plain Rust.
+///
+/// # Safety
+/// As [`dots`].
+#[inline(always)]
+unsafe fn dots_portable<const R: usize>(x: [*const f32; R], w: [*const i8; 4], k: usize) -> [[f32; 4]; R] {
     let mut sums = [[0f32; 4]; R];
     for (i, row) in x.iter().enumerate() {
         let row = std::slice::from_raw_parts(*row, k);
@@ -370,5 +379,42 @@ impl Op for LinearInt8 {
             ranges: vec![None, Some((-127.0, 128.0)), Some((0.001, 0.02)), None],
             ..Default::default()
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The dot products of every form this CPU runs (the portable one always; AVX2 where it can)
+    /// against f64 sums, for one and two rows of x and lengths around the 8-wide steps.
+    #[test]
+    fn every_form_of_the_dot_products_matches_f64() {
+        for k in [0, 1, 7, 8, 9, 37, 1000] {
+            let x: Vec<f32> = (0..2 * k).map(|i| ((i * 7919) % 2003) as f32 / 1001.0 - 1.0).collect();
+            let w: Vec<i8> = (0..4 * k).map(|i| ((i * 37 + 11) % 255) as i8).collect();
+            let (xr, wr) = ([0, 1].map(|i| x[i * k..].as_ptr()), [0, 1, 2, 3].map(|j| w[j * k..].as_ptr()));
+            let want = |i: usize, j: usize| (0..k).map(|p| x[i * k + p] as f64 * w[j * k + p] as f64).sum::<f64>();
+            let magnitude =
+                |i: usize, j: usize| (0..k).map(|p| (x[i * k + p] * w[j * k + p] as f32).abs() as f64).sum::<f64>();
+            let check = |form: &str, got: &[[f32; 4]]| {
+                for (i, row) in got.iter().enumerate() {
+                    for (j, &v) in row.iter().enumerate() {
+                        let err = (v as f64 - want(i, j)).abs();
+                        assert!(err <= 1e-6 * magnitude(i, j) + 1e-6, "{form} k {k} ({i}, {j}): {v} vs {}", want(i, j));
+                    }
+                }
+            };
+            // SAFETY: x holds two rows of k, w four.
+            unsafe {
+                check("portable, two rows", &dots_portable::<2>(xr, wr, k));
+                check("portable, one row", &dots_portable::<1>([xr[0]], wr, k));
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                    check("avx2, two rows", &dots_avx2::<2>(xr, wr, k));
+                    check("avx2, one row", &dots_avx2::<1>([xr[0]], wr, k));
+                }
+            }
+        }
     }
 }
