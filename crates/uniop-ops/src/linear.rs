@@ -26,6 +26,11 @@ pub(crate) struct Dims {
 pub(crate) fn x_and_weight(cx: &OpCx, weight: &str) -> Result<Dims> {
     let dtype = cx.expect_dtype_in("x", DTYPES)?;
     cx.expect_same_dtype(weight, dtype, "x")?;
+    weight_dims(cx, weight)
+}
+
+/// [`x_and_weight`]'s shape checks alone, for a weight of another dtype than x's (`linear_int8`'s).
+pub(crate) fn weight_dims(cx: &OpCx, weight: &str) -> Result<Dims> {
     cx.expect_min_rank("x", 1)?;
     let (x, w) = (cx.input("x").shape(), cx.input(weight).shape());
     let k = *x.last().unwrap();

@@ -19,14 +19,13 @@
 //!
 //! Blocks own bands of output features in both routes, so each reads its share of the weight once.
 
-use crate::linear::{check_bias, output_shape, reference_rows, Dims, COLUMN_UNIT};
+use crate::linear::{check_bias, output_shape, reference_rows, weight_dims, Dims, COLUMN_UNIT};
 use crate::matmul::{column_band, gemm_rows, Dst, Mat, DTYPES};
 use crate::packed_gemm::GemmOut;
 use crate::rms_norm::param_f32;
-use uniop::layout::ShapeDisplay;
 use uniop::{
-    with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan,
-    RefTensor, Result, Step, TensorMeta,
+    with_float_dtype, BlockCtx, DType, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx, Plan, RefTensor,
+    Result, Step, TensorMeta,
 };
 
 pub struct LinearInt8;
@@ -50,18 +49,7 @@ fn chunk_rows(k: usize, dtype: DType) -> usize {
 fn dims(cx: &OpCx) -> Result<Dims> {
     let dtype = cx.expect_dtype_in("x", DTYPES)?;
     cx.expect_dtype_in("weight", &[DType::I8])?;
-    cx.expect_min_rank("x", 1)?;
-    let (x, w) = (cx.input("x").shape(), cx.input("weight").shape());
-    let k = *x.last().unwrap();
-    if w.len() != 2 || w[1] != k {
-        return Err(cx.err(
-            ErrorCode::Shape,
-            "weight",
-            format!("shape [out_features, {k}] (x is {})", ShapeDisplay(x)),
-            format!("shape {}", ShapeDisplay(w)),
-        ));
-    }
-    let d = Dims { rows: x[..x.len() - 1].iter().product(), k, n: w[0] };
+    let d = weight_dims(cx, "weight")?;
     let scale_dtypes = [dtype, DType::F32];
     cx.expect_dtype_in("scales", &scale_dtypes[(dtype == DType::F32) as usize..])?;
     cx.expect_shape("scales", &[d.n])?;
