@@ -917,6 +917,32 @@ uniopStatus uniopLinearInt8(void *workspace,
                             uniopExecutor *executor,
                             uniopStream stream);
 
+// Phase 1 of `linear_int8_backward(Tensor dy, Tensor x, Tensor weight, Tensor scales, int batch_dims=0, bool needs_dx=True, bool needs_dscales=True) -> (Tensor dx, Tensor dscales, Tensor dbias)`.
+//
+// Gradients of linear_int8 (the int8 weight is frozen: it has none): dx = dy @ (weight * scales[:,
+// None]), dscales[j] = sum over rows of dy[:, j] * (x @ weight[j]), dbias = dy summed over rows
+// (ignore it when the layer has no bias). With batch_dims, dscales and dbias are per sample:
+// x.shape[:batch_dims] + [out_features]. needs_dx=False leaves dx out, needs_dscales=False dscales
+// (frozen scales: it costs the forward's products again); each comes back empty, [0].
+uniopStatus uniopLinearInt8BackwardGetWorkspaceSize(const uniopTensor *dy,
+                                                    const uniopTensor *x,
+                                                    const uniopTensor *weight,
+                                                    const uniopTensor *scales,
+                                                    int64_t batch_dims,
+                                                    bool needs_dx,
+                                                    bool needs_dscales,
+                                                    uniopTensor *dx,
+                                                    uniopTensor *dscales,
+                                                    uniopTensor *dbias,
+                                                    uint64_t *workspaceSize,
+                                                    uniopExecutor **executor);
+
+// Phase 2 of `linear_int8_backward`: launches the executor from `uniopLinearInt8BackwardGetWorkspaceSize` on `stream`.
+uniopStatus uniopLinearInt8Backward(void *workspace,
+                                    uint64_t workspaceSize,
+                                    uniopExecutor *executor,
+                                    uniopStream stream);
+
 // Phase 1 of `linear_packed(Tensor x, Tensor packed_weight, int out_features, Tensor? bias=None) -> (Tensor y)`.
 //
 // linear with its weight packed ahead: y = x @ weight^T + bias for packed_weight =

@@ -469,6 +469,17 @@ def _cases():
         return (x, w, s, b), lambda x, w, s, b: F.linear(x.to(D), w.to(D) * s.to(D)[:, None], b.to(D))
 
     @case
+    def linear_int8_backward(dt, strided):
+        """Gradients of x, the scales and the bias through the dequantized weight (float64 autograd);
+        the int8 weight gets none."""
+        x, dy = _rand(4, 9, dtype=dt, strided=strided), _rand(4, 40, dtype=dt, strided=strided)
+        w = torch.randint(-127, 128, (40, 9), dtype=torch.int8)
+        s, b = (torch.rand(40) * 0.02 + 0.001).to(dt), torch.zeros(40)
+        return (dy, x, w, s), lambda dy, x, w, s: _vjp(
+            lambda x, s, b: F.linear(x, w.to(D) * s[:, None], b), (x, s, b), (dy,), (0, 1, 2)
+        )
+
+    @case
     def linear_add_packed(dt, strided):
         dt = _packable(dt)
         x, w, r = _rand(4, 9, dtype=dt, strided=strided), torch.randn(40, 9).to(dt), _rand(4, 40, dtype=dt, strided=strided)

@@ -1494,6 +1494,56 @@ pub extern "C" fn uniopLinearInt8(
     uniopOpRun(workspace, workspaceSize, executor, stream)
 }
 
+/// Phase 1 of `linear_int8_backward(Tensor dy, Tensor x, Tensor weight, Tensor scales, int batch_dims=0, bool needs_dx=True, bool needs_dscales=True) -> (Tensor dx, Tensor dscales, Tensor dbias)`.
+///
+/// Gradients of linear_int8 (the int8 weight is frozen: it has none): dx = dy @ (weight * scales[:,
+/// None]), dscales[j] = sum over rows of dy[:, j] * (x @ weight[j]), dbias = dy summed over rows
+/// (ignore it when the layer has no bias). With batch_dims, dscales and dbias are per sample:
+/// x.shape[:batch_dims] + [out_features]. needs_dx=False leaves dx out, needs_dscales=False dscales
+/// (frozen scales: it costs the forward's products again); each comes back empty, [0].
+#[no_mangle]
+pub extern "C" fn uniopLinearInt8BackwardGetWorkspaceSize(
+    dy: *const uniopTensor,
+    x: *const uniopTensor,
+    weight: *const uniopTensor,
+    scales: *const uniopTensor,
+    batch_dims: i64,
+    needs_dx: bool,
+    needs_dscales: bool,
+    dx: *mut uniopTensor,
+    dscales: *mut uniopTensor,
+    dbias: *mut uniopTensor,
+    workspaceSize: *mut u64,
+    executor: *mut *mut uniopExecutor,
+) -> uniopStatus {
+    const F: &str = "uniopLinearInt8BackwardGetWorkspaceSize";
+    guard(|| {
+        let inputs: [(&str, *const uniopTensor); 4] = [("dy", dy), ("x", x), ("weight", weight), ("scales", scales)];
+        let attrs: [(&str, AttrValue); 3] = [
+            ("batch_dims", AttrValue::Int(batch_dims)),
+            ("needs_dx", AttrValue::Bool(needs_dx)),
+            ("needs_dscales", AttrValue::Bool(needs_dscales)),
+        ];
+        let outputs = [
+            ("dx", dx as *const uniopTensor),
+            ("dscales", dscales as *const uniopTensor),
+            ("dbias", dbias as *const uniopTensor),
+        ];
+        plan("linear_int8_backward", F, &inputs, &attrs, &outputs, workspaceSize, executor)
+    })
+}
+
+/// Phase 2 of `linear_int8_backward`: launches the executor from `uniopLinearInt8BackwardGetWorkspaceSize` on `stream`.
+#[no_mangle]
+pub extern "C" fn uniopLinearInt8Backward(
+    workspace: *mut c_void,
+    workspaceSize: u64,
+    executor: *mut uniopExecutor,
+    stream: uniopStream,
+) -> uniopStatus {
+    uniopOpRun(workspace, workspaceSize, executor, stream)
+}
+
 /// Phase 1 of `linear_packed(Tensor x, Tensor packed_weight, int out_features, Tensor? bias=None) -> (Tensor y)`.
 ///
 /// linear with its weight packed ahead: y = x @ weight^T + bias for packed_weight =

@@ -58,6 +58,7 @@ pub mod linear_backward;
 pub mod linear_gated_mul;
 pub mod linear_gated_mul_backward;
 pub mod linear_int8;
+pub mod linear_int8_backward;
 pub mod linear_packed;
 pub mod math;
 pub mod matmul;
@@ -124,6 +125,7 @@ pub fn builtin_ops() -> Vec<Box<dyn Op>> {
         Box::new(linear_add_backward::LinearAddBackward),
         Box::new(linear_backward::LinearBackward),
         Box::new(linear_int8::LinearInt8),
+        Box::new(linear_int8_backward::LinearInt8Backward),
         Box::new(linear_gated_mul::LinearGatedMul::SILU),
         Box::new(linear_gated_mul::LinearGatedMul::SILU_TRAIN),
         Box::new(linear_gated_mul_backward::LinearGatedMulBackward::SILU),

@@ -3021,3 +3021,117 @@ fn linear_int8_is_a_linear_on_the_dequantized_weight() {
         assert!(e.message().starts_with(&format!("linear_int8: {want}")), "{e}");
     }
 }
+
+/// linear_int8's gradients through both dx routes (1 and 3 rows: f32 sums, one tile and two; 5, 33
+/// and 40: the dequantized GEMM, one slab and two): each checked against the f64 reference, dx and dbias
+/// against `linear_backward` on the dequantized weight, dscales against the forward with unit
+/// scales (`Σ_rows dy · (x · w)`); bf16 with scales in f32 and in bf16; per sample (`batch_dims`)
+/// as separate calls; gradients not asked for left out; bad input named.
+#[test]
+fn linear_int8_backward_is_linear_backward_on_the_dequantized_weight() {
+    setup();
+    let to_bf16 = |v: &[f32]| v.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>();
+    for (rows, k, n) in [(1, 64, 70), (5, 37, 7), (3, 2100, 5), (33, 64, 70), (40, 300, 8192)] {
+        let (x, dy) = (rand_vec(rows * k, 11), rand_vec(rows * n, 12));
+        let w: Vec<i8> = (0..n * k).map(|i| ((i * 37 + 11) % 255) as i8).collect();
+        let scales: Vec<f32> = rand_vec(n, 13).iter().map(|v| 0.01 + 0.005 * v).collect();
+        let (tx, tdy) = (TensorRef::new(&x, &[rows, k]).unwrap(), TensorRef::new(&dy, &[rows, n]).unwrap());
+        let (tw, ts) = (TensorRef::new(&w, &[n, k]).unwrap(), TensorRef::new(&scales, &[n]).unwrap());
+        let grads = run_checked(
+            "linear_int8_backward",
+            &[Some(tdy.clone()), Some(tx.clone()), Some(tw.clone()), Some(ts.clone())],
+            &[],
+        );
+        let what = |g: &str| format!("{g} of [{rows}, {k}] by [{n}, {k}]");
+        let dequantized: Vec<f32> = w.iter().enumerate().map(|(i, &q)| q as f32 * scales[i / k]).collect();
+        let dense = run_checked(
+            "linear_backward",
+            &[Some(tdy.clone()), Some(tx.clone()), Some(TensorRef::new(&dequantized, &[n, k]).unwrap())],
+            &[("needs_dweight", AttrValue::Bool(false))],
+        );
+        assert_close(&grads[0], &dense[0], &what("dx"));
+        assert_close(&grads[2], &dense[2], &what("dbias"));
+        let ones = vec![1f32; n];
+        let products = run_checked(
+            "linear_int8",
+            &[Some(tx.clone()), Some(tw.clone()), Some(TensorRef::new(&ones, &[n]).unwrap())],
+            &[],
+        );
+        // Sums of rows · k terms that cancel: the f32 error is judged against their magnitude.
+        for j in 0..n {
+            let want: f64 = (0..rows).map(|r| dy[r * n + j] as f64 * products[0][r * n + j]).sum();
+            let magnitude: f64 = (0..rows)
+                .map(|r| {
+                    (dy[r * n + j] as f64).abs()
+                        * (0..k).map(|p| (x[r * k + p] * w[j * k + p] as f32).abs() as f64).sum::<f64>()
+                })
+                .sum();
+            let got = grads[1][j];
+            assert!((got - want).abs() <= 1e-5 * magnitude, "{} {j}: {got} vs {want}", what("dscales"));
+        }
+
+        let (xb, dyb, sb) = (to_bf16(&x), to_bf16(&dy), to_bf16(&scales));
+        let (txb, tdyb) = (TensorRef::new(&xb, &[rows, k]).unwrap(), TensorRef::new(&dyb, &[rows, n]).unwrap());
+        run_checked("linear_int8_backward", &[Some(tdyb.clone()), Some(txb.clone()), Some(tw.clone()), Some(ts)], &[]);
+        run_checked(
+            "linear_int8_backward",
+            &[Some(tdyb), Some(txb), Some(tw), Some(TensorRef::new(&sb, &[n]).unwrap())],
+            &[],
+        );
+    }
+
+    // Two samples of three rows: dscales and dbias per sample equal each sample's own call; each
+    // gradient not asked for comes back empty, the others as in the full call.
+    let (k, n) = (37, 7);
+    let (x, dy) = (rand_vec(6 * k, 14), rand_vec(6 * n, 15));
+    let w: Vec<i8> = (0..n * k).map(|i| ((i * 53 + 5) % 255) as i8).collect();
+    let scales = vec![0.02f32; n];
+    let (tw, ts) = (TensorRef::new(&w, &[n, k]).unwrap(), TensorRef::new(&scales, &[n]).unwrap());
+    let call = |x: &[f32], dy: &[f32], shape: &[usize], attrs: &[(&str, AttrValue)]| {
+        let (mut xs, mut dys) = (shape.to_vec(), shape.to_vec());
+        xs.push(k);
+        dys.push(n);
+        let (tx, tdy) = (TensorRef::new(x, &xs).unwrap(), TensorRef::new(dy, &dys).unwrap());
+        run_checked("linear_int8_backward", &[Some(tdy), Some(tx), Some(tw.clone()), Some(ts.clone())], attrs)
+    };
+    let per_sample = call(&x, &dy, &[2, 3], &[("batch_dims", AttrValue::Int(1))]);
+    for s in 0..2 {
+        let alone = call(&x[s * 3 * k..(s + 1) * 3 * k], &dy[s * 3 * n..(s + 1) * 3 * n], &[3], &[]);
+        assert_eq!(&per_sample[1][s * n..(s + 1) * n], &alone[1][..], "dscales of sample {s}");
+        assert_eq!(&per_sample[2][s * n..(s + 1) * n], &alone[2][..], "dbias of sample {s}");
+    }
+    let full = call(&x, &dy, &[6], &[]);
+    for (needs_dx, needs_dscales) in [(false, true), (true, false), (false, false)] {
+        let attrs = [("needs_dx", AttrValue::Bool(needs_dx)), ("needs_dscales", AttrValue::Bool(needs_dscales))];
+        let lean = call(&x, &dy, &[6], &attrs);
+        let empty: &[f64] = &[];
+        assert_eq!(lean[0], if needs_dx { &full[0][..] } else { empty }, "dx, needs_dx {needs_dx}");
+        assert_eq!(lean[1], if needs_dscales { &full[1][..] } else { empty }, "dscales, needs {needs_dscales}");
+        assert_eq!(lean[2], full[2], "dbias");
+    }
+
+    let (x, w, s, dy) = (vec![0.5f32; 2 * 8], vec![1i8; 3 * 8], vec![0.1f32; 3], vec![1f32; 2 * 4]);
+    let dyh = vec![uniop::half::f16::from_f32(1.0); 2 * 3];
+    let (tx, tw, ts) =
+        (TensorRef::new(&x, &[2, 8]).unwrap(), TensorRef::new(&w, &[3, 8]).unwrap(), TensorRef::new(&s, &[3]).unwrap());
+    let wrong = [
+        (TensorRef::new(&dy, &[2, 4]).unwrap(), vec![], "argument 'dy': expected shape [2, 3]"),
+        (TensorRef::new(&dyh, &[2, 3]).unwrap(), vec![], "argument 'dy': expected dtype float32"),
+        (TensorRef::new(&dy[..6], &[2, 3]).unwrap(), vec![("batch_dims", AttrValue::Int(2))], "argument 'batch_dims'"),
+    ];
+    for (tdy, attrs, want) in wrong {
+        let (mut dx, mut ds, mut db) = ([0f32; 16], [0f32; 3], [0f32; 3]);
+        let outs = vec![
+            TensorMut::new(&mut dx, &[2, 8]).unwrap(),
+            TensorMut::new(&mut ds, &[3]).unwrap(),
+            TensorMut::new(&mut db, &[3]).unwrap(),
+        ];
+        let e = plan_err(
+            "linear_int8_backward",
+            &[Some(tdy), Some(tx.clone()), Some(tw.clone()), Some(ts.clone())],
+            &attrs,
+            outs,
+        );
+        assert!(e.message().starts_with(&format!("linear_int8_backward: {want}")), "{e}");
+    }
+}
