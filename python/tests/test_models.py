@@ -1806,3 +1806,91 @@ def test_patch_llama_sets_and_restores_the_loss_but_keeps_a_users_own():
     finally:
         ut.unpatch_llama()
     assert model.loss_function is own
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_int8_linear_is_a_linear_on_its_dequantized_weight(dtype):
+    """``Int8Linear.from_linear`` rounds each weight to the nearest step of its row's scale
+    (``max |w| / 127``); the layer computes ``F.linear`` on that dequantized weight, and its
+    gradients (of the input; of the scales and bias once they require one) are that linear's."""
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 40).to(dtype)
+    layer = unn.Int8Linear.from_linear(linear)
+    assert layer.weight.dtype == torch.int8 and not layer.scales.requires_grad and not layer.bias.requires_grad
+    w = linear.weight.detach().float()
+    step = w.abs().amax(1, keepdim=True) / 127
+    assert ((layer.dequantized() - w).abs() <= step / 2 * (1 + 1e-6)).all()
+    x = torch.randn(3, 5, 48).to(dtype).requires_grad_()
+    y = layer(x)
+    dense = F.linear(x.detach().double(), layer.dequantized().double(), layer.bias.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.double(), dense, rtol=tol, atol=tol)
+    layer.scales.requires_grad_(True)
+    layer.bias.requires_grad_(True)
+    y = layer(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    leaves = [t.detach().double().requires_grad_() for t in (x, layer.scales, layer.bias)]
+    F.linear(leaves[0], layer.weight.double() * leaves[1][:, None], leaves[2]).backward(dy.double())
+    for name, got, want in zip(["x", "scales", "bias"], [x.grad, layer.scales.grad, layer.bias.grad], leaves):
+        scale = want.grad.abs().max().item()
+        torch.testing.assert_close(got.double(), want.grad, rtol=tol, atol=tol * scale, msg=f"gradient of {name}")
+
+
+def _dequantized_twin(model):
+    """A copy of ``model`` after ``quantize_int8``: its ``Int8Linear`` layers back as ``nn.Linear``
+    on their dequantized weights (what the quantized model should compute, by plain torch)."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    for name, child in list(twin.named_modules()):
+        for attr, layer in list(child.named_children()):
+            if isinstance(layer, unn.Int8Linear):
+                dense = nn.Linear(layer.in_features, layer.out_features, layer.bias is not None)
+                dense.weight.data = layer.dequantized().to(layer.scales.dtype)
+                if layer.bias is not None:
+                    dense.bias.data = layer.bias.detach().float()
+                setattr(child, attr, dense)
+    return twin
+
+
+def test_quantized_llama_runs_as_its_dequantized_twin_patched_or_not():
+    """``quantize_int8`` turns a tiny Llama's projections (not its head) into ``Int8Linear``; its
+    logits and greedy tokens equal those of plain transformers on the dequantized weights, before
+    and after ``patch_llama``; and a LoRA adapter beside a quantized projection trains: its
+    gradients are the twin's."""
+    model = unn.quantize_int8(_tiny_llama())
+    layers = [m for m in model.modules() if isinstance(m, unn.Int8Linear)]
+    assert len(layers) == 2 * 7 and isinstance(model.lm_head, nn.Linear)
+    twin = _dequantized_twin(model)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = twin(ids).logits
+        want_tokens = twin.generate(ids[:1], max_new_tokens=12, do_sample=False)
+        got = model(ids).logits
+        tokens = model.generate(ids[:1], max_new_tokens=12, do_sample=False)
+        try:
+            ut.patch_llama(model)
+            patched = model(ids).logits
+            patched_tokens = model.generate(ids[:1], max_new_tokens=12, do_sample=False)
+        finally:
+            ut.unpatch_llama()
+    for logits in (got, patched):
+        assert (logits - want).abs().max().item() < 1e-4
+    assert torch.equal(tokens, want_tokens) and torch.equal(patched_tokens, want_tokens)
+
+    # A LoRA update beside the first layer's quantized q_proj: y = base(x) + (x @ Aᵀ) @ Bᵀ.
+    torch.manual_seed(2)
+    lora_a, lora_b = torch.randn(4, 64) * 0.1, torch.randn(64, 4) * 0.1
+    grads = []
+    for m in (model, twin):
+        a, b = lora_a.clone().requires_grad_(), lora_b.clone().requires_grad_()
+        q_proj = m.model.layers[0].self_attn.q_proj
+        handle = q_proj.register_forward_hook(lambda mod, inp, out: out + inp[0] @ a.t() @ b.t())
+        try:
+            F.cross_entropy(m(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+        finally:
+            handle.remove()
+        grads.append((a.grad, b.grad))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

@@ -13,6 +13,9 @@ dtype rules, so a state dict loads into either and the modules drop into a Llama
   output in the input's dtype, as torch's.
 - :class:`Attention` — ``LlamaAttention``'s projections ``q_proj``/``k_proj``/``v_proj``/``o_proj``
   with GQA, rope and uniop's flash attention (causal).
+- :class:`Int8Linear` — ``nn.Linear`` with its weight quantized to int8 per output feature
+  (``weight`` int8, ``scales``, ``bias``), run by ``linear_int8``; :func:`quantize_int8` swaps a
+  model's linear layers for it (a Llama's, patched or not, included).
 
 The modules trace with ``torch.fx.symbolic_trace`` too: what a forward decides from its input
 (dtype rules, whether autograd records the call, the kind of mask) happens inside a function
@@ -362,6 +365,60 @@ def linear_add(linear, x, residual, fuse=True, packed=False):
             return uniop_ops.linear_add_packed(x, weight, linear.out_features, residual)
         return uniop_ops.linear_add(x, linear.weight, residual)
     return residual + linear(x)
+
+
+class Int8Linear(nn.Module):
+    """``nn.Linear`` with a weight-only int8 weight: ``y = x @ (weight * scales[:, None]).T + bias``,
+    one ``linear_int8``. ``weight`` (a buffer) is int8 ``[out_features, in_features]``, quantized
+    symmetrically per output feature: ``scales`` ``[out_features]`` (float32, or the input's dtype)
+    and ``bias`` are parameters that do not require a gradient (a quantized base is frozen; set
+    ``requires_grad`` to tune them, PEQA's way). Gradients flow to the input, so adapters train
+    beside it (QLoRA's pattern). Build one from a trained layer with :meth:`from_linear`."""
+
+    def __init__(self, in_features, out_features, bias=True, dtype=None, scale_dtype=torch.float32):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.scales = nn.Parameter(torch.ones(out_features, dtype=scale_dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear, scale_dtype=torch.float32):
+        """``linear`` (an ``nn.Linear``) quantized: each output feature's weights divided by
+        ``max |w| / 127`` (its scale) and rounded to the nearest int8 in [-127, 127] (torchao's
+        ``int8_weight_only``, symmetric); the bias kept in the layer's dtype."""
+        w = linear.weight.detach().float()
+        scales = (w.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.dtype, scale_dtype)
+        layer.weight.copy_(torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8))
+        layer.scales.data.copy_(scales)
+        if linear.bias is not None:
+            layer.bias.data.copy_(linear.bias.detach())
+        return layer
+
+    def dequantized(self):
+        """The weight as the layer computes with it, in float32: ``weight * scales[:, None]``."""
+        return self.weight.float() * self.scales.float()[:, None]
+
+    def forward(self, x):
+        return uniop_ops.linear_int8(x, self.weight, self.scales, self.bias)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_int8(module, skip=("lm_head",), scale_dtype=torch.float32):
+    """Swaps every ``nn.Linear`` inside ``module`` (exactly that type: a LoRA wrapper's own layers
+    are reached through it) for :meth:`Int8Linear.from_linear` of it, in place, and returns
+    ``module``; layers whose qualified name ends with an entry of ``skip`` stay (a model's output
+    head, by default, whose error every logit carries). Quantizing after ``patch_llama`` or before
+    both work: the patched MLPs call a projection that is not an ``nn.Linear`` as a module."""
+    for name, child in list(module.named_modules()):
+        for attr, layer in list(child.named_children()):
+            qualified = f"{name}.{attr}" if name else attr
+            if type(layer) is nn.Linear and not any(qualified.endswith(s) for s in skip):
+                setattr(child, attr, Int8Linear.from_linear(layer, scale_dtype))
+    return module
 
 
 class RotaryEmbedding(nn.Module):
