@@ -345,21 +345,13 @@ impl Op for LinearInt8Backward {
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        // `shape` is x's (default: a training batch's rows); the weight is linear_int8's example's.
-        let shape = shape.unwrap_or(&[512, 4096]);
-        let k = shape.last().copied().unwrap_or(1);
-        let x = if shape.is_empty() { vec![1] } else { shape.to_vec() };
-        let mut y = x.clone();
-        *y.last_mut().unwrap() = 2 * k;
-        Ok(Example {
-            inputs: vec![
-                Some(TensorMeta::contiguous(dtype, &y)?),
-                Some(TensorMeta::contiguous(dtype, &x)?),
-                Some(TensorMeta::contiguous(DType::I8, &[2 * k, k])?),
-                Some(TensorMeta::contiguous(dtype, &[2 * k])?),
-            ],
-            ranges: vec![None, None, Some((-127.0, 128.0)), Some((0.001, 0.02))],
-            ..Default::default()
-        })
+        // `shape` is x's (default: a training batch's rows): dy and x as linear_backward's example,
+        // its weight `[2k, k]` int8 with scales, as linear_int8's example.
+        let mut example = crate::linear_backward::example(Some(shape.unwrap_or(&[512, 4096])), dtype, 2)?;
+        let weight = example.input_shape(2);
+        example.inputs[2] = Some(TensorMeta::contiguous(DType::I8, &weight)?);
+        example.inputs.push(Some(TensorMeta::contiguous(dtype, &weight[..1])?));
+        example.ranges = vec![None, None, Some((-127.0, 128.0)), Some((0.001, 0.02))];
+        Ok(example)
     }
 }
