@@ -408,11 +408,13 @@ class Int8Linear(nn.Module):
 
 
 def quantize_int8(module, skip=("lm_head",), scale_dtype=torch.float32):
-    """Swaps every ``nn.Linear`` inside ``module`` (exactly that type: a LoRA wrapper's own layers
-    are reached through it) for :meth:`Int8Linear.from_linear` of it, in place, and returns
-    ``module``; layers whose qualified name ends with an entry of ``skip`` stay (a model's output
-    head, by default, whose error every logit carries). Quantizing after ``patch_llama`` or before
-    both work: the patched MLPs call a projection that is not an ``nn.Linear`` as a module."""
+    """Swaps every ``nn.Linear`` inside ``module`` (exactly that type) for
+    :meth:`Int8Linear.from_linear` of it, in place, and returns ``module``; layers whose qualified
+    name ends with an entry of ``skip`` stay (a model's output head, by default, whose error every
+    logit carries). Quantize before adding adapters (QLoRA's order): a LoRA wrapper's own
+    ``nn.Linear`` layers (its base and its adapters alike) are reached through it, so afterwards
+    the adapters would need naming in ``skip``. Quantizing after ``patch_llama`` or before both
+    work: the patched MLPs call a projection that is not an ``nn.Linear`` as a module."""
     for name, child in list(module.named_modules()):
         for attr, layer in list(child.named_children()):
             qualified = f"{name}.{attr}" if name else attr
