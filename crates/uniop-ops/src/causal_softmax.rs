@@ -48,8 +48,9 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, (sq, sk): (usize, u
         }
         let m = row_max(row);
         let next = xs.get((r + 1) * sk..(r + 1) * sk + visible(r + 1, sq, sk)).unwrap_or_default();
-        let sum = exp_into(row, &mut scratch[..n], m, next);
-        scale_into(&scratch[..n], live, 1.0 / sum, streaming);
+        // The whole scratch row: the row's last exps go there as one vector (see `exp_into`).
+        let sum = exp_into(row, scratch, m, next);
+        scale_into(scratch, live, 1.0 / sum, streaming);
     }
     fence();
 }

@@ -17,14 +17,13 @@
 //! log_softmax's store, their gradients, …; two-output maps in bf16 only) go through these where
 //! they apply ([`applies`]); f16 rows, and AVX-512 CPUs, keep the generic passes.
 //!
-//! The arithmetic is the generic passes' own: [`math::exp`]'s and [`math::exp_coarse`]'s formulas
-//! (chosen by the element type, as [`math::exp_for`]), bf16's round-to-nearest-even with NaNs kept
-//! quiet, `x · rstd · w` in that order, rope's rotation lane by lane, and each map's own scalar
-//! closure. Sums are taken in a different order (and squares summed with FMA), so they may differ
+//! The arithmetic is the generic passes' own: [`exp`](crate::math::exp)'s and
+//! [`exp_coarse`](crate::math::exp_coarse)'s formulas (chosen by the element type, as
+//! [`exp_for`](crate::math::exp_for)), bf16's round-to-nearest-even with NaNs kept quiet,
+//! `x · rstd · w` in that order, rope's rotation lane by lane, and each map's own scalar closure. Sums are taken in a different order (and squares summed with FMA), so they may differ
 //! in the last bit.
 
 use crate::elementwise::Ahead;
-use crate::math;
 use crate::rope::{self, Mode, Rotation};
 use std::arch::x86_64::*;
 use uniop::dtype::{bf16x16_avx2, bf16x16_even_odd_avx2};
@@ -71,6 +70,21 @@ pub(crate) trait Row: FloatElement {
     /// Whether [`Row::load16_in_lanes`] gives the even elements, then the odd ones: each pair
     /// `(2j, 2j + 1)` is then lane `j` of the two registers.
     const EVEN_ODD: bool;
+    /// The `len` (at most 8) elements at `p` widened into lanes `0..len`, `fill` in the others:
+    /// a row's last elements as one vector step ([`lanes_below`]).
+    unsafe fn load_part(p: *const Self, len: usize, fill: f32) -> __m256;
+    /// Lanes `0..len` (at most 8) of `v` narrowed and stored at `p`.
+    unsafe fn store_part(p: *mut Self, v: __m256, len: usize);
+}
+
+/// The lanes below `len` set (all bits), the others clear.
+///
+/// Why rows end in vector steps: a short row — a router's softmax over 8 to 128 experts, 32 keys a
+/// head — is mostly or wholly the tail past the passes' 32-element steps, and element by element
+/// (a scalar exp each) f32 softmax over `[8192, 20]` took 4x the time of `[8192, 32]`.
+#[inline(always)]
+unsafe fn lanes_below(len: usize) -> __m256i {
+    _mm256_cmpgt_epi32(_mm256_set1_epi32(len as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
 }
 
 impl Row for f32 {
@@ -102,6 +116,31 @@ impl Row for f32 {
     unsafe fn store16_in_lanes(p: *mut f32, low: __m256, high: __m256, streaming: bool) {
         Self::store16(p, low, high, streaming)
     }
+    #[inline(always)]
+    unsafe fn load_part(p: *const f32, len: usize, fill: f32) -> __m256 {
+        let mask = lanes_below(len);
+        _mm256_blendv_ps(_mm256_set1_ps(fill), _mm256_maskload_ps(p, mask), _mm256_castsi256_ps(mask))
+    }
+    /// In pieces of 4, 2 and 1 lanes (masked stores are slow on AMD's cores).
+    #[inline(always)]
+    unsafe fn store_part(p: *mut f32, v: __m256, len: usize) {
+        if len == 8 {
+            _mm256_storeu_ps(p, v);
+            return;
+        }
+        let (mut part, mut at) = (_mm256_castps256_ps128(v), 0);
+        if len >= 4 {
+            _mm_storeu_ps(p, part);
+            (part, at) = (_mm256_extractf128_ps::<1>(v), 4);
+        }
+        if len - at >= 2 {
+            _mm_storel_epi64(p.add(at) as *mut __m128i, _mm_castps_si128(part));
+            (part, at) = (_mm_movehl_ps(part, part), at + 2);
+        }
+        if len > at {
+            _mm_store_ss(p.add(at), part);
+        }
+    }
 }
 
 impl Row for bf16 {
@@ -132,6 +171,41 @@ impl Row for bf16 {
         _mm256_storeu_si256(p as *mut __m256i, v);
         [widen8(_mm256_castsi256_si128(v)), widen8(_mm256_extracti128_si256::<1>(v))]
     }
+    /// AVX2 has no masked 16-bit loads: the pairs by a masked 32-bit load, an odd last element
+    /// blended in.
+    #[inline(always)]
+    unsafe fn load_part(p: *const bf16, len: usize, fill: f32) -> __m256 {
+        let mut v = _mm_maskload_epi32(p as *const i32, _mm256_castsi256_si128(lanes_below(len / 2)));
+        if len % 2 == 1 {
+            let last = _mm_set1_epi16((*p.add(len - 1)).to_bits() as i16);
+            v = _mm_blendv_epi8(
+                v,
+                last,
+                _mm_cmpeq_epi16(_mm_set1_epi16(len as i16 - 1), _mm_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7)),
+            );
+        }
+        _mm256_blendv_ps(_mm256_set1_ps(fill), widen8(v), _mm256_castsi256_ps(lanes_below(len)))
+    }
+    /// In pieces of 8, 4, 2 and 1 lanes (masked stores are slow on AMD's cores).
+    #[inline(always)]
+    unsafe fn store_part(p: *mut bf16, v: __m256, len: usize) {
+        let (mut part, mut at) = (_mm256_castsi256_si128(bf16x16_avx2(v, v)), 0);
+        if len == 8 {
+            _mm_storeu_si128(p as *mut __m128i, part);
+            return;
+        }
+        if len >= 4 {
+            _mm_storel_epi64(p as *mut __m128i, part);
+            (part, at) = (_mm_srli_si128::<8>(part), 4);
+        }
+        if len - at >= 2 {
+            (p.add(at) as *mut i32).write_unaligned(_mm_cvtsi128_si32(part));
+            (part, at) = (_mm_srli_si128::<4>(part), at + 2);
+        }
+        if len > at {
+            (p.add(at) as *mut u16).write_unaligned(_mm_cvtsi128_si32(part) as u16);
+        }
+    }
 }
 
 /// 16 bf16 stored at `p`; past the cache when `streaming` (`p` 32-byte aligned).
@@ -150,8 +224,8 @@ unsafe fn widen8(eight: __m128i) -> __m256 {
     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(eight)))
 }
 
-/// e^x for 8 lanes (NaN kept): [`math::exp_coarse`]'s formula when `COARSE`, else
-/// [`math::exp`]'s, bit for bit. The upper clamp of the scalar forms only when `HIGH`: softmax's
+/// e^x for 8 lanes (NaN kept): [`exp_coarse`](crate::math::exp_coarse)'s formula when `COARSE`, else
+/// [`exp`](crate::math::exp)'s, bit for bit. The upper clamp of the scalar forms only when `HIGH`: softmax's
 /// callers subtract their row's maximum first (`x ≤ 0`).
 #[inline(always)]
 unsafe fn exp8<const COARSE: bool, const HIGH: bool>(x: __m256) -> __m256 {
@@ -204,13 +278,19 @@ unsafe fn row_max_in<T: Row>(row: &[T]) -> f32 {
             *m = _mm256_max_ps(T::load8(p.add(i + 8 * j)), *m);
         }
     }
+    let mut m = _mm256_max_ps(_mm256_max_ps(mx[0], mx[1]), _mm256_max_ps(mx[2], mx[3]));
+    for i in (whole..row.len()).step_by(8) {
+        let len = (row.len() - i).min(8);
+        let v = if len == 8 { T::load8(p.add(i)) } else { T::load_part(p.add(i), len, f32::NEG_INFINITY) };
+        m = _mm256_max_ps(v, m);
+    }
     let mut lanes = [0f32; 8];
-    _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_max_ps(_mm256_max_ps(mx[0], mx[1]), _mm256_max_ps(mx[2], mx[3])));
-    let tail = row[whole..].iter().map(|v| v.to_f32());
-    lanes.into_iter().chain(tail).fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
+    _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+    lanes.into_iter().fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m })
 }
 
-/// `Σ exp(row − m)`, the exps stored in `out` when `STORE`; prefetches `next` as it goes (see
+/// `Σ exp(row − m)`, the exps stored in `out` when `STORE` (lanes past the row too, up to the
+/// next multiple of 8, where `out` has room); prefetches `next` as it goes (see
 /// `softmax::exp_into`).
 #[target_feature(enable = "avx2,fma")]
 unsafe fn exp_sum_in<T: Row, const STORE: bool>(row: &[T], out: &mut [f32], m: f32, next: &[T]) -> f32 {
@@ -233,32 +313,39 @@ unsafe fn exp_sum_in<T: Row, const STORE: bool>(row: &[T], out: &mut [f32], m: f
             }
         }
     }
-    let mut sum = sum8(_mm256_add_ps(acc[0], acc[1]));
-    for (k, v) in row.iter().enumerate().skip(whole) {
-        let e = math::exp_for::<T>(v.to_f32() - m);
-        sum += e;
-        if STORE {
-            out[k] = e;
+    for i in (whole..row.len()).step_by(8) {
+        let len = (row.len() - i).min(8);
+        let x = _mm256_sub_ps(if len == 8 { T::load8(p.add(i)) } else { T::load_part(p.add(i), len, m) }, mb);
+        let e = if coarse { exp8::<true, false>(x) } else { exp8::<false, false>(x) };
+        // Lanes past the row (filled with m: e^0) are left out of the sum.
+        acc[0] = _mm256_add_ps(acc[0], _mm256_and_ps(e, _mm256_castsi256_ps(lanes_below(len))));
+        if STORE && i + 8 <= out.len() {
+            _mm256_storeu_ps(o.add(i), e);
+        } else if STORE {
+            f32::store_part(o.add(i), e, len);
         }
     }
-    sum
+    sum8(_mm256_add_ps(acc[0], acc[1]))
 }
 
-/// `out = src · scale`, narrowed to `T`; past the cache when `streaming` and `out` is 32-byte
-/// aligned (as rows of an aligned tensor are; otherwise with ordinary stores).
+/// `out = src · scale`, narrowed to `T` (`src` at least as long as `out`: lanes past it are read
+/// up to the next multiple of 8, where it has them); past the cache when `streaming` and `out` is
+/// 32-byte aligned (as rows of an aligned tensor are; otherwise with ordinary stores).
 #[target_feature(enable = "avx2,fma")]
 unsafe fn scale_in<T: Row>(src: &[f32], out: &mut [T], scale: f32, streaming: bool) {
     let streaming = streaming && (out.as_ptr() as usize).is_multiple_of(32);
     let (s, o) = (src.as_ptr(), out.as_mut_ptr());
-    let whole = src.len() / 16 * 16;
+    let whole = out.len() / 16 * 16;
     let sc = _mm256_set1_ps(scale);
     for i in (0..whole).step_by(16) {
         let low = _mm256_mul_ps(_mm256_loadu_ps(s.add(i)), sc);
         let high = _mm256_mul_ps(_mm256_loadu_ps(s.add(i + 8)), sc);
         T::store16(o.add(i), low, high, streaming);
     }
-    for (o, &v) in out[whole..].iter_mut().zip(&src[whole..]) {
-        *o = T::from_f32(v * scale);
+    for i in (whole..out.len()).step_by(8) {
+        let len = (out.len() - i).min(8);
+        let v = if i + 8 <= src.len() { _mm256_loadu_ps(s.add(i)) } else { f32::load_part(s.add(i), len, 0.0) };
+        T::store_part(o.add(i), _mm256_mul_ps(v, sc), len);
     }
 }
 
@@ -483,13 +570,18 @@ unsafe fn grad_dot_in<T: Row, const LOG: bool>(dy: &[T], y: &[T]) -> f32 {
             }
         }
     }
-    let lanes = sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    let tail = dy[whole..].iter().zip(&y[whole..]);
-    lanes + tail.map(|(d, v)| if LOG { d.to_f32() } else { d.to_f32() * v.to_f32() }).sum::<f32>()
+    for i in (whole..dy.len()).step_by(8) {
+        // Lanes past the row read 0: they add nothing.
+        let len = (dy.len() - i).min(8);
+        let d = T::load_part(pd.add(i), len, 0.0);
+        acc[0] =
+            if LOG { _mm256_add_ps(acc[0], d) } else { _mm256_fmadd_ps(d, T::load_part(py.add(i), len, 0.0), acc[0]) };
+    }
+    sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])))
 }
 
 /// One row of the backward: `dot` by [`grad_dot_in`], then `dx = y · (dy − dot)`, or
-/// `dx = dy − exp(y) · dot` when `LOG` (exp as [`math::exp_for`]), narrowed to `T`, 16 elements an
+/// `dx = dy − exp(y) · dot` when `LOG` (exp as [`exp_for`](crate::math::exp_for)), narrowed to `T`, 16 elements an
 /// iteration in [`Row::load16_in_lanes`]'s order; given the dot, bit for bit the generic map's.
 /// Past the cache when `streaming` and `dx` is 32-byte aligned.
 #[target_feature(enable = "avx2,fma")]
@@ -512,9 +604,10 @@ unsafe fn softmax_grad_in<T: Row, const LOG: bool>(dy: &[T], y: &[T], dx: &mut [
         let ([d0, d1], [v0, v1]) = (T::load16_in_lanes(pd.add(i)), T::load16_in_lanes(py.add(i)));
         T::store16_in_lanes(po.add(i), grad(d0, v0), grad(d1, v1), streaming);
     }
-    for k in whole..dy.len() {
-        let (d, v) = (dy[k].to_f32(), y[k].to_f32());
-        dx[k] = T::from_f32(if LOG { d - math::exp_for::<T>(v) * dot } else { v * (d - dot) });
+    for i in (whole..dy.len()).step_by(8) {
+        let len = (dy.len() - i).min(8);
+        let (d, v) = (T::load_part(pd.add(i), len, 0.0), T::load_part(py.add(i), len, 0.0));
+        T::store_part(po.add(i), grad(d, v), len);
     }
 }
 
@@ -607,28 +700,28 @@ pub(crate) fn row_max<T: FloatElement>(row: &[T]) -> f32 {
     }
 }
 
-/// `Σ exp(row − m)`, the exps stored in `out` (as long as `row`) when `STORE`. Only for f32
-/// and bf16 rows (see [`applies`]).
+/// `Σ exp(row − m)`, the exps stored in `out` (at least as long as `row`) when `STORE`. Only for
+/// f32 and bf16 rows (see [`applies`]).
 #[inline(always)]
 pub(crate) fn exp_sum<T: FloatElement, const STORE: bool>(row: &[T], out: &mut [f32], m: f32, next: &[T]) -> f32 {
     assert!(can_run());
     if STORE {
-        assert_eq!(out.len(), row.len());
+        assert!(out.len() >= row.len());
     }
-    // SAFETY (each arm): as in `row_max`; `out` is as long as `row` where it is written.
+    // SAFETY (each arm): as in `row_max`; `out` is at least as long as `row` where it is written.
     match T::DTYPE {
         DType::BF16 => unsafe { exp_sum_in::<bf16, STORE>(same(row), out, m, same(next)) },
         _ => unsafe { exp_sum_in::<f32, STORE>(same(row), out, m, same(next)) },
     }
 }
 
-/// `out = src · scale`, narrowed to `T` (`out` as long as `src`). Only for f32 and bf16 rows (see
-/// [`applies`]).
+/// `out = src · scale`, narrowed to `T` (`src` at least as long as `out`). Only for f32 and bf16
+/// rows (see [`applies`]).
 #[inline(always)]
 pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32, streaming: bool) {
     assert!(can_run());
-    assert_eq!(src.len(), out.len());
-    // SAFETY (each arm): as in `row_max`; the lengths are equal.
+    assert!(src.len() >= out.len());
+    // SAFETY (each arm): as in `row_max`; `src` holds every element read.
     match T::DTYPE {
         DType::BF16 => unsafe { scale_in::<bf16>(src, same_mut(out), scale, streaming) },
         _ => unsafe { scale_in::<f32>(src, same_mut(out), scale, streaming) },
@@ -749,9 +842,11 @@ pub(crate) fn map<T: FloatElement, const I: usize, const O: usize>(
 mod tests {
     use super::*;
     use crate::elementwise::Aligned;
+    use crate::math;
 
-    /// Row lengths around the step sizes (16-lane stores, 32-element exp steps) and a long one.
-    const LENGTHS: &[usize] = &[0, 1, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 100, 4101];
+    /// Row lengths around the step sizes (16-lane stores, 32-element exp steps), every length of a
+    /// last part vector (1 to 7 lanes, alone and after whole steps) and a long one.
+    const LENGTHS: &[usize] = &[0, 1, 2, 3, 5, 6, 7, 8, 13, 15, 16, 17, 20, 31, 32, 33, 42, 63, 64, 100, 4101];
 
     /// Values spread over ±`spread` (deterministic), as `T`.
     fn row<T: FloatElement>(n: usize, spread: f32, seed: u32) -> Vec<T> {
@@ -787,6 +882,10 @@ mod tests {
                 let mut exps = vec![0f32; n];
                 let next: Vec<T> = row(n, 1.0, 7);
                 let sum = exp_sum::<T, true>(&x, &mut exps, m, &next);
+                // A padded scratch row takes the same exps (and anything past the row).
+                let mut padded = vec![0f32; n.next_multiple_of(8)];
+                assert_eq!(exp_sum::<T, true>(&x, &mut padded, m, &next).to_bits(), sum.to_bits());
+                assert_eq!(bits(padded[..n].iter().copied()), bits(exps.iter().copied()), "padded exps, n {n}");
                 // The kernels subtract in f32, as here; the exps are then compared with f64's.
                 let want: Vec<f64> = x.iter().map(|v| ((v.to_f32() - m) as f64).exp()).collect();
                 for (k, (&e, &w)) in exps.iter().zip(&want).enumerate() {
@@ -824,13 +923,17 @@ mod tests {
                 src[20] = 2.0 * (1.0 + 3.0 * 2f32.powi(-8));
             }
             let want = bits(src.iter().map(|&v| T::from_f32(v * 0.5)));
-            each_destination::<T>(n, want, |out, streaming| scale_into(&src, out, 0.5, streaming));
+            each_destination::<T>(n, want.clone(), |out, streaming| scale_into(&src, out, 0.5, streaming));
+            // From a longer (padded) source, its first n.
+            let mut padded = src.clone();
+            padded.resize(n.next_multiple_of(8), f32::NAN);
+            each_destination::<T>(n, want, |out, streaming| scale_into(&padded, out, 0.5, streaming));
         }
     }
 
     /// Runs `store` into a zeroed destination of `n` elements, streamed and not, 32-byte aligned
     /// and one element past that (where the stores are ordinary ones), and checks that it holds
-    /// `want` (the values' f32 bits) each time.
+    /// `want` (the values' f32 bits) each time, and that the 16 elements past it are still zero.
     fn each_destination<T: FloatElement>(n: usize, want: Vec<u32>, mut store: impl FnMut(&mut [T], bool)) {
         for streaming in [false, true] {
             for misalign in [0, 1] {
@@ -842,6 +945,9 @@ mod tests {
                 crate::elementwise::fence();
                 let got: Vec<u32> = out.iter().map(|v| v.to_f32().to_bits()).collect();
                 assert_eq!(got, want, "n {n}, streaming {streaming}, misalign {misalign}");
+                // SAFETY: as above; the backing holds at least 64 elements past the destination.
+                let past = unsafe { std::slice::from_raw_parts(bytes.add(misalign + n), 16) };
+                assert!(past.iter().all(|v| v.to_f32().to_bits() == 0), "written past n {n}");
             }
         }
     }

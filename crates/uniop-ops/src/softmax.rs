@@ -96,13 +96,15 @@ pub(crate) fn row_max<T: FloatElement>(row: &[T]) -> f32 {
 }
 
 /// `out = src · scale`, narrowed to `T`, `LANES` at a time; past the cache when `streaming`
-/// (outputs too large to stay there: the stores then skip reading each line first).
+/// (outputs too large to stay there: the stores then skip reading each line first). `src` may be
+/// longer than `out` (a padded scratch row, see [`exp_into`]); its first `out.len()` are scaled.
 #[inline(always)]
 pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32, streaming: bool) {
     #[cfg(target_arch = "x86_64")]
     if crate::rows_avx2::applies::<T>() {
         return crate::rows_avx2::scale_into(src, out, scale, streaming);
     }
+    let src = &src[..out.len()];
     if T::converts_natively() {
         // Whole steps narrowed by the CPU's instruction (a loop of its own: see `dense_map`). In
         // cache (Zen 4), f16 softmax 0.078 → 0.066 ms, bf16 level; at 4096x4096 f16 4.97 → 3.82.
@@ -158,7 +160,11 @@ pub(crate) fn scale_into<T: FloatElement>(src: &[f32], out: &mut [T], scale: f32
     }
 }
 
-/// `out = exp(row − m)` in f32 (`out` as long as `row`); returns `Σ out`.
+/// `out = exp(row − m)` in f32 (`out` at least as long as `row`; past the row it may be written
+/// with anything: a scratch row padded to [`SCRATCH_LANES`] takes the row's last exps as one
+/// whole vector, which [`scale_into`] reads back as one — masked stores and loads there had the
+/// load wait for the store to retire, most of the time of short rows, Zen 3); returns
+/// `Σ exp(row − m)`.
 ///
 /// This pass is compute-bound and touches no new memory, so it prefetches `next` (the row the
 /// caller reads after this one, or nothing): memory then streams while the exps run, instead of
@@ -262,8 +268,9 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
             match kind {
                 Kind::Softmax => {
                     // exp(x − max) once, kept in f32 scratch (in cache) for the normalizing pass.
+                    let padded = axis.n.next_multiple_of(SCRATCH_LANES);
                     // SAFETY: block b owns scratch row b (sized by the plan for softmax rows).
-                    let scratch = unsafe { args.workspace::<f32>(ctx.block_idx as usize * axis.n, axis.n) };
+                    let scratch = unsafe { args.workspace::<f32>(ctx.block_idx as usize * padded, padded) };
                     let scale = 1.0 / exp_into(row, scratch, m, next);
                     scale_into(scratch, out, scale, streaming)
                 }
@@ -309,6 +316,9 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
 }
 }
 
+/// What softmax's scratch rows are padded to: a vector of f32 on AVX2 (see [`exp_into`]).
+const SCRATCH_LANES: usize = 8;
+
 /// Plan shared by both ops (and their block split).
 fn plan(cx: &OpCx, kind: Kind) -> Result<Plan> {
     let x = cx.input("x");
@@ -321,7 +331,8 @@ fn plan(cx: &OpCx, kind: Kind) -> Result<Plan> {
         Step::new("softmax", block_dim, move |args, ctx| kernel::<T>(args, ctx, axis, kind, streaming))
     });
     // Softmax rows keep their exps in one f32 scratch row per block.
-    let workspace = if axis.inner == 1 && matches!(kind, Kind::Softmax) { block_dim as usize * axis.n * 4 } else { 0 };
+    let padded = axis.n.next_multiple_of(SCRATCH_LANES);
+    let workspace = if axis.inner == 1 && matches!(kind, Kind::Softmax) { block_dim as usize * padded * 4 } else { 0 };
     Ok(Plan::new(vec![step])
         .workspace(workspace)
         .inputs_need(vec![LayoutNeed::Contiguous])
