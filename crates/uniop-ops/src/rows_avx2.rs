@@ -349,6 +349,33 @@ unsafe fn scale_in<T: Row>(src: &[f32], out: &mut [T], scale: f32, streaming: bo
     }
 }
 
+/// Softmax, or log_softmax when `LOG`, of rows of `n` (at most 8) elements, one vector a row:
+/// what [`row_max`], [`exp_sum`] and the scaled (or shifted) store give row by row, bit for bit,
+/// in one loop with no calls or scratch between them. A row that short is a chain of dependent
+/// steps (maximum, exps, sum, reciprocal) with little work in each; here the core overlaps
+/// consecutive rows' chains, which the three passes' calls per row kept apart.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn short_rows_in<T: Row, const LOG: bool>(x: &[T], out: &mut [T], n: usize) {
+    let coarse = T::DTYPE.size() == 2;
+    let keep = _mm256_castsi256_ps(lanes_below(n));
+    for (row, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+        let v = T::load_part(row.as_ptr(), n, f32::NEG_INFINITY);
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), v);
+        // As `row_max_in`: NaN elements skipped.
+        let m = lanes.into_iter().fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m });
+        let shifted = _mm256_sub_ps(v, _mm256_set1_ps(m));
+        let e = if coarse { exp8::<true, false>(shifted) } else { exp8::<false, false>(shifted) };
+        let sum = sum8(_mm256_and_ps(e, keep));
+        let y = if LOG {
+            _mm256_sub_ps(v, _mm256_set1_ps(m + sum.ln()))
+        } else {
+            _mm256_mul_ps(e, _mm256_set1_ps(1.0 / sum))
+        };
+        T::store_part(o.as_mut_ptr(), y, n);
+    }
+}
+
 /// The squares of four 8-lane groups added into `acc` (group `j` into `acc[j]`): the one order in
 /// which [`sum_squares_in`] and [`add_in`] sum, so add_rms_norm's squares equal rms_norm's of
 /// the same stored row.
@@ -792,6 +819,21 @@ pub(crate) fn rotate<T: FloatElement, C: FloatElement>(
     }
 }
 
+/// Softmax (`log` false) or log_softmax of the rows of `x` (`n` elements each, at most 8) into
+/// `out`, as long. Only for f32 and bf16 rows (see [`applies`]).
+#[inline(always)]
+pub(crate) fn short_rows<T: FloatElement>(x: &[T], out: &mut [T], n: usize, log: bool) {
+    assert!(can_run());
+    assert!((1..=8).contains(&n) && x.len() == out.len() && x.len().is_multiple_of(n));
+    // SAFETY (each arm): as in `row_max`; rows of n ≤ 8 elements, as many in `out` as in `x`.
+    match (T::DTYPE, log) {
+        (DType::BF16, false) => unsafe { short_rows_in::<bf16, false>(same(x), same_mut(out), n) },
+        (DType::BF16, true) => unsafe { short_rows_in::<bf16, true>(same(x), same_mut(out), n) },
+        (_, false) => unsafe { short_rows_in::<f32, false>(same(x), same_mut(out), n) },
+        (_, true) => unsafe { short_rows_in::<f32, true>(same(x), same_mut(out), n) },
+    }
+}
+
 /// One row of softmax_backward (`log` false) or log_softmax_backward (`log` true): the sum, then
 /// `dx` narrowed to `T` (`dy`, `y` and `dx` as long), past the cache when `streaming`. Only for f32
 /// and bf16 rows (see [`applies`]).
@@ -1017,6 +1059,51 @@ mod tests {
         check_rotate::<f32, f32>();
         check_rotate::<bf16, bf16>();
         check_rotate::<bf16, f32>();
+    }
+
+    /// Rows of up to 8 elements in one pass give what the row passes give row by row, bit for bit
+    /// (softmax: exps, their sum, the scaled store; log_softmax: `x − (m + ln Σ)`), specials too.
+    fn check_short_rows<T: FloatElement>() {
+        for n in 1..=8 {
+            let mut x: Vec<T> = row(n * 37, 20.0, n as u32);
+            for (k, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 89.0, -89.0].into_iter().enumerate() {
+                x[5 * n + k % n] = T::from_f32(v);
+            }
+            x[30 * n..31 * n].fill(T::from_f32(f32::NEG_INFINITY));
+            for log in [false, true] {
+                let mut want = vec![T::default(); x.len()];
+                for (r, o) in x.chunks_exact(n).zip(want.chunks_exact_mut(n)) {
+                    let m = row_max(r);
+                    if log {
+                        let shift = m + exp_sum::<T, false>(r, &mut [], m, &[]).ln();
+                        for (o, v) in o.iter_mut().zip(r) {
+                            *o = T::from_f32(v.to_f32() - shift);
+                        }
+                    } else {
+                        let mut exps = vec![0f32; n];
+                        let sum = exp_sum::<T, true>(r, &mut exps, m, &[]);
+                        scale_into(&exps, o, 1.0 / sum, false);
+                    }
+                }
+                let mut got = vec![T::default(); x.len()];
+                short_rows(&x, &mut got, n, log);
+                // A NaN's sign is not kept: LLVM may swap a product's operands, and x86 passes on
+                // the first one's NaN.
+                let canonical = |v: Vec<T>| {
+                    bits(v.into_iter().map(|v| if v.to_f32().is_nan() { T::from_f32(f32::NAN) } else { v }))
+                };
+                assert_eq!(canonical(got), canonical(want), "n {n}, log {log}");
+            }
+        }
+    }
+
+    #[test]
+    fn short_rows_match_the_row_passes() {
+        if !can_run() {
+            return;
+        }
+        check_short_rows::<f32>();
+        check_short_rows::<bf16>();
     }
 
     /// The backwards' rows: the sum (`Σ dy·y`, or `Σ dy`) matches f64's, and the store gives the

@@ -258,6 +258,18 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
     let y = args.output(0);
     let base = y.layout().offset();
     let mut buf = [0f32; LANES];
+    #[cfg(target_arch = "x86_64")]
+    if axis.inner == 1 && axis.n <= 8 && crate::rows_avx2::applies::<T>() {
+        // Rows of one vector each (a router's softmax over its experts) in one pass.
+        let rows = ctx.split(axis.outer);
+        let (x_rows, len) = (&xs[rows.start * axis.n..rows.end * axis.n], rows.len() * axis.n);
+        if len > 0 {
+            // SAFETY: this block owns rows `split(outer)` of y.
+            let out = unsafe { y.slice_mut::<T>(base + rows.start * axis.n, len) };
+            crate::rows_avx2::short_rows(x_rows, out, axis.n, kind == Kind::LogSoftmax);
+        }
+        return;
+    }
     if axis.inner == 1 {
         for r in ctx.split(axis.outer) {
             let row = &xs[r * axis.n..(r + 1) * axis.n];
