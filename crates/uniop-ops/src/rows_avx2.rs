@@ -349,30 +349,52 @@ unsafe fn scale_in<T: Row>(src: &[f32], out: &mut [T], scale: f32, streaming: bo
     }
 }
 
-/// Softmax, or log_softmax when `LOG`, of rows of `n` (at most 8) elements, one vector a row:
-/// what [`row_max`], [`exp_sum`] and the scaled (or shifted) store give row by row, bit for bit,
-/// in one loop with no calls or scratch between them. A row that short is a chain of dependent
-/// steps (maximum, exps, sum, reciprocal) with little work in each; here the core overlaps
-/// consecutive rows' chains, which the three passes' calls per row kept apart.
+/// The longest rows [`short_rows`] takes: shorter than one of the row passes' steps, so that
+/// they run wholly in the passes' 8-lane tail loops, whose order of sums it keeps.
+pub(crate) const SHORT_ROW: usize = STEP - 1;
+
+/// Softmax, or log_softmax when `LOG`, of rows of `n` (at most [`SHORT_ROW`]) elements, up to four
+/// vectors a row: what [`row_max`], [`exp_sum`] and the scaled (or shifted) store give row by row,
+/// bit for bit, in one loop with no calls or scratch between them. A row that short is a chain of
+/// dependent steps (maximum, exps, sum, reciprocal) with little work in each; here the core
+/// overlaps consecutive rows' chains, which the three passes' calls per row kept apart.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn short_rows_in<T: Row, const LOG: bool>(x: &[T], out: &mut [T], n: usize) {
     let coarse = T::DTYPE.size() == 2;
-    let keep = _mm256_castsi256_ps(lanes_below(n));
+    let parts = n.div_ceil(8);
+    let last = n - 8 * (parts - 1);
+    let keep = _mm256_castsi256_ps(lanes_below(last));
     for (row, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let v = T::load_part(row.as_ptr(), n, f32::NEG_INFINITY);
+        let p = row.as_ptr();
+        let mut v = [_mm256_setzero_ps(); 4];
+        let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
+        for (j, v) in v[..parts].iter_mut().enumerate() {
+            *v = if j + 1 < parts {
+                T::load8(p.add(8 * j))
+            } else {
+                T::load_part(p.add(8 * j), last, f32::NEG_INFINITY)
+            };
+            mx = _mm256_max_ps(*v, mx);
+        }
         let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), v);
+        _mm256_storeu_ps(lanes.as_mut_ptr(), mx);
         // As `row_max_in`: NaN elements skipped.
         let m = lanes.into_iter().fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m });
-        let shifted = _mm256_sub_ps(v, _mm256_set1_ps(m));
-        let e = if coarse { exp8::<true, false>(shifted) } else { exp8::<false, false>(shifted) };
-        let sum = sum8(_mm256_and_ps(e, keep));
-        let y = if LOG {
-            _mm256_sub_ps(v, _mm256_set1_ps(m + sum.ln()))
-        } else {
-            _mm256_mul_ps(e, _mm256_set1_ps(1.0 / sum))
-        };
-        T::store_part(o.as_mut_ptr(), y, n);
+        let mb = _mm256_set1_ps(m);
+        let mut acc = _mm256_setzero_ps();
+        let mut e = [_mm256_setzero_ps(); 4];
+        for j in 0..parts {
+            let shifted = _mm256_sub_ps(v[j], mb);
+            e[j] = if coarse { exp8::<true, false>(shifted) } else { exp8::<false, false>(shifted) };
+            acc = _mm256_add_ps(acc, if j + 1 < parts { e[j] } else { _mm256_and_ps(e[j], keep) });
+        }
+        let sum = sum8(acc);
+        // log_softmax's shift, or softmax's scale.
+        let by = _mm256_set1_ps(if LOG { m + sum.ln() } else { 1.0 / sum });
+        for j in 0..parts {
+            let y = if LOG { _mm256_sub_ps(v[j], by) } else { _mm256_mul_ps(e[j], by) };
+            T::store_part(o.as_mut_ptr().add(8 * j), y, if j + 1 < parts { 8 } else { last });
+        }
     }
 }
 
@@ -819,13 +841,13 @@ pub(crate) fn rotate<T: FloatElement, C: FloatElement>(
     }
 }
 
-/// Softmax (`log` false) or log_softmax of the rows of `x` (`n` elements each, at most 8) into
-/// `out`, as long. Only for f32 and bf16 rows (see [`applies`]).
+/// Softmax (`log` false) or log_softmax of the rows of `x` (`n` elements each, at most
+/// [`SHORT_ROW`]) into `out`, as long. Only for f32 and bf16 rows (see [`applies`]).
 #[inline(always)]
 pub(crate) fn short_rows<T: FloatElement>(x: &[T], out: &mut [T], n: usize, log: bool) {
     assert!(can_run());
-    assert!((1..=8).contains(&n) && x.len() == out.len() && x.len().is_multiple_of(n));
-    // SAFETY (each arm): as in `row_max`; rows of n ≤ 8 elements, as many in `out` as in `x`.
+    assert!((1..=SHORT_ROW).contains(&n) && x.len() == out.len() && x.len().is_multiple_of(n));
+    // SAFETY (each arm): as in `row_max`; rows of n ≤ SHORT_ROW elements, as many in `out` as in `x`.
     match (T::DTYPE, log) {
         (DType::BF16, false) => unsafe { short_rows_in::<bf16, false>(same(x), same_mut(out), n) },
         (DType::BF16, true) => unsafe { short_rows_in::<bf16, true>(same(x), same_mut(out), n) },
@@ -1061,10 +1083,10 @@ mod tests {
         check_rotate::<bf16, f32>();
     }
 
-    /// Rows of up to 8 elements in one pass give what the row passes give row by row, bit for bit
+    /// Rows of up to SHORT_ROW elements in one pass give what the row passes give row by row, bit for bit
     /// (softmax: exps, their sum, the scaled store; log_softmax: `x − (m + ln Σ)`), specials too.
     fn check_short_rows<T: FloatElement>() {
-        for n in 1..=8 {
+        for n in 1..=SHORT_ROW {
             let mut x: Vec<T> = row(n * 37, 20.0, n as u32);
             for (k, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 89.0, -89.0].into_iter().enumerate() {
                 x[5 * n + k % n] = T::from_f32(v);

@@ -259,8 +259,8 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
     let base = y.layout().offset();
     let mut buf = [0f32; LANES];
     #[cfg(target_arch = "x86_64")]
-    if axis.inner == 1 && axis.n <= 8 && crate::rows_avx2::applies::<T>() {
-        // Rows of one vector each (a router's softmax over its experts) in one pass.
+    if axis.inner == 1 && axis.n <= crate::rows_avx2::SHORT_ROW && crate::rows_avx2::applies::<T>() {
+        // Short rows (a router's softmax over its experts) in one pass.
         let rows = ctx.split(axis.outer);
         let (x_rows, len) = (&xs[rows.start * axis.n..rows.end * axis.n], rows.len() * axis.n);
         if len > 0 {
