@@ -20,8 +20,10 @@
 //! The arithmetic is the generic passes' own: [`exp`](crate::math::exp)'s and
 //! [`exp_coarse`](crate::math::exp_coarse)'s formulas (chosen by the element type, as
 //! [`exp_for`](crate::math::exp_for)), bf16's round-to-nearest-even with NaNs kept quiet,
-//! `x · rstd · w` in that order, rope's rotation lane by lane, and each map's own scalar closure. Sums are taken in a different order (and squares summed with FMA), so they may differ
-//! in the last bit.
+//! `x · rstd · w` in that order, rope's rotation lane by lane, and each map's own scalar closure.
+//! Sums are taken in a different order (and squares summed with FMA), so they may differ in the
+//! last bit. Rows end in 8-lane steps ([`Row::load_part`], [`Row::store_part`]), and softmax rows
+//! shorter than a step run in one pass of their own ([`short_rows`]).
 
 use crate::elementwise::Ahead;
 use crate::rope::{self, Mode, Rotation};
@@ -224,9 +226,9 @@ unsafe fn widen8(eight: __m128i) -> __m256 {
     _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(eight)))
 }
 
-/// e^x for 8 lanes (NaN kept): [`exp_coarse`](crate::math::exp_coarse)'s formula when `COARSE`, else
-/// [`exp`](crate::math::exp)'s, bit for bit. The upper clamp of the scalar forms only when `HIGH`: softmax's
-/// callers subtract their row's maximum first (`x ≤ 0`).
+/// e^x for 8 lanes (NaN kept): [`exp_coarse`](crate::math::exp_coarse)'s formula when `COARSE`,
+/// else [`exp`](crate::math::exp)'s, bit for bit. The upper clamp of the scalar forms only when
+/// `HIGH`: softmax's callers subtract their row's maximum first (`x ≤ 0`).
 #[inline(always)]
 unsafe fn exp8<const COARSE: bool, const HIGH: bool>(x: __m256) -> __m256 {
     let c = _mm256_set1_ps;
@@ -630,8 +632,9 @@ unsafe fn grad_dot_in<T: Row, const LOG: bool>(dy: &[T], y: &[T]) -> f32 {
 }
 
 /// One row of the backward: `dot` by [`grad_dot_in`], then `dx = y · (dy − dot)`, or
-/// `dx = dy − exp(y) · dot` when `LOG` (exp as [`exp_for`](crate::math::exp_for)), narrowed to `T`, 16 elements an
-/// iteration in [`Row::load16_in_lanes`]'s order; given the dot, bit for bit the generic map's.
+/// `dx = dy − exp(y) · dot` when `LOG` (exp as [`exp_for`](crate::math::exp_for)), narrowed to
+/// `T`, 16 elements an iteration in [`Row::load16_in_lanes`]'s order; given the dot, bit for bit
+/// the generic map's.
 /// Past the cache when `streaming` and `dx` is 32-byte aligned.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn softmax_grad_in<T: Row, const LOG: bool>(dy: &[T], y: &[T], dx: &mut [T], streaming: bool) {
