@@ -81,9 +81,9 @@ pub(crate) trait Row: FloatElement {
 
 /// The lanes below `len` set (all bits), the others clear.
 ///
-/// Why rows end in vector steps: a short row — a router's softmax over 8 to 128 experts, 32 keys a
-/// head — is mostly or wholly the tail past the passes' 32-element steps, and element by element
-/// (a scalar exp each) f32 softmax over `[8192, 20]` took 4x the time of `[8192, 32]`.
+/// Why rows end in vector steps: a short row — a router's softmax over 8 to 31 experts, a few
+/// dozen keys a head — is mostly or wholly the tail past the passes' 32-element steps, and element
+/// by element (a scalar exp each) f32 softmax over `[8192, 20]` took 4x the time of `[8192, 32]`.
 #[inline(always)]
 unsafe fn lanes_below(len: usize) -> __m256i {
     _mm256_cmpgt_epi32(_mm256_set1_epi32(len as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
