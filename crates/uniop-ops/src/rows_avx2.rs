@@ -628,7 +628,25 @@ unsafe fn grad_dot_in<T: Row, const LOG: bool>(dy: &[T], y: &[T]) -> f32 {
         acc[0] =
             if LOG { _mm256_add_ps(acc[0], d) } else { _mm256_fmadd_ps(d, T::load_part(py.add(i), len, 0.0), acc[0]) };
     }
+    fold_sums(acc)
+}
+
+/// The sum of four accumulators' lanes, in [`grad_dot_in`]'s order.
+#[inline(always)]
+unsafe fn fold_sums(acc: [__m256; 4]) -> f32 {
     sum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])))
+}
+
+/// One 8-lane step of the backward's store, given the row's sum `dot` in every lane:
+/// `y · (dy − dot)`, or `dy − exp(y) · dot` when `LOG` (exp as [`exp_for`](crate::math::exp_for)).
+#[inline(always)]
+unsafe fn grad8<T: Row, const LOG: bool>(d: __m256, v: __m256, dot: __m256) -> __m256 {
+    if !LOG {
+        _mm256_mul_ps(v, _mm256_sub_ps(d, dot))
+    } else {
+        let e = if T::DTYPE.size() == 2 { exp8::<true, true>(v) } else { exp8::<false, true>(v) };
+        _mm256_sub_ps(d, _mm256_mul_ps(e, dot))
+    }
 }
 
 /// One row of the backward: `dot` by [`grad_dot_in`], then `dx = y · (dy − dot)`, or
@@ -640,18 +658,10 @@ unsafe fn grad_dot_in<T: Row, const LOG: bool>(dy: &[T], y: &[T]) -> f32 {
 unsafe fn softmax_grad_in<T: Row, const LOG: bool>(dy: &[T], y: &[T], dx: &mut [T], streaming: bool) {
     let dot = grad_dot_in::<T, LOG>(dy, y);
     let streaming = streaming && (dx.as_ptr() as usize).is_multiple_of(32);
-    let coarse = T::DTYPE.size() == 2;
     let (pd, py, po) = (dy.as_ptr(), y.as_ptr(), dx.as_mut_ptr());
     let whole = dy.len() / 16 * 16;
     let s = _mm256_set1_ps(dot);
-    let grad = |d, v| {
-        if !LOG {
-            _mm256_mul_ps(v, _mm256_sub_ps(d, s))
-        } else {
-            let e = if coarse { exp8::<true, true>(v) } else { exp8::<false, true>(v) };
-            _mm256_sub_ps(d, _mm256_mul_ps(e, s))
-        }
-    };
+    let grad = |d, v| grad8::<T, LOG>(d, v, s);
     for i in (0..whole).step_by(16) {
         let ([d0, d1], [v0, v1]) = (T::load16_in_lanes(pd.add(i)), T::load16_in_lanes(py.add(i)));
         T::store16_in_lanes(po.add(i), grad(d0, v0), grad(d1, v1), streaming);
@@ -660,6 +670,35 @@ unsafe fn softmax_grad_in<T: Row, const LOG: bool>(dy: &[T], y: &[T], dx: &mut [
         let len = (dy.len() - i).min(8);
         let (d, v) = (T::load_part(pd.add(i), len, 0.0), T::load_part(py.add(i), len, 0.0));
         T::store_part(po.add(i), grad(d, v), len);
+    }
+}
+
+/// softmax_backward, or log_softmax_backward when `LOG`, of rows of `n` (at most [`SHORT_ROW`])
+/// elements, up to four vectors a row: what [`softmax_grad_in`] gives row by row, bit for bit (for
+/// rows this short its sum and store run wholly in their 8-lane tails), in one loop with no call
+/// between a row's sum and its store, so that the core overlaps consecutive rows (as
+/// [`short_rows_in`] does for the forward).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn short_grad_rows_in<T: Row, const LOG: bool>(dy: &[T], y: &[T], dx: &mut [T], n: usize) {
+    let parts = n.div_ceil(8);
+    let part_len = |j: usize| if j + 1 < parts { 8 } else { n - 8 * j };
+    let zero = _mm256_setzero_ps();
+    for ((dr, yr), o) in dy.chunks_exact(n).zip(y.chunks_exact(n)).zip(dx.chunks_exact_mut(n)) {
+        let (pd, py) = (dr.as_ptr(), yr.as_ptr());
+        let (mut d, mut v) = ([zero; 4], [zero; 4]);
+        let mut acc = zero;
+        for j in 0..parts {
+            // Lanes past the row read 0: they add nothing.
+            (d[j], v[j]) = match part_len(j) {
+                8 => (T::load8(pd.add(8 * j)), T::load8(py.add(8 * j))),
+                len => (T::load_part(pd.add(8 * j), len, 0.0), T::load_part(py.add(8 * j), len, 0.0)),
+            };
+            acc = if LOG { _mm256_add_ps(acc, d[j]) } else { _mm256_fmadd_ps(d[j], v[j], acc) };
+        }
+        let dot = _mm256_set1_ps(fold_sums([acc, zero, zero, zero]));
+        for j in 0..parts {
+            T::store_part(o.as_mut_ptr().add(8 * j), grad8::<T, LOG>(d[j], v[j], dot), part_len(j));
+        }
     }
 }
 
@@ -872,6 +911,23 @@ pub(crate) fn softmax_grad<T: FloatElement>(dy: &[T], y: &[T], dx: &mut [T], log
         (DType::BF16, true) => unsafe { softmax_grad_in::<bf16, true>(same(dy), same(y), same_mut(dx), streaming) },
         (_, false) => unsafe { softmax_grad_in::<f32, false>(same(dy), same(y), same_mut(dx), streaming) },
         (_, true) => unsafe { softmax_grad_in::<f32, true>(same(dy), same(y), same_mut(dx), streaming) },
+    }
+}
+
+/// softmax_backward (`log` false) or log_softmax_backward of the rows of `dy` and `y` (`n` elements
+/// each, at most [`SHORT_ROW`]) into `dx`, all as long. Only for f32 and bf16 rows (see
+/// [`applies`]).
+#[inline(always)]
+pub(crate) fn short_grad_rows<T: FloatElement>(dy: &[T], y: &[T], dx: &mut [T], n: usize, log: bool) {
+    assert!(can_run());
+    assert!((1..=SHORT_ROW).contains(&n) && dy.len() == y.len() && dy.len() == dx.len());
+    assert!(dy.len().is_multiple_of(n));
+    // SAFETY (each arm): as in `row_max`; rows of n ≤ SHORT_ROW elements, as many in each slice.
+    match (T::DTYPE, log) {
+        (DType::BF16, false) => unsafe { short_grad_rows_in::<bf16, false>(same(dy), same(y), same_mut(dx), n) },
+        (DType::BF16, true) => unsafe { short_grad_rows_in::<bf16, true>(same(dy), same(y), same_mut(dx), n) },
+        (_, false) => unsafe { short_grad_rows_in::<f32, false>(same(dy), same(y), same_mut(dx), n) },
+        (_, true) => unsafe { short_grad_rows_in::<f32, true>(same(dy), same(y), same_mut(dx), n) },
     }
 }
 
@@ -1112,14 +1168,45 @@ mod tests {
                 }
                 let mut got = vec![T::default(); x.len()];
                 short_rows(&x, &mut got, n, log);
-                // A NaN's sign is not kept: LLVM may swap a product's operands, and x86 passes on
-                // the first one's NaN.
-                let canonical = |v: Vec<T>| {
-                    bits(v.into_iter().map(|v| if v.to_f32().is_nan() { T::from_f32(f32::NAN) } else { v }))
-                };
                 assert_eq!(canonical(got), canonical(want), "n {n}, log {log}");
             }
         }
+    }
+
+    /// Values' bits with every NaN as the one positive quiet NaN. A NaN's sign is not kept: LLVM
+    /// may swap a product's operands, and x86 passes on the first one's NaN.
+    fn canonical<T: FloatElement>(values: Vec<T>) -> Vec<u32> {
+        bits(values.into_iter().map(|v| if v.to_f32().is_nan() { T::from_f32(f32::NAN) } else { v }))
+    }
+
+    /// The backwards' rows of up to SHORT_ROW elements in one pass give what `softmax_grad` gives
+    /// row by row, bit for bit: NaN, ±∞, −0 and values past exp's clamps in `y` and `dy`.
+    fn check_short_grad_rows<T: FloatElement>() {
+        for n in 1..=SHORT_ROW {
+            let dy: Vec<T> = with_specials(row(n * 37, 2.0, n as u32));
+            let mut y: Vec<T> = row(n * 37, 100.0, n as u32 + 3);
+            for (k, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.0, 89.0, -89.0].into_iter().enumerate() {
+                y[7 * n + k % n] = T::from_f32(v);
+            }
+            for log in [false, true] {
+                let mut want = vec![T::default(); dy.len()];
+                for ((d, v), o) in dy.chunks_exact(n).zip(y.chunks_exact(n)).zip(want.chunks_exact_mut(n)) {
+                    softmax_grad(d, v, o, log, false);
+                }
+                let mut got = vec![T::default(); dy.len()];
+                short_grad_rows(&dy, &y, &mut got, n, log);
+                assert_eq!(canonical(got), canonical(want), "n {n}, log {log}");
+            }
+        }
+    }
+
+    #[test]
+    fn short_grad_rows_match_the_row_passes() {
+        if !can_run() {
+            return;
+        }
+        check_short_grad_rows::<f32>();
+        check_short_grad_rows::<bf16>();
     }
 
     #[test]

@@ -20,6 +20,19 @@ fn kernel<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, axis: Axis, kind: K
     let ys = &y.storage::<T>().expect("dtype dispatched")[y.layout().offset()..];
     let dx = args.output(0);
     let base = dx.layout().offset();
+    #[cfg(target_arch = "x86_64")]
+    if axis.inner == 1 && axis.n <= crate::rows_avx2::SHORT_ROW && crate::rows_avx2::applies::<T>() {
+        // Short rows (a router's softmax over its experts) in one pass.
+        let rows = ctx.split(axis.outer);
+        let elements = rows.start * axis.n..rows.end * axis.n;
+        if !elements.is_empty() {
+            let (dyr, yr) = (&dys[elements.clone()], &ys[elements.clone()]);
+            // SAFETY: this block owns rows `split(outer)` of dx.
+            let out = unsafe { dx.slice_mut::<T>(base + elements.start, elements.len()) };
+            crate::rows_avx2::short_grad_rows(dyr, yr, out, axis.n, kind == Kind::LogSoftmax);
+        }
+        return;
+    }
     let (mut bd, mut by, mut acc) = ([0f32; LANES], [0f32; LANES], [0f32; LANES]);
     for u in ctx.split(axis.units()) {
         if axis.inner == 1 {
