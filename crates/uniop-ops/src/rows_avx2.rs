@@ -360,50 +360,90 @@ pub(crate) const SHORT_ROW: usize = STEP - 1;
 /// bit for bit, in one loop with no calls or scratch between them. A row that short is a chain of
 /// dependent steps (maximum, exps, sum, reciprocal) with little work in each; here the core
 /// overlaps consecutive rows' chains, which the three passes' calls per row kept apart.
+///
+/// log_softmax's rows go in groups of [`LOG_GROUP`]: each row's maximum and sum, then the group's
+/// logarithms, then the rows' stores. The logarithm (libm's, as the row passes take) was half of
+/// a row's time when taken row by row, between one row's sum and the next row's loads.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn short_rows_in<T: Row, const LOG: bool>(x: &[T], out: &mut [T], n: usize) {
-    let coarse = T::DTYPE.size() == 2;
     let parts = n.div_ceil(8);
-    let last = n - 8 * (parts - 1);
-    let keep = _mm256_castsi256_ps(lanes_below(last));
-    for (row, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let p = row.as_ptr();
-        let mut v = [_mm256_setzero_ps(); 4];
-        let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
-        for (j, v) in v[..parts].iter_mut().enumerate() {
-            *v = if j + 1 < parts {
-                T::load8(p.add(8 * j))
-            } else {
-                T::load_part(p.add(8 * j), last, f32::NEG_INFINITY)
-            };
-            mx = _mm256_max_ps(*v, mx);
-        }
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), mx);
-        // As `row_max_in`: NaN elements skipped.
-        let m = lanes.into_iter().fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m });
-        let mb = _mm256_set1_ps(m);
-        let mut acc = _mm256_setzero_ps();
-        let mut e = [_mm256_setzero_ps(); 4];
-        for j in 0..parts {
-            let shifted = _mm256_sub_ps(v[j], mb);
-            e[j] = if coarse { exp8::<true, false>(shifted) } else { exp8::<false, false>(shifted) };
-            // Lanes past the row (exp's clamp of −∞: near f32's least normal) zeroed, for the sum
-            // and for softmax's scaling, where they would make subnormal products, which take
-            // microcode assists (f32 `[8192, 20]`: 3x the time of `[8192, 24]`).
-            if j + 1 == parts {
-                e[j] = _mm256_and_ps(e[j], keep);
+    let part_len = |j: usize| if j + 1 < parts { 8 } else { n - 8 * j };
+    let keep = _mm256_castsi256_ps(lanes_below(part_len(parts - 1)));
+    let load = |p: *const T, j: usize| match part_len(j) {
+        8 => T::load8(p.add(8 * j)),
+        len => T::load_part(p.add(8 * j), len, f32::NEG_INFINITY),
+    };
+    if LOG {
+        let mut shifts = [0f32; LOG_GROUP];
+        for (rows, outs) in x.chunks(LOG_GROUP * n).zip(out.chunks_mut(LOG_GROUP * n)) {
+            let mut sums = [0f32; LOG_GROUP];
+            for ((row, m), sum) in rows.chunks_exact(n).zip(&mut shifts).zip(&mut sums) {
+                let mut v = [_mm256_setzero_ps(); 4];
+                (*m, *sum) = short_row_exps(row.as_ptr(), parts, keep, &load, &mut v, &mut [_mm256_setzero_ps(); 4]);
             }
-            acc = _mm256_add_ps(acc, e[j]);
+            for (m, sum) in shifts.iter_mut().zip(sums) {
+                *m += sum.ln();
+            }
+            for ((row, o), shift) in rows.chunks_exact(n).zip(outs.chunks_exact_mut(n)).zip(shifts) {
+                let by = _mm256_set1_ps(shift);
+                for j in 0..parts {
+                    let y = _mm256_sub_ps(load(row.as_ptr(), j), by);
+                    T::store_part(o.as_mut_ptr().add(8 * j), y, part_len(j));
+                }
+            }
         }
-        let sum = sum8(acc);
-        // log_softmax's shift, or softmax's scale.
-        let by = _mm256_set1_ps(if LOG { m + sum.ln() } else { 1.0 / sum });
+        return;
+    }
+    for (row, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+        let (mut v, mut e) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
+        let (_, sum) = short_row_exps(row.as_ptr(), parts, keep, &load, &mut v, &mut e);
+        let by = _mm256_set1_ps(1.0 / sum);
         for j in 0..parts {
-            let y = if LOG { _mm256_sub_ps(v[j], by) } else { _mm256_mul_ps(e[j], by) };
-            T::store_part(o.as_mut_ptr().add(8 * j), y, if j + 1 < parts { 8 } else { last });
+            T::store_part(o.as_mut_ptr().add(8 * j), _mm256_mul_ps(e[j], by), part_len(j));
         }
     }
+}
+
+/// How many short log_softmax rows [`short_rows_in`] takes between logarithms.
+const LOG_GROUP: usize = 16;
+
+/// One short row's maximum `m` and `Σ exp(x − m)`, its `parts` vectors (by `load`, lanes past the
+/// row −∞) left in `v` and their exps in `e` (the last one's lanes past the row, those not in
+/// `keep`, zeroed): [`row_max`]'s maximum and [`exp_sum`]'s exps and sum,
+/// bit for bit.
+#[inline(always)]
+unsafe fn short_row_exps<T: Row>(
+    p: *const T,
+    parts: usize,
+    keep: __m256,
+    load: &impl Fn(*const T, usize) -> __m256,
+    v: &mut [__m256; 4],
+    e: &mut [__m256; 4],
+) -> (f32, f32) {
+    let coarse = T::DTYPE.size() == 2;
+    let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
+    for (j, v) in v[..parts].iter_mut().enumerate() {
+        *v = load(p, j);
+        mx = _mm256_max_ps(*v, mx);
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), mx);
+    // As `row_max_in`: NaN elements skipped.
+    let m = lanes.into_iter().fold(f32::NEG_INFINITY, |m, v| if v > m { v } else { m });
+    let mb = _mm256_set1_ps(m);
+    let mut acc = _mm256_setzero_ps();
+    for j in 0..parts {
+        let shifted = _mm256_sub_ps(v[j], mb);
+        e[j] = if coarse { exp8::<true, false>(shifted) } else { exp8::<false, false>(shifted) };
+        // Lanes past the row (exp's clamp of −∞: near f32's least normal) zeroed, for the sum
+        // and for softmax's scaling, where they would make subnormal products, which take
+        // microcode assists (f32 `[8192, 20]`: 3x the time of `[8192, 24]`).
+        if j + 1 == parts {
+            e[j] = _mm256_and_ps(e[j], keep);
+        }
+        acc = _mm256_add_ps(acc, e[j]);
+    }
+    (m, sum8(acc))
 }
 
 /// The squares of four 8-lane groups added into `acc` (group `j` into `acc[j]`): the one order in
