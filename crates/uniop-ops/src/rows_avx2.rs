@@ -378,8 +378,7 @@ unsafe fn short_rows_in<T: Row, const LOG: bool>(x: &[T], out: &mut [T], n: usiz
         for (rows, outs) in x.chunks(LOG_GROUP * n).zip(out.chunks_mut(LOG_GROUP * n)) {
             let mut sums = [0f32; LOG_GROUP];
             for ((row, m), sum) in rows.chunks_exact(n).zip(&mut shifts).zip(&mut sums) {
-                let mut v = [_mm256_setzero_ps(); 4];
-                (*m, *sum) = short_row_exps(row.as_ptr(), parts, keep, &load, &mut v, &mut [_mm256_setzero_ps(); 4]);
+                (*m, *sum) = short_row_exps(row.as_ptr(), parts, keep, &load, &mut [_mm256_setzero_ps(); 4]);
             }
             for (m, sum) in shifts.iter_mut().zip(sums) {
                 *m += sum.ln();
@@ -395,8 +394,8 @@ unsafe fn short_rows_in<T: Row, const LOG: bool>(x: &[T], out: &mut [T], n: usiz
         return;
     }
     for (row, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let (mut v, mut e) = ([_mm256_setzero_ps(); 4], [_mm256_setzero_ps(); 4]);
-        let (_, sum) = short_row_exps(row.as_ptr(), parts, keep, &load, &mut v, &mut e);
+        let mut e = [_mm256_setzero_ps(); 4];
+        let (_, sum) = short_row_exps(row.as_ptr(), parts, keep, &load, &mut e);
         let by = _mm256_set1_ps(1.0 / sum);
         for j in 0..parts {
             T::store_part(o.as_mut_ptr().add(8 * j), _mm256_mul_ps(e[j], by), part_len(j));
@@ -407,20 +406,19 @@ unsafe fn short_rows_in<T: Row, const LOG: bool>(x: &[T], out: &mut [T], n: usiz
 /// How many short log_softmax rows [`short_rows_in`] takes between logarithms.
 const LOG_GROUP: usize = 16;
 
-/// One short row's maximum `m` and `Σ exp(x − m)`, its `parts` vectors (by `load`, lanes past the
-/// row −∞) left in `v` and their exps in `e` (the last one's lanes past the row, those not in
-/// `keep`, zeroed): [`row_max`]'s maximum and [`exp_sum`]'s exps and sum,
-/// bit for bit.
+/// One short row's maximum `m` and `Σ exp(x − m)` over its `parts` vectors (by `load`, lanes past
+/// the row −∞), the exps left in `e` (the last one's lanes past the row, those not in `keep`,
+/// zeroed): [`row_max`]'s maximum and [`exp_sum`]'s exps and sum, bit for bit.
 #[inline(always)]
 unsafe fn short_row_exps<T: Row>(
     p: *const T,
     parts: usize,
     keep: __m256,
     load: &impl Fn(*const T, usize) -> __m256,
-    v: &mut [__m256; 4],
     e: &mut [__m256; 4],
 ) -> (f32, f32) {
     let coarse = T::DTYPE.size() == 2;
+    let mut v = [_mm256_setzero_ps(); 4];
     let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
     for (j, v) in v[..parts].iter_mut().enumerate() {
         *v = load(p, j);
@@ -741,6 +739,7 @@ unsafe fn short_grad_rows_in<T: Row, const LOG: bool>(dy: &[T], y: &[T], dx: &mu
             };
             acc = if LOG { _mm256_add_ps(acc, d[j]) } else { _mm256_fmadd_ps(d[j], v[j], acc) };
         }
+        // grad_dot_in's fold, its zero accumulators too (−0 + 0 is +0: a zero sum's sign matches).
         let dot = _mm256_set1_ps(fold_sums([acc, zero, zero, zero]));
         for j in 0..parts {
             T::store_part(o.as_mut_ptr().add(8 * j), grad8::<T, LOG>(d[j], v[j], dot), part_len(j));
