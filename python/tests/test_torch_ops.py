@@ -1327,6 +1327,29 @@ def test_attention_float_mask_gradient_matches_sdpa(dtype, causal):
         assert "attention_backward.delta" in steps and ("attention_backward.dmask" in steps) == wanted, steps
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [5, 20, 100, 4096])
+def test_masked_scores_get_probabilities_and_gradients_of_exactly_zero(dtype, n):
+    """Scores hidden by a mask (−∞, or the dtype's lowest value as transformers' masks fill) get
+    probabilities of exactly 0, as torch gives them, and so do their softmax gradients; a row
+    hidden whole is NaN, as torch's. Rows of 5 and 20 take the short-row loop, 100 and 4096 the
+    row passes (f16: the generic passes)."""
+    x = torch.randn(16, n).to(dtype)
+    hidden = torch.rand(16, n) < 0.5
+    hidden[:, 0] = False
+    for fill in (float("-inf"), torch.finfo(dtype).min):
+        masked = x.masked_fill(hidden, fill)
+        y = torch.ops.uniop.softmax(masked, -1)
+        want = torch.softmax(masked.double(), -1)
+        assert torch.equal(want[hidden], torch.zeros_like(want[hidden]))
+        assert torch.equal(y[hidden].float(), torch.zeros(int(hidden.sum()))), f"fill {fill}"
+        _check(y, want, dtype, f"softmax, fill {fill}")
+        dx = torch.ops.uniop.softmax_backward(torch.randn(16, n).to(dtype), y, -1)
+        assert torch.equal(dx[hidden].float(), torch.zeros(int(hidden.sum()))), f"fill {fill}"
+    whole = torch.ops.uniop.softmax(torch.full((2, n), float("-inf"), dtype=dtype), -1)
+    assert whole.isnan().all() and torch.softmax(torch.full((2, n), float("-inf")), -1).isnan().all()
+
+
 @pytest.mark.parametrize("name", ["rms_norm", "softmax", "matmul", "silu_mul", "embedding"])
 def test_zero_size(name):
     args, ref = CASES[name](torch.float32, False)

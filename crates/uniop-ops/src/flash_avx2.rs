@@ -350,7 +350,7 @@ unsafe fn softmax_band(
         }
     }
     let mut sums = [0f32; BAND];
-    // A row that has seen no key yet keeps max -inf; its entries are all masked (p = 0).
+    // A row that has seen no key yet keeps max -inf; its entries are all masked: e^(−∞ − 0) = 0.
     let base: [f32; BAND] = new_m.map(|x| if x == f32::NEG_INFINITY { 0.0 } else { x });
     for strip in all_see.chunks_exact_mut(BAND) {
         for ((p, &mx), sum) in strip.iter_mut().zip(&base).zip(&mut sums) {
@@ -363,14 +363,6 @@ unsafe fn softmax_band(
             *p = if (j as u32) < seen { math::exp(*p - mx) } else { 0.0 };
             *sum += *p;
         }
-    }
-    // A row whose scores are all −∞ so far (a mask hid every key it saw) has probabilities 0:
-    // `math::exp` clamps −∞ to a tiny positive value, which would make them equal weights.
-    if new_m.contains(&f32::NEG_INFINITY) {
-        for strip in s.chunks_exact_mut(BAND) {
-            strip.iter_mut().zip(&new_m).filter(|(_, &mx)| mx == f32::NEG_INFINITY).for_each(|(p, _)| *p = 0.0);
-        }
-        sums.iter_mut().zip(&new_m).filter(|(_, &mx)| mx == f32::NEG_INFINITY).for_each(|(sum, _)| *sum = 0.0);
     }
     let alpha: [f32; BAND] =
         std::array::from_fn(|x| if new_m[x] == f32::NEG_INFINITY { 1.0 } else { math::exp(m[x] - new_m[x]) });

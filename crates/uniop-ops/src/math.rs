@@ -45,7 +45,8 @@ fn estrin(x: f32, x2: f32, c: [f32; 6]) -> f32 {
     hi.mul_add(x2, mid).mul_add(x2, lo)
 }
 
-/// e^x in f32, relative error ≈ 2 ulp over the range; saturates outside [-87, 88].
+/// e^x in f32, relative error ≈ 2 ulp over [-87, 88]; saturates above 88 and is exactly 0 from
+/// about −87.7 down (see [`times_pow2`]), −∞ included.
 ///
 /// Written for the op count and the chain length of the vectorized loop, which bound the
 /// elementwise kernels that call it on AVX2 (its polynomial in Estrin's order, `estrin`):
@@ -58,19 +59,34 @@ pub fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
-    const SHIFT: f32 = 12_582_912.0; // 1.5·2²³
-    let x = x.clamp(-87.0, 88.0);
-    let shifted = x.mul_add(LOG2E, SHIFT);
-    let k = shifted - SHIFT;
+    let x = x.clamp(EXP_LOW, 88.0);
+    let shifted = x.mul_add(LOG2E, EXP_SHIFT);
+    let k = shifted - EXP_SHIFT;
     let r = (-k).mul_add(LN2_HI, x);
     let r = (-k).mul_add(LN2_LO, r);
     // Cephes expf minimax polynomial; `mul_add` is one FMA in the AVX2/AVX-512 kernel builds.
     let r2 = r * r;
     let p = estrin(r, r2, [0.5, 1.666_666_5e-1, 4.166_579_6e-2, 8.333_452e-3, 1.398_199_9e-3, 1.987_569_1e-4]);
-    let y = p.mul_add(r2, r) + 1.0;
-    let k_bits = shifted.to_bits().wrapping_sub(SHIFT.to_bits());
-    let scale = f32::from_bits(k_bits.wrapping_add(127) << 23);
-    y * scale
+    times_pow2(p.mul_add(r2, r), shifted)
+}
+
+/// The exps' lower clamp: x·log2 e rounds to k = −127 there, whose 2^k [`times_pow2`] builds as 0.
+pub(crate) const EXP_LOW: f32 = -88.0;
+
+/// 1.5·2²³: adding it to x·log2 e rounds that to an integer k, left in the low mantissa bits.
+pub(crate) const EXP_SHIFT: f32 = 12_582_912.0;
+
+/// `(1 + t)·2^k` in one FMA, with `k` in `shifted`'s low mantissa bits (`x·log2 e +`
+/// [`EXP_SHIFT`]) and 2^k built as the exponent bits `k + 127`, bit for bit `(1 + t)` rounded
+/// and then scaled wherever the result is a normal number. At k = −127 (x clamped to
+/// [`EXP_LOW`]) those bits are 0 and so is the result: masked (−∞) scores get probabilities of
+/// exactly 0, as in torch, not the clamp's near-least-normal value, which softmax's `1/sum` turned
+/// into subnormal products that each took a microcode assist (bf16 softmax `[4096, 4096]` with
+/// half of each row masked: 7.1 ms against 5.7 unmasked).
+#[inline(always)]
+fn times_pow2(t: f32, shifted: f32) -> f32 {
+    let scale = f32::from_bits(shifted.to_bits().wrapping_sub(EXP_SHIFT.to_bits() - 127) << 23);
+    t.mul_add(scale, scale)
 }
 
 /// tanh's odd Taylor series through x¹¹, as coefficients of powers of x².
@@ -97,26 +113,23 @@ pub fn tanh(x: f32) -> f32 {
 /// stored as f16 or bf16, whose rounding is coarser by 100x (f16) to 400x (bf16): the error
 /// changes a stored result by one unit in its last place in at most about 1% (f16) or 0.25%
 /// (bf16) of the elements where it lands near a rounding boundary.
-/// Saturates outside [-86, 88] (results stay normal f32 numbers).
+/// Saturates above 88; exactly 0 from about −87.7 down, as [`exp`].
 ///
 /// Cheaper than [`exp`] on the FMA pipes, which bound the exp loops on AVX-512 (Zen 4 runs each
-/// 512-bit FMA as two 256-bit halves): 6 multiply-class ops instead of 11 — a degree-4
-/// polynomial fitted for relative error with its first two terms exact (`1 + r`), one-constant
-/// reduction, and 2^k added to the exponent bits as an integer instead of a multiply.
+/// 512-bit FMA as two 256-bit halves): 7 multiply-class ops instead of 11 — a degree-4
+/// polynomial fitted for relative error with its first two terms exact (`1 + r`) and a
+/// one-constant reduction.
 #[inline(always)]
 pub fn exp_coarse(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2: f32 = std::f32::consts::LN_2;
-    const SHIFT: f32 = 12_582_912.0; // 1.5·2²³
-    let x = x.clamp(-86.0, 88.0);
-    let shifted = x.mul_add(LOG2E, SHIFT);
-    let k = shifted - SHIFT;
+    let x = x.clamp(EXP_LOW, 88.0);
+    let shifted = x.mul_add(LOG2E, EXP_SHIFT);
+    let k = shifted - EXP_SHIFT;
     let r = (-k).mul_add(LN2, x);
     let r2 = r * r;
     let q = 4.127_732e-2f32.mul_add(r2, 1.675_342_8e-1f32.mul_add(r, 0.500_051_1));
-    let p = q.mul_add(r2, r) + 1.0;
-    let k_bits = shifted.to_bits().wrapping_sub(SHIFT.to_bits());
-    f32::from_bits(p.to_bits().wrapping_add(k_bits << 23))
+    times_pow2(q.mul_add(r2, r), shifted)
 }
 
 /// [`exp_coarse`] for results stored as a 16-bit `T` (f16, bf16), [`exp`] for any wider one.
@@ -412,8 +425,22 @@ mod tests {
             x += 0.0137;
         }
         assert!(worst < 4.0 * f32::EPSILON as f64, "worst relative error {worst:e}");
-        assert_eq!(super::exp(-1000.0), super::exp(-87.0));
+        assert_underflows_to_zero(super::exp);
         assert!(super::silu::<f32>(-200.0).abs() < 1e-30 && super::silu::<f32>(200.0) == 200.0);
+    }
+
+    /// Below −87 (e^x under f32's least normal number from about −87.3): within that least normal
+    /// value of e^x and never negative, then exactly 0 — −∞ (a masked score) included.
+    fn assert_underflows_to_zero(exp: fn(f32) -> f32) {
+        let mut x = -87.0f32;
+        while x > -90.0 {
+            let got = exp(x);
+            assert!(got >= 0.0 && (got as f64 - (x as f64).exp()).abs() < f32::MIN_POSITIVE as f64, "e^{x} = {got:e}");
+            x -= 0.003;
+        }
+        for x in [-87.8, -88.0, -1000.0, f32::MIN, f32::NEG_INFINITY] {
+            assert_eq!(exp(x).to_bits(), 0, "e^{x}");
+        }
     }
 
     /// Within 1e-5 everywhere (so within a hundredth of an f16 unit, a 400th of a bf16 one), and
@@ -422,7 +449,7 @@ mod tests {
     fn coarse_exp_is_accurate_enough_for_16_bit_results() {
         use uniop::half::{bf16, f16};
         let (mut worst, mut f16_differ, mut bf16_differ, mut n) = (0.0f64, 0, 0, 0);
-        let mut x = -86.0f32;
+        let mut x = -87.0f32;
         while x < 88.0 {
             let (got, fine) = (super::exp_coarse(x), super::exp(x));
             let want = (x as f64).exp();
@@ -434,11 +461,10 @@ mod tests {
         }
         assert!(worst < 1e-5, "worst relative error {worst:e}");
         assert!(f16_differ * 100 < n && bf16_differ * 400 < n, "{f16_differ} f16 and {bf16_differ} bf16 of {n}");
-        assert_eq!(super::exp_coarse(f32::NEG_INFINITY), super::exp_coarse(-86.0));
-        assert!(super::exp_coarse(-86.0) >= f32::MIN_POSITIVE && super::exp_coarse(88.0).is_finite());
+        assert_underflows_to_zero(super::exp_coarse);
+        assert!(super::exp_coarse(88.0).is_finite());
         assert_eq!(super::exp_coarse(0.0), 1.0);
-        // NaN stays NaN (2^k goes into the exponent bits as an integer: a NaN's k must add nothing),
-        // including NaNs widened from f16/bf16 with payloads.
+        // NaN stays NaN, including NaNs widened from f16/bf16 with payloads.
         for nan in [f32::NAN, -f32::NAN, f16::from_bits(0x7e01).to_f32(), bf16::from_bits(0xffc1).to_f32()] {
             assert!(super::exp_coarse(nan).is_nan() && super::exp_coarse(nan - 1.0).is_nan(), "{:#x}", nan.to_bits());
         }

@@ -26,6 +26,7 @@
 //! shorter than a step run in one pass of their own ([`short_rows`]).
 
 use crate::elementwise::Ahead;
+use crate::math;
 use crate::rope::{self, Mode, Rotation};
 use std::arch::x86_64::*;
 use uniop::dtype::{bf16x16_avx2, bf16x16_even_odd_avx2};
@@ -232,20 +233,17 @@ unsafe fn widen8(eight: __m128i) -> __m256 {
 #[inline(always)]
 unsafe fn exp8<const COARSE: bool, const HIGH: bool>(x: __m256) -> __m256 {
     let c = _mm256_set1_ps;
-    // 1.5·2²³: adding it rounds x·log2 e to an integer k, left in the low mantissa bits.
-    let shift = c(12_582_912.0);
+    let shift = c(math::EXP_SHIFT);
     // max(lo, x) and min(hi, x) return x where x is NaN.
-    let x = _mm256_max_ps(c(if COARSE { -86.0 } else { -87.0 }), x);
+    let x = _mm256_max_ps(c(math::EXP_LOW), x);
     let x = if HIGH { _mm256_min_ps(c(88.0), x) } else { x };
     let shifted = _mm256_fmadd_ps(x, c(std::f32::consts::LOG2_E), shift);
     let k = _mm256_sub_ps(shifted, shift);
-    let k_bits = _mm256_sub_epi32(_mm256_castps_si256(shifted), _mm256_castps_si256(shift));
-    if COARSE {
+    let t = if COARSE {
         let r = _mm256_fnmadd_ps(k, c(std::f32::consts::LN_2), x);
         let r2 = _mm256_mul_ps(r, r);
         let q = _mm256_fmadd_ps(c(4.127_732e-2), r2, _mm256_fmadd_ps(c(1.675_342_8e-1), r, c(0.500_051_1)));
-        let p = _mm256_add_ps(_mm256_fmadd_ps(q, r2, r), c(1.0));
-        _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32::<23>(k_bits)))
+        _mm256_fmadd_ps(q, r2, r)
     } else {
         let r = _mm256_fnmadd_ps(k, c(0.693_359_4), x);
         let r = _mm256_fnmadd_ps(k, c(-2.121_944_4e-4), r);
@@ -254,10 +252,12 @@ unsafe fn exp8<const COARSE: bool, const HIGH: bool>(x: __m256) -> __m256 {
         let mid = _mm256_fmadd_ps(c(8.333_452e-3), r, c(4.166_579_6e-2));
         let hi = _mm256_fmadd_ps(c(1.987_569_1e-4), r, c(1.398_199_9e-3));
         let p = _mm256_fmadd_ps(_mm256_fmadd_ps(hi, r2, mid), r2, lo);
-        let y = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), c(1.0));
-        let scale = _mm256_slli_epi32::<23>(_mm256_add_epi32(k_bits, _mm256_set1_epi32(127)));
-        _mm256_mul_ps(y, _mm256_castsi256_ps(scale))
-    }
+        _mm256_fmadd_ps(p, r2, r)
+    };
+    // As `math::times_pow2`: (1 + t)·2^k, 2^k from the exponent bits k + 127 (0 at the clamp).
+    let bias = _mm256_set1_epi32(math::EXP_SHIFT.to_bits() as i32 - 127);
+    let scale = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_sub_epi32(_mm256_castps_si256(shifted), bias)));
+    _mm256_fmadd_ps(t, scale, scale)
 }
 
 /// The sum of `v`'s 8 lanes.
@@ -368,7 +368,6 @@ pub(crate) const SHORT_ROW: usize = STEP - 1;
 unsafe fn short_rows_in<T: Row, const LOG: bool>(x: &[T], out: &mut [T], n: usize) {
     let parts = n.div_ceil(8);
     let part_len = |j: usize| if j + 1 < parts { 8 } else { n - 8 * j };
-    let keep = _mm256_castsi256_ps(lanes_below(part_len(parts - 1)));
     let load = |p: *const T, j: usize| match part_len(j) {
         8 => T::load8(p.add(8 * j)),
         len => T::load_part(p.add(8 * j), len, f32::NEG_INFINITY),
@@ -378,7 +377,7 @@ unsafe fn short_rows_in<T: Row, const LOG: bool>(x: &[T], out: &mut [T], n: usiz
         for (rows, outs) in x.chunks(LOG_GROUP * n).zip(out.chunks_mut(LOG_GROUP * n)) {
             let mut sums = [0f32; LOG_GROUP];
             for ((row, m), sum) in rows.chunks_exact(n).zip(&mut shifts).zip(&mut sums) {
-                (*m, *sum) = short_row_exps(row.as_ptr(), parts, keep, &load, &mut [_mm256_setzero_ps(); 4]);
+                (*m, *sum) = short_row_exps(row.as_ptr(), parts, &load, &mut [_mm256_setzero_ps(); 4]);
             }
             for (m, sum) in shifts.iter_mut().zip(sums) {
                 *m += sum.ln();
@@ -395,7 +394,7 @@ unsafe fn short_rows_in<T: Row, const LOG: bool>(x: &[T], out: &mut [T], n: usiz
     }
     for (row, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
         let mut e = [_mm256_setzero_ps(); 4];
-        let (_, sum) = short_row_exps(row.as_ptr(), parts, keep, &load, &mut e);
+        let (_, sum) = short_row_exps(row.as_ptr(), parts, &load, &mut e);
         let by = _mm256_set1_ps(1.0 / sum);
         for j in 0..parts {
             T::store_part(o.as_mut_ptr().add(8 * j), _mm256_mul_ps(e[j], by), part_len(j));
@@ -407,13 +406,13 @@ unsafe fn short_rows_in<T: Row, const LOG: bool>(x: &[T], out: &mut [T], n: usiz
 const LOG_GROUP: usize = 16;
 
 /// One short row's maximum `m` and `Σ exp(x − m)` over its `parts` vectors (by `load`, lanes past
-/// the row −∞), the exps left in `e` (the last one's lanes past the row, those not in `keep`,
-/// zeroed): [`row_max`]'s maximum and [`exp_sum`]'s exps and sum, bit for bit.
+/// the row −∞, so their exps are 0), the exps left in `e`: [`row_max`]'s maximum and
+/// [`exp_sum`]'s exps and sum, bit for bit. (A row whose maximum is −∞ holds only −∞ and NaN
+/// elements; its sum is NaN either way.)
 #[inline(always)]
 unsafe fn short_row_exps<T: Row>(
     p: *const T,
     parts: usize,
-    keep: __m256,
     load: &impl Fn(*const T, usize) -> __m256,
     e: &mut [__m256; 4],
 ) -> (f32, f32) {
@@ -433,12 +432,6 @@ unsafe fn short_row_exps<T: Row>(
     for j in 0..parts {
         let shifted = _mm256_sub_ps(v[j], mb);
         e[j] = if coarse { exp8::<true, false>(shifted) } else { exp8::<false, false>(shifted) };
-        // Lanes past the row (exp's clamp of −∞: near f32's least normal) zeroed, for the sum
-        // and for softmax's scaling, where they would make subnormal products, which take
-        // microcode assists (f32 `[8192, 20]`: 3x the time of `[8192, 24]`).
-        if j + 1 == parts {
-            e[j] = _mm256_and_ps(e[j], keep);
-        }
         acc = _mm256_add_ps(acc, e[j]);
     }
     (m, sum8(acc))
