@@ -460,8 +460,8 @@ mod tests {
             .map(|(x, &keep)| if keep { -0.1 * (x / 300 - x % 300) as f32 } else { f32::NEG_INFINITY })
             .collect();
         let padding: Vec<bool> = (0..2 * 300).map(|x| x < 300 || x % 300 >= 260).collect();
-        // The same padding as transformers 4.x's float masks: ±0 where seen (rows the kernels
-        // leave unmasked), −∞ where hidden.
+        // The same padding as a float mask: ±0 where seen (rows the kernels leave unmasked), −∞
+        // where hidden.
         let padding_bias: Vec<f32> = padding
             .iter()
             .enumerate()
