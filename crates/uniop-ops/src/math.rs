@@ -76,6 +76,10 @@ pub(crate) const EXP_LOW: f32 = -88.0;
 /// 1.5·2²³: adding it to x·log2 e rounds that to an integer k, left in the low mantissa bits.
 pub(crate) const EXP_SHIFT: f32 = 12_582_912.0;
 
+/// What [`times_pow2`] subtracts from the shifted value's bits to leave k + 127, 2^k's exponent
+/// bits.
+pub(crate) const POW2_BIAS: u32 = EXP_SHIFT.to_bits() - 127;
+
 /// `(1 + t)·2^k` in one FMA, with `k` in `shifted`'s low mantissa bits (`x·log2 e +`
 /// [`EXP_SHIFT`]) and 2^k built as the exponent bits `k + 127`, bit for bit `(1 + t)` rounded
 /// and then scaled wherever the result is a normal number. At k = −127 (x clamped to
@@ -85,7 +89,7 @@ pub(crate) const EXP_SHIFT: f32 = 12_582_912.0;
 /// half of each row masked: 7.1 ms against 5.7 unmasked).
 #[inline(always)]
 fn times_pow2(t: f32, shifted: f32) -> f32 {
-    let scale = f32::from_bits(shifted.to_bits().wrapping_sub(EXP_SHIFT.to_bits() - 127) << 23);
+    let scale = f32::from_bits(shifted.to_bits().wrapping_sub(POW2_BIAS) << 23);
     t.mul_add(scale, scale)
 }
 

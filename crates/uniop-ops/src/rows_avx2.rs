@@ -255,7 +255,7 @@ unsafe fn exp8<const COARSE: bool, const HIGH: bool>(x: __m256) -> __m256 {
         _mm256_fmadd_ps(p, r2, r)
     };
     // As `math::times_pow2`: (1 + t)·2^k, 2^k from the exponent bits k + 127 (0 at the clamp).
-    let bias = _mm256_set1_epi32(math::EXP_SHIFT.to_bits() as i32 - 127);
+    let bias = _mm256_set1_epi32(math::POW2_BIAS as i32);
     let scale = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_sub_epi32(_mm256_castps_si256(shifted), bias)));
     _mm256_fmadd_ps(t, scale, scale)
 }
