@@ -52,17 +52,20 @@ def masks(heads, seq, window, docs, dtype):
     """Boolean `[1, 1, S, S]` masks, and ALiBi as a float `[1, H, S, S]` mask of `dtype` (causal:
     −inf above the diagonal, −slope_h · (i − j) below, slopes 2^(−8(h+1)/H)). The causal mask
     itself (what a mask costs where it hides nothing the flag does not), and a left padding of a
-    quarter of the keys, boolean and as a float mask of 0 and −inf."""
+    quarter of the keys, boolean, as a float mask of 0 and −inf, and as transformers 4.x builds it
+    (0 and the dtype's lowest value)."""
     i = torch.arange(seq)
     causal = i[None, :] <= i[:, None]
     slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads)
     alibi = -slopes[:, None, None] * (i[:, None] - i[None, :]).float()
     padded = causal & (i[None, :] >= seq // 4)
     padding_bias = torch.zeros(seq, seq).masked_fill(~padded, float("-inf")).to(dtype)
+    padding_lowest = torch.zeros(seq, seq, dtype=dtype).masked_fill(~padded, torch.finfo(dtype).min)
     return {
         "causal (boolean)": causal[None, None],
         f"left padding {seq // 4}": padded[None, None],
         f"left padding {seq // 4} (float)": padding_bias[None, None],
+        f"left padding {seq // 4} (float, lowest)": padding_lowest[None, None],
         f"causal, window {window}": (causal & (i[None, :] > i[:, None] - window))[None, None],
         f"{docs} documents": (causal & (i[None, :] * docs // seq == i[:, None] * docs // seq))[None, None],
         "ALiBi (float)": alibi.masked_fill(~causal, float("-inf")).to(dtype)[None],

@@ -1327,6 +1327,38 @@ def test_attention_float_mask_gradient_matches_sdpa(dtype, causal):
         assert "attention_backward.delta" in steps and ("attention_backward.dmask" in steps) == wanted, steps
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 2, 8, 16), (2, 4, 300, 64)], ids=["small", "tiles"])
+def test_attention_hides_keys_behind_the_dtype_lowest_value_on_every_route(dtype, shape):
+    """transformers 4.x's masks (0 where a query sees a key, ``torch.finfo(dtype).min`` where not,
+    the causal mask folded in) hide keys as −∞ does, whichever kernel runs (small calls take the
+    GEMM tiles, longer ones AVX2's transposed tiles where the CPU has them): the results are the
+    boolean mask's bit for bit, forward and backward, SDPA's at the queries that see a key, and
+    out 0 at the left padding's queries, which see none (SDPA weighs their keys equally there)."""
+    torch.manual_seed(0)
+    b, h, s, d = shape
+    q, k, v, dout = (torch.randn(b, h, s, d).to(dtype) for _ in range(4))
+    pad = s // 3
+    sees = torch.ones(s, s, dtype=torch.bool).tril().expand(b, 1, s, s).clone()
+    sees[1, ..., :pad] = False
+    lowest = torch.zeros(b, 1, s, s, dtype=dtype).masked_fill(~sees, torch.finfo(dtype).min)
+
+    def run(mask):
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = torch.ops.uniop.attention(*xs, None, False, None, mask)[0]
+        out.backward(dout)
+        return out.detach(), [x.grad for x in xs]
+
+    (got, grads), (want, want_grads) = run(lowest), run(sees)
+    assert torch.equal(got, want)
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert torch.equal(g, w), name
+    assert torch.equal(got[1, :, :pad], torch.zeros_like(got[1, :, :pad]))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=lowest.float())
+    real = sees.any(-1).expand(b, h, s)
+    _check(got[real], ref[real].double(), dtype, "real queries against SDPA")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [5, 20, 100, 4096])
 def test_masked_scores_get_probabilities_and_gradients_of_exactly_zero(dtype, n):

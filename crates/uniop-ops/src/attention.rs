@@ -47,9 +47,10 @@
 //! `mask` (optional, broadcastable to `[B, Hq, Sq, Sk]`, torch SDPA's `attn_mask`) applies on top
 //! of `kv_lens` and `causal`. Boolean (true = attend), it hides keys: padded batches (Hugging
 //! Face's left-padded prompts and their decode steps), sliding windows, prefix-LM or document
-//! masks. Float (f32, f16, bf16), it is added to the scaled scores (−∞ hides): ALiBi and
-//! relative-position biases, transformers 4.x's padding masks; it gets no gradient. It is applied
-//! to each score tile after its product (a hidden score becomes −∞ before the softmax, a bias is
+//! masks. Float (f32, f16, bf16), it is added to the scaled scores (−∞ hides, and so does the
+//! dtype's lowest value, `hiding_bias`): ALiBi and relative-position biases, transformers 4.x's
+//! padding masks; its gradient is a step of the backward's own (`attention_mask_grad`). It is
+//! applied to each score tile after its product (a hidden score becomes −∞ before the softmax, a bias is
 //! added divided by the scale the softmax multiplies by), so the tiles and their causal and
 //! `kv_lens` skipping stay as they are, and a tile whose keys it hides from every query of the
 //! tile is skipped whole (`MaskRows::tile_live`: a sliding window or a document mask costs the
@@ -602,12 +603,15 @@ pub(crate) fn reference_cap(g: &Geometry, scaled: f64) -> (f64, f64) {
 #[derive(Clone, Copy)]
 pub(crate) struct MaskRows<'a> {
     data: MaskData<'a>,
+    /// A float mask's [`hiding_bias`]: this value and −∞ hide a key.
+    hides: f32,
     base: usize,
     batch: BatchStrides,
     strides: [usize; 3],
 }
 
-/// A boolean mask's keeps, or a float mask's bias (added to the scaled scores; −∞ hides).
+/// A boolean mask's keeps, or a float mask's bias (added to the scaled scores; −∞ and the
+/// dtype's lowest value hide).
 #[derive(Clone, Copy)]
 enum MaskData<'a> {
     Keeps(&'a [bool]),
@@ -635,7 +639,7 @@ impl<'a> MaskRows<'a> {
             _ => MaskData::Bf16(mask.storage::<bf16>().expect(checked)),
         };
         let batch = BatchStrides::of(&batch, &shape[..lead], &given[..lead]);
-        Some(MaskRows { data, base: mask.layout().offset(), batch, strides })
+        Some(MaskRows { data, hides: hiding_bias(mask.dtype()), base: mask.layout().offset(), batch, strides })
     }
 
     /// Where row `(b, h, i)` starts in the data, and its key stride.
@@ -660,9 +664,9 @@ impl<'a> MaskRows<'a> {
         let offset = match self.data {
             MaskData::Keeps(d) if sj == 1 => first_where(&d[row + keys.start..row + keys.end], |keep| keep),
             MaskData::Keeps(d) => keys.into_iter().position(|j| d[row + j * sj]),
-            MaskData::F32(d) => first_above_minus_infinity(d, row, sj, keys),
-            MaskData::F16(d) => first_above_minus_infinity(d, row, sj, keys),
-            MaskData::Bf16(d) => first_above_minus_infinity(d, row, sj, keys),
+            MaskData::F32(d) => first_unhidden(d, (row, sj), keys, self.hides),
+            MaskData::F16(d) => first_unhidden(d, (row, sj), keys, self.hides),
+            MaskData::Bf16(d) => first_unhidden(d, (row, sj), keys, self.hides),
         };
         offset.map(|o| start + o)
     }
@@ -715,7 +719,8 @@ impl<'a> MaskRows<'a> {
 
     /// Applies the mask to the raw scores `s` of query `(b, h, i)`, keys `j0..j0 + s.len()`, which
     /// a softmax will multiply by `scale`: a hidden key's score becomes the one the softmax turns
-    /// into −∞; a bias is added divided by `scale` (so that it adds to the scaled score).
+    /// into −∞; a bias is added divided by `scale` (so that it adds to the scaled score), a hiding
+    /// one ([`hiding_bias`]) as −∞.
     #[inline(always)]
     pub fn apply(&self, s: &mut [f32], at: (usize, usize, usize), j0: usize, scale: f32) {
         let (row, sj) = self.row(at);
@@ -729,9 +734,9 @@ impl<'a> MaskRows<'a> {
                     }
                 }
             }
-            MaskData::F32(d) => add_bias(s, d, (row, sj), scale.recip()),
-            MaskData::F16(d) => add_bias(s, d, (row, sj), scale.recip()),
-            MaskData::Bf16(d) => add_bias(s, d, (row, sj), scale.recip()),
+            MaskData::F32(d) => add_bias(s, d, (row, sj), (scale.recip(), self.hides)),
+            MaskData::F16(d) => add_bias(s, d, (row, sj), (scale.recip(), self.hides)),
+            MaskData::Bf16(d) => add_bias(s, d, (row, sj), (scale.recip(), self.hides)),
         }
     }
 }
@@ -752,13 +757,36 @@ fn first_where<T: Copy>(row: &[T], shown: impl Fn(T) -> bool) -> Option<usize> {
     None
 }
 
-/// Where the first of `keys` that a bias row (from `row`, stride `sj`) leaves visible (above −∞)
-/// lies among them.
-fn first_above_minus_infinity<T: FloatElement>(d: &[T], row: usize, sj: usize, keys: Range<usize>) -> Option<usize> {
-    if sj == 1 {
-        return first_where(&d[row + keys.start..row + keys.end], |v: T| v.to_f32() != f32::NEG_INFINITY);
+/// The bias at or below which a float mask of `dtype` hides a key: its lowest finite value, which
+/// transformers 4.x fills its padding and causal masks with (`torch.finfo(dtype).min`), so that
+/// its padded batches skip the tiles they hide as boolean and −∞ masks do.
+///
+/// Added to a score as a number, that bias leaves a query that sees some other key the same
+/// probabilities (0 there: its difference to the row's max is about −3.4e38, or −65504 for f16),
+/// but not a query it hides from every key: as a number it would weigh those keys by their scores
+/// (or, where it absorbs them, equally); hidden, the query gets output 0 and `lse = -inf`, as one
+/// that a boolean mask hides whole. Every route applies it as −∞, so they agree on those rows.
+pub(crate) fn hiding_bias(dtype: DType) -> f32 {
+    match dtype {
+        DType::F16 => f16::MIN.to_f32(),
+        DType::BF16 => bf16::MIN.to_f32(),
+        _ => f32::MIN,
     }
-    keys.into_iter().position(|j| d[row + j * sj].to_f32() != f32::NEG_INFINITY)
+}
+
+/// Where the first of `keys` that a bias row (from `row`, stride `sj`) does not hide (is above
+/// `hides`, the mask's [`hiding_bias`]; NaN is not hidden) lies among them.
+fn first_unhidden<T: FloatElement>(
+    d: &[T],
+    (row, sj): (usize, usize),
+    keys: Range<usize>,
+    hides: f32,
+) -> Option<usize> {
+    let shown = |v: T| !(v.to_f32() <= hides);
+    if sj == 1 {
+        return first_where(&d[row + keys.start..row + keys.end], shown);
+    }
+    keys.into_iter().position(|j| shown(d[row + j * sj]))
 }
 
 /// Whether every element of `bias` is ±0 (the bits past the sign OR-ed: a loop that vectorizes).
@@ -767,14 +795,25 @@ fn adds_zero<T: FloatElement>(bias: &[T]) -> bool {
     bias.iter().fold(0, |bits, v| bits | v.to_f32().to_bits() << 1) == 0
 }
 
-/// `s[j] += bias[row + j·sj] · per_score`.
-fn add_bias<T: FloatElement>(s: &mut [f32], bias: &[T], (row, sj): (usize, usize), per_score: f32) {
+/// `s[j] += bias[row + j·sj] · per_score`, a bias at or below `hides` taken as −∞.
+fn add_bias<T: FloatElement>(s: &mut [f32], bias: &[T], (row, sj): (usize, usize), (per_score, hides): (f32, f32)) {
     if sj == 1 {
-        add_bias_row(s, &bias[row..row + s.len()], per_score);
+        add_bias_row(s, &bias[row..row + s.len()], per_score, hides);
     } else {
         for (j, v) in s.iter_mut().enumerate() {
-            *v += bias[row + j * sj].to_f32() * per_score;
+            *v += unless_hiding(bias[row + j * sj], hides) * per_score;
         }
+    }
+}
+
+/// `bias` widened, or −∞ where it is at or below `hides`.
+#[inline(always)]
+fn unless_hiding<T: FloatElement>(bias: T, hides: f32) -> f32 {
+    let b = bias.to_f32();
+    if b <= hides {
+        f32::NEG_INFINITY
+    } else {
+        b
     }
 }
 
@@ -790,10 +829,11 @@ fn hide_scores(s: &mut [f32], keeps: &[bool], hidden: f32) {
 }
 
 crate::simd_kernel! {
-/// `s[j] += bias[j] · per_score`, at the CPU's vector level like [`hide_scores`].
-fn add_bias_row<T: FloatElement>(s: &mut [f32], bias: &[T], per_score: f32) {
+/// `s[j] += bias[j] · per_score` (−∞ for a bias at or below `hides`), at the CPU's vector level
+/// like [`hide_scores`].
+fn add_bias_row<T: FloatElement>(s: &mut [f32], bias: &[T], per_score: f32, hides: f32) {
     for (v, &b) in s.iter_mut().zip(bias) {
-        *v += b.to_f32() * per_score;
+        *v += unless_hiding(b, hides) * per_score;
     }
 }
 }
@@ -808,13 +848,14 @@ pub(crate) fn hidden_score(scale: f32) -> f32 {
 }
 
 /// What element `(b, h, i, j)` of the f64 reference's `mask` (broadcast as [`MaskRows`]) adds to
-/// the query's scaled score for the key: a float mask's value; a boolean one's 0 (keep, 1) or −∞
-/// (hide, 0); 0 when there is no mask.
+/// the query's scaled score for the key: a float mask's value (−∞ at or below its
+/// [`hiding_bias`]); a boolean one's 0 (keep, 1) or −∞ (hide, 0); 0 when there is no mask.
 pub(crate) fn reference_bias(g: &Geometry, mask: Option<&RefTensor>, at: [usize; 4]) -> f64 {
     let Some(mask) = mask else { return 0.0 };
     match (g.mask, mask.data[reference_mask_index(g, &mask.shape, at)]) {
         (Some(DType::Bool), 0.0) => f64::NEG_INFINITY,
         (Some(DType::Bool), _) => 0.0,
+        (Some(dtype), bias) if bias <= f64::from(hiding_bias(dtype)) => f64::NEG_INFINITY,
         (_, bias) => bias,
     }
 }
@@ -1619,11 +1660,12 @@ impl Op for Attention {
          limits each batch row to its first keys (KV-cache decode). causal aligns bottom-right: query i sees key j \
          iff j <= i + len - Sq (torch is_causal when Sq == Sk). scale defaults to 1/sqrt(D). mask (broadcastable \
          to [B, Hq, Sq, Sk], as SDPA's attn_mask: bool, true = attend; or float32/float16/bfloat16, added to \
-         the scaled scores, -inf hides) applies on top of kv_lens and causal (key tiles it hides from a whole \
-         query tile are skipped, and the keys up to the first one some query of a tile's product sees, in \
-         32-key panels: a sliding window or a document mask costs the keys it shows); the K/V rows of hidden \
-         keys it does not skip must be finite. softcap (Gemma 2's attn_logit_softcapping) caps the scaled \
-         scores to softcap * tanh(score / softcap) before the mask adds. sinks (float [Hq], GPT-OSS's attention \
+         the scaled scores; -inf and the dtype's lowest value, transformers 4.x's padding, hide) applies on top \
+         of kv_lens and causal (key tiles it hides from a whole query tile are skipped, and the keys up to the \
+         first one some query of a tile's product sees, in 32-key panels: a sliding window or a document mask \
+         costs the keys it shows); the K/V rows of hidden keys it does not skip must be finite. softcap (Gemma \
+         2's attn_logit_softcapping) caps the scaled scores to softcap * tanh(score / softcap) before the mask \
+         adds. sinks (float [Hq], GPT-OSS's attention \
          sinks) adds one logit per q head to each query's softmax, of a key with value 0. lse: float32 \
          log-sum-exp of the (capped, masked) scaled scores and the sink per query (-inf, with out = 0, for a \
          query that sees no key and has no sink)."

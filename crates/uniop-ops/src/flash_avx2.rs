@@ -475,6 +475,11 @@ mod tests {
                 }
             })
             .collect();
+        // transformers 4.x's kind: 0 where seen, the dtype's lowest value where hidden, which hides
+        // (the NaN keys below are never read) as −∞ does; f32 and bf16.
+        let padding_lowest: Vec<f32> = padding.iter().map(|&keep| if keep { 0.0 } else { f32::MIN }).collect();
+        let padding_lowest_bf16: Vec<bf16> =
+            padding.iter().map(|&keep| if keep { bf16::ZERO } else { bf16::MIN }).collect();
         let poison = |mut x: Vec<f32>| {
             x[2 * 300 * 20..][..256 * 20].fill(f32::NAN); // batch row 1, kv head 0
             x[3 * 300 * 20..][..256 * 20].fill(f32::NAN); // and kv head 1
@@ -488,6 +493,8 @@ mod tests {
             (TensorRef::new(&alibi, &[1, 1, 300, 300]).unwrap(), &k, &v),
             (TensorRef::new(&padding, &[2, 1, 1, 300]).unwrap(), &k_nan, &v_nan),
             (TensorRef::new(&padding_bias, &[2, 1, 1, 300]).unwrap(), &k_nan, &v_nan),
+            (TensorRef::new(&padding_lowest, &[2, 1, 1, 300]).unwrap(), &k_nan, &v_nan),
+            (TensorRef::new(&padding_lowest_bf16, &[2, 1, 1, 300]).unwrap(), &k_nan, &v_nan),
         ];
         for (mask, k, v) in masks {
             let runs: Vec<_> = kernels()

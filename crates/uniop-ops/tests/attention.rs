@@ -317,7 +317,8 @@ fn masked_attention_matches_reference() {
 
 /// Float masks are added to the scaled scores (SDPA's float `attn_mask`; −∞ hides a key): one of
 /// only 0 and −∞ gives the boolean mask's results bit for bit (f32 and bf16 masks, the padded
-/// batch over two key tiles); an ALiBi-like bias (`−slope_h · (i − j)`, per head, with some keys at
+/// batch over two key tiles), and so does one of 0 and the dtype's lowest value (f32, bf16, f16
+/// masks; the backward too); an ALiBi-like bias (`−slope_h · (i − j)`, per head, with some keys at
 /// −∞) against the f64 reference in f32, bf16 (with a bf16 mask) and with a negative scale; its
 /// gradients against central finite differences of the f64 forward.
 #[test]
@@ -336,6 +337,26 @@ fn float_masks_add_to_the_scaled_scores() {
     let want = with(Some(TensorRef::new(&keeps, &[2, 1, 300, 300]).unwrap()));
     assert_eq!(with(view(&bias, &[2, 1, 300, 300])), want, "a 0/−∞ f32 mask is the boolean mask");
     assert_eq!(with(Some(bias_bf16.view())), want, "a 0/−∞ bf16 mask is the boolean mask");
+    // transformers 4.x's kind, the dtype's lowest value where hidden, hides as −∞ does: the padding
+    // queries get out 0 and lse −∞ (as a number, the bias would weigh their keys), every route
+    // skips the tiles it hides, and the backward (dmask too) agrees with the boolean mask's.
+    let lowest: Vec<f32> = keeps.iter().map(|&keep| if keep { 0.0 } else { f32::MIN }).collect();
+    fn padding_of<T: uniop::Element>(keeps: &[bool], (seen, hidden): (T, T)) -> Tensor {
+        let values: Vec<T> = keeps.iter().map(|&keep| if keep { seen } else { hidden }).collect();
+        Tensor::from_slice(&values, &[2, 1, 300, 300]).unwrap()
+    }
+    let (bf16_min, f16_min) =
+        ((uniop::half::bf16::ZERO, uniop::half::bf16::MIN), (uniop::half::f16::ZERO, uniop::half::f16::MIN));
+    let (lowest_bf16, lowest_f16) = (padding_of(&keeps, bf16_min), padding_of(&keeps, f16_min));
+    assert_eq!(with(view(&lowest, &[2, 1, 300, 300])), want, "an f32 mask of 0 and f32::MIN is the boolean mask");
+    assert_eq!(with(Some(lowest_bf16.view())), want, "a bf16 mask of 0 and its lowest is the boolean mask");
+    assert_eq!(with(Some(lowest_f16.view())), want, "an f16 mask of 0 and its lowest is the boolean mask");
+    let dout = rand_vec(2 * 4 * 300 * 16, 96);
+    let grads = |mask| backward_after_forward((&q, &k, &v, &dout), (q_shape, kv_shape), (None, mask), &causal(true));
+    let by_keeps = grads(Some(TensorRef::new(&keeps, &[2, 1, 300, 300]).unwrap()));
+    let by_lowest = grads(view(&lowest, &[2, 1, 300, 300]));
+    assert_eq!(by_lowest[..3], by_keeps[..3], "dq, dk, dv through an f32::MIN mask");
+    assert!(by_lowest[3].iter().zip(&keeps).all(|(&g, &keep)| keep || g == 0.0), "dmask where hidden");
 
     let (sq, sk) = (300, 300);
     let alibi: Vec<f32> = (0..4 * sq * sk)
