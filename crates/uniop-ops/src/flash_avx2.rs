@@ -38,7 +38,7 @@ use uniop::{BlockCtx, DType, FloatElement, KernelArgs};
 pub(crate) const BAND: usize = 16;
 /// Keys per tile: a K tile and a V tile (64 KiB each at D = 128) stay in a Zen 3 core's 512 KiB
 /// L2 beside the Q and O tiles, across the bands that reread them.
-const KEYS: usize = 128;
+pub(crate) const KEYS: usize = 128;
 /// Broadcast columns per register tile: 12 accumulators, 2 row vectors and a broadcast fill
 /// AVX2's 16 registers.
 pub(crate) const COLS: usize = 6;
@@ -123,10 +123,7 @@ unsafe fn forward_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geo
             let (vp, vs) = f32_rows::<T>(&fa.v, vr, (b, hkv, j0), n, dv, vt);
             for band in (0..rp).step_by(BAND) {
                 let (seen, keys) = band_seen(&g, &t, band, (j0, n));
-                // A band the mask hides this tile from is skipped like one that sees none of it.
-                let band_rows = band..(band + BAND).min(rows);
-                let live = |m: &MaskRows<'_>| m.tile_live(&g, (b, t.len), band_rows.map(|r| t.head_pos(r)), (j0, n));
-                if keys == 0 || fa.mask.as_ref().is_some_and(|m| !live(m)) {
+                if keys == 0 || !band_live(fa.mask.as_ref(), &g, &t, (b, band), (j0, n)) {
                     continue;
                 }
                 let strip = |tile: &mut [f32], len: usize| tile[strip_at(band, len)..].as_mut_ptr();
@@ -209,13 +206,27 @@ pub(crate) fn band_seen(g: &Geometry, t: &QueryTile, band: usize, (j0, n): (usiz
     (seen, most)
 }
 
+/// Whether `mask` (when given) shows the band of tile rows from `band` one of keys `j0..j0 + n`: a
+/// band it hides the tile from is skipped like one that sees none of it.
+#[inline(always)]
+pub(crate) fn band_live(
+    mask: Option<&MaskRows<'_>>,
+    g: &Geometry,
+    t: &QueryTile,
+    (b, band): (usize, usize),
+    (j0, n): (usize, usize),
+) -> bool {
+    let band_rows = band..(band + BAND).min(t.rows());
+    mask.is_none_or(|m| m.tile_live(g, (b, t.len), band_rows.map(|r| t.head_pos(r)), (j0, n)))
+}
+
 /// Applies `mask` to the band of tile rows from `band` held down the columns of its `Sᵀ` strip
 /// `s` (scores already scaled: Q is): row `x` over the first `seen[x]` keys from `j0`, through a
 /// contiguous copy of its column — only in rows where the mask changes a score. The copies cost
 /// more than the products (causal f32 `4x8x1024x64` with an all-true mask: 53 ms against 31.5
 /// with none), and most rows of a padding mask's or a window's tiles are wholly visible.
 #[inline(always)]
-fn mask_band(
+pub(crate) fn mask_band(
     mask: &MaskRows<'_>,
     t: &QueryTile,
     (b, band): (usize, usize),

@@ -25,13 +25,22 @@
 //! at the first query row that sees one of its keys, and each `dQ` register tile stops at the
 //! last key its rows see, so a diagonal tile costs about half a full one.
 //!
+//! A `mask` applies as in the forward's tiles, to the scores a product left (scaled already: K
+//! or Q is packed times the scale), before `P = exp(S − lse)`: here a strip row's 16 keys lie in
+//! the mask's row, so it applies in place (`MaskRows::apply_strip`). A block of queries (or, in
+//! the `dQ` launch, a band) that the mask hides a key tile from skips it whole, as the forward
+//! does — a padding's or a document mask's backward costs the keys it shows too. A query the
+//! mask hides from every key has `lse = -inf` and no gradient.
+//!
 //! The `dQ` launch of the finer split (few (batch, kv head) pairs, where the dK/dV launch goes
 //! per key tile) is the forward's layout instead: it owns a tile of queries and sums over keys,
 //! so its lanes run over query rows (see [`dq`]).
 
-use crate::attention::{carve, f32_rows, row_len, Geometry, Rows4};
+use crate::attention::{carve, f32_rows, row_len, Geometry, MaskRows, Rows4};
 use crate::attention_backward::{row_index, store_row, BackwardArgs};
-use crate::flash_avx2::{band_seen, get_strip_row, load_strips, products, put_strip_row, strip_at, BAND, COLS};
+use crate::flash_avx2::{
+    band_live, band_seen, get_strip_row, load_strips, mask_band, products, put_strip_row, strip_at, BAND, COLS,
+};
 use crate::math;
 use uniop::{BlockCtx, DType, FloatElement, KernelArgs};
 
@@ -44,10 +53,9 @@ const ROWS: usize = 128;
 const PANEL: usize = 16;
 
 /// Whether the backward runs these tiles: on CPUs whose best level is AVX2 (see
-/// [`avx2_best`](crate::flash_avx2::avx2_best)), without a `mask` or a `softcap` (which the GEMM
-/// tiles apply).
+/// [`avx2_best`](crate::flash_avx2::avx2_best)), without a `softcap` (which the GEMM tiles apply).
 pub(crate) fn applies(g: &Geometry) -> bool {
-    crate::flash_avx2::avx2_best(g) && g.mask.is_none() && g.softcap.is_none()
+    crate::flash_avx2::avx2_best(g) && g.softcap.is_none()
 }
 
 /// Head dims of a `dQ` panel row: `d` rounded up to whole panels.
@@ -109,9 +117,11 @@ struct KeyTile<'a> {
     dv: &'a mut [f32],
 }
 
-/// A block of queries: positions `i0..i0 + rows` of one q head, its Q and dout rows (pointer,
-/// row stride) and where its rows start in the pair's `dQ` sums.
+/// A block of queries: positions `i0..i0 + rows` of q head `h` of batch row `b`, its Q and dout
+/// rows (pointer, row stride) and where its rows start in the pair's `dQ` sums.
 struct QueryBlock {
+    b: usize,
+    h: usize,
     i0: usize,
     rows: usize,
     q: (*const f32, usize),
@@ -171,7 +181,13 @@ unsafe fn dkv_avx2<T: FloatElement>(
                     if g.visible(len, i0 + rows - 1) <= j0 {
                         continue;
                     }
+                    let queries = (i0..i0 + rows).map(|i| (h, i));
+                    if a.mask.as_ref().is_some_and(|m| !m.tile_live(&g, (b, len), queries, (j0, kt.n))) {
+                        continue; // the mask hides this tile from the block's every query
+                    }
                     let block = QueryBlock {
+                        b,
+                        h,
                         i0,
                         rows,
                         q: f32_rows::<T>(&a.q, a.q_rows, (b, h, i0), rows, d, q_rows),
@@ -182,7 +198,19 @@ unsafe fn dkv_avx2<T: FloatElement>(
                     let stats = (&a.lse[rows_of(i0)..][..rows], &delta[rows_of(i0)..][..rows]);
                     // SAFETY: AVX2 and FMA run (`applies`); the block's rows and the tile's keys
                     // lie inside the checked views and this block's scratch.
-                    unsafe { block_products(&g, len, &mut kt, &block, stats, s, dp, ds_rows, (dq, pair_rows)) };
+                    unsafe {
+                        block_products(
+                            &g,
+                            (len, a.mask.as_ref()),
+                            &mut kt,
+                            &block,
+                            stats,
+                            s,
+                            dp,
+                            ds_rows,
+                            (dq, pair_rows),
+                        )
+                    };
                 }
             }
             store_key_tile::<T>(&a, &g, (b, hkv), &mut kt, row);
@@ -256,8 +284,9 @@ fn store_key_tile<T: FloatElement>(
     }
 }
 
-/// The products of one query block against one key tile: per strip S, dP, P, dS and the dV, dK
-/// sums; then, given the pair's dQ sums (panels of `pair_rows` rows), dQ.
+/// The products of one query block against one key tile (its queries seeing the first `len` keys,
+/// under `mask` when given): per strip S, dP, P, dS and the dV, dK sums; then, given the pair's
+/// dQ sums (panels of `pair_rows` rows), dQ.
 ///
 /// # Safety
 /// AVX2 and FMA must be present; the block's Q and dout pointers valid for its rows of `d` and
@@ -266,7 +295,7 @@ fn store_key_tile<T: FloatElement>(
 #[target_feature(enable = "avx2,fma")]
 unsafe fn block_products(
     g: &Geometry,
-    len: usize,
+    (len, mask): (usize, Option<&MaskRows<'_>>),
     kt: &mut KeyTile,
     q: &QueryBlock,
     (lse, delta): (&[f32], &[f32]),
@@ -295,9 +324,17 @@ unsafe fn block_products(
         products(sp, kt.k_strips.as_ptr().add(strip * d * BAND), d, (q_live, 1, qs), live, false);
         products(dpp, kt.v_strips.as_ptr().add(strip * dv * BAND), dv, (dout_live, 1, os), live, false);
         for r in first..rows {
-            let seen = g.visible(len, q.i0 + r).saturating_sub(key0).min(BAND);
+            let i = q.i0 + r;
+            let mut seen = g.visible(len, i).saturating_sub(key0).min(BAND);
             let p: &mut [f32; BAND] = (&mut s[r * BAND..][..BAND]).try_into().expect("a strip row");
             let ds: &mut [f32; BAND] = (&mut dp[r * BAND..][..BAND]).try_into().expect("a strip row");
+            if let Some(mask) = mask {
+                if lse[r] == f32::NEG_INFINITY {
+                    seen = 0; // hidden from every key: no probabilities (exp(−∞ + ∞) is NaN)
+                } else {
+                    mask.apply_strip(p, seen, (q.b, q.h, i), key0);
+                }
+            }
             score_grads(p, ds, seen, lse[r], delta[r]);
             if with_dq {
                 ds_rows[r * KEYS + strip * BAND..][..BAND].copy_from_slice(ds);
@@ -332,6 +369,8 @@ unsafe fn block_products(
 /// Keys per tile of the dQ launch (like the forward's: a tile is read in place or widened once
 /// per unit and reused by every band).
 const DQ_KEYS: usize = 128;
+// `mask_band` holds a band's column of a forward tile's keys; a strip row is a mask's strip.
+const _: () = assert!(DQ_KEYS <= crate::flash_avx2::KEYS && BAND == crate::attention::STRIP);
 
 /// f32 scratch of one dQ block: `scale·Qᵀ`, dOutᵀ and the dQᵀ sums as band strips, one band's
 /// Sᵀ/Pᵀ and dPᵀ/dSᵀ, each row's lse and δ, K and V widened (f16, bf16), a staging row.
@@ -384,10 +423,11 @@ unsafe fn dq_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry
             let (kp, ks) = f32_rows::<T>(&a.k, a.k_rows, (b, hkv, j0), n, d, kt);
             let (vp, vs) = f32_rows::<T>(&a.v, a.v_rows, (b, hkv, j0), n, dv, vt);
             for band in (0..rp).step_by(BAND) {
-                let (seen, keys) = band_seen(&g, &t, band, (j0, n));
-                if keys == 0 {
+                let (mut seen, keys) = band_seen(&g, &t, band, (j0, n));
+                if keys == 0 || !band_live(a.mask.as_ref(), &g, &t, (b, band), (j0, n)) {
                     continue;
                 }
+                let (band_lse, band_delta) = (&lse[band..band + BAND], &deltas[band..band + BAND]);
                 let (s, ds) = (st.as_mut_ptr(), dpt.as_mut_ptr());
                 // SAFETY: AVX2 and FMA run; the band's strips hold d (Qᵀ, dQᵀ) and dv (dOutᵀ) rows
                 // of 16, Sᵀ and dPᵀ DQ_KEYS ≥ `keys`; K and V cover `n` ≥ `keys` rows.
@@ -395,7 +435,14 @@ unsafe fn dq_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry
                     products(s, qt[strip_at(band, d)..].as_ptr(), d, (kp, 1, ks), keys, false);
                     products(ds, dot[strip_at(band, dv)..].as_ptr(), dv, (vp, 1, vs), keys, false);
                 }
-                let (band_lse, band_delta) = (&lse[band..band + BAND], &deltas[band..band + BAND]);
+                if let Some(mask) = &a.mask {
+                    mask_band(mask, &t, (b, band), (&seen, j0), st);
+                    // Rows hidden from every key: no probabilities (exp(−∞ + ∞) is NaN).
+                    seen.iter_mut()
+                        .zip(band_lse)
+                        .filter(|(_, &lse)| lse == f32::NEG_INFINITY)
+                        .for_each(|(s, _)| *s = 0);
+                }
                 for j in 0..keys {
                     let p: &[f32; BAND] = (&st[j * BAND..][..BAND]).try_into().expect("a strip row");
                     let ds: &mut [f32; BAND] = (&mut dpt[j * BAND..][..BAND]).try_into().expect("a strip row");
@@ -434,6 +481,7 @@ fn score_grads(p: &mut [f32; BAND], ds: &mut [f32; BAND], seen: usize, lse: f32,
 #[cfg(test)]
 mod tests {
     use crate::attention::run_checked_forcing;
+    use crate::attention_backward::{Route, ROUTE_FORCED};
     use crate::flash_avx2::FORCED;
     use uniop::half::{bf16, f16};
     use uniop::verify::Rng;
@@ -464,6 +512,17 @@ mod tests {
         causal: bool,
         lens: Option<&[i64]>,
     ) -> Vec<Vec<Vec<f64>>> {
+        masked_gradients::<T>((batch, s), (d, dv), causal, (lens, None), None)
+    }
+
+    /// [`gradients`] under `mask` too, on `route` when given.
+    fn masked_gradients<T: Element>(
+        (batch, s): (usize, usize),
+        (d, dv): (usize, usize),
+        causal: bool,
+        (lens, mask): (Option<&[i64]>, Option<TensorRef>),
+        route: Option<Route>,
+    ) -> Vec<Vec<Vec<f64>>> {
         let (q_shape, k_shape, v_shape) = ([batch, 6, s, d], [batch, 2, s, d], [batch, 2, s, dv]);
         let (q, k, v) = (random::<T>(&q_shape, 1), random::<T>(&k_shape, 2), random::<T>(&v_shape, 3));
         let o_shape = [batch, 6, s, dv];
@@ -472,7 +531,7 @@ mod tests {
         let attrs = [("causal", AttrValue::Bool(causal))];
         let fwd = run_checked_forcing(
             "attention",
-            &[view(&q, &q_shape), view(&k, &k_shape), view(&v, &v_shape), lens.clone()],
+            &[view(&q, &q_shape), view(&k, &k_shape), view(&v, &v_shape), lens.clone(), mask.clone()],
             &attrs,
             || {},
         );
@@ -486,13 +545,26 @@ mod tests {
             view(&out, &o_shape),
             view(&lse, &q_shape[..3]),
             lens,
+            mask,
         ];
         kernels()
             .into_iter()
             .map(|key_lanes| {
-                run_checked_forcing("attention_backward", &inputs, &attrs, || FORCED.with(|f| f.set(Some(key_lanes))))
+                run_checked_forcing("attention_backward", &inputs, &attrs, || {
+                    FORCED.with(|f| f.set(Some(key_lanes)));
+                    ROUTE_FORCED.with(|f| f.set(route));
+                })
             })
             .collect()
+    }
+
+    /// The two kernels' f32 gradients (when this CPU runs both) agree.
+    fn assert_agree(runs: &[Vec<Vec<f64>>], what: &str) {
+        if let [gemm, key_lanes] = runs {
+            for (a, b) in gemm.iter().flatten().zip(key_lanes.iter().flatten()) {
+                assert!(a == b || (a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{what}: kernels disagree, {a} vs {b}");
+            }
+        }
     }
 
     /// Five key tiles, the last ending inside a strip (300 = 4·64 + 2·16 + 12); three query blocks
@@ -505,15 +577,10 @@ mod tests {
         let threads = uniop::runtime::Pool::global().threads();
         for batch in [1, threads] {
             for causal in [false, true] {
-                let f32_runs = gradients::<f32>(batch, 300, (20, 40), causal, None);
-                if let [gemm, key_lanes] = &f32_runs[..] {
-                    for (a, b) in gemm.iter().flatten().zip(key_lanes.iter().flatten()) {
-                        assert!(
-                            (a - b).abs() <= 1e-5 * (1.0 + a.abs()),
-                            "batch {batch} causal {causal}: kernels disagree, {a} vs {b}"
-                        );
-                    }
-                }
+                assert_agree(
+                    &gradients::<f32>(batch, 300, (20, 40), causal, None),
+                    &format!("batch {batch} causal {causal}"),
+                );
                 gradients::<f16>(batch, 300, (20, 40), causal, None);
                 gradients::<bf16>(batch, 300, (20, 40), causal, None);
             }
@@ -530,6 +597,46 @@ mod tests {
         for causal in [true, false] {
             gradients::<f32>(2, 100, (16, 16), causal, Some(&lens[..2]));
             gradients::<f32>(2 * threads, 100, (16, 16), causal, Some(&lens));
+        }
+    }
+
+    /// Masks on the fused launch (dQ with dK/dV) and the split one (dK/dV, then the dQ launch),
+    /// causal and not, in f32 (the kernels also agreeing) and bf16: a sliding window (boolean
+    /// `[s, s]`, whose tiles far from the diagonal are skipped), ALiBi-like biases with hidden keys
+    /// (float, per head) and a left padding of batch row 0's first 200 keys (boolean, and as
+    /// transformers 4.x's lowest-value float mask), under which, causal, 200 queries see no key
+    /// (lse −∞, zero gradients).
+    #[test]
+    fn both_dkv_kernels_apply_masks() {
+        let s = 300usize;
+        let window: Vec<bool> = (0..s * s).map(|x| x % s + 40 > x / s && x % s <= x / s).collect();
+        let alibi: Vec<f32> = (0..6 * s * s)
+            .map(|x| {
+                let (h, i, j) = (x / (s * s), x / s % s, x % s);
+                if (i + j) % 7 == 3 && i != j {
+                    f32::NEG_INFINITY
+                } else {
+                    -0.02 * (h + 1) as f32 * i.abs_diff(j) as f32
+                }
+            })
+            .collect();
+        let padding: Vec<bool> = (0..2 * s).map(|x| x / s == 1 || x % s >= 200).collect();
+        let lowest: Vec<f32> = padding.iter().map(|&keep| if keep { 0.0 } else { f32::MIN }).collect();
+        let masks = [
+            ("window", view(&window, &[s, s])),
+            ("alibi", view(&alibi, &[1, 6, s, s])),
+            ("padding", view(&padding, &[2, 1, 1, s])),
+            ("lowest", view(&lowest, &[2, 1, 1, s])),
+        ];
+        for (name, mask) in masks {
+            for route in [Route::Fused { chunks: 1 }, Route::Split] {
+                for causal in [false, true] {
+                    let at = (2, s);
+                    let runs = masked_gradients::<f32>(at, (20, 40), causal, (None, mask.clone()), Some(route));
+                    assert_agree(&runs, &format!("{name} {route:?} causal {causal}"));
+                    masked_gradients::<bf16>(at, (20, 40), causal, (None, mask.clone()), Some(route));
+                }
+            }
         }
     }
 }
