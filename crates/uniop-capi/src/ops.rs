@@ -210,15 +210,15 @@ pub extern "C" fn uniopArgmax(
 /// limits each batch row to its first keys (KV-cache decode). causal aligns bottom-right: query i
 /// sees key j iff j <= i + len - Sq (torch is_causal when Sq == Sk). scale defaults to 1/sqrt(D).
 /// mask (broadcastable to [B, Hq, Sq, Sk], as SDPA's attn_mask: bool, true = attend; or
-/// float32/float16/bfloat16, added to the scaled scores, -inf hides) applies on top of kv_lens and
-/// causal (key tiles it hides from a whole query tile are skipped, and the keys up to the first one
-/// some query of a tile's product sees, in 32-key panels: a sliding window or a document mask costs
-/// the keys it shows); the K/V rows of hidden keys it does not skip must be finite. softcap (Gemma
-/// 2's attn_logit_softcapping) caps the scaled scores to softcap * tanh(score / softcap) before the
-/// mask adds. sinks (float [Hq], GPT-OSS's attention sinks) adds one logit per q head to each
-/// query's softmax, of a key with value 0. lse: float32 log-sum-exp of the (capped, masked) scaled
-/// scores and the sink per query (-inf, with out = 0, for a query that sees no key and has no
-/// sink).
+/// float32/float16/bfloat16, added to the scaled scores; -inf and the dtype's lowest value,
+/// transformers 4.x's padding, hide) applies on top of kv_lens and causal (key tiles it hides from
+/// a whole query tile are skipped, and the keys up to the first one some query of a tile's product
+/// sees, in 32-key panels: a sliding window or a document mask costs the keys it shows); the K/V
+/// rows of hidden keys it does not skip must be finite. softcap (Gemma 2's attn_logit_softcapping)
+/// caps the scaled scores to softcap * tanh(score / softcap) before the mask adds. sinks (float
+/// [Hq], GPT-OSS's attention sinks) adds one logit per q head to each query's softmax, of a key
+/// with value 0. lse: float32 log-sum-exp of the (capped, masked) scaled scores and the sink per
+/// query (-inf, with out = 0, for a query that sees no key and has no sink).
 #[no_mangle]
 pub extern "C" fn uniopAttentionGetWorkspaceSize(
     q: *const uniopTensor,

@@ -50,8 +50,8 @@
 //! masks. Float (f32, f16, bf16), it is added to the scaled scores (−∞ hides, and so does the
 //! dtype's lowest value, `hiding_bias`): ALiBi and relative-position biases, transformers 4.x's
 //! padding masks; its gradient is a step of the backward's own (`attention_mask_grad`). It is
-//! applied to each score tile after its product (a hidden score becomes −∞ before the softmax, a bias is
-//! added divided by the scale the softmax multiplies by), so the tiles and their causal and
+//! applied to each score tile after its product (a hidden score becomes −∞ before the softmax, a
+//! bias is added divided by the scale the softmax multiplies by), so the tiles and their causal and
 //! `kv_lens` skipping stay as they are, and a tile whose keys it hides from every query of the
 //! tile is skipped whole (`MaskRows::tile_live`: a sliding window or a document mask costs the
 //! keys it shows). In a tile that is not skipped, the products start at the first key some row of
@@ -1707,8 +1707,8 @@ impl Op for Attention {
          first one some query of a tile's product sees, in 32-key panels: a sliding window or a document mask \
          costs the keys it shows); the K/V rows of hidden keys it does not skip must be finite. softcap (Gemma \
          2's attn_logit_softcapping) caps the scaled scores to softcap * tanh(score / softcap) before the mask \
-         adds. sinks (float [Hq], GPT-OSS's attention \
-         sinks) adds one logit per q head to each query's softmax, of a key with value 0. lse: float32 \
+         adds. sinks (float [Hq], GPT-OSS's attention sinks) adds one logit per q head to each query's softmax, \
+         of a key with value 0. lse: float32 \
          log-sum-exp of the (capped, masked) scaled scores and the sink per query (-inf, with out = 0, for a \
          query that sees no key and has no sink)."
     }
