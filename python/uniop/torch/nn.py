@@ -446,8 +446,9 @@ class Attention(nn.Module):
     """Causal self-attention with GQA: ``forward(x [B, S, hidden], cos, sin, attention_mask=None)
     -> [B, S, hidden]``. ``attention_mask`` hides keys on top of the causal mask: a ``[B, S]``
     padding mask (1 for tokens, 0 for padding, as tokenizers return it) or a mask broadcastable to
-    ``[B, heads, S, S]``: boolean (true = attend) or float (added to the scaled scores, −inf hides;
-    no gradient flows to it). A query left without keys (a left-padded position) gets 0.
+    ``[B, heads, S, S]``: boolean (true = attend) or float (added to the scaled scores; −inf and the
+    dtype's lowest value, transformers 4.x's padding, hide; no gradient flows to it). A query left
+    without keys (a left-padded position) gets 0.
     ``softcap`` caps the scaled scores to ``softcap · tanh(score / softcap)`` before the masks
     (Gemma 2's ``attn_logit_softcapping``). ``sinks=True`` learns one sink logit per head
     (``self.sinks``, GPT-OSS's name; zeros at first), one more term in each softmax's denominator."""
