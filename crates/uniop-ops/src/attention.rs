@@ -713,7 +713,7 @@ impl<'a> MaskRows<'a> {
         let keys = row + j0..row + j0 + n;
         sj == 1
             && match self.data {
-                MaskData::Keeps(d) => d[keys].iter().fold(true, |all, &keep| all & keep),
+                MaskData::Keeps(d) => keeps_all(&d[keys]),
                 MaskData::F32(d) => adds_zero(&d[keys]),
                 MaskData::F16(d) => adds_zero(&d[keys]),
                 MaskData::Bf16(d) => adds_zero(&d[keys]),
@@ -736,12 +736,8 @@ impl<'a> MaskRows<'a> {
         match self.data {
             // A strip the mask keeps whole (most of a causal or a padding mask's) costs one test:
             // selecting every strip cost a boolean causal mask's backward 9%.
-            MaskData::Keeps(d) if d[keys.clone()].iter().fold(true, |all, &keep| all & keep) => {}
-            MaskData::Keeps(d) => {
-                for (v, &keep) in s.iter_mut().zip(&d[keys]) {
-                    *v = if keep { *v } else { f32::NEG_INFINITY };
-                }
-            }
+            MaskData::Keeps(d) if keeps_all(&d[keys.clone()]) => {}
+            MaskData::Keeps(d) => select_hidden(s, &d[keys], f32::NEG_INFINITY),
             MaskData::F32(d) => add_strip_bias(s, &d[keys], self.hides),
             MaskData::F16(d) => add_strip_bias(s, &d[keys], self.hides),
             MaskData::Bf16(d) => add_strip_bias(s, &d[keys], self.hides),
@@ -831,6 +827,12 @@ fn first_unhidden<T: FloatElement>(
     keys.into_iter().position(|j| shown(d[row + j * sj]))
 }
 
+/// Whether a boolean mask keeps every key of `keeps` (an AND that vectorizes).
+#[inline(always)]
+fn keeps_all(keeps: &[bool]) -> bool {
+    keeps.iter().fold(true, |all, &keep| all & keep)
+}
+
 /// Whether every element of `bias` is ±0 (the bits past the sign OR-ed: a loop that vectorizes).
 #[inline(always)]
 fn adds_zero<T: FloatElement>(bias: &[T]) -> bool {
@@ -864,10 +866,17 @@ crate::simd_kernel! {
 /// level (the forward and backward bodies that call it are not): at the SSE2 baseline the select
 /// took ~2 instructions a score, a tenth of a bf16 forward at 4x6x512x64.
 fn hide_scores(s: &mut [f32], keeps: &[bool], hidden: f32) {
+    select_hidden(s, keeps, hidden)
+}
+}
+
+/// `s[j] = hidden` where `keeps[j]` is false, inlined into the caller's vector level: the body of
+/// [`hide_scores`], and of [`MaskRows::apply_strip`]'s boolean strips.
+#[inline(always)]
+fn select_hidden(s: &mut [f32], keeps: &[bool], hidden: f32) {
     for (v, &keep) in s.iter_mut().zip(keeps) {
         *v = if keep { *v } else { hidden };
     }
-}
 }
 
 crate::simd_kernel! {
