@@ -500,16 +500,23 @@ struct KeyLanes {
     key_tile: usize,
     /// Columns per query row of the fused launch's dQ sums.
     dq_width: usize,
+    /// Whether the dK/dV launch sums `dmask` (in place of the `dmask` step), and how.
+    dmask: Option<crate::flash_backward_avx2::DmaskSums>,
 }
 
-fn key_lanes(g: &Geometry, fused: bool) -> KeyLanes {
+fn key_lanes(g: &Geometry, fused: bool, dmask: Option<&MaskGrad>) -> KeyLanes {
     #[cfg(target_arch = "x86_64")]
     if crate::flash_backward_avx2::applies(g) {
         use crate::flash_backward_avx2 as avx2;
-        let scratch = if fused { avx2::scratch(g, true) } else { avx2::scratch(g, false).max(avx2::dq_scratch(g)) };
-        return KeyLanes { scratch: Some(scratch), key_tile: avx2::KEYS, dq_width: avx2::dq_width(g) };
+        let sums = dmask.and_then(|m| avx2::sums_dmask(g, m));
+        let scratch = match fused {
+            true => avx2::scratch(g, true, sums),
+            false => avx2::scratch(g, false, sums).max(avx2::dq_scratch(g)),
+        };
+        return KeyLanes { scratch: Some(scratch), key_tile: avx2::KEYS, dq_width: avx2::dq_width(g), dmask: sums };
     }
-    KeyLanes { scratch: None, key_tile: TILE_KEYS, dq_width: g.head_dim }
+    let _ = dmask;
+    KeyLanes { scratch: None, key_tile: TILE_KEYS, dq_width: g.head_dim, dmask: None }
 }
 
 /// How the backward divides its work between the launches and the threads.
@@ -1144,12 +1151,16 @@ impl Op for AttentionBackward {
         let threads = uniop::runtime::Pool::global().threads();
         let blocks = |units: usize| units.clamp(1, 4 * threads) as u32;
         let route = route(&g, threads);
-        let key_lanes = key_lanes(&g, route != Route::Split);
+        let samples = batch_samples(cx)?;
+        let sample_rows = SampleRows::of(&samples);
+        let dmask = mask_grad(cx, &samples)?.map(|mask| MaskGrad::of(&g, mask.shape(), sample_rows));
+        let key_lanes = key_lanes(&g, route != Route::Split, dmask.as_ref());
         let pairs = g.batch * g.kv_heads;
         let k_tiles = g.kv_len.div_ceil(TILE_KEYS);
+        let dkv_groups = crate::flash_backward_avx2::row_groups(&g, key_lanes.dmask);
         let dkv_units = match route {
-            Route::Fused { chunks } => pairs * chunks,
-            Route::Split => pairs * g.kv_len.div_ceil(key_lanes.key_tile),
+            Route::Fused { chunks } => dkv_groups * chunks,
+            Route::Split => dkv_groups * g.kv_len.div_ceil(key_lanes.key_tile),
         };
         let bf16_gemm = on_bf16_gemm(&g);
         let per_block = key_lanes.scratch.unwrap_or_else(|| block_scratch(&g, bf16_gemm));
@@ -1171,9 +1182,8 @@ impl Op for AttentionBackward {
             Some(s) => s.partial_dk,
             None => scratch_end,
         };
-        let samples = batch_samples(cx)?;
-        let sample_rows = SampleRows::of(&samples);
-        let dmask = mask_grad(cx, &samples)?.map(|mask| MaskGrad::of(&g, mask.shape(), sample_rows));
+        // The dK/dV launch sums dmask, or a step of its own does.
+        let dmask = dmask.filter(|_| key_lanes.dmask.is_none());
         let workspace =
             dmask.map_or(workspace, |m| workspace.max(rows + blocks(m.units()) as usize * MaskGrad::scratch(&g)));
         let steps = with_float_dtype!(g.dtype, cx.op(), "q", |T| {
@@ -1181,7 +1191,8 @@ impl Op for AttentionBackward {
                 #[cfg(target_arch = "x86_64")]
                 if key_lanes.scratch.is_some() {
                     // `route` gives these tiles one chunk per pair at most.
-                    return crate::flash_backward_avx2::dkv::<T>(a, c, g, per_block, sums.map(|s| s.dq));
+                    let dq_sums = sums.map(|s| s.dq);
+                    return crate::flash_backward_avx2::dkv::<T>(a, c, g, per_block, (dq_sums, key_lanes.dmask));
                 }
                 dkv_kernel::<T>(a, c, g, (per_block, bf16_gemm), sums)
             });

@@ -57,6 +57,23 @@ impl MaskGrad {
         MaskGrad { batch_row, batch_rows: batch.iter().product(), dims, samples }
     }
 
+    /// For a mask with an element of its own per (head, query, key) — a learned bias such as T5's,
+    /// shared by the batch or one per batch row — how many consecutive batch rows sum into one
+    /// of `dmask`'s rows (its flat leading dims, samples first): the batch's (each sample's) rows
+    /// for a shared mask, 1 for one per row. `None` for any other broadcast, which this step
+    /// sums instead of the launch that computes `dS` (`flash_backward_avx2`).
+    pub fn rows_per_dmask_row(&self, g: &Geometry) -> Option<usize> {
+        if self.dims != [g.q_heads, g.q_len, g.kv_len] {
+            return None;
+        }
+        let rows = self.samples.rows;
+        if self.batch_rows == 1 {
+            return Some(rows);
+        }
+        let own_rows = self.batch_rows == rows && (0..g.batch).all(|b| self.batch_row.offset(b) == b % rows);
+        own_rows.then_some(1)
+    }
+
     fn query_tiles(&self) -> usize {
         self.dims[1].div_ceil(MASK_GRAD_ROWS)
     }

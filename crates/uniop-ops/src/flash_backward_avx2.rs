@@ -32,12 +32,21 @@
 //! does — a padding's or a document mask's backward costs the keys it shows too. A query the
 //! mask hides from every key has `lse = -inf` and no gradient.
 //!
+//! A learned bias that asks for its gradient (`needs_dmask`) with an element of its own per
+//! (head, query, key), shared by the batch or one per batch row (T5's relative position bias),
+//! gets it here: `dmask` is `dS` itself, which this launch holds strip by strip, so each strip
+//! row adds it into the key tile's sums (`[group × Sq × KEYS]`, per block), written out once the
+//! tile's batch rows are done. A unit then walks every batch row whose scores sum into one of
+//! `dmask`'s rows, so that no two units write one element. This saves the separate `dmask` step
+//! of [`attention_mask_grad`](crate::attention_mask_grad) its two recomputed products per score.
+//!
 //! The `dQ` launch of the finer split (few (batch, kv head) pairs, where the dK/dV launch goes
 //! per key tile) is the forward's layout instead: it owns a tile of queries and sums over keys,
 //! so its lanes run over query rows (see [`dq`]).
 
 use crate::attention::{carve, f32_rows, row_len, Geometry, MaskRows, Rows4};
-use crate::attention_backward::{row_index, store_row, BackwardArgs};
+use crate::attention_backward::{narrow_into, row_index, store_row, BackwardArgs};
+use crate::attention_mask_grad::MaskGrad;
 use crate::flash_avx2::{
     band_live, band_seen, get_strip_row, load_strips, mask_band, products, put_strip_row, strip_at, BAND, COLS,
 };
@@ -58,6 +67,29 @@ pub(crate) fn applies(g: &Geometry) -> bool {
     crate::flash_avx2::avx2_best(g) && g.softcap.is_none()
 }
 
+/// f32 elements of a block's `dmask` sums at most (4 MiB): beyond, the separate step sums it.
+const MAX_DMASK_SUMS: usize = 1 << 20;
+
+/// `dmask` summed by this launch (see the module doc): each unit walks `batch_rows` consecutive
+/// batch rows, whose scores sum into one of `dmask`'s rows.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DmaskSums {
+    batch_rows: usize,
+}
+
+/// Whether this launch sums the gradient `m` of a mask (see [`DmaskSums`]): a mask with an element
+/// of its own per score, whose sums for a key tile fit in [`MAX_DMASK_SUMS`].
+pub(crate) fn sums_dmask(g: &Geometry, m: &MaskGrad) -> Option<DmaskSums> {
+    let batch_rows = m.rows_per_dmask_row(g)?;
+    (g.group() * g.q_len * KEYS <= MAX_DMASK_SUMS).then_some(DmaskSums { batch_rows })
+}
+
+/// (Batch rows, kv head) groups of this launch's units: one of `dmask`'s rows each when it sums
+/// it, else one batch row each.
+pub(crate) fn row_groups(g: &Geometry, dmask: Option<DmaskSums>) -> usize {
+    g.batch / dmask.map_or(1, |m| m.batch_rows) * g.kv_heads
+}
+
 /// Head dims of a `dQ` panel row: `d` rounded up to whole panels.
 pub(crate) fn dq_width(g: &Geometry) -> usize {
     g.head_dim.next_multiple_of(PANEL)
@@ -65,11 +97,12 @@ pub(crate) fn dq_width(g: &Geometry) -> usize {
 
 /// f32 scratch of one block: K (scaled) and V strips, K panels (with dQ), dK and dV sums
 /// (strips), one strip of S/P and of dP/dS, dS as rows (with dQ), Q and dout rows widened
-/// (f16, bf16) and a staging row.
-fn tiles(g: &Geometry, with_dq: bool) -> [usize; 10] {
+/// (f16, bf16), a staging row and the key tile's dmask sums (when it sums them).
+fn tiles(g: &Geometry, with_dq: bool, dmask: Option<DmaskSums>) -> [usize; 11] {
     let (d, dv) = (g.head_dim, g.v_dim);
     let widened = if g.dtype == DType::F32 { 0 } else { ROWS * (d + dv) };
     let with = |n: usize| if with_dq { n } else { 0 };
+    let dmask_sums = if dmask.is_some() { g.group() * g.q_len * KEYS } else { 0 };
     [
         KEYS * d,
         KEYS * dv,
@@ -81,26 +114,28 @@ fn tiles(g: &Geometry, with_dq: bool) -> [usize; 10] {
         with(ROWS * KEYS),
         widened,
         d.max(dv),
+        dmask_sums,
     ]
 }
 
 /// f32 elements of scratch one block needs.
-pub(crate) fn scratch(g: &Geometry, with_dq: bool) -> usize {
-    tiles(g, with_dq).iter().sum()
+pub(crate) fn scratch(g: &Geometry, with_dq: bool, dmask: Option<DmaskSums>) -> usize {
+    tiles(g, with_dq, dmask).iter().sum()
 }
 
 /// `dK`, `dV` for one key tile of one kv head per unit; with `dq_sums` (the offset of an f32
 /// workspace region of `dq_width` columns per query row, held as panels per (batch, kv head)),
-/// all key tiles of one kv head per unit, and `dQ` of its q heads too.
+/// all key tiles of one kv head per unit, and `dQ` of its q heads too. With `dmask`, a unit walks
+/// the batch rows of one of its rows (see [`DmaskSums`]) and sums it too.
 pub(crate) fn dkv<T: FloatElement>(
     args: &KernelArgs,
     ctx: BlockCtx,
     g: Geometry,
     per_block: usize,
-    dq_sums: Option<usize>,
+    (dq_sums, dmask): (Option<usize>, Option<DmaskSums>),
 ) {
     // SAFETY: `applies` chose these tiles only where AVX2 and FMA run.
-    unsafe { dkv_avx2::<T>(args, ctx, g, per_block, dq_sums) }
+    unsafe { dkv_avx2::<T>(args, ctx, g, per_block, (dq_sums, dmask)) }
 }
 
 /// One key tile's packed operands and sums.
@@ -115,6 +150,8 @@ struct KeyTile<'a> {
     /// dK and dV sums, as strips like K's and V's.
     dk: &'a mut [f32],
     dv: &'a mut [f32],
+    /// dS summed over the unit's batch rows for `dmask`, `[group × Sq × KEYS]`; empty without.
+    dmask: &'a mut [f32],
 }
 
 /// A block of queries: positions `i0..i0 + rows` of q head `h` of batch row `b`, its Q and dout
@@ -136,7 +173,7 @@ unsafe fn dkv_avx2<T: FloatElement>(
     ctx: BlockCtx,
     g: Geometry,
     per_block: usize,
-    dq_sums: Option<usize>,
+    (dq_sums, dmask): (Option<usize>, Option<DmaskSums>),
 ) {
     let a = BackwardArgs::of(args);
     let (d, dv, group) = (g.head_dim, g.v_dim, g.group());
@@ -145,24 +182,30 @@ unsafe fn dkv_avx2<T: FloatElement>(
     let delta = unsafe { &*(args.workspace::<f32>(0, n_rows) as *const [f32]) };
     let ws = unsafe { args.workspace::<f32>(n_rows + ctx.block_idx as usize * per_block, per_block) };
     let with_dq = dq_sums.is_some();
-    let [k_strips, v_strips, k_panels, dk, dv_sums, s, dp, ds_rows, widened, row] = carve(ws, tiles(&g, with_dq));
+    let [k_strips, v_strips, k_panels, dk, dv_sums, s, dp, ds_rows, widened, row, dmask_sums] =
+        carve(ws, tiles(&g, with_dq, dmask));
     let (q_rows, dout_rows) = widened.split_at_mut(if widened.is_empty() { 0 } else { ROWS * d });
     let k_tiles = g.kv_len.div_ceil(KEYS);
-    let (units, tiles_per_unit) =
-        if with_dq { (g.batch * g.kv_heads, k_tiles) } else { (g.batch * g.kv_heads * k_tiles, 1) };
+    let groups = row_groups(&g, dmask);
+    let (units, tiles_per_unit) = if with_dq { (groups, k_tiles) } else { (groups * k_tiles, 1) };
     let pair_rows = group * g.q_len;
-    for u in ctx.split(units) {
-        let (pair, first_tile) = if with_dq { (u, 0) } else { (u / k_tiles, u % k_tiles) };
-        let (b, hkv) = (pair / g.kv_heads, pair % g.kv_heads);
-        // The group's q heads are consecutive rows of the [B, Hq, Sq] row arrays.
-        let first_row = row_index(&g, b, hkv * group, 0);
-        let dq: &mut [f32] = match dq_sums {
-            // SAFETY: unit `pair` alone owns the dQ sums of its group's rows.
-            Some(base) => unsafe { args.workspace::<f32>(base + first_row * dq_width(&g), pair_rows * dq_width(&g)) },
+    let unit_rows = dmask.map_or(1, |m| m.batch_rows);
+    // The dQ sums of batch row b's group of q heads (consecutive rows of the [B, Hq, Sq] arrays).
+    let dq_of = |b: usize, hkv: usize| -> &mut [f32] {
+        match dq_sums {
+            // SAFETY: the unit walking batch row b of kv head hkv alone owns its group's dQ sums.
+            Some(base) => unsafe {
+                args.workspace::<f32>(base + row_index(&g, b, hkv * group, 0) * dq_width(&g), pair_rows * dq_width(&g))
+            },
             None => &mut [],
-        };
-        dq.fill(0.0);
-        let len = row_len(a.lens.as_ref(), b, g.kv_len, "attention_backward");
+        }
+    };
+    for u in ctx.split(units) {
+        let (rows_group, first_tile) = if with_dq { (u, 0) } else { (u / k_tiles, u % k_tiles) };
+        // dmask's row when this launch sums it; else the one batch row the unit walks.
+        let (dmask_row, hkv) = (rows_group / g.kv_heads, rows_group % g.kv_heads);
+        let batch_rows = dmask_row * unit_rows..(dmask_row + 1) * unit_rows;
+        batch_rows.clone().for_each(|b| dq_of(b, hkv).fill(0.0));
         for tile in first_tile..first_tile + tiles_per_unit {
             let j0 = tile * KEYS;
             let mut kt = KeyTile {
@@ -173,59 +216,90 @@ unsafe fn dkv_avx2<T: FloatElement>(
                 k_panels: &mut k_panels[..],
                 dk: &mut dk[..],
                 dv: &mut dv_sums[..],
+                dmask: &mut dmask_sums[..],
             };
-            pack_key_tile::<T>(&a, &g, (b, hkv), &mut kt, row);
-            for h in hkv * group..(hkv + 1) * group {
-                for i0 in (0..g.q_len).step_by(ROWS) {
-                    let rows = ROWS.min(g.q_len - i0);
-                    if g.visible(len, i0 + rows - 1) <= j0 {
-                        continue;
+            kt.dmask.fill(0.0);
+            for b in batch_rows.clone() {
+                let len = row_len(a.lens.as_ref(), b, g.kv_len, "attention_backward");
+                pack_key_tile::<T>(&a, &g, (b, hkv), &mut kt, row);
+                let dq = dq_of(b, hkv);
+                for h in hkv * group..(hkv + 1) * group {
+                    for i0 in (0..g.q_len).step_by(ROWS) {
+                        let rows = ROWS.min(g.q_len - i0);
+                        if g.visible(len, i0 + rows - 1) <= j0 {
+                            continue;
+                        }
+                        let queries = (i0..i0 + rows).map(|i| (h, i));
+                        if a.mask.as_ref().is_some_and(|m| !m.tile_live(&g, (b, len), queries, (j0, kt.n))) {
+                            continue; // the mask hides this tile from the block's every query
+                        }
+                        let block = QueryBlock {
+                            b,
+                            h,
+                            i0,
+                            rows,
+                            q: f32_rows::<T>(&a.q, a.q_rows, (b, h, i0), rows, d, q_rows),
+                            dout: f32_rows::<T>(&a.dout, a.dout_rows, (b, h, i0), rows, dv, dout_rows),
+                            pair_row: (h - hkv * group) * g.q_len + i0,
+                        };
+                        let rows_of = |i| row_index(&g, b, h, i);
+                        let stats = (&a.lse[rows_of(i0)..][..rows], &delta[rows_of(i0)..][..rows]);
+                        // SAFETY: AVX2 and FMA run (`applies`); the block's rows and the tile's keys
+                        // lie inside the checked views and this block's scratch.
+                        unsafe {
+                            block_products(
+                                &g,
+                                (len, a.mask.as_ref()),
+                                &mut kt,
+                                &block,
+                                stats,
+                                s,
+                                dp,
+                                ds_rows,
+                                (&mut *dq, pair_rows),
+                            )
+                        };
                     }
-                    let queries = (i0..i0 + rows).map(|i| (h, i));
-                    if a.mask.as_ref().is_some_and(|m| !m.tile_live(&g, (b, len), queries, (j0, kt.n))) {
-                        continue; // the mask hides this tile from the block's every query
-                    }
-                    let block = QueryBlock {
-                        b,
-                        h,
-                        i0,
-                        rows,
-                        q: f32_rows::<T>(&a.q, a.q_rows, (b, h, i0), rows, d, q_rows),
-                        dout: f32_rows::<T>(&a.dout, a.dout_rows, (b, h, i0), rows, dv, dout_rows),
-                        pair_row: (h - hkv * group) * g.q_len + i0,
-                    };
-                    let rows_of = |i| row_index(&g, b, h, i);
-                    let stats = (&a.lse[rows_of(i0)..][..rows], &delta[rows_of(i0)..][..rows]);
-                    // SAFETY: AVX2 and FMA run (`applies`); the block's rows and the tile's keys
-                    // lie inside the checked views and this block's scratch.
-                    unsafe {
-                        block_products(
-                            &g,
-                            (len, a.mask.as_ref()),
-                            &mut kt,
-                            &block,
-                            stats,
-                            s,
-                            dp,
-                            ds_rows,
-                            (dq, pair_rows),
-                        )
-                    };
                 }
+                store_key_tile::<T>(&a, &g, (b, hkv), &mut kt, row);
             }
-            store_key_tile::<T>(&a, &g, (b, hkv), &mut kt, row);
+            if dmask.is_some() {
+                // SAFETY: this unit alone walks the batch rows of `dmask_row` for kv head hkv.
+                unsafe { store_dmask_tile(args, &g, (dmask_row, hkv), &kt) };
+            }
         }
         if with_dq {
-            for h in hkv * group..(hkv + 1) * group {
-                for i in 0..g.q_len {
-                    let pair_row = (h - hkv * group) * g.q_len + i;
-                    for (c, x) in row[..d].iter_mut().enumerate() {
-                        *x = dq[(c / PANEL * pair_rows + pair_row) * PANEL + c % PANEL];
+            for b in batch_rows {
+                let dq = dq_of(b, hkv);
+                for h in hkv * group..(hkv + 1) * group {
+                    for i in 0..g.q_len {
+                        let pair_row = (h - hkv * group) * g.q_len + i;
+                        for (c, x) in row[..d].iter_mut().enumerate() {
+                            *x = dq[(c / PANEL * pair_rows + pair_row) * PANEL + c % PANEL];
+                        }
+                        // SAFETY: this unit owns rows (b, group heads) of dq.
+                        unsafe { store_row::<T>(&a.dq, a.dq_rows.at(b, h, i), &mut row[..d], g.scale) };
                     }
-                    // SAFETY: this unit owns rows (b, group heads) of dq.
-                    unsafe { store_row::<T>(&a.dq, a.dq_rows.at(b, h, i), &mut row[..d], g.scale) };
                 }
             }
+        }
+    }
+}
+
+/// Writes the key tile's dmask sums: keys `j0..j0 + n` of every query of kv head `hkv`'s q heads
+/// in `dmask`'s row `dmask_row`.
+///
+/// # Safety
+/// The caller must own those elements of `dmask` (output 3).
+unsafe fn store_dmask_tile(args: &KernelArgs, g: &Geometry, (dmask_row, hkv): (usize, usize), kt: &KeyTile) {
+    let dmask = args.output(3);
+    let group = g.group();
+    for hh in 0..group {
+        let h = hkv * group + hh;
+        for i in 0..g.q_len {
+            let at = ((dmask_row * g.q_heads + h) * g.q_len + i) * g.kv_len + kt.j0 + dmask.layout().offset();
+            // SAFETY: the caller's promise.
+            unsafe { narrow_into(&dmask, at, &kt.dmask[(hh * g.q_len + i) * KEYS..][..kt.n]) };
         }
     }
 }
@@ -336,6 +410,11 @@ unsafe fn block_products(
                 }
             }
             score_grads(p, ds, seen, lse[r], delta[r]);
+            if !kt.dmask.is_empty() {
+                // dS is the bias's gradient, score by score.
+                let sums = &mut kt.dmask[(q.pair_row + r) * KEYS + strip * BAND..][..BAND];
+                sums.iter_mut().zip(ds.iter()).for_each(|(sum, x)| *sum += x);
+            }
             if with_dq {
                 ds_rows[r * KEYS + strip * BAND..][..BAND].copy_from_slice(ds);
             }
@@ -515,7 +594,8 @@ mod tests {
         masked_gradients::<T>((batch, s), (d, dv), causal, (lens, None), None)
     }
 
-    /// [`gradients`] under `mask` too, on `route` when given.
+    /// [`gradients`] under `mask` too (with its gradient when it is a float mask), on `route` when
+    /// given.
     fn masked_gradients<T: Element>(
         (batch, s): (usize, usize),
         (d, dv): (usize, usize),
@@ -535,6 +615,9 @@ mod tests {
             &attrs,
             || {},
         );
+        // A float mask's gradient is asked for too.
+        let needs_dmask = mask.as_ref().is_some_and(|m| m.dtype().is_float());
+        let attrs = [attrs[0].clone(), ("needs_dmask", AttrValue::Bool(needs_dmask))];
         let out: Vec<T> = fwd[0].iter().map(|&x| T::from_f64(x)).collect();
         let lse: Vec<f32> = fwd[1].iter().map(|&x| x as f32).collect();
         let inputs = [
@@ -603,20 +686,22 @@ mod tests {
     /// Masks on the fused launch (dQ with dK/dV) and the split one (dK/dV, then the dQ launch),
     /// causal and not, in f32 (the kernels also agreeing) and bf16: a sliding window (boolean
     /// `[s, s]`, whose tiles far from the diagonal are skipped), ALiBi-like biases with hidden keys
-    /// (float, per head) and a left padding of batch row 0's first 200 keys (boolean, and as
-    /// transformers 4.x's lowest-value float mask), under which, causal, 200 queries see no key
-    /// (lse −∞, zero gradients).
+    /// (float, per head: shared by the batch, and one per batch row) and a left padding of batch
+    /// row 0's first 200 keys (boolean, and as transformers 4.x's lowest-value float mask), under
+    /// which, causal, 200 queries see no key (lse −∞, zero gradients). The float masks' gradients
+    /// too: the two biases' summed by AVX2's dK/dV launch (over the batch for the shared one), the
+    /// padding's by the `dmask` step.
     #[test]
     fn both_dkv_kernels_apply_masks() {
         let s = 300usize;
         let window: Vec<bool> = (0..s * s).map(|x| x % s + 40 > x / s && x % s <= x / s).collect();
-        let alibi: Vec<f32> = (0..6 * s * s)
+        let alibi: Vec<f32> = (0..2 * 6 * s * s)
             .map(|x| {
-                let (h, i, j) = (x / (s * s), x / s % s, x % s);
-                if (i + j) % 7 == 3 && i != j {
+                let (b, h, i, j) = (x / (6 * s * s), x / (s * s) % 6, x / s % s, x % s);
+                if (i + j + b) % 7 == 3 && i != j {
                     f32::NEG_INFINITY
                 } else {
-                    -0.02 * (h + 1) as f32 * i.abs_diff(j) as f32
+                    -0.02 * (h + 1 + b) as f32 * i.abs_diff(j) as f32
                 }
             })
             .collect();
@@ -624,7 +709,8 @@ mod tests {
         let lowest: Vec<f32> = padding.iter().map(|&keep| if keep { 0.0 } else { f32::MIN }).collect();
         let masks = [
             ("window", view(&window, &[s, s])),
-            ("alibi", view(&alibi, &[1, 6, s, s])),
+            ("alibi", view(&alibi[..6 * s * s], &[1, 6, s, s])),
+            ("alibi per row", view(&alibi, &[2, 6, s, s])),
             ("padding", view(&padding, &[2, 1, 1, s])),
             ("lowest", view(&lowest, &[2, 1, 1, s])),
         ];

@@ -646,7 +646,9 @@ fn leading_batch_dims_are_rows_of_one_flat_batch() {
 /// `batch_dims` keeps attention_backward's sums over batch rows — a shared float mask's gradient
 /// and the sinks' — apart per sample (its first `batch_dims` batch dims), so per-sample gradients
 /// take one call: q `[2, 3, 4, 40, 16]` with a mask `[3, 1, 1, 50]` (one bias per key, shared by
-/// the first batch dim's samples) and batch_dims 1, a mask `[40, 50]` and batch_dims 2. Each
+/// the first batch dim's samples) and batch_dims 1, a mask `[40, 50]` and batch_dims 2, and
+/// biases with an element per score (summed where AVX2's backward tiles compute the scores'
+/// gradients), `[3, 4, 40, 50]` and `[4, 40, 50]`, with batch_dims 1. Each
 /// against the f64 reference and against calls on each sample's own slices; dq, dk and dv as
 /// without batch_dims. A mask reaching into the sample dims, and more batch_dims than q has batch
 /// dims, are errors.
@@ -695,10 +697,13 @@ fn batch_dims_keep_the_shared_sums_per_sample() {
             &attrs,
         )
     };
-    let (first_mask, both_mask) = (rand_vec(150, 516), rand_vec(2000, 517));
-    for (batch_dims, mask) in
-        [(1, TensorRef::new(&first_mask, &[3, 1, 1, 50]).unwrap()), (2, TensorRef::new(&both_mask, &[40, 50]).unwrap())]
-    {
+    let (first_mask, both_mask, full_mask) = (rand_vec(150, 516), rand_vec(2000, 517), rand_vec(3 * 8000, 518));
+    for (batch_dims, mask) in [
+        (1, TensorRef::new(&first_mask, &[3, 1, 1, 50]).unwrap()),
+        (2, TensorRef::new(&both_mask, &[40, 50]).unwrap()),
+        (1, TensorRef::new(&full_mask, &[3, 4, 40, 50]).unwrap()),
+        (1, TensorRef::new(&full_mask[..8000], &[4, 40, 50]).unwrap()),
+    ] {
         let whole = grads(&[2, 3], 0, mask.clone(), batch_dims);
         let summed = grads(&[2, 3], 0, mask.clone(), 0);
         for (at, name) in [(0, "dq"), (1, "dk"), (2, "dv")] {
