@@ -17,6 +17,11 @@
 //! Two tile products per (query rows, key tile), as the split route's `dQ` launch (S and dP),
 //! on the bf16 GEMM for bf16 where the CPU has it, else on operands widened to f32: an extra 40%
 //! of the backward's products, paid only when asked.
+//!
+//! On AVX2 CPUs a mask with an element of its own per score (a learned `[Hq, Sq, Sk]` bias,
+//! shared by the batch or one per batch row: T5's) skips this step: the backward's dK/dV launch
+//! holds `dS` strip by strip and sums it there ([`MaskGrad::rows_per_dmask_row`],
+//! `flash_backward_avx2`), at the cost of one add per score instead of two products.
 
 use crate::attention::{
     bf16_scores, bf16_tile, carve, f32_rows, load_scaled, row_len, scores, BatchStrides, Geometry, TILE_KEYS,
