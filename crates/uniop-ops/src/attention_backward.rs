@@ -278,11 +278,18 @@ crate::simd_kernel! {
 /// scales the tanh back to a raw score.
 fn cap_row_and_grads(s: &mut [f32], dp: &mut [f32], (inward, outward): (f32, f32), delta: f32) {
     for (v, d) in s.iter_mut().zip(dp.iter_mut()) {
-        let t = math::tanh(*v * inward);
-        *v = outward * t;
-        *d = (*d - delta).mul_add(t.mul_add(-t, 1.0), delta);
+        cap_score_and_grad(v, d, (inward, outward), delta);
     }
 }
+}
+
+/// One score of [`cap_for_grads`] with `dp`, inlined into the caller's vector level (the AVX2
+/// backward tiles cap theirs a strip row at a time).
+#[inline(always)]
+pub(crate) fn cap_score_and_grad(s: &mut f32, dp: &mut f32, (inward, outward): (f32, f32), delta: f32) {
+    let t = math::tanh(*s * inward);
+    *s = outward * t;
+    *dp = (*dp - delta).mul_add(t.mul_add(-t, 1.0), delta);
 }
 
 /// `lse` and `δ` of query `(b, h, i)`: index into the `[B, Hq, Sq]` row arrays.

@@ -25,6 +25,10 @@
 //! at the first query row that sees one of its keys, and each `dQ` register tile stops at the
 //! last key its rows see, so a diagonal tile costs about half a full one.
 //!
+//! A `softcap` bends the scores as the forward's tiles did (`cap · tanh(S / cap)`, S scaled
+//! already), before the mask, and its derivative `1 − t²` folds into dP as on the GEMM tiles
+//! (`attention_backward::cap_for_grads`), so that `dS` comes out as the uncapped scores' gradient.
+//!
 //! A `mask` applies as in the forward's tiles, to the scores a product left (scaled already: K
 //! or Q is packed times the scale), before `P = exp(S − lse)`: here a strip row's 16 keys lie in
 //! the mask's row, so it applies in place (`MaskRows::apply_strip`). A block of queries (or, in
@@ -45,7 +49,7 @@
 //! so its lanes run over query rows (see [`dq`]).
 
 use crate::attention::{carve, f32_rows, row_len, Geometry, MaskRows, Rows4};
-use crate::attention_backward::{narrow_into, row_index, store_row, BackwardArgs};
+use crate::attention_backward::{cap_score_and_grad, narrow_into, row_index, store_row, BackwardArgs};
 use crate::attention_mask_grad::MaskGrad;
 use crate::flash_avx2::{
     band_live, band_seen, get_strip_row, load_strips, mask_band, products, put_strip_row, strip_at, BAND, COLS,
@@ -62,9 +66,9 @@ const ROWS: usize = 128;
 const PANEL: usize = 16;
 
 /// Whether the backward runs these tiles: on CPUs whose best level is AVX2 (see
-/// [`avx2_best`](crate::flash_avx2::avx2_best)), without a `softcap` (which the GEMM tiles apply).
+/// [`avx2_best`](crate::flash_avx2::avx2_best)).
 pub(crate) fn applies(g: &Geometry) -> bool {
-    crate::flash_avx2::avx2_best(g) && g.softcap.is_none()
+    crate::flash_avx2::avx2_best(g)
 }
 
 /// f32 elements of a block's `dmask` sums at most (4 MiB): beyond, the separate step sums it.
@@ -78,10 +82,12 @@ pub(crate) struct DmaskSums {
 }
 
 /// Whether this launch sums the gradient `m` of a mask (see [`DmaskSums`]): a mask with an element
-/// of its own per score, whose sums for a key tile fit in [`MAX_DMASK_SUMS`].
+/// of its own per score, whose sums for a key tile fit in [`MAX_DMASK_SUMS`], without a `softcap`
+/// (whose derivative dS has taken by then; the mask's gradient is the capped scores').
 pub(crate) fn sums_dmask(g: &Geometry, m: &MaskGrad) -> Option<DmaskSums> {
     let batch_rows = m.rows_per_dmask_row(g)?;
-    (g.group() * g.q_len * KEYS <= MAX_DMASK_SUMS).then_some(DmaskSums { batch_rows })
+    let fits = g.group() * g.q_len * KEYS <= MAX_DMASK_SUMS;
+    (fits && g.softcap.is_none()).then_some(DmaskSums { batch_rows })
 }
 
 /// (Batch rows, kv head) groups of this launch's units: one of `dmask`'s rows each when it sums
@@ -402,6 +408,9 @@ unsafe fn block_products(
             let mut seen = g.visible(len, i).saturating_sub(key0).min(BAND);
             let p: &mut [f32; BAND] = (&mut s[r * BAND..][..BAND]).try_into().expect("a strip row");
             let ds: &mut [f32; BAND] = (&mut dp[r * BAND..][..BAND]).try_into().expect("a strip row");
+            if let Some(cap) = g.softcap {
+                cap_strip_row(p, ds, cap as f32, &[delta[r]; BAND]);
+            }
             if let Some(mask) = mask {
                 if lse[r] == f32::NEG_INFINITY {
                     seen = 0; // hidden from every key: no probabilities (exp(−∞ + ∞) is NaN)
@@ -514,6 +523,14 @@ unsafe fn dq_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry
                     products(s, qt[strip_at(band, d)..].as_ptr(), d, (kp, 1, ks), keys, false);
                     products(ds, dot[strip_at(band, dv)..].as_ptr(), dv, (vp, 1, vs), keys, false);
                 }
+                if let Some(cap) = g.softcap {
+                    let band_delta: &[f32; BAND] = band_delta.try_into().expect("a band");
+                    for j in 0..keys {
+                        let s: &mut [f32; BAND] = (&mut st[j * BAND..][..BAND]).try_into().expect("a strip row");
+                        let dp: &mut [f32; BAND] = (&mut dpt[j * BAND..][..BAND]).try_into().expect("a strip row");
+                        cap_strip_row(s, dp, cap as f32, band_delta);
+                    }
+                }
                 if let Some(mask) = &a.mask {
                     mask_band(mask, &t, (b, band), (&seen, j0), st);
                     // Rows hidden from every key: no probabilities (exp(−∞ + ∞) is NaN).
@@ -541,6 +558,15 @@ unsafe fn dq_avx2<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, g: Geometry
             // SAFETY: this unit owns rows (b, group heads, its positions) of dq.
             unsafe { store_row::<T>(&a.dq, a.dq_rows.at(b, h, i), &mut row[..d], g.scale) };
         }
+    }
+}
+
+/// Soft-caps one strip row of scores `s` (scaled already) as the forward's tiles did, folding the
+/// cap's derivative into `dp` with each lane's `δ` (see the module doc).
+#[inline(always)]
+fn cap_strip_row(s: &mut [f32; BAND], dp: &mut [f32; BAND], cap: f32, delta: &[f32; BAND]) {
+    for lane in 0..BAND {
+        cap_score_and_grad(&mut s[lane], &mut dp[lane], (1.0 / cap, cap), delta[lane]);
     }
 }
 
@@ -591,15 +617,15 @@ mod tests {
         causal: bool,
         lens: Option<&[i64]>,
     ) -> Vec<Vec<Vec<f64>>> {
-        masked_gradients::<T>((batch, s), (d, dv), causal, (lens, None), None)
+        masked_gradients::<T>((batch, s), (d, dv), (causal, None), (lens, None), None)
     }
 
-    /// [`gradients`] under `mask` too (with its gradient when it is a float mask), on `route` when
-    /// given.
+    /// [`gradients`] under `softcap` and `mask` too (with its gradient when it is a float mask), on
+    /// `route` when given.
     fn masked_gradients<T: Element>(
         (batch, s): (usize, usize),
         (d, dv): (usize, usize),
-        causal: bool,
+        (causal, softcap): (bool, Option<f64>),
         (lens, mask): (Option<&[i64]>, Option<TensorRef>),
         route: Option<Route>,
     ) -> Vec<Vec<Vec<f64>>> {
@@ -608,7 +634,8 @@ mod tests {
         let o_shape = [batch, 6, s, dv];
         let dout = random::<T>(&o_shape, 4);
         let lens = lens.map(|l| TensorRef::new(l, &[batch]).unwrap());
-        let attrs = [("causal", AttrValue::Bool(causal))];
+        let softcap = softcap.map_or(AttrValue::None, AttrValue::Float);
+        let attrs = [("causal", AttrValue::Bool(causal)), ("softcap", softcap)];
         let fwd = run_checked_forcing(
             "attention",
             &[view(&q, &q_shape), view(&k, &k_shape), view(&v, &v_shape), lens.clone(), mask.clone()],
@@ -617,7 +644,7 @@ mod tests {
         );
         // A float mask's gradient is asked for too.
         let needs_dmask = mask.as_ref().is_some_and(|m| m.dtype().is_float());
-        let attrs = [attrs[0].clone(), ("needs_dmask", AttrValue::Bool(needs_dmask))];
+        let attrs = [attrs[0].clone(), attrs[1].clone(), ("needs_dmask", AttrValue::Bool(needs_dmask))];
         let out: Vec<T> = fwd[0].iter().map(|&x| T::from_f64(x)).collect();
         let lse: Vec<f32> = fwd[1].iter().map(|&x| x as f32).collect();
         let inputs = [
@@ -718,9 +745,37 @@ mod tests {
             for route in [Route::Fused { chunks: 1 }, Route::Split] {
                 for causal in [false, true] {
                     let at = (2, s);
-                    let runs = masked_gradients::<f32>(at, (20, 40), causal, (None, mask.clone()), Some(route));
+                    let masked = (None, mask.clone());
+                    let runs = masked_gradients::<f32>(at, (20, 40), (causal, None), masked.clone(), Some(route));
                     assert_agree(&runs, &format!("{name} {route:?} causal {causal}"));
-                    masked_gradients::<bf16>(at, (20, 40), causal, (None, mask.clone()), Some(route));
+                    masked_gradients::<bf16>(at, (20, 40), (causal, None), masked, Some(route));
+                }
+            }
+        }
+    }
+
+    /// A softcap of 2 (the scaled scores reach ~5 here, so the cap bends most of them), on the
+    /// fused and the split launches, causal and not, in f32 (the kernels also agreeing) and bf16:
+    /// alone, with cache lengths, and under a float per-head bias with hidden keys, whose gradient
+    /// (the capped scores', the cap's derivative left out) the `dmask` step sums.
+    #[test]
+    fn both_dkv_kernels_apply_softcap() {
+        let s = 200usize;
+        let bias: Vec<f32> =
+            (0..6 * s * s).map(|x| if x % 13 == 4 { f32::NEG_INFINITY } else { 0.5 - (x % 7) as f32 * 0.1 }).collect();
+        let lens = [200i64, 97];
+        let cases = [
+            ("alone", (None, None)),
+            ("kv_lens", (Some(&lens[..]), None)),
+            ("bias", (None, view(&bias, &[1, 6, s, s]))),
+        ];
+        for (name, extras) in cases {
+            for route in [Route::Fused { chunks: 1 }, Route::Split] {
+                for causal in [false, true] {
+                    let capped = (causal, Some(2.0));
+                    let runs = masked_gradients::<f32>((2, s), (20, 40), capped, extras.clone(), Some(route));
+                    assert_agree(&runs, &format!("softcap {name} {route:?} causal {causal}"));
+                    masked_gradients::<bf16>((2, s), (20, 40), capped, extras.clone(), Some(route));
                 }
             }
         }
