@@ -66,12 +66,13 @@ impl MaskGrad {
     /// shared by the batch or one per batch row — how many consecutive batch rows sum into one
     /// of `dmask`'s rows (its flat leading dims, samples first): the batch's (each sample's) rows
     /// for a shared mask, 1 for one per row. `None` for any other broadcast, which this step
-    /// sums instead of the launch that computes `dS` (`flash_backward_avx2`).
+    /// sums instead of the launch that computes `dS` (`flash_backward_avx2`). So does an empty
+    /// batch, whose `dmask` is zeros that only this step writes.
     pub fn rows_per_dmask_row(&self, g: &Geometry) -> Option<usize> {
-        if self.dims != [g.q_heads, g.q_len, g.kv_len] {
+        let rows = self.samples.rows;
+        if self.dims != [g.q_heads, g.q_len, g.kv_len] || rows == 0 {
             return None;
         }
-        let rows = self.samples.rows;
         if self.batch_rows == 1 {
             return Some(rows);
         }

@@ -754,6 +754,20 @@ mod tests {
         }
     }
 
+    /// An empty batch under a learned bias: its gradient is zeros, which the `dmask` step writes
+    /// (this launch has no units to).
+    #[test]
+    fn an_empty_batch_gets_a_zero_dmask() {
+        let s = 70;
+        let bias = vec![0.25f32; 6 * s * s];
+        for route in [Route::Fused { chunks: 1 }, Route::Split] {
+            let masked = (None, view(&bias, &[1, 6, s, s]));
+            for run in masked_gradients::<f32>((0, s), (20, 40), (false, None), masked, Some(route)) {
+                assert!(run[3].len() == bias.len() && run[3].iter().all(|&g| g == 0.0), "{route:?}");
+            }
+        }
+    }
+
     /// A softcap of 2 (the scaled scores reach ~5 here, so the cap bends most of them), on the
     /// fused and the split launches, causal and not, in f32 (the kernels also agreeing) and bf16:
     /// alone, with cache lengths, and under a float per-head bias with hidden keys, whose gradient
