@@ -522,7 +522,7 @@ fn key_lanes(g: &Geometry, fused: bool, dmask: Option<&MaskGrad>) -> KeyLanes {
         };
         return KeyLanes { scratch: Some(scratch), key_tile: avx2::KEYS, dq_width: avx2::dq_width(g), dmask: sums };
     }
-    let _ = dmask;
+    let _ = dmask; // only AVX2's tiles sum it in their dK/dV launch
     KeyLanes { scratch: None, key_tile: TILE_KEYS, dq_width: g.head_dim, dmask: None }
 }
 

@@ -83,7 +83,7 @@ pub(crate) struct DmaskSums {
 
 /// Whether this launch sums the gradient `m` of a mask (see [`DmaskSums`]): a mask with an element
 /// of its own per score, whose sums for a key tile fit in [`MAX_DMASK_SUMS`], without a `softcap`
-/// (whose derivative dS has taken by then; the mask's gradient is the capped scores').
+/// (dS carries the cap's derivative by then; the mask's gradient is the capped scores').
 pub(crate) fn sums_dmask(g: &Geometry, m: &MaskGrad) -> Option<DmaskSums> {
     let batch_rows = m.rows_per_dmask_row(g)?;
     let fits = g.group() * g.q_len * KEYS <= MAX_DMASK_SUMS;
