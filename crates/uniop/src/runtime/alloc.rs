@@ -9,6 +9,16 @@
 //! waste) and come from the system heap with 64-byte alignment; large requests round up to a
 //! multiple of 2 MiB and are `mmap`ed on a 2 MiB boundary so transparent huge pages can back them.
 //! The [`MemPolicy`] decides the huge-page advice, as `aclrtMalloc`'s policies do.
+//!
+//! Why the cache is bounded: shapes that change from call to call (a sequence length per batch, a
+//! prompt per request) give large outputs a new class nearly every time. Cached by exact class
+//! alone, each would keep its block for a request of its own size that may never come, and memory
+//! would grow with the number of shapes seen (four `silu` calls 4 MiB apart held 2 GiB for a
+//! 0.5 GiB working set). So a large request with no block of its class takes the smallest larger
+//! cached block of its kind and returns the surplus tail to the OS (`munmap` of whole 2 MiB pages:
+//! the pages it keeps are already faulted in), and the free blocks held never exceed the most
+//! bytes ever live at once — a loop with fixed shapes keeps its whole working set cached, one with
+//! changing shapes holds at most twice its peak.
 
 use crate::error::{Error, ErrorCode, Result};
 use rustc_hash::FxHashMap;
@@ -92,6 +102,9 @@ pub struct MemStats {
 struct State {
     free: FxHashMap<Class, Vec<Block>>,
     stats: MemStats,
+    /// The most bytes ever allocated at once (never reset, unlike `stats.peak_allocated`): the
+    /// most the free blocks may hold.
+    most_allocated: usize,
     /// Live blocks by class size, for the leak report.
     live_by_size: FxHashMap<usize, usize>,
 }
@@ -158,6 +171,21 @@ impl std::fmt::Debug for DeviceBuffer {
     }
 }
 
+impl Block {
+    /// This block as one of `class` (same source, no larger): a mapped block's pages past
+    /// `class.size` go back to the OS.
+    fn trimmed_to(self, class: Class) -> Block {
+        if self.class.size > class.size {
+            // SAFETY: the tail lies inside this block's mapping (sizes are multiples of 2 MiB, so
+            // the cut is page-aligned) and nothing references it.
+            unsafe {
+                libc::munmap(self.ptr.as_ptr().add(class.size).cast(), self.class.size - class.size);
+            }
+        }
+        Block { ptr: self.ptr, class }
+    }
+}
+
 fn small_class(size: usize) -> usize {
     if size <= ALIGNMENT {
         return ALIGNMENT;
@@ -218,7 +246,7 @@ impl Allocator {
         let class = Self::class_for(size, policy)?;
         let cached = {
             let mut st = self.state.lock().unwrap();
-            let block = st.free.get_mut(&class).and_then(|v| v.pop());
+            let block = st.take_cached(class);
             if block.is_some() {
                 st.stats.cache_hits += 1;
                 st.note_alloc(class.size, size);
@@ -226,7 +254,7 @@ impl Allocator {
             block
         };
         let block = match cached {
-            Some(b) => b,
+            Some(b) => b.trimmed_to(class),
             None => {
                 let b = Self::os_alloc(class, size)?;
                 let mut st = self.state.lock().unwrap();
@@ -314,6 +342,9 @@ impl Allocator {
             }
         }
         st.free.entry(block.class).or_default().push(block);
+        let evicted = st.evict_over_limit();
+        drop(st);
+        evicted.into_iter().for_each(Self::os_free);
     }
 
     /// Returns every cached (free) block to the OS. Live buffers are untouched.
@@ -381,11 +412,60 @@ impl Allocator {
 }
 
 impl State {
+    /// A free block for `class`: one of the class itself, else (for a mapped class) the smallest
+    /// larger mapped block with the same huge-page advice, whose surplus the caller trims
+    /// ([`Block::trimmed_to`]; `reserved` already counts it as returned).
+    fn take_cached(&mut self, class: Class) -> Option<Block> {
+        if let Some(block) = self.free.get_mut(&class).and_then(|v| v.pop()) {
+            return Some(block);
+        }
+        if class.source == Source::Heap {
+            return None;
+        }
+        let larger = self
+            .free
+            .iter()
+            .filter(|(c, blocks)| c.source == class.source && c.size > class.size && !blocks.is_empty())
+            .map(|(c, _)| *c)
+            .min_by_key(|c| c.size)?;
+        let block = self.free.get_mut(&larger).and_then(|v| v.pop())?;
+        self.stats.reserved -= larger.size - class.size;
+        Some(block)
+    }
+
+    /// Takes free blocks out of the cache, for the caller to return to the OS, while they hold more
+    /// than [`State::most_allocated`]: mapped blocks first, smallest first (a larger block can
+    /// serve more requests), then heap blocks (the small classes every tiny call reuses).
+    fn evict_over_limit(&mut self) -> Vec<Block> {
+        let mut evicted = Vec::new();
+        let cached = self.stats.reserved - self.stats.allocated;
+        let mut excess = cached.saturating_sub(self.most_allocated);
+        if excess == 0 {
+            return evicted;
+        }
+        let mut classes: Vec<Class> = self.free.keys().copied().collect();
+        classes.sort_unstable_by_key(|c| (c.source == Source::Heap, c.size));
+        for class in classes {
+            let blocks = self.free.get_mut(&class).expect("a key just listed");
+            while excess > 0 {
+                let Some(block) = blocks.pop() else { break };
+                self.stats.reserved -= class.size;
+                excess = excess.saturating_sub(class.size);
+                evicted.push(block);
+            }
+            if blocks.is_empty() {
+                self.free.remove(&class);
+            }
+        }
+        evicted
+    }
+
     fn note_alloc(&mut self, class_size: usize, requested: usize) {
         let s = &mut self.stats;
         s.allocated += class_size;
         s.requested += requested;
         s.peak_allocated = s.peak_allocated.max(s.allocated);
+        self.most_allocated = self.most_allocated.max(s.allocated);
         s.alloc_count += 1;
         s.live_buffers += 1;
         *self.live_by_size.entry(class_size).or_default() += 1;
@@ -403,6 +483,70 @@ mod tests {
             assert!(c >= size && c.is_multiple_of(ALIGNMENT), "{size} -> {c}");
             assert!(c <= (size + size / 4).max(size + ALIGNMENT), "{size} -> {c}");
         }
+    }
+
+    /// An allocator of the test's own: the global one's counters move with every other test.
+    fn fresh() -> &'static Allocator {
+        Box::leak(Box::new(Allocator { state: Mutex::new(State::default()) }))
+    }
+
+    const MIB: usize = 1 << 20;
+
+    #[test]
+    fn a_fixed_working_set_stays_cached() {
+        let alloc = fresh();
+        for _ in 0..3 {
+            let a = alloc.allocate(4 * MIB, MemPolicy::NormalOnly).unwrap();
+            let b = alloc.allocate(6 * MIB, MemPolicy::NormalOnly).unwrap();
+            let c = alloc.allocate(1000, MemPolicy::NormalOnly).unwrap();
+            drop((a, b, c));
+        }
+        let s = alloc.stats();
+        assert_eq!((s.os_allocs, s.cache_hits), (3, 6));
+        assert_eq!(s.reserved, 10 * MIB + small_class(1000));
+    }
+
+    #[test]
+    fn a_smaller_large_request_takes_a_larger_free_block_and_trims_it() {
+        let alloc = fresh();
+        let first = alloc.allocate(9 * MIB, MemPolicy::NormalOnly).unwrap();
+        let address = first.as_ptr();
+        drop(first);
+        let reused = alloc.allocate(3 * MIB + 5, MemPolicy::NormalOnly).unwrap();
+        assert_eq!(reused.as_ptr(), address);
+        assert_eq!(reused.capacity(), 4 * MIB);
+        // SAFETY: the buffer is this test's alone.
+        let bytes = unsafe { reused.as_mut_slice() };
+        bytes.fill(7);
+        assert!(bytes.iter().all(|&b| b == 7));
+        let s = alloc.stats();
+        assert_eq!((s.os_allocs, s.cache_hits, s.reserved), (1, 1, 4 * MIB));
+        // A huge-page-advised block is another kind: it is not handed out for a normal one.
+        drop(reused);
+        drop(alloc.allocate(2 * MIB, MemPolicy::HugeFirst).unwrap());
+        assert_eq!(alloc.stats().os_allocs, 2);
+    }
+
+    #[test]
+    fn free_blocks_never_hold_more_than_the_most_ever_live() {
+        let alloc = fresh();
+        // Growing shapes: no free block fits the next request.
+        for size in [4, 6, 8, 10].map(|m| m * MIB) {
+            drop(alloc.allocate(size, MemPolicy::NormalOnly).unwrap());
+            let s = alloc.stats();
+            assert!(s.reserved <= s.peak_allocated, "{size}: {s:?}");
+        }
+        assert_eq!(alloc.stats().reserved, 10 * MIB);
+        // Two blocks live at once raise the bound to both.
+        let (a, b) = (alloc.allocate(10 * MIB, MemPolicy::NormalOnly), alloc.allocate(12 * MIB, MemPolicy::NormalOnly));
+        drop((a, b));
+        assert_eq!(alloc.stats().reserved, 22 * MIB);
+        // The smallest mapped blocks go first.
+        drop(alloc.allocate(30 * MIB, MemPolicy::NormalOnly).unwrap());
+        let s = alloc.stats();
+        assert_eq!(s.reserved, 30 * MIB, "{s:?}");
+        alloc.empty_cache();
+        assert_eq!(alloc.stats().reserved, 0);
     }
 
     #[test]
