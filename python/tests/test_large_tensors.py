@@ -5,7 +5,7 @@ Why: a kernel that keeps an index or a byte offset in 32 bits works on every sma
 out of bounds (or reads the wrong rows) only here. Each test checks rows at the start, the middle
 and the end against torch, so an offset that wrapped shows as a wrong value, not a crash later.
 
-Each test holds up to ~10 GiB; they skip when the machine has less memory free than that.
+Each test holds up to ~9 GiB; they skip when the machine has less than 12 GiB free.
 """
 
 import pytest
@@ -29,6 +29,14 @@ def _available_gib():
 pytestmark = pytest.mark.skipif(
     _available_gib() < 12, reason=f"needs 12 GiB of free memory, {_available_gib():.1f} GiB available"
 )
+
+
+@pytest.fixture(autouse=True)
+def _return_cached_blocks():
+    """The outputs' blocks stay in uniop's cache after a test (up to the most bytes ever live, GiBs
+    here): give them back, so the rest of the suite runs with the memory it had."""
+    yield
+    uniop.empty_cache()
 
 
 def _ends_and_middle(n):
@@ -56,7 +64,7 @@ def test_rms_norm_rows_past_two_to_the_31_elements():
     for r in _ends_and_middle(rows):
         ref = torch.nn.functional.rms_norm(x[r].float(), (width,), w.float(), 1e-6)
         torch.testing.assert_close(y[r].float(), ref, rtol=2**-7, atol=1e-2)
-        torch.testing.assert_close(rstd[r].float(), x[r].float().pow(2).mean().add(1e-6).rsqrt(), rtol=1e-5, atol=0)
+        torch.testing.assert_close(rstd[r, 0], x[r].float().pow(2).mean().add(1e-6).rsqrt(), rtol=1e-5, atol=0)
 
 
 def test_cross_entropy_and_its_gradient_over_a_128k_vocabulary():
