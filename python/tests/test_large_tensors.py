@@ -2,8 +2,8 @@
 logits for 16k tokens, a Llama 3 embedding table in float32, a batch's KV cache.
 
 Why: a kernel that keeps an index or a byte offset in 32 bits works on every small test and writes
-out of bounds (or reads the wrong rows) only here. Each test checks rows at the start, the middle
-and the end against torch, so an offset that wrapped shows as a wrong value, not a crash later.
+out of bounds (or reads the wrong rows) only here. Each test checks values at the start and past the
+2^31 mark against torch, so an offset that wrapped shows as a wrong value, not a crash later.
 
 Each test holds up to ~12 GiB; they skip when the machine has less than 14 GiB free.
 """
@@ -33,8 +33,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(autouse=True)
 def _return_cached_blocks():
-    """The outputs' blocks stay in uniop's cache after a test (up to the most bytes ever live, GiBs
-    here): give them back, so the rest of the suite runs with the memory it had."""
+    """The outputs' blocks stay in uniop's cache after a test (up to twice the most bytes ever live,
+    GiBs here): give them back, so the rest of the suite runs with the memory it had."""
     yield
     uniop.empty_cache()
 
