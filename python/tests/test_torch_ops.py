@@ -1585,17 +1585,66 @@ def test_torch_outputs_are_plain_tensors_in_uniops_allocator(route):
 @pytest.mark.parametrize("route", ["torch.ops.uniop", "uniop"])
 def test_an_output_torch_cannot_make_is_a_uniop_error(route):
     """A 1 PiB output (silu of a stride-0 view) is refused by uniop's allocator under torch: the call
-    raises a UniopError naming the op, the output and its size, and leaks no block."""
+    raises a UniopError naming the op, the output and its size, with the allocator's reason (torch's
+    own exception for it stays in C++), and leaks no block."""
     if route == "uniop" and not uniop.torch.cpp_kernels_loaded():
         pytest.skip("uniop.<op> makes torch outputs through DLPack without the C++ kernels")
     silu = torch.ops.uniop.silu if route == "torch.ops.uniop" else uniop.silu
     what = "return 'y'" if route == "torch.ops.uniop" else "an output"
     huge = torch.zeros(1).expand(2**48)
-    before = uniop.memory_stats()["live_buffers"]
-    with pytest.raises(uniop.UniopError, match=rf"silu: torch could not create {what} \(\[281474976710656\] float32"):
+    before = uniop.memory_stats()
+    message = (
+        rf"silu: torch could not create {what} \(\[281474976710656\] float32, 1125899906842624 bytes\): out of "
+        r"memory: allocating 1125899906842624 bytes failed \(.+\), also after returning [0-9.]+ MiB of cached "
+        r"blocks to the OS; uniop holds [0-9.]+ MiB in \d+ live buffers"
+    )
+    with pytest.raises(uniop.UniopError, match=message):
         silu(huge)
-    assert uniop.memory_stats()["live_buffers"] == before
+    after = uniop.memory_stats()
+    assert after["live_buffers"] == before["live_buffers"]
+    assert (after["alloc_retries"], after["ooms"]) == (before["alloc_retries"] + 1, before["ooms"] + 1)
     torch.testing.assert_close(silu(torch.ones(2)), torch.nn.functional.silu(torch.ones(2)))
+
+
+@python_kernels_chosen
+def test_an_output_the_os_refuses_is_retried_after_emptying_the_cache():
+    """Near a process's memory limit the OS refuses a new block while uniop's cache holds freed ones
+    of other sizes: uniop returns them and asks again, as PyTorch's CUDA allocator does; when the OS
+    refuses again, the error says what uniop holds. In a subprocess capped by `ulimit -v` (RLIMIT_AS),
+    where the OS refuses a mapping for real, as under a cgroup or strict overcommit."""
+    code = """
+import resource, torch, uniop, uniop.torch
+MiB = 1 << 20
+def address_space():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+small, large = torch.ones(150 * MiB // 4), torch.ones(250 * MiB // 4)
+uniop.silu(small[: 1 << 20]), torch.ops.uniop.silu(small[: 1 << 20])  # plans and threads first
+start = uniop.memory_stats()
+# 150 MiB cached and a 250 MiB block do not fit; either alone does.
+resource.setrlimit(resource.RLIMIT_AS, (address_space() + 380 * MiB, resource.getrlimit(resource.RLIMIT_AS)[1]))
+uniop.silu(small)  # its 150 MiB output goes back to the cache (the input stays mapped)
+y = uniop.silu(large)
+print(all(torch.equal(y[i], torch.nn.functional.silu(large[i])) for i in (slice(4096), slice(-4096, None))))
+for silu in (uniop.silu, torch.ops.uniop.silu):
+    try:
+        silu(large)
+    except uniop.UniopError as e:
+        print(e)
+end = uniop.memory_stats()
+print(end["alloc_retries"] - start["alloc_retries"], end["ooms"] - start["ooms"])
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    matches, direct, dispatched, counts = run.stdout.splitlines()
+    assert matches == "True"
+    held = "also after returning 0.00 MiB of cached blocks to the OS; uniop holds 250.00 MiB in 1 live buffers"
+    assert direct.startswith("silu: torch could not create an output ([65536000] float32, 262144000 bytes)"), direct
+    assert dispatched.startswith("silu: torch could not create return 'y' ([65536000] float32"), dispatched
+    for message in (direct, dispatched):
+        assert "out of memory: allocating 262144000 bytes failed (Cannot allocate memory" in message, message
+        assert message.endswith(held), message
+    assert counts == "3 2"  # the 250 MiB output's successful retry, then the two failures
 
 
 def test_torch_tensor_io_takes_only_its_own_capsule():

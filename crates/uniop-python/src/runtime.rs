@@ -204,6 +204,8 @@ fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("cache_hits", s.cache_hits)?;
     d.set_item("os_allocs", s.os_allocs)?;
     d.set_item("live_buffers", s.live_buffers)?;
+    d.set_item("alloc_retries", s.alloc_retries)?;
+    d.set_item("ooms", s.ooms)?;
     Ok(d)
 }
 

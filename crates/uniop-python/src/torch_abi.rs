@@ -28,6 +28,7 @@ use pyo3::ffi::PyObject;
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyType};
 use smallvec::SmallVec;
+use std::cell::Cell;
 use std::ffi::{c_void, CStr};
 use std::mem::ManuallyDrop;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -228,7 +229,7 @@ pub(crate) fn make_torch_output<'py>(
     let obj = unsafe { make(shape.as_ptr().cast(), shape.len() as u64, dl_dtype(meta.dtype), &mut data) };
     // SAFETY: a non-null result is a new reference.
     let Some(obj) = (unsafe { Bound::from_owned_ptr_or_opt(py, obj) }) else {
-        return Some(Err(to_py_err(cannot_create(op, "torch", "an output", meta))));
+        return Some(Err(to_py_err(torch_could_not_create(op, "an output", meta))));
     };
     Some(Imported::output(op, meta, data.cast()).map(|view| (obj, view)).map_err(to_py_err))
 }
@@ -359,19 +360,40 @@ fn make_output(
     let data = unsafe { (outputs.make)(outputs.state, index as u64, shape.as_ptr().cast(), shape.len() as u64, dtype) };
     if data.is_null() && meta.numel() > 0 {
         let name = entry.schema.output_name(written);
-        return Err(cannot_create(entry.name(), "torch", &format!("return '{name}'"), meta));
+        return Err(torch_could_not_create(entry.name(), &format!("return '{name}'"), meta));
     }
     Imported::output(entry.name(), meta, data.cast())
 }
 
+thread_local! {
+    /// Why uniop's allocator last refused torch a block on this thread. Torch turns the null into
+    /// its own exception, which the C++ maker swallows (none may unwind into Rust), so the output's
+    /// error takes the reason from here: how much was asked, what the OS said, what uniop holds.
+    static REFUSAL: Cell<Option<Error>> = const { Cell::new(None) };
+}
+
+/// The error for an output torch could not create, with the allocator's reason when it refused.
+fn torch_could_not_create(op: &str, what: &str, meta: &TensorMeta) -> Error {
+    let err = cannot_create(op, "torch", what, meta);
+    match REFUSAL.take() {
+        Some(refusal) => Error::new(err.code(), format!("{}: {}", err.message(), refusal.message())),
+        None => err,
+    }
+}
+
 unsafe extern "C" fn allocate(bytes: u64, context: *mut *mut c_void) -> *mut c_void {
-    let block = catch_unwind(|| Allocator::global().allocate(usize::try_from(bytes).ok()?, MemPolicy::HugeFirst).ok());
+    // u64 and usize have one size here (asserted at the top).
+    let block = catch_unwind(|| Allocator::global().allocate(bytes as usize, MemPolicy::HugeFirst));
     match (block, context.is_null()) {
-        (Ok(Some(block)), false) => {
+        (Ok(Ok(block)), false) => {
             let data = block.as_ptr();
             // SAFETY: the caller passes a writable slot for the context.
             unsafe { *context = Box::into_raw(Box::new(block)).cast() };
             data.cast()
+        }
+        (Ok(Err(refusal)), _) => {
+            REFUSAL.set(Some(refusal));
+            std::ptr::null_mut()
         }
         _ => std::ptr::null_mut(),
     }

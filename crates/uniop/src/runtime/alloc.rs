@@ -97,6 +97,11 @@ pub struct MemStats {
     pub os_allocs: u64,
     /// Live buffers (allocations minus frees).
     pub live_buffers: usize,
+    /// Times the OS refused a block and the cache was emptied to ask again (PyTorch's
+    /// `num_alloc_retries`): a loop that keeps doing this runs near its memory limit.
+    pub alloc_retries: u64,
+    /// Allocations that failed even after that (PyTorch's `num_ooms`).
+    pub ooms: u64,
 }
 
 /// Fx hashing: these maps are touched several times per allocation, and SipHash's DoS
@@ -259,7 +264,8 @@ impl Allocator {
         let block = match cached {
             Some((block, given)) => block.trimmed_to(given),
             None => {
-                let b = Self::os_alloc(class, size)?;
+                let b =
+                    Self::os_alloc(class, size).or_else(|refused| self.retry_after_emptying(class, size, refused))?;
                 let mut st = self.state.lock().unwrap();
                 st.stats.os_allocs += 1;
                 st.stats.reserved += class.size;
@@ -316,6 +322,34 @@ impl Allocator {
         Ok(Block { ptr, class })
     }
 
+    /// The OS refused `class`: returns every cached block to it and asks once more, as PyTorch's
+    /// CUDA allocator does. The cache may hold up to twice the peak in blocks of other sizes, which
+    /// is what a process near its memory limit (a cgroup, `ulimit -v`, strict overcommit) needs
+    /// back. When the OS refuses again, the error says what uniop holds, so the caller can tell its
+    /// own live tensors from memory used elsewhere.
+    fn retry_after_emptying(&self, class: Class, requested: usize, refused: Error) -> Result<Block> {
+        let released = self.take_free_blocks();
+        let freed: usize = released.iter().map(|b| b.class.size).sum();
+        released.into_iter().for_each(Self::os_free);
+        self.state.lock().unwrap().stats.alloc_retries += 1;
+        Self::os_alloc(class, requested).map_err(|_| {
+            let mut st = self.state.lock().unwrap();
+            st.stats.ooms += 1;
+            let mib = |b: usize| b as f64 / (1 << 20) as f64;
+            Error::new(
+                ErrorCode::Runtime,
+                format!(
+                    "{}, also after returning {:.2} MiB of cached blocks to the OS; uniop holds {:.2} MiB in {} live \
+                     buffers",
+                    refused.message(),
+                    mib(freed),
+                    mib(st.stats.allocated),
+                    st.stats.live_buffers
+                ),
+            )
+        })
+    }
+
     fn os_free(block: Block) {
         // SAFETY: the block came from `os_alloc` with this class and is no longer referenced.
         unsafe {
@@ -352,13 +386,16 @@ impl Allocator {
 
     /// Returns every cached (free) block to the OS. Live buffers are untouched.
     pub fn empty_cache(&self) {
-        let blocks: Vec<Block> = {
-            let mut st = self.state.lock().unwrap();
-            let blocks: Vec<Block> = st.free.drain().flat_map(|(_, v)| v).collect();
-            st.stats.reserved -= blocks.iter().map(|b| b.class.size).sum::<usize>();
-            blocks
-        };
-        blocks.into_iter().for_each(Self::os_free);
+        self.take_free_blocks().into_iter().for_each(Self::os_free);
+    }
+
+    /// Every cached block, out of the cache and of `reserved`, for the caller to return to the OS
+    /// once the lock is dropped.
+    fn take_free_blocks(&self) -> Vec<Block> {
+        let mut st = self.state.lock().unwrap();
+        let blocks: Vec<Block> = st.free.drain().flat_map(|(_, v)| v).collect();
+        st.stats.reserved -= blocks.iter().map(|b| b.class.size).sum::<usize>();
+        blocks
     }
 
     pub fn stats(&self) -> MemStats {
@@ -375,7 +412,7 @@ impl Allocator {
         let s = self.stats();
         let cached = s.reserved - s.allocated;
         let mib = |b: usize| format!("{:.2} MiB", b as f64 / (1 << 20) as f64);
-        let rows: [(&str, String); 9] = [
+        let rows: [(&str, String); 10] = [
             ("allocated (blocks in use)", mib(s.allocated)),
             ("requested by callers", mib(s.requested)),
             ("peak allocated", mib(s.peak_allocated)),
@@ -385,6 +422,7 @@ impl Allocator {
             ("allocations / frees", format!("{} / {}", s.alloc_count, s.free_count)),
             ("served from cache", s.cache_hits.to_string()),
             ("blocks from the OS", s.os_allocs.to_string()),
+            ("alloc retries / OOMs", format!("{} / {}", s.alloc_retries, s.ooms)),
         ];
         let mut out = String::from("uniop memory summary (device cpu)\n");
         let _ = writeln!(out, "{:-<44}", "");
