@@ -518,7 +518,8 @@ fn allocate<'py>(op: &str, like: &Bound<'py, PyAny>, meta: &TensorMeta) -> PyRes
     let producer = producer(like);
     if let Producer::NumPy = producer {
         if let Some(made) = ndarray::empty(py, meta) {
-            let (obj, ptr) = made.map_err(|_| to_py_err(cannot_create(op, "NumPy", "an output", meta)))?;
+            let (obj, ptr) =
+                made.map_err(|e| to_py_err(cannot_create(op, "NumPy", "an output", meta).because(e.value(py))))?;
             let view = Imported::output(op, meta, ptr).map_err(to_py_err)?;
             return Ok((obj, view));
         }

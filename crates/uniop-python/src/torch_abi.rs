@@ -376,7 +376,7 @@ thread_local! {
 fn torch_could_not_create(op: &str, what: &str, meta: &TensorMeta) -> Error {
     let err = cannot_create(op, "torch", what, meta);
     match REFUSAL.take() {
-        Some(refusal) => Error::new(err.code(), format!("{}: {}", err.message(), refusal.message())),
+        Some(refusal) => err.because(refusal.message()),
         None => err,
     }
 }

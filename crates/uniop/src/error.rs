@@ -90,6 +90,11 @@ impl Error {
     pub fn context(self, what: impl fmt::Display) -> Self {
         Error { code: self.code, message: format!("{what}: {}", self.message) }
     }
+
+    /// Append the reason a lower layer gave (an allocator's refusal) without changing the code.
+    pub fn because(self, reason: impl fmt::Display) -> Self {
+        Error { code: self.code, message: format!("{}: {reason}", self.message) }
+    }
 }
 
 impl fmt::Display for Error {
