@@ -190,13 +190,13 @@ fn synchronize(py: Python<'_>) -> PyResult<()> {
     py.detach(uniop::runtime::synchronize).map_err(to_py_err)
 }
 
-/// The caching allocator's counters as a dict (PyTorch's `memory_stats` names in brackets):
-/// `allocated_bytes` in blocks handed out, `reserved_bytes` held from the OS (handed out plus
-/// cached), `peak_allocated_bytes` since start or `reset_peak_memory_stats()`, `requested_bytes`
-/// the callers asked for (before rounding to blocks); `alloc_count`, `free_count`, `cache_hits`
-/// (served without the OS), `os_allocs` (blocks from the OS), `live_buffers`; `alloc_retries`
-/// (the OS refused a block and the cache was emptied to ask again: `num_alloc_retries`) and `ooms`
-/// (refused even then: `num_ooms`).
+/// The caching allocator's counters as a dict: `allocated_bytes` in blocks handed out,
+/// `reserved_bytes` held from the OS (handed out plus cached), `peak_allocated_bytes` since start
+/// or `reset_peak_memory_stats()`, `requested_bytes` the callers asked for (before rounding to
+/// blocks); `alloc_count`, `free_count`, `cache_hits` (served without the OS), `os_allocs` (blocks
+/// from the OS), `live_buffers`; `alloc_retries`, the times the OS refused a block and the cache
+/// was emptied to ask again (PyTorch's `num_alloc_retries`), and `ooms`, refused even then
+/// (`num_ooms`).
 #[pyfunction]
 fn memory_stats(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let s = Allocator::global().stats();

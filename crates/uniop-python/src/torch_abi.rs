@@ -366,18 +366,23 @@ fn make_output(
 }
 
 thread_local! {
-    /// Why uniop's allocator last refused torch a block on this thread. Torch turns the null into
-    /// its own exception, which the C++ maker swallows (none may unwind into Rust), so the output's
-    /// error takes the reason from here: how much was asked, what the OS said, what uniop holds.
-    static REFUSAL: Cell<Option<Error>> = const { Cell::new(None) };
+    /// Why uniop's allocator last refused torch a block on this thread, and the bytes asked. Torch
+    /// turns the null into its own exception, which the C++ maker swallows (none may unwind into
+    /// Rust), so the output's error takes the reason from here: how much was asked, what the OS
+    /// said, what uniop holds.
+    static REFUSAL: Cell<Option<(u64, Error)>> = const { Cell::new(None) };
 }
 
-/// The error for an output torch could not create, with the allocator's reason when it refused.
+/// The error for an output torch could not create, with the allocator's reason when it refused a
+/// block of the output's size. (A refusal of another size is stale: a `resize_` of an earlier
+/// output, say, whose error torch raised itself.)
 fn torch_could_not_create(op: &str, what: &str, meta: &TensorMeta) -> Error {
     let err = cannot_create(op, "torch", what, meta);
     match REFUSAL.take() {
-        Some(refusal) => err.because(refusal.message()),
-        None => err,
+        Some((bytes, refusal)) if meta.contiguous_bytes().is_ok_and(|b| b as u64 == bytes) => {
+            err.because(refusal.message())
+        }
+        _ => err,
     }
 }
 
@@ -392,7 +397,7 @@ unsafe extern "C" fn allocate(bytes: u64, context: *mut *mut c_void) -> *mut c_v
             data.cast()
         }
         (Ok(Err(refusal)), _) => {
-            REFUSAL.set(Some(refusal));
+            REFUSAL.set(Some((bytes, refusal)));
             std::ptr::null_mut()
         }
         _ => std::ptr::null_mut(),
