@@ -214,6 +214,37 @@ def test_streams_events_and_memory_stats():
         uniop.Event().query()
 
 
+def test_calls_run_where_no_thread_can_be_started():
+    """Under a thread limit (a container's pids.max, `ulimit -u`; here `ulimit -v`, which leaves no
+    room for a thread's stack) uniop starts neither its compute workers nor a stream's worker:
+    calls run on the calling thread, with a line on stderr saying so. Before, each call raised a
+    PanicException (not even an Exception). In a subprocess: the cap is for the whole process."""
+    code = """
+import resource, threading, numpy as np, uniop
+def address_space():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+x = np.random.default_rng(0).standard_normal((64, 1024), dtype=np.float32)
+want = x / (1 + np.exp(-x))
+# Room for a few outputs, not for a 2 MiB thread stack.
+resource.setrlimit(resource.RLIMIT_AS, (address_space() + 3 * (1 << 19), resource.getrlimit(resource.RLIMIT_AS)[1]))
+try:
+    threading.Thread(target=print).start()
+except RuntimeError as e:
+    print("no threads:", e)
+y = uniop.silu(x)
+print(np.allclose(y, want, rtol=1e-6, atol=1e-6))
+s = uniop.Stream()
+y = uniop.softmax(x, stream=s)
+print(np.allclose(y.sum(-1), 1, rtol=1e-5))
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["no threads: can't start new thread", "True", "True"], run.stdout
+    assert "compute workers (" in run.stderr and "launches use fewer threads" in run.stderr, run.stderr
+    assert "runs its tasks on the threads that enqueue them" in run.stderr, run.stderr
+
+
 def test_profiler_records_each_launch(tmp_path):
     x = np.random.default_rng(3).standard_normal((4, 64), dtype=np.float32)
     w = np.ones(64, dtype=np.float32)

@@ -234,17 +234,24 @@ impl Pool {
             sleep_lock: Mutex::new(()),
             wake: Condvar::new(),
         });
+        let mut started = 0;
         for i in 0..workers {
             let shared = shared.clone();
-            std::thread::Builder::new()
-                .name(format!("uniop-compute-{i}"))
-                .spawn(move || worker_loop(&shared))
-                .expect("spawning a compute worker");
+            let spawned =
+                std::thread::Builder::new().name(format!("uniop-compute-{i}")).spawn(move || worker_loop(&shared));
+            if let Err(e) = spawned {
+                // A thread limit (a container's pids.max, `ulimit -u` or `-v`) ends the pool here:
+                // launches run on the workers that started and the launching thread — slower, but
+                // complete, where a panic would fail every call.
+                eprintln!("uniop: started {started} of {workers} compute workers ({e}); launches use fewer threads");
+                break;
+            }
+            started += 1;
         }
         Pool {
             shared,
             busy: AtomicBool::new(false),
-            workers,
+            workers: started,
             openmp: OnceLock::new(),
             sharing_openmp: AtomicBool::new(false),
         }

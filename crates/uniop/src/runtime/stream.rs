@@ -10,6 +10,10 @@
 //! from inside a stream — a host function that synchronizes on its own stream's future, or on a
 //! stream that waits for it. Those are detected by walking the wait graph before blocking and
 //! reported as a runtime error instead of hanging.
+//!
+//! A stream whose worker thread cannot be started (a thread limit: a container's `pids.max`,
+//! `ulimit -u` or `-v`) runs its tasks on the threads that enqueue them instead, one at a time and
+//! in order; see [`StreamInner::runner`].
 
 use super::pool::{panic_message, BlockCtx, KernelFn, KernelStop, Pool};
 use super::profiler::{self, Label, LaunchKind};
@@ -86,11 +90,16 @@ struct StreamInner {
     waits: Mutex<Vec<WaitEdge>>,
     /// While a host function of this stream blocks: the task it runs in, and what it waits for.
     blocked_on: Mutex<Option<(u64, Arc<StreamInner>, u64)>>,
+    /// Set when the worker thread could not be started: whoever holds this lock runs the queue's
+    /// tasks, in order, on the thread that enqueued them ([`StreamInner::run_queued`]).
+    runner: OnceLock<Mutex<()>>,
 }
 
 thread_local! {
-    /// Set on stream worker threads: the stream and the task being executed.
-    static CURRENT: RefCell<Option<(Arc<StreamInner>, u64)>> = const { RefCell::new(None) };
+    /// The stream tasks the calling thread is running, innermost last: one on a stream worker;
+    /// more where a task enqueues onto a stream without a worker, which runs the new task inside
+    /// it ([`StreamInner::run_queued`]).
+    static RUNNING: RefCell<Vec<(Arc<StreamInner>, u64)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// An ordered asynchronous queue of work. Cloning shares the stream; the worker thread stops
@@ -138,13 +147,21 @@ impl Stream {
             errors: Mutex::new(Vec::new()),
             waits: Mutex::new(Vec::new()),
             blocked_on: Mutex::new(None),
+            runner: OnceLock::new(),
         });
         let worker = inner.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("uniop-stream-{}", inner.id))
-            .spawn(move || stream_loop(worker))
-            .expect("spawning a stream worker");
-        Stream { owner: Arc::new(Owner { inner, thread: Mutex::new(Some(thread)) }) }
+        let spawned =
+            std::thread::Builder::new().name(format!("uniop-stream-{}", inner.id)).spawn(move || stream_loop(worker));
+        let thread = spawned
+            .inspect_err(|e| {
+                eprintln!(
+                    "uniop: stream {} runs its tasks on the threads that enqueue them (no worker: {e})",
+                    inner.id
+                );
+                let _ = inner.runner.set(Mutex::new(()));
+            })
+            .ok();
+        Stream { owner: Arc::new(Owner { inner, thread: Mutex::new(thread) }) }
     }
 
     /// The default stream: created on first use, lives for the whole process.
@@ -171,6 +188,10 @@ impl Stream {
         if q.worker_sleeping {
             inner.work.notify_one();
         }
+        drop(q);
+        if let Some(runner) = inner.runner.get() {
+            inner.run_queued(runner);
+        }
         seq
     }
 
@@ -193,6 +214,13 @@ impl Stream {
     /// enqueue meanwhile still runs after them. A kernel panic is returned as an error.
     pub(crate) fn run_here_if_idle(&self, tasks: &[Launch]) -> Option<Result<()>> {
         let inner = self.inner();
+        // A stream without a worker runs nothing else meanwhile (unless this thread is running
+        // one of its tasks: then it is not idle).
+        let _turn = match inner.runner.get() {
+            Some(_) if inner.is_running_here() => return None,
+            Some(runner) => Some(runner.lock().unwrap()),
+            None => None,
+        };
         {
             let mut q = inner.queue.lock().unwrap();
             let idle = q.tasks.is_empty()
@@ -240,10 +268,12 @@ impl Stream {
     /// Errors when the event was never recorded.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
         let point = event.latest("Stream::wait_event")?;
-        let on = point.stream.clone();
-        let seq = point.seq;
-        let at = self.enqueue(|_| Task::Wait { on: on.clone(), seq });
-        self.inner().waits.lock().unwrap().push(WaitEdge { at, on, seq });
+        let (on, seq) = (point.stream.clone(), point.seq);
+        // The edge goes in before the task can run (and take it out again when it finishes).
+        self.enqueue(|at| {
+            self.inner().waits.lock().unwrap().push(WaitEdge { at, on: on.clone(), seq });
+            Task::Wait { on, seq }
+        });
         Ok(())
     }
 
@@ -310,11 +340,18 @@ fn stream_loop(inner: Arc<StreamInner>) {
             }
         };
         taken = seq;
-        CURRENT.with(|c| *c.borrow_mut() = Some((inner.clone(), seq)));
+        inner.run_task(pool, seq, task);
+    }
+}
+
+impl StreamInner {
+    /// Runs task `seq` on the calling thread and marks it complete.
+    fn run_task(self: &Arc<Self>, pool: &Pool, seq: u64, task: Task) {
+        RUNNING.with(|r| r.borrow_mut().push((self.clone(), seq)));
         let result = match task {
-            Task::Launch(launch) => launch.run(pool, inner.id),
+            Task::Launch(launch) => launch.run(pool, self.id),
             Task::HostFn(f) => catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
-                Err(Error::runtime(format!("host function panicked on stream {}: {}", inner.id, panic_message(&*p))))
+                Err(Error::runtime(format!("host function panicked on stream {}: {}", self.id, panic_message(&*p))))
             }),
             Task::Record(point) => {
                 let _ = point.time.set(Instant::now());
@@ -322,18 +359,39 @@ fn stream_loop(inner: Arc<StreamInner>) {
             }
             Task::Wait { on, seq: target } => {
                 let r = block_until(&on, target);
-                inner.waits.lock().unwrap().retain(|w| w.at != seq);
+                self.waits.lock().unwrap().retain(|w| w.at != seq);
                 r
             }
         };
-        CURRENT.with(|c| *c.borrow_mut() = None);
+        RUNNING.with(|r| r.borrow_mut().pop());
         if let Err(e) = result {
-            inner.errors.lock().unwrap().push((seq, e));
+            self.errors.lock().unwrap().push((seq, e));
         }
-        inner.completed.store(seq, Ordering::SeqCst);
-        if inner.done_waiters.load(Ordering::SeqCst) > 0 {
-            let _g = inner.done_lock.lock().unwrap();
-            inner.done.notify_all();
+        self.completed.store(seq, Ordering::SeqCst);
+        if self.done_waiters.load(Ordering::SeqCst) > 0 {
+            let _g = self.done_lock.lock().unwrap();
+            self.done.notify_all();
+        }
+    }
+
+    /// Whether the calling thread is running one of this stream's tasks.
+    fn is_running_here(&self) -> bool {
+        RUNNING.with(|r| r.borrow().iter().any(|(s, _)| s.id == self.id))
+    }
+
+    /// For a stream without a worker: runs every queued task on the calling thread, in order,
+    /// unless the thread is already running one of them (a host function enqueuing onto its own
+    /// stream: its tasks run after it, from the loop below that called it). Tasks other threads
+    /// enqueue meanwhile run here too, or in their own turn, after this one's.
+    fn run_queued(self: &Arc<Self>, runner: &Mutex<()>) {
+        if self.is_running_here() {
+            return;
+        }
+        let _turn = runner.lock().unwrap();
+        let pool = Pool::global();
+        loop {
+            let Some((seq, task)) = self.queue.lock().unwrap().tasks.pop_front() else { return };
+            self.run_task(pool, seq, task);
         }
     }
 }
@@ -343,11 +401,15 @@ fn block_until(target: &Arc<StreamInner>, seq: u64) -> Result<()> {
     if target.completed.load(Ordering::Acquire) >= seq {
         return Ok(());
     }
-    let current = CURRENT.with(|c| c.borrow().clone());
-    if let Some((me, my_seq)) = &current {
+    // Every task this thread is running waits with it (more than one where a stream without a
+    // worker runs a task inside another's).
+    let running = RUNNING.with(|r| r.borrow().clone());
+    for (me, my_seq) in &running {
         if let Some(why) = find_deadlock(me, *my_seq, target, seq) {
             return Err(Error::runtime(why));
         }
+    }
+    for (me, my_seq) in &running {
         *me.blocked_on.lock().unwrap() = Some((*my_seq, target.clone(), seq));
     }
     let idle_since = Instant::now();
@@ -365,7 +427,7 @@ fn block_until(target: &Arc<StreamInner>, seq: u64) -> Result<()> {
         }
         target.done_waiters.fetch_sub(1, Ordering::SeqCst);
     }
-    if let Some((me, _)) = current {
+    for (me, _) in running {
         me.blocked_on.lock().unwrap().take();
     }
     Ok(())
