@@ -1,37 +1,21 @@
 //! The caching allocator when the OS refuses memory, in its own test binary: the test caps the
-//! process's address space (`RLIMIT_AS`, what `ulimit -v` sets), which no other test may share.
+//! process's address space (`RLIMIT_AS`, what `ulimit -v` sets).
 //!
 //! Under the cap, the OS refuses a mapping for real — the same `ENOMEM` a cgroup-limited or
 //! strict-overcommit machine gives — with no physical memory used: the blocks are never written.
+
+mod common;
 
 use uniop::runtime::{Allocator, MemPolicy};
 use uniop::ErrorCode;
 
 const MIB: usize = 1 << 20;
 
-/// The process's mapped address space now (`VmSize`), in bytes.
-fn address_space() -> usize {
-    let status = std::fs::read_to_string("/proc/self/status").expect("procfs");
-    let line = status.lines().find(|l| l.starts_with("VmSize:")).expect("a VmSize line");
-    let kib: usize = line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).expect("VmSize in kB");
-    kib * 1024
-}
-
-fn cap_address_space(bytes: usize) {
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: plain system calls on a valid struct.
-    unsafe {
-        assert_eq!(libc::getrlimit(libc::RLIMIT_AS, &mut limit), 0);
-        limit.rlim_cur = (bytes as libc::rlim_t).min(limit.rlim_max);
-        assert_eq!(libc::setrlimit(libc::RLIMIT_AS, &limit), 0);
-    }
-}
-
 #[test]
 fn a_refused_block_is_retried_after_emptying_the_cache_and_else_reported() {
     let alloc = Allocator::global();
     // 600 MiB of cached blocks plus a 700 MiB request do not fit under a 1 GiB cap; either alone does.
-    cap_address_space(address_space() + 1024 * MIB);
+    common::cap_address_space(1024 * MIB);
 
     drop(alloc.allocate(600 * MIB, MemPolicy::HugeFirst).expect("600 MiB under the cap"));
     let cached = alloc.stats();

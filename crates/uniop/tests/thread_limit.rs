@@ -4,31 +4,19 @@
 //! this). Before, spawning the compute pool's workers or a stream's worker panicked, and every
 //! call failed.
 
+mod common;
+
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use uniop::runtime::{Event, Pool, Stream};
 use uniop::Error;
-
-/// The process's mapped address space now (`VmSize`), in bytes.
-fn address_space() -> usize {
-    let status = std::fs::read_to_string("/proc/self/status").expect("procfs");
-    let line = status.lines().find(|l| l.starts_with("VmSize:")).expect("a VmSize line");
-    let kib: usize = line.split_whitespace().nth(1).and_then(|v| v.parse().ok()).expect("VmSize in kB");
-    kib * 1024
-}
 
 #[test]
 fn without_threads_streams_run_their_tasks_on_the_threads_that_enqueue_them() {
     let hits: Arc<Vec<AtomicU32>> = Arc::new((0..64).map(|_| AtomicU32::new(0)).collect());
     let order = Arc::new(Mutex::new(Vec::new()));
     // Room for the heap, not for a thread's 2 MiB stack.
-    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: plain system calls on a valid struct.
-    unsafe {
-        assert_eq!(libc::getrlimit(libc::RLIMIT_AS, &mut limit), 0);
-        limit.rlim_cur = ((address_space() + (3 << 19)) as libc::rlim_t).min(limit.rlim_max);
-        assert_eq!(libc::setrlimit(libc::RLIMIT_AS, &limit), 0);
-    }
+    common::cap_address_space(3 << 19);
     assert!(std::thread::Builder::new().spawn(|| {}).is_err(), "the cap leaves no room for a thread");
 
     // The pool starts with no workers: the launching thread runs every block.
