@@ -204,6 +204,11 @@ fn small_class(size: usize) -> usize {
     size.div_ceil(step) * step
 }
 
+/// `bytes` as the summary and the errors print them: "12.50 MiB".
+fn mib(bytes: usize) -> String {
+    format!("{:.2} MiB", bytes as f64 / (1 << 20) as f64)
+}
+
 fn huge_pages_enabled() -> bool {
     std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
         .map(|s| !s.contains("[never]"))
@@ -335,12 +340,10 @@ impl Allocator {
         Self::os_alloc(class, requested).map_err(|_| {
             let mut st = self.state.lock().unwrap();
             st.stats.ooms += 1;
-            let mib = |b: usize| b as f64 / (1 << 20) as f64;
             Error::new(
                 ErrorCode::Runtime,
                 format!(
-                    "{}, also after returning {:.2} MiB of cached blocks to the OS; uniop holds {:.2} MiB in {} live \
-                     buffers",
+                    "{}, also after returning {} of cached blocks to the OS; uniop holds {} in {} live buffers",
                     refused.message(),
                     mib(freed),
                     mib(st.stats.allocated),
@@ -411,7 +414,6 @@ impl Allocator {
     pub fn memory_summary(&self) -> String {
         let s = self.stats();
         let cached = s.reserved - s.allocated;
-        let mib = |b: usize| format!("{:.2} MiB", b as f64 / (1 << 20) as f64);
         let rows: [(&str, String); 10] = [
             ("allocated (blocks in use)", mib(s.allocated)),
             ("requested by callers", mib(s.requested)),

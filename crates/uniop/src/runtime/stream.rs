@@ -403,15 +403,18 @@ fn block_until(target: &Arc<StreamInner>, seq: u64) -> Result<()> {
     }
     // Every task this thread is running waits with it (more than one where a stream without a
     // worker runs a task inside another's).
-    let running = RUNNING.with(|r| r.borrow().clone());
-    for (me, my_seq) in &running {
-        if let Some(why) = find_deadlock(me, *my_seq, target, seq) {
-            return Err(Error::runtime(why));
+    let blocking = RUNNING.with(|r| {
+        let running = r.borrow();
+        for (me, my_seq) in running.iter() {
+            if let Some(why) = find_deadlock(me, *my_seq, target, seq) {
+                return Err(Error::runtime(why));
+            }
         }
-    }
-    for (me, my_seq) in &running {
-        *me.blocked_on.lock().unwrap() = Some((*my_seq, target.clone(), seq));
-    }
+        for (me, my_seq) in running.iter() {
+            *me.blocked_on.lock().unwrap() = Some((*my_seq, target.clone(), seq));
+        }
+        Ok(!running.is_empty())
+    })?;
     let idle_since = Instant::now();
     let mut spins = 0u32;
     while target.completed.load(Ordering::Acquire) < seq {
@@ -427,8 +430,8 @@ fn block_until(target: &Arc<StreamInner>, seq: u64) -> Result<()> {
         }
         target.done_waiters.fetch_sub(1, Ordering::SeqCst);
     }
-    for (me, _) in running {
-        me.blocked_on.lock().unwrap().take();
+    if blocking {
+        RUNNING.with(|r| r.borrow().iter().for_each(|(me, _)| drop(me.blocked_on.lock().unwrap().take())));
     }
     Ok(())
 }
