@@ -1,20 +1,26 @@
 /* The C API end to end: runtime, descriptors (tensors, tensor lists, scalars, int arrays),
  * aclnn-style two-phase calls for rms_norm, swiglu and geglu, matmul (transposed operand), rope, attention,
  * kv_cache_append (in place), cat, add and permute, the kernel direct call, events, the profiler,
- * and the bad-input contract. Every result is checked against a reference computed here in double precision. Exit status 0 means all checks passed.
+ * fork() with work in flight, and the bad-input contract. Every result is checked against a reference computed here in double precision. Exit status 0 means all checks passed.
  *
  *   gcc -std=c11 -Wall -Wextra -Werror -I include examples/c/two_phase.c -L target/release -luniop_capi -lm
- *   ./a.out [--bench]
+ *   ./a.out [--bench] [--no-fork]
+ *
+ * --no-fork leaves out the fork test, for valgrind: a forked child loses the parent's other
+ * threads, and with their stacks the only references to what they held, which memcheck reports
+ * as leaked in the child.
  */
 #define _POSIX_C_SOURCE 199309L
 #include "check.h"
 
 #include <math.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 /* Deterministic values in [-1, 1). */
@@ -445,6 +451,52 @@ static void test_direct_call_and_events(uniopStream stream) {
   printf("%-28s %s (%.3f ms between events)\n", "kernel direct call", good ? "PASS" : "FAIL", ms);
   OK(uniopDestroyEvent(start));
   OK(uniopDestroyEvent(end));
+}
+
+static void sleep_kernel(uint32_t block_idx, uint32_t block_num, void *args) {
+  (void)block_idx, (void)block_num, (void)args;
+  struct timespec t = {0, 200 * 1000 * 1000};
+  nanosleep(&t, NULL);
+}
+
+/* fork() while `stream` still runs a kernel, as a DataLoader or multiprocessing does to a process:
+ * the child runs its own work on the default stream and on `stream`, whose first synchronize
+ * reports the work the child lost; waiting for an event recorded behind that work is an error, not
+ * a hang. The parent's work is untouched. */
+static void test_fork(uniopStream stream) {
+  uniopEvent behind;
+  OK(uniopCreateEvent(&behind));
+  OK(uniopLaunchKernel(sleep_kernel, 1, NULL, stream));
+  OK(uniopRecordEvent(behind, stream));
+  fflush(stdout); /* or the child would print the parent's buffered lines again */
+  pid_t pid = fork();
+  CHECK(pid >= 0, "fork failed");
+  if (pid == 0) {
+    test_rms_norm(NULL);
+    expect_error("fork: child's lost work", uniopSynchronizeStream(stream), UNIOP_ERROR_RUNTIME,
+                 "2 tasks enqueued before this process forked");
+    test_rms_norm(stream);
+    expect_error("fork: pre-fork event", uniopSynchronizeEvent(behind), UNIOP_ERROR_RUNTIME,
+                 "enqueued before this process forked");
+    fflush(stdout);
+    _exit(failures == 0 ? 0 : 1);
+  }
+  int status = 0;
+  for (int waited_ms = 0; pid > 0 && waitpid(pid, &status, WNOHANG) == 0; waited_ms += 10) {
+    if (waited_ms > 120000) { /* generous: the child may run under valgrind */
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      CHECK(0, "fork: the child hung");
+      break;
+    }
+    struct timespec t = {0, 10 * 1000 * 1000};
+    nanosleep(&t, NULL);
+  }
+  int good = pid > 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  CHECK(good, "fork: the child failed (wait status %d)", status);
+  OK(uniopSynchronizeEvent(behind));
+  printf("%-28s %s\n", "fork with work in flight", good ? "PASS" : "FAIL");
+  OK(uniopDestroyEvent(behind));
 }
 
 /* A descriptor call that must fail: NULL and a message naming the argument. */
@@ -900,6 +952,12 @@ int main(int argc, char **argv) {
   test_scalar_and_int_array(stream);
   test_bad_inputs(stream);
   test_runtime_calls(stream);
+  int fork_test = 1, bench = 0;
+  for (int i = 1; i < argc; i++) {
+    fork_test &= strcmp(argv[i], "--no-fork") != 0;
+    bench |= strcmp(argv[i], "--bench") == 0;
+  }
+  if (fork_test) test_fork(stream);
   test_profiler(stream);
   size_t free_b = 0, total_b = 0;
   OK(uniopGetMemInfo(&free_b, &total_b));
@@ -907,7 +965,7 @@ int main(int argc, char **argv) {
   uniopMemStats stats;
   OK(uniopGetMemStats(&stats));
   CHECK(stats.liveBuffers == 0, "%llu buffers still allocated", (unsigned long long)stats.liveBuffers);
-  if (argc > 1 && strcmp(argv[1], "--bench") == 0) bench_overhead();
+  if (bench) bench_overhead();
   OK(uniopDestroyStream(stream));
   OK(uniopFinalize());
   printf("%d failed checks\n", failures);

@@ -245,6 +245,62 @@ print(np.allclose(y.sum(-1), 1, rtol=1e-5))
     assert "runs its tasks on the threads that enqueue them" in run.stderr, run.stderr
 
 
+def test_a_child_forked_while_other_threads_run_ops_runs_its_own():
+    """A PyTorch DataLoader or multiprocessing forks the process, with every thread but the forking
+    one left behind. Here another thread keeps running ops on the default stream and on a stream of
+    its own at each fork. Before, the child's first call waited forever for a stream worker that
+    did not exist in it; now the child's calls give the right values, and `uniop.synchronize()`
+    reports the tasks the other thread had queued (they never run in the child). In a subprocess,
+    so a hang is a timeout, not a stuck test run."""
+    code = """
+import os, threading, time, numpy as np, uniop
+rng = np.random.default_rng(0)
+a = rng.standard_normal((512, 512), dtype=np.float32)
+x = rng.standard_normal((1024, 4096), dtype=np.float32)
+w = rng.standard_normal(4096, dtype=np.float32)
+stop = False
+def busy():
+    s = uniop.Stream()
+    while not stop:
+        uniop.matmul(a, a)
+        uniop.silu(x, stream=s)
+        uniop.rms_norm(x, w)
+worker = threading.Thread(target=busy, daemon=True)
+worker.start()
+time.sleep(0.3)
+for _ in range(5):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ok = np.allclose(uniop.silu(x), x / (1 + np.exp(-x)), rtol=1e-5, atol=1e-6)
+            ok &= np.allclose(uniop.matmul(a, a), a @ a, rtol=1e-3, atol=1e-3)
+            rms = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * w
+            ok &= np.allclose(uniop.rms_norm(x, w)[0], rms, rtol=1e-4, atol=1e-4)
+            try:
+                uniop.synchronize()
+            except uniop.UniopError as e:
+                ok &= "enqueued before this process forked had not finished" in str(e)
+            uniop.synchronize()
+            os._exit(0 if ok else 1)
+        except BaseException as e:
+            print("child:", type(e).__name__, e, flush=True)
+            os._exit(2)
+    deadline = time.time() + 20
+    while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.time() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise SystemExit("the child hung")
+        time.sleep(0.01)
+    print(os.waitstatus_to_exitcode(done[1]))
+stop = True
+worker.join()
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.split() == ["0"] * 5, run.stdout + run.stderr
+
+
 def test_profiler_records_each_launch(tmp_path):
     x = np.random.default_rng(3).standard_normal((4, 64), dtype=np.float32)
     w = np.ones(64, dtype=np.float32)

@@ -1609,6 +1609,46 @@ def test_an_output_torch_cannot_make_is_a_uniop_error(route):
     torch.testing.assert_close(silu(torch.ones(2)), torch.nn.functional.silu(torch.ones(2)))
 
 
+def test_dataloader_workers_forked_while_the_parent_runs_ops_run_theirs():
+    """A DataLoader's workers are forked (Linux's default) while another thread of the parent keeps
+    running uniop ops on its own stream and through torch.ops. Each worker computes its batches
+    with uniop and gets torch's values. Before, a worker forked while a stream had work queued
+    waited forever on its first call (a DataLoader timeout here). In a subprocess: the parent runs
+    a thread that must not outlive the test."""
+    code = """
+import threading, time, torch, uniop, uniop.torch
+torch.manual_seed(0)
+x, w = torch.randn(64, 1024), torch.randn(1024)
+stop = False
+def busy():
+    s = uniop.Stream()
+    while not stop:
+        uniop.silu(x, stream=s)
+        torch.ops.uniop.rms_norm(x, w)
+worker = threading.Thread(target=busy, daemon=True)
+worker.start()
+time.sleep(0.2)
+class Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+    def __getitem__(self, i):
+        rows = x[4 * i:4 * (i + 1)]
+        return torch.ops.uniop.rms_norm(rows, w)[0], uniop.silu(rows)
+loader = torch.utils.data.DataLoader(Rows(), batch_size=4, num_workers=2, multiprocessing_context="fork", timeout=60)
+want_norm = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+for epoch in range(2):
+    norms, silus = zip(*loader)
+    torch.testing.assert_close(torch.cat(norms).reshape(64, 1024), want_norm, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat(silus).reshape(64, 1024), torch.nn.functional.silu(x))
+    print("epoch", epoch, "ok")
+stop = True
+worker.join()
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines() == ["epoch 0 ok", "epoch 1 ok"], run.stdout + run.stderr
+
+
 @python_kernels_chosen
 def test_an_output_the_os_refuses_is_retried_after_emptying_the_cache():
     """Near a process's memory limit the OS refuses a new block while uniop's cache holds freed ones

@@ -9,9 +9,15 @@ use std::sync::{Mutex, OnceLock};
 use uniop::{Error, ErrorCode, Result};
 
 /// Keys are addresses, so a cheap multiplicative hash is enough (every call checks its handles).
+static LIVE: OnceLock<Mutex<FxHashMap<usize, TypeId>>> = OnceLock::new();
+
 fn live() -> &'static Mutex<FxHashMap<usize, TypeId>> {
-    static LIVE: OnceLock<Mutex<FxHashMap<usize, TypeId>>> = OnceLock::new();
-    LIVE.get_or_init(Default::default)
+    LIVE.get_or_init(|| {
+        // Every call takes this lock: a fork while another thread holds it would leave the child's
+        // copy locked for good.
+        uniop::runtime::fork::hold_across_fork(&LIVE);
+        Default::default()
+    })
 }
 
 /// Moves `value` to the heap and registers it; the pointer is the C handle.

@@ -49,9 +49,13 @@ pub struct uniopMemStats {
 pub type uniopKernelFn = Option<unsafe extern "C" fn(block_idx: u32, block_num: u32, args: *mut c_void)>;
 
 /// Buffers from `uniopMalloc`/`uniopMallocHost`, by address, with whether they are host memory.
+static BUFFERS: OnceLock<Mutex<HashMap<usize, (DeviceBuffer, bool)>>> = OnceLock::new();
+
 fn buffers() -> &'static Mutex<HashMap<usize, (DeviceBuffer, bool)>> {
-    static BUFFERS: OnceLock<Mutex<HashMap<usize, (DeviceBuffer, bool)>>> = OnceLock::new();
-    BUFFERS.get_or_init(Default::default)
+    BUFFERS.get_or_init(|| {
+        uniop::runtime::fork::hold_across_fork(&BUFFERS);
+        Default::default()
+    })
 }
 
 /// The stream behind a handle (`NULL`: the default stream).

@@ -81,7 +81,7 @@ fn c_program_passes_its_checks_and_memcheck() {
     let exe = build("gcc", "-std=c11", "examples/c/two_phase.c");
     let text = run(&mut Command::new(&exe));
     assert!(text.contains("0 failed checks") && !text.contains("FAIL"), "{text}");
-    let text = run(memcheck().arg(&exe));
+    let text = run(memcheck().arg(&exe).arg("--no-fork"));
     assert!(text.contains("ERROR SUMMARY: 0 errors"), "{text}");
 }
 

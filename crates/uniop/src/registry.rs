@@ -54,6 +54,8 @@ impl OpEntry {
     }
 }
 
+static GLOBAL: OnceLock<Registry> = OnceLock::new();
+
 #[derive(Default)]
 pub struct Registry {
     ops: RwLock<BTreeMap<String, Arc<OpEntry>>>,
@@ -66,8 +68,17 @@ impl Registry {
 
     /// The process-wide registry every frontend reads.
     pub fn global() -> &'static Registry {
-        static GLOBAL: OnceLock<Registry> = OnceLock::new();
-        GLOBAL.get_or_init(Registry::new)
+        GLOBAL.get_or_init(|| {
+            crate::runtime::fork::install();
+            Registry::new()
+        })
+    }
+
+    /// The global registry's lock, held by [`fork`](crate::runtime::fork)'s handler while the
+    /// process forks: no writer may be halfway through an insertion then.
+    pub(crate) fn hold_for_fork() -> Option<Box<dyn std::any::Any>> {
+        let guard = GLOBAL.get()?.ops.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        Some(Box::new(guard))
     }
 
     /// Parses the op's schema and adds it. Errors on a bad schema or a duplicate name.

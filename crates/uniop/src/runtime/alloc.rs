@@ -219,11 +219,22 @@ fn oom(size: usize, why: impl std::fmt::Display) -> Error {
     Error::new(ErrorCode::Runtime, format!("out of memory: allocating {size} bytes failed ({why})"))
 }
 
+static GLOBAL: OnceLock<Allocator> = OnceLock::new();
+
 impl Allocator {
     /// The process-wide allocator for the CPU device.
     pub fn global() -> &'static Allocator {
-        static GLOBAL: OnceLock<Allocator> = OnceLock::new();
-        GLOBAL.get_or_init(|| Allocator { state: Mutex::new(State::default()) })
+        GLOBAL.get_or_init(|| {
+            super::fork::install();
+            Allocator { state: Mutex::new(State::default()) }
+        })
+    }
+
+    /// The global allocator's lock, held by [`fork`](super::fork)'s handler while the process
+    /// forks, so the child's allocator is never caught halfway through an update.
+    pub(crate) fn hold_for_fork() -> Option<Box<dyn std::any::Any>> {
+        let guard = GLOBAL.get()?.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        Some(Box::new(guard))
     }
 
     fn class_for(size: usize, policy: MemPolicy) -> Result<Class> {

@@ -1,6 +1,7 @@
 //! The CPU runtime: memory, streams, events and the SPMD launch engine.
 
 pub mod alloc;
+pub mod fork;
 pub mod pool;
 pub mod profiler;
 pub mod stream;

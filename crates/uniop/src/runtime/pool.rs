@@ -17,6 +17,7 @@
 //! becomes one OpenMP parallel region whose threads claim blocks exactly like uniop's workers do,
 //! and picks up the threads the host left spinning.
 
+use super::fork::PerProcess;
 use crate::error::{Error, Result};
 use std::cell::Cell;
 use std::ffi::{c_int, c_uint, c_void};
@@ -214,9 +215,12 @@ pub struct Pool {
 impl Pool {
     /// The process-wide pool: `UNIOP_NUM_THREADS` (default: available cores) minus one, because
     /// the launching thread always computes too.
+    /// In a forked child, a new pool with workers of its own (see [`fork`](super::fork)); it
+    /// shares no OpenMP team until asked again.
     pub fn global() -> &'static Pool {
-        static POOL: OnceLock<Pool> = OnceLock::new();
-        POOL.get_or_init(|| {
+        static POOL: PerProcess<Pool> = PerProcess::new();
+        POOL.get_or_init(|_| {
+            super::fork::install();
             let threads = std::env::var("UNIOP_NUM_THREADS")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())

@@ -11,10 +11,15 @@
 //! stream that waits for it. Those are detected by walking the wait graph before blocking and
 //! reported as a runtime error instead of hanging.
 //!
+//! In a process forked from one that used a stream, the stream gets a new worker on its first use
+//! there ([`fork`](super::fork)); tasks it had not finished at the fork are reported by its first
+//! `synchronize`, not run.
+//!
 //! A stream whose worker thread cannot be started (a thread limit: a container's `pids.max`,
 //! `ulimit -u` or `-v`) runs its tasks on the threads that enqueue them instead, one at a time and
 //! in order; see [`StreamInner::runner`].
 
+use super::fork::{self, PerProcess};
 use super::pool::{panic_message, BlockCtx, KernelFn, KernelStop, Pool};
 use super::profiler::{self, Label, LaunchKind};
 use crate::error::{Error, Result};
@@ -74,6 +79,8 @@ struct WaitEdge {
 
 struct StreamInner {
     id: u64,
+    /// The [`fork::generation`] of the process whose worker runs this queue.
+    generation: u64,
     queue: Mutex<Queue>,
     work: Condvar,
     /// Sequence number of the last task enqueued / completed.
@@ -110,11 +117,70 @@ pub struct Stream {
 }
 
 struct Owner {
+    id: u64,
+    /// The queue and its worker thread, built anew in a forked child.
+    worker: PerProcess<Worker>,
+}
+
+struct Worker {
     inner: Arc<StreamInner>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
-impl Drop for Owner {
+impl Worker {
+    /// A queue for stream `id` and the thread that runs it; `errors` are reported by the first
+    /// `synchronize`.
+    fn start(id: u64, errors: Vec<(u64, Error)>) -> Worker {
+        let inner = Arc::new(StreamInner {
+            id,
+            generation: fork::generation(),
+            queue: Mutex::new(Queue {
+                tasks: VecDeque::new(),
+                worker_sleeping: false,
+                shutdown: false,
+                in_place: false,
+            }),
+            work: Condvar::new(),
+            enqueued: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
+            done_lock: Mutex::new(()),
+            done: Condvar::new(),
+            done_waiters: AtomicUsize::new(0),
+            errors: Mutex::new(errors),
+            waits: Mutex::new(Vec::new()),
+            blocked_on: Mutex::new(None),
+            runner: OnceLock::new(),
+        });
+        let worker = inner.clone();
+        let spawned = std::thread::Builder::new().name(format!("uniop-stream-{id}")).spawn(move || stream_loop(worker));
+        let thread = spawned
+            .inspect_err(|e| {
+                eprintln!("uniop: stream {id} runs its tasks on the threads that enqueue them (no worker: {e})");
+                let _ = inner.runner.set(Mutex::new(()));
+            })
+            .ok();
+        Worker { inner, thread: Mutex::new(thread) }
+    }
+
+    /// The worker of stream `id` in a forked child: what the parent's queue had not finished at
+    /// the fork (read through its counters only) is reported, never run.
+    fn after_fork(id: u64, parent: Option<&Worker>) -> Worker {
+        let lost = parent.map_or(0, |w| {
+            w.inner.enqueued.load(Ordering::Acquire).saturating_sub(w.inner.completed.load(Ordering::Acquire))
+        });
+        let report = (lost > 0).then(|| {
+            let tasks = if lost == 1 { "task" } else { "tasks" };
+            Error::runtime(format!(
+                "stream {id}: {lost} {tasks} enqueued before this process forked had not finished; they do not run \
+                 in the child process (pid {}), so what they write is missing or incomplete here",
+                std::process::id()
+            ))
+        });
+        Worker::start(id, report.map(|e| (0, e)).into_iter().collect())
+    }
+}
+
+impl Drop for Worker {
     fn drop(&mut self) {
         {
             let mut q = self.inner.queue.lock().unwrap();
@@ -130,38 +196,9 @@ impl Drop for Owner {
 impl Stream {
     pub fn new() -> Stream {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-        let inner = Arc::new(StreamInner {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            queue: Mutex::new(Queue {
-                tasks: VecDeque::new(),
-                worker_sleeping: false,
-                shutdown: false,
-                in_place: false,
-            }),
-            work: Condvar::new(),
-            enqueued: AtomicU64::new(0),
-            completed: AtomicU64::new(0),
-            done_lock: Mutex::new(()),
-            done: Condvar::new(),
-            done_waiters: AtomicUsize::new(0),
-            errors: Mutex::new(Vec::new()),
-            waits: Mutex::new(Vec::new()),
-            blocked_on: Mutex::new(None),
-            runner: OnceLock::new(),
-        });
-        let worker = inner.clone();
-        let spawned =
-            std::thread::Builder::new().name(format!("uniop-stream-{}", inner.id)).spawn(move || stream_loop(worker));
-        let thread = spawned
-            .inspect_err(|e| {
-                eprintln!(
-                    "uniop: stream {} runs its tasks on the threads that enqueue them (no worker: {e})",
-                    inner.id
-                );
-                let _ = inner.runner.set(Mutex::new(()));
-            })
-            .ok();
-        Stream { owner: Arc::new(Owner { inner, thread: Mutex::new(thread) }) }
+        fork::install();
+        let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+        Stream { owner: Arc::new(Owner { id, worker: PerProcess::with(Worker::start(id, Vec::new())) }) }
     }
 
     /// The default stream: created on first use, lives for the whole process.
@@ -171,12 +208,13 @@ impl Stream {
     }
 
     fn inner(&self) -> &Arc<StreamInner> {
-        &self.owner.inner
+        let Owner { id, worker } = &*self.owner;
+        &worker.get_or_init(|parent| Worker::after_fork(*id, parent)).inner
     }
 
     /// A process-unique id (for messages and profiles).
     pub fn id(&self) -> u64 {
-        self.inner().id
+        self.owner.id
     }
 
     fn enqueue(&self, make: impl FnOnce(u64) -> Task) -> u64 {
@@ -374,6 +412,11 @@ impl StreamInner {
         }
     }
 
+    /// Whether this queue belongs to a process this one was forked from: its worker is not here.
+    fn is_from_before_fork(&self) -> bool {
+        self.generation != fork::generation()
+    }
+
     /// Whether the calling thread is running one of this stream's tasks.
     fn is_running_here(&self) -> bool {
         RUNNING.with(|r| r.borrow().iter().any(|(s, _)| s.id == self.id))
@@ -396,10 +439,28 @@ impl StreamInner {
     }
 }
 
+/// In a forked child: the thread's stream tasks were the parent's and never finish here. They are
+/// leaked, not dropped: this runs in `fork`'s child handler.
+pub(crate) fn forget_running_tasks() {
+    RUNNING.with(|r| {
+        if let Ok(mut running) = r.try_borrow_mut() {
+            std::mem::forget(std::mem::take(&mut *running));
+        }
+    });
+}
+
 /// Blocks the calling thread until `target` has completed task `seq`.
 fn block_until(target: &Arc<StreamInner>, seq: u64) -> Result<()> {
     if target.completed.load(Ordering::Acquire) >= seq {
         return Ok(());
+    }
+    if target.is_from_before_fork() {
+        return Err(Error::runtime(format!(
+            "waiting for task {seq} of stream {}, enqueued before this process forked: it never runs in this \
+             process (pid {})",
+            target.id,
+            std::process::id()
+        )));
     }
     // Every task this thread is running waits with it (more than one where a stream without a
     // worker runs a task inside another's).
@@ -443,7 +504,9 @@ fn find_deadlock(me: &Arc<StreamInner>, my_seq: u64, target: &Arc<StreamInner>, 
     let mut stack = vec![(target.clone(), seq)];
     let mut visited: HashMap<u64, u64> = HashMap::new();
     while let Some((s, n)) = stack.pop() {
-        if s.completed.load(Ordering::Acquire) >= n {
+        // A queue from before a fork is never waited for (that wait is an error), and its locks
+        // may be held by threads that are not in this process.
+        if s.completed.load(Ordering::Acquire) >= n || s.is_from_before_fork() {
             continue;
         }
         if s.id == me.id {
