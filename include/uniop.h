@@ -55,7 +55,7 @@ typedef int32_t uniopMemMallocPolicy;
 // Copy directions (all plain copies on the CPU device; checked for source compatibility).
 typedef int32_t uniopMemcpyKind;
 
-// Allocator counters, in bytes and calls.
+// Allocator counters, in bytes and calls (six of them; `uniopGetMemStat` reads each).
 typedef struct {
   uint64_t allocated;
   uint64_t reserved;
@@ -64,6 +64,10 @@ typedef struct {
   uint64_t freeCount;
   uint64_t liveBuffers;
 } uniopMemStats;
+
+// One allocator counter, for `uniopGetMemStat`: a number, not a struct field, so that counters
+// added later reach C callers without changing any struct's size.
+typedef int32_t uniopMemStat;
 
 // A device kernel for the direct call: runs once per block with its index and the block count.
 typedef void (*uniopKernelFn)(uint32_t block_idx, uint32_t block_num, void *args);
@@ -100,6 +104,40 @@ typedef int32_t uniopFormat;
 #define UNIOP_MEMCPY_DEVICE_TO_HOST 2
 
 #define UNIOP_MEMCPY_DEVICE_TO_DEVICE 3
+
+// Bytes in blocks currently handed out.
+#define UNIOP_MEM_STAT_ALLOCATED 0
+
+// Bytes held from the OS: handed out plus cached.
+#define UNIOP_MEM_STAT_RESERVED 1
+
+// The most bytes handed out at once since start (or the last peak reset).
+#define UNIOP_MEM_STAT_PEAK_ALLOCATED 2
+
+// Allocations served.
+#define UNIOP_MEM_STAT_ALLOC_COUNT 3
+
+// Buffers freed (returned to the cache).
+#define UNIOP_MEM_STAT_FREE_COUNT 4
+
+// Live buffers (allocations minus frees).
+#define UNIOP_MEM_STAT_LIVE_BUFFERS 5
+
+// Bytes the callers asked for (before rounding), currently live.
+#define UNIOP_MEM_STAT_REQUESTED 6
+
+// Allocations served from the cache instead of the OS.
+#define UNIOP_MEM_STAT_CACHE_HITS 7
+
+// Blocks obtained from the OS.
+#define UNIOP_MEM_STAT_OS_ALLOCS 8
+
+// Times the OS refused a block and the cache was returned to it before asking again: a loop that
+// keeps raising this runs at its memory limit.
+#define UNIOP_MEM_STAT_ALLOC_RETRIES 9
+
+// Allocations that failed even after that.
+#define UNIOP_MEM_STAT_OOMS 10
 
 #define UNIOP_FLOAT 0
 
@@ -1580,6 +1618,9 @@ uniopStatus uniopMemcpyAsync(void *dst,
 uniopStatus uniopGetMemInfo(size_t *free, size_t *total);
 
 uniopStatus uniopGetMemStats(uniopMemStats *stats);
+
+// One allocator counter (a `UNIOP_MEM_STAT_*` number) into `*value`.
+uniopStatus uniopGetMemStat(uniopMemStat stat, uint64_t *value);
 
 // Writes the allocator's summary table, NUL-terminated and truncated to `len` bytes; `*needed`
 // (when not NULL) receives the full size including the NUL.

@@ -499,6 +499,32 @@ static void test_fork(uniopStream stream) {
   OK(uniopDestroyEvent(behind));
 }
 
+/* Every allocator counter by number: the six of uniopMemStats agree with it, and a refused
+ * allocation moves the retry and out-of-memory counters by one each (the OS refuses, the cache is
+ * returned, the OS refuses again). */
+static void test_mem_stat_counters(void) {
+  uint64_t c[UNIOP_MEM_STAT_OOMS + 1];
+  for (int k = 0; k <= UNIOP_MEM_STAT_OOMS; k++) OK(uniopGetMemStat(k, &c[k]));
+  uniopMemStats st;
+  OK(uniopGetMemStats(&st));
+  int good = c[UNIOP_MEM_STAT_ALLOCATED] == st.allocated && c[UNIOP_MEM_STAT_RESERVED] == st.reserved &&
+             c[UNIOP_MEM_STAT_PEAK_ALLOCATED] == st.peakAllocated && c[UNIOP_MEM_STAT_ALLOC_COUNT] == st.allocCount &&
+             c[UNIOP_MEM_STAT_FREE_COUNT] == st.freeCount && c[UNIOP_MEM_STAT_LIVE_BUFFERS] == st.liveBuffers &&
+             c[UNIOP_MEM_STAT_REQUESTED] <= c[UNIOP_MEM_STAT_ALLOCATED] &&
+             c[UNIOP_MEM_STAT_CACHE_HITS] + c[UNIOP_MEM_STAT_OS_ALLOCS] <= c[UNIOP_MEM_STAT_ALLOC_COUNT];
+  void *huge = NULL;
+  expect_error("malloc 1 PiB", uniopMalloc(&huge, (size_t)1 << 50, UNIOP_MEM_MALLOC_NORMAL_ONLY), UNIOP_ERROR_RUNTIME,
+               "out of memory");
+  uint64_t retries = 0, ooms = 0;
+  OK(uniopGetMemStat(UNIOP_MEM_STAT_ALLOC_RETRIES, &retries));
+  OK(uniopGetMemStat(UNIOP_MEM_STAT_OOMS, &ooms));
+  good &= retries == c[UNIOP_MEM_STAT_ALLOC_RETRIES] + 1 && ooms == c[UNIOP_MEM_STAT_OOMS] + 1;
+  CHECK(good, "mem stat counters: retries %llu -> %llu, ooms %llu -> %llu",
+        (unsigned long long)c[UNIOP_MEM_STAT_ALLOC_RETRIES], (unsigned long long)retries,
+        (unsigned long long)c[UNIOP_MEM_STAT_OOMS], (unsigned long long)ooms);
+  printf("%-28s %s\n", "mem stat counters", good ? "PASS" : "FAIL");
+}
+
 /* A descriptor call that must fail: NULL and a message naming the argument. */
 static void expect_no_handle(const char *what, const void *handle, const char *fragment) {
   const char *msg = uniopGetRecentErrMsg();
@@ -769,6 +795,8 @@ static void test_runtime_calls(uniopStream stream) {
   CHECK(good, "async copies ordered by an event");
   printf("%-28s %s\n", "async copies + stream wait", good ? "PASS" : "FAIL");
 
+  test_mem_stat_counters();
+
   size_t needed = 0;
   OK(uniopMemorySummary(NULL, 0, &needed));
   char *summary = malloc(needed);
@@ -809,6 +837,12 @@ static void test_runtime_calls(uniopStream stream) {
   expect_error("elapsed: NULL out-param", uniopEventElapsedTime(NULL, copied, copied), UNIOP_ERROR_PARAM_NULLPTR,
                "'ms'");
   expect_error("stats: NULL out-param", uniopGetMemStats(NULL), UNIOP_ERROR_PARAM_NULLPTR, "'stats'");
+  uint64_t counter = 0;
+  expect_error("stat: NULL out-param", uniopGetMemStat(UNIOP_MEM_STAT_OOMS, NULL), UNIOP_ERROR_PARAM_NULLPTR,
+               "'value'");
+  expect_error("stat: unknown counter", uniopGetMemStat(UNIOP_MEM_STAT_OOMS + 1, &counter),
+               UNIOP_ERROR_PARAM_INVALID, "expected a UNIOP_MEM_STAT_* counter (0 to 10), got 11");
+  expect_error("stat: negative counter", uniopGetMemStat(-1, &counter), UNIOP_ERROR_PARAM_INVALID, "got -1");
   expect_error("summary: NULL buffer", uniopMemorySummary(NULL, 16, NULL), UNIOP_ERROR_PARAM_NULLPTR, "'buf'");
   expect_error("launch: NULL kernel", uniopLaunchKernel(NULL, 1, NULL, stream), UNIOP_ERROR_PARAM_NULLPTR, "'kernel'");
   expect_error("launch: blockDim 0", uniopLaunchKernel(fill_kernel, 0, NULL, stream), UNIOP_ERROR_PARAM_INVALID,

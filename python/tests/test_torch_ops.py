@@ -1613,8 +1613,9 @@ def test_dataloader_workers_forked_while_the_parent_runs_ops_run_theirs():
     """A DataLoader's workers are forked (Linux's default) while another thread of the parent keeps
     running uniop ops on its own stream and through torch.ops. Each worker computes its batches
     with uniop and gets torch's values. Before, a worker forked while a stream had work queued
-    waited forever on its first call (a DataLoader timeout here). In a subprocess: the parent runs
-    a thread that must not outlive the test."""
+    waited forever on its first call (a DataLoader timeout here). The workers' uniop pools take the
+    one thread torch gives its DataLoader workers, as uniop's launches in the parent ran on torch's
+    OpenMP team. In a subprocess: the parent runs a thread that must not outlive the test."""
     code = """
 import threading, time, torch, uniop, uniop.torch
 torch.manual_seed(0)
@@ -1633,11 +1634,13 @@ class Rows(torch.utils.data.Dataset):
         return 16
     def __getitem__(self, i):
         rows = x[4 * i:4 * (i + 1)]
-        return torch.ops.uniop.rms_norm(rows, w)[0], uniop.silu(rows)
+        return torch.ops.uniop.rms_norm(rows, w)[0], uniop.silu(rows), uniop.share_openmp_threads(False)
 loader = torch.utils.data.DataLoader(Rows(), batch_size=4, num_workers=2, multiprocessing_context="fork", timeout=60)
 want_norm = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+assert uniop.share_openmp_threads(True) == torch.get_num_threads() > 1
 for epoch in range(2):
-    norms, silus = zip(*loader)
+    norms, silus, threads = zip(*loader)
+    assert torch.cat(threads).tolist() == [1] * 16, threads
     torch.testing.assert_close(torch.cat(norms).reshape(64, 1024), want_norm, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch.cat(silus).reshape(64, 1024), torch.nn.functional.silu(x))
     print("epoch", epoch, "ok")

@@ -33,7 +33,34 @@ pub const UNIOP_MEMCPY_HOST_TO_DEVICE: uniopMemcpyKind = 1;
 pub const UNIOP_MEMCPY_DEVICE_TO_HOST: uniopMemcpyKind = 2;
 pub const UNIOP_MEMCPY_DEVICE_TO_DEVICE: uniopMemcpyKind = 3;
 
-/// Allocator counters, in bytes and calls.
+/// One allocator counter, for `uniopGetMemStat`: a number, not a struct field, so that counters
+/// added later reach C callers without changing any struct's size.
+pub type uniopMemStat = i32;
+/// Bytes in blocks currently handed out.
+pub const UNIOP_MEM_STAT_ALLOCATED: uniopMemStat = 0;
+/// Bytes held from the OS: handed out plus cached.
+pub const UNIOP_MEM_STAT_RESERVED: uniopMemStat = 1;
+/// The most bytes handed out at once since start (or the last peak reset).
+pub const UNIOP_MEM_STAT_PEAK_ALLOCATED: uniopMemStat = 2;
+/// Allocations served.
+pub const UNIOP_MEM_STAT_ALLOC_COUNT: uniopMemStat = 3;
+/// Buffers freed (returned to the cache).
+pub const UNIOP_MEM_STAT_FREE_COUNT: uniopMemStat = 4;
+/// Live buffers (allocations minus frees).
+pub const UNIOP_MEM_STAT_LIVE_BUFFERS: uniopMemStat = 5;
+/// Bytes the callers asked for (before rounding), currently live.
+pub const UNIOP_MEM_STAT_REQUESTED: uniopMemStat = 6;
+/// Allocations served from the cache instead of the OS.
+pub const UNIOP_MEM_STAT_CACHE_HITS: uniopMemStat = 7;
+/// Blocks obtained from the OS.
+pub const UNIOP_MEM_STAT_OS_ALLOCS: uniopMemStat = 8;
+/// Times the OS refused a block and the cache was returned to it before asking again: a loop that
+/// keeps raising this runs at its memory limit.
+pub const UNIOP_MEM_STAT_ALLOC_RETRIES: uniopMemStat = 9;
+/// Allocations that failed even after that.
+pub const UNIOP_MEM_STAT_OOMS: uniopMemStat = 10;
+
+/// Allocator counters, in bytes and calls (six of them; `uniopGetMemStat` reads each).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct uniopMemStats {
@@ -363,6 +390,37 @@ pub extern "C" fn uniopGetMemStats(stats: *mut uniopMemStats) -> uniopStatus {
                 liveBuffers: s.live_buffers as u64,
             }
         };
+        Ok(())
+    })
+}
+
+/// One allocator counter (a `UNIOP_MEM_STAT_*` number) into `*value`.
+#[no_mangle]
+pub extern "C" fn uniopGetMemStat(stat: uniopMemStat, value: *mut u64) -> uniopStatus {
+    guard(|| {
+        const F: &str = "uniopGetMemStat";
+        non_null(value, F, "value")?;
+        let s = Allocator::global().stats();
+        let counter = match stat {
+            UNIOP_MEM_STAT_ALLOCATED => s.allocated as u64,
+            UNIOP_MEM_STAT_RESERVED => s.reserved as u64,
+            UNIOP_MEM_STAT_PEAK_ALLOCATED => s.peak_allocated as u64,
+            UNIOP_MEM_STAT_ALLOC_COUNT => s.alloc_count,
+            UNIOP_MEM_STAT_FREE_COUNT => s.free_count,
+            UNIOP_MEM_STAT_LIVE_BUFFERS => s.live_buffers as u64,
+            UNIOP_MEM_STAT_REQUESTED => s.requested as u64,
+            UNIOP_MEM_STAT_CACHE_HITS => s.cache_hits,
+            UNIOP_MEM_STAT_OS_ALLOCS => s.os_allocs,
+            UNIOP_MEM_STAT_ALLOC_RETRIES => s.alloc_retries,
+            UNIOP_MEM_STAT_OOMS => s.ooms,
+            other => {
+                let expected =
+                    format!("a UNIOP_MEM_STAT_* counter ({UNIOP_MEM_STAT_ALLOCATED} to {UNIOP_MEM_STAT_OOMS})");
+                return Err(Error::arg(ErrorCode::ParamInvalid, F, "stat", expected, other));
+            }
+        };
+        // SAFETY: checked non-null.
+        unsafe { *value = counter };
         Ok(())
     })
 }

@@ -215,16 +215,21 @@ pub struct Pool {
 impl Pool {
     /// The process-wide pool: `UNIOP_NUM_THREADS` (default: available cores) minus one, because
     /// the launching thread always computes too.
-    /// In a forked child, a new pool with workers of its own (see [`fork`](super::fork)); it
-    /// shares no OpenMP team until asked again.
+    ///
+    /// In a forked child, a new pool with workers of its own (see [`fork`](super::fork)). Where
+    /// the parent's launches ran on the host's OpenMP team, the child's pool takes that team's
+    /// size as the host now sets it (PyTorch's DataLoader workers set one thread) but not the
+    /// team itself: the team's threads did not survive the fork.
     pub fn global() -> &'static Pool {
         static POOL: PerProcess<Pool> = PerProcess::new();
-        POOL.get_or_init(|_| {
+        POOL.get_or_init(|parent| {
             super::fork::install();
+            let host_team = parent.filter(|p| p.sharing_openmp.load(Ordering::Acquire)).and_then(|p| p.openmp.get());
             let threads = std::env::var("UNIOP_NUM_THREADS")
                 .ok()
                 .and_then(|v| v.parse::<usize>().ok())
                 .filter(|&n| n > 0)
+                .or(host_team.map(OpenMp::threads))
                 .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
             Pool::new(threads - 1)
         })

@@ -128,9 +128,22 @@ struct Worker {
 }
 
 impl Worker {
-    /// A queue for stream `id` and the thread that runs it; `errors` are reported by the first
-    /// `synchronize`.
-    fn start(id: u64, errors: Vec<(u64, Error)>) -> Worker {
+    /// A queue for stream `id` and the thread that runs it. In a forked child, `parent` is the
+    /// worker of the process it was forked from: what that queue had not finished at the fork
+    /// (read through its counters only) is reported by the first `synchronize`, never run.
+    fn start(id: u64, parent: Option<&Worker>) -> Worker {
+        let lost = parent.map_or(0, |w| {
+            w.inner.enqueued.load(Ordering::Acquire).saturating_sub(w.inner.completed.load(Ordering::Acquire))
+        });
+        let report = (lost > 0).then(|| {
+            let tasks = if lost == 1 { "task" } else { "tasks" };
+            let why = format!(
+                "stream {id}: {lost} {tasks} enqueued before this process forked had not finished; they do not run \
+                 in the child process (pid {}), so what they write is missing or incomplete here",
+                std::process::id()
+            );
+            (0, Error::runtime(why))
+        });
         let inner = Arc::new(StreamInner {
             id,
             generation: fork::generation(),
@@ -146,7 +159,7 @@ impl Worker {
             done_lock: Mutex::new(()),
             done: Condvar::new(),
             done_waiters: AtomicUsize::new(0),
-            errors: Mutex::new(errors),
+            errors: Mutex::new(report.into_iter().collect()),
             waits: Mutex::new(Vec::new()),
             blocked_on: Mutex::new(None),
             runner: OnceLock::new(),
@@ -160,23 +173,6 @@ impl Worker {
             })
             .ok();
         Worker { inner, thread: Mutex::new(thread) }
-    }
-
-    /// The worker of stream `id` in a forked child: what the parent's queue had not finished at
-    /// the fork (read through its counters only) is reported, never run.
-    fn after_fork(id: u64, parent: Option<&Worker>) -> Worker {
-        let lost = parent.map_or(0, |w| {
-            w.inner.enqueued.load(Ordering::Acquire).saturating_sub(w.inner.completed.load(Ordering::Acquire))
-        });
-        let report = (lost > 0).then(|| {
-            let tasks = if lost == 1 { "task" } else { "tasks" };
-            Error::runtime(format!(
-                "stream {id}: {lost} {tasks} enqueued before this process forked had not finished; they do not run \
-                 in the child process (pid {}), so what they write is missing or incomplete here",
-                std::process::id()
-            ))
-        });
-        Worker::start(id, report.map(|e| (0, e)).into_iter().collect())
     }
 }
 
@@ -198,7 +194,7 @@ impl Stream {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         fork::install();
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        Stream { owner: Arc::new(Owner { id, worker: PerProcess::with(Worker::start(id, Vec::new())) }) }
+        Stream { owner: Arc::new(Owner { id, worker: PerProcess::with(Worker::start(id, None)) }) }
     }
 
     /// The default stream: created on first use, lives for the whole process.
@@ -209,7 +205,7 @@ impl Stream {
 
     fn inner(&self) -> &Arc<StreamInner> {
         let Owner { id, worker } = &*self.owner;
-        &worker.get_or_init(|parent| Worker::after_fork(*id, parent)).inner
+        &worker.get_or_init(|parent| Worker::start(*id, parent)).inner
     }
 
     /// A process-unique id (for messages and profiles).
