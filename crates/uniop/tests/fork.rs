@@ -10,7 +10,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use uniop::runtime::{Allocator, Event, MemPolicy, Pool, Stream};
+use uniop::runtime::{profiler, Allocator, Event, MemPolicy, Pool, Stream};
 
 /// Runs `check` in a forked child and returns its verdict: the child's error, or that it hung or
 /// crashed.
@@ -78,6 +78,8 @@ fn each_ran_once(hits: &[AtomicU32]) -> bool {
 fn a_forked_child_runs_its_own_work_and_reports_the_work_it_lost() {
     let stream = Stream::new();
     let threads = Pool::global().threads();
+    // Recording: each launch the busy thread makes takes the profiler's lock too.
+    profiler::start().unwrap();
     // Another thread keeps the allocator, the pool and the default stream busy, so that at each
     // fork their locks may be held and the default stream has tasks queued or running.
     let stop = Arc::new(AtomicBool::new(false));
@@ -145,6 +147,11 @@ fn a_forked_child_runs_its_own_work_and_reports_the_work_it_lost() {
             // SAFETY: the block holds 3 MiB.
             unsafe { block.as_ptr().write_bytes(7, 3 << 20) };
 
+            // The profile goes on in the child, with the child's launches in it.
+            let profile = profiler::stop().map_err(|e| e.to_string())?;
+            let blocks = |n| profile.events().iter().filter(|e| e.label.block_dim == n).count();
+            expect("the child's profile has its 64- and 16-block launches", blocks(64) == 1 && blocks(16) == 1)?;
+
             // Dropping the parent's streams joins no thread that is not here.
             drop(unused);
             let hits = count_blocks(&used, 4);
@@ -160,5 +167,6 @@ fn a_forked_child_runs_its_own_work_and_reports_the_work_it_lost() {
     }
     stop.store(true, Ordering::Relaxed);
     busy.join().unwrap();
+    assert!(profiler::stop().is_ok());
     Stream::default_stream().synchronize().unwrap();
 }

@@ -8,8 +8,9 @@
 //! - Everything that owns threads lives in a [`PerProcess`] slot: the first use in a child builds
 //!   it anew (a pool with fresh workers, a stream with a fresh worker), and the parent's copy is
 //!   leaked, never touched: its locks may be held by threads that do not exist here.
-//! - The locks every call takes (the op registry's, the allocator's) are held across the fork
-//!   itself ([`prepare`]), so the child receives them unlocked and consistent.
+//! - The locks every call takes (the op registry's, the allocator's, the profiler's while it
+//!   records, and frontends' such as the C API's handle table) are held across the fork itself
+//!   ([`prepare`]), so the child receives them unlocked and consistent.
 //! - Work queued before the fork is reported, not waited for: a stream's first `synchronize` in
 //!   the child names the tasks it lost, and waiting for an event recorded behind them is an error.
 //!
@@ -69,8 +70,8 @@ pub(crate) fn install() {
     })
 }
 
-/// Before `fork`: takes the frontends', the registry's and the allocator's locks (in the order
-/// calls take them), so no other thread holds them at the moment of the fork.
+/// Before `fork`: takes the frontends', the registry's, the allocator's and the profiler's locks
+/// (in the order calls take them), so no other thread holds them at the moment of the fork.
 extern "C" fn prepare() {
     let mut held: Vec<Box<dyn Any>> = Vec::new();
     // Not waited for: a frontend adding its lock now has not handed that lock out yet.
@@ -79,6 +80,7 @@ extern "C" fn prepare() {
     }
     held.extend(crate::registry::Registry::hold_for_fork());
     held.extend(super::alloc::Allocator::hold_for_fork());
+    held.push(super::profiler::hold_for_fork());
     HELD.with(|h| *h.borrow_mut() = held);
 }
 

@@ -83,6 +83,12 @@ static RECORDING: AtomicBool = AtomicBool::new(false);
 static SESSION: Mutex<Option<Session>> = Mutex::new(None);
 static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
 
+/// The profiler's lock, held by [`fork`](super::fork)'s handler while the process forks: a stream
+/// worker takes it after each launch while the profiler records.
+pub(crate) fn hold_for_fork() -> Box<dyn std::any::Any> {
+    Box::new(SESSION.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
 /// Whether launches are being recorded (the one check a launch pays while the profiler is off).
 #[inline]
 pub fn is_recording() -> bool {
