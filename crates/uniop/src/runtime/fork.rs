@@ -14,8 +14,8 @@
 //! - Work queued before the fork is reported, not waited for: a stream's first `synchronize` in
 //!   the child names the tasks it lost, and waiting for an event recorded behind them is an error.
 //!
-//! The counter is one relaxed atomic load per use: the fast path costs no system call (`getpid`
-//! is not cached by glibc since 2.25).
+//! Telling a child from its parent costs one atomic load of a generation counter that the child
+//! handler bumps, not a system call (`getpid` is not cached by glibc since 2.25).
 
 use std::any::Any;
 use std::cell::RefCell;
@@ -73,11 +73,10 @@ pub(crate) fn install() {
 /// Before `fork`: takes the frontends', the registry's, the allocator's and the profiler's locks
 /// (in the order calls take them), so no other thread holds them at the moment of the fork.
 extern "C" fn prepare() {
-    let mut held: Vec<Box<dyn Any>> = Vec::new();
-    // Not waited for: a frontend adding its lock now has not handed that lock out yet.
-    if let Ok(frontends) = FRONTEND_LOCKS.try_lock() {
-        held.extend(frontends.iter().filter_map(|hold| hold()));
-    }
+    // The list itself is held too: a child must be able to add to it.
+    let frontends = FRONTEND_LOCKS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut held: Vec<Box<dyn Any>> = frontends.iter().filter_map(|hold| hold()).collect();
+    held.push(Box::new(frontends));
     held.extend(crate::registry::Registry::hold_for_fork());
     held.extend(super::alloc::Allocator::hold_for_fork());
     held.push(super::profiler::hold_for_fork());
