@@ -28,6 +28,10 @@ impl Op for AddRmsNormBackward {
         crate::rms_norm::DTYPES
     }
 
+    fn error_scale(&self, cx: &OpCx) -> f64 {
+        crate::rms_norm_backward::sum_error_scale(cx, "sum")
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let s = check(cx, "sum", "add_rms_norm")?;
         cx.expect_same_dtype("dsum", s.dtype, "sum")?;

@@ -139,6 +139,10 @@ impl Op for LayerNormBackward {
         crate::rms_norm::DTYPES
     }
 
+    fn error_scale(&self, cx: &OpCx) -> f64 {
+        crate::rms_norm_backward::sum_error_scale(cx, "x")
+    }
+
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {
         let s = check(cx)?;
         let param = param_grad(cx, "x", &s)?;

@@ -163,6 +163,16 @@ pub(crate) fn sum_partials<W: FloatElement>(args: &KernelArgs, ctx: BlockCtx, co
 }
 }
 
+/// The norms' backward ops' [`Op::error_scale`]: their longest f32 sums are dweight's (and
+/// dbias's) over the rows and each row's over its `n` elements. A sum over 2064 rows that cancels
+/// to 2e-3 is off by about 2e-5 from rounding its terms' f32 products alone.
+pub(crate) fn sum_error_scale(cx: &OpCx, x: &str) -> f64 {
+    let shape = cx.input(x).shape();
+    let n = shape.last().copied().unwrap_or(1);
+    let rows: usize = shape.iter().rev().skip(1).product();
+    (rows.max(n).max(1) as f64).sqrt()
+}
+
 impl Op for RmsNormBackward {
     fn schema(&self) -> &'static str {
         "rms_norm_backward(Tensor dy, Tensor x, Tensor weight, Tensor rstd, int batch_dims=0) -> (Tensor dx, Tensor \
@@ -183,6 +193,10 @@ impl Op for RmsNormBackward {
 
     fn dtypes(&self) -> &'static [DType] {
         DTYPES
+    }
+
+    fn error_scale(&self, cx: &OpCx) -> f64 {
+        sum_error_scale(cx, "x")
     }
 
     fn infer(&self, cx: &OpCx) -> Result<Vec<TensorMeta>> {

@@ -221,7 +221,9 @@ pub(crate) fn kernel<T: FloatElement, C: FloatElement, const N: usize>(
             let [xo, oo, co, so] = std::array::from_fn(|k| starts[k] + j * steps[k]);
             // SAFETY: this block owns rows `split(rows)` of out.
             let dst = unsafe { out.slice_mut::<T>(oo, g.d) };
-            let (x, cos, sin) = (&xs[xo..xo + g.d], &cs[co..co + g.w], &ss[so..so + g.w]);
+            // Tables of width 0 (nothing rotated) may have no storage to index.
+            let (cos, sin) = if g.w == 0 { (&cs[..0], &ss[..0]) } else { (&cs[co..co + g.w], &ss[so..so + g.w]) };
+            let x = &xs[xo..xo + g.d];
             #[cfg(target_arch = "x86_64")]
             if avx2 {
                 crate::rows_avx2::rotate(x, cos, sin, dst, rot, streaming);

@@ -1,0 +1,116 @@
+//! Every registered op at shapes drawn at random from the sizes where kernels change path — vector
+//! widths and their neighbours (1, 7, 8, 9, 15, 16, 17, …), block and tile edges — with each input
+//! and output laid out at random (contiguous, padded rows, every other element, the last two dims
+//! swapped), checked against the op's f64 reference. `registry_ops.rs` runs a few fixed shapes; this
+//! one searches the corners between them. `UNIOP_SWEEP_CASES` sets the cases per op and dtype (a
+//! longer search than CI's), `UNIOP_SWEEP_SEED` the first seed.
+
+use uniop::verify::{random_inputs, OpHarness, Rng};
+use uniop::{Layout, Registry, Stream, TensorMeta};
+
+/// Sizes at which a kernel may switch path: around the 8- and 16-lane vector widths, 32- and
+/// 64-wide tiles, cache lines of halves, and a few odd ones.
+const SIZES: &[usize] =
+    &[1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 47, 48, 63, 64, 65, 96, 127, 128, 129, 255, 257];
+
+/// Elements a case's main shape may hold (keeps the f64 references quick).
+const MAX_ELEMENTS: usize = 1 << 15;
+
+/// How a tensor is laid out in a case.
+#[derive(Clone, Copy, Debug)]
+enum Form {
+    Contiguous,
+    /// `pad` unused elements after each row.
+    Padded(usize),
+    /// Every other element of the innermost dim.
+    EveryOther,
+    /// Row-major in the last two dims swapped (a transposed view).
+    Swapped,
+}
+
+impl Form {
+    fn draw(rng: &mut Rng) -> Form {
+        match rng.next_u64() % 5 {
+            0 | 1 => Form::Contiguous,
+            2 => Form::Padded(1 + (rng.next_u64() % 7) as usize),
+            3 => Form::EveryOther,
+            _ => Form::Swapped,
+        }
+    }
+
+    fn apply(self, meta: &TensorMeta) -> TensorMeta {
+        let shape = meta.shape();
+        let rank = shape.len();
+        let mut order: Vec<usize> = (0..rank).collect();
+        if let Form::Swapped = self {
+            if rank >= 2 {
+                order.swap(rank - 1, rank - 2);
+            }
+        }
+        let mut strides = vec![0; rank];
+        let mut acc = if let Form::EveryOther = self { 2 } else { 1 };
+        for (i, &d) in order.iter().enumerate().rev() {
+            strides[d] = acc;
+            acc *= shape[d].max(1);
+            if let (Form::Padded(pad), true) = (self, i == rank - 1) {
+                acc += pad;
+            }
+        }
+        TensorMeta { dtype: meta.dtype, layout: Layout::strided(shape, &strides, 1).unwrap() }
+    }
+}
+
+fn draw_shape(rng: &mut Rng) -> Vec<usize> {
+    loop {
+        let rank = 1 + (rng.next_u64() % 4) as usize;
+        let shape: Vec<usize> = (0..rank).map(|_| SIZES[(rng.next_u64() % SIZES.len() as u64) as usize]).collect();
+        if shape.iter().product::<usize>() <= MAX_ELEMENTS {
+            return shape;
+        }
+    }
+}
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+#[test]
+fn random_shapes_and_layouts_match_reference() {
+    uniop_ops::init();
+    let cases = env_u64("UNIOP_SWEEP_CASES", 20);
+    let first_seed = env_u64("UNIOP_SWEEP_SEED", 1);
+    let mut failures = Vec::new();
+    let mut ran = 0;
+    for entry in Registry::global().list() {
+        for &dtype in entry.op.dtypes() {
+            for case in 0..cases {
+                let seed = first_seed.wrapping_mul(1_000_003).wrapping_add(case);
+                let mut rng = Rng::new(seed ^ entry.name().len() as u64 ^ (dtype as u64) << 32);
+                let shape = draw_shape(&mut rng);
+                // An op refuses shapes its example cannot be built on (an odd head dim for rope).
+                let Ok(example) = entry.op.example(Some(&shape), dtype) else { continue };
+                let forms: Vec<Form> = (0..example.inputs.len() + 4).map(|_| Form::draw(&mut rng)).collect();
+                let input_form = |i: usize| forms[i];
+                let out_form = forms[forms.len() - 1];
+                let inputs = {
+                    let at = std::cell::Cell::new(0);
+                    random_inputs(&example, seed, |m| input_form(at.replace(at.get() + 1)).apply(m))
+                };
+                let described = format!("{} {dtype} shape {shape:?} forms {forms:?} seed {seed}", entry.name());
+                let result = inputs.and_then(|inputs| {
+                    let mut h =
+                        OpHarness::with_inputs(entry.clone(), inputs, example.attrs.clone(), |m| out_form.apply(m))?;
+                    h.run(Stream::default_stream())?;
+                    h.check()
+                });
+                ran += 1;
+                match result {
+                    Ok(report) if report.pass() => {}
+                    Ok(report) => failures.push(format!("{described}:\n{report}")),
+                    Err(e) => failures.push(format!("{described}: {e}")),
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} of {ran} cases failed:\n{}", failures.len(), failures.join("\n"));
+}
