@@ -1,12 +1,15 @@
 //! Every registered op at shapes drawn at random from the sizes where kernels change path — vector
 //! widths and their neighbours (1, 7, 8, 9, 15, 16, 17, …), block and tile edges — with each input
 //! and output laid out at random (contiguous, padded rows, every other element, the last two dims
-//! swapped), checked against the op's f64 reference. `registry_ops.rs` runs a few fixed shapes; this
-//! one searches the corners between them. `UNIOP_SWEEP_CASES` sets the cases per op and dtype (a
+//! swapped), and its flags and `dim`/`batch_dims` drawn at random too, checked against the op's f64
+//! reference. A combination the op refuses with an error is skipped (counted, so a sweep that only
+//! meets refusals fails); a kernel that panics or a value off the reference fails. `registry_ops.rs`
+//! runs a few fixed shapes; this one searches the corners between them. `UNIOP_SWEEP_CASES` sets the cases per op and dtype (a
 //! longer search than CI's), `UNIOP_SWEEP_SEED` the first seed.
 
+use uniop::schema::BaseType;
 use uniop::verify::{random_inputs, OpHarness, Rng};
-use uniop::{Layout, Registry, Stream, TensorMeta};
+use uniop::{AttrValue, Layout, Registry, Stream, TensorMeta};
 
 /// Sizes at which a kernel may switch path: around the 8- and 16-lane vector widths, 32- and
 /// 64-wide tiles, cache lines of halves, and a few odd ones.
@@ -15,6 +18,9 @@ const SIZES: &[usize] =
 
 /// Elements a case's main shape may hold (keeps the f64 references quick).
 const MAX_ELEMENTS: usize = 1 << 15;
+
+/// Elements all of a case's inputs may hold.
+const MAX_INPUT_ELEMENTS: usize = 1 << 21;
 
 /// How a tensor is laid out in a case.
 #[derive(Clone, Copy, Debug)]
@@ -60,14 +66,46 @@ impl Form {
     }
 }
 
+/// Row lengths past the small sizes: wide rows split into chunks, blocks and tiles.
+const WIDE: &[usize] = &[1000, 1023, 1025, 2047, 4097];
+
 fn draw_shape(rng: &mut Rng) -> Vec<usize> {
+    let mut pick = |sizes: &[usize]| sizes[(rng.next_u64() % sizes.len() as u64) as usize];
+    // One case in ten: a few wide rows.
+    if pick(&[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]) == 0 {
+        return vec![pick(&[1, 2, 3, 5]), pick(WIDE)];
+    }
     loop {
-        let rank = 1 + (rng.next_u64() % 4) as usize;
-        let shape: Vec<usize> = (0..rank).map(|_| SIZES[(rng.next_u64() % SIZES.len() as u64) as usize]).collect();
+        let rank = pick(&[1, 2, 3, 4]);
+        let shape: Vec<usize> = (0..rank).map(|_| pick(SIZES)).collect();
         if shape.iter().product::<usize>() <= MAX_ELEMENTS {
             return shape;
         }
     }
+}
+
+/// The example's attributes with each flag drawn at random, and `dim` / `batch_dims` drawn within
+/// the main input's rank.
+fn draw_attrs(
+    entry: &uniop::OpEntry,
+    example: &uniop::Example,
+    rank: usize,
+    rng: &mut Rng,
+) -> Vec<(String, AttrValue)> {
+    let mut attrs = example.attrs.clone();
+    for arg in entry.schema.attrs() {
+        let value = match (arg.ty.base, arg.name.as_str()) {
+            (BaseType::Bool, _) => AttrValue::Bool(rng.next_u64() % 2 == 0),
+            (BaseType::Int, "dim") => AttrValue::Int((rng.next_u64() % (2 * rank as u64 + 1)) as i64 - rank as i64),
+            (BaseType::Int, "batch_dims") => AttrValue::Int((rng.next_u64() % rank as u64) as i64),
+            _ => continue,
+        };
+        if rng.next_u64() % 2 == 0 {
+            attrs.retain(|(name, _)| name != &arg.name);
+            attrs.push((arg.name.clone(), value));
+        }
+    }
+    attrs
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -80,7 +118,7 @@ fn random_shapes_and_layouts_match_reference() {
     let cases = env_u64("UNIOP_SWEEP_CASES", 20);
     let first_seed = env_u64("UNIOP_SWEEP_SEED", 1);
     let mut failures = Vec::new();
-    let mut ran = 0;
+    let (mut ran, mut refused) = (0, 0);
     for entry in Registry::global().list() {
         for &dtype in entry.op.dtypes() {
             for case in 0..cases {
@@ -89,6 +127,10 @@ fn random_shapes_and_layouts_match_reference() {
                 let shape = draw_shape(&mut rng);
                 // An op refuses shapes its example cannot be built on (an odd head dim for rope).
                 let Ok(example) = entry.op.example(Some(&shape), dtype) else { continue };
+                // Wide rows make square weights ([4097, 4097] for a linear): too slow a reference.
+                if example.inputs.iter().flatten().map(TensorMeta::numel).sum::<usize>() > MAX_INPUT_ELEMENTS {
+                    continue;
+                }
                 let forms: Vec<Form> = (0..example.inputs.len() + 4).map(|_| Form::draw(&mut rng)).collect();
                 let input_form = |i: usize| forms[i];
                 let out_form = forms[forms.len() - 1];
@@ -96,15 +138,17 @@ fn random_shapes_and_layouts_match_reference() {
                     let at = std::cell::Cell::new(0);
                     random_inputs(&example, seed, |m| input_form(at.replace(at.get() + 1)).apply(m))
                 };
-                let described = format!("{} {dtype} shape {shape:?} forms {forms:?} seed {seed}", entry.name());
-                let result = inputs.and_then(|inputs| {
-                    let mut h =
-                        OpHarness::with_inputs(entry.clone(), inputs, example.attrs.clone(), |m| out_form.apply(m))?;
-                    h.run(Stream::default_stream())?;
-                    h.check()
-                });
+                let attrs = draw_attrs(&entry, &example, shape.len(), &mut rng);
+                let described =
+                    format!("{} {dtype} shape {shape:?} attrs {attrs:?} forms {forms:?} seed {seed}", entry.name());
+                let inputs = inputs.unwrap_or_else(|e| panic!("{described}: {e}"));
+                let Ok(mut h) = OpHarness::with_inputs(entry.clone(), inputs, attrs, |m| out_form.apply(m)) else {
+                    // A drawn flag or dim the op does not take with these inputs.
+                    refused += 1;
+                    continue;
+                };
                 ran += 1;
-                match result {
+                match h.run(Stream::default_stream()).and_then(|_| h.check()) {
                     Ok(report) if report.pass() => {}
                     Ok(report) => failures.push(format!("{described}:\n{report}")),
                     Err(e) => failures.push(format!("{described}: {e}")),
@@ -112,5 +156,7 @@ fn random_shapes_and_layouts_match_reference() {
             }
         }
     }
+    eprintln!("{ran} cases run, {refused} refused");
+    assert!(ran > 4 * refused, "{refused} refused against {ran} run: the sweep draws too few valid cases");
     assert!(failures.is_empty(), "{} of {ran} cases failed:\n{}", failures.len(), failures.join("\n"));
 }
