@@ -8,7 +8,7 @@
 //! longer search than CI's), `UNIOP_SWEEP_SEED` the first seed.
 
 use uniop::schema::BaseType;
-use uniop::verify::{random_inputs, OpHarness, Rng};
+use uniop::verify::{in_place_positions, random_inputs, OpHarness, Rng};
 use uniop::{AttrValue, Layout, Registry, Stream, TensorMeta};
 
 /// Sizes at which a kernel may switch path: around the 8- and 16-lane vector widths, 32- and
@@ -32,15 +32,18 @@ enum Form {
     EveryOther,
     /// Row-major in the last two dims swapped (a transposed view).
     Swapped,
+    /// The first dim repeated by a zero stride (torch's `expand`): inputs the op only reads.
+    Expanded,
 }
 
 impl Form {
     fn draw(rng: &mut Rng) -> Form {
-        match rng.next_u64() % 5 {
+        match rng.next_u64() % 6 {
             0 | 1 => Form::Contiguous,
             2 => Form::Padded(1 + (rng.next_u64() % 7) as usize),
             3 => Form::EveryOther,
-            _ => Form::Swapped,
+            4 => Form::Swapped,
+            _ => Form::Expanded,
         }
     }
 
@@ -61,6 +64,10 @@ impl Form {
             if let (Form::Padded(pad), true) = (self, i == rank - 1) {
                 acc += pad;
             }
+        }
+        // Rows repeated, never a row's own elements (a constant row is a norm's worst conditioning).
+        if let (Form::Expanded, true) = (self, rank >= 2) {
+            strides[0] = 0;
         }
         TensorMeta { dtype: meta.dtype, layout: Layout::strided(shape, &strides, 1).unwrap() }
     }
@@ -131,13 +138,21 @@ fn random_shapes_and_layouts_match_reference() {
                 if example.inputs.iter().flatten().map(TensorMeta::numel).sum::<usize>() > MAX_INPUT_ELEMENTS {
                     continue;
                 }
-                let forms: Vec<Form> = (0..example.inputs.len() + 4).map(|_| Form::draw(&mut rng)).collect();
-                let input_form = |i: usize| forms[i];
-                let out_form = forms[forms.len() - 1];
-                let inputs = {
-                    let at = std::cell::Cell::new(0);
-                    random_inputs(&example, seed, |m| input_form(at.replace(at.get() + 1)).apply(m))
+                let mut forms: Vec<Form> = (0..example.inputs.len() + 4).map(|_| Form::draw(&mut rng)).collect();
+                // A tensor the op writes in place cannot repeat its elements (the op refuses it).
+                for i in in_place_positions(&entry, example.inputs.len()) {
+                    if let Form::Expanded = forms[i] {
+                        forms[i] = Form::Contiguous;
+                    }
+                }
+                let out_form = match forms[forms.len() - 1] {
+                    Form::Expanded => Form::Contiguous,
+                    form => form,
                 };
+                // random_inputs lays out the inputs given (not the absent optional ones) in order.
+                let given: Vec<usize> = (0..example.inputs.len()).filter(|&i| example.inputs[i].is_some()).collect();
+                let next = std::cell::Cell::new(0);
+                let inputs = random_inputs(&example, seed, |m| forms[given[next.replace(next.get() + 1)]].apply(m));
                 let attrs = draw_attrs(&entry, &example, shape.len(), &mut rng);
                 let described =
                     format!("{} {dtype} shape {shape:?} attrs {attrs:?} forms {forms:?} seed {seed}", entry.name());
