@@ -102,12 +102,12 @@ fn draw_attrs(
     let mut attrs = example.attrs.clone();
     for arg in entry.schema.attrs() {
         let value = match (arg.ty.base, arg.name.as_str()) {
-            (BaseType::Bool, _) => AttrValue::Bool(rng.next_u64() % 2 == 0),
+            (BaseType::Bool, _) => AttrValue::Bool(rng.next_u64().is_multiple_of(2)),
             (BaseType::Int, "dim") => AttrValue::Int((rng.next_u64() % (2 * rank as u64 + 1)) as i64 - rank as i64),
             (BaseType::Int, "batch_dims") => AttrValue::Int((rng.next_u64() % rank as u64) as i64),
             _ => continue,
         };
-        if rng.next_u64() % 2 == 0 {
+        if rng.next_u64().is_multiple_of(2) {
             attrs.retain(|(name, _)| name != &arg.name);
             attrs.push((arg.name.clone(), value));
         }
