@@ -4,9 +4,9 @@
 //! broadcast to** — a `[K, N]` weight shared by every batch gets the sum of all their products,
 //! and `da`/`db` keep `a`'s and `b`'s own shapes.
 //!
-//! Two launches, each unit one (operand batch, band of rows) that owns its output rows and walks
-//! the output batches that read it in order, accumulating in the GEMM: no atomics, so the sums
-//! are deterministic. Transposes are strides. A gradient nobody asked for (`needs_d<operand>`
+//! Two launches, each unit one (operand batch, band of rows) that owns its output rows and sums
+//! the products of the output batches that read it, in order (see [`sum_of_products`]): no
+//! atomics, so the sums are deterministic. Transposes are strides. A gradient nobody asked for (`needs_d<operand>`
 //! false: a frozen weight, input data) is left out, its launch with it, and comes back empty.
 
 use crate::matmul::{dims, gemm_rows, Dims, Dst, Mat, DTYPES};
