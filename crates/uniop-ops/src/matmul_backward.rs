@@ -6,8 +6,9 @@
 //!
 //! Two launches, each unit one (operand batch, band of rows) that owns its output rows and sums
 //! the products of the output batches that read it, in order (see [`sum_of_products`]): no
-//! atomics, so the sums are deterministic. Transposes are strides. A gradient nobody asked for (`needs_d<operand>`
-//! false: a frozen weight, input data) is left out, its launch with it, and comes back empty.
+//! atomics, so the sums are deterministic. Transposes are strides. A gradient nobody asked for
+//! (`needs_d<operand>` false: a frozen weight, input data) is left out, its launch with it, and
+//! comes back empty.
 
 use crate::matmul::{dims, gemm_rows, Dims, Dst, Mat, DTYPES};
 use std::sync::Arc;
@@ -116,12 +117,12 @@ fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: &Dims, grad: Grad, re
 
 /// `dst[band] = Σⱼ lhsⱼ[band] · rhsⱼ` over `depth`-deep products, the sum rounded to `T` once.
 ///
-/// Products whose operands follow each other in memory (each one `depth` rows of the depth dim
-/// past the last: a weight shared by every batch of a contiguous activation) are one product
-/// `depth · count` deep, which the GEMM sums in f32 (f32 and bf16). Others are summed one product
-/// at a time: in `T` for f32, but in an f32 scratch for f16/bf16, where rounding the running sum to
-/// the half type after each of 96 batches took a `[96, 4, 33] · [33, 33]` weight's gradient to 0.05
-/// off.
+/// For f32 and bf16, products whose operands follow each other in memory (each one `depth` rows of
+/// the depth dim past the last: a weight shared by every batch of a contiguous activation) are one
+/// product `depth · count` deep, which the GEMM sums in f32. Other f32 products are summed one at a
+/// time in the output; other half-type products, and all of f16's, in an f32 scratch: rounding the
+/// running sum to the half type after each of 96 batches took a `[96, 4, 33] · [33, 33]` weight's
+/// gradient to 0.05 off.
 ///
 /// # Safety
 /// As [`gemm_rows`] for every pair.
