@@ -1,7 +1,7 @@
 //! Every registered op at shapes drawn at random from the sizes where kernels change path — vector
 //! widths and their neighbours (1, 7, 8, 9, 15, 16, 17, …), block and tile edges — with each input
 //! and output laid out at random (contiguous, padded rows, every other element, the last two dims
-//! swapped), and its flags and `dim`/`batch_dims` drawn at random too, checked against the op's f64
+//! swapped, or — inputs the op only reads — the first dim repeated by a zero stride), and its flags and `dim`/`batch_dims` drawn at random too, checked against the op's f64
 //! reference. A combination the op refuses with an error is skipped (counted, so a sweep that only
 //! meets refusals fails); a kernel that panics or a value off the reference fails. `registry_ops.rs`
 //! runs a few fixed shapes; this one searches the corners between them. `UNIOP_SWEEP_CASES` sets the cases per op and dtype (a
