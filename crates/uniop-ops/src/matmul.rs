@@ -270,16 +270,7 @@ unsafe fn gemm_rows_f16_in_f32(
                     widen_matrix(Mat { ptr: out.ptr, rs: out.rs, cs: out.cs }, m, cols, c);
                 }
                 gemm_rows(0..m, cols, k, Dst { ptr: c.as_mut_ptr(), rs: cols as isize, cs: 1 }, lhs, rhs, accumulate);
-                for (r, row) in c.chunks_exact(cols).take(m).enumerate() {
-                    let line = out.ptr.offset(r as isize * out.rs);
-                    if out.cs == 1 {
-                        f16::narrow(row, std::slice::from_raw_parts_mut(line, cols));
-                    } else {
-                        for (j, &v) in row.iter().enumerate() {
-                            *line.offset(j as isize * out.cs) = f16::from_f32(v);
-                        }
-                    }
-                }
+                narrow_matrix(&c[..m * cols], cols, out);
             }
         }
     });
@@ -292,12 +283,17 @@ const WIDENED_WORDS: usize = 1 << 20;
 ///
 /// # Safety
 /// `mat` valid for the extents.
-unsafe fn widen_matrix(mat: Mat<f16>, rows: usize, cols: usize, out: &mut Vec<f32>) -> Mat<f32> {
+pub(crate) unsafe fn widen_matrix<T: FloatElement>(
+    mat: Mat<T>,
+    rows: usize,
+    cols: usize,
+    out: &mut Vec<f32>,
+) -> Mat<f32> {
     out.resize(rows * cols, 0.0);
     for (r, line) in out.chunks_exact_mut(cols.max(1)).take(rows).enumerate() {
         let first = mat.ptr.offset(r as isize * mat.rs);
         if mat.cs == 1 {
-            f16::widen(std::slice::from_raw_parts(first, cols), line);
+            T::widen(std::slice::from_raw_parts(first, cols), line);
         } else {
             for (j, v) in line.iter_mut().enumerate() {
                 *v = (*first.offset(j as isize * mat.cs)).to_f32();
@@ -305,6 +301,24 @@ unsafe fn widen_matrix(mat: Mat<f16>, rows: usize, cols: usize, out: &mut Vec<f3
         }
     }
     Mat { ptr: out.as_ptr(), rs: cols as isize, cs: 1 }
+}
+
+/// Rounds the dense row-major f32 `rows` (each `cols` long) into `dst`, row by row: the other
+/// half of [`widen_matrix`].
+///
+/// # Safety
+/// `dst` valid for writes over `rows.len() / cols` rows of `cols`.
+pub(crate) unsafe fn narrow_matrix<T: FloatElement>(rows: &[f32], cols: usize, dst: Dst<T>) {
+    for (r, row) in rows.chunks_exact(cols.max(1)).enumerate() {
+        let line = dst.ptr.offset(r as isize * dst.rs);
+        if dst.cs == 1 {
+            T::narrow(row, std::slice::from_raw_parts_mut(line, cols));
+        } else {
+            for (j, &v) in row.iter().enumerate() {
+                *line.offset(j as isize * dst.cs) = T::from_f32(v);
+            }
+        }
+    }
 }
 
 /// Rows that share a transposed copy of B, at least (below, the copy would cost more than it saves).

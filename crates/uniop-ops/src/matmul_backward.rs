@@ -10,11 +10,11 @@
 //! (`needs_d<operand>` false: a frozen weight, input data) is left out, its launch with it, and
 //! comes back empty.
 
-use crate::matmul::{dims, gemm_rows, Dims, Dst, Mat, DTYPES};
+use crate::matmul::{dims, gemm_rows, narrow_matrix, widen_matrix, Dims, Dst, Mat, DTYPES};
 use std::sync::Arc;
 use uniop::{
-    with_float_dtype, BlockCtx, DType, Element, Example, KernelArgs, Layout, Op, OpCx, Plan, RefTensor, Result, Step,
-    TensorMeta,
+    with_float_dtype, BlockCtx, DType, Example, FloatElement, KernelArgs, Layout, Op, OpCx, Plan, RefTensor, Result,
+    Step, TensorMeta,
 };
 
 pub struct MatmulBackward;
@@ -62,7 +62,14 @@ enum Grad {
     B,
 }
 
-fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: &Dims, grad: Grad, readers: &[Vec<usize>], tiles: usize) {
+fn kernel<T: FloatElement>(
+    args: &KernelArgs,
+    ctx: BlockCtx,
+    d: &Dims,
+    grad: Grad,
+    readers: &[Vec<usize>],
+    tiles: usize,
+) {
     let (dout, a, b) = (args.input(0), args.input(1), args.input(2));
     let out = args.output(match grad {
         Grad::A => 0,
@@ -94,24 +101,21 @@ fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: &Dims, grad: Grad, re
             }
             continue;
         }
-        let products: Vec<(Mat<T>, Mat<T>)> = readers[own]
-            .iter()
-            .map(|&bi| {
-                let dout_m = Mat { ptr: unsafe { dp.add(batch_offset(dout.layout(), bi)) }, rs: d_rs, cs: d_cs };
-                match grad {
-                    Grad::A => {
-                        let bm = unsafe { bp.add(batch_offset(lb, b_batch.offset_of_linear(bi))) };
-                        (dout_m, Mat { ptr: bm, rs: b_cs, cs: b_rs })
-                    }
-                    Grad::B => {
-                        let am = unsafe { ap.add(batch_offset(la, a_batch.offset_of_linear(bi))) };
-                        (Mat { ptr: am, rs: a_cs, cs: a_rs }, dout_m)
-                    }
+        let product = |bi: usize| {
+            let dout_m = Mat { ptr: unsafe { dp.add(batch_offset(dout.layout(), bi)) }, rs: d_rs, cs: d_cs };
+            match grad {
+                Grad::A => {
+                    let bm = unsafe { bp.add(batch_offset(lb, b_batch.offset_of_linear(bi))) };
+                    (dout_m, Mat { ptr: bm, rs: b_cs, cs: b_rs })
                 }
-            })
-            .collect();
+                Grad::B => {
+                    let am = unsafe { ap.add(batch_offset(la, a_batch.offset_of_linear(bi))) };
+                    (Mat { ptr: am, rs: a_cs, cs: a_rs }, dout_m)
+                }
+            }
+        };
         // SAFETY: offsets stay inside the checked views; this unit owns `band` of `dst`.
-        unsafe { sum_of_products(band, cols, depth, dst, &products) };
+        unsafe { sum_of_products(band, cols, depth, dst, readers[own].iter().map(|&bi| product(bi))) };
     }
 }
 
@@ -126,15 +130,16 @@ fn kernel<T: Element>(args: &KernelArgs, ctx: BlockCtx, d: &Dims, grad: Grad, re
 ///
 /// # Safety
 /// As [`gemm_rows`] for every pair.
-unsafe fn sum_of_products<T: Element>(
+unsafe fn sum_of_products<T: FloatElement>(
     band: std::ops::Range<usize>,
     cols: usize,
     depth: usize,
     dst: Dst<T>,
-    products: &[(Mat<T>, Mat<T>)],
+    products: impl Iterator<Item = (Mat<T>, Mat<T>)> + Clone,
 ) {
-    let Some(&(lhs, rhs)) = products.first() else { return };
-    let follows = |j: usize, (l, r): &(Mat<T>, Mat<T>)| {
+    let Some((lhs, rhs)) = products.clone().next() else { return };
+    let count = products.clone().count();
+    let follows = |(j, (l, r)): (usize, (Mat<T>, Mat<T>))| {
         let past = (j * depth) as isize;
         l.ptr == lhs.ptr.wrapping_offset(past * lhs.cs)
             && r.ptr == rhs.ptr.wrapping_offset(past * rhs.rs)
@@ -142,35 +147,30 @@ unsafe fn sum_of_products<T: Element>(
     };
     // Not f16: its GEMM widens B again for every block of rows, which a product 8192 deep cuts thin
     // (`[16, 512, 1024]` f16: 463-490 ms merged, 411-416 summed in f32 below; bf16 234 against 252).
-    if T::DTYPE != DType::F16 && products.iter().enumerate().all(|(j, p)| follows(j, p)) {
-        return gemm_rows(band, cols, depth * products.len(), dst, lhs, rhs, false);
+    if T::DTYPE != DType::F16 && products.clone().enumerate().all(follows) {
+        return gemm_rows(band, cols, depth * count, dst, lhs, rhs, false);
     }
-    if T::DTYPE == DType::F32 || products.len() == 1 {
-        for (j, &(lhs, rhs)) in products.iter().enumerate() {
+    if T::DTYPE == DType::F32 || count == 1 {
+        for (j, (lhs, rhs)) in products.enumerate() {
             gemm_rows(band.clone(), cols, depth, dst, lhs, rhs, j > 0);
         }
         return;
     }
-    let widen = |m: Mat<T>, rows: usize, cols: usize, out: &mut Vec<f32>| {
-        out.clear();
-        out.extend((0..rows).flat_map(|r| {
-            (0..cols).map(move |c| unsafe { *m.ptr.offset(r as isize * m.rs + c as isize * m.cs) }.to_f64() as f32)
-        }));
-        Mat { ptr: out.as_ptr(), rs: cols as isize, cs: 1 }
-    };
-    let mut sum = vec![0f32; band.len() * cols];
-    let (mut l, mut r) = (Vec::new(), Vec::new());
-    for (j, &(lhs, rhs)) in products.iter().enumerate() {
-        let lhs = widen(Mat { ptr: lhs.ptr.offset(band.start as isize * lhs.rs), ..lhs }, band.len(), depth, &mut l);
-        let rhs = widen(rhs, depth, cols, &mut r);
-        let into = Dst { ptr: sum.as_mut_ptr(), rs: cols as isize, cs: 1 };
-        gemm_rows(0..band.len(), cols, depth, into, lhs, rhs, j > 0);
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<[Vec<f32>; 3]> = const { std::cell::RefCell::new([Vec::new(), Vec::new(), Vec::new()]) };
     }
-    for (i, row) in band.zip(sum.chunks_exact(cols.max(1))) {
-        for (c, &v) in row.iter().enumerate() {
-            *dst.ptr.offset(i as isize * dst.rs + c as isize * dst.cs) = T::from_f64(v as f64);
+    SCRATCH.with_borrow_mut(|[sum, l, r]| {
+        sum.clear();
+        sum.resize(band.len() * cols, 0.0);
+        for (j, (lhs, rhs)) in products.enumerate() {
+            let lhs =
+                widen_matrix(Mat { ptr: lhs.ptr.offset(band.start as isize * lhs.rs), ..lhs }, band.len(), depth, l);
+            let rhs = widen_matrix(rhs, depth, cols, r);
+            let into = Dst { ptr: sum.as_mut_ptr(), rs: cols as isize, cs: 1 };
+            gemm_rows(0..band.len(), cols, depth, into, lhs, rhs, j > 0);
         }
-    }
+        narrow_matrix(sum, cols, Dst { ptr: dst.ptr.offset(band.start as isize * dst.rs), ..dst });
+    });
 }
 
 impl Op for MatmulBackward {

@@ -479,6 +479,24 @@ fn executor_lifecycle_rules() {
     assert!(check_outputs(&entry, &inputs2, &attr_refs(&[]), &outs).unwrap().pass());
 }
 
+/// A true result past a half type's range is inf once rounded, and the check accepts the kernel's
+/// inf for it; a finite value written there (the type's largest, say) is still off the reference.
+#[test]
+fn check_holds_an_overflowing_result_to_the_infinity_the_dtype_stores() {
+    setup();
+    let f16 = uniop::half::f16::from_f32;
+    let (a, b) = ([f16(300.0), f16(-300.0), f16(2.0)], [f16(300.0), f16(300.0), f16(3.0)]);
+    let inputs = [Some(TensorRef::new(&a, &[3]).unwrap()), Some(TensorRef::new(&b, &[3]).unwrap())];
+    let got = run_checked("mul", &inputs, &[]);
+    assert_eq!(got[0], [f64::INFINITY, f64::NEG_INFINITY, 6.0]);
+    let entry = Registry::global().get("mul").unwrap();
+    for wrong in [[uniop::half::f16::MAX, f16(-65504.0), f16(6.0)], [f16(6.0), f16(6.0), f16(f32::INFINITY)]] {
+        let outs = [TensorRef::new(&wrong, &[3]).unwrap()];
+        let report = check_outputs(&entry, &inputs, &attr_refs(&[]), &outs).unwrap();
+        assert!(!report.pass(), "{wrong:?} passed:\n{report}");
+    }
+}
+
 /// A repeatable executor pointed at new memory of the planned layout (what frontends do on a plan
 /// cache hit) reads and writes there; memory too short or misaligned for the layout is refused.
 #[test]

@@ -1,11 +1,13 @@
 //! Every registered op at shapes drawn at random from the sizes where kernels change path — vector
 //! widths and their neighbours (1, 7, 8, 9, 15, 16, 17, …), block and tile edges — with each input
 //! and output laid out at random (contiguous, padded rows, every other element, the last two dims
-//! swapped, or — inputs the op only reads — the first dim repeated by a zero stride), and its flags and `dim`/`batch_dims` drawn at random too, checked against the op's f64
-//! reference. A combination the op refuses with an error is skipped (counted, so a sweep that only
-//! meets refusals fails); a kernel that panics or a value off the reference fails. `registry_ops.rs`
-//! runs a few fixed shapes; this one searches the corners between them. `UNIOP_SWEEP_CASES` sets the cases per op and dtype (a
-//! longer search than CI's), `UNIOP_SWEEP_SEED` the first seed.
+//! swapped, or — inputs the op only reads — the first dim repeated by a zero stride), its flags,
+//! string modes and `dim`/`batch_dims` drawn at random too, and its optional tensors now and then
+//! left out, checked against the op's f64 reference. A combination the op refuses with an error is
+//! skipped (counted, so a sweep that only meets refusals fails); a kernel that panics or a value
+//! off the reference fails. `registry_ops.rs` runs a few fixed shapes; this one searches the
+//! corners between them. `UNIOP_SWEEP_CASES` sets the cases per op and dtype (a longer search than
+//! CI's), `UNIOP_SWEEP_SEED` the first seed.
 
 use uniop::schema::BaseType;
 use uniop::verify::{in_place_positions, random_inputs, OpHarness, Rng};
@@ -91,8 +93,11 @@ fn draw_shape(rng: &mut Rng) -> Vec<usize> {
     }
 }
 
-/// The example's attributes with each flag drawn at random, and `dim` / `batch_dims` drawn within
-/// the main input's rank.
+/// The values string attributes take across the registry (an op refuses the ones it lacks).
+const STR_VALUES: &[(&str, &[&str])] = &[("mode", &["half", "interleave"]), ("approximate", &["none", "tanh"])];
+
+/// The example's attributes with each flag and string drawn at random, and `dim` / `batch_dims`
+/// drawn within the main input's rank.
 fn draw_attrs(
     entry: &uniop::OpEntry,
     example: &uniop::Example,
@@ -105,6 +110,10 @@ fn draw_attrs(
             (BaseType::Bool, _) => AttrValue::Bool(rng.next_u64().is_multiple_of(2)),
             (BaseType::Int, "dim") => AttrValue::Int((rng.next_u64() % (2 * rank as u64 + 1)) as i64 - rank as i64),
             (BaseType::Int, "batch_dims") => AttrValue::Int((rng.next_u64() % rank as u64) as i64),
+            (BaseType::Str, name) => match STR_VALUES.iter().find(|(attr, _)| *attr == name) {
+                Some((_, values)) => AttrValue::Str(values[(rng.next_u64() % values.len() as u64) as usize].into()),
+                None => continue,
+            },
             _ => continue,
         };
         if rng.next_u64().is_multiple_of(2) {
@@ -113,6 +122,20 @@ fn draw_attrs(
         }
     }
     attrs
+}
+
+/// Leaves out, one time in three, each optional tensor the example gives (a bias, a mask, a
+/// second operand), so the paths without it run too.
+fn drop_optional_inputs(entry: &uniop::OpEntry, example: &mut uniop::Example, rng: &mut Rng) {
+    let mut at = 0;
+    for (arg, count) in entry.schema.tensor_args(example.inputs.len(), true) {
+        if arg.ty.optional && rng.next_u64().is_multiple_of(3) {
+            if let Some(slot) = example.inputs.get_mut(at) {
+                *slot = None;
+            }
+        }
+        at += count;
+    }
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -133,7 +156,8 @@ fn random_shapes_and_layouts_match_reference() {
                 let mut rng = Rng::new(seed ^ entry.name().len() as u64 ^ (dtype as u64) << 32);
                 let shape = draw_shape(&mut rng);
                 // An op refuses shapes its example cannot be built on (an odd head dim for rope).
-                let Ok(example) = entry.op.example(Some(&shape), dtype) else { continue };
+                let Ok(mut example) = entry.op.example(Some(&shape), dtype) else { continue };
+                drop_optional_inputs(&entry, &mut example, &mut rng);
                 // Wide rows make square weights ([4097, 4097] for a linear): too slow a reference.
                 if example.inputs.iter().flatten().map(TensorMeta::numel).sum::<usize>() > MAX_INPUT_ELEMENTS {
                     continue;
