@@ -2,7 +2,7 @@
 //! widths and their neighbours (1, 7, 8, 9, 15, 16, 17, …), block and tile edges — with each input
 //! and output laid out at random (contiguous, padded rows, every other element, the last two dims
 //! swapped, or — inputs the op only reads — the first dim repeated by a zero stride), its flags,
-//! string modes and `dim`/`batch_dims` drawn at random too, and its optional tensors now and then
+//! modes, scales and `dim`/`batch_dims` drawn at random too, and its optional tensors now and then
 //! left out, checked against the op's f64 reference. A combination the op refuses with an error is
 //! skipped (counted, so a sweep that only meets refusals fails); a kernel that panics or a value
 //! off the reference fails. `registry_ops.rs` runs a few fixed shapes; this one searches the
@@ -79,14 +79,13 @@ impl Form {
 const WIDE: &[usize] = &[1000, 1023, 1025, 2047, 4097];
 
 fn draw_shape(rng: &mut Rng) -> Vec<usize> {
-    let mut pick = |sizes: &[usize]| sizes[(rng.next_u64() % sizes.len() as u64) as usize];
     // One case in ten: a few wide rows.
-    if pick(&[0, 1, 2, 3, 4, 5, 6, 7, 8, 9]) == 0 {
-        return vec![pick(&[1, 2, 3, 5]), pick(WIDE)];
+    if pick(&[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], rng) == 0 {
+        return vec![pick(&[1, 2, 3, 5], rng), pick(WIDE, rng)];
     }
     loop {
-        let rank = pick(&[1, 2, 3, 4]);
-        let shape: Vec<usize> = (0..rank).map(|_| pick(SIZES)).collect();
+        let rank = pick(&[1, 2, 3, 4], rng);
+        let shape: Vec<usize> = (0..rank).map(|_| pick(SIZES, rng)).collect();
         if shape.iter().product::<usize>() <= MAX_ELEMENTS {
             return shape;
         }
@@ -96,23 +95,50 @@ fn draw_shape(rng: &mut Rng) -> Vec<usize> {
 /// The values string attributes take across the registry (an op refuses the ones it lacks).
 const STR_VALUES: &[(&str, &[&str])] = &[("mode", &["half", "interleave"]), ("approximate", &["none", "tanh"])];
 
-/// The example's attributes with each flag and string drawn at random, and `dim` / `batch_dims`
-/// drawn within the main input's rank.
+/// Index-valued attributes, drawn among the first indices the examples' index inputs hold (an
+/// ignored target, a padding row) or, for `top_k`, a few cut-offs.
+const INT_VALUES: &[(&str, &[i64])] =
+    &[("ignore_index", &[-100, 0, 1, 2]), ("padding_idx", &[-1, 0, 1, 2]), ("top_k", &[0, 1, 5])];
+
+fn pick<T: Copy>(values: &[T], rng: &mut Rng) -> T {
+    values[(rng.next_u64() % values.len() as u64) as usize]
+}
+
+/// The example's attributes with each flag, string, float and index drawn at random, and `dim` /
+/// `batch_dims` drawn within the main input's rank.
+///
+/// Floats are drawn for forward ops only: a backward's saved inputs (`out`, `lse`) are random, not
+/// what the forward made, so a larger attention scale makes its true gradients overflow, and a
+/// larger `alpha` puts a gate's f32 activation exactly on the clamp that the f64 one falls short
+/// of — cases no forward call can produce.
 fn draw_attrs(
     entry: &uniop::OpEntry,
     example: &uniop::Example,
     rank: usize,
+    is_backward: bool,
     rng: &mut Rng,
 ) -> Vec<(String, AttrValue)> {
     let mut attrs = example.attrs.clone();
     for arg in entry.schema.attrs() {
+        let given = attrs.iter().find(|(name, _)| name == &arg.name).map(|(_, v)| v).or(arg.default.as_ref());
         let value = match (arg.ty.base, arg.name.as_str()) {
             (BaseType::Bool, _) => AttrValue::Bool(rng.next_u64().is_multiple_of(2)),
             (BaseType::Int, "dim") => AttrValue::Int((rng.next_u64() % (2 * rank as u64 + 1)) as i64 - rank as i64),
             (BaseType::Int, "batch_dims") => AttrValue::Int((rng.next_u64() % rank as u64) as i64),
             (BaseType::Str, name) => match STR_VALUES.iter().find(|(attr, _)| *attr == name) {
-                Some((_, values)) => AttrValue::Str(values[(rng.next_u64() % values.len() as u64) as usize].into()),
+                Some((_, values)) => AttrValue::Str(pick(values, rng).into()),
                 None => continue,
+            },
+            (BaseType::Int, name) => match INT_VALUES.iter().find(|(attr, _)| *attr == name) {
+                Some((_, values)) => AttrValue::Int(pick(values, rng)),
+                None => continue,
+            },
+            // A scale, softcap or epsilon halved or doubled (`None` for one left out, or a
+            // softcap set where the example has none).
+            (BaseType::Float, _) if !is_backward => match given {
+                _ if arg.ty.optional && rng.next_u64().is_multiple_of(3) => AttrValue::None,
+                Some(AttrValue::Float(v)) => AttrValue::Float(v * pick(&[0.5, 2.0], rng)),
+                _ => AttrValue::Float(pick(&[0.5, 2.0, 30.0], rng)),
             },
             _ => continue,
         };
@@ -149,6 +175,7 @@ fn random_shapes_and_layouts_match_reference() {
     let first_seed = env_u64("UNIOP_SWEEP_SEED", 1);
     let mut failures = Vec::new();
     let (mut ran, mut refused) = (0, 0);
+    let backward_ops: Vec<&str> = Registry::global().list().iter().filter_map(|e| e.op.backward()).collect();
     for entry in Registry::global().list() {
         for &dtype in entry.op.dtypes() {
             for case in 0..cases {
@@ -177,7 +204,7 @@ fn random_shapes_and_layouts_match_reference() {
                 let given: Vec<usize> = (0..example.inputs.len()).filter(|&i| example.inputs[i].is_some()).collect();
                 let next = std::cell::Cell::new(0);
                 let inputs = random_inputs(&example, seed, |m| forms[given[next.replace(next.get() + 1)]].apply(m));
-                let attrs = draw_attrs(&entry, &example, shape.len(), &mut rng);
+                let attrs = draw_attrs(&entry, &example, shape.len(), backward_ops.contains(&entry.name()), &mut rng);
                 let described =
                     format!("{} {dtype} shape {shape:?} attrs {attrs:?} forms {forms:?} seed {seed}", entry.name());
                 let inputs = inputs.unwrap_or_else(|e| panic!("{described}: {e}"));
