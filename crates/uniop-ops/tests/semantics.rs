@@ -497,6 +497,40 @@ fn check_holds_an_overflowing_result_to_the_infinity_the_dtype_stores() {
     }
 }
 
+/// The harness's check catches what a value check alone cannot: an element the kernel left
+/// unwritten (returns start as NaN, not as whatever the allocator held) and a write outside the
+/// view (into a padded row's tail).
+#[test]
+fn harness_check_fails_unwritten_elements_and_writes_outside_the_view() {
+    setup();
+    let entry = Registry::global().get("mul").unwrap();
+    let (a, b) = (rand_vec(6, 1), rand_vec(6, 2));
+    let inputs = vec![Some(Tensor::from_slice(&a, &[2, 3]).unwrap()), Some(Tensor::from_slice(&b, &[2, 3]).unwrap())];
+    // Rows padded by two elements, after one leading element: storage [_, r0 r0 r0, _, _, r1 r1 r1].
+    let padded =
+        |m: &TensorMeta| TensorMeta { dtype: m.dtype, layout: uniop::Layout::strided(m.shape(), &[5, 1], 1).unwrap() };
+    let mut h = uniop::verify::OpHarness::with_inputs(entry, inputs, Vec::new(), padded).unwrap();
+    let stream = Stream::default_stream();
+    h.run(stream).unwrap();
+    assert!(h.check().unwrap().pass());
+    // SAFETY (each poke below): no kernel runs on the output while the test writes it.
+    let storage = |h: &uniop::verify::OpHarness| h.outputs[0].buffer().as_ptr();
+    let poke = |h: &uniop::verify::OpHarness, byte: usize, f: fn(u8) -> u8| unsafe {
+        *storage(h).add(byte) = f(*storage(h).add(byte))
+    };
+    // A byte of the gap after row 0 (storage element 4) changed.
+    poke(&h, 4 * 4, |b| b ^ 1);
+    let report = h.check().unwrap();
+    assert_eq!(report.outputs[0].wrote_outside, Some(4), "{report}");
+    assert!(!report.pass());
+    // Rerun (the view is rewritten, the gap is not), then row 1's last element back to its start.
+    poke(&h, 4 * 4, |b| b ^ 1);
+    h.run(stream).unwrap();
+    assert!(h.check().unwrap().pass());
+    (8 * 4..9 * 4).for_each(|byte| poke(&h, byte, |_| 0xFF));
+    assert!(!h.check().unwrap().pass());
+}
+
 /// A repeatable executor pointed at new memory of the planned layout (what frontends do on a plan
 /// cache hit) reads and writes there; memory too short or misaligned for the layout is refused.
 #[test]

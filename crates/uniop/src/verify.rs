@@ -32,6 +32,10 @@ pub struct OutputCheck {
     pub max_rel: f64,
     /// Linear index of the worst element (relative to its tolerance).
     pub worst: Option<usize>,
+    /// A storage element outside the tensor's view (a padded row's tail, a skipped element) that
+    /// the run changed: the kernel wrote memory that is not its output. Checked by
+    /// [`OpHarness::check`]; fails the check.
+    pub wrote_outside: Option<usize>,
     pub pass: bool,
 }
 
@@ -59,6 +63,9 @@ impl std::fmt::Display for CheckReport {
                 o.max_rel,
                 if o.pass { "PASS" } else { "FAIL" }
             )?;
+            if let Some(at) = o.wrote_outside {
+                writeln!(f, "  {:<10} wrote storage element {at}, outside its view", o.name)?;
+            }
         }
         Ok(())
     }
@@ -90,6 +97,7 @@ pub fn check_outputs(
             max_abs: 0.0,
             max_rel: 0.0,
             worst: None,
+            wrote_outside: None,
             pass: true,
         };
         let mut worst_ratio = 0.0f64;
@@ -132,6 +140,12 @@ fn overflowed_in(dtype: DType, value: f64) -> Option<f64> {
     };
     (value.is_finite() && held.is_infinite()).then_some(held)
 }
+
+/// The byte an [`OpHarness`]'s returns start filled with: a NaN in every float dtype (-1 in the
+/// integer ones), so an element a kernel leaves unwritten fails the check rather than passing on
+/// whatever the allocator's block held (often the zero a reference expects). Bool returns are
+/// left alone (0xFF is no bool).
+const POISON: u8 = 0xFF;
 
 /// SplitMix64: tiny, seedable, good enough for test data (not for sampling).
 pub struct Rng(u64);
@@ -226,9 +240,41 @@ impl OpHarness {
             outputs.push(Tensor::copy_of(&source.view())?);
         }
         for m in out_metas {
-            outputs.push(Tensor::with_meta(out_layout(&m))?);
+            let t = Tensor::with_meta(out_layout(&m))?;
+            if t.dtype() != DType::Bool {
+                // SAFETY: a fresh tensor no kernel has seen.
+                unsafe { t.buffer().as_mut_slice() }.fill(POISON);
+            }
+            outputs.push(t);
         }
         Ok(OpHarness { entry, inputs, outputs, attrs })
+    }
+
+    /// The first storage element outside written tensor `o`'s view that no longer holds what it
+    /// started with (see [`OutputCheck::wrote_outside`]): an in-place argument's copy of its input
+    /// (gaps and all), a return's [`POISON`].
+    fn written_outside(&self, o: usize) -> Option<usize> {
+        let t = &self.outputs[o];
+        let layout = &t.meta().layout;
+        if layout.dense_range().is_some_and(|r| r.start == 0) {
+            return None; // the view is all of its storage
+        }
+        let (size, extent) = (t.dtype().size(), layout.storage_extent().ok()?);
+        let mut in_view = vec![false; extent];
+        for i in 0..layout.numel() {
+            in_view[layout.offset_of_linear(i)] = true;
+        }
+        // SAFETY: runs are synchronous and no kernel writes the inputs; nothing writes these
+        // buffers while they are read.
+        let source = in_place_positions(&self.entry, self.inputs.len())
+            .get(o)
+            .map(|&i| unsafe { self.inputs[i].as_ref().expect("in-place arguments are given").buffer().as_slice() });
+        if source.is_none() && t.dtype() == DType::Bool {
+            return None; // not poisoned
+        }
+        let bytes = unsafe { t.buffer().as_slice() };
+        let first = |b: usize| source.map_or(POISON, |s| s[b]);
+        (0..extent).find(|&e| !in_view[e] && (e * size..(e + 1) * size).any(|b| bytes[b] != first(b)))
     }
 
     fn executor(&mut self) -> Result<Executor<'_>> {
@@ -290,11 +336,17 @@ impl OpHarness {
         Ok(best)
     }
 
-    /// Compares the outputs of the latest [`OpHarness::run`] with the reference.
+    /// Compares the outputs of the latest [`OpHarness::run`] with the reference, and checks that
+    /// the storage around each written view is as it was.
     pub fn check(&self) -> Result<CheckReport> {
         let views: Vec<Option<TensorRef<'_>>> = self.inputs.iter().map(|t| t.as_ref().map(Tensor::view)).collect();
         let outs: Vec<TensorRef<'_>> = self.outputs.iter().map(Tensor::view).collect();
-        check_outputs(&self.entry, &views, &attr_refs(&self.attrs), &outs)
+        let mut report = check_outputs(&self.entry, &views, &attr_refs(&self.attrs), &outs)?;
+        for (o, check) in report.outputs.iter_mut().enumerate() {
+            check.wrote_outside = self.written_outside(o);
+            check.pass &= check.wrote_outside.is_none();
+        }
+        Ok(report)
     }
 
     /// Bytes read and written by one launch: the op's own count when it has one (ops that touch
