@@ -6,7 +6,8 @@
 //! left out, checked against the op's f64 reference. A combination the op refuses with an error is
 //! skipped (counted, so a sweep that only meets refusals fails); a kernel that panics or a value
 //! off the reference fails. `registry_ops.rs` runs a few fixed shapes; this one searches the
-//! corners between them. `UNIOP_SWEEP_CASES` sets the cases per op and dtype (a longer search than
+//! corners between them. Each case runs twice: the second run must write the same bits (the ops
+//! are deterministic). `UNIOP_SWEEP_CASES` sets the cases per op and dtype (a longer search than
 //! CI's), `UNIOP_SWEEP_SEED` the first seed.
 
 use uniop::schema::BaseType;
@@ -164,6 +165,15 @@ fn drop_optional_inputs(entry: &uniop::OpEntry, example: &mut uniop::Example, rn
     }
 }
 
+/// Layouts drawn for a case's returns, in turn (attention_backward has five).
+const OUTPUT_FORMS: usize = 3;
+
+/// The storage bytes of every tensor the harness's op writes.
+fn written_bytes(h: &OpHarness) -> Vec<Vec<u8>> {
+    // SAFETY: runs are synchronous; nothing writes the outputs while they are read.
+    h.outputs.iter().map(|t| unsafe { t.buffer().as_slice() }.to_vec()).collect()
+}
+
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
@@ -189,7 +199,8 @@ fn random_shapes_and_layouts_match_reference() {
                 if example.inputs.iter().flatten().map(TensorMeta::numel).sum::<usize>() > MAX_INPUT_ELEMENTS {
                     continue;
                 }
-                let mut forms: Vec<Form> = (0..example.inputs.len() + 4).map(|_| Form::draw(&mut rng)).collect();
+                let n = example.inputs.len();
+                let mut forms: Vec<Form> = (0..n + OUTPUT_FORMS).map(|_| Form::draw(&mut rng)).collect();
                 // A tensor the op writes in place cannot repeat its elements (the op refuses it).
                 for i in in_place_positions(&entry, example.inputs.len()) {
                     if let Form::Expanded = forms[i] {
@@ -203,10 +214,14 @@ fn random_shapes_and_layouts_match_reference() {
                 let mut expanded = forms.iter_mut().filter(|f| matches!(f, Form::Expanded));
                 expanded.next();
                 expanded.for_each(|f| *f = Form::Contiguous);
-                let out_form = match forms[forms.len() - 1] {
-                    Form::Expanded => Form::Contiguous,
-                    form => form,
-                };
+                // Each return its own layout (cycling through the forms drawn for them).
+                let out_forms: Vec<Form> = forms[n..]
+                    .iter()
+                    .map(|&form| if let Form::Expanded = form { Form::Contiguous } else { form })
+                    .collect();
+                let out_form = std::cell::Cell::new(0);
+                let out_layout =
+                    |m: &TensorMeta| out_forms[out_form.replace(out_form.get() + 1) % OUTPUT_FORMS].apply(m);
                 // random_inputs lays out the inputs given (not the absent optional ones) in order.
                 let given: Vec<usize> = (0..example.inputs.len()).filter(|&i| example.inputs[i].is_some()).collect();
                 let next = std::cell::Cell::new(0);
@@ -215,7 +230,7 @@ fn random_shapes_and_layouts_match_reference() {
                 let described =
                     format!("{} {dtype} shape {shape:?} attrs {attrs:?} forms {forms:?} seed {seed}", entry.name());
                 let inputs = inputs.unwrap_or_else(|e| panic!("{described}: {e}"));
-                let Ok(mut h) = OpHarness::with_inputs(entry.clone(), inputs, attrs, |m| out_form.apply(m)) else {
+                let Ok(mut h) = OpHarness::with_inputs(entry.clone(), inputs, attrs, out_layout) else {
                     // A drawn flag or dim the op does not take with these inputs.
                     refused += 1;
                     continue;
@@ -225,6 +240,13 @@ fn random_shapes_and_layouts_match_reference() {
                     Ok(report) if report.pass() => {}
                     Ok(report) => failures.push(format!("{described}:\n{report}")),
                     Err(e) => failures.push(format!("{described}: {e}")),
+                }
+                // The ops are deterministic: a second run writes the same bits.
+                let first = written_bytes(&h);
+                match h.run(Stream::default_stream()) {
+                    Ok(_) if written_bytes(&h) == first => {}
+                    Ok(_) => failures.push(format!("{described}: a second run wrote other values")),
+                    Err(e) => failures.push(format!("{described}: second run: {e}")),
                 }
             }
         }
