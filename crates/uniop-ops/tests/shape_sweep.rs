@@ -231,7 +231,7 @@ fn random_shapes_and_layouts_match_reference() {
                     format!("{} {dtype} shape {shape:?} attrs {attrs:?} forms {forms:?} seed {seed}", entry.name());
                 let inputs = inputs.unwrap_or_else(|e| panic!("{described}: {e}"));
                 let Ok(mut h) = OpHarness::with_inputs(entry.clone(), inputs, attrs, out_layout) else {
-                    // A drawn flag or dim the op does not take with these inputs.
+                    // A drawn attribute, or a tensor left out, that the op does not take with these inputs.
                     refused += 1;
                     continue;
                 };

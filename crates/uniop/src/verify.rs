@@ -259,11 +259,6 @@ impl OpHarness {
         if layout.dense_range().is_some_and(|r| r.start == 0) {
             return None; // the view is all of its storage
         }
-        let (size, extent) = (t.dtype().size(), layout.storage_extent().ok()?);
-        let mut in_view = vec![false; extent];
-        for i in 0..layout.numel() {
-            in_view[layout.offset_of_linear(i)] = true;
-        }
         // SAFETY: runs are synchronous and no kernel writes the inputs; nothing writes these
         // buffers while they are read.
         let source = in_place_positions(&self.entry, self.inputs.len())
@@ -271,6 +266,11 @@ impl OpHarness {
             .map(|&i| unsafe { self.inputs[i].as_ref().expect("in-place arguments are given").buffer().as_slice() });
         if source.is_none() && t.dtype() == DType::Bool {
             return None; // not poisoned
+        }
+        let (size, extent) = (t.dtype().size(), layout.storage_extent().ok()?);
+        let mut in_view = vec![false; extent];
+        for i in 0..layout.numel() {
+            in_view[layout.offset_of_linear(i)] = true;
         }
         let bytes = unsafe { t.buffer().as_slice() };
         let first = |b: usize| source.map_or(POISON, |s| s[b]);
