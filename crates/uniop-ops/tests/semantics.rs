@@ -510,6 +510,7 @@ fn harness_check_fails_unwritten_elements_and_writes_outside_the_view() {
     let padded =
         |m: &TensorMeta| TensorMeta { dtype: m.dtype, layout: uniop::Layout::strided(m.shape(), &[5, 1], 1).unwrap() };
     let mut h = uniop::verify::OpHarness::with_inputs(entry, inputs, Vec::new(), padded).unwrap();
+    assert!(h.outputs[0].view().to_f64_vec().iter().all(|v| v.is_nan()), "a return starts as NaN");
     let stream = Stream::default_stream();
     h.run(stream).unwrap();
     assert!(h.check().unwrap().pass());
