@@ -135,10 +135,10 @@ unsafe fn sum_of_products<T: FloatElement>(
     cols: usize,
     depth: usize,
     dst: Dst<T>,
-    products: impl Iterator<Item = (Mat<T>, Mat<T>)> + Clone,
+    products: impl ExactSizeIterator<Item = (Mat<T>, Mat<T>)> + Clone,
 ) {
     let Some((lhs, rhs)) = products.clone().next() else { return };
-    let count = products.clone().count();
+    let count = products.len();
     let follows = |(j, (l, r)): (usize, (Mat<T>, Mat<T>))| {
         let past = (j * depth) as isize;
         l.ptr == lhs.ptr.wrapping_offset(past * lhs.cs)
