@@ -27,7 +27,7 @@
 use crate::math;
 use crate::paired::{PairFn, PairFnUser, PairGate};
 use std::marker::PhantomData;
-use uniop::{AttrValue, Element, ErrorCode, OpCx, Result};
+use uniop::{AttrValue, DType, Element, ErrorCode, OpCx, Result};
 
 /// One call's constants: `alpha` scales the gate inside its sigmoid, `limit` bounds the up value
 /// and the gate (or, `after_act`, the gate's activation `g · σ(alpha · g)`: see [`LimitAt`]),
@@ -39,6 +39,10 @@ pub(crate) struct Clamp {
     limit: f64,
     up_shift: f64,
     after_act: bool,
+    /// Whether the kernels compute this call in f32 (all but the f64 reference's calls): the
+    /// reference then decides whether the activation is below its limit on the activation as f32
+    /// holds it (see `exact`).
+    f32_kernel: bool,
 }
 
 /// Where the limit bounds the gate side: on the gate before its activation ([`LimitGate`]:
@@ -158,7 +162,7 @@ impl PairGate for Clamp {
             return Err(cx.err(ErrorCode::ParamInvalid, "limit", "a number >= 0 (inf clamps nothing)", limit));
         }
         let after_act = matches!(cx.attr("limit_after_act"), AttrValue::Bool(true));
-        Ok(Clamp { alpha, limit, up_shift, after_act })
+        Ok(Clamp { alpha, limit, up_shift, after_act, f32_kernel: cx.input("x").dtype != DType::F64 })
     }
 
     fn exact(self, g: f64, u: f64) -> (f64, f64, f64) {
@@ -168,7 +172,12 @@ impl PairGate for Clamp {
         let s = math::exact::sigmoid(alpha * gc);
         let act = gc * s;
         let act_c = if act > act_bound { act_bound } else { act };
-        let passes = g < gate_bound && act < act_bound;
+        // The gate's gradient jumps to 0 where the activation reaches its limit. With a large
+        // alpha, σ rounds to 1 in f32 and a gate on the limit (bf16's 7.0) has the activation of
+        // the limit itself, which f64 puts 3e-10 below it: a jump no f32 kernel can place as f64
+        // does, so a check of one places it where f32 does.
+        let act_held = if self.f32_kernel { act as f32 as f64 } else { act };
+        let passes = g < gate_bound && act_held < act_bound;
         let d_gate = if passes { (uc + shift) * (s + alpha * gc * s * (1.0 - s)) } else { 0.0 };
         let d_up = if u > -limit && u < limit { act_c } else { 0.0 };
         ((uc + shift) * act_c, d_gate, d_up)

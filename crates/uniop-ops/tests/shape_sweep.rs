@@ -7,12 +7,17 @@
 //! skipped (counted, so a sweep that only meets refusals fails); a kernel that panics or a value
 //! off the reference fails. `registry_ops.rs` runs a few fixed shapes; this one searches the
 //! corners between them. Each case runs twice: the second run must write the same bits (the ops
-//! are deterministic). `UNIOP_SWEEP_CASES` sets the cases per op and dtype (a longer search than
-//! CI's), `UNIOP_SWEEP_SEED` the first seed.
+//! are deterministic). After a differentiable op's case, its backward runs as autograd would call
+//! it (wired by `uniop::autograd`): on random gradients, at random layouts, and on that call's own
+//! arguments, attributes and returns, so a drawn scale reaches the backward with the `lse` it
+//! made. `UNIOP_SWEEP_CASES` sets the cases per op and dtype (a longer search than CI's),
+//! `UNIOP_SWEEP_SEED` the first seed.
 
+use std::sync::Arc;
+use uniop::autograd::{BackwardWiring, Source};
 use uniop::schema::BaseType;
-use uniop::verify::{in_place_positions, random_inputs, OpHarness, Rng};
-use uniop::{AttrValue, Layout, Registry, Stream, TensorMeta};
+use uniop::verify::{fill_random, in_place_positions, random_inputs, OpHarness, Rng};
+use uniop::{AttrValue, DType, Layout, OpEntry, Registry, Stream, Tensor, TensorMeta};
 
 /// Sizes at which a kernel may switch path: around the 8- and 16-lane vector widths, 32- and
 /// 64-wide tiles, cache lines of halves, and a few odd ones.
@@ -168,6 +173,164 @@ fn drop_optional_inputs(entry: &uniop::OpEntry, example: &mut uniop::Example, rn
 /// Layouts drawn for a case's returns, in turn (attention_backward has five).
 const OUTPUT_FORMS: usize = 3;
 
+/// A layout for each return an op writes: one of [`OUTPUT_FORMS`] drawn forms, in turn (a
+/// return never repeats its elements).
+fn output_layouts(rng: &mut Rng) -> impl Fn(&TensorMeta) -> TensorMeta {
+    let forms: Vec<Form> = (0..OUTPUT_FORMS)
+        .map(|_| match Form::draw(rng) {
+            Form::Expanded => Form::Contiguous,
+            form => form,
+        })
+        .collect();
+    let next = std::cell::Cell::new(0);
+    move |m: &TensorMeta| forms[next.replace(next.get() + 1) % OUTPUT_FORMS].apply(m)
+}
+
+/// One drawn call of an op, ready to run and check.
+struct Case {
+    harness: OpHarness,
+    /// What a failure report names: op, dtype, shape, attributes, layouts, seed.
+    described: String,
+    /// Whether an input repeats its rows (one may; see [`draw_case`]).
+    expanded: bool,
+}
+
+/// Draws a call of `entry` on `dtype`: a shape, its example's inputs laid out at random, its
+/// attributes. `None` for a shape the op cannot build its example on (an odd head dim for rope)
+/// or too large a reference; `Some(Err)` for a drawn combination the op refuses.
+fn draw_case(
+    entry: &Arc<OpEntry>,
+    dtype: DType,
+    seed: u64,
+    is_backward: bool,
+    rng: &mut Rng,
+) -> Option<Result<Case, uniop::Error>> {
+    let shape = draw_shape(rng);
+    let mut example = entry.op.example(Some(&shape), dtype).ok()?;
+    drop_optional_inputs(entry, &mut example, rng);
+    // Wide rows make square weights ([4097, 4097] for a linear): too slow a reference.
+    if example.inputs.iter().flatten().map(TensorMeta::numel).sum::<usize>() > MAX_INPUT_ELEMENTS {
+        return None;
+    }
+    let mut forms: Vec<Form> = (0..example.inputs.len()).map(|_| Form::draw(rng)).collect();
+    // A tensor the op writes in place cannot repeat its elements (the op refuses it).
+    for i in in_place_positions(entry, example.inputs.len()) {
+        if let Form::Expanded = forms[i] {
+            forms[i] = Form::Contiguous;
+        }
+    }
+    // One input at most repeats its rows. With two (a gradient and the activation it multiplies)
+    // every row's half-type rounding is the same, and a sum over the rows (a weight's gradient)
+    // gathers it linearly where the √rows tolerance expects independent errors: f16
+    // `linear_silu_mul_backward`, 258 identical rows, 0.56 off.
+    let mut expanded = forms.iter_mut().filter(|f| matches!(f, Form::Expanded));
+    let any_expanded = expanded.next().is_some();
+    expanded.for_each(|f| *f = Form::Contiguous);
+    let out_layout = output_layouts(rng);
+    // random_inputs lays out the inputs given (not the absent optional ones) in order.
+    let given: Vec<usize> = (0..example.inputs.len()).filter(|&i| example.inputs[i].is_some()).collect();
+    let next = std::cell::Cell::new(0);
+    let inputs = random_inputs(&example, seed, |m| forms[given[next.replace(next.get() + 1)]].apply(m));
+    let attrs = draw_attrs(entry, &example, shape.len(), is_backward, rng);
+    let described = format!("{} {dtype} shape {shape:?} attrs {attrs:?} forms {forms:?} seed {seed}", entry.name());
+    let inputs = inputs.unwrap_or_else(|e| panic!("{described}: {e}"));
+    let harness = OpHarness::with_inputs(entry.clone(), inputs, attrs, out_layout);
+    Some(harness.map(|harness| Case { harness, described, expanded: any_expanded }))
+}
+
+/// The call autograd makes after `forward` ran: `backward` (wired to it by `wiring`) on
+/// gradients drawn at random for the forward's float returns, laid out at random, and on the
+/// forward's own arguments, attributes and returns — what the backward sees in training, so a
+/// forward's drawn scale or softcap reaches it with the `lse` that scale made. `None` where a
+/// gradient would belong to a non-float return (autograd has none: `cast` to an integer).
+fn backward_case(
+    forward: &Case,
+    backward: &Arc<OpEntry>,
+    wiring: &BackwardWiring,
+    rng: &mut Rng,
+) -> Option<Result<Case, uniop::Error>> {
+    let fwd = &forward.harness;
+    let schema = &fwd.entry.schema;
+    // Each forward argument's slots among the flat tensors (a list's items; none for an attribute).
+    let mut slots = vec![0..0; schema.args.len()];
+    let tensor_args = schema.args.iter().enumerate().filter(|(_, a)| a.ty.is_tensor()).map(|(i, _)| i);
+    let mut at = 0;
+    for (i, (_, count)) in tensor_args.zip(schema.tensor_args(fwd.inputs.len(), true)) {
+        slots[i] = at..at + count;
+        at += count;
+    }
+    let returned = |i: usize| &fwd.outputs[schema.mutated().count() + i];
+    let forward_attr = |name: &str| {
+        let given = fwd.attrs.iter().find(|(n, _)| n == name).map(|(_, v)| v.clone());
+        given.or_else(|| schema.args.iter().find(|a| a.name == name)?.default.clone())
+    };
+    let copy = |t: &Tensor| Tensor::copy_of(&t.view()).expect("a copy of a tensor that exists");
+    let mut expanded = forward.expanded;
+    let (mut inputs, mut attrs, mut drawn) = (Vec::new(), Vec::new(), Vec::new());
+    for (arg, &source) in backward.schema.args.iter().zip(&wiring.sources) {
+        match (source, arg.ty.is_tensor()) {
+            (Source::Grad(i), true) => {
+                let out = returned(i);
+                if !out.dtype().is_float() {
+                    return None;
+                }
+                let form = match Form::draw(rng) {
+                    Form::Expanded if std::mem::replace(&mut expanded, true) => Form::Contiguous,
+                    form => form,
+                };
+                let mut grad = Tensor::with_meta(form.apply(out.meta())).expect("a gradient's layout");
+                fill_random(&mut grad.view_mut(), rng);
+                inputs.push(Some(grad));
+                drawn.push(format!("{}: {form:?}", arg.name));
+            }
+            (Source::Arg(i), true) => inputs.extend(fwd.inputs[slots[i].clone()].iter().map(|t| t.as_ref().map(copy))),
+            (Source::Out(i), true) => inputs.push(Some(copy(returned(i)))),
+            (Source::Default, true) => inputs.push(None),
+            (Source::Arg(i), false) => {
+                if let Some(value) = forward_attr(&schema.args[i].name) {
+                    attrs.push((arg.name.clone(), value));
+                }
+            }
+            (Source::NeedsGrad(i), false) => {
+                // A caller wants a gradient of a tensor it gave, or not.
+                let given = slots[i].clone().any(|s| fwd.inputs[s].is_some());
+                let needs = given && !rng.next_u64().is_multiple_of(3);
+                attrs.push((arg.name.clone(), AttrValue::Bool(needs)));
+                drawn.push(format!("{}: {needs}", arg.name));
+            }
+            _ => {}
+        }
+    }
+    let described = format!("{} after {}, {}", backward.name(), forward.described, drawn.join(", "));
+    let harness = OpHarness::with_inputs(backward.clone(), inputs, attrs, output_layouts(rng));
+    Some(harness.map(|harness| Case { harness, described, expanded }))
+}
+
+/// Runs a case and checks it against the reference, then runs it again: the ops are
+/// deterministic, so the second run must write the same bits. Returns whether the outputs hold
+/// the op's results (a backward case may then build on them).
+fn run_and_check(case: &mut Case, failures: &mut Vec<String>) -> bool {
+    let Case { harness: h, described, .. } = case;
+    let checked = match h.run(Stream::default_stream()).and_then(|_| h.check()) {
+        Ok(report) if report.pass() => true,
+        Ok(report) => {
+            failures.push(format!("{described}:\n{report}"));
+            false
+        }
+        Err(e) => {
+            failures.push(format!("{described}: {e}"));
+            false
+        }
+    };
+    let first = written_bytes(h);
+    match h.run(Stream::default_stream()) {
+        Ok(_) if written_bytes(h) == first => {}
+        Ok(_) => failures.push(format!("{described}: a second run wrote other values")),
+        Err(e) => failures.push(format!("{described}: second run: {e}")),
+    }
+    checked
+}
+
 /// The storage bytes of every tensor the harness's op writes.
 fn written_bytes(h: &OpHarness) -> Vec<Vec<u8>> {
     // SAFETY: runs are synchronous; nothing writes the outputs while they are read.
@@ -183,75 +346,48 @@ fn random_shapes_and_layouts_match_reference() {
     uniop_ops::init();
     let cases = env_u64("UNIOP_SWEEP_CASES", 20);
     let first_seed = env_u64("UNIOP_SWEEP_SEED", 1);
+    let registry = Registry::global();
     let mut failures = Vec::new();
-    let (mut ran, mut refused) = (0, 0);
-    let backward_ops: Vec<&str> = Registry::global().list().iter().filter_map(|e| e.op.backward()).collect();
-    for entry in Registry::global().list() {
+    let (mut ran, mut refused, mut ran_backward) = (0, 0, 0);
+    let backward_ops: Vec<&str> = registry.list().iter().filter_map(|e| e.op.backward()).collect();
+    for entry in registry.list() {
+        let backward = registry.backward_of(&entry).unwrap_or_else(|e| panic!("{e}"));
+        let is_backward = backward_ops.contains(&entry.name());
         for &dtype in entry.op.dtypes() {
             for case in 0..cases {
                 let seed = first_seed.wrapping_mul(1_000_003).wrapping_add(case);
                 let mut rng = Rng::new(seed ^ entry.name().len() as u64 ^ (dtype as u64) << 32);
-                let shape = draw_shape(&mut rng);
-                // An op refuses shapes its example cannot be built on (an odd head dim for rope).
-                let Ok(mut example) = entry.op.example(Some(&shape), dtype) else { continue };
-                drop_optional_inputs(&entry, &mut example, &mut rng);
-                // Wide rows make square weights ([4097, 4097] for a linear): too slow a reference.
-                if example.inputs.iter().flatten().map(TensorMeta::numel).sum::<usize>() > MAX_INPUT_ELEMENTS {
-                    continue;
-                }
-                let n = example.inputs.len();
-                let mut forms: Vec<Form> = (0..n + OUTPUT_FORMS).map(|_| Form::draw(&mut rng)).collect();
-                // A tensor the op writes in place cannot repeat its elements (the op refuses it).
-                for i in in_place_positions(&entry, example.inputs.len()) {
-                    if let Form::Expanded = forms[i] {
-                        forms[i] = Form::Contiguous;
-                    }
-                }
-                // One input at most repeats its rows. With two (a gradient and the activation it
-                // multiplies) every row's half-type rounding is the same, and a sum over the rows
-                // (a weight's gradient) gathers it linearly where the √rows tolerance expects
-                // independent errors: f16 `linear_silu_mul_backward`, 258 identical rows, 0.56 off.
-                let mut expanded = forms.iter_mut().filter(|f| matches!(f, Form::Expanded));
-                expanded.next();
-                expanded.for_each(|f| *f = Form::Contiguous);
-                // Each return its own layout (cycling through the forms drawn for them).
-                let out_forms: Vec<Form> = forms[n..]
-                    .iter()
-                    .map(|&form| if let Form::Expanded = form { Form::Contiguous } else { form })
-                    .collect();
-                let out_form = std::cell::Cell::new(0);
-                let out_layout =
-                    |m: &TensorMeta| out_forms[out_form.replace(out_form.get() + 1) % OUTPUT_FORMS].apply(m);
-                // random_inputs lays out the inputs given (not the absent optional ones) in order.
-                let given: Vec<usize> = (0..example.inputs.len()).filter(|&i| example.inputs[i].is_some()).collect();
-                let next = std::cell::Cell::new(0);
-                let inputs = random_inputs(&example, seed, |m| forms[given[next.replace(next.get() + 1)]].apply(m));
-                let attrs = draw_attrs(&entry, &example, shape.len(), backward_ops.contains(&entry.name()), &mut rng);
-                let described =
-                    format!("{} {dtype} shape {shape:?} attrs {attrs:?} forms {forms:?} seed {seed}", entry.name());
-                let inputs = inputs.unwrap_or_else(|e| panic!("{described}: {e}"));
-                let Ok(mut h) = OpHarness::with_inputs(entry.clone(), inputs, attrs, out_layout) else {
+                let mut forward = match draw_case(&entry, dtype, seed, is_backward, &mut rng) {
+                    None => continue,
                     // A drawn attribute, or a tensor left out, that the op does not take with these inputs.
-                    refused += 1;
-                    continue;
+                    Some(Err(_)) => {
+                        refused += 1;
+                        continue;
+                    }
+                    Some(Ok(case)) => case,
                 };
                 ran += 1;
-                match h.run(Stream::default_stream()).and_then(|_| h.check()) {
-                    Ok(report) if report.pass() => {}
-                    Ok(report) => failures.push(format!("{described}:\n{report}")),
-                    Err(e) => failures.push(format!("{described}: {e}")),
+                if !run_and_check(&mut forward, &mut failures) {
+                    continue;
                 }
-                // The ops are deterministic: a second run writes the same bits.
-                let first = written_bytes(&h);
-                match h.run(Stream::default_stream()) {
-                    Ok(_) if written_bytes(&h) == first => {}
-                    Ok(_) => failures.push(format!("{described}: a second run wrote other values")),
-                    Err(e) => failures.push(format!("{described}: second run: {e}")),
+                let Some((backward, wiring)) = &backward else { continue };
+                if !backward.op.dtypes().contains(&dtype) {
+                    continue;
+                }
+                // Whatever a forward call made, its backward takes: a refusal is a failure.
+                match backward_case(&forward, backward, wiring, &mut rng) {
+                    None => {}
+                    Some(Ok(mut case)) => {
+                        ran_backward += 1;
+                        run_and_check(&mut case, &mut failures);
+                    }
+                    Some(Err(e)) => failures.push(format!("{} after {}: {e}", backward.name(), forward.described)),
                 }
             }
         }
     }
-    eprintln!("{ran} cases run, {refused} refused");
+    eprintln!("{ran} cases run ({ran_backward} more as backward after a forward), {refused} refused");
     assert!(ran > 4 * refused, "{refused} refused against {ran} run: the sweep draws too few valid cases");
-    assert!(failures.is_empty(), "{} of {ran} cases failed:\n{}", failures.len(), failures.join("\n"));
+    assert!(ran_backward > ran / 4, "only {ran_backward} backward cases after {ran} forward ones");
+    assert!(failures.is_empty(), "{} of {} cases failed:\n{}", failures.len(), ran + ran_backward, failures.join("\n"));
 }

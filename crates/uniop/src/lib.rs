@@ -12,6 +12,7 @@
 //!
 //! Data flows one way: frontends → registry/executor → ops → this core. The core never names an op.
 
+pub mod autograd;
 pub mod dtype;
 pub mod error;
 pub mod executor;

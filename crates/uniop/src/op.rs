@@ -31,6 +31,8 @@ pub trait Op: Send + Sync + 'static {
     /// wants that gradient (frontends pass whether `<name>` requires one), for a gradient that
     /// costs extra work: when false the backward returns it empty (attention's float `mask`).
     /// Returns whose gradient the backward does not take (`rstd`, `lse`) are not differentiable.
+    /// [`Registry::backward_of`](crate::Registry::backward_of) resolves these names (a
+    /// [`BackwardWiring`](crate::autograd::BackwardWiring)) and refuses a schema that breaks them.
     fn backward(&self) -> Option<&'static str> {
         None
     }

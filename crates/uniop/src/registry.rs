@@ -4,6 +4,7 @@
 //! parsed schema. Lookups hand out `Arc`s so an executor keeps its op alive even if a plugin
 //! unregisters later.
 
+use crate::autograd::BackwardWiring;
 use crate::dtype::DType;
 use crate::error::{Error, ErrorCode, Result};
 use crate::layout::TensorMeta;
@@ -115,6 +116,18 @@ impl Registry {
     /// All entries, sorted by name.
     pub fn list(&self) -> Vec<Arc<OpEntry>> {
         self.ops.read().unwrap().values().cloned().collect()
+    }
+
+    /// The op computing `forward`'s input gradients, with how to call it; `None` for an op that
+    /// is not differentiable. Errors when the backward it names is not registered or its schema
+    /// breaks the naming convention of [`Op::backward`].
+    pub fn backward_of(&self, forward: &OpEntry) -> Result<Option<(Arc<OpEntry>, BackwardWiring)>> {
+        let Some(name) = forward.op.backward() else { return Ok(None) };
+        let backward = self
+            .get(name)
+            .map_err(|e| Error::new(e.code(), format!("{}: its backward op: {}", forward.name(), e.message())))?;
+        let wiring = BackwardWiring::new(&forward.schema, &backward.schema)?;
+        Ok(Some((backward, wiring)))
     }
 }
 
