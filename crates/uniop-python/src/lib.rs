@@ -22,6 +22,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyCFunction, PyDict, PyList};
 use std::ffi::{CStr, CString};
 use std::sync::Arc;
+use uniop::autograd::Source;
 use uniop::schema::BaseType;
 use uniop::{OpEntry, Registry};
 
@@ -43,6 +44,10 @@ pub(crate) fn to_py_err(e: uniop::Error) -> PyErr {
         err
     })
 }
+
+/// Where a backward argument comes from, as Python sees it: `(kind, index)` (see
+/// `Op.backward_wiring`).
+type WiredSource = (&'static str, Option<usize>);
 
 /// One registered op, callable with the schema's arguments.
 #[pyclass(frozen, module = "uniop._native")]
@@ -122,6 +127,31 @@ impl Op {
     #[getter]
     fn backward(&self) -> Option<&'static str> {
         self.entry.op.backward()
+    }
+
+    /// How autograd calls this op's backward (`uniop::autograd`): `(sources, grad_of)` with one
+    /// `(kind, index)` per backward argument — kind "grad" (of return `index`), "arg" or "out"
+    /// (this op's argument or return `index`), "needs" (whether argument `index` requires a
+    /// gradient) or "default" (index None) — and, per backward return, the index of the argument
+    /// it is the gradient of. None for an op without a backward; a `UniopError` for a backward
+    /// whose schema breaks the naming convention.
+    #[getter]
+    fn backward_wiring(&self) -> PyResult<Option<(Vec<WiredSource>, Vec<usize>)>> {
+        let Some((_, wiring)) = Registry::global().backward_of(&self.entry).map_err(to_py_err)? else {
+            return Ok(None);
+        };
+        let sources = wiring
+            .sources
+            .iter()
+            .map(|source| match *source {
+                Source::Grad(i) => ("grad", Some(i)),
+                Source::Arg(i) => ("arg", Some(i)),
+                Source::Out(i) => ("out", Some(i)),
+                Source::NeedsGrad(i) => ("needs", Some(i)),
+                Source::Default => ("default", None),
+            })
+            .collect();
+        Ok(Some((sources, wiring.grad_of)))
     }
 
     /// Torch's autocast rule for this op: "lower" (run in the autocast dtype), "float32", or None.

@@ -80,40 +80,19 @@ class _BackwardWiring:
     """How one forward op's autograd calls its backward op (resolved once, at registration)."""
 
     def __init__(self, fwd, bwd):
-        fwd_args = [a["name"] for a in fwd.args]
         # Arguments that are lists of tensors (cat's): their items join the autograd graph one by
         # one (see `_autograd_kernel`), and their gradient is the backward's list return.
         self.lists = {i for i, a in enumerate(fwd.args) if a["type"].startswith("Tensor[")}
-        if fwd.returns_list:
-            raise TypeError(f"uniop.torch: {fwd.name} returns a list of tensors, whose gradients cannot be wired yet")
         self.backward_returns_list = bwd.returns_list
         self.returns = list(fwd.returns)
-        # per backward argument: ("grad", i) | ("arg", i) | ("out", i) | ("needs", i) | ("default", None)
-        self.sources = []
-        self.defaults = {}  # backward argument index: the default a ("default", None) source passes
-        for j, a in enumerate(bwd.args):
-            name = a["name"]
-            if name.startswith("d") and name[1:] in self.returns:
-                self.sources.append(("grad", self.returns.index(name[1:])))
-            elif name.startswith("needs_d") and name[7:] in fwd_args:
-                self.sources.append(("needs", fwd_args.index(name[7:])))
-            elif name in fwd_args:
-                self.sources.append(("arg", fwd_args.index(name)))
-            elif name in self.returns:
-                self.sources.append(("out", self.returns.index(name)))
-            elif "default" in a:
-                self.sources.append(("default", None))
-                self.defaults[j] = a["default"]
-            else:
-                raise TypeError(
-                    f"uniop.torch: backward op {bwd.name} argument '{name}' is neither a gradient "
-                    f"(d<return of {fwd.name}>) nor an argument or return of {fwd.name}"
-                )
-        self.grad_of = []  # per backward return: index of the forward argument it is the gradient of
-        for r in bwd.returns:
-            if not (r.startswith("d") and r[1:] in fwd_args):
-                raise TypeError(f"uniop.torch: backward op {bwd.name} return '{r}' is not d<argument of {fwd.name}>")
-            self.grad_of.append(fwd_args.index(r[1:]))
+        # Resolved by the core (uniop::autograd), which raises for a backward breaking the naming
+        # convention. sources: per backward argument ("grad", i) | ("arg", i) | ("out", i) |
+        # ("needs", i) | ("default", None); grad_of: per backward return, the forward argument
+        # it is the gradient of.
+        self.sources, self.grad_of = fwd.backward_wiring
+        # backward argument index: the default a ("default", None) source passes
+        self.defaults = {j: bwd.args[j]["default"] for j, (kind, _) in enumerate(self.sources) if kind == "default"}
+        fwd_args = [a["name"] for a in fwd.args]
         # Arguments the backward returns no gradient for: one that requires a gradient is an error,
         # since leaving its gradient out would give the caller a wrong (zero) one without a word.
         self.no_grad_message = {

@@ -452,8 +452,9 @@ AutogradWork autograd_work(const torch::jit::Stack& stack, size_t num_args) {
 }
 
 // How an op's backward op is called from its forward's arguments, returns and incoming gradients:
-// uniop.torch's `_BackwardWiring`, resolved once in Python at registration and handed over as
-// plain numbers, so that recording and running the graph node needs no Python.
+// uniop.torch's `_BackwardWiring` (the core's `uniop::autograd` wiring with what torch needs
+// besides), resolved once at registration and handed over as plain numbers, so that recording
+// and running the graph node needs no Python.
 struct Wiring {
   enum Source : int64_t { kGrad = 0, kArg = 1, kOut = 2, kNeeds = 3, kDefault = 4 };
   // How the node reads one forward argument.
