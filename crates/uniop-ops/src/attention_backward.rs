@@ -444,6 +444,9 @@ pub(crate) unsafe fn narrow_into(dst: &OutputView<'_>, at: usize, src: &[f32]) {
 /// # Safety
 /// The block must own that row.
 pub(crate) unsafe fn store_row<T: FloatElement>(dst: &OutputView<'_>, at: usize, src: &mut [f32], scale: f32) {
+    if src.is_empty() {
+        return; // a row of a head dim of 0, in an empty output whose row offsets address nothing
+    }
     if scale != 1.0 {
         src.iter_mut().for_each(|v| *v *= scale);
     }
@@ -948,7 +951,8 @@ fn dkv_kernel<T: FloatElement>(
         }
         for (h, i0, rows) in own_tiles() {
             let Some(sums) = dq_sums(h, i0, rows) else { break }; // split: dQ has a launch of its own
-            for (r, sums) in sums.chunks_exact_mut(d).enumerate() {
+                                                                  // A head dim of 0 leaves dQ's rows empty: nothing to store.
+            for (r, sums) in sums.chunks_exact_mut(d.max(1)).enumerate() {
                 // SAFETY: this unit owns the rows of its query tiles in dq.
                 unsafe { store_row::<T>(&a.dq, a.dq_rows.at(b, h, i0 + r), sums, g.scale) };
             }
@@ -975,8 +979,10 @@ unsafe fn store_keys<T: FloatElement>(
     keys: usize,
     dk_scale: f32,
 ) {
-    let rows = dk_sums.chunks_exact_mut(g.head_dim).zip(dv_sums.chunks_exact_mut(g.v_dim));
-    for (j, (dk_row, dv_row)) in rows.take(keys).enumerate() {
+    // By index: a head dim of 0 (empty dK rows) still has dV rows to store.
+    for j in 0..keys {
+        let dk_row = &mut dk_sums[j * g.head_dim..][..g.head_dim];
+        let dv_row = &mut dv_sums[j * g.v_dim..][..g.v_dim];
         unsafe {
             store_row::<T>(&a.dk, a.dk_rows.at(b, hkv, j0 + j), dk_row, dk_scale);
             store_row::<T>(&a.dv, a.dv_rows.at(b, hkv, j0 + j), dv_row, 1.0);

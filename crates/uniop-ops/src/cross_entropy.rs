@@ -12,8 +12,8 @@ use crate::embedding::{checked_row, index_at, INDEX_DTYPES};
 use crate::per_sample::Samples;
 use crate::softmax::{exp_total, row_max};
 use uniop::{
-    block_dim_for, with_float_dtype, BlockCtx, DType, Element, Example, FloatElement, KernelArgs, LayoutNeed, Op, OpCx,
-    Plan, RefTensor, Result, Step, TensorMeta,
+    block_dim_for, with_float_dtype, BlockCtx, DType, Element, Error, Example, FloatElement, KernelArgs, LayoutNeed,
+    Op, OpCx, Plan, RefTensor, Result, Step, TensorMeta,
 };
 
 pub struct CrossEntropy;
@@ -183,9 +183,7 @@ impl Op for CrossEntropy {
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
         // `shape` is the logits'; targets are drawn from [0, C).
-        let shape = shape.unwrap_or(&[2048, 32000]);
-        let classes = shape.last().copied().unwrap_or(1);
-        let logits = if shape.is_empty() { vec![1] } else { shape.to_vec() };
+        let (logits, classes) = example_logits(shape.unwrap_or(&[2048, 32000]))?;
         Ok(Example {
             inputs: vec![
                 Some(TensorMeta::contiguous(dtype, &logits)?),
@@ -195,4 +193,17 @@ impl Op for CrossEntropy {
             ..Default::default()
         })
     }
+}
+
+/// An example's logits shape (`shape`; a scalar stands for one class) and class count. Refuses
+/// rows without classes: no target can be drawn for them (every one would be out of range).
+pub(crate) fn example_logits(shape: &[usize]) -> Result<(Vec<usize>, usize)> {
+    let logits = if shape.is_empty() { vec![1] } else { shape.to_vec() };
+    let (lead, classes) = (&logits[..logits.len() - 1], logits[logits.len() - 1]);
+    if classes == 0 && !lead.contains(&0) {
+        return Err(Error::invalid(format!(
+            "cross_entropy example: logits of shape {logits:?} have rows but no class to draw their targets from"
+        )));
+    }
+    Ok((logits, classes))
 }

@@ -4,7 +4,7 @@
 //! rows, 0 for ignored rows — `dloss` and `n` those of row r's sample with `batch_dims` (`dloss`
 //! then has the samples' shape). Uses the saved log-sum-exp, so each row is one pass.
 
-use crate::cross_entropy::{rows, samples, target_of, Rows, DTYPES};
+use crate::cross_entropy::{example_logits, rows, samples, target_of, Rows, DTYPES};
 use crate::elementwise::{dense_map, fence, streams};
 use crate::embedding::index_at;
 use crate::math;
@@ -136,9 +136,7 @@ impl Op for CrossEntropyBackward {
     }
 
     fn example(&self, shape: Option<&[usize]>, dtype: DType) -> Result<Example> {
-        let shape = shape.unwrap_or(&[2048, 32000]);
-        let classes = shape.last().copied().unwrap_or(1);
-        let logits = if shape.is_empty() { vec![1] } else { shape.to_vec() };
+        let (logits, classes) = example_logits(shape.unwrap_or(&[2048, 32000]))?;
         let lead = &logits[..logits.len() - 1];
         Ok(Example {
             inputs: vec![

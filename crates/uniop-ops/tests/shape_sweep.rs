@@ -1,16 +1,16 @@
 //! Every registered op at shapes drawn at random from the sizes where kernels change path — vector
-//! widths and their neighbours (1, 7, 8, 9, 15, 16, 17, …), block and tile edges — with each input
-//! and output laid out at random (contiguous, padded rows, every other element, the last two dims
-//! swapped, or — inputs the op only reads — the first dim repeated by a zero stride), its flags,
-//! modes, scales and `dim`/`batch_dims` drawn at random too, and its optional tensors now and then
-//! left out, checked against the op's f64 reference. A combination the op refuses with an error is
-//! skipped (counted, so a sweep that only meets refusals fails); a kernel that panics or a value
-//! off the reference fails. `registry_ops.rs` runs a few fixed shapes; this one searches the
-//! corners between them. Each case runs twice: the second run must write the same bits (the ops
+//! widths and their neighbours (1, 7, 8, 9, 15, 16, 17, …), block and tile edges, now and then 0 —
+//! with each input and output laid out at random (contiguous, padded rows, every other element, the
+//! last two dims swapped, or — inputs the op only reads — the first dim repeated by a zero stride),
+//! its flags, modes, scales and `dim`/`batch_dims` drawn at random too, and its optional tensors
+//! now and then left out, checked against the op's f64 reference. A combination the op refuses with
+//! an error is skipped (counted, so a sweep that only meets refusals fails); a kernel that panics
+//! or a value off the reference fails. `registry_ops.rs` runs a few fixed shapes; this one searches
+//! the corners between them. Each case runs twice: the second run must write the same bits (the ops
 //! are deterministic). After a differentiable op's case, its backward runs as autograd would call
 //! it (wired by `uniop::autograd`): on random gradients, at random layouts, and on that call's own
-//! arguments, attributes and returns, so a drawn scale reaches the backward with the `lse` it
-//! made. `UNIOP_SWEEP_CASES` sets the cases per op and dtype (a longer search than CI's),
+//! arguments, attributes and returns, so a drawn scale reaches the backward with the `lse` it made.
+//! `UNIOP_SWEEP_CASES` sets the cases per op and dtype (a longer search than CI's),
 //! `UNIOP_SWEEP_SEED` the first seed.
 
 use std::sync::Arc;
@@ -89,13 +89,20 @@ fn draw_shape(rng: &mut Rng) -> Vec<usize> {
     if pick(&[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], rng) == 0 {
         return vec![pick(&[1, 2, 3, 5], rng), pick(WIDE, rng)];
     }
-    loop {
+    let mut shape = loop {
         let rank = pick(&[1, 2, 3, 4], rng);
         let shape: Vec<usize> = (0..rank).map(|_| pick(SIZES, rng)).collect();
         if shape.iter().product::<usize>() <= MAX_ELEMENTS {
-            return shape;
+            break shape;
         }
+    };
+    // One case in sixteen: a dim of 0 (no rows, an empty batch, empty rows). Nothing is read, yet
+    // a sum over the missing rows (a weight's gradient) must still be written: as zeros.
+    if rng.next_u64().is_multiple_of(16) {
+        let rank = shape.len();
+        shape[(rng.next_u64() % rank as u64) as usize] = 0;
     }
+    shape
 }
 
 /// The values string attributes take across the registry (an op refuses the ones it lacks).

@@ -114,9 +114,17 @@ pub fn broadcast_shapes(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
 }
 
 impl Layout {
-    /// Ranks must agree (callers check).
+    /// Ranks must agree (callers check). An empty view keeps neither offset nor strides: it
+    /// addresses no storage (its extent is 0), yet kernels walk its rows — `[5, 0]` has five,
+    /// each empty — and slice each from its offset (`storage[offset..][..0]`), which must not
+    /// lie past the zero-length buffer. With both at 0 every row starts at element 0. (Empty
+    /// views count as contiguous and dense whatever their strides, as torch's do.)
     fn from_parts(shape: &[usize], strides: &[usize], offset: usize) -> Layout {
         debug_assert_eq!(shape.len(), strides.len());
+        if shape.contains(&0) {
+            let dims = shape.iter().copied().chain(std::iter::repeat_n(0, shape.len())).collect();
+            return Layout { dims, offset: 0 };
+        }
         Layout { dims: shape.iter().chain(strides).copied().collect(), offset }
     }
 
@@ -639,6 +647,17 @@ impl MetaRef<'_> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn empty_views_start_every_row_at_element_zero() {
+        for l in [Layout::strided(&[5, 0], &[8, 2], 3).unwrap(), Layout::contiguous(&[2, 0, 7]).unwrap()] {
+            assert_eq!((l.offset(), l.strides().iter().all(|&s| s == 0)), (0, true), "{l}");
+            assert_eq!(l.storage_extent().unwrap(), 0);
+            assert!(l.is_contiguous() && l.dense_range() == Some(0..0));
+        }
+        let rows = Layout::strided(&[5, 0], &[8, 2], 3).unwrap().rows_layout();
+        assert!((0..5).all(|r| rows.offset_of_linear(r) == 0), "a row of [5, 0] past an empty buffer's start");
+    }
 
     #[test]
     fn meta_ref_storage_bytes_checks_like_a_strided_layout() {
