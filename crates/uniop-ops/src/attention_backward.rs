@@ -445,7 +445,7 @@ pub(crate) unsafe fn narrow_into(dst: &OutputView<'_>, at: usize, src: &[f32]) {
 /// The block must own that row.
 pub(crate) unsafe fn store_row<T: FloatElement>(dst: &OutputView<'_>, at: usize, src: &mut [f32], scale: f32) {
     if src.is_empty() {
-        return; // a row of a head dim of 0, in an empty output whose row offsets address nothing
+        return; // a row of a head dim of 0: nothing to write
     }
     if scale != 1.0 {
         src.iter_mut().for_each(|v| *v *= scale);
@@ -951,7 +951,8 @@ fn dkv_kernel<T: FloatElement>(
         }
         for (h, i0, rows) in own_tiles() {
             let Some(sums) = dq_sums(h, i0, rows) else { break }; // split: dQ has a launch of its own
-                                                                  // A head dim of 0 leaves dQ's rows empty: nothing to store.
+
+            // A head dim of 0 leaves dQ's rows empty: nothing to store.
             for (r, sums) in sums.chunks_exact_mut(d.max(1)).enumerate() {
                 // SAFETY: this unit owns the rows of its query tiles in dq.
                 unsafe { store_row::<T>(&a.dq, a.dq_rows.at(b, h, i0 + r), sums, g.scale) };

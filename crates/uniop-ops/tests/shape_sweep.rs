@@ -120,10 +120,10 @@ fn pick<T: Copy>(values: &[T], rng: &mut Rng) -> T {
 /// The example's attributes with each flag, string, float and index drawn at random, and `dim` /
 /// `batch_dims` drawn within the main input's rank.
 ///
-/// Floats are drawn for forward ops only: a backward's saved inputs (`out`, `lse`) are random, not
-/// what the forward made, so a larger attention scale makes its true gradients overflow, and a
-/// larger `alpha` puts a gate's f32 activation exactly on the clamp that the f64 one falls short
-/// of — cases no forward call can produce.
+/// Floats are drawn for forward ops only: a backward's saved inputs (`out`, `lse`) are random here,
+/// not what the forward made, so a larger attention scale makes its true gradients overflow — a
+/// case no forward call can produce. The backward run after each forward case (`backward_case`)
+/// takes that call's drawn floats.
 fn draw_attrs(
     entry: &uniop::OpEntry,
     example: &uniop::Example,
