@@ -444,9 +444,6 @@ pub(crate) unsafe fn narrow_into(dst: &OutputView<'_>, at: usize, src: &[f32]) {
 /// # Safety
 /// The block must own that row.
 pub(crate) unsafe fn store_row<T: FloatElement>(dst: &OutputView<'_>, at: usize, src: &mut [f32], scale: f32) {
-    if src.is_empty() {
-        return; // a row of a head dim of 0: nothing to write
-    }
     if scale != 1.0 {
         src.iter_mut().for_each(|v| *v *= scale);
     }

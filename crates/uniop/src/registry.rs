@@ -219,3 +219,62 @@ fn check_batched_tensor(schema: &OpSchema, what: &str, name: &str, lists: bool) 
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::autograd::Source;
+    use crate::op::{Example, Plan, RefTensor};
+
+    /// An op that only declares a schema and a backward: what `backward_of` reads. Nothing runs it.
+    struct Declared(&'static str, Option<&'static str>);
+
+    impl Op for Declared {
+        fn schema(&self) -> &'static str {
+            self.0
+        }
+        fn doc(&self) -> &'static str {
+            "an op that is only declared (test)"
+        }
+        fn dtypes(&self) -> &'static [DType] {
+            &[DType::F32]
+        }
+        fn backward(&self) -> Option<&'static str> {
+            self.1
+        }
+        fn infer(&self, _: &OpCx) -> Result<Vec<TensorMeta>> {
+            Err(Error::invalid("declared only"))
+        }
+        fn plan(&self, _: &OpCx) -> Result<Plan> {
+            Err(Error::invalid("declared only"))
+        }
+        fn reference(&self, _: &OpCx, _: &[Option<RefTensor>]) -> Result<Vec<RefTensor>> {
+            Err(Error::invalid("declared only"))
+        }
+        fn example(&self, _: Option<&[usize]>, _: DType) -> Result<Example> {
+            Err(Error::invalid("declared only"))
+        }
+    }
+
+    #[test]
+    fn backward_of_wires_a_registered_backward_and_names_what_is_wrong() {
+        let registry = Registry::new();
+        let declare = |schema, backward| registry.register(Box::new(Declared(schema, backward))).unwrap();
+        declare("plain(Tensor x) -> Tensor y", None);
+        declare("orphan(Tensor x) -> Tensor y", Some("orphan_backward"));
+        declare("miswired(Tensor x) -> Tensor y", Some("miswired_backward"));
+        declare("miswired_backward(Tensor dy, Tensor z) -> Tensor dx", None);
+        declare("scale(Tensor x, float s) -> Tensor y", Some("scale_backward"));
+        declare("scale_backward(Tensor dy, float s) -> Tensor dx", None);
+        let backward_of = |name| registry.backward_of(&registry.get(name).unwrap());
+
+        assert!(backward_of("plain").unwrap().is_none());
+        let (backward, wiring) = backward_of("scale").unwrap().unwrap();
+        assert_eq!((backward.name(), wiring.sources), ("scale_backward", vec![Source::Grad(0), Source::Arg(1)]));
+        let Err(orphan) = backward_of("orphan") else { panic!("orphan's backward is not registered") };
+        assert!(orphan.message().starts_with("orphan: its backward op: unknown op 'orphan_backward'"), "{orphan}");
+        let Err(miswired) = backward_of("miswired") else { panic!("miswired_backward takes a 'z'") };
+        assert_eq!(miswired.code(), ErrorCode::ParamInvalid);
+        assert!(miswired.message().contains("miswired_backward of miswired: argument 'z'"), "{miswired}");
+    }
+}
