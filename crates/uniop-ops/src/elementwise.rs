@@ -34,7 +34,21 @@ pub fn streams_bytes(bytes: usize) -> bool {
 /// 4.92 / 6.33, bf16 2.22 / 3.16; mul f32 2.81 / 5.68; rms_norm bf16 2.23 / 2.84; rope (1x32x2048x128)
 /// f32 2.69 / 3.33; silu and gelu (4096x11008) level within the noise (0.85–1.03). Rows of
 /// 2048x4096 crossed over at 16–32 MiB there as on Zen 4.
+///
+/// `UNIOP_STREAMING_THRESHOLD` (bytes, or with a `K`/`M`/`G` suffix), read once, overrides it: on
+/// a machine whose share of the cache sysfs misstates, or to run every kernel's streaming stores
+/// on small tensors (the shape sweep does, at 0, where its shapes and layouts reach the stores'
+/// unaligned heads and partial tails that large dense tensors rarely do).
 pub(crate) fn streaming_threshold_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        let set = std::env::var("UNIOP_STREAMING_THRESHOLD").ok();
+        set.and_then(|text| parse_cache_size(text.trim())).unwrap_or_else(cache_threshold_bytes)
+    })
+}
+
+/// The threshold where `UNIOP_STREAMING_THRESHOLD` is not set.
+fn cache_threshold_bytes() -> usize {
     last_level_cache_bytes().min(32 << 20)
 }
 
@@ -43,22 +57,20 @@ pub fn streams(t: &TensorMeta) -> bool {
     streams_bytes(t.numel() * t.dtype.size())
 }
 
-/// The largest data cache CPU 0 reports (Linux sysfs), read once; 32 MiB where there is none to
-/// read (the L3 of the Zen 3/4 machines the kernels were tuned on).
+/// The largest data cache CPU 0 reports (Linux sysfs); 32 MiB where there is none to read (the L3
+/// of the Zen 3/4 machines the kernels were tuned on).
 fn last_level_cache_bytes() -> usize {
-    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *BYTES.get_or_init(|| {
-        let entries = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").into_iter().flatten().flatten();
-        let largest = entries.filter_map(|entry| {
-            let kind = std::fs::read_to_string(entry.path().join("type")).ok()?;
-            let size = std::fs::read_to_string(entry.path().join("size")).ok()?;
-            (kind.trim() != "Instruction").then(|| parse_cache_size(size.trim())).flatten()
-        });
-        largest.max().unwrap_or(32 << 20)
-    })
+    let entries = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").into_iter().flatten().flatten();
+    let largest = entries.filter_map(|entry| {
+        let kind = std::fs::read_to_string(entry.path().join("type")).ok()?;
+        let size = std::fs::read_to_string(entry.path().join("size")).ok()?;
+        (kind.trim() != "Instruction").then(|| parse_cache_size(size.trim())).flatten()
+    });
+    largest.max().unwrap_or(32 << 20)
 }
 
-/// A sysfs cache size: `"32768K"`, `"2M"` or plain bytes.
+/// A size as sysfs writes a cache's (and `UNIOP_STREAMING_THRESHOLD` takes it): `"32768K"`, `"2M"`
+/// or plain bytes.
 fn parse_cache_size(text: &str) -> Option<usize> {
     let (digits, unit) = match text.as_bytes().last()? {
         b'K' => (&text[..text.len() - 1], 1 << 10),
@@ -881,8 +893,9 @@ mod tests {
 
     #[test]
     fn outputs_stream_from_the_cache_size_up_to_32_mib() {
-        let (threshold, llc) = (streaming_threshold_bytes(), last_level_cache_bytes());
-        assert!(threshold > 0 && threshold <= llc && threshold <= 32 << 20, "threshold {threshold}, cache {llc}");
-        assert!(streams_bytes(threshold) && !streams_bytes(threshold - 1));
+        let (by_cache, llc) = (cache_threshold_bytes(), last_level_cache_bytes());
+        assert!(by_cache > 0 && by_cache <= llc && by_cache <= 32 << 20, "threshold {by_cache}, cache {llc}");
+        let threshold = streaming_threshold_bytes(); // UNIOP_STREAMING_THRESHOLD's where set
+        assert!(streams_bytes(threshold) && (threshold == 0 || !streams_bytes(threshold - 1)));
     }
 }

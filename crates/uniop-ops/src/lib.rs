@@ -203,7 +203,7 @@ pub fn amx_probe(rounds: usize) -> Option<u64> {
 
 /// The bytes a kernel writes from which it writes them past the cache with non-temporal stores:
 /// the size of this CPU's last-level cache, at most 32 MiB (below it, results stay cached for the
-/// next op).
+/// next op), unless `UNIOP_STREAMING_THRESHOLD` sets it.
 pub fn streaming_threshold_bytes() -> usize {
     elementwise::streaming_threshold_bytes()
 }
