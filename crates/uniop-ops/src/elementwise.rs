@@ -41,10 +41,7 @@ pub fn streams_bytes(bytes: usize) -> bool {
 /// unaligned heads and partial tails that large dense tensors rarely do).
 pub(crate) fn streaming_threshold_bytes() -> usize {
     static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *BYTES.get_or_init(|| {
-        let set = std::env::var("UNIOP_STREAMING_THRESHOLD").ok();
-        set.and_then(|text| parse_cache_size(text.trim())).unwrap_or_else(cache_threshold_bytes)
-    })
+    *BYTES.get_or_init(|| uniop::runtime::env_bytes("UNIOP_STREAMING_THRESHOLD").unwrap_or_else(cache_threshold_bytes))
 }
 
 /// The threshold where `UNIOP_STREAMING_THRESHOLD` is not set.
@@ -64,21 +61,9 @@ fn last_level_cache_bytes() -> usize {
     let largest = entries.filter_map(|entry| {
         let kind = std::fs::read_to_string(entry.path().join("type")).ok()?;
         let size = std::fs::read_to_string(entry.path().join("size")).ok()?;
-        (kind.trim() != "Instruction").then(|| parse_cache_size(size.trim())).flatten()
+        (kind.trim() != "Instruction").then(|| uniop::runtime::parse_bytes(size.trim())).flatten()
     });
     largest.max().unwrap_or(32 << 20)
-}
-
-/// A size as sysfs writes a cache's (and `UNIOP_STREAMING_THRESHOLD` takes it): `"32768K"`, `"2M"`
-/// or plain bytes.
-fn parse_cache_size(text: &str) -> Option<usize> {
-    let (digits, unit) = match text.as_bytes().last()? {
-        b'K' => (&text[..text.len() - 1], 1 << 10),
-        b'M' => (&text[..text.len() - 1], 1 << 20),
-        b'G' => (&text[..text.len() - 1], 1 << 30),
-        _ => (text, 1),
-    };
-    digits.parse::<usize>().ok()?.checked_mul(unit)
 }
 
 /// Copies `src` to `dst` (same length) with non-temporal stores when `dst` is 16-byte aligned
@@ -839,17 +824,6 @@ pub fn broadcast(layout: &Layout, shape: &[usize]) -> Layout {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cache_sizes_read_as_sysfs_writes_them() {
-        assert_eq!(parse_cache_size("32768K"), Some(32 << 20));
-        assert_eq!(parse_cache_size("2M"), Some(2 << 20));
-        assert_eq!(parse_cache_size("1G"), Some(1 << 30));
-        assert_eq!(parse_cache_size("4096"), Some(4096));
-        for bad in ["", "K", "12Q", "-1K", "99999999999999999999G"] {
-            assert_eq!(parse_cache_size(bad), None, "{bad:?}");
-        }
-    }
 
     /// The streamed store paths (taken by outputs larger than the cache, which the op tests do
     /// not reach) write exactly what the cached ones write: one and two inputs, two outputs, a

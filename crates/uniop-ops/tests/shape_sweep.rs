@@ -10,11 +10,13 @@
 //! are deterministic). After a differentiable op's case, its backward runs as autograd would call
 //! it (wired by `uniop::autograd`): on random gradients, at random layouts, and on that call's own
 //! arguments, attributes and returns, so a drawn scale reaches the backward with the `lse` it made.
-//! The sweep runs twice: as the process finds the streaming threshold, and in a child process with
-//! every output streamed past the cache (`UNIOP_STREAMING_THRESHOLD=0`), so the non-temporal store
-//! paths meet the sweep's odd lengths, offsets and strides, which tensors past the cache's size
-//! reach in use but rarely in tests. `UNIOP_SWEEP_CASES` sets the cases per op and dtype (a longer
-//! search than CI's), `UNIOP_SWEEP_SEED` the first seed.
+//! The sweep runs twice: as the process sets itself up, and in a child process that runs small
+//! tensors the way large ones run — every output streamed past the cache
+//! (`UNIOP_STREAMING_THRESHOLD=0`) and every launch split into as many blocks as the pool balances
+//! (`UNIOP_MIN_BLOCK_BYTES=1`, on three threads) — so the non-temporal store paths and the block
+//! boundaries meet the sweep's odd lengths, offsets and strides, which tensors past the cache's
+//! size reach in use but rarely in tests. `UNIOP_SWEEP_CASES` sets the cases per op and dtype (a
+//! longer search than CI's), `UNIOP_SWEEP_SEED` the first seed.
 
 use std::sync::Arc;
 use uniop::autograd::{BackwardWiring, Source};
@@ -402,18 +404,18 @@ fn random_shapes_and_layouts_match_reference() {
     assert!(failures.is_empty(), "{} of {} cases failed:\n{}", failures.len(), ran + ran_backward, failures.join("\n"));
 }
 
-/// The threshold is read once per process, so the streamed sweep runs in a child: this test binary
-/// running only the sweep above.
+/// The settings are read once per process, so this sweep runs in a child: this test binary running
+/// only the sweep above.
 #[test]
-fn streamed_outputs_match_reference() {
+fn streamed_and_split_like_large_tensors_match_reference() {
     let exe = std::env::current_exe().unwrap();
     let child = std::process::Command::new(exe)
         .args(["--exact", "random_shapes_and_layouts_match_reference", "--nocapture"])
-        .env("UNIOP_STREAMING_THRESHOLD", "0")
+        .envs([("UNIOP_STREAMING_THRESHOLD", "0"), ("UNIOP_MIN_BLOCK_BYTES", "1"), ("UNIOP_NUM_THREADS", "3")])
         .output()
         .unwrap();
     let (stdout, stderr) = (String::from_utf8_lossy(&child.stdout), String::from_utf8_lossy(&child.stderr));
-    assert!(child.status.success(), "the sweep with every output streamed failed:\n{stdout}\n{stderr}");
+    assert!(child.status.success(), "the sweep run as large tensors run failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("1 passed"), "the child ran no sweep:\n{stdout}");
-    eprintln!("streamed: {}", stderr.trim());
+    eprintln!("streamed and split: {}", stderr.trim());
 }

@@ -745,10 +745,21 @@ impl<'a> OutputView<'a> {
 }
 
 /// A block count for `work` units of roughly `unit_bytes` each: enough blocks to balance the
-/// pool (4 per thread) but none smaller than ~32 KiB, where launch overhead would dominate.
+/// pool (4 per thread) but none smaller than 32 KiB (`UNIOP_MIN_BLOCK_BYTES` where set), where
+/// launch overhead would dominate.
 pub fn block_dim_for(work: usize, unit_bytes: usize) -> u32 {
     let threads = crate::runtime::Pool::global().threads();
-    let min_units = (32 * 1024 / unit_bytes.max(1)).max(1);
+    let min_units = (min_block_bytes() / unit_bytes.max(1)).max(1);
     let by_size = work.div_ceil(min_units);
     by_size.clamp(1, threads * 4).min(work.max(1)) as u32
+}
+
+/// The least work [`block_dim_for`] gives a block: 32 KiB, or `UNIOP_MIN_BLOCK_BYTES` (read once,
+/// as [`parse_bytes`](crate::runtime::parse_bytes) reads sizes) where set. At 1, every launch
+/// splits into as many blocks as the pool balances, however small: the shape sweep runs so, to
+/// reach the block boundaries (uneven splits, blocks of one row) that large tensors meet and its
+/// small ones otherwise would not.
+fn min_block_bytes() -> usize {
+    static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| crate::runtime::env_bytes("UNIOP_MIN_BLOCK_BYTES").unwrap_or(32 << 10))
 }
