@@ -254,8 +254,25 @@ fn launch_overhead() -> Result<()> {
     Ok(())
 }
 
+/// `bytes` in the largest binary unit that divides it: "32 MiB", "48 KiB", "1000 B".
+fn size_text(bytes: usize) -> String {
+    let unit = ["GiB", "MiB", "KiB"]
+        .into_iter()
+        .zip([30, 20, 10])
+        .find(|&(_, shift)| bytes >= 1 << shift && bytes.is_multiple_of(1 << shift));
+    match unit {
+        Some((name, shift)) => format!("{} {name}", bytes >> shift),
+        None => format!("{bytes} B"),
+    }
+}
+
 pub fn run(args: &BenchArgs) -> Result<()> {
-    println!("uniop bench — {} compute threads", Pool::global().threads());
+    println!(
+        "uniop bench — {} compute threads; outputs from {} stream past the cache; blocks of {} or more",
+        Pool::global().threads(),
+        size_text(uniop_ops::streaming_threshold_bytes()),
+        size_text(uniop::min_block_bytes())
+    );
     let probe = stream_probe(args.iters)?;
     println!(
         "STREAM probe: scale {:.1} GB/s, scale with non-temporal stores {:.1} GB/s, triad {:.1} GB/s",
@@ -314,4 +331,19 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         std::fs::write(path, json).map_err(|e| uniop::Error::runtime(format!("writing {}: {e}", path.display())))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::size_text;
+
+    #[test]
+    fn sizes_print_in_the_largest_unit_that_divides_them() {
+        assert_eq!(size_text(32 << 20), "32 MiB");
+        assert_eq!(size_text(48 << 10), "48 KiB");
+        assert_eq!(size_text((1 << 20) + (1 << 10)), "1025 KiB");
+        assert_eq!(size_text(1000), "1000 B");
+        assert_eq!(size_text(0), "0 B");
+        assert_eq!(size_text(2 << 30), "2 GiB");
+    }
 }

@@ -30,7 +30,10 @@ pub use error::{Error, ErrorCode, Result};
 pub use executor::Executor;
 pub use half;
 pub use layout::{broadcast_shapes, Layout, MetaRef, RowTiles, Runs, StridedRuns, TensorMeta};
-pub use op::{block_dim_for, Autocast, Example, KernelArgs, LayoutNeed, Op, OpCx, OutputView, Plan, RefTensor, Step};
+pub use op::{
+    block_dim_for, min_block_bytes, Autocast, Example, KernelArgs, LayoutNeed, Op, OpCx, OutputView, Plan, RefTensor,
+    Step,
+};
 pub use registry::{OpEntry, Registry};
 pub use runtime::{launch, refuse_launch, BlockCtx, Event, Stream};
 pub use schema::{AttrValue, OpSchema};

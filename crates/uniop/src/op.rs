@@ -759,7 +759,7 @@ pub fn block_dim_for(work: usize, unit_bytes: usize) -> u32 {
 /// splits into as many blocks as the pool balances, however small: the shape sweep runs so, to
 /// reach the block boundaries (uneven splits, blocks of one row) that large tensors meet and its
 /// small ones otherwise would not.
-fn min_block_bytes() -> usize {
+pub fn min_block_bytes() -> usize {
     static BYTES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *BYTES.get_or_init(|| crate::runtime::env_bytes("UNIOP_MIN_BLOCK_BYTES").unwrap_or(32 << 10))
 }
