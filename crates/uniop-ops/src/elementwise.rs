@@ -869,7 +869,7 @@ mod tests {
     fn outputs_stream_from_the_cache_size_up_to_32_mib() {
         let (by_cache, llc) = (cache_threshold_bytes(), last_level_cache_bytes());
         assert!(by_cache > 0 && by_cache <= llc && by_cache <= 32 << 20, "threshold {by_cache}, cache {llc}");
-        let threshold = streaming_threshold_bytes(); // UNIOP_STREAMING_THRESHOLD's where set
+        let threshold = streaming_threshold_bytes(); // by_cache, unless UNIOP_STREAMING_THRESHOLD is set
         assert!(streams_bytes(threshold) && (threshold == 0 || !streams_bytes(threshold - 1)));
     }
 }
