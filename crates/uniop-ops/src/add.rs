@@ -3,7 +3,7 @@
 //! Float dtypes compute in f32 (f16/bf16 widened); integer dtypes compute natively with wrapping
 //! arithmetic and need an integral `alpha`, as torch requires.
 
-use crate::elementwise::{self, broadcast, Map2};
+use crate::elementwise::{self, Map2};
 use uniop::{
     block_dim_for, with_float_dtype, BlockCtx, DType, Element, ErrorCode, Example, KernelArgs, Op, OpCx, Plan,
     RefTensor, Result, Step, StridedRuns, TensorMeta,
@@ -115,9 +115,7 @@ impl WrappingInt for i64 {
 crate::simd_kernel! {
 fn add_int<T: WrappingInt>(args: &KernelArgs, ctx: BlockCtx, alpha: T) {
     let (a, b, out) = (args.input(0), args.input(1), args.output(0));
-    let shape = out.layout().shape();
-    let (la, lb) = (broadcast(a.layout(), shape), broadcast(b.layout(), shape));
-    let runs = StridedRuns::<3>::new([out.layout(), &la, &lb]);
+    let runs = StridedRuns::broadcast(out.layout().shape(), 0, [out.layout(), a.layout(), b.layout()]);
     let range = ctx.split(runs.numel());
     let (da, db) = (a.storage::<T>().expect("dtype dispatched"), b.storage::<T>().expect("dtype dispatched"));
     let [so, sa, sb] = runs.inner_strides();

@@ -114,7 +114,8 @@ fn route(grad: &[usize], out: &[usize], block_dim: u32) -> Route {
     if grad_numel == 0 || grad_numel > PARTIAL_MAX || rows < 2 || reduces_innermost(grad, out) {
         return Route::Direct;
     }
-    Route::Partials { parts: block_dim.min(rows as u32) }
+    // (Taken in usize: `rows as u32` wraps to 0 at 2^32 rows, and a launch of 0 blocks runs nothing.)
+    Route::Partials { parts: rows.min(block_dim as usize) as u32 }
 }
 
 /// The steps writing output `o`, the gradient (of shape `grad`) of one operand:
@@ -151,7 +152,7 @@ fn steps<T: FloatElement, F: Map2>(
         }
         Route::Direct => {
             // Blocks split the gradient's elements, so no more of them than there are elements.
-            let block_dim = block_dim.min(grad.numel().max(1) as u32);
+            let block_dim = grad.numel().clamp(1, block_dim as usize) as u32;
             (vec![Step::new(name, block_dim, move |args, ctx| sum_to::<T, F>(args, ctx, operands, &f))], 0)
         }
         Route::Partials { parts } => {
@@ -506,5 +507,17 @@ fn add_partials<T: FloatElement>(args: &KernelArgs, ctx: BlockCtx, o: usize, par
             unsafe { elementwise::store::<T>(&out, go + j * so, so, &sum[..n], false) };
         }
         at += run;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partial_sums_take_every_block_however_many_rows() {
+        // 2^32 rows: as many parts as blocks, not `2^32 as u32` = 0 of them.
+        assert!(matches!(route(&[2], &[1 << 32, 2], 8), Route::Partials { parts: 8 }));
+        assert!(matches!(route(&[4], &[3, 4], 8), Route::Partials { parts: 3 }));
     }
 }

@@ -737,10 +737,7 @@ pub fn binary_at<T: FloatElement, F: Map2>(
     streaming: bool,
 ) {
     let (a, b, out) = (args.input(ab[0]), args.input(ab[1]), args.output(o));
-    let shape = out.layout().shape();
-    let la = broadcast(a.layout(), shape);
-    let lb = broadcast(b.layout(), shape);
-    let runs = StridedRuns::<3>::new([out.layout(), &la, &lb]);
+    let runs = StridedRuns::broadcast(out.layout().shape(), 0, [out.layout(), a.layout(), b.layout()]);
     let range = ctx.split(runs.numel());
     let (da, db) = (a.storage::<T>().expect("dtype dispatched"), b.storage::<T>().expect("dtype dispatched"));
     let strides = runs.inner_strides();

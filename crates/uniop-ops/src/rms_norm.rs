@@ -342,8 +342,7 @@ impl KernelShape {
     /// A walk over the starts of the rows of `layouts` (each with this shape's rows and
     /// `inner_dims` normalized dims).
     pub fn row_walk<const N: usize>(&self, layouts: [&Layout; N]) -> StridedRuns<N> {
-        let outer = layouts.map(|l| l.outer_layout(self.inner_dims));
-        StridedRuns::new(std::array::from_fn(|k| &outer[k]))
+        StridedRuns::broadcast(layouts[0].shape(), self.inner_dims, layouts)
     }
 
     /// Row `r` of `t` (one of the row-addressed tensors); empty past the block's `rows`, where a

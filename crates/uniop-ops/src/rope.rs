@@ -20,8 +20,8 @@
 use crate::elementwise::{converts_with, fence, narrow_step, streams_bytes, widen_step, LANES};
 use uniop::layout::ShapeDisplay;
 use uniop::{
-    block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, Layout, LayoutNeed,
-    Op, OpCx, Plan, RefTensor, Result, Step, StridedRuns, TensorMeta,
+    block_dim_for, with_float_dtype, BlockCtx, DType, ErrorCode, Example, FloatElement, KernelArgs, LayoutNeed, Op,
+    OpCx, Plan, RefTensor, Result, Step, StridedRuns, TensorMeta,
 };
 
 pub struct Rope;
@@ -205,13 +205,10 @@ pub(crate) fn kernel<T: FloatElement, C: FloatElement, const N: usize>(
 ) {
     let (x, cos, sin) = (args.input(0), args.input(1), args.input(2));
     let out = args.output(0);
-    let mut rotated = x.shape().to_vec();
-    *rotated.last_mut().unwrap() = g.w;
     let rot = Rotation { mode: g.mode, per_pair: g.per_pair, inverse };
-    let (lc, ls) = (broadcast(cos.layout(), &rotated), broadcast(sin.layout(), &rotated));
     let (xs, cs, ss) = (x.storage::<T>().unwrap(), cos.storage::<C>().unwrap(), sin.storage::<C>().unwrap());
-    let rows = [x.layout(), out.layout(), &lc, &ls].map(Layout::rows_layout);
-    let walk = StridedRuns::<4>::new([&rows[0], &rows[1], &rows[2], &rows[3]]);
+    // Rows of x, out and the tables stretched to x's rows (their last dims, not walked, differ).
+    let walk = StridedRuns::broadcast(x.shape(), 1, [x.layout(), out.layout(), cos.layout(), sin.layout()]);
     let steps = walk.inner_strides();
     let range = ctx.split(g.rows);
     #[cfg(target_arch = "x86_64")]
@@ -238,10 +235,6 @@ pub(crate) fn kernel<T: FloatElement, C: FloatElement, const N: usize>(
     }
     fence();
 }
-}
-
-fn broadcast(l: &Layout, shape: &[usize]) -> Layout {
-    l.broadcast_to(shape).expect("checked by geometry()")
 }
 
 /// Lanes per step for rows rotating `g.r` dims: the widest of 64, 32, 16 that divides the span

@@ -398,9 +398,34 @@ const RUN_DIMS: usize = 4;
 type RunDims = smallvec::SmallVec<[usize; RUN_DIMS]>;
 
 impl<const N: usize> StridedRuns<N> {
+    /// Same-shaped layouts (already broadcast).
     pub fn new(layouts: [&Layout; N]) -> Self {
-        let shape0 = layouts[0].shape();
-        debug_assert!(layouts.iter().all(|l| l.shape() == shape0));
+        Self::broadcast(layouts[0].shape(), 0, layouts)
+    }
+
+    /// The walk of `layouts` each broadcast to `shape` (NumPy's rules: dims aligned at the end, a
+    /// dim of 1 stretched with stride 0) over `shape` without its last `inner_dims` dims. With
+    /// `inner_dims > 0` it visits the start of each slice over those dims — the rows of a norm
+    /// over several trailing dims — and the layouts' inner dims need not agree (rms_norm's rstd
+    /// keeps them as 1). The same walk as `StridedRuns::new` over each layout's
+    /// `broadcast_to(shape)` and [`Layout::outer_layout`], without building those layouts: a heap
+    /// allocation or two each, in every block of every launch, which were a third of a tiny
+    /// `rms_norm` call's own instructions.
+    pub fn broadcast(shape: &[usize], inner_dims: usize, layouts: [&Layout; N]) -> Self {
+        let shape0 = &shape[..shape.len().saturating_sub(inner_dims)];
+        // Operand k's stride along dim d of `shape`: 0 where it is stretched.
+        let stride = |k: usize, d: usize| {
+            let l = layouts[k];
+            debug_assert!(l.rank() <= shape.len(), "{l} broadcast to {}", ShapeDisplay(shape));
+            match d.checked_sub(shape.len() - l.rank()) {
+                Some(i) if l.shape()[i] == shape[d] => l.strides()[i],
+                Some(i) => {
+                    debug_assert_eq!(l.shape()[i], 1, "{l} broadcast to {}", ShapeDisplay(shape));
+                    0
+                }
+                None => 0,
+            }
+        };
         let mut shape = RunDims::new();
         let mut strides: [RunDims; N] = std::array::from_fn(|_| RunDims::new());
         for d in 0..shape0.len() {
@@ -409,16 +434,16 @@ impl<const N: usize> StridedRuns<N> {
                 continue;
             }
             let mergeable =
-                !shape.is_empty() && (0..N).all(|k| strides[k].last().copied() == Some(layouts[k].strides()[d] * size));
+                !shape.is_empty() && (0..N).all(|k| strides[k].last().copied() == Some(stride(k, d) * size));
             if mergeable {
                 *shape.last_mut().unwrap() *= size;
                 for k in 0..N {
-                    *strides[k].last_mut().unwrap() = layouts[k].strides()[d];
+                    *strides[k].last_mut().unwrap() = stride(k, d);
                 }
             } else {
                 shape.push(size);
                 for k in 0..N {
-                    strides[k].push(layouts[k].strides()[d]);
+                    strides[k].push(stride(k, d));
                 }
             }
         }
@@ -813,6 +838,33 @@ mod tests {
     }
 
     proptest! {
+        /// Walking operands broadcast in place, over the slices of the last `inner` dims, visits
+        /// the elements of their broadcast layouts' outer layouts, in order: here a strided layout,
+        /// a contiguous one of its shape, and a smaller one stretched to it (its first dim left
+        /// out, its even-sized dims as 1).
+        #[test]
+        fn broadcast_runs_walk_the_outer_layouts_of_the_broadcast_ones(
+            l in arb_layout(), inner in 0usize..6, cut in 0usize..1000
+        ) {
+            let shape = l.shape();
+            let dense = Layout::contiguous(shape).unwrap();
+            let small: Vec<usize> = shape.iter().skip(1).map(|&d| if d % 2 == 0 { 1 } else { d }).collect();
+            let small = Layout::contiguous(&small).unwrap();
+            let outer = [&l, &dense, &small].map(|x| x.broadcast_to(shape).unwrap().outer_layout(inner));
+            let want: Vec<[usize; 3]> =
+                (0..outer[0].numel()).map(|i| outer.each_ref().map(|o| o.offset_of_linear(i))).collect();
+            let runs = StridedRuns::broadcast(shape, inner, [&l, &dense, &small]);
+            let steps = runs.inner_strides();
+            let cut = cut % (want.len() + 1);
+            let mut got = Vec::new();
+            for (start, end) in [(0, cut), (cut, want.len())] {
+                for (o, len) in runs.runs(start, end) {
+                    got.extend((0..len).map(|j| std::array::from_fn(|k| o[k] + j * steps[k])));
+                }
+            }
+            prop_assert_eq!(got, want);
+        }
+
         #[test]
         fn runs_visit_every_element_in_order(l in arb_layout(), cut in 0usize..1000) {
             let all = linear_offsets(&l);
