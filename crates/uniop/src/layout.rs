@@ -280,8 +280,9 @@ impl Layout {
     }
 
     /// The layout of the rows: this layout without its last dim, each element standing for the
-    /// start of one row. Walking it with [`StridedRuns`] yields row offsets without a division
-    /// per row.
+    /// start of one row. Kernels walking rows take [`StridedRuns::broadcast`] with `inner_dims` 1
+    /// instead, which reads the same offsets without building this layout (an allocation) in
+    /// every block.
     pub fn rows_layout(&self) -> Layout {
         self.outer_layout(1)
     }
