@@ -147,6 +147,33 @@ def test_signatures_and_docstrings_come_from_the_schema():
     assert uniop.op("attention").returns == ["out", "lse"]
 
 
+def test_functions_bind_positional_and_keyword_arguments_like_the_op_object():
+    # `uniop.<op>` takes CPython's vectorcall convention (arguments in an array, keyword names in a
+    # tuple), `uniop.op(name)(...)` a tuple and a dict: both bind through the same schema rules.
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal((3, 8), dtype=np.float32), rng.standard_normal(8, dtype=np.float32)
+    rms = x / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-3) * w
+    calls = [
+        lambda: uniop.rms_norm(x, w, 1e-3),
+        lambda: uniop.rms_norm(x, w, eps=1e-3),
+        lambda: uniop.rms_norm(weight=w, eps=1e-3, x=x),
+        lambda: uniop.rms_norm(x, weight=w, eps=1e-3, stream=None),
+        lambda: uniop.op("rms_norm")(x, weight=w, eps=1e-3),
+    ]
+    for call in calls:
+        y, _ = call()
+        np.testing.assert_allclose(y, rms, rtol=1e-5, atol=1e-6)
+    assert uniop.rms_norm.__self__ is uniop.op("rms_norm")
+    for call, message in [
+        (lambda: uniop.rms_norm(x, w, eps=1e-3, x=x), "got multiple values for argument 'x'"),
+        (lambda: uniop.rms_norm(), "argument 'x': expected a Tensor, got nothing"),
+        (lambda: uniop.rms_norm(x, w, 1e-3, 4), "takes 3 positional arguments but 4 were given"),
+        (lambda: uniop.op("rms_norm")(x, w, eps=1e-3, x=x), "got multiple values for argument 'x'"),
+    ]:
+        with pytest.raises(uniop.UniopError, match=message):
+            call()
+
+
 @pytest.mark.parametrize(
     "call, code_name, message",
     [

@@ -33,48 +33,48 @@ pub fn set_allocator(alloc: Py<PyAny>) -> PyResult<()> {
 
 /// Per schema argument, what the caller passed (`None`: use the default); then the `stream=`
 /// keyword every op takes besides its schema.
-type BoundArgs<'py> = (SmallVec<[Option<Bound<'py, PyAny>>; 8]>, Option<Bound<'py, PyAny>>);
+pub(crate) type BoundArgs<'py> = (SmallVec<[Option<Bound<'py, PyAny>>; 8]>, Option<Bound<'py, PyAny>>);
 
-/// Matches the caller's arguments to the schema.
-fn bind<'py>(
+/// Matches the caller's arguments to the schema: `positional` in order, then `keywords` as
+/// (name, value) pairs. Both calling conventions come here: a tuple and a dict (`Op.__call__`,
+/// `Op.infer`, through [`bind_tuple`]) and a vectorcall's array (`uniop.<op>`).
+pub(crate) fn bind<'py>(
     entry: &OpEntry,
-    args: &Bound<'py, PyTuple>,
-    kwargs: Option<&Bound<'py, PyDict>>,
+    positional: impl ExactSizeIterator<Item = Bound<'py, PyAny>>,
+    keywords: impl Iterator<Item = (Bound<'py, PyAny>, Bound<'py, PyAny>)>,
 ) -> Result<BoundArgs<'py>, Error> {
     let op = entry.name();
     let schema = &entry.schema.args;
-    let positional = schema.iter().take_while(|a| !a.kwarg_only).count();
-    if args.len() > positional {
+    let takes = schema.iter().take_while(|a| !a.kwarg_only).count();
+    if positional.len() > takes {
         return Err(Error::new(
             ErrorCode::ParamInvalid,
-            format!("{op}: takes {positional} positional arguments but {} were given", args.len()),
+            format!("{op}: takes {takes} positional arguments but {} were given", positional.len()),
         ));
     }
     // Small per-call collections stay on the stack (SmallVec): a tiny op's call is a few
     // microseconds, and each heap allocation and free is a measurable part of it.
-    let mut bound: SmallVec<[Option<Bound<'py, PyAny>>; 8]> = args.iter().map(Some).collect();
+    let mut bound: SmallVec<[Option<Bound<'py, PyAny>>; 8]> = positional.map(Some).collect();
     bound.resize(schema.len(), None);
     let mut stream = None;
-    if let Some(kwargs) = kwargs {
-        for (key, value) in kwargs.iter() {
-            let key: String =
-                key.extract().map_err(|_| Error::invalid(format!("{op}: keyword names must be strings")))?;
-            if key == STREAM_KEYWORD {
-                stream = Some(value).filter(|v| !v.is_none());
-                continue;
-            }
-            let Some(i) = schema.iter().position(|a| a.name == key) else {
-                let names: Vec<_> = schema.iter().map(|a| a.name.as_str()).collect();
-                return Err(Error::invalid(format!(
-                    "{op}: unexpected keyword argument '{key}' (arguments: {})",
-                    names.join(", ")
-                )));
-            };
-            if bound[i].is_some() {
-                return Err(Error::invalid(format!("{op}: got multiple values for argument '{key}'")));
-            }
-            bound[i] = Some(value);
+    for (key, value) in keywords {
+        let key = key.cast::<PyString>().ok().and_then(|k| k.to_str().ok());
+        let key = key.ok_or_else(|| Error::invalid(format!("{op}: keyword names must be strings")))?;
+        if key == STREAM_KEYWORD {
+            stream = Some(value).filter(|v| !v.is_none());
+            continue;
         }
+        let Some(i) = schema.iter().position(|a| a.name == key) else {
+            let names: Vec<_> = schema.iter().map(|a| a.name.as_str()).collect();
+            return Err(Error::invalid(format!(
+                "{op}: unexpected keyword argument '{key}' (arguments: {})",
+                names.join(", ")
+            )));
+        };
+        if bound[i].is_some() {
+            return Err(Error::invalid(format!("{op}: got multiple values for argument '{key}'")));
+        }
+        bound[i] = Some(value);
     }
     for (arg, value) in schema.iter().zip(&bound) {
         if value.is_none() && arg.default.is_none() && !arg.ty.optional {
@@ -82,6 +82,15 @@ fn bind<'py>(
         }
     }
     Ok((bound, stream))
+}
+
+/// [`bind`] for arguments passed as a tuple and a dict of keywords.
+pub(crate) fn bind_tuple<'py>(
+    entry: &OpEntry,
+    args: &Bound<'py, PyTuple>,
+    kwargs: Option<&Bound<'py, PyDict>>,
+) -> Result<BoundArgs<'py>, Error> {
+    bind(entry, args.iter(), kwargs.into_iter().flat_map(|k| k.iter()))
 }
 
 /// The keyword that picks the stream an op runs on (no schema may use it as an argument name).
@@ -545,14 +554,9 @@ fn allocate<'py>(op: &str, like: &Bound<'py, PyAny>, meta: &TensorMeta) -> PyRes
     Ok((obj, view))
 }
 
-pub fn call(
-    py: Python<'_>,
-    entry: &Arc<OpEntry>,
-    args: &Bound<'_, PyTuple>,
-    kwargs: Option<&Bound<'_, PyDict>>,
-) -> PyResult<Py<PyAny>> {
+/// Runs `entry` on arguments [`bind`] matched to its schema.
+pub fn call(py: Python<'_>, entry: &Arc<OpEntry>, (bound, stream): BoundArgs<'_>) -> PyResult<Py<PyAny>> {
     let op = entry.name();
-    let (bound, stream) = bind(entry, args, kwargs).map_err(to_py_err)?;
     let attrs = attrs(entry, &bound).map_err(to_py_err)?;
     let stream = match stream {
         None => Stream::default_stream().clone(),
@@ -834,15 +838,10 @@ fn meta_of(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> Result<TensorMeta, Er
     Ok(TensorMeta { dtype, layout: Layout::strided(&shape, &strides, 0)? })
 }
 
-pub fn infer(
-    py: Python<'_>,
-    entry: &Arc<OpEntry>,
-    args: &Bound<'_, PyTuple>,
-    kwargs: Option<&Bound<'_, PyDict>>,
-) -> PyResult<Py<PyAny>> {
+/// The output metas of `entry` on arguments [`bind`] matched to its schema.
+pub fn infer(py: Python<'_>, entry: &Arc<OpEntry>, (bound, _stream): BoundArgs<'_>) -> PyResult<Py<PyAny>> {
     let op = entry.name();
     let run = || -> Result<Vec<TensorMeta>, Error> {
-        let (bound, _stream) = bind(entry, args, kwargs)?;
         let attrs = attrs(entry, &bound)?;
         let mut groups = Vec::new();
         for (arg, value) in entry.schema.args.iter().zip(&bound) {

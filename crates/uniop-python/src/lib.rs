@@ -10,17 +10,19 @@
 //! docstrings, and `uniop.torch` registers the same objects with `torch.library`.
 //!
 //! Errors keep the core's code and message: they surface as `uniop.UniopError` with `.code` (the
-//! stable number shared with the C API) and `.code_name`. Rust panics become `UniopError` too
-//! (pyo3 catches them at the boundary; the core already turns kernel panics into runtime errors).
+//! stable number shared with the C API) and `.code_name`. No Rust panic unwinds into CPython: the
+//! `uniop.<op>` builtins turn one into a `UniopError`, pyo3 catches those of the other methods (and
+//! the core already turns kernel panics into runtime errors).
 
 mod call;
 mod ndarray;
 mod runtime;
 mod torch_abi;
 
+use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyCFunction, PyDict, PyList};
-use std::ffi::{CStr, CString};
+use pyo3::types::{PyDict, PyList, PyTuple};
+use std::ffi::CString;
 use std::sync::Arc;
 use uniop::autograd::Source;
 use uniop::schema::BaseType;
@@ -45,6 +47,44 @@ pub(crate) fn to_py_err(e: uniop::Error) -> PyErr {
     })
 }
 
+/// `uniop.<op>(...)`: the builtin [`Op::function`] makes, called the way CPython calls a
+/// `METH_FASTCALL | METH_KEYWORDS` function — `nargs` positional arguments at `args`, then one
+/// value per name in the `kwnames` tuple (null without keywords) — with `slf` the op's `Op`.
+/// Errors become the Python exception the call raises; a panic becomes a `UniopError`, never an
+/// unwind into CPython.
+unsafe extern "C" fn call_builtin(
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: CPython calls builtins with this thread attached.
+    let py = unsafe { Python::assume_attached() };
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: `slf` is the `Op` `function` made this builtin with, held by the builtin.
+        let op = unsafe { Bound::ref_from_ptr(py, &slf).cast_unchecked::<Op>() }.get();
+        // SAFETY: `kwnames`, when not null, is a tuple of strings.
+        let names = unsafe { Bound::from_borrowed_ptr_or_opt(py, kwnames) };
+        let names = names.map(|n| unsafe { n.cast_into_unchecked::<PyTuple>() });
+        let count = nargs as usize + names.as_ref().map_or(0, |n| n.len());
+        // SAFETY: CPython passes `nargs` positional values and one per keyword name at `args`
+        // (which may dangle when there are none), alive for the call.
+        let values = if count == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(args, count) } };
+        let value = |&ptr: &*mut ffi::PyObject| unsafe { Bound::from_borrowed_ptr(py, ptr) };
+        let (positional, keywords) = values.split_at(nargs as usize);
+        let keywords = names.iter().flat_map(|n| n.iter()).zip(keywords.iter().map(value));
+        let bound = call::bind(&op.entry, positional.iter().map(value), keywords).map_err(to_py_err)?;
+        call::call(py, &op.entry, bound)
+    }));
+    let err = match result {
+        Ok(Ok(obj)) => return obj.into_ptr(),
+        Ok(Err(err)) => err,
+        Err(_) => to_py_err(uniop::Error::internal("uniop: a panic in a Python call")),
+    };
+    err.restore(py);
+    std::ptr::null_mut()
+}
+
 /// Where a backward argument comes from, as Python sees it: `(kind, index)` (see
 /// `Op.backward_wiring`).
 type WiredSource = (&'static str, Option<usize>);
@@ -66,7 +106,7 @@ impl Op {
         args: &Bound<'_, pyo3::types::PyTuple>,
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Py<PyAny>> {
-        call::call(py, &self.entry, args, kwargs)
+        call::call(py, &self.entry, call::bind_tuple(&self.entry, args, kwargs).map_err(to_py_err)?)
     }
 
     /// Output shapes and dtypes for tensor-like arguments that carry only metadata (torch fake
@@ -78,23 +118,33 @@ impl Op {
         args: &Bound<'_, pyo3::types::PyTuple>,
         kwargs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Py<PyAny>> {
-        call::infer(py, &self.entry, args, kwargs)
+        call::infer(py, &self.entry, call::bind_tuple(&self.entry, args, kwargs).map_err(to_py_err)?)
     }
 
     /// A builtin function that calls this op — what `uniop.<op>` is. `doc` becomes its
     /// `__doc__`; when it starts with `name(params)\n--\n\n` (CPython's text-signature
     /// convention) `inspect.signature` and `help` read the parameters from it. A builtin skips
-    /// the Python frame a wrapper function costs on every call (~0.4 µs here). The name and doc
-    /// stay allocated for the life of the process, like the registry's ops.
-    fn function<'py>(&self, py: Python<'py>, doc: &str) -> PyResult<Bound<'py, PyCFunction>> {
-        let leak = |text: &str| -> PyResult<&'static CStr> {
+    /// the Python frame a wrapper function costs on every call (~0.4 µs here), and this one takes
+    /// CPython's vectorcall convention ([`call_builtin`]), so a call builds no argument tuple. Its
+    /// `__self__` is this `Op`. The method def, name and doc stay allocated for the life of the
+    /// process, like the registry's ops.
+    fn function<'py>(slf: &Bound<'py, Self>, doc: &str) -> PyResult<Bound<'py, PyAny>> {
+        let leak = |text: &str| -> PyResult<*const std::ffi::c_char> {
             let text = CString::new(text).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
-            Ok(Box::leak(text.into_boxed_c_str()))
+            Ok(Box::leak(text.into_boxed_c_str()).as_ptr())
         };
-        let entry = self.entry.clone();
-        PyCFunction::new_closure(py, Some(leak(self.entry.name())?), Some(leak(doc)?), move |args, kwargs| {
-            call::call(args.py(), &entry, args, kwargs)
-        })
+        let def = Box::leak(Box::new(ffi::PyMethodDef {
+            ml_name: leak(slf.get().entry.name())?,
+            ml_meth: ffi::PyMethodDefPointer { PyCFunctionFastWithKeywords: call_builtin },
+            ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
+            ml_doc: leak(doc)?,
+        }));
+        // SAFETY: `def` lives for the process; `slf` is a live object the function keeps a
+        // reference to; this thread is attached. The result is a new reference or null with an
+        // exception set.
+        unsafe {
+            Bound::from_owned_ptr_or_err(slf.py(), ffi::PyCFunction_NewEx(def, slf.as_ptr(), std::ptr::null_mut()))
+        }
     }
 
     /// This op as the handle uniop's C++ torch kernels pass to the ABI in `_torch_abi()`.
