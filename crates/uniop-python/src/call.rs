@@ -342,9 +342,26 @@ pub(crate) const KNOWN_DTYPES: &str = "a dtype uniop knows (float32/16, bfloat16
 
 /// Reads a DLPack descriptor as a view of the tensor's memory (no owner; the caller keeps the
 /// tensor alive).
-pub(crate) fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result<Imported, Error> {
+fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result<Imported, Error> {
+    let strides = t
+        .strides_or_compact()
+        .map_err(|e| Error::arg(ErrorCode::ParamInvalid, op, arg, "valid strides", e.to_string()))?;
+    describe_parts(op, arg, t.device(), t.dtype(), t.shape(), &strides, t.data_ptr(), t.byte_offset())
+}
+
+/// [`describe`] on a descriptor's parts, its strides explicit.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn describe_parts(
+    op: &str,
+    arg: &str,
+    device: DLDevice,
+    dt: DLDataType,
+    shape: &[i64],
+    strides: &[i64],
+    data: *const std::ffi::c_void,
+    byte_offset: u64,
+) -> Result<Imported, Error> {
     let bad = |expected: &str, given: String| Error::arg(ErrorCode::ParamInvalid, op, arg, expected, given);
-    let device = t.device();
     if device.device_type.0 != 1 {
         let name = match device.device_type.0 {
             2 => "cuda".to_string(),
@@ -354,7 +371,6 @@ pub(crate) fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result
         };
         return Err(bad("a CPU tensor", format!("a tensor on {name}:{}", device.device_id)));
     }
-    let dt = t.dtype();
     let dtype = if dt.lanes == 1 { DType::from_dlpack(dt.code.0, dt.bits).ok() } else { None };
     let dtype = dtype.ok_or_else(|| {
         Error::arg(
@@ -365,7 +381,6 @@ pub(crate) fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result
             format!("DLPack type code {} with {} bits x {} lanes", dt.code.0, dt.bits, dt.lanes),
         )
     })?;
-    let strides = t.strides_or_compact().map_err(|e| bad("valid strides", e.to_string()))?;
     if let Some(s) = strides.iter().find(|&&s| s < 0) {
         return Err(Error::arg(
             ErrorCode::Shape,
@@ -377,12 +392,12 @@ pub(crate) fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result
     }
     // Read as usize (same size): the strides were just checked non-negative, and a negative dim,
     // read as a huge one, fails the extent's overflow check.
-    let shape: &[usize] = bytemuck::cast_slice(t.shape());
-    let dims = dims(shape, bytemuck::cast_slice(&strides));
-    let base = (t.data_ptr() as *mut u8).wrapping_add(t.byte_offset() as usize);
+    let shape: &[usize] = bytemuck::cast_slice(shape);
+    let dims = dims(shape, bytemuck::cast_slice(strides));
+    let base = (data as *mut u8).wrapping_add(byte_offset as usize);
     let view = Imported::new(op, None, dtype, dims, base, false)?;
     // Torch's efficient zero tensors (gradients autograd knows to be zero) are views of no memory.
-    if t.data_ptr().is_null() && view.len > 0 {
+    if data.is_null() && view.len > 0 {
         let given = format!("a null data pointer for {} bytes of elements", view.len);
         return Err(bad("a tensor with memory behind its elements", given));
     }

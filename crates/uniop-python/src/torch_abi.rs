@@ -20,7 +20,8 @@
 //! panics are caught here and never cross into C++.
 
 use crate::call::{
-    cannot_create, describe, dl_dtype, negative_view, past_storage, plan_and_run, CallTensors, Imported, KNOWN_DTYPES,
+    cannot_create, describe_parts, dl_dtype, negative_view, past_storage, plan_and_run, CallTensors, Imported,
+    KNOWN_DTYPES,
 };
 use crate::to_py_err;
 use dlpark::ffi::{DLDataType, DLTensor};
@@ -206,11 +207,22 @@ pub(crate) fn read_torch_input(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> O
     }
     // SAFETY: a reader returning READ filled `view`; its pointers are the tensor's, which the caller
     // holds for the whole call.
-    let view = unsafe { view.assume_init() };
-    let described = unsafe { dlpark::TensorRef::from_raw(&view) }
-        .map_err(|e| Error::arg(ErrorCode::ParamInvalid, op, arg, "a valid DLPack tensor", e.to_string()))
-        .and_then(|t| describe(op, arg, &t));
-    Some(described)
+    Some(unsafe { describe_view(op, arg, &view.assume_init()) })
+}
+
+/// A view the C++ side filled from a torch tensor (`dl_view` in kernels.cpp): the shape and strides
+/// torch holds for `ndim` dims, strides explicit. dlpark's validation of foreign descriptors
+/// (`TensorRef::from_raw`, about a third of reading a tensor) has nothing to add to that.
+///
+/// # Safety
+/// `view` must come from `dl_view`, its tensor held for as long as the result is used.
+unsafe fn describe_view(op: &str, arg: &str, view: &DLTensor) -> Result<Imported, Error> {
+    let ndim = u64::try_from(view.ndim).map_err(|_| {
+        Error::arg(ErrorCode::ParamInvalid, op, arg, "a tensor of rank 0 or more", view.ndim.to_string())
+    })?;
+    // SAFETY: the caller's promise: `dl_view` points both at `ndim` values of the tensor's.
+    let (shape, strides) = unsafe { (slice(view.shape, ndim), slice(view.strides, ndim)) };
+    describe_parts(op, arg, view.device, view.dtype, shape, strides, view.data, view.byte_offset)
 }
 
 /// An output for `like` from the C++ side's maker: `None` when no maker is set or `like` is not a
@@ -316,11 +328,8 @@ fn run(entry: &Arc<OpEntry>, args: &[BoxedValue], outputs: &OutputMaker, num_out
             other => return Err(to_py_err(wrong_kind(op, &arg.name, other))),
         };
         for t in items {
-            // SAFETY: the C++ kernel's views describe tensors it holds for the whole call.
-            let view = unsafe { dlpark::TensorRef::from_raw(t) }.map_err(|e| {
-                to_py_err(Error::arg(ErrorCode::ParamInvalid, op, &arg.name, "a valid DLPack tensor", e.to_string()))
-            })?;
-            let imported = describe(op, &arg.name, &view).map_err(to_py_err)?;
+            // SAFETY: the C++ kernel's views come from `dl_view`, of tensors it holds for the whole call.
+            let imported = unsafe { describe_view(op, &arg.name, t) }.map_err(to_py_err)?;
             tensors.push(op, arg, imported).map_err(to_py_err)?;
         }
     }

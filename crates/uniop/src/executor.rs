@@ -18,7 +18,7 @@ use crate::layout::{MetaRef, RowTiles, ShapeDisplay, StridedRuns, TensorMeta};
 use crate::op::{block_dim_for, reference_plan, Bound, KernelArgs, LayoutNeed, Step};
 use crate::registry::{OpEntry, Registry};
 use crate::runtime::profiler::{self, LaunchKind};
-use crate::runtime::stream::Launch;
+use crate::runtime::stream::{Launch, LaunchKernel};
 use crate::runtime::{BlockCtx, Stream};
 use crate::schema::AttrValue;
 use crate::tensor::{check_view, TensorMut, TensorRef};
@@ -446,7 +446,7 @@ impl<'a> Executor<'a> {
                 },
                 step.block_dim,
             );
-            tasks.push(Launch { block_num: step.block_dim, kernel: Arc::new(move |ctx| kernel(&args, ctx)), label });
+            tasks.push(Launch { block_num: step.block_dim, kernel: LaunchKernel::Step(kernel, args), label });
         }
         tasks.extend(copies_out.into_iter().map(|(src, dst)| copy_task(src, dst, "copy_out", op_name)));
         Ok(tasks)
@@ -789,7 +789,7 @@ fn copy_task(src: Bound, dst: Bound, step: &'static str, op: impl FnOnce() -> Ar
         block_num,
     );
     let (src_ptr, dst_ptr) = (SendPtr(src.ptr), SendPtr(dst.ptr));
-    let kernel = Arc::new(move |ctx: BlockCtx| {
+    let kernel = LaunchKernel::Closure(Arc::new(move |ctx: BlockCtx| {
         // SAFETY: both layouts were checked against their buffers; blocks copy disjoint rows or
         // element ranges of `dst`.
         unsafe {
@@ -798,7 +798,7 @@ fn copy_task(src: Bound, dst: Bound, step: &'static str, op: impl FnOnce() -> Ar
                 None => runs.copy(dst_ptr.get(), src_ptr.get(), size, ctx.split(n)),
             }
         }
-    });
+    }));
     Launch { block_num, kernel, label }
 }
 

@@ -301,6 +301,11 @@ impl Pool {
         self.openmp.get()
     }
 
+    /// Runs the one block of a launch of one on the calling thread.
+    pub(crate) fn run_one(kernel: impl FnOnce(BlockCtx)) -> Result<(), KernelStop> {
+        catch_unwind(AssertUnwindSafe(|| kernel(BlockCtx { block_idx: 0, block_num: 1 }))).map_err(stop_of)
+    }
+
     /// Runs blocks `0..block_num` of `kernel` and returns when all have finished. A block that
     /// panics or refuses its data stops the launch with the first such stop.
     pub fn run(&self, kernel: &KernelFn, block_num: u32) -> Result<(), KernelStop> {
@@ -309,8 +314,7 @@ impl Pool {
         }
         if block_num == 1 {
             // Nothing to share: run it here without publishing a job (an allocation and a lock).
-            let ctx = BlockCtx { block_idx: 0, block_num: 1 };
-            return catch_unwind(AssertUnwindSafe(|| kernel(ctx))).map_err(stop_of);
+            return Self::run_one(|ctx| kernel(ctx));
         }
         let job = Arc::new(Job {
             kernel: kernel.clone(),

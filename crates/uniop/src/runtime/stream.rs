@@ -23,6 +23,7 @@ use super::fork::{self, PerProcess};
 use super::pool::{panic_message, BlockCtx, KernelFn, KernelStop, Pool};
 use super::profiler::{self, Label, LaunchKind};
 use crate::error::{Error, Result};
+use crate::op::{KernelArgs, StepFn};
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -36,8 +37,19 @@ const SPIN: Duration = Duration::from_micros(50);
 /// records — what it is.
 pub(crate) struct Launch {
     pub block_num: u32,
-    pub kernel: KernelFn,
+    pub kernel: LaunchKernel,
     pub label: Option<Arc<Label>>,
+}
+
+/// What a launch runs for each block.
+pub(crate) enum LaunchKernel {
+    /// A closure over everything it reads (kernel direct calls, staging copies).
+    Closure(KernelFn),
+    /// An executor step over the arguments bound for the launch, which the plan's steps share.
+    /// Kept as the two handles they are, so that making a launch allocates nothing: a launch of
+    /// one block — every small op's — calls the step in place, and only blocks shared with the
+    /// pool's workers get a closure over both.
+    Step(StepFn, Arc<KernelArgs>),
 }
 
 impl Launch {
@@ -45,7 +57,14 @@ impl Launch {
     /// becomes an error.
     fn run(&self, pool: &Pool, stream: u64) -> Result<()> {
         let start = self.label.as_ref().map(|_| Instant::now());
-        let result = pool.run(&self.kernel, self.block_num);
+        let result = match &self.kernel {
+            LaunchKernel::Closure(kernel) => pool.run(kernel, self.block_num),
+            LaunchKernel::Step(step, args) if self.block_num == 1 => Pool::run_one(|ctx| step(args, ctx)),
+            LaunchKernel::Step(step, args) => {
+                let (step, args) = (step.clone(), args.clone());
+                pool.run(&(Arc::new(move |ctx| step(&args, ctx)) as KernelFn), self.block_num)
+            }
+        };
         if let (Some(label), Some(start)) = (&self.label, start) {
             profiler::record(label, stream, start, Instant::now());
         }
@@ -234,7 +253,7 @@ impl Stream {
     /// the kernel is caught and reported by the next `synchronize`.
     pub fn launch(&self, block_num: u32, kernel: impl Fn(BlockCtx) + Send + Sync + 'static) {
         let label = profiler::label(|| "kernel".into(), "kernel", LaunchKind::Kernel, || ("".into(), 0), block_num);
-        self.launch_shared(Launch { block_num, kernel: Arc::new(kernel), label });
+        self.launch_shared(Launch { block_num, kernel: LaunchKernel::Closure(Arc::new(kernel)), label });
     }
 
     /// Enqueues a launch and returns its task number (for [`Stream::wait_through`]).
@@ -612,7 +631,7 @@ mod tests {
     use std::sync::atomic::AtomicU32;
 
     fn one_block(kernel: &KernelFn) -> [Launch; 1] {
-        [Launch { block_num: 1, kernel: kernel.clone(), label: None }]
+        [Launch { block_num: 1, kernel: LaunchKernel::Closure(kernel.clone()), label: None }]
     }
 
     /// Work another thread enqueues while a caller runs in place still runs after it, and a busy
