@@ -1128,6 +1128,27 @@ def test_torch_abi_refuses_null_pointers_and_wrong_arity():
         call(handle, None, 0, ctypes.addressof(never), 1)
 
 
+def test_torch_abi_refuses_malformed_views():
+    """The ABI reads each tensor as DLPack says (null strides: compact, as the test above passes
+    them) and refuses a view it cannot read — a null shape for a rank above 0, a negative rank, a
+    stride-0 view whose element count overflows — with a UniopError naming the argument."""
+    call = _torch_abi_call()
+    handle = uniop.op("silu")._torch_handle()
+    never = _OutputMaker(_MAKE(lambda *_: pytest.fail("no output may be asked for")), None)
+    x = np.ones(4, np.float32)
+    huge = (ctypes.c_int64 * 2)(2**40, 2**40)
+    zeros = (ctypes.c_int64 * 2)(0, 0)
+    views = [
+        (_DLTensor(x.ctypes.data, 1, 0, 1, _DLDataType(2, 32, 1), None, None, 0), "a valid DLPack tensor"),
+        (_DLTensor(x.ctypes.data, 1, 0, -1, _DLDataType(2, 32, 1), None, None, 0), "a valid DLPack tensor"),
+        (_DLTensor(x.ctypes.data, 1, 0, 2, _DLDataType(2, 32, 1), huge, zeros, 0), "a tensor whose element count fits"),
+    ]
+    for view, message in views:
+        args = (_BoxedValue * 1)(_BoxedValue(kind=1, len=1, tensors=ctypes.pointer(view)))
+        with pytest.raises(uniop.UniopError, match=f"silu: argument 'x': expected {message}"):
+            call(handle, ctypes.addressof(args), 1, ctypes.addressof(never), 1)
+
+
 def test_torch_abi_writes_outputs_the_maker_gives_and_reports_one_it_cannot():
     """The core asks the caller's output maker for each return once it knows the shape, and writes
     the result there (checked against NumPy's silu); a maker that cannot create one (returns null)

@@ -393,6 +393,12 @@ pub(crate) fn describe_parts(
     // Read as usize (same size): the strides were just checked non-negative, and a negative dim,
     // read as a huge one, fails the extent's overflow check.
     let shape: &[usize] = bytemuck::cast_slice(shape);
+    // A view's extent can be small while its element count overflows (stride-0 dims): refused here,
+    // where the view comes in, so that no later count of its elements can wrap.
+    if uniop::layout::checked_numel(shape).is_err() {
+        let given = format!("shape {}", ShapeDisplay(shape));
+        return Err(Error::arg(ErrorCode::Shape, op, arg, "a tensor whose element count fits in usize", given));
+    }
     let dims = dims(shape, bytemuck::cast_slice(strides));
     let base = (data as *mut u8).wrapping_add(byte_offset as usize);
     let view = Imported::new(op, None, dtype, dims, base, false)?;

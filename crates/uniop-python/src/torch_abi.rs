@@ -205,24 +205,25 @@ pub(crate) fn read_torch_input(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> O
         }
         _ => return None,
     }
-    // SAFETY: a reader returning READ filled `view`; its pointers are the tensor's, which the caller
-    // holds for the whole call.
+    // SAFETY: a reader returning READ filled `view` (`dl_view`); its pointers are the tensor's, which
+    // the caller holds for the whole call.
     Some(unsafe { describe_view(op, arg, &view.assume_init()) })
 }
 
-/// A view the C++ side filled from a torch tensor (`dl_view` in kernels.cpp): the shape and strides
-/// torch holds for `ndim` dims, strides explicit. dlpark's validation of foreign descriptors
-/// (`TensorRef::from_raw`, about a third of reading a tensor) has nothing to add to that.
+/// A view handed over the torch ABI: by the C++ side's reader or kernel (`dl_view` in kernels.cpp,
+/// a torch tensor's own sizes and strides) or by any other caller of the ABI, so read as DLPack
+/// says (null strides: compact) and checked like a foreign descriptor — without building dlpark's
+/// `TensorRef`, whose element and byte counts (about a third of reading a tensor) the extent and
+/// element-count checks of [`describe_parts`] cover.
 ///
 /// # Safety
-/// `view` must come from `dl_view`, its tensor held for as long as the result is used.
+/// A non-null `shape`, and `strides`, must point at `ndim` values that outlive the call.
 unsafe fn describe_view(op: &str, arg: &str, view: &DLTensor) -> Result<Imported, Error> {
-    let ndim = u64::try_from(view.ndim).map_err(|_| {
-        Error::arg(ErrorCode::ParamInvalid, op, arg, "a tensor of rank 0 or more", view.ndim.to_string())
-    })?;
-    // SAFETY: the caller's promise: `dl_view` points both at `ndim` values of the tensor's.
-    let (shape, strides) = unsafe { (slice(view.shape, ndim), slice(view.strides, ndim)) };
-    describe_parts(op, arg, view.device, view.dtype, shape, strides, view.data, view.byte_offset)
+    let invalid =
+        |e: dlpark::tensor::Error| Error::arg(ErrorCode::ParamInvalid, op, arg, "a valid DLPack tensor", e.to_string());
+    // SAFETY: the caller's promise; both check the rank and null pointers.
+    let (shape, strides) = unsafe { (view.shape().map_err(invalid)?, view.strides_or_compact().map_err(invalid)?) };
+    describe_parts(op, arg, view.device, view.dtype, shape, &strides, view.data, view.byte_offset)
 }
 
 /// An output for `like` from the C++ side's maker: `None` when no maker is set or `like` is not a
@@ -328,7 +329,7 @@ fn run(entry: &Arc<OpEntry>, args: &[BoxedValue], outputs: &OutputMaker, num_out
             other => return Err(to_py_err(wrong_kind(op, &arg.name, other))),
         };
         for t in items {
-            // SAFETY: the C++ kernel's views come from `dl_view`, of tensors it holds for the whole call.
+            // SAFETY: the ABI's contract: the caller's views describe tensors it holds for the whole call.
             let imported = unsafe { describe_view(op, &arg.name, t) }.map_err(to_py_err)?;
             tensors.push(op, arg, imported).map_err(to_py_err)?;
         }
