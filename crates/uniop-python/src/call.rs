@@ -4,7 +4,7 @@
 use crate::ndarray;
 use crate::runtime::Stream as PyStream;
 use crate::to_py_err;
-use dlpark::ffi::{DLDataType, DLDataTypeCode, DLDevice, DLDeviceType, DLManagedTensorVersioned};
+use dlpark::ffi::{DLDataType, DLDataTypeCode, DLDevice, DLDeviceType, DLManagedTensorVersioned, DLTensor};
 use dlpark::metadata::Dynamic;
 use dlpark::python::consumer::exchange::ExchangeApi;
 use dlpark::python::{from_dlpack, ImportedDlpack};
@@ -341,7 +341,23 @@ fn check_torch_view(op: &str, arg: &str, obj: &Bound<'_, PyAny>, view: &Imported
 pub(crate) const KNOWN_DTYPES: &str = "a dtype uniop knows (float32/16, bfloat16, float64, int8/32/64, uint8, bool)";
 
 /// Reads a DLPack descriptor as a view of the tensor's memory (no owner; the caller keeps the
-/// tensor alive).
+/// tensor alive): as DLPack says (null strides: compact), checked like any foreign descriptor. Views
+/// lent for a call (torch's exchange API, uniop.torch's C++ reader and kernels, any caller of the
+/// torch ABI) come here as they are; dlpark's `TensorRef`, whose element and byte counts are about
+/// a third of reading a tensor and which the checks below cover, is built only for capsules
+/// ([`describe`]).
+///
+/// # Safety
+/// A non-null `shape`, and `strides`, must point at `ndim` values that outlive the call.
+pub(crate) unsafe fn describe_raw(op: &str, arg: &str, t: &DLTensor) -> Result<Imported, Error> {
+    let invalid =
+        |e: dlpark::tensor::Error| Error::arg(ErrorCode::ParamInvalid, op, arg, "a valid DLPack tensor", e.to_string());
+    // SAFETY: the caller's promise; both check the rank and null pointers.
+    let (shape, strides) = unsafe { (t.shape().map_err(invalid)?, t.strides_or_compact().map_err(invalid)?) };
+    describe_parts(op, arg, t.device, t.dtype, shape, &strides, t.data, t.byte_offset)
+}
+
+/// [`describe_raw`] for a validated capsule.
 fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result<Imported, Error> {
     let strides = t
         .strides_or_compact()
@@ -349,9 +365,9 @@ fn describe(op: &str, arg: &str, t: &dlpark::TensorRef<'_>) -> Result<Imported, 
     describe_parts(op, arg, t.device(), t.dtype(), t.shape(), &strides, t.data_ptr(), t.byte_offset())
 }
 
-/// [`describe`] on a descriptor's parts, its strides explicit.
+/// The checks and the view [`describe_raw`] and [`describe`] make of a descriptor's parts.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn describe_parts(
+fn describe_parts(
     op: &str,
     arg: &str,
     device: DLDevice,
@@ -453,10 +469,7 @@ fn import(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> Result<Imported, Error
         let described = api
             .with_tensor_view_no_sync(obj.as_borrowed(), |t, _stream| {
                 // SAFETY: the view is valid during this callback and only read in it.
-                let t = unsafe { dlpark::TensorRef::from_raw(t) }.map_err(|e| {
-                    Error::arg(ErrorCode::ParamInvalid, op, arg, "a valid DLPack tensor", e.to_string())
-                })?;
-                describe(op, arg, &t)
+                unsafe { describe_raw(op, arg, t) }
             })
             .map_err(refused)?;
         let view = described?;

@@ -20,7 +20,7 @@
 //! panics are caught here and never cross into C++.
 
 use crate::call::{
-    cannot_create, describe_parts, dl_dtype, negative_view, past_storage, plan_and_run, CallTensors, Imported,
+    cannot_create, describe_raw, dl_dtype, negative_view, past_storage, plan_and_run, CallTensors, Imported,
     KNOWN_DTYPES,
 };
 use crate::to_py_err;
@@ -207,23 +207,7 @@ pub(crate) fn read_torch_input(op: &str, arg: &str, obj: &Bound<'_, PyAny>) -> O
     }
     // SAFETY: a reader returning READ filled `view` (`dl_view`); its pointers are the tensor's, which
     // the caller holds for the whole call.
-    Some(unsafe { describe_view(op, arg, &view.assume_init()) })
-}
-
-/// A view handed over the torch ABI: by the C++ side's reader or kernel (`dl_view` in kernels.cpp,
-/// a torch tensor's own sizes and strides) or by any other caller of the ABI, so read as DLPack
-/// says (null strides: compact) and checked like a foreign descriptor — without building dlpark's
-/// `TensorRef`, whose element and byte counts (about a third of reading a tensor) the extent and
-/// element-count checks of [`describe_parts`] cover.
-///
-/// # Safety
-/// A non-null `shape`, and `strides`, must point at `ndim` values that outlive the call.
-unsafe fn describe_view(op: &str, arg: &str, view: &DLTensor) -> Result<Imported, Error> {
-    let invalid =
-        |e: dlpark::tensor::Error| Error::arg(ErrorCode::ParamInvalid, op, arg, "a valid DLPack tensor", e.to_string());
-    // SAFETY: the caller's promise; both check the rank and null pointers.
-    let (shape, strides) = unsafe { (view.shape().map_err(invalid)?, view.strides_or_compact().map_err(invalid)?) };
-    describe_parts(op, arg, view.device, view.dtype, shape, &strides, view.data, view.byte_offset)
+    Some(unsafe { describe_raw(op, arg, &view.assume_init()) })
 }
 
 /// An output for `like` from the C++ side's maker: `None` when no maker is set or `like` is not a
@@ -330,7 +314,7 @@ fn run(entry: &Arc<OpEntry>, args: &[BoxedValue], outputs: &OutputMaker, num_out
         };
         for t in items {
             // SAFETY: the ABI's contract: the caller's views describe tensors it holds for the whole call.
-            let imported = unsafe { describe_view(op, &arg.name, t) }.map_err(to_py_err)?;
+            let imported = unsafe { describe_raw(op, &arg.name, t) }.map_err(to_py_err)?;
             tensors.push(op, arg, imported).map_err(to_py_err)?;
         }
     }
