@@ -1129,8 +1129,8 @@ def test_torch_abi_refuses_null_pointers_and_wrong_arity():
 
 
 def test_torch_abi_refuses_malformed_views():
-    """The ABI reads each tensor as DLPack says (null strides: compact, as the test above passes
-    them) and refuses a view it cannot read — a null shape for a rank above 0, a negative rank, a
+    """The ABI reads each tensor as DLPack says (null strides: compact, as `_f32_view` passes them)
+    and refuses a view it cannot read — a null shape for a rank above 0, a negative rank, a
     stride-0 view whose element count overflows — with a UniopError naming the argument."""
     call = _torch_abi_call()
     handle = uniop.op("silu")._torch_handle()
