@@ -1,7 +1,8 @@
 """Bad input never crashes: every op's sample arguments (``cases.py``), each one in turn replaced by
 a wrong value — an empty, integer, boolean, 0-d, reshaped, broadcast, truncated, negatively
-strided or meta tensor, None, a list, an out-of-range or mistyped attribute — through
-``uniop.<op>`` and ``torch.ops.uniop.<op>``. Each call must either run or raise
+strided or meta tensor, one with a dim one longer or shorter or its last two dims transposed,
+None, a list, an out-of-range or mistyped attribute — through ``uniop.<op>`` and
+``torch.ops.uniop.<op>``. Each call must either run or raise
 ``uniop.UniopError``: no other exception (a ``PanicException`` from a Rust panic, an error from
 torch's internals about an undefined tensor) and no crash.
 
@@ -36,6 +37,14 @@ def tensor_variants(t):
     if t.dim() and t.shape[-1] > 1:
         yield "last dim shortened", t[..., :-1]
         yield "stride 2", t.repeat_interleave(2, -1)[..., ::2]
+    # Every dim one longer and (the others too) one shorter: sizes that no longer agree with the
+    # other arguments' in one place at a time.
+    for d in range(t.dim()):
+        yield f"dim {d} one longer", torch.cat([t, t.narrow(d, 0, 1)], d) if t.shape[d] else t
+        if t.shape[d] > 1 and d != t.dim() - 1:
+            yield f"dim {d} one shorter", t.narrow(d, 0, t.shape[d] - 1)
+    if t.dim() >= 2 and t.shape[-1] != t.shape[-2]:
+        yield "last two dims transposed", t.transpose(-1, -2)
 
 
 def attribute_variants():

@@ -93,6 +93,52 @@ def test_kv_cache_append_writes_in_place():
         assert torch.equal(kc, want_k), "a failed append leaves the cache untouched"
 
 
+def _integer_values_at_the_ends(t):
+    """Values for one element of an integer tensor at and past the ends of the range its sample
+    holds and of its dtype: the sample's smallest and largest, one beyond each, 0 and -1."""
+    info = torch.iinfo(t.dtype)
+    lo, hi = int(t.min()), int(t.max())
+    return sorted(v for v in {lo, hi, lo - 1, hi + 1, 0, -1, info.min, info.max} if info.min <= v <= info.max)
+
+
+# Integer inputs that are values, not indices: rope_cos_sin's positions become float32 angles (as
+# transformers computes them), whose rounding past 2**24 the float64 reference does not share.
+_INTEGER_VALUES_UP_TO = {"rope_cos_sin": 1 << 24}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "name",
+    [n for n in sorted(CASES) if n != "kv_cache_append"]  # in place, its positions' ends: above
+)
+def test_integer_inputs_at_and_past_their_ends_match_the_reference_or_raise(name, dtype):
+    """Indices (embedding ids, cross_entropy targets), int8 weights and positions set, one element
+    at a time, to the ends of their sample's range and of their dtype and one past: where the torch
+    reference computes a result both routes return it, where the reference refuses the value
+    (an index out of range) both raise a UniopError — never a read past the table."""
+    args, ref = CASES[name](dtype, False)
+    integer = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.numel() and not a.is_floating_point()]
+    integer = [i for i in integer if args[i].dtype != torch.bool]
+    for i in integer:
+        for value in _integer_values_at_the_ends(args[i]):
+            if abs(value) > _INTEGER_VALUES_UP_TO.get(name, abs(value)):
+                continue
+            changed = args[i].clone()
+            changed.view(-1)[-1] = value
+            call = (*args[:i], changed, *args[i + 1 :])
+            try:
+                want = ref(*call)
+            except (IndexError, RuntimeError):
+                want = None
+            for route in (getattr(uniop, name), getattr(torch.ops.uniop, name)):
+                what = f"{route.__name__}({name}) argument {i} = {value}"
+                if want is None:
+                    with pytest.raises(uniop.UniopError, match=name):
+                        route(*call)
+                else:
+                    _check(route(*call), want, dtype, what)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_opcheck(name):
     torch.manual_seed(0)
