@@ -37,10 +37,11 @@ def tensor_variants(t):
     if t.dim() and t.shape[-1] > 1:
         yield "last dim shortened", t[..., :-1]
         yield "stride 2", t.repeat_interleave(2, -1)[..., ::2]
-    # Every dim one longer and (the others too) one shorter: sizes that no longer agree with the
-    # other arguments' in one place at a time.
+    # Each dim one longer, and each leading dim one shorter (the last one's is above): sizes that
+    # disagree with the other arguments' in one place at a time.
     for d in range(t.dim()):
-        yield f"dim {d} one longer", torch.cat([t, t.narrow(d, 0, 1)], d) if t.shape[d] else t
+        if t.shape[d]:
+            yield f"dim {d} one longer", torch.cat([t, t.narrow(d, 0, 1)], d)
         if t.shape[d] > 1 and d != t.dim() - 1:
             yield f"dim {d} one shorter", t.narrow(d, 0, t.shape[d] - 1)
     if t.dim() >= 2 and t.shape[-1] != t.shape[-2]:
