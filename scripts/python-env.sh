@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the project venv .venv and installs the Python package into it:
 # NumPy, pytest, maturin, PyTorch, transformers, matplotlib; then builds the extension module
-# (maturin develop --release: crates/uniop-python → python/uniop/_native.abi3.so) and the C++
+# (maturin develop --profile python: crates/uniop-python → python/uniop/_native.abi3.so) and the C++
 # torch kernels (python -m uniop.torch.build_kernels: g++ against the installed torch).
 #
 # PyPI's Linux torch wheel brings its CUDA libraries (~3 GB): torch does not import without them,
@@ -15,7 +15,7 @@ if ! "$py" -c "import numpy, pytest, maturin, torch, transformers, matplotlib" 2
   "$py" -m pip install --quiet --upgrade pip
   "$py" -m pip install --quiet numpy pytest maturin "$TORCH_SPEC" transformers matplotlib
 fi
-VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH" .venv/bin/maturin develop --release --quiet
+VIRTUAL_ENV="$PWD/.venv" PATH="$PWD/.venv/bin:$PATH" .venv/bin/maturin develop --profile python --quiet
 # uniop's C++ torch kernels bind to this torch build (rebuilt only when torch or the source changes).
 "$py" -m uniop.torch.build_kernels
 "$py" -c "import uniop; print('uniop', len(uniop.ops()), 'ops ready in .venv')"
