@@ -115,11 +115,14 @@ def test_integer_inputs_at_and_past_their_ends_match_the_reference_or_raise(name
     reference computes a result both routes return it, where the reference refuses the value
     (an index out of range) both raise a UniopError — never a read past the table."""
     args, ref = CASES[name](dtype, False)
-    integer = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.numel() and not a.is_floating_point()]
-    integer = [i for i in integer if args[i].dtype != torch.bool]
+    limit = _INTEGER_VALUES_UP_TO.get(name)
+    integer = [
+        i
+        for i, a in enumerate(args)
+        if isinstance(a, torch.Tensor) and a.numel() and not a.is_floating_point() and a.dtype != torch.bool
+    ]
     for i in integer:
         for value in _integer_values_at_the_ends(args[i]):
-            limit = _INTEGER_VALUES_UP_TO.get(name)
             if limit is not None and abs(value) > limit:
                 continue
             changed = args[i].clone()
